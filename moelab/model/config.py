@@ -1,0 +1,222 @@
+"""Model configuration: one dataclass per component, swapped by name.
+
+Every alternative a study compares is a field here (``kda.gate``, ``residual.mode``,
+``moe.activation``, ...), never a code edit. ``validate()`` rejects bad values with a message
+naming the field, the value and what is allowed; YAML loading lives in ``moelab.config``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+KDAGate = Literal["bounded", "softplus"]
+KDABackend = Literal["auto", "recurrent", "chunk", "triton"]
+ResidualMode = Literal["prenorm", "full_attnres", "block_attnres"]
+Activation = Literal["situ_glu", "swiglu"]
+Dispatch = Literal["auto", "grouped", "loop"]
+
+# Largest |exponent| exp() may take before overflow, per dtype (ln of the dtype's max).
+EXP_LIMIT = {"bf16": math.log(3.3895e38), "fp32": math.log(3.4028e38), "fp16": math.log(65504.0)}
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of its allowed range; the message names field and range."""
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is not allowed: expected {allowed}")
+
+
+def _one_of(name: str, value: object, choices: tuple) -> None:
+    _check(value in choices, name, value, "one of " + ", ".join(map(repr, choices)))
+
+
+def max_safe_g_min(dtype: str, subtile: int) -> float:
+    """Most negative per-token log decay the factored diagonal-tile GEMM can hold.
+
+    With a midpoint shift over a ``subtile``-token tile, exponents reach ``|g_min| * subtile / 2``;
+    they must stay below ``EXP_LIMIT[dtype]``. bf16 with 16-token tiles gives about -11.1 in
+    theory; we keep a factor-2 margin (products of two such factors must not overflow either),
+    so the practical bound is ``-EXP_LIMIT / subtile`` (about -5.5 for bf16/fp32 at 16).
+    """
+    return -EXP_LIMIT[dtype] / subtile
+
+
+@dataclass
+class KDAConfig:
+    """Kimi Delta Attention (gated delta rule with per-channel decay).
+
+    Shapes inside the layer: q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, log decay g
+    ``[B, T, H, K]`` (natural log, <= 0), beta ``[B, T, H]``, state ``[B, H, K, V]`` fp32.
+    """
+
+    num_heads: int = 4
+    head_dim: int = 64  # K = V = head_dim
+    conv_size: int = 4  # causal depthwise ShortConv kernel on q, k, v
+    decay_rank: int = 16  # low-rank W_up W_down for the decay logit z
+    gate: KDAGate = "bounded"  # bounded: g = g_min*sigmoid(exp(A) z); softplus: g = -exp(A)*softplus(z)
+    g_min: float = -5.0
+    backend: KDABackend = "auto"  # auto: triton on a CUDA device, else chunk
+    chunk_size: int = 64
+    subtile: int = 16  # diagonal sub-tile of the bounded fast path
+    precision: Literal["bf16", "fp32", "fp16"] = "bf16"  # precision the fast path must hold g_min in
+
+    def validate(self, prefix: str = "kda") -> None:
+        _check(self.num_heads >= 1, f"{prefix}.num_heads", self.num_heads, "an integer >= 1")
+        _check(1 <= self.head_dim <= 256, f"{prefix}.head_dim", self.head_dim, "1..256")
+        _check(self.conv_size >= 1, f"{prefix}.conv_size", self.conv_size, "an integer >= 1")
+        _check(self.decay_rank >= 1, f"{prefix}.decay_rank", self.decay_rank, "an integer >= 1")
+        _one_of(f"{prefix}.gate", self.gate, ("bounded", "softplus"))
+        _one_of(f"{prefix}.backend", self.backend, ("auto", "recurrent", "chunk", "triton"))
+        _one_of(f"{prefix}.precision", self.precision, ("bf16", "fp32", "fp16"))
+        _check(self.chunk_size in (16, 32, 64, 128), f"{prefix}.chunk_size", self.chunk_size, "16, 32, 64 or 128")
+        _check(self.subtile in (16, 32) and self.subtile <= self.chunk_size, f"{prefix}.subtile", self.subtile,
+               "16 or 32, and <= chunk_size")
+        if self.gate == "bounded":
+            _check(self.g_min < 0, f"{prefix}.g_min", self.g_min, "a negative number")
+            if self.backend in ("auto", "triton"):
+                floor = max_safe_g_min(self.precision, self.subtile)
+                _check(self.g_min >= floor, f"{prefix}.g_min", self.g_min,
+                       f">= {floor:.2f}: the bounded fast path computes exp(-G) over {self.subtile}-token "
+                       f"{self.precision} tiles and would overflow below that (use gate='softplus', "
+                       f"a smaller subtile, or backend='chunk')")
+
+
+@dataclass
+class MLAConfig:
+    """Gated multi-head latent attention, NoPE.
+
+    Keys and values are rebuilt from a shared latent ``c_kv = W_dkv x`` of width
+    ``kv_latent_dim``; the decoding cache holds ``c_kv`` only ``[B, T, kv_latent_dim]``.
+    """
+
+    num_heads: int = 4
+    head_dim: int = 64
+    kv_latent_dim: int = 128
+    q_latent_dim: int = 0  # 0: full-rank query projection
+    output_gate: bool = True  # y = W_o [sigmoid(W_g x) * o]
+    fp32_output: bool = False  # keep the attention output in fp32 (K3 does in training)
+
+    def validate(self, prefix: str = "mla") -> None:
+        _check(self.num_heads >= 1, f"{prefix}.num_heads", self.num_heads, "an integer >= 1")
+        _check(1 <= self.head_dim <= 256, f"{prefix}.head_dim", self.head_dim, "1..256")
+        _check(self.kv_latent_dim >= 1, f"{prefix}.kv_latent_dim", self.kv_latent_dim, "an integer >= 1")
+        _check(self.q_latent_dim >= 0, f"{prefix}.q_latent_dim", self.q_latent_dim, "an integer >= 0")
+
+
+@dataclass
+class MoEConfig:
+    """Stable LatentMoE: shared full-width experts + routed experts in a latent width.
+
+    ``y = sum_j shared_j(x) + W_up RMSNorm(sum_{i in TopK} p_i E_i(W_down x))``; with
+    ``latent_dim == 0`` the routed experts work at full width (no down/up projection, no norm).
+    """
+
+    num_experts: int = 8  # routed
+    top_k: int = 2
+    num_shared: int = 1
+    latent_dim: int = 0  # 0: routed experts at d_model (plain MoE)
+    expert_dim: int = 128  # hidden width of each routed expert
+    shared_dim: int = 0  # hidden width of each shared expert; 0: expert_dim
+    activation: Activation = "situ_glu"
+    situ_beta1: float = 4.0
+    situ_beta2: float = 25.0
+    dispatch: Dispatch = "auto"  # grouped: torch grouped GEMM; loop: per-expert loop (reference)
+    router_dtype: Literal["fp32"] = "fp32"
+
+    def validate(self, prefix: str = "moe") -> None:
+        _check(self.num_experts >= 1, f"{prefix}.num_experts", self.num_experts, "an integer >= 1")
+        _check(1 <= self.top_k <= self.num_experts, f"{prefix}.top_k", self.top_k,
+               f"1..num_experts ({self.num_experts})")
+        _check(self.num_shared >= 0, f"{prefix}.num_shared", self.num_shared, "an integer >= 0")
+        _check(self.latent_dim >= 0, f"{prefix}.latent_dim", self.latent_dim, "an integer >= 0")
+        _check(self.expert_dim >= 1, f"{prefix}.expert_dim", self.expert_dim, "an integer >= 1")
+        _check(self.shared_dim >= 0, f"{prefix}.shared_dim", self.shared_dim, "an integer >= 0")
+        _one_of(f"{prefix}.activation", self.activation, ("situ_glu", "swiglu"))
+        _one_of(f"{prefix}.dispatch", self.dispatch, ("auto", "grouped", "loop"))
+        _check(self.situ_beta1 > 0, f"{prefix}.situ_beta1", self.situ_beta1, "a positive number")
+        _check(self.situ_beta2 > 0, f"{prefix}.situ_beta2", self.situ_beta2, "a positive number")
+
+
+@dataclass
+class ResidualConfig:
+    """How sublayers read the residual stream (attnres.md).
+
+    Each mixer and each FFN counts as one sublayer, so a stack of ``n_layers`` has
+    ``2 * n_layers`` sublayers; ``block_attnres`` groups them into ``num_blocks`` blocks.
+    """
+
+    mode: ResidualMode = "prenorm"
+    num_blocks: int = 4  # block_attnres only
+
+    def validate(self, n_sublayers: int, prefix: str = "residual") -> None:
+        _one_of(f"{prefix}.mode", self.mode, ("prenorm", "full_attnres", "block_attnres"))
+        if self.mode == "block_attnres":
+            _check(1 <= self.num_blocks <= n_sublayers and n_sublayers % self.num_blocks == 0,
+                   f"{prefix}.num_blocks", self.num_blocks,
+                   f"a divisor of the sublayer count {n_sublayers} (2 per layer)")
+
+
+@dataclass
+class ModelConfig:
+    """The whole hybrid stack.
+
+    Layer kinds: ``pattern`` (``K`` = KDA, ``M`` = gated MLA) repeated over the first
+    ``n_layers - final_mla`` layers, then one MLA layer if ``final_mla``. The first
+    ``dense_layers`` layers use a dense FFN (width ``dense_ffn_dim``) instead of the MoE;
+    ``dense_layers >= n_layers`` gives a dense model.
+    """
+
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 4
+    pattern: str = "KKKM"
+    final_mla: bool = True
+    dense_layers: int = 1
+    dense_ffn_dim: int = 0  # 0: 8/3 * d_model rounded up to a multiple of 64
+    dense_activation: Activation = "swiglu"
+    max_seq_len: int = 4096  # only for validation of inputs and cache sizes; NoPE has no positions
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    kda: KDAConfig = field(default_factory=KDAConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    residual: ResidualConfig = field(default_factory=ResidualConfig)
+
+    def layer_types(self) -> list[str]:
+        """Per-layer mixer kind, ``"kda"`` or ``"mla"``, length ``n_layers``."""
+        body = self.n_layers - int(self.final_mla)
+        kinds = [{"K": "kda", "M": "mla"}[self.pattern[i % len(self.pattern)]] for i in range(body)]
+        return kinds + (["mla"] if self.final_mla else [])
+
+    def ffn_dim(self) -> int:
+        """Width of the dense FFN."""
+        if self.dense_ffn_dim:
+            return self.dense_ffn_dim
+        return 64 * math.ceil(8 * self.d_model / 3 / 64)
+
+    def validate(self) -> ModelConfig:
+        """Check every field; return self so calls chain. Raises ConfigError."""
+        _check(self.vocab_size >= 2, "model.vocab_size", self.vocab_size, "an integer >= 2")
+        _check(self.d_model >= 8, "model.d_model", self.d_model, "an integer >= 8")
+        _check(self.n_layers >= 1, "model.n_layers", self.n_layers, "an integer >= 1")
+        _check(len(self.pattern) >= 1 and set(self.pattern) <= {"K", "M"}, "model.pattern", self.pattern,
+               "a non-empty string of 'K' (KDA) and 'M' (MLA)")
+        _check(self.dense_layers >= 0, "model.dense_layers", self.dense_layers, "an integer >= 0")
+        _check(self.dense_ffn_dim >= 0, "model.dense_ffn_dim", self.dense_ffn_dim, "an integer >= 0")
+        _one_of("model.dense_activation", self.dense_activation, ("situ_glu", "swiglu"))
+        _check(self.max_seq_len >= 1, "model.max_seq_len", self.max_seq_len, "an integer >= 1")
+        _check(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "a positive number")
+        kinds = self.layer_types()
+        if "kda" in kinds:
+            self.kda.validate()
+        if "mla" in kinds:
+            self.mla.validate()
+        if self.dense_layers < self.n_layers:
+            self.moe.validate()
+        self.residual.validate(2 * self.n_layers)
+        return self
