@@ -1,0 +1,37 @@
+"""The moelab model: plain ``torch.nn`` modules, configured by ``moelab.model.config``.
+
+Reading order: ``config`` (every option) -> ``kda`` / ``mla`` (token mixers) -> ``activations`` /
+``moe`` (FFNs) -> ``attnres`` (residual modes) -> ``transformer`` (the stack, ``generate``);
+``accounting`` counts parameters and FLOPs from a config without building the model.
+"""
+
+from moelab.model.accounting import flops_per_token, param_counts, summary
+from moelab.model.config import (
+    ConfigError,
+    KDAConfig,
+    MLAConfig,
+    ModelConfig,
+    MoEConfig,
+    ResidualConfig,
+)
+from moelab.model.kda import KDALayer, KDAState
+from moelab.model.mla import MLA
+from moelab.model.transformer import ModelOutput, ModelState, MoELab
+
+__all__ = [
+    "ConfigError",
+    "KDAConfig",
+    "KDALayer",
+    "KDAState",
+    "MLA",
+    "MLAConfig",
+    "ModelConfig",
+    "ModelOutput",
+    "ModelState",
+    "MoEConfig",
+    "MoELab",
+    "ResidualConfig",
+    "flops_per_token",
+    "param_counts",
+    "summary",
+]

@@ -1,0 +1,124 @@
+"""How sublayers read the residual stream: PreNorm, Full AttnRes, Block AttnRes (attnres.md).
+
+Every mixer and every FFN is one sublayer ``f_l``; with ``v_0`` the token embedding and
+``v_l = f_l(Norm(h_l))`` a sublayer's output:
+
+- ``prenorm``:        ``h_l = v_0 + sum_{i<l} v_i`` (the running sum).
+- ``full_attnres``:   ``h_l = sum_{i<l} a_{i->l} v_i``, ``a_{.->l} = softmax_i(w_l^T RMSNorm_l(v_i))``.
+- ``block_attnres``:  the same softmax over block summaries ``[b_0 = v_0, b_1, ..., b_{n-1},
+  partial b_n]`` where ``b_n`` sums the outputs of the sublayers of block n (``S = L / N``
+  sublayers each) and the partial sum of the current block is a source once it is non-empty.
+  Full AttnRes is the special case ``S = 1``, and is computed by the same code.
+
+``w_l`` is a learned pseudo-query per sublayer, initialized to zero (training starts from a
+uniform average); ``RMSNorm_l`` (learned weight) normalizes the keys only, the values are the raw
+``v_i``. One more pseudo-query reads the stream for the final norm and LM head. The mixing runs
+over depth, separately for every token, so it is causal whenever the sublayers are.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from moelab.model.config import ResidualConfig
+
+
+class DepthAttention(nn.Module):
+    """Softmax over depth with one pseudo-query: ``sources [S, B, T, D] -> h [B, T, D]``."""
+
+    def __init__(self, d_model: int, norm_eps: float = 1e-6) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(d_model))
+        self.key_norm = nn.RMSNorm(d_model, eps=norm_eps)
+
+    def forward(self, sources: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mix ``sources [S, B, T, D]``; return ``h [B, T, D]`` and the weights ``[S, B, T]`` (fp32)."""
+        logits = self.key_norm(sources).float() @ self.query.float()  # [S, B, T]
+        weights = logits.softmax(dim=0)
+        h = torch.einsum("sbt,sbtd->btd", weights.to(sources.dtype), sources)
+        return h, weights
+
+
+class AttnResidual(nn.Module):
+    """Parameters of a residual mode: ``n_sublayers + 1`` pseudo-queries (none for prenorm).
+
+    Use :meth:`stream` once per forward pass to get the per-pass bookkeeping.
+    """
+
+    def __init__(self, d_model: int, n_sublayers: int, cfg: ResidualConfig, norm_eps: float = 1e-6) -> None:
+        super().__init__()
+        cfg.validate(n_sublayers)
+        self.mode = cfg.mode
+        self.n_sublayers = n_sublayers
+        if cfg.mode == "prenorm":
+            self.block_size = 0
+            self.depth = nn.ModuleList()
+        else:
+            self.block_size = 1 if cfg.mode == "full_attnres" else n_sublayers // cfg.num_blocks
+            self.depth = nn.ModuleList(DepthAttention(d_model, norm_eps) for _ in range(n_sublayers + 1))
+
+    def stream(self, embedding: torch.Tensor, diagnostics: bool = False) -> ResidualStream:
+        """Start a pass from the token embedding ``[B, T, D]``."""
+        return ResidualStream(self, embedding, diagnostics)
+
+
+class ResidualStream:
+    """Per-forward state of the residual stream: ``read(l)`` before sublayer l, ``write(l, out)`` after.
+
+    Diagnostics (when enabled), all detached: ``depth_weights`` (per read, the mean depth-
+    attention weight of each source over batch and tokens, ``[n_sources]``; AttnRes modes only),
+    ``hidden_rms`` (RMS of each read ``h_l``, the last one is the final read) and ``output_rms``
+    (RMS of each sublayer output ``v_l``).
+    """
+
+    def __init__(self, module: AttnResidual, embedding: torch.Tensor, diagnostics: bool) -> None:
+        self.m = module
+        self.x = embedding  # prenorm: the running sum
+        self.blocks: list[torch.Tensor] = [embedding]  # AttnRes: b_0 and every completed block
+        self.partial: torch.Tensor | None = None
+        self.diag: dict[str, list] | None = (
+            {"depth_weights": [], "hidden_rms": [], "output_rms": []} if diagnostics else None
+        )
+
+    def _read(self, idx: int) -> torch.Tensor:
+        if self.m.mode == "prenorm":
+            h = self.x
+        else:
+            sources = self.blocks + ([self.partial] if self.partial is not None else [])
+            h, w = self.m.depth[idx](torch.stack(sources))
+            if self.diag is not None:
+                self.diag["depth_weights"].append(w.detach().mean(dim=(1, 2)))
+        if self.diag is not None:
+            self.diag["hidden_rms"].append(h.detach().float().pow(2).mean().sqrt())
+        return h
+
+    def read(self, l: int) -> torch.Tensor:
+        """Input ``h_l`` ``[B, T, D]`` of sublayer ``l`` (0-based), before its pre-norm."""
+        return self._read(l)
+
+    def write(self, l: int, out: torch.Tensor) -> None:
+        """Record the output ``v_l`` ``[B, T, D]`` of sublayer ``l``."""
+        if self.diag is not None:
+            self.diag["output_rms"].append(out.detach().float().pow(2).mean().sqrt())
+        if self.m.mode == "prenorm":
+            self.x = self.x + out
+            return
+        self.partial = out if self.partial is None else self.partial + out
+        if (l + 1) % self.m.block_size == 0:
+            self.blocks.append(self.partial)
+            self.partial = None
+
+    def read_final(self) -> torch.Tensor:
+        """The stream as the final norm + LM head see it, ``[B, T, D]``."""
+        return self._read(self.m.n_sublayers)
+
+    def diagnostics(self) -> dict | None:
+        """The recorded diagnostics, norms stacked to ``[n_reads]`` / ``[n_sublayers]`` tensors."""
+        if self.diag is None:
+            return None
+        return {
+            "depth_weights": self.diag["depth_weights"],
+            "hidden_rms": torch.stack(self.diag["hidden_rms"]),
+            "output_rms": torch.stack(self.diag["output_rms"]),
+        }

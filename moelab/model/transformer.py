@@ -1,0 +1,280 @@
+"""The hybrid stack: KDA and gated-MLA mixers, dense / LatentMoE FFNs, a chosen residual mode.
+
+One forward pass, top to bottom (``MoELab.forward``)::
+
+    x = Embed(ids)                                        [B, T, D]
+    for each layer i (kind from cfg.layer_types()):
+        h = stream.read(2i);    stream.write(2i,   Mixer(RMSNorm(h)))     KDA or MLA
+        h = stream.read(2i+1);  stream.write(2i+1, FFN(RMSNorm(h)))       GLUFFN or LatentMoE
+    logits = LMHead(RMSNorm(stream.read_final()))         [B, T, vocab]
+
+``stream`` is the residual mode of ``cfg.residual`` (``moelab.model.attnres``): the running sum
+for ``prenorm``, a softmax over depth for the AttnRes modes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moelab.model.attnres import AttnResidual
+from moelab.model.config import ModelConfig
+from moelab.model.kda import KDALayer, KDAState
+from moelab.model.mla import MLA
+
+
+@dataclass
+class ModelState:
+    """Decoding state of the whole stack.
+
+    Attributes:
+        layers: per layer, a :class:`KDAState` (KDA) or the latent cache ``[B, T_seen,
+            kv_latent_dim]`` (MLA).
+        seq_len: tokens seen so far (checked against ``max_seq_len``).
+    """
+
+    layers: list[KDAState | torch.Tensor | None]
+    seq_len: int = 0
+
+
+@dataclass
+class ModelOutput:
+    """What ``MoELab.forward`` returns.
+
+    Attributes:
+        logits: ``[B, T, vocab]`` in the compute dtype.
+        loss: mean next-token cross-entropy (fp32) over targets != -100, or None without targets.
+        aux_loss: scalar, the sum of the MoE layers' auxiliary terms (zero without MoE / balancer).
+        router_stats: one ``RouterStats`` per MoE layer, in layer order.
+        state: the decoding state after the last token when ``use_cache``, else None.
+        diagnostics: with ``return_diagnostics``: ``depth_weights`` (list, per residual read, mean
+            weight per source ``[n_sources]``; AttnRes modes only), ``hidden_rms``
+            ``[2 n_layers + 1]`` (RMS of each sublayer's input ``h_l``, last = final read),
+            ``output_rms`` ``[2 n_layers]`` (RMS of each sublayer output) and ``g_min`` /
+            ``g_mean`` (per KDA layer, of the log decay).
+    """
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    router_stats: list = field(default_factory=list)
+    state: ModelState | None = None
+    diagnostics: dict | None = None
+
+
+class Layer(nn.Module):
+    """One layer: a token mixer and an FFN, each with its own pre-norm."""
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        d, eps = cfg.d_model, cfg.norm_eps
+        self.kind = cfg.layer_types()[index]
+        self.mixer_norm = nn.RMSNorm(d, eps=eps)
+        self.mixer = KDALayer(d, cfg.kda, eps) if self.kind == "kda" else MLA(d, cfg.mla, eps)
+        self.ffn_norm = nn.RMSNorm(d, eps=eps)
+        self.is_moe = index >= cfg.dense_layers
+        if self.is_moe:
+            from moelab.model.moe import LatentMoE
+
+            self.ffn = LatentMoE(d, cfg.moe, eps)
+        else:
+            from moelab.model.activations import GLUFFN
+
+            self.ffn = GLUFFN(d, cfg.ffn_dim(), cfg.dense_activation, cfg.moe.situ_beta1, cfg.moe.situ_beta2)
+            self.ffn.down.residual_out = True  # scaled by 1/sqrt(2 n_layers) at model init
+
+
+class MoELab(nn.Module):
+    """Hybrid KDA / gated-MLA language model with (Latent)MoE FFNs. Plain ``torch.nn``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg.validate()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.n_layers))
+        self.residual = AttnResidual(cfg.d_model, 2 * cfg.n_layers, cfg.residual, cfg.norm_eps)
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # Range checks of ids cost a host sync; a training loop that trusts its data may turn them off.
+        self.check_inputs = True
+        self.reset_parameters()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Model-wide init, then the component-specific ones.
+
+        Linear / Embedding weights ~ N(0, init_std), biases 0; projections that write into the
+        residual stream (modules flagged ``residual_out``) are further scaled by
+        ``1 / sqrt(2 n_layers)``. Then: KDA decay parameters (``KDALayer.reset_gate_parameters``),
+        AttnRes pseudo-queries 0, and each FFN's own ``init_weights(std, out_scale)`` if it has
+        one (for weights stored outside ``nn.Linear``, e.g. stacked expert tensors).
+        """
+        std = self.cfg.init_std
+        out_scale = 1.0 / math.sqrt(2 * self.cfg.n_layers)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+        for m in self.modules():
+            if getattr(m, "residual_out", False):
+                m.weight.mul_(out_scale)
+            if isinstance(m, KDALayer):
+                m.reset_gate_parameters()
+        for layer in self.layers:
+            if hasattr(layer.ffn, "init_weights"):
+                layer.ffn.init_weights(std=std, out_scale=out_scale)
+        for depth in self.residual.depth:
+            depth.query.zero_()
+
+    def _check(self, input_ids: torch.Tensor, targets: torch.Tensor | None, past: int) -> None:
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32):
+            raise ValueError(f"input_ids must be a [B, T] long tensor, got shape {tuple(input_ids.shape)} "
+                             f"dtype {input_ids.dtype}")
+        T = input_ids.shape[1]
+        if T < 1:
+            raise ValueError("input_ids has T=0 tokens: expected T >= 1")
+        if past + T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {past + T} (cached {past} + new {T}) exceeds "
+                             f"max_seq_len={self.cfg.max_seq_len}")
+        if self.check_inputs:
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"token id {bad} out of range: expected 0 <= id < vocab_size={self.cfg.vocab_size}")
+        if targets is not None and targets.shape != input_ids.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} must equal input_ids shape "
+                             f"{tuple(input_ids.shape)}")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        state: ModelState | None = None,
+        use_cache: bool = False,
+        return_diagnostics: bool = False,
+    ) -> ModelOutput:
+        """Logits (and loss) for ``input_ids [B, T]`` long.
+
+        Args:
+            input_ids: token ids in ``[0, vocab_size)``.
+            targets: ``[B, T]`` long next-token targets, ``-100`` = ignore; None: no loss.
+            state: state after earlier tokens of the same sequences (from a previous call with
+                ``use_cache=True``); None: the sequences start here.
+            use_cache: return the state after the last token (for chunked prefill / decoding).
+            return_diagnostics: fill ``ModelOutput.diagnostics`` (detached, cheap reductions).
+        """
+        past = state.seq_len if state is not None else 0
+        self._check(input_ids, targets, past)
+        prev = state.layers if state is not None else [None] * len(self.layers)
+        stream = self.residual.stream(self.embed(input_ids), diagnostics=return_diagnostics)
+        new_layers: list = []
+        router_stats: list = []
+        aux_loss = self.embed.weight.new_zeros((), dtype=torch.float32)
+        for i, layer in enumerate(self.layers):
+            h = layer.mixer_norm(stream.read(2 * i))
+            out, st = layer.mixer(h, prev[i], use_cache)
+            new_layers.append(st)
+            stream.write(2 * i, out)
+            h = layer.ffn_norm(stream.read(2 * i + 1))
+            if layer.is_moe:
+                out, stats = layer.ffn(h)
+                router_stats.append(stats)
+                aux_loss = aux_loss + stats.aux_loss.float()
+            else:
+                out = layer.ffn(h)
+            stream.write(2 * i + 1, out)
+        logits = self.lm_head(self.norm(stream.read_final()))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        diagnostics = stream.diagnostics()
+        if diagnostics is not None:
+            kda_layers = [layer.mixer for layer in self.layers if layer.kind == "kda"]
+            if kda_layers:
+                diagnostics["g_min"] = torch.stack([m.last_g_min for m in kda_layers])
+                diagnostics["g_mean"] = torch.stack([m.last_g_mean for m in kda_layers])
+        return ModelOutput(
+            logits=logits,
+            loss=loss,
+            aux_loss=aux_loss,
+            router_stats=router_stats,
+            state=ModelState(new_layers, past + input_ids.shape[1]) if use_cache else None,
+            diagnostics=diagnostics,
+        )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefill_chunk: int | None = None,
+        return_logits: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Sample ``max_new_tokens`` after ``input_ids [B, T]``: prefill, then cached decoding.
+
+        Args:
+            temperature: softmax temperature; ``<= 0`` picks the argmax (greedy).
+            top_k: sample among the k most likely tokens only; None: all.
+            generator: RNG for sampling (reproducible generations).
+            prefill_chunk: prefill the prompt in pieces of this many tokens (bounds the memory of
+                long prompts); None: one piece.
+            return_logits: also return the logits each new token was sampled from.
+
+        Returns:
+            ``[B, T + max_new_tokens]`` long; with ``return_logits`` also ``[B, max_new_tokens, vocab]``.
+        """
+        B, T = input_ids.shape
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        if T + max_new_tokens > self.cfg.max_seq_len:
+            raise ValueError(f"prompt {T} + max_new_tokens {max_new_tokens} exceeds max_seq_len={self.cfg.max_seq_len}")
+        if top_k is not None and not 1 <= top_k <= self.cfg.vocab_size:
+            raise ValueError(f"top_k={top_k} must be in 1..vocab_size ({self.cfg.vocab_size})")
+        was_training = self.training
+        self.eval()
+        try:
+            state = None
+            step = prefill_chunk or T
+            for start in range(0, T, step):
+                out = self(input_ids[:, start:start + step], state=state, use_cache=True)
+                state = out.state
+            tokens, seen = [input_ids], []
+            logits = out.logits[:, -1]
+            for i in range(max_new_tokens):
+                seen.append(logits)
+                nxt = self._sample(logits, temperature, top_k, generator)
+                tokens.append(nxt)
+                if i + 1 < max_new_tokens:
+                    out = self(nxt, state=state, use_cache=True)
+                    state, logits = out.state, out.logits[:, -1]
+        finally:
+            self.train(was_training)
+        ids = torch.cat(tokens, dim=1)
+        if return_logits:
+            empty = input_ids.new_zeros(B, 0, self.cfg.vocab_size, dtype=torch.float32)
+            return ids, (torch.stack(seen, dim=1) if seen else empty)
+        return ids
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, temperature: float, top_k: int | None,
+                generator: torch.Generator | None) -> torch.Tensor:
+        """Next token ``[B, 1]`` from ``logits [B, vocab]``."""
+        if temperature <= 0:
+            return logits.argmax(dim=-1, keepdim=True)
+        logits = logits.float() / temperature
+        if top_k is not None:
+            kth = logits.topk(top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
