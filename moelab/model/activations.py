@@ -1,0 +1,208 @@
+"""Gated linear units for the FFNs: SiTU-GLU (Kimi K3) and SwiGLU, plus the bias-free GLU FFN.
+
+    SiTU-GLU(g, u) = [b1 tanh(g / b1)] * sigmoid(g) * [b2 tanh(u / b2)]      (b1 = 4, b2 = 25)
+    SwiGLU(g, u)   = g * sigmoid(g) * u                                       (= silu(g) * u)
+
+``b tanh(z / b) = z + O(z^3 / b^2)`` is a smooth cap at +-b, so SiTU-GLU is bounded by ``b1 * b2``
+and becomes SwiGLU as both betas grow.
+
+Two implementations of the same function:
+- ``situ_glu`` / ``swiglu``: plain PyTorch on separate gate and up tensors (the reference; autograd).
+- ``glu(h, ...)`` on a fused ``[..., 2F]`` projection (gate = first half, up = second half): on CUDA
+  it runs one Triton kernel forward and one backward (fp32 math, hand-written derivative). In eager
+  PyTorch SiTU-GLU is ~9 elementwise passes forward and more backward over the largest activation
+  of an MoE layer (``[tokens * top_k, 2F]``); the fused kernel reads/writes it once each way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moelab.model.config import ConfigError
+
+try:  # Triton is optional on CPU-only installs; the fused path is then unavailable.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+ACTIVATIONS = ("situ_glu", "swiglu")
+
+
+def check_activation(name: str) -> str:
+    """Return ``name`` if it is a known GLU activation, else raise ConfigError naming the choices."""
+    if name not in ACTIVATIONS:
+        raise ConfigError(f"activation={name!r} is not allowed: expected one of "
+                          + ", ".join(map(repr, ACTIVATIONS)))
+    return name
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+    """SiTU-GLU, reference PyTorch: ``[b1 tanh(gate/b1)] * sigmoid(gate) * [b2 tanh(up/b2)]``.
+
+    gate, up: same shape ``[..., F]``, any float dtype; output has their shape and dtype and
+    ``|out| <= beta1 * beta2``.
+    """
+    return (beta1 * torch.tanh(gate / beta1)) * torch.sigmoid(gate) * (beta2 * torch.tanh(up / beta2))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU, ``silu(gate) * up``; gate, up ``[..., F]``."""
+    return F.silu(gate) * up
+
+
+def fused_glu_available(h: torch.Tensor) -> bool:
+    """Whether ``glu(..., fused=None)`` takes the Triton kernel for this tensor (CUDA + Triton)."""
+    return triton is not None and h.is_cuda
+
+
+def glu(h: torch.Tensor, activation: str, beta1: float = 4.0, beta2: float = 25.0,
+        fused: bool | None = None) -> torch.Tensor:
+    """Apply a GLU activation to a fused gate|up projection.
+
+    h: ``[..., 2F]`` with gate = ``h[..., :F]``, up = ``h[..., F:]``. Returns ``[..., F]`` in h's dtype.
+    fused: True forces the Triton kernel (also on CPU under TRITON_INTERPRET=1, for tests), False
+    forces plain PyTorch, None picks Triton on CUDA.
+    """
+    check_activation(activation)
+    if h.shape[-1] % 2:
+        raise ValueError(f"glu: last dim {h.shape[-1]} of h must be even (gate | up halves)")
+    if fused is None:
+        fused = fused_glu_available(h)
+    if fused:
+        if triton is None:
+            raise RuntimeError("glu(fused=True) needs triton, which is not installed")
+        lead = h.shape[:-1]
+        out = _FusedGLU.apply(h.reshape(-1, h.shape[-1]), activation == "situ_glu", float(beta1), float(beta2))
+        return out.reshape(*lead, h.shape[-1] // 2)
+    gate, up = h.chunk(2, dim=-1)
+    if activation == "situ_glu":
+        return situ_glu(gate, up, beta1, beta2)
+    return swiglu(gate, up)
+
+
+class GLUFFN(nn.Module):
+    """Bias-free GLU feed-forward: ``down( act(x W_g, x W_u) )``, ``[..., d_in] -> [..., d_in]``.
+
+    ``gate_up`` holds W_g and W_u stacked as one Linear ``d_in -> 2 * d_hidden`` (gate rows first)
+    so the input is read once. A sum of n such FFNs of width w equals one of width n * w (hidden
+    units are independent and ``down`` sums over them), which is how LatentMoE fuses its shared experts.
+    """
+
+    def __init__(self, d_in: int, d_hidden: int, activation: str, beta1: float = 4.0, beta2: float = 25.0) -> None:
+        super().__init__()
+        if d_in < 1 or d_hidden < 1:
+            raise ConfigError(f"GLUFFN: d_in={d_in}, d_hidden={d_hidden}: both must be >= 1")
+        self.activation = check_activation(activation)
+        self.beta1, self.beta2 = float(beta1), float(beta2)
+        self.d_in, self.d_hidden = d_in, d_hidden
+        self.gate_up = nn.Linear(d_in, 2 * d_hidden, bias=False)
+        self.down = nn.Linear(d_hidden, d_in, bias=False)
+        self.fused: bool | None = None  # None: Triton activation on CUDA; see glu()
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        nn.init.normal_(self.gate_up.weight, std=std)
+        nn.init.normal_(self.down.weight, std=std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: ``[..., d_in]`` -> ``[..., d_in]``."""
+        return self.down(glu(self.gate_up(x), self.activation, self.beta1, self.beta2, self.fused))
+
+    def extra_repr(self) -> str:
+        return f"d_in={self.d_in}, d_hidden={self.d_hidden}, activation={self.activation}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Fused Triton kernels. Math in fp32 whatever the storage dtype. tanh is written with tl.exp (it
+# saturates correctly at +-inf) rather than a libdevice call, which keeps the kernel portable across
+# Triton versions and the CPU interpreter.
+# ----------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _tanh(z):
+        # 1 - 2 / (exp(2z) + 1) loses relative accuracy near 0 (cancellation); SiTU-GLU lives there
+        # (u / 25 is small), so below |z| = 0.2 use the odd Taylor series (next term < 1e-10).
+        z2 = z * z
+        series = z * (1.0 + z2 * (-1.0 / 3.0 + z2 * (2.0 / 15.0 + z2 * (-17.0 / 315.0))))
+        return tl.where(tl.abs(z) < 0.2, series, 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+
+    @triton.jit
+    def _glu_fwd_kernel(h_ptr, out_ptr, n_rows, F_half, beta1, beta2,
+                        SITU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < F_half)
+        h_off = rows[:, None] * (2 * F_half) + cols[None, :]
+        g = tl.load(h_ptr + h_off, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_ptr + h_off + F_half, mask=mask, other=0.0).to(tl.float32)
+        s = 1.0 / (1.0 + tl.exp(-g))
+        if SITU:
+            a = (beta1 * _tanh(g / beta1)) * s * (beta2 * _tanh(u / beta2))
+        else:
+            a = g * s * u
+        tl.store(out_ptr + rows[:, None] * F_half + cols[None, :], a.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _glu_bwd_kernel(h_ptr, go_ptr, gh_ptr, n_rows, F_half, beta1, beta2,
+                        SITU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < F_half)
+        h_off = rows[:, None] * (2 * F_half) + cols[None, :]
+        g = tl.load(h_ptr + h_off, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_ptr + h_off + F_half, mask=mask, other=0.0).to(tl.float32)
+        go = tl.load(go_ptr + rows[:, None] * F_half + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = 1.0 / (1.0 + tl.exp(-g))
+        if SITU:
+            t1 = _tanh(g / beta1)
+            t2 = _tanh(u / beta2)
+            cap_g = beta1 * t1
+            cap_u = beta2 * t2
+            # d/dg [b1 tanh(g/b1) sigmoid(g)] = (1 - t1^2) s + b1 t1 s (1 - s)
+            dg = go * cap_u * ((1.0 - t1 * t1) * s + cap_g * s * (1.0 - s))
+            du = go * cap_g * s * (1.0 - t2 * t2)
+        else:
+            dg = go * u * s * (1.0 + g * (1.0 - s))
+            du = go * g * s
+        tl.store(gh_ptr + h_off, dg.to(gh_ptr.dtype.element_ty), mask=mask)
+        tl.store(gh_ptr + h_off + F_half, du.to(gh_ptr.dtype.element_ty), mask=mask)
+
+
+def _glu_launch(h: torch.Tensor, f_half: int):
+    block_n = min(128, triton.next_power_of_2(f_half))
+    block_m = max(1, 2048 // block_n)
+    grid = (triton.cdiv(h.shape[0], block_m), triton.cdiv(f_half, block_n))
+    return grid, block_m, block_n
+
+
+class _FusedGLU(torch.autograd.Function):
+    """Triton GLU on ``h [M, 2F]`` -> ``[M, F]``; saves only h, recomputes the rest in backward."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, situ: bool, beta1: float, beta2: float) -> torch.Tensor:
+        h = h.contiguous()
+        m, f_half = h.shape[0], h.shape[1] // 2
+        out = torch.empty(m, f_half, dtype=h.dtype, device=h.device)
+        if m > 0:
+            grid, bm, bn = _glu_launch(h, f_half)
+            _glu_fwd_kernel[grid](h, out, m, f_half, beta1, beta2, SITU=situ, BLOCK_M=bm, BLOCK_N=bn)
+        ctx.save_for_backward(h)
+        ctx.cfg = (situ, beta1, beta2)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (h,) = ctx.saved_tensors
+        situ, beta1, beta2 = ctx.cfg
+        grad_out = grad_out.contiguous()
+        m, f_half = h.shape[0], h.shape[1] // 2
+        grad_h = torch.empty_like(h)
+        if m > 0:
+            grid, bm, bn = _glu_launch(h, f_half)
+            _glu_bwd_kernel[grid](h, grad_out, grad_h, m, f_half, beta1, beta2, SITU=situ, BLOCK_M=bm, BLOCK_N=bn)
+        return grad_h, None, None, None
