@@ -148,8 +148,12 @@ def _fmt(n: float) -> str:
     return f"{n:.0f}"
 
 
-def summary(cfg: ModelConfig, seq_len: int | None = None) -> str:
-    """A text table: per-component total / activated parameters, totals, FLOPs per token."""
+def summary(cfg: ModelConfig, seq_len: int | None = None, reference: dict | None = None) -> str:
+    """A text table: per-component total / activated parameters, totals, FLOPs per token.
+
+    ``reference``: optional ``{"total": float, "activated": float}`` (k3.yaml's ``k3_reference``)
+    printed beside the counts with the relative difference.
+    """
     seq_len = seq_len or cfg.max_seq_len
     pc = param_counts(cfg)
     kinds = cfg.layer_types()
@@ -164,6 +168,12 @@ def summary(cfg: ModelConfig, seq_len: int | None = None) -> str:
             lines.append(f"{name:<18}{_fmt(v['total']):>12}{_fmt(v['activated']):>12}")
     lines += [
         f"{'all':<18}{_fmt(pc['total']):>12}{_fmt(pc['activated']):>12}",
+    ]
+    if reference:
+        ref_t, ref_a = float(reference["total"]), float(reference["activated"])
+        lines.append(f"{'reference':<18}{_fmt(ref_t):>12}{_fmt(ref_a):>12}   (counted vs reference: "
+                     f"{pc['total'] / ref_t - 1:+.1%} total, {pc['activated'] / ref_a - 1:+.1%} activated)")
+    lines += [
         f"sparsity (activated / total) {pc['sparsity']:.4f}; activated without embeddings "
         f"{_fmt(pc['activated_non_embedding'])}",
         f"forward FLOPs/token at seq_len {seq_len}: {_fmt(flops_per_token(cfg, seq_len))} "

@@ -7,8 +7,9 @@ Every mixer and every FFN is one sublayer ``f_l``; with ``v_0`` the token embedd
 - ``full_attnres``:   ``h_l = sum_{i<l} a_{i->l} v_i``, ``a_{.->l} = softmax_i(w_l^T RMSNorm_l(v_i))``.
 - ``block_attnres``:  the same softmax over block summaries ``[b_0 = v_0, b_1, ..., b_{n-1},
   partial b_n]`` where ``b_n`` sums the outputs of the sublayers of block n (``S = L / N``
-  sublayers each) and the partial sum of the current block is a source once it is non-empty.
-  Full AttnRes is the special case ``S = 1``, and is computed by the same code.
+  sublayers each; with ``uneven_blocks`` sizes differ by one at most) and the partial sum of the
+  current block is a source once it is non-empty. Full AttnRes is the special case ``S = 1``, and
+  is computed by the same code.
 
 ``w_l`` is a learned pseudo-query per sublayer, initialized to zero (training starts from a
 uniform average); ``RMSNorm_l`` (learned weight) normalizes the keys only, the values are the raw
@@ -51,12 +52,9 @@ class AttnResidual(nn.Module):
         cfg.validate(n_sublayers)
         self.mode = cfg.mode
         self.n_sublayers = n_sublayers
-        if cfg.mode == "prenorm":
-            self.block_size = 0
-            self.depth = nn.ModuleList()
-        else:
-            self.block_size = 1 if cfg.mode == "full_attnres" else n_sublayers // cfg.num_blocks
-            self.depth = nn.ModuleList(DepthAttention(d_model, norm_eps) for _ in range(n_sublayers + 1))
+        self.block_ends = frozenset(cfg.block_ends(n_sublayers))  # sublayer counts that close a block
+        n_queries = 0 if cfg.mode == "prenorm" else n_sublayers + 1
+        self.depth = nn.ModuleList(DepthAttention(d_model, norm_eps) for _ in range(n_queries))
 
     def stream(self, embedding: torch.Tensor, diagnostics: bool = False) -> ResidualStream:
         """Start a pass from the token embedding ``[B, T, D]``."""
@@ -105,7 +103,7 @@ class ResidualStream:
             self.x = self.x + out
             return
         self.partial = out if self.partial is None else self.partial + out
-        if (l + 1) % self.m.block_size == 0:
+        if l + 1 in self.m.block_ends:
             self.blocks.append(self.partial)
             self.partial = None
 

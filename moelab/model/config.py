@@ -151,13 +151,31 @@ class ResidualConfig:
 
     mode: ResidualMode = "prenorm"
     num_blocks: int = 4  # block_attnres only
+    # block_attnres only: allow a num_blocks that does not divide the sublayer count; blocks then
+    # differ in size by at most one sublayer (K3: 8 blocks over 93 layers = 186 sublayers).
+    uneven_blocks: bool = False
 
     def validate(self, n_sublayers: int, prefix: str = "residual") -> None:
         _one_of(f"{prefix}.mode", self.mode, ("prenorm", "full_attnres", "block_attnres"))
         if self.mode == "block_attnres":
-            _check(1 <= self.num_blocks <= n_sublayers and n_sublayers % self.num_blocks == 0,
-                   f"{prefix}.num_blocks", self.num_blocks,
-                   f"a divisor of the sublayer count {n_sublayers} (2 per layer)")
+            if self.uneven_blocks:
+                _check(1 <= self.num_blocks <= n_sublayers, f"{prefix}.num_blocks", self.num_blocks,
+                       f"1..{n_sublayers} (the sublayer count, 2 per layer)")
+            else:
+                _check(1 <= self.num_blocks <= n_sublayers and n_sublayers % self.num_blocks == 0,
+                       f"{prefix}.num_blocks", self.num_blocks,
+                       f"a divisor of the sublayer count {n_sublayers} (2 per layer), or set uneven_blocks")
+
+    def block_ends(self, n_sublayers: int) -> list[int]:
+        """Sublayer counts after which a block closes: ``[S, 2S, ..., n_sublayers]``.
+
+        ``full_attnres`` is one block per sublayer; ``prenorm`` has none (empty list). With
+        ``uneven_blocks`` block j ends at ``floor((j + 1) * n_sublayers / num_blocks)``.
+        """
+        if self.mode == "prenorm":
+            return []
+        n = n_sublayers if self.mode == "full_attnres" else self.num_blocks
+        return [(j + 1) * n_sublayers // n for j in range(n)]
 
 
 @dataclass
