@@ -1,0 +1,107 @@
+"""Data configuration: which corpus, which tokenizer, how long the windows are, where the cache lives.
+
+Relative paths (``files`` globs, ``cache_dir``) resolve against the repository root, so a run
+finds the same cache whatever its working directory; see :func:`repo_root`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from moelab.model.config import ConfigError, _check, _one_of
+
+Source = Literal["shakespeare", "files", "hf"]
+TokenizerKind = Literal["bpe", "byte"]
+
+SOURCES = ("shakespeare", "files", "hf")
+TOKENIZERS = ("bpe", "byte")
+BYTE_VOCAB = 256
+# A byte-level BPE needs its 256-byte alphabet plus the end-of-text token before any merge.
+MIN_BPE_VOCAB = BYTE_VOCAB + 1
+# Ids above 2**31 would not fit the int32 token stream.
+MAX_BPE_VOCAB = 2**31 - 1
+
+
+def repo_root() -> Path:
+    """The checkout root: ``$MOELAB_ROOT`` if set, else the parent of the ``moelab`` package dir."""
+    env = os.environ.get("MOELAB_ROOT")
+    if env:
+        return Path(env).expanduser().resolve()
+    return Path(__file__).resolve().parents[2]
+
+
+def resolve_path(path: str | os.PathLike) -> Path:
+    """``path`` with ``~`` expanded; relative paths are taken from :func:`repo_root`."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else repo_root() / p
+
+
+@dataclass
+class DataConfig:
+    """Where text comes from and how it becomes ``[B, seq_len]`` token windows.
+
+    ``source``: ``"shakespeare"`` unpacks the committed ``data/shakespeare.tar.xz`` (one play = one
+    document), ``"files"`` reads every file matched by the ``files`` globs (one file = one document),
+    ``"hf"`` calls ``datasets.load_dataset(hf_name, hf_config, split=hf_split)[text_field]`` (one row
+    = one document; needs the hub or a local datasets cache).
+    ``tokenizer``: ``"bpe"`` is a byte-level BPE trained on the train split (``vocab_size`` ids,
+    id 0 = end of text); ``"byte"`` maps UTF-8 bytes to ids 0..255 (byte 0 = end of text).
+    """
+
+    source: Source = "shakespeare"
+    files: list[str] = field(default_factory=list)
+    hf_name: str = ""
+    hf_config: str = ""
+    hf_split: str = "train"
+    text_field: str = "text"
+    tokenizer: TokenizerKind = "bpe"
+    vocab_size: int = 4096  # bpe only; byte -> 256
+    seq_len: int = 256
+    val_fraction: float = 0.05  # share of documents (not tokens) held out, at least one document
+    split_seed: int = 1234
+    cache_dir: str = "data/cache"
+    num_workers: int = 0
+
+    def validate(self) -> DataConfig:
+        """Check every field; return self so calls chain. Raises ConfigError naming field and range."""
+        _one_of("data.source", self.source, SOURCES)
+        _one_of("data.tokenizer", self.tokenizer, TOKENIZERS)
+        _check(isinstance(self.files, (list, tuple)) and all(isinstance(f, str) and f for f in self.files),
+               "data.files", self.files, "a list of non-empty glob strings")
+        if self.source == "files":
+            _check(len(self.files) > 0, "data.files", self.files, "at least one glob when source='files'")
+        if self.source == "hf":
+            _check(isinstance(self.hf_name, str) and bool(self.hf_name), "data.hf_name", self.hf_name,
+                   "a datasets hub name (e.g. 'roneneldan/TinyStories') when source='hf'")
+            _check(isinstance(self.hf_split, str) and bool(self.hf_split), "data.hf_split", self.hf_split,
+                   "a split name such as 'train'")
+            _check(isinstance(self.text_field, str) and bool(self.text_field), "data.text_field",
+                   self.text_field, "the name of the text column")
+        if self.tokenizer == "bpe":
+            _check(_is_int(self.vocab_size) and MIN_BPE_VOCAB <= self.vocab_size <= MAX_BPE_VOCAB,
+                   "data.vocab_size", self.vocab_size, f"an integer in {MIN_BPE_VOCAB}..{MAX_BPE_VOCAB} for bpe")
+        _check(_is_int(self.seq_len) and self.seq_len >= 1, "data.seq_len", self.seq_len, "an integer >= 1")
+        _check(isinstance(self.val_fraction, (int, float)) and 0.0 < self.val_fraction < 1.0,
+               "data.val_fraction", self.val_fraction, "a number in the open interval (0, 1)")
+        _check(_is_int(self.split_seed) and self.split_seed >= 0, "data.split_seed", self.split_seed,
+               "an integer >= 0")
+        _check(isinstance(self.cache_dir, (str, os.PathLike)) and str(self.cache_dir) != "", "data.cache_dir",
+               self.cache_dir, "a non-empty path")
+        _check(_is_int(self.num_workers) and self.num_workers >= 0, "data.num_workers", self.num_workers,
+               "an integer >= 0")
+        return self
+
+    @property
+    def effective_vocab_size(self) -> int:
+        """Requested vocabulary size: ``vocab_size`` for bpe, 256 for byte."""
+        return BYTE_VOCAB if self.tokenizer == "byte" else self.vocab_size
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+__all__ = ["ConfigError", "DataConfig", "repo_root", "resolve_path"]

@@ -1,0 +1,423 @@
+"""Corpus preparation: documents -> train/val split -> tokenizer -> cached token streams.
+
+``prepare(cfg)`` builds once, then reuses, a cache directory named after a hash of every config
+field that changes its content (source and its content hash, tokenizer, vocab size, split)::
+
+    <cache_dir>/<source>-<tokenizer><vocab>-<key>/
+        manifest.json     config, counts, versions, sha256 of every other file
+        tokenizer.json    the trained BPE (tokenizers JSON) or the byte tokenizer's stub
+        split.json        document ids of each split
+        train/, val/      datasets.save_to_disk: one Arrow column "ids", one token per row,
+                          uint16 (vocab <= 65536) or int32; documents joined by end-of-text (id 0)
+
+Every reuse re-hashes the files against the manifest; a missing or corrupt cache is reported on
+stderr and rebuilt. A build happens in a temporary sibling directory that is renamed into place
+only when complete, so an interrupted build never leaves a half cache behind and concurrent
+builders (DDP ranks) cannot corrupt each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tarfile
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from glob import glob
+from pathlib import Path
+
+import numpy as np
+
+from moelab.data.config import DataConfig, repo_root, resolve_path
+from moelab.data.tokenizer import EOS_ID, ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
+from moelab.model.config import ConfigError
+
+FORMAT_VERSION = 1
+SHAKESPEARE_ARCHIVE = "data/shakespeare.tar.xz"
+SPLITS = ("train", "val")
+_ENCODE_BATCH = 1000  # documents per tokenizer call: bounds memory on large hub datasets
+
+
+@dataclass
+class Documents:
+    """The corpus before tokenization.
+
+    ``ids[i]`` names document i stably (archive member, file path, or hub row index); the split
+    is a function of these ids, so it does not depend on the order documents are listed in.
+    ``texts(indices)`` yields the documents' strings in the order of ``indices``.
+    """
+
+    ids: list[str]
+    texts: Callable[[Sequence[int]], Iterator[str]]
+    info: dict
+
+
+@dataclass
+class PreparedCorpus:
+    """A verified cache directory and what it holds."""
+
+    cache_dir: Path
+    tokenizer_path: Path
+    vocab_size: int  # ids actually in the tokenizer (a tiny corpus may give fewer than asked)
+    n_train_tokens: int
+    n_val_tokens: int
+    manifest: dict
+
+    def load_tokens(self, split: str) -> np.ndarray:
+        """The ``split`` ("train" | "val") token stream, ``[N]`` uint16 or int32, documents joined by id 0."""
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r} is not allowed: expected one of {SPLITS}")
+        import datasets
+
+        ds = datasets.load_from_disk(str(self.cache_dir / split))
+        return ds.data.column("ids").to_numpy()
+
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer the streams were encoded with."""
+        return load_tokenizer(self.tokenizer_path)
+
+
+def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> PreparedCorpus:
+    """Return the cache for ``cfg``, building it if missing, corrupt, or ``force``.
+
+    ``progress`` prints build stages and timings to stderr; problems with an existing cache are
+    printed whatever its value.
+    """
+    cfg.validate()
+    log = _logger(progress)
+    key_fields = cache_key_fields(cfg)
+    key = _sha256_json(key_fields)[:16]
+    vocab = cfg.effective_vocab_size
+    root = resolve_path(cfg.cache_dir)
+    final = root / f"{cfg.source}-{cfg.tokenizer}{vocab}-{key}"
+
+    if final.exists() and not force:
+        manifest, problem = _verify(final, key)
+        if manifest is not None:
+            return _prepared(final, manifest)
+        _warn(f"cache {final} is invalid ({problem}); rebuilding it")
+    elif force and final.exists():
+        log(f"force=True: rebuilding {final}")
+
+    root.mkdir(parents=True, exist_ok=True)
+    _build(cfg, key, key_fields, final, log)
+    manifest, problem = _verify(final, key)
+    if manifest is None:
+        raise RuntimeError(f"cache {final} failed verification right after it was built: {problem}")
+    return _prepared(final, manifest)
+
+
+def cache_key_fields(cfg: DataConfig) -> dict:
+    """Everything the cache content depends on; its hash names the cache directory.
+
+    ``seq_len``, ``num_workers`` and ``cache_dir`` are left out: they do not change the streams.
+    For ``hf`` the hub coordinates stand for the content (the dataset is not downloaded to key it).
+    """
+    fields: dict = {"format": FORMAT_VERSION, "source": cfg.source, "tokenizer": cfg.tokenizer,
+                    "vocab_size": cfg.effective_vocab_size, "val_fraction": float(cfg.val_fraction),
+                    "split_seed": cfg.split_seed}
+    if cfg.source == "shakespeare":
+        fields["content_sha256"] = _sha256_file(_shakespeare_archive())
+    elif cfg.source == "files":
+        paths = _match_files(cfg.files)
+        fields["content_sha256"] = _sha256_json({_doc_id(p): _sha256_file(p) for p in paths})
+    else:
+        fields.update(hf_name=cfg.hf_name, hf_config=cfg.hf_config, hf_split=cfg.hf_split,
+                      text_field=cfg.text_field)
+    return fields
+
+
+def load_documents(cfg: DataConfig) -> Documents:
+    """Read the documents of ``cfg.source`` (see :class:`moelab.data.config.DataConfig`)."""
+    if cfg.source == "shakespeare":
+        return _shakespeare_documents()
+    if cfg.source == "files":
+        return _file_documents(cfg.files)
+    return _hf_documents(cfg)
+
+
+def split_documents(ids: Sequence[str], val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic document-level split: ``(train_indices, val_indices)``, both sorted.
+
+    Documents are ranked by a hash of ``(seed, id)``; the first ``round(val_fraction * n)``
+    (at least 1, at most n - 1) go to validation. Adding or reordering documents never moves
+    the others between splits beyond the change in the validation count.
+    """
+    n = len(ids)
+    if n < 2:
+        raise ConfigError(f"the corpus has {n} document(s): a document-level train/val split needs at least 2 "
+                          "(split a single file into several, or add files)")
+    n_val = min(max(1, round(val_fraction * n)), n - 1)
+    rank = sorted(range(n), key=lambda i: hashlib.blake2b(f"{seed}\0{ids[i]}".encode(), digest_size=8).digest())
+    return sorted(rank[n_val:]), sorted(rank[:n_val])
+
+
+# ---------------------------------------------------------------------------------------- sources
+
+
+def _shakespeare_archive() -> Path:
+    path = resolve_path(SHAKESPEARE_ARCHIVE)
+    if not path.is_file():
+        raise FileNotFoundError(f"the default corpus {path} is missing: run from a moelab checkout or set "
+                                f"MOELAB_ROOT to one (current root: {repo_root()})")
+    return path
+
+
+def _shakespeare_documents() -> Documents:
+    path = _shakespeare_archive()
+    with tarfile.open(path, mode="r:xz") as tar:
+        members = sorted((m for m in tar.getmembers() if m.isfile() and m.name.endswith(".txt")),
+                         key=lambda m: m.name)
+        texts = [tar.extractfile(m).read().decode("utf-8") for m in members]
+    ids = [Path(m.name).stem for m in members]
+    return Documents(ids=ids, texts=lambda idx: (texts[i] for i in idx),
+                     info={"archive": str(SHAKESPEARE_ARCHIVE), "archive_sha256": _sha256_file(path)})
+
+
+def _match_files(patterns: Sequence[str]) -> list[Path]:
+    paths: set[Path] = set()
+    for pattern in patterns:
+        matched = [Path(p) for p in glob(str(resolve_path(pattern)), recursive=True)]
+        matched = [p.resolve() for p in matched if p.is_file()]
+        if not matched:
+            raise ConfigError(f"data.files pattern {pattern!r} matches no file (relative patterns start at "
+                              f"{repo_root()})")
+        paths.update(matched)
+    return sorted(paths)
+
+
+def _doc_id(path: Path) -> str:
+    """Path relative to the repo root when inside it, so ids (and the split) survive a moved checkout."""
+    try:
+        return path.relative_to(repo_root()).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def _file_documents(patterns: Sequence[str]) -> Documents:
+    paths = _match_files(patterns)
+
+    def texts(idx: Sequence[int]) -> Iterator[str]:
+        for i in idx:
+            try:
+                yield paths[i].read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{paths[i]} is not UTF-8 text ({e})") from e
+
+    return Documents(ids=[_doc_id(p) for p in paths], texts=texts, info={"n_files": len(paths)})
+
+
+def _hf_documents(cfg: DataConfig) -> Documents:
+    import datasets
+
+    ds = datasets.load_dataset(cfg.hf_name, cfg.hf_config or None, split=cfg.hf_split)
+    if cfg.text_field not in ds.column_names:
+        raise ConfigError(f"data.text_field={cfg.text_field!r} is not allowed: expected one of the columns "
+                          f"of {cfg.hf_name!r}: {ds.column_names}")
+    ds = ds.select_columns([cfg.text_field])
+
+    def texts(idx: Sequence[int]) -> Iterator[str]:
+        sub = ds.select(idx)
+        for batch in sub.iter(batch_size=_ENCODE_BATCH):
+            yield from batch[cfg.text_field]
+
+    return Documents(ids=[str(i) for i in range(len(ds))], texts=texts,
+                     info={"hf_fingerprint": getattr(ds, "_fingerprint", None), "n_rows": len(ds)})
+
+
+# ----------------------------------------------------------------------------------------- build
+
+
+def _build(cfg: DataConfig, key: str, key_fields: dict, final: Path, log: Callable[[str], None]) -> None:
+    t0 = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        docs = load_documents(cfg)
+        train_idx, val_idx = split_documents(docs.ids, cfg.val_fraction, cfg.split_seed)
+        log(f"building {final.name}: {len(train_idx)} train / {len(val_idx)} val documents")
+
+        t = time.perf_counter()
+        if cfg.tokenizer == "bpe":
+            tok: Tokenizer = train_bpe(docs.texts(train_idx), cfg.vocab_size, length=len(train_idx))
+        else:
+            tok = ByteTokenizer()
+        tok.save(tmp / "tokenizer.json")
+        log(f"{cfg.tokenizer} tokenizer: {tok.vocab_size} ids in {time.perf_counter() - t:.2f} s")
+
+        dtype = np.uint16 if tok.vocab_size <= 2**16 else np.int32
+        counts: dict = {}
+        for split, idx in zip(SPLITS, (train_idx, val_idx)):
+            t = time.perf_counter()
+            stream, n_chars = _encode_stream(tok, docs.texts(idx), dtype)
+            _save_stream(stream, tmp / split)
+            counts[split] = {"documents": len(idx), "chars": n_chars, "tokens": int(stream.size)}
+            log(f"{split}: {stream.size:,} tokens from {n_chars:,} chars in {time.perf_counter() - t:.2f} s")
+
+        _write_json(tmp / "split.json", {s: [docs.ids[i] for i in idx] for s, idx in zip(SPLITS, (train_idx, val_idx))})
+        manifest = {
+            "format": FORMAT_VERSION,
+            "key": key,
+            "key_fields": key_fields,
+            "config": asdict(cfg),
+            "source_info": docs.info,
+            "tokenizer": {"kind": tok.kind, "vocab_size": tok.vocab_size, "eos_id": EOS_ID,
+                          "dtype": np.dtype(dtype).name},
+            "counts": counts,
+            "files": {p.relative_to(tmp).as_posix(): _sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()},
+            "versions": _versions(),
+            "build_seconds": round(time.perf_counter() - t0, 3),
+        }
+        _write_json(tmp / "manifest.json", manifest)  # last: its presence marks a complete build
+        _publish(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    log(f"cache ready in {time.perf_counter() - t0:.2f} s: {final}")
+
+
+def _encode_stream(tok: Tokenizer, texts: Iterator[str], dtype: type) -> tuple[np.ndarray, int]:
+    """All documents encoded and each followed by end-of-text: ``[N]`` of ``dtype``; and the char count."""
+    parts: list[np.ndarray] = []
+    n_chars = 0
+    batch: list[str] = []
+
+    def flush() -> None:
+        for ids in tok.encode_batch(batch):
+            ids.append(EOS_ID)
+            parts.append(np.asarray(ids, dtype=dtype))
+        batch.clear()
+
+    for text in texts:
+        batch.append(text)
+        n_chars += len(text)
+        if len(batch) == _ENCODE_BATCH:
+            flush()
+    flush()
+    return (np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)), n_chars
+
+
+def _save_stream(stream: np.ndarray, path: Path) -> None:
+    import datasets
+    import pyarrow as pa
+
+    # A fingerprint derived from the content keeps state.json (and so the manifest) reproducible.
+    fingerprint = hashlib.sha256(stream.tobytes()).hexdigest()[:16]
+    ds = datasets.Dataset(pa.table({"ids": pa.array(stream)}), fingerprint=fingerprint)
+    with _quiet_datasets():
+        ds.save_to_disk(str(path), num_shards=1)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Move a complete build into place; an invalid old cache is moved aside first, then deleted."""
+    trash = None
+    if final.exists():
+        trash = final.with_name(f".trash-{final.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(final, trash)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / "manifest.json").exists():
+            raise
+        # Another process (a DDP rank) published the same build first; ours is identical, drop it.
+    finally:
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------ verification
+
+
+def _verify(path: Path, key: str) -> tuple[dict | None, str]:
+    """``(manifest, "")`` when every file matches its recorded sha256, else ``(None, reason)``."""
+    mpath = path / "manifest.json"
+    if not mpath.is_file():
+        return None, "manifest.json is missing"
+    try:
+        manifest = json.loads(mpath.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+        return None, f"manifest.json is unreadable: {e!r}"
+    if manifest.get("key") != key or manifest.get("format") != FORMAT_VERSION:
+        return None, "manifest.json was written for another configuration or format"
+    for rel, sha in files.items():
+        f = path / rel
+        if not f.is_file():
+            return None, f"{rel} is missing"
+        actual = _sha256_file(f)
+        if actual != sha:
+            return None, f"{rel} has sha256 {actual[:12]}..., the manifest expects {sha[:12]}..."
+    return manifest, ""
+
+
+def _prepared(path: Path, manifest: dict) -> PreparedCorpus:
+    return PreparedCorpus(
+        cache_dir=path,
+        tokenizer_path=path / "tokenizer.json",
+        vocab_size=int(manifest["tokenizer"]["vocab_size"]),
+        n_train_tokens=int(manifest["counts"]["train"]["tokens"]),
+        n_val_tokens=int(manifest["counts"]["val"]["tokens"]),
+        manifest=manifest,
+    )
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _sha256_json(obj: object) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+def _versions() -> dict:
+    import datasets
+    import pyarrow
+    import tokenizers
+
+    import moelab
+
+    return {"moelab": moelab.__version__, "python": platform.python_version(), "numpy": np.__version__,
+            "datasets": datasets.__version__, "tokenizers": tokenizers.__version__, "pyarrow": pyarrow.__version__}
+
+
+def _warn(msg: str) -> None:
+    print(f"[moelab.data] {msg}", file=sys.stderr, flush=True)
+
+
+def _logger(progress: bool) -> Callable[[str], None]:
+    return _warn if progress else (lambda msg: None)
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """Silence datasets' per-save progress bars, restoring the caller's setting afterwards."""
+    import datasets
+
+    was_disabled = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
+
+
+__all__ = ["Documents", "PreparedCorpus", "cache_key_fields", "load_documents", "prepare", "split_documents"]
