@@ -91,7 +91,6 @@ class KDALayer(nn.Module):
         self.g_proj = nn.Linear(d_model, H * Dh, bias=False)
         self.o_norm = nn.RMSNorm(Dh, eps=norm_eps)
         self.o_proj = nn.Linear(H * Dh, d_model, bias=False)
-        self.o_proj.residual_out = True  # scaled by 1/sqrt(2 n_layers) at model init
         self.last_g_min: torch.Tensor | None = None
         self.last_g_mean: torch.Tensor | None = None
         self.reset_gate_parameters()

@@ -39,7 +39,6 @@ class MLA(nn.Module):
         self.v_up = nn.Linear(cfg.kv_latent_dim, H * Dh, bias=False)
         self.g_proj = nn.Linear(d_model, H * Dh, bias=False) if cfg.output_gate else None
         self.o_proj = nn.Linear(H * Dh, d_model, bias=False)
-        self.o_proj.residual_out = True  # scaled by 1/sqrt(2 n_layers) at model init
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.q_latent_dim > 0:

@@ -85,7 +85,20 @@ class Layer(nn.Module):
             from moelab.model.activations import GLUFFN
 
             self.ffn = GLUFFN(d, cfg.ffn_dim(), cfg.dense_activation, cfg.moe.situ_beta1, cfg.moe.situ_beta2)
-            self.ffn.down.residual_out = True  # scaled by 1/sqrt(2 n_layers) at model init
+
+    def residual_out_weights(self) -> list[torch.Tensor]:
+        """Weights of the projections that write into the residual stream (scaled at init).
+
+        Mixer: ``o_proj``. Dense FFN: ``down``. LatentMoE: ``proj_up`` (latent; ``w_out`` feeds
+        a scale-invariant RMSNorm there) or ``w_out`` (no latent), and the shared experts' ``down``.
+        """
+        out = [self.mixer.o_proj.weight]
+        if not self.is_moe:
+            return out + [self.ffn.down.weight]
+        out.append(self.ffn.proj_up.weight if self.ffn.latent else self.ffn.w_out)
+        if self.ffn.shared is not None:
+            out.append(self.ffn.shared.down.weight)
+        return out
 
 
 class MoELab(nn.Module):
@@ -109,27 +122,24 @@ class MoELab(nn.Module):
     def reset_parameters(self) -> None:
         """Model-wide init, then the component-specific ones.
 
-        Linear / Embedding weights ~ N(0, init_std), biases 0; projections that write into the
-        residual stream (modules flagged ``residual_out``) are further scaled by
-        ``1 / sqrt(2 n_layers)``. Then: KDA decay parameters (``KDALayer.reset_gate_parameters``),
-        AttnRes pseudo-queries 0, and each FFN's own ``init_weights(std, out_scale)`` if it has
-        one (for weights stored outside ``nn.Linear``, e.g. stacked expert tensors).
+        Linear / Embedding weights ~ N(0, init_std), biases 0; each FFN's own
+        ``reset_parameters(std)`` (expert tensors kept outside ``nn.Linear``, router); the
+        projections that write into the residual stream (``Layer.residual_out_weights``) scaled
+        by ``1 / sqrt(2 n_layers)``; then KDA decay parameters (``KDALayer.reset_gate_parameters``)
+        and AttnRes pseudo-queries 0.
         """
         std = self.cfg.init_std
-        out_scale = 1.0 / math.sqrt(2 * self.cfg.n_layers)
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=std)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
-        for m in self.modules():
-            if getattr(m, "residual_out", False):
-                m.weight.mul_(out_scale)
-            if isinstance(m, KDALayer):
-                m.reset_gate_parameters()
         for layer in self.layers:
-            if hasattr(layer.ffn, "init_weights"):
-                layer.ffn.init_weights(std=std, out_scale=out_scale)
+            layer.ffn.reset_parameters(std=std)
+            for w in layer.residual_out_weights():
+                w.mul_(1.0 / math.sqrt(2 * self.cfg.n_layers))
+            if layer.kind == "kda":
+                layer.mixer.reset_gate_parameters()
         for depth in self.residual.depth:
             depth.query.zero_()
 
