@@ -103,6 +103,7 @@ class GLUFFN(nn.Module):
         self.fused: bool | None = None  # None: Triton activation on CUDA; see glu()
         self.reset_parameters()
 
+    @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.gate_up.weight, std=std)
         nn.init.normal_(self.down.weight, std=std)
@@ -116,20 +117,29 @@ class GLUFFN(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
-# Fused Triton kernels. Math in fp32 whatever the storage dtype. tanh is written with tl.exp (it
-# saturates correctly at +-inf) rather than a libdevice call, which keeps the kernel portable across
-# Triton versions and the CPU interpreter.
+# Fused Triton kernels. Math in fp32 whatever the storage dtype. tanh and sigmoid are written with
+# tl.exp rather than libdevice calls, which keeps the kernels portable across Triton versions and
+# the CPU interpreter.
 # ----------------------------------------------------------------------------------------------
 
 if triton is not None:
 
     @triton.jit
     def _tanh(z):
-        # 1 - 2 / (exp(2z) + 1) loses relative accuracy near 0 (cancellation); SiTU-GLU lives there
+        # (1 - e) / (1 + e) loses relative accuracy near 0 (cancellation); SiTU-GLU lives there
         # (u / 25 is small), so below |z| = 0.2 use the odd Taylor series (next term < 1e-10).
-        z2 = z * z
-        series = z * (1.0 + z2 * (-1.0 / 3.0 + z2 * (2.0 / 15.0 + z2 * (-17.0 / 315.0))))
-        return tl.where(tl.abs(z) < 0.2, series, 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+        # Only exp(-2|z|) and a clamped series are evaluated, so nothing overflows.
+        zc = tl.minimum(tl.maximum(z, -0.2), 0.2)
+        z2 = zc * zc
+        series = zc * (1.0 + z2 * (-1.0 / 3.0 + z2 * (2.0 / 15.0 + z2 * (-17.0 / 315.0))))
+        e = tl.exp(-2.0 * tl.abs(z))
+        far = (1.0 - e) / (1.0 + e)
+        return tl.where(tl.abs(z) < 0.2, series, tl.where(z < 0, -far, far))
+
+    @triton.jit
+    def _sigmoid(z):
+        e = tl.exp(-tl.abs(z))
+        return tl.where(z < 0, e / (1.0 + e), 1.0 / (1.0 + e))
 
     @triton.jit
     def _glu_fwd_kernel(h_ptr, out_ptr, n_rows, F_half, beta1, beta2,
@@ -140,7 +150,7 @@ if triton is not None:
         h_off = rows[:, None] * (2 * F_half) + cols[None, :]
         g = tl.load(h_ptr + h_off, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(h_ptr + h_off + F_half, mask=mask, other=0.0).to(tl.float32)
-        s = 1.0 / (1.0 + tl.exp(-g))
+        s = _sigmoid(g)
         if SITU:
             a = (beta1 * _tanh(g / beta1)) * s * (beta2 * _tanh(u / beta2))
         else:
@@ -157,7 +167,7 @@ if triton is not None:
         g = tl.load(h_ptr + h_off, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(h_ptr + h_off + F_half, mask=mask, other=0.0).to(tl.float32)
         go = tl.load(go_ptr + rows[:, None] * F_half + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        s = 1.0 / (1.0 + tl.exp(-g))
+        s = _sigmoid(g)
         if SITU:
             t1 = _tanh(g / beta1)
             t2 = _tanh(u / beta2)

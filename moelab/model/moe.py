@@ -380,6 +380,14 @@ class LatentMoE(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
+        self.init_weights(std, out_scale=1.0)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, out_scale: float = 1.0) -> None:
+        """Every weight ~ N(0, std), norm gain 1, router bias 0; the matrices that write into the
+        residual stream (proj_up, or w_out without a latent, and the shared down projection) are
+        then multiplied by ``out_scale`` (the model passes 1 / sqrt(2 n_layers)). w_out with a
+        latent is not scaled: RMSNorm removes its scale anyway."""
         self.router.reset_parameters(std)
         nn.init.normal_(self.w_in, std=std)
         nn.init.normal_(self.w_out, std=std)
@@ -387,8 +395,12 @@ class LatentMoE(nn.Module):
             nn.init.normal_(self.proj_down.weight, std=std)
             nn.init.normal_(self.proj_up.weight, std=std)
             self.latent_norm.reset_parameters()
+            self.proj_up.weight.mul_(out_scale)
+        else:
+            self.w_out.mul_(out_scale)
         if self.shared is not None:
             self.shared.reset_parameters(std)
+            self.shared.down.weight.mul_(out_scale)
 
     def set_fused(self, fused: bool | None) -> None:
         """Choose the Triton kernels for routed AND shared experts (None: on CUDA)."""

@@ -1,0 +1,122 @@
+"""SiTU-GLU / SwiGLU and the GLU FFN: bounds, the SwiGLU limit, fused Triton kernel vs PyTorch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moelab.model.activations import GLUFFN, glu, situ_glu, swiglu
+from moelab.model.config import ConfigError
+from tests.helpers import assert_close, rel_err
+
+
+def _situ_ref(g: torch.Tensor, u: torch.Tensor, b1: float, b2: float) -> torch.Tensor:
+    """fp64 transcription of the definition, written independently of the module."""
+    g, u = g.double(), u.double()
+    return b1 * torch.tanh(g / b1) * (1.0 / (1.0 + torch.exp(-g))) * b2 * torch.tanh(u / b2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_situ_glu_bounded_by_beta_product(dtype):
+    torch.manual_seed(0)
+    huge = torch.tensor([0.0, 1.0, -1.0, 1e3, -1e3, 1e30, -1e30, 3e38, -3e38, float("inf"), float("-inf")])
+    g, u = torch.meshgrid(huge, huge, indexing="ij")
+    g = torch.cat([g.flatten(), torch.randn(4096) * 1e4]).to(dtype)
+    u = torch.cat([u.flatten(), torch.randn(4096) * 1e4]).to(dtype)
+    for b1, b2 in [(4.0, 25.0), (1.0, 2.0)]:
+        out = situ_glu(g, u, b1, b2)
+        fused = glu(torch.stack([g, u], -1).view(-1, 2), "situ_glu", b1, b2, fused=True).view(-1)
+        for name, o in [("reference", out), ("fused", fused)]:
+            assert torch.isfinite(o).all(), name
+            assert o.abs().max().item() <= b1 * b2 * (1 + 1e-6), name
+        assert_close(out.float(), fused.float(), 1e-6 if dtype == torch.float32 else 1e-2, "fused vs reference")
+    # The cap is reached: large positive gate and up give close to b1 * b2.
+    assert situ_glu(torch.tensor(1e4), torch.tensor(1e4)).item() == pytest.approx(100.0, rel=1e-6)
+
+
+def test_situ_glu_matches_definition():
+    torch.manual_seed(0)
+    g, u = torch.randn(2, 1000, dtype=torch.float64) * 10
+    assert_close(_situ_ref(g, u, 4.0, 25.0), situ_glu(g, u), 1e-12, "situ_glu")
+
+
+def test_situ_glu_tends_to_swiglu():
+    torch.manual_seed(0)
+    g, u = torch.randn(2, 10_000, dtype=torch.float64) * 3
+    ref = swiglu(g, u)
+    errs = [rel_err(ref, situ_glu(g, u, b, b)) for b in (4.0, 25.0, 1e2, 1e3, 1e4)]
+    assert all(a > b for a, b in zip(errs, errs[1:])), errs  # monotone in beta
+    assert errs[-1] < 1e-3, errs
+    # O(z^3 / b^2): ten times larger betas cut the error about a hundredfold.
+    assert errs[-1] < errs[-2] / 50, errs
+    assert_close(F.silu(g) * u, swiglu(g, u), 1e-12, "swiglu")
+
+
+def test_situ_glu_gradients_fp64():
+    torch.manual_seed(0)
+    g = (torch.randn(64, dtype=torch.float64) * 5).requires_grad_()
+    u = (torch.randn(64, dtype=torch.float64) * 40).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: situ_glu(a, b, 4.0, 25.0), (g, u))
+
+
+@pytest.mark.parametrize("activation", ["situ_glu", "swiglu"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("scale", [0.05, 3.0, 200.0])
+def test_fused_glu_matches_reference(activation, dtype, tol, scale):
+    """Triton kernel (interpreter on CPU) vs autograd of the fp64 PyTorch formula: output and grad."""
+    torch.manual_seed(0)
+    h = (torch.randn(37, 2 * 48) * scale).to(dtype).requires_grad_()
+    go = torch.randn(37, 48).to(dtype)
+    out = glu(h, activation, fused=True)
+    out.backward(go)
+    h64 = h.detach().double().requires_grad_()
+    ref = glu(h64, activation, fused=False)
+    ref.backward(go.double())
+    assert out.dtype == dtype and out.shape == (37, 48)
+    assert_close(ref, out, tol, f"{activation} out")
+    assert_close(h64.grad, h.grad, tol, f"{activation} grad")
+
+
+def test_fused_glu_keeps_leading_dims():
+    torch.manual_seed(0)
+    h = torch.randn(2, 3, 16)
+    assert_close(glu(h, "situ_glu", fused=False), glu(h, "situ_glu", fused=True), 1e-6, "3d")
+
+
+@pytest.mark.parametrize("activation", ["situ_glu", "swiglu"])
+def test_glu_ffn_forward_and_grads(activation):
+    torch.manual_seed(0)
+    ffn = GLUFFN(16, 24, activation, beta1=2.0, beta2=5.0)
+    with torch.no_grad():  # larger weights so the caps are exercised
+        ffn.gate_up.weight.mul_(50)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    y = ffn(x)
+    assert y.shape == x.shape
+    go = torch.randn_like(y)
+    y.backward(go)
+
+    x64 = x.detach().double().requires_grad_()
+    wg, wu = (w.detach().double().requires_grad_() for w in ffn.gate_up.weight.chunk(2, 0))
+    wd = ffn.down.weight.detach().double().requires_grad_()
+    g, u = x64 @ wg.T, x64 @ wu.T
+    a = _situ_ref(g, u, 2.0, 5.0) if activation == "situ_glu" else g * torch.sigmoid(g) * u
+    ref = a @ wd.T
+    ref.backward(go.double())
+    assert_close(ref, y, 1e-5, "ffn out")
+    assert_close(x64.grad, x.grad, 1e-5, "ffn dx")
+    assert_close(torch.cat([wg.grad, wu.grad]), ffn.gate_up.weight.grad, 1e-5, "ffn dW_gate_up")
+    assert_close(wd.grad, ffn.down.weight.grad, 1e-5, "ffn dW_down")
+
+    ffn.fused = True  # Triton path gives the same function
+    assert_close(ref, ffn(x), 1e-5, "ffn fused out")
+
+
+def test_glu_ffn_init_and_errors():
+    torch.manual_seed(0)
+    ffn = GLUFFN(256, 512, "situ_glu")
+    assert ffn.gate_up.weight.shape == (1024, 256) and ffn.down.weight.shape == (256, 512)
+    assert ffn.gate_up.bias is None and ffn.down.bias is None
+    assert abs(ffn.gate_up.weight.std().item() - 0.02) < 1e-3
+    with pytest.raises(ConfigError, match=r"activation='gelu'.*'situ_glu', 'swiglu'"):
+        GLUFFN(8, 8, "gelu")
+    with pytest.raises(ConfigError, match="relu"):
+        glu(torch.randn(2, 4), "relu")
