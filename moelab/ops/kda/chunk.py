@@ -23,8 +23,9 @@ Outputs and the state leaving the chunk are then matrix products:
 
 Every exponent used is a difference ``G_i - G_j`` with ``j <= i`` (so ``<= 0``) or a ``G`` itself:
 nothing overflows for any g, however negative. The pairwise differences are formed element-wise
-as a ``[C, C, K]`` tensor per chunk (masked above the diagonal before ``exp``); that costs memory
-(this path is a reference, not the fast one) but needs no bound on g.
+as a ``[C, C, K]`` tensor per chunk, summed segment by segment (no cancellation) and masked above
+the diagonal before ``exp``; that costs memory (this path is a reference, not the fast one) but
+needs no bound on g.
 """
 
 from __future__ import annotations
@@ -33,22 +34,26 @@ import torch
 import torch.nn.functional as F
 
 
-def _pairwise_decay(G: torch.Tensor, strict: bool) -> torch.Tensor:
-    """``exp(G_i - G_j)`` for ``j <= i`` (``j < i`` if strict), 0 elsewhere.
+def _segment_sums(g: torch.Tensor) -> torch.Tensor:
+    """``L[i, j] = sum_{j < m <= i} g_m = G_i - G_j`` for ``j <= i``, ``-inf`` above the diagonal.
+
+    Summed directly rather than as ``G_i - G_j``: late in a chunk of very negative g both
+    cumulative sums are large (``|G| ~ 1e4``) and their difference would lose the digits that
+    matter for ``exp(G_i - G_j)`` near 1 (catastrophic cancellation).
 
     Args:
-        G: ``[..., C, K]`` within-chunk cumulative log decay, fp32.
+        g: ``[..., C, K]`` log decay, fp32.
 
     Returns:
-        ``[..., C, C, K]`` decay factors in [0, 1].
+        ``[..., C, C, K]`` (row i, column j); ``exp`` of it is the decay from token j to token i.
     """
-    C = G.shape[-2]
-    mask = torch.ones(C, C, dtype=torch.bool, device=G.device).tril(-1 if strict else 0)
-    diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [..., i, j, K] = G_i - G_j
-    # Above the diagonal G_i - G_j >= 0 can be huge; masking before exp keeps it (and its
-    # gradient) finite instead of multiplying an inf by zero afterwards.
-    diff = diff.masked_fill(~mask[..., None], float("-inf"))
-    return diff.exp()
+    C = g.shape[-2]
+    ones = torch.ones(C, C, dtype=torch.bool, device=g.device)
+    below = ones.tril(-1)[..., None]  # m > j, for rows m
+    terms = g.unsqueeze(-2).expand(*g.shape[:-2], C, C, g.shape[-1]).masked_fill(~below, 0.0)  # [.., m, j, K]
+    L = terms.cumsum(dim=-3)  # row i: sum over j < m <= i
+    # Masking before exp keeps the upper triangle (and its gradient) at exactly zero.
+    return L.masked_fill(~ones.tril()[..., None], float("-inf"))
 
 
 def chunk_kda_torch(
@@ -107,18 +112,16 @@ def chunk_kda_torch(
     G = gc.cumsum(-2)  # [B, H, N, C, K], <= 0
 
     # Intra-chunk matrices for all chunks at once (they do not depend on the state).
-    dec_strict = _pairwise_decay(G, strict=True)  # [B, H, N, C, C, K]
-    A = bc * torch.einsum("...ic,...jc,...ijc->...ij", kc, kc, dec_strict)  # strictly lower
-    eye = torch.eye(C, dtype=A.dtype, device=A.device)
+    decay = _segment_sums(gc).exp()  # [B, H, N, C, C, K]: exp(G_i - G_j) for j <= i, else 0
+    eye = torch.eye(C, dtype=decay.dtype, device=decay.device)
+    A = bc * torch.einsum("...ic,...jc,...ijc->...ij", kc, kc, decay) * (1 - eye)  # strictly lower
     IA = eye + A
     Wv = torch.linalg.solve_triangular(IA, bc * vc, upper=False, unitriangular=True)  # [..., C, V]
     Wk = torch.linalg.solve_triangular(IA, bc * kc * G.exp(), upper=False, unitriangular=True)  # [..., C, K]
-    dec_incl = _pairwise_decay(G, strict=False)
-    Aqk = torch.einsum("...ic,...jc,...ijc->...ij", qc, kc, dec_incl)  # lower incl. diagonal
+    Aqk = torch.einsum("...ic,...jc,...ijc->...ij", qc, kc, decay)  # lower incl. diagonal
     q_dec = qc * G.exp()  # (Q * e^G): reads the entering state
-    G_last = G[..., -1:, :]  # [B, H, N, 1, K]
-    k_dec = kc * (G_last - G).exp()  # (K * e^{G_C - G}): writes into the leaving state
-    state_decay = G_last.squeeze(-2).exp()  # [B, H, N, K]
+    k_dec = kc * decay[..., -1, :, :]  # (K * e^{G_C - G}): writes into the leaving state
+    state_decay = G[..., -1, :].exp()  # [B, H, N, K]
 
     S = q.new_zeros(B, H, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
     outs = []
