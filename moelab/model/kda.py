@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moelab.model.attnres import RMSNorm
 from moelab.model.config import KDAConfig
 from moelab.ops.kda import kda
 
@@ -89,7 +90,7 @@ class KDALayer(nn.Module):
         self.f_up = nn.Linear(cfg.decay_rank, H * Dh, bias=True)  # its bias is b in z = W_up W_down x + b
         self.A_log = nn.Parameter(torch.zeros(H))
         self.g_proj = nn.Linear(d_model, H * Dh, bias=False)
-        self.o_norm = nn.RMSNorm(Dh, eps=norm_eps)
+        self.o_norm = RMSNorm(Dh, eps=norm_eps)
         self.o_proj = nn.Linear(H * Dh, d_model, bias=False)
         self.last_g_min: torch.Tensor | None = None
         self.last_g_mean: torch.Tensor | None = None

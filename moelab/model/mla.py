@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moelab.model.attnres import RMSNorm
 from moelab.model.config import MLAConfig
 
 
@@ -29,12 +30,12 @@ class MLA(nn.Module):
         self.H, self.Dh = H, Dh
         if cfg.q_latent_dim > 0:
             self.q_down = nn.Linear(d_model, cfg.q_latent_dim, bias=False)
-            self.q_norm = nn.RMSNorm(cfg.q_latent_dim, eps=norm_eps)
+            self.q_norm = RMSNorm(cfg.q_latent_dim, eps=norm_eps)
             self.q_up = nn.Linear(cfg.q_latent_dim, H * Dh, bias=False)
         else:
             self.q_proj = nn.Linear(d_model, H * Dh, bias=False)
         self.kv_down = nn.Linear(d_model, cfg.kv_latent_dim, bias=False)
-        self.kv_norm = nn.RMSNorm(cfg.kv_latent_dim, eps=norm_eps)
+        self.kv_norm = RMSNorm(cfg.kv_latent_dim, eps=norm_eps)
         self.k_up = nn.Linear(cfg.kv_latent_dim, H * Dh, bias=False)
         self.v_up = nn.Linear(cfg.kv_latent_dim, H * Dh, bias=False)
         self.g_proj = nn.Linear(d_model, H * Dh, bias=False) if cfg.output_gate else None

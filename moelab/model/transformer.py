@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moelab.model.attnres import AttnResidual
+from moelab.model.attnres import AttnResidual, RMSNorm
 from moelab.model.config import ModelConfig
 from moelab.model.kda import KDALayer, KDAState
 from moelab.model.mla import MLA
@@ -73,9 +73,9 @@ class Layer(nn.Module):
         super().__init__()
         d, eps = cfg.d_model, cfg.norm_eps
         self.kind = cfg.layer_types()[index]
-        self.mixer_norm = nn.RMSNorm(d, eps=eps)
+        self.mixer_norm = RMSNorm(d, eps=eps)
         self.mixer = KDALayer(d, cfg.kda, eps) if self.kind == "kda" else MLA(d, cfg.mla, eps)
-        self.ffn_norm = nn.RMSNorm(d, eps=eps)
+        self.ffn_norm = RMSNorm(d, eps=eps)
         self.is_moe = index >= cfg.dense_layers
         if self.is_moe:
             from moelab.model.moe import LatentMoE
@@ -110,7 +110,7 @@ class MoELab(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.n_layers))
         self.residual = AttnResidual(cfg.d_model, 2 * cfg.n_layers, cfg.residual, cfg.norm_eps)
-        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         # Range checks of ids cost a host sync; a training loop that trusts its data may turn them off.
         self.check_inputs = True

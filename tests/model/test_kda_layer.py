@@ -1,0 +1,133 @@
+"""KDA layer: gates, ShortConv, state carry (chunked prefill + decoding == one pass), config bounds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moelab.model import kda as kda_module
+from moelab.model.config import ConfigError, KDAConfig, max_safe_g_min
+from moelab.model.kda import KDALayer, ShortConv
+from tests.helpers import assert_close
+
+D = 24
+
+
+def layer(gate: str = "bounded", backend: str = "chunk", **kw) -> KDALayer:
+    torch.manual_seed(0)
+    cfg = KDAConfig(num_heads=2, head_dim=8, decay_rank=4, gate=gate, backend=backend, chunk_size=16, **kw)
+    cfg.validate()
+    return KDALayer(D, cfg)
+
+
+def test_shortconv_matches_explicit_causal_sum() -> None:
+    torch.manual_seed(0)
+    conv = ShortConv(channels=5, size=4)
+    x = torch.randn(2, 9, 5)
+    y, tail = conv(x)
+    w = conv.weight[:, 0]  # [C, size]
+    xp = F.pad(x, (0, 0, 3, 0))  # three zeros before the first token
+    ref = torch.stack([sum(w[:, j] * xp[:, t + j] for j in range(4)) for t in range(9)], dim=1)
+    assert_close(ref, y, 1e-6, "conv")
+    assert torch.equal(tail, x[:, -3:])
+
+
+def test_shortconv_tail_chains_short_pieces() -> None:
+    torch.manual_seed(0)
+    conv = ShortConv(channels=3, size=4)
+    x = torch.randn(1, 7, 3)
+    full, _ = conv(x)
+    tail, outs = None, []
+    for piece in (x[:, :1], x[:, 1:3], x[:, 3:4], x[:, 4:]):  # pieces shorter than the kernel
+        y, tail = conv(piece, tail)
+        outs.append(y)
+    assert_close(full, torch.cat(outs, 1), 1e-6, "chained conv")
+
+
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_gate_range_and_init(gate: str) -> None:
+    m = layer(gate)
+    x = 30 * torch.randn(2, 20, D)  # large inputs push the gate to its extremes
+    g = m.log_decay(x)
+    assert g.shape == (2, 20, 2, 8) and g.dtype == torch.float32
+    assert (g <= 0).all()
+    if gate == "bounded":
+        assert (g >= m.cfg.g_min).all()
+        assert torch.equal(m.A_log, torch.zeros(2))  # K3: A = 0 at init
+    else:
+        assert ((m.A_log.exp() >= 1) & (m.A_log.exp() <= 16)).all()
+    # At z = b (x = 0) the decay starts in Mamba's range: g = -exp(A) * dt, dt in [1e-3, 0.1].
+    g0 = m.log_decay(torch.zeros(1, 1, D))[0, 0]
+    dt = -g0 / m.A_log.exp()[:, None]
+    assert ((dt > 0.9e-3) & (dt < 0.11)).all()
+
+
+@pytest.mark.parametrize("gate, bound", [("bounded", -5.0), ("softplus", None)])
+def test_lower_bound_reaches_the_op(monkeypatch: pytest.MonkeyPatch, gate: str, bound) -> None:
+    seen = {}
+    real = kda_module.kda
+
+    def spy(*args, **kw):
+        seen.update(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(kda_module, "kda", spy)
+    layer(gate)(torch.randn(1, 5, D))
+    assert seen["lower_bound"] == bound and seen["backend"] == "chunk"
+
+
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_chunk_backend_matches_recurrent_in_the_layer(gate: str) -> None:
+    x = torch.randn(2, 37, D)
+    outs, grads = [], []
+    for backend in ("recurrent", "chunk"):
+        m = layer(gate, backend)
+        xi = x.clone().requires_grad_()
+        y, _ = m(xi)
+        y.pow(2).sum().backward()
+        outs.append(y.detach())
+        grads.append([xi.grad] + [p.grad for p in m.parameters()])
+    assert_close(outs[0], outs[1], 1e-5, "y")
+    for i, (a, b) in enumerate(zip(*grads)):
+        assert_close(a, b, 1e-4, f"grad {i}")
+
+
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_state_carry_equals_one_pass(gate: str) -> None:
+    m = layer(gate)
+    x = torch.randn(2, 40, D)
+    full, _ = m(x)
+    state, outs = None, []
+    for a, b in ((0, 17), (17, 18), (18, 20), (20, 33)):  # prefill pieces, incl. 1 and 2 tokens
+        y, state = m(x[:, a:b], state, use_cache=True)
+        outs.append(y)
+    for t in range(33, 40):  # token-by-token decoding
+        y, state = m(x[:, t:t + 1], state, use_cache=True)
+        outs.append(y)
+    assert_close(full, torch.cat(outs, 1), 1e-5, "pieces vs one pass")
+    assert state.S.shape == (2, 2, 8, 8) and state.S.dtype == torch.float32
+    assert all(t.shape == (2, 3, 16) for t in state.conv)
+
+
+def test_no_state_without_use_cache_and_g_stats() -> None:
+    m = layer()
+    y, st = m(torch.randn(1, 6, D))
+    assert st is None and y.shape == (1, 6, D)
+    assert m.cfg.g_min <= m.last_g_min.item() <= m.last_g_mean.item() <= 0
+
+
+def test_config_rejects_g_min_the_precision_cannot_hold() -> None:
+    floor = max_safe_g_min("bf16", 16)
+    assert math.isclose(floor, -88.72 / 16, rel_tol=1e-3)
+    KDAConfig(g_min=-5.0).validate()
+    with pytest.raises(ConfigError, match="kda.g_min=-6.0"):
+        KDAConfig(g_min=-6.0).validate()
+    with pytest.raises(ConfigError, match="kda.g_min"):
+        KDAConfig(g_min=-1.0, precision="fp16").validate()  # fp16 holds only ~ -0.69 at 16 tokens
+    KDAConfig(g_min=-6.0, backend="chunk").validate()  # the PyTorch path has no bound
+    KDAConfig(g_min=-50.0, gate="softplus").validate()  # g_min unused by softplus
+    with pytest.raises(ConfigError, match="kda.g_min"):
+        KDAConfig(g_min=0.5, backend="chunk").validate()
