@@ -1,0 +1,126 @@
+"""Residual modes: depth attention vs the formulas of attnres.md, block bookkeeping, full == block(S=1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moelab.model.attnres import AttnResidual, DepthAttention
+from moelab.model.config import ConfigError, ResidualConfig
+from moelab.model.transformer import MoELab
+from tests.helpers import assert_close
+from tests.model.tiny import tiny_config
+
+D = 16
+
+
+def rms_norm(v: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def depth_reference(att: DepthAttention, sources: list[torch.Tensor]) -> torch.Tensor:
+    """``h = sum_i a_i v_i``, ``a = softmax_i(w^T RMSNorm(v_i))``, written per source."""
+    logits = torch.stack([(rms_norm(v, att.key_norm.weight) * att.query).sum(-1) for v in sources])
+    a = logits.softmax(0)
+    return sum(a[i, ..., None] * v for i, v in enumerate(sources))
+
+
+def test_depth_attention_matches_formula_and_starts_uniform() -> None:
+    torch.manual_seed(0)
+    att = DepthAttention(D)
+    sources = [torch.randn(2, 5, D) * s for s in (1.0, 3.0, 0.2)]
+    h0, w0 = att(torch.stack(sources))
+    assert_close(sum(sources) / 3, h0, 1e-6, "zero query = uniform average")
+    assert torch.allclose(w0, torch.full_like(w0, 1 / 3))
+    with torch.no_grad():
+        att.query.normal_()
+        att.key_norm.weight.uniform_(0.5, 1.5)
+    h, w = att(torch.stack(sources))
+    assert_close(depth_reference(att, sources), h, 1e-6, "h")
+    assert w.shape == (3, 2, 5) and torch.allclose(w.sum(0), torch.ones(2, 5))
+
+
+def stream_reference(mode: str, n_sub: int, ends: list[int], outputs: list[torch.Tensor],
+                     emb: torch.Tensor, depth: torch.nn.ModuleList) -> list[torch.Tensor]:
+    """The reads h_0..h_{n_sub} (last = final) written straight from attnres.md."""
+    reads = []
+    for l in range(n_sub + 1):
+        done = outputs[:l]
+        if mode == "prenorm":
+            reads.append(emb + sum(done, torch.zeros_like(emb)))
+            continue
+        closed = [e for e in ends if e <= l]
+        starts = [0] + closed
+        sources = [emb] + [sum(outputs[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+        if starts[-1] < l:
+            sources.append(sum(outputs[starts[-1]:l]))  # partial current block
+        reads.append(depth_reference(depth[l], sources))
+    return reads
+
+
+@pytest.mark.parametrize("mode, num_blocks, uneven", [
+    ("prenorm", 1, False), ("full_attnres", 1, False), ("block_attnres", 1, False), ("block_attnres", 2, False),
+    ("block_attnres", 4, False), ("block_attnres", 3, True), ("block_attnres", 5, True),
+])
+def test_stream_reads_match_reference(mode: str, num_blocks: int, uneven: bool) -> None:
+    n_sub = 8
+    cfg = ResidualConfig(mode=mode, num_blocks=num_blocks, uneven_blocks=uneven)
+    res = AttnResidual(D, n_sub, cfg)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in res.parameters():
+            p.normal_()
+    emb = torch.randn(2, 3, D)
+    outputs = [torch.randn(2, 3, D) for _ in range(n_sub)]
+    stream = res.stream(emb, diagnostics=True)
+    reads = []
+    for l in range(n_sub):
+        reads.append(stream.read(l))
+        stream.write(l, outputs[l])
+    reads.append(stream.read_final())
+    ref = stream_reference(mode, n_sub, cfg.block_ends(n_sub), outputs, emb, res.depth)
+    for l, (a, b) in enumerate(zip(ref, reads)):
+        assert_close(a, b, 1e-6, f"read {l}")
+    diag = stream.diagnostics()
+    assert diag["hidden_rms"].shape == (n_sub + 1,) and diag["output_rms"].shape == (n_sub,)
+    assert len(diag["depth_weights"]) == (0 if mode == "prenorm" else n_sub + 1)
+
+
+def test_block_ends() -> None:
+    assert ResidualConfig("block_attnres", 4).block_ends(8) == [2, 4, 6, 8]
+    assert ResidualConfig("full_attnres").block_ends(4) == [1, 2, 3, 4]
+    assert ResidualConfig("prenorm").block_ends(4) == []
+    ends = ResidualConfig("block_attnres", 8, uneven_blocks=True).block_ends(186)  # K3
+    sizes = [b - a for a, b in zip([0] + ends[:-1], ends)]
+    assert len(ends) == 8 and ends[-1] == 186 and set(sizes) == {23, 24}
+    with pytest.raises(ConfigError, match="residual.num_blocks=8"):
+        ResidualConfig("block_attnres", 8).validate(186)
+    with pytest.raises(ConfigError, match="residual.num_blocks=9"):
+        ResidualConfig("block_attnres", 9, uneven_blocks=True).validate(8)
+
+
+@pytest.mark.parametrize("pattern", ["KKKM", "M"])
+def test_block_with_one_block_per_sublayer_equals_full(pattern: str) -> None:
+    torch.manual_seed(0)
+    full = MoELab(tiny_config(pattern=pattern, mode="full_attnres"))
+    block = MoELab(tiny_config(pattern=pattern, mode="block_attnres", num_blocks=8))  # 4 layers = 8 sublayers
+    with torch.no_grad():
+        for p in full.residual.parameters():  # non-zero queries, so the mixing is not uniform
+            p.normal_()
+    block.load_state_dict(full.state_dict())
+    ids = torch.randint(0, 50, (2, 21))
+    a, b = full(ids, return_diagnostics=True), block(ids, return_diagnostics=True)
+    assert torch.equal(a.logits, b.logits)
+    for wa, wb in zip(a.diagnostics["depth_weights"], b.diagnostics["depth_weights"]):
+        assert torch.equal(wa, wb)
+
+
+def test_attnres_queries_start_at_zero_and_learn() -> None:
+    m = MoELab(tiny_config(mode="block_attnres", num_blocks=4))
+    assert len(m.residual.depth) == 2 * 4 + 1
+    assert all(torch.equal(d.query, torch.zeros(32)) for d in m.residual.depth)
+    ids = torch.randint(0, 50, (2, 12))
+    m(ids, ids).loss.backward()
+    # The first sublayer has one source (the embedding): a softmax over one item has no gradient.
+    assert torch.equal(m.residual.depth[0].query.grad, torch.zeros(32))
+    assert all(d.query.grad.abs().sum() > 0 for d in m.residual.depth[1:])
