@@ -1,0 +1,76 @@
+# moelab: `make help` lists the targets.
+#
+# By default every target runs in .venv (created and kept in sync with pyproject.toml by
+# `make setup`). On a machine that already has the stack (the GPU machine), point PYTHON at
+# its interpreter and setup is skipped:  make train PRESET=gpu-small PYTHON=python3
+
+PYTHON ?= .venv/bin/python
+VENV := .venv
+BOOTSTRAP_PYTHON ?= python3
+EXTRAS ?= dev
+# Installed before moelab on machines without an NVIDIA driver, so pip keeps this CPU build
+# instead of resolving torch to a multi-GB CUDA build. Elsewhere, add e.g.
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu to fetch the CPU build from PyTorch's index.
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+PRESET ?=
+PORT ?= 5000
+ARGS ?=
+STAMP := $(VENV)/.moelab-setup
+
+ifeq ($(PYTHON),$(VENV)/bin/python)
+SETUP := setup
+else
+SETUP :=
+endif
+
+.DEFAULT_GOAL := help
+.PHONY: help setup test test-fast lint data train info study-1 study-2 study-3 study-4 throughput mlflow-ui lab sync-nbs
+
+help: ## list the targets
+	@echo "usage: make TARGET [PRESET=...] [PYTHON=python3] [ARGS='--set key=value ...']"
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_%-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+setup: ## create .venv and install moelab (editable, [dev]); no-op while pyproject.toml is unchanged
+	@set -e; hash=$$(sha256sum pyproject.toml | cut -c1-16); \
+	if [ -f $(STAMP) ] && [ "$$(cat $(STAMP))" = "$$hash" ] && [ -x $(VENV)/bin/python ]; then \
+		echo "setup: $(VENV) is up to date with pyproject.toml"; exit 0; fi; \
+	[ -x $(VENV)/bin/python ] || $(BOOTSTRAP_PYTHON) -m venv $(VENV); \
+	if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(VENV)/bin/python -c "import torch" 2>/dev/null; then \
+		echo "setup: no NVIDIA driver: installing the CPU build ($(TORCH_SPEC))"; \
+		$(VENV)/bin/python -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"; fi; \
+	$(VENV)/bin/python -m pip install -e ".[$(EXTRAS)]"; \
+	echo $$hash > $(STAMP); echo "setup: done ($(VENV))"
+
+test: $(SETUP) ## install if needed, then run the whole test suite (what CI runs)
+	$(PYTHON) -m pytest -q $(ARGS)
+
+test-fast: $(SETUP) ## the test suite without tests marked slow
+	$(PYTHON) -m pytest -q -m "not slow" $(ARGS)
+
+lint: $(SETUP) ## ruff
+	$(PYTHON) -m ruff check moelab tests
+
+data: $(SETUP) ## prepare the corpus of PRESET (default cpu): tokenizer + verified token cache under data/cache
+	$(PYTHON) -m moelab data --config $(or $(PRESET),cpu) $(ARGS)
+
+train: $(SETUP) ## train PRESET (default cpu); ARGS="--set train.max_steps=100 --resume"
+	$(PYTHON) -m moelab train --config $(or $(PRESET),cpu) $(ARGS)
+
+info: $(SETUP) ## parameter counts and FLOPs of PRESET (default k3)
+	$(PYTHON) -m moelab info --config $(or $(PRESET),k3) $(ARGS)
+
+study-%: $(SETUP) ## study-N: run study N's notebook into studies/NN_name/ (PRESET=cpu|gpu; default: gpu if present)
+	$(PYTHON) -m moelab study $* $(if $(PRESET),--preset $(PRESET)) $(ARGS)
+
+throughput: $(SETUP) ## train PRESET (default gpu-small) and record tokens/s + MFU in studies/throughput_h200.json
+	$(PYTHON) -m moelab train --config $(or $(PRESET),gpu-small) --throughput studies/throughput_h200.json $(ARGS)
+
+mlflow-ui: $(SETUP) ## serve the MLflow dashboard of ./mlflow.db on http://127.0.0.1:PORT (default 5000)
+	$(PYTHON) -m mlflow server --host 127.0.0.1 --port $(PORT) --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
+
+lab: $(SETUP) ## start JupyterLab on the notebooks (nbs/*.py and *.ipynb stay paired by jupytext)
+	$(PYTHON) -m jupyterlab --ip 127.0.0.1 --notebook-dir $(CURDIR)
+
+sync-nbs: $(SETUP) ## re-pair nbs/NN_name.py and nbs/NN_name.ipynb after editing either
+	$(PYTHON) -m jupytext --sync nbs/[0-9][0-9]_*.py

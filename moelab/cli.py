@@ -1,0 +1,132 @@
+"""``python -m moelab {train,info,data,study}``.
+
+    python -m moelab train --config tiny --set train.max_steps=20 [--resume [CKPT]] [--throughput FILE]
+    python -m moelab info  --config k3
+    python -m moelab data  --config cpu [--force]
+    python -m moelab study 1 [--preset cpu|gpu]
+
+``--config`` takes a preset name (``moelab/presets/<name>.yaml``) or a YAML path; ``--set KEY=VALUE``
+(repeatable) overrides any field, the value parsed as YAML. Exit codes: 0 done, 1 failed (the
+message says why), 2 bad configuration or arguments, 130 interrupted (a checkpoint was saved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from moelab.model.config import ConfigError
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, metavar="PRESET_OR_PATH",
+                   help="preset name (tiny, cpu, gpu-small, fla-shape, k3, ...) or path of a YAML file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set train.lr=1e-3 --set model.kda.gate=softplus")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m moelab", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a preset (Lightning + MLflow)")
+    _config_args(p)
+    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CKPT",
+                   help="continue from CKPT, or from <ckpt_dir>/last.ckpt when no path is given")
+    p.add_argument("--throughput", metavar="FILE",
+                   help="also record tokens/s, MFU and peak memory as a row of this JSON file "
+                        "(e.g. studies/throughput_h200.json)")
+
+    p = sub.add_parser("info", help="parameter counts and FLOPs of a config (no model is built)")
+    _config_args(p)
+    p.add_argument("--seq-len", type=int, default=None, help="context for the FLOPs line (default: model.max_seq_len)")
+
+    p = sub.add_parser("data", help="prepare (download/tokenize/cache) the corpus of a config")
+    _config_args(p)
+    p.add_argument("--force", action="store_true", help="rebuild the cache even if it verifies")
+
+    p = sub.add_parser("study", help="run study N's notebook with papermill into studies/NN_name/")
+    p.add_argument("number", type=int, help="study number (1-4)")
+    p.add_argument("--preset", choices=("cpu", "gpu"), default=None,
+                   help="scale of the study (default: gpu when CUDA is available, else cpu)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"train": _train, "info": _info, "data": _data, "study": _study}[args.command](args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
+        return 130
+
+
+def _train(args: argparse.Namespace) -> int:
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    from moelab.config import load_config
+    from moelab.train import NonFiniteLossError, fit
+
+    cfg = load_config(args.config, args.overrides)
+    try:
+        result = fit(cfg, resume=args.resume)
+    except NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if rank_zero_only.rank != 0:
+        return 0
+    print(json.dumps(result.summary, indent=2, default=str))
+    if args.throughput:
+        from moelab.train.perf import record_throughput
+
+        s = result.summary
+        row = {"impl": "moelab_" + cfg.name.replace("-", "_"), "params": s["params_total"], "B": s["B"],
+               "T": s["T"], "tok_per_s": s["tok_per_s"], "mfu": s["mfu"], "peak_mem_gb": s["peak_mem_gb"]}
+        record_throughput(args.throughput, row)
+        print(f"recorded {row['impl']} in {args.throughput}")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from moelab.config import load_config
+    from moelab.model.accounting import param_counts, summary
+
+    cfg = load_config(args.config, args.overrides)
+    print(f"config: {cfg.name}")
+    print(summary(cfg.model, args.seq_len) if args.seq_len else summary(cfg.model))
+    if cfg.k3_reference:
+        counts = param_counts(cfg.model)
+        print("reference (k3_reference):")
+        for key, ref in cfg.k3_reference.items():
+            ours = counts.get(key)
+            if isinstance(ref, (int, float)) and isinstance(ours, (int, float)) and ref:
+                print(f"  {key:<12} reference {ref:.4g}   accounting {ours:.4g}   ({(ours - ref) / ref:+.1%})")
+            else:
+                print(f"  {key:<12} {ref}")
+    return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+    from moelab.config import load_config
+    from moelab.data import prepare
+
+    cfg = load_config(args.config, args.overrides)
+    corpus = prepare(cfg.data, force=args.force)
+    print(f"cache: {corpus.cache_dir}")
+    print(f"tokenizer: {cfg.data.tokenizer}, {corpus.vocab_size} ids; "
+          f"train {corpus.n_train_tokens:,} tokens, val {corpus.n_val_tokens:,} tokens")
+    return 0
+
+
+def _study(args: argparse.Namespace) -> int:
+    from moelab.studies.runner import run_study
+
+    out = run_study(args.number, args.preset)
+    print(f"study {args.number}: results in {out}")
+    return 0

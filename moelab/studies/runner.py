@@ -1,0 +1,149 @@
+"""Run a study notebook end to end: ``python -m moelab study N [--preset cpu|gpu]`` (``make study-N``).
+
+For study ``N`` the runner
+
+1. finds ``nbs/NN_*.ipynb`` (the paired, executable copy of ``nbs/NN_*.py``);
+2. creates ``studies/NN_name/`` (papermill does not create folders);
+3. opens one MLflow parent run (experiment ``NN_name``, run ``NN_name-<preset>``) and exports
+   ``MOELAB_PARENT_RUN_ID`` / ``MLFLOW_TRACKING_URI`` so that the kernel's training runs nest
+   under it;
+4. executes the notebook with papermill, injecting ``preset`` and ``out_dir`` into its
+   ``parameters`` cell, with ``out_dir`` as the working directory, into
+   ``studies/NN_name/NN_name.ipynb`` (kept even when a cell fails: it shows the error);
+5. logs the executed notebook, ``summary.json`` (and its numbers as ``summary/*`` metrics) and
+   the figures and results the notebook wrote as artifacts of the parent run.
+
+The notebook itself writes its figures, raw results and ``summary.json`` into ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from moelab.data.config import repo_root
+from moelab.tracking import PARENT_ENV, Run, start_run
+from moelab.utils import atomic_path
+
+STUDIES = {1: "01_decay_bound", 2: "02_balancing", 3: "03_attnres_depth", 4: "04_context_curriculum"}
+PRESETS = ("cpu", "gpu")
+ARTIFACT_SUFFIXES = {".png", ".svg", ".pdf", ".json", ".csv", ".md", ".txt"}
+ARTIFACT_DIRS = ("figures", "results")
+
+
+def default_preset() -> str:
+    """``gpu`` when a CUDA device is visible, else ``cpu``."""
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def find_notebook(number: int, nbs_dir: Path) -> Path:
+    """The one ``NN_*.ipynb`` in ``nbs_dir`` for study ``number``."""
+    found = sorted(nbs_dir.glob(f"{number:02d}_*.ipynb"))
+    if len(found) != 1:
+        have = ", ".join(p.name for p in sorted(nbs_dir.glob("[0-9][0-9]_*.ipynb"))) or "none"
+        what = "no notebook" if not found else f"{len(found)} notebooks"
+        raise FileNotFoundError(f"study {number}: {what} matching {nbs_dir}/{number:02d}_*.ipynb "
+                                f"(notebooks there: {have}; studies: {STUDIES})")
+    return found[0]
+
+
+@contextmanager
+def _environ(values: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables for the block (the kernel process inherits them), then restore."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_study(
+    number: int,
+    preset: str | None = None,
+    *,
+    nbs_dir: str | os.PathLike | None = None,
+    out_root: str | os.PathLike | None = None,
+    tracking_uri: str = "",
+    parameters: Mapping[str, Any] | None = None,
+    kernel_name: str | None = None,
+    log_output: bool = True,
+) -> Path:
+    """Execute study ``number``'s notebook; return its results folder ``<out_root>/NN_name``.
+
+    Args:
+        preset: ``cpu`` (minutes on 2 cores) or ``gpu``; None: :func:`default_preset`.
+        nbs_dir, out_root: default ``<repo>/nbs`` and ``<repo>/studies``.
+        parameters: extra papermill parameters (after ``preset`` and ``out_dir``).
+        kernel_name: Jupyter kernel; None: the notebook's own (``python3`` = this interpreter).
+        log_output: stream the cells' output to this process's stdout/stderr.
+
+    Raises:
+        papermill.PapermillExecutionError: a cell failed (the parent run is marked FAILED and the
+        executed notebook, with the error, is still written).
+    """
+    import papermill
+
+    preset = preset or default_preset()
+    if preset not in PRESETS:
+        raise ValueError(f"preset={preset!r} is not allowed: expected one of {PRESETS}")
+    notebook = find_notebook(number, Path(nbs_dir) if nbs_dir else repo_root() / "nbs")
+    out_dir = (Path(out_root) if out_root else repo_root() / "studies").resolve() / notebook.stem
+    out_dir.mkdir(parents=True, exist_ok=True)
+    executed = out_dir / notebook.name
+    params = {"preset": preset, "out_dir": str(out_dir), **(parameters or {})}
+
+    with start_run(notebook.stem, f"{notebook.stem}-{preset}", tracking_uri=tracking_uri, parent_run_id="",
+                   params={"study": notebook.stem, "preset": preset, "notebook": notebook.name},
+                   tags={"moelab.study": notebook.stem}) as run:
+        env = {
+            PARENT_ENV: run.run_id,
+            "MLFLOW_TRACKING_URI": run.tracking_uri,
+            # The kernel imports moelab from this checkout even where it is not pip-installed.
+            "PYTHONPATH": os.pathsep.join(p for p in (str(repo_root()), os.environ.get("PYTHONPATH", "")) if p),
+        }
+        try:
+            with _environ(env), atomic_path(executed, keep_on_error=True) as tmp:
+                papermill.execute_notebook(str(notebook), str(tmp), parameters=params, cwd=str(out_dir),
+                                           kernel_name=kernel_name, progress_bar=False, log_output=log_output)
+        finally:
+            _log_results(run, out_dir, executed)
+    return out_dir
+
+
+def _log_results(run: Run, out_dir: Path, executed: Path) -> None:
+    if executed.exists():
+        run.log_artifact(executed)
+    summary = out_dir / "summary.json"
+    if summary.exists():
+        try:
+            run.log_metrics({f"summary/{k}": v for k, v in _numbers(json.loads(summary.read_text())).items()})
+        except json.JSONDecodeError:
+            pass  # logged as an artifact below; the notebook's own checks report bad JSON
+    for path in sorted(out_dir.iterdir()):
+        if path.is_file() and path.suffix in ARTIFACT_SUFFIXES:
+            run.log_artifact(path)
+        elif path.is_dir() and path.name in ARTIFACT_DIRS:
+            run.log_artifact(path, path.name)
+
+
+def _numbers(tree: Any, prefix: str = "") -> dict[str, float]:
+    """The numeric leaves of a JSON tree, keyed by dotted path."""
+    if isinstance(tree, dict):
+        out: dict[str, float] = {}
+        for k, v in tree.items():
+            out.update(_numbers(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(tree, (int, float)) and not isinstance(tree, bool):
+        return {prefix: float(tree)}
+    return {}

@@ -1,0 +1,106 @@
+"""The LightningModule: loss, optimizer, schedule and logging around the plain ``MoELab`` model.
+
+Lightning owns the loop (devices, precision, accumulation, clipping, checkpoints); the math
+stays in ``moelab.model``. The loss is ``ModelOutput.loss`` (mean next-token cross-entropy)
+plus ``ModelOutput.aux_loss`` (the MoE balancer's auxiliary term, zero without one).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+
+from moelab.config import RunConfig, to_dict
+from moelab.model import MoELab
+
+
+def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr at optimizer step ``step``: linear warmup, then cosine to ``min_lr_ratio``.
+
+    ``step`` counts optimizer steps from 0; warmup reaches 1.0 at ``step == warmup_steps`` and the
+    cosine reaches ``min_lr_ratio`` at ``step == max_steps`` (and stays there).
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    span = max(1, max_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class LitMoELab(L.LightningModule):
+    """``MoELab(cfg.model)`` trained with AdamW + warmup/cosine on ``{"input_ids", "targets"}`` batches ``[B, T]``.
+
+    Each optimizer step leaves its scalars in ``step_scalars`` (detached 0-dim tensors:
+    ``train/loss``, ``train/ce``, ``train/aux_loss``, ``train/grad_norm``), which
+    :class:`moelab.train.callbacks.StepMonitor` turns into floats once per step.
+    """
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = MoELab(cfg.model)
+        # The data module's ids are checked against the vocabulary once, before training;
+        # the per-batch range check would cost a host sync every step.
+        self.model.check_inputs = False
+        if cfg.train.compile:
+            self.model.compile()
+        self.step_scalars: dict[str, torch.Tensor] = {}
+        self.mlflow_run_id: str | None = None  # stored in checkpoints so a resumed run can link back
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None):
+        return self.model(input_ids, targets)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out = self.model(batch["input_ids"], batch["targets"])
+        loss = out.loss + out.aux_loss
+        self.step_scalars = {"train/loss": loss.detach(), "train/ce": out.loss.detach(),
+                             "train/aux_loss": out.aux_loss.detach()}
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/ce", out.loss)
+        self.log("train/aux_loss", out.aux_loss)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Before clipping: the norm the raw gradient had (what blows up first when training diverges).
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+        self.step_scalars["train/grad_norm"] = norm.detach()
+        self.log("train/grad_norm", norm)
+        self.log("train/lr", float(optimizer.param_groups[0]["lr"]))
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out = self.model(batch["input_ids"], batch["targets"])
+        # Every rank holds the same number of equal-size batches, so the mean of rank means is exact.
+        self.log("val/loss", out.loss, prog_bar=True, sync_dist=True)
+        return out.loss
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        t = self.cfg.train
+        # Decay matrices only: norms' gains, biases and the router bias buffer stay undecayed.
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        fused = torch.cuda.is_available() and all(p.is_cuda for p in self.parameters())
+        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, fused=fused or None)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_factor(step, t.warmup_steps, t.max_steps, t.min_lr_ratio))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Self-describing checkpoints (load_model needs no preset) and exact resume of any RNG use.
+        checkpoint["moelab"] = {
+            "config": to_dict(self.cfg),
+            "mlflow_run_id": self.mlflow_run_id,
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("moelab", {})
+        if state.get("rng_cpu") is not None:
+            torch.set_rng_state(state["rng_cpu"])
+        if state.get("rng_cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng_cuda"])

@@ -1,0 +1,84 @@
+"""Throughput bookkeeping: peak FLOP/s by GPU, MFU, and the shared throughput JSON file.
+
+MFU = achieved model FLOP/s / peak FLOP/s, with achieved = 3 x forward FLOPs per token
+(``moelab.model.accounting.flops_per_token``; backward ~ 2x forward) x tokens/s per device.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moelab.utils import write_json
+
+# Dense (no structured sparsity) bf16 tensor-core peaks per device, FLOP/s, from the vendors'
+# data sheets. Measured on our H200: a bf16 8192^3 matmul reaches 792 TFLOP/s (80% of 989), so
+# an MFU near 0.8 is the practical ceiling there (../shared/anchors/h200.md).
+# Longer names first: the first substring that matches the device name wins.
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "GH200": 989e12,
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+}
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of the device called ``device_name`` (``torch.cuda.get_device_name()``); None if unknown."""
+    for key, flops in PEAK_BF16_FLOPS.items():
+        if key.lower() in device_name.lower():
+            return flops
+    return None
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """Peak FLOP/s of a CUDA ``device``; None on CPU (MFU is not reported there) or for an unknown GPU."""
+    if device.type != "cuda":
+        return None
+    return peak_flops(torch.cuda.get_device_name(device))
+
+
+def mfu(flops_per_token_fwd: float, tokens_per_s_per_device: float, peak: float | None) -> float:
+    """Model FLOPs utilisation, ``3 * flops_per_token * tokens/s / peak``; NaN without a peak."""
+    if not peak:
+        return float("nan")
+    return 3.0 * flops_per_token_fwd * tokens_per_s_per_device / peak
+
+
+def record_throughput(path: str | os.PathLike, row: dict[str, Any], command: str | None = None) -> dict:
+    """Insert or replace ``row`` (keyed by ``row["impl"]``) in the throughput JSON at ``path``.
+
+    File layout: ``{"meta": {gpu, torch, triton, date, command}, "rows": [{"impl", ...}, ...]}``;
+    other rows (other tools write theirs into the same file) are kept. Written atomically.
+    """
+    path = Path(path)
+    data = json.loads(path.read_text()) if path.exists() else {"meta": {}, "rows": []}
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    data["meta"] = {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command or " ".join(sys.argv),
+    }
+    data["rows"] = [r for r in data.get("rows", []) if r.get("impl") != row["impl"]] + [row]
+    write_json(path, data)
+    return data
