@@ -1,0 +1,195 @@
+"""Device helpers shared by the chunked KDA Triton kernels (forward and backward).
+
+Every helper works on one chunk of ``C`` tokens held as full ``[C, *]`` register tiles. The chunk is
+cut into ``C // BC`` sub-tiles of ``BC = 16`` tokens. Decays enter as ``G``: the chunk-local
+cumulative sum of the log decay, **already multiplied by log2(e)**, so ``exp2(G_i - G_j)`` is the
+natural ``exp(G_i - G_j)``. ``G`` is non-increasing along the chunk because ``g <= 0``.
+
+The gated products ``sum_d a_id b_jd exp(G_id - G_jd)`` are never formed as ``exp(G) @ exp(-G)``
+over the whole chunk (that overflows). Instead:
+
+* off-diagonal sub-tile pairs (``j`` in an earlier sub-tile than ``i``) go through one ``tl.dot``
+  per row (or column) sub-tile, with both factors taken relative to the sub-tile boundary
+  between them, so every exponent is ``<= 0`` in either mode;
+* diagonal sub-tiles, ``BOUNDED=True``: one ``tl.dot`` on ``a * exp(G - G_mid)`` and
+  ``b * exp(G_mid - G)`` with ``G_mid`` the sub-tile midpoint, exponents at most
+  ``8 * |lower_bound|`` in magnitude; entries outside the diagonal sub-tiles may overflow and
+  are dropped by ``tl.where`` (a select, so an inf there never meets a 0);
+* diagonal sub-tiles, ``BOUNDED=False``: ``BC`` steps of element-wise ``exp(G_i - G_j)`` with the
+  exponent masked to ``-inf`` where ``j > i`` BEFORE ``exp2``, so nothing can overflow whatever
+  ``g`` is. The partner rows ``j`` are gathered from global memory (inputs and the fp32 ``G``
+  buffer written by the intra kernel).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+SUBTILE = 16  # BC: sub-tile of the diagonal blocks; the bounded-mode safety argument uses it
+
+
+@triton.jit
+def _cast(x, DOT_BF16: tl.constexpr):
+    """Operand dtype for tensor-core products: bf16 for bf16 inputs, fp32 (tf32 on GPU) otherwise."""
+    if DOT_BF16:
+        return x.to(tl.bfloat16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _row(x, r, idx):
+    """Row ``idx`` of the register tile ``x`` ``[C, N]`` as an ``[N]`` vector."""
+    return tl.sum(tl.where(r[:, None] == idx, x, 0.0), axis=0)
+
+
+@triton.jit
+def _mid_tile(G, r, C: tl.constexpr, BC: tl.constexpr):
+    """``[C, N]`` tile whose row i holds G at the midpoint row of i's sub-tile."""
+    blk = r // BC
+    out = tl.zeros_like(G)
+    for I in tl.static_range(C // BC):
+        m = _row(G, r, I * BC + BC // 2 - 1)
+        out = tl.where(blk[:, None] == I, m[None, :], out)
+    return out
+
+
+@triton.jit
+def _load_G(g_ptr, rows, m_rows, cols, m_cols, stride):
+    """Chunk-local cumsum of a ``[C, BK]`` block of g, times log2(e), fp32.
+
+    Rows past the sequence end load g = 0, so G stays flat there (padded rows act as "no decay").
+    """
+    gt = tl.load(g_ptr + rows[:, None] * stride + cols[None, :],
+                 mask=m_rows[:, None] & m_cols[None, :], other=0.0).to(tl.float32)
+    return tl.cumsum(gt, axis=0) * 1.4426950408889634
+
+
+@triton.jit
+def _scores2(S1, S2, q, k, G, k_ptr, G_ptr, stride, nval, cols, m_cols,
+             BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    """Add one K-block to ``S1_ij = sum_d q_id k_jd e^{G_id-G_jd}`` and ``S2`` (same with k for q).
+
+    Only ``j <= i`` entries are meaningful (the caller masks); the rest are 0 here.
+    ``k_ptr``/``G_ptr`` point at row 0 of the chunk, block column 0 (used by the general-mode
+    gathers; ``G_ptr`` rows exist for the padded chunk); ``nval`` = valid rows of this chunk.
+    """
+    r = tl.arange(0, C)
+    blk = r // BC
+    cidx = tl.arange(0, C)
+    # off-diagonal sub-tile pairs: row sub-tile I against all earlier columns, reference
+    # G at the row just before sub-tile I (both factors <= 1)
+    for I in tl.static_range(1, C // BC):
+        ref = _row(G, r, I * BC - 1)
+        kf = k * tl.exp2(tl.where(r[:, None] < I * BC, ref[None, :] - G, float("-inf")))
+        rf = tl.exp2(tl.where(blk[:, None] == I, G - ref[None, :], float("-inf")))
+        kT = tl.trans(_cast(kf, DOT_BF16))
+        S1 += tl.dot(_cast(q * rf, DOT_BF16), kT)
+        S2 += tl.dot(_cast(k * rf, DOT_BF16), kT)
+    same = blk[:, None] == (cidx // BC)[None, :]
+    if BOUNDED:
+        Gm = _mid_tile(G, r, C, BC)
+        kT = tl.trans(_cast(k * tl.exp2(Gm - G), DOT_BF16))
+        rf = tl.exp2(G - Gm)
+        S1 += tl.where(same, tl.dot(_cast(q * rf, DOT_BF16), kT), 0.0)
+        S2 += tl.where(same, tl.dot(_cast(k * rf, DOT_BF16), kT), 0.0)
+    else:
+        for s in range(BC):
+            j = blk * BC + s  # partner column of row i inside i's sub-tile
+            kj = tl.load(k_ptr + j[:, None] * stride + cols[None, :],
+                         mask=(j < nval)[:, None] & m_cols[None, :], other=0.0).to(tl.float32)
+            Gj = tl.load(G_ptr + j[:, None] * stride + cols[None, :], mask=m_cols[None, :], other=0.0)
+            e = tl.exp2(tl.where((j <= r)[:, None], G - Gj, float("-inf")))
+            kje = kj * e
+            hit = cidx[None, :] == j[:, None]
+            S1 += tl.where(hit, tl.sum(q * kje, axis=1)[:, None], 0.0)
+            S2 += tl.where(hit, tl.sum(k * kje, axis=1)[:, None], 0.0)
+    return S1, S2
+
+
+@triton.jit
+def _rowside2(dS1, dS2, b, G, b_ptr, G_ptr, stride, nval, cols, m_cols,
+              BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    """``out_i = sum_{j<=i} dS_ij b_j e^{G_i-G_j}`` for two ``[C, C]`` weights sharing ``b``.
+
+    ``dS1``/``dS2`` must already be zero above the diagonal. Returns two ``[C, BK]`` fp32 tiles.
+    """
+    r = tl.arange(0, C)
+    blk = r // BC
+    cidx = tl.arange(0, C)
+    out1 = tl.zeros_like(b)
+    out2 = tl.zeros_like(b)
+    d1 = _cast(dS1, DOT_BF16)
+    d2 = _cast(dS2, DOT_BF16)
+    for I in tl.static_range(1, C // BC):
+        ref = _row(G, r, I * BC - 1)
+        bf = _cast(b * tl.exp2(tl.where(r[:, None] < I * BC, ref[None, :] - G, float("-inf"))), DOT_BF16)
+        rf = tl.exp2(tl.where(blk[:, None] == I, G - ref[None, :], float("-inf")))
+        out1 += rf * tl.dot(d1, bf)
+        out2 += rf * tl.dot(d2, bf)
+    same = blk[:, None] == (cidx // BC)[None, :]
+    if BOUNDED:
+        Gm = _mid_tile(G, r, C, BC)
+        bf = _cast(b * tl.exp2(Gm - G), DOT_BF16)
+        rf = tl.exp2(G - Gm)
+        out1 += rf * tl.dot(_cast(tl.where(same, dS1, 0.0), DOT_BF16), bf)
+        out2 += rf * tl.dot(_cast(tl.where(same, dS2, 0.0), DOT_BF16), bf)
+    else:
+        for s in range(BC):
+            j = blk * BC + s
+            bj = tl.load(b_ptr + j[:, None] * stride + cols[None, :],
+                         mask=(j < nval)[:, None] & m_cols[None, :], other=0.0).to(tl.float32)
+            Gj = tl.load(G_ptr + j[:, None] * stride + cols[None, :], mask=m_cols[None, :], other=0.0)
+            bje = bj * tl.exp2(tl.where((j <= r)[:, None], G - Gj, float("-inf")))
+            hit = cidx[None, :] == j[:, None]
+            out1 += tl.sum(tl.where(hit, dS1, 0.0), axis=1)[:, None] * bje
+            out2 += tl.sum(tl.where(hit, dS2, 0.0), axis=1)[:, None] * bje
+    return out1, out2
+
+
+@triton.jit
+def _colside2(dS1, dS2, a1, a2, G, q_ptr, k_ptr, beta_ptr, G_ptr, stride, beta_stride, nval, cols, m_cols,
+              BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    """``out_j = sum_{i>=j} dS_ij a_i e^{G_i-G_j}`` with ``a1 = q`` for ``dS1`` and ``a2 = beta*k``
+    for ``dS2`` (the general-mode gathers rebuild those rows from ``q``, ``k`` and ``beta``).
+
+    ``dS1``/``dS2`` must already be zero above the diagonal. Returns two ``[C, BK]`` fp32 tiles.
+    """
+    r = tl.arange(0, C)
+    blk = r // BC
+    cidx = tl.arange(0, C)
+    out1 = tl.zeros_like(a1)
+    out2 = tl.zeros_like(a1)
+    d1 = _cast(tl.trans(dS1), DOT_BF16)
+    d2 = _cast(tl.trans(dS2), DOT_BF16)
+    # column sub-tile J against all later rows, reference G at the last row of sub-tile J
+    for J in tl.static_range(0, C // BC - 1):
+        ref = _row(G, r, J * BC + BC - 1)
+        cf = tl.exp2(tl.where(blk[:, None] == J, ref[None, :] - G, float("-inf")))
+        rf = tl.exp2(tl.where(r[:, None] >= (J + 1) * BC, G - ref[None, :], float("-inf")))
+        out1 += cf * tl.dot(d1, _cast(a1 * rf, DOT_BF16))
+        out2 += cf * tl.dot(d2, _cast(a2 * rf, DOT_BF16))
+    same = blk[:, None] == (cidx // BC)[None, :]
+    if BOUNDED:
+        Gm = _mid_tile(G, r, C, BC)
+        rf = tl.exp2(G - Gm)
+        cf = tl.exp2(Gm - G)
+        out1 += cf * tl.dot(_cast(tl.trans(tl.where(same, dS1, 0.0)), DOT_BF16), _cast(a1 * rf, DOT_BF16))
+        out2 += cf * tl.dot(_cast(tl.trans(tl.where(same, dS2, 0.0)), DOT_BF16), _cast(a2 * rf, DOT_BF16))
+    else:
+        for s in range(BC):
+            i = blk * BC + s  # partner row of output row j inside j's sub-tile
+            m_i = (i < nval)[:, None] & m_cols[None, :]
+            qi = tl.load(q_ptr + i[:, None] * stride + cols[None, :], mask=m_i, other=0.0).to(tl.float32)
+            ki = tl.load(k_ptr + i[:, None] * stride + cols[None, :], mask=m_i, other=0.0).to(tl.float32)
+            bi = tl.load(beta_ptr + i * beta_stride, mask=i < nval, other=0.0).to(tl.float32)
+            Gi = tl.load(G_ptr + i[:, None] * stride + cols[None, :], mask=m_cols[None, :], other=0.0)
+            e = tl.exp2(tl.where((i >= r)[:, None], Gi - G, float("-inf")))
+            hit = r[:, None] == i[None, :]  # [C(i), C(j)]: row i(j) of column j
+            c1 = tl.sum(tl.where(hit, dS1, 0.0), axis=0)
+            c2 = tl.sum(tl.where(hit, dS2, 0.0), axis=0)
+            out1 += c1[:, None] * qi * e
+            out2 += c2[:, None] * (bi[:, None] * ki) * e
+    return out1, out2
