@@ -127,7 +127,7 @@ def _grouped_mm_fn() -> Callable | None:
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
-_GROUPED_OK: dict[tuple, bool] = {}
+_GROUPED: dict[tuple, tuple[bool, bool]] = {}
 
 
 @torch.compiler.disable
@@ -137,17 +137,31 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     Torch versions differ (CUDA bf16 only on older builds; CPU in newer ones), so we ask the
     installed one with a tiny problem that includes an empty group. Cached.
     """
+    return _grouped_probe(device, dtype)[0]
+
+
+def grouped_mm_zeroes_empty_groups(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether grouped_mm's weight gradient is exactly zero for an expert with no rows.
+
+    With zero rows the weight-gradient GEMM has K = 0; a kernel that skips such a group leaves
+    uninitialized memory. When the probe sees that, ``experts_grouped`` masks those gradients.
+    """
+    return _grouped_probe(device, dtype)[1]
+
+
+@torch.compiler.disable
+def _grouped_probe(device: torch.device, dtype: torch.dtype) -> tuple[bool, bool]:
     device = torch.device(device)
     key = (device.type, device.index, dtype)
-    if key not in _GROUPED_OK:
-        _GROUPED_OK[key] = _probe_grouped(device, dtype)
-    return _GROUPED_OK[key]
+    if key not in _GROUPED:
+        _GROUPED[key] = _probe_grouped(device, dtype)
+    return _GROUPED[key]
 
 
-def _probe_grouped(device: torch.device, dtype: torch.dtype) -> bool:
+def _probe_grouped(device: torch.device, dtype: torch.dtype) -> tuple[bool, bool]:
     fn = _grouped_mm_fn()
     if fn is None:
-        return False
+        return False, False
     try:
         with torch.autocast(device_type=device.type, enabled=False), torch.enable_grad():
             gen = torch.Generator().manual_seed(0)
@@ -155,16 +169,25 @@ def _probe_grouped(device: torch.device, dtype: torch.dtype) -> bool:
             b = torch.randn(3, 16, 16, generator=gen).to(device, dtype).requires_grad_()
             offs = torch.tensor([8, 8, 24], dtype=torch.int32, device=device)  # group 1 is empty
             out = fn(a, b, offs=offs)
-            out.backward(torch.ones_like(out).contiguous())
-            ref = torch.cat([a[:8].float() @ b[0].float(), a[8:].float() @ b[2].float()])
-            ok = _rel_close(ref, out.float(), 2e-2) and a.grad is not None and b.grad is not None
-            return bool(ok and torch.isfinite(a.grad).all() and torch.isfinite(b.grad).all())
+            go = torch.randn(out.shape, generator=gen).to(device, dtype)
+            # Leave NaNs in the block the allocator will hand to b.grad, so a skipped group shows.
+            torch.full_like(b.detach(), float("nan"))
+            out.backward(go)
+            a32, b32, go32 = a.detach().float(), b.detach().float(), go.float()
+            ref = torch.cat([a32[:8] @ b32[0], a32[8:] @ b32[2]])
+            ref_da = torch.cat([go32[:8] @ b32[0].T, go32[8:] @ b32[2].T])
+            ref_db = torch.stack([a32[:8].T @ go32[:8], torch.zeros(16, 16, device=device), a32[8:].T @ go32[8:]])
+            used = [0, 2]
+            runs = (_rel_close(ref, out.float(), 2e-2) and _rel_close(ref_da, a.grad.float(), 2e-2)
+                    and _rel_close(ref_db[used], b.grad.float()[used], 2e-2))
+            zero_empty = bool((b.grad[1] == 0).all().item())
+            return runs, zero_empty
     except (RuntimeError, NotImplementedError, TypeError, ValueError):
-        return False
+        return False, False
 
 
 def _rel_close(ref: torch.Tensor, out: torch.Tensor, tol: float) -> bool:
-    return bool(((ref - out).norm() <= tol * ref.norm()).item())
+    return bool(torch.isfinite(out).all().item() and ((ref - out).norm() <= tol * ref.norm()).item())
 
 
 def grouped_mm_aligned(dims: tuple[int, ...], dtype: torch.dtype) -> bool:
@@ -321,6 +344,12 @@ def experts_grouped(xs: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, o
                     activation: str, beta1: float, beta2: float, fused: bool | None) -> torch.Tensor:
     """xs ``[M, R]`` sorted by expert, w_in ``[E, R, 2F]``, w_out ``[E, F, R]``, offs ``[E]`` int32 -> ``[M, R]``."""
     gmm = _grouped_mm_fn()
+    if w_in.requires_grad and not grouped_mm_zeroes_empty_groups(xs.device, xs.dtype):
+        empty = (offs.diff(prepend=offs.new_zeros(1)) == 0)[:, None, None]
+        # Hooks go on fresh views (not on the Parameters, where they would pile up call after call).
+        w_in, w_out = w_in.view_as(w_in), w_out.view_as(w_out)
+        for w in (w_in, w_out):
+            w.register_hook(lambda g, empty=empty: g.masked_fill(empty, 0))
     h = gmm(xs, w_in, offs=offs)
     return gmm(glu(h, activation, beta1, beta2, fused), w_out, offs=offs)
 

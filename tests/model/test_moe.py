@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import moelab.model.moe as moe_mod
 from moelab.model.activations import GLUFFN
 from moelab.model.config import ConfigError, MoEConfig
 from moelab.model.moe import (LatentMoE, Router, combine, dispatch, grouped_mm_supported, make_plan)
@@ -211,7 +212,11 @@ def test_grouped_matches_loop(dtype, tol, latent, top_k, shared):
 
 
 @needs_grouped
-def test_grouped_with_empty_experts():
+@pytest.mark.parametrize("mask_empty", [False, True])
+def test_grouped_with_empty_experts(mask_empty, monkeypatch):
+    if mask_empty:  # pretend this torch leaves garbage in empty groups' weight grads: the mask path runs
+        monkeypatch.setitem(moe_mod._GROUPED, ("cpu", None, torch.float32), (True, False))
+        assert not moe_mod.grouped_mm_zeroes_empty_groups(CPU, torch.float32)
     m = _moe(experts=8, top_k=2, dispatch="grouped")
     m.set_fused(False)
     with torch.no_grad():
@@ -226,7 +231,11 @@ def test_grouped_with_empty_experts():
     assert_close(ref, y, 1e-5, "y")
     assert_close(x64.grad, dx, 1e-5, "dx")
     assert_close(P["w_in"].grad, grads["w_in"], 1e-5, "dw_in")
+    assert_close(P["w_out"].grad, grads["w_out"], 1e-5, "dw_out")
     assert grads["w_in"][[0, 2, 3, 4, 5, 7]].abs().max() == 0
+    assert grads["w_out"][[0, 2, 3, 4, 5, 7]].abs().max() == 0
+    y2, _ = m(x)  # the hooks sit on per-call views: nothing accumulates on the Parameters
+    assert not m.w_in._backward_hooks
 
 
 def test_dispatch_mode_resolution():
