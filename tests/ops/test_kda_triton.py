@@ -1,0 +1,141 @@
+"""Triton chunked KDA (moelab/ops/kda/triton_chunk.py) against the fp32 token-by-token reference.
+
+On a CPU machine the kernels run in the Triton interpreter (tests/conftest.py), so shapes stay
+tiny; fp32 and fp16 only (the interpreter gets bf16 wrong). bf16 at real sizes is checked on the
+GPU by kernels/check_kda_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moelab.ops.kda.naive import naive_recurrent_kda
+from moelab.ops.kda.triton_chunk import chunk_kda
+from tests.helpers import assert_close
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+O_TOL, GRAD_TOL = 5e-3, 1e-2
+
+
+def _inputs(B, T, H, K, V, dtype, seed, g_min=-5.0, h0=True):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    # bounded gate of the model: g = g_min * sigmoid(z), so g in (g_min, 0)
+    g = g_min * torch.randn(B, T, H, K, generator=gen).sigmoid()
+    beta = torch.rand(B, T, H, generator=gen)
+    s0 = torch.randn(B, H, K, V, generator=gen) if h0 else None
+    do = torch.randn(B, T, H, V, generator=gen)
+    dS = torch.randn(B, H, K, V, generator=gen)
+    ins = [x.to(DEV, dtype) for x in (q, k, v, g, beta)]
+    return ins, (s0.to(DEV) if h0 else None), do.to(DEV), dS.to(DEV)
+
+
+def _run(fn, ins, s0, do, dS, **kw):
+    """Forward + backward of loss = <o, do> + <S_T, dS>; returns outputs and input gradients."""
+    leaves = [x.detach().clone().requires_grad_() for x in ins]
+    s = s0.detach().clone().requires_grad_() if s0 is not None else None
+    o, S = fn(*leaves, initial_state=s, output_final_state=True, **kw)
+    ((o.float() * do).sum() + (S * dS).sum()).backward()
+    grads = [x.grad for x in leaves] + ([s.grad] if s is not None else [])
+    return o, S, grads
+
+
+def _reference(ins, s0, do, dS):
+    return _run(naive_recurrent_kda, [x.float() for x in ins], s0, do, dS)
+
+
+def _compare(ref, out, o_tol=O_TOL, grad_tol=GRAD_TOL):
+    o_r, S_r, g_r = ref
+    o_t, S_t, g_t = out
+    assert o_t.dtype == o_r.dtype or o_t.dtype != torch.float32
+    assert S_t.dtype == torch.float32
+    assert_close(o_r, o_t.float(), o_tol, "o")
+    assert_close(S_r, S_t, o_tol, "final state")
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], g_r, g_t):
+        assert_close(a, b.float(), grad_tol, name)
+
+
+# seeded randomized sweep: (B, T, H, K, V, chunk, dtype, h0); every case runs in both modes
+SWEEP = [
+    (1, 1, 1, 16, 16, 64, torch.float32, True),  # T = 1
+    (2, 150, 2, 32, 16, 64, torch.float32, True),  # B > 1, K != V, T not a multiple of 64
+    (1, 70, 1, 128, 32, 64, torch.float32, False),  # K = 128: several K-blocks in the interpreter
+    (1, 40, 1, 20, 40, 32, torch.float32, True),  # non-power-of-two K and V, chunk 32
+    (1, 37, 2, 16, 24, 16, torch.float16, False),  # fp16, chunk 16
+    (1, 100, 1, 32, 16, 64, torch.float16, True),  # fp16, partial second chunk
+]
+
+
+@pytest.mark.parametrize("mode", ["bounded", "general"])
+@pytest.mark.parametrize("case", SWEEP, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}K{c[3]}V{c[4]}C{c[5]}-{str(c[6])[6:]}-h0{int(c[7])}")
+def test_matches_reference(case, mode):
+    B, T, H, K, V, C, dtype, h0 = case
+    ins, s0, do, dS = _inputs(B, T, H, K, V, dtype, seed=B * 1000 + T * 7 + K + V, h0=h0)
+    _compare(_reference(ins, s0, do, dS), _run(chunk_kda, ins, s0, do, dS, mode=mode, chunk_size=C))
+
+
+def test_modes_agree_and_defaults():
+    """Bounded and general paths compute the same function; default scale is K**-0.5."""
+    ins, s0, do, dS = _inputs(1, 65, 1, 32, 32, torch.float32, seed=3)
+    a = _run(chunk_kda, ins, s0, do, dS, mode="bounded")
+    b = _run(chunk_kda, ins, s0, do, dS, mode="general", scale=32**-0.5)
+    assert_close(a[0], b[0], 1e-5, "o bounded vs general")
+    for x, y in zip(a[2], b[2]):
+        assert_close(x, y, 1e-5, "grad bounded vs general")
+
+
+def test_no_final_state_and_no_state_grad():
+    ins, _, do, _ = _inputs(1, 20, 1, 16, 16, torch.float32, seed=5, h0=False)
+    leaves = [x.clone().requires_grad_() for x in ins]
+    o, S = chunk_kda(*leaves)
+    assert S is None
+    (o * do).sum().backward()
+    ref = [x.clone().requires_grad_() for x in ins]
+    o_r, _ = naive_recurrent_kda(*ref)
+    (o_r * do).sum().backward()
+    assert_close(o_r, o, O_TOL, "o")
+    for a, b in zip(ref, leaves):
+        assert_close(a.grad, b.grad, GRAD_TOL, "grad")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter warns about the bounded overflow
+def test_general_mode_survives_very_negative_decay():
+    """g = -30 / -60 on some channels: the general path stays finite and exact; the bounded
+    path (with the check switched off) overflows inside its diagonal sub-tiles."""
+    ins, s0, do, dS = _inputs(1, 80, 1, 32, 16, torch.float32, seed=11, g_min=-1.0)
+    g = ins[3].clone()
+    g[..., :8] = -30.0
+    g[:, 10:20, :, 8:12] = -60.0
+    ins[3] = g
+    _compare(_reference(ins, s0, do, dS), _run(chunk_kda, ins, s0, do, dS, mode="general"))
+    o, _ = chunk_kda(*ins, mode="bounded", validate=False)
+    assert not torch.isfinite(o).all(), "expected the bounded fast path to overflow at g = -60"
+
+
+def test_bounded_rejects_decay_below_bound():
+    ins, _, _, _ = _inputs(1, 8, 1, 16, 16, torch.float32, seed=1)
+    ins[3][0, 3, 0, 2] = -5.25
+    with pytest.raises(ValueError, match=r"min\(g\)=-5.25.*lower_bound=-5"):
+        chunk_kda(*ins, mode="bounded", lower_bound=-5.0)
+    chunk_kda(*ins, mode="bounded", lower_bound=-5.5)  # a looser (still safe) bound accepts it
+    chunk_kda(*ins, mode="general")
+
+
+def test_bad_arguments_raise():
+    ins, _, _, _ = _inputs(1, 8, 1, 16, 16, torch.float32, seed=2)
+    with pytest.raises(ValueError, match="lower_bound=-8"):
+        chunk_kda(*ins, mode="bounded", lower_bound=-8.0)  # 16 * 8 / 2 = 64 > ~44: tile overflows
+    with pytest.raises(ValueError, match="mode="):
+        chunk_kda(*ins, mode="fast")
+    with pytest.raises(ValueError, match="chunk_size=48"):
+        chunk_kda(*ins, chunk_size=48)
+    pos = [x.clone() for x in ins]
+    pos[3][0, 0, 0, 0] = 0.5
+    with pytest.raises(ValueError, match=r"max\(g\)=0.5"):
+        chunk_kda(*pos, mode="general")
+    big = torch.zeros(1, 4, 1, 512, device=DEV)
+    with pytest.raises(ValueError, match="K=512"):
+        chunk_kda(big, big, ins[2][:, :4], big, ins[4][:, :4])
