@@ -99,7 +99,8 @@ class StepBatchSampler(Sampler[list[int]]):
     fast-forward, as a resumable loader does, or Lightning would end the epoch early and restart it.
     """
 
-    def __init__(self, batch_size: int, num_steps: int, rank: int = 0, world_size: int = 1, start_step: int = 0) -> None:
+    def __init__(self, batch_size: int, num_steps: int, rank: int = 0, world_size: int = 1,
+                 start_step: int = 0) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is not allowed: expected 0..{world_size - 1}")
         if not 0 <= start_step <= num_steps:
@@ -163,7 +164,8 @@ class TextDataModule(L.LightningDataModule):
         _check(isinstance(seed, int) and seed >= 0, "seed", seed, "an integer >= 0")
         _check(isinstance(max_steps, int) and max_steps >= 1, "max_steps", max_steps, "an integer >= 1")
         _check(isinstance(val_batches, int) and val_batches >= 1, "val_batches", val_batches, "an integer >= 1")
-        self.cfg, self.batch_size, self.seed, self.max_steps, self.val_batches = cfg, batch_size, seed, max_steps, val_batches
+        self.cfg, self.batch_size, self.seed = cfg, batch_size, seed
+        self.max_steps, self.val_batches = max_steps, val_batches
         self.corpus: PreparedCorpus | None = None
         self._tokens: dict[str, np.ndarray] = {}
 
@@ -257,5 +259,5 @@ def _pair(chunk: np.ndarray) -> dict[str, torch.Tensor]:
     return {"input_ids": ids[:-1], "targets": ids[1:]}
 
 
-__all__ = ["FixedWindows", "RandomWindows", "StepBatchSampler", "StepLoader", "TextDataModule", "step_indices", "val_windows",
-           "window_offset"]
+__all__ = ["FixedWindows", "RandomWindows", "StepBatchSampler", "StepLoader", "TextDataModule", "step_indices",
+           "val_windows", "window_offset"]

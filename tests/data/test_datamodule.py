@@ -13,8 +13,14 @@ import torch
 
 from moelab.data.config import DataConfig
 from moelab.data.corpus import PreparedCorpus
-from moelab.data.datamodule import (StepBatchSampler, StepLoader, TextDataModule, step_indices, val_windows,
-                                    window_offset)
+from moelab.data.datamodule import (
+    StepBatchSampler,
+    StepLoader,
+    TextDataModule,
+    step_indices,
+    val_windows,
+    window_offset,
+)
 from moelab.model.config import ConfigError
 
 B, T = 4, 32

@@ -46,7 +46,7 @@ def test_bpe_vocab_layout(bpe: BPETokenizer) -> None:
     assert bpe.backend.token_to_id(EOT) == EOS_ID
     assert bpe.decode([EOS_ID]) == EOT
     # merges learned: a frequent corpus word is shorter than its byte count
-    assert len(bpe.encode(" queen")) < len(" queen".encode())
+    assert len(bpe.encode(" queen")) < len(b" queen")
     assert bpe.encode_batch(SAMPLES) == [bpe.encode(s) for s in SAMPLES]
 
 
