@@ -105,19 +105,19 @@ class ResidualStream:
             self.diag["hidden_rms"].append(h.detach().float().pow(2).mean().sqrt())
         return h
 
-    def read(self, l: int) -> torch.Tensor:
-        """Input ``h_l`` ``[B, T, D]`` of sublayer ``l`` (0-based), before its pre-norm."""
-        return self._read(l)
+    def read(self, i: int) -> torch.Tensor:
+        """Input ``h_i`` ``[B, T, D]`` of sublayer ``i`` (0-based), before its pre-norm."""
+        return self._read(i)
 
-    def write(self, l: int, out: torch.Tensor) -> None:
-        """Record the output ``v_l`` ``[B, T, D]`` of sublayer ``l``."""
+    def write(self, i: int, out: torch.Tensor) -> None:
+        """Record the output ``v_i`` ``[B, T, D]`` of sublayer ``i``."""
         if self.diag is not None:
             self.diag["output_rms"].append(out.detach().float().pow(2).mean().sqrt())
         if self.m.mode == "prenorm":
             self.x = self.x + out
             return
         self.partial = out if self.partial is None else self.partial + out
-        if l + 1 in self.m.block_ends:
+        if i + 1 in self.m.block_ends:
             self.blocks.append(self.partial)
             self.partial = None
 

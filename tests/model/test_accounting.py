@@ -10,7 +10,7 @@ import torch
 import yaml
 from torch.utils.flop_counter import FlopCounterMode
 
-from moelab.model import MoELab, ModelConfig, flops_per_token, param_counts, summary
+from moelab.model import ModelConfig, MoELab, flops_per_token, param_counts, summary
 from tests.model.tiny import tiny_config
 
 K3_YAML = Path(__file__).resolve().parents[2] / "moelab" / "presets" / "k3.yaml"

@@ -44,17 +44,17 @@ def stream_reference(mode: str, n_sub: int, ends: list[int], outputs: list[torch
                      emb: torch.Tensor, depth: torch.nn.ModuleList) -> list[torch.Tensor]:
     """The reads h_0..h_{n_sub} (last = final) written straight from attnres.md."""
     reads = []
-    for l in range(n_sub + 1):
-        done = outputs[:l]
+    for i in range(n_sub + 1):
+        done = outputs[:i]
         if mode == "prenorm":
             reads.append(emb + sum(done, torch.zeros_like(emb)))
             continue
-        closed = [e for e in ends if e <= l]
+        closed = [e for e in ends if e <= i]
         starts = [0] + closed
         sources = [emb] + [sum(outputs[a:b]) for a, b in zip(starts[:-1], starts[1:])]
-        if starts[-1] < l:
-            sources.append(sum(outputs[starts[-1]:l]))  # partial current block
-        reads.append(depth_reference(depth[l], sources))
+        if starts[-1] < i:
+            sources.append(sum(outputs[starts[-1]:i]))  # partial current block
+        reads.append(depth_reference(depth[i], sources))
     return reads
 
 
@@ -74,13 +74,13 @@ def test_stream_reads_match_reference(mode: str, num_blocks: int, uneven: bool) 
     outputs = [torch.randn(2, 3, D) for _ in range(n_sub)]
     stream = res.stream(emb, diagnostics=True)
     reads = []
-    for l in range(n_sub):
-        reads.append(stream.read(l))
-        stream.write(l, outputs[l])
+    for i in range(n_sub):
+        reads.append(stream.read(i))
+        stream.write(i, outputs[i])
     reads.append(stream.read_final())
     ref = stream_reference(mode, n_sub, cfg.block_ends(n_sub), outputs, emb, res.depth)
-    for l, (a, b) in enumerate(zip(ref, reads)):
-        assert_close(a, b, 1e-6, f"read {l}")
+    for i, (a, b) in enumerate(zip(ref, reads)):
+        assert_close(a, b, 1e-6, f"read {i}")
     diag = stream.diagnostics()
     assert diag["hidden_rms"].shape == (n_sub + 1,) and diag["output_rms"].shape == (n_sub,)
     assert len(diag["depth_weights"]) == (0 if mode == "prenorm" else n_sub + 1)

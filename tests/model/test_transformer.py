@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moelab.model.transformer import MoELab, ModelOutput
+from moelab.model.transformer import ModelOutput, MoELab
 from tests.helpers import assert_close, rel_err
 from tests.model.tiny import tiny_config
 
@@ -130,17 +130,17 @@ def test_init() -> None:
     torch.manual_seed(0)
     m = MoELab(cfg)
     std, scaled = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    plain = torch.cat([l.mixer.q_proj.weight.flatten() for l in m.layers])
-    outs = torch.cat([w.flatten() for l in m.layers for w in l.residual_out_weights()])
+    plain = torch.cat([layer.mixer.q_proj.weight.flatten() for layer in m.layers])
+    outs = torch.cat([w.flatten() for layer in m.layers for w in layer.residual_out_weights()])
     assert abs(plain.std().item() / std - 1) < 0.1
     assert abs(outs.std().item() / scaled - 1) < 0.1
     assert abs(m.embed.weight.std().item() / std - 1) < 0.05
     assert all(torch.equal(d.query, torch.zeros(32)) for d in m.residual.depth)
-    kda = [l.mixer for l in m.layers if l.kind == "kda"]
+    kda = [layer.mixer for layer in m.layers if layer.kind == "kda"]
     assert all(torch.equal(k.A_log, torch.zeros(2)) for k in kda)  # bounded gate: A = 0
     soft = MoELab(tiny_config(gate="softplus"))
-    assert all(((l.mixer.A_log.exp() >= 1) & (l.mixer.A_log.exp() <= 16)).all()
-               for l in soft.layers if l.kind == "kda")
+    assert all(((layer.mixer.A_log.exp() >= 1) & (layer.mixer.A_log.exp() <= 16)).all()
+               for layer in soft.layers if layer.kind == "kda")
 
 
 def test_tied_embeddings() -> None:
