@@ -76,7 +76,46 @@ def test_lower_bound_reaches_the_op(monkeypatch: pytest.MonkeyPatch, gate: str, 
 
     monkeypatch.setattr(kda_module, "kda", spy)
     layer(gate)(torch.randn(1, 5, D))
-    assert seen["lower_bound"] == bound and seen["backend"] == "chunk"
+    assert seen["lower_bound"] == bound and seen["backend"] == "chunk" and seen["validate"] is False
+
+
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_triton_backend_matches_chunk_in_the_layer(gate: str) -> None:
+    """The layer's call into the Triton kernels (CPU interpreter here, the GPU on a CUDA machine):
+    fp32 q/k/v with fp32 g and beta, chunk 16, T not a multiple of it."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(1, 40, D, device=dev)
+    outs, grads = [], []
+    for backend in ("chunk", "triton"):
+        torch.manual_seed(0)
+        m = KDALayer(D, KDAConfig(num_heads=2, head_dim=16, decay_rank=4, gate=gate, backend=backend,
+                                  chunk_size=16)).to(dev)
+        xi = x.clone().requires_grad_()
+        y, _ = m(xi)
+        y.pow(2).sum().backward()
+        outs.append(y.detach())
+        grads.append([xi.grad] + [p.grad for p in m.parameters()])
+    assert_close(outs[0], outs[1], 1e-4, "y")
+    for i, (a, b) in enumerate(zip(*grads)):
+        assert_close(a, b, 1e-3, f"grad {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_triton_layer_under_bf16_autocast_on_gpu(gate: str) -> None:
+    """bf16 q/k/v into the kernels (fp32 g, beta) vs the fp32 chunked PyTorch path; state carry too."""
+    x = torch.randn(2, 200, D, device="cuda")
+    torch.manual_seed(0)
+    ref = KDALayer(D, KDAConfig(num_heads=2, head_dim=16, decay_rank=4, gate=gate, backend="chunk")).cuda()
+    fast = KDALayer(D, KDAConfig(num_heads=2, head_dim=16, decay_rank=4, gate=gate, backend="triton")).cuda()
+    fast.load_state_dict(ref.state_dict())
+    y_ref, _ = ref(x)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, _ = fast(x)
+        y1, st = fast(x[:, :130], use_cache=True)
+        y2, _ = fast(x[:, 130:], st, use_cache=True)
+    assert_close(y_ref, y.float(), 2e-2, "y bf16")
+    assert_close(y_ref, torch.cat([y1, y2], 1).float(), 2e-2, "y bf16, two pieces")
 
 
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])

@@ -160,3 +160,23 @@ def test_diagnostics() -> None:
     assert all(abs(w.sum().item() - 1) < 1e-5 for w in d["depth_weights"])
     assert d["g_min"].shape == (3,) and (d["g_min"] >= -5).all() and (d["g_mean"] <= 0).all()
     assert m(torch.randint(0, 50, (2, 9))).diagnostics is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_triton_kda_model(mode: str) -> None:
+    """On a CUDA device (KDA backend auto -> Triton, SDPA flash): cached generation equals the full
+    forward in fp32, and a bf16-autocast training step gives finite loss and gradients."""
+    torch.manual_seed(0)
+    m = MoELab(tiny_config(mode=mode, kda_backend="auto", max_seq_len=512)).cuda()
+    prompt = torch.randint(0, 50, (2, 150), device="cuda")
+    ids, logits = m.generate(prompt, 10, prefill_chunk=100, return_logits=True)
+    with torch.no_grad():
+        full = m(ids).logits
+    assert_close(full[:, 149:159], logits, 1e-4, "decoded vs full-forward logits")
+    m.train()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = m(ids[:, :-1], ids[:, 1:])
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)

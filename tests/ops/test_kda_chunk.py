@@ -115,4 +115,4 @@ def test_dispatcher_triton_call(monkeypatch: pytest.MonkeyPatch, lower_bound, mo
                chunk_size=32, lower_bound=lower_bound)
     assert o is v
     assert seen == {"scale": 0.5, "initial_state": s0, "output_final_state": True, "mode": mode,
-                    "lower_bound": passed_bound, "chunk_size": 32}
+                    "lower_bound": passed_bound, "validate": True, "chunk_size": 32}

@@ -31,6 +31,7 @@ def kda(
     backend: str = "chunk",
     chunk_size: int = 64,
     lower_bound: float | None = None,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule with per-channel decay, by the chosen backend.
 
@@ -44,6 +45,8 @@ def kda(
         output_final_state: also return the final state ``[B, H, K, V]`` fp32.
         backend: ``recurrent | chunk | triton | auto``.
         chunk_size: tokens per chunk for ``chunk`` / ``triton``.
+        validate: ``triton`` only: check the range of g first (one reduction and a host sync);
+            callers whose gate bounds g by construction pass False.
 
     Returns:
         ``(o [B, T, H, V] in v's dtype, S_T or None)``.
@@ -63,7 +66,7 @@ def kda(
                          output_final_state=output_final_state,
                          mode="bounded" if lower_bound is not None else "general",
                          lower_bound=lower_bound if lower_bound is not None else -5.0,
-                         chunk_size=chunk_size)
+                         validate=validate, chunk_size=chunk_size)
     raise ValueError(f"backend={backend!r} is not allowed: expected one of {', '.join(map(repr, BACKENDS))}")
 
 
