@@ -21,10 +21,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moelab.model.activations import GLUFFN
 from moelab.model.attnres import AttnResidual, RMSNorm
 from moelab.model.config import ModelConfig
 from moelab.model.kda import KDALayer, KDAState
 from moelab.model.mla import MLA
+from moelab.model.moe import LatentMoE
 
 
 @dataclass
@@ -78,27 +80,9 @@ class Layer(nn.Module):
         self.ffn_norm = RMSNorm(d, eps=eps)
         self.is_moe = index >= cfg.dense_layers
         if self.is_moe:
-            from moelab.model.moe import LatentMoE
-
             self.ffn = LatentMoE(d, cfg.moe, eps)
         else:
-            from moelab.model.activations import GLUFFN
-
             self.ffn = GLUFFN(d, cfg.ffn_dim(), cfg.dense_activation, cfg.moe.situ_beta1, cfg.moe.situ_beta2)
-
-    def residual_out_weights(self) -> list[torch.Tensor]:
-        """Weights of the projections that write into the residual stream (scaled at init).
-
-        Mixer: ``o_proj``. Dense FFN: ``down``. LatentMoE: ``proj_up`` (latent; ``w_out`` feeds
-        a scale-invariant RMSNorm there) or ``w_out`` (no latent), and the shared experts' ``down``.
-        """
-        out = [self.mixer.o_proj.weight]
-        if not self.is_moe:
-            return out + [self.ffn.down.weight]
-        out.append(self.ffn.proj_up.weight if self.ffn.latent else self.ffn.w_out)
-        if self.ffn.shared is not None:
-            out.append(self.ffn.shared.down.weight)
-        return out
 
 
 class MoELab(nn.Module):
@@ -122,22 +106,26 @@ class MoELab(nn.Module):
     def reset_parameters(self) -> None:
         """Model-wide init, then the component-specific ones.
 
-        Linear / Embedding weights ~ N(0, init_std), biases 0; each FFN's own
-        ``reset_parameters(std)`` (expert tensors kept outside ``nn.Linear``, router); the
-        projections that write into the residual stream (``Layer.residual_out_weights``) scaled
-        by ``1 / sqrt(2 n_layers)``; then KDA decay parameters (``KDALayer.reset_gate_parameters``)
-        and AttnRes pseudo-queries 0.
+        Linear / Embedding weights ~ N(0, init_std), biases 0. The projections that write into
+        the residual stream are scaled by ``1 / sqrt(2 n_layers)``: each mixer's ``o_proj``, the
+        dense FFN's ``down``, and in LatentMoE those its ``init_weights(std, out_scale)`` names
+        (``proj_up`` or ``w_out``, shared ``down``; it also inits the stacked expert tensors and
+        the router). Then KDA decay parameters (``KDALayer.reset_gate_parameters``) and AttnRes
+        pseudo-queries 0.
         """
         std = self.cfg.init_std
+        out_scale = 1.0 / math.sqrt(2 * self.cfg.n_layers)
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=std)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
         for layer in self.layers:
-            layer.ffn.reset_parameters(std=std)
-            for w in layer.residual_out_weights():
-                w.mul_(1.0 / math.sqrt(2 * self.cfg.n_layers))
+            layer.mixer.o_proj.weight.mul_(out_scale)
+            if layer.is_moe:
+                layer.ffn.init_weights(std=std, out_scale=out_scale)
+            else:
+                layer.ffn.down.weight.mul_(out_scale)
             if layer.kind == "kda":
                 layer.mixer.reset_gate_parameters()
         for depth in self.residual.depth:

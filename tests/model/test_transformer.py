@@ -131,7 +131,14 @@ def test_init() -> None:
     m = MoELab(cfg)
     std, scaled = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
     plain = torch.cat([layer.mixer.q_proj.weight.flatten() for layer in m.layers])
-    outs = torch.cat([w.flatten() for layer in m.layers for w in layer.residual_out_weights()])
+    writers = []  # the projections that write into the residual stream
+    for layer in m.layers:
+        writers.append(layer.mixer.o_proj.weight)
+        if layer.is_moe:
+            writers += [layer.ffn.proj_up.weight, layer.ffn.shared.down.weight]
+        else:
+            writers.append(layer.ffn.down.weight)
+    outs = torch.cat([w.flatten() for w in writers])
     assert abs(plain.std().item() / std - 1) < 0.1
     assert abs(outs.std().item() / scaled - 1) < 0.1
     assert abs(m.embed.weight.std().item() / std - 1) < 0.05
