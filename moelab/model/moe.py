@@ -115,8 +115,7 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from moelab.model.moe import (LatentMoE, Router, combine, dispatch, grouped_mm_s
 from tests.helpers import assert_close
 
 CPU = torch.device("cpu")
+# The fused Triton kernels run on CUDA when there is a GPU, else in the interpreter on CPU.
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GROUPED_FP32 = grouped_mm_supported(CPU, torch.float32)
 GROUPED_BF16 = grouped_mm_supported(CPU, torch.bfloat16)
 needs_grouped = pytest.mark.skipif(not GROUPED_FP32, reason=f"torch {torch.__version__} grouped_mm does not run on CPU fp32")
@@ -62,12 +64,14 @@ def _dense_reference(m: LatentMoE, x: torch.Tensor):
 
 
 def _run(m: LatentMoE, x: torch.Tensor, go: torch.Tensor):
+    """Forward + backward; outputs and gradients come back on the CPU."""
     m.zero_grad()
-    x = x.detach().clone().requires_grad_()
+    dev = next(m.parameters()).device
+    x = x.detach().to(dev).requires_grad_()
     y, stats = m(x)
-    y.backward(go)
-    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
-    return y.detach(), x.grad, grads, stats
+    y.backward(go.to(dev))
+    grads = {n: p.grad.cpu() for n, p in m.named_parameters()}
+    return y.detach().cpu(), x.grad.cpu(), grads, stats
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -153,7 +157,7 @@ def test_moe_fused_kernels_match_plain(activation):
         x, go = torch.randn(2, 7, 32), torch.randn(2, 7, 32)
         m.set_fused(False)
         y0, dx0, g0, _ = _run(m, x, go)
-        m.set_fused(True)
+        m.to(DEV).set_fused(True)
         y1, dx1, g1, _ = _run(m, x, go)
         assert_close(y0, y1, 1e-5, "y")
         assert_close(dx0, dx1, 1e-5, "dx")
@@ -164,18 +168,18 @@ def test_moe_fused_kernels_match_plain(activation):
 def test_dispatch_combine_kernels_match_autograd():
     torch.manual_seed(0)
     n, k, e, r = 13, 3, 5, 24
-    idx = torch.stack([torch.randperm(e)[:k] for _ in range(n)])
+    idx = torch.stack([torch.randperm(e)[:k] for _ in range(n)]).to(DEV)
     counts = torch.bincount(idx.flatten(), minlength=e)
     plan = make_plan(idx, counts)
     assert torch.equal(plan.offs, counts.cumsum(0).to(torch.int32))
     # rows are expert-contiguous and token_of / inv are inverse maps
     assert torch.equal(idx.flatten()[plan.inv.argsort()], idx.flatten().sort(stable=True).values)
-    assert torch.equal(plan.token_of[plan.inv], torch.arange(n).repeat_interleave(k))
+    assert torch.equal(plan.token_of[plan.inv], torch.arange(n, device=DEV).repeat_interleave(k))
     for dtype, tol in [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)]:
-        x = torch.randn(n, r).to(dtype)
-        y = torch.randn(n * k, r).to(dtype)
-        w = torch.rand(n, k)
-        gxs, gu = torch.randn(n * k, r).to(dtype), torch.randn(n, r)
+        x = torch.randn(n, r).to(DEV, dtype)
+        y = torch.randn(n * k, r).to(DEV, dtype)
+        w = torch.rand(n, k, device=DEV)
+        gxs, gu = torch.randn(n * k, r).to(DEV, dtype), torch.randn(n, r, device=DEV)
         outs = []
         for fused in (False, True):
             xl, yl, wl = (t.clone().requires_grad_() for t in (x, y, w))
@@ -304,3 +308,27 @@ def test_init_shapes_and_autocast():
     assert_close(y32.detach(), y16.detach().float(), 3e-2, "autocast bf16")
     with pytest.raises(ConfigError, match="activation"):
         LatentMoE(128, MoEConfig(activation="gelu"), 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("latent", [0, 64])
+def test_cuda_bf16_grouped_fused_vs_dense_reference(latent):
+    """The training path on a GPU: bf16, grouped GEMM, Triton kernels, vs the fp64 dense reference."""
+    m = _moe(d=128, experts=16, top_k=4, shared=2, latent=latent, expert_dim=64, dispatch="grouped")
+    with torch.no_grad():
+        m.router.bias[3] = 5.0  # a hot expert, an empty one (5), the rest uneven (group sizes not multiples of 8)
+        m.router.bias[5] = -5.0
+    m = m.to(DEV, torch.bfloat16)
+    assert m.use_grouped(DEV, torch.bfloat16)
+    torch.manual_seed(1)
+    x, go = torch.randn(4, 64, 128).bfloat16(), torch.randn(4, 64, 128).bfloat16()
+    # Reference from the same bf16-rounded weights and input, so routing cannot differ on near-ties.
+    ref, x64, P, _ = _dense_reference(m, x.to(DEV))
+    ref.backward(go.to(DEV).double())
+    y, dx, grads, stats = _run(m, x, go)
+    assert int(stats.tokens_per_expert.sum()) == 256 * 4 and int(stats.tokens_per_expert[5]) == 0
+    assert grads["w_in"][5].abs().max() == 0 and grads["w_out"][5].abs().max() == 0
+    assert_close(ref.cpu(), y.float(), 3e-2, "y")
+    assert_close(x64.grad.cpu(), dx.float(), 3e-2, "dx")
+    for name, p in P.items():
+        assert_close(p.grad.cpu(), grads[name].float(), 5e-2, f"d{name}")
