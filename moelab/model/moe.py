@@ -81,6 +81,14 @@ class Router(nn.Module):
         nn.init.normal_(self.weight, std=std)
         self.bias.zero_()
 
+    def _apply(self, fn, recurse: bool = True):
+        # model.to(bf16) would cast the bias buffer too, and bf16 cannot hold the small balancer
+        # steps (1e-3 on values ~0.1 rounds away): keep it fp32 whatever the module dtype.
+        super()._apply(fn, recurse)
+        if self.bias.dtype != torch.float32:
+            self.bias = self.bias.float()
+        return self
+
     def forward(self, x: torch.Tensor) -> RouterStats:
         """x: ``[N, d_model]`` any float dtype. Scores are computed in fp32 even under autocast."""
         with torch.autocast(device_type=x.device.type, enabled=False):

@@ -117,6 +117,8 @@ def test_router_counts_grad_and_hook():
     assert_close(st.scores.mean().detach() * 0.5, st.aux_loss.detach(), 1e-7, "aux hook")
     assert st.aux_loss.requires_grad
     assert "bias" in r.state_dict()  # persistent: balancer state is checkpointed
+    r.to(torch.bfloat16)
+    assert r.weight.dtype == torch.bfloat16 and r.bias.dtype == torch.float32  # bias stays fp32
     with pytest.raises(ConfigError, match="top_k=9"):
         Router(16, 8, 9)
 
