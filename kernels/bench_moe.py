@@ -102,7 +102,8 @@ def main() -> None:
     ap.add_argument("--num-shared", type=int, default=2)
     ap.add_argument("--shared-dim", type=int, default=0, help="0: expert_dim")
     ap.add_argument("--activation", default="situ_glu", choices=["situ_glu", "swiglu"])
-    ap.add_argument("--dispatch", default="grouped", choices=["auto", "grouped", "loop"])
+    ap.add_argument("--dispatch", default=None, choices=["auto", "grouped", "loop"],
+                    help="default: grouped on GPU, auto in --smoke")
     ap.add_argument("--no-fused", action="store_true", help="plain PyTorch gather/combine/activation")
     ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args()
@@ -110,7 +111,8 @@ def main() -> None:
     cuda = torch.cuda.is_available() and not args.smoke
     if args.smoke:
         args.tokens, args.d_model, args.experts, args.top_k = 512, 64, 8, 2
-        args.latent, args.expert_dim, args.dispatch = 32, 32, "auto"
+        args.latent, args.expert_dim = 32, 32
+    args.dispatch = args.dispatch or ("auto" if args.smoke else "grouped")
     if not cuda and not args.smoke:
         sys.exit("no CUDA device: run with --smoke on CPU")
     dev = torch.device("cuda" if cuda else "cpu")
