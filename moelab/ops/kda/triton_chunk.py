@@ -38,19 +38,30 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# Launch parameters; kernels/bench_kda.py --tune overrides entries to compare variants on a GPU.
+TUNING: dict = {
+    "bk_intra": 64,  # K-block of the intra kernel (scores are summed over K-blocks)
+    "bk_grads": 128,  # K-block of the gradient kernel; K <= bk_grads keeps all partials in registers
+    "bv": 64,  # V-block of the intra, output and gradient kernels
+    "warps_intra": 8,
+    "warps_state": 4,
+    "warps_out": 4,
+    "warps_grads": 8,
+}
+
+
 def _cfg(K: int, V: int) -> dict:
     """Block sizes and warps. Fixed (no autotune): the interpreter cannot autotune, and the
-    recurrent kernels' cost depends on the grid, not only the tile."""
+    recurrent kernels' cost depends on the grid, not only the tile. In the interpreter the
+    gradient kernel uses 64-wide K-blocks so that K = 128 tests its multi-block path."""
     BKP = max(16, triton.next_power_of_2(K))
     BVP = max(16, triton.next_power_of_2(V))
     return dict(
         BKP=BKP,
-        BK=min(BKP, 64 if _interpret() else 128),  # K-block of the intra / gradient kernels
-        BV=min(BVP, 64),
-        warps_intra=4,
-        warps_state=4,
-        warps_out=4,
-        warps_grads=8,
+        BK_intra=min(BKP, TUNING["bk_intra"]),
+        BK_grads=min(BKP, 64 if _interpret() else TUNING["bk_grads"]),
+        BV=min(BVP, TUNING["bv"]),
+        **{key: val for key, val in TUNING.items() if key.startswith("warps")},
     )
 
 
@@ -89,7 +100,7 @@ def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, save_f
     u = torch.empty(B, T, H, V, device=dev, dtype=wd)
     _kda_fwd_intra[(NT, B * H)](
         q, k, v, g, beta, Gbuf, Abuf, Aqk, w, u, scale, T, NT,
-        H=H, K=K, V=V, C=C, BC=SUBTILE, BK=cfg["BK"], BV=cfg["BV"],
+        H=H, K=K, V=V, C=C, BC=SUBTILE, BK=cfg["BK_intra"], BV=cfg["BV"],
         BOUNDED=bounded, STORE_G=store_g, DOT_BF16=dot_bf16, num_warps=cfg["warps_intra"],
     )
     hbuf = torch.empty(B, NT, H, K, V, device=dev, dtype=wd)
@@ -156,7 +167,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         dv = torch.empty_like(v)
         dg = torch.empty_like(g)
         dbeta = torch.empty_like(beta)
-        BK = cfg["BK"]
+        BK = cfg["BK_grads"]
         if triton.cdiv(K, BK) > 1:
             scr = [torch.empty(B, NT * C, H, K, device=q.device, dtype=torch.float32) for _ in range(3)]
         else:

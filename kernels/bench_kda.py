@@ -1,0 +1,224 @@
+"""Benchmark chunked KDA on one GPU: moelab's Triton paths vs fla (optional) vs causal SDPA.
+
+Median ``triton.testing.do_bench`` time of a forward (no grad) and of a forward + backward with a
+random output gradient, plus peak memory of the forward + backward, bf16. Both KDA sides compute
+the same thing: L2-normalized q, k and the bounded gate ``g = -5 sigmoid(exp(A_log) * x)``
+(A_log = log U(1, 16), as in the anchor kernels/../anchors/fla_bench.py):
+
+* ``moelab_bounded`` / ``moelab_general``: L2 norm and gate in torch inside the timed function,
+  then ``chunk_kda(mode=..., validate=False)`` (the bound holds by construction of the gate);
+* ``fla_safe_gate``: ``fla.ops.kda.chunk_kda(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+  safe_gate=True, lower_bound=-5)``; ``fla_softplus``: same without safe_gate (softplus gate);
+* ``sdpa_flash``: ``F.scaled_dot_product_attention(is_causal=True)`` on the flash backend.
+
+    python kernels/bench_kda.py                 # full run -> kernels/results/kda_h200.json
+    python kernels/bench_kda.py --quick         # B8 T4096 only, shorter timing
+    python kernels/bench_kda.py --tune          # + launch-parameter variants of moelab at B8 T4096
+    python kernels/bench_kda.py --smoke --out /tmp/kda_bench.json   # CPU interpreter, tiny shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():  # must precede the first @triton.jit of moelab's kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch.nn.attention  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+from moelab.ops.kda import triton_chunk  # noqa: E402
+
+try:
+    from fla.ops.kda import chunk_kda as fla_chunk_kda  # noqa: E402
+
+    import fla  # noqa: E402
+
+    FLA_VERSION = getattr(fla, "__version__", "unknown")
+except Exception as exc:  # fla-core is optional
+    fla_chunk_kda, FLA_VERSION = None, None
+    print(f"fla not importable ({type(exc).__name__}: {exc}); skipping fla_* rows", flush=True)
+
+LOWER_BOUND = -5.0
+SHAPES = [(8, 4096, 16, 128), (1, 32768, 16, 128), (2, 65536, 16, 128)]
+LONG_SHAPES = [(1, 131072, 16, 128), (1, 262144, 16, 128), (1, 524288, 16, 128)]
+IMPLS = ["moelab_bounded", "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash"]
+TUNE_VARIANTS = [
+    {},
+    {"warps_intra": 4},
+    {"warps_grads": 4},
+    {"bk_intra": 128},
+    {"bk_grads": 64},
+    {"bv": 128},
+    {"warps_state": 8},
+]
+
+
+def make_inputs(impl, B, T, H, D, dev):
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32  # the interpreter gets bf16 wrong
+    req = dict(device=dev, dtype=dt, requires_grad=True)
+    q, k, v, x = (torch.randn(B, T, H, D, **req) for _ in range(4))
+    beta = torch.randn(B, T, H, device=dev, dtype=dt).sigmoid().requires_grad_()
+    A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16)).requires_grad_()
+    dt_bias = torch.zeros(H * D, device=dev, requires_grad=True)
+    if impl == "sdpa_flash":
+        qs, ks, vs = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+        return [qs, ks, vs]
+    return [q, k, v, x, beta, A_log, dt_bias]
+
+
+def make_fn(impl, ins):
+    if impl.startswith("moelab"):
+        q, k, v, x, beta, A_log, _ = ins
+        mode = impl.split("_")[1]
+
+        def fn():
+            g = LOWER_BOUND * torch.sigmoid(x * A_log.exp()[:, None])
+            qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+            return triton_chunk.chunk_kda(qn, kn, v, g, beta, mode=mode, lower_bound=LOWER_BOUND, validate=False)[0]
+        return fn
+    if impl.startswith("fla"):
+        q, k, v, x, beta, A_log, dt_bias = ins
+        kw = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True)
+        if impl == "fla_safe_gate":
+            kw.update(safe_gate=True, lower_bound=LOWER_BOUND)
+        return lambda: fla_chunk_kda(q, k, v, x, beta, **kw)[0]
+    qs, ks, vs = ins
+
+    def sdpa():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+    return sdpa
+
+
+def timed(fn, dev, warmup, rep):
+    if dev == "cuda":
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    fn()
+    ts = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def bench_one(impl, B, T, H, D, dev, warmup, rep):
+    ins = make_inputs(impl, B, T, H, D, dev)
+    fn = make_fn(impl, ins)
+
+    def fwd():
+        with torch.no_grad():
+            return fn()
+
+    o = fn()
+    do = torch.randn_like(o)
+    del o
+
+    def fb():
+        for t in ins:
+            t.grad = None
+        fn().backward(do)
+
+    fb()
+    fwd_ms = timed(fwd, dev, warmup, rep)
+    fb_ms = timed(fb, dev, warmup, rep)
+    peak = None
+    if dev == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        fb()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() / 1e9  # inputs + grads + everything the step allocates
+    return fwd_ms, fb_ms, peak
+
+
+def run_rows(impls, shapes, dev, warmup, rep, rows, extra=None):
+    for (B, T, H, D) in shapes:
+        for impl in impls:
+            if impl.startswith("fla") and fla_chunk_kda is None:
+                continue
+            row = dict(impl=impl, B=B, T=T, H=H, D=D, fwd_ms=None, fwdbwd_ms=None, peak_mem_gb=None, **(extra or {}))
+            try:
+                row["fwd_ms"], row["fwdbwd_ms"], row["peak_mem_gb"] = bench_one(impl, B, T, H, D, dev, warmup, rep)
+            except torch.cuda.OutOfMemoryError:
+                row["error"] = "OOM"
+            except Exception as exc:  # record and go on: one failing baseline must not hide the rest
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            rows.append(row)
+            fmt = lambda x: f"{x:9.3f}" if x is not None else "        -"  # noqa: E731
+            print(f"{impl:16s} B{B:<2d} T{T:<7d} H{H} D{D}  fwd {fmt(row['fwd_ms'])} ms  fwd+bwd "
+                  f"{fmt(row['fwdbwd_ms'])} ms  peak {fmt(row['peak_mem_gb'])} GB  {row.get('error', '')}"
+                  f"{'  ' + json.dumps(extra) if extra else ''}", flush=True)
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+
+
+def print_ratios(rows):
+    by = {(r["impl"], r["B"], r["T"]): r for r in rows if "tuning" not in r}
+    print("\nratios (>1: the second-named path is faster)")
+    for (impl, B, T), r in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][1])):
+        if impl != "moelab_bounded" or r["fwd_ms"] is None:
+            continue
+        for other, label in [("fla_safe_gate", "fla_safe_gate / moelab_bounded"),
+                             ("moelab_general", "moelab_general / moelab_bounded"),
+                             ("sdpa_flash", "sdpa_flash / moelab_bounded")]:
+            o = by.get((other, B, T))
+            if o and o["fwd_ms"] is not None:
+                print(f"  B{B} T{T}: {label:34s} fwd {o['fwd_ms'] / r['fwd_ms']:.2f}x  "
+                      f"fwd+bwd {o['fwdbwd_ms'] / r['fwdbwd_ms']:.2f}x")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="kernels/results/kda_h200.json")
+    ap.add_argument("--quick", action="store_true", help="B8 T4096 only, shorter timing")
+    ap.add_argument("--tune", action="store_true", help="also time launch-parameter variants at B8 T4096")
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU (Triton interpreter), moelab only")
+    args = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.smoke or dev == "cpu":
+        shapes, long_shapes, impls, warmup, rep = [(1, 128, 2, 32)], [], ["moelab_bounded", "moelab_general"], 1, 1
+    elif args.quick:
+        shapes, long_shapes, impls, warmup, rep = SHAPES[:1], [], IMPLS, 10, 50
+    else:
+        shapes, long_shapes, impls, warmup, rep = SHAPES, LONG_SHAPES, IMPLS, 25, 100
+    if dev == "cpu" and fla_chunk_kda is not None:
+        impls = [i for i in impls if not i.startswith("fla")]
+    rows: list[dict] = []
+    run_rows(impls, shapes, dev, warmup, rep, rows)
+    run_rows(["moelab_bounded", "moelab_general"], long_shapes, dev, warmup, rep, rows)
+    if args.tune:
+        default = dict(triton_chunk.TUNING)
+        for var in TUNE_VARIANTS[1:]:
+            triton_chunk.TUNING.clear()
+            triton_chunk.TUNING.update(default, **var)
+            run_rows(["moelab_bounded", "moelab_general"], shapes[:1], dev, warmup, rep, rows, extra={"tuning": var})
+        triton_chunk.TUNING.clear()
+        triton_chunk.TUNING.update(default)
+    print_ratios(rows)
+    meta = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu (triton interpreter)",
+                torch=torch.__version__, triton=triton.__version__, fla=FLA_VERSION,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command=" ".join(sys.argv), tuning=dict(triton_chunk.TUNING),
+                note="moelab rows include L2 norm + gate in torch; validate=False (bound holds by construction)")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Check moelab's Triton chunked KDA against the fp32 token-by-token reference on a GPU.
+
+Real sizes in bf16 (what training uses): forward output, final state and every gradient
+(q, k, v, g, beta, initial_state) of both modes, compared with ``rel_err`` = RMS(ref - out) /
+RMS(ref). Targets: o and final state <= 5e-3, gradients <= 1e-2. Prints a table, writes JSON to
+``--out`` and exits 1 on any failure (or non-finite value).
+
+    python kernels/check_kda_gpu.py --out kernels/results/kda_check_h200.json
+    python kernels/check_kda_gpu.py --smoke --out /tmp/kda_check.json   # CPU, Triton interpreter
+
+The reference is the fp32 token-by-token recurrence (TF32 off) on the bf16-rounded inputs, so only
+the kernel's own rounding is measured: forward ``naive_recurrent_kda``, backward its hand-written
+reverse-time adjoint (``recurrent_reference``): autograd through the token loop would materialize
+a full-size gradient for every ``x[:, t]`` slice, O(T^2) memory traffic. Every run first checks that
+adjoint against autograd at a small size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():  # must precede the first @triton.jit of moelab's kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from moelab.ops.kda.naive import naive_recurrent_kda  # noqa: E402
+from moelab.ops.kda.triton_chunk import chunk_kda  # noqa: E402
+
+O_TOL, GRAD_TOL = 5e-3, 1e-2
+NAMES = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+
+
+def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """RMS(ref - out) / RMS(ref) in fp64 (same definition as tests/helpers.py); inf if out is not finite."""
+    if not torch.isfinite(out).all():
+        return float("inf")
+    ref, out = ref.double(), out.double()
+    den = ref.pow(2).mean().sqrt().item()
+    num = (ref - out).pow(2).mean().sqrt().item()
+    return num / den if den > 0 else num
+
+
+def make_inputs(B, T, H, D, gate, h0, dtype, dev, seed):
+    """q, k L2-normalized (as the layer feeds them); gate 'bounded': g = -5 sigmoid(z);
+    gate 'softplus': g = -exp(A) softplus(z), A_log = log U(1, 16) (reaches g ~ -50)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q = torch.nn.functional.normalize(rnd(B, T, H, D), dim=-1)
+    k = torch.nn.functional.normalize(rnd(B, T, H, D), dim=-1)
+    v = rnd(B, T, H, D)
+    z = rnd(B, T, H, D)
+    if gate == "bounded":
+        g = -5.0 * torch.sigmoid(z)
+    else:
+        a = torch.empty(H).uniform_(1, 16, generator=gen)
+        g = -a[:, None] * torch.nn.functional.softplus(z)
+    beta = torch.sigmoid(rnd(B, T, H))
+    s0 = rnd(B, H, D, D) if h0 else None
+    do = rnd(B, T, H, D)
+    dS = rnd(B, H, D, D)
+    ins = [x.to(dev, dtype) for x in (q, k, v, g, beta)]
+    return ins, (s0.to(dev) if h0 else None), do.to(dev), dS.to(dev)
+
+
+def recurrent_reference(q, k, v, g, beta, s0, do, dS, scale=None):
+    """fp32 outputs and gradients of loss = <o, do> + <S_T, dS> by the token recurrence.
+
+    Forward ``S_t = (I - b_t k_t k_t^T) Diag(e^{g_t}) S_{t-1} + b_t k_t v_t^T``, ``o_t = scale S_t^T q_t``;
+    backward walks t = T..1 with the stored states. Returns [o, S_T, dq, dk, dv, dg, dbeta(, dh0)].
+    """
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    S = q.new_zeros(B, H, K, V) if s0 is None else s0.float().clone()
+    states = [S]
+    o = q.new_empty(B, T, H, V)
+    for t in range(T):
+        Sa = S * g[:, t].exp()[..., None]
+        pred = torch.einsum("bhk,bhkv->bhv", k[:, t], Sa)
+        u = beta[:, t, :, None] * (v[:, t] - pred)
+        S = Sa + k[:, t, :, :, None] * u[:, :, None, :]
+        o[:, t] = scale * torch.einsum("bhk,bhkv->bhv", q[:, t], S)
+        states.append(S)
+    dq, dk, dv, dg = (torch.empty_like(x) for x in (q, k, v, g))
+    db = torch.empty_like(beta)
+    dS_t = dS.float().clone()
+    for t in reversed(range(T)):
+        S_t, S_prev = states[t + 1], states[t]
+        dS_t = dS_t + scale * q[:, t, :, :, None] * do[:, t, :, None, :]
+        dq[:, t] = scale * torch.einsum("bhkv,bhv->bhk", S_t, do[:, t])
+        eg = g[:, t].exp()
+        Sa = S_prev * eg[..., None]
+        pred = torch.einsum("bhk,bhkv->bhv", k[:, t], Sa)
+        u = beta[:, t, :, None] * (v[:, t] - pred)
+        du = torch.einsum("bhkv,bhk->bhv", dS_t, k[:, t])
+        dk_t = torch.einsum("bhkv,bhv->bhk", dS_t, u)
+        db[:, t] = (du * (v[:, t] - pred)).sum(-1)
+        dv[:, t] = beta[:, t, :, None] * du
+        dpred = -beta[:, t, :, None] * du
+        dSa = dS_t + k[:, t, :, :, None] * dpred[:, :, None, :]
+        dk[:, t] = dk_t + torch.einsum("bhkv,bhv->bhk", Sa, dpred)
+        dg[:, t] = (dSa * Sa).sum(-1)
+        dS_t = dSa * eg[..., None]
+    return [o, states[-1], dq, dk, dv, dg, db] + ([dS_t] if s0 is not None else [])
+
+
+def fwd_bwd(fn, ins, s0, do, dS, **kw):
+    leaves = [x.detach().clone().requires_grad_() for x in ins]
+    s = s0.detach().clone().requires_grad_() if s0 is not None else None
+    o, S = fn(*leaves, initial_state=s, output_final_state=True, **kw)
+    ((o.float() * do).sum() + (S * dS).sum()).backward()
+    outs = [o.detach(), S.detach()] + [x.grad for x in leaves] + ([s.grad] if s is not None else [])
+    return [x.float() for x in outs]
+
+
+def self_check(dev: str) -> float:
+    """Largest rel_err of recurrent_reference vs autograd through naive_recurrent_kda (fp32, small)."""
+    ins, s0, do, dS = make_inputs(2, 50, 2, 16, "bounded", True, torch.float32, dev, seed=123)
+    auto = fwd_bwd(naive_recurrent_kda, ins, s0, do, dS)
+    manual = recurrent_reference(*ins, s0, do, dS)
+    return max(rel_err(a, m) for a, m in zip(auto, manual))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="kernels/results/kda_check.json", help="JSON output path")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU in the Triton interpreter")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.smoke:
+        dtype = torch.float32 if dev == "cpu" else torch.bfloat16  # the interpreter gets bf16 wrong
+        cases = [(1, 100, 2, 32, "bounded", False), (1, 70, 1, 32, "bounded", True), (1, 90, 1, 32, "softplus", False)]
+    else:
+        dtype = torch.bfloat16
+        cases = [(2, 4096, 16, 128, "bounded", False), (2, 1000, 16, 128, "bounded", False),
+                 (2, 1000, 16, 128, "bounded", True), (2, 2048, 16, 128, "softplus", True)]
+    ref_err = self_check(dev)
+    print(f"reference adjoint vs autograd: max rel_err {ref_err:.2e}")
+    if ref_err > 1e-5:
+        print("FAILURES: the reference adjoint disagrees with autograd")
+        return 1
+    rows, ok = [], True
+    print(f"{'case':34s} {'mode':8s} " + " ".join(f"{n:>11s}" for n in NAMES) + "  status")
+    for i, (B, T, H, D, gate, h0) in enumerate(cases):
+        ins, s0, do, dS = make_inputs(B, T, H, D, gate, h0, dtype, dev, seed=i)
+        with torch.no_grad():
+            ref = recurrent_reference(*ins, s0, do, dS)
+        modes = ["bounded", "general"] if gate == "bounded" else ["general"]
+        for mode in modes:
+            out = fwd_bwd(chunk_kda, ins, s0, do, dS, mode=mode)
+            errs = {n: rel_err(r, o) for n, r, o in zip(NAMES, ref, out)}
+            tol = {n: (O_TOL if n in ("o", "final_state") else GRAD_TOL) for n in errs}
+            passed = all(errs[n] <= tol[n] for n in errs)
+            ok &= passed
+            case = f"B{B} T{T} H{H} D{D} {gate} gate{' h0' if h0 else ''}"
+            print(f"{case:34s} {mode:8s} " + " ".join(f"{errs.get(n, float('nan')):11.2e}" for n in NAMES)
+                  + ("  ok" if passed else "  FAIL"), flush=True)
+            rows.append(dict(B=B, T=T, H=H, D=D, gate=gate, initial_state=h0, mode=mode, dtype=str(dtype),
+                             errors=errs, tolerances=tol, passed=passed))
+        del ref
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    import triton
+
+    meta = dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (triton interpreter)",
+                torch=torch.__version__, triton=triton.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command=" ".join(sys.argv), reference_self_check=ref_err, passed=ok)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(("ALL PASSED" if ok else "FAILURES") + f"; wrote {args.out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
