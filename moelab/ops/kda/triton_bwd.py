@@ -6,7 +6,8 @@ The backward first reruns the forward's intra and state kernels (``Tm``, ``A_qk`
 * ``_kda_bwd_dh`` (grid ``[cdiv(V, BV), B*H]``, sequential over chunks in reverse): with ``dh``
   the gradient of the state leaving chunk c (stored per chunk),
   ``dU = A_qk^T do + (k e^{G_last-G}) dh`` and
-  ``dh_c = e^{G_last} dh + scale (q e^G)^T do - w^T dU``; the last ``dh_c`` is d(initial_state).
+  ``dh_c = e^{G_last} dh + qg^T do - w^T dU`` (``kd``, ``qg`` from the intra kernel); the last
+  ``dh_c`` is d(initial_state).
 * ``_kda_bwd_grads`` (grid ``[NT, B*H]``): everything else, per chunk.
   From ``U = u - w h``: ``dw = -dU h^T``; from ``u = Tm beta v``: ``dvb = Tm^T dU``,
   ``dv = beta dvb``; from ``w = Tm (beta k e^G)``: ``dkb = Tm^T dw``; from ``Tm = (I + A_kk)^-1``:
@@ -23,13 +24,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelab.ops.kda.triton_common import _cast, _colside2, _load_G, _rowside2
+from moelab.ops.kda.triton_common import _cast, _colside_sum, _load_G, _rowside2
 
 
 @triton.jit
 def _kda_bwd_dh(
-    q, k, g, w, Aqk, do, dht, dhbuf, dU, dh0,
-    scale, T, NT,
+    qg, kd, gl, w, Aqk, do, dht, dhbuf, dU, dh0,
+    T, NT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     C: tl.constexpr, BKP: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DOT_BF16: tl.constexpr,
@@ -61,19 +62,16 @@ def _kda_bwd_dh(
         kb_ptrs = (t0 * H + i_h) * K + r[:, None] * (H * K) + d[None, :]
         vb_ptrs = (t0 * H + i_h) * V + r[:, None] * (H * V) + cv[None, :]
         A = tl.load(Aqk + (tp0 * H + i_h) * C + r[:, None] * (H * C) + cidx[None, :])
-        dot_ = tl.load(do + vb_ptrs, mask=m_u, other=0.0)
-        G = _load_G(g + (t0 * H + i_h) * K, r, m_r, d, m_d, H * K)
-        Gl = tl.sum(tl.where(r[:, None] == C - 1, G, 0.0), axis=0)
-        kt = tl.load(k + kb_ptrs, mask=m_k, other=0.0).to(tl.float32)
-        qt = tl.load(q + kb_ptrs, mask=m_k, other=0.0).to(tl.float32)
+        do_t = _cast(tl.load(do + vb_ptrs, mask=m_u, other=0.0), DOT_BF16)
+        kdt = tl.load(kd + kb_ptrs, mask=m_k, other=0.0)
+        qgt = tl.load(qg + kb_ptrs, mask=m_k, other=0.0)
         wt = tl.load(w + kb_ptrs, mask=m_k, other=0.0)
-        kd = kt * tl.exp2(Gl[None, :] - G)
-        dUt = tl.dot(_cast(tl.trans(A), DOT_BF16), _cast(dot_, DOT_BF16))
-        dUt += tl.dot(_cast(kd, DOT_BF16), _cast(dh, DOT_BF16))
+        glt = tl.load(gl + ((i_b * NT + c) * H + i_h) * K + d, mask=m_d, other=0.0)
+        dUt = tl.dot(_cast(tl.trans(A), DOT_BF16), do_t)
+        dUt += tl.dot(_cast(kdt, DOT_BF16), _cast(dh, DOT_BF16))
         tl.store(dU + vb_ptrs, dUt, mask=m_u)
-        qg = qt * tl.exp2(G) * scale
-        dh = dh * tl.exp2(Gl)[:, None]
-        dh += tl.dot(_cast(tl.trans(qg), DOT_BF16), _cast(dot_, DOT_BF16))
+        dh = dh * glt[:, None]
+        dh += tl.dot(_cast(tl.trans(qgt), DOT_BF16), do_t)
         dh -= tl.dot(_cast(tl.trans(wt), DOT_BF16), _cast(dUt, DOT_BF16))
     if STORE_DH0:
         tl.store(dh0 + i_bh * K * V + h_ptrs, dh, mask=m_h)
@@ -173,11 +171,6 @@ def _bwd_state_terms(
     m_c = cols < K
     m2 = m_r[:, None] & m_c[None, :]
     kp = qk_base + r[:, None] * (H * K) + cols[None, :]
-    G = _load_G(g + qk_base, r, m_r, cols, m_c, H * K)
-    Gl = tl.sum(tl.where(r[:, None] == C - 1, G, 0.0), axis=0)
-    qt = tl.load(q + kp, mask=m2, other=0.0).to(tl.float32)
-    kt = tl.load(k + kp, mask=m2, other=0.0).to(tl.float32)
-    wt = tl.load(w + kp, mask=m2, other=0.0).to(tl.float32)
     dqh = tl.zeros([C, BK], dtype=tl.float32)
     dw = tl.zeros([C, BK], dtype=tl.float32)
     dkh = tl.zeros([C, BK], dtype=tl.float32)
@@ -199,6 +192,12 @@ def _bwd_state_terms(
         dw += tl.dot(_cast(dU_t, DOT_BF16), hT_)
         dkh += tl.dot(_cast(U_t, DOT_BF16), _cast(tl.trans(dht), DOT_BF16))
         dgl += tl.sum(ht.to(tl.float32) * dht.to(tl.float32), axis=1)
+    # loaded after the V loop to keep them out of its live range
+    G = _load_G(g + qk_base, r, m_r, cols, m_c, H * K)
+    Gl = tl.sum(tl.where(r[:, None] == C - 1, G, 0.0), axis=0)
+    qt = tl.load(q + kp, mask=m2, other=0.0).to(tl.float32)
+    kt = tl.load(k + kp, mask=m2, other=0.0).to(tl.float32)
+    wt = tl.load(w + kp, mask=m2, other=0.0).to(tl.float32)
     eG = tl.exp2(G)
     dq1 = dqh * eG * scale
     dkb = -tl.dot(tl.trans(Tm), dw)
@@ -232,14 +231,15 @@ def _bwd_intra_terms(
     bo = kb * BK
     rq, rk = _rowside2(dAq, dAk, kt, G, k + qk_base + bo, Gbuf + g_base + bo, H * K, nval, tl.arange(0, BK), m_c,
                        BOUNDED, DOT_BF16, C, BC)
-    cq, ck = _colside2(dAq, dAk, qt, bk, G, q + qk_base + bo, k + qk_base + bo, beta + beta_base, Gbuf + g_base + bo,
-                       H * K, H, nval, tl.arange(0, BK), m_c, BOUNDED, DOT_BF16, C, BC)
-    dqt = dq1 + rq
-    dkt = dk1 + cq + rk * b[:, None] + ck
+    tl.store(dq + kp, (dq1 + rq).to(dq.dtype.element_ty), mask=m2)
+    dkt = dk1 + rk * b[:, None]
     db += tl.sum(rk * kt, axis=1)
-    dG = dG1 + qt * rq - kt * cq + bk * rk - kt * ck
+    dG = dG1 + qt * rq + bk * rk
+    cs = _colside_sum(dAq, dAk, qt, bk, G, q + qk_base + bo, k + qk_base + bo, beta + beta_base,
+                      Gbuf + g_base + bo, H * K, H, nval, tl.arange(0, BK), m_c, BOUNDED, DOT_BF16, C, BC)
+    dkt += cs
+    dG -= kt * cs
     dgt = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG
-    tl.store(dq + kp, dqt.to(dq.dtype.element_ty), mask=m2)
     tl.store(dk + kp, dkt.to(dk.dtype.element_ty), mask=m2)
     tl.store(dg + kp, dgt.to(dg.dtype.element_ty), mask=m2)
     return db

@@ -98,8 +98,11 @@ def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, save_f
     Aqk = torch.empty(B, Tp, H, C, device=dev, dtype=wd)
     w = torch.empty(B, T, H, K, device=dev, dtype=wd)
     u = torch.empty(B, T, H, V, device=dev, dtype=wd)
+    qg = torch.empty(B, T, H, K, device=dev, dtype=wd)
+    kd = torch.empty(B, T, H, K, device=dev, dtype=wd)
+    gl = torch.empty(B, NT, H, K, device=dev, dtype=torch.float32)
     _kda_fwd_intra[(NT, B * H)](
-        q, k, v, g, beta, Gbuf, Abuf, Aqk, w, u, scale, T, NT,
+        q, k, v, g, beta, Gbuf, Abuf, Aqk, w, u, qg, kd, gl, scale, T, NT,
         H=H, K=K, V=V, C=C, BC=SUBTILE, BK=cfg["BK_intra"], BV=cfg["BV"],
         BOUNDED=bounded, STORE_G=store_g, DOT_BF16=dot_bf16, num_warps=cfg["warps_intra"],
     )
@@ -108,21 +111,21 @@ def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, save_f
     hT = torch.empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     bv = _state_bv(V, B * H, cfg)
     _kda_fwd_state[(triton.cdiv(V, bv), B * H)](
-        k, g, w, u, h0 if h0 is not None else U, hbuf, U, hT if hT is not None else U, T, NT,
+        kd, gl, w, u, h0 if h0 is not None else U, hbuf, U, hT if hT is not None else U, T, NT,
         H=H, K=K, V=V, C=C, BKP=cfg["BKP"], BV=bv,
         HAS_H0=h0 is not None, STORE_HT=hT is not None, DOT_BF16=dot_bf16, num_warps=cfg["warps_state"],
     )
-    return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, hbuf=hbuf, U=U, hT=hT, cfg=cfg, NT=NT)
+    return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, qg=qg, kd=kd, gl=gl, hbuf=hbuf, U=U, hT=hT, cfg=cfg, NT=NT)
 
 
-def _output(q, g, inter, scale, v_dtype):
+def _output(q, inter, v_dtype):
     B, T, H, K = q.shape
     U = inter["U"]
     V = U.shape[-1]
     cfg = inter["cfg"]
     o = torch.empty(B, T, H, V, device=q.device, dtype=v_dtype)
     _kda_fwd_out[(inter["NT"], B * H)](
-        q, g, inter["Aqk"], inter["hbuf"], U, o, scale, T, inter["NT"],
+        inter["qg"], inter["Aqk"], inter["hbuf"], U, o, T, inter["NT"],
         H=H, K=K, V=V, C=inter["Abuf"].shape[-1], BKP=cfg["BKP"], BV=cfg["BV"],
         DOT_BF16=q.dtype == torch.bfloat16, num_warps=cfg["warps_out"],
     )
@@ -135,7 +138,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, bounded, chunk_size):
         inter = _forward(q, k, v, g, beta, scale, initial_state, output_final_state, bounded, chunk_size, False)
-        o = _output(q, g, inter, scale, v.dtype)
+        o = _output(q, inter, v.dtype)
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         ctx.scale, ctx.bounded, ctx.chunk_size = scale, bounded, chunk_size
         return o, inter["hT"]
@@ -157,8 +160,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         has_dht = dht is not None
         bv = _state_bv(V, B * H, cfg)
         _kda_bwd_dh[(triton.cdiv(V, bv), B * H)](
-            q, k, g, inter["w"], inter["Aqk"], do, dht.contiguous() if has_dht else dU, dhbuf, dU,
-            dh0 if dh0 is not None else dU, scale, T, NT,
+            inter["qg"], inter["kd"], inter["gl"], inter["w"], inter["Aqk"], do, dht.contiguous() if has_dht else dU,
+            dhbuf, dU, dh0 if dh0 is not None else dU, T, NT,
             H=H, K=K, V=V, C=C, BKP=cfg["BKP"], BV=bv,
             HAS_DHT=has_dht, STORE_DH0=dh0 is not None, DOT_BF16=dot_bf16, num_warps=cfg["warps_state"],
         )

@@ -8,9 +8,11 @@ natural ``exp(G_i - G_j)``. ``G`` is non-increasing along the chunk because ``g 
 The gated products ``sum_d a_id b_jd exp(G_id - G_jd)`` are never formed as ``exp(G) @ exp(-G)``
 over the whole chunk (that overflows). Instead:
 
-* off-diagonal sub-tile pairs (``j`` in an earlier sub-tile than ``i``) go through one ``tl.dot``
-  per row (or column) sub-tile, with both factors taken relative to the sub-tile boundary
-  between them, so every exponent is ``<= 0`` in either mode;
+* off-diagonal sub-tile pairs (``j`` in an earlier sub-tile than ``i``) are split hierarchically:
+  at level ``P`` (``C/2, C/4, ..., BC``) the chunk is cut into ``2P``-row segments and a pair
+  with ``i`` in the upper and ``j`` in the lower half of one segment is formed with both factors
+  taken relative to G at the last row of that lower half, so every exponent is ``<= 0`` in either
+  mode; each level is one ``tl.dot`` (``log2(C/BC)`` products instead of ``C/BC - 1``);
 * diagonal sub-tiles, ``BOUNDED=True``: one ``tl.dot`` on ``a * exp(G - G_mid)`` and
   ``b * exp(G_mid - G)`` with ``G_mid`` the sub-tile midpoint, exponents at most
   ``8 * |lower_bound|`` in magnitude; entries outside the diagonal sub-tiles may overflow and
@@ -68,6 +70,31 @@ def _load_G(g_ptr, rows, m_rows, cols, m_cols, stride):
 
 
 @triton.jit
+def _split_factors(G, r, P: tl.constexpr, C: tl.constexpr):
+    """Decay factors of the level-``P`` pairs: ``rf`` (rows in the upper half of a ``2P`` segment,
+    ``e^{G_i - ref}``) and ``kf`` (rows in the lower half, ``e^{ref - G_j}``), ref = G at the last
+    row of the lower half; both ``<= 1`` and 0 on the other half."""
+    seg = r // (2 * P)
+    ref = tl.zeros_like(G)
+    for s in tl.static_range(C // (2 * P)):
+        ref = tl.where(seg[:, None] == s, _row(G, r, s * 2 * P + P - 1)[None, :], ref)
+    upper = ((r % (2 * P)) >= P)[:, None]
+    rf = tl.exp2(tl.where(upper, G - ref, float("-inf")))
+    kf = tl.exp2(tl.where(upper, float("-inf"), ref - G))
+    return rf, kf
+
+
+@triton.jit
+def _same_segment(x, r, P: tl.constexpr, C: tl.constexpr):
+    """Zero the entries of a ``[C, C]`` tile whose row and column lie in different ``2P`` segments
+    (there the two factors of a level-``P`` product used different references)."""
+    if 2 * P == C:
+        return x
+    else:
+        return tl.where((r // (2 * P))[:, None] == (r // (2 * P))[None, :], x, 0.0)
+
+
+@triton.jit
 def _scores2(S1, S2, q, k, G, k_ptr, G_ptr, stride, nval, cols, m_cols,
              BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
     """Add one K-block to ``S1_ij = sum_d q_id k_jd e^{G_id-G_jd}`` and ``S2`` (same with k for q).
@@ -79,15 +106,13 @@ def _scores2(S1, S2, q, k, G, k_ptr, G_ptr, stride, nval, cols, m_cols,
     r = tl.arange(0, C)
     blk = r // BC
     cidx = tl.arange(0, C)
-    # off-diagonal sub-tile pairs: row sub-tile I against all earlier columns, reference
-    # G at the row just before sub-tile I (both factors <= 1)
-    for I in tl.static_range(1, C // BC):
-        ref = _row(G, r, I * BC - 1)
-        kf = k * tl.exp2(tl.where(r[:, None] < I * BC, ref[None, :] - G, float("-inf")))
-        rf = tl.exp2(tl.where(blk[:, None] == I, G - ref[None, :], float("-inf")))
-        kT = tl.trans(_cast(kf, DOT_BF16))
-        S1 += tl.dot(_cast(q * rf, DOT_BF16), kT)
-        S2 += tl.dot(_cast(k * rf, DOT_BF16), kT)
+    for lvl in tl.static_range(3):
+        P: tl.constexpr = C // (2 << lvl)
+        if P >= BC:
+            rf, kf = _split_factors(G, r, P, C)
+            kT = tl.trans(_cast(k * kf, DOT_BF16))
+            S1 += _same_segment(tl.dot(_cast(q * rf, DOT_BF16), kT), r, P, C)
+            S2 += _same_segment(tl.dot(_cast(k * rf, DOT_BF16), kT), r, P, C)
     same = blk[:, None] == (cidx // BC)[None, :]
     if BOUNDED:
         Gm = _mid_tile(G, r, C, BC)
@@ -121,14 +146,13 @@ def _rowside2(dS1, dS2, b, G, b_ptr, G_ptr, stride, nval, cols, m_cols,
     cidx = tl.arange(0, C)
     out1 = tl.zeros_like(b)
     out2 = tl.zeros_like(b)
-    d1 = _cast(dS1, DOT_BF16)
-    d2 = _cast(dS2, DOT_BF16)
-    for I in tl.static_range(1, C // BC):
-        ref = _row(G, r, I * BC - 1)
-        bf = _cast(b * tl.exp2(tl.where(r[:, None] < I * BC, ref[None, :] - G, float("-inf"))), DOT_BF16)
-        rf = tl.exp2(tl.where(blk[:, None] == I, G - ref[None, :], float("-inf")))
-        out1 += rf * tl.dot(d1, bf)
-        out2 += rf * tl.dot(d2, bf)
+    for lvl in tl.static_range(3):
+        P: tl.constexpr = C // (2 << lvl)
+        if P >= BC:
+            rf, kf = _split_factors(G, r, P, C)
+            bf = _cast(b * kf, DOT_BF16)
+            out1 += rf * tl.dot(_cast(_same_segment(dS1, r, P, C), DOT_BF16), bf)
+            out2 += rf * tl.dot(_cast(_same_segment(dS2, r, P, C), DOT_BF16), bf)
     same = blk[:, None] == (cidx // BC)[None, :]
     if BOUNDED:
         Gm = _mid_tile(G, r, C, BC)
@@ -150,34 +174,32 @@ def _rowside2(dS1, dS2, b, G, b_ptr, G_ptr, stride, nval, cols, m_cols,
 
 
 @triton.jit
-def _colside2(dS1, dS2, a1, a2, G, q_ptr, k_ptr, beta_ptr, G_ptr, stride, beta_stride, nval, cols, m_cols,
-              BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
-    """``out_j = sum_{i>=j} dS_ij a_i e^{G_i-G_j}`` with ``a1 = q`` for ``dS1`` and ``a2 = beta*k``
-    for ``dS2`` (the general-mode gathers rebuild those rows from ``q``, ``k`` and ``beta``).
+def _colside_sum(dS1, dS2, a1, a2, G, q_ptr, k_ptr, beta_ptr, G_ptr, stride, beta_stride, nval, cols, m_cols,
+                 BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    """``out_j = sum_{i>=j} (dS1_ij a1_i + dS2_ij a2_i) e^{G_i-G_j}`` with ``a1 = q``, ``a2 = beta*k``
+    (the general-mode gathers rebuild those rows from ``q``, ``k`` and ``beta``).
 
-    ``dS1``/``dS2`` must already be zero above the diagonal. Returns two ``[C, BK]`` fp32 tiles.
+    Both score matrices have k on the column side, so the caller needs only the sum.
+    ``dS1``/``dS2`` must already be zero above the diagonal. Returns one ``[C, BK]`` fp32 tile.
     """
     r = tl.arange(0, C)
     blk = r // BC
     cidx = tl.arange(0, C)
-    out1 = tl.zeros_like(a1)
-    out2 = tl.zeros_like(a1)
-    d1 = _cast(tl.trans(dS1), DOT_BF16)
-    d2 = _cast(tl.trans(dS2), DOT_BF16)
-    # column sub-tile J against all later rows, reference G at the last row of sub-tile J
-    for J in tl.static_range(0, C // BC - 1):
-        ref = _row(G, r, J * BC + BC - 1)
-        cf = tl.exp2(tl.where(blk[:, None] == J, ref[None, :] - G, float("-inf")))
-        rf = tl.exp2(tl.where(r[:, None] >= (J + 1) * BC, G - ref[None, :], float("-inf")))
-        out1 += cf * tl.dot(d1, _cast(a1 * rf, DOT_BF16))
-        out2 += cf * tl.dot(d2, _cast(a2 * rf, DOT_BF16))
+    out = tl.zeros_like(a1)
+    for lvl in tl.static_range(3):
+        P: tl.constexpr = C // (2 << lvl)
+        if P >= BC:
+            rf, kf = _split_factors(G, r, P, C)
+            acc = tl.dot(_cast(tl.trans(_same_segment(dS1, r, P, C)), DOT_BF16), _cast(a1 * rf, DOT_BF16))
+            acc += tl.dot(_cast(tl.trans(_same_segment(dS2, r, P, C)), DOT_BF16), _cast(a2 * rf, DOT_BF16))
+            out += kf * acc
     same = blk[:, None] == (cidx // BC)[None, :]
     if BOUNDED:
         Gm = _mid_tile(G, r, C, BC)
         rf = tl.exp2(G - Gm)
-        cf = tl.exp2(Gm - G)
-        out1 += cf * tl.dot(_cast(tl.trans(tl.where(same, dS1, 0.0)), DOT_BF16), _cast(a1 * rf, DOT_BF16))
-        out2 += cf * tl.dot(_cast(tl.trans(tl.where(same, dS2, 0.0)), DOT_BF16), _cast(a2 * rf, DOT_BF16))
+        acc = tl.dot(_cast(tl.trans(tl.where(same, dS1, 0.0)), DOT_BF16), _cast(a1 * rf, DOT_BF16))
+        acc += tl.dot(_cast(tl.trans(tl.where(same, dS2, 0.0)), DOT_BF16), _cast(a2 * rf, DOT_BF16))
+        out += tl.exp2(Gm - G) * acc
     else:
         for s in range(BC):
             i = blk * BC + s  # partner row of output row j inside j's sub-tile
@@ -190,6 +212,5 @@ def _colside2(dS1, dS2, a1, a2, G, q_ptr, k_ptr, beta_ptr, G_ptr, stride, beta_s
             hit = r[:, None] == i[None, :]  # [C(i), C(j)]: row i(j) of column j
             c1 = tl.sum(tl.where(hit, dS1, 0.0), axis=0)
             c2 = tl.sum(tl.where(hit, dS2, 0.0), axis=0)
-            out1 += c1[:, None] * qi * e
-            out2 += c2[:, None] * (bi[:, None] * ki) * e
-    return out1, out2
+            out += (c1[:, None] * qi + (c2 * bi)[:, None] * ki) * e
+    return out

@@ -7,11 +7,12 @@ Per head and chunk of ``C`` tokens, with ``G`` the chunk-local cumsum of g (see 
   ``A_qk = scale * lower(sum_d q_id k_jd e^{G_id-G_jd})`` (stored),
   ``Tm = (I + A_kk)^-1`` by forward substitution on the 16x16 diagonal blocks and a block-row merge,
   ``w = Tm (beta k e^G)`` and ``u = Tm (beta v)`` (stored). ``Tm`` stays in the ``A`` buffer
-  (the backward reads it).
+  (the backward reads it). Also stores ``qg = scale q e^G``, ``kd = k e^{G_last - G}`` and
+  ``gl = e^{G_last}`` so the chunk loops below carry no cumsum or exp.
 * ``_kda_fwd_state`` (grid ``[cdiv(V, BV), B*H]``, sequential over chunks): stores the state
   ``h_c`` entering each chunk, ``U = u - w h_c`` (the delta-rule corrected values), then
   ``h_{c+1} = e^{G_last} h_c + (k e^{G_last - G})^T U``.
-* ``_kda_fwd_out`` (grid ``[NT, B*H]``): ``o = scale (q e^G) h_c + A_qk U``.
+* ``_kda_fwd_out`` (grid ``[NT, B*H]``): ``o = qg h_c + A_qk U``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from moelab.ops.kda.triton_common import _cast, _load_G, _scores2
 
 @triton.jit
 def _kda_fwd_intra(
-    q, k, v, g, beta, Gbuf, Abuf, Aqk, w, u,
+    q, k, v, g, beta, Gbuf, Abuf, Aqk, w, u, qg, kd, gl,
     scale, T, NT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -100,14 +101,22 @@ def _kda_fwd_intra(
         tl.debug_barrier()
     Tm = tl.load(Abuf + A_base + A_ptrs)
 
+    # w = Tm (beta k e^G); plus the decayed q and k the state / output kernels use, so that their
+    # sequential chunk loops carry no cumsum or exp
     for kb in range(tl.cdiv(K, BK)):
         cols = kb * BK + tl.arange(0, BK)
         m_c = cols < K
         m2 = m_r[:, None] & m_c[None, :]
+        p = qk_base + r[:, None] * (H * K) + cols[None, :]
         G = _load_G(g + qk_base, r, m_r, cols, m_c, H * K)
-        kt = tl.load(k + qk_base + r[:, None] * (H * K) + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        Gl = tl.sum(tl.where(r[:, None] == C - 1, G, 0.0), axis=0)
+        kt = tl.load(k + p, mask=m2, other=0.0).to(tl.float32)
+        qt = tl.load(q + p, mask=m2, other=0.0).to(tl.float32)
         wt = tl.dot(Tm, kt * b[:, None] * tl.exp2(G))
-        tl.store(w + qk_base + r[:, None] * (H * K) + cols[None, :], wt.to(w.dtype.element_ty), mask=m2)
+        tl.store(w + p, wt.to(w.dtype.element_ty), mask=m2)
+        tl.store(kd + p, (kt * tl.exp2(Gl[None, :] - G)).to(kd.dtype.element_ty), mask=m2)
+        tl.store(qg + p, (qt * tl.exp2(G) * scale).to(qg.dtype.element_ty), mask=m2)
+        tl.store(gl + ((i_b * NT + i_c) * H + i_h) * K + cols, tl.exp2(Gl), mask=m_c)
     for vb in range(tl.cdiv(V, BV)):
         cols = vb * BV + tl.arange(0, BV)
         m2 = m_r[:, None] & (cols < V)[None, :]
@@ -118,7 +127,7 @@ def _kda_fwd_intra(
 
 @triton.jit
 def _kda_fwd_state(
-    k, g, w, u, h0, hbuf, U, hT,
+    kd, gl, w, u, h0, hbuf, U, hT,
     T, NT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     C: tl.constexpr, BKP: tl.constexpr, BV: tl.constexpr,
@@ -148,22 +157,20 @@ def _kda_fwd_state(
         kb_ptrs = (t0 * H + i_h) * K + r[:, None] * (H * K) + d[None, :]
         vb_ptrs = (t0 * H + i_h) * V + r[:, None] * (H * V) + cv[None, :]
         wt = tl.load(w + kb_ptrs, mask=m_k, other=0.0)
+        kdt = tl.load(kd + kb_ptrs, mask=m_k, other=0.0)
         ut = tl.load(u + vb_ptrs, mask=m_u, other=0.0).to(tl.float32)
+        glt = tl.load(gl + ((i_b * NT + c) * H + i_h) * K + d, mask=m_d, other=0.0)
         Ut = ut - tl.dot(_cast(wt, DOT_BF16), _cast(h, DOT_BF16))
         tl.store(U + vb_ptrs, Ut.to(U.dtype.element_ty), mask=m_u)
-        G = _load_G(g + (t0 * H + i_h) * K, r, m_r, d, m_d, H * K)
-        Gl = tl.sum(tl.where(r[:, None] == C - 1, G, 0.0), axis=0)
-        kt = tl.load(k + kb_ptrs, mask=m_k, other=0.0).to(tl.float32)
-        kd = kt * tl.exp2(Gl[None, :] - G)
-        h = h * tl.exp2(Gl)[:, None] + tl.dot(_cast(tl.trans(kd), DOT_BF16), _cast(Ut, DOT_BF16))
+        h = h * glt[:, None] + tl.dot(_cast(tl.trans(kdt), DOT_BF16), _cast(Ut, DOT_BF16))
     if STORE_HT:
         tl.store(hT + i_bh * K * V + h_ptrs, h, mask=m_h)
 
 
 @triton.jit
 def _kda_fwd_out(
-    q, g, Aqk, hbuf, U, o,
-    scale, T, NT,
+    qg, Aqk, hbuf, U, o,
+    T, NT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     C: tl.constexpr, BKP: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr,
 ):
@@ -178,10 +185,8 @@ def _kda_fwd_out(
     m_r = r < T - i_c * C
     t0 = i_b * T + i_c * C
     tp0 = i_b * NT * C + i_c * C
-    G = _load_G(g + (t0 * H + i_h) * K, r, m_r, d, m_d, H * K)
-    qt = tl.load(q + (t0 * H + i_h) * K + r[:, None] * (H * K) + d[None, :],
-                 mask=m_r[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-    qg = _cast(qt * tl.exp2(G) * scale, DOT_BF16)
+    qgt = _cast(tl.load(qg + (t0 * H + i_h) * K + r[:, None] * (H * K) + d[None, :],
+                        mask=m_r[:, None] & m_d[None, :], other=0.0), DOT_BF16)
     A = _cast(tl.load(Aqk + (tp0 * H + i_h) * C + r[:, None] * (H * C) + cidx[None, :]), DOT_BF16)
     h_base = ((i_b * NT + i_c) * H + i_h) * K * V
     for vb in range(tl.cdiv(V, BV)):
@@ -191,5 +196,5 @@ def _kda_fwd_out(
         m_u = m_r[:, None] & m_v[None, :]
         vb_ptrs = (t0 * H + i_h) * V + r[:, None] * (H * V) + cv[None, :]
         Ut = tl.load(U + vb_ptrs, mask=m_u, other=0.0)
-        ot = tl.dot(qg, _cast(ht, DOT_BF16)) + tl.dot(A, _cast(Ut, DOT_BF16))
+        ot = tl.dot(qgt, _cast(ht, DOT_BF16)) + tl.dot(A, _cast(Ut, DOT_BF16))
         tl.store(o + vb_ptrs, ot.to(o.dtype.element_ty), mask=m_u)
