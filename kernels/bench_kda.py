@@ -62,6 +62,7 @@ TUNE_VARIANTS = [
     {"bk_grads": 64},
     {"bv": 128},
     {"warps_state": 8},
+    {"scores_tf32": False},
 ]
 
 

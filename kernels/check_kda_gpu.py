@@ -7,12 +7,19 @@ RMS(ref). Targets: o and final state <= 5e-3, gradients <= 1e-2. Prints a table,
 
     python kernels/check_kda_gpu.py --out kernels/results/kda_check_h200.json
     python kernels/check_kda_gpu.py --smoke --out /tmp/kda_check.json   # CPU, Triton interpreter
+    python kernels/check_kda_gpu.py --smoke --emulate-bf16 --out /tmp/kda_bf16.json   # CPU, bf16 rounding
 
 The reference is the fp32 token-by-token recurrence (TF32 off) on the bf16-rounded inputs, so only
 the kernel's own rounding is measured: forward ``naive_recurrent_kda``, backward its hand-written
 reverse-time adjoint (``recurrent_reference``): autograd through the token loop would materialize
 a full-size gradient for every ``x[:, t]`` slice, O(T^2) memory traffic. Every run first checks that
 adjoint against autograd at a small size.
+
+``--emulate-bf16`` (CPU only) estimates the GPU's bf16 error before spending GPU time: the
+interpreter cannot run bf16 products, so the inputs stay fp32 (bf16-rounded) while every
+intermediate the GPU stores in bf16 is stored in bf16 (round-to-nearest-even, patched into the
+interpreter's conversion, which truncates), bf16 product operands are rounded to bf16 and TF32
+ones to TF32 before an fp32 product, and o and the gradients are rounded to bf16 at the end.
 """
 
 from __future__ import annotations
@@ -30,8 +37,10 @@ if not torch.cuda.is_available():  # must precede the first @triton.jit of moela
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from moelab.ops.kda.naive import naive_recurrent_kda  # noqa: E402
-from moelab.ops.kda.triton_chunk import chunk_kda  # noqa: E402
 
 O_TOL, GRAD_TOL = 5e-3, 1e-2
 NAMES = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
@@ -112,12 +121,66 @@ def recurrent_reference(q, k, v, g, beta, s0, do, dS, scale=None):
     return [o, states[-1], dq, dk, dv, dg, db] + ([dS_t] if s0 is not None else [])
 
 
-def fwd_bwd(fn, ins, s0, do, dS, **kw):
+@triton.jit
+def _emulated_cast(x, DOT_BF16: tl.constexpr):
+    """Stand-in for triton_common._cast under --emulate-bf16: round, then multiply in fp32."""
+    if DOT_BF16:
+        return x.to(tl.bfloat16).to(tl.float32)
+    else:  # TF32: 10-bit mantissa, round to nearest even
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        return ((bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+def emulate_bf16():
+    """Patch the interpreter and moelab's operand cast so fp32 runs round like the bf16 GPU path
+    (see the module docstring); returns chunk_kda. Must run before moelab's kernels are imported."""
+    import numpy as np
+    import triton.runtime.interpreter as interp
+
+    convert = interp._convert_float
+
+    def rne(data, src, dst, rounding):
+        if src == tl.float32 and dst == tl.bfloat16:
+            t = torch.from_numpy(np.ascontiguousarray(data).view(np.float32)).bfloat16()
+            return t.view(torch.int16).numpy().view(np.uint16)
+        return convert(data, src, dst, rounding)
+
+    interp._convert_float = rne
+    from moelab.ops.kda import triton_common
+
+    triton_common._cast = _emulated_cast
+    from moelab.ops.kda import triton_chunk
+
+    triton_chunk._dot_bf16 = lambda dtype: True
+    triton_chunk._work_dtype = lambda dtype: torch.bfloat16
+
+    def chunk_kda(*args, **kw):
+        o, S = triton_chunk.chunk_kda(*args, **kw)
+        return _RoundGrad.apply(o), S
+
+    return chunk_kda
+
+
+class _RoundGrad(torch.autograd.Function):
+    """Identity that rounds the value and the incoming gradient's consumers' view to bf16: o is
+    bf16 on the GPU, and so are dq, dk, dv, dg, dbeta (rounded in fwd_bwd)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.bfloat16().float()
+
+    @staticmethod
+    def backward(ctx, dx):
+        return dx
+
+
+def fwd_bwd(fn, ins, s0, do, dS, round_grads=False, **kw):
     leaves = [x.detach().clone().requires_grad_() for x in ins]
     s = s0.detach().clone().requires_grad_() if s0 is not None else None
     o, S = fn(*leaves, initial_state=s, output_final_state=True, **kw)
     ((o.float() * do).sum() + (S * dS).sum()).backward()
-    outs = [o.detach(), S.detach()] + [x.grad for x in leaves] + ([s.grad] if s is not None else [])
+    grads = [x.grad.bfloat16() if round_grads else x.grad for x in leaves]
+    outs = [o.detach(), S.detach()] + grads + ([s.grad] if s is not None else [])
     return [x.float() for x in outs]
 
 
@@ -133,11 +196,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="kernels/results/kda_check.json", help="JSON output path")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU in the Triton interpreter")
+    ap.add_argument("--emulate-bf16", action="store_true", help="CPU only: emulate the GPU's bf16 rounding")
     args = ap.parse_args()
+    if args.emulate_bf16 and torch.cuda.is_available():
+        ap.error("--emulate-bf16 is for CPU runs; on the GPU the real bf16 path runs")
+    if args.emulate_bf16:
+        chunk_kda = emulate_bf16()
+    else:
+        from moelab.ops.kda.triton_chunk import chunk_kda
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.smoke:
+    if args.emulate_bf16:
+        dtype = torch.float32  # bf16-rounded values; the emulation rounds the rest
+        cases = [(1, 300, 2, 64, "bounded", True), (1, 200, 1, 128, "bounded", False), (1, 300, 2, 64, "softplus", True)]
+    elif args.smoke:
         dtype = torch.float32 if dev == "cpu" else torch.bfloat16  # the interpreter gets bf16 wrong
         cases = [(1, 100, 2, 32, "bounded", False), (1, 70, 1, 32, "bounded", True), (1, 90, 1, 32, "softplus", False)]
     else:
@@ -153,11 +226,13 @@ def main() -> int:
     print(f"{'case':34s} {'mode':8s} " + " ".join(f"{n:>11s}" for n in NAMES) + "  status")
     for i, (B, T, H, D, gate, h0) in enumerate(cases):
         ins, s0, do, dS = make_inputs(B, T, H, D, gate, h0, dtype, dev, seed=i)
+        if args.emulate_bf16:
+            ins = [x.bfloat16().float() for x in ins]
         with torch.no_grad():
             ref = recurrent_reference(*ins, s0, do, dS)
         modes = ["bounded", "general"] if gate == "bounded" else ["general"]
         for mode in modes:
-            out = fwd_bwd(chunk_kda, ins, s0, do, dS, mode=mode)
+            out = fwd_bwd(chunk_kda, ins, s0, do, dS, round_grads=args.emulate_bf16, mode=mode)
             errs = {n: rel_err(r, o) for n, r, o in zip(NAMES, ref, out)}
             tol = {n: (O_TOL if n in ("o", "final_state") else GRAD_TOL) for n in errs}
             passed = all(errs[n] <= tol[n] for n in errs)
@@ -165,14 +240,14 @@ def main() -> int:
             case = f"B{B} T{T} H{H} D{D} {gate} gate{' h0' if h0 else ''}"
             print(f"{case:34s} {mode:8s} " + " ".join(f"{errs.get(n, float('nan')):11.2e}" for n in NAMES)
                   + ("  ok" if passed else "  FAIL"), flush=True)
-            rows.append(dict(B=B, T=T, H=H, D=D, gate=gate, initial_state=h0, mode=mode, dtype=str(dtype),
+            rows.append(dict(B=B, T=T, H=H, D=D, gate=gate, initial_state=h0, mode=mode,
+                             dtype="bf16 (emulated)" if args.emulate_bf16 else str(dtype),
                              errors=errs, tolerances=tol, passed=passed))
         del ref
         if dev == "cuda":
             torch.cuda.empty_cache()
-    import triton
-
     meta = dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (triton interpreter)",
+                emulate_bf16=args.emulate_bf16,
                 torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command=" ".join(sys.argv), reference_self_check=ref_err, passed=ok)

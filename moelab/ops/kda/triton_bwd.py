@@ -120,10 +120,10 @@ def _kda_bwd_grads(
         v_t = tl.load(v + p, mask=m_u, other=0.0).to(tl.float32)
         u_t = tl.load(u + p, mask=m_u, other=0.0).to(tl.float32)
         dAq += tl.dot(_cast(do_t, DOT_BF16), _cast(tl.trans(U_t), DOT_BF16))
-        dvb = tl.dot(tl.trans(Tm), dU_t)
+        dvb = tl.dot(_cast(tl.trans(Tm), False), _cast(dU_t, False))
         tl.store(dv + p, (dvb * b[:, None]).to(dv.dtype.element_ty), mask=m_u)
         db += tl.sum(dvb * v_t, axis=1)
-        dAk -= tl.dot(dvb, tl.trans(u_t))
+        dAk -= tl.dot(_cast(dvb, False), _cast(tl.trans(u_t), False))
 
     if NK == 1:
         dq1, dk1, dG1, dAk, db = _bwd_state_terms(
@@ -200,8 +200,8 @@ def _bwd_state_terms(
     wt = tl.load(w + kp, mask=m2, other=0.0).to(tl.float32)
     eG = tl.exp2(G)
     dq1 = dqh * eG * scale
-    dkb = -tl.dot(tl.trans(Tm), dw)
-    dAk -= tl.dot(dkb, tl.trans(wt))
+    dkb = -tl.dot(_cast(tl.trans(Tm), False), _cast(dw, False))
+    dAk -= tl.dot(_cast(dkb, False), _cast(tl.trans(wt), False))
     X = kt * eG * b[:, None]
     db += tl.sum(dkb * kt * eG, axis=1)
     dki = dkh * tl.exp2(Gl[None, :] - G)

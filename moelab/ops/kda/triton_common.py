@@ -34,7 +34,9 @@ SUBTILE = 16  # BC: sub-tile of the diagonal blocks; the bounded-mode safety arg
 
 @triton.jit
 def _cast(x, DOT_BF16: tl.constexpr):
-    """Operand dtype for tensor-core products: bf16 for bf16 inputs, fp32 (tf32 on GPU) otherwise."""
+    """Operand dtype for tensor-core products: bf16 for bf16 inputs, fp32 (TF32 on the GPU)
+    otherwise or where precision matters. Every TF32 product goes through here too (one place
+    to change the operand precision of all of them)."""
     if DOT_BF16:
         return x.to(tl.bfloat16)
     else:
@@ -155,11 +157,14 @@ def _rowside2(dS1, dS2, b, G, b_ptr, G_ptr, stride, nval, cols, m_cols,
             out2 += rf * tl.dot(_cast(_same_segment(dS2, r, P, C), DOT_BF16), bf)
     same = blk[:, None] == (cidx // BC)[None, :]
     if BOUNDED:
+        # fp32 operands here even for bf16 inputs: dg is a reverse cumsum in which the row-side
+        # and column-side terms of every diagonal-tile pair cancel, and bf16 rounding of the
+        # (large, midpoint-shifted) factors would leave a residue of the size of dg itself
         Gm = _mid_tile(G, r, C, BC)
-        bf = _cast(b * tl.exp2(Gm - G), DOT_BF16)
+        bf = _cast(b * tl.exp2(Gm - G), False)
         rf = tl.exp2(G - Gm)
-        out1 += rf * tl.dot(_cast(tl.where(same, dS1, 0.0), DOT_BF16), bf)
-        out2 += rf * tl.dot(_cast(tl.where(same, dS2, 0.0), DOT_BF16), bf)
+        out1 += rf * tl.dot(_cast(tl.where(same, dS1, 0.0), False), bf)
+        out2 += rf * tl.dot(_cast(tl.where(same, dS2, 0.0), False), bf)
     else:
         for s in range(BC):
             j = blk * BC + s
@@ -195,10 +200,11 @@ def _colside_sum(dS1, dS2, a1, a2, G, q_ptr, k_ptr, beta_ptr, G_ptr, stride, bet
             out += kf * acc
     same = blk[:, None] == (cidx // BC)[None, :]
     if BOUNDED:
+        # fp32 operands: see _rowside2
         Gm = _mid_tile(G, r, C, BC)
         rf = tl.exp2(G - Gm)
-        acc = tl.dot(_cast(tl.trans(tl.where(same, dS1, 0.0)), DOT_BF16), _cast(a1 * rf, DOT_BF16))
-        acc += tl.dot(_cast(tl.trans(tl.where(same, dS2, 0.0)), DOT_BF16), _cast(a2 * rf, DOT_BF16))
+        acc = tl.dot(_cast(tl.trans(tl.where(same, dS1, 0.0)), False), _cast(a1 * rf, False))
+        acc += tl.dot(_cast(tl.trans(tl.where(same, dS2, 0.0)), False), _cast(a2 * rf, False))
         out += tl.exp2(Gm - G) * acc
     else:
         for s in range(BC):

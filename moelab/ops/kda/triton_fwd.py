@@ -29,7 +29,7 @@ def _kda_fwd_intra(
     scale, T, NT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BOUNDED: tl.constexpr, STORE_G: tl.constexpr, DOT_BF16: tl.constexpr,
+    BOUNDED: tl.constexpr, STORE_G: tl.constexpr, SCORE_BF16: tl.constexpr,
 ):
     i_c = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -63,7 +63,7 @@ def _kda_fwd_intra(
         qt = tl.load(q + qk_base + r[:, None] * (H * K) + cols[None, :], mask=m2, other=0.0).to(tl.float32)
         kt = tl.load(k + qk_base + r[:, None] * (H * K) + cols[None, :], mask=m2, other=0.0).to(tl.float32)
         S1, S2 = _scores2(S1, S2, qt, kt, G, k + qk_base + kb * BK, Gbuf + g_base + kb * BK, H * K, nval,
-                          tl.arange(0, BK), m_c, BOUNDED, DOT_BF16, C, BC)
+                          tl.arange(0, BK), m_c, BOUNDED, SCORE_BF16, C, BC)
 
     # selects (not products) keep possible inf of masked bounded-mode lanes out
     Aq = tl.where(r[:, None] >= cidx[None, :], S1 * scale, 0.0)
@@ -112,7 +112,7 @@ def _kda_fwd_intra(
         Gl = tl.sum(tl.where(r[:, None] == C - 1, G, 0.0), axis=0)
         kt = tl.load(k + p, mask=m2, other=0.0).to(tl.float32)
         qt = tl.load(q + p, mask=m2, other=0.0).to(tl.float32)
-        wt = tl.dot(Tm, kt * b[:, None] * tl.exp2(G))
+        wt = tl.dot(_cast(Tm, False), _cast(kt * b[:, None] * tl.exp2(G), False))
         tl.store(w + p, wt.to(w.dtype.element_ty), mask=m2)
         tl.store(kd + p, (kt * tl.exp2(Gl[None, :] - G)).to(kd.dtype.element_ty), mask=m2)
         tl.store(qg + p, (qt * tl.exp2(G) * scale).to(qg.dtype.element_ty), mask=m2)
@@ -121,7 +121,7 @@ def _kda_fwd_intra(
         cols = vb * BV + tl.arange(0, BV)
         m2 = m_r[:, None] & (cols < V)[None, :]
         vt = tl.load(v + v_base + r[:, None] * (H * V) + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-        ut = tl.dot(Tm, vt * b[:, None])
+        ut = tl.dot(_cast(Tm, False), _cast(vt * b[:, None], False))
         tl.store(u + v_base + r[:, None] * (H * V) + cols[None, :], ut.to(u.dtype.element_ty), mask=m2)
 
 
