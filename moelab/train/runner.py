@@ -21,6 +21,7 @@ import math
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -172,7 +173,9 @@ def fit(
             plugins=[AtomicCheckpointIO()],
             enable_model_summary=False,
         )
-        with _first_sigint_requests(stop.request_stop):
+        with _first_sigint_requests(stop.request_stop), warnings.catch_warnings():
+            # config.yaml is always there already; the warning would only be noise.
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
             trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
 
         interrupted = stop.interrupted_at is not None

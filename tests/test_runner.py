@@ -1,0 +1,99 @@
+"""The study runner: papermill execution into studies/NN_name/, one MLflow parent run, nested children."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jupytext
+import nbformat
+import pytest
+
+from moelab.studies import STUDIES, default_preset, find_notebook, run_study
+from tests.train.mlflow_fixtures import mlflow_template_db, tracking_uri  # noqa: F401
+
+NOTEBOOK = '''# %% tags=["parameters"]
+preset = "cpu"
+out_dir = "."
+
+# %%
+import json
+import os
+
+from moelab.tracking import current_parent_run_id, start_run
+
+assert os.path.samefile(os.getcwd(), out_dir)
+with start_run(run_name=f"child-{preset}") as run:
+    run.log_metrics({"score": 0.5}, step=1)
+os.makedirs("figures", exist_ok=True)
+open("figures/plot.svg", "w").write("<svg/>")
+json.dump({"preset": preset, "parent": current_parent_run_id(), "scores": {"a": 1.5}}, open("summary.json", "w"))
+FAIL
+'''
+
+
+def _write_notebook(folder: Path, name: str, source: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    nb = jupytext.reads(source, fmt="py:percent")
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = folder / f"{name}.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def test_runner_executes_notebook_under_a_parent_run(tmp_path, tracking_uri) -> None:  # noqa: F811
+    from mlflow.tracking import MlflowClient
+
+    nbs = tmp_path / "nbs"
+    _write_notebook(nbs, "07_demo", NOTEBOOK.replace("FAIL\n", ""))
+    out = run_study(7, "cpu", nbs_dir=nbs, out_root=tmp_path / "studies", tracking_uri=tracking_uri,
+                    log_output=False)
+
+    assert out == tmp_path / "studies" / "07_demo"
+    executed = nbformat.read(out / "07_demo.ipynb", as_version=4)
+    injected = [c for c in executed.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    assert injected and "preset = \"cpu\"" in injected[0].source
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["preset"] == "cpu"
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name("07_demo")
+    runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
+    parent, child = runs["07_demo-cpu"], runs["child-cpu"]
+    assert parent.info.status == child.info.status == "FINISHED"
+    assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id == summary["parent"]
+    assert parent.data.params == {"study": "07_demo", "preset": "cpu", "notebook": "07_demo.ipynb"}
+    assert parent.data.metrics["summary/scores.a"] == 1.5
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"07_demo.ipynb", "summary.json", "figures"} <= artifacts
+
+
+def test_failing_notebook_marks_parent_failed_and_keeps_the_executed_notebook(tmp_path, tracking_uri) -> None:  # noqa: F811
+    import papermill
+    from mlflow.tracking import MlflowClient
+
+    nbs = tmp_path / "nbs"
+    _write_notebook(nbs, "08_broken", NOTEBOOK.replace("FAIL", "raise ValueError('study failed here')"))
+    with pytest.raises(papermill.PapermillExecutionError, match="study failed here"):
+        run_study(8, "cpu", nbs_dir=nbs, out_root=tmp_path / "studies", tracking_uri=tracking_uri,
+                  log_output=False)
+    executed = tmp_path / "studies" / "08_broken" / "08_broken.ipynb"
+    assert "study failed here" in executed.read_text()
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name("08_broken")
+    statuses = {r.info.run_name: r.info.status for r in client.search_runs([exp.experiment_id])}
+    assert statuses == {"08_broken-cpu": "FAILED", "child-cpu": "FINISHED"}
+
+
+def test_notebook_lookup_errors_name_the_pattern(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"03_\*\.ipynb"):
+        find_notebook(3, tmp_path)
+    with pytest.raises(ValueError, match="preset='tpu'"):
+        run_study(1, "tpu", nbs_dir=tmp_path)
+
+
+def test_default_preset_and_study_folders() -> None:
+    import torch
+
+    assert default_preset() == ("gpu" if torch.cuda.is_available() else "cpu")
+    assert STUDIES == {1: "01_decay_bound", 2: "02_balancing", 3: "03_attnres_depth", 4: "04_context_curriculum"}

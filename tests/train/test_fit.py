@@ -1,0 +1,136 @@
+"""fit(): MLflow records, exact resume after Ctrl-C, the NaN guard, FAILED on a crash."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from moelab.model.config import ConfigError
+from moelab.train import NonFiniteLossError, fit
+from moelab.train.runner import check_vocab
+from tests.helpers import assert_close
+from tests.train.helpers import tiny_config
+
+
+class AtStep(Callback):
+    """Calls ``action(trainer, pl_module)`` once, at the start of the batch after ``step`` optimizer steps."""
+
+    def __init__(self, step: int, action) -> None:
+        self.step, self.action, self.done = step, action, False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self.done and trainer.global_step == self.step:
+            self.done = True
+            self.action(trainer, pl_module)
+
+
+def _run(uri: str, run_id: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    return client, client.get_run(run_id)
+
+
+def test_fit_records_everything_in_mlflow(tmp_path, tracking_uri) -> None:
+    cfg = tiny_config(tmp_path / "ckpt", tracking_uri, train__max_steps=10, train__val_every=5, train__log_every=2)
+    result = fit(cfg)
+
+    assert [int(r["step"]) for r in result.history] == list(range(1, 11))
+    assert all(math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0 for r in result.history)
+    assert [s for s, _ in result.val_history] == [5, 10]
+    for name in ("config.yaml", "last.ckpt", "best.ckpt", "history.csv", "summary.json"):
+        assert (tmp_path / "ckpt" / name).is_file(), name
+    assert result.summary["steps"] == 10 and result.summary["tok_per_s"] > 0
+    assert result.summary["mfu"] is None  # CPU: no peak to compare with
+
+    client, run = _run(tracking_uri, result.run_id)
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert params["model.d_model"] == str(cfg.model.d_model) and params["train.lr"] == str(cfg.train.lr)
+    assert params["accounting.params_total"] == str(result.summary["params_total"])
+    losses = client.get_metric_history(result.run_id, "train/loss")
+    assert len(losses) >= 4 and all(math.isfinite(m.value) for m in losses)
+    assert {"val/loss", "perf/tokens_per_s", "final/best_val_loss"} <= set(run.data.metrics)
+    assert any(k.startswith("system/") for k in run.data.metrics), sorted(run.data.metrics)
+    artifacts = {a.path for a in client.list_artifacts(result.run_id)}
+    assert {"loss_curve.png", "metrics_table.json", "summary.json", "config.yaml", "model_summary.txt"} <= artifacts
+    table = client.load_table(run.info.experiment_id, "metrics_table.json", run_ids=[result.run_id])
+    assert len(table) == 10 and "train/loss" in table.columns
+
+
+def test_resume_after_ctrl_c_matches_an_uninterrupted_run(tmp_path, tracking_uri) -> None:
+    n = 12
+    straight = fit(tiny_config(tmp_path / "a", None, train__max_steps=n, train__val_every=4))
+
+    cfg = tiny_config(tmp_path / "b", tracking_uri, train__max_steps=n, train__val_every=4)
+    ctrl_c = AtStep(n // 2 - 1, lambda trainer, module: os.kill(os.getpid(), signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt, match="resume from"):
+        fit(cfg, callbacks=[ctrl_c])
+    ckpt = torch.load(tmp_path / "b" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == n // 2
+    client, first = _run(tracking_uri, ckpt["moelab"]["mlflow_run_id"])
+    assert first.info.status == "KILLED"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+
+    resumed = fit(cfg, resume=True)
+    assert [int(r["step"]) for r in resumed.history] == list(range(n // 2 + 1, n + 1))
+    ref = torch.tensor([r["train/loss"] for r in straight.history[n // 2:]])
+    out = torch.tensor([r["train/loss"] for r in resumed.history])
+    assert_close(ref, out, 1e-6, "resumed losses")
+    a = torch.load(tmp_path / "a" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    b = torch.load(tmp_path / "b" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    for k in a:
+        if a[k].is_floating_point():
+            assert_close(a[k], b[k], 1e-6, k)
+    _, second = _run(tracking_uri, resumed.run_id)
+    assert second.data.tags["moelab.resumed_from_run"] == first.info.run_id
+    assert second.info.status == "FINISHED"
+
+
+def test_non_finite_loss_stops_with_step_metric_and_last_good_checkpoint(tmp_path, tracking_uri) -> None:
+    cfg = tiny_config(tmp_path / "ckpt", tracking_uri, train__max_steps=20, train__val_every=2)
+    poison = AtStep(5, lambda trainer, module: module.model.lm_head.weight.data.fill_(float("nan")))
+    with pytest.raises(NonFiniteLossError) as err:
+        fit(cfg, callbacks=[poison])
+    last = tmp_path / "ckpt" / "last.ckpt"
+    message = str(err.value)
+    assert "train/loss=nan at step 6" in message and str(last) in message, message
+    assert err.value.step == 6 and err.value.last_good == last
+    state = torch.load(last, map_location="cpu", weights_only=False)
+    assert state["global_step"] == 4
+    assert all(torch.isfinite(v).all() for v in state["state_dict"].values() if v.is_floating_point())
+    runs = _run(tracking_uri, state["moelab"]["mlflow_run_id"])[1]
+    assert runs.info.status == "FAILED"
+
+
+def test_crash_marks_the_run_failed(tmp_path, tracking_uri) -> None:
+    def boom(trainer, module):
+        raise RuntimeError("injected failure")
+
+    cfg = tiny_config(tmp_path / "ckpt", tracking_uri, train__max_steps=6, train__val_every=3)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        fit(cfg, callbacks=[AtStep(2, boom)])
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.status == "FAILED"
+
+
+def test_vocab_checks(tmp_path) -> None:
+    cfg = tiny_config(tmp_path)
+    with pytest.raises(ConfigError, match=r"model.vocab_size=512 .* 600 ids"):
+        check_vocab(cfg, 600)
+    with pytest.warns(UserWarning, match="fewer than model.vocab_size"):
+        check_vocab(cfg, 500)
+
+
+def test_resume_without_a_checkpoint_says_where_it_looked(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"last.ckpt does not exist"):
+        fit(tiny_config(tmp_path / "empty"), resume=True)
