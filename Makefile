@@ -43,7 +43,8 @@ setup: ## create .venv and install moelab (editable, [dev]); no-op while pyproje
 	echo $$hash > $(STAMP); echo "setup: done ($(VENV))"
 
 test: $(SETUP) ## install if needed, then run the whole test suite (what CI runs)
-	$(PYTHON) -m pytest -q $(ARGS)
+	@rc=0; $(PYTHON) -m pytest -q $(ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; exit $$rc
 
 test-fast: $(SETUP) ## the test suite without tests marked slow
 	$(PYTHON) -m pytest -q -m "not slow" $(ARGS)

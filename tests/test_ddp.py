@@ -1,7 +1,8 @@
 """Training under Lightning DDP, unchanged: 2 CPU processes (gloo) end with identical weights.
 
 Lightning's DDP launcher re-runs the launching script for rank 1, so the training runs in a
-subprocess (a script written to tmp_path), never inside pytest itself.
+subprocess (a script written to tmp_path), never inside pytest itself. MLflow is on: only rank 0
+may create a run.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from tests.helpers import assert_close
+from tests.train.mlflow_fixtures import mlflow_template_db, tracking_uri  # noqa: F401
 
 SCRIPT = textwrap.dedent('''
     import sys
@@ -39,13 +41,12 @@ SCRIPT = textwrap.dedent('''
 
 
     cfg = load_config("tiny", {"train.strategy": "ddp", "train.devices": 2, "train.accelerator": "cpu",
-                               "train.max_steps": 6, "train.val_every": 3, "tracking.enabled": False,
-                               "train.ckpt_dir": str(out / "ckpt")})
+                               "train.max_steps": 6, "train.val_every": 3, "train.ckpt_dir": str(out / "ckpt")})
     fit(cfg, callbacks=[DumpWeights()])
 ''')
 
 
-def test_two_cpu_ranks_end_with_identical_weights(tmp_path: Path) -> None:
+def test_two_cpu_ranks_end_with_identical_weights(tmp_path: Path, tracking_uri: str) -> None:  # noqa: F811
     script = tmp_path / "ddp_train.py"
     script.write_text(SCRIPT)
     repo = Path(__file__).resolve().parents[1]
@@ -64,3 +65,10 @@ def test_two_cpu_ranks_end_with_identical_weights(tmp_path: Path) -> None:
     assert len(r0["losses"]) == len(r1["losses"]) == 6
     assert r0["losses"] != r1["losses"]
     assert (tmp_path / "ckpt" / "last.ckpt").is_file()
+    # Only rank 0 talks to MLflow: one run, finished ($MLFLOW_TRACKING_URI reached the subprocess).
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name("moelab-tiny")
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["train.devices"] == "2"
