@@ -10,22 +10,32 @@ latent width, full-width shared experts, dropless dispatch.
 With ``latent_dim == 0`` the routed experts act at d_model directly: ``y = sum_j S_j(x) + u(x)``.
 
 Dispatch (dropless, no capacity): the N*k (token, expert) assignments are sorted by expert once
-(stable argsort), the latent rows are gathered into expert-contiguous order, the experts run as
+(stable argsort), the latent rows are copied into expert-contiguous order, the experts run as
 two grouped GEMMs (``dispatch="grouped"``, ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm``
 with int32 cumulative ``offs``) or as a per-expert loop (``"loop"``, the reference), and the outputs
 are combined back per token with the weights p, accumulating in fp32. The grouped path issues no
 host synchronisation; the loop path needs the counts on the host.
 
+Two implementations of the same layer, chosen by ``LatentMoE.fused`` (None: fused on CUDA):
+
+- plain PyTorch (the reference): ``Router``, ``nn.Linear``, ``GLUFFN``, ``RMSNorm`` modules as written
+  in the formulas above;
+- fused: the three matmuls that read x (router, W_down, shared gate|up) are one autograd node
+  (``project_input``) whose backward sums their input gradients inside the GEMMs (cuBLAS beta = 1)
+  instead of separate add kernels, and computes the fp32 router logits with bf16 tensor cores
+  (exact for 16-bit operands, see ``mm_f32``); top-k selection, dispatch copy, combine + latent
+  RMSNorm (forward and backward) are Triton kernels; the final ``W_up z + shared`` is one GEMM with
+  the shared output as its addend.
+
 Gather and combine are each other's adjoint: dispatch-backward is "un-permute and sum the k copies",
-combine-backward is "gather grad_u to every copy". Both are written as gathers (no atomics, so
-deterministic); on CUDA they run as small Triton kernels that sum the k rows of a token in fp32
-without materializing the un-permuted ``[N*k, l]`` tensor.
+combine-backward is "gather grad_u to every copy". The Triton versions work per token (one token's k
+rows at a time), so every write has one writer: no atomics, deterministic.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -40,6 +50,124 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
+
+def _use_fused(fused: bool | None, t: torch.Tensor) -> bool:
+    """Resolve a ``fused`` flag: None means the Triton path on CUDA."""
+    if fused is None:
+        return triton is not None and t.is_cuda
+    if fused and triton is None:
+        raise RuntimeError("fused=True needs triton, which is not installed")
+    return fused
+
+
+# ----------------------------------------------------------------------------------------------
+# fp32-output matmuls on bf16 tensor cores, and the fused input projection.
+# ----------------------------------------------------------------------------------------------
+
+_MM_OUT_F32: dict[tuple, bool] = {}
+
+
+def _mm_out_f32_supported(device: torch.device) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` runs for bf16 a, b on this device (cached)."""
+    key = (device.type, device.index)
+    if key not in _MM_OUT_F32:
+        try:
+            a = torch.ones(4, 16, device=device, dtype=torch.bfloat16)
+            _MM_OUT_F32[key] = torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_F32[key] = False
+    return _MM_OUT_F32[key]
+
+
+def split_bf16(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t`` (any float) -> ``[hi]`` or ``[hi, lo]`` bf16 with ``hi + lo`` = t to ~16 mantissa bits.
+
+    bf16 tensors are returned as they are (exact); others split once: lo is the bf16 rounding of
+    the residual ``t - hi``, so the pair carries 2 x 8 significant bits (relative error <= 2^-16).
+    """
+    if t.dtype == torch.bfloat16:
+        return [t]
+    t32 = t.float()
+    hi = t32.to(torch.bfloat16)
+    return [hi, (t32 - hi.float()).to(torch.bfloat16)]
+
+
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [M, K] @ b [K, N]`` -> fp32 ``[M, N]``, i.e. ``a.float() @ b.float()``, fast on CUDA.
+
+    On CUDA with ``torch.mm(out_dtype=float32)`` (torch >= 2.8): 16-bit operands of one dtype go
+    through one tensor-core GEMM with fp32 accumulation and output, which is the fp32 product
+    exactly up to summation order (the product of two bf16 numbers is exact in fp32). fp32 operands
+    are split into bf16 hi + lo (``split_bf16``) and multiplied as hi*hi + hi*lo + lo*hi: about 16
+    significant bits per operand instead of 24 (relative error ~1e-5), at bf16 GEMM speed. The
+    slow SIMT/sm80 fp32 kernels are never used. Elsewhere (CPU): the plain fp32 matmul.
+    """
+    if not (a.is_cuda and _mm_out_f32_supported(a.device)):
+        return a.float() @ b.float()
+    if a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    pa, pb = split_bf16(a), split_bf16(b)
+    # hi*hi + hi*lo + lo*hi; lo*lo is below the resolution of the pairs.
+    terms = [(pa[0], pb[0])] + [(pa[0], lo) for lo in pb[1:]] + [(lo, pb[0]) for lo in pa[1:]]
+    out = torch.mm(*terms[0], out_dtype=torch.float32)
+    for x, y in terms[1:]:
+        out += torch.mm(x, y, out_dtype=torch.float32)
+    return out
+
+
+class _InputProjection(torch.autograd.Function):
+    """``x [N, d]`` -> (fp32 router logits ``x W_r^T`` ``[N, E]``, ``x W_i^T`` in cdt for each W_i).
+
+    One node for every matmul that reads x, so the backward forms dx as one GEMM chain
+    (``dx = g_0 W_0; dx += g_1 W_1; ...`` with cuBLAS beta = 1) instead of one GEMM per branch plus
+    elementwise adds, and never materializes x in fp32 for the router.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_r, cdt, *ws):
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            xc = x.to(cdt)
+            logits = mm_f32(x, w_r.t())
+            outs = tuple(xc @ w.to(cdt).t() for w in ws)
+        ctx.save_for_backward(x, w_r, *ws)
+        ctx.cdt = cdt
+        return (logits, *outs)
+
+    @staticmethod
+    def backward(ctx, g_logits, *g_outs):
+        x, w_r, *ws = ctx.saved_tensors
+        cdt, need = ctx.cdt, ctx.needs_input_grad
+        dx, dw_r, dws = None, None, [None] * len(ws)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            xc = x.to(cdt)
+            if need[0]:
+                # Each branch's GEMM accumulates into dx (cuBLAS beta = 1): no separate add kernels.
+                dx = g_logits.to(cdt) @ w_r.to(cdt)
+                for g, w in zip(g_outs, ws):
+                    dx.addmm_(g.to(cdt), w.to(cdt))
+                dx = dx.to(x.dtype)
+            if need[1]:
+                dw_r = mm_f32(g_logits.t(), x).to(w_r.dtype)
+            for i, (g, w) in enumerate(zip(g_outs, ws)):
+                if need[3 + i]:
+                    dws[i] = (g.to(cdt).t() @ xc).to(w.dtype)
+        return (dx, dw_r, None, *dws)
+
+
+def project_input(x: torch.Tensor, router_weight: torch.Tensor, weights: list[torch.Tensor],
+                  cdt: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """x ``[N, d]``, router_weight ``[E, d]``, weights ``[n_i, d]`` -> (logits ``[N, E]`` fp32, ``[[N, n_i]]`` cdt).
+
+    The logits are ``x.float() @ W_r.float().T`` (see ``mm_f32`` for the CUDA precision); the other
+    outputs are plain cdt matmuls, as autocast would compute them.
+    """
+    logits, *outs = _InputProjection.apply(x, router_weight, cdt, *weights)
+    return logits, outs
+
+
+# ----------------------------------------------------------------------------------------------
+# Router.
+# ----------------------------------------------------------------------------------------------
 
 @dataclass
 class RouterStats:
@@ -64,7 +192,9 @@ class Router(nn.Module):
 
     ``bias`` ``[E]`` fp32 is a persistent buffer (not a Parameter): balancers update it in place
     between steps. ``aux_loss_fn``, when set, is called with the RouterStats of every forward and
-    its scalar result becomes ``stats.aux_loss`` (the caller adds it to the loss).
+    its scalar result becomes ``stats.aux_loss`` (the caller adds it to the loss). ``fused``: None
+    computes logits (``mm_f32``) and top-k (Triton) with the fast kernels on CUDA, True forces them,
+    False uses plain fp32 PyTorch.
     """
 
     def __init__(self, d_model: int, num_experts: int, top_k: int) -> None:
@@ -75,6 +205,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         self.register_buffer("bias", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
         self.aux_loss_fn: Callable[[RouterStats], torch.Tensor] | None = None
+        self.fused: bool | None = None
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -89,19 +220,37 @@ class Router(nn.Module):
             self.bias = self.bias.float()
         return self
 
-    def forward(self, x: torch.Tensor) -> RouterStats:
-        """x: ``[N, d_model]`` any float dtype. Scores are computed in fp32 even under autocast."""
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
-        # Selection sees the bias; the weights do not. topk of a detached tensor: selection has no gradient.
-        idx = torch.topk(scores.detach() + self.bias.float(), self.top_k, dim=-1).indices
+    def forward(self, x: torch.Tensor, fused: bool | None = None) -> RouterStats:
+        """x: ``[N, d_model]`` any float dtype. Scores are computed in fp32 even under autocast.
+
+        fused: overrides ``self.fused`` for this call (the layer passes its own choice).
+        """
+        fused = _use_fused(self.fused if fused is None else fused, x)
+        if fused:
+            logits, _ = project_input(x, self.weight, [], x.dtype)
+        else:
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                logits = F.linear(x.float(), self.weight.float())
+        return self.route(logits, fused)
+
+    def route(self, logits: torch.Tensor, fused: bool | None = None) -> RouterStats:
+        """logits ``[N, E]`` fp32 (``x W_r^T``) -> RouterStats: sigmoid, biased top-k, normalized weights.
+
+        fused: Triton top-k (None: ``self.fused``, which is None: on CUDA).
+        """
+        scores = torch.sigmoid(logits.float())
+        # Selection sees the bias; the weights do not. Selection has no gradient (detached scores).
+        if _use_fused(self.fused if fused is None else fused, logits):
+            idx, counts = topk_select(scores.detach(), self.bias, self.top_k)
+        else:
+            idx = torch.topk(scores.detach() + self.bias.float(), self.top_k, dim=-1).indices
+            # scatter_add instead of bincount: CUDA bincount reads max() on the host (a sync).
+            counts = torch.zeros(self.num_experts, dtype=torch.long, device=logits.device)
+            counts.scatter_add_(0, idx.reshape(-1), torch.ones(idx.numel(), dtype=torch.long, device=logits.device))
         picked = scores.gather(1, idx)
         # sigmoid > 0, but can underflow to 0 for logits < -88; keep the division finite then.
         weight = picked / picked.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-        # scatter_add instead of bincount: CUDA bincount reads max() on the host (a sync).
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
-        counts.scatter_add_(0, idx.reshape(-1), torch.ones(idx.numel(), dtype=torch.long, device=x.device))
-        stats = RouterStats(aux_loss=torch.zeros((), device=x.device), tokens_per_expert=counts,
+        stats = RouterStats(aux_loss=torch.zeros((), device=logits.device), tokens_per_expert=counts,
                             scores=scores, topk_idx=idx, topk_weight=weight)
         if self.aux_loss_fn is not None:
             stats.aux_loss = self.aux_loss_fn(stats)
@@ -109,6 +258,28 @@ class Router(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}"
+
+
+def topk_select(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton top-k of ``scores + bias``.
+
+    scores ``[N, E]`` fp32, bias ``[E]`` -> (idx ``[N, k]`` long, counts ``[E]`` long).
+
+    Indices come in descending order of ``scores + bias``; ties go to the lower expert index; NaN
+    counts as -inf. counts = how often each expert was picked (per-program int32 histograms, one
+    atomic add per expert and program: an exact integer sum, so deterministic).
+    """
+    n, e = scores.shape
+    if not 1 <= k <= e:
+        raise ValueError(f"topk_select: k={k} is not allowed: expected 1..{e} (the number of experts)")
+    scores, bias = scores.float().contiguous(), bias.float().contiguous()
+    idx = torch.empty(n, k, dtype=torch.long, device=scores.device)
+    counts = torch.zeros(e, dtype=torch.int32, device=scores.device)
+    if n > 0:
+        ep = triton.next_power_of_2(e)
+        block_t = max(1, min(128, 4096 // ep))
+        _topk_kernel[(triton.cdiv(n, block_t),)](scores, bias, idx, counts, n, e, K=k, EP=ep, BLOCK_T=block_t)
+    return idx, counts.long()
 
 
 class RMSNorm(nn.Module):
@@ -204,7 +375,7 @@ def grouped_mm_aligned(dims: tuple[int, ...], dtype: torch.dtype) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# Dispatch plan, gather (dispatch) and weighted un-permute + sum (combine).
+# Dispatch plan, dispatch (copy rows to expert order) and combine (weighted un-permute + sum).
 # ----------------------------------------------------------------------------------------------
 
 @dataclass
@@ -227,7 +398,10 @@ def make_plan(topk_idx: torch.Tensor, counts: torch.Tensor) -> DispatchPlan:
     """topk_idx ``[N, k]``, counts ``[E]`` -> DispatchPlan. One stable argsort, no host sync."""
     n, k = topk_idx.shape
     flat = topk_idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # sorted position -> assignment; stable keeps token order
+    # Radix sort cost grows with the key width: sort 8-bit keys when expert ids fit (one pass, not eight).
+    e = counts.numel()
+    keys = flat.to(torch.uint8) if e <= 256 else (flat.to(torch.int16) if e <= 32768 else flat)
+    order = torch.argsort(keys, stable=True)  # sorted position -> assignment; stable keeps token order
     inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     return DispatchPlan(token_of=order // k, inv=inv, counts=counts,
                         offs=counts.cumsum(0).to(torch.int32), top_k=k)
@@ -236,7 +410,7 @@ def make_plan(topk_idx: torch.Tensor, counts: torch.Tensor) -> DispatchPlan:
 def dispatch(x: torch.Tensor, plan: DispatchPlan, fused: bool) -> torch.Tensor:
     """x ``[N, R]`` -> rows in expert order ``[N * k, R]`` (row i is token ``plan.token_of[i]``)."""
     if fused:
-        return _Dispatch.apply(x, plan.token_of, plan.inv, plan.top_k)
+        return _Dispatch.apply(x, plan.inv, plan.top_k)
     return x.index_select(0, plan.token_of)
 
 
@@ -247,100 +421,195 @@ def combine(y: torch.Tensor, weight: torch.Tensor, plan: DispatchPlan, fused: bo
     """
     n, k = weight.shape
     if fused:
-        return _Combine.apply(y, weight, plan.inv, k)
+        return _Combine.apply(y, weight, plan.inv, k, None, 0.0, torch.float32)
     return (y.index_select(0, plan.inv).view(n, k, -1).float() * weight.unsqueeze(-1)).sum(1)
 
 
+def combine_norm(y: torch.Tensor, weight: torch.Tensor, plan: DispatchPlan, gamma: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """Fused ``RMSNorm(combine(y, weight))`` (Triton): ``[N * k, R]`` -> ``[N, R]`` out_dtype.
+
+    ``z[n] = gamma * u[n] / sqrt(mean(u[n]^2) + eps)`` with u = combine(...) in fp32, never stored:
+    the backward recomputes u from the k rows it reads anyway for the weight gradients.
+    """
+    return _Combine.apply(y, weight, plan.inv, weight.shape[1], gamma, float(eps), out_dtype)
+
+
+def _tile(r: int, k: int, whole_row: bool) -> tuple[int, int, int]:
+    """(KP, BLOCK_R, num_warps) for kernels that hold a token's k rows as a ``[KP, BLOCK_R]`` tile."""
+    kp = triton.next_power_of_2(k)
+    block = triton.next_power_of_2(r) if whole_row else min(triton.next_power_of_2(r), max(16, 4096 // kp))
+    return kp, block, min(16, max(4, kp * block // 1024))
+
+
 class _Dispatch(torch.autograd.Function):
-    """Gather forward; backward sums the k copies of each token with the Triton gather-sum."""
+    """Copy each token's row to its k sorted positions; backward sums the k copies (fp32)."""
 
     @staticmethod
-    def forward(ctx, x, token_of, inv, k):
+    def forward(ctx, x, inv, k):
+        x = x.contiguous()
+        n, r = x.shape
+        out = torch.empty(n * k, r, dtype=x.dtype, device=x.device)
+        if n > 0:
+            kp, block, warps = _tile(r, k, whole_row=False)
+            _scatter_rows_kernel[(n, triton.cdiv(r, block))](x, inv, out, r, K=k, KP=kp, BLOCK_R=block,
+                                                             num_warps=warps)
         ctx.save_for_backward(inv)
-        ctx.k, ctx.dtype = k, x.dtype
-        return x.index_select(0, token_of)
+        ctx.k = k
+        return out
 
     @staticmethod
     def backward(ctx, grad_xs):
         (inv,) = ctx.saved_tensors
-        return _gather_sum(grad_xs, inv, None, ctx.k, ctx.dtype), None, None, None
+        return _combine_fwd(grad_xs, inv, None, ctx.k, None, 0.0, grad_xs.dtype), None, None
 
 
-class _Combine(torch.autograd.Function):
-    """Weighted gather-sum forward (fp32 out); backward gathers grad_u to every copy and dots for p."""
-
-    @staticmethod
-    def forward(ctx, y, weight, inv, k):
-        weight = weight.float().contiguous()
-        ctx.save_for_backward(y, weight, inv)
-        ctx.k = k
-        return _gather_sum(y, inv, weight, k, torch.float32)
-
-    @staticmethod
-    def backward(ctx, grad_u):
-        y, weight, inv = ctx.saved_tensors
-        grad_u = grad_u.float().contiguous()
-        y = y.contiguous()
-        grad_y = torch.empty_like(y)
-        grad_w = torch.empty(weight.shape, dtype=torch.float32, device=y.device)
-        r = y.shape[1]
-        if inv.numel() > 0:
-            _combine_bwd_kernel[(inv.numel(),)](grad_u, y, inv, weight, grad_y, grad_w, r,
-                                                K=ctx.k, BLOCK=_block(r))
-        return grad_y, grad_w, None, None
-
-
-def _block(r: int) -> int:
-    return min(1024, triton.next_power_of_2(r))
-
-
-def _gather_sum(src: torch.Tensor, inv: torch.Tensor, weight: torch.Tensor | None, k: int,
-                out_dtype: torch.dtype) -> torch.Tensor:
-    """``out[n] = sum_j w[n, j] src[inv[n k + j]]`` in fp32; src ``[N k, R]`` -> ``[N, R]`` out_dtype."""
+def _combine_fwd(src: torch.Tensor, inv: torch.Tensor, weight: torch.Tensor | None, k: int,
+                 gamma: torch.Tensor | None, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """``u[n] = sum_j w[n, j] src[inv[n k + j]]`` in fp32, then RMSNorm with gamma when given; ``[N, R]`` out_dtype."""
     src = src.contiguous()
     n, r = inv.numel() // k, src.shape[1]
     out = torch.empty(n, r, dtype=out_dtype, device=src.device)
     if n > 0:
-        block = _block(r)
-        _gather_sum_kernel[(n, triton.cdiv(r, block))](src, inv, weight if weight is not None else src, out, r,
-                                                       K=k, HAS_W=weight is not None, BLOCK=block)
+        kp, block, warps = _tile(r, k, whole_row=gamma is not None)
+        _combine_fwd_kernel[(n, triton.cdiv(r, block))](
+            src, inv, weight if weight is not None else src, gamma if gamma is not None else src, out, r, eps,
+            K=k, KP=kp, BLOCK_R=block, HAS_W=weight is not None, HAS_NORM=gamma is not None, num_warps=warps)
     return out
+
+
+# Tokens per program of the combine backward: the RMSNorm weight gradient is summed per program
+# in registers, then over programs in torch (N / 8 rows of partial sums: small, deterministic).
+_BWD_TOKENS = 8
+
+
+class _Combine(torch.autograd.Function):
+    """Weighted gather-sum (+ optional RMSNorm); backward per token: grad rows, grad weights, dgamma."""
+
+    @staticmethod
+    def forward(ctx, y, weight, inv, k, gamma, eps, out_dtype):
+        y, weight = y.contiguous(), weight.float().contiguous()
+        ctx.save_for_backward(y, weight, inv, gamma)
+        ctx.k, ctx.eps = k, eps
+        return _combine_fwd(y, inv, weight, k, gamma, eps, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_z):
+        y, weight, inv, gamma = ctx.saved_tensors
+        k = ctx.k
+        grad_z = grad_z.contiguous()
+        n, r = weight.shape[0], y.shape[1]
+        grad_y = torch.empty_like(y)
+        grad_w = torch.empty(weight.shape, dtype=torch.float32, device=y.device)
+        programs = triton.cdiv(n, _BWD_TOKENS) if n > 0 else 0
+        dgamma = torch.empty(programs, r, dtype=torch.float32, device=y.device) if gamma is not None else None
+        if n > 0:
+            kp, block, warps = _tile(r, k, whole_row=True)
+            _combine_bwd_kernel[(programs,)](
+                grad_z, y, inv, weight, gamma if gamma is not None else y, grad_y, grad_w,
+                dgamma if dgamma is not None else grad_w, n, r, ctx.eps, K=k, KP=kp, BLOCK_R=block,
+                TOKENS=_BWD_TOKENS, HAS_NORM=gamma is not None, num_warps=warps)
+        if gamma is not None:
+            dgamma = dgamma.sum(0).to(gamma.dtype)
+        return grad_y, grad_w, None, None, dgamma, None, None
 
 
 if triton is not None:
 
     @triton.jit
-    def _gather_sum_kernel(src_ptr, inv_ptr, w_ptr, out_ptr, R, K: tl.constexpr, HAS_W: tl.constexpr,
-                           BLOCK: tl.constexpr):
-        n = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < R
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
+    def _topk_kernel(s_ptr, b_ptr, idx_ptr, cnt_ptr, N, E, K: tl.constexpr, EP: tl.constexpr,
+                     BLOCK_T: tl.constexpr):
+        # BLOCK_T tokens x all E experts in registers; k rounds of (max, lowest index at the max, remove).
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.arange(0, EP)
+        rmask = rows < N
+        cmask = cols < E
+        free = rmask[:, None] & cmask[None, :]
+        v = tl.load(s_ptr + rows[:, None] * E + cols[None, :], mask=free, other=0.0)
+        v = v + tl.load(b_ptr + cols, mask=cmask, other=0.0)[None, :]
+        v = tl.where(v == v, v, float("-inf"))  # NaN -> -inf, so a row always has a maximum
+        cnt = tl.zeros([EP], dtype=tl.int32)
         for j in tl.static_range(K):
-            i = tl.load(inv_ptr + n * K + j).to(tl.int64)
-            v = tl.load(src_ptr + i * R + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_W:
-                v = v * tl.load(w_ptr + n * K + j)
-            acc += v
-        tl.store(out_ptr + n * R + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            cand = tl.where(free, v, float("-inf"))
+            best = tl.max(cand, axis=1)
+            pick = tl.min(tl.where(free & (cand == best[:, None]), cols[None, :], EP), axis=1)
+            tl.store(idx_ptr + rows * K + j, pick.to(tl.int64), mask=rmask)
+            hit = free & (cols[None, :] == pick[:, None])
+            cnt += tl.sum(hit.to(tl.int32), axis=0)
+            free = free & (cols[None, :] != pick[:, None])
+        tl.atomic_add(cnt_ptr + cols, cnt, mask=cmask)
 
     @triton.jit
-    def _combine_bwd_kernel(gu_ptr, y_ptr, inv_ptr, w_ptr, gy_ptr, gw_ptr, R, K: tl.constexpr,
-                            BLOCK: tl.constexpr):
-        # One program per assignment a = n K + j: grad_y[inv[a]] = w[a] grad_u[n], grad_w[a] = <grad_u[n], y[inv[a]]>.
-        a = tl.program_id(0).to(tl.int64)
-        n = a // K
-        i = tl.load(inv_ptr + a).to(tl.int64)
-        w = tl.load(w_ptr + a)
-        dot = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, R, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < R
-            gu = tl.load(gu_ptr + n * R + cols, mask=mask, other=0.0)
-            yv = tl.load(y_ptr + i * R + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(gy_ptr + i * R + cols, (gu * w).to(gy_ptr.dtype.element_ty), mask=mask)
-            dot += gu * yv
-        tl.store(gw_ptr + a, tl.sum(dot, axis=0))
+    def _scatter_rows_kernel(x_ptr, inv_ptr, out_ptr, R, K: tl.constexpr, KP: tl.constexpr,
+                             BLOCK_R: tl.constexpr):
+        # Token n's row, read once, written to its K sorted positions inv[n K + j].
+        n = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        js = tl.arange(0, KP)
+        cmask = cols < R
+        jmask = js < K
+        rows = tl.load(inv_ptr + n * K + js, mask=jmask, other=0).to(tl.int64)
+        v = tl.load(x_ptr + n * R + cols, mask=cmask, other=0.0)
+        tile = tl.broadcast_to(v[None, :], (KP, BLOCK_R))
+        tl.store(out_ptr + rows[:, None] * R + cols[None, :], tile, mask=jmask[:, None] & cmask[None, :])
+
+    @triton.jit
+    def _combine_fwd_kernel(src_ptr, inv_ptr, w_ptr, gamma_ptr, out_ptr, R, eps, K: tl.constexpr,
+                            KP: tl.constexpr, BLOCK_R: tl.constexpr, HAS_W: tl.constexpr,
+                            HAS_NORM: tl.constexpr):
+        # Token n: its K rows as one [KP, BLOCK_R] gather, summed in fp32 (HAS_NORM: whole row in the block).
+        n = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        js = tl.arange(0, KP)
+        cmask = cols < R
+        jmask = js < K
+        rows = tl.load(inv_ptr + n * K + js, mask=jmask, other=0).to(tl.int64)
+        v = tl.load(src_ptr + rows[:, None] * R + cols[None, :], mask=jmask[:, None] & cmask[None, :],
+                    other=0.0).to(tl.float32)
+        if HAS_W:
+            v = v * tl.load(w_ptr + n * K + js, mask=jmask, other=0.0)[:, None]
+        u = tl.sum(v, axis=0)
+        if HAS_NORM:
+            rstd = 1.0 / tl.sqrt(tl.sum(u * u, axis=0) / R + eps)
+            u = u * rstd * tl.load(gamma_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + n * R + cols, u.to(out_ptr.dtype.element_ty), mask=cmask)
+
+    @triton.jit
+    def _combine_bwd_kernel(gz_ptr, y_ptr, inv_ptr, w_ptr, gamma_ptr, gy_ptr, gw_ptr, dgamma_ptr, N, R, eps,
+                            K: tl.constexpr, KP: tl.constexpr, BLOCK_R: tl.constexpr, TOKENS: tl.constexpr,
+                            HAS_NORM: tl.constexpr):
+        # TOKENS tokens per program. Per token n with rows Y_j = y[inv[n K + j]] and weights w_j:
+        #   u = sum_j w_j Y_j;  HAS_NORM: xh = u rstd, z = gamma xh, so
+        #   g_u = rstd (gamma g_z - xh mean(gamma g_z xh)), dgamma += g_z xh;  else g_u = g_z;
+        #   grad Y_j = w_j g_u,  grad w_j = <g_u, Y_j>.
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_R)
+        js = tl.arange(0, KP)
+        cmask = cols < R
+        if HAS_NORM:
+            gamma = tl.load(gamma_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            dgamma = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for t in range(TOKENS):
+            n = pid.to(tl.int64) * TOKENS + t
+            live = (n < N).to(tl.int32)  # 0 past the last token: every mask below goes empty
+            jmask = js < K * live
+            tile_mask = jmask[:, None] & cmask[None, :]
+            rows = tl.load(inv_ptr + n * K + js, mask=jmask, other=0).to(tl.int64)
+            w = tl.load(w_ptr + n * K + js, mask=jmask, other=0.0)
+            yv = tl.load(y_ptr + rows[:, None] * R + cols[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+            g = tl.load(gz_ptr + n * R + cols, mask=cols < R * live, other=0.0).to(tl.float32)
+            if HAS_NORM:
+                u = tl.sum(yv * w[:, None], axis=0)
+                rstd = 1.0 / tl.sqrt(tl.sum(u * u, axis=0) / R + eps)
+                xh = u * rstd
+                dgamma += g * xh
+                gx = g * gamma
+                g = rstd * (gx - xh * (tl.sum(gx * xh, axis=0) / R))
+            tl.store(gy_ptr + rows[:, None] * R + cols[None, :], (w[:, None] * g[None, :]).to(gy_ptr.dtype.element_ty),
+                     mask=tile_mask)
+            tl.store(gw_ptr + n * K + js, tl.sum(yv * g[None, :], axis=1), mask=jmask)
+        if HAS_NORM:
+            tl.store(dgamma_ptr + pid * R + cols, dgamma, mask=cmask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -390,8 +659,8 @@ class LatentMoE(nn.Module):
       shared: ONE GLUFFN of width ``num_shared * shared_width`` standing for ``num_shared`` shared
       experts of width ``shared_width`` (shared_dim, or expert_dim when 0): their outputs are summed,
       and a sum of GLU FFNs over disjoint hidden units is one GLU FFN over all of them.
-    Attribute ``fused``: None uses the Triton gather/combine/activation kernels on CUDA, True forces
-    them (tests run them in the Triton interpreter), False forces plain PyTorch.
+    Attribute ``fused``: None takes the fused path (module docstring) on CUDA, True forces it (tests
+    run its Triton kernels in the interpreter), False forces plain PyTorch. Both compute the same function.
     """
 
     def __init__(self, d_model: int, cfg: MoEConfig, norm_eps: float = 1e-6) -> None:
@@ -438,11 +707,13 @@ class LatentMoE(nn.Module):
             self.shared.reset_parameters(std)
             self.shared.down.weight.mul_(out_scale)
 
-    def set_fused(self, fused: bool | None) -> None:
-        """Choose the Triton kernels for routed AND shared experts (None: on CUDA)."""
+    def set_fused(self, fused: bool | None) -> LatentMoE:
+        """Choose the fused path for the whole layer: router, routed and shared experts (None: on CUDA)."""
         self.fused = fused
+        self.router.fused = fused
         if self.shared is not None:
             self.shared.fused = fused
+        return self
 
     def use_grouped(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Resolve ``cfg.dispatch`` for this device/dtype; "grouped" raises if it cannot run."""
@@ -480,25 +751,55 @@ class LatentMoE(nn.Module):
             raise ValueError(f"LatentMoE: input last dim {x.shape[-1]} != d_model {self.d_model}")
         shape = x.shape
         xf = x.reshape(-1, self.d_model)
-        cfg = self.cfg
         cdt = _compute_dtype(x)
-        fused = self.fused if self.fused is not None else (triton is not None and x.is_cuda)
+        fused = _use_fused(self.fused, x)
 
-        stats = self.router(xf)
+        # Everything that reads x: router logits, W_down (the routed input), shared gate|up.
+        if fused:
+            weights = [m.weight for m in (getattr(self, "proj_down", None),
+                                          self.shared.gate_up if self.shared is not None else None) if m is not None]
+            logits, outs = project_input(xf, self.router.weight, weights, cdt)
+            stats = self.router.route(logits, fused=True)
+            h = outs.pop(0) if self.latent else xf.to(cdt)
+            shared_h = outs.pop(0) if self.shared is not None else None
+        else:
+            stats = self.router(xf, fused=False)
+            h = (self.proj_down(xf) if self.latent else xf).to(cdt)
+
+        routed = self._routed(h, stats, cdt, fused)  # latent: RMSNorm(u) [N, l]; else u [N, d]; cdt
+
+        if not fused:
+            y = self.proj_up(routed) if self.latent else routed
+            if self.shared is not None:
+                y = y + self.shared(xf)
+        else:
+            shared_y = None
+            if self.shared is not None:
+                act = glu(shared_h, self.cfg.activation, self.cfg.situ_beta1, self.cfg.situ_beta2, True)
+                shared_y = F.linear(act, self.shared.down.weight.to(cdt))
+            if self.latent:
+                w_up = self.proj_up.weight.to(cdt).t()
+                # One GEMM with the shared output as addend (beta = 1): no separate add kernel.
+                y = torch.mm(routed, w_up) if shared_y is None else torch.addmm(shared_y, routed, w_up)
+            else:
+                y = routed if shared_y is None else shared_y + routed
+        return y.reshape(shape), stats
+
+    def _routed(self, h: torch.Tensor, stats: RouterStats, cdt: torch.dtype, fused: bool) -> torch.Tensor:
+        """h ``[N, R]`` cdt -> routed-expert output ``[N, R]`` cdt, RMSNorm'ed when there is a latent."""
+        cfg = self.cfg
         plan = make_plan(stats.topk_idx, stats.tokens_per_expert)
-        h = (self.proj_down(xf) if self.latent else xf).to(cdt)  # [N, R]
         xs = dispatch(h, plan, fused)  # [N k, R], expert-contiguous
         w_in, w_out = self.w_in.to(cdt), self.w_out.to(cdt)
         act = (cfg.activation, cfg.situ_beta1, cfg.situ_beta2, fused)
-        if self.use_grouped(x.device, cdt):
+        if self.use_grouped(h.device, cdt):
             ys = experts_grouped(xs, w_in, w_out, plan.offs, *act)
         else:
             ys = experts_loop(xs, w_in, w_out, plan.counts.tolist(), *act)
+        if self.latent and fused:
+            return combine_norm(ys, stats.topk_weight, plan, self.latent_norm.weight, self.latent_norm.eps, cdt)
         u = combine(ys, stats.topk_weight, plan, fused)  # [N, R] fp32
-        y = self.proj_up(self.latent_norm(u).to(cdt)) if self.latent else u.to(cdt)
-        if self.shared is not None:
-            y = y + self.shared(xf)
-        return y.reshape(shape), stats
+        return (self.latent_norm(u) if self.latent else u).to(cdt)
 
     def extra_repr(self) -> str:
         c = self.cfg

@@ -6,7 +6,19 @@ import torch
 import moelab.model.moe as moe_mod
 from moelab.model.activations import GLUFFN
 from moelab.model.config import ConfigError, MoEConfig
-from moelab.model.moe import (LatentMoE, Router, combine, dispatch, grouped_mm_supported, make_plan)
+from moelab.model.moe import (
+    LatentMoE,
+    Router,
+    combine,
+    combine_norm,
+    dispatch,
+    grouped_mm_supported,
+    make_plan,
+    mm_f32,
+    project_input,
+    split_bf16,
+    topk_select,
+)
 from tests.helpers import assert_close
 
 CPU = torch.device("cpu")
@@ -14,7 +26,8 @@ CPU = torch.device("cpu")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GROUPED_FP32 = grouped_mm_supported(CPU, torch.float32)
 GROUPED_BF16 = grouped_mm_supported(CPU, torch.bfloat16)
-needs_grouped = pytest.mark.skipif(not GROUPED_FP32, reason=f"torch {torch.__version__} grouped_mm does not run on CPU fp32")
+needs_grouped = pytest.mark.skipif(not GROUPED_FP32,
+                                   reason=f"torch {torch.__version__} grouped_mm does not run on CPU fp32")
 
 
 def _moe(d=32, experts=6, top_k=2, shared=1, latent=16, expert_dim=16, activation="situ_glu", dispatch="loop",
@@ -152,9 +165,10 @@ def test_moe_matches_dense_reference(latent, shared, top_k, dispatch):
 
 @pytest.mark.parametrize("activation", ["situ_glu", "swiglu"])
 def test_moe_fused_kernels_match_plain(activation):
-    """Triton gather / combine / GLU (interpreter on CPU) give the plain-PyTorch layer, fwd and grads."""
-    for latent in (0, 16):
-        m = _moe(latent=latent, shared=2, top_k=3, activation=activation)
+    """The fused path (input projection node, Triton top-k / dispatch / combine+norm / GLU; the
+    interpreter on CPU) gives the plain-PyTorch layer, forward and every gradient."""
+    for latent, shared in ((0, 2), (16, 2), (16, 0), (0, 0)):
+        m = _moe(latent=latent, shared=shared, top_k=3, activation=activation)
         torch.manual_seed(1)
         x, go = torch.randn(2, 7, 32), torch.randn(2, 7, 32)
         m.set_fused(False)
@@ -192,6 +206,96 @@ def test_dispatch_combine_kernels_match_autograd():
             outs.append((xs, u, xl.grad, yl.grad, wl.grad))
         for name, a, b in zip(("xs", "u", "dx", "dy", "dw"), *outs):
             assert_close(a.float(), b.float(), tol, f"{dtype} {name}")
+
+
+def test_combine_norm_kernel_matches_autograd():
+    """Fused combine + RMSNorm (Triton) vs combine then F.rms_norm, forward and grads (rows, weights, gain)."""
+    torch.manual_seed(0)
+    for n, k, e, r in [(13, 3, 5, 24), (17, 1, 4, 40), (9, 4, 6, 16)]:  # N not a multiple of the 8 tokens/program
+        idx = torch.stack([torch.randperm(e)[:k] for _ in range(n)]).to(DEV)
+        plan = make_plan(idx, torch.bincount(idx.flatten(), minlength=e))
+        for dtype, tol in [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)]:
+            y = (torch.randn(n * k, r) * 3).to(DEV, dtype)
+            w = torch.rand(n, k, device=DEV)
+            gamma = (1 + 0.3 * torch.randn(r)).to(DEV)
+            gz = torch.randn(n, r).to(DEV, dtype)
+            outs = []
+            for fused in (False, True):
+                yl, wl, gl = (t.clone().requires_grad_() for t in (y, w, gamma))
+                if fused:
+                    z = combine_norm(yl, wl, plan, gl, 1e-6, dtype)
+                else:
+                    z = torch.nn.functional.rms_norm(combine(yl, wl, plan, False), (r,), gl, 1e-6).to(dtype)
+                assert z.dtype == dtype
+                z.backward(gz)
+                outs.append((z, yl.grad, wl.grad, gl.grad))
+            for name, a, b in zip(("z", "dy", "dw", "dgamma"), *outs):
+                if name == "dw" and k == 1:  # RMSNorm(w y) does not depend on w > 0: both are round-off
+                    continue
+                assert_close(a.float(), b.float(), tol, f"{dtype} n={n} k={k} {name}")
+
+
+@pytest.mark.parametrize("e,k", [(6, 1), (6, 3), (6, 6), (40, 8)])
+def test_topk_select_matches_torch(e, k):
+    torch.manual_seed(0)
+    n = 300  # several programs, the last one partial
+    scores = torch.rand(n, e)
+    scores[5, 2] = float("nan")  # counts as -inf: never picked while a finite score is left
+    bias = torch.randn(e) * 0.1
+    idx, counts = topk_select(scores.to(DEV), bias.to(DEV), k)
+    assert idx.dtype == torch.long and idx.shape == (n, k) and counts.dtype == torch.long
+    ref = torch.topk(torch.nan_to_num(scores, nan=float("-inf")) + bias, k, dim=-1)
+    assert torch.equal(idx.cpu(), ref.indices)  # same experts in the same (descending) order
+    assert torch.equal(counts.cpu(), torch.bincount(ref.indices.flatten(), minlength=e))
+    with pytest.raises(ValueError, match=f"k={e + 1}"):
+        topk_select(scores.to(DEV), bias.to(DEV), e + 1)
+
+
+def test_input_projection_matches_autograd():
+    """One node for router + W_down + shared gate|up: outputs and the summed input gradient."""
+    torch.manual_seed(0)
+    x = torch.randn(11, 24)
+    w_r, w_a, w_b = torch.randn(5, 24), torch.randn(8, 24), torch.randn(16, 24)
+    g_r, g_a, g_b = torch.randn(11, 5), torch.randn(11, 8), torch.randn(11, 16)
+    for ws, gs in [((w_a, w_b), (g_a, g_b)), ((), ())]:
+        leaves = [t.clone().requires_grad_() for t in (x, w_r, *ws)]
+        logits, outs = project_input(leaves[0], leaves[1], leaves[2:], torch.float32)
+        assert logits.dtype == torch.float32 and len(outs) == len(ws)
+        torch.autograd.backward([logits, *outs], [g_r, *gs])
+        ref = [t.clone().requires_grad_() for t in (x, w_r, *ws)]
+        ref_outs = [ref[0] @ w.T for w in ref[1:]]
+        torch.autograd.backward(ref_outs, [g_r, *gs])
+        for a, b, name in zip([logits, *outs], ref_outs, ("logits", "a", "b")):
+            assert_close(b.detach(), a.detach(), 1e-6, name)
+        for a, b, name in zip(leaves, ref, ("dx", "dw_r", "dw_a", "dw_b")):
+            assert_close(b.grad, a.grad, 1e-6, name)
+    frozen = x.clone()  # an input without grad: only the weight gradients are formed
+    w = w_r.clone().requires_grad_()
+    project_input(frozen, w, [], torch.float32)[0].backward(g_r)
+    assert_close(g_r.T @ frozen, w.grad, 1e-6, "dw_r, x frozen")
+
+
+def test_split_bf16_pairs():
+    torch.manual_seed(0)
+    t = torch.randn(1000) * torch.logspace(-3, 3, 1000)
+    hi, lo = split_bf16(t)
+    assert hi.dtype == lo.dtype == torch.bfloat16
+    assert ((hi.float() + lo.float() - t).abs() <= 2.0 ** -16 * t.abs()).all()
+    b = t.bfloat16()
+    assert split_bf16(b)[0] is b and len(split_bf16(b)) == 1
+    a, m = torch.randn(7, 32), torch.randn(32, 5)
+    assert_close(a @ m, mm_f32(a, m), 1e-7, "mm_f32 on CPU is the fp32 matmul")
+
+
+@pytest.mark.gpu
+def test_cuda_mm_f32_precision():
+    """bf16 operands: exact fp32 products (only the summation order differs); fp32: hi/lo pairs."""
+    torch.manual_seed(0)
+    a, b = torch.randn(512, 1024, device="cuda"), torch.randn(1024, 64, device="cuda")
+    ab, bb = a.bfloat16(), b.bfloat16()
+    assert_close(ab.double() @ bb.double(), mm_f32(ab, bb), 1e-6, "bf16 x bf16")
+    assert_close(a.double() @ b.double(), mm_f32(a, b), 3e-5, "fp32 x fp32 (split)")
+    assert_close(a.double() @ bb.double(), mm_f32(a, bb), 3e-5, "fp32 x bf16 (split)")
 
 
 # ---------------------------------------------------------------------------------------------- grouped vs loop
@@ -334,3 +438,24 @@ def test_cuda_bf16_grouped_fused_vs_dense_reference(latent):
     assert_close(x64.grad.cpu(), dx.float(), 3e-2, "dx")
     for name, p in P.items():
         assert_close(p.grad.cpu(), grads[name].float(), 5e-2, f"d{name}")
+
+
+@pytest.mark.gpu
+def test_cuda_autocast_fp32_params_vs_dense_reference():
+    """The training setting (fp32 parameters, bf16 autocast): router via split-bf16 fp32 matmuls."""
+    m = _moe(d=128, experts=16, top_k=4, shared=2, latent=64, expert_dim=64, dispatch="grouped").to(DEV)
+    torch.manual_seed(1)
+    x, go = torch.randn(4, 64, 128, device=DEV), torch.randn(4, 64, 128, device=DEV)
+    ref, x64, P, idx = _dense_reference(m, x)
+    ref.backward(go.double())
+    m.zero_grad()
+    xl = x.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, stats = m(xl)
+    y.backward(go)
+    agree = (stats.topk_idx.sort(-1).values == idx.sort(-1).values).all(-1).float().mean().item()
+    assert agree > 0.99, agree  # logits to ~1e-5: routing may differ only on near-ties
+    assert_close(ref, y.float(), 3e-2, "y")
+    assert_close(x64.grad, xl.grad.float(), 3e-2, "dx")
+    for name, p in P.items():
+        assert_close(p.grad, dict(m.named_parameters())[name].grad.float(), 5e-2, f"d{name}")
