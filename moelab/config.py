@@ -32,7 +32,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from moelab.data.config import DataConfig, repo_root, resolve_path
+from moelab.data.config import DataConfig, resolve_path
 from moelab.model.config import ConfigError, ModelConfig, _check, _one_of
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"

@@ -185,7 +185,7 @@ def start_run(
     Status at the end: FINISHED, KILLED (KeyboardInterrupt) or FAILED (any other exception,
     re-raised).
     """
-    from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME, MLFLOW_GIT_COMMIT, MLFLOW_SOURCE_NAME
+    from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_SOURCE_NAME
 
     mlflow_client = client(tracking_uri)
     uri = mlflow_client.tracking_uri
@@ -200,8 +200,6 @@ def start_run(
         all_tags[MLFLOW_GIT_COMMIT] = commit
     if parent:
         all_tags[PARENT_TAG] = parent
-    if run_name:
-        all_tags[MLFLOW_RUN_NAME] = run_name
     all_tags.update({str(k): str(v) for k, v in (tags or {}).items()})
     info = mlflow_client.create_run(exp_id, tags=all_tags, run_name=run_name).info
     run = Run(mlflow_client, info.run_id, exp_id, uri)

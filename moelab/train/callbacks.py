@@ -76,7 +76,7 @@ class StepMonitor(Callback):
 
 
 class Throughput(Callback):
-    """Logs ``perf/tokens_per_s`` (all devices), ``perf/mfu`` (GPU only) and ``perf/peak_mem_gb`` every ``log_every`` steps.
+    """Logs ``perf/tokens_per_s`` (all devices), ``perf/mfu`` and ``perf/peak_mem_gb`` (GPU) every ``log_every`` steps.
 
     A window runs from the first batch after a log (or after validation) to the next log, so
     validation time is excluded and data loading included. ``summary()`` reports the median

@@ -37,7 +37,7 @@ PEAK_BF16_FLOPS: dict[str, float] = {
 
 
 def peak_flops(device_name: str) -> float | None:
-    """Dense bf16 peak FLOP/s of the device called ``device_name`` (``torch.cuda.get_device_name()``); None if unknown."""
+    """Dense bf16 peak FLOP/s of ``device_name`` (as ``torch.cuda.get_device_name()`` says it); None if unknown."""
     for key, flops in PEAK_BF16_FLOPS.items():
         if key.lower() in device_name.lower():
             return flops
@@ -76,7 +76,7 @@ def record_throughput(path: str | os.PathLike, row: dict[str, Any], command: str
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "triton": triton_version,
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "command": command or " ".join(sys.argv),
     }
     data["rows"] = [r for r in data.get("rows", []) if r.get("impl") != row["impl"]] + [row]

@@ -22,11 +22,11 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -35,10 +35,12 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from moelab.config import RunConfig, flatten, to_yaml
+from moelab.data import prepare
 from moelab.data.datamodule import TextDataModule
-from moelab.model.accounting import flops_per_token, param_counts, summary as model_summary
+from moelab.model.accounting import flops_per_token, param_counts
+from moelab.model.accounting import summary as model_summary
 from moelab.model.config import ConfigError
-from moelab.tracking import Run, resolve_tracking_uri, start_run
+from moelab.tracking import Run, start_run
 from moelab.train.callbacks import LastCheckpoint, StepMonitor, StopControl, Throughput
 from moelab.train.module import LitMoELab
 from moelab.utils import atomic_write, write_json
@@ -127,10 +129,12 @@ def fit(
     ckpt = resume_path(cfg, resume)
     ckpt_dir = cfg.ckpt_dir
     started = time.perf_counter()
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    corpus = prepare(cfg.data)  # builds the cache on first use, with progress on stderr
+    check_vocab(cfg, corpus.vocab_size)
     t = cfg.train
     dm = TextDataModule(cfg.data, t.batch_size, cfg.seed, t.max_steps, t.val_batches)
-    check_vocab(cfg, dm.vocab_size)
+    dm.corpus = corpus
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
     module = LitMoELab(cfg)
 
     with ExitStack() as stack:

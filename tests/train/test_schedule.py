@@ -38,5 +38,6 @@ def test_optimizer_decays_matrices_only_and_covers_every_parameter() -> None:
     assert sorted(ids) == sorted(id(p) for p in module.parameters()) and len(set(ids)) == len(ids)
     assert opt.defaults["betas"] == cfg.train.betas
     # LambdaLR has already applied step 0's factor.
-    assert opt.param_groups[0]["lr"] == pytest.approx(2e-3 * lr_factor(0, 4, cfg.train.max_steps, cfg.train.min_lr_ratio))
+    first = lr_factor(0, 4, cfg.train.max_steps, cfg.train.min_lr_ratio)
+    assert opt.param_groups[0]["lr"] == pytest.approx(2e-3 * first)
     assert sched.get_last_lr()[0] == pytest.approx(opt.param_groups[0]["lr"])
