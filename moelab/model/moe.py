@@ -34,6 +34,7 @@ rows at a time), so every write has one writer: no atomics, deterministic.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,40 +80,42 @@ def _mm_out_f32_supported(device: torch.device) -> bool:
     return _MM_OUT_F32[key]
 
 
-def split_bf16(t: torch.Tensor) -> list[torch.Tensor]:
-    """``t`` (any float) -> ``[hi]`` or ``[hi, lo]`` bf16 with ``hi + lo`` = t to ~16 mantissa bits.
+def split_bf16(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``t`` -> bf16 ``(hi, lo)`` with ``hi + lo`` = t to ~16 significant bits (relative error <= 2^-16).
 
-    bf16 tensors are returned as they are (exact); others split once: lo is the bf16 rounding of
-    the residual ``t - hi``, so the pair carries 2 x 8 significant bits (relative error <= 2^-16).
+    lo is the bf16 rounding of the residual ``t - hi``: the pair carries 2 x 8 significant bits.
     """
-    if t.dtype == torch.bfloat16:
-        return [t]
     t32 = t.float()
     hi = t32.to(torch.bfloat16)
-    return [hi, (t32 - hi.float()).to(torch.bfloat16)]
+    return hi, (t32 - hi.float()).to(torch.bfloat16)
 
 
 def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a [M, K] @ b [K, N]`` -> fp32 ``[M, N]``, i.e. ``a.float() @ b.float()``, fast on CUDA.
+    """``a [M, K] @ b [K, N]`` -> fp32 ``[M, N]``, i.e. ``a.float() @ b.float()``, on tensor cores when exact enough.
 
-    On CUDA with ``torch.mm(out_dtype=float32)`` (torch >= 2.8): 16-bit operands of one dtype go
-    through one tensor-core GEMM with fp32 accumulation and output, which is the fp32 product
-    exactly up to summation order (the product of two bf16 numbers is exact in fp32). fp32 operands
-    are split into bf16 hi + lo (``split_bf16``) and multiplied as hi*hi + hi*lo + lo*hi: about 16
-    significant bits per operand instead of 24 (relative error ~1e-5), at bf16 GEMM speed. The
-    slow SIMT/sm80 fp32 kernels are never used. Elsewhere (CPU): the plain fp32 matmul.
+    On CUDA with ``torch.mm(out_dtype=float32)`` (torch >= 2.8):
+    - both operands 16-bit of one dtype: one tensor-core GEMM with fp32 accumulation and output. The
+      product of two bf16 (or fp16) numbers is exact in fp32, so this IS the fp32 matmul of the
+      upcast operands, up to summation order (the router forward of a bf16 model).
+    - one bf16, one fp32 (the router weight gradient ``g^T x``: g fp32 ``[N, E]``, small): the fp32
+      operand is split into bf16 hi + lo (``split_bf16``) and multiplied as two GEMMs: relative error
+      ~2^-16 instead of 2^-24, at bf16 GEMM speed. Only the small operand is ever split: splitting
+      ``x [N, d]`` itself costs more elementwise passes than the fp32 GEMM (measured on the H200).
+    - otherwise (both fp32): the plain fp32 matmul (exact; this is the fp32-parameter autocast case).
+    Elsewhere (CPU): the plain fp32 matmul.
     """
     if not (a.is_cuda and _mm_out_f32_supported(a.device)):
         return a.float() @ b.float()
-    if a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
+    half = (torch.bfloat16, torch.float16)
+    if a.dtype == b.dtype and a.dtype in half:
         return torch.mm(a, b, out_dtype=torch.float32)
-    pa, pb = split_bf16(a), split_bf16(b)
-    # hi*hi + hi*lo + lo*hi; lo*lo is below the resolution of the pairs.
-    terms = [(pa[0], pb[0])] + [(pa[0], lo) for lo in pb[1:]] + [(lo, pb[0]) for lo in pa[1:]]
-    out = torch.mm(*terms[0], out_dtype=torch.float32)
-    for x, y in terms[1:]:
-        out += torch.mm(x, y, out_dtype=torch.float32)
-    return out
+    if a.dtype == torch.bfloat16 and b.dtype == torch.float32:
+        hi, lo = split_bf16(b)
+        return torch.mm(a, hi, out_dtype=torch.float32) + torch.mm(a, lo, out_dtype=torch.float32)
+    if a.dtype == torch.float32 and b.dtype == torch.bfloat16:
+        hi, lo = split_bf16(a)
+        return torch.mm(hi, b, out_dtype=torch.float32) + torch.mm(lo, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
 
 
 class _InputProjection(torch.autograd.Function):
@@ -120,7 +123,7 @@ class _InputProjection(torch.autograd.Function):
 
     One node for every matmul that reads x, so the backward forms dx as one GEMM chain
     (``dx = g_0 W_0; dx += g_1 W_1; ...`` with cuBLAS beta = 1) instead of one GEMM per branch plus
-    elementwise adds, and never materializes x in fp32 for the router.
+    elementwise adds; a 16-bit x is never materialized in fp32 for the router.
     """
 
     @staticmethod
@@ -277,7 +280,8 @@ def topk_select(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch
     counts = torch.zeros(e, dtype=torch.int32, device=scores.device)
     if n > 0:
         ep = triton.next_power_of_2(e)
-        block_t = max(1, min(128, 4096 // ep))
+        # Small blocks: k rounds of row reductions are latency-bound, so more programs beat wider ones.
+        block_t = max(1, min(128, 1024 // ep))
         _topk_kernel[(triton.cdiv(n, block_t),)](scores, bias, idx, counts, n, e, K=k, EP=ep, BLOCK_T=block_t)
     return idx, counts.long()
 
@@ -435,11 +439,19 @@ def combine_norm(y: torch.Tensor, weight: torch.Tensor, plan: DispatchPlan, gamm
     return _Combine.apply(y, weight, plan.inv, weight.shape[1], gamma, float(eps), out_dtype)
 
 
-def _tile(r: int, k: int, whole_row: bool) -> tuple[int, int, int]:
-    """(KP, BLOCK_R, num_warps) for kernels that hold a token's k rows as a ``[KP, BLOCK_R]`` tile."""
+def _tile(r: int, k: int, whole_row: bool) -> tuple[int, int]:
+    """(KP, BLOCK_R) for kernels that hold a token's k rows as a ``[KP, BLOCK_R]`` tile."""
     kp = triton.next_power_of_2(k)
     block = triton.next_power_of_2(r) if whole_row else min(triton.next_power_of_2(r), max(16, 4096 // kp))
-    return kp, block, min(16, max(4, kp * block // 1024))
+    return kp, block
+
+
+def _warp_configs() -> list:
+    """Autotune candidates for the combine kernels: the warp count. On the H200 it matters a lot
+    (the [8, 512] combine forward: 81 us with 2 warps, 190 us with 4, 627 us with 8), and the best
+    one moves with the tile; the interpreter (CPU tests) runs a single config."""
+    warps = (4,) if os.environ.get("TRITON_INTERPRET") == "1" else (1, 2, 4, 8)
+    return [triton.Config({}, num_warps=w) for w in warps]
 
 
 class _Dispatch(torch.autograd.Function):
@@ -451,9 +463,9 @@ class _Dispatch(torch.autograd.Function):
         n, r = x.shape
         out = torch.empty(n * k, r, dtype=x.dtype, device=x.device)
         if n > 0:
-            kp, block, warps = _tile(r, k, whole_row=False)
-            _scatter_rows_kernel[(n, triton.cdiv(r, block))](x, inv, out, r, K=k, KP=kp, BLOCK_R=block,
-                                                             num_warps=warps)
+            kp, block = _tile(r, k, whole_row=False)
+            # 85 us for [32768 x 512] bf16 to 8 rows each on the H200, whatever the warp count: no tuning.
+            _scatter_rows_kernel[(n, triton.cdiv(r, block))](x, inv, out, r, K=k, KP=kp, BLOCK_R=block)
         ctx.save_for_backward(inv)
         ctx.k = k
         return out
@@ -471,16 +483,16 @@ def _combine_fwd(src: torch.Tensor, inv: torch.Tensor, weight: torch.Tensor | No
     n, r = inv.numel() // k, src.shape[1]
     out = torch.empty(n, r, dtype=out_dtype, device=src.device)
     if n > 0:
-        kp, block, warps = _tile(r, k, whole_row=gamma is not None)
+        kp, block = _tile(r, k, whole_row=gamma is not None)
         _combine_fwd_kernel[(n, triton.cdiv(r, block))](
             src, inv, weight if weight is not None else src, gamma if gamma is not None else src, out, r, eps,
-            K=k, KP=kp, BLOCK_R=block, HAS_W=weight is not None, HAS_NORM=gamma is not None, num_warps=warps)
+            K=k, KP=kp, BLOCK_R=block, HAS_W=weight is not None, HAS_NORM=gamma is not None)
     return out
 
 
 # Tokens per program of the combine backward: the RMSNorm weight gradient is summed per program
-# in registers, then over programs in torch (N / 8 rows of partial sums: small, deterministic).
-_BWD_TOKENS = 8
+# in registers, then over programs in torch (N / 4 rows of partial sums: small, deterministic).
+_BWD_TOKENS = 4
 
 
 class _Combine(torch.autograd.Function):
@@ -504,11 +516,11 @@ class _Combine(torch.autograd.Function):
         programs = triton.cdiv(n, _BWD_TOKENS) if n > 0 else 0
         dgamma = torch.empty(programs, r, dtype=torch.float32, device=y.device) if gamma is not None else None
         if n > 0:
-            kp, block, warps = _tile(r, k, whole_row=True)
+            kp, block = _tile(r, k, whole_row=True)
             _combine_bwd_kernel[(programs,)](
                 grad_z, y, inv, weight, gamma if gamma is not None else y, grad_y, grad_w,
                 dgamma if dgamma is not None else grad_w, n, r, ctx.eps, K=k, KP=kp, BLOCK_R=block,
-                TOKENS=_BWD_TOKENS, HAS_NORM=gamma is not None, num_warps=warps)
+                TOKENS=_BWD_TOKENS, HAS_NORM=gamma is not None)
         if gamma is not None:
             dgamma = dgamma.sum(0).to(gamma.dtype)
         return grad_y, grad_w, None, None, dgamma, None, None
@@ -553,6 +565,7 @@ if triton is not None:
         tile = tl.broadcast_to(v[None, :], (KP, BLOCK_R))
         tl.store(out_ptr + rows[:, None] * R + cols[None, :], tile, mask=jmask[:, None] & cmask[None, :])
 
+    @triton.autotune(configs=_warp_configs(), key=["R", "K", "HAS_W", "HAS_NORM"])
     @triton.jit
     def _combine_fwd_kernel(src_ptr, inv_ptr, w_ptr, gamma_ptr, out_ptr, R, eps, K: tl.constexpr,
                             KP: tl.constexpr, BLOCK_R: tl.constexpr, HAS_W: tl.constexpr,
@@ -574,6 +587,8 @@ if triton is not None:
             u = u * rstd * tl.load(gamma_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         tl.store(out_ptr + n * R + cols, u.to(out_ptr.dtype.element_ty), mask=cmask)
 
+    # Autotuning reruns the kernel: fine, every output is overwritten, nothing accumulates.
+    @triton.autotune(configs=_warp_configs(), key=["R", "K", "HAS_NORM"])
     @triton.jit
     def _combine_bwd_kernel(gz_ptr, y_ptr, inv_ptr, w_ptr, gamma_ptr, gy_ptr, gw_ptr, dgamma_ptr, N, R, eps,
                             K: tl.constexpr, KP: tl.constexpr, BLOCK_R: tl.constexpr, TOKENS: tl.constexpr,

@@ -83,7 +83,8 @@ def _run(m: LatentMoE, x: torch.Tensor, go: torch.Tensor):
     x = x.detach().to(dev).requires_grad_()
     y, stats = m(x)
     y.backward(go.to(dev))
-    grads = {n: p.grad.cpu() for n, p in m.named_parameters()}
+    # clone: on CPU .cpu() returns p.grad itself, which a later m.to(cuda) would move along.
+    grads = {n: p.grad.detach().cpu().clone() for n, p in m.named_parameters()}
     return y.detach().cpu(), x.grad.cpu(), grads, stats
 
 
@@ -281,21 +282,20 @@ def test_split_bf16_pairs():
     hi, lo = split_bf16(t)
     assert hi.dtype == lo.dtype == torch.bfloat16
     assert ((hi.float() + lo.float() - t).abs() <= 2.0 ** -16 * t.abs()).all()
-    b = t.bfloat16()
-    assert split_bf16(b)[0] is b and len(split_bf16(b)) == 1
     a, m = torch.randn(7, 32), torch.randn(32, 5)
     assert_close(a @ m, mm_f32(a, m), 1e-7, "mm_f32 on CPU is the fp32 matmul")
 
 
 @pytest.mark.gpu
 def test_cuda_mm_f32_precision():
-    """bf16 operands: exact fp32 products (only the summation order differs); fp32: hi/lo pairs."""
+    """bf16 operands: exact fp32 products (only the summation order differs); fp32 x bf16: hi/lo pairs."""
     torch.manual_seed(0)
     a, b = torch.randn(512, 1024, device="cuda"), torch.randn(1024, 64, device="cuda")
     ab, bb = a.bfloat16(), b.bfloat16()
-    assert_close(ab.double() @ bb.double(), mm_f32(ab, bb), 1e-6, "bf16 x bf16")
-    assert_close(a.double() @ b.double(), mm_f32(a, b), 3e-5, "fp32 x fp32 (split)")
+    assert_close(ab.double() @ bb.double(), mm_f32(ab, bb), 2e-6, "bf16 x bf16")
+    assert_close(a.double() @ b.double(), mm_f32(a, b), 2e-6, "fp32 x fp32 (plain fp32)")
     assert_close(a.double() @ bb.double(), mm_f32(a, bb), 3e-5, "fp32 x bf16 (split)")
+    assert_close(ab.double() @ b.double(), mm_f32(ab, b), 3e-5, "bf16 x fp32 (split)")
 
 
 # ---------------------------------------------------------------------------------------------- grouped vs loop
@@ -442,7 +442,7 @@ def test_cuda_bf16_grouped_fused_vs_dense_reference(latent):
 
 @pytest.mark.gpu
 def test_cuda_autocast_fp32_params_vs_dense_reference():
-    """The training setting (fp32 parameters, bf16 autocast): router via split-bf16 fp32 matmuls."""
+    """The training setting (fp32 parameters, bf16 autocast): exact fp32 router, bf16 experts."""
     m = _moe(d=128, experts=16, top_k=4, shared=2, latent=64, expert_dim=64, dispatch="grouped").to(DEV)
     torch.manual_seed(1)
     x, go = torch.randn(4, 64, 128, device=DEV), torch.randn(4, 64, 128, device=DEV)
@@ -454,7 +454,7 @@ def test_cuda_autocast_fp32_params_vs_dense_reference():
         y, stats = m(xl)
     y.backward(go)
     agree = (stats.topk_idx.sort(-1).values == idx.sort(-1).values).all(-1).float().mean().item()
-    assert agree > 0.99, agree  # logits to ~1e-5: routing may differ only on near-ties
+    assert agree > 0.99, agree  # fp32 logits: routing may differ only on exact near-ties
     assert_close(ref, y.float(), 3e-2, "y")
     assert_close(x64.grad, xl.grad.float(), 3e-2, "dx")
     for name, p in P.items():
