@@ -67,7 +67,9 @@ study-%: $(SETUP) ## study-N: run study N's notebook into studies/NN_name/ (PRES
 throughput: $(SETUP) ## train PRESET (default gpu-small) and record tokens/s + MFU in studies/throughput_h200.json
 	$(PYTHON) -m moelab train --config $(or $(PRESET),gpu-small) --throughput studies/throughput_h200.json $(ARGS)
 
+# Job execution (GenAI evaluation workers, ~8 processes) is off unless you set it: browsing runs needs none.
 mlflow-ui: $(SETUP) ## serve the MLflow dashboard of ./mlflow.db on http://127.0.0.1:PORT (default 5000)
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=$${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false} \
 	$(PYTHON) -m mlflow server --host 127.0.0.1 --port $(PORT) --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
 
 lab: $(SETUP) ## start JupyterLab on the notebooks (nbs/*.py and *.ipynb stay paired by jupytext)

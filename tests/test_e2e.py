@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -38,10 +39,12 @@ def mlflow_server(tmp_path, tracking_uri):  # noqa: F811
     """A real ``mlflow server`` on a free 127.0.0.1 port over the test's sqlite store."""
     port = _free_port()
     log = open(tmp_path / "server.log", "w")
+    # No background job runners (GenAI evaluation jobs): they start ~8 processes this test does not need.
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
          "--backend-store-uri", tracking_uri, "--workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+        stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
