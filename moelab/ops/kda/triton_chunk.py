@@ -15,6 +15,9 @@ the 16x16 diagonal sub-tiles of the gated scores are formed (triton_common.py):
   before ``exp``; correct for any ``g <= 0``.
 
 The backward keeps only the inputs and recomputes the intra-chunk quantities and chunk states.
+Inputs are zero-padded (only when needed) to T a multiple of the chunk and K, V powers of two
+>= 16, so the kernels need no masks. On a GPU every kernel is autotuned over a small space of
+block sizes, warps and pipeline stages, keyed on the shapes; the interpreter runs one config.
 """
 
 from __future__ import annotations
@@ -38,46 +41,50 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# Launch parameters; kernels/bench_kda.py --tune overrides entries to compare variants on a GPU.
-TUNING: dict = {
-    "bk_intra": 64,  # K-block of the intra kernel (scores are summed over K-blocks)
-    "bk_grads": 128,  # K-block of the gradient kernel; K <= bk_grads keeps all partials in registers
-    "bv": 64,  # V-block of the intra, output and gradient kernels
-    "warps_intra": 8,
-    "warps_state": 4,
-    "warps_out": 4,
-    "warps_grads": 8,
-    # A_kk feeds the (I + A_kk)^-1 solve, which can amplify its rounding: form the intra-chunk
-    # scores from fp32 operands (TF32 on the GPU) rather than bf16 ones
-    "scores_tf32": True,
-}
+# A_kk feeds the (I + A_kk)^-1 solve, which can amplify its rounding: the intra kernel forms the
+# scores from fp32 operands (TF32 on the GPU) rather than bf16 ones. Benchmarks may flip it.
+TUNING: dict = {"scores_tf32": True}
 
 
-def _cfg(K: int, V: int) -> dict:
-    """Block sizes and warps. Fixed (no autotune): the interpreter cannot autotune, and the
-    recurrent kernels' cost depends on the grid, not only the tile. In the interpreter the
-    gradient kernel uses 64-wide K-blocks so that K = 128 tests its multi-block path."""
-    BKP = max(16, triton.next_power_of_2(K))
-    BVP = max(16, triton.next_power_of_2(V))
-    return dict(
-        BKP=BKP,
-        BK_intra=min(BKP, TUNING["bk_intra"]),
-        BK_grads=min(BKP, 64 if _interpret() else TUNING["bk_grads"]),
-        BV=min(BVP, TUNING["bv"]),
-        **{key: val for key, val in TUNING.items() if key.startswith("warps")},
-    )
+def _fit(configs, named_args, **kwargs):
+    """Drop configs whose blocks exceed the (padded) head dims; keep at least one, clamped."""
+    dims = {**named_args, **kwargs}
+
+    def ok(cfg):
+        return all(cfg.kwargs[b] <= dims[d] for b, d in (("BV", "V"), ("BK", "K")) if b in cfg.kwargs)
+
+    kept = [c for c in configs if ok(c)]
+    if kept:
+        return kept
+    c = configs[0]
+    kw = {b: min(c.kwargs[b], dims[d]) for b, d in (("BV", "V"), ("BK", "K")) if b in c.kwargs}
+    return [triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages)]
 
 
-def _state_bv(V: int, BH: int, cfg: dict) -> int:
-    """V-block of the sequential kernels: smaller blocks give more programs when B*H is small
-    (the chunk loop is latency-bound), larger ones fewer re-reads of k, w, q."""
-    if _interpret():
-        return cfg["BV"]
-    n_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    bv = cfg["BV"]
-    while bv > 16 and BH * triton.cdiv(V, bv) < 2 * n_sm:
-        bv //= 2
-    return bv
+def _tuned(kernel, space, interp_config, key=("NBH", "T", "H", "K", "V")):
+    """``kernel`` autotuned over ``space`` on the GPU (keyed on shapes); one fixed config in the
+    interpreter, which cannot autotune (a lone config skips pruning, so its blocks must be 16,
+    valid for every padded head dim). Every kernel writes only its own outputs and scratch, so
+    the autotuner may rerun it."""
+    configs = [interp_config] if _interpret() else space
+    return triton.autotune(configs=configs, key=list(key), prune_configs_by={"early_config_prune": _fit})(kernel)
+
+
+def _space(block, sizes, warps=(4, 8), stages=(1, 2)):
+    return [triton.Config({block: b} if block else {}, num_warps=w, num_stages=s)
+            for b in sizes for w in warps for s in stages]
+
+
+# The chunk loops (state, dh) are latency-bound: the best V-block trades the number of programs
+# (all should be resident at once) against the work per step, and registers / shared memory
+# decide residency, so they are measured rather than guessed.
+_intra = _tuned(_kda_fwd_intra, _space("BK", (32, 64)), triton.Config({"BK": 16}, num_warps=4, num_stages=1),
+                key=("NBH", "T", "H", "K", "V", "BOUNDED"))
+_state = _tuned(_kda_fwd_state, _space("BV", (16, 32, 64, 128)), triton.Config({"BV": 16}, num_warps=4, num_stages=1))
+_out = _tuned(_kda_fwd_out, _space("BV", (32, 64, 128), stages=(1, 2, 3)), triton.Config({"BV": 16}, num_warps=4))
+_dh = _tuned(_kda_bwd_dh, _space("BV", (16, 32, 64, 128)), triton.Config({"BV": 16}, num_warps=4, num_stages=1))
+_grads = _tuned(_kda_bwd_grads, _space("BK", (32, 64, 128)), triton.Config({"BK": 16}, num_warps=4, num_stages=1),
+                key=("NBH", "T", "H", "K", "V", "BOUNDED"))
 
 
 def _dot_bf16(dtype: torch.dtype) -> bool:
@@ -86,70 +93,58 @@ def _dot_bf16(dtype: torch.dtype) -> bool:
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Storage dtype of the intermediates (w, u, U, h, A_qk, dh): bf16 inputs keep bf16
-    (measured bf16 rounding budget fits the 5e-3 / 1e-2 targets), fp16/fp32 inputs keep fp32."""
+    """Storage dtype of the intermediates (w, u, U, h, A_qk, qg, kd, dh): bf16 inputs keep bf16
+    (the bf16 rounding budget fits the 5e-3 / 1e-2 targets, see kernels/check_kda_gpu.py
+    --emulate-bf16), fp16/fp32 inputs keep fp32."""
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
 def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C):
+    """Intra-chunk and state kernels on padded inputs; returns the intermediates."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    NT = triton.cdiv(T, C)
-    Tp = NT * C
+    NT = T // C
     dev = q.device
-    cfg = _cfg(K, V)
     wd = _work_dtype(q.dtype)
     dot_bf16 = _dot_bf16(q.dtype)
     store_g = not bounded  # only the general-mode gathers read G back from memory
-    Gbuf = torch.empty(B, Tp, H, K, device=dev, dtype=torch.float32) if store_g else q.new_empty(1, dtype=torch.float32)
-    Abuf = torch.empty(B, Tp, H, C, device=dev, dtype=torch.float32)
-    Aqk = torch.empty(B, Tp, H, C, device=dev, dtype=wd)
-    w = torch.empty(B, T, H, K, device=dev, dtype=wd)
+    Gbuf = torch.empty(B, T, H, K, device=dev, dtype=torch.float32) if store_g else q.new_empty(1, dtype=torch.float32)
+    Abuf = torch.empty(B, T, H, C, device=dev, dtype=torch.float32)
+    Aqk = torch.empty(B, T, H, C, device=dev, dtype=wd)
+    w, qg, kd = (torch.empty(B, T, H, K, device=dev, dtype=wd) for _ in range(3))
     u = torch.empty(B, T, H, V, device=dev, dtype=wd)
-    qg = torch.empty(B, T, H, K, device=dev, dtype=wd)
-    kd = torch.empty(B, T, H, K, device=dev, dtype=wd)
     gl = torch.empty(B, NT, H, K, device=dev, dtype=torch.float32)
-    _kda_fwd_intra[(NT, B * H)](
-        q, k, v, g, beta, Gbuf, Abuf, Aqk, w, u, qg, kd, gl, scale, T, NT,
-        H=H, K=K, V=V, C=C, BC=SUBTILE, BK=cfg["BK_intra"], BV=cfg["BV"],
+    _intra[(NT, B * H)](
+        q, k, v, g, beta, Gbuf, Abuf, Aqk, w, u, qg, kd, gl, scale, T, B * H,
+        H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64),
         BOUNDED=bounded, STORE_G=store_g, SCORE_BF16=dot_bf16 and not TUNING["scores_tf32"],
-        num_warps=cfg["warps_intra"],
     )
     hbuf = torch.empty(B, NT, H, K, V, device=dev, dtype=wd)
     U = torch.empty(B, T, H, V, device=dev, dtype=wd)
     hT = torch.empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    bv = _state_bv(V, B * H, cfg)
-    _kda_fwd_state[(triton.cdiv(V, bv), B * H)](
-        kd, gl, w, u, h0 if h0 is not None else U, hbuf, U, hT if hT is not None else U, T, NT,
-        H=H, K=K, V=V, C=C, BKP=cfg["BKP"], BV=bv,
-        HAS_H0=h0 is not None, STORE_HT=hT is not None, DOT_BF16=dot_bf16, num_warps=cfg["warps_state"],
+    _state[lambda meta: (V // meta["BV"], B * H)](
+        kd, gl, w, u, h0 if h0 is not None else U, hbuf, U, hT if hT is not None else U, T, B * H,
+        H=H, K=K, V=V, C=C, HAS_H0=h0 is not None, STORE_HT=hT is not None, DOT_BF16=dot_bf16,
     )
-    return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, qg=qg, kd=kd, gl=gl, hbuf=hbuf, U=U, hT=hT, cfg=cfg, NT=NT)
-
-
-def _output(q, inter, v_dtype):
-    B, T, H, K = q.shape
-    U = inter["U"]
-    V = U.shape[-1]
-    cfg = inter["cfg"]
-    o = torch.empty(B, T, H, V, device=q.device, dtype=v_dtype)
-    _kda_fwd_out[(inter["NT"], B * H)](
-        inter["qg"], inter["Aqk"], inter["hbuf"], U, o, T, inter["NT"],
-        H=H, K=K, V=V, C=inter["Abuf"].shape[-1], BKP=cfg["BKP"], BV=cfg["BV"],
-        DOT_BF16=_dot_bf16(q.dtype), num_warps=cfg["warps_out"],
-    )
-    return o
+    return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, qg=qg, kd=kd, gl=gl, hbuf=hbuf, U=U, hT=hT)
 
 
 class ChunkKDAFunction(torch.autograd.Function):
-    """Autograd wrapper; gradients for q, k, v, g, beta and initial_state."""
+    """Autograd wrapper on padded inputs (T a multiple of the chunk, K and V powers of two >= 16);
+    gradients for q, k, v, g, beta and initial_state."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, bounded, chunk_size):
-        inter = _forward(q, k, v, g, beta, scale, initial_state, output_final_state, bounded, chunk_size)
-        o = _output(q, inter, v.dtype)
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, bounded, C):
+        inter = _forward(q, k, v, g, beta, scale, initial_state, output_final_state, bounded, C)
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        o = torch.empty_like(v)
+        _out[(T // C, B * H)](
+            inter["qg"], inter["Aqk"], inter["hbuf"], inter["U"], o, T, B * H,
+            H=H, K=K, V=V, C=C, DOT_BF16=_dot_bf16(q.dtype),
+        )
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
-        ctx.scale, ctx.bounded, ctx.chunk_size = scale, bounded, chunk_size
+        ctx.scale, ctx.bounded, ctx.chunk_size = scale, bounded, C
         return o, inter["hT"]
 
     @staticmethod
@@ -158,40 +153,43 @@ class ChunkKDAFunction(torch.autograd.Function):
         scale, bounded, C = ctx.scale, ctx.bounded, ctx.chunk_size
         B, T, H, K = q.shape
         V = v.shape[-1]
+        NT = T // C
         do = do.contiguous()
         inter = _forward(q, k, v, g, beta, scale, h0, False, bounded, C)
-        cfg, NT = inter["cfg"], inter["NT"]
         dot_bf16 = _dot_bf16(q.dtype)
-        wd = _work_dtype(q.dtype)
-        dhbuf = torch.empty(B, NT, H, K, V, device=q.device, dtype=wd)
+        dhbuf = torch.empty(B, NT, H, K, V, device=q.device, dtype=_work_dtype(q.dtype))
         dU = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)
         dh0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if h0 is not None else None
         has_dht = dht is not None
-        bv = _state_bv(V, B * H, cfg)
-        _kda_bwd_dh[(triton.cdiv(V, bv), B * H)](
+        _dh[lambda meta: (V // meta["BV"], B * H)](
             inter["qg"], inter["kd"], inter["gl"], inter["w"], inter["Aqk"], do, dht.contiguous() if has_dht else dU,
-            dhbuf, dU, dh0 if dh0 is not None else dU, T, NT,
-            H=H, K=K, V=V, C=C, BKP=cfg["BKP"], BV=bv,
-            HAS_DHT=has_dht, STORE_DH0=dh0 is not None, DOT_BF16=dot_bf16, num_warps=cfg["warps_state"],
+            dhbuf, dU, dh0 if dh0 is not None else dU, T, B * H,
+            H=H, K=K, V=V, C=C, HAS_DHT=has_dht, STORE_DH0=dh0 is not None, DOT_BF16=dot_bf16,
         )
-        dq = torch.empty_like(q)
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
-        dg = torch.empty_like(g)
-        dbeta = torch.empty_like(beta)
-        BK = cfg["BK_grads"]
-        if triton.cdiv(K, BK) > 1:
-            scr = [torch.empty(B, NT * C, H, K, device=q.device, dtype=torch.float32) for _ in range(3)]
-        else:
-            scr = [dU] * 3
-        _kda_bwd_grads[(NT, B * H)](
+        dq, dk, dv, dg, dbeta = (torch.empty_like(x) for x in (q, k, v, g, beta))
+        _grads[(NT, B * H)](
             q, k, v, g, beta, inter["Gbuf"], inter["Abuf"], inter["w"], inter["u"], inter["hbuf"], dhbuf,
-            inter["U"], dU, do, dq, dk, dv, dg, dbeta, *scr, scale, T, NT,
-            H=H, K=K, V=V, C=C, BC=SUBTILE, BK=BK, BV=cfg["BV"],
-            BOUNDED=bounded, DOT_BF16=dot_bf16, num_warps=cfg["warps_grads"],
+            inter["U"], dU, do, dq, dk, dv, dg, dbeta, scale, T, B * H,
+            H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64), BOUNDED=bounded, DOT_BF16=dot_bf16,
         )
         dh0 = dh0.to(h0.dtype) if dh0 is not None else None
         return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
+
+
+def tuned_configs() -> dict:
+    """The configs the autotuner picked so far, per kernel and shape key (for benchmark records)."""
+    out = {}
+    for name, tuner in (("intra", _intra), ("state", _state), ("out", _out), ("dh", _dh), ("grads", _grads)):
+        out[name] = {str(key): str(cfg) for key, cfg in getattr(tuner, "cache", {}).items()}
+    return out
+
+
+def _pad(x: torch.Tensor, dims: dict[int, int]) -> torch.Tensor:
+    """Zero-pad ``x`` at the end of each dim in ``dims`` (dim -> target size); no copy if none grows."""
+    pads = [0] * (2 * x.dim())
+    for dim, size in dims.items():
+        pads[2 * (x.dim() - 1 - dim) + 1] = size - x.shape[dim]
+    return torch.nn.functional.pad(x, pads) if any(pads) else x
 
 
 def chunk_kda(
@@ -270,7 +268,21 @@ def chunk_kda(
                 f"min(g)={gmin:.4g} is below lower_bound={lower_bound} in bounded mode: "
                 f"use mode='general' or bound the gate (g = lower_bound * sigmoid(...))")
     scale = K**-0.5 if scale is None else float(scale)
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    # kernels take padded shapes: T a multiple of the chunk, K and V powers of two >= 16. Padded
+    # tokens (q = k = v = beta = 0, g = 0) leave the state unchanged and padded channels stay 0,
+    # so slicing the outputs back is exact; autograd slices the gradients through the pad.
+    Tp = triton.cdiv(T, chunk_size) * chunk_size
+    Kp = max(16, triton.next_power_of_2(K))
+    Vp = max(16, triton.next_power_of_2(V))
+    q, k, g = (_pad(x, {1: Tp, 3: Kp}).contiguous() for x in (q, k, g))
+    v = _pad(v, {1: Tp, 3: Vp}).contiguous()
+    beta = _pad(beta, {1: Tp}).contiguous()
     if initial_state is not None:
-        initial_state = initial_state.contiguous()
-    return ChunkKDAFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state, bounded, chunk_size)
+        initial_state = _pad(initial_state, {2: Kp, 3: Vp}).contiguous()
+    o, final_state = ChunkKDAFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state, bounded,
+                                            chunk_size)
+    if (Tp, Vp) != (T, V):
+        o = o[:, :T, :, :V]
+    if final_state is not None and (Kp, Vp) != (K, V):
+        final_state = final_state[:, :, :K, :V]
+    return o, final_state

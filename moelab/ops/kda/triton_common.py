@@ -21,6 +21,11 @@ over the whole chunk (that overflows). Instead:
   exponent masked to ``-inf`` where ``j > i`` BEFORE ``exp2``, so nothing can overflow whatever
   ``g`` is. The partner rows ``j`` are gathered from global memory (inputs and the fp32 ``G``
   buffer written by the intra kernel).
+
+All kernels assume padded shapes (the wrapper pads): ``T`` a multiple of ``C``, ``K`` and ``V``
+powers of two >= 16. Padded tokens have ``q = k = v = beta = 0`` and ``g = 0`` and contribute
+nothing, so no load or store needs a mask (masked tile loads feeding ``tl.dot`` cost about
+2.5x the registers on Hopper).
 """
 
 from __future__ import annotations
@@ -61,13 +66,9 @@ def _mid_tile(G, r, C: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _load_G(g_ptr, rows, m_rows, cols, m_cols, stride):
-    """Chunk-local cumsum of a ``[C, BK]`` block of g, times log2(e), fp32.
-
-    Rows past the sequence end load g = 0, so G stays flat there (padded rows act as "no decay").
-    """
-    gt = tl.load(g_ptr + rows[:, None] * stride + cols[None, :],
-                 mask=m_rows[:, None] & m_cols[None, :], other=0.0).to(tl.float32)
+def _load_G(g_ptr, rows, cols, stride):
+    """Chunk-local cumsum of a ``[C, BK]`` block of g, times log2(e), fp32."""
+    gt = tl.load(g_ptr + rows[:, None] * stride + cols[None, :]).to(tl.float32)
     return tl.cumsum(gt, axis=0) * 1.4426950408889634
 
 
@@ -97,24 +98,23 @@ def _same_segment(x, r, P: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _scores2(S1, S2, q, k, G, k_ptr, G_ptr, stride, nval, cols, m_cols,
-             BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+def _scores2(S1, S2, q, k, G, k_ptr, G_ptr, stride,
+             BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """Add one K-block to ``S1_ij = sum_d q_id k_jd e^{G_id-G_jd}`` and ``S2`` (same with k for q).
 
     Only ``j <= i`` entries are meaningful (the caller masks); the rest are 0 here.
-    ``k_ptr``/``G_ptr`` point at row 0 of the chunk, block column 0 (used by the general-mode
-    gathers; ``G_ptr`` rows exist for the padded chunk); ``nval`` = valid rows of this chunk.
+    ``k_ptr``/``G_ptr`` point at row 0 of the chunk, first column of the block (used by the
+    general-mode gathers); ``stride`` is their row stride.
     """
     r = tl.arange(0, C)
     blk = r // BC
     cidx = tl.arange(0, C)
-    for lvl in tl.static_range(3):
-        P: tl.constexpr = C // (2 << lvl)
-        if P >= BC:
-            rf, kf = _split_factors(G, r, P, C)
+    for lvl in tl.static_range(3):  # P = C // (2 << lvl): C/2, C/4, ... down to BC (C <= 128)
+        if C // (2 << lvl) >= BC:
+            rf, kf = _split_factors(G, r, C // (2 << lvl), C)
             kT = tl.trans(_cast(k * kf, DOT_BF16))
-            S1 += _same_segment(tl.dot(_cast(q * rf, DOT_BF16), kT), r, P, C)
-            S2 += _same_segment(tl.dot(_cast(k * rf, DOT_BF16), kT), r, P, C)
+            S1 += _same_segment(tl.dot(_cast(q * rf, DOT_BF16), kT), r, C // (2 << lvl), C)
+            S2 += _same_segment(tl.dot(_cast(k * rf, DOT_BF16), kT), r, C // (2 << lvl), C)
     same = blk[:, None] == (cidx // BC)[None, :]
     if BOUNDED:
         Gm = _mid_tile(G, r, C, BC)
@@ -123,11 +123,11 @@ def _scores2(S1, S2, q, k, G, k_ptr, G_ptr, stride, nval, cols, m_cols,
         S1 += tl.where(same, tl.dot(_cast(q * rf, DOT_BF16), kT), 0.0)
         S2 += tl.where(same, tl.dot(_cast(k * rf, DOT_BF16), kT), 0.0)
     else:
+        cols = tl.arange(0, BK)
         for s in range(BC):
             j = blk * BC + s  # partner column of row i inside i's sub-tile
-            kj = tl.load(k_ptr + j[:, None] * stride + cols[None, :],
-                         mask=(j < nval)[:, None] & m_cols[None, :], other=0.0).to(tl.float32)
-            Gj = tl.load(G_ptr + j[:, None] * stride + cols[None, :], mask=m_cols[None, :], other=0.0)
+            kj = tl.load(k_ptr + j[:, None] * stride + cols[None, :]).to(tl.float32)
+            Gj = tl.load(G_ptr + j[:, None] * stride + cols[None, :])
             e = tl.exp2(tl.where((j <= r)[:, None], G - Gj, float("-inf")))
             kje = kj * e
             hit = cidx[None, :] == j[:, None]
@@ -137,8 +137,8 @@ def _scores2(S1, S2, q, k, G, k_ptr, G_ptr, stride, nval, cols, m_cols,
 
 
 @triton.jit
-def _rowside2(dS1, dS2, b, G, b_ptr, G_ptr, stride, nval, cols, m_cols,
-              BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+def _rowside2(dS1, dS2, b, G, b_ptr, G_ptr, stride,
+              BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """``out_i = sum_{j<=i} dS_ij b_j e^{G_i-G_j}`` for two ``[C, C]`` weights sharing ``b``.
 
     ``dS1``/``dS2`` must already be zero above the diagonal. Returns two ``[C, BK]`` fp32 tiles.
@@ -148,13 +148,12 @@ def _rowside2(dS1, dS2, b, G, b_ptr, G_ptr, stride, nval, cols, m_cols,
     cidx = tl.arange(0, C)
     out1 = tl.zeros_like(b)
     out2 = tl.zeros_like(b)
-    for lvl in tl.static_range(3):
-        P: tl.constexpr = C // (2 << lvl)
-        if P >= BC:
-            rf, kf = _split_factors(G, r, P, C)
+    for lvl in tl.static_range(3):  # P = C // (2 << lvl), as in _scores2
+        if C // (2 << lvl) >= BC:
+            rf, kf = _split_factors(G, r, C // (2 << lvl), C)
             bf = _cast(b * kf, DOT_BF16)
-            out1 += rf * tl.dot(_cast(_same_segment(dS1, r, P, C), DOT_BF16), bf)
-            out2 += rf * tl.dot(_cast(_same_segment(dS2, r, P, C), DOT_BF16), bf)
+            out1 += rf * tl.dot(_cast(_same_segment(dS1, r, C // (2 << lvl), C), DOT_BF16), bf)
+            out2 += rf * tl.dot(_cast(_same_segment(dS2, r, C // (2 << lvl), C), DOT_BF16), bf)
     same = blk[:, None] == (cidx // BC)[None, :]
     if BOUNDED:
         # fp32 operands here even for bf16 inputs: dg is a reverse cumsum in which the row-side
@@ -166,11 +165,11 @@ def _rowside2(dS1, dS2, b, G, b_ptr, G_ptr, stride, nval, cols, m_cols,
         out1 += rf * tl.dot(_cast(tl.where(same, dS1, 0.0), False), bf)
         out2 += rf * tl.dot(_cast(tl.where(same, dS2, 0.0), False), bf)
     else:
+        cols = tl.arange(0, BK)
         for s in range(BC):
             j = blk * BC + s
-            bj = tl.load(b_ptr + j[:, None] * stride + cols[None, :],
-                         mask=(j < nval)[:, None] & m_cols[None, :], other=0.0).to(tl.float32)
-            Gj = tl.load(G_ptr + j[:, None] * stride + cols[None, :], mask=m_cols[None, :], other=0.0)
+            bj = tl.load(b_ptr + j[:, None] * stride + cols[None, :]).to(tl.float32)
+            Gj = tl.load(G_ptr + j[:, None] * stride + cols[None, :])
             bje = bj * tl.exp2(tl.where((j <= r)[:, None], G - Gj, float("-inf")))
             hit = cidx[None, :] == j[:, None]
             out1 += tl.sum(tl.where(hit, dS1, 0.0), axis=1)[:, None] * bje
@@ -179,8 +178,8 @@ def _rowside2(dS1, dS2, b, G, b_ptr, G_ptr, stride, nval, cols, m_cols,
 
 
 @triton.jit
-def _colside_sum(dS1, dS2, a1, a2, G, q_ptr, k_ptr, beta_ptr, G_ptr, stride, beta_stride, nval, cols, m_cols,
-                 BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+def _colside_sum(dS1, dS2, a1, a2, G, q_ptr, k_ptr, beta_ptr, G_ptr, stride, beta_stride,
+                 BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """``out_j = sum_{i>=j} (dS1_ij a1_i + dS2_ij a2_i) e^{G_i-G_j}`` with ``a1 = q``, ``a2 = beta*k``
     (the general-mode gathers rebuild those rows from ``q``, ``k`` and ``beta``).
 
@@ -191,12 +190,11 @@ def _colside_sum(dS1, dS2, a1, a2, G, q_ptr, k_ptr, beta_ptr, G_ptr, stride, bet
     blk = r // BC
     cidx = tl.arange(0, C)
     out = tl.zeros_like(a1)
-    for lvl in tl.static_range(3):
-        P: tl.constexpr = C // (2 << lvl)
-        if P >= BC:
-            rf, kf = _split_factors(G, r, P, C)
-            acc = tl.dot(_cast(tl.trans(_same_segment(dS1, r, P, C)), DOT_BF16), _cast(a1 * rf, DOT_BF16))
-            acc += tl.dot(_cast(tl.trans(_same_segment(dS2, r, P, C)), DOT_BF16), _cast(a2 * rf, DOT_BF16))
+    for lvl in tl.static_range(3):  # P = C // (2 << lvl), as in _scores2
+        if C // (2 << lvl) >= BC:
+            rf, kf = _split_factors(G, r, C // (2 << lvl), C)
+            acc = tl.dot(_cast(tl.trans(_same_segment(dS1, r, C // (2 << lvl), C)), DOT_BF16), _cast(a1 * rf, DOT_BF16))
+            acc += tl.dot(_cast(tl.trans(_same_segment(dS2, r, C // (2 << lvl), C)), DOT_BF16), _cast(a2 * rf, DOT_BF16))
             out += kf * acc
     same = blk[:, None] == (cidx // BC)[None, :]
     if BOUNDED:
@@ -207,13 +205,13 @@ def _colside_sum(dS1, dS2, a1, a2, G, q_ptr, k_ptr, beta_ptr, G_ptr, stride, bet
         acc += tl.dot(_cast(tl.trans(tl.where(same, dS2, 0.0)), False), _cast(a2 * rf, False))
         out += tl.exp2(Gm - G) * acc
     else:
+        cols = tl.arange(0, BK)
         for s in range(BC):
             i = blk * BC + s  # partner row of output row j inside j's sub-tile
-            m_i = (i < nval)[:, None] & m_cols[None, :]
-            qi = tl.load(q_ptr + i[:, None] * stride + cols[None, :], mask=m_i, other=0.0).to(tl.float32)
-            ki = tl.load(k_ptr + i[:, None] * stride + cols[None, :], mask=m_i, other=0.0).to(tl.float32)
-            bi = tl.load(beta_ptr + i * beta_stride, mask=i < nval, other=0.0).to(tl.float32)
-            Gi = tl.load(G_ptr + i[:, None] * stride + cols[None, :], mask=m_cols[None, :], other=0.0)
+            qi = tl.load(q_ptr + i[:, None] * stride + cols[None, :]).to(tl.float32)
+            ki = tl.load(k_ptr + i[:, None] * stride + cols[None, :]).to(tl.float32)
+            bi = tl.load(beta_ptr + i * beta_stride).to(tl.float32)
+            Gi = tl.load(G_ptr + i[:, None] * stride + cols[None, :])
             e = tl.exp2(tl.where((i >= r)[:, None], Gi - G, float("-inf")))
             hit = r[:, None] == i[None, :]  # [C(i), C(j)]: row i(j) of column j
             c1 = tl.sum(tl.where(hit, dS1, 0.0), axis=0)
