@@ -75,15 +75,20 @@ def _space(block, sizes, warps=(4, 8), stages=(1, 2)):
             for b in sizes for w in warps for s in stages]
 
 
-# The chunk loops (state, dh) are latency-bound: the best V-block trades the number of programs
-# (all should be resident at once) against the work per step, and registers / shared memory
-# decide residency, so they are measured rather than guessed.
-_intra = _tuned(_kda_fwd_intra, _space("BK", (32, 64)), triton.Config({"BK": 16}, num_warps=4, num_stages=1),
+# Search spaces, pruned with an ahead-of-time sm_90 compile (Triton 3.6, ptxas -v): configs
+# that spill kilobytes of registers are left out (4 warps for the intra and gradient kernels,
+# 128-wide K-blocks for the gradient kernel, 128-wide V-blocks at 4 warps for the chunk loops),
+# which also keeps the first call's compile time down. The chunk loops (state, dh) are
+# latency-bound: the best V-block trades the number of programs (all should be resident at
+# once) against the work per step, and registers / shared memory decide residency, so it is
+# measured rather than guessed.
+_LOOP_SPACE = [c for c in _space("BV", (16, 32, 64, 128)) if not (c.kwargs["BV"] == 128 and c.num_warps == 4)]
+_intra = _tuned(_kda_fwd_intra, _space("BK", (32, 64), warps=(8,)), triton.Config({"BK": 16}, num_warps=4, num_stages=1),
                 key=("NBH", "T", "H", "K", "V", "BOUNDED"))
-_state = _tuned(_kda_fwd_state, _space("BV", (16, 32, 64, 128)), triton.Config({"BV": 16}, num_warps=4, num_stages=1))
-_out = _tuned(_kda_fwd_out, _space("BV", (32, 64, 128), stages=(1, 2, 3)), triton.Config({"BV": 16}, num_warps=4))
-_dh = _tuned(_kda_bwd_dh, _space("BV", (16, 32, 64, 128)), triton.Config({"BV": 16}, num_warps=4, num_stages=1))
-_grads = _tuned(_kda_bwd_grads, _space("BK", (32, 64, 128)), triton.Config({"BK": 16}, num_warps=4, num_stages=1),
+_state = _tuned(_kda_fwd_state, _LOOP_SPACE, triton.Config({"BV": 16}, num_warps=4, num_stages=1))
+_out = _tuned(_kda_fwd_out, _space("BV", (64, 128)), triton.Config({"BV": 16}, num_warps=4))
+_dh = _tuned(_kda_bwd_dh, _LOOP_SPACE, triton.Config({"BV": 16}, num_warps=4, num_stages=1))
+_grads = _tuned(_kda_bwd_grads, _space("BK", (32, 64), warps=(8,)), triton.Config({"BK": 16}, num_warps=4, num_stages=1),
                 key=("NBH", "T", "H", "K", "V", "BOUNDED"))
 
 
