@@ -1,0 +1,155 @@
+"""Whole-model training throughput on one GPU, moelab beside fla, in one run.
+
+Rows (added to ``studies/throughput_h200.json`` by ``impl``):
+
+* ``moelab_fla_shape`` and ``fla_kda``: the fla anchor shape (all-KDA, dense SwiGLU FFN 4096, hidden
+  1024, 12 layers, 8 heads x 128, vocab 32000), B = 8, T = 4096, bf16 autocast, fused AdamW, bounded
+  gate (``g_min = -5``; fla: ``safe_gate=True, lower_bound=-5``). fla-core/flash-linear-attention are
+  optional: without them the fla row is skipped and the script says so.
+* ``moelab_gpu_small_<residual>``: the ``gpu-small`` preset (~100M total, hybrid KDA + gated MLA,
+  LatentMoE) for each residual mode, with a check that loss and every gradient are finite.
+
+Timing as the anchor (``../shared/anchors/fla_model_bench.py``): 5 warm-up steps, then the mean of 10
+timed steps on random tokens. MFU columns: ``mfu`` = 6 x params x tokens/s / 792e12 (the anchor's
+convention: all parameters, the measured bf16 matmul ceiling), and ``mfu_model_flops`` = 3 x forward
+FLOPs per token (moelab accounting, activated parameters + attention/KDA terms) x tokens/s / 989e12.
+
+    python kernels/bench_model.py --out studies/throughput_h200.json [--steps 10] [--only fla]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from moelab.config import load_config  # noqa: E402
+from moelab.model import MoELab  # noqa: E402
+from moelab.model.accounting import flops_per_token, param_counts  # noqa: E402
+from moelab.train.perf import record_throughput  # noqa: E402
+
+ANCHOR_PEAK = 792e12  # measured bf16 8192^3 matmul on the H200 (anchors/h200.md)
+DATASHEET_PEAK = 989e12
+
+
+def time_training(model: torch.nn.Module, loss_fn, B: int, T: int, vocab: int, warmup: int, steps: int) -> dict:
+    """Mean step time of forward + backward + fused AdamW under bf16 autocast, and peak memory."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    x = torch.randint(0, vocab, (B, T), device="cuda")
+
+    def step() -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(model, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / steps
+    return {"step_ms": dt * 1e3, "tok_per_s": B * T / dt, "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
+            "loss": float(loss)}
+
+
+def moelab_row(impl: str, preset: str, overrides: dict, warmup: int, steps: int, check_grads: bool) -> dict:
+    cfg = load_config(preset, overrides)
+    torch.manual_seed(0)
+    model = MoELab(cfg.model).cuda()
+    B, T = cfg.train.batch_size, cfg.data.seq_len
+    n_params = sum(p.numel() for p in model.parameters())
+    row = {"impl": impl, "preset": preset, **{k: str(v) for k, v in overrides.items()}, "params": n_params,
+           "params_activated": param_counts(cfg.model)["activated"], "B": B, "T": T}
+    if check_grads:
+        x = torch.randint(0, cfg.model.vocab_size, (B, T), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(x, x)
+        (out.loss + out.aux_loss).backward()
+        bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+        no_grad = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+        row.update(first_loss=float(out.loss), loss_finite=bool(torch.isfinite(out.loss)), nonfinite_grads=bad,
+                   params_without_grad=no_grad)
+        model.zero_grad(set_to_none=True)
+    res = time_training(model, lambda m, x: m(x, x).loss, B, T, cfg.model.vocab_size, warmup, steps)
+    row.update(res)
+    row["mfu"] = 6 * n_params * res["tok_per_s"] / ANCHOR_PEAK
+    row["mfu_model_flops"] = 3 * flops_per_token(cfg.model, T) * res["tok_per_s"] / DATASHEET_PEAK
+    del model
+    torch.cuda.empty_cache()
+    return row
+
+
+def fla_row(warmup: int, steps: int) -> dict | None:
+    try:
+        from fla.models import KDAConfig, KDAForCausalLM
+    except ImportError as e:
+        print(f"fla_kda: skipped (flash-linear-attention not installed: {e})")
+        return None
+    B, T, V = 8, 4096, 32000
+    cfg = KDAConfig(hidden_size=1024, num_hidden_layers=12, num_heads=8, head_dim=128, vocab_size=V,
+                    fuse_cross_entropy=True, safe_gate=True, lower_bound=-5.0)
+    torch.manual_seed(0)
+    model = KDAForCausalLM(cfg).cuda()
+    n_params = sum(p.numel() for p in model.parameters())
+    res = time_training(model, lambda m, x: m(input_ids=x, labels=x).loss, B, T, V, warmup, steps)
+    row = {"impl": "fla_kda", "params": n_params, "B": B, "T": T, **res,
+           "mfu": 6 * n_params * res["tok_per_s"] / ANCHOR_PEAK}
+    del model
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="studies/throughput_h200.json")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--only", choices=["fla", "gpu-small"], default=None, help="run one group of rows")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_model.py needs a CUDA device")
+    command = "python " + " ".join(sys.argv)
+    rows = []
+    if args.only in (None, "fla"):
+        rows.append(moelab_row("moelab_fla_shape", "fla-shape", {}, args.warmup, args.steps, check_grads=False))
+        rows.append(fla_row(args.warmup, args.steps))
+    if args.only in (None, "gpu-small"):
+        for mode in ("prenorm", "full_attnres", "block_attnres"):
+            over = {"model.residual.mode": mode}
+            if mode == "block_attnres":
+                over["model.residual.num_blocks"] = 6
+            rows.append(moelab_row(f"moelab_gpu_small_{mode}", "gpu-small", over, args.warmup, args.steps,
+                                   check_grads=True))
+    for row in rows:
+        if row is None:
+            continue
+        record_throughput(args.out, row, command)
+        print(json.dumps(row), flush=True)
+    print(f"\n{'impl':32s} {'params':>8s} {'ms/step':>9s} {'tok/s':>10s} {'MFU(6N)':>8s} {'peak GB':>8s}")
+    for r in rows:
+        if r is not None:
+            print(f"{r['impl']:32s} {r['params'] / 1e6:7.1f}M {r['step_ms']:9.1f} {r['tok_per_s'] / 1e3:9.1f}K "
+                  f"{100 * r['mfu']:7.1f}% {r['peak_mem_gb']:8.1f}")
+    by = {r["impl"]: r for r in rows if r is not None}
+    if "fla_kda" in by and "moelab_fla_shape" in by:
+        ratio = by["moelab_fla_shape"]["tok_per_s"] / by["fla_kda"]["tok_per_s"]
+        print(f"moelab_fla_shape / fla_kda tokens/s = {ratio:.3f} (target >= 1.0)")
+    if any(not math.isfinite(r.get("loss", 0.0)) or r.get("nonfinite_grads") for r in rows if r is not None):
+        sys.exit("non-finite loss or gradients: see the rows above")
+
+
+if __name__ == "__main__":
+    main()
