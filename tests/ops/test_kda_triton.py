@@ -139,3 +139,11 @@ def test_bad_arguments_raise():
     big = torch.zeros(1, 4, 1, 512, device=DEV)
     with pytest.raises(ValueError, match="K=512"):
         chunk_kda(big, big, ins[2][:, :4], big, ins[4][:, :4])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bounded", "general"])
+def test_bf16_on_gpu(mode):
+    """The real bf16 path (tensor-core products, bf16 intermediates), which the interpreter cannot run."""
+    ins, s0, do, dS = _inputs(2, 300, 4, 64, 64, torch.bfloat16, seed=7)
+    _compare(_reference(ins, s0, do, dS), _run(chunk_kda, ins, s0, do, dS, mode=mode))
