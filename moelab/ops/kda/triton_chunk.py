@@ -61,18 +61,34 @@ def _fit(configs, named_args, **kwargs):
     return [triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages)]
 
 
-def _tuned(kernel, space, interp_config, key=("NBH", "T", "H", "K", "V")):
-    """``kernel`` autotuned over ``space`` on the GPU (keyed on shapes); one fixed config in the
-    interpreter, which cannot autotune (a lone config skips pruning, so its blocks must be 16,
-    valid for every padded head dim). Every kernel writes only its own outputs and scratch, so
+# MOELAB_KDA_AUTOTUNE=0 skips the search on the GPU (saves the first call's compile and timing)
+# and runs the fixed configs below, picked from the ahead-of-time register / spill analysis.
+AUTOTUNE = os.environ.get("MOELAB_KDA_AUTOTUNE", "1") != "0"
+
+
+class _Launcher:
+    """Launch ``kernel`` autotuned over ``space`` on the GPU (keyed on shapes), or with one fixed
+    config (``fixed``; the interpreter, which cannot autotune, uses ``interp``), its blocks
+    clamped to the padded head dims. Every kernel writes only its own outputs and scratch, so
     the autotuner may rerun it."""
-    configs = [interp_config] if _interpret() else space
-    return triton.autotune(configs=configs, key=list(key), prune_configs_by={"early_config_prune": _fit})(kernel)
+
+    def __init__(self, kernel, space, interp, fixed, key=("NBH", "T", "H", "K", "V")):
+        self.kernel = kernel
+        self.fixed = interp if _interpret() else fixed
+        self.tuner = None
+        if AUTOTUNE and not _interpret():
+            self.tuner = triton.autotune(configs=space, key=list(key), prune_configs_by={"early_config_prune": _fit})(kernel)
+
+    def __call__(self, grid, *args, **kwargs):
+        if self.tuner is not None:
+            return self.tuner[grid](*args, **kwargs)
+        cfg = _fit([self.fixed], {}, **kwargs)[0]
+        grid = grid(cfg.kwargs) if callable(grid) else grid
+        return self.kernel[grid](*args, **kwargs, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _space(block, sizes, warps=(4, 8), stages=(1, 2)):
-    return [triton.Config({block: b} if block else {}, num_warps=w, num_stages=s)
-            for b in sizes for w in warps for s in stages]
+    return [triton.Config({block: b}, num_warps=w, num_stages=s) for b in sizes for w in warps for s in stages]
 
 
 # Search spaces, pruned with an ahead-of-time sm_90 compile (Triton 3.6, ptxas -v): configs
@@ -83,13 +99,20 @@ def _space(block, sizes, warps=(4, 8), stages=(1, 2)):
 # once) against the work per step, and registers / shared memory decide residency, so it is
 # measured rather than guessed.
 _LOOP_SPACE = [c for c in _space("BV", (16, 32, 64, 128)) if not (c.kwargs["BV"] == 128 and c.num_warps == 4)]
-_intra = _tuned(_kda_fwd_intra, _space("BK", (32, 64), warps=(8,)), triton.Config({"BK": 16}, num_warps=4, num_stages=1),
-                key=("NBH", "T", "H", "K", "V", "BOUNDED"))
-_state = _tuned(_kda_fwd_state, _LOOP_SPACE, triton.Config({"BV": 16}, num_warps=4, num_stages=1))
-_out = _tuned(_kda_fwd_out, _space("BV", (64, 128)), triton.Config({"BV": 16}, num_warps=4))
-_dh = _tuned(_kda_bwd_dh, _LOOP_SPACE, triton.Config({"BV": 16}, num_warps=4, num_stages=1))
-_grads = _tuned(_kda_bwd_grads, _space("BK", (32, 64), warps=(8,)), triton.Config({"BK": 16}, num_warps=4, num_stages=1),
-                key=("NBH", "T", "H", "K", "V", "BOUNDED"))
+
+
+def _cfg(block: str, size: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({block: size}, num_warps=warps, num_stages=stages)
+
+
+# (search space, interpreter config, fixed GPU config)
+_intra = _Launcher(_kda_fwd_intra, _space("BK", (32, 64), warps=(8,)), _cfg("BK", 16, 4, 1), _cfg("BK", 32, 8, 1),
+                   key=("NBH", "T", "H", "K", "V", "BOUNDED"))
+_state = _Launcher(_kda_fwd_state, _LOOP_SPACE, _cfg("BV", 16, 4, 1), _cfg("BV", 32, 4, 1))
+_out = _Launcher(_kda_fwd_out, _space("BV", (64, 128)), _cfg("BV", 16, 4, 1), _cfg("BV", 64, 4, 2))
+_dh = _Launcher(_kda_bwd_dh, _LOOP_SPACE, _cfg("BV", 16, 4, 1), _cfg("BV", 32, 8, 1))
+_grads = _Launcher(_kda_bwd_grads, _space("BK", (32, 64), warps=(8,)), _cfg("BK", 16, 4, 1), _cfg("BK", 32, 8, 1),
+                   key=("NBH", "T", "H", "K", "V", "BOUNDED"))
 
 
 def _dot_bf16(dtype: torch.dtype) -> bool:
@@ -119,16 +142,16 @@ def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C):
     w, qg, kd = (torch.empty(B, T, H, K, device=dev, dtype=wd) for _ in range(3))
     u = torch.empty(B, T, H, V, device=dev, dtype=wd)
     gl = torch.empty(B, NT, H, K, device=dev, dtype=torch.float32)
-    _intra[(NT, B * H)](
-        q, k, v, g, beta, Gbuf, Abuf, Aqk, w, u, qg, kd, gl, scale, T, B * H,
+    _intra(
+        (NT, B * H), q, k, v, g, beta, Gbuf, Abuf, Aqk, w, u, qg, kd, gl, scale, T, B * H,
         H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64),
         BOUNDED=bounded, STORE_G=store_g, SCORE_BF16=dot_bf16 and not TUNING["scores_tf32"],
     )
     hbuf = torch.empty(B, NT, H, K, V, device=dev, dtype=wd)
     U = torch.empty(B, T, H, V, device=dev, dtype=wd)
     hT = torch.empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    _state[lambda meta: (V // meta["BV"], B * H)](
-        kd, gl, w, u, h0 if h0 is not None else U, hbuf, U, hT if hT is not None else U, T, B * H,
+    _state(
+        lambda meta: (V // meta["BV"], B * H), kd, gl, w, u, h0 if h0 is not None else U, hbuf, U, hT if hT is not None else U, T, B * H,
         H=H, K=K, V=V, C=C, HAS_H0=h0 is not None, STORE_HT=hT is not None, DOT_BF16=dot_bf16,
     )
     return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, qg=qg, kd=kd, gl=gl, hbuf=hbuf, U=U, hT=hT)
@@ -144,8 +167,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         V = v.shape[-1]
         o = torch.empty_like(v)
-        _out[(T // C, B * H)](
-            inter["qg"], inter["Aqk"], inter["hbuf"], inter["U"], o, T, B * H,
+        _out(
+            (T // C, B * H), inter["qg"], inter["Aqk"], inter["hbuf"], inter["U"], o, T, B * H,
             H=H, K=K, V=V, C=C, DOT_BF16=_dot_bf16(q.dtype),
         )
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
@@ -166,14 +189,14 @@ class ChunkKDAFunction(torch.autograd.Function):
         dU = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)
         dh0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if h0 is not None else None
         has_dht = dht is not None
-        _dh[lambda meta: (V // meta["BV"], B * H)](
-            inter["qg"], inter["kd"], inter["gl"], inter["w"], inter["Aqk"], do, dht.contiguous() if has_dht else dU,
+        _dh(
+            lambda meta: (V // meta["BV"], B * H), inter["qg"], inter["kd"], inter["gl"], inter["w"], inter["Aqk"], do, dht.contiguous() if has_dht else dU,
             dhbuf, dU, dh0 if dh0 is not None else dU, T, B * H,
             H=H, K=K, V=V, C=C, HAS_DHT=has_dht, STORE_DH0=dh0 is not None, DOT_BF16=dot_bf16,
         )
         dq, dk, dv, dg, dbeta = (torch.empty_like(x) for x in (q, k, v, g, beta))
-        _grads[(NT, B * H)](
-            q, k, v, g, beta, inter["Gbuf"], inter["Abuf"], inter["w"], inter["u"], inter["hbuf"], dhbuf,
+        _grads(
+            (NT, B * H), q, k, v, g, beta, inter["Gbuf"], inter["Abuf"], inter["w"], inter["u"], inter["hbuf"], dhbuf,
             inter["U"], dU, do, dq, dk, dv, dg, dbeta, scale, T, B * H,
             H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64), BOUNDED=bounded, DOT_BF16=dot_bf16,
         )
@@ -184,8 +207,11 @@ class ChunkKDAFunction(torch.autograd.Function):
 def tuned_configs() -> dict:
     """The configs the autotuner picked so far, per kernel and shape key (for benchmark records)."""
     out = {}
-    for name, tuner in (("intra", _intra), ("state", _state), ("out", _out), ("dh", _dh), ("grads", _grads)):
-        out[name] = {str(key): str(cfg) for key, cfg in getattr(tuner, "cache", {}).items()}
+    for name, launcher in (("intra", _intra), ("state", _state), ("out", _out), ("dh", _dh), ("grads", _grads)):
+        if launcher.tuner is None:
+            out[name] = {"fixed": str(launcher.fixed)}
+        else:
+            out[name] = {str(key): str(cfg) for key, cfg in launcher.tuner.cache.items()}
     return out
 
 
