@@ -41,9 +41,8 @@ import triton  # noqa: E402
 from moelab.ops.kda import triton_chunk  # noqa: E402
 
 try:
-    from fla.ops.kda import chunk_kda as fla_chunk_kda  # noqa: E402
-
     import fla  # noqa: E402
+    from fla.ops.kda import chunk_kda as fla_chunk_kda  # noqa: E402
 
     FLA_VERSION = getattr(fla, "__version__", "unknown")
 except Exception as exc:  # fla-core is optional
@@ -204,7 +203,7 @@ def main() -> int:
     print_ratios(rows)
     meta = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu (triton interpreter)",
                 torch=torch.__version__, triton=triton.__version__, fla=FLA_VERSION,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 command=" ".join(sys.argv), tuning=dict(triton_chunk.TUNING),
                 autotuned_configs=triton_chunk.tuned_configs(),
                 note="moelab rows include L2 norm + gate in torch; validate=False (bound holds by construction)")

@@ -209,7 +209,8 @@ def main() -> int:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if args.emulate_bf16:
         dtype = torch.float32  # bf16-rounded values; the emulation rounds the rest
-        cases = [(1, 300, 2, 64, "bounded", True), (1, 200, 1, 128, "bounded", False), (1, 300, 2, 64, "softplus", True)]
+        cases = [(1, 300, 2, 64, "bounded", True), (1, 200, 1, 128, "bounded", False),
+                 (1, 300, 2, 64, "softplus", True)]
     elif args.smoke:
         dtype = torch.float32 if dev == "cpu" else torch.bfloat16  # the interpreter gets bf16 wrong
         cases = [(1, 100, 2, 32, "bounded", False), (1, 70, 1, 32, "bounded", True), (1, 90, 1, 32, "softplus", False)]
@@ -249,7 +250,7 @@ def main() -> int:
     meta = dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (triton interpreter)",
                 emulate_bf16=args.emulate_bf16,
                 torch=torch.__version__, triton=triton.__version__,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 command=" ".join(sys.argv), reference_self_check=ref_err, passed=ok)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

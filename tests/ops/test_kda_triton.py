@@ -70,7 +70,8 @@ SWEEP = [
 
 
 @pytest.mark.parametrize("mode", ["bounded", "general"])
-@pytest.mark.parametrize("case", SWEEP, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}K{c[3]}V{c[4]}C{c[5]}-{str(c[6])[6:]}-h0{int(c[7])}")
+@pytest.mark.parametrize(
+    "case", SWEEP, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}K{c[3]}V{c[4]}C{c[5]}-{str(c[6])[6:]}-h0{int(c[7])}")
 def test_matches_reference(case, mode):
     B, T, H, K, V, C, dtype, h0 = case
     ins, s0, do, dS = _inputs(B, T, H, K, V, dtype, seed=B * 1000 + T * 7 + K + V, h0=h0)

@@ -77,7 +77,8 @@ class _Launcher:
         self.fixed = interp if _interpret() else fixed
         self.tuner = None
         if AUTOTUNE and not _interpret():
-            self.tuner = triton.autotune(configs=space, key=list(key), prune_configs_by={"early_config_prune": _fit})(kernel)
+            self.tuner = triton.autotune(configs=space, key=list(key),
+                                         prune_configs_by={"early_config_prune": _fit})(kernel)
 
     def __call__(self, grid, *args, **kwargs):
         if self.tuner is not None:
@@ -151,7 +152,8 @@ def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C):
     U = torch.empty(B, T, H, V, device=dev, dtype=wd)
     hT = torch.empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     _state(
-        lambda meta: (V // meta["BV"], B * H), kd, gl, w, u, h0 if h0 is not None else U, hbuf, U, hT if hT is not None else U, T, B * H,
+        lambda meta: (V // meta["BV"], B * H),
+        kd, gl, w, u, h0 if h0 is not None else U, hbuf, U, hT if hT is not None else U, T, B * H,
         H=H, K=K, V=V, C=C, HAS_H0=h0 is not None, STORE_HT=hT is not None, DOT_BF16=dot_bf16,
     )
     return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, qg=qg, kd=kd, gl=gl, hbuf=hbuf, U=U, hT=hT)
@@ -190,7 +192,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         dh0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if h0 is not None else None
         has_dht = dht is not None
         _dh(
-            lambda meta: (V // meta["BV"], B * H), inter["qg"], inter["kd"], inter["gl"], inter["w"], inter["Aqk"], do, dht.contiguous() if has_dht else dU,
+            lambda meta: (V // meta["BV"], B * H),
+            inter["qg"], inter["kd"], inter["gl"], inter["w"], inter["Aqk"], do, dht.contiguous() if has_dht else dU,
             dhbuf, dU, dh0 if dh0 is not None else dU, T, B * H,
             H=H, K=K, V=V, C=C, HAS_DHT=has_dht, STORE_DH0=dh0 is not None, DOT_BF16=dot_bf16,
         )

@@ -59,9 +59,9 @@ def _mid_tile(G, r, C: tl.constexpr, BC: tl.constexpr):
     """``[C, N]`` tile whose row i holds G at the midpoint row of i's sub-tile."""
     blk = r // BC
     out = tl.zeros_like(G)
-    for I in tl.static_range(C // BC):
-        m = _row(G, r, I * BC + BC // 2 - 1)
-        out = tl.where(blk[:, None] == I, m[None, :], out)
+    for t in tl.static_range(C // BC):
+        m = _row(G, r, t * BC + BC // 2 - 1)
+        out = tl.where(blk[:, None] == t, m[None, :], out)
     return out
 
 
@@ -193,8 +193,9 @@ def _colside_sum(dS1, dS2, a1, a2, G, q_ptr, k_ptr, beta_ptr, G_ptr, stride, bet
     for lvl in tl.static_range(3):  # P = C // (2 << lvl), as in _scores2
         if C // (2 << lvl) >= BC:
             rf, kf = _split_factors(G, r, C // (2 << lvl), C)
-            acc = tl.dot(_cast(tl.trans(_same_segment(dS1, r, C // (2 << lvl), C)), DOT_BF16), _cast(a1 * rf, DOT_BF16))
-            acc += tl.dot(_cast(tl.trans(_same_segment(dS2, r, C // (2 << lvl), C)), DOT_BF16), _cast(a2 * rf, DOT_BF16))
+            d1 = _cast(tl.trans(_same_segment(dS1, r, C // (2 << lvl), C)), DOT_BF16)
+            d2 = _cast(tl.trans(_same_segment(dS2, r, C // (2 << lvl), C)), DOT_BF16)
+            acc = tl.dot(d1, _cast(a1 * rf, DOT_BF16)) + tl.dot(d2, _cast(a2 * rf, DOT_BF16))
             out += kf * acc
     same = blk[:, None] == (cidx // BC)[None, :]
     if BOUNDED:

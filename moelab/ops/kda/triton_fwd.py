@@ -93,17 +93,17 @@ def _kda_fwd_intra(
     tl.debug_barrier()
     tl.store(Abuf + d_ptrs, Ti)
     tl.debug_barrier()
-    # block-row merge: Tm_{I,<I} = -Tm_II (A_{I,<I} Tm_{<I,<I}), rows of Tm above I are final
-    for I in tl.static_range(1, NB):
-        rI = I * BC + ir
+    # block-row merge, block row bi: Tm_{bi,<bi} = -Tm_{bi,bi} (A_{bi,<bi} Tm_{<bi,<bi}); rows above are final
+    for bi in tl.static_range(1, NB):
+        rI = bi * BC + ir
         AI = tl.load(Abuf + rI[:, None] * (H * C) + cidx[None, :])
-        AI = tl.where(cidx[None, :] < I * BC, AI, 0.0)
-        Tprev = tl.where((r < I * BC)[:, None], tl.load(Abuf + A_ptrs), 0.0)
-        TII = tl.load(Abuf + rI[:, None] * (H * C) + I * BC + ir[None, :])
+        AI = tl.where(cidx[None, :] < bi * BC, AI, 0.0)
+        Tprev = tl.where((r < bi * BC)[:, None], tl.load(Abuf + A_ptrs), 0.0)
+        TII = tl.load(Abuf + rI[:, None] * (H * C) + bi * BC + ir[None, :])
         X = tl.dot(AI, Tprev, input_precision="ieee")
         Toff = -tl.dot(TII, X, input_precision="ieee")
         tl.debug_barrier()
-        tl.store(Abuf + rI[:, None] * (H * C) + cidx[None, :], Toff, mask=(cidx < I * BC)[None, :])
+        tl.store(Abuf + rI[:, None] * (H * C) + cidx[None, :], Toff, mask=(cidx < bi * BC)[None, :])
         tl.debug_barrier()
     Tm = tl.load(Abuf + A_ptrs)
 
