@@ -3,13 +3,16 @@
 Median ``triton.testing.do_bench`` time of a forward (no grad) and of a forward + backward with a
 random output gradient, plus peak memory of the forward + backward, bf16. Both KDA sides compute
 the same thing: L2-normalized q, k and the bounded gate ``g = -5 sigmoid(exp(A_log) * x)``
-(A_log = log U(1, 16), as in the anchor kernels/../anchors/fla_bench.py):
+(A_log = log U(1, 16), as in the anchor /work/shared/anchors/fla_bench.py):
 
 * ``moelab_bounded`` / ``moelab_general``: L2 norm and gate in torch inside the timed function,
   then ``chunk_kda(mode=..., validate=False)`` (the bound holds by construction of the gate);
 * ``fla_safe_gate``: ``fla.ops.kda.chunk_kda(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
   safe_gate=True, lower_bound=-5)``; ``fla_softplus``: same without safe_gate (softplus gate);
 * ``sdpa_flash``: ``F.scaled_dot_product_attention(is_causal=True)`` on the flash backend.
+
+On a GPU it ends with a per-kernel device-time breakdown of one moelab forward + backward at
+B8 T4096 (torch.profiler; JSON key ``kernel_ms``).
 
     python kernels/bench_kda.py                 # full run -> kernels/results/kda_h200.json
     python kernels/bench_kda.py --quick         # B8 T4096 only, shorter timing
@@ -158,6 +161,32 @@ def run_rows(impls, shapes, dev, warmup, rep, rows, extra=None):
                 torch.cuda.empty_cache()
 
 
+def profile_kernels(B, T, H, D, dev):
+    """Device time per kernel of one moelab forward + backward (torch.profiler), both modes."""
+    out = {}
+    for impl in ("moelab_bounded", "moelab_general"):
+        ins = make_inputs(impl, B, T, H, D, dev)
+        fn = make_fn(impl, ins)
+        do = torch.randn_like(fn())
+        fn().backward(do)  # autotune and compile outside the profile
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn().backward(do)
+            torch.cuda.synchronize()
+        times = {}
+        for ev in prof.key_averages():
+            us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if us:
+                times[ev.key] = times.get(ev.key, 0.0) + us / 1e3
+        out[impl] = dict(sorted(times.items(), key=lambda kv: -kv[1]))
+        print(f"\nkernel times, one fwd+bwd, {impl} B{B} T{T} H{H} D{D} (ms):")
+        for name, ms in list(out[impl].items())[:14]:
+            print(f"  {ms:8.3f}  {name[:90]}")
+        del ins, fn, do
+        torch.cuda.empty_cache()
+    return out
+
+
 def print_ratios(rows):
     by = {(r["impl"], r["B"], r["T"]): r for r in rows if "tuning" not in r}
     print("\nratios (>1: the second-named path is faster)")
@@ -208,8 +237,17 @@ def main() -> int:
                 autotuned_configs=triton_chunk.tuned_configs(),
                 note="moelab rows include L2 norm + gate in torch; validate=False (bound holds by construction)")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+    def write(profile):
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows, kernel_ms=profile), f, indent=1)
+
+    write({})  # the timings are safe before the optional breakdown runs
+    if dev == "cuda":
+        try:
+            write(profile_kernels(*SHAPES[0], dev))
+        except Exception as exc:  # the breakdown is a diagnostic; never lose the timings to it
+            print(f"kernel breakdown failed: {type(exc).__name__}: {exc}", flush=True)
     print(f"wrote {args.out}")
     return 0
 
