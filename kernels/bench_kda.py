@@ -15,6 +15,8 @@ On a GPU it ends with a per-kernel device-time breakdown of one moelab forward +
 B8 T4096 (torch.profiler; JSON key ``kernel_ms``).
 
     python kernels/bench_kda.py                 # full run -> kernels/results/kda_h200.json
+    python kernels/bench_kda.py --part main --out kernels/results/kda_h200_main.json   # split across
+    python kernels/bench_kda.py --part long --out kernels/results/kda_h200_long.json   #  two calls
     python kernels/bench_kda.py --quick         # B8 T4096 only, shorter timing
     python kernels/bench_kda.py --tune          # + moelab with bf16 (not TF32) intra scores at B8 T4096
     python kernels/bench_kda.py --smoke --out /tmp/kda_bench.json   # CPU interpreter, tiny shape
@@ -206,6 +208,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="kernels/results/kda_h200.json")
     ap.add_argument("--quick", action="store_true", help="B8 T4096 only, shorter timing")
+    ap.add_argument("--part", choices=("all", "main", "long"), default="all",
+                    help="main: the three anchor shapes, all impls; long: T up to 524288 at B=1, moelab only")
     ap.add_argument("--tune", action="store_true", help="also time bf16 intra scores (scores_tf32=False) at B8 T4096")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU (Triton interpreter), moelab only")
     args = ap.parse_args()
@@ -216,6 +220,10 @@ def main() -> int:
         shapes, long_shapes, impls, warmup, rep = SHAPES[:1], [], IMPLS, 10, 50
     else:
         shapes, long_shapes, impls, warmup, rep = SHAPES, LONG_SHAPES, IMPLS, 25, 100
+    if args.part == "long":
+        shapes = []
+    elif args.part == "main":
+        long_shapes = []
     if dev == "cpu" and fla_chunk_kda is not None:
         impls = [i for i in impls if not i.startswith("fla")]
     rows: list[dict] = []
@@ -243,7 +251,7 @@ def main() -> int:
             json.dump(dict(meta=meta, rows=rows, kernel_ms=profile), f, indent=1)
 
     write({})  # the timings are safe before the optional breakdown runs
-    if dev == "cuda":
+    if dev == "cuda" and args.part != "long":
         try:
             write(profile_kernels(*SHAPES[0], dev))
         except Exception as exc:  # the breakdown is a diagnostic; never lose the timings to it
