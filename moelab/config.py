@@ -34,6 +34,7 @@ import yaml
 
 from moelab.data.config import DataConfig, resolve_path
 from moelab.model.config import ConfigError, ModelConfig, _check, _one_of
+from moelab.utils import flatten_dict
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 
@@ -225,19 +226,9 @@ def to_yaml(cfg: RunConfig) -> str:
 
 def flatten(cfg: RunConfig) -> dict[str, Any]:
     """``{"model.kda.gate": "bounded", ...}``: one entry per leaf field (MLflow params), reference data left out."""
-    out: dict[str, Any] = {}
-
-    def walk(prefix: str, obj: Any) -> None:
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-        else:
-            out[prefix] = obj
-
     tree = to_dict(cfg)
     tree.pop("k3_reference", None)
-    walk("", tree)
-    return out
+    return flatten_dict(tree)
 
 
 def _plain(obj: Any) -> Any:

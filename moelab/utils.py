@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -56,6 +56,18 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", encoding: str | None 
             yield f
             f.flush()
             os.fsync(f.fileno())
+
+
+def flatten_dict(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}, "c": 2}`` -> ``{"a.b": 1, "c": 2}``: the leaves of nested dicts, keyed by dotted path."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            out.update(flatten_dict(value, dotted))
+        else:
+            out[dotted] = value
+    return out
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from moelab.data.config import repo_root
 from moelab.tracking import PARENT_ENV, Run, start_run
-from moelab.utils import atomic_path
+from moelab.utils import atomic_path, flatten_dict
 
 STUDIES = {1: "01_decay_bound", 2: "02_balancing", 3: "03_attnres_depth", 4: "04_context_curriculum"}
 PRESETS = ("cpu", "gpu")
@@ -124,12 +124,10 @@ def run_study(
 def _log_results(run: Run, out_dir: Path, executed: Path) -> None:
     if executed.exists():
         run.log_artifact(executed)
-    summary = out_dir / "summary.json"
-    if summary.exists():
-        try:
-            run.log_metrics({f"summary/{k}": v for k, v in _numbers(json.loads(summary.read_text())).items()})
-        except json.JSONDecodeError:
-            pass  # logged as an artifact below; the notebook's own checks report bad JSON
+    summary = _read_json(out_dir / "summary.json")
+    if isinstance(summary, dict):
+        run.log_metrics({f"summary/{k}": v for k, v in flatten_dict(summary).items()
+                         if isinstance(v, (int, float)) and not isinstance(v, bool)})
     for path in sorted(out_dir.iterdir()):
         if path.is_file() and path.suffix in ARTIFACT_SUFFIXES:
             run.log_artifact(path)
@@ -137,13 +135,10 @@ def _log_results(run: Run, out_dir: Path, executed: Path) -> None:
             run.log_artifact(path, path.name)
 
 
-def _numbers(tree: Any, prefix: str = "") -> dict[str, float]:
-    """The numeric leaves of a JSON tree, keyed by dotted path."""
-    if isinstance(tree, dict):
-        out: dict[str, float] = {}
-        for k, v in tree.items():
-            out.update(_numbers(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    if isinstance(tree, (int, float)) and not isinstance(tree, bool):
-        return {prefix: float(tree)}
-    return {}
+
+def _read_json(path: Path) -> Any:
+    """The parsed file, or None when it is missing or not JSON (it is still logged as an artifact)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None

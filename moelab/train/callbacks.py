@@ -29,12 +29,29 @@ class NonFiniteLossError(FloatingPointError):
         self.step, self.metric, self.value, self.last_good = step, metric, value, last_good
 
 
-def _step_done(trainer: L.Trainer, seen: int) -> bool:
-    """True on the batch that completed an optimizer step (``global_step`` moved past ``seen``)."""
-    return trainer.global_step != seen
+class _PerStep(Callback):
+    """Calls ``on_step_end`` once per optimizer step, on the micro-batch that completed it.
+
+    With gradient accumulation ``on_train_batch_end`` fires for every micro-batch;
+    ``global_step`` only moves when the optimizer stepped.
+    """
+
+    _seen = -1
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._seen = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step != self._seen:
+            self._seen = trainer.global_step
+            self.on_step_end(trainer, pl_module)
+
+    def on_step_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        raise NotImplementedError
 
 
-class StepMonitor(Callback):
+class StepMonitor(_PerStep):
     """Records the scalars of every optimizer step (``history``) and stops on the first non-finite one.
 
     Reads ``LitMoELab.step_scalars`` (loss of the step's last micro-batch, its CE and aux parts,
@@ -46,16 +63,8 @@ class StepMonitor(Callback):
         self.last_checkpoint = last_checkpoint
         self.history: list[dict[str, float]] = []
         self.val_history: list[tuple[int, float]] = []
-        self._seen = -1
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._seen = trainer.global_step
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if not _step_done(trainer, self._seen):
-            return
-        self._seen = trainer.global_step
+    def on_step_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         names = list(pl_module.step_scalars)
         values = torch.stack([pl_module.step_scalars[k].float() for k in names]).tolist()
         row = {"step": float(trainer.global_step), **dict(zip(names, values)),
@@ -75,7 +84,7 @@ class StepMonitor(Callback):
         self.val_history.append((trainer.global_step, float(trainer.callback_metrics["val/loss"])))
 
 
-class Throughput(Callback):
+class Throughput(_PerStep):
     """Logs ``perf/tokens_per_s`` (all devices), ``perf/mfu`` and ``perf/peak_mem_gb`` (GPU) every ``log_every`` steps.
 
     A window runs from the first batch after a log (or after validation) to the next log, so
@@ -90,14 +99,13 @@ class Throughput(Callback):
         self.windows: list[tuple[float, float]] = []  # (tokens/s over all devices, mfu)
         self._t0: float | None = None
         self._step0 = 0
-        self._seen = -1
         self._peak: float | None = None
         self._world = 1
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
         self._peak = device_peak_flops(pl_module.device)
         self._world = trainer.world_size
-        self._seen = trainer.global_step
 
     def _sync(self, device: torch.device) -> None:
         if device.type == "cuda":
@@ -109,11 +117,8 @@ class Throughput(Callback):
             self._sync(pl_module.device)
             self._t0, self._step0 = time.perf_counter(), trainer.global_step
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if not _step_done(trainer, self._seen):
-            return
-        self._seen = step = trainer.global_step
+    def on_step_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        step = trainer.global_step
         if self._t0 is None or step % self.log_every != 0 or step == self._step0:
             return
         self._sync(pl_module.device)
@@ -143,7 +148,7 @@ class Throughput(Callback):
         return {"tok_per_s": tps, "mfu": util, "peak_mem_gb": mem}
 
 
-class StopControl(Callback):
+class StopControl(_PerStep):
     """Ends training at ``max_steps`` or at the first Ctrl-C, always through a validation and a checkpoint.
 
     Setting ``trainer.should_stop`` makes Lightning validate after the current step, and
@@ -154,19 +159,11 @@ class StopControl(Callback):
     def __init__(self) -> None:
         self.requested = False
         self.interrupted_at: int | None = None
-        self._seen = -1
 
     def request_stop(self) -> None:
         self.requested = True
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._seen = trainer.global_step
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if not _step_done(trainer, self._seen):
-            return
-        self._seen = trainer.global_step
+    def on_step_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.strategy.reduce_boolean_decision(self.requested, all=False):
             self.interrupted_at = trainer.global_step
             trainer.should_stop = True

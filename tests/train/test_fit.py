@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from moelab.model.config import ConfigError
-from moelab.train import NonFiniteLossError, fit
+from moelab.train import NonFiniteLossError, fit, load_model
 from moelab.train.runner import check_vocab
 from tests.helpers import assert_close
 from tests.train.helpers import tiny_config
@@ -46,7 +46,7 @@ def test_fit_records_everything_in_mlflow(tmp_path, tracking_uri) -> None:
     for name in ("config.yaml", "last.ckpt", "best.ckpt", "history.csv", "summary.json"):
         assert (tmp_path / "ckpt" / name).is_file(), name
     assert result.summary["steps"] == 10 and result.summary["tok_per_s"] > 0
-    assert result.summary["mfu"] is None  # CPU: no peak to compare with
+    assert result.summary["mfu"] is None and result.summary["precision"] == "32-true"  # CPU
 
     client, run = _run(tracking_uri, result.run_id)
     assert run.info.status == "FINISHED"
@@ -61,6 +61,11 @@ def test_fit_records_everything_in_mlflow(tmp_path, tracking_uri) -> None:
     assert {"loss_curve.png", "metrics_table.json", "summary.json", "config.yaml", "model_summary.txt"} <= artifacts
     table = client.load_table(run.info.experiment_id, "metrics_table.json", run_ids=[result.run_id])
     assert len(table) == 10 and "train/loss" in table.columns
+
+    model, loaded_cfg = load_model(result.last_checkpoint)
+    assert loaded_cfg.model == cfg.model and not model.training
+    state = torch.load(result.last_checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    assert_close(state["model.lm_head.weight"], model.lm_head.weight.detach(), 0.0, "lm_head")
 
 
 def test_resume_after_ctrl_c_matches_an_uninterrupted_run(tmp_path, tracking_uri) -> None:
