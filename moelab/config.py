@@ -40,7 +40,7 @@ PRESET_DIR = Path(__file__).resolve().parent / "presets"
 
 Precision = Literal["auto", "bf16-mixed", "32-true"]
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
-STRATEGIES = ("auto", "ddp", "ddp_spawn", "ddp_find_unused_parameters_true")
+STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true")
 
 
 @dataclass

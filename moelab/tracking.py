@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -114,8 +115,6 @@ class Run:
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Log scalar metrics at ``step`` (non-finite values are logged as they are: MLflow stores NaN)."""
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
