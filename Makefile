@@ -29,7 +29,7 @@ endif
 
 help: ## list the targets
 	@echo "usage: make TARGET [PRESET=...] [PYTHON=python3] [ARGS='--set key=value ...']"
-	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_%-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_% -]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 setup: ## create .venv and install moelab (editable, [dev]); no-op while pyproject.toml is unchanged
 	@set -e; hash=$$(sha256sum pyproject.toml | cut -c1-16); \
@@ -66,7 +66,7 @@ train: $(SETUP) ## train PRESET (default cpu); ARGS="--set train.max_steps=100 -
 info: $(SETUP) ## parameter counts and FLOPs of PRESET (default k3)
 	$(PYTHON) -m moelab info --config $(or $(PRESET),k3) $(ARGS)
 
-study-%: $(SETUP) ## study-N: run study N's notebook into studies/NN_name/ (PRESET=cpu|gpu; default: gpu if present)
+study-1 study-2 study-3 study-4: study-%: $(SETUP) ## study-N: run study N's notebook into studies/NN_name/ (PRESET=cpu|gpu; default: gpu if present)
 	$(PYTHON) -m moelab study $* $(if $(PRESET),--preset $(PRESET)) $(ARGS)
 
 throughput: $(SETUP) ## train PRESET (default gpu-small) and record tokens/s + MFU in studies/throughput_h200.json
