@@ -20,10 +20,10 @@ out_dir = "."
 import json
 import os
 
-from moelab.tracking import current_parent_run_id, start_run
+from moelab.studies import current_parent_run_id, nested_run
 
 assert os.path.samefile(os.getcwd(), out_dir)
-with start_run(run_name=f"child-{preset}") as run:
+with nested_run(f"child-{preset}") as run:
     run.log_metrics({"score": 0.5}, step=1)
 os.makedirs("figures", exist_ok=True)
 open("figures/plot.svg", "w").write("<svg/>")

@@ -5,8 +5,7 @@ one MLflow parent run. Inside the notebook, every ``moelab.train.fit`` call and 
 ``nested_run(...)`` block becomes a child run of that parent.
 """
 
-from moelab.studies.runner import STUDIES, default_preset, find_notebook, run_study
+from moelab.studies.runner import STUDIES, default_preset, find_notebook, nested_run, run_study
 from moelab.tracking import current_parent_run_id
-from moelab.tracking import start_run as nested_run
 
 __all__ = ["STUDIES", "current_parent_run_id", "default_preset", "find_notebook", "nested_run", "run_study"]

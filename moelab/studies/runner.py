@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,15 @@ def _environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def nested_run(run_name: str, **kwargs: Any) -> AbstractContextManager[Run]:
+    """``with nested_run("sweep-a") as run: run.log_metrics(...)``: a run under the study's parent run.
+
+    Inside a notebook that ``run_study`` executes, the run nests under the study's parent run
+    (in its experiment); elsewhere it is a top-level run. ``kwargs`` go to ``moelab.tracking.start_run``.
+    """
+    return start_run(run_name=run_name, **kwargs)
 
 
 def run_study(
