@@ -5,8 +5,8 @@ Where runs go (``resolve_tracking_uri``): ``tracking.tracking_uri`` if a config 
 to ``mlruns/`` beside the database, whatever the working directory. ``make mlflow-ui`` serves
 the same database.
 
-``start_run`` owns a run's status: FINISHED when its block completes, KILLED on Ctrl-C
-(KeyboardInterrupt), FAILED on any other exception, so a crashed run never stays RUNNING.
+``start_run`` owns a run's status: FINISHED when its block completes, KILLED on Ctrl-C or SIGTERM
+(KeyboardInterrupt, SystemExit), FAILED on any other exception, so a crashed run never stays RUNNING.
 Inside a study (the runner exports ``MOELAB_PARENT_RUN_ID``) every run nests under the study's
 parent run, in the parent's experiment.
 
@@ -181,8 +181,8 @@ def start_run(
         log_system_metrics: sample CPU, memory, disk, network (and GPU with nvidia-ml-py) into
             ``system/*`` metrics every ``system_metrics_interval_s`` seconds.
 
-    Status at the end: FINISHED, KILLED (KeyboardInterrupt) or FAILED (any other exception,
-    re-raised).
+    Status at the end: FINISHED, KILLED (KeyboardInterrupt, SystemExit) or FAILED (any other
+    exception, re-raised).
     """
     from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_SOURCE_NAME
 
@@ -214,7 +214,8 @@ def start_run(
             monitor.start()
         yield run
         status = "FINISHED"
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):
+        # Told to stop (Ctrl-C; SIGTERM, which Lightning turns into SystemExit), not broken.
         status = "KILLED"
         raise
     finally:

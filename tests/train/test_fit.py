@@ -97,6 +97,19 @@ def test_resume_after_ctrl_c_matches_an_uninterrupted_run(tmp_path, tracking_uri
     assert second.info.status == "FINISHED"
 
 
+def test_sigterm_marks_the_run_killed(tmp_path, tracking_uri) -> None:
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    cfg = tiny_config(tmp_path / "ckpt", tracking_uri, train__max_steps=8, train__val_every=2)
+    term = AtStep(3, lambda trainer, module: os.kill(os.getpid(), signal.SIGTERM))
+    with pytest.raises(SIGTERMException):  # Lightning's own SIGTERM handling: stop, exit
+        fit(cfg, callbacks=[term])
+    state = torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert state["global_step"] == 2  # the last validation's checkpoint is there to resume from
+    assert _run(tracking_uri, state["moelab"]["mlflow_run_id"])[1].info.status == "KILLED"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
 def test_non_finite_loss_stops_with_step_metric_and_last_good_checkpoint(tmp_path, tracking_uri) -> None:
     cfg = tiny_config(tmp_path / "ckpt", tracking_uri, train__max_steps=20, train__val_every=2)
     poison = AtStep(5, lambda trainer, module: module.model.lm_head.weight.data.fill_(float("nan")))
