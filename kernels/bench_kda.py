@@ -58,7 +58,7 @@ LOWER_BOUND = -5.0
 SHAPES = [(8, 4096, 16, 128), (1, 32768, 16, 128), (2, 65536, 16, 128)]
 LONG_SHAPES = [(1, 131072, 16, 128), (1, 262144, 16, 128), (1, 524288, 16, 128)]
 IMPLS = ["moelab_bounded", "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash"]
-# launch parameters are autotuned inside moelab (the JSON records the picks); what remains to
+# launch configs are fixed inside moelab (the JSON records them); what remains to
 # compare is the precision choice of the intra-chunk scores
 TUNE_VARIANTS = [{"scores_tf32": False}]
 
@@ -142,7 +142,7 @@ def bench_one(impl, B, T, H, D, dev, warmup, rep):
     return fwd_ms, fb_ms, peak
 
 
-def run_rows(impls, shapes, dev, warmup, rep, rows, extra=None):
+def run_rows(impls, shapes, dev, warmup, rep, rows, extra=None, save=None):
     for (B, T, H, D) in shapes:
         for impl in impls:
             if impl.startswith("fla") and fla_chunk_kda is None:
@@ -155,6 +155,8 @@ def run_rows(impls, shapes, dev, warmup, rep, rows, extra=None):
             except Exception as exc:  # record and go on: one failing baseline must not hide the rest
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             rows.append(row)
+            if save is not None:
+                save()  # after every row: a run cut short by a time limit keeps what it measured
             fmt = lambda x: f"{x:9.3f}" if x is not None else "        -"  # noqa: E731
             print(f"{impl:16s} B{B:<2d} T{T:<7d} H{H} D{D}  fwd {fmt(row['fwd_ms'])} ms  fwd+bwd "
                   f"{fmt(row['fwdbwd_ms'])} ms  peak {fmt(row['peak_mem_gb'])} GB  {row.get('error', '')}"
@@ -170,7 +172,7 @@ def profile_kernels(B, T, H, D, dev):
         ins = make_inputs(impl, B, T, H, D, dev)
         fn = make_fn(impl, ins)
         do = torch.randn_like(fn())
-        fn().backward(do)  # autotune and compile outside the profile
+        fn().backward(do)  # compile outside the profile
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fn().backward(do)
@@ -227,33 +229,36 @@ def main() -> int:
     if dev == "cpu" and fla_chunk_kda is not None:
         impls = [i for i in impls if not i.startswith("fla")]
     rows: list[dict] = []
-    run_rows(impls, shapes, dev, warmup, rep, rows)
-    run_rows(["moelab_bounded", "moelab_general"], long_shapes, dev, warmup, rep, rows)
+    meta = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu (triton interpreter)",
+                torch=torch.__version__, triton=triton.__version__, fla=FLA_VERSION,
+                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                command=" ".join(sys.argv), tuning=dict(triton_chunk.TUNING),
+                launch_configs=triton_chunk.launch_configs(),
+                note="moelab rows include L2 norm + gate in torch; validate=False (bound holds by construction)")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    profile: dict = {}
+
+    def write():
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows, kernel_ms=profile), f, indent=1)
+
+    run_rows(impls, shapes, dev, warmup, rep, rows, save=write)
+    run_rows(["moelab_bounded", "moelab_general"], long_shapes, dev, warmup, rep, rows, save=write)
     if args.tune:
         default = dict(triton_chunk.TUNING)
         for var in TUNE_VARIANTS:
             triton_chunk.TUNING.clear()
             triton_chunk.TUNING.update(default, **var)
-            run_rows(["moelab_bounded", "moelab_general"], shapes[:1], dev, warmup, rep, rows, extra={"tuning": var})
+            run_rows(["moelab_bounded", "moelab_general"], shapes[:1], dev, warmup, rep, rows, extra={"tuning": var},
+                     save=write)
         triton_chunk.TUNING.clear()
         triton_chunk.TUNING.update(default)
     print_ratios(rows)
-    meta = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu (triton interpreter)",
-                torch=torch.__version__, triton=triton.__version__, fla=FLA_VERSION,
-                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                command=" ".join(sys.argv), tuning=dict(triton_chunk.TUNING),
-                autotuned_configs=triton_chunk.tuned_configs(),
-                note="moelab rows include L2 norm + gate in torch; validate=False (bound holds by construction)")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-
-    def write(profile):
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows, kernel_ms=profile), f, indent=1)
-
-    write({})  # the timings are safe before the optional breakdown runs
+    write()  # the timings are safe before the optional breakdown runs
     if dev == "cuda" and args.part != "long":
         try:
-            write(profile_kernels(*SHAPES[0], dev))
+            profile.update(profile_kernels(*SHAPES[0], dev))
+            write()
         except Exception as exc:  # the breakdown is a diagnostic; never lose the timings to it
             print(f"kernel breakdown failed: {type(exc).__name__}: {exc}", flush=True)
     print(f"wrote {args.out}")

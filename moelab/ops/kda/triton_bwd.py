@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelab.ops.kda.triton_common import _cast, _colside_sum, _load_G, _rowside2
+from moelab.ops.kda.triton_common import _cast, _colside_sum, _dot, _load_G, _rowside2
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _kda_bwd_dh(
     qg, kd, gl, w, Aqk, do, dht, dhbuf, dU, dh0,
     T, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DOT_BF16: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -70,12 +70,12 @@ def _kda_bwd_dh(
         qgt = tl.load(qg + k_ptrs)
         wt = tl.load(w + k_ptrs)
         glt = tl.load(gl + d)
-        dUt = tl.dot(_cast(tl.trans(A), DOT_BF16), do_t)
-        dUt += tl.dot(_cast(kdt, DOT_BF16), _cast(dh, DOT_BF16))
+        dUt = _dot(_cast(tl.trans(A), DOT_BF16), do_t, IEEE)
+        dUt += _dot(_cast(kdt, DOT_BF16), _cast(dh, DOT_BF16), IEEE)
         tl.store(dU + v_ptrs, dUt)
         dh = dh * glt[:, None]
-        dh += tl.dot(_cast(tl.trans(qgt), DOT_BF16), do_t)
-        dh -= tl.dot(_cast(tl.trans(wt), DOT_BF16), _cast(dUt, DOT_BF16))
+        dh += _dot(_cast(tl.trans(qgt), DOT_BF16), do_t, IEEE)
+        dh -= _dot(_cast(tl.trans(wt), DOT_BF16), _cast(dUt, DOT_BF16), IEEE)
         qg -= C * H * K
         kd -= C * H * K
         w -= C * H * K
@@ -90,12 +90,12 @@ def _kda_bwd_dh(
 
 @triton.jit
 def _kda_bwd_grads(
-    q, k, v, g, beta, Gbuf, Abuf, w, u, hbuf, dhbuf, U, dU, do,
+    q, k, v, g, beta, Gbuf, Abuf, w, u, hbuf, dhbuf, U, dU, do, dAs,
     dq, dk, dv, dg, dbeta,
     scale, T, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr,
+    BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -121,9 +121,10 @@ def _kda_bwd_grads(
     beta += row0
     dbeta += row0
     Abuf += row0 * C
-    h_off = ((i_b * (T // C) + i_c).to(tl.int64) * H + i_h) * K * V
-    hbuf += h_off
-    dhbuf += h_off
+    c_off = (i_b * (T // C) + i_c).to(tl.int64) * H + i_h  # (chunk, head) index
+    hbuf += c_off * K * V
+    dhbuf += c_off * K * V
+    dAs += c_off * (2 * C * C)
 
     b = tl.load(beta + r * H).to(tl.float32)
     Tm = tl.load(Abuf + r[:, None] * (H * C) + cidx[None, :])
@@ -139,53 +140,64 @@ def _kda_bwd_grads(
         dU_t = tl.load(dU + p)
         v_t = tl.load(v + p).to(tl.float32)
         u_t = tl.load(u + p).to(tl.float32)
-        dAq += tl.dot(_cast(do_t, DOT_BF16), _cast(tl.trans(U_t), DOT_BF16))
-        dvb = tl.dot(_cast(tl.trans(Tm), False), _cast(dU_t, False))
+        dAq += _dot(_cast(do_t, DOT_BF16), _cast(tl.trans(U_t), DOT_BF16), IEEE)
+        dvb = _dot(_cast(tl.trans(Tm), False), _cast(dU_t, False), IEEE)
         tl.store(dv + p, (dvb * b[:, None]).to(dv.dtype.element_ty))
         db += tl.sum(dvb * v_t, axis=1)
-        dAk -= tl.dot(_cast(dvb, False), _cast(tl.trans(u_t), False))
+        dAk -= _dot(_cast(dvb, False), _cast(tl.trans(u_t), False), IEEE)
     # the w-part of dA_kk sums over all of K before any gated-score gradient can start:
     # dkb = Tm^T dw with dw = -dU h^T, dA_kk -= dkb w^T (dw is recomputed per block below)
     for kb in range(K // BK):
         cols = kb * BK + tl.arange(0, BK)
-        dkb = _dkb_block(cols, hbuf, dU, Tm, r, H, V, C, BK, BV, DOT_BF16)
+        dkb = _dkb_block(cols, hbuf, dU, Tm, r, H, V, C, BK, BV, DOT_BF16, IEEE)
         wt = tl.load(w + r[:, None] * (H * K) + cols[None, :]).to(tl.float32)
-        dAk -= tl.dot(_cast(dkb, False), _cast(tl.trans(wt), False))
+        dAk -= _dot(_cast(dkb, False), _cast(tl.trans(wt), False), IEEE)
     dAk = tl.where(r[:, None] > cidx[None, :], dAk, 0.0)
     dAq = tl.where(r[:, None] >= cidx[None, :], dAq * scale, 0.0)
+    # Both score gradients go through a per-chunk scratch: the K-block loop reads them back as
+    # they are and TRANSPOSED (column-side terms). tl.trans of a tensor-core result is what made
+    # this kernel fault on Hopper with Triton 3.6 (its shared-memory copy is miscompiled; fla
+    # reports the same for trans(mma) -> local_alloc), and reloading also keeps two [C, C] fp32
+    # tiles out of the registers that the loop carries.
+    A_ptrs = r[:, None] * C + cidx[None, :]
+    tl.store(dAs + A_ptrs, dAq)
+    tl.store(dAs + C * C + A_ptrs, dAk)
+    tl.debug_barrier()
     for kb in range(K // BK):
-        db = _bwd_block(kb, q, k, g, beta, Gbuf, hbuf, dhbuf, U, dU, do, dq, dk, dg, Tm, b, dAq, dAk, db, scale, r,
-                        H, K, V, C, BC, BK, BV, BOUNDED, DOT_BF16)
+        db = _bwd_block(kb, q, k, g, beta, Gbuf, hbuf, dhbuf, U, dU, do, dAs, dq, dk, dg, Tm, b, db, scale, r,
+                        H, K, V, C, BC, BK, BV, BOUNDED, DOT_BF16, IEEE)
     tl.store(dbeta + r * H, db.to(dbeta.dtype.element_ty))
 
 
 @triton.jit
 def _dkb_block(cols, hbuf, dU, Tm, r, H: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-               BV: tl.constexpr, DOT_BF16: tl.constexpr):
+               BV: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr):
     """``dkb = Tm^T dw`` for one K-block, ``dw = -dU h^T`` (gradient of ``beta k e^G`` via w)."""
     dw = tl.zeros([C, BK], dtype=tl.float32)
     for vb in range(V // BV):
         cv = vb * BV + tl.arange(0, BV)
         ht = tl.load(hbuf + cols[:, None] * V + cv[None, :])
-        dw += tl.dot(_cast(tl.load(dU + r[:, None] * (H * V) + cv[None, :]), DOT_BF16), _cast(tl.trans(ht), DOT_BF16))
-    return -tl.dot(_cast(tl.trans(Tm), False), _cast(dw, False))
+        dUt = tl.load(dU + r[:, None] * (H * V) + cv[None, :])
+        dw += _dot(_cast(dUt, DOT_BF16), _cast(tl.trans(ht), DOT_BF16), IEEE)
+    return -_dot(_cast(tl.trans(Tm), False), _cast(dw, False), IEEE)
 
 
 @triton.jit
 def _bwd_block(
-    kb, q, k, g, beta, Gbuf, hbuf, dhbuf, U, dU, do, dq, dk, dg, Tm, b, dAq, dAk, db, scale, r,
+    kb, q, k, g, beta, Gbuf, hbuf, dhbuf, U, dU, do, dAs, dq, dk, dg, Tm, b, db, scale, r,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr,
+    BV: tl.constexpr, BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
 ):
     """dq, dk, dg of one K-block (stored) and its dbeta terms (returned, accumulated).
 
     State terms: inter-chunk dq and dk, the w-path of dk and dbeta, and their dG, with the
     gradient of G_last (which every g of the chunk feeds) added to all of dg. Score terms: the
-    gated scores A_qk (dAq, scale folded in) and A_kk (dAk, beta folded into the row side).
-    Then the reverse cumsum of dG. Pointers are at the chunk's first row."""
+    gated scores A_qk (dAq, scale folded in) and A_kk (dAk, beta folded into the row side), read
+    from the scratch ``dAs`` (``[2, C, C]`` fp32 per chunk: dAq, dAk). Then the reverse cumsum of
+    dG. Pointers are at the chunk's first row."""
     cols = kb * BK + tl.arange(0, BK)
     kp = r[:, None] * (H * K) + cols[None, :]
-    dkb = _dkb_block(cols, hbuf, dU, Tm, r, H, V, C, BK, BV, DOT_BF16)
+    dkb = _dkb_block(cols, hbuf, dU, Tm, r, H, V, C, BK, BV, DOT_BF16, IEEE)
     dqh = tl.zeros([C, BK], dtype=tl.float32)
     dkh = tl.zeros([C, BK], dtype=tl.float32)
     dgl = tl.zeros([BK], dtype=tl.float32)
@@ -195,8 +207,8 @@ def _bwd_block(
         hp = cols[:, None] * V + cv[None, :]
         ht = tl.load(hbuf + hp)
         dht = tl.load(dhbuf + hp)
-        dqh += tl.dot(_cast(tl.load(do + p), DOT_BF16), _cast(tl.trans(ht), DOT_BF16))
-        dkh += tl.dot(_cast(tl.load(U + p), DOT_BF16), _cast(tl.trans(dht), DOT_BF16))
+        dqh += _dot(_cast(tl.load(do + p), DOT_BF16), _cast(tl.trans(ht), DOT_BF16), IEEE)
+        dkh += _dot(_cast(tl.load(U + p), DOT_BF16), _cast(tl.trans(dht), DOT_BF16), IEEE)
         dgl += tl.sum(ht.to(tl.float32) * dht.to(tl.float32), axis=1)
     G = _load_G(g, r, cols, H * K)
     Gl = tl.sum(tl.where(r[:, None] == C - 1, G, 0.0), axis=0)
@@ -212,12 +224,16 @@ def _bwd_block(
     dGl = tl.sum(kt * dki, axis=0) + tl.exp2(Gl) * dgl
 
     bo = kb * BK
-    rq, rk = _rowside2(dAq, dAk, kt, G, k + bo, Gbuf + bo, H * K, BOUNDED, DOT_BF16, C, BC, BK)
+    cidx = tl.arange(0, C)
+    dAq = tl.load(dAs + r[:, None] * C + cidx[None, :])
+    dAk = tl.load(dAs + C * C + r[:, None] * C + cidx[None, :])
+    rq, rk = _rowside2(dAq, dAk, kt, G, k + bo, Gbuf + bo, H * K, BOUNDED, DOT_BF16, IEEE, C, BC, BK)
     tl.store(dq + kp, (dqt + rq).to(dq.dtype.element_ty))
     dkt += rk * b[:, None]
     db += tl.sum(rk * kt, axis=1)
     dG += qt * rq + bk * rk
-    cs = _colside_sum(dAq, dAk, qt, bk, G, q + bo, k + bo, beta, Gbuf + bo, H * K, H, BOUNDED, DOT_BF16, C, BC, BK)
+    cs = _colside_sum(dAq, dAk, dAs, qt, bk, G, q + bo, k + bo, beta, Gbuf + bo, H * K, H, BOUNDED, DOT_BF16, IEEE,
+                      C, BC, BK)
     dkt += cs
     dG -= kt * cs
     dgt = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG + dGl[None, :]

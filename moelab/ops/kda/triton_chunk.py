@@ -16,12 +16,14 @@ the 16x16 diagonal sub-tiles of the gated scores are formed (triton_common.py):
 
 The backward keeps only the inputs and recomputes the intra-chunk quantities and chunk states.
 Inputs are zero-padded (only when needed) to T a multiple of the chunk and K, V powers of two
->= 16, so the kernels need no masks. On a GPU every kernel is autotuned over a small space of
-block sizes, warps and pipeline stages, keyed on the shapes; the interpreter runs one config.
+>= 16, so the kernels need no masks. Each kernel runs with one fixed launch config (``LAUNCH``),
+checked and timed on an H200. fp32 inputs take exact fp32 products everywhere (the reference
+path); bf16 / fp16 inputs take bf16 / TF32 tensor-core products (the fast path).
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -46,79 +48,75 @@ def _interpret() -> bool:
 TUNING: dict = {"scores_tf32": True}
 
 
-def _fit(configs, named_args, **kwargs):
-    """Drop configs whose blocks exceed the (padded) head dims; keep at least one, clamped."""
-    dims = {**named_args, **kwargs}
+# Launch configuration per kernel on the GPU: (block size, num_warps, num_stages); the block is
+# the K-block (BK) of the intra and gradient kernels and the V-block (BV) of the others. Fixed,
+# not autotuned: with Triton 3.6 on Hopper, configs whose products have a 16- or 32-wide block at
+# 4 or 8 warps (warpgroup MMA) were miscompiled in an H200 sweep (illegal memory accesses in the
+# dh and gradient kernels; wrong, nondeterministic states in the state kernel; fla excludes the
+# same kind of config), and an autotuner would run them. Every entry below passed a per-launch
+# check against fp32 torch, a determinism check and the end-to-end check (kernels/README.md,
+# "Launch configs"), and was the fastest passing one where timed. A block clamped below its entry
+# (small head dims) runs at 2 warps (mma.sync, no warpgroup MMA), which passed for every kernel.
+LAUNCH: dict[str, tuple[int, int, int]] = {
+    "intra": (32, 4, 1),
+    "state": (32, 2, 1),
+    "out": (64, 4, 1),
+    "dh": (32, 2, 1),
+    "grads": (64, 8, 1),
+}
+# the interpreter: 16-wide blocks so that small test shapes still take the multi-block paths
+_INTERP_LAUNCH = (16, 4, 1)
 
-    def ok(cfg):
-        return all(cfg.kwargs[b] <= dims[d] for b, d in (("BV", "V"), ("BK", "K")) if b in cfg.kwargs)
 
-    kept = [c for c in configs if ok(c)]
-    if kept:
-        return kept
-    c = configs[0]
-    kw = {b: min(c.kwargs[b], dims[d]) for b, d in (("BV", "V"), ("BK", "K")) if b in c.kwargs}
-    return [triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages)]
+def _launch_from_env(text: str | None) -> None:
+    """``MOELAB_KDA_LAUNCH='{"state": [32, 2, 1], ...}'`` overrides entries of LAUNCH (experiments)."""
+    if not text:
+        return
+    for name, cfg in json.loads(text).items():
+        if name not in LAUNCH or len(cfg) != 3:
+            raise ValueError(f"MOELAB_KDA_LAUNCH entry {name!r}: {cfg!r} is not allowed: expected one of "
+                             f"{sorted(LAUNCH)} mapped to [block, num_warps, num_stages]")
+        LAUNCH[name] = tuple(int(x) for x in cfg)
 
 
-# MOELAB_KDA_AUTOTUNE=0 skips the search on the GPU (saves the first call's compile and timing)
-# and runs the fixed configs below, picked from the ahead-of-time register / spill analysis.
-AUTOTUNE = os.environ.get("MOELAB_KDA_AUTOTUNE", "1") != "0"
+_launch_from_env(os.environ.get("MOELAB_KDA_LAUNCH"))
 
 
 class _Launcher:
-    """Launch ``kernel`` autotuned over ``space`` on the GPU (keyed on shapes), or with one fixed
-    config (``fixed``; the interpreter, which cannot autotune, uses ``interp``), its blocks
-    clamped to the padded head dims. Every kernel writes only its own outputs and scratch, so
-    the autotuner may rerun it."""
+    """Launch ``kernel`` with the config ``LAUNCH[name]`` (``_INTERP_LAUNCH`` in the interpreter);
+    ``block`` names the kernel's block-size parameter (``BK`` or ``BV``)."""
 
-    def __init__(self, kernel, space, interp, fixed, key=("NBH", "T", "H", "K", "V")):
-        self.kernel = kernel
-        self.fixed = interp if _interpret() else fixed
-        self.tuner = None
-        if AUTOTUNE and not _interpret():
-            self.tuner = triton.autotune(configs=space, key=list(key),
-                                         prune_configs_by={"early_config_prune": _fit})(kernel)
+    def __init__(self, name: str, kernel, block: str):
+        self.name, self.kernel, self.block = name, kernel, block
+
+    def config(self, K: int, V: int) -> tuple[int, int, int]:
+        size, warps, stages = _INTERP_LAUNCH if _interpret() else LAUNCH[self.name]
+        dim = K if self.block == "BK" else V
+        if dim < size and not _interpret():
+            return dim, 2, stages  # see LAUNCH: narrow blocks only at 2 warps
+        return min(size, dim), warps, stages
 
     def __call__(self, grid, *args, **kwargs):
-        if self.tuner is not None:
-            return self.tuner[grid](*args, **kwargs)
-        cfg = _fit([self.fixed], {}, **kwargs)[0]
-        grid = grid(cfg.kwargs) if callable(grid) else grid
-        return self.kernel[grid](*args, **kwargs, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        size, warps, stages = self.config(kwargs["K"], kwargs["V"])
+        grid = grid(size) if callable(grid) else grid
+        return self.kernel[grid](*args, **kwargs, **{self.block: size}, num_warps=warps, num_stages=stages)
 
 
-def _space(block, sizes, warps=(4, 8), stages=(1, 2)):
-    return [triton.Config({block: b}, num_warps=w, num_stages=s) for b in sizes for w in warps for s in stages]
-
-
-# Search spaces, pruned with an ahead-of-time sm_90 compile (Triton 3.6, ptxas -v): configs
-# that spill kilobytes of registers are left out (4 warps for the intra and gradient kernels,
-# 128-wide K-blocks for the gradient kernel, 128-wide V-blocks at 4 warps for the chunk loops),
-# which also keeps the first call's compile time down. The chunk loops (state, dh) are
-# latency-bound: the best V-block trades the number of programs (all should be resident at
-# once) against the work per step, and registers / shared memory decide residency, so it is
-# measured rather than guessed.
-_LOOP_SPACE = [c for c in _space("BV", (16, 32, 64, 128)) if not (c.kwargs["BV"] == 128 and c.num_warps == 4)]
-
-
-def _cfg(block: str, size: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({block: size}, num_warps=warps, num_stages=stages)
-
-
-# (search space, interpreter config, fixed GPU config)
-_intra = _Launcher(_kda_fwd_intra, _space("BK", (32, 64), warps=(8,)), _cfg("BK", 16, 4, 1), _cfg("BK", 32, 8, 1),
-                   key=("NBH", "T", "H", "K", "V", "BOUNDED"))
-_state = _Launcher(_kda_fwd_state, _LOOP_SPACE, _cfg("BV", 16, 4, 1), _cfg("BV", 32, 4, 1))
-_out = _Launcher(_kda_fwd_out, _space("BV", (64, 128)), _cfg("BV", 16, 4, 1), _cfg("BV", 64, 4, 2))
-_dh = _Launcher(_kda_bwd_dh, _LOOP_SPACE, _cfg("BV", 16, 4, 1), _cfg("BV", 32, 8, 1))
-_grads = _Launcher(_kda_bwd_grads, _space("BK", (32, 64), warps=(8,)), _cfg("BK", 16, 4, 1), _cfg("BK", 32, 8, 1),
-                   key=("NBH", "T", "H", "K", "V", "BOUNDED"))
+_intra = _Launcher("intra", _kda_fwd_intra, "BK")
+_state = _Launcher("state", _kda_fwd_state, "BV")
+_out = _Launcher("out", _kda_fwd_out, "BV")
+_dh = _Launcher("dh", _kda_bwd_dh, "BV")
+_grads = _Launcher("grads", _kda_bwd_grads, "BK")
 
 
 def _dot_bf16(dtype: torch.dtype) -> bool:
     """Whether tensor-core operands are bf16 (bf16 inputs) rather than fp32/TF32."""
     return dtype == torch.bfloat16
+
+
+def _ieee(dtype: torch.dtype) -> bool:
+    """fp32 inputs: every product in exact fp32 (no TF32), the accuracy / reference path."""
+    return dtype == torch.float32
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -146,15 +144,15 @@ def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C):
     _intra(
         (NT, B * H), q, k, v, g, beta, Gbuf, Abuf, Aqk, w, u, qg, kd, gl, scale, T, B * H,
         H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64),
-        BOUNDED=bounded, STORE_G=store_g, SCORE_BF16=dot_bf16 and not TUNING["scores_tf32"],
+        BOUNDED=bounded, STORE_G=store_g, SCORE_BF16=dot_bf16 and not TUNING["scores_tf32"], IEEE=_ieee(q.dtype),
     )
     hbuf = torch.empty(B, NT, H, K, V, device=dev, dtype=wd)
     U = torch.empty(B, T, H, V, device=dev, dtype=wd)
     hT = torch.empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     _state(
-        lambda meta: (V // meta["BV"], B * H),
+        lambda bv: (V // bv, B * H),
         kd, gl, w, u, h0 if h0 is not None else U, hbuf, U, hT if hT is not None else U, T, B * H,
-        H=H, K=K, V=V, C=C, HAS_H0=h0 is not None, STORE_HT=hT is not None, DOT_BF16=dot_bf16,
+        H=H, K=K, V=V, C=C, HAS_H0=h0 is not None, STORE_HT=hT is not None, DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
     )
     return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, qg=qg, kd=kd, gl=gl, hbuf=hbuf, U=U, hT=hT)
 
@@ -171,7 +169,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         o = torch.empty_like(v)
         _out(
             (T // C, B * H), inter["qg"], inter["Aqk"], inter["hbuf"], inter["U"], o, T, B * H,
-            H=H, K=K, V=V, C=C, DOT_BF16=_dot_bf16(q.dtype),
+            H=H, K=K, V=V, C=C, DOT_BF16=_dot_bf16(q.dtype), IEEE=_ieee(q.dtype),
         )
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         ctx.scale, ctx.bounded, ctx.chunk_size = scale, bounded, C
@@ -192,29 +190,30 @@ class ChunkKDAFunction(torch.autograd.Function):
         dh0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if h0 is not None else None
         has_dht = dht is not None
         _dh(
-            lambda meta: (V // meta["BV"], B * H),
+            lambda bv: (V // bv, B * H),
             inter["qg"], inter["kd"], inter["gl"], inter["w"], inter["Aqk"], do, dht.contiguous() if has_dht else dU,
             dhbuf, dU, dh0 if dh0 is not None else dU, T, B * H,
             H=H, K=K, V=V, C=C, HAS_DHT=has_dht, STORE_DH0=dh0 is not None, DOT_BF16=dot_bf16,
+            IEEE=_ieee(q.dtype),
         )
         dq, dk, dv, dg, dbeta = (torch.empty_like(x) for x in (q, k, v, g, beta))
+        dAs = torch.empty(B, NT, H, 2, C, C, device=q.device, dtype=torch.float32)  # per-chunk dA_qk, dA_kk scratch
         _grads(
             (NT, B * H), q, k, v, g, beta, inter["Gbuf"], inter["Abuf"], inter["w"], inter["u"], inter["hbuf"], dhbuf,
-            inter["U"], dU, do, dq, dk, dv, dg, dbeta, scale, T, B * H,
+            inter["U"], dU, do, dAs, dq, dk, dv, dg, dbeta, scale, T, B * H,
             H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64), BOUNDED=bounded, DOT_BF16=dot_bf16,
+            IEEE=_ieee(q.dtype),
         )
         dh0 = dh0.to(h0.dtype) if dh0 is not None else None
         return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
 
 
-def tuned_configs() -> dict:
-    """The configs the autotuner picked so far, per kernel and shape key (for benchmark records)."""
+def launch_configs(K: int = 128, V: int = 128) -> dict:
+    """The launch config of every kernel at head dims K, V: {name: {block: size, num_warps, num_stages}}."""
     out = {}
-    for name, launcher in (("intra", _intra), ("state", _state), ("out", _out), ("dh", _dh), ("grads", _grads)):
-        if launcher.tuner is None:
-            out[name] = {"fixed": str(launcher.fixed)}
-        else:
-            out[name] = {str(key): str(cfg) for key, cfg in launcher.tuner.cache.items()}
+    for lau in (_intra, _state, _out, _dh, _grads):
+        size, warps, stages = lau.config(K, V)
+        out[lau.name] = {lau.block: size, "num_warps": warps, "num_stages": stages}
     return out
 
 

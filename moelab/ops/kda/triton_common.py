@@ -49,6 +49,17 @@ def _cast(x, DOT_BF16: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """``a @ b`` with fp32 accumulation. ``IEEE`` (fp32 inputs): exact fp32 products instead of
+    TF32, so the fp32 path matches the fp32 reference to ~1e-5 (the accuracy / reference use;
+    bf16 and fp16 inputs are the fast path and keep TF32 / bf16 tensor-core products)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def _row(x, r, idx):
     """Row ``idx`` of the register tile ``x`` ``[C, N]`` as an ``[N]`` vector."""
     return tl.sum(tl.where(r[:, None] == idx, x, 0.0), axis=0)
@@ -98,8 +109,8 @@ def _same_segment(x, r, P: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _scores2(S1, S2, q, k, G, k_ptr, G_ptr, stride,
-             BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+def _scores2(S1, S2, q, k, G, k_ptr, G_ptr, stride, BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr,
+             IEEE: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """Add one K-block to ``S1_ij = sum_d q_id k_jd e^{G_id-G_jd}`` and ``S2`` (same with k for q).
 
     Only ``j <= i`` entries are meaningful (the caller masks); the rest are 0 here.
@@ -113,15 +124,15 @@ def _scores2(S1, S2, q, k, G, k_ptr, G_ptr, stride,
         if C // (2 << lvl) >= BC:
             rf, kf = _split_factors(G, r, C // (2 << lvl), C)
             kT = tl.trans(_cast(k * kf, DOT_BF16))
-            S1 += _same_segment(tl.dot(_cast(q * rf, DOT_BF16), kT), r, C // (2 << lvl), C)
-            S2 += _same_segment(tl.dot(_cast(k * rf, DOT_BF16), kT), r, C // (2 << lvl), C)
+            S1 += _same_segment(_dot(_cast(q * rf, DOT_BF16), kT, IEEE), r, C // (2 << lvl), C)
+            S2 += _same_segment(_dot(_cast(k * rf, DOT_BF16), kT, IEEE), r, C // (2 << lvl), C)
     same = blk[:, None] == (cidx // BC)[None, :]
     if BOUNDED:
         Gm = _mid_tile(G, r, C, BC)
         kT = tl.trans(_cast(k * tl.exp2(Gm - G), DOT_BF16))
         rf = tl.exp2(G - Gm)
-        S1 += tl.where(same, tl.dot(_cast(q * rf, DOT_BF16), kT), 0.0)
-        S2 += tl.where(same, tl.dot(_cast(k * rf, DOT_BF16), kT), 0.0)
+        S1 += tl.where(same, _dot(_cast(q * rf, DOT_BF16), kT, IEEE), 0.0)
+        S2 += tl.where(same, _dot(_cast(k * rf, DOT_BF16), kT, IEEE), 0.0)
     else:
         cols = tl.arange(0, BK)
         for s in range(BC):
@@ -137,8 +148,8 @@ def _scores2(S1, S2, q, k, G, k_ptr, G_ptr, stride,
 
 
 @triton.jit
-def _rowside2(dS1, dS2, b, G, b_ptr, G_ptr, stride,
-              BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+def _rowside2(dS1, dS2, b, G, b_ptr, G_ptr, stride, BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr,
+              IEEE: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """``out_i = sum_{j<=i} dS_ij b_j e^{G_i-G_j}`` for two ``[C, C]`` weights sharing ``b``.
 
     ``dS1``/``dS2`` must already be zero above the diagonal. Returns two ``[C, BK]`` fp32 tiles.
@@ -152,8 +163,8 @@ def _rowside2(dS1, dS2, b, G, b_ptr, G_ptr, stride,
         if C // (2 << lvl) >= BC:
             rf, kf = _split_factors(G, r, C // (2 << lvl), C)
             bf = _cast(b * kf, DOT_BF16)
-            out1 += rf * tl.dot(_cast(_same_segment(dS1, r, C // (2 << lvl), C), DOT_BF16), bf)
-            out2 += rf * tl.dot(_cast(_same_segment(dS2, r, C // (2 << lvl), C), DOT_BF16), bf)
+            out1 += rf * _dot(_cast(_same_segment(dS1, r, C // (2 << lvl), C), DOT_BF16), bf, IEEE)
+            out2 += rf * _dot(_cast(_same_segment(dS2, r, C // (2 << lvl), C), DOT_BF16), bf, IEEE)
     same = blk[:, None] == (cidx // BC)[None, :]
     if BOUNDED:
         # fp32 operands here even for bf16 inputs: dg is a reverse cumsum in which the row-side
@@ -162,8 +173,8 @@ def _rowside2(dS1, dS2, b, G, b_ptr, G_ptr, stride,
         Gm = _mid_tile(G, r, C, BC)
         bf = _cast(b * tl.exp2(Gm - G), False)
         rf = tl.exp2(G - Gm)
-        out1 += rf * tl.dot(_cast(tl.where(same, dS1, 0.0), False), bf)
-        out2 += rf * tl.dot(_cast(tl.where(same, dS2, 0.0), False), bf)
+        out1 += rf * _dot(_cast(tl.where(same, dS1, 0.0), False), bf, IEEE)
+        out2 += rf * _dot(_cast(tl.where(same, dS2, 0.0), False), bf, IEEE)
     else:
         cols = tl.arange(0, BK)
         for s in range(BC):
@@ -178,32 +189,38 @@ def _rowside2(dS1, dS2, b, G, b_ptr, G_ptr, stride,
 
 
 @triton.jit
-def _colside_sum(dS1, dS2, a1, a2, G, q_ptr, k_ptr, beta_ptr, G_ptr, stride, beta_stride,
-                 BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+def _colside_sum(dS1, dS2, dS_ptr, a1, a2, G, q_ptr, k_ptr, beta_ptr, G_ptr, stride, beta_stride,
+                 BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+                 BK: tl.constexpr):
     """``out_j = sum_{i>=j} (dS1_ij a1_i + dS2_ij a2_i) e^{G_i-G_j}`` with ``a1 = q``, ``a2 = beta*k``
     (the general-mode gathers rebuild those rows from ``q``, ``k`` and ``beta``).
 
     Both score matrices have k on the column side, so the caller needs only the sum.
-    ``dS1``/``dS2`` must already be zero above the diagonal. Returns one ``[C, BK]`` fp32 tile.
+    ``dS1``/``dS2`` must already be zero above the diagonal; ``dS_ptr`` holds the same two
+    matrices row-major (``[2, C, C]`` fp32), from which their transposes are loaded (no
+    ``tl.trans`` of a computed tile: see _kda_bwd_grads). Returns one ``[C, BK]`` fp32 tile.
     """
     r = tl.arange(0, C)
     blk = r // BC
     cidx = tl.arange(0, C)
+    T_ptrs = cidx[None, :] * C + r[:, None]  # element (j, i) = dS[i, j]
+    dS1T = tl.load(dS_ptr + T_ptrs)
+    dS2T = tl.load(dS_ptr + C * C + T_ptrs)
     out = tl.zeros_like(a1)
     for lvl in tl.static_range(3):  # P = C // (2 << lvl), as in _scores2
         if C // (2 << lvl) >= BC:
             rf, kf = _split_factors(G, r, C // (2 << lvl), C)
-            d1 = _cast(tl.trans(_same_segment(dS1, r, C // (2 << lvl), C)), DOT_BF16)
-            d2 = _cast(tl.trans(_same_segment(dS2, r, C // (2 << lvl), C)), DOT_BF16)
-            acc = tl.dot(d1, _cast(a1 * rf, DOT_BF16)) + tl.dot(d2, _cast(a2 * rf, DOT_BF16))
+            d1 = _cast(_same_segment(dS1T, r, C // (2 << lvl), C), DOT_BF16)  # same-segment is symmetric
+            d2 = _cast(_same_segment(dS2T, r, C // (2 << lvl), C), DOT_BF16)
+            acc = _dot(d1, _cast(a1 * rf, DOT_BF16), IEEE) + _dot(d2, _cast(a2 * rf, DOT_BF16), IEEE)
             out += kf * acc
     same = blk[:, None] == (cidx // BC)[None, :]
     if BOUNDED:
         # fp32 operands: see _rowside2
         Gm = _mid_tile(G, r, C, BC)
         rf = tl.exp2(G - Gm)
-        acc = tl.dot(_cast(tl.trans(tl.where(same, dS1, 0.0)), False), _cast(a1 * rf, False))
-        acc += tl.dot(_cast(tl.trans(tl.where(same, dS2, 0.0)), False), _cast(a2 * rf, False))
+        acc = _dot(_cast(tl.where(same, dS1T, 0.0), False), _cast(a1 * rf, False), IEEE)  # same: symmetric
+        acc += _dot(_cast(tl.where(same, dS2T, 0.0), False), _cast(a2 * rf, False), IEEE)
         out += tl.exp2(Gm - G) * acc
     else:
         cols = tl.arange(0, BK)

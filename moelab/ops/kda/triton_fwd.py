@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelab.ops.kda.triton_common import _cast, _load_G, _scores2
+from moelab.ops.kda.triton_common import _cast, _dot, _load_G, _scores2
 
 # Shapes are padded (triton_common): no masks. Scalar base pointers advance by int64 scalars
 # (B*T*H*K can pass 2^31); tile offsets stay int32 (int64 tile arithmetic costs registers).
@@ -32,7 +32,7 @@ def _kda_fwd_intra(
     scale, T, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BOUNDED: tl.constexpr, STORE_G: tl.constexpr, SCORE_BF16: tl.constexpr,
+    BOUNDED: tl.constexpr, STORE_G: tl.constexpr, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -69,7 +69,7 @@ def _kda_fwd_intra(
             tl.debug_barrier()
         qt = tl.load(q + p).to(tl.float32)
         kt = tl.load(k + p).to(tl.float32)
-        S1, S2 = _scores2(S1, S2, qt, kt, G, k + kb * BK, Gbuf + kb * BK, H * K, BOUNDED, SCORE_BF16, C, BC, BK)
+        S1, S2 = _scores2(S1, S2, qt, kt, G, k + kb * BK, Gbuf + kb * BK, H * K, BOUNDED, SCORE_BF16, IEEE, C, BC, BK)
 
     # selects (not products) keep possible inf of masked bounded-mode lanes out
     Aq = tl.where(r[:, None] >= cidx[None, :], S1 * scale, 0.0)
@@ -116,7 +116,7 @@ def _kda_fwd_intra(
         Gl = tl.sum(tl.where(r[:, None] == C - 1, G, 0.0), axis=0)
         kt = tl.load(k + p).to(tl.float32)
         qt = tl.load(q + p).to(tl.float32)
-        wt = tl.dot(_cast(Tm, False), _cast(kt * b[:, None] * tl.exp2(G), False))
+        wt = _dot(_cast(Tm, False), _cast(kt * b[:, None] * tl.exp2(G), False), IEEE)
         tl.store(w + p, wt.to(w.dtype.element_ty))
         tl.store(kd + p, (kt * tl.exp2(Gl[None, :] - G)).to(kd.dtype.element_ty))
         tl.store(qg + p, (qt * tl.exp2(G) * scale).to(qg.dtype.element_ty))
@@ -125,7 +125,7 @@ def _kda_fwd_intra(
         cols = vb * BV + tl.arange(0, BV)
         p = r[:, None] * (H * V) + cols[None, :]
         vt = tl.load(v + p).to(tl.float32)
-        ut = tl.dot(_cast(Tm, False), _cast(vt * b[:, None], False))
+        ut = _dot(_cast(Tm, False), _cast(vt * b[:, None], False), IEEE)
         tl.store(u + p, ut.to(u.dtype.element_ty))
 
 
@@ -134,7 +134,7 @@ def _kda_fwd_state(
     kd, gl, w, u, h0, hbuf, U, hT,
     T, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_BF16: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -164,9 +164,9 @@ def _kda_fwd_state(
         kdt = tl.load(kd + k_ptrs)
         ut = tl.load(u + v_ptrs).to(tl.float32)
         glt = tl.load(gl + d)
-        Ut = ut - tl.dot(_cast(wt, DOT_BF16), _cast(h, DOT_BF16))
+        Ut = ut - _dot(_cast(wt, DOT_BF16), _cast(h, DOT_BF16), IEEE)
         tl.store(U + v_ptrs, Ut.to(U.dtype.element_ty))
-        h = h * glt[:, None] + tl.dot(_cast(tl.trans(kdt), DOT_BF16), _cast(Ut, DOT_BF16))
+        h = h * glt[:, None] + _dot(_cast(tl.trans(kdt), DOT_BF16), _cast(Ut, DOT_BF16), IEEE)
         kd += C * H * K
         w += C * H * K
         u += C * H * V
@@ -182,7 +182,7 @@ def _kda_fwd_out(
     qg, Aqk, hbuf, U, o,
     T, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-    DOT_BF16: tl.constexpr,
+    DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -204,5 +204,5 @@ def _kda_fwd_out(
         ht = tl.load(hbuf + d[:, None] * V + cv[None, :])
         v_ptrs = r[:, None] * (H * V) + cv[None, :]
         Ut = tl.load(U + v_ptrs)
-        ot = tl.dot(qgt, _cast(ht, DOT_BF16)) + tl.dot(A, _cast(Ut, DOT_BF16))
+        ot = _dot(qgt, _cast(ht, DOT_BF16), IEEE) + _dot(A, _cast(Ut, DOT_BF16), IEEE)
         tl.store(o + v_ptrs, ot.to(o.dtype.element_ty))
