@@ -169,7 +169,7 @@ def decay_stats(g: torch.Tensor, bound: float = -5.0, subtile: int = 16) -> dict
 GATES = ("bounded", "softplus")
 PRESETS = {
     # preset -> (training preset, its overrides): cpu finishes in minutes on 2 cores.
-    "cpu": ("cpu", {"train.max_steps": 200, "train.val_every": 50}),
+    "cpu": ("cpu", {"train.max_steps": 150, "train.batch_size": 8, "train.val_every": 50}),
     "gpu": ("gpu-small", {"train.max_steps": 300, "train.val_every": 100}),
 }
 
