@@ -39,6 +39,7 @@ import numpy as np
 from moelab.data.config import DataConfig, repo_root, resolve_path
 from moelab.data.tokenizer import EOS_ID, ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
 from moelab.model.config import ConfigError
+from moelab.utils import write_json
 
 FORMAT_VERSION = 1
 SHAKESPEARE_ARCHIVE = "data/shakespeare.tar.xz"
@@ -261,7 +262,7 @@ def _build(cfg: DataConfig, key: str, key_fields: dict, final: Path, log: Callab
             counts[split] = {"documents": len(idx), "chars": n_chars, "tokens": int(stream.size)}
             log(f"{split}: {stream.size:,} tokens from {n_chars:,} chars in {time.perf_counter() - t:.2f} s")
 
-        _write_json(tmp / "split.json", {s: [docs.ids[i] for i in idx] for s, idx in zip(SPLITS, (train_idx, val_idx))})
+        write_json(tmp / "split.json", {s: [docs.ids[i] for i in idx] for s, idx in zip(SPLITS, (train_idx, val_idx))})
         manifest = {
             "format": FORMAT_VERSION,
             "key": key,
@@ -275,7 +276,7 @@ def _build(cfg: DataConfig, key: str, key_fields: dict, final: Path, log: Callab
             "versions": _versions(),
             "build_seconds": round(time.perf_counter() - t0, 3),
         }
-        _write_json(tmp / "manifest.json", manifest)  # last: its presence marks a complete build
+        write_json(tmp / "manifest.json", manifest)  # last: its presence marks a complete build
         _publish(tmp, final)
     finally:
         if tmp.exists():
@@ -381,10 +382,6 @@ def _sha256_file(path: Path) -> str:
 
 def _sha256_json(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
-def _write_json(path: Path, obj: object) -> None:
-    path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
 def _versions() -> dict:
