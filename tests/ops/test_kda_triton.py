@@ -148,3 +148,18 @@ def test_bf16_on_gpu(mode):
     """The real bf16 path (tensor-core products, bf16 intermediates), which the interpreter cannot run."""
     ins, s0, do, dS = _inputs(2, 300, 4, 64, 64, torch.bfloat16, seed=7)
     _compare(_reference(ins, s0, do, dS), _run(chunk_kda, ins, s0, do, dS, mode=mode))
+
+
+def test_launch_config_override(monkeypatch):
+    """MOELAB_KDA_LAUNCH entries replace LAUNCH entries; unknown kernels or malformed configs raise."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    monkeypatch.setattr(tc, "LAUNCH", dict(tc.LAUNCH))
+    tc._launch_from_env('{"state": [64, 4, 1]}')
+    assert tc.LAUNCH["state"] == (64, 4, 1)
+    with pytest.raises(ValueError, match="'bogus'"):
+        tc._launch_from_env('{"bogus": [64, 4, 1]}')
+    with pytest.raises(ValueError, match="'out'"):
+        tc._launch_from_env('{"out": [64, 4]}')
+    cfgs = tc.launch_configs(128, 128)
+    assert set(cfgs) == {"intra", "state", "out", "dh", "grads"}
