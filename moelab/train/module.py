@@ -83,7 +83,9 @@ class LitMoELab(L.LightningModule):
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
         groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        fused = torch.cuda.is_available() and all(p.is_cuda for p in self.parameters())
+        # Lightning refuses gradient clipping with fused AdamW under mixed precision (it unscales
+        # internally), so the fused kernel is used only when clipping is off; foreach otherwise.
+        fused = not t.grad_clip and torch.cuda.is_available() and all(p.is_cuda for p in self.parameters())
         optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, fused=fused or None)
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_factor(step, t.warmup_steps, t.max_steps, t.min_lr_ratio))
