@@ -37,6 +37,7 @@ from moelab.train.perf import record_throughput  # noqa: E402
 
 ANCHOR_PEAK = 792e12  # measured bf16 8192^3 matmul on the H200 (anchors/h200.md)
 DATASHEET_PEAK = 989e12
+MFU_CONVENTION = "6 x all params x tok/s / 792e12 (anchor convention)"
 
 
 def time_training(model: torch.nn.Module, loss_fn, B: int, T: int, vocab: int, warmup: int, steps: int) -> dict:
@@ -86,6 +87,7 @@ def moelab_row(impl: str, preset: str, overrides: dict, warmup: int, steps: int,
     res = time_training(model, lambda m, x: m(x, x).loss, B, T, cfg.model.vocab_size, warmup, steps)
     row.update(res)
     row["mfu"] = 6 * n_params * res["tok_per_s"] / ANCHOR_PEAK
+    row["mfu_convention"] = MFU_CONVENTION
     row["mfu_model_flops"] = 3 * flops_per_token(cfg.model, T) * res["tok_per_s"] / DATASHEET_PEAK
     del model
     torch.cuda.empty_cache()
@@ -106,7 +108,7 @@ def fla_row(warmup: int, steps: int) -> dict | None:
     n_params = sum(p.numel() for p in model.parameters())
     res = time_training(model, lambda m, x: m(input_ids=x, labels=x).loss, B, T, V, warmup, steps)
     row = {"impl": "fla_kda", "params": n_params, "B": B, "T": T, **res,
-           "mfu": 6 * n_params * res["tok_per_s"] / ANCHOR_PEAK}
+           "mfu": 6 * n_params * res["tok_per_s"] / ANCHOR_PEAK, "mfu_convention": MFU_CONVENTION}
     del model
     torch.cuda.empty_cache()
     return row

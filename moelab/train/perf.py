@@ -79,6 +79,8 @@ def record_throughput(path: str | os.PathLike, row: dict[str, Any], command: str
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "command": command or " ".join(sys.argv),
     }
+    # Rows come from different tools and runs: each keeps its own command and date.
+    row = {**row, "command": data["meta"]["command"], "date": data["meta"]["date"]}
     data["rows"] = [r for r in data.get("rows", []) if r.get("impl") != row["impl"]] + [row]
     write_json(path, data)
     return data
