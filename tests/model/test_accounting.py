@@ -122,3 +122,13 @@ def test_k3_accounting_lands_on_the_report_and_is_fast() -> None:
     assert abs(pc["activated"] / ref["activated"] - 1) < K3_TOL, pc["activated"]
     assert "reference" in text and "moe_routed" in text
     assert 1e11 < flops_per_token(cfg, 8192) < 1e12  # ~2 x activated plus attention
+
+
+def test_k3_builds_on_the_meta_device_with_the_counted_parameters() -> None:
+    from moelab.config import load_config
+
+    cfg = load_config("k3").model
+    with torch.device("meta"):
+        model = MoELab(cfg)
+    assert all(p.is_meta for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == param_counts(cfg)["total"]
