@@ -23,6 +23,20 @@ def layer(gate: str = "bounded", backend: str = "chunk", **kw) -> KDALayer:
     return KDALayer(D, cfg)
 
 
+def _output_and_grads(m: KDALayer, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Output of ``m`` on ``x`` and the gradients of ``sum(y^2)`` for x and every parameter."""
+    xi = x.clone().requires_grad_()
+    y, _ = m(xi)
+    y.pow(2).sum().backward()
+    return y.detach(), [xi.grad] + [p.grad for p in m.parameters()]
+
+
+def _assert_runs_agree(a: tuple, b: tuple, y_tol: float, grad_tol: float) -> None:
+    assert_close(a[0], b[0], y_tol, "y")
+    for i, (ga, gb) in enumerate(zip(a[1], b[1])):
+        assert_close(ga, gb, grad_tol, f"grad {i}")
+
+
 def test_shortconv_matches_explicit_causal_sum() -> None:
     torch.manual_seed(0)
     conv = ShortConv(channels=5, size=4)
@@ -85,19 +99,12 @@ def test_triton_backend_matches_chunk_in_the_layer(gate: str) -> None:
     fp32 q/k/v with fp32 g and beta, chunk 16, T not a multiple of it."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(1, 40, D, device=dev)
-    outs, grads = [], []
+    runs = []
     for backend in ("chunk", "triton"):
         torch.manual_seed(0)
-        m = KDALayer(D, KDAConfig(num_heads=2, head_dim=16, decay_rank=4, gate=gate, backend=backend,
-                                  chunk_size=16)).to(dev)
-        xi = x.clone().requires_grad_()
-        y, _ = m(xi)
-        y.pow(2).sum().backward()
-        outs.append(y.detach())
-        grads.append([xi.grad] + [p.grad for p in m.parameters()])
-    assert_close(outs[0], outs[1], 1e-4, "y")
-    for i, (a, b) in enumerate(zip(*grads)):
-        assert_close(a, b, 1e-3, f"grad {i}")
+        runs.append(_output_and_grads(KDALayer(D, KDAConfig(num_heads=2, head_dim=16, decay_rank=4, gate=gate,
+                                                            backend=backend, chunk_size=16)).to(dev), x))
+    _assert_runs_agree(*runs, y_tol=1e-4, grad_tol=1e-3)
 
 
 @pytest.mark.gpu
@@ -121,17 +128,8 @@ def test_triton_layer_under_bf16_autocast_on_gpu(gate: str) -> None:
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
 def test_chunk_backend_matches_recurrent_in_the_layer(gate: str) -> None:
     x = torch.randn(2, 37, D)
-    outs, grads = [], []
-    for backend in ("recurrent", "chunk"):
-        m = layer(gate, backend)
-        xi = x.clone().requires_grad_()
-        y, _ = m(xi)
-        y.pow(2).sum().backward()
-        outs.append(y.detach())
-        grads.append([xi.grad] + [p.grad for p in m.parameters()])
-    assert_close(outs[0], outs[1], 1e-5, "y")
-    for i, (a, b) in enumerate(zip(*grads)):
-        assert_close(a, b, 1e-4, f"grad {i}")
+    runs = [_output_and_grads(layer(gate, backend), x) for backend in ("recurrent", "chunk")]
+    _assert_runs_agree(*runs, y_tol=1e-5, grad_tol=1e-4)
 
 
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
