@@ -1,0 +1,493 @@
+"""Fused KDA input prep in Triton: SiLU + L2 norm of q and k, and the log-decay gate.
+
+Before the chunked KDA kernels run, every layer turns its raw projections into the op's inputs::
+
+    qn = L2Norm(SiLU(q)),  kn = L2Norm(SiLU(k))           per (b, t, h) row of K channels
+    g  = lower_bound * Sigmoid(exp(A_log_h) * (z + dt_bias))     gate="bounded"  (K3)
+       = -exp(A_log_h) * Softplus(z + dt_bias)                    gate="softplus" (Kimi Linear)
+       = z                                                        gate="none"     (g given)
+
+In torch that is a dozen element-wise and reduction kernels, each a full pass over a
+``[B, T, H, K]`` tensor, plus their backward: about 5 ms of a 17.9 ms forward + backward at
+B8 T4096 H16 K128 bf16 on an H200 (kernels/README.md). fla does this prep inside its KDA kernels
+(``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel``); here it is one memory-bound pass each way
+that ``chunk_kda`` can call from its autograd Function: the forward reads q, k, z once and writes
+qn, kn, g once; the backward reads q, k, z and the three output gradients once, recomputes what it
+needs and writes dq, dk, dz once, plus a per-row partial of dA_log (reduced in torch, so the
+result is deterministic: no atomics).
+
+L2 norm: ``F.normalize`` semantics, ``y = x / max(||x||_2, eps)`` (what moelab's KDA layer and the
+benchmark use), not fla's ``x * rsqrt(sum x^2 + eps)``; the two differ by a relative
+``eps / (2 ||x||^2)`` when ``||x|| > eps``. Its gradient is ``(dy - y <dy, y>) / ||x||`` when
+``||x|| >= eps`` and ``dy / eps`` below (torch's, through ``clamp_min``).
+
+All math is fp32; qn, kn are stored in q's dtype, g in fp32.
+
+Host functions ``prep_fwd`` / ``prep_bwd`` (no autograd; for a caller's own autograd Function),
+``PrepFunction`` + ``kda_prep`` (standalone autograd use) and ``kda_prep_torch`` (the fp32 PyTorch
+reference that defines the semantics).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+GATES = ("bounded", "softplus", "none")
+MAX_HEAD_DIM = 256
+_GATE_ID = {"none": 0, "bounded": 1, "softplus": 2}
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# torch's softplus switches to the identity above this input (beta = 1); matched so gradients agree
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
+
+# Elements per program: fp32 tiles of BR rows x BK channels at 4 warps. The backward holds about
+# twice the live tiles of the forward (inputs and output gradients), so it takes half the rows.
+_FWD_ELEMS, _BWD_ELEMS, _NUM_WARPS = 4096, 2048, 4
+# interpreter: few rows per program so that small test shapes still span several programs
+_INTERP_ROWS = 8
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _block_rows(BK: int, elems: int) -> int:
+    return _INTERP_ROWS if _interpret() else max(1, elems // BK)
+
+
+@triton.jit
+def _qk_fwd(x, eps, SILU: tl.constexpr, L2NORM: tl.constexpr):
+    """``[BR, BK]`` fp32 rows -> L2Norm(SiLU(x)) (each step optional); padded lanes hold 0 and stay 0."""
+    if SILU:
+        x = x * tl.sigmoid(x)
+    if L2NORM:
+        n = tl.sqrt(tl.sum(x * x, axis=1))
+        x = x / tl.maximum(n, eps)[:, None]
+    return x
+
+
+@triton.jit
+def _qk_bwd(x, dy, eps, SILU: tl.constexpr, L2NORM: tl.constexpr):
+    """Gradient of ``_qk_fwd`` at ``x`` for the output gradient ``dy`` (both ``[BR, BK]`` fp32)."""
+    if SILU:
+        s = tl.sigmoid(x)
+        xs = x * s
+    else:
+        xs = x
+    dxs = dy
+    if L2NORM:
+        n = tl.sqrt(tl.sum(xs * xs, axis=1))
+        d = tl.maximum(n, eps)
+        y = xs / d[:, None]
+        # below eps the denominator is the constant eps: only the dy / eps term remains
+        proj = tl.where(n >= eps, tl.sum(dy * y, axis=1), 0.0)
+        dxs = (dy - y * proj[:, None]) / d[:, None]
+    if SILU:
+        dxs = dxs * s * (1.0 + x * (1.0 - s))
+    return dxs
+
+
+@triton.jit
+def _softplus(x):
+    """torch's softplus (threshold 20) in fp32; log1p(u) via log(w) * u / (w - 1), w = 1 + u, which
+    keeps full relative precision for small u (plain log(1 + u) loses it once u < ~1e-4)."""
+    u = tl.exp(tl.minimum(x, SOFTPLUS_THRESHOLD))
+    w = 1.0 + u
+    exact = w == 1.0  # u below half an ulp of 1: log1p(u) = u to fp32 precision
+    lp = tl.where(exact, u, tl.log(w) * u / tl.where(exact, 1.0, w - 1.0))
+    return tl.where(x > SOFTPLUS_THRESHOLD, x, lp)
+
+
+@triton.jit
+def _prep_fwd_kernel(
+    q,
+    k,
+    z,
+    A_log,
+    dt_bias,
+    qn,
+    kn,
+    g,
+    n_rows,
+    H,
+    lower_bound,
+    eps,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+    BR: tl.constexpr,
+    GATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    L2NORM: tl.constexpr,
+):
+    """One program: rows ``[row0, row0 + BR)`` of the ``[n_rows, K]`` views of q, k, z (row = (b, t, h))."""
+    row0 = tl.program_id(0).to(tl.int64) * BR
+    base = row0 * K  # int64: B*T*H*K may pass 2^31; offsets inside the tile stay int32
+    r = tl.arange(0, BR)
+    c = tl.arange(0, BK)
+    mask = (r < n_rows - row0)[:, None] & (c < K)[None, :]
+    offs = r[:, None] * K + c[None, :]
+
+    x = tl.load(q + base + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(qn + base + offs, _qk_fwd(x, eps, SILU, L2NORM).to(qn.dtype.element_ty), mask=mask)
+    x = tl.load(k + base + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(kn + base + offs, _qk_fwd(x, eps, SILU, L2NORM).to(kn.dtype.element_ty), mask=mask)
+
+    x = tl.load(z + base + offs, mask=mask, other=0.0).to(tl.float32)
+    if GATE != 0:
+        h = ((row0 % H).to(tl.int32) + r) % H
+        a = tl.exp(tl.load(A_log + h).to(tl.float32))[:, None]
+        if HAS_BIAS:
+            x += tl.load(dt_bias + h[:, None] * K + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        if GATE == 1:
+            x = lower_bound * tl.sigmoid(a * x)
+        else:
+            x = -a * _softplus(x)
+    tl.store(g + base + offs, x, mask=mask)
+
+
+@triton.jit
+def _prep_bwd_kernel(
+    q,
+    k,
+    z,
+    A_log,
+    dt_bias,
+    dqn,
+    dkn,
+    dg,
+    dq,
+    dk,
+    dz,
+    dA_rows,
+    n_rows,
+    H,
+    lower_bound,
+    eps,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+    BR: tl.constexpr,
+    GATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    L2NORM: tl.constexpr,
+    HAS_DQ: tl.constexpr,
+    HAS_DK: tl.constexpr,
+    HAS_DG: tl.constexpr,
+):
+    """Gradients of ``_prep_fwd_kernel`` for the same rows; ``dA_rows[row]`` = that row's share of
+    dA_log (summed over its K channels)."""
+    row0 = tl.program_id(0).to(tl.int64) * BR
+    base = row0 * K
+    r = tl.arange(0, BR)
+    c = tl.arange(0, BK)
+    rmask = r < n_rows - row0
+    mask = rmask[:, None] & (c < K)[None, :]
+    offs = r[:, None] * K + c[None, :]
+
+    if HAS_DQ:
+        x = tl.load(q + base + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dqn + base + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dq + base + offs, _qk_bwd(x, dy, eps, SILU, L2NORM).to(dq.dtype.element_ty), mask=mask)
+    if HAS_DK:
+        x = tl.load(k + base + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dkn + base + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dk + base + offs, _qk_bwd(x, dy, eps, SILU, L2NORM).to(dk.dtype.element_ty), mask=mask)
+    if HAS_DG:
+        dy = tl.load(dg + base + offs, mask=mask, other=0.0).to(tl.float32)
+        if GATE == 0:
+            dx = dy
+        else:
+            x = tl.load(z + base + offs, mask=mask, other=0.0).to(tl.float32)
+            h = ((row0 % H).to(tl.int32) + r) % H
+            a = tl.exp(tl.load(A_log + h).to(tl.float32))[:, None]
+            if HAS_BIAS:
+                x += tl.load(dt_bias + h[:, None] * K + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            if GATE == 1:
+                # g = lb * sigmoid(u), u = a x: dg/du = lb s (1 - s); du/dx = a; d(u)/d(A_log) = a x
+                s = tl.sigmoid(a * x)
+                du = dy * lower_bound * s * (1.0 - s)
+                dx = du * a
+                dA = du * a * x
+            else:
+                # g = -a softplus(x): dg/dx = -a sigmoid(x) (1 above the threshold); dg/d(A_log) = g
+                ds = tl.where(x > SOFTPLUS_THRESHOLD, 1.0, tl.sigmoid(x))
+                dx = -a * dy * ds
+                dA = -a * dy * _softplus(x)
+            tl.store(dA_rows + row0 + r, tl.sum(tl.where(mask, dA, 0.0), axis=1), mask=rmask)
+        tl.store(dz + base + offs, dx.to(dz.dtype.element_ty), mask=mask)
+
+
+def _check(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    z: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    gate: str,
+    lower_bound: float | None,
+    eps: float,
+) -> None:
+    """Raise ValueError for any argument outside what the kernels support."""
+    if gate not in GATES:
+        raise ValueError(f"gate={gate!r} is not allowed: expected one of {GATES}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if not 1 <= K <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim K={K} is not allowed: expected 1..{MAX_HEAD_DIM}")
+    if k.shape != q.shape or z.shape != q.shape:
+        raise ValueError(f"k {tuple(k.shape)} and z {tuple(z.shape)} must match q {tuple(q.shape)}")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype:
+        raise ValueError(f"q, k must share one dtype of bf16/fp16/fp32, got {q.dtype}, {k.dtype}")
+    if z.dtype not in _DTYPES:
+        raise ValueError(f"z dtype {z.dtype} is not allowed: expected one of bf16/fp16/fp32")
+    if k.device != q.device or z.device != q.device:
+        raise ValueError(f"q, k, z must be on one device, got {q.device}, {k.device}, {z.device}")
+    if not (eps > 0 and math.isfinite(eps)):
+        raise ValueError(f"eps={eps} is not allowed: expected a finite eps > 0")
+    if gate == "none":
+        if A_log is not None or dt_bias is not None:
+            raise ValueError(
+                "gate='none' takes z as the log decay: A_log and dt_bias must be None (they would get no gradient)"
+            )
+        return
+    if gate == "bounded" and not (lower_bound is not None and math.isfinite(lower_bound) and lower_bound < 0):
+        raise ValueError(f"lower_bound={lower_bound} is not allowed for gate='bounded': expected a finite value < 0")
+    if A_log is None or A_log.shape != (H,) or A_log.dtype not in _DTYPES or A_log.device != q.device:
+        got = None if A_log is None else (tuple(A_log.shape), A_log.dtype, A_log.device)
+        raise ValueError(f"gate={gate!r} needs A_log of shape [H] = ({H},), float, on {q.device}; got {got}")
+    if dt_bias is not None and (
+        dt_bias.shape != (H * K,) or dt_bias.dtype not in _DTYPES or dt_bias.device != q.device
+    ):
+        raise ValueError(
+            f"dt_bias must be None or [H*K] = ({H * K},), float, on {q.device}; got "
+            f"{(tuple(dt_bias.shape), dt_bias.dtype, dt_bias.device)}"
+        )
+
+
+def _launch_args(
+    q: torch.Tensor, gate: str, lower_bound: float | None, silu_qk: bool, l2norm_qk: bool, eps: float, elems: int
+) -> tuple[tuple, tuple, dict]:
+    """(grid, runtime scalars, constexprs) shared by both kernels."""
+    B, T, H, K = q.shape
+    n_rows = B * T * H
+    BK = triton.next_power_of_2(K)
+    BR = _block_rows(BK, elems)
+    lb = float(lower_bound) if gate == "bounded" else 0.0
+    const = dict(K=K, BK=BK, BR=BR, GATE=_GATE_ID[gate], SILU=bool(silu_qk), L2NORM=bool(l2norm_qk))
+    return (triton.cdiv(n_rows, BR),), (n_rows, H, lb, float(eps)), const
+
+
+def prep_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    z: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    *,
+    gate: str,
+    lower_bound: float | None,
+    silu_qk: bool,
+    l2norm_qk: bool,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward prep in one kernel launch (no autograd).
+
+    Args:
+        q, k: ``[B, T, H, K]`` raw queries / keys, one dtype of bf16/fp16/fp32; K in 1..256.
+        z: ``[B, T, H, K]`` raw gate input (any of bf16/fp16/fp32); with ``gate="none"`` it is the
+            log decay itself.
+        A_log: ``[H]`` log of the per-head decay rate ``a = exp(A_log)``; None for ``gate="none"``.
+        dt_bias: ``[H*K]`` per-channel bias added to z (channel ``h*K + d``), or None.
+        gate: ``"bounded"`` (``g = lower_bound * sigmoid(a (z + dt_bias))``), ``"softplus"``
+            (``g = -a softplus(z + dt_bias)``) or ``"none"`` (``g = z``).
+        lower_bound: the bound of the bounded gate (< 0); ignored by the other gates.
+        silu_qk: apply SiLU to q and k first.
+        l2norm_qk: L2-normalize each ``(b, t, h)`` row of K channels: ``x / max(||x||, eps)``.
+        eps: the norm's floor.
+
+    Returns:
+        ``qn``, ``kn`` ``[B, T, H, K]`` in q's dtype and ``g`` ``[B, T, H, K]`` fp32, the
+        per-channel log decay (natural log, <= 0 for both gates).
+    """
+    _check(q, k, z, A_log, dt_bias, gate, lower_bound, eps)
+    q, k, z = q.contiguous(), k.contiguous(), z.contiguous()
+    qn, kn = torch.empty_like(q), torch.empty_like(k)
+    g = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    grid, scalars, const = _launch_args(q, gate, lower_bound, silu_qk, l2norm_qk, eps, _FWD_ELEMS)
+    _prep_fwd_kernel[grid](
+        q,
+        k,
+        z,
+        A_log if A_log is not None else g,
+        dt_bias if dt_bias is not None else g,
+        qn,
+        kn,
+        g,
+        *scalars,
+        **const,
+        HAS_BIAS=dt_bias is not None,
+        num_warps=_NUM_WARPS,
+    )
+    return qn, kn, g
+
+
+def prep_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    z: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    dqn: torch.Tensor | None,
+    dkn: torch.Tensor | None,
+    dg: torch.Tensor | None,
+    *,
+    gate: str,
+    lower_bound: float | None,
+    silu_qk: bool,
+    l2norm_qk: bool,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Backward prep in one kernel launch (no autograd); recomputes from the inputs of ``prep_fwd``.
+
+    Args:
+        q, k, z, A_log, dt_bias and the keyword flags: exactly as given to :func:`prep_fwd`.
+        dqn, dkn, dg: ``[B, T, H, K]`` gradients of qn, kn, g (any float dtype), or None where no
+            gradient flowed.
+
+    Returns:
+        ``(dq, dk, dz, dA_log, ddt_bias)``: dq, dk ``[B, T, H, K]`` in q's dtype (None when dqn /
+        dkn is None); dz ``[B, T, H, K]`` in z's dtype, dA_log ``[H]`` fp32 and ddt_bias
+        ``[H*K]`` fp32 (None when dg is None; dA_log also for ``gate="none"``, ddt_bias also when
+        dt_bias is None). The reductions over rows are torch sums of per-row partials:
+        deterministic.
+    """
+    _check(q, k, z, A_log, dt_bias, gate, lower_bound, eps)
+    for name, t in (("dqn", dqn), ("dkn", dkn), ("dg", dg)):
+        if t is not None and (t.shape != q.shape or t.dtype not in _DTYPES or t.device != q.device):
+            raise ValueError(
+                f"{name} must be None or {tuple(q.shape)} float on {q.device}; got "
+                f"{(tuple(t.shape), t.dtype, t.device)}"
+            )
+    if dqn is None and dkn is None and dg is None:
+        return None, None, None, None, None
+    q, k, z = q.contiguous(), k.contiguous(), z.contiguous()
+    dqn, dkn, dg = (t.contiguous() if t is not None else None for t in (dqn, dkn, dg))
+    dq = torch.empty_like(q) if dqn is not None else None
+    dk = torch.empty_like(k) if dkn is not None else None
+    dz = torch.empty_like(z) if dg is not None else None
+    gated = dg is not None and gate != "none"
+    n_rows = q.shape[0] * q.shape[1] * q.shape[2]
+    dA_rows = torch.empty(n_rows if gated else 1, device=q.device, dtype=torch.float32)
+    grid, scalars, const = _launch_args(q, gate, lower_bound, silu_qk, l2norm_qk, eps, _BWD_ELEMS)
+    dummy = dA_rows  # stands in for absent tensors; constexpr flags keep the kernel off it
+    _prep_bwd_kernel[grid](
+        q,
+        k,
+        z,
+        A_log if A_log is not None else dummy,
+        dt_bias if dt_bias is not None else dummy,
+        *(t if t is not None else dummy for t in (dqn, dkn, dg, dq, dk, dz)),
+        dA_rows,
+        *scalars,
+        **const,
+        HAS_BIAS=dt_bias is not None,
+        HAS_DQ=dqn is not None,
+        HAS_DK=dkn is not None,
+        HAS_DG=dg is not None,
+        num_warps=_NUM_WARPS,
+    )
+    H = q.shape[2]
+    dA_log = dA_rows.view(-1, H).sum(0) if gated else None
+    ddt_bias = dz.view(-1, dt_bias.numel()).sum(0, dtype=torch.float32) if gated and dt_bias is not None else None
+    return dq, dk, dz, dA_log, ddt_bias
+
+
+class PrepFunction(torch.autograd.Function):
+    """Autograd wrapper of :func:`prep_fwd` / :func:`prep_bwd`; saves only the inputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, z, A_log, dt_bias, gate, lower_bound, silu_qk, l2norm_qk, eps):
+        flags = dict(gate=gate, lower_bound=lower_bound, silu_qk=silu_qk, l2norm_qk=l2norm_qk, eps=eps)
+        qn, kn, g = prep_fwd(q, k, z, A_log, dt_bias, **flags)
+        ctx.save_for_backward(q, k, z, A_log, dt_bias)
+        ctx.flags = flags
+        # an unused output gets None, not a tensor of zeros: prep_bwd then skips that part
+        ctx.set_materialize_grads(False)
+        return qn, kn, g
+
+    @staticmethod
+    def backward(ctx, dqn, dkn, dg):
+        q, k, z, A_log, dt_bias = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dq, dk, dz, dA_log, ddt_bias = prep_bwd(
+            q,
+            k,
+            z,
+            A_log,
+            dt_bias,
+            dqn if need[0] else None,
+            dkn if need[1] else None,
+            dg if any(need[2:5]) else None,
+            **ctx.flags,
+        )
+        dA_log = dA_log.to(A_log.dtype) if dA_log is not None and need[3] else None
+        ddt_bias = ddt_bias.to(dt_bias.dtype) if ddt_bias is not None and need[4] else None
+        return dq, dk, dz if need[2] else None, dA_log, ddt_bias, None, None, None, None, None
+
+
+def kda_prep(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    z: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None = None,
+    gate: str = "bounded",
+    lower_bound: float | None = -5.0,
+    silu_qk: bool = False,
+    l2norm_qk: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Differentiable fused prep: ``(qn, kn, g)`` as in :func:`prep_fwd` (shapes, dtypes, flags)."""
+    return PrepFunction.apply(q, k, z, A_log, dt_bias, gate, lower_bound, silu_qk, l2norm_qk, eps)
+
+
+def kda_prep_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    z: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None = None,
+    gate: str = "bounded",
+    lower_bound: float | None = -5.0,
+    silu_qk: bool = False,
+    l2norm_qk: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 PyTorch reference of :func:`kda_prep` (differentiable by autograd); defines the semantics.
+
+    Same arguments; every input is upcast to fp32 and all three outputs ``[B, T, H, K]`` are fp32.
+    """
+    _check(q, k, z, A_log, dt_bias, gate, lower_bound, eps)
+    B, T, H, K = q.shape
+
+    def qk(x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        if silu_qk:
+            x = F.silu(x)
+        return F.normalize(x, dim=-1, eps=eps) if l2norm_qk else x
+
+    x = z.float()
+    if gate == "none":
+        return qk(q), qk(k), x
+    if dt_bias is not None:
+        x = x + dt_bias.float().view(H, K)
+    a = A_log.float().exp()[:, None]  # [H, 1]
+    g = lower_bound * torch.sigmoid(a * x) if gate == "bounded" else -a * F.softplus(x)
+    return qk(q), qk(k), g

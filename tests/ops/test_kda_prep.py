@@ -1,0 +1,207 @@
+"""Fused KDA prep (moelab/ops/kda/triton_prep.py) against its fp32 PyTorch reference.
+
+Forward outputs and every gradient (q, k, z, A_log, dt_bias) for each gate, SiLU and L2 norm on /
+off, with and without dt_bias, K a power of two and not. On a CPU machine the kernels run in the
+Triton interpreter (tests/conftest.py): small shapes, fp32 and fp16 only (the interpreter gets
+bf16 wrong); the bf16 test at a real size is marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moelab.ops.kda.triton_prep import kda_prep, kda_prep_torch, prep_bwd, prep_fwd
+from tests.helpers import assert_close
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+FP32_TOL, FP16_TOL = 1e-5, 2e-3
+NAMES = ("dq", "dk", "dz", "dA_log", "ddt_bias")
+# the interpreter evaluates tl.sigmoid as 1 / (1 + exp(-x)) in numpy, which warns on exp overflow
+# for very negative x (the result, 0, is right)
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+def _inputs(B, T, H, K, gate, bias=True, dtype=torch.float32, z_dtype=None, seed=0):
+    """Raw q, k, z at the scale of projections (std 2) and the gate parameters of that gate kind."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, z = (2 * torch.randn(B, T, H, K, generator=gen) for _ in range(3))
+    A_log = torch.randn(H, generator=gen) if gate != "none" else None
+    dt_bias = torch.randn(H * K, generator=gen) if gate != "none" and bias else None
+    q, k = q.to(DEV, dtype), k.to(DEV, dtype)
+    z = z.to(DEV, z_dtype or dtype)
+    if A_log is not None:
+        A_log = A_log.to(DEV)
+    if dt_bias is not None:
+        dt_bias = dt_bias.to(DEV)
+    return [q, k, z, A_log, dt_bias]
+
+
+def _run(fn, ins, seed=1, use=(True, True, True), **kw):
+    """Outputs and input gradients of loss = sum_i <out_i, r_i> over the used outputs (random r_i)."""
+    leaves = [x.detach().clone().requires_grad_() if x is not None else None for x in ins]
+    outs = fn(*leaves, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    loss = sum((o.float() * torch.randn(o.shape, generator=gen).to(o.device)).sum() for o, u in zip(outs, use) if u)
+    loss.backward()
+    return outs, [x.grad if x is not None else None for x in leaves]
+
+
+def _compare(ins, tol, **kw):
+    """Kernel vs the fp32 reference on the same (already rounded) inputs, forward and gradients."""
+    ref_outs, ref_grads = _run(kda_prep_torch, [x.float() if x is not None else None for x in ins], **kw)
+    outs, grads = _run(kda_prep, ins, **kw)
+    assert outs[0].dtype == ins[0].dtype and outs[1].dtype == ins[0].dtype and outs[2].dtype == torch.float32
+    for name, r, o in zip(("qn", "kn", "g"), ref_outs, outs):
+        assert_close(r, o.float(), tol, name)
+    for name, x, r, o in zip(NAMES, ins, ref_grads, grads):
+        if x is None:
+            assert o is None, f"{name}: gradient for an absent input"
+            continue
+        assert o.dtype == x.dtype, f"{name}: dtype {o.dtype} != input dtype {x.dtype}"
+        assert_close(r, o.float(), tol, name)
+
+
+@pytest.mark.parametrize("gate", ["bounded", "softplus", "none"])
+@pytest.mark.parametrize("silu_qk", [False, True])
+@pytest.mark.parametrize("l2norm_qk", [False, True])
+def test_fp32_matches_reference(gate, silu_qk, l2norm_qk):
+    # K = 48 (not a power of two: masked channels), 30 rows = 4 programs of 8, the last partial
+    ins = _inputs(2, 5, 3, 48, gate)
+    _compare(ins, FP32_TOL, gate=gate, lower_bound=-5.0, silu_qk=silu_qk, l2norm_qk=l2norm_qk)
+
+
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+@pytest.mark.parametrize("K", [1, 32, 256])
+def test_fp32_no_dt_bias_head_dims(gate, K):
+    ins = _inputs(1, 3, 3, K, gate, bias=False, seed=K)
+    # at K = 1 the L2 norm is sign(x): its gradient is 0 and only rounding noise is left to compare
+    _compare(ins, FP32_TOL, gate=gate, lower_bound=-3.0, silu_qk=True, l2norm_qk=K > 1)
+
+
+@pytest.mark.parametrize("gate", ["bounded", "softplus", "none"])
+@pytest.mark.parametrize("K", [48, 64])
+def test_fp16_matches_reference(gate, K):
+    ins = _inputs(2, 4, 2, K, gate, dtype=torch.float16, seed=K)
+    _compare(ins, FP16_TOL, gate=gate, lower_bound=-5.0, silu_qk=True, l2norm_qk=True)
+
+
+def test_fp16_qk_with_fp32_gate_input():
+    # the model's z is fp32 (log_decay upcasts) while q, k are in the activation dtype
+    ins = _inputs(2, 4, 2, 40, "softplus", dtype=torch.float16, z_dtype=torch.float32)
+    _compare(ins, FP16_TOL, gate="softplus", lower_bound=None, silu_qk=True, l2norm_qk=True)
+
+
+def test_extreme_values():
+    """Softplus on both sides of its threshold (|x| > 20, where log(1 + e^x) underflows to the
+    tail), saturated sigmoids, and an all-zero row for the L2 norm (its gradient is dy / eps)."""
+    ins = _inputs(1, 4, 2, 16, "softplus", bias=False)
+    z = ins[2]
+    z[0, 0] = torch.linspace(-40, 40, 16)
+    z[0, 1] = torch.linspace(-25, -15, 16)
+    ins[0][0, 2, 1] = 0.0
+    ins[1][0, 3, 0] = 1e-8  # norm 4e-8 < eps: the constant-denominator branch
+    for gate in ("softplus", "bounded"):
+        _compare(ins, FP32_TOL, gate=gate, lower_bound=-5.0, silu_qk=False, l2norm_qk=True)
+
+
+def test_unused_outputs_and_frozen_inputs():
+    ins = _inputs(1, 3, 2, 24, "bounded")
+    kw = dict(gate="bounded", lower_bound=-5.0, silu_qk=True, l2norm_qk=True)
+    # only qn feeds the loss: k and the gate inputs get no gradient at all
+    _, grads = _run(kda_prep, ins, use=(True, False, False), **kw)
+    _, ref = _run(kda_prep_torch, ins, use=(True, False, False), **kw)
+    assert_close(ref[0], grads[0], FP32_TOL, "dq")
+    assert all(x is None for x in grads[1:])
+    # only g feeds the loss, A_log frozen: dz and ddt_bias still right
+    leaves = [x.detach().clone().requires_grad_(i != 3) for i, x in enumerate(ins)]
+    ref_leaves = [x.detach().clone().requires_grad_(i != 3) for i, x in enumerate(ins)]
+    dg = torch.randn(ins[2].shape).to(DEV)
+    kda_prep(*leaves, **kw)[2].mul(dg).sum().backward()
+    kda_prep_torch(*ref_leaves, **kw)[2].mul(dg).sum().backward()
+    assert leaves[0].grad is None and leaves[1].grad is None and leaves[3].grad is None
+    assert_close(ref_leaves[2].grad, leaves[2].grad, FP32_TOL, "dz")
+    assert_close(ref_leaves[4].grad, leaves[4].grad, FP32_TOL, "ddt_bias")
+
+
+def test_prep_bwd_partial_gradients_and_determinism():
+    q, k, z, A_log, dt_bias = _inputs(2, 3, 2, 20, "softplus")
+    kw = dict(gate="softplus", lower_bound=None, silu_qk=True, l2norm_qk=True)
+    assert prep_bwd(q, k, z, A_log, dt_bias, None, None, None, **kw) == (None,) * 5
+    dkn, dg = torch.randn_like(k), torch.randn_like(z)
+    first = prep_bwd(q, k, z, A_log, dt_bias, None, dkn, dg, **kw)
+    second = prep_bwd(q, k, z, A_log, dt_bias, None, dkn, dg, **kw)
+    assert first[0] is None
+    for name, a, b in zip(NAMES[1:], first[1:], second[1:]):
+        assert torch.equal(a, b), f"{name}: two runs differ"
+    # the host function agrees with autograd through the reference
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, z, A_log, dt_bias)]
+    _, kn, g = kda_prep_torch(*leaves, **kw)
+    ((kn * dkn).sum() + (g * dg).sum()).backward()
+    for name, leaf, out in zip(NAMES[1:], leaves[1:], first[1:]):
+        assert_close(leaf.grad, out, FP32_TOL, name)
+    qn, kn2, g2 = prep_fwd(q, k, z, A_log, dt_bias, **kw)
+    assert_close(kn.detach(), kn2, FP32_TOL, "kn")
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(gate="sigmoid"), "gate='sigmoid' is not allowed"),
+        (dict(lower_bound=0.0), "lower_bound=0.0 is not allowed"),
+        (dict(lower_bound=None), "lower_bound=None is not allowed"),
+        (dict(eps=0.0), "eps=0.0 is not allowed"),
+        (dict(q=torch.randn(2, 3, 2, 300)), "K=300 is not allowed"),
+        (dict(q=torch.randn(2, 3, 8)), "q must be"),
+        (dict(k=torch.randn(2, 3, 2, 4)), "must match q"),
+        (dict(q=torch.ones(2, 3, 2, 8, dtype=torch.int32)), "dtype"),
+        (dict(z=torch.ones(2, 3, 2, 8, dtype=torch.float64)), "z dtype"),
+        (dict(A_log=None), "needs A_log"),
+        (dict(A_log=torch.zeros(3)), "needs A_log"),
+        (dict(dt_bias=torch.zeros(8)), "dt_bias must be None or"),
+        (dict(gate="none"), "A_log and dt_bias must be None"),
+    ],
+)
+def test_bad_arguments(change, match):
+    args = dict(
+        q=torch.randn(2, 3, 2, 8),
+        k=torch.randn(2, 3, 2, 8),
+        z=torch.randn(2, 3, 2, 8),
+        A_log=torch.zeros(2),
+        dt_bias=torch.zeros(16),
+        gate="bounded",
+        lower_bound=-5.0,
+        eps=1e-6,
+    )
+    args.update(change)
+    if args["q"].shape != (2, 3, 2, 8) and "k" not in change:
+        args["k"] = torch.randn(args["q"].shape).to(args["q"].dtype)
+        args["z"] = torch.randn(args["q"].shape)
+    with pytest.raises(ValueError, match=match):
+        prep_fwd(**args, silu_qk=True, l2norm_qk=True)
+
+
+def test_bad_gradient_shape():
+    q, k, z, A_log, dt_bias = _inputs(1, 2, 2, 8, "bounded")
+    with pytest.raises(ValueError, match="dg must be None or"):
+        prep_bwd(
+            q,
+            k,
+            z,
+            A_log,
+            dt_bias,
+            None,
+            None,
+            torch.randn(1, 2, 2, 4),
+            gate="bounded",
+            lower_bound=-5.0,
+            silu_qk=True,
+            l2norm_qk=True,
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_bf16_real_size(gate):
+    ins = _inputs(2, 4096, 16, 128, gate, dtype=torch.bfloat16)
+    _compare(ins, 1e-2, gate=gate, lower_bound=-5.0, silu_qk=True, l2norm_qk=True)
