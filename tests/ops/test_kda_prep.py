@@ -205,3 +205,10 @@ def test_bad_gradient_shape():
 def test_bf16_real_size(gate):
     ins = _inputs(2, 4096, 16, 128, gate, dtype=torch.bfloat16)
     _compare(ins, 1e-2, gate=gate, lower_bound=-5.0, silu_qk=True, l2norm_qk=True)
+
+
+def test_empty_sequence():
+    ins = _inputs(2, 0, 3, 8, "bounded")
+    outs, grads = _run(kda_prep, ins, gate="bounded", lower_bound=-5.0, silu_qk=True, l2norm_qk=True)
+    assert all(o.shape == (2, 0, 3, 8) for o in outs)
+    assert torch.equal(grads[3], torch.zeros(3, device=DEV)) and torch.equal(grads[4], torch.zeros(24, device=DEV))
