@@ -2,11 +2,11 @@
 
 Median ``triton.testing.do_bench`` time of a forward (no grad) and of a forward + backward with a
 random output gradient, plus peak memory of the forward + backward, bf16. Both KDA sides compute
-the same thing: L2-normalized q, k and the bounded gate ``g = -5 sigmoid(exp(A_log) * x)``
+the same thing: L2-normalized q, k and the bounded gate ``g = -5 sigmoid(exp(A_log) * (x + dt_bias))``
 (A_log = log U(1, 16), as in the anchor /work/shared/anchors/fla_bench.py):
 
-* ``moelab_bounded`` / ``moelab_general``: L2 norm and gate in torch inside the timed function,
-  then ``chunk_kda(mode=..., validate=False)`` (the bound holds by construction of the gate);
+* ``moelab_bounded`` / ``moelab_general``: ``chunk_kda(mode=..., gate="bounded", A_log=..., dt_bias=...,
+  l2norm_qk=True)``: L2 norm and gate fused into the op (moelab/ops/kda/triton_prep.py);
 * ``fla_safe_gate``: ``fla.ops.kda.chunk_kda(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
   safe_gate=True, lower_bound=-5)``; ``fla_softplus``: same without safe_gate (softplus gate);
 * ``sdpa_flash``: ``F.scaled_dot_product_attention(is_causal=True)`` on the flash backend.
@@ -78,14 +78,11 @@ def make_inputs(impl, B, T, H, D, dev):
 
 def make_fn(impl, ins):
     if impl.startswith("moelab"):
-        q, k, v, x, beta, A_log, _ = ins
+        q, k, v, x, beta, A_log, dt_bias = ins
         mode = impl.split("_")[1]
-
-        def fn():
-            g = LOWER_BOUND * torch.sigmoid(x * A_log.exp()[:, None])
-            qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-            return triton_chunk.chunk_kda(qn, kn, v, g, beta, mode=mode, lower_bound=LOWER_BOUND, validate=False)[0]
-        return fn
+        # the same computation as fla's: L2 norm of q, k and the bounded gate inside the op
+        return lambda: triton_chunk.chunk_kda(q, k, v, x, beta, mode=mode, lower_bound=LOWER_BOUND, gate="bounded",
+                                              A_log=A_log, dt_bias=dt_bias, l2norm_qk=True)[0]
     if impl.startswith("fla"):
         q, k, v, x, beta, A_log, dt_bias = ins
         kw = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True)
@@ -234,7 +231,7 @@ def main() -> int:
                 date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 command=" ".join(sys.argv), tuning=dict(triton_chunk.TUNING),
                 launch_configs=triton_chunk.launch_configs(),
-                note="moelab rows include L2 norm + gate in torch; validate=False (bound holds by construction)")
+                note="both sides: L2 norm of q, k and the bounded gate (with dt_bias) inside the op")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     profile: dict = {}
 

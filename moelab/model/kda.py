@@ -92,8 +92,9 @@ class KDALayer(nn.Module):
         self.g_proj = nn.Linear(d_model, H * Dh, bias=False)
         self.o_norm = RMSNorm(Dh, eps=norm_eps)
         self.o_proj = nn.Linear(H * Dh, d_model, bias=False)
-        self.last_g_min: torch.Tensor | None = None
-        self.last_g_mean: torch.Tensor | None = None
+        # detached gate input of the last forward: the decay statistics are computed from it only
+        # when asked for (the fused Triton path never materializes g in torch)
+        self._last_z: torch.Tensor | None = None
         self.reset_gate_parameters()
 
     @torch.no_grad()
@@ -119,11 +120,28 @@ class KDALayer(nn.Module):
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         """Per-channel log decay ``g`` ``[B, T, H, K]`` fp32 (natural log, <= 0) for ``x [B, T, D]``."""
         B, T, _ = x.shape
-        z = self.f_up(self.f_down(x)).float().view(B, T, self.H, self.K)
+        return self._gate(self.f_up(self.f_down(x)).view(B, T, self.H, self.K))
+
+    def _gate(self, z: torch.Tensor) -> torch.Tensor:
+        """``z [B, T, H, K]`` (gate input) -> ``g`` fp32, the same formula the fused op computes."""
         a = self.A_log.float().exp()[:, None]  # [H, 1]
         if self.cfg.gate == "bounded":
-            return self.cfg.g_min * torch.sigmoid(a * z)
-        return -a * F.softplus(z)
+            return self.cfg.g_min * torch.sigmoid(a * z.float())
+        return -a * F.softplus(z.float())
+
+    @property
+    def last_g_min(self) -> torch.Tensor | None:
+        """Smallest log decay of the last forward (detached scalar), computed on demand."""
+        return None if self._last_z is None else self._last_g().amin()
+
+    @property
+    def last_g_mean(self) -> torch.Tensor | None:
+        """Mean log decay of the last forward (detached scalar), computed on demand."""
+        return None if self._last_z is None else self._last_g().mean()
+
+    @torch.no_grad()
+    def _last_g(self) -> torch.Tensor:
+        return self._gate(self._last_z)
 
     def forward(
         self, x: torch.Tensor, state: KDAState | None = None, use_cache: bool = False
@@ -141,22 +159,36 @@ class KDALayer(nn.Module):
         q, tq = self.q_conv(self.q_proj(x), tails[0])
         k, tk = self.k_conv(self.k_proj(x), tails[1])
         v, tv = self.v_conv(self.v_proj(x), tails[2])
-        q = F.normalize(F.silu(q).float().view(B, T, H, K), dim=-1, eps=1e-6)
-        k = F.normalize(F.silu(k).float().view(B, T, H, K), dim=-1, eps=1e-6)
-        v = F.silu(v).view(B, T, H, V)
-        q, k = q.to(v.dtype), k.to(v.dtype)
         beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
-        g = self.log_decay(x)
-        self.last_g_min, self.last_g_mean = g.detach().amin(), g.detach().mean()
-
+        z = self.f_up(self.f_down(x)).view(B, T, H, K)  # gate input
+        self._last_z = z.detach()
         bounded = self.cfg.gate == "bounded"
         # One decoding step is exactly one step of the recurrence: no chunk padding needed.
         backend = "recurrent" if T == 1 else self.cfg.backend
-        # Both gates put g in [g_min, 0] (bounded) or (-inf, 0] (softplus) by construction, in
-        # fp32: the op need not re-check the range (a host sync per layer on the GPU).
-        o, S = kda(q, k, v, g, beta, initial_state=None if state is None else state.S,
-                   output_final_state=use_cache, backend=backend, chunk_size=self.cfg.chunk_size,
-                   lower_bound=self.cfg.g_min if bounded else None, validate=False)
+        if backend == "auto":
+            backend = "triton" if x.is_cuda else "chunk"
+        state_in = None if state is None else state.S
+        if backend == "triton":
+            # SiLU, L2 norm and the gate run inside the op (one fused pass each way; the raw
+            # inputs are what it keeps for the backward); the gate bounds g by construction
+            from moelab.ops.kda.triton_chunk import chunk_kda
+
+            o, S = chunk_kda(q.view(B, T, H, K), k.view(B, T, H, K), F.silu(v).view(B, T, H, V), z, beta,
+                             initial_state=state_in, output_final_state=use_cache,
+                             mode="bounded" if bounded else "general", lower_bound=self.cfg.g_min if bounded else -5.0,
+                             chunk_size=self.cfg.chunk_size, gate=self.cfg.gate, A_log=self.A_log,
+                             l2norm_qk=True, silu_qk=True, norm_eps=1e-6)
+        else:
+            q = F.normalize(F.silu(q).float().view(B, T, H, K), dim=-1, eps=1e-6)
+            k = F.normalize(F.silu(k).float().view(B, T, H, K), dim=-1, eps=1e-6)
+            v = F.silu(v).view(B, T, H, V)
+            q, k = q.to(v.dtype), k.to(v.dtype)
+            g = self._gate(z)
+            # Both gates put g in [g_min, 0] (bounded) or (-inf, 0] (softplus) by construction, in
+            # fp32: the op need not re-check the range (a host sync per layer on the GPU).
+            o, S = kda(q, k, v, g, beta, initial_state=state_in, output_final_state=use_cache, backend=backend,
+                       chunk_size=self.cfg.chunk_size, lower_bound=self.cfg.g_min if bounded else None,
+                       validate=False)
         o = self.o_norm(o)  # [B, T, H, V], normalized per head
         y = torch.sigmoid(self.g_proj(x)) * o.reshape(B, T, H * V)
         y = self.o_proj(y)

@@ -88,6 +88,26 @@ def test_modes_agree_and_defaults():
         assert_close(x, y, 1e-5, "grad bounded vs general")
 
 
+@pytest.mark.parametrize("mode", ["bounded", "general"])
+def test_save_policies_agree(monkeypatch, mode):
+    """Keeping the forward's intermediates for the backward (save=intra/all) gives bitwise the same
+    gradients as recomputing them from the inputs (save=inputs); a bad policy is refused."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    ins, s0, do, dS = _inputs(1, 130, 2, 32, 16, torch.float32, seed=11)
+    runs = {}
+    for save in tc.SAVE_POLICIES:
+        monkeypatch.setitem(tc.TUNING, "save", save)
+        runs[save] = _run(chunk_kda, ins, s0, do, dS, mode=mode)
+    for save in ("intra", "all"):
+        assert torch.equal(runs[save][0], runs["inputs"][0])
+        for a, b in zip(runs[save][2], runs["inputs"][2]):
+            assert torch.equal(a, b), save
+    monkeypatch.setitem(tc.TUNING, "save", "bogus")
+    with pytest.raises(ValueError, match="'bogus'"):
+        _run(chunk_kda, ins, s0, do, dS, mode=mode)
+
+
 def test_no_final_state_and_no_state_grad():
     ins, _, do, _ = _inputs(1, 20, 1, 16, 16, torch.float32, seed=5, h0=False)
     leaves = [x.clone().requires_grad_() for x in ins]
@@ -162,4 +182,63 @@ def test_launch_config_override(monkeypatch):
     with pytest.raises(ValueError, match="'out'"):
         tc._launch_from_env('{"out": [64, 4]}')
     cfgs = tc.launch_configs(128, 128)
-    assert set(cfgs) == {"intra", "state", "out", "dh", "grads"}
+    assert set(cfgs) == {"intra", "state", "out", "dh", "wy", "dqkg"}
+
+
+# fused prep: (B, T, H, K, V, chunk, gate, mode, silu, dt_bias)
+FUSED = [
+    (1, 70, 2, 32, 16, 64, "bounded", "bounded", True, True),  # partial chunk
+    (2, 40, 1, 20, 24, 32, "bounded", "general", False, False),  # non-power-of-two K and V (padded)
+    (1, 50, 2, 16, 16, 16, "softplus", "general", True, True),
+]
+
+
+@pytest.mark.parametrize("case", FUSED, ids=lambda c: f"T{c[1]}K{c[3]}V{c[4]}-{c[6]}-{c[7]}-silu{int(c[8])}")
+def test_fused_prep_matches_reference(case):
+    """Gate, SiLU and L2 norm inside the op == the fp32 torch prep followed by the recurrence,
+    output, final state and the gradients of every raw input (q, k, v, z, beta, A_log, dt_bias, h0)."""
+    from moelab.ops.kda.triton_prep import kda_prep_torch
+
+    B, T, H, K, V, C, gate, mode, silu, has_bias = case
+    gen = torch.Generator().manual_seed(T + K)
+    q, k, z = (torch.randn(B, T, H, K, generator=gen) for _ in range(3))
+    v = torch.randn(B, T, H, V, generator=gen)
+    beta = torch.rand(B, T, H, generator=gen)
+    A_log = torch.randn(H, generator=gen) * 0.5
+    dt_bias = torch.randn(H * K, generator=gen) if has_bias else None
+    s0 = torch.randn(B, H, K, V, generator=gen)
+    do, dS = torch.randn(B, T, H, V, generator=gen), torch.randn(B, H, K, V, generator=gen)
+    kw = dict(gate=gate, lower_bound=-5.0, silu_qk=silu, l2norm_qk=True)
+
+    def run(fused):
+        leaves = [x.clone().to(DEV).requires_grad_() for x in (q, k, v, z, beta, A_log, s0)]
+        bias = dt_bias.clone().to(DEV).requires_grad_() if has_bias else None
+        qq, kk, vv, zz, bb, al, h0 = leaves
+        if fused:
+            o, S = chunk_kda(qq, kk, vv, zz, bb, initial_state=h0, output_final_state=True, mode=mode,
+                             chunk_size=C, A_log=al, dt_bias=bias, **kw)
+        else:
+            qn, kn, g = kda_prep_torch(qq, kk, zz, al, bias, **kw)
+            o, S = naive_recurrent_kda(qn, kn, vv, g, bb, initial_state=h0, output_final_state=True)
+        ((o * do.to(DEV)).sum() + (S * dS.to(DEV)).sum()).backward()
+        return o, S, [x.grad for x in leaves] + ([bias.grad] if has_bias else [])
+
+    o_r, S_r, g_r = run(False)
+    o_t, S_t, g_t = run(True)
+    assert_close(o_r, o_t, O_TOL, "o")
+    assert_close(S_r, S_t, O_TOL, "final state")
+    for name, a, b in zip(["dq", "dk", "dv", "dz", "dbeta", "dA_log", "dh0", "ddt_bias"], g_r, g_t):
+        assert_close(a, b, GRAD_TOL, name)
+
+
+def test_fused_prep_bad_arguments():
+    ins, _, _, _ = _inputs(1, 8, 2, 16, 16, torch.float32, seed=1, h0=False)
+    A_log = torch.zeros(2, device=DEV)
+    with pytest.raises(ValueError, match="gate='softplus' is not allowed with mode='bounded'"):
+        chunk_kda(*ins, gate="softplus", A_log=A_log, mode="bounded")
+    with pytest.raises(ValueError, match="needs A_log"):
+        chunk_kda(*ins, gate="bounded")
+    with pytest.raises(ValueError, match="gate='sigmoid' is not allowed"):
+        chunk_kda(*ins, gate="sigmoid", A_log=A_log)
+    with pytest.raises(ValueError, match="only used with gate"):
+        chunk_kda(*ins, A_log=A_log)

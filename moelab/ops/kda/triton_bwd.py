@@ -89,14 +89,17 @@ def _kda_bwd_dh(
 
 
 @triton.jit
-def _kda_bwd_grads(
-    q, k, v, g, beta, Gbuf, Abuf, w, u, hbuf, dhbuf, U, dU, do, dAs,
-    dq, dk, dv, dg, dbeta,
+def _kda_bwd_wy(
+    v, beta, Abuf, w, u, hbuf, U, dU, do, dAs, dkb, dv, dbv,
     scale, T, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
 ):
+    """Per chunk (grid ``[NT, B*H]``): everything that sums over a whole head dim before the
+    per-K-block gradients can start. Stores ``dA_qk`` and ``dA_kk`` (masked, ``scale`` folded into
+    ``dA_qk``) to the scratch ``dAs`` ``[2, C, C]``, ``dv``, ``dkb = Tm^T dw`` (fp32, the gradient
+    reaching ``beta k e^G`` through ``w``) and the value-side part of dbeta (fp32 ``dbv``)."""
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -104,14 +107,8 @@ def _kda_bwd_grads(
     r = tl.arange(0, C)
     cidx = tl.arange(0, C)
     row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
-    q += row0 * K
-    k += row0 * K
-    g += row0 * K
     w += row0 * K
-    Gbuf += row0 * K
-    dq += row0 * K
-    dk += row0 * K
-    dg += row0 * K
+    dkb += row0 * K
     v += row0 * V
     u += row0 * V
     U += row0 * V
@@ -119,11 +116,10 @@ def _kda_bwd_grads(
     do += row0 * V
     dv += row0 * V
     beta += row0
-    dbeta += row0
+    dbv += row0
     Abuf += row0 * C
     c_off = (i_b * (T // C) + i_c).to(tl.int64) * H + i_h  # (chunk, head) index
     hbuf += c_off * K * V
-    dhbuf += c_off * K * V
     dAs += c_off * (2 * C * C)
 
     b = tl.load(beta + r * H).to(tl.float32)
@@ -145,59 +141,72 @@ def _kda_bwd_grads(
         tl.store(dv + p, (dvb * b[:, None]).to(dv.dtype.element_ty))
         db += tl.sum(dvb * v_t, axis=1)
         dAk -= _dot(_cast(dvb, False), _cast(tl.trans(u_t), False), IEEE)
-    # the w-part of dA_kk sums over all of K before any gated-score gradient can start:
-    # dkb = Tm^T dw with dw = -dU h^T, dA_kk -= dkb w^T (dw is recomputed per block below)
+    # the w-part of dA_kk sums over all of K: dkb = Tm^T dw with dw = -dU h^T, dA_kk -= dkb w^T;
+    # dkb is stored for the per-K-block kernel (recomputing it there cost three products per block)
     for kb in range(K // BK):
         cols = kb * BK + tl.arange(0, BK)
-        dkb = _dkb_block(cols, hbuf, dU, Tm, r, H, V, C, BK, BV, DOT_BF16, IEEE)
-        wt = tl.load(w + r[:, None] * (H * K) + cols[None, :]).to(tl.float32)
-        dAk -= _dot(_cast(dkb, False), _cast(tl.trans(wt), False), IEEE)
+        kp = r[:, None] * (H * K) + cols[None, :]
+        dkbt = _dkb_block(cols, hbuf, dU, Tm, r, H, V, C, BK, BV, DOT_BF16, IEEE)
+        tl.store(dkb + kp, dkbt)
+        wt = tl.load(w + kp).to(tl.float32)
+        dAk -= _dot(_cast(dkbt, False), _cast(tl.trans(wt), False), IEEE)
     dAk = tl.where(r[:, None] > cidx[None, :], dAk, 0.0)
     dAq = tl.where(r[:, None] >= cidx[None, :], dAq * scale, 0.0)
-    # Both score gradients go through a per-chunk scratch: the K-block loop reads them back as
-    # they are and TRANSPOSED (column-side terms). tl.trans of a tensor-core result is what made
-    # this kernel fault on Hopper with Triton 3.6 (its shared-memory copy is miscompiled; fla
-    # reports the same for trans(mma) -> local_alloc), and reloading also keeps two [C, C] fp32
-    # tiles out of the registers that the loop carries.
+    # Both score gradients go through the per-chunk scratch: the per-K-block kernel reads them as
+    # they are and TRANSPOSED (column-side terms) by pointer arithmetic. tl.trans of a tensor-core
+    # result is what made the fused gradient kernel fault on Hopper with Triton 3.6 (its
+    # shared-memory copy is miscompiled; fla reports the same for trans(mma) -> local_alloc).
     A_ptrs = r[:, None] * C + cidx[None, :]
     tl.store(dAs + A_ptrs, dAq)
     tl.store(dAs + C * C + A_ptrs, dAk)
-    tl.debug_barrier()
-    for kb in range(K // BK):
-        db = _bwd_block(kb, q, k, g, beta, Gbuf, hbuf, dhbuf, U, dU, do, dAs, dq, dk, dg, Tm, b, db, scale, r,
-                        H, K, V, C, BC, BK, BV, BOUNDED, DOT_BF16, IEEE)
-    tl.store(dbeta + r * H, db.to(dbeta.dtype.element_ty))
+    tl.store(dbv + r * H, db)
 
 
 @triton.jit
-def _dkb_block(cols, hbuf, dU, Tm, r, H: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-               BV: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr):
-    """``dkb = Tm^T dw`` for one K-block, ``dw = -dU h^T`` (gradient of ``beta k e^G`` via w)."""
-    dw = tl.zeros([C, BK], dtype=tl.float32)
-    for vb in range(V // BV):
-        cv = vb * BV + tl.arange(0, BV)
-        ht = tl.load(hbuf + cols[:, None] * V + cv[None, :])
-        dUt = tl.load(dU + r[:, None] * (H * V) + cv[None, :])
-        dw += _dot(_cast(dUt, DOT_BF16), _cast(tl.trans(ht), DOT_BF16), IEEE)
-    return -_dot(_cast(tl.trans(Tm), False), _cast(dw, False), IEEE)
-
-
-@triton.jit
-def _bwd_block(
-    kb, q, k, g, beta, Gbuf, hbuf, dhbuf, U, dU, do, dAs, dq, dk, dg, Tm, b, db, scale, r,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
+def _kda_bwd_dqkg(
+    q, k, g, beta, Gbuf, hbuf, dhbuf, U, do, dAs, dkb,
+    dq, dk, dg, dbk,
+    scale, T, NBH,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """dq, dk, dg of one K-block (stored) and its dbeta terms (returned, accumulated).
+    """Per K-block and chunk (grid ``[K // BK, NT, B*H]``): dq, dk, dg of the block (stored) and
+    its dbeta terms (fp32 ``dbk`` ``[K // BK, B, T, H]``, summed on the host, no atomics).
 
-    State terms: inter-chunk dq and dk, the w-path of dk and dbeta, and their dG, with the
-    gradient of G_last (which every g of the chunk feeds) added to all of dg. Score terms: the
-    gated scores A_qk (dAq, scale folded in) and A_kk (dAk, beta folded into the row side), read
-    from the scratch ``dAs`` (``[2, C, C]`` fp32 per chunk: dAq, dAk). Then the reverse cumsum of
-    dG. Pointers are at the chunk's first row."""
-    cols = kb * BK + tl.arange(0, BK)
+    State terms: inter-chunk dq and dk, the w-path of dk and dbeta (from ``dkb``), and their dG,
+    with the gradient of G_last (which every g of the chunk feeds) added to all of dg. Score
+    terms: the gated scores A_qk (dAq, scale folded in) and A_kk (dAk, beta folded into the row
+    side), read from the scratch ``dAs``. Then the reverse cumsum of dG."""
+    i_k = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    r = tl.arange(0, C)
+    cidx = tl.arange(0, C)
+    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
+    bo = i_k * BK
+    q += row0 * K + bo
+    k += row0 * K + bo
+    g += row0 * K + bo
+    Gbuf += row0 * K + bo
+    dkb += row0 * K + bo
+    dq += row0 * K + bo
+    dk += row0 * K + bo
+    dg += row0 * K + bo
+    U += row0 * V
+    do += row0 * V
+    beta += row0
+    dbk += i_k.to(tl.int64) * NBH * T + row0  # [K // BK, B, T, H]; B*T*H = NBH*T
+    c_off = (i_b * (T // C) + i_c).to(tl.int64) * H + i_h
+    hbuf += c_off * K * V + bo * V
+    dhbuf += c_off * K * V + bo * V
+    dAs += c_off * (2 * C * C)
+
+    b = tl.load(beta + r * H).to(tl.float32)
+    cols = tl.arange(0, BK)
     kp = r[:, None] * (H * K) + cols[None, :]
-    dkb = _dkb_block(cols, hbuf, dU, Tm, r, H, V, C, BK, BV, DOT_BF16, IEEE)
     dqh = tl.zeros([C, BK], dtype=tl.float32)
     dkh = tl.zeros([C, BK], dtype=tl.float32)
     dgl = tl.zeros([BK], dtype=tl.float32)
@@ -214,29 +223,40 @@ def _bwd_block(
     Gl = tl.sum(tl.where(r[:, None] == C - 1, G, 0.0), axis=0)
     qt = tl.load(q + kp).to(tl.float32)
     kt = tl.load(k + kp).to(tl.float32)
+    dkbt = tl.load(dkb + kp)
     eG = tl.exp2(G)
     bk = kt * b[:, None]
     dki = dkh * tl.exp2(Gl[None, :] - G)
     dqt = dqh * eG * scale
-    dkt = dki + dkb * eG * b[:, None]
-    db += tl.sum(dkb * kt * eG, axis=1)
-    dG = qt * dqt - kt * dki + bk * eG * dkb
+    dkt = dki + dkbt * eG * b[:, None]
+    db = tl.sum(dkbt * kt * eG, axis=1)
+    dG = qt * dqt - kt * dki + bk * eG * dkbt
     dGl = tl.sum(kt * dki, axis=0) + tl.exp2(Gl) * dgl
 
-    bo = kb * BK
-    cidx = tl.arange(0, C)
     dAq = tl.load(dAs + r[:, None] * C + cidx[None, :])
     dAk = tl.load(dAs + C * C + r[:, None] * C + cidx[None, :])
-    rq, rk = _rowside2(dAq, dAk, kt, G, k + bo, Gbuf + bo, H * K, BOUNDED, DOT_BF16, IEEE, C, BC, BK)
+    rq, rk = _rowside2(dAq, dAk, kt, G, k, Gbuf, H * K, BOUNDED, DOT_BF16, IEEE, C, BC, BK)
     tl.store(dq + kp, (dqt + rq).to(dq.dtype.element_ty))
     dkt += rk * b[:, None]
     db += tl.sum(rk * kt, axis=1)
     dG += qt * rq + bk * rk
-    cs = _colside_sum(dAq, dAk, dAs, qt, bk, G, q + bo, k + bo, beta, Gbuf + bo, H * K, H, BOUNDED, DOT_BF16, IEEE,
-                      C, BC, BK)
+    cs = _colside_sum(dAq, dAk, dAs, qt, bk, G, q, k, beta, Gbuf, H * K, H, BOUNDED, DOT_BF16, IEEE, C, BC, BK)
     dkt += cs
     dG -= kt * cs
     dgt = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG + dGl[None, :]
     tl.store(dk + kp, dkt.to(dk.dtype.element_ty))
     tl.store(dg + kp, dgt.to(dg.dtype.element_ty))
-    return db
+    tl.store(dbk + r * H, db)
+
+
+@triton.jit
+def _dkb_block(cols, hbuf, dU, Tm, r, H: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr):
+    """``dkb = Tm^T dw`` for one K-block, ``dw = -dU h^T`` (gradient of ``beta k e^G`` via w)."""
+    dw = tl.zeros([C, BK], dtype=tl.float32)
+    for vb in range(V // BV):
+        cv = vb * BV + tl.arange(0, BV)
+        ht = tl.load(hbuf + cols[:, None] * V + cv[None, :])
+        dUt = tl.load(dU + r[:, None] * (H * V) + cv[None, :])
+        dw += _dot(_cast(dUt, DOT_BF16), _cast(tl.trans(ht), DOT_BF16), IEEE)
+    return -_dot(_cast(tl.trans(Tm), False), _cast(dw, False), IEEE)

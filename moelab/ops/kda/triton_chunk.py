@@ -30,11 +30,13 @@ import torch
 import triton
 
 from moelab.model.config import max_safe_g_min
-from moelab.ops.kda.triton_bwd import _kda_bwd_dh, _kda_bwd_grads
+from moelab.ops.kda.triton_bwd import _kda_bwd_dh, _kda_bwd_dqkg, _kda_bwd_wy
 from moelab.ops.kda.triton_common import SUBTILE
 from moelab.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_out, _kda_fwd_state
+from moelab.ops.kda.triton_prep import prep_bwd, prep_fwd
 
 MODES = ("bounded", "general")
+GATES = ("none", "bounded", "softplus")
 CHUNK_SIZES = (16, 32, 64)
 MAX_HEAD_DIM = 256
 
@@ -45,7 +47,13 @@ def _interpret() -> bool:
 
 # A_kk feeds the (I + A_kk)^-1 solve, which can amplify its rounding: the intra kernel forms the
 # scores from fp32 operands (TF32 on the GPU) rather than bf16 ones. Benchmarks may flip it.
-TUNING: dict = {"scores_tf32": True}
+# ``save``: what the forward keeps for the backward. "inputs": only the inputs (the backward reruns
+# the intra and state kernels); "intra": also Tm, A_qk, w, u, qg, kd, e^{G_last} (the backward
+# reruns only the state kernel); "all": also the chunk states and U (no rerun). The op-level peak
+# memory is about the same for all three (the rerun materializes the same buffers); a model that
+# stacks layers keeps "intra"/"all" buffers per layer until its backward.
+TUNING: dict = {"scores_tf32": True, "save": "intra"}
+SAVE_POLICIES = ("inputs", "intra", "all")
 
 
 # Launch configuration per kernel on the GPU: (block size, num_warps, num_stages); the block is
@@ -62,7 +70,8 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "state": (32, 2, 1),
     "out": (64, 4, 1),
     "dh": (32, 2, 1),
-    "grads": (64, 8, 1),
+    "wy": (64, 8, 1),
+    "dqkg": (64, 8, 1),
 }
 # the interpreter: 16-wide blocks so that small test shapes still take the multi-block paths
 _INTERP_LAUNCH = (16, 4, 1)
@@ -106,7 +115,8 @@ _intra = _Launcher("intra", _kda_fwd_intra, "BK")
 _state = _Launcher("state", _kda_fwd_state, "BV")
 _out = _Launcher("out", _kda_fwd_out, "BV")
 _dh = _Launcher("dh", _kda_bwd_dh, "BV")
-_grads = _Launcher("grads", _kda_bwd_grads, "BK")
+_wy = _Launcher("wy", _kda_bwd_wy, "BK")
+_dqkg = _Launcher("dqkg", _kda_bwd_dqkg, "BK")
 
 
 def _dot_bf16(dtype: torch.dtype) -> bool:
@@ -128,6 +138,13 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C):
     """Intra-chunk and state kernels on padded inputs; returns the intermediates."""
+    inter = _intra_pass(q, k, v, g, beta, scale, bounded, C)
+    inter.update(_state_pass(inter, h0, output_final_state, q.dtype, C))
+    return inter
+
+
+def _intra_pass(q, k, v, g, beta, scale, bounded, C):
+    """The intra-chunk kernel: scores, UT transform, w, u, qg, kd, e^{G_last} (and G, general mode)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = T // C
@@ -146,44 +163,118 @@ def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C):
         H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64),
         BOUNDED=bounded, STORE_G=store_g, SCORE_BF16=dot_bf16 and not TUNING["scores_tf32"], IEEE=_ieee(q.dtype),
     )
-    hbuf = torch.empty(B, NT, H, K, V, device=dev, dtype=wd)
-    U = torch.empty(B, T, H, V, device=dev, dtype=wd)
+    return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, qg=qg, kd=kd, gl=gl)
+
+
+def _state_pass(inter, h0, output_final_state, dtype, C):
+    """The state kernel: chunk states ``hbuf`` ``[B, NT, H, K, V]``, ``U``, optional final state."""
+    kd, w, u = inter["kd"], inter["w"], inter["u"]
+    B, T, H, K = kd.shape
+    V = u.shape[-1]
+    NT = T // C
+    dev = kd.device
+    hbuf = torch.empty(B, NT, H, K, V, device=dev, dtype=_work_dtype(dtype))
+    U = torch.empty(B, T, H, V, device=dev, dtype=_work_dtype(dtype))
     hT = torch.empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     _state(
         lambda bv: (V // bv, B * H),
-        kd, gl, w, u, h0 if h0 is not None else U, hbuf, U, hT if hT is not None else U, T, B * H,
-        H=H, K=K, V=V, C=C, HAS_H0=h0 is not None, STORE_HT=hT is not None, DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
+        kd, inter["gl"], w, u, h0 if h0 is not None else U, hbuf, U, hT if hT is not None else U, T, B * H,
+        H=H, K=K, V=V, C=C, HAS_H0=h0 is not None, STORE_HT=hT is not None, DOT_BF16=_dot_bf16(dtype),
+        IEEE=_ieee(dtype),
     )
-    return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, qg=qg, kd=kd, gl=gl, hbuf=hbuf, U=U, hT=hT)
+    return dict(hbuf=hbuf, U=U, hT=hT)
+
+
+_INTRA_KEYS = ("Gbuf", "Abuf", "Aqk", "w", "u", "qg", "kd", "gl")
+_STATE_KEYS = ("hbuf", "U")
+
+
+class Prep:
+    """What the op does to its raw inputs before the chunk kernels (``triton_prep``), fused into
+    ChunkKDAFunction so that only the raw inputs are kept for the backward (which recomputes the
+    prep: one memory-bound pass)."""
+
+    def __init__(self, gate: str, lower_bound: float, silu_qk: bool, l2norm_qk: bool, eps: float):
+        self.gate, self.lower_bound, self.silu_qk, self.l2norm_qk, self.eps = gate, lower_bound, silu_qk, l2norm_qk, eps
+
+    @property
+    def active(self) -> bool:
+        return self.gate != "none" or self.silu_qk or self.l2norm_qk
+
+    def kw(self) -> dict:
+        return dict(gate=self.gate, lower_bound=self.lower_bound, silu_qk=self.silu_qk, l2norm_qk=self.l2norm_qk,
+                    eps=self.eps)
+
+
+def _padded(q, k, v, g, beta, h0, C):
+    """Zero-pad to T a multiple of C and K, V powers of two >= 16 (no copy when already so).
+    Padded tokens (q = k = v = beta = 0, g = 0) leave the state unchanged and padded channels stay
+    0, so slicing the outputs back is exact."""
+    T, K, V = q.shape[1], q.shape[3], v.shape[3]
+    Tp = triton.cdiv(T, C) * C
+    Kp = max(16, triton.next_power_of_2(K))
+    Vp = max(16, triton.next_power_of_2(V))
+    q, k, g = (_pad(x, {1: Tp, 3: Kp}).contiguous() for x in (q, k, g))
+    v = _pad(v, {1: Tp, 3: Vp}).contiguous()
+    beta = _pad(beta, {1: Tp}).contiguous()
+    if h0 is not None:
+        h0 = _pad(h0, {2: Kp, 3: Vp}).contiguous()
+    return q, k, v, g, beta, h0
 
 
 class ChunkKDAFunction(torch.autograd.Function):
-    """Autograd wrapper on padded inputs (T a multiple of the chunk, K and V powers of two >= 16);
-    gradients for q, k, v, g, beta and initial_state."""
+    """Autograd wrapper: optional fused prep (``Prep``), padding, the chunk kernels; gradients for
+    q, k, v, g (or the gate's z, A_log, dt_bias), beta and initial_state."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, bounded, C):
-        inter = _forward(q, k, v, g, beta, scale, initial_state, output_final_state, bounded, C)
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, bounded, C, prep):
         B, T, H, K = q.shape
         V = v.shape[-1]
-        o = torch.empty_like(v)
+        qn, kn, gn = (prep_fwd(q, k, g, A_log, dt_bias, **prep.kw()) if prep.active else (q, k, g))
+        qp, kp, vp, gp, bp, h0p = _padded(qn, kn, v, gn, beta, initial_state, C)
+        del qn, kn, gn
+        inter = _forward(qp, kp, vp, gp, bp, scale, h0p, output_final_state, bounded, C)
+        Tp, Kp, Vp = qp.shape[1], qp.shape[3], vp.shape[3]
+        o = torch.empty_like(vp)
         _out(
-            (T // C, B * H), inter["qg"], inter["Aqk"], inter["hbuf"], inter["U"], o, T, B * H,
-            H=H, K=K, V=V, C=C, DOT_BF16=_dot_bf16(q.dtype), IEEE=_ieee(q.dtype),
+            (Tp // C, B * H), inter["qg"], inter["Aqk"], inter["hbuf"], inter["U"], o, Tp, B * H,
+            H=H, K=Kp, V=Vp, C=C, DOT_BF16=_dot_bf16(q.dtype), IEEE=_ieee(q.dtype),
         )
-        ctx.save_for_backward(q, k, v, g, beta, initial_state)
-        ctx.scale, ctx.bounded, ctx.chunk_size = scale, bounded, C
-        return o, inter["hT"]
+        save = TUNING["save"]
+        if save not in SAVE_POLICIES:
+            raise ValueError(f"TUNING['save']={save!r} is not allowed: expected one of {SAVE_POLICIES}")
+        keys = () if save == "inputs" else _INTRA_KEYS + (_STATE_KEYS if save == "all" else ())
+        # raw inputs (the prep and the padding are redone in the backward) + kept intermediates
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, *(inter[key] for key in keys))
+        ctx.keys = keys
+        ctx.scale, ctx.bounded, ctx.chunk_size, ctx.prep = scale, bounded, C, prep
+        hT = inter["hT"]
+        if (Tp, Vp) != (T, V):
+            o = o[:, :T, :, :V]
+        if hT is not None and (Kp, Vp) != (K, V):
+            hT = hT[:, :, :K, :V]
+        return o, hT
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
-        q, k, v, g, beta, h0 = ctx.saved_tensors
-        scale, bounded, C = ctx.scale, ctx.bounded, ctx.chunk_size
-        B, T, H, K = q.shape
-        V = v.shape[-1]
+        q_raw, k_raw, v_raw, g_raw, beta_raw, A_log, dt_bias, h0_raw, *saved = ctx.saved_tensors
+        scale, bounded, C, prep = ctx.scale, ctx.bounded, ctx.chunk_size, ctx.prep
+        B, T0, H, K0 = q_raw.shape
+        V0 = v_raw.shape[-1]
+        qn, kn, gn = (prep_fwd(q_raw, k_raw, g_raw, A_log, dt_bias, **prep.kw()) if prep.active
+                      else (q_raw, k_raw, g_raw))
+        q, k, v, g, beta, h0 = _padded(qn, kn, v_raw, gn, beta_raw, h0_raw, C)
+        T, K, V = q.shape[1], q.shape[3], v.shape[3]
         NT = T // C
-        do = do.contiguous()
-        inter = _forward(q, k, v, g, beta, scale, h0, False, bounded, C)
+        do = _pad(do, {1: T, 3: V}).contiguous()
+        if dht is not None:
+            dht = _pad(dht, {2: K, 3: V}).contiguous()
+        inter = dict(zip(ctx.keys, saved))
+        if not inter:
+            inter = _intra_pass(q, k, v, g, beta, scale, bounded, C)
+        if "hbuf" not in inter:
+            inter.update(_state_pass(inter, h0, False, q.dtype, C))
         dot_bf16 = _dot_bf16(q.dtype)
         dhbuf = torch.empty(B, NT, H, K, V, device=q.device, dtype=_work_dtype(q.dtype))
         dU = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)
@@ -191,27 +282,42 @@ class ChunkKDAFunction(torch.autograd.Function):
         has_dht = dht is not None
         _dh(
             lambda bv: (V // bv, B * H),
-            inter["qg"], inter["kd"], inter["gl"], inter["w"], inter["Aqk"], do, dht.contiguous() if has_dht else dU,
+            inter["qg"], inter["kd"], inter["gl"], inter["w"], inter["Aqk"], do, dht if has_dht else dU,
             dhbuf, dU, dh0 if dh0 is not None else dU, T, B * H,
             H=H, K=K, V=V, C=C, HAS_DHT=has_dht, STORE_DH0=dh0 is not None, DOT_BF16=dot_bf16,
             IEEE=_ieee(q.dtype),
         )
-        dq, dk, dv, dg, dbeta = (torch.empty_like(x) for x in (q, k, v, g, beta))
+        dq, dk, dv, dg = (torch.empty_like(x) for x in (q, k, v, g))
         dAs = torch.empty(B, NT, H, 2, C, C, device=q.device, dtype=torch.float32)  # per-chunk dA_qk, dA_kk scratch
-        _grads(
-            (NT, B * H), q, k, v, g, beta, inter["Gbuf"], inter["Abuf"], inter["w"], inter["u"], inter["hbuf"], dhbuf,
-            inter["U"], dU, do, dAs, dq, dk, dv, dg, dbeta, scale, T, B * H,
-            H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64), BOUNDED=bounded, DOT_BF16=dot_bf16,
-            IEEE=_ieee(q.dtype),
+        dkb = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)  # gradient of beta k e^G through w
+        dbv = torch.empty(B, T, H, device=q.device, dtype=torch.float32)  # value-side dbeta
+        _wy(
+            (NT, B * H), v, beta, inter["Abuf"], inter["w"], inter["u"], inter["hbuf"], inter["U"], dU, do, dAs,
+            dkb, dv, dbv, scale, T, B * H,
+            H=H, K=K, V=V, C=C, BV=min(V, 64), DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
         )
-        dh0 = dh0.to(h0.dtype) if dh0 is not None else None
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
+        nk = K // _dqkg.config(K, V)[0]
+        dbk = torch.empty(nk, B, T, H, device=q.device, dtype=torch.float32)  # per-K-block dbeta terms
+        _dqkg(
+            lambda bk: (K // bk, NT, B * H), q, k, g, beta, inter["Gbuf"], inter["hbuf"], dhbuf, inter["U"], do,
+            dAs, dkb, dq, dk, dg, dbk, scale, T, B * H,
+            H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64), BOUNDED=bounded, DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
+        )
+        del inter, dAs, dkb, dhbuf, dU
+        dbeta = (dbv + dbk.sum(0))[:, :T0].to(beta_raw.dtype)
+        dq, dk, dg = (x[:, :T0, :, :K0] for x in (dq, dk, dg))
+        dv = dv[:, :T0, :, :V0]
+        dh0 = dh0[:, :, :K0, :V0].to(h0_raw.dtype) if dh0 is not None else None
+        dA_log = ddt_bias = None
+        if prep.active:
+            dq, dk, dg, dA_log, ddt_bias = prep_bwd(q_raw, k_raw, g_raw, A_log, dt_bias, dq, dk, dg, **prep.kw())
+        return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, None, dh0, None, None, None, None
 
 
 def launch_configs(K: int = 128, V: int = 128) -> dict:
     """The launch config of every kernel at head dims K, V: {name: {block: size, num_warps, num_stages}}."""
     out = {}
-    for lau in (_intra, _state, _out, _dh, _grads):
+    for lau in (_intra, _state, _out, _dh, _wy, _dqkg):
         size, warps, stages = lau.config(K, V)
         out[lau.name] = {lau.block: size, "num_warps": warps, "num_stages": stages}
     return out
@@ -238,34 +344,56 @@ def chunk_kda(
     lower_bound: float = -5.0,
     validate: bool = True,
     chunk_size: int = 64,
+    *,
+    gate: str = "none",
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    l2norm_qk: bool = False,
+    silu_qk: bool = False,
+    norm_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA forward (Triton) with an autograd backward.
 
     Args:
-        q: ``[B, T, H, K]`` queries (normalize them yourself if you want that).
+        q: ``[B, T, H, K]`` queries (normalized by the caller unless ``l2norm_qk``).
         k: ``[B, T, H, K]`` keys, same dtype as q.
         v: ``[B, T, H, V]`` values, same dtype as q; bf16, fp16 or fp32 (accumulation is fp32).
-        g: ``[B, T, H, K]`` per-channel log decay, natural log, ``<= 0``.
+        g: ``[B, T, H, K]``: with ``gate="none"`` the per-channel log decay (natural log, ``<= 0``);
+            otherwise the gate's raw input ``z`` (any float dtype), turned into the log decay
+            inside the op: ``gate="bounded"``: ``g = lower_bound * sigmoid(exp(A_log_h) (z + dt_bias))``
+            (so ``g >= lower_bound`` by construction); ``gate="softplus"``:
+            ``g = -exp(A_log_h) softplus(z + dt_bias)`` (unbounded: needs ``mode="general"``).
         beta: ``[B, T, H]`` write strength.
         scale: multiplier on q; default ``K ** -0.5``.
         initial_state: ``[B, H, K, V]`` fp32 state before the first token, or None (zeros).
         output_final_state: also return the state after the last token.
         mode: ``"bounded"`` (fast diagonal sub-tiles, needs ``g >= lower_bound``) or ``"general"``
             (any ``g <= 0``).
-        lower_bound: the bound g respects in bounded mode; must be ``>= max_safe_g_min("fp32", 16)``
-            (about -5.5), else the 16-token diagonal sub-tile would overflow.
-        validate: check ``max(g) <= 0`` and, in bounded mode, ``min(g) >= lower_bound``
-            (one reduction over g and a host sync); ``validate=False`` skips it for speed, and
-            then out-of-range g gives undefined (possibly non-finite) results.
+        lower_bound: the bound g respects in bounded mode (and the bounded gate's floor); must be
+            ``>= max_safe_g_min("fp32", 16)`` (about -5.5) in bounded mode, else the 16-token
+            diagonal sub-tile would overflow.
+        validate: with ``gate="none"``, check ``max(g) <= 0`` and, in bounded mode,
+            ``min(g) >= lower_bound`` (one reduction over g and a host sync); ``validate=False``
+            skips it for speed, and then out-of-range g gives undefined (possibly non-finite)
+            results. A gate computed inside the op needs no check.
         chunk_size: tokens per chunk, one of 16, 32, 64.
+        gate: ``"none" | "bounded" | "softplus"``, see ``g``.
+        A_log: ``[H]`` fp32 log of the gate's per-head rate (required with a gate).
+        dt_bias: ``[H * K]`` per-channel gate bias, or None.
+        l2norm_qk: L2-normalize q and k per head inside the op (``F.normalize`` semantics,
+            ``eps=norm_eps``), after ``silu_qk``.
+        silu_qk: apply SiLU to q and k first (as the KDA layer does after its short convolution).
 
     Returns:
         ``o`` ``[B, T, H, V]`` in v's dtype and the final state ``[B, H, K, V]`` fp32 (or None).
+        Gradients flow to q, k, v, g (or z, A_log, dt_bias), beta and initial_state.
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not allowed: expected one of {MODES}")
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size={chunk_size} is not allowed: expected one of {CHUNK_SIZES}")
+    if gate not in GATES:
+        raise ValueError(f"gate={gate!r} is not allowed: expected one of {GATES}")
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
     B, T, H, K = q.shape
@@ -292,30 +420,23 @@ def chunk_kda(
                 f"lower_bound={lower_bound} is not allowed in bounded mode: expected {floor:.3f} <= lower_bound <= 0 "
                 f"(|lower_bound| * {SUBTILE} / 2 must stay inside the exp range of a {SUBTILE}-token sub-tile); "
                 f"use mode='general' for lower decays")
-    if validate:
-        gmin, gmax = (x.item() for x in torch.aminmax(g.detach()))
-        if gmax > 0:
-            raise ValueError(f"g must be a log decay <= 0, got max(g)={gmax:.4g}")
-        if bounded and gmin < lower_bound:
-            raise ValueError(
-                f"min(g)={gmin:.4g} is below lower_bound={lower_bound} in bounded mode: "
-                f"use mode='general' or bound the gate (g = lower_bound * sigmoid(...))")
+        if gate == "softplus":
+            raise ValueError("gate='softplus' is not allowed with mode='bounded': the softplus decay has no lower "
+                             "bound; use mode='general' or gate='bounded'")
+    if gate == "none":
+        if A_log is not None or dt_bias is not None:
+            raise ValueError("A_log / dt_bias are only used with gate='bounded' or 'softplus', got gate='none'")
+        if validate:
+            gmin, gmax = (x.item() for x in torch.aminmax(g.detach()))
+            if gmax > 0:
+                raise ValueError(f"g must be a log decay <= 0, got max(g)={gmax:.4g}")
+            if bounded and gmin < lower_bound:
+                raise ValueError(
+                    f"min(g)={gmin:.4g} is below lower_bound={lower_bound} in bounded mode: "
+                    f"use mode='general' or bound the gate (g = lower_bound * sigmoid(...))")
+    elif A_log is None:
+        raise ValueError(f"gate={gate!r} needs A_log [H] (the gate's per-head log rate)")
     scale = K**-0.5 if scale is None else float(scale)
-    # kernels take padded shapes: T a multiple of the chunk, K and V powers of two >= 16. Padded
-    # tokens (q = k = v = beta = 0, g = 0) leave the state unchanged and padded channels stay 0,
-    # so slicing the outputs back is exact; autograd slices the gradients through the pad.
-    Tp = triton.cdiv(T, chunk_size) * chunk_size
-    Kp = max(16, triton.next_power_of_2(K))
-    Vp = max(16, triton.next_power_of_2(V))
-    q, k, g = (_pad(x, {1: Tp, 3: Kp}).contiguous() for x in (q, k, g))
-    v = _pad(v, {1: Tp, 3: Vp}).contiguous()
-    beta = _pad(beta, {1: Tp}).contiguous()
-    if initial_state is not None:
-        initial_state = _pad(initial_state, {2: Kp, 3: Vp}).contiguous()
-    o, final_state = ChunkKDAFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state, bounded,
-                                            chunk_size)
-    if (Tp, Vp) != (T, V):
-        o = o[:, :T, :, :V]
-    if final_state is not None and (Kp, Vp) != (K, V):
-        final_state = final_state[:, :, :K, :V]
-    return o, final_state
+    prep = Prep(gate, lower_bound if gate == "bounded" else None, silu_qk, l2norm_qk, norm_eps)
+    return ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                                  bounded, chunk_size, prep)
