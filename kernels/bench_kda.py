@@ -211,6 +211,8 @@ def main() -> int:
                     help="main: the three anchor shapes, all impls; long: T up to 524288 at B=1, moelab only")
     ap.add_argument("--tune", action="store_true", help="also time bf16 intra scores (scores_tf32=False) at B8 T4096")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU (Triton interpreter), moelab only")
+    ap.add_argument("--impls", nargs="*", choices=IMPLS, help="only these rows (default: all)")
+    ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel breakdown")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke or dev == "cpu":
@@ -223,6 +225,8 @@ def main() -> int:
         shapes = []
     elif args.part == "main":
         long_shapes = []
+    if args.impls:
+        impls = [i for i in impls if i in args.impls]
     if dev == "cpu" and fla_chunk_kda is not None:
         impls = [i for i in impls if not i.startswith("fla")]
     rows: list[dict] = []
@@ -252,7 +256,7 @@ def main() -> int:
         triton_chunk.TUNING.update(default)
     print_ratios(rows)
     write()  # the timings are safe before the optional breakdown runs
-    if dev == "cuda" and args.part != "long":
+    if dev == "cuda" and args.part != "long" and not args.no_profile:
         try:
             profile.update(profile_kernels(*SHAPES[0], dev))
             write()

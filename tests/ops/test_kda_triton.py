@@ -85,7 +85,8 @@ def test_modes_agree_and_defaults():
     b = _run(chunk_kda, ins, s0, do, dS, mode="general", scale=32**-0.5)
     assert_close(a[0], b[0], 1e-5, "o bounded vs general")
     for x, y in zip(a[2], b[2]):
-        assert_close(x, y, 1e-5, "grad bounded vs general")
+        # 3e-5: dg is a reverse cumsum with cancelling terms; each mode is ~1e-5 from an fp64 reference
+        assert_close(x, y, 3e-5, "grad bounded vs general")
 
 
 @pytest.mark.parametrize("mode", ["bounded", "general"])
@@ -182,7 +183,7 @@ def test_launch_config_override(monkeypatch):
     with pytest.raises(ValueError, match="'out'"):
         tc._launch_from_env('{"out": [64, 4]}')
     cfgs = tc.launch_configs(128, 128)
-    assert set(cfgs) == {"intra", "state", "out", "dh", "wy", "dqkg"}
+    assert set(cfgs) == {"intra", "state", "out", "dh", "wy", "dqkg", "dg"}
 
 
 # fused prep: (B, T, H, K, V, chunk, gate, mode, silu, dt_bias)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelab.ops.kda.triton_common import _cast, _colside_sum, _dot, _load_G, _rowside2
+from moelab.ops.kda.triton_common import _cast, _dot
 
 
 @triton.jit
@@ -165,27 +165,39 @@ def _kda_bwd_wy(
 @triton.jit
 def _kda_bwd_dqkg(
     q, k, g, beta, Gbuf, hbuf, dhbuf, U, do, dAs, dkb,
-    dq, dk, dg, dbk,
+    dq, dk, dG, dGl, dbk,
     scale, T, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Per K-block and chunk (grid ``[K // BK, NT, B*H]``): dq, dk, dg of the block (stored) and
-    its dbeta terms (fp32 ``dbk`` ``[K // BK, B, T, H]``, summed on the host, no atomics).
+    """Per K-block, sub-tile and chunk (grid ``[K // BK, NT * C // BC, B*H]``): the rows ``I`` of
+    one ``BC``-token sub-tile. Stores dq and dk of those rows (final), their ``dG`` (fp32, before
+    the reverse cumsum that ``_kda_bwd_dg`` does over the chunk), this sub-tile's part of the
+    gradient of ``G_last`` (``dGl`` ``[B, NT, H, C // BC, K]``) and its dbeta terms (``dbk``
+    ``[K // BK, B, T, H]``, summed on the host).
 
-    State terms: inter-chunk dq and dk, the w-path of dk and dbeta (from ``dkb``), and their dG,
-    with the gradient of G_last (which every g of the chunk feeds) added to all of dg. Score
-    terms: the gated scores A_qk (dAq, scale folded in) and A_kk (dAk, beta folded into the row
-    side), read from the scratch ``dAs``. Then the reverse cumsum of dG."""
+    Gated-score terms, with sub-tile ``J`` of the chunk:
+    * row side (``J < I``): ``sum_J dS_IJ (b_J e^{gn - G_J}) * e^{G_I - gn}``, ``gn`` = G at the first
+      row of ``I`` (both factors <= 1);
+    * column side (``J > I``): ``sum_J dS_JI^T (a_J e^{G_J - gl}) * e^{gl - G_I}``, ``gl`` = G at the
+      last row of ``I``;
+    * diagonal (``J = I``): bounded mode one product each side on factors shifted to the sub-tile
+      midpoint; general mode element-wise ``e^{G_i - G_j}`` per pair (partner rows from memory).
+    Every tile is ``[BC, *]``: small enough to stay in registers (the chunk-wide version spilled).
+    """
     i_k = tl.program_id(0)
-    i_c = tl.program_id(1)
+    i_ci = tl.program_id(1)
     i_bh = tl.program_id(2)
+    NC: tl.constexpr = C // BC
+    i_c = i_ci // NC
+    i_i = i_ci % NC
     i_b = i_bh // H
     i_h = i_bh % H
     r = tl.arange(0, C)
-    cidx = tl.arange(0, C)
-    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
+    rc = tl.arange(0, BC)
+    cols = tl.arange(0, BK)
+    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h  # the chunk's first token
     bo = i_k * BK
     q += row0 * K + bo
     k += row0 * K + bo
@@ -194,59 +206,164 @@ def _kda_bwd_dqkg(
     dkb += row0 * K + bo
     dq += row0 * K + bo
     dk += row0 * K + bo
-    dg += row0 * K + bo
+    dG += row0 * K + bo
     U += row0 * V
     do += row0 * V
     beta += row0
     dbk += i_k.to(tl.int64) * NBH * T + row0  # [K // BK, B, T, H]; B*T*H = NBH*T
-    c_off = (i_b * (T // C) + i_c).to(tl.int64) * H + i_h
+    c_off = (i_b * (T // C) + i_c).to(tl.int64) * H + i_h  # (chunk, head) index
     hbuf += c_off * K * V + bo * V
     dhbuf += c_off * K * V + bo * V
     dAs += c_off * (2 * C * C)
+    dGl += (c_off * NC + i_i) * K + bo
 
-    b = tl.load(beta + r * H).to(tl.float32)
-    cols = tl.arange(0, BK)
-    kp = r[:, None] * (H * K) + cols[None, :]
-    dqh = tl.zeros([C, BK], dtype=tl.float32)
-    dkh = tl.zeros([C, BK], dtype=tl.float32)
+    rI = i_i * BC + rc  # this sub-tile's rows within the chunk
+    pI = rI[:, None] * (H * K) + cols[None, :]
+    # chunk-local cumsum in log2 units: offsets from one load of the chunk's g block
+    gch = tl.load(g + r[:, None] * (H * K) + cols[None, :]).to(tl.float32) * 1.4426950408889634
+    Gl = tl.sum(gch, axis=0)  # G at the chunk's last row
+    offI = tl.sum(tl.where((r < i_i * BC)[:, None], gch, 0.0), axis=0)  # G before the first row of I
+    if BOUNDED:
+        GI = offI[None, :] + tl.cumsum(tl.load(g + pI).to(tl.float32) * 1.4426950408889634, axis=0)
+    else:
+        # the G the intra kernel stored: the diagonal pairs below take partner rows from it, and
+        # e^{G_i - G_j} of a pair must come from one cumsum (a second one rounds differently, and
+        # the diagonal terms dominate)
+        GI = tl.load(Gbuf + pI)
+    qI = tl.load(q + pI).to(tl.float32)
+    kI = tl.load(k + pI).to(tl.float32)
+    bI = tl.load(beta + rI * H).to(tl.float32)
+    bkI = kI * bI[:, None]
+
+    # state terms: dq += scale e^G do h^T, dk += e^{G_last-G} U dh^T, the w-path (dkb)
+    dqh = tl.zeros([BC, BK], dtype=tl.float32)
+    dkh = tl.zeros([BC, BK], dtype=tl.float32)
     dgl = tl.zeros([BK], dtype=tl.float32)
     for vb in range(V // BV):
         cv = vb * BV + tl.arange(0, BV)
-        p = r[:, None] * (H * V) + cv[None, :]
+        p = rI[:, None] * (H * V) + cv[None, :]
         hp = cols[:, None] * V + cv[None, :]
         ht = tl.load(hbuf + hp)
         dht = tl.load(dhbuf + hp)
         dqh += _dot(_cast(tl.load(do + p), DOT_BF16), _cast(tl.trans(ht), DOT_BF16), IEEE)
         dkh += _dot(_cast(tl.load(U + p), DOT_BF16), _cast(tl.trans(dht), DOT_BF16), IEEE)
         dgl += tl.sum(ht.to(tl.float32) * dht.to(tl.float32), axis=1)
-    G = _load_G(g, r, cols, H * K)
-    Gl = tl.sum(tl.where(r[:, None] == C - 1, G, 0.0), axis=0)
-    qt = tl.load(q + kp).to(tl.float32)
-    kt = tl.load(k + kp).to(tl.float32)
-    dkbt = tl.load(dkb + kp)
-    eG = tl.exp2(G)
-    bk = kt * b[:, None]
-    dki = dkh * tl.exp2(Gl[None, :] - G)
+    dkbI = tl.load(dkb + pI)
+    eG = tl.exp2(GI)
+    dki = dkh * tl.exp2(Gl[None, :] - GI)
     dqt = dqh * eG * scale
-    dkt = dki + dkbt * eG * b[:, None]
-    db = tl.sum(dkbt * kt * eG, axis=1)
-    dG = qt * dqt - kt * dki + bk * eG * dkbt
-    dGl = tl.sum(kt * dki, axis=0) + tl.exp2(Gl) * dgl
+    dkt = dki + dkbI * eG * bI[:, None]
+    db = tl.sum(dkbI * kI * eG, axis=1)
+    dGt = qI * dqt - kI * dki + bkI * eG * dkbI
+    part = tl.sum(kI * dki, axis=0) + tl.where(i_i == NC - 1, tl.exp2(Gl) * dgl, 0.0)
 
-    dAq = tl.load(dAs + r[:, None] * C + cidx[None, :])
-    dAk = tl.load(dAs + C * C + r[:, None] * C + cidx[None, :])
-    rq, rk = _rowside2(dAq, dAk, kt, G, k, Gbuf, H * K, BOUNDED, DOT_BF16, IEEE, C, BC, BK)
-    tl.store(dq + kp, (dqt + rq).to(dq.dtype.element_ty))
-    dkt += rk * b[:, None]
-    db += tl.sum(rk * kt, axis=1)
-    dG += qt * rq + bk * rk
-    cs = _colside_sum(dAq, dAk, dAs, qt, bk, G, q, k, beta, Gbuf, H * K, H, BOUNDED, DOT_BF16, IEEE, C, BC, BK)
-    dkt += cs
-    dG -= kt * cs
-    dgt = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG + dGl[None, :]
-    tl.store(dk + kp, dkt.to(dk.dtype.element_ty))
-    tl.store(dg + kp, dgt.to(dg.dtype.element_ty))
-    tl.store(dbk + r * H, db)
+    # row side, J < I
+    sA = rI[:, None] * C  # rows I of the [C, C] score gradients
+    gn = offI + tl.load(g + (i_i * BC) * (H * K) + cols).to(tl.float32) * 1.4426950408889634
+    rq = tl.zeros([BC, BK], dtype=tl.float32)
+    rk = tl.zeros([BC, BK], dtype=tl.float32)
+    offJ = tl.zeros([BK], dtype=tl.float32)
+    for J in range(0, i_i):
+        pJ = (J * BC + rc)[:, None] * (H * K) + cols[None, :]
+        gJ = tl.load(g + pJ).to(tl.float32) * 1.4426950408889634
+        GJ = offJ[None, :] + tl.cumsum(gJ, axis=0)
+        offJ += tl.sum(gJ, axis=0)
+        kf = _cast(tl.load(k + pJ).to(tl.float32) * tl.exp2(gn[None, :] - GJ), DOT_BF16)
+        cJ = J * BC + rc
+        rq += _dot(_cast(tl.load(dAs + sA + cJ[None, :]), DOT_BF16), kf, IEEE)
+        rk += _dot(_cast(tl.load(dAs + C * C + sA + cJ[None, :]), DOT_BF16), kf, IEEE)
+    eI = tl.exp2(GI - gn[None, :])
+    rq *= eI
+    rk *= eI
+
+    # column side, J > I: element (i, j) of dS_JI^T is dS[j, i]
+    gI_last = offI + tl.sum(tl.load(g + pI).to(tl.float32), axis=0) * 1.4426950408889634
+    cs = tl.zeros([BC, BK], dtype=tl.float32)
+    offJ = gI_last
+    for J in range(i_i + 1, NC):
+        pJ = (J * BC + rc)[:, None] * (H * K) + cols[None, :]
+        gJ = tl.load(g + pJ).to(tl.float32) * 1.4426950408889634
+        GJ = offJ[None, :] + tl.cumsum(gJ, axis=0)
+        offJ += tl.sum(gJ, axis=0)
+        e = tl.exp2(GJ - gI_last[None, :])
+        bJ = tl.load(beta + (J * BC + rc) * H).to(tl.float32)
+        qf = _cast(tl.load(q + pJ).to(tl.float32) * e, DOT_BF16)
+        bkf = _cast(tl.load(k + pJ).to(tl.float32) * bJ[:, None] * e, DOT_BF16)
+        tP = (J * BC + rc)[None, :] * C + rI[:, None]
+        cs += _dot(_cast(tl.load(dAs + tP), DOT_BF16), qf, IEEE)
+        cs += _dot(_cast(tl.load(dAs + C * C + tP), DOT_BF16), bkf, IEEE)
+    cs *= tl.exp2(gI_last[None, :] - GI)
+
+    # diagonal sub-tile
+    dP = sA + rI[None, :]  # dS[i, j], i, j in I (stored already masked to j <= i / j < i)
+    tPd = rI[None, :] * C + rI[:, None]  # dS[j, i]
+    if BOUNDED:
+        # fp32 operands (TF32) even for bf16 inputs: see _rowside2 (the row and column terms of
+        # every diagonal pair cancel in dg's reverse cumsum; bf16 rounding of the shifted factors
+        # would leave a residue of dg's own size)
+        Gm = tl.sum(tl.where((rc == BC // 2 - 1)[:, None], GI, 0.0), axis=0)
+        up = tl.exp2(GI - Gm[None, :])
+        down = tl.exp2(Gm[None, :] - GI)
+        kd = _cast(kI * down, False)
+        rq += up * _dot(_cast(tl.load(dAs + dP), False), kd, IEEE)
+        rk += up * _dot(_cast(tl.load(dAs + C * C + dP), False), kd, IEEE)
+        acc = _dot(_cast(tl.load(dAs + tPd), False), _cast(qI * up, False), IEEE)
+        acc += _dot(_cast(tl.load(dAs + C * C + tPd), False), _cast(bkI * up, False), IEEE)
+        cs += down * acc
+    else:
+        for s in range(BC):
+            j = i_i * BC + s
+            pj = j * (H * K) + cols
+            kj = tl.load(k + pj).to(tl.float32)
+            qj = tl.load(q + pj).to(tl.float32)
+            Gj = tl.load(Gbuf + pj)
+            bj = tl.load(beta + j * H).to(tl.float32)
+            # row side: rows i >= j of column j
+            e_r = tl.exp2(tl.where((rI >= j)[:, None], GI - Gj[None, :], float("-inf")))
+            aq = tl.load(dAs + rI * C + j)
+            ak = tl.load(dAs + C * C + rI * C + j)
+            rq += aq[:, None] * kj[None, :] * e_r
+            rk += ak[:, None] * kj[None, :] * e_r
+            # column side: column i <= j of row j
+            e_c = tl.exp2(tl.where((rI <= j)[:, None], Gj[None, :] - GI, float("-inf")))
+            cq = tl.load(dAs + j * C + rI)
+            ck = tl.load(dAs + C * C + j * C + rI)
+            cs += (cq[:, None] * qj[None, :] + (ck * bj)[:, None] * kj[None, :]) * e_c
+
+    tl.store(dq + pI, (dqt + rq).to(dq.dtype.element_ty))
+    dkt += rk * bI[:, None] + cs
+    db += tl.sum(rk * kI, axis=1)
+    dGt += qI * rq + bkI * rk - kI * cs
+    tl.store(dk + pI, dkt.to(dk.dtype.element_ty))
+    tl.store(dG + pI, dGt)
+    tl.store(dGl + cols, part)
+    tl.store(dbk + rI * H, db)
+
+
+@triton.jit
+def _kda_bwd_dg(
+    dG, dGl, dg, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+):
+    """Per K-block and chunk (grid ``[K // BK, NT, B*H]``): ``dg`` = reverse cumsum of ``dG``
+    within the chunk plus the gradient of ``G_last`` (the sum of the sub-tile parts in ``dGl``),
+    which every g of the chunk feeds."""
+    i_k = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    NC: tl.constexpr = C // BC
+    r = tl.arange(0, C)
+    cols = i_k * BK + tl.arange(0, BK)
+    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
+    p = r[:, None] * (H * K) + cols[None, :]
+    x = tl.load(dG + row0 * K + p)
+    c_off = (i_b * (T // C) + i_c).to(tl.int64) * H + i_h
+    parts = tl.load(dGl + c_off * NC * K + tl.arange(0, NC)[:, None] * K + cols[None, :])
+    tot = tl.sum(parts, axis=0)
+    out = tl.sum(x, axis=0)[None, :] - tl.cumsum(x, axis=0) + x + tot[None, :]
+    tl.store(dg + row0 * K + p, out.to(dg.dtype.element_ty))
 
 
 @triton.jit

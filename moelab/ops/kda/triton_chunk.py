@@ -30,7 +30,7 @@ import torch
 import triton
 
 from moelab.model.config import max_safe_g_min
-from moelab.ops.kda.triton_bwd import _kda_bwd_dh, _kda_bwd_dqkg, _kda_bwd_wy
+from moelab.ops.kda.triton_bwd import _kda_bwd_dg, _kda_bwd_dh, _kda_bwd_dqkg, _kda_bwd_wy
 from moelab.ops.kda.triton_common import SUBTILE
 from moelab.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_out, _kda_fwd_state
 from moelab.ops.kda.triton_prep import prep_bwd, prep_fwd
@@ -71,7 +71,8 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "out": (64, 4, 1),
     "dh": (32, 2, 1),
     "wy": (64, 8, 1),
-    "dqkg": (64, 8, 1),
+    "dqkg": (64, 4, 1),
+    "dg": (64, 4, 1),
 }
 # the interpreter: 16-wide blocks so that small test shapes still take the multi-block paths
 _INTERP_LAUNCH = (16, 4, 1)
@@ -117,6 +118,7 @@ _out = _Launcher("out", _kda_fwd_out, "BV")
 _dh = _Launcher("dh", _kda_bwd_dh, "BV")
 _wy = _Launcher("wy", _kda_bwd_wy, "BK")
 _dqkg = _Launcher("dqkg", _kda_bwd_dqkg, "BK")
+_dg = _Launcher("dg", _kda_bwd_dg, "BK")
 
 
 def _dot_bf16(dtype: torch.dtype) -> bool:
@@ -297,13 +299,17 @@ class ChunkKDAFunction(torch.autograd.Function):
             H=H, K=K, V=V, C=C, BV=min(V, 64), DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
         )
         nk = K // _dqkg.config(K, V)[0]
+        nc = C // SUBTILE
         dbk = torch.empty(nk, B, T, H, device=q.device, dtype=torch.float32)  # per-K-block dbeta terms
+        dGs = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)  # dG before the reverse cumsum
+        dGl = torch.empty(B, NT, H, nc, K, device=q.device, dtype=torch.float32)  # per-sub-tile d(G_last) parts
         _dqkg(
-            lambda bk: (K // bk, NT, B * H), q, k, g, beta, inter["Gbuf"], inter["hbuf"], dhbuf, inter["U"], do,
-            dAs, dkb, dq, dk, dg, dbk, scale, T, B * H,
+            lambda bk: (K // bk, NT * nc, B * H), q, k, g, beta, inter["Gbuf"], inter["hbuf"], dhbuf, inter["U"], do,
+            dAs, dkb, dq, dk, dGs, dGl, dbk, scale, T, B * H,
             H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64), BOUNDED=bounded, DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
         )
-        del inter, dAs, dkb, dhbuf, dU
+        _dg(lambda bk: (K // bk, NT, B * H), dGs, dGl, dg, T, H=H, K=K, C=C, BC=SUBTILE, V=V)
+        del inter, dAs, dkb, dhbuf, dU, dGs, dGl
         dbeta = (dbv + dbk.sum(0))[:, :T0].to(beta_raw.dtype)
         dq, dk, dg = (x[:, :T0, :, :K0] for x in (dq, dk, dg))
         dv = dv[:, :T0, :, :V0]
@@ -317,7 +323,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 def launch_configs(K: int = 128, V: int = 128) -> dict:
     """The launch config of every kernel at head dims K, V: {name: {block: size, num_warps, num_stages}}."""
     out = {}
-    for lau in (_intra, _state, _out, _dh, _wy, _dqkg):
+    for lau in (_intra, _state, _out, _dh, _wy, _dqkg, _dg):
         size, warps, stages = lau.config(K, V)
         out[lau.name] = {lau.block: size, "num_warps": warps, "num_stages": stages}
     return out
