@@ -77,8 +77,10 @@ def main() -> int:
     base = dict(H=16, K=args.K, V=args.K, C=64)
     bf = dict(DOT_BF16=True, IEEE=False)
     kernels = {
-        "intra": [(F._kda_fwd_intra, dict(base, BC=16, BV=64, BOUNDED=m, STORE_G=not m, SCORE_BF16=False, IEEE=False),
-                   "BK", m) for m in (True, False)],
+        "scores": [(F._kda_fwd_scores, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False), None, m)
+                   for m in (True, False)],
+        "intra": [(F._kda_fwd_intra, dict(base, BC=16, BV=64, BOUNDED=m, STORE_G=not m, SCORE_BF16=False, IEEE=False,
+                                          SCORES=False), "BK", m) for m in (True, False)],
         "state": [(F._kda_fwd_state, dict(base, HAS_H0=True, STORE_HT=True, **bf), "BV", None)],
         "out": [(F._kda_fwd_out, dict(base, **bf), "BV", None)],
         "dh": [(B._kda_bwd_dh, dict(base, HAS_DHT=True, STORE_DH0=True, **bf), "BV", None)],
@@ -91,9 +93,11 @@ def main() -> int:
             continue
         size, warps, stages = tc.LAUNCH[name]
         for kernel, consts, block, bounded in variants:
-            consts = dict(consts, **{block: min(size, args.K)})
+            if block is not None:
+                consts = dict(consts, **{block: min(size, args.K)})
             tag = "" if bounded is None else (" bounded" if bounded else " general")
-            print(f"{name:6s}{tag:9s} {block}={consts[block]} warps={warps} stages={stages}: "
+            blk = f"{block}={consts[block]}" if block is not None else "all-K"
+            print(f"{name:6s}{tag:9s} {blk} warps={warps} stages={stages}: "
                   f"{compile_one(kernel, consts, warps, stages)}", flush=True)
     return 0
 

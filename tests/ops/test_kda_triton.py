@@ -109,6 +109,22 @@ def test_save_policies_agree(monkeypatch, mode):
         _run(chunk_kda, ins, s0, do, dS, mode=mode)
 
 
+@pytest.mark.parametrize("mode", ["bounded", "general"])
+def test_score_paths_agree(monkeypatch, mode):
+    """The sub-tile score kernel and the chunk-wide scores inside the intra kernel compute the same
+    outputs and gradients (fp32, exact products: up to rounding)."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    ins, s0, do, dS = _inputs(1, 150, 2, 32, 16, torch.float32, seed=13)
+    runs = {}
+    for path in tc.SCORE_PATHS:
+        monkeypatch.setitem(tc.TUNING, "scores", path)
+        runs[path] = _run(chunk_kda, ins, s0, do, dS, mode=mode)
+    assert_close(runs["chunk"][0], runs["subtile"][0], 1e-5, "o")
+    for a, b in zip(runs["chunk"][2], runs["subtile"][2]):
+        assert_close(a, b, 3e-5, "grad")
+
+
 def test_no_final_state_and_no_state_grad():
     ins, _, do, _ = _inputs(1, 20, 1, 16, 16, torch.float32, seed=5, h0=False)
     leaves = [x.clone().requires_grad_() for x in ins]
@@ -182,8 +198,13 @@ def test_launch_config_override(monkeypatch):
         tc._launch_from_env('{"bogus": [64, 4, 1]}')
     with pytest.raises(ValueError, match="'out'"):
         tc._launch_from_env('{"out": [64, 4]}')
+    monkeypatch.setattr(tc, "TUNING", dict(tc.TUNING))
+    tc._tuning_from_env('{"scores": "chunk"}')
+    assert tc.TUNING["scores"] == "chunk"
+    with pytest.raises(ValueError, match="'bogus'"):
+        tc._tuning_from_env('{"bogus": 1}')
     cfgs = tc.launch_configs(128, 128)
-    assert set(cfgs) == {"intra", "state", "out", "dh", "wy", "dqkg", "dg"}
+    assert set(cfgs) == {"scores", "intra", "state", "out", "dh", "wy", "dqkg", "dg"}
 
 
 # fused prep: (B, T, H, K, V, chunk, gate, mode, silu, dt_bias)

@@ -32,7 +32,7 @@ import triton
 from moelab.model.config import max_safe_g_min
 from moelab.ops.kda.triton_bwd import _kda_bwd_dg, _kda_bwd_dh, _kda_bwd_dqkg, _kda_bwd_wy
 from moelab.ops.kda.triton_common import SUBTILE
-from moelab.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_out, _kda_fwd_state
+from moelab.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_out, _kda_fwd_scores, _kda_fwd_state
 from moelab.ops.kda.triton_prep import prep_bwd, prep_fwd
 
 MODES = ("bounded", "general")
@@ -52,8 +52,12 @@ def _interpret() -> bool:
 # reruns only the state kernel); "all": also the chunk states and U (no rerun). The op-level peak
 # memory is about the same for all three (the rerun materializes the same buffers); a model that
 # stacks layers keeps "intra"/"all" buffers per layer until its backward.
-TUNING: dict = {"scores_tf32": True, "save": "intra"}
+# ``scores``: "subtile": the gated scores by ``_kda_fwd_scores`` (one program per 16-row
+# sub-tile, all of K, tiles that stay in registers), "chunk": inside the intra kernel over
+# chunk-wide [C, C] tiles (the first version, kept for comparison).
+TUNING: dict = {"scores_tf32": True, "save": "intra", "scores": "subtile"}
 SAVE_POLICIES = ("inputs", "intra", "all")
+SCORE_PATHS = ("subtile", "chunk")
 
 
 # Launch configuration per kernel on the GPU: (block size, num_warps, num_stages); the block is
@@ -66,6 +70,7 @@ SAVE_POLICIES = ("inputs", "intra", "all")
 # "Launch configs"), and was the fastest passing one where timed. A block clamped below its entry
 # (small head dims) runs at 2 warps (mma.sync, no warpgroup MMA), which passed for every kernel.
 LAUNCH: dict[str, tuple[int, int, int]] = {
+    "scores": (0, 4, 1),  # no block: every program takes all of K
     "intra": (32, 4, 1),
     "state": (32, 2, 1),
     "out": (64, 4, 1),
@@ -92,6 +97,19 @@ def _launch_from_env(text: str | None) -> None:
 _launch_from_env(os.environ.get("MOELAB_KDA_LAUNCH"))
 
 
+def _tuning_from_env(text: str | None) -> None:
+    """``MOELAB_KDA_TUNING='{"scores": "chunk"}'`` overrides entries of TUNING (experiments)."""
+    if not text:
+        return
+    for name, val in json.loads(text).items():
+        if name not in TUNING:
+            raise ValueError(f"MOELAB_KDA_TUNING entry {name!r} is not allowed: expected one of {sorted(TUNING)}")
+        TUNING[name] = val
+
+
+_tuning_from_env(os.environ.get("MOELAB_KDA_TUNING"))
+
+
 class _Launcher:
     """Launch ``kernel`` with the config ``LAUNCH[name]`` (``_INTERP_LAUNCH`` in the interpreter);
     ``block`` names the kernel's block-size parameter (``BK`` or ``BV``)."""
@@ -101,6 +119,8 @@ class _Launcher:
 
     def config(self, K: int, V: int) -> tuple[int, int, int]:
         size, warps, stages = _INTERP_LAUNCH if _interpret() else LAUNCH[self.name]
+        if self.block is None:
+            return 0, LAUNCH[self.name][1], stages
         dim = K if self.block == "BK" else V
         if dim < size and not _interpret():
             return dim, 2, stages  # see LAUNCH: narrow blocks only at 2 warps
@@ -109,9 +129,11 @@ class _Launcher:
     def __call__(self, grid, *args, **kwargs):
         size, warps, stages = self.config(kwargs["K"], kwargs["V"])
         grid = grid(size) if callable(grid) else grid
-        return self.kernel[grid](*args, **kwargs, **{self.block: size}, num_warps=warps, num_stages=stages)
+        block = {self.block: size} if self.block is not None else {}
+        return self.kernel[grid](*args, **kwargs, **block, num_warps=warps, num_stages=stages)
 
 
+_scores = _Launcher("scores", _kda_fwd_scores, None)
 _intra = _Launcher("intra", _kda_fwd_intra, "BK")
 _state = _Launcher("state", _kda_fwd_state, "BV")
 _out = _Launcher("out", _kda_fwd_out, "BV")
@@ -160,10 +182,19 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C):
     w, qg, kd = (torch.empty(B, T, H, K, device=dev, dtype=wd) for _ in range(3))
     u = torch.empty(B, T, H, V, device=dev, dtype=wd)
     gl = torch.empty(B, NT, H, K, device=dev, dtype=torch.float32)
+    score_bf16 = dot_bf16 and not TUNING["scores_tf32"]
+    if TUNING["scores"] not in SCORE_PATHS:
+        raise ValueError(f"TUNING['scores']={TUNING['scores']!r} is not allowed: expected one of {SCORE_PATHS}")
+    subtile = TUNING["scores"] == "subtile" and C >= SUBTILE
+    if subtile:
+        _scores(
+            (NT * (C // SUBTILE), B * H), q, k, g, beta, Abuf, Aqk, scale, T, B * H,
+            H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype),
+        )
     _intra(
         (NT, B * H), q, k, v, g, beta, Gbuf, Abuf, Aqk, w, u, qg, kd, gl, scale, T, B * H,
         H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64),
-        BOUNDED=bounded, STORE_G=store_g, SCORE_BF16=dot_bf16 and not TUNING["scores_tf32"], IEEE=_ieee(q.dtype),
+        BOUNDED=bounded, STORE_G=store_g, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype), SCORES=not subtile,
     )
     return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, qg=qg, kd=kd, gl=gl)
 
@@ -323,9 +354,9 @@ class ChunkKDAFunction(torch.autograd.Function):
 def launch_configs(K: int = 128, V: int = 128) -> dict:
     """The launch config of every kernel at head dims K, V: {name: {block: size, num_warps, num_stages}}."""
     out = {}
-    for lau in (_intra, _state, _out, _dh, _wy, _dqkg, _dg):
+    for lau in (_scores, _intra, _state, _out, _dh, _wy, _dqkg, _dg):
         size, warps, stages = lau.config(K, V)
-        out[lau.name] = {lau.block: size, "num_warps": warps, "num_stages": stages}
+        out[lau.name] = {**({lau.block: size} if lau.block else {}), "num_warps": warps, "num_stages": stages}
     return out
 
 

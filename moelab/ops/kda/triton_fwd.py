@@ -27,13 +27,104 @@ from moelab.ops.kda.triton_common import _cast, _dot, _load_G, _scores2
 
 
 @triton.jit
+def _kda_fwd_scores(
+    q, k, g, beta, Abuf, Aqk,
+    scale, T, NBH,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+    BOUNDED: tl.constexpr, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Gated scores of one ``BC``-row sub-tile ``I`` of a chunk (grid ``[NT * C // BC, B*H]``),
+    all of K at once: rows ``I`` of ``A_qk = scale lower(S(q, k))`` (``Aqk``) and
+    ``A_kk = beta strict_lower(S(k, k))`` (``Abuf``, fp32), zeros right of the diagonal sub-tile.
+
+    ``S(a, b)_ij = sum_d a_id b_jd e^{G_id - G_jd}``: for sub-tiles ``J < I`` one product on
+    ``a_I e^{G_I - gn}`` and ``b_J e^{gn - G_J}`` with ``gn`` = G at the first row of ``I`` (both
+    factors <= 1 whatever g is); the diagonal sub-tile as in ``_scores2`` (bounded: midpoint-shifted
+    factors, one product; general: element-wise per pair). Every tile is ``[BC, K]``.
+    """
+    i_ci = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    NC: tl.constexpr = C // BC
+    i_c = i_ci // NC
+    i_i = i_ci % NC
+    i_b = i_bh // H
+    i_h = i_bh % H
+    rc = tl.arange(0, BC)
+    cols = tl.arange(0, K)
+    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
+    q += row0 * K
+    k += row0 * K
+    g += row0 * K
+    beta += row0
+    Abuf += row0 * C
+    Aqk += row0 * C
+    rI = i_i * BC + rc
+    pI = rI[:, None] * (H * K) + cols[None, :]
+    # G (log2 units) before sub-tile I: the block sums of the sub-tiles before it, in order
+    offI = tl.zeros([K], dtype=tl.float32)
+    for J in range(0, i_i):
+        offI += tl.sum(tl.load(g + (J * BC + rc)[:, None] * (H * K) + cols[None, :]).to(tl.float32), axis=0)
+    offI = offI * 1.4426950408889634
+    GI = offI[None, :] + tl.cumsum(tl.load(g + pI).to(tl.float32) * 1.4426950408889634, axis=0)
+    qI = tl.load(q + pI).to(tl.float32)
+    kI = tl.load(k + pI).to(tl.float32)
+    bI = tl.load(beta + rI * H).to(tl.float32)
+    sA = rI[:, None] * (H * C)  # rows I of the [C, C] score buffers
+
+    gn = tl.sum(tl.where((rc == 0)[:, None], GI, 0.0), axis=0)
+    fI = tl.exp2(GI - gn[None, :])
+    qf = _cast(qI * fI, SCORE_BF16)
+    kf = _cast(kI * fI, SCORE_BF16)
+    offJ = tl.zeros([K], dtype=tl.float32)
+    for J in range(0, i_i):
+        pJ = (J * BC + rc)[:, None] * (H * K) + cols[None, :]
+        gJ = tl.load(g + pJ).to(tl.float32) * 1.4426950408889634
+        GJ = offJ[None, :] + tl.cumsum(gJ, axis=0)
+        offJ += tl.sum(gJ, axis=0)
+        kJT = tl.trans(_cast(tl.load(k + pJ).to(tl.float32) * tl.exp2(gn[None, :] - GJ), SCORE_BF16))
+        cJ = J * BC + rc
+        tl.store(Aqk + sA + cJ[None, :], (_dot(qf, kJT, IEEE) * scale).to(Aqk.dtype.element_ty))
+        tl.store(Abuf + sA + cJ[None, :], _dot(kf, kJT, IEEE) * bI[:, None])
+
+    lower = rc[:, None] >= rc[None, :]
+    if BOUNDED:
+        Gm = tl.sum(tl.where((rc == BC // 2 - 1)[:, None], GI, 0.0), axis=0)
+        up = tl.exp2(GI - Gm[None, :])
+        kdT = tl.trans(_cast(kI * tl.exp2(Gm[None, :] - GI), SCORE_BF16))
+        s1 = _dot(_cast(qI * up, SCORE_BF16), kdT, IEEE)
+        s2 = _dot(_cast(kI * up, SCORE_BF16), kdT, IEEE)
+    else:
+        s1 = tl.zeros([BC, BC], dtype=tl.float32)
+        s2 = tl.zeros([BC, BC], dtype=tl.float32)
+        for j in range(BC):
+            kj = tl.load(k + (i_i * BC + j) * (H * K) + cols).to(tl.float32)
+            Gj = tl.sum(tl.where((rc == j)[:, None], GI, 0.0), axis=0)
+            kje = kj[None, :] * tl.exp2(tl.where((rc >= j)[:, None], GI - Gj[None, :], float("-inf")))
+            hit = rc[None, :] == j
+            s1 += tl.where(hit, tl.sum(qI * kje, axis=1)[:, None], 0.0)
+            s2 += tl.where(hit, tl.sum(kI * kje, axis=1)[:, None], 0.0)
+    # selects, not products: bounded-mode lanes above the diagonal may hold inf
+    dI = sA + rI[None, :]
+    tl.store(Aqk + dI, tl.where(lower, s1 * scale, 0.0).to(Aqk.dtype.element_ty))
+    tl.store(Abuf + dI, tl.where(rc[:, None] > rc[None, :], s2 * bI[:, None], 0.0))
+    zero = tl.zeros([BC, BC], dtype=tl.float32)
+    for J in range(i_i + 1, NC):
+        cJ = J * BC + rc
+        tl.store(Aqk + sA + cJ[None, :], zero.to(Aqk.dtype.element_ty))
+        tl.store(Abuf + sA + cJ[None, :], zero)
+
+
+@triton.jit
 def _kda_fwd_intra(
     q, k, v, g, beta, Gbuf, Abuf, Aqk, w, u, qg, kd, gl,
     scale, T, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BOUNDED: tl.constexpr, STORE_G: tl.constexpr, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr,
+    SCORES: tl.constexpr,
 ):
+    """See the module docstring. ``SCORES=False``: ``A_kk`` (in ``Abuf``) and ``A_qk`` were
+    written by ``_kda_fwd_scores``; this kernel then does the UT transform, w, u, qg, kd, gl."""
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -57,27 +148,32 @@ def _kda_fwd_intra(
 
     b = tl.load(beta + r * H).to(tl.float32)
 
-    S1 = tl.zeros([C, C], dtype=tl.float32)
-    S2 = tl.zeros([C, C], dtype=tl.float32)
-    for kb in range(K // BK):
-        cols = kb * BK + tl.arange(0, BK)
-        p = r[:, None] * (H * K) + cols[None, :]
-        G = _load_G(g, r, cols, H * K)
-        if STORE_G:
-            # the general-mode gathers below read partner rows of G from here
-            tl.store(Gbuf + p, G)
-            tl.debug_barrier()
-        qt = tl.load(q + p).to(tl.float32)
-        kt = tl.load(k + p).to(tl.float32)
-        S1, S2 = _scores2(S1, S2, qt, kt, G, k + kb * BK, Gbuf + kb * BK, H * K, BOUNDED, SCORE_BF16, IEEE, C, BC, BK)
-
-    # selects (not products) keep possible inf of masked bounded-mode lanes out
-    Aq = tl.where(r[:, None] >= cidx[None, :], S1 * scale, 0.0)
-    Ak = tl.where(r[:, None] > cidx[None, :], S2 * b[:, None], 0.0)
     A_ptrs = r[:, None] * (H * C) + cidx[None, :]
-    tl.store(Aqk + A_ptrs, Aq.to(Aqk.dtype.element_ty))
-    tl.store(Abuf + A_ptrs, Ak)
-    tl.debug_barrier()
+    if SCORES:
+        S1 = tl.zeros([C, C], dtype=tl.float32)
+        S2 = tl.zeros([C, C], dtype=tl.float32)
+        for kb in range(K // BK):
+            cols = kb * BK + tl.arange(0, BK)
+            p = r[:, None] * (H * K) + cols[None, :]
+            G = _load_G(g, r, cols, H * K)
+            if STORE_G:
+                # the general-mode gathers below read partner rows of G from here
+                tl.store(Gbuf + p, G)
+                tl.debug_barrier()
+            qt = tl.load(q + p).to(tl.float32)
+            kt = tl.load(k + p).to(tl.float32)
+            S1, S2 = _scores2(S1, S2, qt, kt, G, k + kb * BK, Gbuf + kb * BK, H * K, BOUNDED, SCORE_BF16, IEEE, C, BC,
+                              BK)
+        # selects (not products) keep possible inf of masked bounded-mode lanes out
+        Aq = tl.where(r[:, None] >= cidx[None, :], S1 * scale, 0.0)
+        Ak = tl.where(r[:, None] > cidx[None, :], S2 * b[:, None], 0.0)
+        tl.store(Aqk + A_ptrs, Aq.to(Aqk.dtype.element_ty))
+        tl.store(Abuf + A_ptrs, Ak)
+        tl.debug_barrier()
+    elif STORE_G:
+        for kb in range(K // BK):  # the backward's general-mode gathers read G from here
+            cols = kb * BK + tl.arange(0, BK)
+            tl.store(Gbuf + r[:, None] * (H * K) + cols[None, :], _load_G(g, r, cols, H * K))
 
     # (I + A_kk)^-1 on the 16x16 diagonal blocks, all blocks at once: row s of every block is
     # e_s - sum_{m<s} A_sm Tm_m, with the rows of A read back from the buffer.
