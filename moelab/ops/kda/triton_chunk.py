@@ -76,7 +76,7 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "out": (64, 4, 1),
     "dh": (32, 2, 1),
     "wy": (64, 8, 1),
-    "dqkg": (64, 4, 1),
+    "dqkg": (32, 4, 1),
     "dg": (64, 4, 1),
 }
 # the interpreter: 16-wide blocks so that small test shapes still take the multi-block paths
