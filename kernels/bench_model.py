@@ -125,21 +125,23 @@ def main() -> None:
         sys.exit("bench_model.py needs a CUDA device")
     command = "python " + " ".join(sys.argv)
     rows = []
+
+    def add(row: dict | None) -> None:
+        # recorded as soon as measured: a run cut by a time limit keeps the rows it finished
+        rows.append(row)
+        if row is not None:
+            record_throughput(args.out, row, command)
+            print(json.dumps(row), flush=True)
+
     if args.only in (None, "fla"):
-        rows.append(moelab_row("moelab_fla_shape", "fla-shape", {}, args.warmup, args.steps, check_grads=False))
-        rows.append(fla_row(args.warmup, args.steps))
+        add(moelab_row("moelab_fla_shape", "fla-shape", {}, args.warmup, args.steps, check_grads=False))
+        add(fla_row(args.warmup, args.steps))
     if args.only in (None, "gpu-small"):
         for mode in ("prenorm", "full_attnres", "block_attnres"):
             over = {"model.residual.mode": mode}
             if mode == "block_attnres":
                 over["model.residual.num_blocks"] = 6
-            rows.append(moelab_row(f"moelab_gpu_small_{mode}", "gpu-small", over, args.warmup, args.steps,
-                                   check_grads=True))
-    for row in rows:
-        if row is None:
-            continue
-        record_throughput(args.out, row, command)
-        print(json.dumps(row), flush=True)
+            add(moelab_row(f"moelab_gpu_small_{mode}", "gpu-small", over, args.warmup, args.steps, check_grads=True))
     print(f"\n{'impl':32s} {'params':>8s} {'ms/step':>9s} {'tok/s':>10s} {'MFU(6N)':>8s} {'peak GB':>8s}")
     for r in rows:
         if r is not None:
