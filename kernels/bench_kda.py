@@ -170,6 +170,8 @@ def profile_kernels(B, T, H, D, dev):
         fn = make_fn(impl, ins)
         do = torch.randn_like(fn())
         fn().backward(do)  # compile outside the profile
+        for t in ins:
+            t.grad = None  # else the profiled backward also accumulates into .grad (an extra add kernel)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fn().backward(do)
