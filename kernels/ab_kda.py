@@ -1,0 +1,137 @@
+"""A/B variants of moelab's KDA kernels on one GPU: correctness and speed of each variant, one
+process per variant (a launch config that miscompiles may fault and take its process down).
+
+A variant is a name plus ``MOELAB_KDA_LAUNCH`` / ``MOELAB_KDA_TUNING`` overrides. Each one runs:
+
+1. a bf16 forward + backward at B1 T1024 H16 D128 (both modes, bounded gate, initial state)
+   against the fp32 token recurrence (``check_kda_gpu.py``'s reference): rel. errors, pass/fail at
+   the op's targets (o, final state 5e-3; gradients 1e-2), and determinism (two runs bitwise equal);
+2. only if that passed: fwd and fwd+bwd ``do_bench`` medians of ``chunk_kda`` with the fused prep
+   (as ``bench_kda.py``'s moelab rows) at each ``--shapes`` entry, bounded mode (``--modes`` to add
+   general), plus the device time per kernel of one bounded fwd+bwd at the first shape.
+
+Prints one table and writes every row to ``--out`` (JSON lines are written as they finish, so a
+run cut by a time limit keeps what it measured).
+
+    python kernels/ab_kda.py --out /tmp/ab.json \\
+        --variant base \\
+        --variant 'dqkg64={"launch": {"dqkg": [64, 4, 1]}}' \\
+        --variant 'subtile={"tuning": {"scores": "subtile"}}'
+    python kernels/ab_kda.py --smoke --out /tmp/ab.json --variant base   # CPU interpreter dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``name`` or ``name={"launch": {...}, "tuning": {...}}``."""
+    name, _, spec = text.partition("=")
+    spec = json.loads(spec) if spec else {}
+    bad = set(spec) - {"launch", "tuning"}
+    if bad:
+        raise SystemExit(f"variant {name!r}: keys {sorted(bad)} are not allowed: expected 'launch' and/or 'tuning'")
+    return name, spec
+
+
+def child(args: argparse.Namespace) -> None:
+    """Runs inside the variant's process (environment already set)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    sys.path.insert(0, os.path.dirname(HERE))
+    sys.path.insert(0, HERE)
+    import bench_kda as bk
+    import check_kda_gpu as ck
+
+    from moelab.ops.kda import triton_chunk as tc
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    row = dict(variant=args.name, launch=tc.launch_configs(), tuning=dict(tc.TUNING))
+    B, T = (1, 1024) if dev == "cuda" else (1, 130)
+    H, D = (16, 128) if dev == "cuda" else (2, 32)
+    ins, s0, do, dS = ck.make_inputs(B, T, H, D, "bounded", True, dt, dev, seed=0)
+    with torch.no_grad():
+        ref = ck.recurrent_reference(*ins, s0, do, dS)
+    ok = True
+    for mode in ("bounded", "general"):
+        a = ck.fwd_bwd(tc.chunk_kda, ins, s0, do, dS, mode=mode)
+        b = ck.fwd_bwd(tc.chunk_kda, ins, s0, do, dS, mode=mode)
+        errs = {n: ck.rel_err(r, o) for n, r, o in zip(ck.NAMES, ref, a)}
+        det = all(torch.equal(x, y) for x, y in zip(a, b))
+        good = det and all(v <= (ck.O_TOL if n in ("o", "final_state") else ck.GRAD_TOL) for n, v in errs.items())
+        row[f"check_{mode}"] = dict(errors=errs, deterministic=det, ok=good)
+        ok = ok and good
+    row["ok"] = ok
+    if ok:
+        warmup, rep = (10, 50) if dev == "cuda" else (1, 1)
+        row["timing"] = []
+        for shape in args.shapes:
+            Bs, Ts, Hs, Ds = (int(x) for x in shape.split(","))
+            for mode in args.modes:
+                impl = f"moelab_{mode}"
+                f, fb, peak = bk.bench_one(impl, Bs, Ts, Hs, Ds, dev, warmup, rep)
+                row["timing"].append(dict(impl=impl, B=Bs, T=Ts, H=Hs, D=Ds, fwd_ms=f, fwdbwd_ms=fb, peak_mem_gb=peak))
+        if dev == "cuda":
+            prof = bk.profile_kernels(*(int(x) for x in args.shapes[0].split(",")), dev)
+            row["kernel_ms"] = {k: round(v, 4) for k, v in prof["moelab_bounded"].items() if v >= 0.01}
+    with open(args.out, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variant", action="append", default=[], help="name or name=JSON (see the docstring)")
+    ap.add_argument("--shapes", nargs="*", default=["8,4096,16,128", "1,32768,16,128"], help="B,T,H,D")
+    ap.add_argument("--modes", nargs="*", default=["bounded"], choices=["bounded", "general"])
+    ap.add_argument("--out", required=True, help="JSON-lines output, one row per variant")
+    ap.add_argument("--timeout", type=float, default=150, help="seconds per variant")
+    ap.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny shapes")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--name", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    if args.smoke:
+        args.shapes = ["1,128,2,32"]
+    variants = [parse_variant(v) for v in (args.variant or ["base"])]
+    rows = []
+    for name, spec in variants:
+        env = dict(os.environ)
+        if "launch" in spec:
+            env["MOELAB_KDA_LAUNCH"] = json.dumps(spec["launch"])
+        if "tuning" in spec:
+            env["MOELAB_KDA_TUNING"] = json.dumps(spec["tuning"])
+        before = open(args.out).read().count("\n") if os.path.exists(args.out) else 0
+        t0 = time.time()
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--name", name, "--out", args.out,
+               "--shapes", *args.shapes, "--modes", *args.modes]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            status = "exit 0" if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr[-300:]!r}"
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+        lines = open(args.out).read().splitlines() if os.path.exists(args.out) else []
+        row = json.loads(lines[-1]) if len(lines) > before else dict(variant=name, ok=False)
+        row["status"], row["seconds"] = status, round(time.time() - t0, 1)
+        rows.append(row)
+        t = row.get("timing") or []
+        desc = "  ".join(f"{r['impl'][7:]} B{r['B']} T{r['T']}: {r['fwd_ms']:.3f}/{r['fwdbwd_ms']:.3f} ms"
+                         for r in t)
+        print(f"{name:20s} ok={row.get('ok')} {desc} [{status[:80]}, {row['seconds']} s]", flush=True)
+    return 0 if all(r.get("ok") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
