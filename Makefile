@@ -25,7 +25,7 @@ SETUP :=
 endif
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast lint data train info study-1 study-2 study-3 study-4 throughput mlflow-ui lab sync-nbs
+.PHONY: help setup test test-fast lint data train info study-1 study-2 study-3 study-4 throughput kda-check kda-bench kda-aot model-bench mlflow-ui lab sync-nbs
 
 help: ## list the targets
 	@echo "usage: make TARGET [PRESET=...] [PYTHON=python3] [ARGS='--set key=value ...']"
@@ -73,6 +73,19 @@ throughput: $(SETUP) ## train PRESET (default gpu-small) and record tokens/s + M
 	$(PYTHON) -m moelab train --config $(or $(PRESET),gpu-small) --throughput studies/throughput_h200.json $(ARGS)
 
 # Job execution (GenAI evaluation workers, ~8 processes) is off unless you set it: browsing runs needs none.
+kda-check: $(SETUP) ## GPU: bf16 correctness of the Triton KDA op vs the fp32 recurrence -> kernels/results/kda_check_h200.json
+	$(PYTHON) kernels/check_kda_gpu.py --out kernels/results/kda_check_h200.json
+
+kda-bench: $(SETUP) ## GPU: KDA op speed/memory, moelab vs fla vs SDPA -> kernels/results/kda_h200{,_long}.json
+	$(PYTHON) kernels/bench_kda.py --part main --out kernels/results/kda_h200.json
+	$(PYTHON) kernels/bench_kda.py --part long --out kernels/results/kda_h200_long.json
+
+kda-aot: $(SETUP) ## any machine: compile the KDA kernels for sm_90 and print registers / spills
+	$(PYTHON) kernels/aot_kda.py
+
+model-bench: $(SETUP) ## GPU: whole-model tokens/s, moelab vs fla's KDAForCausalLM -> studies/throughput_h200.json
+	$(PYTHON) kernels/bench_model.py --out studies/throughput_h200.json $(ARGS)
+
 mlflow-ui: $(SETUP) ## serve the MLflow dashboard of ./mlflow.db on http://127.0.0.1:PORT (default 5000)
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=$${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false} \
 	$(PYTHON) -m mlflow server --host 127.0.0.1 --port $(PORT) --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
