@@ -28,7 +28,7 @@ from moelab.ops.kda import triton_chunk as tc  # noqa: E402
 from moelab.ops.kda import triton_fwd as F  # noqa: E402
 
 WORK = ["kd", "w", "u", "hbuf", "U", "qg", "Aqk", "o", "do", "dhbuf"]  # work dtype (bf16 for bf16 inputs)
-FP32 = ["gl", "h0", "hT", "dht", "dU", "dh0", "Gbuf", "Abuf", "dAs", "dkb", "dbv", "dbk", "dG", "dGl"]
+FP32 = ["gl", "h0", "hT", "dht", "dU", "dh0", "Gbuf", "Abuf", "dAs", "dkb", "dbv", "dbk", "dG", "dGl", "dbs"]
 INPUT = ["q", "k", "v", "g", "beta", "dq", "dk", "dv", "dg", "dbeta"]
 
 
@@ -75,6 +75,7 @@ def main() -> int:
         name, val = item.split("=")
         tc.LAUNCH[name] = tuple(int(x) for x in val.split(","))
     base = dict(H=16, K=args.K, V=args.K, C=64)
+    TUNING_STATE = tc.TUNING["dqkg"] == "fused"  # noqa: N806 (the kernel's constexpr for the chosen path)
     bf = dict(DOT_BF16=True, IEEE=False)
     kernels = {
         "scores": [(F._kda_fwd_scores, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False), None, m)
@@ -85,8 +86,10 @@ def main() -> int:
         "out": [(F._kda_fwd_out, dict(base, **bf), "BV", None)],
         "dh": [(B._kda_bwd_dh, dict(base, HAS_DHT=True, STORE_DH0=True, **bf), "BV", None)],
         "wy": [(B._kda_bwd_wy, dict(base, BV=64, **bf), "BK", None)],
-        "dqkg": [(B._kda_bwd_dqkg, dict(base, BC=16, BV=64, BOUNDED=m, **bf), "BK", m) for m in (True, False)],
-        "dg": [(B._kda_bwd_dg, dict(H=16, K=args.K, V=args.K, C=64, BC=16), "BK", None)],
+        "dqkg": [(B._kda_bwd_dqkg, dict(base, BC=16, BV=64, BOUNDED=m, STATE=TUNING_STATE, **bf), "BK", m)
+                 for m in (True, False)],
+        "dg": [(B._kda_bwd_dg, dict(H=16, K=args.K, V=args.K, C=64, NPART=4), "BK", None)],
+        "sterm": [(B._kda_bwd_sterm, dict(base, BV=64, **bf), "BK", None)],
     }
     for name, variants in kernels.items():
         if args.only and name not in args.only:

@@ -110,6 +110,27 @@ def test_save_policies_agree(monkeypatch, mode):
 
 
 @pytest.mark.parametrize("mode", ["bounded", "general"])
+def test_dqkg_paths_agree(monkeypatch, mode):
+    """State terms inside the per-sub-tile gradient kernel ("fused") or in their own per-chunk
+    kernel first ("split"): the same outputs and gradients up to fp32 rounding, both close to the
+    reference; a bad path name is refused."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    ins, s0, do, dS = _inputs(2, 150, 2, 32, 16, torch.float32, seed=17)
+    runs = {}
+    for path in tc.DQKG_PATHS:
+        monkeypatch.setitem(tc.TUNING, "dqkg", path)
+        runs[path] = _run(chunk_kda, ins, s0, do, dS, mode=mode)
+    _compare(_reference(ins, s0, do, dS), runs["split"])
+    assert torch.equal(runs["fused"][0], runs["split"][0])  # the forward does not change
+    for a, b in zip(runs["fused"][2], runs["split"][2]):
+        assert_close(a, b, 1e-5, "grad fused vs split")
+    monkeypatch.setitem(tc.TUNING, "dqkg", "bogus")
+    with pytest.raises(ValueError, match="'bogus'"):
+        _run(chunk_kda, ins, s0, do, dS, mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["bounded", "general"])
 def test_score_paths_agree(monkeypatch, mode):
     """The sub-tile score kernel and the chunk-wide scores inside the intra kernel compute the same
     outputs and gradients (fp32, exact products: up to rounding)."""
@@ -204,7 +225,7 @@ def test_launch_config_override(monkeypatch):
     with pytest.raises(ValueError, match="'bogus'"):
         tc._tuning_from_env('{"bogus": 1}')
     cfgs = tc.launch_configs(128, 128)
-    assert set(cfgs) == {"scores", "intra", "state", "out", "dh", "wy", "dqkg", "dg"}
+    assert set(cfgs) == {"scores", "intra", "state", "out", "dh", "wy", "dqkg", "dg", "sterm"}
 
 
 # fused prep: (B, T, H, K, V, chunk, gate, mode, silu, dt_bias)

@@ -169,7 +169,7 @@ def _kda_bwd_dqkg(
     scale, T, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
+    BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr, STATE: tl.constexpr,
 ):
     """Per K-block, sub-tile and chunk (grid ``[K // BK, NT * C // BC, B*H]``): the rows ``I`` of
     one ``BC``-token sub-tile. Stores dq and dk of those rows (final), their ``dG`` (fp32, before
@@ -185,6 +185,9 @@ def _kda_bwd_dqkg(
     * diagonal (``J = I``): bounded mode one product each side on factors shifted to the sub-tile
       midpoint; general mode element-wise ``e^{G_i - G_j}`` per pair (partner rows from memory).
     Every tile is ``[BC, *]``: small enough to stay in registers (the chunk-wide version spilled).
+
+    ``STATE=False``: the state terms were done per chunk by ``_kda_bwd_sterm``, which left dq's
+    state part in ``dq``, dk's in ``dkb`` and dG's in ``dG``; this kernel adds the score terms.
     """
     i_k = tl.program_id(0)
     i_ci = tl.program_id(1)
@@ -235,27 +238,33 @@ def _kda_bwd_dqkg(
     bI = tl.load(beta + rI * H).to(tl.float32)
     bkI = kI * bI[:, None]
 
-    # state terms: dq += scale e^G do h^T, dk += e^{G_last-G} U dh^T, the w-path (dkb)
-    dqh = tl.zeros([BC, BK], dtype=tl.float32)
-    dkh = tl.zeros([BC, BK], dtype=tl.float32)
-    dgl = tl.zeros([BK], dtype=tl.float32)
-    for vb in range(V // BV):
-        cv = vb * BV + tl.arange(0, BV)
-        p = rI[:, None] * (H * V) + cv[None, :]
-        hp = cols[:, None] * V + cv[None, :]
-        ht = tl.load(hbuf + hp)
-        dht = tl.load(dhbuf + hp)
-        dqh += _dot(_cast(tl.load(do + p), DOT_BF16), _cast(tl.trans(ht), DOT_BF16), IEEE)
-        dkh += _dot(_cast(tl.load(U + p), DOT_BF16), _cast(tl.trans(dht), DOT_BF16), IEEE)
-        dgl += tl.sum(ht.to(tl.float32) * dht.to(tl.float32), axis=1)
-    dkbI = tl.load(dkb + pI)
-    eG = tl.exp2(GI)
-    dki = dkh * tl.exp2(Gl[None, :] - GI)
-    dqt = dqh * eG * scale
-    dkt = dki + dkbI * eG * bI[:, None]
-    db = tl.sum(dkbI * kI * eG, axis=1)
-    dGt = qI * dqt - kI * dki + bkI * eG * dkbI
-    part = tl.sum(kI * dki, axis=0) + tl.where(i_i == NC - 1, tl.exp2(Gl) * dgl, 0.0)
+    if STATE:
+        # state terms: dq += scale e^G do h^T, dk += e^{G_last-G} U dh^T, the w-path (dkb)
+        dqh = tl.zeros([BC, BK], dtype=tl.float32)
+        dkh = tl.zeros([BC, BK], dtype=tl.float32)
+        dgl = tl.zeros([BK], dtype=tl.float32)
+        for vb in range(V // BV):
+            cv = vb * BV + tl.arange(0, BV)
+            p = rI[:, None] * (H * V) + cv[None, :]
+            hp = cols[:, None] * V + cv[None, :]
+            ht = tl.load(hbuf + hp)
+            dht = tl.load(dhbuf + hp)
+            dqh += _dot(_cast(tl.load(do + p), DOT_BF16), _cast(tl.trans(ht), DOT_BF16), IEEE)
+            dkh += _dot(_cast(tl.load(U + p), DOT_BF16), _cast(tl.trans(dht), DOT_BF16), IEEE)
+            dgl += tl.sum(ht.to(tl.float32) * dht.to(tl.float32), axis=1)
+        dkbI = tl.load(dkb + pI)
+        eG = tl.exp2(GI)
+        dki = dkh * tl.exp2(Gl[None, :] - GI)
+        dqt = dqh * eG * scale
+        dkt = dki + dkbI * eG * bI[:, None]
+        db = tl.sum(dkbI * kI * eG, axis=1)
+        dGt = qI * dqt - kI * dki + bkI * eG * dkbI
+        part = tl.sum(kI * dki, axis=0) + tl.where(i_i == NC - 1, tl.exp2(Gl) * dgl, 0.0)
+    else:
+        dqt = tl.load(dq + pI).to(tl.float32)
+        dkt = tl.load(dkb + pI)
+        dGt = tl.load(dG + pI)
+        db = tl.zeros([BC], dtype=tl.float32)
 
     # row side, J < I
     sA = rI[:, None] * C  # rows I of the [C, C] score gradients
@@ -336,31 +345,96 @@ def _kda_bwd_dqkg(
     dGt += qI * rq + bkI * rk - kI * cs
     tl.store(dk + pI, dkt.to(dk.dtype.element_ty))
     tl.store(dG + pI, dGt)
-    tl.store(dGl + cols, part)
+    if STATE:
+        tl.store(dGl + cols, part)
     tl.store(dbk + rI * H, db)
+
+
+@triton.jit
+def _kda_bwd_sterm(
+    q, k, g, beta, hbuf, dhbuf, U, do, dkb, dq, dG, dGl, dbs,
+    scale, T, NBH,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
+):
+    """State terms per K-block and chunk (grid ``[K // BK, NT, B*H]``), ``[C, BK]`` tiles:
+    ``dq = scale e^G (do h^T)`` (to ``dq``), ``dk = e^{G_last-G} (U dh^T) + beta e^G dkb``
+    (overwrites ``dkb``, fp32), their ``dG`` (to ``dG``), the gradient of ``G_last`` (one part of
+    ``dGl`` ``[B, NT, H, 1, K]``) and the dbeta term (``dbs`` ``[K // BK, B, T, H]``). The
+    per-sub-tile kernel (``STATE=False``) then adds the gated-score terms."""
+    i_k = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    r = tl.arange(0, C)
+    cols = tl.arange(0, BK)
+    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
+    bo = i_k * BK
+    q += row0 * K + bo
+    k += row0 * K + bo
+    g += row0 * K + bo
+    dkb += row0 * K + bo
+    dq += row0 * K + bo
+    dG += row0 * K + bo
+    U += row0 * V
+    do += row0 * V
+    beta += row0
+    dbs += i_k.to(tl.int64) * NBH * T + row0
+    c_off = (i_b * (T // C) + i_c).to(tl.int64) * H + i_h
+    hbuf += c_off * K * V + bo * V
+    dhbuf += c_off * K * V + bo * V
+    dGl += c_off * K + bo
+
+    kp = r[:, None] * (H * K) + cols[None, :]
+    dqh = tl.zeros([C, BK], dtype=tl.float32)
+    dkh = tl.zeros([C, BK], dtype=tl.float32)
+    dgl = tl.zeros([BK], dtype=tl.float32)
+    for vb in range(V // BV):
+        cv = vb * BV + tl.arange(0, BV)
+        p = r[:, None] * (H * V) + cv[None, :]
+        hp = cols[:, None] * V + cv[None, :]
+        ht = tl.load(hbuf + hp)
+        dht = tl.load(dhbuf + hp)
+        dqh += _dot(_cast(tl.load(do + p), DOT_BF16), _cast(tl.trans(ht), DOT_BF16), IEEE)
+        dkh += _dot(_cast(tl.load(U + p), DOT_BF16), _cast(tl.trans(dht), DOT_BF16), IEEE)
+        dgl += tl.sum(ht.to(tl.float32) * dht.to(tl.float32), axis=1)
+    G = tl.cumsum(tl.load(g + kp).to(tl.float32), axis=0) * 1.4426950408889634
+    Gl = tl.sum(tl.where((r == C - 1)[:, None], G, 0.0), axis=0)
+    qt = tl.load(q + kp).to(tl.float32)
+    kt = tl.load(k + kp).to(tl.float32)
+    b = tl.load(beta + r * H).to(tl.float32)
+    dkbt = tl.load(dkb + kp)
+    eG = tl.exp2(G)
+    dki = dkh * tl.exp2(Gl[None, :] - G)
+    dqt = dqh * eG * scale
+    tl.store(dq + kp, dqt.to(dq.dtype.element_ty))
+    tl.store(dkb + kp, dki + dkbt * eG * b[:, None])
+    tl.store(dG + kp, qt * dqt - kt * dki + kt * b[:, None] * eG * dkbt)
+    tl.store(dGl + cols, tl.sum(kt * dki, axis=0) + tl.exp2(Gl) * dgl)
+    tl.store(dbs + r * H, tl.sum(dkbt * kt * eG, axis=1))
 
 
 @triton.jit
 def _kda_bwd_dg(
     dG, dGl, dg, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, NPART: tl.constexpr, BK: tl.constexpr,
 ):
     """Per K-block and chunk (grid ``[K // BK, NT, B*H]``): ``dg`` = reverse cumsum of ``dG``
-    within the chunk plus the gradient of ``G_last`` (the sum of the sub-tile parts in ``dGl``),
+    within the chunk plus the gradient of ``G_last`` (the sum of the ``NPART`` parts in ``dGl``),
     which every g of the chunk feeds."""
     i_k = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2)
     i_b = i_bh // H
     i_h = i_bh % H
-    NC: tl.constexpr = C // BC
     r = tl.arange(0, C)
     cols = i_k * BK + tl.arange(0, BK)
     row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
     p = r[:, None] * (H * K) + cols[None, :]
     x = tl.load(dG + row0 * K + p)
     c_off = (i_b * (T // C) + i_c).to(tl.int64) * H + i_h
-    parts = tl.load(dGl + c_off * NC * K + tl.arange(0, NC)[:, None] * K + cols[None, :])
+    parts = tl.load(dGl + c_off * NPART * K + tl.arange(0, NPART)[:, None] * K + cols[None, :])
     tot = tl.sum(parts, axis=0)
     out = tl.sum(x, axis=0)[None, :] - tl.cumsum(x, axis=0) + x + tot[None, :]
     tl.store(dg + row0 * K + p, out.to(dg.dtype.element_ty))

@@ -30,7 +30,7 @@ import torch
 import triton
 
 from moelab.model.config import max_safe_g_min
-from moelab.ops.kda.triton_bwd import _kda_bwd_dg, _kda_bwd_dh, _kda_bwd_dqkg, _kda_bwd_wy
+from moelab.ops.kda.triton_bwd import _kda_bwd_dg, _kda_bwd_dh, _kda_bwd_dqkg, _kda_bwd_sterm, _kda_bwd_wy
 from moelab.ops.kda.triton_common import SUBTILE
 from moelab.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_out, _kda_fwd_scores, _kda_fwd_state
 from moelab.ops.kda.triton_prep import prep_bwd, prep_fwd
@@ -56,9 +56,13 @@ def _interpret() -> bool:
 # "subtile": by ``_kda_fwd_scores`` (one program per 16-row sub-tile, all of K, no spills), which
 # measured slower on the H200 (1.67 ms + 1.04 ms for the rest of the intra kernel, against
 # 1.97 ms for the chunk-wide kernel at B8 T4096 H16 D128), kept for comparison.
-TUNING: dict = {"scores_tf32": True, "save": "intra", "scores": "chunk"}
+# ``dqkg``: "fused": the per-sub-tile gradient kernel also does the state terms (``do h^T``,
+# ``U dh^T``, the w path); "split": ``_kda_bwd_sterm`` does them per chunk and K-block on
+# [C, BK] tiles first and the per-sub-tile kernel adds only the score terms (not yet timed).
+TUNING: dict = {"scores_tf32": True, "save": "intra", "scores": "chunk", "dqkg": "fused"}
 SAVE_POLICIES = ("inputs", "intra", "all")
 SCORE_PATHS = ("subtile", "chunk")
+DQKG_PATHS = ("fused", "split")
 
 
 # Launch configuration per kernel on the GPU: (block size, num_warps, num_stages); the block is
@@ -79,6 +83,7 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "wy": (64, 4, 1),
     "dqkg": (32, 4, 1),
     "dg": (64, 4, 1),
+    "sterm": (64, 8, 1),
 }
 # the interpreter: 16-wide blocks so that small test shapes still take the multi-block paths
 _INTERP_LAUNCH = (16, 4, 1)
@@ -142,6 +147,7 @@ _dh = _Launcher("dh", _kda_bwd_dh, "BV")
 _wy = _Launcher("wy", _kda_bwd_wy, "BK")
 _dqkg = _Launcher("dqkg", _kda_bwd_dqkg, "BK")
 _dg = _Launcher("dg", _kda_bwd_dg, "BK")
+_sterm = _Launcher("sterm", _kda_bwd_sterm, "BK")
 
 
 def _dot_bf16(dtype: torch.dtype) -> bool:
@@ -330,19 +336,32 @@ class ChunkKDAFunction(torch.autograd.Function):
             dkb, dv, dbv, scale, T, B * H,
             H=H, K=K, V=V, C=C, BV=min(V, 64), DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
         )
+        if TUNING["dqkg"] not in DQKG_PATHS:
+            raise ValueError(f"TUNING['dqkg']={TUNING['dqkg']!r} is not allowed: expected one of {DQKG_PATHS}")
+        split = TUNING["dqkg"] == "split"
         nk = K // _dqkg.config(K, V)[0]
-        nc = C // SUBTILE
+        nparts = 1 if split else C // SUBTILE  # d(G_last) parts per chunk
         dbk = torch.empty(nk, B, T, H, device=q.device, dtype=torch.float32)  # per-K-block dbeta terms
         dGs = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)  # dG before the reverse cumsum
-        dGl = torch.empty(B, NT, H, nc, K, device=q.device, dtype=torch.float32)  # per-sub-tile d(G_last) parts
+        dGl = torch.empty(B, NT, H, nparts, K, device=q.device, dtype=torch.float32)  # d(G_last) parts
+        dbeta = dbv
+        if split:
+            nks = K // _sterm.config(K, V)[0]
+            dbs = torch.empty(nks, B, T, H, device=q.device, dtype=torch.float32)
+            _sterm(
+                lambda bk: (K // bk, NT, B * H), q, k, g, beta, inter["hbuf"], dhbuf, inter["U"], do, dkb, dq, dGs,
+                dGl, dbs, scale, T, B * H, H=H, K=K, V=V, C=C, BV=min(V, 64), DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
+            )
+            dbeta = dbeta + dbs.sum(0)
         _dqkg(
-            lambda bk: (K // bk, NT * nc, B * H), q, k, g, beta, inter["Gbuf"], inter["hbuf"], dhbuf, inter["U"], do,
-            dAs, dkb, dq, dk, dGs, dGl, dbk, scale, T, B * H,
+            lambda bk: (K // bk, NT * (C // SUBTILE), B * H), q, k, g, beta, inter["Gbuf"], inter["hbuf"], dhbuf,
+            inter["U"], do, dAs, dkb, dq, dk, dGs, dGl, dbk, scale, T, B * H,
             H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64), BOUNDED=bounded, DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
+            STATE=not split,
         )
-        _dg(lambda bk: (K // bk, NT, B * H), dGs, dGl, dg, T, H=H, K=K, C=C, BC=SUBTILE, V=V)
+        _dg(lambda bk: (K // bk, NT, B * H), dGs, dGl, dg, T, H=H, K=K, V=V, C=C, NPART=nparts)
         del inter, dAs, dkb, dhbuf, dU, dGs, dGl
-        dbeta = (dbv + dbk.sum(0))[:, :T0].to(beta_raw.dtype)
+        dbeta = (dbeta + dbk.sum(0))[:, :T0].to(beta_raw.dtype)
         dq, dk, dg = (x[:, :T0, :, :K0] for x in (dq, dk, dg))
         dv = dv[:, :T0, :, :V0]
         dh0 = dh0[:, :, :K0, :V0].to(h0_raw.dtype) if dh0 is not None else None
@@ -355,7 +374,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 def launch_configs(K: int = 128, V: int = 128) -> dict:
     """The launch config of every kernel at head dims K, V: {name: {block: size, num_warps, num_stages}}."""
     out = {}
-    for lau in (_scores, _intra, _state, _out, _dh, _wy, _dqkg, _dg):
+    for lau in (_scores, _intra, _state, _out, _dh, _wy, _dqkg, _dg, _sterm):
         size, warps, stages = lau.config(K, V)
         out[lau.name] = {**({lau.block: size} if lau.block else {}), "num_warps": warps, "num_stages": stages}
     return out
