@@ -18,6 +18,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.pop("TRITON_INTERPRET", None)  # compiling needs the real JIT functions, not interpreted ones
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
