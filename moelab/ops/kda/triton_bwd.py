@@ -239,27 +239,9 @@ def _kda_bwd_dqkg(
     bkI = kI * bI[:, None]
 
     if STATE:
-        # state terms: dq += scale e^G do h^T, dk += e^{G_last-G} U dh^T, the w-path (dkb)
-        dqh = tl.zeros([BC, BK], dtype=tl.float32)
-        dkh = tl.zeros([BC, BK], dtype=tl.float32)
-        dgl = tl.zeros([BK], dtype=tl.float32)
-        for vb in range(V // BV):
-            cv = vb * BV + tl.arange(0, BV)
-            p = rI[:, None] * (H * V) + cv[None, :]
-            hp = cols[:, None] * V + cv[None, :]
-            ht = tl.load(hbuf + hp)
-            dht = tl.load(dhbuf + hp)
-            dqh += _dot(_cast(tl.load(do + p), DOT_BF16), _cast(tl.trans(ht), DOT_BF16), IEEE)
-            dkh += _dot(_cast(tl.load(U + p), DOT_BF16), _cast(tl.trans(dht), DOT_BF16), IEEE)
-            dgl += tl.sum(ht.to(tl.float32) * dht.to(tl.float32), axis=1)
-        dkbI = tl.load(dkb + pI)
-        eG = tl.exp2(GI)
-        dki = dkh * tl.exp2(Gl[None, :] - GI)
-        dqt = dqh * eG * scale
-        dkt = dki + dkbI * eG * bI[:, None]
-        db = tl.sum(dkbI * kI * eG, axis=1)
-        dGt = qI * dqt - kI * dki + bkI * eG * dkbI
-        part = tl.sum(kI * dki, axis=0) + tl.where(i_i == NC - 1, tl.exp2(Gl) * dgl, 0.0)
+        dqt, dkt, dGt, db, part, dgl = _state_terms(rI, cols, hbuf, dhbuf, U, do, GI, Gl, qI, kI, bI, tl.load(dkb + pI),
+                                                    scale, H, V, BV, DOT_BF16, IEEE)
+        part += tl.where(i_i == NC - 1, tl.exp2(Gl) * dgl, 0.0)
     else:
         dqt = tl.load(dq + pI).to(tl.float32)
         dkt = tl.load(dkb + pI)
@@ -351,6 +333,35 @@ def _kda_bwd_dqkg(
 
 
 @triton.jit
+def _state_terms(rows, cols, hbuf, dhbuf, U, do, G, Gl, qt, kt, b, dkbt, scale, H: tl.constexpr, V: tl.constexpr,
+                 BV: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr):
+    """State terms of ``rows`` (``[R, BK]`` tiles; pointers at the chunk's first row and the
+    K-block's first column, ``hbuf``/``dhbuf`` at the chunk's state): from ``o = qg h``,
+    ``dq = scale e^G (do h^T)``; from the state update, ``dk = e^{G_last-G} (U dh^T)``; from ``w``,
+    ``dk += beta e^G dkb``; and their ``dG``, dbeta per row and ``sum_rows k dk_inter`` (part of
+    d(G_last)), plus ``sum_v h dh`` (the rest of d(G_last), times ``e^{G_last}``)."""
+    dqh = tl.zeros_like(qt)
+    dkh = tl.zeros_like(qt)
+    dgl = tl.zeros_like(Gl)
+    for vb in range(V // BV):
+        cv = vb * BV + tl.arange(0, BV)
+        p = rows[:, None] * (H * V) + cv[None, :]
+        hp = cols[:, None] * V + cv[None, :]
+        ht = tl.load(hbuf + hp)
+        dht = tl.load(dhbuf + hp)
+        dqh += _dot(_cast(tl.load(do + p), DOT_BF16), _cast(tl.trans(ht), DOT_BF16), IEEE)
+        dkh += _dot(_cast(tl.load(U + p), DOT_BF16), _cast(tl.trans(dht), DOT_BF16), IEEE)
+        dgl += tl.sum(ht.to(tl.float32) * dht.to(tl.float32), axis=1)
+    eG = tl.exp2(G)
+    dki = dkh * tl.exp2(Gl[None, :] - G)
+    dqt = dqh * eG * scale
+    dkt = dki + dkbt * eG * b[:, None]
+    db = tl.sum(dkbt * kt * eG, axis=1)
+    dGt = qt * dqt - kt * dki + kt * b[:, None] * eG * dkbt
+    return dqt, dkt, dGt, db, tl.sum(kt * dki, axis=0), dgl
+
+
+@triton.jit
 def _kda_bwd_sterm(
     q, k, g, beta, hbuf, dhbuf, U, do, dkb, dq, dG, dGl, dbs,
     scale, T, NBH,
@@ -387,32 +398,17 @@ def _kda_bwd_sterm(
     dGl += c_off * K + bo
 
     kp = r[:, None] * (H * K) + cols[None, :]
-    dqh = tl.zeros([C, BK], dtype=tl.float32)
-    dkh = tl.zeros([C, BK], dtype=tl.float32)
-    dgl = tl.zeros([BK], dtype=tl.float32)
-    for vb in range(V // BV):
-        cv = vb * BV + tl.arange(0, BV)
-        p = r[:, None] * (H * V) + cv[None, :]
-        hp = cols[:, None] * V + cv[None, :]
-        ht = tl.load(hbuf + hp)
-        dht = tl.load(dhbuf + hp)
-        dqh += _dot(_cast(tl.load(do + p), DOT_BF16), _cast(tl.trans(ht), DOT_BF16), IEEE)
-        dkh += _dot(_cast(tl.load(U + p), DOT_BF16), _cast(tl.trans(dht), DOT_BF16), IEEE)
-        dgl += tl.sum(ht.to(tl.float32) * dht.to(tl.float32), axis=1)
     G = tl.cumsum(tl.load(g + kp).to(tl.float32), axis=0) * 1.4426950408889634
     Gl = tl.sum(tl.where((r == C - 1)[:, None], G, 0.0), axis=0)
-    qt = tl.load(q + kp).to(tl.float32)
-    kt = tl.load(k + kp).to(tl.float32)
     b = tl.load(beta + r * H).to(tl.float32)
-    dkbt = tl.load(dkb + kp)
-    eG = tl.exp2(G)
-    dki = dkh * tl.exp2(Gl[None, :] - G)
-    dqt = dqh * eG * scale
+    dqt, dkt, dGt, db, part, dgl = _state_terms(r, cols, hbuf, dhbuf, U, do, G, Gl, tl.load(q + kp).to(tl.float32),
+                                                tl.load(k + kp).to(tl.float32), b, tl.load(dkb + kp), scale, H, V, BV,
+                                                DOT_BF16, IEEE)
     tl.store(dq + kp, dqt.to(dq.dtype.element_ty))
-    tl.store(dkb + kp, dki + dkbt * eG * b[:, None])
-    tl.store(dG + kp, qt * dqt - kt * dki + kt * b[:, None] * eG * dkbt)
-    tl.store(dGl + cols, tl.sum(kt * dki, axis=0) + tl.exp2(Gl) * dgl)
-    tl.store(dbs + r * H, tl.sum(dkbt * kt * eG, axis=1))
+    tl.store(dkb + kp, dkt)
+    tl.store(dG + kp, dGt)
+    tl.store(dGl + cols, part + tl.exp2(Gl) * dgl)
+    tl.store(dbs + r * H, db)
 
 
 @triton.jit
