@@ -306,7 +306,8 @@ def speed_figure(rows: list[dict], source: str) -> Any:
               for s in shapes]
         ax.bar([j + i * width for j in range(len(shapes))], ys, width, label=impl)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], [f"B{b} T{t}" for b, t in shapes])
-    ax.set_ylabel("forward+backward (ms)")
+    ax.set_yscale("log")  # SDPA's quadratic time at 64K tokens would flatten every other bar
+    ax.set_ylabel("forward+backward (ms, log scale)")
     ax.set_title(source, fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
