@@ -70,8 +70,9 @@ class ShortConv(nn.Module):
 class KDALayer(nn.Module):
     """Kimi Delta Attention token mixer, ``[B, T, D] -> [B, T, D]``.
 
-    Attributes set on each forward (detached, for study 1): ``last_g_min`` and ``last_g_mean``,
-    scalar tensors of the log decay the op received.
+    With ``record_decay = True`` (the model sets it for a forward with ``return_diagnostics``),
+    ``last_g_min`` and ``last_g_mean`` give scalar tensors of the log decay of the last forward
+    (detached; None otherwise).
     """
 
     def __init__(self, d_model: int, cfg: KDAConfig, norm_eps: float = 1e-6) -> None:
@@ -92,8 +93,11 @@ class KDALayer(nn.Module):
         self.g_proj = nn.Linear(d_model, H * Dh, bias=False)
         self.o_norm = RMSNorm(Dh, eps=norm_eps)
         self.o_proj = nn.Linear(H * Dh, d_model, bias=False)
-        # detached gate input of the last forward: the decay statistics are computed from it only
-        # when asked for (the fused Triton path never materializes g in torch)
+        # With ``record_decay`` the forward keeps its gate input (detached) so that ``last_g_min`` /
+        # ``last_g_mean`` can be computed when asked for (the fused Triton path never materializes g
+        # in torch). Off by default: held across steps it would cost a [B, T, H*K] tensor per layer.
+        # The model turns it on for a forward with ``return_diagnostics``.
+        self.record_decay = False
         self._last_z: torch.Tensor | None = None
         self.reset_gate_parameters()
 
@@ -131,7 +135,8 @@ class KDALayer(nn.Module):
 
     @property
     def last_g_min(self) -> torch.Tensor | None:
-        """Smallest log decay of the last forward (detached scalar), computed on demand."""
+        """Smallest log decay of the last forward (detached scalar, computed on demand), or None
+        unless ``record_decay`` was on."""
         return None if self._last_z is None else self._last_g().amin()
 
     @property
@@ -161,7 +166,7 @@ class KDALayer(nn.Module):
         v, tv = self.v_conv(self.v_proj(x), tails[2])
         beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
         z = self.f_up(self.f_down(x)).view(B, T, H, K)  # gate input
-        self._last_z = z.detach()
+        self._last_z = z.detach() if self.record_decay else None
         bounded = self.cfg.gate == "bounded"
         # One decoding step is exactly one step of the recurrence: no chunk padding needed.
         backend = "recurrent" if T == 1 else self.cfg.backend

@@ -173,6 +173,9 @@ class MoELab(nn.Module):
         self._check(input_ids, targets, past)
         prev = state.layers if state is not None else [None] * len(self.layers)
         stream = self.residual.stream(self.embed(input_ids), diagnostics=return_diagnostics)
+        for layer in self.layers:
+            if layer.kind == "kda":
+                layer.mixer.record_decay = return_diagnostics
         new_layers: list = []
         router_stats: list = []
         aux_loss = self.embed.weight.new_zeros((), dtype=torch.float32)

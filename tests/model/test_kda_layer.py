@@ -153,7 +153,13 @@ def test_no_state_without_use_cache_and_g_stats() -> None:
     m = layer()
     y, st = m(torch.randn(1, 6, D))
     assert st is None and y.shape == (1, 6, D)
+    assert m.last_g_min is None and m.last_g_mean is None  # not recorded unless asked for
+    m.record_decay = True
+    x = torch.randn(1, 6, D)
+    m(x)
+    g = m.log_decay(x)
     assert m.cfg.g_min <= m.last_g_min.item() <= m.last_g_mean.item() <= 0
+    assert m.last_g_min.item() == g.min().item() and abs(m.last_g_mean.item() - g.mean().item()) < 1e-6
 
 
 def test_config_rejects_g_min_the_precision_cannot_hold() -> None:
