@@ -1,23 +1,24 @@
 """Backward kernels of chunked KDA.
 
-The backward first reruns the forward's intra and state kernels (``Tm``, ``A_qk``, ``w``, ``u``,
-``h_c``, ``U``), then:
+The forward's intermediates (``Tm``, ``A_qk``, ``w``, ``u``, ``qg``, ``kd``) are kept or recomputed
+(``triton_chunk.TUNING["save"]``), the state kernel reruns (``h_c``, ``U``), then:
 
 * ``_kda_bwd_dh`` (grid ``[cdiv(V, BV), B*H]``, sequential over chunks in reverse): with ``dh``
   the gradient of the state leaving chunk c (stored per chunk),
   ``dU = A_qk^T do + (k e^{G_last-G}) dh`` and
   ``dh_c = e^{G_last} dh + qg^T do - w^T dU`` (``kd``, ``qg`` from the intra kernel); the last
   ``dh_c`` is d(initial_state).
-* ``_kda_bwd_grads`` (grid ``[NT, B*H]``): everything else, per chunk, one K-block at a time
-  after a first pass that completes ``dA_kk`` (it sums over all of K).
-  From ``U = u - w h``: ``dw = -dU h^T``; from ``u = Tm beta v``: ``dvb = Tm^T dU``,
-  ``dv = beta dvb``; from ``w = Tm (beta k e^G)``: ``dkb = Tm^T dw``; from ``Tm = (I + A_kk)^-1``:
-  ``dA_kk = -strict_lower(dvb u^T + dkb w^T)``; from ``o``: ``dA_qk = lower(do U^T)``,
-  ``dq += scale e^G (do h^T)``; from the state update: ``dk += e^{G_last-G} (U dh^T)``.
-  The gated score gradients (``A_qk`` with q on the row side, ``A_kk`` with ``beta k``) use the
-  row-side / column-side helpers of triton_common. Every term that differentiates an
-  ``exp(G)`` factor lands in ``dG``; ``dg`` is its reverse cumsum within the chunk plus the
-  gradient of ``G_last`` (which every g of the chunk feeds).
+* ``_kda_bwd_wy`` (grid ``[NT, B*H]``): what sums over a whole head dim. From ``U = u - w h``:
+  ``dw = -dU h^T``; from ``u = Tm beta v``: ``dvb = Tm^T dU``, ``dv = beta dvb``; from
+  ``w = Tm (beta k e^G)``: ``dkb = Tm^T dw`` (stored); from ``Tm = (I + A_kk)^-1``:
+  ``dA_kk = -strict_lower(dvb u^T + dkb w^T)``; from ``o``: ``dA_qk = lower(do U^T)``.
+* ``_kda_bwd_dqkg`` (grid ``[K // BK, NT * C // 16, B*H]``): per 16-row sub-tile, the state terms
+  (``dq += scale e^G (do h^T)``, ``dk += e^{G_last-G} (U dh^T)``, the w path; or, on the "split"
+  path, ``_kda_bwd_sterm`` per chunk first) and the gated-score terms (``A_qk`` with q on the row
+  side, ``A_kk`` with ``beta k``). Every term that differentiates an ``exp(G)`` factor lands in
+  ``dG``.
+* ``_kda_bwd_dg``: ``dg`` is the reverse cumsum of ``dG`` within the chunk plus the gradient of
+  ``G_last`` (which every g of the chunk feeds).
 """
 
 from __future__ import annotations
@@ -289,9 +290,9 @@ def _kda_bwd_dqkg(
     dP = sA + rI[None, :]  # dS[i, j], i, j in I (stored already masked to j <= i / j < i)
     tPd = rI[None, :] * C + rI[:, None]  # dS[j, i]
     if BOUNDED:
-        # fp32 operands (TF32) even for bf16 inputs: see _rowside2 (the row and column terms of
-        # every diagonal pair cancel in dg's reverse cumsum; bf16 rounding of the shifted factors
-        # would leave a residue of dg's own size)
+        # fp32 operands (TF32) even for bf16 inputs: the row and column terms of every diagonal
+        # pair cancel in dg's reverse cumsum, and bf16 rounding of the midpoint-shifted factors
+        # (up to e^{+-40}) left a residue of dg's own size (kernels/README.md, Precision)
         Gm = tl.sum(tl.where((rc == BC // 2 - 1)[:, None], GI, 0.0), axis=0)
         up = tl.exp2(GI - Gm[None, :])
         down = tl.exp2(Gm[None, :] - GI)

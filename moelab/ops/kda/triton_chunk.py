@@ -4,9 +4,11 @@ Same semantics as ``naive_recurrent_kda`` (moelab/ops/kda/naive.py)::
 
     S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,   o_t = scale * S_t^T q_t
 
-Kernels: triton_fwd.py (intra-chunk scores + UT transform, state recurrence, output) and
-triton_bwd.py (state-gradient recurrence, per-chunk gradients); the two modes differ only in how
-the 16x16 diagonal sub-tiles of the gated scores are formed (triton_common.py):
+Kernels: triton_prep.py (optional SiLU, q/k L2 norm and gate, fused into the Function),
+triton_fwd.py (intra-chunk scores + UT transform, state recurrence, output) and triton_bwd.py
+(state-gradient recurrence, per-chunk dA / dv, per-sub-tile dq / dk / dG, reverse cumsum of dg);
+the two modes differ only in how the 16x16 diagonal sub-tiles of the gated scores are formed
+(triton_common.py, triton_bwd.py):
 
 * ``mode="bounded"``: one tensor-core product per sub-tile on ``q exp(G - G_mid)`` and
   ``k exp(G_mid - G)``; exact while ``g >= lower_bound`` with ``|lower_bound| * 16 / 2`` inside
@@ -14,11 +16,12 @@ the 16x16 diagonal sub-tiles of the gated scores are formed (triton_common.py):
 * ``mode="general"``: element-wise ``exp(G_i - G_j)`` per position pair, masked to ``i >= j``
   before ``exp``; correct for any ``g <= 0``.
 
-The backward keeps only the inputs and recomputes the intra-chunk quantities and chunk states.
-Inputs are zero-padded (only when needed) to T a multiple of the chunk and K, V powers of two
->= 16, so the kernels need no masks. Each kernel runs with one fixed launch config (``LAUNCH``),
-checked and timed on an H200. fp32 inputs take exact fp32 products everywhere (the reference
-path); bf16 / fp16 inputs take bf16 / TF32 tensor-core products (the fast path).
+The forward keeps the raw inputs and (``TUNING["save"]``) its intra-chunk intermediates; the
+backward reruns the prep and the state kernel. Inputs are zero-padded (only when needed) to T a
+multiple of the chunk and K, V powers of two >= 16, so the kernels need no masks. Each kernel
+runs with one fixed launch config (``LAUNCH``), checked and timed on an H200. fp32 inputs take
+exact fp32 products everywhere (the reference path); bf16 / fp16 inputs take bf16 / TF32
+tensor-core products (the fast path).
 """
 
 from __future__ import annotations
