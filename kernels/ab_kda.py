@@ -120,6 +120,9 @@ def main() -> int:
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
             status = "exit 0" if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr[-300:]!r}"
+            if proc.returncode != 0:  # the whole error, next to the JSON lines
+                with open(args.out + f".{name}.err", "w") as fh:
+                    fh.write(proc.stderr)
         except subprocess.TimeoutExpired:
             status = "timeout"
         lines = open(args.out).read().splitlines() if os.path.exists(args.out) else []

@@ -44,7 +44,7 @@ def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf1
             sig[n] = ptrs[n]
         elif n in ("T", "NBH"):
             sig[n] = "i32"
-        elif n == "scale":
+        elif n in ("scale", "mid"):
             sig[n] = "fp32"
         else:
             raise KeyError(f"no signature type for argument {n!r} of {kernel.__name__}")
@@ -91,6 +91,9 @@ def main() -> int:
                  for m in (True, False)],
         "dg": [(B._kda_bwd_dg, dict(H=16, K=args.K, V=args.K, C=64, NPART=4), "BK", None)],
         "sterm": [(B._kda_bwd_sterm, dict(base, BV=64, **bf), "BK", None)],
+        "kkt": [(F._kda_fwd_kkt, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False), "BK", m)
+                for m in (True, False)],
+        "wu": [(F._kda_fwd_wu, dict(base, BV=64, IEEE=False), "BK", None)],
     }
     for name, variants in kernels.items():
         if args.only and name not in args.only:

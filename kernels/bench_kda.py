@@ -162,10 +162,11 @@ def run_rows(impls, shapes, dev, warmup, rep, rows, extra=None, save=None):
                 torch.cuda.empty_cache()
 
 
-def profile_kernels(B, T, H, D, dev):
-    """Device time per kernel of one moelab forward + backward (torch.profiler), both modes."""
+def profile_kernels(B, T, H, D, dev, impls=("moelab_bounded", "moelab_general")):
+    """Device time per kernel of one forward + backward (torch.profiler) of each impl (moelab's
+    modes by default; fla's rows work too where fla is installed)."""
     out = {}
-    for impl in ("moelab_bounded", "moelab_general"):
+    for impl in impls:
         ins = make_inputs(impl, B, T, H, D, dev)
         fn = make_fn(impl, ins)
         do = torch.randn_like(fn())

@@ -225,7 +225,7 @@ def test_launch_config_override(monkeypatch):
     with pytest.raises(ValueError, match="'bogus'"):
         tc._tuning_from_env('{"bogus": 1}')
     cfgs = tc.launch_configs(128, 128)
-    assert set(cfgs) == {"scores", "intra", "state", "out", "dh", "wy", "dqkg", "dg", "sterm"}
+    assert set(cfgs) == {"scores", "intra", "state", "out", "dh", "wy", "dqkg", "dg", "sterm", "kkt", "wu"}
 
 
 # fused prep: (B, T, H, K, V, chunk, gate, mode, silu, dt_bias)
@@ -285,3 +285,28 @@ def test_fused_prep_bad_arguments():
         chunk_kda(*ins, gate="sigmoid", A_log=A_log)
     with pytest.raises(ValueError, match="only used with gate"):
         chunk_kda(*ins, A_log=A_log)
+
+
+@pytest.mark.parametrize("scores", ["chunk", "tiles"])
+def test_launch_arguments_match_kernel_signatures(monkeypatch, scores):
+    """Every launch passes exactly the kernel's parameters: the interpreter tolerates an unknown
+    keyword that the GPU JIT rejects, so this catches it on a CPU machine."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    seen = {}
+    orig = tc._Launcher.__call__
+
+    def check(self, grid, *args, **kw):
+        names = self.kernel.arg_names
+        size = self.config(kw["K"], kw["V"])[0]
+        given = list(names[: len(args)]) + list(kw) + ([self.block] if self.block else [])
+        assert sorted(given) == sorted(names), (self.name, sorted(set(given) ^ set(names)))
+        seen[self.name] = size
+        return orig(self, grid, *args, **kw)
+
+    monkeypatch.setattr(tc._Launcher, "__call__", check)
+    monkeypatch.setitem(tc.TUNING, "scores", scores)
+    for mode in ("bounded", "general"):
+        ins, s0, do, dS = _inputs(1, 40, 1, 16, 16, torch.float32, seed=1)
+        _run(chunk_kda, ins, s0, do, dS, mode=mode)
+    assert ({"kkt", "wu"} if scores == "tiles" else {"intra"}) <= set(seen)

@@ -34,8 +34,9 @@ import triton
 
 from moelab.model.config import max_safe_g_min
 from moelab.ops.kda.triton_bwd import _kda_bwd_dg, _kda_bwd_dh, _kda_bwd_dqkg, _kda_bwd_sterm, _kda_bwd_wy
-from moelab.ops.kda.triton_common import SUBTILE
-from moelab.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_out, _kda_fwd_scores, _kda_fwd_state
+from moelab.ops.kda.triton_common import LOG2E, SUBTILE
+from moelab.ops.kda.triton_fwd import (_kda_fwd_intra, _kda_fwd_kkt, _kda_fwd_out, _kda_fwd_scores, _kda_fwd_state,
+                                       _kda_fwd_wu)
 from moelab.ops.kda.triton_prep import prep_bwd, prep_fwd
 
 MODES = ("bounded", "general")
@@ -62,9 +63,9 @@ def _interpret() -> bool:
 # ``dqkg``: "fused": the per-sub-tile gradient kernel also does the state terms (``do h^T``,
 # ``U dh^T``, the w path); "split": ``_kda_bwd_sterm`` does them per chunk and K-block on
 # [C, BK] tiles first and the per-sub-tile kernel adds only the score terms (not yet timed).
-TUNING: dict = {"scores_tf32": True, "save": "intra", "scores": "chunk", "dqkg": "fused"}
+TUNING: dict = {"scores_tf32": True, "save": "intra", "scores": "chunk", "dqkg": "split"}
 SAVE_POLICIES = ("inputs", "intra", "all")
-SCORE_PATHS = ("subtile", "chunk")
+SCORE_PATHS = ("subtile", "chunk", "tiles")
 DQKG_PATHS = ("fused", "split")
 
 
@@ -84,9 +85,11 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "out": (64, 4, 1),
     "dh": (32, 2, 1),
     "wy": (64, 4, 1),
-    "dqkg": (32, 4, 1),
+    "dqkg": (16, 1, 1),
     "dg": (64, 4, 1),
     "sterm": (64, 8, 1),
+    "kkt": (32, 2, 1),
+    "wu": (64, 4, 1),
 }
 # the interpreter: 16-wide blocks so that small test shapes still take the multi-block paths
 _INTERP_LAUNCH = (16, 4, 1)
@@ -151,6 +154,8 @@ _wy = _Launcher("wy", _kda_bwd_wy, "BK")
 _dqkg = _Launcher("dqkg", _kda_bwd_dqkg, "BK")
 _dg = _Launcher("dg", _kda_bwd_dg, "BK")
 _sterm = _Launcher("sterm", _kda_bwd_sterm, "BK")
+_kkt = _Launcher("kkt", _kda_fwd_kkt, "BK")
+_wu = _Launcher("wu", _kda_fwd_wu, "BK")
 
 
 def _dot_bf16(dtype: torch.dtype) -> bool:
@@ -170,22 +175,28 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C):
+def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, lower_bound):
     """Intra-chunk and state kernels on padded inputs; returns the intermediates."""
-    inter = _intra_pass(q, k, v, g, beta, scale, bounded, C)
+    inter = _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound)
     inter.update(_state_pass(inter, h0, output_final_state, q.dtype, C))
     return inter
 
 
-def _intra_pass(q, k, v, g, beta, scale, bounded, C):
-    """The intra-chunk kernel: scores, UT transform, w, u, qg, kd, e^{G_last} (and G, general mode)."""
+def _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound):
+    """The intra-chunk kernels: scores, UT transform, w, u, qg, kd, e^{G_last} (and G, general mode).
+    ``lower_bound`` (bounded mode) places the diagonal sub-tiles' reference of the "tiles" path."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = T // C
     dev = q.device
     wd = _work_dtype(q.dtype)
     dot_bf16 = _dot_bf16(q.dtype)
-    store_g = not bounded  # only the general-mode gathers read G back from memory
+    if TUNING["scores"] not in SCORE_PATHS:
+        raise ValueError(f"TUNING['scores']={TUNING['scores']!r} is not allowed: expected one of {SCORE_PATHS}")
+    tiles = TUNING["scores"] == "tiles"
+    # the general-mode gathers of the backward read G back from memory; the "tiles" path's second
+    # kernel reads it too
+    store_g = not bounded or tiles
     Gbuf = torch.empty(B, T, H, K, device=dev, dtype=torch.float32) if store_g else q.new_empty(1, dtype=torch.float32)
     Abuf = torch.empty(B, T, H, C, device=dev, dtype=torch.float32)
     Aqk = torch.empty(B, T, H, C, device=dev, dtype=wd)
@@ -193,8 +204,19 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C):
     u = torch.empty(B, T, H, V, device=dev, dtype=wd)
     gl = torch.empty(B, NT, H, K, device=dev, dtype=torch.float32)
     score_bf16 = dot_bf16 and not TUNING["scores_tf32"]
-    if TUNING["scores"] not in SCORE_PATHS:
-        raise ValueError(f"TUNING['scores']={TUNING['scores']!r} is not allowed: expected one of {SCORE_PATHS}")
+    if tiles:
+        mid = (SUBTILE / 2) * (lower_bound if bounded else 0.0) * LOG2E
+        _kkt(
+            (NT, B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
+            H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype),
+        )
+        _wu(
+            (NT, B * H), q, k, v, Gbuf, beta, Abuf, w, u, qg, kd, gl, scale, T,
+            H=H, K=K, V=V, C=C, BV=min(V, 64), IEEE=_ieee(q.dtype),
+        )
+        if bounded:  # the backward does not read G in bounded mode: keep only a placeholder
+            Gbuf = q.new_empty(1, dtype=torch.float32)
+        return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, qg=qg, kd=kd, gl=gl)
     subtile = TUNING["scores"] == "subtile" and C >= SUBTILE
     if subtile:
         _scores(
@@ -270,13 +292,14 @@ class ChunkKDAFunction(torch.autograd.Function):
     q, k, v, g (or the gate's z, A_log, dt_bias), beta and initial_state."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, bounded, C, prep):
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, bounded, C, prep,
+                lower_bound):
         B, T, H, K = q.shape
         V = v.shape[-1]
         qn, kn, gn = (prep_fwd(q, k, g, A_log, dt_bias, **prep.kw()) if prep.active else (q, k, g))
         qp, kp, vp, gp, bp, h0p = _padded(qn, kn, v, gn, beta, initial_state, C)
         del qn, kn, gn
-        inter = _forward(qp, kp, vp, gp, bp, scale, h0p, output_final_state, bounded, C)
+        inter = _forward(qp, kp, vp, gp, bp, scale, h0p, output_final_state, bounded, C, lower_bound)
         Tp, Kp, Vp = qp.shape[1], qp.shape[3], vp.shape[3]
         o = torch.empty_like(vp)
         _out(
@@ -290,7 +313,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         # raw inputs (the prep and the padding are redone in the backward) + kept intermediates
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, *(inter[key] for key in keys))
         ctx.keys = keys
-        ctx.scale, ctx.bounded, ctx.chunk_size, ctx.prep = scale, bounded, C, prep
+        ctx.scale, ctx.bounded, ctx.chunk_size, ctx.prep, ctx.lower_bound = scale, bounded, C, prep, lower_bound
         hT = inter["hT"]
         if (Tp, Vp) != (T, V):
             o = o[:, :T, :, :V]
@@ -315,7 +338,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             dht = _pad(dht, {2: K, 3: V}).contiguous()
         inter = dict(zip(ctx.keys, saved))
         if not inter:
-            inter = _intra_pass(q, k, v, g, beta, scale, bounded, C)
+            inter = _intra_pass(q, k, v, g, beta, scale, bounded, C, ctx.lower_bound)
         if "hbuf" not in inter:
             inter.update(_state_pass(inter, h0, False, q.dtype, C))
         dot_bf16 = _dot_bf16(q.dtype)
@@ -371,13 +394,13 @@ class ChunkKDAFunction(torch.autograd.Function):
         dA_log = ddt_bias = None
         if prep.active:
             dq, dk, dg, dA_log, ddt_bias = prep_bwd(q_raw, k_raw, g_raw, A_log, dt_bias, dq, dk, dg, **prep.kw())
-        return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, None, dh0, None, None, None, None
+        return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, None, dh0, None, None, None, None, None
 
 
 def launch_configs(K: int = 128, V: int = 128) -> dict:
     """The launch config of every kernel at head dims K, V: {name: {block: size, num_warps, num_stages}}."""
     out = {}
-    for lau in (_scores, _intra, _state, _out, _dh, _wy, _dqkg, _dg, _sterm):
+    for lau in (_scores, _intra, _state, _out, _dh, _wy, _dqkg, _dg, _sterm, _kkt, _wu):
         size, warps, stages = lau.config(K, V)
         out[lau.name] = {**({lau.block: size} if lau.block else {}), "num_warps": warps, "num_stages": stages}
     return out
@@ -499,4 +522,4 @@ def chunk_kda(
     scale = K**-0.5 if scale is None else float(scale)
     prep = Prep(gate, lower_bound if gate == "bounded" else None, silu_qk, l2norm_qk, norm_eps)
     return ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
-                                  bounded, chunk_size, prep)
+                                  bounded, chunk_size, prep, lower_bound)

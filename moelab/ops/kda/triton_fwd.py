@@ -302,3 +302,242 @@ def _kda_fwd_out(
         Ut = tl.load(U + v_ptrs)
         ot = _dot(qgt, _cast(ht, DOT_BF16), IEEE) + _dot(A, _cast(Ut, DOT_BF16), IEEE)
         tl.store(o + v_ptrs, ot.to(o.dtype.element_ty))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sub-tile intra path (TUNING["scores"] = "tiles"): the intra kernel's work on 16-row sub-tiles.
+# ``_kda_fwd_kkt`` forms every (I, J) sub-tile pair of the scores with its own product (no
+# masked halves), solves (I + A_kk)^-1 in registers and writes G; ``_kda_fwd_wu`` then does the
+# chunk-wide w, u, qg, kd products. Same outputs as ``_kda_fwd_intra``.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sub_G(g, off, rows, cols, stride):
+    """One ``[BC, BK]`` sub-tile of G (log2 units): ``off`` (G before the sub-tile, ``[BK]``) plus
+    the cumsum of its g; returns G and the offset after the sub-tile."""
+    gt = tl.load(g + rows[:, None] * stride + cols[None, :]).to(tl.float32) * 1.4426950408889634
+    return off[None, :] + tl.cumsum(gt, axis=0), off + tl.sum(gt, axis=0)
+
+
+@triton.jit
+def _pair(aq, ak, qf, kf, kJ, GJ, offI, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr):
+    """Add one K-block of the off-diagonal pair (I, J < I): ``qf = q_I e^{G_I - offI}``,
+    ``kf = k_I e^{G_I - offI}`` (cast), partner ``k_J e^{offI - G_J}``; every factor <= 1."""
+    kT = tl.trans(_cast(kJ * tl.exp2(offI[None, :] - GJ), SCORE_BF16))
+    return aq + _dot(qf, kT, IEEE), ak + _dot(kf, kT, IEEE)
+
+
+@triton.jit
+def _diag(aq, ak, qI, kI, GI, offI, mid, BOUNDED: tl.constexpr, SCORE_BF16: tl.constexpr,
+          IEEE: tl.constexpr, BC: tl.constexpr):
+    """Add one K-block of the diagonal pair (I, I). Bounded: one product on ``x e^{G - ref}`` and
+    ``k e^{ref - G}`` with ``ref = offI + mid`` (``mid = BC/2 * lower_bound`` in log2 units, the
+    middle of the range G can span in the sub-tile), so every exponent is within
+    ``BC/2 * |lower_bound|``. General: element-wise ``e^{G_i - G_j}``, masked to -inf for ``j > i``
+    before ``exp2``."""
+    if BOUNDED:
+        e = GI - (offI[None, :] + mid)
+        kT = tl.trans(_cast(kI * tl.exp2(-e), SCORE_BF16))
+        up = tl.exp2(e)
+        aq += _dot(_cast(qI * up, SCORE_BF16), kT, IEEE)
+        ak += _dot(_cast(kI * up, SCORE_BF16), kT, IEEE)
+    else:
+        rc = tl.arange(0, BC)
+        for j in range(BC):
+            sel = rc[:, None] == j
+            kj = tl.sum(tl.where(sel, kI, 0.0), axis=0)
+            Gj = tl.sum(tl.where(sel, GI, 0.0), axis=0)
+            kje = kj[None, :] * tl.exp2(tl.where((rc >= j)[:, None], GI - Gj[None, :], float("-inf")))
+            hit = rc[None, :] == j
+            aq += tl.where(hit, tl.sum(qI * kje, axis=1)[:, None], 0.0)
+            ak += tl.where(hit, tl.sum(kI * kje, axis=1)[:, None], 0.0)
+    return aq, ak
+
+
+@triton.jit
+def _tri_inv(A, BC: tl.constexpr):
+    """``(I + A)^-1`` of a strictly lower ``[BC, BC]`` fp32 tile, by forward substitution:
+    row s is ``e_s - sum_{m<s} A_sm row_m``."""
+    rc = tl.arange(0, BC)
+    Ti = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
+    for s in range(1, BC):
+        a = tl.sum(tl.where(rc[:, None] == s, A, 0.0), axis=0)
+        new = tl.where(rc == s, 1.0, 0.0) - tl.sum(a[:, None] * Ti, axis=0)
+        Ti = tl.where(rc[:, None] == s, new[None, :], Ti)
+    return Ti
+
+
+@triton.jit
+def _mm(a, b):
+    """Exact fp32 product of two small fp32 tiles (the solve's merge)."""
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _st(ptr, rows, cols, x, stride):
+    tl.store(ptr + rows[:, None] * stride + cols[None, :], x.to(ptr.dtype.element_ty))
+
+
+@triton.jit
+def _tri_inv_mem(A, Ad, rc, SA: tl.constexpr, BC: tl.constexpr):
+    """``(I + A)^-1`` of a strictly lower ``[BC, BC]`` fp32 tile by forward substitution, with the
+    rows of ``A`` read back from memory (``Ad``: the tile's place in ``Abuf``, written here first):
+    a loaded row comes in the layout the update broadcasts it in, where a row cut out of the
+    register tile would need a reduction and a layout change at each of the ``BC - 1`` steps."""
+    tl.store(Ad + rc[:, None] * SA + rc[None, :], A)
+    tl.debug_barrier()
+    Ti = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
+    for s in range(1, BC):
+        a = tl.load(Ad + s * SA + rc)
+        new = tl.where(rc == s, 1.0, 0.0) - tl.sum(tl.where(rc < s, a, 0.0)[:, None] * Ti, axis=0)
+        Ti = tl.where(rc[:, None] == s, new[None, :], Ti)
+    tl.debug_barrier()
+    return Ti
+
+
+@triton.jit
+def _kda_fwd_kkt(
+    q, k, g, beta, Gbuf, Abuf, Aqk,
+    scale, mid, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    BOUNDED: tl.constexpr, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Scores, ``(I + A_kk)^-1`` and G of one chunk (grid ``[NT, B*H]``), one ``BC``-row sub-tile
+    row ``I`` after the other on ``[BC, BK]`` / ``[BC, BC]`` tiles (``C // BC`` = 1, 2 or 4).
+
+    Row I, per K-block: G_I (= G before the sub-tile, read back from ``Gbuf``, plus the cumsum of
+    its g; log2 units) is written to ``Gbuf``; the diagonal pair as in ``_diag``; pairs J < I take
+    both factors relative to ``offI``, G just before sub-tile I (``e^{G_I - offI} <= 1``,
+    ``e^{offI - G_J} <= 1`` whatever g is), with k_J and G_J read back. Then
+    ``Aqk = scale lower(S(q, k))``, ``Tm_II = (I + A_II)^-1`` by forward substitution and
+    ``Tm_IJ = -Tm_II sum_{J <= M < I} A_IM Tm_MJ`` (rows M < I read back from ``Abuf``), fp32,
+    zeros above the diagonal blocks.
+    """
+    NC: tl.constexpr = C // BC
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
+    q += row0 * K
+    k += row0 * K
+    g += row0 * K
+    Gbuf += row0 * K
+    beta += row0
+    Abuf += row0 * C
+    Aqk += row0 * C
+    SK: tl.constexpr = H * K
+    SA: tl.constexpr = H * C
+    rc = tl.arange(0, BC)
+    low = rc[:, None] >= rc[None, :]
+    slow = rc[:, None] > rc[None, :]
+    zt = tl.zeros([BC, BC], dtype=tl.float32)
+    for I in tl.static_range(NC):
+        rI = I * BC + rc
+        bI = tl.load(beta + rI * H).to(tl.float32)
+        dq, dk = zt, zt
+        q0, k0, q1, k1, q2, k2 = zt, zt, zt, zt, zt, zt
+        for kb in range(K // BK):
+            cols = kb * BK + tl.arange(0, BK)
+            pI = rI[:, None] * SK + cols[None, :]
+            if I == 0:
+                off = tl.zeros([BK], dtype=tl.float32)
+            else:
+                off = tl.load(Gbuf + (I * BC - 1) * SK + cols)
+            GI, _ = _sub_G(g, off, rI, cols, SK)
+            tl.store(Gbuf + pI, GI)
+            xI = tl.load(q + pI).to(tl.float32)
+            yI = tl.load(k + pI).to(tl.float32)
+            dq, dk = _diag(dq, dk, xI, yI, GI, off, mid, BOUNDED, SCORE_BF16, IEEE, BC)
+            if I > 0:
+                f = tl.exp2(GI - off[None, :])
+                qf = _cast(xI * f, SCORE_BF16)
+                kf = _cast(yI * f, SCORE_BF16)
+                for J in tl.static_range(I):
+                    pJ = (J * BC + rc)[:, None] * SK + cols[None, :]
+                    yJ = tl.load(k + pJ).to(tl.float32)
+                    GJ = tl.load(Gbuf + pJ)
+                    if J == 0:
+                        q0, k0 = _pair(q0, k0, qf, kf, yJ, GJ, off, SCORE_BF16, IEEE)
+                    elif J == 1:
+                        q1, k1 = _pair(q1, k1, qf, kf, yJ, GJ, off, SCORE_BF16, IEEE)
+                    else:
+                        q2, k2 = _pair(q2, k2, qf, kf, yJ, GJ, off, SCORE_BF16, IEEE)
+        _st(Aqk, rI, rI, tl.where(low, dq * scale, 0.0), SA)
+        for J in tl.static_range(I + 1, NC):
+            _st(Aqk, rI, J * BC + rc, zt, SA)
+            _st(Abuf, rI, J * BC + rc, zt, SA)
+        if I > 0:
+            _st(Aqk, rI, rc, q0 * scale, SA)
+        if I > 1:
+            _st(Aqk, rI, BC + rc, q1 * scale, SA)
+        if I > 2:
+            _st(Aqk, rI, 2 * BC + rc, q2 * scale, SA)
+        # (the barrier in _tri_inv_mem also makes this row's G visible to the next rows)
+        TII = _tri_inv_mem(tl.where(slow, dk * bI[:, None], 0.0), Abuf + I * BC * SA + I * BC, rc, SA, BC)
+        # block-row merge: Tm_IJ = -Tm_II sum_{J <= M < I} A_IM Tm_MJ, Tm_MJ of earlier rows from Abuf
+        for J in tl.static_range(I):
+            rJ = J * BC + rc
+            acc = zt
+            for M in tl.static_range(J, I):
+                TMJ = tl.load(Abuf + (M * BC + rc)[:, None] * SA + rJ[None, :])
+                if M == 0:
+                    acc += _mm(k0 * bI[:, None], TMJ)
+                elif M == 1:
+                    acc += _mm(k1 * bI[:, None], TMJ)
+                else:
+                    acc += _mm(k2 * bI[:, None], TMJ)
+            _st(Abuf, rI, rJ, -_mm(TII, acc), SA)
+        _st(Abuf, rI, rI, TII, SA)
+        tl.debug_barrier()  # row I of Tm is in Abuf
+
+
+@triton.jit
+def _kda_fwd_wu(
+    q, k, v, Gbuf, beta, Abuf, w, u, qg, kd, gl,
+    scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """``w = Tm (beta k e^G)``, ``u = Tm (beta v)``, ``qg = scale q e^G``, ``kd = k e^{G_last - G}``,
+    ``gl = e^{G_last}`` of one chunk (grid ``[NT, B*H]``), from G and Tm written by ``_kda_fwd_kkt``."""
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    r = tl.arange(0, C)
+    cidx = tl.arange(0, C)
+    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
+    q += row0 * K
+    k += row0 * K
+    Gbuf += row0 * K
+    w += row0 * K
+    qg += row0 * K
+    kd += row0 * K
+    v += row0 * V
+    u += row0 * V
+    beta += row0
+    Abuf += row0 * C
+    gl += ((i_b * (T // C) + i_c).to(tl.int64) * H + i_h) * K
+    b = tl.load(beta + r * H).to(tl.float32)
+    Tm = _cast(tl.load(Abuf + r[:, None] * (H * C) + cidx[None, :]), False)
+    for kb in range(K // BK):
+        cols = kb * BK + tl.arange(0, BK)
+        p = r[:, None] * (H * K) + cols[None, :]
+        G = tl.load(Gbuf + p)
+        Gl = tl.load(Gbuf + (C - 1) * (H * K) + cols)
+        kt = tl.load(k + p).to(tl.float32)
+        qt = tl.load(q + p).to(tl.float32)
+        eG = tl.exp2(G)
+        wt = _dot(Tm, _cast(kt * b[:, None] * eG, False), IEEE)
+        tl.store(w + p, wt.to(w.dtype.element_ty))
+        tl.store(kd + p, (kt * tl.exp2(Gl[None, :] - G)).to(kd.dtype.element_ty))
+        tl.store(qg + p, (qt * eG * scale).to(qg.dtype.element_ty))
+        tl.store(gl + cols, tl.exp2(Gl))
+    for vb in range(V // BV):
+        cols = vb * BV + tl.arange(0, BV)
+        p = r[:, None] * (H * V) + cols[None, :]
+        vt = tl.load(v + p).to(tl.float32)
+        ut = _dot(Tm, _cast(vt * b[:, None], False), IEEE)
+        tl.store(u + p, ut.to(u.dtype.element_ty))
