@@ -132,8 +132,9 @@ def test_dqkg_paths_agree(monkeypatch, mode):
 
 @pytest.mark.parametrize("mode", ["bounded", "general"])
 def test_score_paths_agree(monkeypatch, mode):
-    """The sub-tile score kernel and the chunk-wide scores inside the intra kernel compute the same
-    outputs and gradients (fp32, exact products: up to rounding)."""
+    """The three intra paths (chunk-wide scores in the intra kernel, the sub-tile score kernel, and
+    the sub-tile kkt + wu kernels) compute the same outputs and gradients (fp32, exact products:
+    up to rounding)."""
     from moelab.ops.kda import triton_chunk as tc
 
     ins, s0, do, dS = _inputs(1, 150, 2, 32, 16, torch.float32, seed=13)
@@ -141,9 +142,10 @@ def test_score_paths_agree(monkeypatch, mode):
     for path in tc.SCORE_PATHS:
         monkeypatch.setitem(tc.TUNING, "scores", path)
         runs[path] = _run(chunk_kda, ins, s0, do, dS, mode=mode)
-    assert_close(runs["chunk"][0], runs["subtile"][0], 1e-5, "o")
-    for a, b in zip(runs["chunk"][2], runs["subtile"][2]):
-        assert_close(a, b, 3e-5, "grad")
+    for other in ("subtile", "tiles"):
+        assert_close(runs["chunk"][0], runs[other][0], 1e-5, f"o {other}")
+        for a, b in zip(runs["chunk"][2], runs[other][2]):
+            assert_close(a, b, 3e-5, f"grad {other}")
 
 
 def test_no_final_state_and_no_state_grad():

@@ -63,7 +63,7 @@ def _interpret() -> bool:
 # ``dqkg``: "fused": the per-sub-tile gradient kernel also does the state terms (``do h^T``,
 # ``U dh^T``, the w path); "split": ``_kda_bwd_sterm`` does them per chunk and K-block on
 # [C, BK] tiles first and the per-sub-tile kernel adds only the score terms (not yet timed).
-TUNING: dict = {"scores_tf32": True, "save": "intra", "scores": "chunk", "dqkg": "split"}
+TUNING: dict = {"scores_tf32": True, "save": "intra", "scores": "tiles", "dqkg": "split"}
 SAVE_POLICIES = ("inputs", "intra", "all")
 SCORE_PATHS = ("subtile", "chunk", "tiles")
 DQKG_PATHS = ("fused", "split")
@@ -87,8 +87,8 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "wy": (64, 4, 1),
     "dqkg": (16, 1, 1),
     "dg": (64, 4, 1),
-    "sterm": (64, 8, 1),
-    "kkt": (32, 2, 1),
+    "sterm": (64, 4, 1),
+    "kkt": (32, 1, 1),
     "wu": (64, 4, 1),
 }
 # the interpreter: 16-wide blocks so that small test shapes still take the multi-block paths
@@ -362,6 +362,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             dkb, dv, dbv, scale, T, B * H,
             H=H, K=K, V=V, C=C, BV=min(V, 64), DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
         )
+        del dU  # only dh (writes) and wy (reads) use it: freed before the largest allocations below
         if TUNING["dqkg"] not in DQKG_PATHS:
             raise ValueError(f"TUNING['dqkg']={TUNING['dqkg']!r} is not allowed: expected one of {DQKG_PATHS}")
         split = TUNING["dqkg"] == "split"
@@ -386,7 +387,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             STATE=not split,
         )
         _dg(lambda bk: (K // bk, NT, B * H), dGs, dGl, dg, T, H=H, K=K, V=V, C=C, NPART=nparts)
-        del inter, dAs, dkb, dhbuf, dU, dGs, dGl
+        del inter, dAs, dkb, dhbuf, dGs, dGl
         dbeta = (dbeta + dbk.sum(0))[:, :T0].to(beta_raw.dtype)
         dq, dk, dg = (x[:, :T0, :, :K0] for x in (dq, dk, dg))
         dv = dv[:, :T0, :, :V0]
