@@ -56,13 +56,14 @@ def _interpret() -> bool:
 # reruns only the state kernel); "all": also the chunk states and U (no rerun). The op-level peak
 # memory is about the same for all three (the rerun materializes the same buffers); a model that
 # stacks layers keeps "intra"/"all" buffers per layer until its backward.
-# ``scores``: "chunk": the gated scores inside the intra kernel over chunk-wide [C, C] tiles;
-# "subtile": by ``_kda_fwd_scores`` (one program per 16-row sub-tile, all of K, no spills), which
-# measured slower on the H200 (1.67 ms + 1.04 ms for the rest of the intra kernel, against
-# 1.97 ms for the chunk-wide kernel at B8 T4096 H16 D128), kept for comparison.
-# ``dqkg``: "fused": the per-sub-tile gradient kernel also does the state terms (``do h^T``,
-# ``U dh^T``, the w path); "split": ``_kda_bwd_sterm`` does them per chunk and K-block on
-# [C, BK] tiles first and the per-sub-tile kernel adds only the score terms (not yet timed).
+# ``scores``: the intra-chunk path. "tiles" (default): ``_kda_fwd_kkt`` forms every 16-row sub-tile
+# pair of the scores with its own small product and solves in registers, then ``_kda_fwd_wu`` does
+# w, u, qg, kd chunk-wide (1.06 + 0.45 ms at B8 T4096 H16 D128 on the H200); "chunk": one intra
+# kernel over chunk-wide masked [C, C] tiles (1.96 ms); "subtile": ``_kda_fwd_scores`` per 16-row
+# sub-tile, then the intra kernel without its scores (1.67 + 1.04 ms). All three compute the same.
+# ``dqkg``: "split" (default): ``_kda_bwd_sterm`` does the state terms (``do h^T``, ``U dh^T``, the
+# w path) per chunk and K-block on [C, BK] tiles, then the per-sub-tile kernel adds the score terms
+# (0.98 + 2.09 ms); "fused": the per-sub-tile kernel does both (4.66 ms).
 TUNING: dict = {"scores_tf32": True, "save": "intra", "scores": "tiles", "dqkg": "split"}
 SAVE_POLICIES = ("inputs", "intra", "all")
 SCORE_PATHS = ("subtile", "chunk", "tiles")

@@ -2,7 +2,10 @@
 
 Per head and chunk of ``C`` tokens, with ``G`` the chunk-local cumsum of g (see triton_common):
 
-* ``_kda_fwd_intra`` (grid ``[NT, B*H]``):
+* ``_kda_fwd_kkt`` + ``_kda_fwd_wu`` (the default, ``TUNING["scores"] = "tiles"``; grid ``[NT, B*H]``
+  each): the same outputs as ``_kda_fwd_intra`` below, with the scores and the solve on 16-row
+  sub-tile pairs in ``kkt`` (see its docstring) and the chunk-wide w, u, qg, kd products in ``wu``.
+* ``_kda_fwd_intra`` (grid ``[NT, B*H]``, ``TUNING["scores"] = "chunk"``):
   ``A_kk = strict_lower(beta_i sum_d k_id k_jd e^{G_id-G_jd})``,
   ``A_qk = scale * lower(sum_d q_id k_jd e^{G_id-G_jd})`` (stored),
   ``Tm = (I + A_kk)^-1`` by forward substitution on the 16x16 diagonal blocks and a block-row merge,
