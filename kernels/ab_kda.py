@@ -1,7 +1,7 @@
 """A/B variants of moelab's KDA kernels on one GPU: correctness and speed of each variant, one
 process per variant (a launch config that miscompiles may fault and take its process down).
 
-A variant is a name plus ``MOELAB_KDA_LAUNCH`` / ``MOELAB_KDA_TUNING`` overrides. Each one runs:
+A variant is a name plus ``MOELAB_KDA_LAUNCH`` / ``MOELAB_KDA_TUNING`` / ``MOELAB_KDA_MAXNREG`` overrides. Each one runs:
 
 1. a bf16 forward + backward at B1 T1024 H16 D128 (both modes, bounded gate, initial state)
    against the fp32 token recurrence (``check_kda_gpu.py``'s reference): rel. errors, pass/fail at
@@ -36,9 +36,10 @@ def parse_variant(text: str) -> tuple[str, dict]:
     """``name`` or ``name={"launch": {...}, "tuning": {...}}``."""
     name, _, spec = text.partition("=")
     spec = json.loads(spec) if spec else {}
-    bad = set(spec) - {"launch", "tuning"}
+    bad = set(spec) - {"launch", "tuning", "maxnreg"}
     if bad:
-        raise SystemExit(f"variant {name!r}: keys {sorted(bad)} are not allowed: expected 'launch' and/or 'tuning'")
+        raise SystemExit(f"variant {name!r}: keys {sorted(bad)} are not allowed: expected 'launch', 'tuning' "
+                         f"and/or 'maxnreg'")
     return name, spec
 
 
@@ -57,7 +58,7 @@ def child(args: argparse.Namespace) -> None:
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
-    row = dict(variant=args.name, launch=tc.launch_configs(), tuning=dict(tc.TUNING))
+    row = dict(variant=args.name, launch=tc.launch_configs(), tuning=dict(tc.TUNING), maxnreg=dict(tc.MAXNREG))
     B, T = (1, 1024) if dev == "cuda" else (1, 130)
     H, D = (16, 128) if dev == "cuda" else (2, 32)
     ins, s0, do, dS = ck.make_inputs(B, T, H, D, "bounded", True, dt, dev, seed=0)
@@ -113,6 +114,8 @@ def main() -> int:
             env["MOELAB_KDA_LAUNCH"] = json.dumps(spec["launch"])
         if "tuning" in spec:
             env["MOELAB_KDA_TUNING"] = json.dumps(spec["tuning"])
+        if "maxnreg" in spec:
+            env["MOELAB_KDA_MAXNREG"] = json.dumps(spec["maxnreg"])
         before = open(args.out).read().count("\n") if os.path.exists(args.out) else 0
         t0 = time.time()
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--name", name, "--out", args.out,

@@ -33,7 +33,7 @@ FP32 = ["gl", "h0", "hT", "dht", "dU", "dh0", "Gbuf", "Abuf", "dAs", "dkb", "dbv
 INPUT = ["q", "k", "v", "g", "beta", "dq", "dk", "dv", "dg", "dbeta"]
 
 
-def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf16") -> str:
+def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf16", maxnreg: int | None = None) -> str:
     ptrs = {n: "*" + dtype for n in WORK + INPUT}
     ptrs.update({n: "*fp32" for n in FP32})
     sig = {}
@@ -53,7 +53,8 @@ def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf1
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
     src = ASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages,
+                                                                                        **({"maxnreg": maxnreg} if maxnreg else {})))
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -91,8 +92,10 @@ def main() -> int:
                  for m in (True, False)],
         "dg": [(B._kda_bwd_dg, dict(H=16, K=args.K, V=args.K, C=64, NPART=4), "BK", None)],
         "sterm": [(B._kda_bwd_sterm, dict(base, BV=64, **bf), "BK", None)],
-        "kkt": [(F._kda_fwd_kkt, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False), "BK", m)
-                for m in (True, False)],
+        "kkt": [(F._kda_fwd_kkt, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False,
+                                      DIAG=tc.TUNING["kkt"] == "rows"), "BK", m) for m in (True, False)],
+        "kktd": [(F._kda_fwd_kkt_diag, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False), "BK", m)
+                 for m in (True, False)],
         "wu": [(F._kda_fwd_wu, dict(base, BV=64, IEEE=False), "BK", None)],
     }
     for name, variants in kernels.items():

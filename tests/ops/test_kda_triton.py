@@ -148,6 +148,27 @@ def test_score_paths_agree(monkeypatch, mode):
             assert_close(a, b, 3e-5, f"grad {other}")
 
 
+@pytest.mark.parametrize("mode", ["bounded", "general"])
+def test_kkt_paths_agree(monkeypatch, mode):
+    """The diagonal sub-tiles inside the per-chunk kkt kernel ("rows") or in their own per-sub-tile
+    kernel first ("split"): the same outputs and gradients up to fp32 rounding, both close to the
+    reference; a bad path name is refused."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    ins, s0, do, dS = _inputs(2, 150, 2, 32, 16, torch.float32, seed=19)
+    runs = {}
+    for path in tc.KKT_PATHS:
+        monkeypatch.setitem(tc.TUNING, "kkt", path)
+        runs[path] = _run(chunk_kda, ins, s0, do, dS, mode=mode)
+    _compare(_reference(ins, s0, do, dS), runs["split"])
+    assert_close(runs["rows"][0], runs["split"][0], 1e-5, "o rows vs split")
+    for a, b in zip(runs["rows"][2], runs["split"][2]):
+        assert_close(a, b, 3e-5, "grad rows vs split")
+    monkeypatch.setitem(tc.TUNING, "kkt", "bogus")
+    with pytest.raises(ValueError, match="'bogus'"):
+        _run(chunk_kda, ins, s0, do, dS, mode=mode)
+
+
 def test_no_final_state_and_no_state_grad():
     ins, _, do, _ = _inputs(1, 20, 1, 16, 16, torch.float32, seed=5, h0=False)
     leaves = [x.clone().requires_grad_() for x in ins]
@@ -226,8 +247,13 @@ def test_launch_config_override(monkeypatch):
     assert tc.TUNING["scores"] == "chunk"
     with pytest.raises(ValueError, match="'bogus'"):
         tc._tuning_from_env('{"bogus": 1}')
+    monkeypatch.setattr(tc, "MAXNREG", {})
+    tc._maxnreg_from_env('{"kkt": 168}')
+    assert tc.MAXNREG == {"kkt": 168}
+    with pytest.raises(ValueError, match="'kkt'"):
+        tc._maxnreg_from_env('{"kkt": 300}')
     cfgs = tc.launch_configs(128, 128)
-    assert set(cfgs) == {"scores", "intra", "state", "out", "dh", "wy", "dqkg", "dg", "sterm", "kkt", "wu"}
+    assert set(cfgs) == {"scores", "intra", "state", "out", "dh", "wy", "dqkg", "dg", "sterm", "kkt", "kktd", "wu"}
 
 
 # fused prep: (B, T, H, K, V, chunk, gate, mode, silu, dt_bias)
@@ -289,8 +315,8 @@ def test_fused_prep_bad_arguments():
         chunk_kda(*ins, A_log=A_log)
 
 
-@pytest.mark.parametrize("scores", ["chunk", "tiles"])
-def test_launch_arguments_match_kernel_signatures(monkeypatch, scores):
+@pytest.mark.parametrize("scores, kkt", [("chunk", "rows"), ("tiles", "rows"), ("tiles", "split")])
+def test_launch_arguments_match_kernel_signatures(monkeypatch, scores, kkt):
     """Every launch passes exactly the kernel's parameters: the interpreter tolerates an unknown
     keyword that the GPU JIT rejects, so this catches it on a CPU machine."""
     from moelab.ops.kda import triton_chunk as tc
@@ -308,7 +334,9 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, scores):
 
     monkeypatch.setattr(tc._Launcher, "__call__", check)
     monkeypatch.setitem(tc.TUNING, "scores", scores)
+    monkeypatch.setitem(tc.TUNING, "kkt", kkt)
     for mode in ("bounded", "general"):
         ins, s0, do, dS = _inputs(1, 40, 1, 16, 16, torch.float32, seed=1)
         _run(chunk_kda, ins, s0, do, dS, mode=mode)
-    assert ({"kkt", "wu"} if scores == "tiles" else {"intra"}) <= set(seen)
+    want = {"intra"} if scores == "chunk" else {"kkt", "wu"} | ({"kktd"} if kkt == "split" else set())
+    assert want <= set(seen)

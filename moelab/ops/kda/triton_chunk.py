@@ -35,8 +35,8 @@ import triton
 from moelab.model.config import max_safe_g_min
 from moelab.ops.kda.triton_bwd import _kda_bwd_dg, _kda_bwd_dh, _kda_bwd_dqkg, _kda_bwd_sterm, _kda_bwd_wy
 from moelab.ops.kda.triton_common import LOG2E, SUBTILE
-from moelab.ops.kda.triton_fwd import (_kda_fwd_intra, _kda_fwd_kkt, _kda_fwd_out, _kda_fwd_scores, _kda_fwd_state,
-                                       _kda_fwd_wu)
+from moelab.ops.kda.triton_fwd import (_kda_fwd_intra, _kda_fwd_kkt, _kda_fwd_kkt_diag, _kda_fwd_out,
+                                       _kda_fwd_scores, _kda_fwd_state, _kda_fwd_wu)
 from moelab.ops.kda.triton_prep import prep_bwd, prep_fwd
 
 MODES = ("bounded", "general")
@@ -64,7 +64,11 @@ def _interpret() -> bool:
 # ``dqkg``: "split" (default): ``_kda_bwd_sterm`` does the state terms (``do h^T``, ``U dh^T``, the
 # w path) per chunk and K-block on [C, BK] tiles, then the per-sub-tile kernel adds the score terms
 # (0.98 + 2.09 ms); "fused": the per-sub-tile kernel does both (4.66 ms).
-TUNING: dict = {"scores_tf32": True, "save": "intra", "scores": "tiles", "dqkg": "split"}
+# ``kkt`` (with "tiles"): "rows": one kernel per chunk does the diagonal sub-tiles (G, scores,
+# inverse) and the off-diagonal pairs row after row; "split": ``_kda_fwd_kkt_diag`` does the
+# diagonal sub-tiles first with one program per sub-tile (not yet timed).
+TUNING: dict = {"scores_tf32": True, "save": "intra", "scores": "tiles", "dqkg": "split", "kkt": "rows"}
+KKT_PATHS = ("rows", "split")
 SAVE_POLICIES = ("inputs", "intra", "all")
 SCORE_PATHS = ("subtile", "chunk", "tiles")
 DQKG_PATHS = ("fused", "split")
@@ -90,6 +94,7 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "dg": (64, 4, 1),
     "sterm": (64, 4, 1),
     "kkt": (32, 1, 1),
+    "kktd": (32, 1, 1),
     "wu": (64, 4, 1),
 }
 # the interpreter: 16-wide blocks so that small test shapes still take the multi-block paths
@@ -108,6 +113,24 @@ def _launch_from_env(text: str | None) -> None:
 
 
 _launch_from_env(os.environ.get("MOELAB_KDA_LAUNCH"))
+
+# Optional register cap per kernel (ptxas ``maxnreg``; none by default): a 1-warp kernel that
+# takes 255 registers fits 8 programs per SM, a cap trades spills for occupancy. Experiments only:
+# ``MOELAB_KDA_MAXNREG='{"kkt": 168}'``.
+MAXNREG: dict[str, int] = {}
+
+
+def _maxnreg_from_env(text: str | None) -> None:
+    if not text:
+        return
+    for name, val in json.loads(text).items():
+        if name not in LAUNCH or not (32 <= int(val) <= 255):
+            raise ValueError(f"MOELAB_KDA_MAXNREG entry {name!r}: {val!r} is not allowed: expected one of "
+                             f"{sorted(LAUNCH)} mapped to a register count in 32..255")
+        MAXNREG[name] = int(val)
+
+
+_maxnreg_from_env(os.environ.get("MOELAB_KDA_MAXNREG"))
 
 
 def _tuning_from_env(text: str | None) -> None:
@@ -143,7 +166,8 @@ class _Launcher:
         size, warps, stages = self.config(kwargs["K"], kwargs["V"])
         grid = grid(size) if callable(grid) else grid
         block = {self.block: size} if self.block is not None else {}
-        return self.kernel[grid](*args, **kwargs, **block, num_warps=warps, num_stages=stages)
+        cap = {"maxnreg": MAXNREG[self.name]} if self.name in MAXNREG and not _interpret() else {}
+        return self.kernel[grid](*args, **kwargs, **block, num_warps=warps, num_stages=stages, **cap)
 
 
 _scores = _Launcher("scores", _kda_fwd_scores, None)
@@ -156,6 +180,7 @@ _dqkg = _Launcher("dqkg", _kda_bwd_dqkg, "BK")
 _dg = _Launcher("dg", _kda_bwd_dg, "BK")
 _sterm = _Launcher("sterm", _kda_bwd_sterm, "BK")
 _kkt = _Launcher("kkt", _kda_fwd_kkt, "BK")
+_kktd = _Launcher("kktd", _kda_fwd_kkt_diag, "BK")
 _wu = _Launcher("wu", _kda_fwd_wu, "BK")
 
 
@@ -207,9 +232,17 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound):
     score_bf16 = dot_bf16 and not TUNING["scores_tf32"]
     if tiles:
         mid = (SUBTILE / 2) * (lower_bound if bounded else 0.0) * LOG2E
+        if TUNING["kkt"] not in KKT_PATHS:
+            raise ValueError(f"TUNING['kkt']={TUNING['kkt']!r} is not allowed: expected one of {KKT_PATHS}")
+        diag = TUNING["kkt"] == "rows"
+        if not diag:
+            _kktd(
+                (NT * (C // SUBTILE), B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
+                H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype),
+            )
         _kkt(
             (NT, B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
-            H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype),
+            H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype), DIAG=diag,
         )
         _wu(
             (NT, B * H), q, k, v, Gbuf, beta, Abuf, w, u, qg, kd, gl, scale, T,
@@ -402,7 +435,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 def launch_configs(K: int = 128, V: int = 128) -> dict:
     """The launch config of every kernel at head dims K, V: {name: {block: size, num_warps, num_stages}}."""
     out = {}
-    for lau in (_scores, _intra, _state, _out, _dh, _wy, _dqkg, _dg, _sterm, _kkt, _wu):
+    for lau in (_scores, _intra, _state, _out, _dh, _wy, _dqkg, _dg, _sterm, _kkt, _kktd, _wu):
         size, warps, stages = lau.config(K, V)
         out[lau.name] = {**({lau.block: size} if lau.block else {}), "num_warps": warps, "num_stages": stages}
     return out
