@@ -15,6 +15,12 @@ convention: all parameters, the measured bf16 matmul ceiling), and ``mfu_model_f
 FLOPs per token (moelab accounting, activated parameters + attention/KDA terms) x tokens/s / 989e12.
 
     python kernels/bench_model.py --out studies/throughput_h200.json [--steps 10] [--only fla]
+    python kernels/bench_model.py --only fla --profile kernels/results/model_profile_h200.json
+
+``--profile PATH`` also records the device time per kernel of one training step of each row
+(torch.profiler, after the timed steps) to PATH: ``{impl: {"step_ms": ..., "kernels": {name: ms}}}``,
+the breakdown that says where a whole-model gap comes from (projections, short convolutions,
+norms, the KDA op, the loss, the optimizer).
 """
 
 from __future__ import annotations
@@ -62,8 +68,22 @@ def time_training(model: torch.nn.Module, loss_fn, B: int, T: int, vocab: int, w
         loss = step()
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / steps
-    return {"step_ms": dt * 1e3, "tok_per_s": B * T / dt, "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
-            "loss": float(loss)}
+    out = {"step_ms": dt * 1e3, "tok_per_s": B * T / dt, "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
+           "loss": float(loss)}
+    if PROFILE:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        kernels: dict[str, float] = {}
+        for ev in prof.key_averages():
+            us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if us:
+                kernels[ev.key[:160]] = kernels.get(ev.key[:160], 0.0) + us / 1e3
+        out["_profile"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1]))
+    return out
+
+
+PROFILE = False  # set by --profile
 
 
 def moelab_row(impl: str, preset: str, overrides: dict, warmup: int, steps: int, check_grads: bool) -> dict:
@@ -86,12 +106,34 @@ def moelab_row(impl: str, preset: str, overrides: dict, warmup: int, steps: int,
         model.zero_grad(set_to_none=True)
     res = time_training(model, lambda m, x: m(x, x).loss, B, T, cfg.model.vocab_size, warmup, steps)
     row.update(res)
+    _save_profile(row)
     row["mfu"] = 6 * n_params * res["tok_per_s"] / ANCHOR_PEAK
     row["mfu_convention"] = MFU_CONVENTION
     row["mfu_model_flops"] = 3 * flops_per_token(cfg.model, T) * res["tok_per_s"] / DATASHEET_PEAK
     del model
     torch.cuda.empty_cache()
     return row
+
+
+PROFILE_OUT: str | None = None
+
+
+def _save_profile(row: dict) -> None:
+    """Move a row's kernel breakdown (``--profile``) out of the row into the profile file."""
+    prof = row.pop("_profile", None)
+    if prof is None or PROFILE_OUT is None:
+        return
+    data = json.load(open(PROFILE_OUT)) if os.path.exists(PROFILE_OUT) else {}
+    data.setdefault("meta", {}).update(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                                       date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                       command="python " + " ".join(sys.argv))
+    top = dict(list(prof.items())[:60])
+    data[row["impl"]] = {"step_ms": row["step_ms"], "total_kernel_ms": sum(prof.values()), "kernels": top}
+    with open(PROFILE_OUT, "w") as fh:
+        json.dump(data, fh, indent=1)
+    print(f"{row['impl']}: top kernels of one step (ms):")
+    for name, ms in list(prof.items())[:15]:
+        print(f"  {ms:8.3f}  {name[:100]}")
 
 
 def fla_row(warmup: int, steps: int) -> dict | None:
@@ -109,6 +151,7 @@ def fla_row(warmup: int, steps: int) -> dict | None:
     res = time_training(model, lambda m, x: m(input_ids=x, labels=x).loss, B, T, V, warmup, steps)
     row = {"impl": "fla_kda", "params": n_params, "B": B, "T": T, **res,
            "mfu": 6 * n_params * res["tok_per_s"] / ANCHOR_PEAK, "mfu_convention": MFU_CONVENTION}
+    _save_profile(row)
     del model
     torch.cuda.empty_cache()
     return row
@@ -120,7 +163,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--only", choices=["fla", "gpu-small"], default=None, help="run one group of rows")
+    ap.add_argument("--profile", default=None, help="also write each row's per-kernel device time to this JSON")
     args = ap.parse_args()
+    global PROFILE, PROFILE_OUT
+    PROFILE, PROFILE_OUT = args.profile is not None, args.profile
     if not torch.cuda.is_available():
         sys.exit("bench_model.py needs a CUDA device")
     command = "python " + " ".join(sys.argv)
