@@ -1,7 +1,8 @@
 """A/B variants of moelab's KDA kernels on one GPU: correctness and speed of each variant, one
 process per variant (a launch config that miscompiles may fault and take its process down).
 
-A variant is a name plus ``MOELAB_KDA_LAUNCH`` / ``MOELAB_KDA_TUNING`` / ``MOELAB_KDA_MAXNREG`` overrides. Each one runs:
+A variant is a name plus ``MOELAB_KDA_LAUNCH`` / ``MOELAB_KDA_TUNING`` / ``MOELAB_KDA_MAXNREG``
+overrides. Each one runs:
 
 1. a bf16 forward + backward at B1 T1024 H16 D128 (both modes, bounded gate, initial state)
    against the fp32 token recurrence (``check_kda_gpu.py``'s reference): rel. errors, pass/fail at

@@ -33,7 +33,8 @@ FP32 = ["gl", "h0", "hT", "dht", "dU", "dh0", "Gbuf", "Abuf", "dAs", "dkb", "dbv
 INPUT = ["q", "k", "v", "g", "beta", "dq", "dk", "dv", "dg", "dbeta"]
 
 
-def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf16", maxnreg: int | None = None) -> str:
+def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf16",
+                maxnreg: int | None = None) -> str:
     ptrs = {n: "*" + dtype for n in WORK + INPUT}
     ptrs.update({n: "*fp32" for n in FP32})
     sig = {}
@@ -53,8 +54,8 @@ def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf1
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
     src = ASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages,
-                                                                                        **({"maxnreg": maxnreg} if maxnreg else {})))
+    opts = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

@@ -35,8 +35,15 @@ import triton
 from moelab.model.config import max_safe_g_min
 from moelab.ops.kda.triton_bwd import _kda_bwd_dg, _kda_bwd_dh, _kda_bwd_dqkg, _kda_bwd_sterm, _kda_bwd_wy
 from moelab.ops.kda.triton_common import LOG2E, SUBTILE
-from moelab.ops.kda.triton_fwd import (_kda_fwd_intra, _kda_fwd_kkt, _kda_fwd_kkt_diag, _kda_fwd_out,
-                                       _kda_fwd_scores, _kda_fwd_state, _kda_fwd_wu)
+from moelab.ops.kda.triton_fwd import (
+    _kda_fwd_intra,
+    _kda_fwd_kkt,
+    _kda_fwd_kkt_diag,
+    _kda_fwd_out,
+    _kda_fwd_scores,
+    _kda_fwd_state,
+    _kda_fwd_wu,
+)
 from moelab.ops.kda.triton_prep import prep_bwd, prep_fwd
 
 MODES = ("bounded", "general")

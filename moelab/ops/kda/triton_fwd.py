@@ -439,18 +439,18 @@ def _kda_fwd_kkt(
     low = rc[:, None] >= rc[None, :]
     slow = rc[:, None] > rc[None, :]
     zt = tl.zeros([BC, BC], dtype=tl.float32)
-    for I in tl.static_range(NC):
-        rI = I * BC + rc
+    for si in tl.static_range(NC):
+        rI = si * BC + rc
         bI = tl.load(beta + rI * H).to(tl.float32)
         dq, dk = zt, zt
         q0, k0, q1, k1, q2, k2 = zt, zt, zt, zt, zt, zt
         for kb in range(K // BK):
             cols = kb * BK + tl.arange(0, BK)
             pI = rI[:, None] * SK + cols[None, :]
-            if I == 0:
+            if si == 0:
                 off = tl.zeros([BK], dtype=tl.float32)
             else:
-                off = tl.load(Gbuf + (I * BC - 1) * SK + cols)
+                off = tl.load(Gbuf + (si * BC - 1) * SK + cols)
             if DIAG:
                 GI, _ = _sub_G(g, off, rI, cols, SK)
                 tl.store(Gbuf + pI, GI)
@@ -460,11 +460,11 @@ def _kda_fwd_kkt(
             yI = tl.load(k + pI).to(tl.float32)
             if DIAG:
                 dq, dk = _diag(dq, dk, xI, yI, GI, off, mid, BOUNDED, SCORE_BF16, IEEE, BC)
-            if I > 0:
+            if si > 0:
                 f = tl.exp2(GI - off[None, :])
                 qf = _cast(xI * f, SCORE_BF16)
                 kf = _cast(yI * f, SCORE_BF16)
-                for J in tl.static_range(I):
+                for J in tl.static_range(si):
                     pJ = (J * BC + rc)[:, None] * SK + cols[None, :]
                     yJ = tl.load(k + pJ).to(tl.float32)
                     GJ = tl.load(Gbuf + pJ)
@@ -476,25 +476,25 @@ def _kda_fwd_kkt(
                         q2, k2 = _pair(q2, k2, qf, kf, yJ, GJ, off, SCORE_BF16, IEEE)
         if DIAG:
             _st(Aqk, rI, rI, tl.where(low, dq * scale, 0.0), SA)
-        for J in tl.static_range(I + 1, NC):
+        for J in tl.static_range(si + 1, NC):
             _st(Aqk, rI, J * BC + rc, zt, SA)
             _st(Abuf, rI, J * BC + rc, zt, SA)
-        if I > 0:
+        if si > 0:
             _st(Aqk, rI, rc, q0 * scale, SA)
-        if I > 1:
+        if si > 1:
             _st(Aqk, rI, BC + rc, q1 * scale, SA)
-        if I > 2:
+        if si > 2:
             _st(Aqk, rI, 2 * BC + rc, q2 * scale, SA)
         if DIAG:
             # (the barrier in _tri_inv_mem also makes this row's G visible to the next rows)
-            TII = _tri_inv_mem(tl.where(slow, dk * bI[:, None], 0.0), Abuf + I * BC * SA + I * BC, rc, SA, BC)
+            TII = _tri_inv_mem(tl.where(slow, dk * bI[:, None], 0.0), Abuf + si * BC * SA + si * BC, rc, SA, BC)
         else:
             TII = tl.load(Abuf + rI[:, None] * SA + rI[None, :])
         # block-row merge: Tm_IJ = -Tm_II sum_{J <= M < I} A_IM Tm_MJ, Tm_MJ of earlier rows from Abuf
-        for J in tl.static_range(I):
+        for J in tl.static_range(si):
             rJ = J * BC + rc
             acc = zt
-            for M in tl.static_range(J, I):
+            for M in tl.static_range(J, si):
                 TMJ = tl.load(Abuf + (M * BC + rc)[:, None] * SA + rJ[None, :])
                 if M == 0:
                     acc += _mm(k0 * bI[:, None], TMJ)
@@ -505,7 +505,7 @@ def _kda_fwd_kkt(
             _st(Abuf, rI, rJ, -_mm(TII, acc), SA)
         if DIAG:
             _st(Abuf, rI, rI, TII, SA)
-        tl.debug_barrier()  # row I of Tm is in Abuf
+        tl.debug_barrier()  # row si of Tm is in Abuf
 
 
 @triton.jit
@@ -524,7 +524,7 @@ def _kda_fwd_kkt_diag(
     i_ci = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_c = i_ci // NC
-    I = i_ci % NC
+    si = i_ci % NC
     i_b = i_bh // H
     i_h = i_bh % H
     row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
@@ -538,13 +538,13 @@ def _kda_fwd_kkt_diag(
     SK: tl.constexpr = H * K
     SA: tl.constexpr = H * C
     rc = tl.arange(0, BC)
-    rI = I * BC + rc
+    rI = si * BC + rc
     aq = tl.zeros([BC, BC], dtype=tl.float32)
     ak = tl.zeros([BC, BC], dtype=tl.float32)
     for kb in range(K // BK):
         cols = kb * BK + tl.arange(0, BK)
         off = tl.zeros([BK], dtype=tl.float32)
-        for J in range(I):
+        for J in range(si):
             gJ = tl.load(g + (J * BC + rc)[:, None] * SK + cols[None, :]).to(tl.float32) * 1.4426950408889634
             off += tl.sum(gJ, axis=0)
         GI, _ = _sub_G(g, off, rI, cols, SK)
@@ -554,7 +554,7 @@ def _kda_fwd_kkt_diag(
                        BOUNDED, SCORE_BF16, IEEE, BC)
     _st(Aqk, rI, rI, tl.where(rc[:, None] >= rc[None, :], aq * scale, 0.0), SA)
     bI = tl.load(beta + rI * H).to(tl.float32)
-    TII = _tri_inv_mem(tl.where(rc[:, None] > rc[None, :], ak * bI[:, None], 0.0), Abuf + I * BC * SA + I * BC, rc,
+    TII = _tri_inv_mem(tl.where(rc[:, None] > rc[None, :], ak * bI[:, None], 0.0), Abuf + si * BC * SA + si * BC, rc,
                        SA, BC)
     _st(Abuf, rI, rI, TII, SA)
 
