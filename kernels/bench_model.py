@@ -86,10 +86,14 @@ def time_training(model: torch.nn.Module, loss_fn, B: int, T: int, vocab: int, w
 PROFILE = False  # set by --profile
 
 
-def moelab_row(impl: str, preset: str, overrides: dict, warmup: int, steps: int, check_grads: bool) -> dict:
+def moelab_row(impl: str, preset: str, overrides: dict, warmup: int, steps: int, check_grads: bool,
+               compile_model: bool = False) -> dict:
     cfg = load_config(preset, overrides)
     torch.manual_seed(0)
     model = MoELab(cfg.model).cuda()
+    if compile_model:  # as train.compile=true does in the trainer; the KDA op stays eager
+        model.compile()
+        impl += "_compiled"
     B, T = cfg.train.batch_size, cfg.data.seq_len
     n_params = sum(p.numel() for p in model.parameters())
     row = {"impl": impl, "preset": preset, **{k: str(v) for k, v in overrides.items()}, "params": n_params,
@@ -164,6 +168,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--only", choices=["fla", "gpu-small"], default=None, help="run one group of rows")
     ap.add_argument("--profile", default=None, help="also write each row's per-kernel device time to this JSON")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time moelab_fla_shape with torch.compile (row moelab_fla_shape_compiled)")
     args = ap.parse_args()
     global PROFILE, PROFILE_OUT
     PROFILE, PROFILE_OUT = args.profile is not None, args.profile
@@ -181,6 +187,9 @@ def main() -> None:
 
     if args.only in (None, "fla"):
         add(moelab_row("moelab_fla_shape", "fla-shape", {}, args.warmup, args.steps, check_grads=False))
+        if args.compile:
+            add(moelab_row("moelab_fla_shape", "fla-shape", {}, args.warmup, args.steps, check_grads=False,
+                           compile_model=True))
         add(fla_row(args.warmup, args.steps))
     if args.only in (None, "gpu-small"):
         for mode in ("prenorm", "full_attnres", "block_attnres"):

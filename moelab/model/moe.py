@@ -631,6 +631,7 @@ if triton is not None:
 # Routed experts on sorted rows.
 # ----------------------------------------------------------------------------------------------
 
+@torch.compiler.disable  # torch's meta kernel of grouped_mm refuses fp32 that its CPU kernel runs
 def experts_grouped(xs: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, offs: torch.Tensor,
                     activation: str, beta1: float, beta2: float, fused: bool | None) -> torch.Tensor:
     """xs ``[M, R]`` sorted by expert, w_in ``[E, R, 2F]``, w_out ``[E, F, R]``, offs ``[E]`` int32 -> ``[M, R]``."""

@@ -456,6 +456,7 @@ def _pad(x: torch.Tensor, dims: dict[int, int]) -> torch.Tensor:
     return torch.nn.functional.pad(x, pads) if any(pads) else x
 
 
+@torch.compiler.disable  # a torch.compile'd model calls the op eagerly (its kernels launch themselves)
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
