@@ -97,6 +97,9 @@ def main() -> int:
                                       DIAG=tc.TUNING["kkt"] == "rows"), "BK", m) for m in (True, False)],
         "kktd": [(F._kda_fwd_kkt_diag, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False), "BK", m)
                  for m in (True, False)],
+        "kktr": [(F._kda_fwd_kkt_row, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False), "BK", m)
+                 for m in (True, False)],
+        "merge": [(F._kda_fwd_merge, dict(base, BC=16), None, None)],
         "wu": [(F._kda_fwd_wu, dict(base, BV=64, IEEE=False), "BK", None)],
     }
     for name, variants in kernels.items():

@@ -150,20 +150,23 @@ def test_score_paths_agree(monkeypatch, mode):
 
 @pytest.mark.parametrize("mode", ["bounded", "general"])
 def test_kkt_paths_agree(monkeypatch, mode):
-    """The diagonal sub-tiles inside the per-chunk kkt kernel ("rows") or in their own per-sub-tile
-    kernel first ("split"): the same outputs and gradients up to fp32 rounding, both close to the
-    reference; a bad path name is refused."""
+    """The diagonal sub-tiles inside the per-chunk kkt kernel ("rows"), in their own per-sub-tile
+    kernel first ("split"), or whole sub-tile rows in parallel programs then a merge ("parallel"):
+    the same outputs and gradients up to fp32 rounding, all close to the reference; a bad path
+    name is refused."""
     from moelab.ops.kda import triton_chunk as tc
 
     ins, s0, do, dS = _inputs(2, 150, 2, 32, 16, torch.float32, seed=19)
     runs = {}
-    for path in tc.KKT_PATHS:
+    for path in tc.KKT_PATHS:  # "rows", "split", "parallel"
         monkeypatch.setitem(tc.TUNING, "kkt", path)
         runs[path] = _run(chunk_kda, ins, s0, do, dS, mode=mode)
-    _compare(_reference(ins, s0, do, dS), runs["split"])
-    assert_close(runs["rows"][0], runs["split"][0], 1e-5, "o rows vs split")
-    for a, b in zip(runs["rows"][2], runs["split"][2]):
-        assert_close(a, b, 3e-5, "grad rows vs split")
+    ref = _reference(ins, s0, do, dS)
+    for path in ("split", "parallel"):
+        _compare(ref, runs[path])
+        assert_close(runs["rows"][0], runs[path][0], 1e-5, f"o rows vs {path}")
+        for a, b in zip(runs["rows"][2], runs[path][2]):
+            assert_close(a, b, 3e-5, f"grad rows vs {path}")
     monkeypatch.setitem(tc.TUNING, "kkt", "bogus")
     with pytest.raises(ValueError, match="'bogus'"):
         _run(chunk_kda, ins, s0, do, dS, mode=mode)
@@ -253,7 +256,8 @@ def test_launch_config_override(monkeypatch):
     with pytest.raises(ValueError, match="'kkt'"):
         tc._maxnreg_from_env('{"kkt": 300}')
     cfgs = tc.launch_configs(128, 128)
-    assert set(cfgs) == {"scores", "intra", "state", "out", "dh", "wy", "dqkg", "dg", "sterm", "kkt", "kktd", "wu"}
+    assert set(cfgs) == {"scores", "intra", "state", "out", "dh", "wy", "dqkg", "dg", "sterm", "kkt", "kktd", "kktr", "merge",
+                         "wu"}
 
 
 # fused prep: (B, T, H, K, V, chunk, gate, mode, silu, dt_bias)
@@ -315,7 +319,8 @@ def test_fused_prep_bad_arguments():
         chunk_kda(*ins, A_log=A_log)
 
 
-@pytest.mark.parametrize("scores, kkt", [("chunk", "rows"), ("tiles", "rows"), ("tiles", "split")])
+@pytest.mark.parametrize("scores, kkt", [("chunk", "rows"), ("tiles", "rows"), ("tiles", "split"),
+                                         ("tiles", "parallel")])
 def test_launch_arguments_match_kernel_signatures(monkeypatch, scores, kkt):
     """Every launch passes exactly the kernel's parameters: the interpreter tolerates an unknown
     keyword that the GPU JIT rejects, so this catches it on a CPU machine."""
@@ -338,7 +343,8 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, scores, kkt):
     for mode in ("bounded", "general"):
         ins, s0, do, dS = _inputs(1, 40, 1, 16, 16, torch.float32, seed=1)
         _run(chunk_kda, ins, s0, do, dS, mode=mode)
-    want = {"intra"} if scores == "chunk" else {"kkt", "wu"} | ({"kktd"} if kkt == "split" else set())
+    want = {"intra"} if scores == "chunk" else {"wu"} | {"rows": {"kkt"}, "split": {"kktd", "kkt"},
+                                                          "parallel": {"kktr", "merge"}}[kkt]
     assert want <= set(seen)
 
 

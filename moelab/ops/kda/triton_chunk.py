@@ -39,6 +39,8 @@ from moelab.ops.kda.triton_fwd import (
     _kda_fwd_intra,
     _kda_fwd_kkt,
     _kda_fwd_kkt_diag,
+    _kda_fwd_kkt_row,
+    _kda_fwd_merge,
     _kda_fwd_out,
     _kda_fwd_scores,
     _kda_fwd_state,
@@ -73,9 +75,11 @@ def _interpret() -> bool:
 # (0.98 + 2.09 ms); "fused": the per-sub-tile kernel does both (4.66 ms).
 # ``kkt`` (with "tiles"): "rows": one kernel per chunk does the diagonal sub-tiles (G, scores,
 # inverse) and the off-diagonal pairs row after row; "split": ``_kda_fwd_kkt_diag`` does the
-# diagonal sub-tiles first with one program per sub-tile (not yet timed).
+# diagonal sub-tiles first with one program per sub-tile (measured slower); "parallel": one program
+# per sub-tile row does its diagonal and off-diagonal pairs (partner G recomputed from g), then
+# ``_kda_fwd_merge`` per chunk (not yet timed).
 TUNING: dict = {"scores_tf32": True, "save": "intra", "scores": "tiles", "dqkg": "split", "kkt": "rows"}
-KKT_PATHS = ("rows", "split")
+KKT_PATHS = ("rows", "split", "parallel")
 SAVE_POLICIES = ("inputs", "intra", "all")
 SCORE_PATHS = ("subtile", "chunk", "tiles")
 DQKG_PATHS = ("fused", "split")
@@ -102,6 +106,8 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "sterm": (64, 4, 1),
     "kkt": (32, 1, 1),
     "kktd": (32, 1, 1),
+    "kktr": (32, 1, 1),
+    "merge": (0, 1, 1),  # no block: [16, 16] tiles
     "wu": (64, 4, 1),
 }
 # the interpreter: 16-wide blocks so that small test shapes still take the multi-block paths
@@ -188,6 +194,8 @@ _dg = _Launcher("dg", _kda_bwd_dg, "BK")
 _sterm = _Launcher("sterm", _kda_bwd_sterm, "BK")
 _kkt = _Launcher("kkt", _kda_fwd_kkt, "BK")
 _kktd = _Launcher("kktd", _kda_fwd_kkt_diag, "BK")
+_kktr = _Launcher("kktr", _kda_fwd_kkt_row, "BK")
+_merge = _Launcher("merge", _kda_fwd_merge, None)
 _wu = _Launcher("wu", _kda_fwd_wu, "BK")
 
 
@@ -242,15 +250,24 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound):
         if TUNING["kkt"] not in KKT_PATHS:
             raise ValueError(f"TUNING['kkt']={TUNING['kkt']!r} is not allowed: expected one of {KKT_PATHS}")
         diag = TUNING["kkt"] == "rows"
-        if not diag:
+        if TUNING["kkt"] == "parallel":
+            _kktr(
+                (NT * (C // SUBTILE), B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
+                H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype),
+            )
+            if C > SUBTILE:
+                _merge((NT, B * H), Abuf, T, H=H, K=K, V=V, C=C, BC=SUBTILE)
+        elif not diag:
             _kktd(
                 (NT * (C // SUBTILE), B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
                 H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype),
             )
-        _kkt(
-            (NT, B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
-            H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype), DIAG=diag,
-        )
+        if TUNING["kkt"] != "parallel":
+            _kkt(
+                (NT, B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
+                H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype),
+                DIAG=diag,
+            )
         _wu(
             (NT, B * H), q, k, v, Gbuf, beta, Abuf, w, u, qg, kd, gl, scale, T,
             H=H, K=K, V=V, C=C, BV=min(V, 64), IEEE=_ieee(q.dtype),
@@ -442,7 +459,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 def launch_configs(K: int = 128, V: int = 128) -> dict:
     """The launch config of every kernel at head dims K, V: {name: {block: size, num_warps, num_stages}}."""
     out = {}
-    for lau in (_scores, _intra, _state, _out, _dh, _wy, _dqkg, _dg, _sterm, _kkt, _kktd, _wu):
+    for lau in (_scores, _intra, _state, _out, _dh, _wy, _dqkg, _dg, _sterm, _kkt, _kktd, _kktr, _merge, _wu):
         size, warps, stages = lau.config(K, V)
         out[lau.name] = {**({lau.block: size} if lau.block else {}), "num_warps": warps, "num_stages": stages}
     return out

@@ -560,6 +560,134 @@ def _kda_fwd_kkt_diag(
 
 
 @triton.jit
+def _kda_fwd_kkt_row(
+    q, k, g, beta, Gbuf, Abuf, Aqk,
+    scale, mid, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    BOUNDED: tl.constexpr, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One ``BC``-row sub-tile row ``si`` of a chunk (grid ``[NT * C // BC, B*H]``): G_si into
+    ``Gbuf``, row si of ``Aqk``, the diagonal block ``Tm_ii = (I + A_ii)^-1`` and, as scratch for
+    ``_kda_fwd_merge``, the off-diagonal blocks ``A_kk[si, J]`` (beta included, fp32) in ``Abuf``.
+
+    The rows of a chunk run in parallel programs: a row recomputes the G of its partner sub-tiles
+    from g (the chunk's earlier g rows, read twice from cache) instead of waiting for them.
+    Factors as in ``_kda_fwd_kkt`` (reference: G just before sub-tile si)."""
+    NC: tl.constexpr = C // BC
+    i_ci = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_c = i_ci // NC
+    si = i_ci % NC
+    i_b = i_bh // H
+    i_h = i_bh % H
+    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
+    q += row0 * K
+    k += row0 * K
+    g += row0 * K
+    Gbuf += row0 * K
+    beta += row0
+    Abuf += row0 * C
+    Aqk += row0 * C
+    SK: tl.constexpr = H * K
+    SA: tl.constexpr = H * C
+    rc = tl.arange(0, BC)
+    rI = si * BC + rc
+    zt = tl.zeros([BC, BC], dtype=tl.float32)
+    dq = zt
+    dk = zt
+    q0, k0, q1, k1, q2, k2 = zt, zt, zt, zt, zt, zt
+    for kb in range(K // BK):
+        cols = kb * BK + tl.arange(0, BK)
+        off = tl.zeros([BK], dtype=tl.float32)
+        for J in range(si):
+            off += tl.sum(tl.load(g + (J * BC + rc)[:, None] * SK + cols[None, :]).to(tl.float32), axis=0)
+        off = off * 1.4426950408889634
+        GI, _ = _sub_G(g, off, rI, cols, SK)
+        pI = rI[:, None] * SK + cols[None, :]
+        tl.store(Gbuf + pI, GI)
+        xI = tl.load(q + pI).to(tl.float32)
+        yI = tl.load(k + pI).to(tl.float32)
+        dq, dk = _diag(dq, dk, xI, yI, GI, off, mid, BOUNDED, SCORE_BF16, IEEE, BC)
+        f = tl.exp2(GI - off[None, :])
+        qf = _cast(xI * f, SCORE_BF16)
+        kf = _cast(yI * f, SCORE_BF16)
+        offJ = tl.zeros([BK], dtype=tl.float32)
+        for J in tl.static_range(NC - 1):
+            if J < si:
+                pJ = (J * BC + rc)[:, None] * SK + cols[None, :]
+                GJ, offJ = _sub_G(g, offJ, J * BC + rc, cols, SK)
+                yJ = tl.load(k + pJ).to(tl.float32)
+                if J == 0:
+                    q0, k0 = _pair(q0, k0, qf, kf, yJ, GJ, off, SCORE_BF16, IEEE)
+                elif J == 1:
+                    q1, k1 = _pair(q1, k1, qf, kf, yJ, GJ, off, SCORE_BF16, IEEE)
+                else:
+                    q2, k2 = _pair(q2, k2, qf, kf, yJ, GJ, off, SCORE_BF16, IEEE)
+    bI = tl.load(beta + rI * H).to(tl.float32)
+    _st(Aqk, rI, rI, tl.where(rc[:, None] >= rc[None, :], dq * scale, 0.0), SA)
+    for J in tl.static_range(NC):
+        if J < si:
+            if J == 0:
+                _st(Aqk, rI, rc, q0 * scale, SA)
+                _st(Abuf, rI, rc, k0 * bI[:, None], SA)
+            elif J == 1:
+                _st(Aqk, rI, BC + rc, q1 * scale, SA)
+                _st(Abuf, rI, BC + rc, k1 * bI[:, None], SA)
+            else:
+                _st(Aqk, rI, 2 * BC + rc, q2 * scale, SA)
+                _st(Abuf, rI, 2 * BC + rc, k2 * bI[:, None], SA)
+        if J > si:
+            _st(Aqk, rI, J * BC + rc, zt, SA)
+            _st(Abuf, rI, J * BC + rc, zt, SA)
+    TII = _tri_inv_mem(tl.where(rc[:, None] > rc[None, :], dk * bI[:, None], 0.0), Abuf + si * BC * SA + si * BC,
+                       rc, SA, BC)
+    _st(Abuf, rI, rI, TII, SA)
+
+
+@triton.jit
+def _kda_fwd_merge(
+    Abuf, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+):
+    """Block-row merge of one chunk (grid ``[NT, B*H]``), in place in ``Abuf``:
+    ``Tm_IJ = -Tm_II sum_{J <= M < I} A_IM Tm_MJ`` over J ascending (so the ``A_IM`` still to be
+    read, M >= J, are not yet overwritten), rows after one another (rows M < I final)."""
+    NC: tl.constexpr = C // BC
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
+    Abuf += row0 * C
+    SA: tl.constexpr = H * C
+    rc = tl.arange(0, BC)
+    for si in tl.static_range(1, NC):
+        rI = si * BC + rc
+        TII = tl.load(Abuf + rI[:, None] * SA + rI[None, :])
+        A0 = tl.load(Abuf + rI[:, None] * SA + rc[None, :])
+        A1 = A0
+        A2 = A0
+        if si > 1:
+            A1 = tl.load(Abuf + rI[:, None] * SA + (BC + rc)[None, :])
+        if si > 2:
+            A2 = tl.load(Abuf + rI[:, None] * SA + (2 * BC + rc)[None, :])
+        tl.debug_barrier()
+        for J in tl.static_range(si):
+            rJ = J * BC + rc
+            acc = tl.zeros([BC, BC], dtype=tl.float32)
+            for M in tl.static_range(J, si):
+                TMJ = tl.load(Abuf + (M * BC + rc)[:, None] * SA + rJ[None, :])
+                if M == 0:
+                    acc += _mm(A0, TMJ)
+                elif M == 1:
+                    acc += _mm(A1, TMJ)
+                else:
+                    acc += _mm(A2, TMJ)
+            _st(Abuf, rI, rJ, -_mm(TII, acc), SA)
+        tl.debug_barrier()  # row si of Tm is final
+
+
+@triton.jit
 def _kda_fwd_wu(
     q, k, v, Gbuf, beta, Abuf, w, u, qg, kd, gl,
     scale, T,
