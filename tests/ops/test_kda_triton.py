@@ -256,8 +256,8 @@ def test_launch_config_override(monkeypatch):
     with pytest.raises(ValueError, match="'kkt'"):
         tc._maxnreg_from_env('{"kkt": 300}')
     cfgs = tc.launch_configs(128, 128)
-    assert set(cfgs) == {"scores", "intra", "state", "out", "dh", "wy", "dqkg", "dg", "sterm", "kkt", "kktd", "kktr", "merge",
-                         "wu"}
+    assert set(cfgs) == set(tc.LAUNCH) == {"scores", "intra", "state", "out", "dh", "wy", "dqkg", "dg", "sterm", "kkt",
+                                           "kktd", "kktr", "merge", "wu"}
 
 
 # fused prep: (B, T, H, K, V, chunk, gate, mode, silu, dt_bias)
