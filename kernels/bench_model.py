@@ -33,6 +33,7 @@ import sys
 import time
 
 import torch
+import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -168,6 +169,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--only", choices=["fla", "gpu-small"], default=None, help="run one group of rows")
     ap.add_argument("--profile", default=None, help="also write each row's per-kernel device time to this JSON")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="config overrides for the moelab_fla_shape rows (e.g. model.kda.chunk_size=32); "
+                         "the row's impl gets a '+' suffix and the overrides are recorded in it")
     ap.add_argument("--compile", action="store_true",
                     help="also time moelab_fla_shape with torch.compile (row moelab_fla_shape_compiled)")
     args = ap.parse_args()
@@ -186,10 +190,11 @@ def main() -> None:
             print(json.dumps(row), flush=True)
 
     if args.only in (None, "fla"):
-        add(moelab_row("moelab_fla_shape", "fla-shape", {}, args.warmup, args.steps, check_grads=False))
+        over = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
+        name = "moelab_fla_shape" + ("+" + ",".join(args.set) if args.set else "")
+        add(moelab_row(name, "fla-shape", over, args.warmup, args.steps, check_grads=False))
         if args.compile:
-            add(moelab_row("moelab_fla_shape", "fla-shape", {}, args.warmup, args.steps, check_grads=False,
-                           compile_model=True))
+            add(moelab_row(name, "fla-shape", over, args.warmup, args.steps, check_grads=False, compile_model=True))
         add(fla_row(args.warmup, args.steps))
     if args.only in (None, "gpu-small"):
         for mode in ("prenorm", "full_attnres", "block_attnres"):
