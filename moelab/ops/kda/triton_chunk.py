@@ -66,7 +66,7 @@ def _interpret() -> bool:
 # memory is about the same for all three (the rerun materializes the same buffers); a model that
 # stacks layers keeps "intra"/"all" buffers per layer until its backward.
 # ``scores``: the intra-chunk path. "tiles" (default): ``_kda_fwd_kkt`` forms every 16-row sub-tile
-# pair of the scores with its own small product and solves in registers, then ``_kda_fwd_wu`` does
+# pair of the scores with its own small product and the solve, then ``_kda_fwd_wu`` does
 # w, u, qg, kd chunk-wide (1.06 + 0.45 ms at B8 T4096 H16 D128 on the H200); "chunk": one intra
 # kernel over chunk-wide masked [C, C] tiles (1.96 ms); "subtile": ``_kda_fwd_scores`` per 16-row
 # sub-tile, then the intra kernel without its scores (1.67 + 1.04 ms). All three compute the same.
