@@ -94,6 +94,8 @@ def test_int_given_for_float_is_accepted_as_float() -> None:
     ({"data.seq_len": 0}, ["data.seq_len=0", ">= 1"]),
     ({"model.d_model": 4}, ["model.d_model=4", ">= 8"]),
     ({"name": "a b"}, ["name='a b'", "letters"]),
+    ({"model.kda.chunk_size": 128, "model.kda.backend": "auto"},
+     ["chunk_size=128", "16, 32 or 64 with backend='auto'"]),
 ])
 def test_bad_values_fail_at_load_naming_key_value_and_allowed(override: dict, fragments: list[str]) -> None:
     with pytest.raises(ConfigError) as err:

@@ -73,6 +73,9 @@ class KDAConfig:
         _one_of(f"{prefix}.backend", self.backend, ("auto", "recurrent", "chunk", "triton"))
         _one_of(f"{prefix}.precision", self.precision, ("bf16", "fp32", "fp16"))
         _check(self.chunk_size in (16, 32, 64, 128), f"{prefix}.chunk_size", self.chunk_size, "16, 32, 64 or 128")
+        if self.backend in ("auto", "triton"):  # auto takes the Triton op on a GPU
+            _check(self.chunk_size <= 64, f"{prefix}.chunk_size", self.chunk_size,
+                   f"16, 32 or 64 with backend={self.backend!r} (the Triton op's chunks; 128 needs backend='chunk')")
         _check(self.subtile in (16, 32) and self.subtile <= self.chunk_size, f"{prefix}.subtile", self.subtile,
                "16 or 32, and <= chunk_size")
         if self.gate == "bounded":
