@@ -45,25 +45,39 @@ class ShortConv(nn.Module):
     """Causal depthwise 1-D convolution over time, kernel ``size``, no bias.
 
     Input ``[B, T, C]``; the ``size - 1`` inputs before the first token come from ``tail``
-    (zeros when None), so chunked calls chain exactly.
+    (zeros when None), so chunked calls chain exactly. ``backend="triton"``: a call without a
+    tail (training, the first prefill) runs ``moelab.ops.short_conv.causal_conv1d`` (one pass in
+    the ``[B, T, C]`` layout, optional fused SiLU); calls with a tail take the torch path.
     """
 
-    def __init__(self, channels: int, size: int) -> None:
+    def __init__(self, channels: int, size: int, backend: str = "torch") -> None:
         super().__init__()
         self.size = size
+        self.backend = backend
         self.weight = nn.Parameter(torch.empty(channels, 1, size))
         # torch's Conv1d default (kaiming-uniform, fan_in = size): keeps the conv near identity
         # scale, unlike the model-wide N(0, init_std) used for projections.
         bound = 1.0 / math.sqrt(size)
         nn.init.uniform_(self.weight, -bound, bound)
 
-    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [B, T, C]`` -> ``(y [B, T, C], new_tail [B, size-1, C])``."""
+    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None,
+                activation: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [B, T, C]`` -> ``(y [B, T, C], new_tail [B, size-1, C])``; ``activation``: None or
+        ``"silu"`` applied to y (the tail holds inputs, not outputs)."""
         B, T, C = x.shape
+        if self.backend == "triton" and tail is None and T > 0:
+            from moelab.ops.short_conv import causal_conv1d
+
+            y = causal_conv1d(x, self.weight[:, 0, :], activation)
+            keep = self.size - 1
+            new_tail = x[:, max(0, T - keep):] if T >= keep else F.pad(x, (0, 0, keep - T, 0))
+            return y, new_tail
         if tail is None:
             tail = x.new_zeros(B, self.size - 1, C)
         full = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, size-1+T, C]
         y = F.conv1d(full.transpose(1, 2), self.weight.to(x.dtype), groups=C).transpose(1, 2)
+        if activation == "silu":
+            y = F.silu(y)
         return y, full[:, full.shape[1] - (self.size - 1):]
 
 
@@ -83,9 +97,9 @@ class KDALayer(nn.Module):
         self.q_proj = nn.Linear(d_model, H * Dh, bias=False)
         self.k_proj = nn.Linear(d_model, H * Dh, bias=False)
         self.v_proj = nn.Linear(d_model, H * Dh, bias=False)
-        self.q_conv = ShortConv(H * Dh, cfg.conv_size)
-        self.k_conv = ShortConv(H * Dh, cfg.conv_size)
-        self.v_conv = ShortConv(H * Dh, cfg.conv_size)
+        self.q_conv = ShortConv(H * Dh, cfg.conv_size, cfg.conv_backend)
+        self.k_conv = ShortConv(H * Dh, cfg.conv_size, cfg.conv_backend)
+        self.v_conv = ShortConv(H * Dh, cfg.conv_size, cfg.conv_backend)
         self.b_proj = nn.Linear(d_model, H, bias=False)
         self.f_down = nn.Linear(d_model, cfg.decay_rank, bias=False)
         self.f_up = nn.Linear(cfg.decay_rank, H * Dh, bias=True)  # its bias is b in z = W_up W_down x + b
@@ -163,7 +177,7 @@ class KDALayer(nn.Module):
         tails = state.conv if state is not None else (None, None, None)
         q, tq = self.q_conv(self.q_proj(x), tails[0])
         k, tk = self.k_conv(self.k_proj(x), tails[1])
-        v, tv = self.v_conv(self.v_proj(x), tails[2])
+        v, tv = self.v_conv(self.v_proj(x), tails[2], "silu")  # v = Swish(ShortConv(W_v x))
         beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
         z = self.f_up(self.f_down(x)).view(B, T, H, K)  # gate input
         self._last_z = z.detach() if self.record_decay else None
@@ -178,7 +192,7 @@ class KDALayer(nn.Module):
             # inputs are what it keeps for the backward); the gate bounds g by construction
             from moelab.ops.kda.triton_chunk import chunk_kda
 
-            o, S = chunk_kda(q.view(B, T, H, K), k.view(B, T, H, K), F.silu(v).view(B, T, H, V), z, beta,
+            o, S = chunk_kda(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V), z, beta,
                              initial_state=state_in, output_final_state=use_cache,
                              mode="bounded" if bounded else "general", lower_bound=self.cfg.g_min if bounded else -5.0,
                              chunk_size=self.cfg.chunk_size, gate=self.cfg.gate, A_log=self.A_log,
@@ -186,7 +200,7 @@ class KDALayer(nn.Module):
         else:
             q = F.normalize(F.silu(q).float().view(B, T, H, K), dim=-1, eps=1e-6)
             k = F.normalize(F.silu(k).float().view(B, T, H, K), dim=-1, eps=1e-6)
-            v = F.silu(v).view(B, T, H, V)
+            v = v.view(B, T, H, V)
             q, k = q.to(v.dtype), k.to(v.dtype)
             g = self._gate(z)
             # Both gates put g in [g_min, 0] (bounded) or (-inf, 0] (softplus) by construction, in

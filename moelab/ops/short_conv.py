@@ -1,0 +1,160 @@
+"""Causal depthwise 1-D convolution over time (the ShortConv of KDA / Mamba layers), in Triton.
+
+    y[b, t, c] = act( sum_{i < W} w[c, i] * x[b, t - (W - 1) + i, c] ),   x[t < 0] = 0
+
+``x [B, T, C]`` stays in its ``[B, T, C]`` layout (the torch path transposes to ``[B, C, T]`` for
+``F.conv1d`` and back, and concatenates a zero tail first: three extra passes over x each way).
+One pass forward; one pass backward that recomputes the pre-activation it needs and writes dx plus
+per-block partials of dw (summed in torch, so the result is deterministic). fp32 accumulation;
+y in x's dtype; dw in fp32, cast to the weight's dtype.
+
+``causal_conv1d`` is the autograd entry; ``causal_conv1d_torch`` the fp32-exact PyTorch
+reference that defines the semantics. Both start from zeros before the first token; a layer that
+carries a tail across calls (decoding) keeps its torch path for those calls.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+ACTIVATIONS = (None, "silu")
+# rows x channels per program; the interpreter takes small blocks so tests span several programs
+_BT, _BC, _WARPS = 64, 128, 4
+_INTERP_BT, _INTERP_BC = 16, 16
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _conv_fwd_kernel(x, w, y, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr):
+    i_t = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_b = tl.program_id(2).to(tl.int64)
+    t = i_t * BT + tl.arange(0, BT)
+    c = i_c * BC + tl.arange(0, BC)
+    cm = c < C
+    x += i_b * T * C
+    y += i_b * T * C
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for i in tl.static_range(W):
+        s = t - (W - 1) + i
+        xv = tl.load(x + s[:, None] * C + c[None, :], mask=((s >= 0) & (s < T))[:, None] & cm[None, :], other=0.0)
+        acc += xv.to(tl.float32) * tl.load(w + c * W + i, mask=cm, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(y + t[:, None] * C + c[None, :], acc.to(y.dtype.element_ty), mask=(t < T)[:, None] & cm[None, :])
+
+
+@triton.jit
+def _conv_bwd_kernel(x, w, dy, dx, dw, T, C, NTB, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                     SILU: tl.constexpr):
+    """dx for rows ``t`` of the block and this block's partial of dw (``dw [B * NTB, C, W]``).
+
+    ``dx[t] = sum_j w[W-1-j] dpre[t + j]`` needs dpre at rows ``t .. t + W - 1``; each is
+    recomputed here (pre-activation from x, then ``dy * act'``), so no ``[B, T, C]`` dpre buffer."""
+    i_t = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_b = tl.program_id(2).to(tl.int64)
+    t = i_t * BT + tl.arange(0, BT)
+    c = i_c * BC + tl.arange(0, BC)
+    cm = c < C
+    x += i_b * T * C
+    dy += i_b * T * C
+    dx += i_b * T * C
+    dxa = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(W):
+        r = t + j  # rows whose output depends on x[t] through tap W - 1 - j
+        rin = r < T
+        g = tl.load(dy + r[:, None] * C + c[None, :], mask=rin[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        if SILU:
+            pre = tl.zeros([BT, BC], dtype=tl.float32)
+            for i in tl.static_range(W):
+                s = r - (W - 1) + i
+                xv = tl.load(x + s[:, None] * C + c[None, :], mask=((s >= 0) & (s < T))[:, None] & cm[None, :],
+                             other=0.0)
+                pre += xv.to(tl.float32) * tl.load(w + c * W + i, mask=cm, other=0.0).to(tl.float32)[None, :]
+            sg = tl.sigmoid(pre)
+            g = g * sg * (1.0 + pre * (1.0 - sg))
+        dxa += g * tl.load(w + c * W + (W - 1 - j), mask=cm, other=0.0).to(tl.float32)[None, :]
+        if j == 0:  # dpre at the block's own rows: its part of dw
+            for i in tl.static_range(W):
+                s = t - (W - 1) + i
+                xv = tl.load(x + s[:, None] * C + c[None, :], mask=((s >= 0) & (s < T))[:, None] & cm[None, :],
+                             other=0.0)
+                part = tl.sum(g * xv.to(tl.float32), axis=0)
+                tl.store(dw + ((i_b * NTB + i_t) * C + c) * W + i, part, mask=cm)
+    tl.store(dx + t[:, None] * C + c[None, :], dxa.to(dx.dtype.element_ty), mask=(t < T)[:, None] & cm[None, :])
+
+
+def _blocks() -> tuple[int, int]:
+    return (_INTERP_BT, _INTERP_BC) if _interpret() else (_BT, _BC)
+
+
+class CausalConv1dFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, activation: str | None) -> torch.Tensor:
+        B, T, C = x.shape
+        W = weight.shape[1]
+        x = x.contiguous()
+        w = weight.contiguous()
+        y = torch.empty_like(x)
+        BT, BC = _blocks()
+        grid = (triton.cdiv(T, BT), triton.cdiv(C, BC), B)
+        _conv_fwd_kernel[grid](x, w, y, T, C, W=W, BT=BT, BC=BC, SILU=activation == "silu", num_warps=_WARPS)
+        ctx.save_for_backward(x, w)
+        ctx.activation = activation
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy: torch.Tensor):
+        x, w = ctx.saved_tensors
+        B, T, C = x.shape
+        W = w.shape[1]
+        BT, BC = _blocks()
+        ntb = triton.cdiv(T, BT)
+        dx = torch.empty_like(x)
+        dw = torch.empty(B * ntb, C, W, device=x.device, dtype=torch.float32)
+        _conv_bwd_kernel[(ntb, triton.cdiv(C, BC), B)](x, w, dy.contiguous(), dx, dw, T, C, ntb, W=W, BT=BT, BC=BC,
+                                                      SILU=ctx.activation == "silu", num_warps=_WARPS)
+        return dx, dw.sum(0).to(w.dtype), None
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+    """Causal depthwise convolution over time with an optional fused activation.
+
+    Args:
+        x: ``[B, T, C]`` bf16 / fp16 / fp32, on a CUDA device (or any device under
+            ``TRITON_INTERPRET=1``).
+        weight: ``[C, W]`` taps; ``weight[:, W - 1]`` multiplies the current token.
+        activation: None or ``"silu"``.
+
+    Returns:
+        ``y [B, T, C]`` in x's dtype; gradients flow to x and weight.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not allowed: expected one of {ACTIVATIONS}")
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, T, C], got shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[0] != x.shape[2]:
+        raise ValueError(f"weight must be [C, W] with C = {x.shape[2]}, got shape {tuple(weight.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x dtype {x.dtype} is not allowed: expected bf16, fp16 or fp32")
+    if x.shape[1] == 0:
+        return x.clone()
+    return CausalConv1dFunction.apply(x, weight, activation)
+
+
+def causal_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+    """Reference: ``F.conv1d`` on the zero-padded ``[B, C, T]`` view (what ``ShortConv`` computes)."""
+    W = weight.shape[1]
+    y = F.conv1d(F.pad(x.transpose(1, 2), (W - 1, 0)), weight[:, None, :].to(x.dtype), groups=x.shape[2])
+    y = y.transpose(1, 2)
+    return F.silu(y) if activation == "silu" else y
