@@ -93,10 +93,8 @@ def main() -> int:
                  for m in (True, False)],
         "dg": [(B._kda_bwd_dg, dict(H=16, K=args.K, V=args.K, C=64, NPART=4), "BK", None)],
         "sterm": [(B._kda_bwd_sterm, dict(base, BV=64, **bf), "BK", None)],
-        "kkt": [(F._kda_fwd_kkt, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False,
-                                      DIAG=tc.TUNING["kkt"] == "rows"), "BK", m) for m in (True, False)],
-        "kktd": [(F._kda_fwd_kkt_diag, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False), "BK", m)
-                 for m in (True, False)],
+        "kkt": [(F._kda_fwd_kkt, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False), "BK", m)
+                for m in (True, False)],
         "kktr": [(F._kda_fwd_kkt_row, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False), "BK", m)
                  for m in (True, False)],
         "merge": [(F._kda_fwd_merge, dict(base, BC=16), None, None)],

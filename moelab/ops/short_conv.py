@@ -33,20 +33,30 @@ def _interpret() -> bool:
 
 
 @triton.jit
-def _conv_fwd_kernel(x, w, y, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr):
-    i_t = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_b = tl.program_id(2).to(tl.int64)
-    t = i_t * BT + tl.arange(0, BT)
-    c = i_c * BC + tl.arange(0, BC)
-    cm = c < C
-    x += i_b * T * C
-    y += i_b * T * C
+def _pre(x, w, rows, c, cm, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Pre-activation ``sum_i w[c, i] x[rows - (W - 1) + i, c]`` of a ``[BT, BC]`` block, fp32."""
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for i in tl.static_range(W):
-        s = t - (W - 1) + i
+        s = rows - (W - 1) + i
         xv = tl.load(x + s[:, None] * C + c[None, :], mask=((s >= 0) & (s < T))[:, None] & cm[None, :], other=0.0)
         acc += xv.to(tl.float32) * tl.load(w + c * W + i, mask=cm, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _block(C, BT: tl.constexpr, BC: tl.constexpr):
+    """This program's time block, batch row, row indices ``t``, channels ``c`` and channel mask."""
+    i_t = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    return i_t, tl.program_id(2).to(tl.int64), i_t * BT + tl.arange(0, BT), c, c < C
+
+
+@triton.jit
+def _conv_fwd_kernel(x, w, y, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr):
+    i_t, i_b, t, c, cm = _block(C, BT, BC)
+    x += i_b * T * C
+    y += i_b * T * C
+    acc = _pre(x, w, t, c, cm, T, C, W, BT, BC)
     if SILU:
         acc = acc * tl.sigmoid(acc)
     tl.store(y + t[:, None] * C + c[None, :], acc.to(y.dtype.element_ty), mask=(t < T)[:, None] & cm[None, :])
@@ -59,12 +69,7 @@ def _conv_bwd_kernel(x, w, dy, dx, dw, T, C, NTB, W: tl.constexpr, BT: tl.conste
 
     ``dx[t] = sum_j w[W-1-j] dpre[t + j]`` needs dpre at rows ``t .. t + W - 1``; each is
     recomputed here (pre-activation from x, then ``dy * act'``), so no ``[B, T, C]`` dpre buffer."""
-    i_t = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_b = tl.program_id(2).to(tl.int64)
-    t = i_t * BT + tl.arange(0, BT)
-    c = i_c * BC + tl.arange(0, BC)
-    cm = c < C
+    i_t, i_b, t, c, cm = _block(C, BT, BC)
     x += i_b * T * C
     dy += i_b * T * C
     dx += i_b * T * C
@@ -74,12 +79,7 @@ def _conv_bwd_kernel(x, w, dy, dx, dw, T, C, NTB, W: tl.constexpr, BT: tl.conste
         rin = r < T
         g = tl.load(dy + r[:, None] * C + c[None, :], mask=rin[:, None] & cm[None, :], other=0.0).to(tl.float32)
         if SILU:
-            pre = tl.zeros([BT, BC], dtype=tl.float32)
-            for i in tl.static_range(W):
-                s = r - (W - 1) + i
-                xv = tl.load(x + s[:, None] * C + c[None, :], mask=((s >= 0) & (s < T))[:, None] & cm[None, :],
-                             other=0.0)
-                pre += xv.to(tl.float32) * tl.load(w + c * W + i, mask=cm, other=0.0).to(tl.float32)[None, :]
+            pre = _pre(x, w, r, c, cm, T, C, W, BT, BC)
             sg = tl.sigmoid(pre)
             g = g * sg * (1.0 + pre * (1.0 - sg))
         dxa += g * tl.load(w + c * W + (W - 1 - j), mask=cm, other=0.0).to(tl.float32)[None, :]

@@ -150,19 +150,18 @@ def test_score_paths_agree(monkeypatch, mode):
 
 @pytest.mark.parametrize("mode", ["bounded", "general"])
 def test_kkt_paths_agree(monkeypatch, mode):
-    """The diagonal sub-tiles inside the per-chunk kkt kernel ("rows"), in their own per-sub-tile
-    kernel first ("split"), or whole sub-tile rows in parallel programs then a merge ("parallel"):
-    the same outputs and gradients up to fp32 rounding, all close to the reference; a bad path
-    name is refused."""
+    """The sub-tile rows of a chunk one after the other in one kkt program ("rows"), or in
+    parallel programs followed by a merge ("parallel"): the same outputs and gradients up to fp32
+    rounding, both close to the reference; a bad path name is refused."""
     from moelab.ops.kda import triton_chunk as tc
 
     ins, s0, do, dS = _inputs(2, 150, 2, 32, 16, torch.float32, seed=19)
     runs = {}
-    for path in tc.KKT_PATHS:  # "rows", "split", "parallel"
+    for path in tc.KKT_PATHS:
         monkeypatch.setitem(tc.TUNING, "kkt", path)
         runs[path] = _run(chunk_kda, ins, s0, do, dS, mode=mode)
     ref = _reference(ins, s0, do, dS)
-    for path in ("split", "parallel"):
+    for path in ("parallel",):
         _compare(ref, runs[path])
         assert_close(runs["rows"][0], runs[path][0], 1e-5, f"o rows vs {path}")
         for a, b in zip(runs["rows"][2], runs[path][2]):
@@ -257,7 +256,7 @@ def test_launch_config_override(monkeypatch):
         tc._maxnreg_from_env('{"kkt": 300}')
     cfgs = tc.launch_configs(128, 128)
     assert set(cfgs) == set(tc.LAUNCH) == {"scores", "intra", "state", "out", "dh", "wy", "dqkg", "dg", "sterm", "kkt",
-                                           "kktd", "kktr", "merge", "wu"}
+                                           "kktr", "merge", "wu"}
 
 
 # fused prep: (B, T, H, K, V, chunk, gate, mode, silu, dt_bias)
@@ -319,8 +318,7 @@ def test_fused_prep_bad_arguments():
         chunk_kda(*ins, A_log=A_log)
 
 
-@pytest.mark.parametrize("scores, kkt", [("chunk", "rows"), ("tiles", "rows"), ("tiles", "split"),
-                                         ("tiles", "parallel")])
+@pytest.mark.parametrize("scores, kkt", [("chunk", "rows"), ("tiles", "rows"), ("tiles", "parallel")])
 def test_launch_arguments_match_kernel_signatures(monkeypatch, scores, kkt):
     """Every launch passes exactly the kernel's parameters: the interpreter tolerates an unknown
     keyword that the GPU JIT rejects, so this catches it on a CPU machine."""
@@ -343,8 +341,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, scores, kkt):
     for mode in ("bounded", "general"):
         ins, s0, do, dS = _inputs(1, 40, 1, 16, 16, torch.float32, seed=1)
         _run(chunk_kda, ins, s0, do, dS, mode=mode)
-    want = {"intra"} if scores == "chunk" else {"wu"} | {"rows": {"kkt"}, "split": {"kktd", "kkt"},
-                                                          "parallel": {"kktr", "merge"}}[kkt]
+    want = {"intra"} if scores == "chunk" else {"wu"} | {"rows": {"kkt"}, "parallel": {"kktr", "merge"}}[kkt]
     assert want <= set(seen)
 
 

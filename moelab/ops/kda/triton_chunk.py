@@ -38,7 +38,6 @@ from moelab.ops.kda.triton_common import LOG2E, SUBTILE
 from moelab.ops.kda.triton_fwd import (
     _kda_fwd_intra,
     _kda_fwd_kkt,
-    _kda_fwd_kkt_diag,
     _kda_fwd_kkt_row,
     _kda_fwd_merge,
     _kda_fwd_out,
@@ -74,12 +73,12 @@ def _interpret() -> bool:
 # w path) per chunk and K-block on [C, BK] tiles, then the per-sub-tile kernel adds the score terms
 # (0.98 + 2.09 ms); "fused": the per-sub-tile kernel does both (4.66 ms).
 # ``kkt`` (with "tiles"): "rows": one kernel per chunk does the diagonal sub-tiles (G, scores,
-# inverse) and the off-diagonal pairs row after row; "split": ``_kda_fwd_kkt_diag`` does the
-# diagonal sub-tiles first with one program per sub-tile (measured slower); "parallel": one program
-# per sub-tile row does its diagonal and off-diagonal pairs (partner G recomputed from g), then
-# ``_kda_fwd_merge`` per chunk (not yet timed).
+# inverse) and the off-diagonal pairs row after row; "parallel": one program per sub-tile row does
+# its diagonal and off-diagonal pairs (partner G recomputed from g), then ``_kda_fwd_merge`` per
+# chunk (not yet timed). (A third layout, the diagonal sub-tiles in their own kernel before the
+# per-chunk one, measured slower at B8 T4096 and was removed: kernels/results/kda_ab_h200.json.)
 TUNING: dict = {"scores_tf32": True, "save": "intra", "scores": "tiles", "dqkg": "split", "kkt": "rows"}
-KKT_PATHS = ("rows", "split", "parallel")
+KKT_PATHS = ("rows", "parallel")
 SAVE_POLICIES = ("inputs", "intra", "all")
 SCORE_PATHS = ("subtile", "chunk", "tiles")
 DQKG_PATHS = ("fused", "split")
@@ -105,7 +104,6 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "dg": (64, 4, 1),
     "sterm": (64, 4, 1),
     "kkt": (32, 1, 1),
-    "kktd": (32, 1, 1),
     "kktr": (32, 1, 1),
     "merge": (0, 1, 1),  # no block: [16, 16] tiles
     "wu": (64, 4, 1),
@@ -193,7 +191,6 @@ _dqkg = _Launcher("dqkg", _kda_bwd_dqkg, "BK")
 _dg = _Launcher("dg", _kda_bwd_dg, "BK")
 _sterm = _Launcher("sterm", _kda_bwd_sterm, "BK")
 _kkt = _Launcher("kkt", _kda_fwd_kkt, "BK")
-_kktd = _Launcher("kktd", _kda_fwd_kkt_diag, "BK")
 _kktr = _Launcher("kktr", _kda_fwd_kkt_row, "BK")
 _merge = _Launcher("merge", _kda_fwd_merge, None)
 _wu = _Launcher("wu", _kda_fwd_wu, "BK")
@@ -249,7 +246,6 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound):
         mid = (SUBTILE / 2) * (lower_bound if bounded else 0.0) * LOG2E
         if TUNING["kkt"] not in KKT_PATHS:
             raise ValueError(f"TUNING['kkt']={TUNING['kkt']!r} is not allowed: expected one of {KKT_PATHS}")
-        diag = TUNING["kkt"] == "rows"
         if TUNING["kkt"] == "parallel":
             _kktr(
                 (NT * (C // SUBTILE), B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
@@ -257,16 +253,10 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound):
             )
             if C > SUBTILE:
                 _merge((NT, B * H), Abuf, T, H=H, K=K, V=V, C=C, BC=SUBTILE)
-        elif not diag:
-            _kktd(
-                (NT * (C // SUBTILE), B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
-                H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype),
-            )
-        if TUNING["kkt"] != "parallel":
+        else:
             _kkt(
                 (NT, B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
                 H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype),
-                DIAG=diag,
             )
         _wu(
             (NT, B * H), q, k, v, Gbuf, beta, Abuf, w, u, qg, kd, gl, scale, T,
@@ -459,7 +449,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 def launch_configs(K: int = 128, V: int = 128) -> dict:
     """The launch config of every kernel at head dims K, V: {name: {block: size, num_warps, num_stages}}."""
     out = {}
-    for lau in (_scores, _intra, _state, _out, _dh, _wy, _dqkg, _dg, _sterm, _kkt, _kktd, _kktr, _merge, _wu):
+    for lau in (_scores, _intra, _state, _out, _dh, _wy, _dqkg, _dg, _sterm, _kkt, _kktr, _merge, _wu):
         size, warps, stages = lau.config(K, V)
         out[lau.name] = {**({lau.block: size} if lau.block else {}), "num_warps": warps, "num_stages": stages}
     return out

@@ -400,11 +400,19 @@ def _tri_inv_mem(A, Ad, rc, SA: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def _kkt_ptrs(q, k, g, Gbuf, beta, Abuf, Aqk, i_c, i_bh, T, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
+    """The kkt kernels' pointers moved to row 0 of chunk ``i_c`` of head ``i_bh``."""
+    row0 = ((i_bh // H) * T + i_c * C).to(tl.int64) * H + i_bh % H
+    return (q + row0 * K, k + row0 * K, g + row0 * K, Gbuf + row0 * K, beta + row0, Abuf + row0 * C,
+            Aqk + row0 * C)
+
+
+@triton.jit
 def _kda_fwd_kkt(
     q, k, g, beta, Gbuf, Abuf, Aqk,
     scale, mid, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BOUNDED: tl.constexpr, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr, DIAG: tl.constexpr,
+    BOUNDED: tl.constexpr, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Scores, ``(I + A_kk)^-1`` and G of one chunk (grid ``[NT, B*H]``), one ``BC``-row sub-tile
     row ``I`` after the other on ``[BC, BK]`` / ``[BC, BC]`` tiles (``C // BC`` = 1, 2 or 4).
@@ -416,23 +424,11 @@ def _kda_fwd_kkt(
     ``Aqk = scale lower(S(q, k))``, ``Tm_II = (I + A_II)^-1`` by forward substitution and
     ``Tm_IJ = -Tm_II sum_{J <= M < I} A_IM Tm_MJ`` (rows M < I read back from ``Abuf``), fp32,
     zeros above the diagonal blocks.
-
-    ``DIAG=False``: ``_kda_fwd_kkt_diag`` already wrote G, the diagonal blocks of ``Aqk`` and
-    ``Tm_II``; this kernel reads them and does the off-diagonal pairs and the merge only.
     """
     NC: tl.constexpr = C // BC
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
-    q += row0 * K
-    k += row0 * K
-    g += row0 * K
-    Gbuf += row0 * K
-    beta += row0
-    Abuf += row0 * C
-    Aqk += row0 * C
+    q, k, g, Gbuf, beta, Abuf, Aqk = _kkt_ptrs(q, k, g, Gbuf, beta, Abuf, Aqk, i_c, i_bh, T, H, K, C)
     SK: tl.constexpr = H * K
     SA: tl.constexpr = H * C
     rc = tl.arange(0, BC)
@@ -451,15 +447,11 @@ def _kda_fwd_kkt(
                 off = tl.zeros([BK], dtype=tl.float32)
             else:
                 off = tl.load(Gbuf + (si * BC - 1) * SK + cols)
-            if DIAG:
-                GI, _ = _sub_G(g, off, rI, cols, SK)
-                tl.store(Gbuf + pI, GI)
-            else:
-                GI = tl.load(Gbuf + pI)
+            GI, _ = _sub_G(g, off, rI, cols, SK)
+            tl.store(Gbuf + pI, GI)
             xI = tl.load(q + pI).to(tl.float32)
             yI = tl.load(k + pI).to(tl.float32)
-            if DIAG:
-                dq, dk = _diag(dq, dk, xI, yI, GI, off, mid, BOUNDED, SCORE_BF16, IEEE, BC)
+            dq, dk = _diag(dq, dk, xI, yI, GI, off, mid, BOUNDED, SCORE_BF16, IEEE, BC)
             if si > 0:
                 f = tl.exp2(GI - off[None, :])
                 qf = _cast(xI * f, SCORE_BF16)
@@ -474,8 +466,7 @@ def _kda_fwd_kkt(
                         q1, k1 = _pair(q1, k1, qf, kf, yJ, GJ, off, SCORE_BF16, IEEE)
                     else:
                         q2, k2 = _pair(q2, k2, qf, kf, yJ, GJ, off, SCORE_BF16, IEEE)
-        if DIAG:
-            _st(Aqk, rI, rI, tl.where(low, dq * scale, 0.0), SA)
+        _st(Aqk, rI, rI, tl.where(low, dq * scale, 0.0), SA)
         for J in tl.static_range(si + 1, NC):
             _st(Aqk, rI, J * BC + rc, zt, SA)
             _st(Abuf, rI, J * BC + rc, zt, SA)
@@ -485,11 +476,8 @@ def _kda_fwd_kkt(
             _st(Aqk, rI, BC + rc, q1 * scale, SA)
         if si > 2:
             _st(Aqk, rI, 2 * BC + rc, q2 * scale, SA)
-        if DIAG:
-            # (the barrier in _tri_inv_mem also makes this row's G visible to the next rows)
-            TII = _tri_inv_mem(tl.where(slow, dk * bI[:, None], 0.0), Abuf + si * BC * SA + si * BC, rc, SA, BC)
-        else:
-            TII = tl.load(Abuf + rI[:, None] * SA + rI[None, :])
+        # (the barrier in _tri_inv_mem also makes this row's G visible to the next rows)
+        TII = _tri_inv_mem(tl.where(slow, dk * bI[:, None], 0.0), Abuf + si * BC * SA + si * BC, rc, SA, BC)
         # block-row merge: Tm_IJ = -Tm_II sum_{J <= M < I} A_IM Tm_MJ, Tm_MJ of earlier rows from Abuf
         for J in tl.static_range(si):
             rJ = J * BC + rc
@@ -503,60 +491,8 @@ def _kda_fwd_kkt(
                 else:
                     acc += _mm(k2 * bI[:, None], TMJ)
             _st(Abuf, rI, rJ, -_mm(TII, acc), SA)
-        if DIAG:
-            _st(Abuf, rI, rI, TII, SA)
+        _st(Abuf, rI, rI, TII, SA)
         tl.debug_barrier()  # row si of Tm is in Abuf
-
-
-@triton.jit
-def _kda_fwd_kkt_diag(
-    q, k, g, beta, Gbuf, Abuf, Aqk,
-    scale, mid, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BOUNDED: tl.constexpr, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr,
-):
-    """The diagonal sub-tile pair of one ``BC``-row sub-tile ``I`` (grid ``[NT * C // BC, B*H]``):
-    G_I (G before the sub-tile = the sum of the chunk's earlier g rows, plus the cumsum of its own;
-    log2 units) into ``Gbuf``, the diagonal block of ``Aqk`` and ``Tm_II = (I + A_II)^-1`` into
-    ``Abuf``; ``_kda_fwd_kkt`` with ``DIAG=False`` then adds the off-diagonal pairs and the merge.
-    Four times the programs of ``kkt``, each with one short dependency chain."""
-    NC: tl.constexpr = C // BC
-    i_ci = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_c = i_ci // NC
-    si = i_ci % NC
-    i_b = i_bh // H
-    i_h = i_bh % H
-    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
-    q += row0 * K
-    k += row0 * K
-    g += row0 * K
-    Gbuf += row0 * K
-    beta += row0
-    Abuf += row0 * C
-    Aqk += row0 * C
-    SK: tl.constexpr = H * K
-    SA: tl.constexpr = H * C
-    rc = tl.arange(0, BC)
-    rI = si * BC + rc
-    aq = tl.zeros([BC, BC], dtype=tl.float32)
-    ak = tl.zeros([BC, BC], dtype=tl.float32)
-    for kb in range(K // BK):
-        cols = kb * BK + tl.arange(0, BK)
-        off = tl.zeros([BK], dtype=tl.float32)
-        for J in range(si):
-            gJ = tl.load(g + (J * BC + rc)[:, None] * SK + cols[None, :]).to(tl.float32) * 1.4426950408889634
-            off += tl.sum(gJ, axis=0)
-        GI, _ = _sub_G(g, off, rI, cols, SK)
-        pI = rI[:, None] * SK + cols[None, :]
-        tl.store(Gbuf + pI, GI)
-        aq, ak = _diag(aq, ak, tl.load(q + pI).to(tl.float32), tl.load(k + pI).to(tl.float32), GI, off, mid,
-                       BOUNDED, SCORE_BF16, IEEE, BC)
-    _st(Aqk, rI, rI, tl.where(rc[:, None] >= rc[None, :], aq * scale, 0.0), SA)
-    bI = tl.load(beta + rI * H).to(tl.float32)
-    TII = _tri_inv_mem(tl.where(rc[:, None] > rc[None, :], ak * bI[:, None], 0.0), Abuf + si * BC * SA + si * BC, rc,
-                       SA, BC)
-    _st(Abuf, rI, rI, TII, SA)
 
 
 @triton.jit
@@ -578,16 +514,7 @@ def _kda_fwd_kkt_row(
     i_bh = tl.program_id(1)
     i_c = i_ci // NC
     si = i_ci % NC
-    i_b = i_bh // H
-    i_h = i_bh % H
-    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
-    q += row0 * K
-    k += row0 * K
-    g += row0 * K
-    Gbuf += row0 * K
-    beta += row0
-    Abuf += row0 * C
-    Aqk += row0 * C
+    q, k, g, Gbuf, beta, Abuf, Aqk = _kkt_ptrs(q, k, g, Gbuf, beta, Abuf, Aqk, i_c, i_bh, T, H, K, C)
     SK: tl.constexpr = H * K
     SA: tl.constexpr = H * C
     rc = tl.arange(0, BC)
