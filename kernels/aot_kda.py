@@ -29,7 +29,8 @@ from moelab.ops.kda import triton_chunk as tc  # noqa: E402
 from moelab.ops.kda import triton_fwd as F  # noqa: E402
 
 WORK = ["kd", "w", "u", "hbuf", "U", "qg", "Aqk", "o", "do", "dhbuf"]  # work dtype (bf16 for bf16 inputs)
-FP32 = ["gl", "h0", "hT", "dht", "dU", "dh0", "Gbuf", "Abuf", "dAs", "dkb", "dbv", "dbk", "dG", "dGl", "dbs"]
+FP32 = ["gl", "h0", "hT", "dht", "dU", "dh0", "Gbuf", "Abuf", "dAs", "dkb", "dbv", "dbk", "dG", "dGl", "dbs", "A_log",
+        "dt_bias"]
 INPUT = ["q", "k", "v", "g", "beta", "dq", "dk", "dv", "dg", "dbeta"]
 
 
@@ -45,7 +46,7 @@ def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf1
             sig[n] = ptrs[n]
         elif n in ("T", "NBH"):
             sig[n] = "i32"
-        elif n in ("scale", "mid"):
+        elif n in ("scale", "mid", "lower_bound"):
             sig[n] = "fp32"
         else:
             raise KeyError(f"no signature type for argument {n!r} of {kernel.__name__}")
@@ -93,10 +94,10 @@ def main() -> int:
                  for m in (True, False)],
         "dg": [(B._kda_bwd_dg, dict(H=16, K=args.K, V=args.K, C=64, NPART=4), "BK", None)],
         "sterm": [(B._kda_bwd_sterm, dict(base, BV=64, **bf), "BK", None)],
-        "kkt": [(F._kda_fwd_kkt, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False), "BK", m)
-                for m in (True, False)],
-        "kktr": [(F._kda_fwd_kkt_row, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False), "BK", m)
-                 for m in (True, False)],
+        "kkt": [(F._kda_fwd_kkt, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False, GATE=int(m),
+                                      HAS_BIAS=m), "BK", m) for m in (True, False)],
+        "kktr": [(F._kda_fwd_kkt_row, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False, GATE=int(m),
+                                           HAS_BIAS=m), "BK", m) for m in (True, False)],
         "merge": [(F._kda_fwd_merge, dict(base, BC=16), None, None)],
         "wu": [(F._kda_fwd_wu, dict(base, BV=64, IEEE=False), "BK", None)],
     }

@@ -305,6 +305,42 @@ def test_fused_prep_matches_reference(case):
         assert_close(a, b, GRAD_TOL, name)
 
 
+@pytest.mark.parametrize("gate, mode, kkt", [("bounded", "bounded", "rows"), ("softplus", "general", "rows"),
+                                             ("bounded", "bounded", "parallel")])
+def test_gate_inside_kkt_agrees(monkeypatch, gate, mode, kkt):
+    """``TUNING["fuse_gate"]``: the kkt kernel applies the gate to the raw z (the prep then writes
+    only q and k) and gives the same outputs and gradients as the prep's g; a padded shape (T not a
+    multiple of the chunk) falls back to the prep's g."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    monkeypatch.setitem(tc.TUNING, "kkt", kkt)
+    stores = []  # store_g of each forward prep call
+    orig = tc.prep_fwd
+    monkeypatch.setattr(tc, "prep_fwd", lambda *a, **kw: stores.append(kw.get("store_g", True)) or orig(*a, **kw))
+    for T in (64, 70):
+        gen = torch.Generator().manual_seed(T)
+        q, k, z = (torch.randn(1, T, 2, 16, generator=gen).to(DEV) for _ in range(3))
+        v = torch.randn(1, T, 2, 16, generator=gen).to(DEV)
+        beta = torch.rand(1, T, 2, generator=gen).to(DEV)
+        A_log = (torch.randn(2, generator=gen) * 0.5).to(DEV)
+        dt_bias = torch.randn(32, generator=gen).to(DEV)
+        runs = {}
+        for fuse in (False, True):
+            monkeypatch.setitem(tc.TUNING, "fuse_gate", fuse)
+            leaves = [x.clone().requires_grad_() for x in (q, k, v, z, beta, A_log, dt_bias)]
+            qq, kk, vv, zz, bb, al, db = leaves
+            o, S = chunk_kda(qq, kk, vv, zz, bb, output_final_state=True, mode=mode, gate=gate, A_log=al,
+                             dt_bias=db, l2norm_qk=True, silu_qk=True)
+            (o.square().sum() + S.sum()).backward()
+            runs[fuse] = (o, S, [x.grad for x in leaves])
+        # forward of the unfused run, its backward's rerun, then the same for the fused run
+        assert stores[-4:] == [True, True, T % 64 != 0, True], stores
+        assert_close(runs[False][0], runs[True][0], 1e-5, f"o T={T}")
+        assert_close(runs[False][1], runs[True][1], 1e-5, f"final state T={T}")
+        for a, b in zip(runs[False][2], runs[True][2]):
+            assert_close(a, b, 3e-5, f"grad T={T}")
+
+
 def test_fused_prep_bad_arguments():
     ins, _, _, _ = _inputs(1, 8, 2, 16, 16, torch.float32, seed=1, h0=False)
     A_log = torch.zeros(2, device=DEV)

@@ -45,7 +45,7 @@ from moelab.ops.kda.triton_fwd import (
     _kda_fwd_state,
     _kda_fwd_wu,
 )
-from moelab.ops.kda.triton_prep import prep_bwd, prep_fwd
+from moelab.ops.kda.triton_prep import _GATE_ID, prep_bwd, prep_fwd
 
 MODES = ("bounded", "general")
 GATES = ("none", "bounded", "softplus")
@@ -77,7 +77,10 @@ def _interpret() -> bool:
 # its diagonal and off-diagonal pairs (partner G recomputed from g), then ``_kda_fwd_merge`` per
 # chunk (not yet timed). (A third layout, the diagonal sub-tiles in their own kernel before the
 # per-chunk one, measured slower at B8 T4096 and was removed: kernels/results/kda_ab_h200.json.)
-TUNING: dict = {"scores_tf32": True, "save": "intra", "scores": "tiles", "dqkg": "split", "kkt": "rows"}
+# ``fuse_gate`` (with "tiles" and a gate inside the op): the kkt kernel applies the gate to the raw
+# z itself, so the prep writes only q and k (not yet timed; only where no padding is needed).
+TUNING: dict = {"scores_tf32": True, "save": "intra", "scores": "tiles", "dqkg": "split", "kkt": "rows",
+                "fuse_gate": False}
 KKT_PATHS = ("rows", "parallel")
 SAVE_POLICIES = ("inputs", "intra", "all")
 SCORE_PATHS = ("subtile", "chunk", "tiles")
@@ -213,16 +216,18 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, lower_bound):
+def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, lower_bound, gate=None):
     """Intra-chunk and state kernels on padded inputs; returns the intermediates."""
-    inter = _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound)
+    inter = _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound, gate)
     inter.update(_state_pass(inter, h0, output_final_state, q.dtype, C))
     return inter
 
 
-def _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound):
+def _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound, gate=None):
     """The intra-chunk kernels: scores, UT transform, w, u, qg, kd, e^{G_last} (and G, general mode).
-    ``lower_bound`` (bounded mode) places the diagonal sub-tiles' reference of the "tiles" path."""
+    ``lower_bound`` (bounded mode) places the diagonal sub-tiles' reference of the "tiles" path.
+    ``gate`` (``TUNING["fuse_gate"]``): ``(Prep, A_log, dt_bias)`` when ``g`` is the raw gate input
+    and the kkt kernel applies the gate."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = T // C
@@ -246,17 +251,27 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound):
         mid = (SUBTILE / 2) * (lower_bound if bounded else 0.0) * LOG2E
         if TUNING["kkt"] not in KKT_PATHS:
             raise ValueError(f"TUNING['kkt']={TUNING['kkt']!r} is not allowed: expected one of {KKT_PATHS}")
+        if gate is None:
+            gargs = (Gbuf, Gbuf, 0.0)
+            gconst = dict(GATE=0, HAS_BIAS=False)
+        else:
+            prep, A_log, dt_bias = gate
+            gargs = (A_log, dt_bias if dt_bias is not None else A_log,
+                     float(prep.lower_bound) if prep.gate == "bounded" else 0.0)
+            gconst = dict(GATE=_GATE_ID[prep.gate], HAS_BIAS=dt_bias is not None)
         if TUNING["kkt"] == "parallel":
             _kktr(
-                (NT * (C // SUBTILE), B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
-                H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype),
+                (NT * (C // SUBTILE), B * H), q, k, g, beta, Gbuf, Abuf, Aqk, gargs[0], gargs[1], scale, mid, gargs[2],
+                T, H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype),
+                **gconst,
             )
             if C > SUBTILE:
                 _merge((NT, B * H), Abuf, T, H=H, K=K, V=V, C=C, BC=SUBTILE)
         else:
             _kkt(
-                (NT, B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
+                (NT, B * H), q, k, g, beta, Gbuf, Abuf, Aqk, gargs[0], gargs[1], scale, mid, gargs[2], T,
                 H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype),
+                **gconst,
             )
         _wu(
             (NT, B * H), q, k, v, Gbuf, beta, Abuf, w, u, qg, kd, gl, scale, T,
@@ -344,10 +359,19 @@ class ChunkKDAFunction(torch.autograd.Function):
                 lower_bound):
         B, T, H, K = q.shape
         V = v.shape[-1]
-        qn, kn, gn = (prep_fwd(q, k, g, A_log, dt_bias, **prep.kw()) if prep.active else (q, k, g))
+        # the gate inside the kkt kernel: only without padding (padded tokens need g = 0 exactly)
+        fuse = (TUNING["fuse_gate"] and prep.gate != "none" and TUNING["scores"] == "tiles" and T % C == 0
+                and K == max(16, triton.next_power_of_2(K)))
+        if prep.active:
+            qn, kn, gn = prep_fwd(q, k, g, A_log, dt_bias, **prep.kw(), store_g=not fuse)
+        else:
+            qn, kn, gn = q, k, g
+        if fuse:
+            gn = g  # the raw gate input; kkt applies the gate
         qp, kp, vp, gp, bp, h0p = _padded(qn, kn, v, gn, beta, initial_state, C)
         del qn, kn, gn
-        inter = _forward(qp, kp, vp, gp, bp, scale, h0p, output_final_state, bounded, C, lower_bound)
+        inter = _forward(qp, kp, vp, gp, bp, scale, h0p, output_final_state, bounded, C, lower_bound,
+                         gate=(prep, A_log, dt_bias) if fuse else None)
         Tp, Kp, Vp = qp.shape[1], qp.shape[3], vp.shape[3]
         o = torch.empty_like(vp)
         _out(

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from moelab.ops.kda.triton_common import _cast, _dot, _load_G, _scores2
+from moelab.ops.kda.triton_prep import _gate
 
 # Shapes are padded (triton_common): no masks. Scalar base pointers advance by int64 scalars
 # (B*T*H*K can pass 2^31); tile offsets stay int32 (int64 tile arithmetic costs registers).
@@ -316,10 +317,35 @@ def _kda_fwd_out(
 
 
 @triton.jit
-def _sub_G(g, off, rows, cols, stride):
+def _g_tile(g, rows, cols, stride, a, bias, lb, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A ``[BC, BK]`` tile of the log decay, fp32 (natural log). ``GATE == 0``: ``g`` holds the log
+    decay. Otherwise it holds the raw gate input z and the gate is applied here
+    (``triton_prep._gate`` with ``a = exp(A_log)`` of the head, ``bias`` its ``dt_bias`` row and the
+    bound ``lb``), so the prep need not write g and this kernel read it back."""
+    x = tl.load(g + rows[:, None] * stride + cols[None, :]).to(tl.float32)
+    if GATE != 0:
+        if HAS_BIAS:
+            x += tl.load(bias + cols).to(tl.float32)[None, :]
+        x = _gate(x, a, lb, GATE)
+    return x
+
+
+@triton.jit
+def _gate_args(A_log, dt_bias, i_bh, H: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr):
+    """``a = exp(A_log)`` (1.0 without a gate) and the ``dt_bias`` row of head ``i_bh % H``."""
+    i_h = i_bh % H
+    if GATE != 0:
+        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    else:
+        a = 1.0
+    return a, dt_bias + i_h * K
+
+
+@triton.jit
+def _sub_G(g, off, rows, cols, stride, a, bias, lb, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """One ``[BC, BK]`` sub-tile of G (log2 units): ``off`` (G before the sub-tile, ``[BK]``) plus
-    the cumsum of its g; returns G and the offset after the sub-tile."""
-    gt = tl.load(g + rows[:, None] * stride + cols[None, :]).to(tl.float32) * 1.4426950408889634
+    the cumsum of its log decay (``_g_tile``); returns G and the offset after the sub-tile."""
+    gt = _g_tile(g, rows, cols, stride, a, bias, lb, GATE, HAS_BIAS) * 1.4426950408889634
     return off[None, :] + tl.cumsum(gt, axis=0), off + tl.sum(gt, axis=0)
 
 
@@ -409,10 +435,11 @@ def _kkt_ptrs(q, k, g, Gbuf, beta, Abuf, Aqk, i_c, i_bh, T, H: tl.constexpr, K: 
 
 @triton.jit
 def _kda_fwd_kkt(
-    q, k, g, beta, Gbuf, Abuf, Aqk,
-    scale, mid, T,
+    q, k, g, beta, Gbuf, Abuf, Aqk, A_log, dt_bias,
+    scale, mid, lower_bound, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BOUNDED: tl.constexpr, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr,
+    BOUNDED: tl.constexpr, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr, GATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     """Scores, ``(I + A_kk)^-1`` and G of one chunk (grid ``[NT, B*H]``), one ``BC``-row sub-tile
     row ``I`` after the other on ``[BC, BK]`` / ``[BC, BC]`` tiles (``C // BC`` = 1, 2 or 4).
@@ -429,6 +456,7 @@ def _kda_fwd_kkt(
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
     q, k, g, Gbuf, beta, Abuf, Aqk = _kkt_ptrs(q, k, g, Gbuf, beta, Abuf, Aqk, i_c, i_bh, T, H, K, C)
+    ga, gb = _gate_args(A_log, dt_bias, i_bh, H, K, GATE)
     SK: tl.constexpr = H * K
     SA: tl.constexpr = H * C
     rc = tl.arange(0, BC)
@@ -447,7 +475,7 @@ def _kda_fwd_kkt(
                 off = tl.zeros([BK], dtype=tl.float32)
             else:
                 off = tl.load(Gbuf + (si * BC - 1) * SK + cols)
-            GI, _ = _sub_G(g, off, rI, cols, SK)
+            GI, _ = _sub_G(g, off, rI, cols, SK, ga, gb, lower_bound, GATE, HAS_BIAS)
             tl.store(Gbuf + pI, GI)
             xI = tl.load(q + pI).to(tl.float32)
             yI = tl.load(k + pI).to(tl.float32)
@@ -497,10 +525,11 @@ def _kda_fwd_kkt(
 
 @triton.jit
 def _kda_fwd_kkt_row(
-    q, k, g, beta, Gbuf, Abuf, Aqk,
-    scale, mid, T,
+    q, k, g, beta, Gbuf, Abuf, Aqk, A_log, dt_bias,
+    scale, mid, lower_bound, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BOUNDED: tl.constexpr, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr,
+    BOUNDED: tl.constexpr, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr, GATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     """One ``BC``-row sub-tile row ``si`` of a chunk (grid ``[NT * C // BC, B*H]``): G_si into
     ``Gbuf``, row si of ``Aqk``, the diagonal block ``Tm_ii = (I + A_ii)^-1`` and, as scratch for
@@ -515,6 +544,7 @@ def _kda_fwd_kkt_row(
     i_c = i_ci // NC
     si = i_ci % NC
     q, k, g, Gbuf, beta, Abuf, Aqk = _kkt_ptrs(q, k, g, Gbuf, beta, Abuf, Aqk, i_c, i_bh, T, H, K, C)
+    ga, gb = _gate_args(A_log, dt_bias, i_bh, H, K, GATE)
     SK: tl.constexpr = H * K
     SA: tl.constexpr = H * C
     rc = tl.arange(0, BC)
@@ -527,9 +557,9 @@ def _kda_fwd_kkt_row(
         cols = kb * BK + tl.arange(0, BK)
         off = tl.zeros([BK], dtype=tl.float32)
         for J in range(si):
-            off += tl.sum(tl.load(g + (J * BC + rc)[:, None] * SK + cols[None, :]).to(tl.float32), axis=0)
+            off += tl.sum(_g_tile(g, J * BC + rc, cols, SK, ga, gb, lower_bound, GATE, HAS_BIAS), axis=0)
         off = off * 1.4426950408889634
-        GI, _ = _sub_G(g, off, rI, cols, SK)
+        GI, _ = _sub_G(g, off, rI, cols, SK, ga, gb, lower_bound, GATE, HAS_BIAS)
         pI = rI[:, None] * SK + cols[None, :]
         tl.store(Gbuf + pI, GI)
         xI = tl.load(q + pI).to(tl.float32)
@@ -542,7 +572,7 @@ def _kda_fwd_kkt_row(
         for J in tl.static_range(NC - 1):
             if J < si:
                 pJ = (J * BC + rc)[:, None] * SK + cols[None, :]
-                GJ, offJ = _sub_G(g, offJ, J * BC + rc, cols, SK)
+                GJ, offJ = _sub_G(g, offJ, J * BC + rc, cols, SK, ga, gb, lower_bound, GATE, HAS_BIAS)
                 yJ = tl.load(k + pJ).to(tl.float32)
                 if J == 0:
                     q0, k0 = _pair(q0, k0, qf, kf, yJ, GJ, off, SCORE_BF16, IEEE)
