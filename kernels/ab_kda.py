@@ -59,7 +59,15 @@ def child(args: argparse.Namespace) -> None:
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
-    row = dict(variant=args.name, launch=tc.launch_configs(), tuning=dict(tc.TUNING), maxnreg=dict(tc.MAXNREG))
+    import datetime
+
+    import triton
+
+    row = dict(variant=args.name, launch=tc.launch_configs(), tuning=dict(tc.TUNING), maxnreg=dict(tc.MAXNREG),
+               meta=dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu (triton interpreter)",
+                         torch=torch.__version__, triton=triton.__version__,
+                         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                         command=args.command))
     B, T = (1, 1024) if dev == "cuda" else (1, 130)
     H, D = (16, 128) if dev == "cuda" else (2, 32)
     ins, s0, do, dS = ck.make_inputs(B, T, H, D, "bounded", True, dt, dev, seed=0)
@@ -101,6 +109,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny shapes")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--name", help=argparse.SUPPRESS)
+    ap.add_argument("--command", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -120,7 +129,7 @@ def main() -> int:
         before = open(args.out).read().count("\n") if os.path.exists(args.out) else 0
         t0 = time.time()
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--name", name, "--out", args.out,
-               "--shapes", *args.shapes, "--modes", *args.modes]
+               "--shapes", *args.shapes, "--modes", *args.modes, "--command", "python " + " ".join(sys.argv)]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
             status = "exit 0" if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr[-300:]!r}"

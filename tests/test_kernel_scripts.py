@@ -34,6 +34,8 @@ def test_bench_and_ab_smoke(tmp_path):
     rows = [json.loads(x) for x in ab.read_text().splitlines()]
     assert [r["variant"] for r in rows] == ["base"]
     assert rows[0]["ok"] and rows[0]["check_bounded"]["ok"] and rows[0]["timing"]
+    assert {"gpu", "torch", "triton", "date", "command"} <= set(rows[0]["meta"])
+    assert "ab_kda.py" in rows[0]["meta"]["command"]
     assert "base" in res.stdout and "bad" in res.stdout
 
 
