@@ -70,7 +70,7 @@ class ShortConv(nn.Module):
 
             y = causal_conv1d(x, self.weight[:, 0, :], activation)
             keep = self.size - 1
-            new_tail = x[:, max(0, T - keep):] if T >= keep else F.pad(x, (0, 0, keep - T, 0))
+            new_tail = x[:, T - keep:] if T >= keep else F.pad(x, (0, 0, keep - T, 0))
             return y, new_tail
         if tail is None:
             tail = x.new_zeros(B, self.size - 1, C)

@@ -89,6 +89,26 @@ def test_modes_agree_and_defaults():
         assert_close(x, y, 3e-5, "grad bounded vs general")
 
 
+def _runs_by_tuning(monkeypatch, key, values, ins, s0, do, dS, mode):
+    """One forward + backward per value of ``TUNING[key]``: {value: (o, S, grads)}."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    runs = {}
+    for val in values:
+        monkeypatch.setitem(tc.TUNING, key, val)
+        runs[val] = _run(chunk_kda, ins, s0, do, dS, mode=mode)
+    return runs
+
+
+def _refuses_bogus(monkeypatch, key, ins, s0, do, dS, mode):
+    """An unknown ``TUNING[key]`` value raises a ValueError naming it."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    monkeypatch.setitem(tc.TUNING, key, "bogus")
+    with pytest.raises(ValueError, match="'bogus'"):
+        _run(chunk_kda, ins, s0, do, dS, mode=mode)
+
+
 @pytest.mark.parametrize("mode", ["bounded", "general"])
 def test_save_policies_agree(monkeypatch, mode):
     """Keeping the forward's intermediates for the backward (save=intra/all) gives bitwise the same
@@ -96,17 +116,12 @@ def test_save_policies_agree(monkeypatch, mode):
     from moelab.ops.kda import triton_chunk as tc
 
     ins, s0, do, dS = _inputs(1, 130, 2, 32, 16, torch.float32, seed=11)
-    runs = {}
-    for save in tc.SAVE_POLICIES:
-        monkeypatch.setitem(tc.TUNING, "save", save)
-        runs[save] = _run(chunk_kda, ins, s0, do, dS, mode=mode)
+    runs = _runs_by_tuning(monkeypatch, "save", tc.SAVE_POLICIES, ins, s0, do, dS, mode)
     for save in ("intra", "all"):
         assert torch.equal(runs[save][0], runs["inputs"][0])
         for a, b in zip(runs[save][2], runs["inputs"][2]):
             assert torch.equal(a, b), save
-    monkeypatch.setitem(tc.TUNING, "save", "bogus")
-    with pytest.raises(ValueError, match="'bogus'"):
-        _run(chunk_kda, ins, s0, do, dS, mode=mode)
+    _refuses_bogus(monkeypatch, "save", ins, s0, do, dS, mode)
 
 
 @pytest.mark.parametrize("mode", ["bounded", "general"])
@@ -117,17 +132,12 @@ def test_dqkg_paths_agree(monkeypatch, mode):
     from moelab.ops.kda import triton_chunk as tc
 
     ins, s0, do, dS = _inputs(2, 150, 2, 32, 16, torch.float32, seed=17)
-    runs = {}
-    for path in tc.DQKG_PATHS:
-        monkeypatch.setitem(tc.TUNING, "dqkg", path)
-        runs[path] = _run(chunk_kda, ins, s0, do, dS, mode=mode)
+    runs = _runs_by_tuning(monkeypatch, "dqkg", tc.DQKG_PATHS, ins, s0, do, dS, mode)
     _compare(_reference(ins, s0, do, dS), runs["split"])
     assert torch.equal(runs["fused"][0], runs["split"][0])  # the forward does not change
     for a, b in zip(runs["fused"][2], runs["split"][2]):
         assert_close(a, b, 1e-5, "grad fused vs split")
-    monkeypatch.setitem(tc.TUNING, "dqkg", "bogus")
-    with pytest.raises(ValueError, match="'bogus'"):
-        _run(chunk_kda, ins, s0, do, dS, mode=mode)
+    _refuses_bogus(monkeypatch, "dqkg", ins, s0, do, dS, mode)
 
 
 @pytest.mark.parametrize("mode", ["bounded", "general"])
@@ -138,10 +148,7 @@ def test_score_paths_agree(monkeypatch, mode):
     from moelab.ops.kda import triton_chunk as tc
 
     ins, s0, do, dS = _inputs(1, 150, 2, 32, 16, torch.float32, seed=13)
-    runs = {}
-    for path in tc.SCORE_PATHS:
-        monkeypatch.setitem(tc.TUNING, "scores", path)
-        runs[path] = _run(chunk_kda, ins, s0, do, dS, mode=mode)
+    runs = _runs_by_tuning(monkeypatch, "scores", tc.SCORE_PATHS, ins, s0, do, dS, mode)
     for other in ("subtile", "tiles"):
         assert_close(runs["chunk"][0], runs[other][0], 1e-5, f"o {other}")
         for a, b in zip(runs["chunk"][2], runs[other][2]):
@@ -156,19 +163,12 @@ def test_kkt_paths_agree(monkeypatch, mode):
     from moelab.ops.kda import triton_chunk as tc
 
     ins, s0, do, dS = _inputs(2, 150, 2, 32, 16, torch.float32, seed=19)
-    runs = {}
-    for path in tc.KKT_PATHS:
-        monkeypatch.setitem(tc.TUNING, "kkt", path)
-        runs[path] = _run(chunk_kda, ins, s0, do, dS, mode=mode)
-    ref = _reference(ins, s0, do, dS)
-    for path in ("parallel",):
-        _compare(ref, runs[path])
-        assert_close(runs["rows"][0], runs[path][0], 1e-5, f"o rows vs {path}")
-        for a, b in zip(runs["rows"][2], runs[path][2]):
-            assert_close(a, b, 3e-5, f"grad rows vs {path}")
-    monkeypatch.setitem(tc.TUNING, "kkt", "bogus")
-    with pytest.raises(ValueError, match="'bogus'"):
-        _run(chunk_kda, ins, s0, do, dS, mode=mode)
+    runs = _runs_by_tuning(monkeypatch, "kkt", tc.KKT_PATHS, ins, s0, do, dS, mode)
+    _compare(_reference(ins, s0, do, dS), runs["parallel"])
+    assert_close(runs["rows"][0], runs["parallel"][0], 1e-5, "o rows vs parallel")
+    for a, b in zip(runs["rows"][2], runs["parallel"][2]):
+        assert_close(a, b, 3e-5, "grad rows vs parallel")
+    _refuses_bogus(monkeypatch, "kkt", ins, s0, do, dS, mode)
 
 
 def test_no_final_state_and_no_state_grad():
