@@ -11,6 +11,10 @@ overrides. Each one runs:
    (as ``bench_kda.py``'s moelab rows) at each ``--shapes`` entry, bounded mode (``--modes`` to add
    general), plus the device time per kernel of one bounded fwd+bwd at the first shape.
 
+``--jobs N`` first runs every variant's check in N processes at once (``--warm`` children: they
+compile each variant's kernels into the shared Triton cache and write nothing), so the timed runs,
+one process at a time, do not each wait minutes for the compiler.
+
 Prints one table and writes every row to ``--out`` (JSON lines are written as they finish, so a
 run cut by a time limit keeps what it measured).
 
@@ -83,6 +87,12 @@ def child(args: argparse.Namespace) -> None:
         row[f"check_{mode}"] = dict(errors=errs, deterministic=det, ok=good)
         ok = ok and good
     row["ok"] = ok
+    if args.warm:  # compile only: one untimed fwd+bwd per shape (shape specializations), no row
+        for shape in args.shapes if ok else []:
+            Bs, Ts, Hs, Ds = (int(x) for x in shape.split(","))
+            for mode in args.modes:
+                bk.bench_one(f"moelab_{mode}", Bs, Ts, Hs, Ds, dev, 1, 1)
+        return
     if ok:
         warmup, rep = (10, 50) if dev == "cuda" else (1, 1)
         row["timing"] = []
@@ -93,10 +103,39 @@ def child(args: argparse.Namespace) -> None:
                 f, fb, peak = bk.bench_one(impl, Bs, Ts, Hs, Ds, dev, warmup, rep)
                 row["timing"].append(dict(impl=impl, B=Bs, T=Ts, H=Hs, D=Ds, fwd_ms=f, fwdbwd_ms=fb, peak_mem_gb=peak))
         if dev == "cuda":
-            prof = bk.profile_kernels(*(int(x) for x in args.shapes[0].split(",")), dev)
+            prof = bk.profile_kernels(*(int(x) for x in args.shapes[0].split(",")), dev, impls=("moelab_bounded",))
             row["kernel_ms"] = {k: round(v, 4) for k, v in prof["moelab_bounded"].items() if v >= 0.01}
     with open(args.out, "a") as fh:
         fh.write(json.dumps(row) + "\n")
+
+
+def variant_env(spec: dict) -> dict:
+    env = dict(os.environ)
+    for key, var in (("launch", "LAUNCH"), ("tuning", "TUNING"), ("maxnreg", "MAXNREG")):
+        if key in spec:
+            env[f"MOELAB_KDA_{var}"] = json.dumps(spec[key])
+    return env
+
+
+def warm(args: argparse.Namespace, variants: list[tuple[str, dict]]) -> None:
+    """Compile every variant's kernels (``--warm`` children, ``args.jobs`` at a time)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(item):
+        name, spec = item
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--warm", "--name", name, "--out", args.out,
+               "--shapes", *args.shapes, "--modes", *args.modes]
+        t0 = time.time()
+        try:
+            proc = subprocess.run(cmd, env=variant_env(spec), capture_output=True, text=True, timeout=args.timeout * 3)
+            status = f"exit {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+        return f"warm {name}: {status}, {time.time() - t0:.0f} s"
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for line in pool.map(one, variants):
+            print(line, flush=True)
 
 
 def main() -> int:
@@ -106,6 +145,8 @@ def main() -> int:
     ap.add_argument("--modes", nargs="*", default=["bounded"], choices=["bounded", "general"])
     ap.add_argument("--out", required=True, help="JSON-lines output, one row per variant")
     ap.add_argument("--timeout", type=float, default=150, help="seconds per variant")
+    ap.add_argument("--jobs", type=int, default=1, help="compile this many variants at once first")
+    ap.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny shapes")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--name", help=argparse.SUPPRESS)
@@ -117,15 +158,11 @@ def main() -> int:
     if args.smoke:
         args.shapes = ["1,128,2,32"]
     variants = [parse_variant(v) for v in (args.variant or ["base"])]
+    if args.jobs > 1:
+        warm(args, variants)
     rows = []
     for name, spec in variants:
-        env = dict(os.environ)
-        if "launch" in spec:
-            env["MOELAB_KDA_LAUNCH"] = json.dumps(spec["launch"])
-        if "tuning" in spec:
-            env["MOELAB_KDA_TUNING"] = json.dumps(spec["tuning"])
-        if "maxnreg" in spec:
-            env["MOELAB_KDA_MAXNREG"] = json.dumps(spec["maxnreg"])
+        env = variant_env(spec)
         before = open(args.out).read().count("\n") if os.path.exists(args.out) else 0
         t0 = time.time()
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--name", name, "--out", args.out,
