@@ -147,6 +147,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=150, help="seconds per variant")
     ap.add_argument("--jobs", type=int, default=1, help="compile this many variants at once first")
     ap.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--pick-env", help="write the fastest passing variant's MOELAB_KDA_* exports to this file "
+                    "(summed fwd+bwd over the shapes; the first variant unless another is >1%% faster)")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny shapes")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--name", help=argparse.SUPPRESS)
@@ -183,7 +185,30 @@ def main() -> int:
         desc = "  ".join(f"{r['impl'][7:]} B{r['B']} T{r['T']}: {r['fwd_ms']:.3f}/{r['fwdbwd_ms']:.3f} ms"
                          for r in t)
         print(f"{name:20s} ok={row.get('ok')} {desc} [{status[:80]}, {row['seconds']} s]", flush=True)
+    if args.pick_env:
+        pick(rows, dict(variants), args.pick_env)
     return 0 if all(r.get("ok") for r in rows) else 1
+
+
+def pick(rows: list[dict], specs: dict, path: str) -> None:
+    """Write ``export MOELAB_KDA_...`` lines for the fastest passing variant to ``path``."""
+    import shlex
+
+    def total(r):
+        t = r.get("timing") or []
+        return sum(x["fwdbwd_ms"] for x in t) if r.get("ok") and t else float("inf")
+
+    best = rows[0]
+    for r in rows[1:]:
+        if total(r) < 0.99 * total(best):
+            best = r
+    env = variant_env(specs[best["variant"]])
+    with open(path, "w") as fh:
+        fh.write(f"# picked {best['variant']} (summed fwd+bwd {total(best):.3f} ms)\n")
+        for key in ("LAUNCH", "TUNING", "MAXNREG"):
+            if f"MOELAB_KDA_{key}" in env and f"MOELAB_KDA_{key}" not in os.environ:
+                fh.write(f"export MOELAB_KDA_{key}={shlex.quote(env[f'MOELAB_KDA_{key}'])}\n")
+    print(f"picked {best['variant']}", flush=True)
 
 
 if __name__ == "__main__":

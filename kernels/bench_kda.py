@@ -237,7 +237,7 @@ def main() -> int:
                 torch=torch.__version__, triton=triton.__version__, fla=FLA_VERSION,
                 date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 command=" ".join(sys.argv), tuning=dict(triton_chunk.TUNING),
-                launch_configs=triton_chunk.launch_configs(),
+                launch_configs=triton_chunk.launch_configs(), maxnreg=dict(triton_chunk.MAXNREG),
                 note="both sides: L2 norm of q, k and the bounded gate (with dt_bias) inside the op")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     profile: dict = {}

@@ -157,17 +157,20 @@ def test_score_paths_agree(monkeypatch, mode):
 
 @pytest.mark.parametrize("mode", ["bounded", "general"])
 def test_kkt_paths_agree(monkeypatch, mode):
-    """The sub-tile rows of a chunk one after the other in one kkt program ("rows"), or in
-    parallel programs followed by a merge ("parallel"): the same outputs and gradients up to fp32
-    rounding, both close to the reference; a bad path name is refused."""
+    """The sub-tile rows of a chunk one after the other in one kkt program ("rows"), in parallel
+    programs followed by a merge ("parallel"), or in parallel programs whose off-diagonal pairs are
+    one strip product ("strip"): the same outputs and gradients up to fp32 rounding, all close to
+    the reference; a bad path name is refused."""
     from moelab.ops.kda import triton_chunk as tc
 
     ins, s0, do, dS = _inputs(2, 150, 2, 32, 16, torch.float32, seed=19)
     runs = _runs_by_tuning(monkeypatch, "kkt", tc.KKT_PATHS, ins, s0, do, dS, mode)
-    _compare(_reference(ins, s0, do, dS), runs["parallel"])
-    assert_close(runs["rows"][0], runs["parallel"][0], 1e-5, "o rows vs parallel")
-    for a, b in zip(runs["rows"][2], runs["parallel"][2]):
-        assert_close(a, b, 3e-5, "grad rows vs parallel")
+    ref = _reference(ins, s0, do, dS)
+    for other in ("parallel", "strip"):
+        _compare(ref, runs[other])
+        assert_close(runs["rows"][0], runs[other][0], 1e-5, f"o rows vs {other}")
+        for a, b in zip(runs["rows"][2], runs[other][2]):
+            assert_close(a, b, 3e-5, f"grad rows vs {other}")
     _refuses_bogus(monkeypatch, "kkt", ins, s0, do, dS, mode)
 
 
@@ -256,7 +259,7 @@ def test_launch_config_override(monkeypatch):
         tc._maxnreg_from_env('{"kkt": 300}')
     cfgs = tc.launch_configs(128, 128)
     assert set(cfgs) == set(tc.LAUNCH) == {"scores", "intra", "state", "out", "dh", "wy", "dqkg", "dg", "sterm", "kkt",
-                                           "kktr", "merge", "wu"}
+                                           "kktr", "kkts", "merge", "wu", "state_small"}
 
 
 # fused prep: (B, T, H, K, V, chunk, gate, mode, silu, dt_bias)
@@ -306,7 +309,7 @@ def test_fused_prep_matches_reference(case):
 
 
 @pytest.mark.parametrize("gate, mode, kkt", [("bounded", "bounded", "rows"), ("softplus", "general", "rows"),
-                                             ("bounded", "bounded", "parallel")])
+                                             ("bounded", "bounded", "parallel"), ("bounded", "bounded", "strip")])
 def test_gate_inside_kkt_agrees(monkeypatch, gate, mode, kkt):
     """``TUNING["fuse_gate"]``: the kkt kernel applies the gate to the raw z (the prep then writes
     only q and k) and gives the same outputs and gradients as the prep's g; a padded shape (T not a
@@ -354,7 +357,7 @@ def test_fused_prep_bad_arguments():
         chunk_kda(*ins, A_log=A_log)
 
 
-@pytest.mark.parametrize("scores, kkt", [("chunk", "rows"), ("tiles", "rows"), ("tiles", "parallel")])
+@pytest.mark.parametrize("scores, kkt", [("chunk", "rows"), ("tiles", "rows"), ("tiles", "parallel"), ("tiles", "strip")])
 def test_launch_arguments_match_kernel_signatures(monkeypatch, scores, kkt):
     """Every launch passes exactly the kernel's parameters: the interpreter tolerates an unknown
     keyword that the GPU JIT rejects, so this catches it on a CPU machine."""
@@ -377,8 +380,29 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, scores, kkt):
     for mode in ("bounded", "general"):
         ins, s0, do, dS = _inputs(1, 40, 1, 16, 16, torch.float32, seed=1)
         _run(chunk_kda, ins, s0, do, dS, mode=mode)
-    want = {"intra"} if scores == "chunk" else {"wu"} | {"rows": {"kkt"}, "parallel": {"kktr", "merge"}}[kkt]
+    paths = {"rows": {"kkt"}, "parallel": {"kktr", "merge"}, "strip": {"kkts", "merge"}}
+    want = {"intra"} if scores == "chunk" else {"wu"} | paths[kkt]
     assert want <= set(seen)
+
+
+def test_small_grid_takes_its_state_launch(monkeypatch):
+    """The sequential state kernel takes its ``state_small`` launch entry when
+    ``B * H * V / 32 <= SMALL_GRID`` and the regular one above; the results are the same."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    names = []
+    orig = tc._Launcher.__call__
+    monkeypatch.setattr(tc._Launcher, "__call__", lambda self, *a, **kw: names.append(self.name) or orig(self, *a, **kw))
+    ins, s0, do, dS = _inputs(2, 40, 2, 16, 16, torch.float32, seed=3)
+    runs = {}
+    for grid in (128, 0):
+        monkeypatch.setattr(tc, "SMALL_GRID", grid)
+        names.clear()
+        runs[grid] = _run(chunk_kda, ins, s0, do, dS)
+        small = "state_small" in names and "state" not in names
+        assert small == (grid == 128), (grid, names)
+    assert torch.equal(runs[128][0], runs[0][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[128][2], runs[0][2]))
 
 
 def test_op_under_torch_compile():

@@ -39,6 +39,7 @@ from moelab.ops.kda.triton_fwd import (
     _kda_fwd_intra,
     _kda_fwd_kkt,
     _kda_fwd_kkt_row,
+    _kda_fwd_kkt_strip,
     _kda_fwd_merge,
     _kda_fwd_out,
     _kda_fwd_scores,
@@ -72,16 +73,17 @@ def _interpret() -> bool:
 # ``dqkg``: "split" (default): ``_kda_bwd_sterm`` does the state terms (``do h^T``, ``U dh^T``, the
 # w path) per chunk and K-block on [C, BK] tiles, then the per-sub-tile kernel adds the score terms
 # (0.98 + 2.09 ms); "fused": the per-sub-tile kernel does both (4.66 ms).
-# ``kkt`` (with "tiles"): "rows": one kernel per chunk does the diagonal sub-tiles (G, scores,
-# inverse) and the off-diagonal pairs row after row; "parallel": one program per sub-tile row does
-# its diagonal and off-diagonal pairs (partner G recomputed from g), then ``_kda_fwd_merge`` per
-# chunk (not yet timed). (A third layout, the diagonal sub-tiles in their own kernel before the
-# per-chunk one, measured slower at B8 T4096 and was removed: kernels/results/kda_ab_h200.json.)
+# ``kkt`` (with "tiles"): "parallel" (default): one program per sub-tile row does its diagonal and
+# off-diagonal pairs (partner G recomputed from g), then ``_kda_fwd_merge`` per chunk (0.83 + 0.08
+# ms at B8 T4096 H16 D128); "rows": one kernel per chunk does the sub-tile rows one after the other
+# (1.06 ms); "strip": as "parallel", with the off-diagonal pairs of a row as one [16, BK] x [BK, C]
+# product against the whole chunk. (A fourth layout, the diagonal sub-tiles in their own kernel
+# before the per-chunk one, measured slower and was removed: kernels/results/kda_ab_h200.json.)
 # ``fuse_gate`` (with "tiles" and a gate inside the op): the kkt kernel applies the gate to the raw
 # z itself, so the prep writes only q and k (not yet timed; only where no padding is needed).
-TUNING: dict = {"scores_tf32": True, "save": "intra", "scores": "tiles", "dqkg": "split", "kkt": "rows",
+TUNING: dict = {"scores_tf32": True, "save": "intra", "scores": "tiles", "dqkg": "split", "kkt": "parallel",
                 "fuse_gate": False}
-KKT_PATHS = ("rows", "parallel")
+KKT_PATHS = ("rows", "parallel", "strip")
 SAVE_POLICIES = ("inputs", "intra", "all")
 SCORE_PATHS = ("subtile", "chunk", "tiles")
 DQKG_PATHS = ("fused", "split")
@@ -101,16 +103,22 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "intra": (32, 4, 1),
     "state": (32, 2, 1),
     "out": (64, 4, 1),
-    "dh": (32, 2, 1),
+    "dh": (64, 8, 1),
     "wy": (64, 4, 1),
     "dqkg": (16, 1, 1),
     "dg": (64, 4, 1),
     "sterm": (64, 4, 1),
     "kkt": (32, 1, 1),
     "kktr": (32, 1, 1),
+    "kkts": (32, 1, 1),
     "merge": (0, 1, 1),  # no block: [16, 16] tiles
-    "wu": (64, 4, 1),
+    "wu": (32, 4, 1),
+    # the sequential state kernel when B * H * V / 32 <= SMALL_GRID (B1 H16: 64 programs at the
+    # entry above, under one per SM): half-width blocks double the programs and two stages prefetch
+    # the next chunk's loads, which do not depend on the carried state
+    "state_small": (16, 2, 2),
 }
+SMALL_GRID = 128
 # the interpreter: 16-wide blocks so that small test shapes still take the multi-block paths
 _INTERP_LAUNCH = (16, 4, 1)
 
@@ -195,8 +203,15 @@ _dg = _Launcher("dg", _kda_bwd_dg, "BK")
 _sterm = _Launcher("sterm", _kda_bwd_sterm, "BK")
 _kkt = _Launcher("kkt", _kda_fwd_kkt, "BK")
 _kktr = _Launcher("kktr", _kda_fwd_kkt_row, "BK")
+_kkts = _Launcher("kkts", _kda_fwd_kkt_strip, "BK")
 _merge = _Launcher("merge", _kda_fwd_merge, None)
 _wu = _Launcher("wu", _kda_fwd_wu, "BK")
+_state_small = _Launcher("state_small", _kda_fwd_state, "BV")
+
+
+def _small_grid(B: int, H: int, V: int) -> bool:
+    """Whether the state kernel takes its ``state_small`` launch (see ``SMALL_GRID``)."""
+    return B * H * triton.cdiv(V, 32) <= SMALL_GRID
 
 
 def _dot_bf16(dtype: torch.dtype) -> bool:
@@ -259,8 +274,8 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound, gate=None):
             gargs = (A_log, dt_bias if dt_bias is not None else A_log,
                      float(prep.lower_bound) if prep.gate == "bounded" else 0.0)
             gconst = dict(GATE=_GATE_ID[prep.gate], HAS_BIAS=dt_bias is not None)
-        if TUNING["kkt"] == "parallel":
-            _kktr(
+        if TUNING["kkt"] in ("parallel", "strip"):
+            (_kktr if TUNING["kkt"] == "parallel" else _kkts)(
                 (NT * (C // SUBTILE), B * H), q, k, g, beta, Gbuf, Abuf, Aqk, gargs[0], gargs[1], scale, mid, gargs[2],
                 T, H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype),
                 **gconst,
@@ -304,7 +319,7 @@ def _state_pass(inter, h0, output_final_state, dtype, C):
     hbuf = torch.empty(B, NT, H, K, V, device=dev, dtype=_work_dtype(dtype))
     U = torch.empty(B, T, H, V, device=dev, dtype=_work_dtype(dtype))
     hT = torch.empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    _state(
+    (_state_small if _small_grid(B, H, V) else _state)(
         lambda bv: (V // bv, B * H),
         kd, inter["gl"], w, u, h0 if h0 is not None else U, hbuf, U, hT if hT is not None else U, T, B * H,
         H=H, K=K, V=V, C=C, HAS_H0=h0 is not None, STORE_HT=hT is not None, DOT_BF16=_dot_bf16(dtype),
@@ -473,7 +488,8 @@ class ChunkKDAFunction(torch.autograd.Function):
 def launch_configs(K: int = 128, V: int = 128) -> dict:
     """The launch config of every kernel at head dims K, V: {name: {block: size, num_warps, num_stages}}."""
     out = {}
-    for lau in (_scores, _intra, _state, _out, _dh, _wy, _dqkg, _dg, _sterm, _kkt, _kktr, _merge, _wu):
+    for lau in (_scores, _intra, _state, _out, _dh, _wy, _dqkg, _dg, _sterm, _kkt, _kktr, _kkts, _merge, _wu,
+                _state_small):
         size, warps, stages = lau.config(K, V)
         out[lau.name] = {**({lau.block: size} if lau.block else {}), "num_warps": warps, "num_stages": stages}
     return out

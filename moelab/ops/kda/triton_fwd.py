@@ -602,6 +602,65 @@ def _kda_fwd_kkt_row(
 
 
 @triton.jit
+def _kda_fwd_kkt_strip(
+    q, k, g, beta, Gbuf, Abuf, Aqk, A_log, dt_bias,
+    scale, mid, lower_bound, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    BOUNDED: tl.constexpr, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr, GATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """``_kda_fwd_kkt_row``'s outputs (grid ``[NT * C // BC, B*H]``, one ``BC``-row sub-tile row
+    ``si`` per program), with the off-diagonal pairs of the row as one strip product per K-block:
+    ``[BC, BK] x [BK, C]`` against the whole chunk's partner factor ``k_J e^{off - G_J}``, zeroed
+    for rows ``J >= si * BC`` (exponent -inf there, so no overflow), instead of one ``[BC, BK] x
+    [BK, BC]`` product, one G recomputation and one layout change per partner sub-tile. G of the
+    chunk is one cumsum over ``[C, BK]``; the diagonal pair is as in ``_diag``."""
+    NC: tl.constexpr = C // BC
+    i_ci = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_c = i_ci // NC
+    si = i_ci % NC
+    q, k, g, Gbuf, beta, Abuf, Aqk = _kkt_ptrs(q, k, g, Gbuf, beta, Abuf, Aqk, i_c, i_bh, T, H, K, C)
+    ga, gb = _gate_args(A_log, dt_bias, i_bh, H, K, GATE)
+    SK: tl.constexpr = H * K
+    SA: tl.constexpr = H * C
+    rc = tl.arange(0, BC)
+    ra = tl.arange(0, C)
+    rI = si * BC + rc
+    before = ra < si * BC  # partner rows: the sub-tiles left of the diagonal one
+    dq = tl.zeros([BC, BC], dtype=tl.float32)
+    dk = tl.zeros([BC, BC], dtype=tl.float32)
+    sq = tl.zeros([BC, C], dtype=tl.float32)
+    sk = tl.zeros([BC, C], dtype=tl.float32)
+    for kb in range(K // BK):
+        cols = kb * BK + tl.arange(0, BK)
+        ga_c = _g_tile(g, ra, cols, SK, ga, gb, lower_bound, GATE, HAS_BIAS) * 1.4426950408889634
+        Gc = tl.cumsum(ga_c, axis=0)  # [C, BK] G of the chunk, log2 units
+        off = tl.sum(tl.where(before[:, None], ga_c, 0.0), axis=0)  # G just before sub-tile si
+        GI, _ = _sub_G(g, off, rI, cols, SK, ga, gb, lower_bound, GATE, HAS_BIAS)
+        pI = rI[:, None] * SK + cols[None, :]
+        tl.store(Gbuf + pI, GI)
+        xI = tl.load(q + pI).to(tl.float32)
+        yI = tl.load(k + pI).to(tl.float32)
+        dq, dk = _diag(dq, dk, xI, yI, GI, off, mid, BOUNDED, SCORE_BF16, IEEE, BC)
+        f = tl.exp2(GI - off[None, :])
+        kc = tl.load(k + ra[:, None] * SK + cols[None, :]).to(tl.float32)
+        part = kc * tl.exp2(tl.where(before[:, None], off[None, :] - Gc, float("-inf")))
+        kT = tl.trans(_cast(part, SCORE_BF16))
+        sq += _dot(_cast(xI * f, SCORE_BF16), kT, IEEE)
+        sk += _dot(_cast(yI * f, SCORE_BF16), kT, IEEE)
+    bI = tl.load(beta + rI * H).to(tl.float32)
+    off_diag = (ra < si * BC) | (ra >= si * BC + BC)  # the strip's columns outside the diagonal block
+    m = off_diag[None, :] & (rc >= 0)[:, None]
+    tl.store(Aqk + rI[:, None] * SA + ra[None, :], (sq * scale).to(Aqk.dtype.element_ty), mask=m)
+    tl.store(Abuf + rI[:, None] * SA + ra[None, :], sk * bI[:, None], mask=m)
+    _st(Aqk, rI, rI, tl.where(rc[:, None] >= rc[None, :], dq * scale, 0.0), SA)
+    TII = _tri_inv_mem(tl.where(rc[:, None] > rc[None, :], dk * bI[:, None], 0.0), Abuf + si * BC * SA + si * BC,
+                       rc, SA, BC)
+    _st(Abuf, rI, rI, TII, SA)
+
+
+@triton.jit
 def _kda_fwd_merge(
     Abuf, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
