@@ -136,10 +136,11 @@ def _launch_from_env(text: str | None) -> None:
 
 _launch_from_env(os.environ.get("MOELAB_KDA_LAUNCH"))
 
-# Optional register cap per kernel (ptxas ``maxnreg``; none by default): a 1-warp kernel that
-# takes 255 registers fits 8 programs per SM, a cap trades spills for occupancy. Experiments only:
-# ``MOELAB_KDA_MAXNREG='{"kkt": 168}'``.
-MAXNREG: dict[str, int] = {}
+# Register cap per kernel (ptxas ``maxnreg``): a 1-warp kernel that takes ~232 registers fits 8
+# programs per SM, a cap trades spills for occupancy. kktr at 168: 1.967 vs 2.073 ms forward at B8
+# T4096 H16 D128 on the H200 (128: 2.039; kernels/results/kda_ab_h200.json). Override for
+# experiments: ``MOELAB_KDA_MAXNREG='{"kkt": 168}'``.
+MAXNREG: dict[str, int] = {"kktr": 168}
 
 
 def _maxnreg_from_env(text: str | None) -> None:
