@@ -56,7 +56,8 @@ class KDAConfig:
     num_heads: int = 4
     head_dim: int = 64  # K = V = head_dim
     conv_size: int = 4  # causal depthwise ShortConv kernel on q, k, v
-    conv_backend: Literal["torch", "triton"] = "torch"  # triton: moelab.ops.short_conv (fused SiLU on v)
+    # triton: moelab.ops.short_conv (one pass, fused SiLU on v); auto: triton on CUDA tensors
+    conv_backend: Literal["auto", "torch", "triton"] = "auto"
     decay_rank: int = 16  # low-rank W_up W_down for the decay logit z
     gate: KDAGate = "bounded"  # bounded: g = g_min*sigmoid(exp(A) z); softplus: g = -exp(A)*softplus(z)
     g_min: float = -5.0
@@ -69,7 +70,7 @@ class KDAConfig:
         _check(self.num_heads >= 1, f"{prefix}.num_heads", self.num_heads, "an integer >= 1")
         _check(1 <= self.head_dim <= 256, f"{prefix}.head_dim", self.head_dim, "1..256")
         _check(self.conv_size >= 1, f"{prefix}.conv_size", self.conv_size, "an integer >= 1")
-        _one_of(f"{prefix}.conv_backend", self.conv_backend, ("torch", "triton"))
+        _one_of(f"{prefix}.conv_backend", self.conv_backend, ("auto", "torch", "triton"))
         _check(self.decay_rank >= 1, f"{prefix}.decay_rank", self.decay_rank, "an integer >= 1")
         _one_of(f"{prefix}.gate", self.gate, ("bounded", "softplus"))
         _one_of(f"{prefix}.backend", self.backend, ("auto", "recurrent", "chunk", "triton"))

@@ -45,12 +45,13 @@ class ShortConv(nn.Module):
     """Causal depthwise 1-D convolution over time, kernel ``size``, no bias.
 
     Input ``[B, T, C]``; the ``size - 1`` inputs before the first token come from ``tail``
-    (zeros when None), so chunked calls chain exactly. ``backend="triton"``: a call without a
+    (zeros when None), so chunked calls chain exactly. ``backend="triton"`` (``"auto"``: on CUDA
+    tensors; torch otherwise): a call without a
     tail (training, the first prefill) runs ``moelab.ops.short_conv.causal_conv1d`` (one pass in
     the ``[B, T, C]`` layout, optional fused SiLU); calls with a tail take the torch path.
     """
 
-    def __init__(self, channels: int, size: int, backend: str = "torch") -> None:
+    def __init__(self, channels: int, size: int, backend: str = "auto") -> None:
         super().__init__()
         self.size = size
         self.backend = backend
@@ -65,7 +66,8 @@ class ShortConv(nn.Module):
         """``x [B, T, C]`` -> ``(y [B, T, C], new_tail [B, size-1, C])``; ``activation``: None or
         ``"silu"`` applied to y (the tail holds inputs, not outputs)."""
         B, T, C = x.shape
-        if self.backend == "triton" and tail is None and T > 0:
+        fast = self.backend == "triton" or (self.backend == "auto" and x.is_cuda)
+        if fast and tail is None and T > 0:
             from moelab.ops.short_conv import causal_conv1d
 
             y = causal_conv1d(x, self.weight[:, 0, :], activation)

@@ -111,3 +111,24 @@ def test_bf16_on_gpu(act):
     out = _run(causal_conv1d, x, w, act, dy)
     for name, a, b in zip(("y", "dx", "dw"), ref, out):
         assert_close(a, b.float(), 1e-2, name)
+
+
+def test_auto_backend_takes_triton_only_on_cuda(monkeypatch):
+    """``conv_backend="auto"`` (the default) runs the Triton conv on CUDA tensors and the torch
+    conv on CPU ones; an unknown backend is refused with the allowed values."""
+    import moelab.ops.short_conv as sc
+    from moelab.config import load_config
+    from moelab.model.kda import ShortConv
+
+    calls = []
+    orig = sc.causal_conv1d
+    monkeypatch.setattr(sc, "causal_conv1d", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    conv = ShortConv(16, 4).to(DEV)
+    assert conv.backend == load_config("tiny").model.kda.conv_backend == "auto"
+    x = torch.randn(2, 9, 16, device=DEV)
+    y, _ = conv(x)
+    assert len(calls) == (1 if DEV == "cuda" else 0)
+    conv.backend = "torch"
+    assert_close(conv(x)[0], y, 1e-5, "auto vs torch")
+    with pytest.raises(ValueError, match="'cudnn'.*auto"):
+        load_config("tiny", {"model.kda.conv_backend": "cudnn"})
