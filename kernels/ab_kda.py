@@ -117,14 +117,19 @@ def variant_env(spec: dict) -> dict:
     return env
 
 
+def child_cmd(args: argparse.Namespace, name: str, *extra: str) -> list[str]:
+    """The command line of variant ``name``'s child process."""
+    return [sys.executable, os.path.abspath(__file__), "--child", "--name", name, "--out", args.out,
+            "--shapes", *args.shapes, "--modes", *args.modes, *extra]
+
+
 def warm(args: argparse.Namespace, variants: list[tuple[str, dict]]) -> None:
     """Compile every variant's kernels (``--warm`` children, ``args.jobs`` at a time)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(item):
         name, spec = item
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--warm", "--name", name, "--out", args.out,
-               "--shapes", *args.shapes, "--modes", *args.modes]
+        cmd = child_cmd(args, name, "--warm")
         t0 = time.time()
         try:
             proc = subprocess.run(cmd, env=variant_env(spec), capture_output=True, text=True, timeout=args.timeout * 3)
@@ -167,8 +172,7 @@ def main() -> int:
         env = variant_env(spec)
         before = open(args.out).read().count("\n") if os.path.exists(args.out) else 0
         t0 = time.time()
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--name", name, "--out", args.out,
-               "--shapes", *args.shapes, "--modes", *args.modes, "--command", "python " + " ".join(sys.argv)]
+        cmd = child_cmd(args, name, "--command", "python " + " ".join(sys.argv))
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
             status = "exit 0" if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr[-300:]!r}"
