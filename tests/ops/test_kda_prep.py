@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moelab.ops.kda.triton_prep import kda_prep, kda_prep_torch, prep_bwd, prep_fwd
+from moelab.ops.kda.triton_prep import kda_prep, kda_prep_torch, prep_bwd, prep_fwd, prep_fwd_chunked
 from tests.helpers import assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -212,3 +212,41 @@ def test_empty_sequence():
     outs, grads = _run(kda_prep, ins, gate="bounded", lower_bound=-5.0, silu_qk=True, l2norm_qk=True)
     assert all(o.shape == (2, 0, 3, 8) for o in outs)
     assert torch.equal(grads[3], torch.zeros(3, device=DEV)) and torch.equal(grads[4], torch.zeros(24, device=DEV))
+
+
+@pytest.mark.parametrize("gate, T, K, C, qk", [("bounded", 70, 16, 64, True), ("softplus", 33, 12, 16, True),
+                                            ("none", 40, 32, 32, True), ("bounded", 64, 20, 64, False)])
+def test_chunked_prep_matches_reference(gate, T, K, C, qk):
+    """``prep_fwd_chunked``: qn, kn zero-padded to [B, Tp, H, Kp] and G the chunk-local cumsum of
+    the reference g in log2 units (flat over padded tokens, 0 in padded channels); ``qk=False``
+    gives only G. T and K not multiples of the chunk / a power of two exercise the masks."""
+    B, H = 2, 3
+    ins = _inputs(B, T, H, K, gate)
+    if gate == "none":
+        ins[2] = -torch.nn.functional.softplus(ins[2])
+    q, k, z, A_log, dt_bias = ins
+    lb = -5.0 if gate == "bounded" else None
+    rq, rk, rg = kda_prep_torch(q, k, z, A_log, dt_bias, gate=gate, lower_bound=lb, silu_qk=True, l2norm_qk=True)
+    qn, kn, G = prep_fwd_chunked(q, k, z, A_log, dt_bias, chunk_size=C, gate=gate, lower_bound=lb, silu_qk=True,
+                                 l2norm_qk=True, qk=qk)
+    Tp, Kp = -(-T // C) * C, max(16, 1 << (K - 1).bit_length())
+    assert G.shape == (B, Tp, H, Kp) and G.dtype == torch.float32
+    gp = torch.zeros(B, Tp, H, Kp, device=DEV)
+    gp[:, :T, :, :K] = rg
+    want = gp.view(B, Tp // C, C, H, Kp).cumsum(2).view(B, Tp, H, Kp) * 1.4426950408889634
+    assert_close(want, G, FP32_TOL, "G")
+    assert torch.equal(G[..., K:], torch.zeros_like(G[..., K:]))
+    if not qk:
+        assert qn is None and kn is None
+        return
+    for name, r, o in (("qn", rq, qn), ("kn", rk, kn)):
+        assert o.shape == (B, Tp, H, Kp) and o.dtype == q.dtype
+        assert_close(r, o[:, :T, :, :K].float(), FP32_TOL, name)
+        assert not o[:, T:].any() and not o[..., K:].any(), f"{name}: padding is not zero"
+
+
+def test_chunked_prep_refuses_bad_chunk():
+    q, k, z, A_log, dt_bias = _inputs(1, 8, 1, 16, "bounded")
+    with pytest.raises(ValueError, match="chunk_size=48"):
+        prep_fwd_chunked(q, k, z, A_log, dt_bias, chunk_size=48, gate="bounded", lower_bound=-5.0, silu_qk=False,
+                         l2norm_qk=True)

@@ -174,6 +174,24 @@ def test_kkt_paths_agree(monkeypatch, mode):
     _refuses_bogus(monkeypatch, "kkt", ins, s0, do, dS, mode)
 
 
+@pytest.mark.parametrize("mode", ["bounded", "general"])
+def test_cumsum_paths_agree(monkeypatch, mode):
+    """G written by the prep ("prep") or recomputed in the kkt rows ("kernel"): the same outputs
+    and gradients up to fp32 rounding, both close to the reference (T = 150 pads the last chunk);
+    a bad value is refused."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    ins, s0, do, dS = _inputs(2, 150, 2, 32, 16, torch.float32, seed=23)
+    ref = _reference(ins, s0, do, dS)
+    runs = _runs_by_tuning(monkeypatch, "cumsum", tc.CUMSUM_PATHS, ins, s0, do, dS, mode)
+    for path in tc.CUMSUM_PATHS:
+        _compare(ref, runs[path])
+    assert_close(runs["prep"][0], runs["kernel"][0], 1e-5, "o")
+    for a, b in zip(runs["prep"][2], runs["kernel"][2]):
+        assert_close(a, b, 3e-5, "grad")
+    _refuses_bogus(monkeypatch, "cumsum", ins, s0, do, dS, mode)
+
+
 def test_no_final_state_and_no_state_grad():
     ins, _, do, _ = _inputs(1, 20, 1, 16, 16, torch.float32, seed=5, h0=False)
     leaves = [x.clone().requires_grad_() for x in ins]
@@ -317,6 +335,7 @@ def test_gate_inside_kkt_agrees(monkeypatch, gate, mode, kkt):
     from moelab.ops.kda import triton_chunk as tc
 
     monkeypatch.setitem(tc.TUNING, "kkt", kkt)
+    monkeypatch.setitem(tc.TUNING, "cumsum", "kernel")  # the unfused run's prep writes g, not G
     stores = []  # store_g of each forward prep call
     orig = tc.prep_fwd
     monkeypatch.setattr(tc, "prep_fwd", lambda *a, **kw: stores.append(kw.get("store_g", True)) or orig(*a, **kw))

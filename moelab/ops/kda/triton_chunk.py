@@ -46,7 +46,7 @@ from moelab.ops.kda.triton_fwd import (
     _kda_fwd_state,
     _kda_fwd_wu,
 )
-from moelab.ops.kda.triton_prep import _GATE_ID, prep_bwd, prep_fwd
+from moelab.ops.kda.triton_prep import _GATE_ID, prep_bwd, prep_fwd, prep_fwd_chunked
 
 MODES = ("bounded", "general")
 GATES = ("none", "bounded", "softplus")
@@ -81,8 +81,17 @@ def _interpret() -> bool:
 # before the per-chunk one, measured slower and was removed: kernels/results/kda_ab_h200.json.)
 # ``fuse_gate`` (with "tiles" and a gate inside the op): the kkt kernel applies the gate to the raw
 # z itself, so the prep writes only q and k (not yet timed; only where no padding is needed).
+# ``cumsum`` (with "tiles" + "parallel"): where the chunk-local cumsum G of the decay is formed.
+# "prep": the forward prep writes G itself, zero-padded (``triton_prep.prep_fwd_chunked``), and the
+# kkt rows read their partners' G instead of recomputing it from g; "kernel": the prep writes g and
+# each kkt row recomputes the cumsum of its own and its partner sub-tiles (and writes G for wu):
+# kktr 0.46 vs 0.73 ms, forward 1.72 vs 1.97 ms at B8 T4096 H16 D128 on the H200.
+# ``wu_bf16``: the w and u products of wu on bf16 operands (Tm rounded to bf16; bf16 inputs only)
+# instead of TF32: wu 0.05 ms faster at B8 T4096, o error 3.1e-3 -> 3.3e-3, final state 1.7e-3 ->
+# 2.2e-3 (kernels/results/kda_ab_h200.json); off.
 TUNING: dict = {"scores_tf32": True, "save": "intra", "scores": "tiles", "dqkg": "split", "kkt": "parallel",
-                "fuse_gate": False}
+                "fuse_gate": False, "cumsum": "prep", "wu_bf16": False}
+CUMSUM_PATHS = ("prep", "kernel")
 KKT_PATHS = ("rows", "parallel", "strip")
 SAVE_POLICIES = ("inputs", "intra", "all")
 SCORE_PATHS = ("subtile", "chunk", "tiles")
@@ -101,7 +110,7 @@ DQKG_PATHS = ("fused", "split")
 LAUNCH: dict[str, tuple[int, int, int]] = {
     "scores": (0, 4, 1),  # no block: every program takes all of K
     "intra": (32, 4, 1),
-    "state": (32, 2, 1),
+    "state": (64, 4, 2),  # fla's H200 choice for its state kernel; 0.47 vs 0.67 ms (32/2/1, 2 launches) at B8
     "out": (64, 4, 1),
     "dh": (64, 8, 1),
     "wy": (64, 4, 1),
@@ -113,9 +122,9 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "kkts": (32, 1, 1),
     "merge": (0, 1, 1),  # no block: [16, 16] tiles
     "wu": (32, 4, 1),
-    # the sequential state kernel when B * H * V / 32 <= SMALL_GRID (B1 H16: 64 programs at the
-    # entry above, under one per SM): half-width blocks double the programs and two stages prefetch
-    # the next chunk's loads, which do not depend on the carried state
+    # the sequential state kernel when B * H * V / 32 <= SMALL_GRID (B1 H16: 64 programs at 32-wide
+    # blocks, under one per SM): 16-wide blocks give 128 programs, and two stages prefetch the next
+    # chunk's loads, which do not depend on the carried state
     "state_small": (16, 2, 2),
 }
 SMALL_GRID = 128
@@ -232,18 +241,26 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, lower_bound, gate=None):
+def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, lower_bound, gate=None, g_in=False):
     """Intra-chunk and state kernels on padded inputs; returns the intermediates."""
-    inter = _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound, gate)
+    inter = _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound, gate, g_in)
     inter.update(_state_pass(inter, h0, output_final_state, q.dtype, C))
     return inter
 
 
-def _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound, gate=None):
+def _cumsum_in_prep(fuse: bool) -> bool:
+    """Whether the forward prep writes G for the kkt rows (``TUNING["cumsum"]``; see there)."""
+    if TUNING["cumsum"] not in CUMSUM_PATHS:
+        raise ValueError(f"TUNING['cumsum']={TUNING['cumsum']!r} is not allowed: expected one of {CUMSUM_PATHS}")
+    return TUNING["cumsum"] == "prep" and TUNING["scores"] == "tiles" and TUNING["kkt"] == "parallel" and not fuse
+
+
+def _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound, gate=None, g_in=False):
     """The intra-chunk kernels: scores, UT transform, w, u, qg, kd, e^{G_last} (and G, general mode).
     ``lower_bound`` (bounded mode) places the diagonal sub-tiles' reference of the "tiles" path.
     ``gate`` (``TUNING["fuse_gate"]``): ``(Prep, A_log, dt_bias)`` when ``g`` is the raw gate input
-    and the kkt kernel applies the gate."""
+    and the kkt kernel applies the gate. ``g_in``: ``g`` already holds G (``prep_fwd_chunked``;
+    "tiles" + "parallel" only)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = T // C
@@ -255,8 +272,13 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound, gate=None):
     tiles = TUNING["scores"] == "tiles"
     # the general-mode gathers of the backward read G back from memory; the "tiles" path's second
     # kernel reads it too
-    store_g = not bounded or tiles
-    Gbuf = torch.empty(B, T, H, K, device=dev, dtype=torch.float32) if store_g else q.new_empty(1, dtype=torch.float32)
+    store_g = (not bounded or tiles) and not g_in
+    if g_in:
+        Gbuf = g
+    elif store_g:
+        Gbuf = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
+    else:
+        Gbuf = q.new_empty(1, dtype=torch.float32)
     Abuf = torch.empty(B, T, H, C, device=dev, dtype=torch.float32)
     Aqk = torch.empty(B, T, H, C, device=dev, dtype=wd)
     w, qg, kd = (torch.empty(B, T, H, K, device=dev, dtype=wd) for _ in range(3))
@@ -275,11 +297,14 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound, gate=None):
             gargs = (A_log, dt_bias if dt_bias is not None else A_log,
                      float(prep.lower_bound) if prep.gate == "bounded" else 0.0)
             gconst = dict(GATE=_GATE_ID[prep.gate], HAS_BIAS=dt_bias is not None)
+        if TUNING["kkt"] != "parallel" and g_in:
+            raise ValueError(f"g_in needs TUNING['kkt'] 'parallel', got {TUNING['kkt']!r}")
         if TUNING["kkt"] in ("parallel", "strip"):
+            extra = dict(G_IN=g_in) if TUNING["kkt"] == "parallel" else {}
             (_kktr if TUNING["kkt"] == "parallel" else _kkts)(
                 (NT * (C // SUBTILE), B * H), q, k, g, beta, Gbuf, Abuf, Aqk, gargs[0], gargs[1], scale, mid, gargs[2],
                 T, H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype),
-                **gconst,
+                **gconst, **extra,
             )
             if C > SUBTILE:
                 _merge((NT, B * H), Abuf, T, H=H, K=K, V=V, C=C, BC=SUBTILE)
@@ -292,6 +317,7 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound, gate=None):
         _wu(
             (NT, B * H), q, k, v, Gbuf, beta, Abuf, w, u, qg, kd, gl, scale, T,
             H=H, K=K, V=V, C=C, BV=min(V, 64), IEEE=_ieee(q.dtype),
+            WU_BF16=bool(TUNING["wu_bf16"]) and dot_bf16,
         )
         if bounded:  # the backward does not read G in bounded mode: keep only a placeholder
             Gbuf = q.new_empty(1, dtype=torch.float32)
@@ -378,7 +404,12 @@ class ChunkKDAFunction(torch.autograd.Function):
         # the gate inside the kkt kernel: only without padding (padded tokens need g = 0 exactly)
         fuse = (TUNING["fuse_gate"] and prep.gate != "none" and TUNING["scores"] == "tiles" and T % C == 0
                 and K == max(16, triton.next_power_of_2(K)))
-        if prep.active:
+        g_in = _cumsum_in_prep(fuse)
+        if g_in:  # one pass writes the padded qn, kn and G (prep or not: G is needed either way)
+            qn, kn, gn = prep_fwd_chunked(q, k, g, A_log, dt_bias, chunk_size=C, **prep.kw(), qk=prep.active)
+            if qn is None:
+                qn, kn = q, k
+        elif prep.active:
             qn, kn, gn = prep_fwd(q, k, g, A_log, dt_bias, **prep.kw(), store_g=not fuse)
         else:
             qn, kn, gn = q, k, g
@@ -387,7 +418,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         qp, kp, vp, gp, bp, h0p = _padded(qn, kn, v, gn, beta, initial_state, C)
         del qn, kn, gn
         inter = _forward(qp, kp, vp, gp, bp, scale, h0p, output_final_state, bounded, C, lower_bound,
-                         gate=(prep, A_log, dt_bias) if fuse else None)
+                         gate=(prep, A_log, dt_bias) if fuse else None, g_in=g_in)
         Tp, Kp, Vp = qp.shape[1], qp.shape[3], vp.shape[3]
         o = torch.empty_like(vp)
         _out(
@@ -402,6 +433,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, *(inter[key] for key in keys))
         ctx.keys = keys
         ctx.scale, ctx.bounded, ctx.chunk_size, ctx.prep, ctx.lower_bound = scale, bounded, C, prep, lower_bound
+        ctx.g_in = g_in
         hT = inter["hT"]
         if (Tp, Vp) != (T, V):
             o = o[:, :T, :, :V]
@@ -425,8 +457,10 @@ class ChunkKDAFunction(torch.autograd.Function):
         if dht is not None:
             dht = _pad(dht, {2: K, 3: V}).contiguous()
         inter = dict(zip(ctx.keys, saved))
-        if not inter:
-            inter = _intra_pass(q, k, v, g, beta, scale, bounded, C, ctx.lower_bound)
+        if not inter:  # the forward's intra pass again, on the same G
+            G = (prep_fwd_chunked(q_raw, k_raw, g_raw, A_log, dt_bias, chunk_size=C, **prep.kw(), qk=False)[2]
+                 if ctx.g_in else g)
+            inter = _intra_pass(q, k, v, G, beta, scale, bounded, C, ctx.lower_bound, g_in=ctx.g_in)
         if "hbuf" not in inter:
             inter.update(_state_pass(inter, h0, False, q.dtype, C))
         dot_bf16 = _dot_bf16(q.dtype)

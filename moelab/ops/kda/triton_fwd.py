@@ -529,7 +529,7 @@ def _kda_fwd_kkt_row(
     scale, mid, lower_bound, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BOUNDED: tl.constexpr, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr, GATE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, G_IN: tl.constexpr = False,
 ):
     """One ``BC``-row sub-tile row ``si`` of a chunk (grid ``[NT * C // BC, B*H]``): G_si into
     ``Gbuf``, row si of ``Aqk``, the diagonal block ``Tm_ii = (I + A_ii)^-1`` and, as scratch for
@@ -537,7 +537,8 @@ def _kda_fwd_kkt_row(
 
     The rows of a chunk run in parallel programs: a row recomputes the G of its partner sub-tiles
     from g (the chunk's earlier g rows, read twice from cache) instead of waiting for them.
-    Factors as in ``_kda_fwd_kkt`` (reference: G just before sub-tile si)."""
+    ``G_IN``: ``g`` already holds G (``triton_prep.prep_fwd_chunked``): no cumsum, no gate, and
+    ``Gbuf`` is not written. Factors as in ``_kda_fwd_kkt`` (reference: G just before sub-tile si)."""
     NC: tl.constexpr = C // BC
     i_ci = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -555,13 +556,18 @@ def _kda_fwd_kkt_row(
     q0, k0, q1, k1, q2, k2 = zt, zt, zt, zt, zt, zt
     for kb in range(K // BK):
         cols = kb * BK + tl.arange(0, BK)
-        off = tl.zeros([BK], dtype=tl.float32)
-        for J in range(si):
-            off += tl.sum(_g_tile(g, J * BC + rc, cols, SK, ga, gb, lower_bound, GATE, HAS_BIAS), axis=0)
-        off = off * 1.4426950408889634
-        GI, _ = _sub_G(g, off, rI, cols, SK, ga, gb, lower_bound, GATE, HAS_BIAS)
         pI = rI[:, None] * SK + cols[None, :]
-        tl.store(Gbuf + pI, GI)
+        if G_IN:
+            off = tl.load(g + tl.maximum(si * BC - 1, 0) * SK + cols)  # G at the row before sub-tile si
+            off = tl.where(si > 0, off, 0.0)
+            GI = tl.load(g + pI)
+        else:
+            off = tl.zeros([BK], dtype=tl.float32)
+            for J in range(si):
+                off += tl.sum(_g_tile(g, J * BC + rc, cols, SK, ga, gb, lower_bound, GATE, HAS_BIAS), axis=0)
+            off = off * 1.4426950408889634
+            GI, _ = _sub_G(g, off, rI, cols, SK, ga, gb, lower_bound, GATE, HAS_BIAS)
+            tl.store(Gbuf + pI, GI)
         xI = tl.load(q + pI).to(tl.float32)
         yI = tl.load(k + pI).to(tl.float32)
         dq, dk = _diag(dq, dk, xI, yI, GI, off, mid, BOUNDED, SCORE_BF16, IEEE, BC)
@@ -572,7 +578,10 @@ def _kda_fwd_kkt_row(
         for J in tl.static_range(NC - 1):
             if J < si:
                 pJ = (J * BC + rc)[:, None] * SK + cols[None, :]
-                GJ, offJ = _sub_G(g, offJ, J * BC + rc, cols, SK, ga, gb, lower_bound, GATE, HAS_BIAS)
+                if G_IN:
+                    GJ = tl.load(g + pJ)
+                else:
+                    GJ, offJ = _sub_G(g, offJ, J * BC + rc, cols, SK, ga, gb, lower_bound, GATE, HAS_BIAS)
                 yJ = tl.load(k + pJ).to(tl.float32)
                 if J == 0:
                     q0, k0 = _pair(q0, k0, qf, kf, yJ, GJ, off, SCORE_BF16, IEEE)
@@ -708,10 +717,11 @@ def _kda_fwd_wu(
     q, k, v, Gbuf, beta, Abuf, w, u, qg, kd, gl,
     scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, WU_BF16: tl.constexpr = False,
 ):
     """``w = Tm (beta k e^G)``, ``u = Tm (beta v)``, ``qg = scale q e^G``, ``kd = k e^{G_last - G}``,
-    ``gl = e^{G_last}`` of one chunk (grid ``[NT, B*H]``), from G and Tm written by ``_kda_fwd_kkt``."""
+    ``gl = e^{G_last}`` of one chunk (grid ``[NT, B*H]``), from G and Tm written by ``_kda_fwd_kkt``.
+    ``WU_BF16``: bf16 operands (Tm rounded to bf16) for the w and u products instead of TF32."""
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -731,7 +741,7 @@ def _kda_fwd_wu(
     Abuf += row0 * C
     gl += ((i_b * (T // C) + i_c).to(tl.int64) * H + i_h) * K
     b = tl.load(beta + r * H).to(tl.float32)
-    Tm = _cast(tl.load(Abuf + r[:, None] * (H * C) + cidx[None, :]), False)
+    Tm = _cast(tl.load(Abuf + r[:, None] * (H * C) + cidx[None, :]), WU_BF16)
     for kb in range(K // BK):
         cols = kb * BK + tl.arange(0, BK)
         p = r[:, None] * (H * K) + cols[None, :]
@@ -740,7 +750,7 @@ def _kda_fwd_wu(
         kt = tl.load(k + p).to(tl.float32)
         qt = tl.load(q + p).to(tl.float32)
         eG = tl.exp2(G)
-        wt = _dot(Tm, _cast(kt * b[:, None] * eG, False), IEEE)
+        wt = _dot(Tm, _cast(kt * b[:, None] * eG, WU_BF16), IEEE)
         tl.store(w + p, wt.to(w.dtype.element_ty))
         tl.store(kd + p, (kt * tl.exp2(Gl[None, :] - G)).to(kd.dtype.element_ty))
         tl.store(qg + p, (qt * eG * scale).to(qg.dtype.element_ty))
@@ -749,5 +759,5 @@ def _kda_fwd_wu(
         cols = vb * BV + tl.arange(0, BV)
         p = r[:, None] * (H * V) + cols[None, :]
         vt = tl.load(v + p).to(tl.float32)
-        ut = _dot(Tm, _cast(vt * b[:, None], False), IEEE)
+        ut = _dot(Tm, _cast(vt * b[:, None], WU_BF16), IEEE)
         tl.store(u + p, ut.to(u.dtype.element_ty))

@@ -24,6 +24,8 @@ benchmark use), not fla's ``x * rsqrt(sum x^2 + eps)``; the two differ by a rela
 All math is fp32; qn, kn are stored in q's dtype, g in fp32.
 
 Host functions ``prep_fwd`` / ``prep_bwd`` (no autograd; for a caller's own autograd Function),
+``prep_fwd_chunked`` (the forward for the chunk kernels: padded outputs and the chunk-local cumsum
+of the decay instead of the decay),
 ``PrepFunction`` + ``kda_prep`` (standalone autograd use) and ``kda_prep_torch`` (the fp32 PyTorch
 reference that defines the semantics).
 """
@@ -159,6 +161,61 @@ def _prep_fwd_kernel(
                 x += tl.load(dt_bias + h[:, None] * K + c[None, :], mask=mask, other=0.0).to(tl.float32)
             x = _gate(x, a, lower_bound, GATE)
         tl.store(g + base + offs, x, mask=mask)
+
+
+@triton.jit
+def _prep_fwd_chunk_kernel(
+    q,
+    k,
+    z,
+    A_log,
+    dt_bias,
+    qn,
+    kn,
+    G,
+    T,
+    Tp,
+    lower_bound,
+    eps,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+    C: tl.constexpr,
+    GATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    L2NORM: tl.constexpr,
+    QK: tl.constexpr,
+):
+    """One chunk of ``C`` tokens of one head (grid ``[Tp // C, B*H]``): the rows of
+    ``_prep_fwd_kernel`` written into zero-padded ``[B, Tp, H, BK]`` outputs, with the log decay
+    replaced by its chunk-local cumsum in log2 units, ``G = log2(e) cumsum_chunk(g)`` (fp32), the
+    form the chunk kernels read. Padded tokens and channels get q = k = 0 and g = 0 (so G stays
+    flat over them). ``QK=False``: G only (q and k pass through unchanged)."""
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    r = tl.arange(0, C)
+    c = tl.arange(0, BK)
+    t = i_c * C + r
+    mask = (t < T)[:, None] & (c < K)[None, :]
+    src = ((i_b * T + i_c * C).to(tl.int64) * H + i_h) * K  # int64 row base; tile offsets int32
+    dst = ((i_b * Tp + i_c * C).to(tl.int64) * H + i_h) * BK
+    si = r[:, None] * (H * K) + c[None, :]
+    so = r[:, None] * (H * BK) + c[None, :]
+    if QK:
+        x = tl.load(q + src + si, mask=mask, other=0.0).to(tl.float32)
+        tl.store(qn + dst + so, _qk_fwd(x, eps, SILU, L2NORM).to(qn.dtype.element_ty))
+        x = tl.load(k + src + si, mask=mask, other=0.0).to(tl.float32)
+        tl.store(kn + dst + so, _qk_fwd(x, eps, SILU, L2NORM).to(kn.dtype.element_ty))
+    x = tl.load(z + src + si, mask=mask, other=0.0).to(tl.float32)
+    if GATE != 0:
+        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        if HAS_BIAS:
+            x += tl.load(dt_bias + i_h * K + c, mask=c < K, other=0.0).to(tl.float32)[None, :]
+        x = tl.where(mask, _gate(x, a, lower_bound, GATE), 0.0)
+    tl.store(G + dst + so, tl.cumsum(x, axis=0) * 1.4426950408889634)
 
 
 @triton.jit
@@ -349,6 +406,70 @@ def prep_fwd(
         num_warps=_NUM_WARPS,
     )
     return qn, kn, (g if store_g else None)
+
+
+def prep_fwd_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    z: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    *,
+    chunk_size: int,
+    gate: str,
+    lower_bound: float | None,
+    silu_qk: bool,
+    l2norm_qk: bool,
+    eps: float = 1e-6,
+    qk: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Forward prep for the chunk kernels (no autograd): as :func:`prep_fwd`, but the outputs are
+    zero-padded to ``Tp`` (T rounded up to ``chunk_size``) tokens and ``Kp`` (K rounded up to a
+    power of two >= 16) channels, and the log decay comes out as its chunk-local cumsum in log2
+    units, ``G[b, c*C + i, h] = log2(e) sum_{j <= i} g[b, c*C + j, h]`` (what the chunk kernels
+    read; one pass, where g followed by a cumsum in the kernels would take two).
+
+    Returns:
+        ``qn``, ``kn`` ``[B, Tp, H, Kp]`` in q's dtype (None with ``qk=False``: only G is computed)
+        and ``G`` ``[B, Tp, H, Kp]`` fp32 (padded tokens repeat the chunk's last G, padded channels 0).
+    """
+    _check(q, k, z, A_log, dt_bias, gate, lower_bound, eps)
+    if chunk_size not in (16, 32, 64, 128):
+        raise ValueError(f"chunk_size={chunk_size} is not allowed: expected one of (16, 32, 64, 128)")
+    q, k, z = q.contiguous(), k.contiguous(), z.contiguous()
+    B, T, H, K = q.shape
+    C = chunk_size
+    Tp = triton.cdiv(T, C) * C
+    Kp = max(16, triton.next_power_of_2(K))
+    G = torch.empty(B, Tp, H, Kp, device=q.device, dtype=torch.float32)
+    qn = q.new_empty(B, Tp, H, Kp) if qk else None
+    kn = k.new_empty(B, Tp, H, Kp) if qk else None
+    lb = float(lower_bound) if gate == "bounded" else 0.0
+    _prep_fwd_chunk_kernel[(Tp // C, B * H)](
+        q,
+        k,
+        z,
+        A_log if A_log is not None else G,
+        dt_bias if dt_bias is not None else G,
+        qn if qk else G,
+        kn if qk else G,
+        G,
+        T,
+        Tp,
+        lb,
+        float(eps),
+        H=H,
+        K=K,
+        BK=Kp,
+        C=C,
+        GATE=_GATE_ID[gate],
+        HAS_BIAS=dt_bias is not None,
+        SILU=bool(silu_qk),
+        L2NORM=bool(l2norm_qk),
+        QK=qk,
+        num_warps=_NUM_WARPS if C * Kp <= 8192 else 2 * _NUM_WARPS,
+    )
+    return qn, kn, G
 
 
 def prep_bwd(
