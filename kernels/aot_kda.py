@@ -29,8 +29,7 @@ from moelab.ops.kda import triton_chunk as tc  # noqa: E402
 from moelab.ops.kda import triton_fwd as F  # noqa: E402
 
 WORK = ["kd", "w", "u", "hbuf", "U", "qg", "Aqk", "o", "do", "dhbuf"]  # work dtype (bf16 for bf16 inputs)
-FP32 = ["gl", "h0", "hT", "dht", "dU", "dh0", "Gbuf", "Abuf", "dAs", "dkb", "dbv", "dbk", "dG", "dGl", "dbs", "A_log",
-        "dt_bias"]
+FP32 = ["gl", "h0", "hT", "dht", "dU", "dh0", "Gbuf", "Abuf", "dAs", "dkb", "dbv", "dbk", "dG", "dGl", "dbs"]
 INPUT = ["q", "k", "v", "g", "beta", "dq", "dk", "dv", "dg", "dbeta"]
 
 
@@ -38,6 +37,8 @@ def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf1
                 maxnreg: int | None = None) -> str:
     ptrs = {n: "*" + dtype for n in WORK + INPUT}
     ptrs.update({n: "*fp32" for n in FP32})
+    if consts.get("G_IN"):
+        ptrs["g"] = "*fp32"  # g holds the chunk-local G the prep wrote (fp32)
     sig = {}
     for n in kernel.arg_names:
         if n in consts:
@@ -46,7 +47,7 @@ def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf1
             sig[n] = ptrs[n]
         elif n in ("T", "NBH"):
             sig[n] = "i32"
-        elif n in ("scale", "mid", "lower_bound"):
+        elif n in ("scale", "mid"):
             sig[n] = "fp32"
         else:
             raise KeyError(f"no signature type for argument {n!r} of {kernel.__name__}")
@@ -80,6 +81,8 @@ def main() -> int:
         tc.LAUNCH[name] = tuple(int(x) for x in val.split(","))
     base = dict(H=16, K=args.K, V=args.K, C=64)
     TUNING_STATE = tc.TUNING["dqkg"] == "fused"  # noqa: N806 (the kernel's constexpr for the chosen path)
+    cumsum = tc.TUNING["cumsum"]  # per mode: whether kktr reads G in ("auto": in bounded mode only)
+    g_in = {m: cumsum == "prep" or (cumsum == "auto" and m) for m in (True, False)}
     bf = dict(DOT_BF16=True, IEEE=False)
     kernels = {
         "scores": [(F._kda_fwd_scores, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False), None, m)
@@ -94,12 +97,12 @@ def main() -> int:
                  for m in (True, False)],
         "dg": [(B._kda_bwd_dg, dict(H=16, K=args.K, V=args.K, C=64, NPART=4), "BK", None)],
         "sterm": [(B._kda_bwd_sterm, dict(base, BV=64, **bf), "BK", None)],
-        "kkt": [(F._kda_fwd_kkt, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False, GATE=int(m),
-                                      HAS_BIAS=m), "BK", m) for m in (True, False)],
-        "kktr": [(F._kda_fwd_kkt_row, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False, GATE=int(m),
-                                           HAS_BIAS=m), "BK", m) for m in (True, False)],
+        "kkt": [(F._kda_fwd_kkt, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False), "BK", m)
+                for m in (True, False)],
+        "kktr": [(F._kda_fwd_kkt_row, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False, G_IN=g_in[m]), "BK", m)
+                 for m in (True, False)],
         "merge": [(F._kda_fwd_merge, dict(base, BC=16), None, None)],
-        "wu": [(F._kda_fwd_wu, dict(base, BV=64, IEEE=False), "BK", None)],
+        "wu": [(F._kda_fwd_wu, dict(base, BV=64, IEEE=False, WU_BF16=bool(tc.TUNING["wu_bf16"])), "BK", None)],
     }
     for name, variants in kernels.items():
         if args.only and name not in args.only:

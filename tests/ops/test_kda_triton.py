@@ -157,28 +157,27 @@ def test_score_paths_agree(monkeypatch, mode):
 
 @pytest.mark.parametrize("mode", ["bounded", "general"])
 def test_kkt_paths_agree(monkeypatch, mode):
-    """The sub-tile rows of a chunk one after the other in one kkt program ("rows"), in parallel
-    programs followed by a merge ("parallel"), or in parallel programs whose off-diagonal pairs are
-    one strip product ("strip"): the same outputs and gradients up to fp32 rounding, all close to
-    the reference; a bad path name is refused."""
+    """The sub-tile rows of a chunk one after the other in one kkt program ("rows") or in parallel
+    programs followed by a merge ("parallel"): the same outputs and gradients up to fp32 rounding,
+    both close to the reference; a bad path name is refused."""
     from moelab.ops.kda import triton_chunk as tc
 
     ins, s0, do, dS = _inputs(2, 150, 2, 32, 16, torch.float32, seed=19)
     runs = _runs_by_tuning(monkeypatch, "kkt", tc.KKT_PATHS, ins, s0, do, dS, mode)
     ref = _reference(ins, s0, do, dS)
-    for other in ("parallel", "strip"):
-        _compare(ref, runs[other])
-        assert_close(runs["rows"][0], runs[other][0], 1e-5, f"o rows vs {other}")
-        for a, b in zip(runs["rows"][2], runs[other][2]):
-            assert_close(a, b, 3e-5, f"grad rows vs {other}")
+    for path in tc.KKT_PATHS:
+        _compare(ref, runs[path])
+    assert_close(runs["rows"][0], runs["parallel"][0], 1e-5, "o rows vs parallel")
+    for a, b in zip(runs["rows"][2], runs["parallel"][2]):
+        assert_close(a, b, 3e-5, "grad rows vs parallel")
     _refuses_bogus(monkeypatch, "kkt", ins, s0, do, dS, mode)
 
 
 @pytest.mark.parametrize("mode", ["bounded", "general"])
 def test_cumsum_paths_agree(monkeypatch, mode):
-    """G written by the prep ("prep") or recomputed in the kkt rows ("kernel"): the same outputs
-    and gradients up to fp32 rounding, both close to the reference (T = 150 pads the last chunk);
-    a bad value is refused."""
+    """G written by the prep ("prep") or recomputed in the kkt rows ("kernel"; "auto" picks one per
+    mode): the same outputs and gradients up to fp32 rounding, all close to the reference (T = 150
+    pads the last chunk); a bad value is refused."""
     from moelab.ops.kda import triton_chunk as tc
 
     ins, s0, do, dS = _inputs(2, 150, 2, 32, 16, torch.float32, seed=23)
@@ -190,6 +189,21 @@ def test_cumsum_paths_agree(monkeypatch, mode):
     for a, b in zip(runs["prep"][2], runs["kernel"][2]):
         assert_close(a, b, 3e-5, "grad")
     _refuses_bogus(monkeypatch, "cumsum", ins, s0, do, dS, mode)
+
+
+@pytest.mark.parametrize("mode, want", [("bounded", True), ("general", False)])
+def test_cumsum_auto_picks_per_mode(monkeypatch, mode, want):
+    """``cumsum="auto"`` (the default): the chunked prep writes G in bounded mode, the kkt rows
+    form it themselves in general mode (where reading it in was measured slower)."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    calls = []
+    orig = tc.prep_fwd_chunked
+    monkeypatch.setattr(tc, "prep_fwd_chunked", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    assert tc.TUNING["cumsum"] == "auto"
+    ins, s0, do, dS = _inputs(1, 40, 1, 16, 16, torch.float32, seed=3)
+    _compare(_reference(ins, s0, do, dS), _run(chunk_kda, ins, s0, do, dS, mode=mode))
+    assert bool(calls) == want
 
 
 def test_no_final_state_and_no_state_grad():
@@ -277,7 +291,7 @@ def test_launch_config_override(monkeypatch):
         tc._maxnreg_from_env('{"kkt": 300}')
     cfgs = tc.launch_configs(128, 128)
     assert set(cfgs) == set(tc.LAUNCH) == {"scores", "intra", "state", "out", "dh", "wy", "dqkg", "dg", "sterm", "kkt",
-                                           "kktr", "kkts", "merge", "wu", "state_small"}
+                                           "kktr", "merge", "wu", "state_small"}
 
 
 # fused prep: (B, T, H, K, V, chunk, gate, mode, silu, dt_bias)
@@ -326,43 +340,6 @@ def test_fused_prep_matches_reference(case):
         assert_close(a, b, GRAD_TOL, name)
 
 
-@pytest.mark.parametrize("gate, mode, kkt", [("bounded", "bounded", "rows"), ("softplus", "general", "rows"),
-                                             ("bounded", "bounded", "parallel"), ("bounded", "bounded", "strip")])
-def test_gate_inside_kkt_agrees(monkeypatch, gate, mode, kkt):
-    """``TUNING["fuse_gate"]``: the kkt kernel applies the gate to the raw z (the prep then writes
-    only q and k) and gives the same outputs and gradients as the prep's g; a padded shape (T not a
-    multiple of the chunk) falls back to the prep's g."""
-    from moelab.ops.kda import triton_chunk as tc
-
-    monkeypatch.setitem(tc.TUNING, "kkt", kkt)
-    monkeypatch.setitem(tc.TUNING, "cumsum", "kernel")  # the unfused run's prep writes g, not G
-    stores = []  # store_g of each forward prep call
-    orig = tc.prep_fwd
-    monkeypatch.setattr(tc, "prep_fwd", lambda *a, **kw: stores.append(kw.get("store_g", True)) or orig(*a, **kw))
-    for T in (64, 70):
-        gen = torch.Generator().manual_seed(T)
-        q, k, z = (torch.randn(1, T, 2, 16, generator=gen).to(DEV) for _ in range(3))
-        v = torch.randn(1, T, 2, 16, generator=gen).to(DEV)
-        beta = torch.rand(1, T, 2, generator=gen).to(DEV)
-        A_log = (torch.randn(2, generator=gen) * 0.5).to(DEV)
-        dt_bias = torch.randn(32, generator=gen).to(DEV)
-        runs = {}
-        for fuse in (False, True):
-            monkeypatch.setitem(tc.TUNING, "fuse_gate", fuse)
-            leaves = [x.clone().requires_grad_() for x in (q, k, v, z, beta, A_log, dt_bias)]
-            qq, kk, vv, zz, bb, al, db = leaves
-            o, S = chunk_kda(qq, kk, vv, zz, bb, output_final_state=True, mode=mode, gate=gate, A_log=al,
-                             dt_bias=db, l2norm_qk=True, silu_qk=True)
-            (o.square().sum() + S.sum()).backward()
-            runs[fuse] = (o, S, [x.grad for x in leaves])
-        # forward of the unfused run, its backward's rerun, then the same for the fused run
-        assert stores[-4:] == [True, True, T % 64 != 0, True], stores
-        assert_close(runs[False][0], runs[True][0], 1e-5, f"o T={T}")
-        assert_close(runs[False][1], runs[True][1], 1e-5, f"final state T={T}")
-        for a, b in zip(runs[False][2], runs[True][2]):
-            assert_close(a, b, 3e-5, f"grad T={T}")
-
-
 def test_fused_prep_bad_arguments():
     ins, _, _, _ = _inputs(1, 8, 2, 16, 16, torch.float32, seed=1, h0=False)
     A_log = torch.zeros(2, device=DEV)
@@ -376,7 +353,7 @@ def test_fused_prep_bad_arguments():
         chunk_kda(*ins, A_log=A_log)
 
 
-@pytest.mark.parametrize("scores, kkt", [("chunk", "rows"), ("tiles", "rows"), ("tiles", "parallel"), ("tiles", "strip")])
+@pytest.mark.parametrize("scores, kkt", [("chunk", "rows"), ("tiles", "rows"), ("tiles", "parallel")])
 def test_launch_arguments_match_kernel_signatures(monkeypatch, scores, kkt):
     """Every launch passes exactly the kernel's parameters: the interpreter tolerates an unknown
     keyword that the GPU JIT rejects, so this catches it on a CPU machine."""
@@ -399,7 +376,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, scores, kkt):
     for mode in ("bounded", "general"):
         ins, s0, do, dS = _inputs(1, 40, 1, 16, 16, torch.float32, seed=1)
         _run(chunk_kda, ins, s0, do, dS, mode=mode)
-    paths = {"rows": {"kkt"}, "parallel": {"kktr", "merge"}, "strip": {"kkts", "merge"}}
+    paths = {"rows": {"kkt"}, "parallel": {"kktr", "merge"}}
     want = {"intra"} if scores == "chunk" else {"wu"} | paths[kkt]
     assert want <= set(seen)
 
@@ -411,7 +388,8 @@ def test_small_grid_takes_its_state_launch(monkeypatch):
 
     names = []
     orig = tc._Launcher.__call__
-    monkeypatch.setattr(tc._Launcher, "__call__", lambda self, *a, **kw: names.append(self.name) or orig(self, *a, **kw))
+    monkeypatch.setattr(tc._Launcher, "__call__",
+                        lambda self, *a, **kw: names.append(self.name) or orig(self, *a, **kw))
     ins, s0, do, dS = _inputs(2, 40, 2, 16, 16, torch.float32, seed=3)
     runs = {}
     for grid in (128, 0):

@@ -39,14 +39,13 @@ from moelab.ops.kda.triton_fwd import (
     _kda_fwd_intra,
     _kda_fwd_kkt,
     _kda_fwd_kkt_row,
-    _kda_fwd_kkt_strip,
     _kda_fwd_merge,
     _kda_fwd_out,
     _kda_fwd_scores,
     _kda_fwd_state,
     _kda_fwd_wu,
 )
-from moelab.ops.kda.triton_prep import _GATE_ID, prep_bwd, prep_fwd, prep_fwd_chunked
+from moelab.ops.kda.triton_prep import prep_bwd, prep_fwd, prep_fwd_chunked
 
 MODES = ("bounded", "general")
 GATES = ("none", "bounded", "softplus")
@@ -76,23 +75,23 @@ def _interpret() -> bool:
 # ``kkt`` (with "tiles"): "parallel" (default): one program per sub-tile row does its diagonal and
 # off-diagonal pairs (partner G recomputed from g), then ``_kda_fwd_merge`` per chunk (0.83 + 0.08
 # ms at B8 T4096 H16 D128); "rows": one kernel per chunk does the sub-tile rows one after the other
-# (1.06 ms); "strip": as "parallel", with the off-diagonal pairs of a row as one [16, BK] x [BK, C]
-# product against the whole chunk. (A fourth layout, the diagonal sub-tiles in their own kernel
-# before the per-chunk one, measured slower and was removed: kernels/results/kda_ab_h200.json.)
-# ``fuse_gate`` (with "tiles" and a gate inside the op): the kkt kernel applies the gate to the raw
-# z itself, so the prep writes only q and k (not yet timed; only where no padding is needed).
+# (1.06 ms). Measured slower and removed (kernels/results/kda_ab_h200.json): the diagonal sub-tiles
+# in their own kernel before the per-chunk one, a "strip" layout (a row's off-diagonal pairs as one
+# [16, BK] x [BK, C] product) and the gate applied inside kkt (``fuse_gate``).
 # ``cumsum`` (with "tiles" + "parallel"): where the chunk-local cumsum G of the decay is formed.
 # "prep": the forward prep writes G itself, zero-padded (``triton_prep.prep_fwd_chunked``), and the
 # kkt rows read their partners' G instead of recomputing it from g; "kernel": the prep writes g and
-# each kkt row recomputes the cumsum of its own and its partner sub-tiles (and writes G for wu):
-# kktr 0.46 vs 0.73 ms, forward 1.72 vs 1.97 ms at B8 T4096 H16 D128 on the H200.
+# each kkt row recomputes the cumsum of its own and its partner sub-tiles (and writes G for wu);
+# "auto" (default): "prep" in bounded mode, "kernel" in general mode. Bounded, B8 T4096 H16 D128 on
+# the H200: kktr 0.46 vs 0.73 ms (forward 1.72 vs 1.97 ms); general: kktr 1.97 vs 1.72 ms (its
+# element-wise diagonal pairs hold more registers; with G read in the 168 cap spills).
 # ``wu_bf16``: the w and u products of wu on bf16 operands (Tm rounded to bf16; bf16 inputs only)
 # instead of TF32: wu 0.05 ms faster at B8 T4096, o error 3.1e-3 -> 3.3e-3, final state 1.7e-3 ->
 # 2.2e-3 (kernels/results/kda_ab_h200.json); off.
 TUNING: dict = {"scores_tf32": True, "save": "intra", "scores": "tiles", "dqkg": "split", "kkt": "parallel",
-                "fuse_gate": False, "cumsum": "prep", "wu_bf16": False}
-CUMSUM_PATHS = ("prep", "kernel")
-KKT_PATHS = ("rows", "parallel", "strip")
+                "cumsum": "auto", "wu_bf16": False}
+CUMSUM_PATHS = ("auto", "prep", "kernel")
+KKT_PATHS = ("rows", "parallel")
 SAVE_POLICIES = ("inputs", "intra", "all")
 SCORE_PATHS = ("subtile", "chunk", "tiles")
 DQKG_PATHS = ("fused", "split")
@@ -119,7 +118,6 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "sterm": (64, 4, 1),
     "kkt": (32, 1, 1),
     "kktr": (32, 1, 1),
-    "kkts": (32, 1, 1),
     "merge": (0, 1, 1),  # no block: [16, 16] tiles
     "wu": (32, 4, 1),
     # the sequential state kernel when B * H * V / 32 <= SMALL_GRID (B1 H16: 64 programs at 32-wide
@@ -213,7 +211,6 @@ _dg = _Launcher("dg", _kda_bwd_dg, "BK")
 _sterm = _Launcher("sterm", _kda_bwd_sterm, "BK")
 _kkt = _Launcher("kkt", _kda_fwd_kkt, "BK")
 _kktr = _Launcher("kktr", _kda_fwd_kkt_row, "BK")
-_kkts = _Launcher("kkts", _kda_fwd_kkt_strip, "BK")
 _merge = _Launcher("merge", _kda_fwd_merge, None)
 _wu = _Launcher("wu", _kda_fwd_wu, "BK")
 _state_small = _Launcher("state_small", _kda_fwd_state, "BV")
@@ -241,26 +238,27 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, lower_bound, gate=None, g_in=False):
+def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, lower_bound, g_in=False):
     """Intra-chunk and state kernels on padded inputs; returns the intermediates."""
-    inter = _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound, gate, g_in)
+    inter = _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound, g_in)
     inter.update(_state_pass(inter, h0, output_final_state, q.dtype, C))
     return inter
 
 
-def _cumsum_in_prep(fuse: bool) -> bool:
+def _cumsum_in_prep(bounded: bool) -> bool:
     """Whether the forward prep writes G for the kkt rows (``TUNING["cumsum"]``; see there)."""
-    if TUNING["cumsum"] not in CUMSUM_PATHS:
-        raise ValueError(f"TUNING['cumsum']={TUNING['cumsum']!r} is not allowed: expected one of {CUMSUM_PATHS}")
-    return TUNING["cumsum"] == "prep" and TUNING["scores"] == "tiles" and TUNING["kkt"] == "parallel" and not fuse
+    path = TUNING["cumsum"]
+    if path not in CUMSUM_PATHS:
+        raise ValueError(f"TUNING['cumsum']={path!r} is not allowed: expected one of {CUMSUM_PATHS}")
+    if path == "auto":
+        path = "prep" if bounded else "kernel"
+    return path == "prep" and TUNING["scores"] == "tiles" and TUNING["kkt"] == "parallel"
 
 
-def _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound, gate=None, g_in=False):
+def _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound, g_in=False):
     """The intra-chunk kernels: scores, UT transform, w, u, qg, kd, e^{G_last} (and G, general mode).
     ``lower_bound`` (bounded mode) places the diagonal sub-tiles' reference of the "tiles" path.
-    ``gate`` (``TUNING["fuse_gate"]``): ``(Prep, A_log, dt_bias)`` when ``g`` is the raw gate input
-    and the kkt kernel applies the gate. ``g_in``: ``g`` already holds G (``prep_fwd_chunked``;
-    "tiles" + "parallel" only)."""
+    ``g_in``: ``g`` already holds G (``prep_fwd_chunked``; "tiles" + "parallel" only)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = T // C
@@ -289,30 +287,19 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound, gate=None, g_i
         mid = (SUBTILE / 2) * (lower_bound if bounded else 0.0) * LOG2E
         if TUNING["kkt"] not in KKT_PATHS:
             raise ValueError(f"TUNING['kkt']={TUNING['kkt']!r} is not allowed: expected one of {KKT_PATHS}")
-        if gate is None:
-            gargs = (Gbuf, Gbuf, 0.0)
-            gconst = dict(GATE=0, HAS_BIAS=False)
-        else:
-            prep, A_log, dt_bias = gate
-            gargs = (A_log, dt_bias if dt_bias is not None else A_log,
-                     float(prep.lower_bound) if prep.gate == "bounded" else 0.0)
-            gconst = dict(GATE=_GATE_ID[prep.gate], HAS_BIAS=dt_bias is not None)
         if TUNING["kkt"] != "parallel" and g_in:
             raise ValueError(f"g_in needs TUNING['kkt'] 'parallel', got {TUNING['kkt']!r}")
-        if TUNING["kkt"] in ("parallel", "strip"):
-            extra = dict(G_IN=g_in) if TUNING["kkt"] == "parallel" else {}
-            (_kktr if TUNING["kkt"] == "parallel" else _kkts)(
-                (NT * (C // SUBTILE), B * H), q, k, g, beta, Gbuf, Abuf, Aqk, gargs[0], gargs[1], scale, mid, gargs[2],
-                T, H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype),
-                **gconst, **extra,
+        if TUNING["kkt"] == "parallel":
+            _kktr(
+                (NT * (C // SUBTILE), B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
+                H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype), G_IN=g_in,
             )
             if C > SUBTILE:
                 _merge((NT, B * H), Abuf, T, H=H, K=K, V=V, C=C, BC=SUBTILE)
         else:
             _kkt(
-                (NT, B * H), q, k, g, beta, Gbuf, Abuf, Aqk, gargs[0], gargs[1], scale, mid, gargs[2], T,
+                (NT, B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
                 H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype),
-                **gconst,
             )
         _wu(
             (NT, B * H), q, k, v, Gbuf, beta, Abuf, w, u, qg, kd, gl, scale, T,
@@ -401,24 +388,18 @@ class ChunkKDAFunction(torch.autograd.Function):
                 lower_bound):
         B, T, H, K = q.shape
         V = v.shape[-1]
-        # the gate inside the kkt kernel: only without padding (padded tokens need g = 0 exactly)
-        fuse = (TUNING["fuse_gate"] and prep.gate != "none" and TUNING["scores"] == "tiles" and T % C == 0
-                and K == max(16, triton.next_power_of_2(K)))
-        g_in = _cumsum_in_prep(fuse)
+        g_in = _cumsum_in_prep(bounded)
         if g_in:  # one pass writes the padded qn, kn and G (prep or not: G is needed either way)
             qn, kn, gn = prep_fwd_chunked(q, k, g, A_log, dt_bias, chunk_size=C, **prep.kw(), qk=prep.active)
             if qn is None:
                 qn, kn = q, k
         elif prep.active:
-            qn, kn, gn = prep_fwd(q, k, g, A_log, dt_bias, **prep.kw(), store_g=not fuse)
+            qn, kn, gn = prep_fwd(q, k, g, A_log, dt_bias, **prep.kw())
         else:
             qn, kn, gn = q, k, g
-        if fuse:
-            gn = g  # the raw gate input; kkt applies the gate
         qp, kp, vp, gp, bp, h0p = _padded(qn, kn, v, gn, beta, initial_state, C)
         del qn, kn, gn
-        inter = _forward(qp, kp, vp, gp, bp, scale, h0p, output_final_state, bounded, C, lower_bound,
-                         gate=(prep, A_log, dt_bias) if fuse else None, g_in=g_in)
+        inter = _forward(qp, kp, vp, gp, bp, scale, h0p, output_final_state, bounded, C, lower_bound, g_in=g_in)
         Tp, Kp, Vp = qp.shape[1], qp.shape[3], vp.shape[3]
         o = torch.empty_like(vp)
         _out(
@@ -523,8 +504,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 def launch_configs(K: int = 128, V: int = 128) -> dict:
     """The launch config of every kernel at head dims K, V: {name: {block: size, num_warps, num_stages}}."""
     out = {}
-    for lau in (_scores, _intra, _state, _out, _dh, _wy, _dqkg, _dg, _sterm, _kkt, _kktr, _kkts, _merge, _wu,
-                _state_small):
+    for lau in (_scores, _intra, _state, _out, _dh, _wy, _dqkg, _dg, _sterm, _kkt, _kktr, _merge, _wu, _state_small):
         size, warps, stages = lau.config(K, V)
         out[lau.name] = {**({lau.block: size} if lau.block else {}), "num_warps": warps, "num_stages": stages}
     return out

@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from moelab.ops.kda.triton_common import _cast, _dot, _load_G, _scores2
-from moelab.ops.kda.triton_prep import _gate
 
 # Shapes are padded (triton_common): no masks. Scalar base pointers advance by int64 scalars
 # (B*T*H*K can pass 2^31); tile offsets stay int32 (int64 tile arithmetic costs registers).
@@ -317,35 +316,16 @@ def _kda_fwd_out(
 
 
 @triton.jit
-def _g_tile(g, rows, cols, stride, a, bias, lb, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """A ``[BC, BK]`` tile of the log decay, fp32 (natural log). ``GATE == 0``: ``g`` holds the log
-    decay. Otherwise it holds the raw gate input z and the gate is applied here
-    (``triton_prep._gate`` with ``a = exp(A_log)`` of the head, ``bias`` its ``dt_bias`` row and the
-    bound ``lb``), so the prep need not write g and this kernel read it back."""
-    x = tl.load(g + rows[:, None] * stride + cols[None, :]).to(tl.float32)
-    if GATE != 0:
-        if HAS_BIAS:
-            x += tl.load(bias + cols).to(tl.float32)[None, :]
-        x = _gate(x, a, lb, GATE)
-    return x
+def _g_tile(g, rows, cols, stride):
+    """A ``[BC, BK]`` tile of the log decay ``g`` (natural log), as fp32."""
+    return tl.load(g + rows[:, None] * stride + cols[None, :]).to(tl.float32)
 
 
 @triton.jit
-def _gate_args(A_log, dt_bias, i_bh, H: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr):
-    """``a = exp(A_log)`` (1.0 without a gate) and the ``dt_bias`` row of head ``i_bh % H``."""
-    i_h = i_bh % H
-    if GATE != 0:
-        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    else:
-        a = 1.0
-    return a, dt_bias + i_h * K
-
-
-@triton.jit
-def _sub_G(g, off, rows, cols, stride, a, bias, lb, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _sub_G(g, off, rows, cols, stride):
     """One ``[BC, BK]`` sub-tile of G (log2 units): ``off`` (G before the sub-tile, ``[BK]``) plus
     the cumsum of its log decay (``_g_tile``); returns G and the offset after the sub-tile."""
-    gt = _g_tile(g, rows, cols, stride, a, bias, lb, GATE, HAS_BIAS) * 1.4426950408889634
+    gt = _g_tile(g, rows, cols, stride) * 1.4426950408889634
     return off[None, :] + tl.cumsum(gt, axis=0), off + tl.sum(gt, axis=0)
 
 
@@ -435,11 +415,10 @@ def _kkt_ptrs(q, k, g, Gbuf, beta, Abuf, Aqk, i_c, i_bh, T, H: tl.constexpr, K: 
 
 @triton.jit
 def _kda_fwd_kkt(
-    q, k, g, beta, Gbuf, Abuf, Aqk, A_log, dt_bias,
-    scale, mid, lower_bound, T,
+    q, k, g, beta, Gbuf, Abuf, Aqk,
+    scale, mid, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BOUNDED: tl.constexpr, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr, GATE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    BOUNDED: tl.constexpr, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Scores, ``(I + A_kk)^-1`` and G of one chunk (grid ``[NT, B*H]``), one ``BC``-row sub-tile
     row ``I`` after the other on ``[BC, BK]`` / ``[BC, BC]`` tiles (``C // BC`` = 1, 2 or 4).
@@ -456,7 +435,6 @@ def _kda_fwd_kkt(
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
     q, k, g, Gbuf, beta, Abuf, Aqk = _kkt_ptrs(q, k, g, Gbuf, beta, Abuf, Aqk, i_c, i_bh, T, H, K, C)
-    ga, gb = _gate_args(A_log, dt_bias, i_bh, H, K, GATE)
     SK: tl.constexpr = H * K
     SA: tl.constexpr = H * C
     rc = tl.arange(0, BC)
@@ -475,7 +453,7 @@ def _kda_fwd_kkt(
                 off = tl.zeros([BK], dtype=tl.float32)
             else:
                 off = tl.load(Gbuf + (si * BC - 1) * SK + cols)
-            GI, _ = _sub_G(g, off, rI, cols, SK, ga, gb, lower_bound, GATE, HAS_BIAS)
+            GI, _ = _sub_G(g, off, rI, cols, SK)
             tl.store(Gbuf + pI, GI)
             xI = tl.load(q + pI).to(tl.float32)
             yI = tl.load(k + pI).to(tl.float32)
@@ -525,11 +503,10 @@ def _kda_fwd_kkt(
 
 @triton.jit
 def _kda_fwd_kkt_row(
-    q, k, g, beta, Gbuf, Abuf, Aqk, A_log, dt_bias,
-    scale, mid, lower_bound, T,
+    q, k, g, beta, Gbuf, Abuf, Aqk,
+    scale, mid, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BOUNDED: tl.constexpr, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr, GATE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, G_IN: tl.constexpr = False,
+    BOUNDED: tl.constexpr, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr, G_IN: tl.constexpr = False,
 ):
     """One ``BC``-row sub-tile row ``si`` of a chunk (grid ``[NT * C // BC, B*H]``): G_si into
     ``Gbuf``, row si of ``Aqk``, the diagonal block ``Tm_ii = (I + A_ii)^-1`` and, as scratch for
@@ -537,15 +514,14 @@ def _kda_fwd_kkt_row(
 
     The rows of a chunk run in parallel programs: a row recomputes the G of its partner sub-tiles
     from g (the chunk's earlier g rows, read twice from cache) instead of waiting for them.
-    ``G_IN``: ``g`` already holds G (``triton_prep.prep_fwd_chunked``): no cumsum, no gate, and
-    ``Gbuf`` is not written. Factors as in ``_kda_fwd_kkt`` (reference: G just before sub-tile si)."""
+    ``G_IN``: ``g`` already holds G (``triton_prep.prep_fwd_chunked``): no cumsum, and ``Gbuf`` is
+    not written. Factors as in ``_kda_fwd_kkt`` (reference: G just before sub-tile si)."""
     NC: tl.constexpr = C // BC
     i_ci = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_c = i_ci // NC
     si = i_ci % NC
     q, k, g, Gbuf, beta, Abuf, Aqk = _kkt_ptrs(q, k, g, Gbuf, beta, Abuf, Aqk, i_c, i_bh, T, H, K, C)
-    ga, gb = _gate_args(A_log, dt_bias, i_bh, H, K, GATE)
     SK: tl.constexpr = H * K
     SA: tl.constexpr = H * C
     rc = tl.arange(0, BC)
@@ -564,9 +540,9 @@ def _kda_fwd_kkt_row(
         else:
             off = tl.zeros([BK], dtype=tl.float32)
             for J in range(si):
-                off += tl.sum(_g_tile(g, J * BC + rc, cols, SK, ga, gb, lower_bound, GATE, HAS_BIAS), axis=0)
+                off += tl.sum(_g_tile(g, J * BC + rc, cols, SK), axis=0)
             off = off * 1.4426950408889634
-            GI, _ = _sub_G(g, off, rI, cols, SK, ga, gb, lower_bound, GATE, HAS_BIAS)
+            GI, _ = _sub_G(g, off, rI, cols, SK)
             tl.store(Gbuf + pI, GI)
         xI = tl.load(q + pI).to(tl.float32)
         yI = tl.load(k + pI).to(tl.float32)
@@ -581,7 +557,7 @@ def _kda_fwd_kkt_row(
                 if G_IN:
                     GJ = tl.load(g + pJ)
                 else:
-                    GJ, offJ = _sub_G(g, offJ, J * BC + rc, cols, SK, ga, gb, lower_bound, GATE, HAS_BIAS)
+                    GJ, offJ = _sub_G(g, offJ, J * BC + rc, cols, SK)
                 yJ = tl.load(k + pJ).to(tl.float32)
                 if J == 0:
                     q0, k0 = _pair(q0, k0, qf, kf, yJ, GJ, off, SCORE_BF16, IEEE)
@@ -605,65 +581,6 @@ def _kda_fwd_kkt_row(
         if J > si:
             _st(Aqk, rI, J * BC + rc, zt, SA)
             _st(Abuf, rI, J * BC + rc, zt, SA)
-    TII = _tri_inv_mem(tl.where(rc[:, None] > rc[None, :], dk * bI[:, None], 0.0), Abuf + si * BC * SA + si * BC,
-                       rc, SA, BC)
-    _st(Abuf, rI, rI, TII, SA)
-
-
-@triton.jit
-def _kda_fwd_kkt_strip(
-    q, k, g, beta, Gbuf, Abuf, Aqk, A_log, dt_bias,
-    scale, mid, lower_bound, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BOUNDED: tl.constexpr, SCORE_BF16: tl.constexpr, IEEE: tl.constexpr, GATE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-):
-    """``_kda_fwd_kkt_row``'s outputs (grid ``[NT * C // BC, B*H]``, one ``BC``-row sub-tile row
-    ``si`` per program), with the off-diagonal pairs of the row as one strip product per K-block:
-    ``[BC, BK] x [BK, C]`` against the whole chunk's partner factor ``k_J e^{off - G_J}``, zeroed
-    for rows ``J >= si * BC`` (exponent -inf there, so no overflow), instead of one ``[BC, BK] x
-    [BK, BC]`` product, one G recomputation and one layout change per partner sub-tile. G of the
-    chunk is one cumsum over ``[C, BK]``; the diagonal pair is as in ``_diag``."""
-    NC: tl.constexpr = C // BC
-    i_ci = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_c = i_ci // NC
-    si = i_ci % NC
-    q, k, g, Gbuf, beta, Abuf, Aqk = _kkt_ptrs(q, k, g, Gbuf, beta, Abuf, Aqk, i_c, i_bh, T, H, K, C)
-    ga, gb = _gate_args(A_log, dt_bias, i_bh, H, K, GATE)
-    SK: tl.constexpr = H * K
-    SA: tl.constexpr = H * C
-    rc = tl.arange(0, BC)
-    ra = tl.arange(0, C)
-    rI = si * BC + rc
-    before = ra < si * BC  # partner rows: the sub-tiles left of the diagonal one
-    dq = tl.zeros([BC, BC], dtype=tl.float32)
-    dk = tl.zeros([BC, BC], dtype=tl.float32)
-    sq = tl.zeros([BC, C], dtype=tl.float32)
-    sk = tl.zeros([BC, C], dtype=tl.float32)
-    for kb in range(K // BK):
-        cols = kb * BK + tl.arange(0, BK)
-        ga_c = _g_tile(g, ra, cols, SK, ga, gb, lower_bound, GATE, HAS_BIAS) * 1.4426950408889634
-        Gc = tl.cumsum(ga_c, axis=0)  # [C, BK] G of the chunk, log2 units
-        off = tl.sum(tl.where(before[:, None], ga_c, 0.0), axis=0)  # G just before sub-tile si
-        GI, _ = _sub_G(g, off, rI, cols, SK, ga, gb, lower_bound, GATE, HAS_BIAS)
-        pI = rI[:, None] * SK + cols[None, :]
-        tl.store(Gbuf + pI, GI)
-        xI = tl.load(q + pI).to(tl.float32)
-        yI = tl.load(k + pI).to(tl.float32)
-        dq, dk = _diag(dq, dk, xI, yI, GI, off, mid, BOUNDED, SCORE_BF16, IEEE, BC)
-        f = tl.exp2(GI - off[None, :])
-        kc = tl.load(k + ra[:, None] * SK + cols[None, :]).to(tl.float32)
-        part = kc * tl.exp2(tl.where(before[:, None], off[None, :] - Gc, float("-inf")))
-        kT = tl.trans(_cast(part, SCORE_BF16))
-        sq += _dot(_cast(xI * f, SCORE_BF16), kT, IEEE)
-        sk += _dot(_cast(yI * f, SCORE_BF16), kT, IEEE)
-    bI = tl.load(beta + rI * H).to(tl.float32)
-    off_diag = (ra < si * BC) | (ra >= si * BC + BC)  # the strip's columns outside the diagonal block
-    m = off_diag[None, :] & (rc >= 0)[:, None]
-    tl.store(Aqk + rI[:, None] * SA + ra[None, :], (sq * scale).to(Aqk.dtype.element_ty), mask=m)
-    tl.store(Abuf + rI[:, None] * SA + ra[None, :], sk * bI[:, None], mask=m)
-    _st(Aqk, rI, rI, tl.where(rc[:, None] >= rc[None, :], dq * scale, 0.0), SA)
     TII = _tri_inv_mem(tl.where(rc[:, None] > rc[None, :], dk * bI[:, None], 0.0), Abuf + si * BC * SA + si * BC,
                        rc, SA, BC)
     _st(Abuf, rI, rI, TII, SA)

@@ -136,10 +136,8 @@ def _prep_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     L2NORM: tl.constexpr,
-    STORE_G: tl.constexpr = True,
 ):
-    """One program: rows ``[row0, row0 + BR)`` of the ``[n_rows, K]`` views of q, k, z (row = (b, t, h)).
-    ``STORE_G=False``: q and k only (a consumer computes the gate itself)."""
+    """One program: rows ``[row0, row0 + BR)`` of the ``[n_rows, K]`` views of q, k, z (row = (b, t, h))."""
     row0 = tl.program_id(0).to(tl.int64) * BR
     base = row0 * K  # int64: B*T*H*K may pass 2^31; offsets inside the tile stay int32
     r = tl.arange(0, BR)
@@ -152,15 +150,14 @@ def _prep_fwd_kernel(
     x = tl.load(k + base + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(kn + base + offs, _qk_fwd(x, eps, SILU, L2NORM).to(kn.dtype.element_ty), mask=mask)
 
-    if STORE_G:
-        x = tl.load(z + base + offs, mask=mask, other=0.0).to(tl.float32)
-        if GATE != 0:
-            h = ((row0 % H).to(tl.int32) + r) % H
-            a = tl.exp(tl.load(A_log + h).to(tl.float32))[:, None]
-            if HAS_BIAS:
-                x += tl.load(dt_bias + h[:, None] * K + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            x = _gate(x, a, lower_bound, GATE)
-        tl.store(g + base + offs, x, mask=mask)
+    x = tl.load(z + base + offs, mask=mask, other=0.0).to(tl.float32)
+    if GATE != 0:
+        h = ((row0 % H).to(tl.int32) + r) % H
+        a = tl.exp(tl.load(A_log + h).to(tl.float32))[:, None]
+        if HAS_BIAS:
+            x += tl.load(dt_bias + h[:, None] * K + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = _gate(x, a, lower_bound, GATE)
+    tl.store(g + base + offs, x, mask=mask)
 
 
 @triton.jit
@@ -363,8 +360,7 @@ def prep_fwd(
     silu_qk: bool,
     l2norm_qk: bool,
     eps: float = 1e-6,
-    store_g: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward prep in one kernel launch (no autograd).
 
     Args:
@@ -379,16 +375,15 @@ def prep_fwd(
         silu_qk: apply SiLU to q and k first.
         l2norm_qk: L2-normalize each ``(b, t, h)`` row of K channels: ``x / max(||x||, eps)``.
         eps: the norm's floor.
-        store_g: False: only qn and kn (g is None), for a consumer that applies the gate itself.
 
     Returns:
         ``qn``, ``kn`` ``[B, T, H, K]`` in q's dtype and ``g`` ``[B, T, H, K]`` fp32, the
-        per-channel log decay (natural log, <= 0 for both gates), or None.
+        per-channel log decay (natural log, <= 0 for both gates).
     """
     _check(q, k, z, A_log, dt_bias, gate, lower_bound, eps)
     q, k, z = q.contiguous(), k.contiguous(), z.contiguous()
     qn, kn = torch.empty_like(q), torch.empty_like(k)
-    g = torch.empty(q.shape if store_g else (1,), device=q.device, dtype=torch.float32)
+    g = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     grid, scalars, const = _launch_args(q, gate, lower_bound, silu_qk, l2norm_qk, eps, _FWD_ELEMS)
     _prep_fwd_kernel[grid](
         q,
@@ -402,10 +397,9 @@ def prep_fwd(
         *scalars,
         **const,
         HAS_BIAS=dt_bias is not None,
-        STORE_G=store_g,
         num_warps=_NUM_WARPS,
     )
-    return qn, kn, (g if store_g else None)
+    return qn, kn, g
 
 
 def prep_fwd_chunked(
