@@ -113,8 +113,10 @@ def main() -> int:
                 consts = dict(consts, **{block: min(size, args.K)})
             tag = "" if bounded is None else (" bounded" if bounded else " general")
             blk = f"{block}={consts[block]}" if block is not None else "all-K"
-            print(f"{name:6s}{tag:9s} {blk} warps={warps} stages={stages}: "
-                  f"{compile_one(kernel, consts, warps, stages)}", flush=True)
+            cap = tc.MAXNREG.get(name)  # the launch's register cap, as the real launch applies it
+            capped = f" maxnreg={cap}" if cap else ""
+            print(f"{name:6s}{tag:9s} {blk} warps={warps} stages={stages}{capped}: "
+                  f"{compile_one(kernel, consts, warps, stages, maxnreg=cap)}", flush=True)
     return 0
 
 
