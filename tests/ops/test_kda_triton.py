@@ -100,6 +100,21 @@ def _runs_by_tuning(monkeypatch, key, values, ins, s0, do, dS, mode):
     return runs
 
 
+def _paths_agree(monkeypatch, key, paths, pair, mode, seed):
+    """Every value of ``TUNING[key]`` close to the reference at B2 T150 (a padded last chunk), the
+    two of ``pair`` equal up to fp32 rounding (o 1e-5, gradients 3e-5), a bogus value refused."""
+    ins, s0, do, dS = _inputs(2, 150, 2, 32, 16, torch.float32, seed=seed)
+    runs = _runs_by_tuning(monkeypatch, key, paths, ins, s0, do, dS, mode)
+    ref = _reference(ins, s0, do, dS)
+    for path in paths:
+        _compare(ref, runs[path])
+    a, b = pair
+    assert_close(runs[a][0], runs[b][0], 1e-5, f"o {a} vs {b}")
+    for x, y in zip(runs[a][2], runs[b][2]):
+        assert_close(x, y, 3e-5, f"grad {a} vs {b}")
+    _refuses_bogus(monkeypatch, key, ins, s0, do, dS, mode)
+
+
 def _refuses_bogus(monkeypatch, key, ins, s0, do, dS, mode):
     """An unknown ``TUNING[key]`` value raises a ValueError naming it."""
     from moelab.ops.kda import triton_chunk as tc
@@ -162,15 +177,7 @@ def test_kkt_paths_agree(monkeypatch, mode):
     both close to the reference; a bad path name is refused."""
     from moelab.ops.kda import triton_chunk as tc
 
-    ins, s0, do, dS = _inputs(2, 150, 2, 32, 16, torch.float32, seed=19)
-    runs = _runs_by_tuning(monkeypatch, "kkt", tc.KKT_PATHS, ins, s0, do, dS, mode)
-    ref = _reference(ins, s0, do, dS)
-    for path in tc.KKT_PATHS:
-        _compare(ref, runs[path])
-    assert_close(runs["rows"][0], runs["parallel"][0], 1e-5, "o rows vs parallel")
-    for a, b in zip(runs["rows"][2], runs["parallel"][2]):
-        assert_close(a, b, 3e-5, "grad rows vs parallel")
-    _refuses_bogus(monkeypatch, "kkt", ins, s0, do, dS, mode)
+    _paths_agree(monkeypatch, "kkt", tc.KKT_PATHS, ("rows", "parallel"), mode, seed=19)
 
 
 @pytest.mark.parametrize("mode", ["bounded", "general"])
@@ -180,15 +187,7 @@ def test_cumsum_paths_agree(monkeypatch, mode):
     pads the last chunk); a bad value is refused."""
     from moelab.ops.kda import triton_chunk as tc
 
-    ins, s0, do, dS = _inputs(2, 150, 2, 32, 16, torch.float32, seed=23)
-    ref = _reference(ins, s0, do, dS)
-    runs = _runs_by_tuning(monkeypatch, "cumsum", tc.CUMSUM_PATHS, ins, s0, do, dS, mode)
-    for path in tc.CUMSUM_PATHS:
-        _compare(ref, runs[path])
-    assert_close(runs["prep"][0], runs["kernel"][0], 1e-5, "o")
-    for a, b in zip(runs["prep"][2], runs["kernel"][2]):
-        assert_close(a, b, 3e-5, "grad")
-    _refuses_bogus(monkeypatch, "cumsum", ins, s0, do, dS, mode)
+    _paths_agree(monkeypatch, "cumsum", tc.CUMSUM_PATHS, ("prep", "kernel"), mode, seed=23)
 
 
 @pytest.mark.parametrize("mode, want", [("bounded", True), ("general", False)])
