@@ -102,14 +102,15 @@ def moelab_row(impl: str, preset: str, overrides: dict, warmup: int, steps: int,
     if check_grads:
         x = torch.randint(0, cfg.model.vocab_size, (B, T), device="cuda")
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(x, x)
+            out = model(x, x, return_logits=False)
         (out.loss + out.aux_loss).backward()
         bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
         no_grad = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
         row.update(first_loss=float(out.loss), loss_finite=bool(torch.isfinite(out.loss)), nonfinite_grads=bad,
                    params_without_grad=no_grad)
         model.zero_grad(set_to_none=True)
-    res = time_training(model, lambda m, x: m(x, x).loss, B, T, cfg.model.vocab_size, warmup, steps)
+    res = time_training(model, lambda m, x: m(x, x, return_logits=False).loss, B, T, cfg.model.vocab_size, warmup,
+                        steps)
     row.update(res)
     _save_profile(row)
     row["mfu"] = 6 * n_params * res["tok_per_s"] / ANCHOR_PEAK

@@ -27,6 +27,7 @@ from moelab.model.config import ModelConfig
 from moelab.model.kda import KDALayer, KDAState
 from moelab.model.mla import MLA
 from moelab.model.moe import LatentMoE
+from moelab.ops.linear_ce import linear_cross_entropy
 
 
 @dataclass
@@ -48,7 +49,8 @@ class ModelOutput:
     """What ``MoELab.forward`` returns.
 
     Attributes:
-        logits: ``[B, T, vocab]`` in the compute dtype.
+        logits: ``[B, T, vocab]`` in the compute dtype; None for a forward with targets and
+            ``return_logits=False`` (the loss then comes from ``linear_cross_entropy``).
         loss: mean next-token cross-entropy (fp32) over targets != -100, or None without targets.
         aux_loss: scalar, the sum of the MoE layers' auxiliary terms (zero without MoE / balancer).
         router_stats: one ``RouterStats`` per MoE layer, in layer order.
@@ -60,7 +62,7 @@ class ModelOutput:
             ``g_mean`` (per KDA layer, of the log decay).
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     router_stats: list = field(default_factory=list)
@@ -158,6 +160,7 @@ class MoELab(nn.Module):
         state: ModelState | None = None,
         use_cache: bool = False,
         return_diagnostics: bool = False,
+        return_logits: bool = True,
     ) -> ModelOutput:
         """Logits (and loss) for ``input_ids [B, T]`` long.
 
@@ -168,6 +171,8 @@ class MoELab(nn.Module):
                 ``use_cache=True``); None: the sequences start here.
             use_cache: return the state after the last token (for chunked prefill / decoding).
             return_diagnostics: fill ``ModelOutput.diagnostics`` (detached, cheap reductions).
+            return_logits: False (with targets): the loss without the ``[B, T, vocab]`` logits,
+                chunk by chunk (``moelab.ops.linear_ce``; what training uses), and ``logits=None``.
         """
         past = state.seq_len if state is not None else 0
         self._check(input_ids, targets, past)
@@ -192,10 +197,14 @@ class MoELab(nn.Module):
             else:
                 out = layer.ffn(h)
             stream.write(2 * i + 1, out)
-        logits = self.lm_head(self.norm(stream.read_final()))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        h = self.norm(stream.read_final())
+        logits = loss = None
+        if targets is not None and not return_logits:
+            loss = linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), ignore_index=-100)
+        else:
+            logits = self.lm_head(h)
+            if targets is not None:
+                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
         diagnostics = stream.diagnostics()
         if diagnostics is not None:
             kda_layers = [layer.mixer for layer in self.layers if layer.kind == "kda"]

@@ -109,6 +109,26 @@ def test_loss_matches_cross_entropy_and_ignores_minus_100() -> None:
     assert m(ids).loss is None
 
 
+def test_loss_without_logits_matches() -> None:
+    """``return_logits=False`` (what training uses): the same loss and parameter gradients from the
+    chunked linear cross-entropy, and no logits."""
+    ids = torch.randint(0, 50, (2, 10))
+    targets = torch.randint(0, 50, (2, 10))
+    targets[1, 6:] = -100
+    runs = []
+    for return_logits in (True, False):
+        m = model()
+        out = m(ids, targets, return_logits=return_logits)
+        out.loss.backward()
+        assert (out.logits is None) != return_logits
+        runs.append((out.loss, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (l_ref, g_ref), (l_out, g_out) = runs
+    assert abs(l_out.item() - l_ref.item()) <= 1e-5 * abs(l_ref.item())
+    assert g_ref.keys() == g_out.keys()
+    for name in g_ref:
+        assert_close(g_ref[name], g_out[name], 1e-5, name)
+
+
 def test_aux_loss_and_router_stats() -> None:
     m = model(dense_layers=1)  # 3 MoE layers
     ids = torch.randint(0, 50, (2, 6))
