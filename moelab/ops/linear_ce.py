@@ -46,11 +46,14 @@ class _LinearCE(torch.autograd.Function):
             loss += torch.where(kp, lse - logits.gather(1, safe)[:, 0], 0.0).sum()
             if not grads:  # evaluation: the loss only
                 continue
-            grad = torch.softmax(logits, dim=-1)  # d(loss_sum)/d(logits) = softmax - onehot
-            grad.scatter_add_(1, safe, torch.full_like(safe, -1.0, dtype=grad.dtype))
-            grad = (grad * (kp.to(grad.dtype) * inv)[:, None]).to(dt)
-            dh[s:e] = grad @ wc
-            dw += (grad.t() @ hc[s:e]).float()
+            # d(loss_sum)/d(logits) = softmax - onehot, formed in place in the logits' buffer; the
+            # 1/n and the ignore mask scale rows, so they go on the small [c, d] sides instead
+            grad = logits.sub_(lse[:, None]).exp_()
+            grad.scatter_add_(1, safe, torch.full(safe.shape, -1.0, device=grad.device))
+            grad = grad.to(dt)
+            row = (kp.to(torch.float32) * inv)[:, None]  # [c, 1]
+            dh[s:e] = ((grad @ wc).float() * row).to(dt)
+            dw += (grad.t() @ (hc[s:e].float() * row).to(dt)).float()
         ctx.save_for_backward(dh, dw)  # None, None without grads
         ctx.dtypes = (h.dtype, weight.dtype)
         return loss / n.to(torch.float32)
