@@ -55,7 +55,7 @@ class LitMoELab(L.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         # the loss without the [B, T, vocab] logits (moelab.ops.linear_ce): the fla-shape model at B8
-        # T4096 peaked at 33.0 instead of 42.6 GB on the H200, and stepped faster (README.md, Results)
+        # T4096 peaked at 33.0 instead of 42.6 GB on the H200, and stepped faster (README.md, "Measured so far")
         out = self.model(batch["input_ids"], batch["targets"], return_logits=False)
         loss = out.loss + out.aux_loss
         self.step_scalars = {"train/loss": loss.detach(), "train/ce": out.loss.detach(),
