@@ -32,8 +32,9 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from moelab.base import ConfigError, _check, _one_of
 from moelab.data.config import DataConfig, resolve_path
-from moelab.model.config import ConfigError, ModelConfig, _check, _one_of
+from moelab.model.config import ModelConfig
 from moelab.utils import flatten_dict
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
@@ -267,6 +268,17 @@ def _apply_overrides(raw: dict[str, Any], overrides: Sequence[str] | Mapping[str
 
 T = typing.TypeVar("T")
 
+# Settings that were removed or renamed: a config that still has one fails with this pointer
+# (instead of "unknown key"), so an old preset or --set line says what to write now.
+RETIRED = {
+    "model.kda.subtile": "removed (it never reached the kernels, whose diagonal sub-tile is fixed at "
+                         "moelab.ops.kda.bounds.SUBTILE = 16 tokens); delete the key",
+    "model.kda.precision": "removed (it only fed the g_min check, which now uses the kernels' own fp32 bound "
+                           "moelab.ops.kda.bounds.G_MIN_FLOOR); delete the key",
+    "model.moe.fused": "renamed to model.moe.backend: 'auto' (Triton on CUDA), 'triton' or 'torch' "
+                       "(LatentMoE.set_fused is gone too)",
+}
+
 
 def build(cls: type[T], raw: Any, prefix: str = "") -> T:
     """Construct dataclass ``cls`` from mapping ``raw``, checking each value against its annotation.
@@ -283,6 +295,8 @@ def build(cls: type[T], raw: Any, prefix: str = "") -> T:
     for key, value in raw.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
+            if dotted in RETIRED:
+                raise ConfigError(f"{dotted}={value!r} is no longer a setting: {RETIRED[dotted]}")
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{dotted}={value!r} is not allowed: unknown key{hint}; "

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from moelab.data.config import repo_root
+from moelab.base import repo_root
 
 PARENT_ENV = "MOELAB_PARENT_RUN_ID"
 PARENT_TAG = "mlflow.parentRunId"  # the tag MLflow's UI nests runs by

@@ -5,7 +5,8 @@ streams; ``TextDataModule`` serves them as ``[B, T]`` windows that resume exactl
 is imported lazily so that corpus preparation does not pull in Lightning.
 """
 
-from moelab.data.config import DataConfig, repo_root, resolve_path
+from moelab.base import repo_root
+from moelab.data.config import DataConfig, resolve_path
 from moelab.data.corpus import PreparedCorpus, prepare
 from moelab.data.tokenizer import Tokenizer, load_tokenizer
 

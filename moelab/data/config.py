@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from moelab.model.config import ConfigError, _check, _one_of
+from moelab.base import ConfigError, _check, _one_of, repo_root
 
 Source = Literal["shakespeare", "files", "hf"]
 TokenizerKind = Literal["bpe", "byte"]
@@ -23,14 +23,6 @@ BYTE_VOCAB = 256
 MIN_BPE_VOCAB = BYTE_VOCAB + 1
 # Ids above 2**31 would not fit the int32 token stream.
 MAX_BPE_VOCAB = 2**31 - 1
-
-
-def repo_root() -> Path:
-    """The checkout root: ``$MOELAB_ROOT`` if set, else the parent of the ``moelab`` package dir."""
-    env = os.environ.get("MOELAB_ROOT")
-    if env:
-        return Path(env).expanduser().resolve()
-    return Path(__file__).resolve().parents[2]
 
 
 def resolve_path(path: str | os.PathLike) -> Path:

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-from moelab.data.config import DataConfig, repo_root, resolve_path
+from moelab.base import ConfigError, repo_root
+from moelab.data.config import DataConfig, resolve_path
 from moelab.data.tokenizer import EOS_ID, ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
-from moelab.model.config import ConfigError
 from moelab.utils import write_json
 
 FORMAT_VERSION = 1

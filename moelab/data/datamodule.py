@@ -30,10 +30,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from moelab.base import ConfigError, _check
 from moelab.data.config import DataConfig
 from moelab.data.corpus import PreparedCorpus, prepare
 from moelab.data.tokenizer import Tokenizer
-from moelab.model.config import ConfigError, _check
 
 
 def window_offset(seed: int, index: int, n_starts: int) -> int:

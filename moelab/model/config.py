@@ -11,38 +11,23 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from moelab.base import ConfigError, _check, _one_of
+from moelab.ops.backend import BACKENDS
+from moelab.ops.kda.bounds import G_MIN_FLOOR, SUBTILE
+
+__all__ = ["ConfigError", "KDAConfig", "MLAConfig", "ModelConfig", "MoEConfig", "ResidualConfig"]
+
 KDAGate = Literal["bounded", "softplus"]
-KDABackend = Literal["auto", "recurrent", "chunk", "triton"]
 ResidualMode = Literal["prenorm", "full_attnres", "block_attnres"]
 Activation = Literal["situ_glu", "swiglu"]
 Dispatch = Literal["auto", "grouped", "loop"]
-
-# Largest |exponent| exp() may take before overflow, per dtype (ln of the dtype's max).
-EXP_LIMIT = {"bf16": math.log(3.3895e38), "fp32": math.log(3.4028e38), "fp16": math.log(65504.0)}
-
-
-class ConfigError(ValueError):
-    """A configuration value is out of its allowed range; the message names field and range."""
-
-
-def _check(ok: bool, name: str, value: object, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{name}={value!r} is not allowed: expected {allowed}")
-
-
-def _one_of(name: str, value: object, choices: tuple) -> None:
-    _check(value in choices, name, value, "one of " + ", ".join(map(repr, choices)))
-
-
-def max_safe_g_min(dtype: str, subtile: int) -> float:
-    """Most negative per-token log decay the factored diagonal-tile GEMM can hold.
-
-    With a midpoint shift over a ``subtile``-token tile, exponents reach ``|g_min| * subtile / 2``;
-    they must stay below ``EXP_LIMIT[dtype]``. bf16 with 16-token tiles gives about -11.1 in
-    theory; we keep a factor-2 margin (products of two such factors must not overflow either),
-    so the practical bound is ``-EXP_LIMIT / subtile`` (about -5.5 for bf16/fp32 at 16).
-    """
-    return -EXP_LIMIT[dtype] / subtile
+# Which implementation runs a piece: every such choice is a ``*backend`` field with this vocabulary.
+# "auto": Triton on a CUDA tensor, PyTorch otherwise; "triton": the Triton kernels (also on CPU
+# under TRITON_INTERPRET=1); "torch": plain PyTorch. KDA names its two PyTorch algorithms instead
+# of "torch": "chunk" (chunkwise) and "recurrent" (token by token, the reference).
+Backend = Literal["auto", "triton", "torch"]
+KDABackend = Literal["auto", "triton", "chunk", "recurrent"]
+KDA_BACKENDS = ("auto", "triton", "chunk", "recurrent")
 
 
 @dataclass
@@ -57,38 +42,31 @@ class KDAConfig:
     head_dim: int = 64  # K = V = head_dim
     conv_size: int = 4  # causal depthwise ShortConv kernel on q, k, v
     # triton: moelab.ops.short_conv (one pass, fused SiLU on v); auto: triton on CUDA tensors
-    conv_backend: Literal["auto", "torch", "triton"] = "auto"
+    conv_backend: Backend = "auto"
     decay_rank: int = 16  # low-rank W_up W_down for the decay logit z
     gate: KDAGate = "bounded"  # bounded: g = g_min*sigmoid(exp(A) z); softplus: g = -exp(A)*softplus(z)
-    g_min: float = -5.0
+    g_min: float = -5.0  # the bounded gate's floor (unused by softplus)
     backend: KDABackend = "auto"  # auto: triton on a CUDA device, else chunk
     chunk_size: int = 64
-    subtile: int = 16  # diagonal sub-tile of the bounded fast path
-    precision: Literal["bf16", "fp32", "fp16"] = "bf16"  # precision the fast path must hold g_min in
 
     def validate(self, prefix: str = "kda") -> None:
         _check(self.num_heads >= 1, f"{prefix}.num_heads", self.num_heads, "an integer >= 1")
         _check(1 <= self.head_dim <= 256, f"{prefix}.head_dim", self.head_dim, "1..256")
         _check(self.conv_size >= 1, f"{prefix}.conv_size", self.conv_size, "an integer >= 1")
-        _one_of(f"{prefix}.conv_backend", self.conv_backend, ("auto", "torch", "triton"))
+        _one_of(f"{prefix}.conv_backend", self.conv_backend, BACKENDS)
         _check(self.decay_rank >= 1, f"{prefix}.decay_rank", self.decay_rank, "an integer >= 1")
         _one_of(f"{prefix}.gate", self.gate, ("bounded", "softplus"))
-        _one_of(f"{prefix}.backend", self.backend, ("auto", "recurrent", "chunk", "triton"))
-        _one_of(f"{prefix}.precision", self.precision, ("bf16", "fp32", "fp16"))
+        _one_of(f"{prefix}.backend", self.backend, KDA_BACKENDS)
         _check(self.chunk_size in (16, 32, 64, 128), f"{prefix}.chunk_size", self.chunk_size, "16, 32, 64 or 128")
         if self.backend in ("auto", "triton"):  # auto takes the Triton op on a GPU
             _check(self.chunk_size <= 64, f"{prefix}.chunk_size", self.chunk_size,
                    f"16, 32 or 64 with backend={self.backend!r} (the Triton op's chunks; 128 needs backend='chunk')")
-        _check(self.subtile in (16, 32) and self.subtile <= self.chunk_size, f"{prefix}.subtile", self.subtile,
-               "16 or 32, and <= chunk_size")
         if self.gate == "bounded":
             _check(self.g_min < 0, f"{prefix}.g_min", self.g_min, "a negative number")
             if self.backend in ("auto", "triton"):
-                floor = max_safe_g_min(self.precision, self.subtile)
-                _check(self.g_min >= floor, f"{prefix}.g_min", self.g_min,
-                       f">= {floor:.2f}: the bounded fast path computes exp(-G) over {self.subtile}-token "
-                       f"{self.precision} tiles and would overflow below that (use gate='softplus', "
-                       f"a smaller subtile, or backend='chunk')")
+                _check(self.g_min >= G_MIN_FLOOR, f"{prefix}.g_min", self.g_min,
+                       f">= {G_MIN_FLOOR:.2f}: the bounded fast path computes exp(-G) over {SUBTILE}-token "
+                       f"tiles and would overflow below that (use gate='softplus' or backend='chunk')")
 
 
 @dataclass
@@ -131,6 +109,9 @@ class MoEConfig:
     situ_beta1: float = 4.0
     situ_beta2: float = 25.0
     dispatch: Dispatch = "auto"  # grouped: torch grouped GEMM; loop: per-expert loop (reference)
+    # router logits + top-k, dispatch / combine (+ latent RMSNorm) and the GLU activations of every
+    # FFN (the dense ones too): "triton" fuses them (moelab.ops.moe, moelab.ops.glu); same function
+    backend: Backend = "auto"
     router_dtype: Literal["fp32"] = "fp32"
 
     def validate(self, prefix: str = "moe") -> None:
@@ -143,6 +124,7 @@ class MoEConfig:
         _check(self.shared_dim >= 0, f"{prefix}.shared_dim", self.shared_dim, "an integer >= 0")
         _one_of(f"{prefix}.activation", self.activation, ("situ_glu", "swiglu"))
         _one_of(f"{prefix}.dispatch", self.dispatch, ("auto", "grouped", "loop"))
+        _one_of(f"{prefix}.backend", self.backend, BACKENDS)
         _check(self.situ_beta1 > 0, f"{prefix}.situ_beta1", self.situ_beta1, "a positive number")
         _check(self.situ_beta2 > 0, f"{prefix}.situ_beta2", self.situ_beta2, "a positive number")
 

@@ -6,7 +6,7 @@
     z    = W_up W_down x + b                                                   per channel of each head
     g    = g_min * Sigmoid(exp(A_h) z)        (gate="bounded", K3; g in (g_min, 0))
          = -exp(A_h) * Softplus(z)            (gate="softplus", Kimi Linear; g in (-inf, 0))
-    o    = KDA(q, k, v, g, beta)               moelab.ops.kda
+    o    = KDA(q, k, v, g, beta)               moelab.ops.kda.kda, which also runs the L2 norms and the gate
     y    = W_o [ Sigmoid(W_g x) * RMSNorm(o) ]  RMSNorm per head
 
 The layer carries a :class:`KDAState` (recurrent state + ShortConv tails) so that a prefill in
@@ -22,9 +22,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moelab.model.attnres import RMSNorm
 from moelab.model.config import KDAConfig
-from moelab.ops.kda import kda
+from moelab.model.norm import RMSNorm
+from moelab.ops.backend import use_triton
+from moelab.ops.kda import kda, naive_kda_gate
 
 
 @dataclass
@@ -45,8 +46,8 @@ class ShortConv(nn.Module):
     """Causal depthwise 1-D convolution over time, kernel ``size``, no bias.
 
     Input ``[B, T, C]``; the ``size - 1`` inputs before the first token come from ``tail``
-    (zeros when None), so chunked calls chain exactly. ``backend="triton"`` (``"auto"``: on CUDA
-    tensors; torch otherwise): a call without a
+    (zeros when None), so chunked calls chain exactly. ``backend`` ("auto" | "triton" | "torch",
+    ``KDAConfig.conv_backend``; "auto": Triton on CUDA tensors): with Triton, a call without a
     tail (training, the first prefill) runs ``moelab.ops.short_conv.causal_conv1d`` (one pass in
     the ``[B, T, C]`` layout, optional fused SiLU); calls with a tail take the torch path.
     """
@@ -66,8 +67,7 @@ class ShortConv(nn.Module):
         """``x [B, T, C]`` -> ``(y [B, T, C], new_tail [B, size-1, C])``; ``activation``: None or
         ``"silu"`` applied to y (the tail holds inputs, not outputs)."""
         B, T, C = x.shape
-        fast = self.backend == "triton" or (self.backend == "auto" and x.is_cuda)
-        if fast and tail is None and T > 0:
+        if use_triton(self.backend, x) and tail is None and T > 0:
             from moelab.ops.short_conv import causal_conv1d
 
             y = causal_conv1d(x, self.weight[:, 0, :], activation)
@@ -86,9 +86,9 @@ class ShortConv(nn.Module):
 class KDALayer(nn.Module):
     """Kimi Delta Attention token mixer, ``[B, T, D] -> [B, T, D]``.
 
-    With ``record_decay = True`` (the model sets it for a forward with ``return_diagnostics``),
-    ``last_g_min`` and ``last_g_mean`` give scalar tensors of the log decay of the last forward
-    (detached; None otherwise).
+    The op (``moelab.ops.kda.kda``) gets the raw q, k and gate input and the gate's parameters;
+    ``cfg.backend`` picks its implementation. ``log_decay`` / ``decay_stats`` recompute the decay
+    for diagnostics.
     """
 
     def __init__(self, d_model: int, cfg: KDAConfig, norm_eps: float = 1e-6) -> None:
@@ -109,12 +109,7 @@ class KDALayer(nn.Module):
         self.g_proj = nn.Linear(d_model, H * Dh, bias=False)
         self.o_norm = RMSNorm(Dh, eps=norm_eps)
         self.o_proj = nn.Linear(H * Dh, d_model, bias=False)
-        # With ``record_decay`` the forward keeps its gate input (detached) so that ``last_g_min`` /
-        # ``last_g_mean`` can be computed when asked for (the fused Triton path never materializes g
-        # in torch). Off by default: held across steps it would cost a [B, T, H*K] tensor per layer.
-        # The model turns it on for a forward with ``return_diagnostics``.
-        self.record_decay = False
-        self._last_z: torch.Tensor | None = None
+        self.g_min = cfg.g_min if cfg.gate == "bounded" else None  # the op's bound on g (softplus: none)
         self.reset_gate_parameters()
 
     @torch.no_grad()
@@ -140,29 +135,17 @@ class KDALayer(nn.Module):
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         """Per-channel log decay ``g`` ``[B, T, H, K]`` fp32 (natural log, <= 0) for ``x [B, T, D]``."""
         B, T, _ = x.shape
-        return self._gate(self.f_up(self.f_down(x)).view(B, T, self.H, self.K))
-
-    def _gate(self, z: torch.Tensor) -> torch.Tensor:
-        """``z [B, T, H, K]`` (gate input) -> ``g`` fp32, the same formula the fused op computes."""
-        a = self.A_log.float().exp()[:, None]  # [H, 1]
-        if self.cfg.gate == "bounded":
-            return self.cfg.g_min * torch.sigmoid(a * z.float())
-        return -a * F.softplus(z.float())
-
-    @property
-    def last_g_min(self) -> torch.Tensor | None:
-        """Smallest log decay of the last forward (detached scalar, computed on demand), or None
-        unless ``record_decay`` was on."""
-        return None if self._last_z is None else self._last_g().amin()
-
-    @property
-    def last_g_mean(self) -> torch.Tensor | None:
-        """Mean log decay of the last forward (detached scalar), computed on demand."""
-        return None if self._last_z is None else self._last_g().mean()
+        z = self.f_up(self.f_down(x)).view(B, T, self.H, self.K)
+        return naive_kda_gate(z, self.A_log, self.cfg.gate, self.g_min)
 
     @torch.no_grad()
-    def _last_g(self) -> torch.Tensor:
-        return self._gate(self._last_z)
+    def decay_stats(self, x: torch.Tensor) -> torch.Tensor:
+        """``[2]`` detached: (min, mean) of the log decay the layer applies to ``x [B, T, D]``.
+
+        Recomputed from x (the fused Triton op never materializes g), so a forward without
+        diagnostics keeps nothing."""
+        g = self.log_decay(x)
+        return torch.stack([g.amin(), g.mean()])
 
     def forward(
         self, x: torch.Tensor, state: KDAState | None = None, use_cache: bool = False
@@ -182,34 +165,14 @@ class KDALayer(nn.Module):
         v, tv = self.v_conv(self.v_proj(x), tails[2], "silu")  # v = Swish(ShortConv(W_v x))
         beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
         z = self.f_up(self.f_down(x)).view(B, T, H, K)  # gate input
-        self._last_z = z.detach() if self.record_decay else None
-        bounded = self.cfg.gate == "bounded"
         # One decoding step is exactly one step of the recurrence: no chunk padding needed.
         backend = "recurrent" if T == 1 else self.cfg.backend
-        if backend == "auto":
-            backend = "triton" if x.is_cuda else "chunk"
-        state_in = None if state is None else state.S
-        if backend == "triton":
-            # SiLU, L2 norm and the gate run inside the op (one fused pass each way; the raw
-            # inputs are what it keeps for the backward); the gate bounds g by construction
-            from moelab.ops.kda.triton_chunk import chunk_kda
-
-            o, S = chunk_kda(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V), z, beta,
-                             initial_state=state_in, output_final_state=use_cache,
-                             mode="bounded" if bounded else "general", lower_bound=self.cfg.g_min if bounded else -5.0,
-                             chunk_size=self.cfg.chunk_size, gate=self.cfg.gate, A_log=self.A_log,
-                             l2norm_qk=True, silu_qk=True, norm_eps=1e-6)
-        else:
-            q = F.normalize(F.silu(q).float().view(B, T, H, K), dim=-1, eps=1e-6)
-            k = F.normalize(F.silu(k).float().view(B, T, H, K), dim=-1, eps=1e-6)
-            v = v.view(B, T, H, V)
-            q, k = q.to(v.dtype), k.to(v.dtype)
-            g = self._gate(z)
-            # Both gates put g in [g_min, 0] (bounded) or (-inf, 0] (softplus) by construction, in
-            # fp32: the op need not re-check the range (a host sync per layer on the GPU).
-            o, S = kda(q, k, v, g, beta, initial_state=state_in, output_final_state=use_cache, backend=backend,
-                       chunk_size=self.cfg.chunk_size, lower_bound=self.cfg.g_min if bounded else None,
-                       validate=False)
+        # SiLU, L2 norm and the gate run inside the op (fused into the Triton kernels); the gate
+        # bounds g by construction, so the op need not check its range (a host sync per layer).
+        o, S = kda(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V), z, beta,
+                   initial_state=None if state is None else state.S, output_final_state=use_cache,
+                   backend=backend, chunk_size=self.cfg.chunk_size, gate=self.cfg.gate, A_log=self.A_log,
+                   g_min=self.g_min, silu_qk=True, l2norm_qk=True, norm_eps=1e-6, validate=False)
         o = self.o_norm(o)  # [B, T, H, V], normalized per head
         y = torch.sigmoid(self.g_proj(x)) * o.reshape(B, T, H * V)
         y = self.o_proj(y)

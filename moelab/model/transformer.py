@@ -21,12 +21,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moelab.model.activations import GLUFFN
-from moelab.model.attnres import AttnResidual, RMSNorm
+from moelab.model.attnres import AttnResidual
 from moelab.model.config import ModelConfig
+from moelab.model.ffn import GLUFFN
 from moelab.model.kda import KDALayer, KDAState
 from moelab.model.mla import MLA
 from moelab.model.moe import LatentMoE
+from moelab.model.norm import RMSNorm
 from moelab.ops.linear_ce import linear_cross_entropy
 
 
@@ -84,7 +85,8 @@ class Layer(nn.Module):
         if self.is_moe:
             self.ffn = LatentMoE(d, cfg.moe, eps)
         else:
-            self.ffn = GLUFFN(d, cfg.ffn_dim(), cfg.dense_activation, cfg.moe.situ_beta1, cfg.moe.situ_beta2)
+            self.ffn = GLUFFN(d, cfg.ffn_dim(), cfg.dense_activation, cfg.moe.situ_beta1, cfg.moe.situ_beta2,
+                              cfg.moe.backend)
 
 
 class MoELab(nn.Module):
@@ -98,8 +100,6 @@ class MoELab(nn.Module):
         self.residual = AttnResidual(cfg.d_model, 2 * cfg.n_layers, cfg.residual, cfg.norm_eps)
         self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        # Range checks of ids cost a host sync; a training loop that trusts its data may turn them off.
-        self.check_inputs = True
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -133,7 +133,7 @@ class MoELab(nn.Module):
         for depth in self.residual.depth:
             depth.query.zero_()
 
-    def _check(self, input_ids: torch.Tensor, targets: torch.Tensor | None, past: int) -> None:
+    def _check(self, input_ids: torch.Tensor, targets: torch.Tensor | None, past: int, check_ids: bool) -> None:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32):
             raise ValueError(f"input_ids must be a [B, T] long tensor, got shape {tuple(input_ids.shape)} "
                              f"dtype {input_ids.dtype}")
@@ -143,7 +143,7 @@ class MoELab(nn.Module):
         if past + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {past + T} (cached {past} + new {T}) exceeds "
                              f"max_seq_len={self.cfg.max_seq_len}")
-        if self.check_inputs:
+        if check_ids:
             lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= self.cfg.vocab_size:
                 bad = lo if lo < 0 else hi
@@ -161,6 +161,7 @@ class MoELab(nn.Module):
         use_cache: bool = False,
         return_diagnostics: bool = False,
         return_logits: bool = True,
+        check_ids: bool = True,
     ) -> ModelOutput:
         """Logits (and loss) for ``input_ids [B, T]`` long.
 
@@ -173,19 +174,21 @@ class MoELab(nn.Module):
             return_diagnostics: fill ``ModelOutput.diagnostics`` (detached, cheap reductions).
             return_logits: False (with targets): the loss without the ``[B, T, vocab]`` logits,
                 chunk by chunk (``moelab.ops.linear_ce``; what training uses), and ``logits=None``.
+            check_ids: check that every id is in ``[0, vocab_size)`` (a host sync; a training loop
+                that trusts its data passes False).
         """
         past = state.seq_len if state is not None else 0
-        self._check(input_ids, targets, past)
+        self._check(input_ids, targets, past, check_ids)
         prev = state.layers if state is not None else [None] * len(self.layers)
         stream = self.residual.stream(self.embed(input_ids), diagnostics=return_diagnostics)
-        for layer in self.layers:
-            if layer.kind == "kda":
-                layer.mixer.record_decay = return_diagnostics
+        decay: list[torch.Tensor] = []  # per KDA layer, with return_diagnostics: (min, mean) of the log decay
         new_layers: list = []
         router_stats: list = []
         aux_loss = self.embed.weight.new_zeros((), dtype=torch.float32)
         for i, layer in enumerate(self.layers):
             h = layer.mixer_norm(stream.read(2 * i))
+            if return_diagnostics and layer.kind == "kda":
+                decay.append(layer.mixer.decay_stats(h))
             out, st = layer.mixer(h, prev[i], use_cache)
             new_layers.append(st)
             stream.write(2 * i, out)
@@ -207,10 +210,8 @@ class MoELab(nn.Module):
                 loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
         diagnostics = stream.diagnostics()
         if diagnostics is not None:
-            kda_layers = [layer.mixer for layer in self.layers if layer.kind == "kda"]
-            if kda_layers:
-                diagnostics["g_min"] = torch.stack([m.last_g_min for m in kda_layers])
-                diagnostics["g_mean"] = torch.stack([m.last_g_mean for m in kda_layers])
+            if decay:
+                diagnostics["g_min"], diagnostics["g_mean"] = torch.stack(decay).unbind(1)
         return ModelOutput(
             logits=logits,
             loss=loss,

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from moelab.model.config import EXP_LIMIT
+from moelab.ops.kda.bounds import EXP_LIMIT
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -227,7 +227,7 @@ def kernel_speed(preset: str, out_dir: str | Path) -> tuple[list[dict], str]:
     Returns ``(rows, source)``: rows in the format of ``kernels/results/kda_h200.json`` and where
     they came from (a fresh run's JSON path, or the committed file with its date and machine).
     """
-    from moelab.data.config import repo_root
+    from moelab.base import repo_root
 
     committed = repo_root() / "kernels" / "results" / "kda_h200.json"
     if preset == "gpu" and torch.cuda.is_available():

@@ -25,7 +25,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
-from moelab.data.config import repo_root
+from moelab.base import repo_root
 from moelab.tracking import PARENT_ENV, Run, start_run
 from moelab.utils import atomic_path, flatten_dict
 

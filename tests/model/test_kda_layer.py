@@ -8,9 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moelab.base import ConfigError
 from moelab.model import kda as kda_module
-from moelab.model.config import ConfigError, KDAConfig, max_safe_g_min
+from moelab.model.config import KDAConfig
 from moelab.model.kda import KDALayer, ShortConv
+from moelab.ops.kda.bounds import G_MIN_FLOOR, max_safe_g_min
 from tests.helpers import assert_close
 
 D = 24
@@ -80,7 +82,7 @@ def test_gate_range_and_init(gate: str) -> None:
 
 
 @pytest.mark.parametrize("gate, bound", [("bounded", -5.0), ("softplus", None)])
-def test_lower_bound_reaches_the_op(monkeypatch: pytest.MonkeyPatch, gate: str, bound) -> None:
+def test_whole_op_reaches_the_dispatcher(monkeypatch: pytest.MonkeyPatch, gate: str, bound) -> None:
     seen = {}
     real = kda_module.kda
 
@@ -90,7 +92,8 @@ def test_lower_bound_reaches_the_op(monkeypatch: pytest.MonkeyPatch, gate: str, 
 
     monkeypatch.setattr(kda_module, "kda", spy)
     layer(gate)(torch.randn(1, 5, D))
-    assert seen["lower_bound"] == bound and seen["backend"] == "chunk" and seen["validate"] is False
+    assert seen["g_min"] == bound and seen["backend"] == "chunk" and seen["validate"] is False
+    assert seen["gate"] == gate and seen["silu_qk"] and seen["l2norm_qk"] and "A_log" in seen
 
 
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
@@ -153,23 +156,19 @@ def test_no_state_without_use_cache_and_g_stats() -> None:
     m = layer()
     y, st = m(torch.randn(1, 6, D))
     assert st is None and y.shape == (1, 6, D)
-    assert m.last_g_min is None and m.last_g_mean is None  # not recorded unless asked for
-    m.record_decay = True
     x = torch.randn(1, 6, D)
-    m(x)
     g = m.log_decay(x)
-    assert m.cfg.g_min <= m.last_g_min.item() <= m.last_g_mean.item() <= 0
-    assert m.last_g_min.item() == g.min().item() and abs(m.last_g_mean.item() - g.mean().item()) < 1e-6
+    g_lo, g_mean = m.decay_stats(x).tolist()
+    assert m.cfg.g_min <= g_lo <= g_mean <= 0
+    assert g_lo == g.min().item() and abs(g_mean - g.mean().item()) < 1e-6
 
 
-def test_config_rejects_g_min_the_precision_cannot_hold() -> None:
-    floor = max_safe_g_min("bf16", 16)
-    assert math.isclose(floor, -88.72 / 16, rel_tol=1e-3)
+def test_config_rejects_g_min_the_kernels_cannot_hold() -> None:
+    assert math.isclose(G_MIN_FLOOR, -88.72 / 16, rel_tol=1e-3)
+    assert math.isclose(max_safe_g_min("fp16", 16), -0.69, rel_tol=1e-2)  # fp16 holds only ~ -0.69 at 16 tokens
     KDAConfig(g_min=-5.0).validate()
     with pytest.raises(ConfigError, match="kda.g_min=-6.0"):
         KDAConfig(g_min=-6.0).validate()
-    with pytest.raises(ConfigError, match="kda.g_min"):
-        KDAConfig(g_min=-1.0, precision="fp16").validate()  # fp16 holds only ~ -0.69 at 16 tokens
     KDAConfig(g_min=-6.0, backend="chunk").validate()  # the PyTorch path has no bound
     KDAConfig(g_min=-50.0, gate="softplus").validate()  # g_min unused by softplus
     with pytest.raises(ConfigError, match="kda.g_min"):

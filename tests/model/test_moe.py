@@ -1,24 +1,18 @@
-"""Router and LatentMoE: selection bias, dense fp64 reference, grouped vs loop, fused kernels, causality."""
+"""Router and LatentMoE: selection bias, dense fp64 reference, grouped vs loop, both backends, causality.
+
+The operators themselves (Triton kernels vs PyTorch) are tested in tests/ops/test_moe.py."""
+
+import dataclasses
 
 import pytest
 import torch
 
-import moelab.model.moe as moe_mod
-from moelab.model.activations import GLUFFN
-from moelab.model.config import ConfigError, MoEConfig
-from moelab.model.moe import (
-    LatentMoE,
-    Router,
-    combine,
-    combine_norm,
-    dispatch,
-    grouped_mm_supported,
-    make_plan,
-    mm_f32,
-    project_input,
-    split_bf16,
-    topk_select,
-)
+import moelab.ops.moe as moe_ops
+from moelab.base import ConfigError
+from moelab.model.config import MoEConfig
+from moelab.model.ffn import GLUFFN
+from moelab.model.moe import LatentMoE, Router
+from moelab.ops.moe import grouped_mm_supported
 from tests.helpers import assert_close
 
 CPU = torch.device("cpu")
@@ -31,10 +25,10 @@ needs_grouped = pytest.mark.skipif(not GROUPED_FP32,
 
 
 def _moe(d=32, experts=6, top_k=2, shared=1, latent=16, expert_dim=16, activation="situ_glu", dispatch="loop",
-         seed=0) -> LatentMoE:
+         seed=0, backend="auto") -> LatentMoE:
     torch.manual_seed(seed)
     cfg = MoEConfig(num_experts=experts, top_k=top_k, num_shared=shared, latent_dim=latent, expert_dim=expert_dim,
-                    activation=activation, dispatch=dispatch)
+                    activation=activation, dispatch=dispatch, backend=backend)
     m = LatentMoE(d, cfg, norm_eps=1e-6)
     with torch.no_grad():  # larger weights than the 0.02 init, so the activation caps and the norm matter
         for p in m.parameters():
@@ -74,6 +68,13 @@ def _dense_reference(m: LatentMoE, x: torch.Tensor):
         sg, su = (xf @ P["shared.gate_up.weight"].T).chunk(2, -1)
         y = y + act(sg, su) @ P["shared.down.weight"].T
     return y.reshape(x.shape), x64, P, idx
+
+
+def _with_backend(m: LatentMoE, backend: str) -> LatentMoE:
+    """The same layer (weights, router bias) built with another ``moe.backend``."""
+    twin = LatentMoE(m.d_model, dataclasses.replace(m.cfg, backend=backend), norm_eps=1e-6)
+    twin.load_state_dict(m.state_dict())
+    return twin.to(next(m.parameters()).device, next(m.parameters()).dtype)
 
 
 def _run(m: LatentMoE, x: torch.Tensor, go: torch.Tensor):
@@ -144,8 +145,7 @@ def test_router_counts_grad_and_hook():
 @pytest.mark.parametrize("shared", [0, 1, 2])
 @pytest.mark.parametrize("latent", [0, 16])
 def test_moe_matches_dense_reference(latent, shared, top_k, dispatch):
-    m = _moe(latent=latent, shared=shared, top_k=top_k, dispatch=dispatch, activation="situ_glu")
-    m.set_fused(False)
+    m = _moe(latent=latent, shared=shared, top_k=top_k, dispatch=dispatch, activation="situ_glu", backend="torch")
     torch.manual_seed(1)
     x = torch.randn(2, 9, 32)
     go = torch.randn(2, 9, 32)
@@ -165,137 +165,19 @@ def test_moe_matches_dense_reference(latent, shared, top_k, dispatch):
 
 
 @pytest.mark.parametrize("activation", ["situ_glu", "swiglu"])
-def test_moe_fused_kernels_match_plain(activation):
-    """The fused path (input projection node, Triton top-k / dispatch / combine+norm / GLU; the
-    interpreter on CPU) gives the plain-PyTorch layer, forward and every gradient."""
+def test_moe_triton_backend_matches_torch(activation):
+    """moe.backend='triton' (input projection node, Triton top-k / dispatch / combine+norm / GLU; the
+    interpreter on CPU) gives the moe.backend='torch' layer, forward and every gradient."""
     for latent, shared in ((0, 2), (16, 2), (16, 0), (0, 0)):
         m = _moe(latent=latent, shared=shared, top_k=3, activation=activation)
         torch.manual_seed(1)
         x, go = torch.randn(2, 7, 32), torch.randn(2, 7, 32)
-        m.set_fused(False)
-        y0, dx0, g0, _ = _run(m, x, go)
-        m.to(DEV).set_fused(True)
-        y1, dx1, g1, _ = _run(m, x, go)
+        y0, dx0, g0, _ = _run(_with_backend(m, "torch"), x, go)
+        y1, dx1, g1, _ = _run(_with_backend(m, "triton").to(DEV), x, go)
         assert_close(y0, y1, 1e-5, "y")
         assert_close(dx0, dx1, 1e-5, "dx")
         for name in g0:
             assert_close(g0[name], g1[name], 1e-5, f"d{name}")
-
-
-def test_dispatch_combine_kernels_match_autograd():
-    torch.manual_seed(0)
-    n, k, e, r = 13, 3, 5, 24
-    idx = torch.stack([torch.randperm(e)[:k] for _ in range(n)]).to(DEV)
-    counts = torch.bincount(idx.flatten(), minlength=e)
-    plan = make_plan(idx, counts)
-    assert torch.equal(plan.offs, counts.cumsum(0).to(torch.int32))
-    # rows are expert-contiguous and token_of / inv are inverse maps
-    assert torch.equal(idx.flatten()[plan.inv.argsort()], idx.flatten().sort(stable=True).values)
-    assert torch.equal(plan.token_of[plan.inv], torch.arange(n, device=DEV).repeat_interleave(k))
-    for dtype, tol in [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)]:
-        x = torch.randn(n, r).to(DEV, dtype)
-        y = torch.randn(n * k, r).to(DEV, dtype)
-        w = torch.rand(n, k, device=DEV)
-        gxs, gu = torch.randn(n * k, r).to(DEV, dtype), torch.randn(n, r, device=DEV)
-        outs = []
-        for fused in (False, True):
-            xl, yl, wl = (t.clone().requires_grad_() for t in (x, y, w))
-            xs = dispatch(xl, plan, fused)
-            u = combine(yl, wl, plan, fused)
-            assert u.dtype == torch.float32
-            torch.autograd.backward([xs, u], [gxs, gu])
-            outs.append((xs, u, xl.grad, yl.grad, wl.grad))
-        for name, a, b in zip(("xs", "u", "dx", "dy", "dw"), *outs):
-            assert_close(a.float(), b.float(), tol, f"{dtype} {name}")
-
-
-def test_combine_norm_kernel_matches_autograd():
-    """Fused combine + RMSNorm (Triton) vs combine then F.rms_norm, forward and grads (rows, weights, gain)."""
-    torch.manual_seed(0)
-    for n, k, e, r in [(13, 3, 5, 24), (17, 1, 4, 40), (9, 4, 6, 16)]:  # N not a multiple of the 8 tokens/program
-        idx = torch.stack([torch.randperm(e)[:k] for _ in range(n)]).to(DEV)
-        plan = make_plan(idx, torch.bincount(idx.flatten(), minlength=e))
-        for dtype, tol in [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)]:
-            y = (torch.randn(n * k, r) * 3).to(DEV, dtype)
-            w = torch.rand(n, k, device=DEV)
-            gamma = (1 + 0.3 * torch.randn(r)).to(DEV)
-            gz = torch.randn(n, r).to(DEV, dtype)
-            outs = []
-            for fused in (False, True):
-                yl, wl, gl = (t.clone().requires_grad_() for t in (y, w, gamma))
-                if fused:
-                    z = combine_norm(yl, wl, plan, gl, 1e-6, dtype)
-                else:
-                    z = torch.nn.functional.rms_norm(combine(yl, wl, plan, False), (r,), gl, 1e-6).to(dtype)
-                assert z.dtype == dtype
-                z.backward(gz)
-                outs.append((z, yl.grad, wl.grad, gl.grad))
-            for name, a, b in zip(("z", "dy", "dw", "dgamma"), *outs):
-                if name == "dw" and k == 1:  # RMSNorm(w y) does not depend on w > 0: both are round-off
-                    continue
-                assert_close(a.float(), b.float(), tol, f"{dtype} n={n} k={k} {name}")
-
-
-@pytest.mark.parametrize("e,k", [(6, 1), (6, 3), (6, 6), (40, 8)])
-def test_topk_select_matches_torch(e, k):
-    torch.manual_seed(0)
-    n = 300  # several programs, the last one partial
-    scores = torch.rand(n, e)
-    scores[5, 2] = float("nan")  # counts as -inf: never picked while a finite score is left
-    bias = torch.randn(e) * 0.1
-    idx, counts = topk_select(scores.to(DEV), bias.to(DEV), k)
-    assert idx.dtype == torch.long and idx.shape == (n, k) and counts.dtype == torch.long
-    ref = torch.topk(torch.nan_to_num(scores, nan=float("-inf")) + bias, k, dim=-1)
-    assert torch.equal(idx.cpu(), ref.indices)  # same experts in the same (descending) order
-    assert torch.equal(counts.cpu(), torch.bincount(ref.indices.flatten(), minlength=e))
-    with pytest.raises(ValueError, match=f"k={e + 1}"):
-        topk_select(scores.to(DEV), bias.to(DEV), e + 1)
-
-
-def test_input_projection_matches_autograd():
-    """One node for router + W_down + shared gate|up: outputs and the summed input gradient."""
-    torch.manual_seed(0)
-    x = torch.randn(11, 24)
-    w_r, w_a, w_b = torch.randn(5, 24), torch.randn(8, 24), torch.randn(16, 24)
-    g_r, g_a, g_b = torch.randn(11, 5), torch.randn(11, 8), torch.randn(11, 16)
-    for ws, gs in [((w_a, w_b), (g_a, g_b)), ((), ())]:
-        leaves = [t.clone().requires_grad_() for t in (x, w_r, *ws)]
-        logits, outs = project_input(leaves[0], leaves[1], leaves[2:], torch.float32)
-        assert logits.dtype == torch.float32 and len(outs) == len(ws)
-        torch.autograd.backward([logits, *outs], [g_r, *gs])
-        ref = [t.clone().requires_grad_() for t in (x, w_r, *ws)]
-        ref_outs = [ref[0] @ w.T for w in ref[1:]]
-        torch.autograd.backward(ref_outs, [g_r, *gs])
-        for a, b, name in zip([logits, *outs], ref_outs, ("logits", "a", "b")):
-            assert_close(b.detach(), a.detach(), 1e-6, name)
-        for a, b, name in zip(leaves, ref, ("dx", "dw_r", "dw_a", "dw_b")):
-            assert_close(b.grad, a.grad, 1e-6, name)
-    frozen = x.clone()  # an input without grad: only the weight gradients are formed
-    w = w_r.clone().requires_grad_()
-    project_input(frozen, w, [], torch.float32)[0].backward(g_r)
-    assert_close(g_r.T @ frozen, w.grad, 1e-6, "dw_r, x frozen")
-
-
-def test_split_bf16_pairs():
-    torch.manual_seed(0)
-    t = torch.randn(1000) * torch.logspace(-3, 3, 1000)
-    hi, lo = split_bf16(t)
-    assert hi.dtype == lo.dtype == torch.bfloat16
-    assert ((hi.float() + lo.float() - t).abs() <= 2.0 ** -16 * t.abs()).all()
-    a, m = torch.randn(7, 32), torch.randn(32, 5)
-    assert_close(a @ m, mm_f32(a, m), 1e-7, "mm_f32 on CPU is the fp32 matmul")
-
-
-@pytest.mark.gpu
-def test_cuda_mm_f32_precision():
-    """bf16 operands: exact fp32 products (only the summation order differs); fp32 x bf16: hi/lo pairs."""
-    torch.manual_seed(0)
-    a, b = torch.randn(512, 1024, device="cuda"), torch.randn(1024, 64, device="cuda")
-    ab, bb = a.bfloat16(), b.bfloat16()
-    assert_close(ab.double() @ bb.double(), mm_f32(ab, bb), 2e-6, "bf16 x bf16")
-    assert_close(a.double() @ b.double(), mm_f32(a, b), 2e-6, "fp32 x fp32 (plain fp32)")
-    assert_close(a.double() @ bb.double(), mm_f32(a, bb), 3e-5, "fp32 x bf16 (split)")
-    assert_close(ab.double() @ b.double(), mm_f32(ab, b), 3e-5, "bf16 x fp32 (split)")
 
 
 # ---------------------------------------------------------------------------------------------- grouped vs loop
@@ -306,8 +188,7 @@ def test_cuda_mm_f32_precision():
 def test_grouped_matches_loop(dtype, tol, latent, top_k, shared):
     if dtype == torch.bfloat16 and not GROUPED_BF16:
         pytest.skip("grouped_mm does not run on CPU bf16 here")
-    m = _moe(latent=latent, top_k=top_k, shared=shared, expert_dim=16).to(dtype)
-    m.set_fused(False)
+    m = _moe(latent=latent, top_k=top_k, shared=shared, expert_dim=16, backend="torch").to(dtype)
     torch.manual_seed(1)
     x, go = torch.randn(3, 11, 32).to(dtype), torch.randn(3, 11, 32).to(dtype)
     res = {}
@@ -325,10 +206,9 @@ def test_grouped_matches_loop(dtype, tol, latent, top_k, shared):
 @pytest.mark.parametrize("mask_empty", [False, True])
 def test_grouped_with_empty_experts(mask_empty, monkeypatch):
     if mask_empty:  # pretend this torch leaves garbage in empty groups' weight grads: the mask path runs
-        monkeypatch.setitem(moe_mod._GROUPED, ("cpu", None, torch.float32), (True, False))
-        assert not moe_mod.grouped_mm_zeroes_empty_groups(CPU, torch.float32)
-    m = _moe(experts=8, top_k=2, dispatch="grouped")
-    m.set_fused(False)
+        monkeypatch.setitem(moe_ops._GROUPED, ("cpu", None, torch.float32), (True, False))
+        assert not moe_ops.grouped_mm_zeroes_empty_groups(CPU, torch.float32)
+    m = _moe(experts=8, top_k=2, dispatch="grouped", backend="torch")
     with torch.no_grad():
         m.router.bias.zero_()
         m.router.bias[[1, 6]] = 100.0  # every token picks experts 1 and 6; the other six are empty

@@ -97,10 +97,10 @@ def test_dispatcher_rejects_unknown_backend() -> None:
         kda(q, k, v, g, beta, backend="cuda")
 
 
-@pytest.mark.parametrize("lower_bound, mode, passed_bound", [(-5.0, "bounded", -5.0), (-3.0, "bounded", -3.0),
-                                                             (None, "general", -5.0)])
-def test_dispatcher_triton_call(monkeypatch: pytest.MonkeyPatch, lower_bound, mode, passed_bound) -> None:
-    """The triton backend imports the kernel module lazily and picks its mode from lower_bound."""
+@pytest.mark.parametrize("g_min", [-5.0, -3.0, None])
+def test_dispatcher_triton_call(monkeypatch: pytest.MonkeyPatch, g_min) -> None:
+    """The triton backend imports the kernel module lazily and hands it the whole op (the kernel
+    picks bounded mode from g_min)."""
     seen = {}
 
     def fake_chunk_kda(q, k, v, g, beta, **kw):
@@ -112,7 +112,38 @@ def test_dispatcher_triton_call(monkeypatch: pytest.MonkeyPatch, lower_bound, mo
     monkeypatch.setitem(sys.modules, "moelab.ops.kda.triton_chunk", fake)
     q, k, v, g, beta, s0 = make_inputs(B=1, T=4, H=1, K=4, V=4, g_low=-1.0)
     o, _ = kda(q, k, v, g, beta, scale=0.5, initial_state=s0, output_final_state=True, backend="triton",
-               chunk_size=32, lower_bound=lower_bound)
+               chunk_size=32, g_min=g_min)
     assert o is v
-    assert seen == {"scale": 0.5, "initial_state": s0, "output_final_state": True, "mode": mode,
-                    "lower_bound": passed_bound, "validate": True, "chunk_size": 32}
+    assert seen == {"scale": 0.5, "initial_state": s0, "output_final_state": True, "g_min": g_min,
+                    "validate": True, "chunk_size": 32, "gate": "none", "A_log": None, "dt_bias": None,
+                    "l2norm_qk": False, "silu_qk": False, "norm_eps": 1e-6}
+
+
+@pytest.mark.parametrize("backend", ["chunk", "recurrent"])
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_dispatcher_runs_the_whole_op_in_torch(backend: str, gate: str) -> None:
+    """Raw q, k and gate input through ``kda(gate=..., silu_qk, l2norm_qk)`` == the torch prep
+    (``gate.kda_prep_torch``) followed by the fp32 recurrence, forward and every gradient."""
+    from moelab.ops.kda.gate import kda_prep_torch
+
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, K = 1, 9, 2, 8
+    raw = [torch.randn(B, T, H, K, generator=gen) for _ in range(4)]  # q, k, v, z
+    beta = torch.rand(B, T, H, generator=gen)
+    A_log = torch.randn(H, generator=gen) * 0.3
+    g_min = -4.0 if gate == "bounded" else None
+    outs = []
+    for via_op in (True, False):
+        q, k, v, z, a = (x.clone().requires_grad_() for x in (*raw, A_log))
+        if via_op:
+            o, _ = kda(q, k, v, z, beta, backend=backend, chunk_size=4, gate=gate, A_log=a, g_min=g_min,
+                       silu_qk=True, l2norm_qk=True)
+        else:
+            qn, kn, g = kda_prep_torch(q, k, z, a, None, gate=gate, g_min=g_min, silu_qk=True, l2norm_qk=True)
+            o, _ = naive_recurrent_kda(qn, kn, v, g, beta)
+        o.pow(2).sum().backward()
+        outs.append([o.detach()] + [x.grad for x in (q, k, v, z, a)])
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dz", "dA_log"), *outs):
+        assert_close(b, a, 1e-5, name)
+    with pytest.raises(ValueError, match="needs g_min"):
+        kda(*raw[:3], raw[3], beta, backend=backend, gate="bounded", A_log=A_log)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moelab.ops.kda.triton_prep import kda_prep, kda_prep_torch, prep_bwd, prep_fwd, prep_fwd_chunked
+from moelab.ops.kda.gate import kda_prep_torch
+from moelab.ops.kda.triton_prep import kda_prep, prep_bwd, prep_fwd, prep_fwd_chunked
 from tests.helpers import assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -68,7 +69,7 @@ def _compare(ins, tol, **kw):
 def test_fp32_matches_reference(gate, silu_qk, l2norm_qk):
     # K = 48 (not a power of two: masked channels), 30 rows = 4 programs of 8, the last partial
     ins = _inputs(2, 5, 3, 48, gate)
-    _compare(ins, FP32_TOL, gate=gate, lower_bound=-5.0, silu_qk=silu_qk, l2norm_qk=l2norm_qk)
+    _compare(ins, FP32_TOL, gate=gate, g_min=-5.0, silu_qk=silu_qk, l2norm_qk=l2norm_qk)
 
 
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
@@ -76,20 +77,20 @@ def test_fp32_matches_reference(gate, silu_qk, l2norm_qk):
 def test_fp32_no_dt_bias_head_dims(gate, K):
     ins = _inputs(1, 3, 3, K, gate, bias=False, seed=K)
     # at K = 1 the L2 norm is sign(x): its gradient is 0 and only rounding noise is left to compare
-    _compare(ins, FP32_TOL, gate=gate, lower_bound=-3.0, silu_qk=True, l2norm_qk=K > 1)
+    _compare(ins, FP32_TOL, gate=gate, g_min=-3.0, silu_qk=True, l2norm_qk=K > 1)
 
 
 @pytest.mark.parametrize("gate", ["bounded", "softplus", "none"])
 @pytest.mark.parametrize("K", [48, 64])
 def test_fp16_matches_reference(gate, K):
     ins = _inputs(2, 4, 2, K, gate, dtype=torch.float16, seed=K)
-    _compare(ins, FP16_TOL, gate=gate, lower_bound=-5.0, silu_qk=True, l2norm_qk=True)
+    _compare(ins, FP16_TOL, gate=gate, g_min=-5.0, silu_qk=True, l2norm_qk=True)
 
 
 def test_fp16_qk_with_fp32_gate_input():
     # the model's z is fp32 (log_decay upcasts) while q, k are in the activation dtype
     ins = _inputs(2, 4, 2, 40, "softplus", dtype=torch.float16, z_dtype=torch.float32)
-    _compare(ins, FP16_TOL, gate="softplus", lower_bound=None, silu_qk=True, l2norm_qk=True)
+    _compare(ins, FP16_TOL, gate="softplus", g_min=None, silu_qk=True, l2norm_qk=True)
 
 
 def test_extreme_values():
@@ -102,12 +103,12 @@ def test_extreme_values():
     ins[0][0, 2, 1] = 0.0
     ins[1][0, 3, 0] = 1e-8  # norm 4e-8 < eps: the constant-denominator branch
     for gate in ("softplus", "bounded"):
-        _compare(ins, FP32_TOL, gate=gate, lower_bound=-5.0, silu_qk=False, l2norm_qk=True)
+        _compare(ins, FP32_TOL, gate=gate, g_min=-5.0, silu_qk=False, l2norm_qk=True)
 
 
 def test_unused_outputs_and_frozen_inputs():
     ins = _inputs(1, 3, 2, 24, "bounded")
-    kw = dict(gate="bounded", lower_bound=-5.0, silu_qk=True, l2norm_qk=True)
+    kw = dict(gate="bounded", g_min=-5.0, silu_qk=True, l2norm_qk=True)
     # only qn feeds the loss: k and the gate inputs get no gradient at all
     _, grads = _run(kda_prep, ins, use=(True, False, False), **kw)
     _, ref = _run(kda_prep_torch, ins, use=(True, False, False), **kw)
@@ -126,7 +127,7 @@ def test_unused_outputs_and_frozen_inputs():
 
 def test_prep_bwd_partial_gradients_and_determinism():
     q, k, z, A_log, dt_bias = _inputs(2, 3, 2, 20, "softplus")
-    kw = dict(gate="softplus", lower_bound=None, silu_qk=True, l2norm_qk=True)
+    kw = dict(gate="softplus", g_min=None, silu_qk=True, l2norm_qk=True)
     assert prep_bwd(q, k, z, A_log, dt_bias, None, None, None, **kw) == (None,) * 5
     dkn, dg = torch.randn_like(k), torch.randn_like(z)
     first = prep_bwd(q, k, z, A_log, dt_bias, None, dkn, dg, **kw)
@@ -148,8 +149,8 @@ def test_prep_bwd_partial_gradients_and_determinism():
     "change, match",
     [
         (dict(gate="sigmoid"), "gate='sigmoid' is not allowed"),
-        (dict(lower_bound=0.0), "lower_bound=0.0 is not allowed"),
-        (dict(lower_bound=None), "lower_bound=None is not allowed"),
+        (dict(g_min=0.0), "g_min=0.0 is not allowed"),
+        (dict(g_min=None), "g_min=None is not allowed"),
         (dict(eps=0.0), "eps=0.0 is not allowed"),
         (dict(q=torch.randn(2, 3, 2, 300)), "K=300 is not allowed"),
         (dict(q=torch.randn(2, 3, 8)), "q must be"),
@@ -170,7 +171,7 @@ def test_bad_arguments(change, match):
         A_log=torch.zeros(2),
         dt_bias=torch.zeros(16),
         gate="bounded",
-        lower_bound=-5.0,
+        g_min=-5.0,
         eps=1e-6,
     )
     args.update(change)
@@ -194,7 +195,7 @@ def test_bad_gradient_shape():
             None,
             torch.randn(1, 2, 2, 4),
             gate="bounded",
-            lower_bound=-5.0,
+            g_min=-5.0,
             silu_qk=True,
             l2norm_qk=True,
         )
@@ -204,12 +205,12 @@ def test_bad_gradient_shape():
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
 def test_bf16_real_size(gate):
     ins = _inputs(2, 4096, 16, 128, gate, dtype=torch.bfloat16)
-    _compare(ins, 1e-2, gate=gate, lower_bound=-5.0, silu_qk=True, l2norm_qk=True)
+    _compare(ins, 1e-2, gate=gate, g_min=-5.0, silu_qk=True, l2norm_qk=True)
 
 
 def test_empty_sequence():
     ins = _inputs(2, 0, 3, 8, "bounded")
-    outs, grads = _run(kda_prep, ins, gate="bounded", lower_bound=-5.0, silu_qk=True, l2norm_qk=True)
+    outs, grads = _run(kda_prep, ins, gate="bounded", g_min=-5.0, silu_qk=True, l2norm_qk=True)
     assert all(o.shape == (2, 0, 3, 8) for o in outs)
     assert torch.equal(grads[3], torch.zeros(3, device=DEV)) and torch.equal(grads[4], torch.zeros(24, device=DEV))
 
@@ -226,8 +227,8 @@ def test_chunked_prep_matches_reference(gate, T, K, C, qk):
         ins[2] = -torch.nn.functional.softplus(ins[2])
     q, k, z, A_log, dt_bias = ins
     lb = -5.0 if gate == "bounded" else None
-    rq, rk, rg = kda_prep_torch(q, k, z, A_log, dt_bias, gate=gate, lower_bound=lb, silu_qk=True, l2norm_qk=True)
-    qn, kn, G = prep_fwd_chunked(q, k, z, A_log, dt_bias, chunk_size=C, gate=gate, lower_bound=lb, silu_qk=True,
+    rq, rk, rg = kda_prep_torch(q, k, z, A_log, dt_bias, gate=gate, g_min=lb, silu_qk=True, l2norm_qk=True)
+    qn, kn, G = prep_fwd_chunked(q, k, z, A_log, dt_bias, chunk_size=C, gate=gate, g_min=lb, silu_qk=True,
                                  l2norm_qk=True, qk=qk)
     Tp, Kp = -(-T // C) * C, max(16, 1 << (K - 1).bit_length())
     assert G.shape == (B, Tp, H, Kp) and G.dtype == torch.float32
@@ -248,5 +249,5 @@ def test_chunked_prep_matches_reference(gate, T, K, C, qk):
 def test_chunked_prep_refuses_bad_chunk():
     q, k, z, A_log, dt_bias = _inputs(1, 8, 1, 16, "bounded")
     with pytest.raises(ValueError, match="chunk_size=48"):
-        prep_fwd_chunked(q, k, z, A_log, dt_bias, chunk_size=48, gate="bounded", lower_bound=-5.0, silu_qk=False,
+        prep_fwd_chunked(q, k, z, A_log, dt_bias, chunk_size=48, gate="bounded", g_min=-5.0, silu_qk=False,
                          l2norm_qk=True)

@@ -15,10 +15,11 @@ from moelab.ops.kda.triton_chunk import chunk_kda
 from tests.helpers import assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+G_MIN = -5.0  # the bound of the test decays (the model's default g_min)
 O_TOL, GRAD_TOL = 5e-3, 1e-2
 
 
-def _inputs(B, T, H, K, V, dtype, seed, g_min=-5.0, h0=True):
+def _inputs(B, T, H, K, V, dtype, seed, g_min=G_MIN, h0=True):
     gen = torch.Generator().manual_seed(seed)
     q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
@@ -31,6 +32,13 @@ def _inputs(B, T, H, K, V, dtype, seed, g_min=-5.0, h0=True):
     dS = torch.randn(B, H, K, V, generator=gen)
     ins = [x.to(DEV, dtype) for x in (q, k, v, g, beta)]
     return ins, (s0.to(DEV) if h0 else None), do.to(DEV), dS.to(DEV)
+
+
+def chunk(*args, mode=None, **kw):
+    """``chunk_kda`` in ``mode``; bounded mode with the test inputs' bound ``G_MIN`` unless given."""
+    if mode == "bounded":
+        kw.setdefault("g_min", G_MIN)
+    return chunk_kda(*args, mode=mode, **kw)
 
 
 def _run(fn, ins, s0, do, dS, **kw):
@@ -75,14 +83,14 @@ SWEEP = [
 def test_matches_reference(case, mode):
     B, T, H, K, V, C, dtype, h0 = case
     ins, s0, do, dS = _inputs(B, T, H, K, V, dtype, seed=B * 1000 + T * 7 + K + V, h0=h0)
-    _compare(_reference(ins, s0, do, dS), _run(chunk_kda, ins, s0, do, dS, mode=mode, chunk_size=C))
+    _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS, mode=mode, chunk_size=C))
 
 
 def test_modes_agree_and_defaults():
     """Bounded and general paths compute the same function; default scale is K**-0.5."""
     ins, s0, do, dS = _inputs(1, 65, 1, 32, 32, torch.float32, seed=3)
-    a = _run(chunk_kda, ins, s0, do, dS, mode="bounded")
-    b = _run(chunk_kda, ins, s0, do, dS, mode="general", scale=32**-0.5)
+    a = _run(chunk, ins, s0, do, dS, mode="bounded")
+    b = _run(chunk, ins, s0, do, dS, mode="general", scale=32**-0.5)
     assert_close(a[0], b[0], 1e-5, "o bounded vs general")
     for x, y in zip(a[2], b[2]):
         # 3e-5: dg is a reverse cumsum with cancelling terms; each mode is ~1e-5 from an fp64 reference
@@ -96,7 +104,7 @@ def _runs_by_tuning(monkeypatch, key, values, ins, s0, do, dS, mode):
     runs = {}
     for val in values:
         monkeypatch.setitem(tc.TUNING, key, val)
-        runs[val] = _run(chunk_kda, ins, s0, do, dS, mode=mode)
+        runs[val] = _run(chunk, ins, s0, do, dS, mode=mode)
     return runs
 
 
@@ -121,7 +129,7 @@ def _refuses_bogus(monkeypatch, key, ins, s0, do, dS, mode):
 
     monkeypatch.setitem(tc.TUNING, key, "bogus")
     with pytest.raises(ValueError, match="'bogus'"):
-        _run(chunk_kda, ins, s0, do, dS, mode=mode)
+        _run(chunk, ins, s0, do, dS, mode=mode)
 
 
 @pytest.mark.parametrize("mode", ["bounded", "general"])
@@ -201,7 +209,7 @@ def test_cumsum_auto_picks_per_mode(monkeypatch, mode, want):
     monkeypatch.setattr(tc, "prep_fwd_chunked", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
     assert tc.TUNING["cumsum"] == "auto"
     ins, s0, do, dS = _inputs(1, 40, 1, 16, 16, torch.float32, seed=3)
-    _compare(_reference(ins, s0, do, dS), _run(chunk_kda, ins, s0, do, dS, mode=mode))
+    _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS, mode=mode))
     assert bool(calls) == want
 
 
@@ -228,24 +236,24 @@ def test_general_mode_survives_very_negative_decay():
     g[..., :8] = -30.0
     g[:, 10:20, :, 8:12] = -60.0
     ins[3] = g
-    _compare(_reference(ins, s0, do, dS), _run(chunk_kda, ins, s0, do, dS, mode="general"))
-    o, _ = chunk_kda(*ins, mode="bounded", validate=False)
+    _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS, mode="general"))
+    o, _ = chunk(*ins, mode="bounded", validate=False)
     assert not torch.isfinite(o).all(), "expected the bounded fast path to overflow at g = -60"
 
 
 def test_bounded_rejects_decay_below_bound():
     ins, _, _, _ = _inputs(1, 8, 1, 16, 16, torch.float32, seed=1)
     ins[3][0, 3, 0, 2] = -5.25
-    with pytest.raises(ValueError, match=r"min\(g\)=-5.25.*lower_bound=-5"):
-        chunk_kda(*ins, mode="bounded", lower_bound=-5.0)
-    chunk_kda(*ins, mode="bounded", lower_bound=-5.5)  # a looser (still safe) bound accepts it
+    with pytest.raises(ValueError, match=r"min\(g\)=-5.25.*g_min=-5"):
+        chunk_kda(*ins, mode="bounded", g_min=-5.0)
+    chunk_kda(*ins, mode="bounded", g_min=-5.5)  # a looser (still safe) bound accepts it
     chunk_kda(*ins, mode="general")
 
 
 def test_bad_arguments_raise():
     ins, _, _, _ = _inputs(1, 8, 1, 16, 16, torch.float32, seed=2)
-    with pytest.raises(ValueError, match="lower_bound=-8"):
-        chunk_kda(*ins, mode="bounded", lower_bound=-8.0)  # 16 * 8 / 2 = 64 > ~44: tile overflows
+    with pytest.raises(ValueError, match="g_min=-8"):
+        chunk_kda(*ins, mode="bounded", g_min=-8.0)  # 16 * 8 / 2 = 64 > ~44: tile overflows
     with pytest.raises(ValueError, match="mode="):
         chunk_kda(*ins, mode="fast")
     with pytest.raises(ValueError, match="chunk_size=48"):
@@ -264,7 +272,7 @@ def test_bad_arguments_raise():
 def test_bf16_on_gpu(mode):
     """The real bf16 path (tensor-core products, bf16 intermediates), which the interpreter cannot run."""
     ins, s0, do, dS = _inputs(2, 300, 4, 64, 64, torch.bfloat16, seed=7)
-    _compare(_reference(ins, s0, do, dS), _run(chunk_kda, ins, s0, do, dS, mode=mode))
+    _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS, mode=mode))
 
 
 def test_launch_config_override(monkeypatch):
@@ -305,7 +313,7 @@ FUSED = [
 def test_fused_prep_matches_reference(case):
     """Gate, SiLU and L2 norm inside the op == the fp32 torch prep followed by the recurrence,
     output, final state and the gradients of every raw input (q, k, v, z, beta, A_log, dt_bias, h0)."""
-    from moelab.ops.kda.triton_prep import kda_prep_torch
+    from moelab.ops.kda.gate import kda_prep_torch
 
     B, T, H, K, V, C, gate, mode, silu, has_bias = case
     gen = torch.Generator().manual_seed(T + K)
@@ -316,7 +324,7 @@ def test_fused_prep_matches_reference(case):
     dt_bias = torch.randn(H * K, generator=gen) if has_bias else None
     s0 = torch.randn(B, H, K, V, generator=gen)
     do, dS = torch.randn(B, T, H, V, generator=gen), torch.randn(B, H, K, V, generator=gen)
-    kw = dict(gate=gate, lower_bound=-5.0, silu_qk=silu, l2norm_qk=True)
+    kw = dict(gate=gate, g_min=-5.0, silu_qk=silu, l2norm_qk=True)
 
     def run(fused):
         leaves = [x.clone().to(DEV).requires_grad_() for x in (q, k, v, z, beta, A_log, s0)]
@@ -345,7 +353,7 @@ def test_fused_prep_bad_arguments():
     with pytest.raises(ValueError, match="gate='softplus' is not allowed with mode='bounded'"):
         chunk_kda(*ins, gate="softplus", A_log=A_log, mode="bounded")
     with pytest.raises(ValueError, match="needs A_log"):
-        chunk_kda(*ins, gate="bounded")
+        chunk_kda(*ins, gate="bounded", g_min=G_MIN)
     with pytest.raises(ValueError, match="gate='sigmoid' is not allowed"):
         chunk_kda(*ins, gate="sigmoid", A_log=A_log)
     with pytest.raises(ValueError, match="only used with gate"):
@@ -374,7 +382,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, scores, kkt):
     monkeypatch.setitem(tc.TUNING, "kkt", kkt)
     for mode in ("bounded", "general"):
         ins, s0, do, dS = _inputs(1, 40, 1, 16, 16, torch.float32, seed=1)
-        _run(chunk_kda, ins, s0, do, dS, mode=mode)
+        _run(chunk, ins, s0, do, dS, mode=mode)
     paths = {"rows": {"kkt"}, "parallel": {"kktr", "merge"}}
     want = {"intra"} if scores == "chunk" else {"wu"} | paths[kkt]
     assert want <= set(seen)
@@ -394,7 +402,7 @@ def test_small_grid_takes_its_state_launch(monkeypatch):
     for grid in (128, 0):
         monkeypatch.setattr(tc, "SMALL_GRID", grid)
         names.clear()
-        runs[grid] = _run(chunk_kda, ins, s0, do, dS)
+        runs[grid] = _run(chunk, ins, s0, do, dS)
         small = "state_small" in names and "state" not in names
         assert small == (grid == 128), (grid, names)
     assert torch.equal(runs[128][0], runs[0][0])

@@ -11,8 +11,8 @@ the two modes differ only in how the 16x16 diagonal sub-tiles of the gated score
 (triton_common.py, triton_bwd.py):
 
 * ``mode="bounded"``: one tensor-core product per sub-tile on ``q exp(G - G_mid)`` and
-  ``k exp(G_mid - G)``; exact while ``g >= lower_bound`` with ``|lower_bound| * 16 / 2`` inside
-  the fp32/bf16 exponent range (``lower_bound >= max_safe_g_min("fp32", 16)``, about -5.5).
+  ``k exp(G_mid - G)``; exact while ``g >= g_min`` with ``|g_min| * 16 / 2`` inside
+  the fp32/bf16 exponent range (``g_min >= bounds.G_MIN_FLOOR``, about -5.5).
 * ``mode="general"``: element-wise ``exp(G_i - G_j)`` per position pair, masked to ``i >= j``
   before ``exp``; correct for any ``g <= 0``.
 
@@ -32,9 +32,9 @@ import os
 import torch
 import triton
 
-from moelab.model.config import max_safe_g_min
+from moelab.ops.kda.bounds import G_MIN_FLOOR, SUBTILE
 from moelab.ops.kda.triton_bwd import _kda_bwd_dg, _kda_bwd_dh, _kda_bwd_dqkg, _kda_bwd_sterm, _kda_bwd_wy
-from moelab.ops.kda.triton_common import LOG2E, SUBTILE
+from moelab.ops.kda.triton_common import LOG2E
 from moelab.ops.kda.triton_fwd import (
     _kda_fwd_intra,
     _kda_fwd_kkt,
@@ -238,9 +238,9 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, lower_bound, g_in=False):
+def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, g_min, g_in=False):
     """Intra-chunk and state kernels on padded inputs; returns the intermediates."""
-    inter = _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound, g_in)
+    inter = _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min, g_in)
     inter.update(_state_pass(inter, h0, output_final_state, q.dtype, C))
     return inter
 
@@ -255,9 +255,9 @@ def _cumsum_in_prep(bounded: bool) -> bool:
     return path == "prep" and TUNING["scores"] == "tiles" and TUNING["kkt"] == "parallel"
 
 
-def _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound, g_in=False):
+def _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min, g_in=False):
     """The intra-chunk kernels: scores, UT transform, w, u, qg, kd, e^{G_last} (and G, general mode).
-    ``lower_bound`` (bounded mode) places the diagonal sub-tiles' reference of the "tiles" path.
+    ``g_min`` (bounded mode) places the diagonal sub-tiles' reference of the "tiles" path.
     ``g_in``: ``g`` already holds G (``prep_fwd_chunked``; "tiles" + "parallel" only)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -284,7 +284,7 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C, lower_bound, g_in=False):
     gl = torch.empty(B, NT, H, K, device=dev, dtype=torch.float32)
     score_bf16 = dot_bf16 and not TUNING["scores_tf32"]
     if tiles:
-        mid = (SUBTILE / 2) * (lower_bound if bounded else 0.0) * LOG2E
+        mid = (SUBTILE / 2) * (g_min if bounded else 0.0) * LOG2E
         if TUNING["kkt"] not in KKT_PATHS:
             raise ValueError(f"TUNING['kkt']={TUNING['kkt']!r} is not allowed: expected one of {KKT_PATHS}")
         if TUNING["kkt"] != "parallel" and g_in:
@@ -351,15 +351,15 @@ class Prep:
     ChunkKDAFunction so that only the raw inputs are kept for the backward (which recomputes the
     prep: one memory-bound pass)."""
 
-    def __init__(self, gate: str, lower_bound: float, silu_qk: bool, l2norm_qk: bool, eps: float):
-        self.gate, self.lower_bound, self.silu_qk, self.l2norm_qk, self.eps = gate, lower_bound, silu_qk, l2norm_qk, eps
+    def __init__(self, gate: str, g_min: float, silu_qk: bool, l2norm_qk: bool, eps: float):
+        self.gate, self.g_min, self.silu_qk, self.l2norm_qk, self.eps = gate, g_min, silu_qk, l2norm_qk, eps
 
     @property
     def active(self) -> bool:
         return self.gate != "none" or self.silu_qk or self.l2norm_qk
 
     def kw(self) -> dict:
-        return dict(gate=self.gate, lower_bound=self.lower_bound, silu_qk=self.silu_qk, l2norm_qk=self.l2norm_qk,
+        return dict(gate=self.gate, g_min=self.g_min, silu_qk=self.silu_qk, l2norm_qk=self.l2norm_qk,
                     eps=self.eps)
 
 
@@ -385,7 +385,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, bounded, C, prep,
-                lower_bound):
+                g_min):
         B, T, H, K = q.shape
         V = v.shape[-1]
         g_in = _cumsum_in_prep(bounded)
@@ -399,7 +399,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             qn, kn, gn = q, k, g
         qp, kp, vp, gp, bp, h0p = _padded(qn, kn, v, gn, beta, initial_state, C)
         del qn, kn, gn
-        inter = _forward(qp, kp, vp, gp, bp, scale, h0p, output_final_state, bounded, C, lower_bound, g_in=g_in)
+        inter = _forward(qp, kp, vp, gp, bp, scale, h0p, output_final_state, bounded, C, g_min, g_in=g_in)
         Tp, Kp, Vp = qp.shape[1], qp.shape[3], vp.shape[3]
         o = torch.empty_like(vp)
         _out(
@@ -413,7 +413,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         # raw inputs (the prep and the padding are redone in the backward) + kept intermediates
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, *(inter[key] for key in keys))
         ctx.keys = keys
-        ctx.scale, ctx.bounded, ctx.chunk_size, ctx.prep, ctx.lower_bound = scale, bounded, C, prep, lower_bound
+        ctx.scale, ctx.bounded, ctx.chunk_size, ctx.prep, ctx.g_min = scale, bounded, C, prep, g_min
         ctx.g_in = g_in
         hT = inter["hT"]
         if (Tp, Vp) != (T, V):
@@ -441,7 +441,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         if not inter:  # the forward's intra pass again, on the same G
             G = (prep_fwd_chunked(q_raw, k_raw, g_raw, A_log, dt_bias, chunk_size=C, **prep.kw(), qk=False)[2]
                  if ctx.g_in else g)
-            inter = _intra_pass(q, k, v, G, beta, scale, bounded, C, ctx.lower_bound, g_in=ctx.g_in)
+            inter = _intra_pass(q, k, v, G, beta, scale, bounded, C, ctx.g_min, g_in=ctx.g_in)
         if "hbuf" not in inter:
             inter.update(_state_pass(inter, h0, False, q.dtype, C))
         dot_bf16 = _dot_bf16(q.dtype)
@@ -528,8 +528,8 @@ def chunk_kda(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    mode: str = "bounded",
-    lower_bound: float = -5.0,
+    mode: str | None = None,
+    g_min: float | None = None,
     validate: bool = True,
     chunk_size: int = 64,
     *,
@@ -548,20 +548,21 @@ def chunk_kda(
         v: ``[B, T, H, V]`` values, same dtype as q; bf16, fp16 or fp32 (accumulation is fp32).
         g: ``[B, T, H, K]``: with ``gate="none"`` the per-channel log decay (natural log, ``<= 0``);
             otherwise the gate's raw input ``z`` (any float dtype), turned into the log decay
-            inside the op: ``gate="bounded"``: ``g = lower_bound * sigmoid(exp(A_log_h) (z + dt_bias))``
-            (so ``g >= lower_bound`` by construction); ``gate="softplus"``:
+            inside the op: ``gate="bounded"``: ``g = g_min * sigmoid(exp(A_log_h) (z + dt_bias))``
+            (so ``g >= g_min`` by construction); ``gate="softplus"``:
             ``g = -exp(A_log_h) softplus(z + dt_bias)`` (unbounded: needs ``mode="general"``).
         beta: ``[B, T, H]`` write strength.
         scale: multiplier on q; default ``K ** -0.5``.
         initial_state: ``[B, H, K, V]`` fp32 state before the first token, or None (zeros).
         output_final_state: also return the state after the last token.
-        mode: ``"bounded"`` (fast diagonal sub-tiles, needs ``g >= lower_bound``) or ``"general"``
-            (any ``g <= 0``).
-        lower_bound: the bound g respects in bounded mode (and the bounded gate's floor); must be
-            ``>= max_safe_g_min("fp32", 16)`` (about -5.5) in bounded mode, else the 16-token
-            diagonal sub-tile would overflow.
+        mode: ``"bounded"`` (fast diagonal sub-tiles, needs ``g >= g_min``) or ``"general"``
+            (any ``g <= 0``); None: bounded when ``g_min`` is given, else general.
+        g_min: the lower bound of g: the bounded gate's floor (required with ``gate="bounded"``),
+            or with ``gate="none"`` a promise ``g >= g_min``; None: no bound. Bounded mode needs
+            ``g_min >= bounds.G_MIN_FLOOR`` (about -5.5), else the 16-token diagonal sub-tile
+            would overflow.
         validate: with ``gate="none"``, check ``max(g) <= 0`` and, in bounded mode,
-            ``min(g) >= lower_bound`` (one reduction over g and a host sync); ``validate=False``
+            ``min(g) >= g_min`` (one reduction over g and a host sync); ``validate=False``
             skips it for speed, and then out-of-range g gives undefined (possibly non-finite)
             results. A gate computed inside the op needs no check.
         chunk_size: tokens per chunk, one of 16, 32, 64.
@@ -576,6 +577,8 @@ def chunk_kda(
         ``o`` ``[B, T, H, V]`` in v's dtype and the final state ``[B, H, K, V]`` fp32 (or None).
         Gradients flow to q, k, v, g (or z, A_log, dt_bias), beta and initial_state.
     """
+    if mode is None:
+        mode = "general" if g_min is None else "bounded"
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not allowed: expected one of {MODES}")
     if chunk_size not in CHUNK_SIZES:
@@ -601,16 +604,17 @@ def chunk_kda(
     if initial_state is not None and initial_state.shape != (B, H, K, V):
         raise ValueError(f"initial_state must be [B, H, K, V] = {(B, H, K, V)}, got {tuple(initial_state.shape)}")
     bounded = mode == "bounded"
+    if gate == "bounded" and g_min is None:
+        raise ValueError("gate='bounded' needs g_min, the gate's floor (a number < 0)")
     if bounded:
-        floor = max_safe_g_min("fp32", SUBTILE)
-        if not (floor <= lower_bound <= 0):
-            raise ValueError(
-                f"lower_bound={lower_bound} is not allowed in bounded mode: expected {floor:.3f} <= lower_bound <= 0 "
-                f"(|lower_bound| * {SUBTILE} / 2 must stay inside the exp range of a {SUBTILE}-token sub-tile); "
-                f"use mode='general' for lower decays")
         if gate == "softplus":
             raise ValueError("gate='softplus' is not allowed with mode='bounded': the softplus decay has no lower "
                              "bound; use mode='general' or gate='bounded'")
+        if g_min is None or not (G_MIN_FLOOR <= g_min <= 0):
+            raise ValueError(
+                f"g_min={g_min} is not allowed in bounded mode: expected {G_MIN_FLOOR:.3f} <= g_min <= 0 "
+                f"(|g_min| * {SUBTILE} / 2 must stay inside the exp range of a {SUBTILE}-token sub-tile); "
+                f"use mode='general' for lower decays")
     if gate == "none":
         if A_log is not None or dt_bias is not None:
             raise ValueError("A_log / dt_bias are only used with gate='bounded' or 'softplus', got gate='none'")
@@ -618,13 +622,13 @@ def chunk_kda(
             gmin, gmax = (x.item() for x in torch.aminmax(g.detach()))
             if gmax > 0:
                 raise ValueError(f"g must be a log decay <= 0, got max(g)={gmax:.4g}")
-            if bounded and gmin < lower_bound:
+            if bounded and gmin < g_min:
                 raise ValueError(
-                    f"min(g)={gmin:.4g} is below lower_bound={lower_bound} in bounded mode: "
-                    f"use mode='general' or bound the gate (g = lower_bound * sigmoid(...))")
+                    f"min(g)={gmin:.4g} is below g_min={g_min} in bounded mode: "
+                    f"use mode='general' or bound the gate (g = g_min * sigmoid(...))")
     elif A_log is None:
         raise ValueError(f"gate={gate!r} needs A_log [H] (the gate's per-head log rate)")
     scale = K**-0.5 if scale is None else float(scale)
-    prep = Prep(gate, lower_bound if gate == "bounded" else None, silu_qk, l2norm_qk, norm_eps)
+    prep = Prep(gate, g_min if gate == "bounded" else None, silu_qk, l2norm_qk, norm_eps)
     return ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
-                                  bounded, chunk_size, prep, lower_bound)
+                                  bounded, chunk_size, prep, g_min)

@@ -34,7 +34,6 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-SUBTILE = 16  # BC: sub-tile of the diagonal blocks; the bounded-mode safety argument uses it
 
 
 @triton.jit

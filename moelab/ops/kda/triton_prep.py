@@ -3,7 +3,7 @@
 Before the chunked KDA kernels run, every layer turns its raw projections into the op's inputs::
 
     qn = L2Norm(SiLU(q)),  kn = L2Norm(SiLU(k))           per (b, t, h) row of K channels
-    g  = lower_bound * Sigmoid(exp(A_log_h) * (z + dt_bias))     gate="bounded"  (K3)
+    g  = g_min * Sigmoid(exp(A_log_h) * (z + dt_bias))     gate="bounded"  (K3)
        = -exp(A_log_h) * Softplus(z + dt_bias)                    gate="softplus" (Kimi Linear)
        = z                                                        gate="none"     (g given)
 
@@ -26,24 +26,22 @@ All math is fp32; qn, kn are stored in q's dtype, g in fp32.
 Host functions ``prep_fwd`` / ``prep_bwd`` (no autograd; for a caller's own autograd Function),
 ``prep_fwd_chunked`` (the forward for the chunk kernels: padded outputs and the chunk-local cumsum
 of the decay instead of the decay),
-``PrepFunction`` + ``kda_prep`` (standalone autograd use) and ``kda_prep_torch`` (the fp32 PyTorch
-reference that defines the semantics).
+``PrepFunction`` + ``kda_prep`` (standalone autograd use). The fp32 PyTorch reference that defines
+the semantics is ``moelab.ops.kda.gate.kda_prep_torch``.
 """
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-GATES = ("bounded", "softplus", "none")
-MAX_HEAD_DIM = 256
+from moelab.ops.kda.gate import DTYPES
+from moelab.ops.kda.gate import check_prep_args as _check
+
 _GATE_ID = {"none": 0, "bounded": 1, "softplus": 2}
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # torch's softplus switches to the identity above this input (beta = 1); matched so gradients agree
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
 
@@ -106,11 +104,11 @@ def _softplus(x):
 
 
 @triton.jit
-def _gate(x, a, lower_bound, GATE: tl.constexpr):
+def _gate(x, a, g_min, GATE: tl.constexpr):
     """Log decay from the biased gate input ``x`` and the head rate ``a = exp(A_log)`` (fp32):
-    ``GATE`` 1: ``lower_bound * sigmoid(a x)``; 2: ``-a softplus(x)``."""
+    ``GATE`` 1: ``g_min * sigmoid(a x)``; 2: ``-a softplus(x)``."""
     if GATE == 1:
-        return lower_bound * tl.sigmoid(a * x)
+        return g_min * tl.sigmoid(a * x)
     else:
         return -a * _softplus(x)
 
@@ -127,7 +125,7 @@ def _prep_fwd_kernel(
     g,
     n_rows,
     H,
-    lower_bound,
+    g_min,
     eps,
     K: tl.constexpr,
     BK: tl.constexpr,
@@ -156,7 +154,7 @@ def _prep_fwd_kernel(
         a = tl.exp(tl.load(A_log + h).to(tl.float32))[:, None]
         if HAS_BIAS:
             x += tl.load(dt_bias + h[:, None] * K + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = _gate(x, a, lower_bound, GATE)
+        x = _gate(x, a, g_min, GATE)
     tl.store(g + base + offs, x, mask=mask)
 
 
@@ -172,7 +170,7 @@ def _prep_fwd_chunk_kernel(
     G,
     T,
     Tp,
-    lower_bound,
+    g_min,
     eps,
     H: tl.constexpr,
     K: tl.constexpr,
@@ -211,7 +209,7 @@ def _prep_fwd_chunk_kernel(
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         if HAS_BIAS:
             x += tl.load(dt_bias + i_h * K + c, mask=c < K, other=0.0).to(tl.float32)[None, :]
-        x = tl.where(mask, _gate(x, a, lower_bound, GATE), 0.0)
+        x = tl.where(mask, _gate(x, a, g_min, GATE), 0.0)
     tl.store(G + dst + so, tl.cumsum(x, axis=0) * 1.4426950408889634)
 
 
@@ -231,7 +229,7 @@ def _prep_bwd_kernel(
     dA_rows,
     n_rows,
     H,
-    lower_bound,
+    g_min,
     eps,
     K: tl.constexpr,
     BK: tl.constexpr,
@@ -275,7 +273,7 @@ def _prep_bwd_kernel(
             if GATE == 1:
                 # g = lb * sigmoid(u), u = a x: dg/du = lb s (1 - s); du/dx = a; d(u)/d(A_log) = a x
                 s = tl.sigmoid(a * x)
-                du = dy * lower_bound * s * (1.0 - s)
+                du = dy * g_min * s * (1.0 - s)
                 dx = du * a
                 dA = du * a * x
             else:
@@ -287,63 +285,15 @@ def _prep_bwd_kernel(
         tl.store(dz + base + offs, dx.to(dz.dtype.element_ty), mask=mask)
 
 
-def _check(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    z: torch.Tensor,
-    A_log: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    gate: str,
-    lower_bound: float | None,
-    eps: float,
-) -> None:
-    """Raise ValueError for any argument outside what the kernels support."""
-    if gate not in GATES:
-        raise ValueError(f"gate={gate!r} is not allowed: expected one of {GATES}")
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
-    B, T, H, K = q.shape
-    if not 1 <= K <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim K={K} is not allowed: expected 1..{MAX_HEAD_DIM}")
-    if k.shape != q.shape or z.shape != q.shape:
-        raise ValueError(f"k {tuple(k.shape)} and z {tuple(z.shape)} must match q {tuple(q.shape)}")
-    if q.dtype not in _DTYPES or k.dtype != q.dtype:
-        raise ValueError(f"q, k must share one dtype of bf16/fp16/fp32, got {q.dtype}, {k.dtype}")
-    if z.dtype not in _DTYPES:
-        raise ValueError(f"z dtype {z.dtype} is not allowed: expected one of bf16/fp16/fp32")
-    if k.device != q.device or z.device != q.device:
-        raise ValueError(f"q, k, z must be on one device, got {q.device}, {k.device}, {z.device}")
-    if not (eps > 0 and math.isfinite(eps)):
-        raise ValueError(f"eps={eps} is not allowed: expected a finite eps > 0")
-    if gate == "none":
-        if A_log is not None or dt_bias is not None:
-            raise ValueError(
-                "gate='none' takes z as the log decay: A_log and dt_bias must be None (they would get no gradient)"
-            )
-        return
-    if gate == "bounded" and not (lower_bound is not None and math.isfinite(lower_bound) and lower_bound < 0):
-        raise ValueError(f"lower_bound={lower_bound} is not allowed for gate='bounded': expected a finite value < 0")
-    if A_log is None or A_log.shape != (H,) or A_log.dtype not in _DTYPES or A_log.device != q.device:
-        got = None if A_log is None else (tuple(A_log.shape), A_log.dtype, A_log.device)
-        raise ValueError(f"gate={gate!r} needs A_log of shape [H] = ({H},), float, on {q.device}; got {got}")
-    if dt_bias is not None and (
-        dt_bias.shape != (H * K,) or dt_bias.dtype not in _DTYPES or dt_bias.device != q.device
-    ):
-        raise ValueError(
-            f"dt_bias must be None or [H*K] = ({H * K},), float, on {q.device}; got "
-            f"{(tuple(dt_bias.shape), dt_bias.dtype, dt_bias.device)}"
-        )
-
-
 def _launch_args(
-    q: torch.Tensor, gate: str, lower_bound: float | None, silu_qk: bool, l2norm_qk: bool, eps: float, elems: int
+    q: torch.Tensor, gate: str, g_min: float | None, silu_qk: bool, l2norm_qk: bool, eps: float, elems: int
 ) -> tuple[tuple, tuple, dict]:
     """(grid, runtime scalars, constexprs) shared by both kernels."""
     B, T, H, K = q.shape
     n_rows = B * T * H
     BK = triton.next_power_of_2(K)
     BR = _block_rows(BK, elems)
-    lb = float(lower_bound) if gate == "bounded" else 0.0
+    lb = float(g_min) if gate == "bounded" else 0.0
     const = dict(K=K, BK=BK, BR=BR, GATE=_GATE_ID[gate], SILU=bool(silu_qk), L2NORM=bool(l2norm_qk))
     return (triton.cdiv(n_rows, BR),), (n_rows, H, lb, float(eps)), const
 
@@ -356,7 +306,7 @@ def prep_fwd(
     dt_bias: torch.Tensor | None,
     *,
     gate: str,
-    lower_bound: float | None,
+    g_min: float | None,
     silu_qk: bool,
     l2norm_qk: bool,
     eps: float = 1e-6,
@@ -369,9 +319,9 @@ def prep_fwd(
             log decay itself.
         A_log: ``[H]`` log of the per-head decay rate ``a = exp(A_log)``; None for ``gate="none"``.
         dt_bias: ``[H*K]`` per-channel bias added to z (channel ``h*K + d``), or None.
-        gate: ``"bounded"`` (``g = lower_bound * sigmoid(a (z + dt_bias))``), ``"softplus"``
+        gate: ``"bounded"`` (``g = g_min * sigmoid(a (z + dt_bias))``), ``"softplus"``
             (``g = -a softplus(z + dt_bias)``) or ``"none"`` (``g = z``).
-        lower_bound: the bound of the bounded gate (< 0); ignored by the other gates.
+        g_min: the bound of the bounded gate (< 0); ignored by the other gates.
         silu_qk: apply SiLU to q and k first.
         l2norm_qk: L2-normalize each ``(b, t, h)`` row of K channels: ``x / max(||x||, eps)``.
         eps: the norm's floor.
@@ -380,11 +330,11 @@ def prep_fwd(
         ``qn``, ``kn`` ``[B, T, H, K]`` in q's dtype and ``g`` ``[B, T, H, K]`` fp32, the
         per-channel log decay (natural log, <= 0 for both gates).
     """
-    _check(q, k, z, A_log, dt_bias, gate, lower_bound, eps)
+    _check(q, k, z, A_log, dt_bias, gate, g_min, eps)
     q, k, z = q.contiguous(), k.contiguous(), z.contiguous()
     qn, kn = torch.empty_like(q), torch.empty_like(k)
     g = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    grid, scalars, const = _launch_args(q, gate, lower_bound, silu_qk, l2norm_qk, eps, _FWD_ELEMS)
+    grid, scalars, const = _launch_args(q, gate, g_min, silu_qk, l2norm_qk, eps, _FWD_ELEMS)
     _prep_fwd_kernel[grid](
         q,
         k,
@@ -411,7 +361,7 @@ def prep_fwd_chunked(
     *,
     chunk_size: int,
     gate: str,
-    lower_bound: float | None,
+    g_min: float | None,
     silu_qk: bool,
     l2norm_qk: bool,
     eps: float = 1e-6,
@@ -427,7 +377,7 @@ def prep_fwd_chunked(
         ``qn``, ``kn`` ``[B, Tp, H, Kp]`` in q's dtype (None with ``qk=False``: only G is computed)
         and ``G`` ``[B, Tp, H, Kp]`` fp32 (padded tokens repeat the chunk's last G, padded channels 0).
     """
-    _check(q, k, z, A_log, dt_bias, gate, lower_bound, eps)
+    _check(q, k, z, A_log, dt_bias, gate, g_min, eps)
     if chunk_size not in (16, 32, 64, 128):
         raise ValueError(f"chunk_size={chunk_size} is not allowed: expected one of (16, 32, 64, 128)")
     q, k, z = q.contiguous(), k.contiguous(), z.contiguous()
@@ -438,7 +388,7 @@ def prep_fwd_chunked(
     G = torch.empty(B, Tp, H, Kp, device=q.device, dtype=torch.float32)
     qn = q.new_empty(B, Tp, H, Kp) if qk else None
     kn = k.new_empty(B, Tp, H, Kp) if qk else None
-    lb = float(lower_bound) if gate == "bounded" else 0.0
+    lb = float(g_min) if gate == "bounded" else 0.0
     _prep_fwd_chunk_kernel[(Tp // C, B * H)](
         q,
         k,
@@ -477,7 +427,7 @@ def prep_bwd(
     dg: torch.Tensor | None,
     *,
     gate: str,
-    lower_bound: float | None,
+    g_min: float | None,
     silu_qk: bool,
     l2norm_qk: bool,
     eps: float = 1e-6,
@@ -496,9 +446,9 @@ def prep_bwd(
         dt_bias is None). The reductions over rows are torch sums of per-row partials:
         deterministic.
     """
-    _check(q, k, z, A_log, dt_bias, gate, lower_bound, eps)
+    _check(q, k, z, A_log, dt_bias, gate, g_min, eps)
     for name, t in (("dqn", dqn), ("dkn", dkn), ("dg", dg)):
-        if t is not None and (t.shape != q.shape or t.dtype not in _DTYPES or t.device != q.device):
+        if t is not None and (t.shape != q.shape or t.dtype not in DTYPES or t.device != q.device):
             raise ValueError(
                 f"{name} must be None or {tuple(q.shape)} float on {q.device}; got "
                 f"{(tuple(t.shape), t.dtype, t.device)}"
@@ -513,7 +463,7 @@ def prep_bwd(
     gated = dg is not None and gate != "none"
     n_rows = q.shape[0] * q.shape[1] * q.shape[2]
     dA_rows = torch.empty(n_rows if gated else 1, device=q.device, dtype=torch.float32)
-    grid, scalars, const = _launch_args(q, gate, lower_bound, silu_qk, l2norm_qk, eps, _BWD_ELEMS)
+    grid, scalars, const = _launch_args(q, gate, g_min, silu_qk, l2norm_qk, eps, _BWD_ELEMS)
     dummy = dA_rows  # stands in for absent tensors; constexpr flags keep the kernel off it
     _prep_bwd_kernel[grid](
         q,
@@ -541,8 +491,8 @@ class PrepFunction(torch.autograd.Function):
     """Autograd wrapper of :func:`prep_fwd` / :func:`prep_bwd`; saves only the inputs."""
 
     @staticmethod
-    def forward(ctx, q, k, z, A_log, dt_bias, gate, lower_bound, silu_qk, l2norm_qk, eps):
-        flags = dict(gate=gate, lower_bound=lower_bound, silu_qk=silu_qk, l2norm_qk=l2norm_qk, eps=eps)
+    def forward(ctx, q, k, z, A_log, dt_bias, gate, g_min, silu_qk, l2norm_qk, eps):
+        flags = dict(gate=gate, g_min=g_min, silu_qk=silu_qk, l2norm_qk=l2norm_qk, eps=eps)
         qn, kn, g = prep_fwd(q, k, z, A_log, dt_bias, **flags)
         ctx.save_for_backward(q, k, z, A_log, dt_bias)
         ctx.flags = flags
@@ -577,45 +527,10 @@ def kda_prep(
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None = None,
     gate: str = "bounded",
-    lower_bound: float | None = -5.0,
+    g_min: float | None = None,
     silu_qk: bool = False,
     l2norm_qk: bool = True,
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Differentiable fused prep: ``(qn, kn, g)`` as in :func:`prep_fwd` (shapes, dtypes, flags)."""
-    return PrepFunction.apply(q, k, z, A_log, dt_bias, gate, lower_bound, silu_qk, l2norm_qk, eps)
-
-
-def kda_prep_torch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    z: torch.Tensor,
-    A_log: torch.Tensor | None,
-    dt_bias: torch.Tensor | None = None,
-    gate: str = "bounded",
-    lower_bound: float | None = -5.0,
-    silu_qk: bool = False,
-    l2norm_qk: bool = True,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 PyTorch reference of :func:`kda_prep` (differentiable by autograd); defines the semantics.
-
-    Same arguments; every input is upcast to fp32 and all three outputs ``[B, T, H, K]`` are fp32.
-    """
-    _check(q, k, z, A_log, dt_bias, gate, lower_bound, eps)
-    B, T, H, K = q.shape
-
-    def qk(x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        if silu_qk:
-            x = F.silu(x)
-        return F.normalize(x, dim=-1, eps=eps) if l2norm_qk else x
-
-    x = z.float()
-    if gate == "none":
-        return qk(q), qk(k), x
-    if dt_bias is not None:
-        x = x + dt_bias.float().view(H, K)
-    a = A_log.float().exp()[:, None]  # [H, 1]
-    g = lower_bound * torch.sigmoid(a * x) if gate == "bounded" else -a * F.softplus(x)
-    return qk(q), qk(k), g
+    return PrepFunction.apply(q, k, z, A_log, dt_bias, gate, g_min, silu_qk, l2norm_qk, eps)

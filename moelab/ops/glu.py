@@ -1,4 +1,4 @@
-"""Gated linear units for the FFNs: SiTU-GLU (Kimi K3) and SwiGLU, plus the bias-free GLU FFN.
+"""Gated linear units for the FFNs: SiTU-GLU (Kimi K3) and SwiGLU, in PyTorch and fused in Triton.
 
     SiTU-GLU(g, u) = [b1 tanh(g / b1)] * sigmoid(g) * [b2 tanh(u / b2)]      (b1 = 4, b2 = 25)
     SwiGLU(g, u)   = g * sigmoid(g) * u                                       (= silu(g) * u)
@@ -8,8 +8,8 @@ and becomes SwiGLU as both betas grow.
 
 Two implementations of the same function:
 - ``situ_glu`` / ``swiglu``: plain PyTorch on separate gate and up tensors (the reference; autograd).
-- ``glu(h, ...)`` on a fused ``[..., 2F]`` projection (gate = first half, up = second half): on CUDA
-  it runs one Triton kernel forward and one backward (fp32 math, hand-written derivative). In eager
+- ``glu(h, ..., backend)`` on a fused ``[..., 2F]`` projection (gate = first half, up = second half):
+  with the Triton backend it runs one kernel forward and one backward (fp32 math, hand-written derivative). In eager
   PyTorch SiTU-GLU is ~9 elementwise passes forward and more backward over the largest activation
   of an MoE layer (``[tokens * top_k, 2F]``); the fused kernel reads/writes it once each way.
 """
@@ -17,16 +17,14 @@ Two implementations of the same function:
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from moelab.model.config import ConfigError
+from moelab.base import ConfigError
+from moelab.ops.backend import HAS_TRITON, use_triton
 
-try:  # Triton is optional on CPU-only installs; the fused path is then unavailable.
+if HAS_TRITON:  # Triton is optional on CPU-only installs; the fused path is then unavailable.
     import triton
     import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
 
 ACTIVATIONS = ("situ_glu", "swiglu")
 
@@ -53,27 +51,18 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def fused_glu_available(h: torch.Tensor) -> bool:
-    """Whether ``glu(..., fused=None)`` takes the Triton kernel for this tensor (CUDA + Triton)."""
-    return triton is not None and h.is_cuda
-
-
 def glu(h: torch.Tensor, activation: str, beta1: float = 4.0, beta2: float = 25.0,
-        fused: bool | None = None) -> torch.Tensor:
+        backend: str = "auto") -> torch.Tensor:
     """Apply a GLU activation to a fused gate|up projection.
 
     h: ``[..., 2F]`` with gate = ``h[..., :F]``, up = ``h[..., F:]``. Returns ``[..., F]`` in h's dtype.
-    fused: True forces the Triton kernel (also on CPU under TRITON_INTERPRET=1, for tests), False
-    forces plain PyTorch, None picks Triton on CUDA.
+    backend: "triton" runs the fused kernel (also on CPU under TRITON_INTERPRET=1, for tests),
+    "torch" the reference, "auto" Triton on CUDA.
     """
     check_activation(activation)
     if h.shape[-1] % 2:
         raise ValueError(f"glu: last dim {h.shape[-1]} of h must be even (gate | up halves)")
-    if fused is None:
-        fused = fused_glu_available(h)
-    if fused:
-        if triton is None:
-            raise RuntimeError("glu(fused=True) needs triton, which is not installed")
+    if use_triton(backend, h):
         lead = h.shape[:-1]
         out = _FusedGLU.apply(h.reshape(-1, h.shape[-1]), activation == "situ_glu", float(beta1), float(beta2))
         return out.reshape(*lead, h.shape[-1] // 2)
@@ -83,46 +72,13 @@ def glu(h: torch.Tensor, activation: str, beta1: float = 4.0, beta2: float = 25.
     return swiglu(gate, up)
 
 
-class GLUFFN(nn.Module):
-    """Bias-free GLU feed-forward: ``down( act(x W_g, x W_u) )``, ``[..., d_in] -> [..., d_in]``.
-
-    ``gate_up`` holds W_g and W_u stacked as one Linear ``d_in -> 2 * d_hidden`` (gate rows first)
-    so the input is read once. A sum of n such FFNs of width w equals one of width n * w (hidden
-    units are independent and ``down`` sums over them), which is how LatentMoE fuses its shared experts.
-    """
-
-    def __init__(self, d_in: int, d_hidden: int, activation: str, beta1: float = 4.0, beta2: float = 25.0) -> None:
-        super().__init__()
-        if d_in < 1 or d_hidden < 1:
-            raise ConfigError(f"GLUFFN: d_in={d_in}, d_hidden={d_hidden}: both must be >= 1")
-        self.activation = check_activation(activation)
-        self.beta1, self.beta2 = float(beta1), float(beta2)
-        self.d_in, self.d_hidden = d_in, d_hidden
-        self.gate_up = nn.Linear(d_in, 2 * d_hidden, bias=False)
-        self.down = nn.Linear(d_hidden, d_in, bias=False)
-        self.fused: bool | None = None  # None: Triton activation on CUDA; see glu()
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02) -> None:
-        nn.init.normal_(self.gate_up.weight, std=std)
-        nn.init.normal_(self.down.weight, std=std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: ``[..., d_in]`` -> ``[..., d_in]``."""
-        return self.down(glu(self.gate_up(x), self.activation, self.beta1, self.beta2, self.fused))
-
-    def extra_repr(self) -> str:
-        return f"d_in={self.d_in}, d_hidden={self.d_hidden}, activation={self.activation}"
-
-
 # ----------------------------------------------------------------------------------------------
 # Fused Triton kernels. Math in fp32 whatever the storage dtype. tanh and sigmoid are written with
 # tl.exp rather than libdevice calls, which keeps the kernels portable across Triton versions and
 # the CPU interpreter.
 # ----------------------------------------------------------------------------------------------
 
-if triton is not None:
+if HAS_TRITON:
 
     @triton.jit
     def _tanh(z):

@@ -1,11 +1,10 @@
-"""SiTU-GLU / SwiGLU and the GLU FFN: bounds, the SwiGLU limit, fused Triton kernel vs PyTorch."""
+"""SiTU-GLU / SwiGLU (moelab.ops.glu): bounds, the SwiGLU limit, the fused Triton kernel vs PyTorch."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from moelab.model.activations import GLUFFN, glu, situ_glu, swiglu
-from moelab.model.config import ConfigError
+from moelab.ops.glu import glu, situ_glu, swiglu
 from tests.helpers import assert_close, rel_err
 
 # The fused Triton kernels run on CUDA when there is a GPU, else in the interpreter on CPU.
@@ -27,7 +26,7 @@ def test_situ_glu_bounded_by_beta_product(dtype):
     u = torch.cat([u.flatten(), torch.randn(4096) * 1e4]).to(DEV, dtype)
     for b1, b2 in [(4.0, 25.0), (1.0, 2.0)]:
         out = situ_glu(g, u, b1, b2)
-        fused = glu(torch.stack([g, u], -1).view(-1, 2), "situ_glu", b1, b2, fused=True).view(-1)
+        fused = glu(torch.stack([g, u], -1).view(-1, 2), "situ_glu", b1, b2, backend="triton").view(-1)
         for name, o in [("reference", out), ("fused", fused)]:
             assert torch.isfinite(o).all(), name
             assert o.abs().max().item() <= b1 * b2 * (1 + 1e-6), name
@@ -69,10 +68,10 @@ def test_fused_glu_matches_reference(activation, dtype, tol, scale):
     torch.manual_seed(0)
     h = (torch.randn(37, 2 * 48) * scale).to(DEV, dtype).requires_grad_()
     go = torch.randn(37, 48).to(DEV, dtype)
-    out = glu(h, activation, fused=True)
+    out = glu(h, activation, backend="triton")
     out.backward(go)
     h64 = h.detach().double().requires_grad_()
-    ref = glu(h64, activation, fused=False)
+    ref = glu(h64, activation, backend="torch")
     ref.backward(go.double())
     assert out.dtype == dtype and out.shape == (37, 48)
     assert_close(ref, out, tol, f"{activation} out")
@@ -82,44 +81,4 @@ def test_fused_glu_matches_reference(activation, dtype, tol, scale):
 def test_fused_glu_keeps_leading_dims():
     torch.manual_seed(0)
     h = torch.randn(2, 3, 16, device=DEV)
-    assert_close(glu(h, "situ_glu", fused=False), glu(h, "situ_glu", fused=True), 1e-6, "3d")
-
-
-@pytest.mark.parametrize("activation", ["situ_glu", "swiglu"])
-def test_glu_ffn_forward_and_grads(activation):
-    torch.manual_seed(0)
-    ffn = GLUFFN(16, 24, activation, beta1=2.0, beta2=5.0)
-    with torch.no_grad():  # larger weights so the caps are exercised
-        ffn.gate_up.weight.mul_(50)
-    x = torch.randn(3, 5, 16, requires_grad=True)
-    y = ffn(x)
-    assert y.shape == x.shape
-    go = torch.randn_like(y)
-    y.backward(go)
-
-    x64 = x.detach().double().requires_grad_()
-    wg, wu = (w.detach().double().requires_grad_() for w in ffn.gate_up.weight.chunk(2, 0))
-    wd = ffn.down.weight.detach().double().requires_grad_()
-    g, u = x64 @ wg.T, x64 @ wu.T
-    a = _situ_ref(g, u, 2.0, 5.0) if activation == "situ_glu" else g * torch.sigmoid(g) * u
-    ref = a @ wd.T
-    ref.backward(go.double())
-    assert_close(ref, y, 1e-5, "ffn out")
-    assert_close(x64.grad, x.grad, 1e-5, "ffn dx")
-    assert_close(torch.cat([wg.grad, wu.grad]), ffn.gate_up.weight.grad, 1e-5, "ffn dW_gate_up")
-    assert_close(wd.grad, ffn.down.weight.grad, 1e-5, "ffn dW_down")
-
-    ffn.to(DEV).fused = True  # Triton path gives the same function
-    assert_close(ref, ffn(x.to(DEV)).cpu(), 1e-5, "ffn fused out")
-
-
-def test_glu_ffn_init_and_errors():
-    torch.manual_seed(0)
-    ffn = GLUFFN(256, 512, "situ_glu")
-    assert ffn.gate_up.weight.shape == (1024, 256) and ffn.down.weight.shape == (256, 512)
-    assert ffn.gate_up.bias is None and ffn.down.bias is None
-    assert abs(ffn.gate_up.weight.std().item() - 0.02) < 1e-3
-    with pytest.raises(ConfigError, match=r"activation='gelu'.*'situ_glu', 'swiglu'"):
-        GLUFFN(8, 8, "gelu")
-    with pytest.raises(ConfigError, match="relu"):
-        glu(torch.randn(2, 4), "relu")
+    assert_close(glu(h, "situ_glu", backend="torch"), glu(h, "situ_glu", backend="triton"), 1e-6, "3d")
