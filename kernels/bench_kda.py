@@ -54,7 +54,7 @@ except Exception as exc:  # fla-core is optional
     fla_chunk_kda, FLA_VERSION = None, None
     print(f"fla not importable ({type(exc).__name__}: {exc}); skipping fla_* rows", flush=True)
 
-LOWER_BOUND = -5.0
+G_MIN = -5.0  # the bounded gate's floor, on both sides (fla calls it lower_bound)
 SHAPES = [(8, 4096, 16, 128), (1, 32768, 16, 128), (2, 65536, 16, 128)]
 LONG_SHAPES = [(1, 131072, 16, 128), (1, 262144, 16, 128), (1, 524288, 16, 128)]
 IMPLS = ["moelab_bounded", "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash"]
@@ -81,13 +81,13 @@ def make_fn(impl, ins):
         q, k, v, x, beta, A_log, dt_bias = ins
         mode = impl.split("_")[1]
         # the same computation as fla's: L2 norm of q, k and the bounded gate inside the op
-        return lambda: triton_chunk.chunk_kda(q, k, v, x, beta, mode=mode, lower_bound=LOWER_BOUND, gate="bounded",
+        return lambda: triton_chunk.chunk_kda(q, k, v, x, beta, mode=mode, g_min=G_MIN, gate="bounded",
                                               A_log=A_log, dt_bias=dt_bias, l2norm_qk=True)[0]
     if impl.startswith("fla"):
         q, k, v, x, beta, A_log, dt_bias = ins
         kw = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True)
         if impl == "fla_safe_gate":
-            kw.update(safe_gate=True, lower_bound=LOWER_BOUND)
+            kw.update(safe_gate=True, lower_bound=G_MIN)
         return lambda: fla_chunk_kda(q, k, v, x, beta, **kw)[0]
     qs, ks, vs = ins
 

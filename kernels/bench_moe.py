@@ -46,9 +46,10 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from moelab.model.activations import glu  # noqa: E402
 from moelab.model.config import MoEConfig  # noqa: E402
-from moelab.model.moe import LatentMoE, _grouped_mm_fn, experts_grouped, make_plan  # noqa: E402
+from moelab.model.moe import LatentMoE  # noqa: E402
+from moelab.ops.glu import glu  # noqa: E402
+from moelab.ops.moe import _grouped_mm_fn, experts_grouped, make_plan  # noqa: E402
 
 TARGET = 0.70
 
@@ -193,13 +194,12 @@ def main() -> None:
 
     cfg = MoEConfig(num_experts=args.experts, top_k=args.top_k, num_shared=args.num_shared,
                     latent_dim=args.latent, expert_dim=args.expert_dim, shared_dim=args.shared_dim,
-                    activation=args.activation, dispatch=args.dispatch)
+                    activation=args.activation, dispatch=args.dispatch, backend="torch" if args.no_fused else "auto")
     moe = LatentMoE(args.d_model, cfg, norm_eps=1e-6).to(dev, dtype)
-    moe.set_fused(False if args.no_fused else None)
     fused = not args.no_fused and cuda
     n, d = args.tokens, args.d_model
     r, f, k, e = moe.routed_dim, args.expert_dim, args.top_k, args.experts
-    act_args = (cfg.situ_beta1, cfg.situ_beta2, fused)
+    act_args = (cfg.situ_beta1, cfg.situ_beta2, cfg.backend)
     x = torch.randn(1, n, d, device=dev, dtype=dtype, requires_grad=True)
     moe_leaves = [x, *moe.parameters()]
     flops = moe.matmul_flops(n)
@@ -225,7 +225,6 @@ def main() -> None:
 
     if cuda:  # the training setting: fp32 parameters and input (the pre-norm output), bf16 autocast
         moe32 = LatentMoE(args.d_model, cfg, norm_eps=1e-6).to(dev)
-        moe32.set_fused(False if args.no_fused else None)
         x32 = x.detach().float().requires_grad_()
 
         def forward32():

@@ -56,8 +56,16 @@ def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
+G_MIN = -5.0  # the bounded inputs' floor, and the bound bounded mode is told
+
+
+def g_min_for(mode: str) -> float | None:
+    """The ``g_min`` to call ``chunk_kda`` with in ``mode`` (general mode takes no bound)."""
+    return G_MIN if mode == "bounded" else None
+
+
 def make_inputs(B, T, H, D, gate, h0, dtype, dev, seed):
-    """q, k L2-normalized (as the layer feeds them); gate 'bounded': g = -5 sigmoid(z);
+    """q, k L2-normalized (as the layer feeds them); gate 'bounded': g = G_MIN sigmoid(z);
     gate 'softplus': g = -exp(A) softplus(z), A_log = log U(1, 16) (reaches g ~ -50)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -66,7 +74,7 @@ def make_inputs(B, T, H, D, gate, h0, dtype, dev, seed):
     v = rnd(B, T, H, D)
     z = rnd(B, T, H, D)
     if gate == "bounded":
-        g = -5.0 * torch.sigmoid(z)
+        g = G_MIN * torch.sigmoid(z)
     else:
         a = torch.empty(H).uniform_(1, 16, generator=gen)
         g = -a[:, None] * torch.nn.functional.softplus(z)
@@ -233,7 +241,8 @@ def main() -> int:
             ref = recurrent_reference(*ins, s0, do, dS)
         modes = ["bounded", "general"] if gate == "bounded" else ["general"]
         for mode in modes:
-            out = fwd_bwd(chunk_kda, ins, s0, do, dS, round_grads=args.emulate_bf16, mode=mode)
+            out = fwd_bwd(chunk_kda, ins, s0, do, dS, round_grads=args.emulate_bf16, mode=mode,
+                          g_min=g_min_for(mode))
             errs = {n: rel_err(r, o) for n, r, o in zip(NAMES, ref, out)}
             tol = {n: (O_TOL if n in ("o", "final_state") else GRAD_TOL) for n in errs}
             passed = all(errs[n] <= tol[n] for n in errs)

@@ -96,6 +96,12 @@ def test_int_given_for_float_is_accepted_as_float() -> None:
     ({"name": "a b"}, ["name='a b'", "letters"]),
     ({"model.kda.chunk_size": 128, "model.kda.backend": "auto"},
      ["chunk_size=128", "16, 32 or 64 with backend='auto'"]),
+    ({"model.moe.backend": "fused"}, ["model.moe.backend='fused'", "'auto', 'triton', 'torch'"]),
+    ({"model.kda.conv_backend": "chunk"}, ["model.kda.conv_backend='chunk'", "'auto', 'triton', 'torch'"]),
+    # old spellings point at what to write now
+    ({"model.kda.subtile": 16}, ["model.kda.subtile=16", "no longer a setting", "SUBTILE = 16", "delete the key"]),
+    ({"model.kda.precision": "bf16"}, ["model.kda.precision='bf16'", "no longer a setting", "G_MIN_FLOOR"]),
+    ({"model.moe.fused": True}, ["model.moe.fused=True", "renamed to model.moe.backend"]),
 ])
 def test_bad_values_fail_at_load_naming_key_value_and_allowed(override: dict, fragments: list[str]) -> None:
     with pytest.raises(ConfigError) as err:
@@ -159,6 +165,8 @@ def test_flatten_has_one_dotted_key_per_leaf() -> None:
     cfg = load_config("k3")
     flat = flatten(cfg)
     assert flat["model.kda.num_heads"] == cfg.model.kda.num_heads
+    # every implementation choice is a field, so it is logged as a param like the rest
+    assert flat["model.kda.backend"] == flat["model.kda.conv_backend"] == flat["model.moe.backend"] == "auto"
     assert flat["train.betas"] == list(cfg.train.betas)
     assert not any(k.startswith("k3_reference") for k in flat)
     assert all(not isinstance(v, dict) for v in flat.values())
