@@ -205,7 +205,7 @@ class _Loader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             if key in seen:
                 raise ConfigError(f"key {key!r} appears twice in one mapping (lines {seen[key] + 1} and "
-                                  f"{key_node.start_mark.line + 1} of {key_node.start_mark.name}): keep one")
+                                  f"{key_node.start_mark.line + 1}): keep one")
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 

@@ -128,21 +128,21 @@ def client(uri: str = ""):
     db = _sqlite_path(uri)
     if uri.startswith(("http://", "https://")):
         _probe_server(uri)
-    mlflow_client = MlflowClient(tracking_uri=uri)
-    if db is not None:
-        try:
-            db.parent.mkdir(parents=True, exist_ok=True)
-            with open(db, "a") as f:
-                # flock and sqlite's own (fcntl) locks do not interact: this only orders moelab processes.
-                fcntl.flock(f, fcntl.LOCK_EX)
-                try:
-                    mlflow_client.search_experiments(max_results=1)  # the store (schema) is built here, once
-                finally:
-                    fcntl.flock(f, fcntl.LOCK_UN)
-        except OSError as e:
-            raise TrackingError(f"the MLflow database {db} cannot be opened ({e}): check its folder's "
-                                f"permissions, or set tracking.tracking_uri / $MLFLOW_TRACKING_URI") from e
-    return mlflow_client
+    if db is None:
+        return MlflowClient(tracking_uri=uri)
+    try:
+        db.parent.mkdir(parents=True, exist_ok=True)
+        with open(db, "a") as f:
+            # flock and sqlite's own (fcntl) locks do not interact: this only orders moelab processes.
+            # The client builds (and migrates) the store when it is constructed, once per process.
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                return MlflowClient(tracking_uri=uri)
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+    except OSError as e:
+        raise TrackingError(f"the MLflow database {db} cannot be opened ({e}): check its folder's "
+                            f"permissions, or set tracking.tracking_uri / $MLFLOW_TRACKING_URI") from e
 
 
 def experiment_id(mlflow_client, name: str) -> str:
