@@ -167,15 +167,18 @@ def experiment_id(mlflow_client, name: str) -> str:
 
 
 def end_stale_run(run_id: str, tracking_uri: str = "") -> bool:
-    """Mark ``run_id`` KILLED if it is still RUNNING (its process died without closing it); True if it was."""
-    mlflow_client = client(tracking_uri)
+    """Mark ``run_id`` KILLED if it is still RUNNING (its process died without closing it); True if it was.
+
+    Best effort: a store that is gone or a run that no longer exists leaves nothing to close.
+    """
     try:
-        status = mlflow_client.get_run(run_id).info.status
-    except Exception:  # a run of another store, or deleted: nothing to close
+        mlflow_client = client(tracking_uri)
+        if mlflow_client.get_run(run_id).info.status != "RUNNING":
+            return False
+        mlflow_client.set_terminated(run_id, "KILLED")
+    except Exception as e:
+        _report(f"could not close the stale run {run_id} in {tracking_uri or 'the default store'}: {_describe(e)}")
         return False
-    if status != "RUNNING":
-        return False
-    mlflow_client.set_terminated(run_id, "KILLED")
     return True
 
 
