@@ -1,4 +1,4 @@
-"""atomic_write / atomic_path / write_json and the atomic checkpoint writer."""
+"""atomic_write / atomic_path / write_json and the atomic, checksummed checkpoint writer."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from moelab.train.runner import AtomicCheckpointIO
+from moelab.train.runner import AtomicCheckpointIO, sha256_file
 from moelab.utils import atomic_path, atomic_write, write_json
 from tests.helpers import assert_close
 
@@ -64,4 +64,7 @@ def test_atomic_checkpoint_io_round_trip(tmp_path) -> None:
     back = io.load_checkpoint(tmp_path / "c.ckpt")
     assert back["step"] == 7
     assert_close(state["w"], back["w"], 0.0, "w")
-    assert [p.name for p in tmp_path.iterdir()] == ["c.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ckpt", "c.ckpt.sha256"]
+    assert (tmp_path / "c.ckpt.sha256").read_text() == f"{sha256_file(tmp_path / 'c.ckpt')}  c.ckpt\n"
+    io.remove_checkpoint(tmp_path / "c.ckpt")
+    assert list(tmp_path.iterdir()) == []
