@@ -7,17 +7,21 @@
 
 ``--config`` takes a preset name (``moelab/presets/<name>.yaml``) or a YAML path; ``--set KEY=VALUE``
 (repeatable) overrides any field, the value parsed as YAML. Exit codes: 0 done, 1 failed (the
-message says why), 2 bad configuration or arguments, 130 interrupted (a checkpoint was saved).
+message says why: a NaN, a tracking store that cannot be reached), 2 bad configuration or arguments
+(including a damaged checkpoint, a resume that changes the model, a run folder another run owns),
+130 stopped by Ctrl-C, 143 stopped by SIGTERM (after either, last.ckpt and summary.json are saved).
+User errors print one ``error:`` line, never a traceback, and stop before an MLflow run is opened.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Sequence
 
-from moelab.model.config import ConfigError
+from moelab.base import ConfigError
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -56,15 +60,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from moelab.tracking import TrackingError
+
     args = build_parser().parse_args(argv)
     try:
         return {"train": _train, "info": _info, "data": _data, "study": _study}[args.command](args)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrackingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:
         print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
-        return 130
+        return 128 + getattr(e, "signum", signal.SIGINT)
 
 
 def _train(args: argparse.Namespace) -> int:

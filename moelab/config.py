@@ -2,7 +2,7 @@
 
 One run is described by a :class:`RunConfig`::
 
-    name, seed
+    name, preset, seed
     model:    moelab.model.config.ModelConfig     (the architecture)
     data:     moelab.data.config.DataConfig       (corpus, tokenizer, seq_len)
     train:    TrainConfig                         (optimizer, schedule, precision, devices, checkpoints)
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -35,6 +36,7 @@ import yaml
 from moelab.base import ConfigError, _check, _one_of
 from moelab.data.config import DataConfig, resolve_path
 from moelab.model.config import ModelConfig
+from moelab.tracking import experiment_name
 from moelab.utils import flatten_dict
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
@@ -100,25 +102,31 @@ class TrainConfig:
 class TrackingConfig:
     """Where and under which names a run is recorded in MLflow."""
 
-    experiment: str = "moelab"
+    experiment: str = ""  # "": train/<preset> (moelab.tracking.experiment_name)
     tracking_uri: str = ""  # "": $MLFLOW_TRACKING_URI, else sqlite:///<repo>/mlflow.db
     run_name: str = ""  # "": the config's name
-    log_system_metrics: bool = True  # CPU/RAM/disk/network (and GPU with nvidia-ml-py) every interval
+    log_system_metrics: bool = True  # CPU/RAM/disk/network and NVIDIA GPUs every interval
     system_metrics_interval_s: float = 10.0
+    retry_timeout_s: float = 60.0  # at the end of a run, how long to wait for a failing store to come back
     enabled: bool = True  # False: no MLflow at all (unit tests, quick experiments)
 
     def validate(self) -> TrackingConfig:
-        _check(self.experiment != "", "tracking.experiment", self.experiment, "a non-empty name")
         _check(self.system_metrics_interval_s > 0, "tracking.system_metrics_interval_s",
                self.system_metrics_interval_s, "a positive number of seconds")
+        _check(self.retry_timeout_s >= 0, "tracking.retry_timeout_s", self.retry_timeout_s, "a number of seconds >= 0")
         return self
 
 
 @dataclass
 class RunConfig:
-    """Everything one training run needs. ``k3_reference`` carries reference totals (k3.yaml) for ``moelab info``."""
+    """Everything one training run needs. ``k3_reference`` carries reference totals (k3.yaml) for ``moelab info``.
+
+    ``name`` names the run and its folder (``runs/<name>``); ``preset`` records the preset it was
+    loaded from (``load_config`` fills it in: the preset's name, or the YAML file's stem).
+    """
 
     name: str = "run"
+    preset: str = ""
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -150,12 +158,57 @@ class RunConfig:
         """Checkpoint folder: ``train.ckpt_dir`` (relative to the repository root) or ``runs/<name>``."""
         return resolve_path(self.train.ckpt_dir or f"runs/{self.name}")
 
+    @property
+    def experiment(self) -> str:
+        """The MLflow experiment: ``tracking.experiment``, else ``train/<preset>`` (one rule for all runs)."""
+        return self.tracking.experiment or experiment_name("train", self.preset or self.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume: which differences between a checkpoint's config and the new one are allowed
+
+# Applied on resume: the optimizer and schedule read them from the new config from the first resumed step.
+RESUME_APPLIED = ("train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.max_steps", "train.weight_decay",
+                  "train.betas", "train.grad_clip")
+# Free to differ: where and how the run executes and is recorded, not what it computes.
+RESUME_FREE = ("name", "preset", "tracking.", "train.precision", "train.accelerator", "train.devices",
+               "train.strategy", "train.val_every", "train.val_batches", "train.log_every", "train.ckpt_dir",
+               "train.deterministic", "train.compile", "data.cache_dir", "data.num_workers", "model.kda.backend",
+               "model.kda.conv_backend", "model.moe.dispatch")
+
+
+def resume_changes(old: RunConfig, new: RunConfig) -> tuple[dict[str, tuple[Any, Any]], dict[str, tuple[Any, Any]]]:
+    """``(refused, applied)``: the ``{key: (old, new)}`` differences a resume must refuse, and those it applies.
+
+    Everything that defines the model, the data, the tokenizer or the batch sequence (``model.*``,
+    ``data.*``, ``seed``, ``train.batch_size``, ...) is refused; ``RESUME_APPLIED`` is applied;
+    ``RESUME_FREE`` is neither.
+    """
+    a, b = flatten(old), flatten(new)
+    refused, applied = {}, {}
+    for key in a.keys() | b.keys():
+        if a.get(key) == b.get(key) or key.startswith(RESUME_FREE):
+            continue
+        (applied if key in RESUME_APPLIED else refused)[key] = (a.get(key), b.get(key))
+    return dict(sorted(refused.items())), dict(sorted(applied.items()))
+
 
 # ---------------------------------------------------------------------------------------------
 # YAML
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads ``3e-4`` as a float (YAML 1.1 wants ``3.0e-4``; people write ``3e-4``)."""
+    """SafeLoader that reads ``3e-4`` as a float (YAML 1.1 wants ``3.0e-4``; people write ``3e-4``) and
+    refuses a key given twice in one mapping (PyYAML would keep the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise ConfigError(f"key {key!r} appears twice in one mapping (lines {seen[key] + 1} and "
+                                  f"{key_node.start_mark.line + 1}): keep one")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -196,12 +249,16 @@ def load_config(spec: str | Path, overrides: Sequence[str] | Mapping[str, Any] =
     """
     path = preset_path(spec)
     try:
-        raw = yaml.load(path.read_text(), Loader=_Loader)
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.load(f, Loader=_Loader)
     except yaml.YAMLError as e:
         raise ConfigError(f"config={str(path)!r} is not valid YAML: {e}") from e
+    except ConfigError as e:
+        raise ConfigError(f"config={str(path)!r}: {e}") from e
     raw = {} if raw is None else raw
     _check(isinstance(raw, dict), "config", str(path), "a YAML mapping at the top level")
     raw.setdefault("name", path.stem)
+    raw.setdefault("preset", path.stem)
     return from_dict(_apply_overrides(raw, overrides))
 
 
@@ -336,7 +393,8 @@ def _match(value: Any, tp: Any, name: str) -> tuple[bool, Any]:
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value
     if tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        # inf and nan are floats to YAML (.inf, .nan) but no setting means them.
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         return ok, float(value) if ok else None
     if tp is str:
         return isinstance(value, str), value
@@ -371,5 +429,5 @@ def _describe(tp: Any) -> str:
         return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}s" if args else "a list"
     if origin is dict:
         return "a mapping"
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+    return {bool: "true or false", int: "an integer", float: "a finite number", str: "a string",
             type(None): "null"}.get(tp, getattr(tp, "__name__", str(tp)))

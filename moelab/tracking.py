@@ -2,37 +2,62 @@
 
 Where runs go (``resolve_tracking_uri``): ``tracking.tracking_uri`` if a config sets it, else
 ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<repo>/mlflow.db``; with a sqlite store, artifacts go
-to ``mlruns/`` beside the database, whatever the working directory. ``make mlflow-ui`` serves
-the same database.
+to ``mlruns/<experiment>/`` beside the database, whatever the working directory. ``make mlflow-ui``
+serves the same database.
+
+Experiments are named by one rule, :func:`experiment_name`: ``train/<preset>`` for ``moelab train``
+(``train/tiny``), ``study/<NN_name>`` for a study (``study/01_decay_bound``). Every experiment moelab
+creates carries MLflow 3's kind tag (``mlflow.experimentKind``), so the UI opens the training view.
 
 ``start_run`` owns a run's status: FINISHED when its block completes, KILLED on Ctrl-C or SIGTERM
 (KeyboardInterrupt, SystemExit), FAILED on any other exception, so a crashed run never stays RUNNING.
 Inside a study (the runner exports ``MOELAB_PARENT_RUN_ID``) every run nests under the study's
 parent run, in the parent's experiment.
 
+A tracking outage does not stop the work: ``Run.log_metrics`` queues the metrics and a background
+thread sends them, retrying while the store fails (a locked sqlite file, a server restart); the
+run's end waits up to ``retry_timeout_s`` for the store to come back, then records what it could
+not send in ``Run.problems()``. A store that cannot be reached at the start fails fast instead
+(:class:`TrackingError`, naming the URI), before anything is trained.
+
+Other helpers: :func:`end_stale_run` closes a run a killed process left RUNNING; :func:`client`
+serialises the creation of a new sqlite database, so runs started at once on a fresh file do not
+race on MLflow's schema migrations.
+
 Everything goes through an explicit ``MlflowClient`` and run id, never MLflow's process-global
-"active run", so notebooks, nested runs and Lightning's ``MLFlowLogger`` cannot trip over it.
+"active run", so notebooks, nested runs and Lightning cannot trip over it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator, Mapping
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
 
 from moelab.base import repo_root
 
 PARENT_ENV = "MOELAB_PARENT_RUN_ID"
 PARENT_TAG = "mlflow.parentRunId"  # the tag MLflow's UI nests runs by
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # MLflow 3 opens the GenAI view on experiments without it
+EXPERIMENT_KIND = "custom_model_development"
 MAX_PARAM_CHARS = 6000  # MLflow rejects longer param values
+MAX_BATCH_METRICS = 1000  # MLflow's log_batch limit
+PROBE_TIMEOUT_S = 5.0
+
+
+class TrackingError(RuntimeError):
+    """The tracking store cannot be used at the start of a run; the message names the URI and what to do."""
 
 
 def default_tracking_uri() -> str:
@@ -49,38 +74,112 @@ def resolve_tracking_uri(uri: str = "") -> str:
     return uri or os.environ.get("MLFLOW_TRACKING_URI", "") or default_tracking_uri()
 
 
+def experiment_name(kind: str, name: str) -> str:
+    """The experiment naming rule: ``<kind>/<name>``, e.g. ``train/tiny`` or ``study/01_decay_bound``."""
+    return f"{kind}/{name}"
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    """Absolute path of the database file of a ``sqlite:///...`` URI; None for other stores and ``:memory:``.
+
+    SQLAlchemy reads ``sqlite:///rel.db`` as relative to the working directory and
+    ``sqlite:////abs/x.db`` as absolute: everything after the third slash is the path. (Parsing the
+    URI as a URL would keep a leading ``//``, which POSIX treats as a different root.)
+    """
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix):
+        return None
+    path = uri[len(prefix):].split("?", 1)[0]
+    if path in ("", ":memory:"):
+        return None
+    return Path(os.path.abspath(path))
+
+
 def _sqlite_dir(uri: str) -> Path | None:
     """Folder of the database file of a ``sqlite:///...`` URI, else None."""
-    parsed = urlparse(uri)
-    if parsed.scheme != "sqlite":
-        return None
-    return Path(unquote(parsed.path)).parent
+    path = _sqlite_path(uri)
+    return path.parent if path is not None else None
+
+
+def _probe_server(uri: str) -> None:
+    """Fail within seconds when the HTTP tracking server ``uri`` does not answer (MLflow would retry for minutes)."""
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=PROBE_TIMEOUT_S):
+            pass
+    except urllib.error.HTTPError:
+        pass  # something answered: MLflow's own calls will say what is wrong with it
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise TrackingError(f"the MLflow tracking server {uri} does not answer ({reason}): start it (make "
+                            f"mlflow-ui), point tracking.tracking_uri or $MLFLOW_TRACKING_URI at another store, "
+                            f"or set tracking.enabled=false") from e
 
 
 def client(uri: str = ""):
-    """An ``MlflowClient`` for :func:`resolve_tracking_uri` ``(uri)``; creates the sqlite folder if needed."""
+    """An ``MlflowClient`` for :func:`resolve_tracking_uri` ``(uri)``, checked to be usable.
+
+    sqlite: creates the folder, and creates or migrates the schema under an exclusive lock on the
+    database file (MLflow's migrations are not safe against a second process doing the same).
+    HTTP: fails fast with :class:`TrackingError` when the server does not answer.
+    """
     from mlflow.tracking import MlflowClient
 
     uri = resolve_tracking_uri(uri)
-    folder = _sqlite_dir(uri)
-    if folder is not None:
-        folder.mkdir(parents=True, exist_ok=True)
-    return MlflowClient(tracking_uri=uri)
+    db = _sqlite_path(uri)
+    if uri.startswith(("http://", "https://")):
+        _probe_server(uri)
+    if db is None:
+        return MlflowClient(tracking_uri=uri)
+    try:
+        db.parent.mkdir(parents=True, exist_ok=True)
+        with open(db, "a") as f:
+            # flock and sqlite's own (fcntl) locks do not interact: this only orders moelab processes.
+            # The client builds (and migrates) the store when it is constructed, once per process.
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                return MlflowClient(tracking_uri=uri)
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+    except OSError as e:
+        raise TrackingError(f"the MLflow database {db} cannot be opened ({e}): check its folder's "
+                            f"permissions, or set tracking.tracking_uri / $MLFLOW_TRACKING_URI") from e
 
 
 def experiment_id(mlflow_client, name: str) -> str:
-    """Id of experiment ``name``, created if missing (sqlite: artifacts under ``mlruns/<name>`` beside the db)."""
+    """Id of experiment ``name``, created if missing (sqlite: artifacts under ``mlruns/<name>`` beside the db).
+
+    New and restored experiments get the training kind tag (``mlflow.experimentKind``).
+    """
     exp = mlflow_client.get_experiment_by_name(name)
     if exp is not None:
         if exp.lifecycle_stage == "deleted":
             mlflow_client.restore_experiment(exp.experiment_id)
+        if EXPERIMENT_KIND_TAG not in exp.tags:
+            mlflow_client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return exp.experiment_id
     location = None
     folder = _sqlite_dir(mlflow_client.tracking_uri)
     if folder is not None:
         # Without this, MLflow puts artifacts in ./mlruns of whatever the working directory is.
         location = (folder / "mlruns" / re.sub(r"[^A-Za-z0-9_.\-]+", "_", name)).as_uri()
-    return mlflow_client.create_experiment(name, artifact_location=location)
+    return mlflow_client.create_experiment(name, artifact_location=location,
+                                           tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+
+
+def end_stale_run(run_id: str, tracking_uri: str = "") -> bool:
+    """Mark ``run_id`` KILLED if it is still RUNNING (its process died without closing it); True if it was.
+
+    Best effort: a store that is gone or a run that no longer exists leaves nothing to close.
+    """
+    try:
+        mlflow_client = client(tracking_uri)
+        if mlflow_client.get_run(run_id).info.status != "RUNNING":
+            return False
+        mlflow_client.set_terminated(run_id, "KILLED")
+    except Exception as e:
+        _report(f"could not close the stale run {run_id} in {tracking_uri or 'the default store'}: {_describe(e)}")
+        return False
+    return True
 
 
 def git_commit() -> str | None:
@@ -96,31 +195,121 @@ def git_commit() -> str | None:
     return head + ("-dirty" if dirty else "")
 
 
+def _report(message: str) -> None:
+    print(f"moelab: {message}", file=sys.stderr, flush=True)
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+class _MetricSender:
+    """Sends queued metrics from a background thread; while the store fails, keeps them and retries.
+
+    A locked sqlite file blocks each attempt for up to its busy timeout (20 s in MLflow) and an
+    unreachable server for its retries; on this thread that costs the training loop nothing.
+    """
+
+    RETRY_MIN_S, RETRY_MAX_S = 1.0, 15.0
+
+    def __init__(self, mlflow_client: Any, run_id: str, uri: str) -> None:
+        self.client, self.run_id, self.uri = mlflow_client, run_id, uri
+        self.pending: list[Any] = []  # mlflow.entities.Metric
+        self.failures = 0
+        self.last_error: str | None = None
+        self._cond = threading.Condition()
+        self._closing = False
+        self._deadline = float("inf")
+        self._thread = threading.Thread(target=self._loop, name="moelab-mlflow-metrics", daemon=True)
+        self._thread.start()
+
+    def put(self, items: list[Any]) -> None:
+        with self._cond:
+            self.pending.extend(items)
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        delay, failing = self.RETRY_MIN_S, False
+        while True:
+            with self._cond:
+                while not self.pending and not self._closing:
+                    self._cond.wait()
+                if not self.pending or time.monotonic() > self._deadline:
+                    return
+                batch = self.pending[:MAX_BATCH_METRICS]
+            try:
+                self.client.log_batch(self.run_id, metrics=batch)
+            except Exception as e:
+                self.failures += 1
+                self.last_error = _describe(e)
+                if not failing:
+                    _report(f"logging metrics to {self.uri} failed ({self.last_error}); training continues, the "
+                            f"metrics are kept and retried")
+                failing = True
+                with self._cond:
+                    self._cond.wait(min(delay, max(0.0, self._deadline - time.monotonic())))
+                delay = min(2 * delay, self.RETRY_MAX_S)
+                continue
+            with self._cond:
+                del self.pending[:len(batch)]
+            if failing:
+                _report(f"logging metrics to {self.uri} works again after {self.failures} failed attempt(s)")
+            delay, failing = self.RETRY_MIN_S, False
+
+    def close(self, timeout_s: float) -> None:
+        """Send what is queued, retrying for at most ``timeout_s`` seconds; what is left stays in ``pending``."""
+        with self._cond:
+            self._closing = True
+            self._deadline = time.monotonic() + timeout_s
+            self._cond.notify()
+        # An attempt already under way may block for its own timeout past the deadline.
+        self._thread.join(timeout_s + 30.0)
+
+
 @dataclass
 class Run:
-    """One MLflow run, addressed by id through its own client."""
+    """One MLflow run, addressed by id through its own client.
+
+    ``log_metrics`` is asynchronous and survives a store outage (see the module docstring); the
+    other calls are synchronous. ``problems()`` says what did not reach the store.
+    """
 
     client: Any  # mlflow.tracking.MlflowClient
     run_id: str
     experiment_id: str
     tracking_uri: str
+    _sender: _MetricSender | None = field(default=None, repr=False)
+    _failures: list[str] = field(default_factory=list, repr=False)
+    _status_recorded: bool = field(default=True, repr=False)
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Log params (values as strings, cut to MLflow's 6000-character limit)."""
         from mlflow.entities import Param
 
         items = [Param(str(k), _param_value(v)) for k, v in params.items()]
-        if items:
-            self.client.log_batch(self.run_id, params=items)
+        for i in range(0, len(items), 100):  # MLflow's per-batch limit for params
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Log scalar metrics at ``step`` (non-finite values are logged as they are: MLflow stores NaN)."""
+        """Queue scalar metrics at ``step`` (non-finite values are logged as they are: MLflow stores NaN)."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         items = [Metric(str(k), float(v), now, step or 0) for k, v in metrics.items()]
-        if items:
-            self.client.log_batch(self.run_id, metrics=items)
+        if not items:
+            return
+        if self._sender is None:
+            self._sender = _MetricSender(self.client, self.run_id, self.tracking_uri)
+        self._sender.put(items)
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        """Wait until queued metrics are sent (or ``timeout_s`` passes); later ``log_metrics`` calls still work."""
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            sender.close(timeout_s)
+            if sender.pending:
+                self._failures.append(f"{len(sender.pending)} metric value(s) not sent ({sender.last_error})")
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         for k, v in tags.items():
@@ -149,6 +338,41 @@ class Run:
         else:
             self.client.log_artifact(self.run_id, str(path), artifact_path)
 
+    def attempt(self, what: str, call: Callable[..., Any], *args: Any) -> bool:
+        """Run ``call(*args)``; on failure report it, remember it in ``problems()`` and return False."""
+        try:
+            call(*args)
+        except Exception as e:
+            self._failures.append(f"{what}: {_describe(e)}")
+            _report(f"{what} in MLflow ({self.tracking_uri}) failed: {_describe(e)}")
+            return False
+        return True
+
+    def problems(self) -> list[str]:
+        """What did not reach the tracking store (unsent metrics, failed artifact uploads, the final status)."""
+        out = list(self._failures)
+        if self._sender is not None and self._sender.failures:
+            out.append(f"{self._sender.failures} failed metric upload attempt(s), last: {self._sender.last_error}")
+        if not self._status_recorded:
+            out.append("the final run status was not recorded: the run shows RUNNING until a resume closes it")
+        return out
+
+    def _terminate(self, status: str, timeout_s: float) -> None:
+        self.flush(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        delay = _MetricSender.RETRY_MIN_S
+        while True:
+            try:
+                self.client.set_terminated(self.run_id, status)
+                return
+            except Exception as e:
+                if time.monotonic() + delay > deadline:
+                    self._status_recorded = False
+                    _report(f"could not mark run {self.run_id} {status} in {self.tracking_uri}: {_describe(e)}")
+                    return
+                time.sleep(delay)
+                delay = min(2 * delay, _MetricSender.RETRY_MAX_S)
+
 
 def _param_value(v: Any) -> str:
     s = str(v)
@@ -171,36 +395,44 @@ def start_run(
     tags: Mapping[str, Any] | None = None,
     log_system_metrics: bool = True,
     system_metrics_interval_s: float = 10.0,
+    retry_timeout_s: float = 60.0,
 ) -> Iterator[Run]:
     """Create a run, yield it, and always end it with the right status.
 
     Args:
-        experiment: experiment name (ignored under a parent: children live in the parent's experiment).
+        experiment: experiment name (see :func:`experiment_name`; ignored under a parent: children
+            live in the parent's experiment).
         parent_run_id: nest under this run; None: under ``$MOELAB_PARENT_RUN_ID`` if set; ``""``: top level.
         params, tags: logged at creation.
-        log_system_metrics: sample CPU, memory, disk, network (and GPU with nvidia-ml-py) into
-            ``system/*`` metrics every ``system_metrics_interval_s`` seconds.
+        log_system_metrics: sample CPU, memory, disk, network and NVIDIA GPUs into ``system/*``
+            metrics every ``system_metrics_interval_s`` seconds.
+        retry_timeout_s: at the end, how long to keep retrying queued metrics and the final status
+            while the store fails.
 
     Status at the end: FINISHED, KILLED (KeyboardInterrupt, SystemExit) or FAILED (any other
-    exception, re-raised).
+    exception, re-raised). Raises :class:`TrackingError` when the store cannot be used at the start.
     """
     from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_SOURCE_NAME
 
     mlflow_client = client(tracking_uri)
     uri = mlflow_client.tracking_uri
     parent = parent_run_id if parent_run_id is not None else current_parent_run_id()
-    if parent:
-        exp_id = mlflow_client.get_run(parent).info.experiment_id
-    else:
-        exp_id = experiment_id(mlflow_client, experiment)
-    all_tags = {MLFLOW_SOURCE_NAME: " ".join(sys.argv) or "python"}
-    commit = git_commit()
-    if commit:
-        all_tags[MLFLOW_GIT_COMMIT] = commit
-    if parent:
-        all_tags[PARENT_TAG] = parent
-    all_tags.update({str(k): str(v) for k, v in (tags or {}).items()})
-    info = mlflow_client.create_run(exp_id, tags=all_tags, run_name=run_name).info
+    try:
+        if parent:
+            exp_id = mlflow_client.get_run(parent).info.experiment_id
+        else:
+            exp_id = experiment_id(mlflow_client, experiment)
+        all_tags = {MLFLOW_SOURCE_NAME: " ".join(sys.argv) or "python"}
+        commit = git_commit()
+        if commit:
+            all_tags[MLFLOW_GIT_COMMIT] = commit
+        if parent:
+            all_tags[PARENT_TAG] = parent
+        all_tags.update({str(k): str(v) for k, v in (tags or {}).items()})
+        info = mlflow_client.create_run(exp_id, tags=all_tags, run_name=run_name).info
+    except Exception as e:
+        raise TrackingError(f"cannot open an MLflow run in {uri} ({_describe(e)}); set tracking.enabled=false "
+                            f"to train without tracking") from e
     run = Run(mlflow_client, info.run_id, exp_id, uri)
     monitor = None
     status = "FAILED"
@@ -208,17 +440,27 @@ def start_run(
         if params:
             run.log_params(params)
         if log_system_metrics:
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-            monitor = SystemMetricsMonitor(run.run_id, sampling_interval=system_metrics_interval_s, tracking_uri=uri)
-            monitor.start()
+            monitor = _system_monitor(run.run_id, system_metrics_interval_s, uri)
         yield run
         status = "FINISHED"
     except (KeyboardInterrupt, SystemExit):
-        # Told to stop (Ctrl-C; SIGTERM, which Lightning turns into SystemExit), not broken.
+        # Told to stop (Ctrl-C; SIGTERM), not broken.
         status = "KILLED"
         raise
     finally:
         if monitor is not None:
             monitor.finish()
-        mlflow_client.set_terminated(run.run_id, status)
+        run._terminate(status, retry_timeout_s)
+
+
+def _system_monitor(run_id: str, interval_s: float, uri: str) -> Any:
+    """MLflow's system-metrics sampler, started; GPU metrics when nvidia-ml-py finds an NVIDIA driver."""
+    import logging
+
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    # Its "Skip logging GPU metrics" and "Started monitoring" lines are INFO noise on every CPU run.
+    logging.getLogger("mlflow.system_metrics.system_metrics_monitor").setLevel(logging.WARNING)
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, tracking_uri=uri)
+    monitor.start()
+    return monitor

@@ -1,10 +1,11 @@
-"""``python -m moelab``: info answers fast, bad input exits 2 with a message, data prepares the corpus,
-train runs and reports, Ctrl-C handling is covered in tests/train/test_fit.py."""
+"""``python -m moelab``: info answers fast, bad input exits 2 with a one-line message (never a traceback),
+data prepares the corpus, train runs and reports, SIGTERM exits 143 (Ctrl-C: tests/train/test_fit.py)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -89,3 +90,100 @@ def test_train_subprocess_prints_summary_and_records_throughput(tmp_path, tracki
     from mlflow.tracking import MlflowClient
 
     assert MlflowClient(tracking_uri).get_run(summary["run_id"]).info.status == "FINISHED"  # env URI honoured
+
+
+def test_sigterm_exits_143_with_summary_and_checkpoint(tmp_path, tracking_uri) -> None:  # noqa: F811
+    """SIGTERM (what a scheduler or `docker stop` sends) stops after the step under way, like Ctrl-C."""
+    ckpt = tmp_path / "ckpt"
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                "MLFLOW_TRACKING_URI": tracking_uri}
+    proc = subprocess.Popen([sys.executable, "-m", "moelab", "train", "--config", "tiny", "--set",
+                             "train.max_steps=100000", "--set", "train.val_every=2", "--set", f"train.ckpt_dir={ckpt}",
+                             "--set", "tracking.log_system_metrics=false"], cwd=REPO, env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (ckpt / "last.ckpt").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-3000:]
+    assert "training stopped by SIGTERM" in err and "Traceback" not in err, err[-3000:]
+    summary = json.loads((ckpt / "summary.json").read_text())
+    assert summary["status"] == "terminated" and summary["steps"] >= 2
+    from mlflow.tracking import MlflowClient
+
+    assert MlflowClient(tracking_uri).get_run(summary["run_id"]).info.status == "KILLED"
+
+
+def _train_args(tmp_path: Path, *sets: str) -> list[str]:
+    args = ["train", "--config", "tiny", "--set", f"train.ckpt_dir={tmp_path / 'run'}",
+            "--set", "tracking.enabled=false"]
+    for s in sets:
+        args += ["--set", s]
+    return args
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["train.lr=.inf"], "train.lr=inf is not allowed: expected a finite number"),
+    (["model.init_std=0"], "model.init_std=0.0 is not allowed: expected a positive number"),
+    (["model.init_std=-0.02"], "model.init_std=-0.02 is not allowed"),
+    (["model.moe.top_k=9"], "model.moe.top_k=9 is not allowed"),  # named as --set takes it
+    (["model.kda.conv_size=0"], "model.kda.conv_size=0 is not allowed"),
+])
+def test_user_errors_exit_2_with_one_line(tmp_path, sets, message, capsys) -> None:
+    assert main(_train_args(tmp_path, *sets)) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("error: "), err
+
+
+def test_machine_errors_exit_2_before_training(tmp_path, monkeypatch, capsys) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        assert main(_train_args(tmp_path, "train.accelerator=gpu")) == 2
+        assert "train.accelerator='gpu' is not allowed here: no CUDA device" in capsys.readouterr().err
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert main(_train_args(tmp_path, "model.kda.backend=triton", "train.accelerator=cpu")) == 2
+    assert "model.kda.backend='triton' is not allowed without a CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # refused before the run folder was made
+
+
+def test_duplicate_yaml_key_exits_2(tmp_path, capsys) -> None:
+    path = tmp_path / "dup.yaml"
+    path.write_text("train:\n  lr: 1e-3\n  max_steps: 5\n  lr: 3e-3\n")
+    assert main(["info", "--config", str(path)]) == 2
+    assert "key 'lr' appears twice in one mapping (lines 2 and 4" in capsys.readouterr().err
+
+
+def test_bad_resume_targets_exit_2_naming_the_file(tmp_path, capsys) -> None:
+    bad = tmp_path / "notes.ckpt"
+    bad.write_text("not a checkpoint")
+    assert main(_train_args(tmp_path) + ["--resume", str(bad)]) == 2
+    assert f"{bad} is not a readable checkpoint" in capsys.readouterr().err
+    folder = tmp_path / "empty_run"
+    folder.mkdir()
+    assert main(_train_args(tmp_path) + ["--resume", str(folder)]) == 2
+    assert f"{folder / 'last.ckpt'} does not exist" in capsys.readouterr().err
+
+
+def test_a_damaged_corpus_archive_exits_2_naming_it(tmp_path, monkeypatch, capsys) -> None:
+    (tmp_path / "data").mkdir()
+    archive = (REPO / "data" / "shakespeare.tar.xz").read_bytes()
+    (tmp_path / "data" / "shakespeare.tar.xz").write_bytes(archive[: len(archive) // 2])
+    monkeypatch.setenv("MOELAB_ROOT", str(tmp_path))
+    assert main(["data", "--config", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert f"the default corpus {tmp_path / 'data' / 'shakespeare.tar.xz'} is damaged" in err, err
+
+
+def test_unreachable_tracking_server_exits_1(tmp_path, monkeypatch, capsys) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    code = main(["train", "--config", "tiny", "--set", f"train.ckpt_dir={tmp_path / 'run'}",
+                 "--set", f"tracking.tracking_uri=http://127.0.0.1:{port}"])
+    assert code == 1
+    assert f"the MLflow tracking server http://127.0.0.1:{port} does not answer" in capsys.readouterr().err

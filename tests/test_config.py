@@ -11,6 +11,7 @@ from moelab.config import (
     load_config,
     parse_value,
     preset_names,
+    resume_changes,
     to_dict,
     to_yaml,
     with_overrides,
@@ -102,6 +103,12 @@ def test_int_given_for_float_is_accepted_as_float() -> None:
     ({"model.kda.subtile": 16}, ["model.kda.subtile=16", "no longer a setting", "SUBTILE = 16", "delete the key"]),
     ({"model.kda.precision": "bf16"}, ["model.kda.precision='bf16'", "no longer a setting", "G_MIN_FLOOR"]),
     ({"model.moe.fused": True}, ["model.moe.fused=True", "renamed to model.moe.backend"]),
+    ({"train.lr": float("inf")}, ["train.lr=inf", "expected a finite number"]),
+    ({"train.grad_clip": float("nan")}, ["train.grad_clip=nan", "finite"]),
+    ({"model.norm_eps": float("inf")}, ["model.norm_eps=inf", "finite"]),
+    ({"model.init_std": 0.0}, ["model.init_std=0.0", "a positive number"]),
+    ({"model.moe.top_k": 9}, ["model.moe.top_k=9"]),  # the key as --set takes it, not moe.top_k
+    ({"model.mla.num_heads": 0}, ["model.mla.num_heads=0"]),
 ])
 def test_bad_values_fail_at_load_naming_key_value_and_allowed(override: dict, fragments: list[str]) -> None:
     with pytest.raises(ConfigError) as err:
@@ -132,6 +139,37 @@ def test_yaml_path_and_default_name(tmp_path) -> None:
     cfg = load_config(str(path))
     assert (cfg.name, cfg.seed, cfg.train.max_steps) == ("exp1", 3, 7)
     assert cfg.model == RunConfig().model  # missing sections take the defaults
+
+
+def test_yaml_inf_and_duplicate_keys_are_refused(tmp_path) -> None:
+    path = tmp_path / "inf.yaml"
+    path.write_text("train: {lr: .inf}\n")
+    with pytest.raises(ConfigError, match="train.lr=inf is not allowed: expected a finite number"):
+        load_config(str(path))
+    path = tmp_path / "dup.yaml"
+    path.write_text("seed: 1\nmodel:\n  kda: {gate: bounded,\n        gate: softplus}\n")
+    with pytest.raises(ConfigError, match=r"dup.yaml': key 'gate' appears twice in one mapping \(lines 3 and 4\)"):
+        load_config(str(path))
+
+
+def test_preset_and_experiment_follow_one_rule(tmp_path) -> None:
+    cfg = load_config("tiny", {"name": "my-run"})
+    assert (cfg.name, cfg.preset, cfg.experiment) == ("my-run", "tiny", "train/tiny")
+    assert load_config("tiny", {"tracking.experiment": "mine"}).experiment == "mine"
+    path = tmp_path / "again.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(str(path)).preset == "tiny"  # a saved config.yaml keeps the preset it came from
+
+
+def test_resume_changes_sort_refused_from_applied() -> None:
+    old = load_config("tiny")
+    new = with_overrides(old, {"train.lr": 1e-2, "train.max_steps": 100, "model.kda.gate": "softplus",
+                               "data.tokenizer": "byte", "model.vocab_size": 256, "data.vocab_size": 256,
+                               "seed": 3, "train.val_every": 7, "tracking.enabled": False, "name": "x"})
+    refused, applied = resume_changes(old, new)
+    assert applied == {"train.lr": (3e-3, 1e-2), "train.max_steps": (60, 100)}
+    assert set(refused) == {"model.kda.gate", "data.tokenizer", "model.vocab_size", "data.vocab_size", "seed"}
+    assert resume_changes(old, old) == ({}, {})
 
 
 def test_invalid_yaml_and_non_mapping(tmp_path) -> None:

@@ -69,6 +69,6 @@ def test_two_cpu_ranks_end_with_identical_weights(tmp_path: Path, tracking_uri: 
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
-    exp = client.get_experiment_by_name("moelab-tiny")
+    exp = client.get_experiment_by_name("train/tiny")
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FINISHED" and run.data.params["train.devices"] == "2"

@@ -1,25 +1,30 @@
 """Acceptance: train the tiny preset of the real model on the default corpus, read it back through a
-real ``mlflow server`` (REST API), and resume from the checkpoint."""
+real ``mlflow server`` (REST API), and resume from the checkpoint; train as an ordinary (non-root) user
+in a copy of the repository with the default store."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 import pytest
 
+from moelab.tracking import experiment_name, start_run
 from moelab.train import fit
 from tests.train.helpers import tiny_config
 from tests.train.mlflow_fixtures import mlflow_template_db, tracking_uri  # noqa: F401
 
 STEPS = 60
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _free_port() -> int:
@@ -71,7 +76,9 @@ def mlflow_server(tmp_path, tracking_uri):  # noqa: F811
 def test_tiny_train_track_serve_resume(tmp_path, tracking_uri, mlflow_server) -> None:  # noqa: F811
     cfg = tiny_config(tmp_path / "ckpt", tracking_uri, train__max_steps=STEPS, train__val_every=20,
                       train__log_every=5)
-    result = fit(cfg)
+    with start_run(experiment_name("study", "00_e2e"), "study", tracking_uri=tracking_uri,
+                   log_system_metrics=False) as parent:
+        result = fit(cfg, parent_run_id=parent.run_id)
 
     losses = [r["train/loss"] for r in result.history]
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
@@ -82,8 +89,23 @@ def test_tiny_train_track_serve_resume(tmp_path, tracking_uri, mlflow_server) ->
 
     run = _get(mlflow_server, "/api/2.0/mlflow/runs/get", run_id=result.run_id)["run"]
     assert run["info"]["status"] == "FINISHED"
+    # Nested under the study's run, in its experiment, which opens in MLflow's training view.
+    tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
+    assert tags["mlflow.parentRunId"] == parent.run_id and tags["moelab.preset"] == "tiny"
+    assert run["info"]["experiment_id"] == parent.experiment_id
+    exp = _get(mlflow_server, "/api/2.0/mlflow/experiments/get", experiment_id=parent.experiment_id)["experiment"]
+    assert exp["name"] == "study/00_e2e"
+    assert {"key": "mlflow.experimentKind", "value": "custom_model_development"} in exp["tags"]
+    # Artifacts beside the database, in the test's folder.
+    assert run["info"]["artifact_uri"].startswith((tmp_path / "mlruns").as_uri() + "/"), run["info"]["artifact_uri"]
     params = {p["key"]: p["value"] for p in run["data"]["params"]}
     assert params["model.n_layers"] == str(cfg.model.n_layers) and params["data.source"] == "shakespeare"
+    # Constants are params; every metric changes over the run (no single-value charts).
+    assert params["run.flops_per_token_fwd"] and params["run.params_total"] and params["run.world_size"] == "1"
+    for key in {m["key"] for m in run["data"]["metrics"]}:
+        points = _get(mlflow_server, "/api/2.0/mlflow/metrics/get-history", run_id=result.run_id, metric_key=key,
+                      max_results="1000")["metrics"]
+        assert len({m["step"] for m in points}) >= 2, (key, points)
     history = _get(mlflow_server, "/api/2.0/mlflow/metrics/get-history", run_id=result.run_id,
                    metric_key="train/loss", max_results="1000")["metrics"]
     assert len(history) >= STEPS // cfg.train.log_every
@@ -95,8 +117,66 @@ def test_tiny_train_track_serve_resume(tmp_path, tracking_uri, mlflow_server) ->
     more = tiny_config(tmp_path / "ckpt", tracking_uri, train__max_steps=STEPS + 10, train__val_every=20,
                        train__log_every=5)
     resumed = fit(more, resume=True)
-    assert [int(r["step"]) for r in resumed.history] == list(range(STEPS + 1, STEPS + 11))
-    assert resumed.history[0]["train/loss"] < first
+    assert [int(r["step"]) for r in resumed.history] == list(range(1, STEPS + 11))  # the whole run's history
+    assert resumed.history[:STEPS] == result.history
+    assert resumed.history[STEPS]["train/loss"] < first
     run2 = _get(mlflow_server, "/api/2.0/mlflow/runs/get", run_id=resumed.run_id)["run"]
     tags = {t["key"]: t["value"] for t in run2["data"]["tags"]}
     assert tags["moelab.resumed_from_run"] == result.run_id
+
+
+NOBODY = 65534
+
+
+def _user_kwargs(user: str) -> dict:
+    """subprocess arguments that run the child as ``user``: ``current``, or ``unprivileged`` (uid/gid 65534)."""
+    if user == "current":
+        return {}
+    if os.getuid() != 0:
+        pytest.skip("not root: the 'current' case already trains as an ordinary user")
+    kwargs = {"user": NOBODY, "group": NOBODY, "extra_groups": []}
+    try:
+        subprocess.run([sys.executable, "-c", "pass"], check=True, timeout=60, **kwargs)
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"uid {NOBODY} cannot run this interpreter ({sys.executable}: {e})")
+    return kwargs
+
+
+@pytest.mark.parametrize("user", ["current", "unprivileged"])
+def test_training_with_the_default_store_keeps_artifacts_inside_the_repository(user, mlflow_template_db) -> None:  # noqa: F811
+    """The CLI with the default store (``<repo>/mlflow.db``) in a copy of the repository owned by the user who
+    trains; ``unprivileged`` trains as uid 65534 when the suite runs as root."""
+    import tempfile
+
+    from moelab.config import load_config
+    from moelab.data import prepare
+
+    kwargs = _user_kwargs(user)
+    repo = Path(tempfile.mkdtemp(prefix="moelab-user-"))  # not under pytest's root-only tmp folder
+    try:
+        shutil.copytree(REPO / "moelab", repo / "moelab", ignore=shutil.ignore_patterns("__pycache__"))
+        (repo / "data").mkdir()
+        shutil.copy(REPO / "data" / "shakespeare.tar.xz", repo / "data")
+        cache = prepare(load_config("tiny").data, progress=False).cache_dir
+        shutil.copytree(cache, repo / "data" / "cache" / cache.name)
+        shutil.copy(mlflow_template_db, repo / "mlflow.db")
+        if kwargs:
+            for path in [repo, *repo.rglob("*")]:
+                os.chown(path, NOBODY, NOBODY, follow_symlinks=False)
+        env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MOELAB_ROOT")}
+        env.update(PYTHONPATH=str(repo), HOME=str(repo))
+        proc = subprocess.run(
+            [sys.executable, "-m", "moelab", "train", "--config", "tiny", "--set", "train.max_steps=2", "--set",
+             "train.warmup_steps=1", "--set", "train.val_every=2", "--set", "tracking.log_system_metrics=false"],
+            cwd=repo, env=env, capture_output=True, text=True, timeout=600, **kwargs)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        summary = json.loads((repo / "runs" / "tiny" / "summary.json").read_text())
+        from mlflow.tracking import MlflowClient
+
+        run = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}").get_run(summary["run_id"])
+        assert run.info.status == "FINISHED"
+        assert run.info.artifact_uri.startswith((repo / "mlruns").as_uri() + "/"), run.info.artifact_uri
+        artifacts = Path(run.info.artifact_uri.removeprefix("file://"))
+        assert (artifacts / "loss_curve.png").is_file() and (artifacts / "summary.json").is_file()
+    finally:
+        shutil.rmtree(repo, ignore_errors=True)

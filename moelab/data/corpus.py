@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import lzma
 import os
 import platform
 import shutil
@@ -174,10 +175,14 @@ def _shakespeare_archive() -> Path:
 
 def _shakespeare_documents() -> Documents:
     path = _shakespeare_archive()
-    with tarfile.open(path, mode="r:xz") as tar:
-        members = sorted((m for m in tar.getmembers() if m.isfile() and m.name.endswith(".txt")),
-                         key=lambda m: m.name)
-        texts = [tar.extractfile(m).read().decode("utf-8") for m in members]
+    try:
+        with tarfile.open(path, mode="r:xz") as tar:
+            members = sorted((m for m in tar.getmembers() if m.isfile() and m.name.endswith(".txt")),
+                             key=lambda m: m.name)
+            texts = [tar.extractfile(m).read().decode("utf-8") for m in members]
+    except (tarfile.TarError, EOFError, lzma.LZMAError) as e:
+        raise ConfigError(f"the default corpus {path} is damaged ({type(e).__name__}: {e}): restore it with "
+                          f"git checkout -- {SHAKESPEARE_ARCHIVE}") from e
     ids = [Path(m.name).stem for m in members]
     return Documents(ids=ids, texts=lambda idx: (texts[i] for i in idx),
                      info={"archive": str(SHAKESPEARE_ARCHIVE), "archive_sha256": _sha256_file(path)})

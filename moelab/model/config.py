@@ -217,12 +217,13 @@ class ModelConfig:
         _one_of("model.dense_activation", self.dense_activation, ("situ_glu", "swiglu"))
         _check(self.max_seq_len >= 1, "model.max_seq_len", self.max_seq_len, "an integer >= 1")
         _check(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "a positive number")
+        _check(self.init_std > 0, "model.init_std", self.init_std, "a positive number (0 trains a dead model)")
         kinds = self.layer_types()
         if "kda" in kinds:
-            self.kda.validate()
+            self.kda.validate("model.kda")
         if "mla" in kinds:
-            self.mla.validate()
+            self.mla.validate("model.mla")
         if self.dense_layers < self.n_layers:
-            self.moe.validate()
-        self.residual.validate(2 * self.n_layers)
+            self.moe.validate("model.moe")
+        self.residual.validate(2 * self.n_layers, "model.residual")
         return self

@@ -59,9 +59,8 @@ class LitMoELab(L.LightningModule):
         loss = out.loss + out.aux_loss
         self.step_scalars = {"train/loss": loss.detach(), "train/ce": out.loss.detach(),
                              "train/aux_loss": out.aux_loss.detach()}
-        self.log("train/loss", loss, prog_bar=True)
-        self.log("train/ce", out.loss)
-        self.log("train/aux_loss", out.aux_loss)
+        # For the progress bar only: StepMonitor logs every scalar of the step, at the step it completes.
+        self.log("train/loss", loss, prog_bar=True, logger=False)
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -69,8 +68,6 @@ class LitMoELab(L.LightningModule):
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
         self.step_scalars["train/grad_norm"] = norm.detach()
-        self.log("train/grad_norm", norm)
-        self.log("train/lr", float(optimizer.param_groups[0]["lr"]))
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out = self.model(batch["input_ids"], batch["targets"], return_logits=False, check_ids=False)
@@ -91,6 +88,18 @@ class LitMoELab(L.LightningModule):
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_factor(step, t.warmup_steps, t.max_steps, t.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_train_start(self) -> None:
+        # After a resume Lightning has restored the checkpoint's optimizer and schedule state; the
+        # config's values win (the fields moelab.config.RESUME_APPLIED lists), so the run trains with
+        # the settings it records. On a fresh start this recomputes the same values.
+        t = self.cfg.train
+        optimizer = self.trainer.optimizers[0]
+        schedule = self.trainer.lr_scheduler_configs[0].scheduler
+        schedule.base_lrs = [t.lr] * len(optimizer.param_groups)
+        factor = lr_factor(schedule.last_epoch, t.warmup_steps, t.max_steps, t.min_lr_ratio)
+        for group, decay in zip(optimizer.param_groups, (t.weight_decay, 0.0)):
+            group.update(initial_lr=t.lr, lr=t.lr * factor, weight_decay=decay, betas=t.betas)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Self-describing checkpoints (load_model needs no preset) and exact resume of any RNG use.

@@ -2,27 +2,46 @@
 
 What a run leaves behind, in ``cfg.ckpt_dir`` (``runs/<name>`` by default):
 
-    config.yaml     the resolved config (``moelab train --config runs/<name>/config.yaml`` repeats it)
-    last.ckpt       the state after the latest validation (every ``val_every`` steps, the last step, Ctrl-C)
+    config.yaml     the effective config (``moelab train --config runs/<name>/config.yaml`` repeats it)
+    last.ckpt       the state after the latest validation (every ``val_every`` steps, the last step,
+                    Ctrl-C, SIGTERM); written only while the weights are finite
     best.ckpt       the state with the lowest validation loss
-    history.csv     the scalars of every optimizer step
-    summary.json    final losses, tokens/s, MFU, peak memory, parameter counts
+    *.ckpt.sha256   each checkpoint's checksum (``sha256sum -c`` format), verified before a resume
+    history.csv     the scalars of every optimizer step of the whole run (resumes append), rewritten
+                    at each validation so it reaches as far as ``last.ckpt``
+    summary.json    status, final losses, tokens/s, MFU, peak memory, parameter counts; also
+                    written when training fails (status ``failed`` and the error)
+    run.lock        held (flock) while a process trains here; names that process and its MLflow run
 
-and in MLflow: the flattened config as params, accounting numbers, step metrics, system
-metrics, the loss curve (``loss_curve.png``), the per-step table (``metrics_table.json``) and
-the summary. Resume (``resume=True`` or a checkpoint path) continues the exact trajectory of an
-uninterrupted run: same weights, optimizer and schedule state, and the same batches (the data
-module derives them from the step).
+and in MLflow (experiment ``train/<preset>``): the flattened config and the run's constants
+(parameter counts, FLOPs per token, world size, tokens per step) as params, the preset as the
+``moelab.preset`` tag, ``train/*`` and ``perf/*`` every ``log_every`` steps and ``val/*`` at each
+validation (all at the optimizer step they describe), system metrics, the loss curve
+(``loss_curve.png``), the per-step table (``metrics_table.json``) and the summary.
+
+A run folder belongs to one run: a fresh run refuses a folder that holds another run's
+checkpoints, and no two processes train in one folder at once. Resume (``resume=True``, a
+checkpoint path or a run folder) continues the exact trajectory of an uninterrupted run: same
+weights, optimizer and schedule state, and the same batches (the data module derives them from the
+step). The checkpoint's config is compared with the new one first: changes to the model, the data
+or the batch sequence are refused, listing the keys; the optimizer and schedule fields
+(``moelab.config.RESUME_APPLIED``) are applied and announced. A resume also closes the MLflow run
+of a process that was killed in this folder (KILLED).
 """
 
 from __future__ import annotations
 
-import math
+import fcntl
+import hashlib
+import json
+import os
+import re
 import signal
+import socket
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,31 +53,52 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from moelab.config import RunConfig, flatten, to_yaml
+from moelab.base import ConfigError
+from moelab.config import RunConfig, flatten, from_dict, resume_changes, to_yaml
 from moelab.data import prepare
 from moelab.data.datamodule import TextDataModule
 from moelab.model.accounting import flops_per_token, param_counts
 from moelab.model.accounting import summary as model_summary
-from moelab.model.config import ConfigError
-from moelab.tracking import Run, start_run
-from moelab.train.callbacks import LastCheckpoint, StepMonitor, StopControl, Throughput
+from moelab.tracking import Run, end_stale_run, start_run
+from moelab.train.callbacks import (
+    Interrupted,
+    LastCheckpoint,
+    StepMonitor,
+    StepProgressBar,
+    StopControl,
+    Throughput,
+    read_history,
+    write_history,
+)
 from moelab.train.module import LitMoELab
-from moelab.utils import atomic_write, write_json
+from moelab.utils import atomic_path, atomic_write, write_json
 
 LAST = "last.ckpt"
-BEST = "best"
+BEST = "best"  # ModelCheckpoint's file name, without the extension
+LOCK = "run.lock"
+CHECKSUM_SUFFIX = ".sha256"
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as shells report it
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint given to resume or load is damaged, not a moelab checkpoint, or does not fit the config."""
+
+
+class RunFolderError(ConfigError):
+    """The run folder belongs to another run (live, finished or interrupted); the message says which."""
 
 
 @dataclass
 class TrainResult:
     """What ``fit`` returns (on every rank; ``summary`` and the files are complete on rank 0).
 
-    history: one dict per optimizer step (``step``, ``train/loss``, ``train/ce``,
-        ``train/aux_loss``, ``train/grad_norm``, ``train/lr``).
-    val_history: ``(step, val/loss)`` after each validation.
+    history: one dict per optimizer step of the whole run, including the steps before a resume
+        (``step``, ``train/loss``, ``train/ce``, ``train/aux_loss``, ``train/grad_norm``,
+        ``train/lr``, and ``val/loss`` at validation steps).
+    val_history: ``(step, val/loss)`` after each validation of the whole run.
     """
 
-    status: str  # "finished" | "interrupted"
+    status: str  # "finished" | "interrupted" (Ctrl-C) | "terminated" (SIGTERM)
     ckpt_dir: Path
     last_checkpoint: Path | None
     best_checkpoint: Path | None
@@ -68,13 +108,195 @@ class TrainResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: atomic, checksummed, verified
+
+def checksum_path(path: Path) -> Path:
+    return path.with_name(path.name + CHECKSUM_SUFFIX)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes checkpoints through ``atomic_write``: a crash mid-save keeps the previous file intact."""
+    """Writes checkpoints through ``atomic_path`` (a crash mid-save keeps the previous file intact), each with a
+    ``<file>.sha256`` checksum written just before the checkpoint takes its final name."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        with atomic_write(path, "wb") as f:
-            torch.save(checkpoint, f)
+        path = Path(path)
+        with atomic_path(path) as tmp:
+            with open(tmp, "xb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            with atomic_write(checksum_path(path)) as f:
+                f.write(f"{sha256_file(tmp)}  {path.name}\n")
 
+    def remove_checkpoint(self, path: Any) -> None:
+        super().remove_checkpoint(path)
+        checksum_path(Path(path)).unlink(missing_ok=True)
+
+
+def _read_checkpoint(path: Path) -> dict[str, Any]:
+    """Load and check ``path``: its checksum (when it has one), that it is a moelab checkpoint, finite weights."""
+    sidecar = checksum_path(path)
+    if sidecar.is_file():
+        expected = (sidecar.read_text().split() or [""])[0]
+        if sha256_file(path) != expected:
+            raise CheckpointError(f"{path} does not match its checksum in {sidecar.name}: the file changed or "
+                                  f"was damaged after it was written")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {first})") from e
+    if not isinstance(state, dict) or "moelab" not in state or "state_dict" not in state:
+        raise CheckpointError(f"{path} is not a moelab training checkpoint (no 'moelab' entry)")
+    for name, tensor in state["state_dict"].items():
+        if torch.is_tensor(tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{path} holds non-finite weights ({name})")
+    return state
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A verified moelab checkpoint (the dict Lightning saved, tensors on the CPU).
+
+    Raises CheckpointError naming the file and, when another checkpoint in its folder verifies
+    (``best.ckpt`` beside a damaged ``last.ckpt``), naming that one.
+    """
+    path = Path(path)
+    try:
+        return _read_checkpoint(path)
+    except CheckpointError as e:
+        for name in (f"{BEST}.ckpt", LAST):
+            other = path.parent / name
+            if other != path and other.is_file():
+                try:
+                    step = _read_checkpoint(other).get("global_step")
+                except CheckpointError:
+                    continue
+                raise CheckpointError(f"{e}; {other} (step {step}) verifies: resume with --resume {other}") from e
+        raise
+
+
+def resume_path(cfg: RunConfig, resume: bool | str | Path | None) -> Path | None:
+    """The checkpoint to resume from: None (fresh run), ``<ckpt_dir>/last.ckpt`` (True), a run folder's
+    ``last.ckpt``, or the given file."""
+    if resume is None or resume is False:
+        return None
+    path = cfg.ckpt_dir / LAST if resume is True else Path(resume).expanduser()
+    if path.is_dir():
+        path = path / LAST
+    if not path.is_file():
+        raise FileNotFoundError(f"resume checkpoint {path} does not exist: train without --resume first, "
+                                f"or pass the path of a .ckpt file or a run folder (found: "
+                                f"{sorted(p.name for p in path.parent.glob('*.ckpt')) or 'none'})")
+    return path
+
+
+def check_resume(cfg: RunConfig, state: dict[str, Any], ckpt: Path) -> dict[str, tuple[Any, Any]]:
+    """Compare the checkpoint's config with ``cfg``: raise on changes a resume cannot honour; return the applied ones.
+
+    Raises CheckpointError when the model, data or batch sequence differ (all differing keys in
+    one message) or when the checkpoint already reached ``train.max_steps``.
+    """
+    try:
+        old = from_dict(state["moelab"]["config"])
+    except ConfigError as e:
+        raise CheckpointError(f"{ckpt} was written with a config this version cannot read ({e})") from e
+    refused, applied = resume_changes(old, cfg)
+    if refused:
+        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in ((k, *v) for k, v in refused.items()))
+        raise CheckpointError(f"cannot resume {ckpt} with a different model, data or batch sequence ({listed}): "
+                              f"resume with the checkpoint's values, or start a new run under another name "
+                              f"(--set name=...)")
+    step = int(state.get("global_step", 0))
+    if step >= cfg.train.max_steps:
+        raise CheckpointError(f"nothing to resume: {ckpt} is at step {step} and train.max_steps={cfg.train.max_steps}"
+                              f"; to train further, raise it (--set train.max_steps={2 * step})")
+    return applied
+
+
+# ---------------------------------------------------------------------------------------------
+# The run folder: one run per folder, one live process per run
+
+class RunFolder:
+    """Claims ``folder`` for this process: an exclusive ``flock`` on ``run.lock``, released when the process ends.
+
+    The lock file's JSON names the owner (pid, host, MLflow run and store), so a later run can say
+    who holds the folder, and a resume can close the MLflow run of an owner that was killed.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.previous: dict[str, Any] = {}
+        self._file: Any = None
+
+    def claim(self, resume_from: Path | None) -> None:
+        """Take the lock; refuse a live owner, and a folder holding another run unless resuming from it."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        f = open(self.folder / LOCK, "a+")
+        f.seek(0)
+        try:
+            self.previous = json.loads(f.read() or "{}")
+        except json.JSONDecodeError:
+            self.previous = {}
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            owner = self.previous
+            raise RunFolderError(f"{self.folder} is in use by a live run (pid {owner.get('pid', '?')} on "
+                                 f"{owner.get('host', '?')}, MLflow run {owner.get('run_id')}): wait for it to end, or "
+                                 f"train into another folder (--set name=... or --set train.ckpt_dir=...)") from None
+        self._file = f
+        resuming_here = resume_from is not None and resume_from.resolve().parent == self.folder.resolve()
+        held = self.describe_run()
+        if held and not resuming_here:
+            self.release()
+            raise RunFolderError(f"{self.folder} already holds a run ({held}): continue it with --resume "
+                                 f"{self.folder}, or train into another folder (--set name=... or "
+                                 f"--set train.ckpt_dir=...); delete the folder to start it over")
+        self._remove_temp_files()
+
+    def describe_run(self) -> str | None:
+        """``"finished at step 60"``-style description of the run whose files are here, or None if there is none."""
+        summary = self.folder / "summary.json"
+        if summary.is_file():
+            try:
+                data = json.loads(summary.read_text())
+                return f"{data.get('status')} at step {data.get('steps')}, MLflow run {data.get('run_id')}"
+            except (json.JSONDecodeError, AttributeError):
+                return "summary.json"
+        found = sorted(p.name for p in self.folder.glob("*.ckpt"))
+        return f"checkpoints {', '.join(found)}" if found else None
+
+    def _remove_temp_files(self) -> None:
+        # atomic_path's temporary names: a process killed mid-save leaves them behind.
+        for path in self.folder.glob(".*.tmp*"):
+            if re.fullmatch(r"\..+\.[0-9a-f]{12}\.tmp.*", path.name):
+                path.unlink(missing_ok=True)
+
+    def record(self, run_id: str | None, tracking_uri: str | None) -> None:
+        owner = {"pid": os.getpid(), "host": socket.gethostname(), "run_id": run_id, "tracking_uri": tracking_uri}
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(json.dumps(owner) + "\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing the descriptor drops the flock
+            self._file = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks that need the machine, not just the config
 
 def resolve_precision(cfg: RunConfig) -> str:
     """``train.precision``, with ``auto`` = ``bf16-mixed`` when training on a CUDA device, else ``32-true``."""
@@ -84,16 +306,20 @@ def resolve_precision(cfg: RunConfig) -> str:
     return "bf16-mixed" if on_gpu else "32-true"
 
 
-def resume_path(cfg: RunConfig, resume: bool | str | Path | None) -> Path | None:
-    """The checkpoint to resume from: None (fresh run), ``<ckpt_dir>/last.ckpt`` (True) or the given path."""
-    if resume is None or resume is False:
-        return None
-    path = cfg.ckpt_dir / LAST if resume is True else Path(resume).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"resume checkpoint {path} does not exist: train without --resume first, "
-                                f"or pass the path of a .ckpt file (found: "
-                                f"{sorted(p.name for p in path.parent.glob('*.ckpt')) or 'none'})")
-    return path
+def check_device(cfg: RunConfig) -> None:
+    """Refuse settings this machine cannot run (a GPU accelerator or Triton kernels without a CUDA device)."""
+    cuda = torch.cuda.is_available()
+    if cfg.train.accelerator in ("gpu", "cuda") and not cuda:
+        raise ConfigError(f"train.accelerator={cfg.train.accelerator!r} is not allowed here: no CUDA device is "
+                          f"visible; use train.accelerator=auto or cpu")
+    on_cuda = cuda and cfg.train.accelerator != "cpu"
+    # The Triton interpreter (TRITON_INTERPRET=1, what the tests use) runs the kernels on the CPU.
+    if on_cuda or os.environ.get("TRITON_INTERPRET") == "1" or "kda" not in cfg.model.layer_types():
+        return
+    for key in ("backend", "conv_backend"):
+        if getattr(cfg.model.kda, key) == "triton":
+            raise ConfigError(f"model.kda.{key}='triton' is not allowed without a CUDA device: use "
+                              f"model.kda.{key}=auto (picks a CPU implementation here)")
 
 
 def check_vocab(cfg: RunConfig, tokenizer_vocab: int) -> None:
@@ -106,6 +332,9 @@ def check_vocab(cfg: RunConfig, tokenizer_vocab: int) -> None:
                        f"{cfg.model.vocab_size} (a small corpus stops merging early); the extra rows stay unused")
 
 
+# ---------------------------------------------------------------------------------------------
+# fit
+
 def fit(
     cfg: RunConfig,
     *,
@@ -116,17 +345,50 @@ def fit(
     """Train ``cfg``; return the histories, checkpoints and summary.
 
     Args:
-        resume: True: continue from ``<ckpt_dir>/last.ckpt``; a path: from that checkpoint.
+        resume: True: continue from ``<ckpt_dir>/last.ckpt``; a path: from that checkpoint, or from
+            that run folder's ``last.ckpt``.
         callbacks: extra Lightning callbacks (run before moelab's own).
         parent_run_id: nest the MLflow run under this run (default: the enclosing study's, if any).
 
+    Every check below runs before the MLflow run is opened or anything is written.
+
     Raises:
-        ConfigError: inconsistent config (e.g. vocabulary sizes) before anything runs.
-        NonFiniteLossError: a NaN/Inf training scalar (names the step and the last good checkpoint).
-        KeyboardInterrupt: after Ctrl-C, once ``last.ckpt`` is saved (resume from it).
+        ConfigError: inconsistent config, settings this machine cannot run; subclasses
+            CheckpointError (damaged checkpoint, changes a resume cannot honour, a finished run)
+            and RunFolderError (the folder belongs to another run).
+        moelab.tracking.TrackingError: the tracking store cannot be reached or opened.
+        NonFiniteLossError: a NaN/Inf training scalar or weight (names the step and the last good checkpoint).
+        Interrupted: after Ctrl-C or SIGTERM, once ``last.ckpt`` and ``summary.json`` are saved.
     """
     cfg.validate().check_trainable()
+    check_device(cfg)
     ckpt = resume_path(cfg, resume)
+    resumed = None
+    if ckpt is not None:
+        state = load_checkpoint(ckpt)
+        resumed = Resumed(ckpt, int(state.get("global_step", 0)), state["moelab"].get("mlflow_run_id"),
+                          check_resume(cfg, state, ckpt))
+        del state  # Lightning loads the checkpoint itself
+    folder = RunFolder(cfg.ckpt_dir)
+    with ExitStack() as outer:
+        if rank_zero_only.rank == 0:
+            folder.claim(ckpt)
+            outer.callback(folder.release)
+        return _fit(cfg, resumed, folder, callbacks, parent_run_id)
+
+
+@dataclass
+class Resumed:
+    """The checkpoint a run resumes from: path, step, the MLflow run that wrote it, the applied config changes."""
+
+    path: Path
+    step: int
+    run_id: str | None
+    applied: dict[str, tuple[Any, Any]]
+
+
+def _fit(cfg: RunConfig, resumed: Resumed | None, folder: RunFolder, callbacks: Sequence[Callback],
+         parent_run_id: str | None) -> TrainResult:
     ckpt_dir = cfg.ckpt_dir
     started = time.perf_counter()
     corpus = prepare(cfg.data)  # builds the cache on first use, with progress on stderr
@@ -137,144 +399,190 @@ def fit(
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module = LitMoELab(cfg)
 
-    with ExitStack() as stack:
-        run = None
-        if cfg.tracking.enabled and rank_zero_only.rank == 0:
-            run = stack.enter_context(start_run(
-                cfg.tracking.experiment, cfg.tracking.run_name or cfg.name,
-                tracking_uri=cfg.tracking.tracking_uri, parent_run_id=parent_run_id,
-                log_system_metrics=cfg.tracking.log_system_metrics,
-                system_metrics_interval_s=cfg.tracking.system_metrics_interval_s))
-            _log_start(run, cfg, ckpt)
-        module.mlflow_run_id = run.run_id if run else None
-        if rank_zero_only.rank == 0:
-            with atomic_write(ckpt_dir / "config.yaml") as f:
-                f.write(to_yaml(cfg))
+    run: Run | None = None
+    summary_path = ckpt_dir / "summary.json"
+    try:
+        with ExitStack() as stack:
+            if cfg.tracking.enabled and rank_zero_only.rank == 0:
+                stale = folder.previous.get("run_id")
+                if stale and end_stale_run(stale, folder.previous.get("tracking_uri") or cfg.tracking.tracking_uri):
+                    rank_zero_info(f"closed MLflow run {stale} (KILLED): its process ended without closing it")
+                run = stack.enter_context(start_run(
+                    cfg.experiment, cfg.tracking.run_name or cfg.name,
+                    tracking_uri=cfg.tracking.tracking_uri, parent_run_id=parent_run_id,
+                    log_system_metrics=cfg.tracking.log_system_metrics,
+                    system_metrics_interval_s=cfg.tracking.system_metrics_interval_s,
+                    retry_timeout_s=cfg.tracking.retry_timeout_s))
+            module.mlflow_run_id = run.run_id if run else None
+            if rank_zero_only.rank == 0:
+                folder.record(module.mlflow_run_id, run.tracking_uri if run else None)
+                with atomic_write(ckpt_dir / "config.yaml") as f:
+                    f.write(to_yaml(cfg))
+            if resumed is not None and resumed.applied:
+                changes = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in resumed.applied.items())
+                rank_zero_info(f"resuming {resumed.path} at step {resumed.step} with changed settings, applied "
+                               f"from the next step: {changes}")
+            return _train(cfg, run, resumed, module, dm, callbacks, started)
+    finally:
+        # A final status MLflow could not record shows up only when the run closes.
+        if run is not None and summary_path.is_file():
+            summary = json.loads(summary_path.read_text())
+            if run.problems() and summary.get("tracking_problems") != run.problems():
+                summary["tracking_problems"] = run.problems()
+                write_json(summary_path, summary)
 
-        monitor, throughput, stop = StepMonitor(ckpt_dir / LAST), _throughput(cfg), StopControl()
-        best = ModelCheckpoint(dirpath=ckpt_dir, filename=BEST, monitor="val/loss", mode="min", save_top_k=1,
-                               save_last=False, auto_insert_metric_name=False, enable_version_counter=False)
-        trainer = L.Trainer(
-            max_steps=t.max_steps,
-            accelerator=t.accelerator,
-            devices=t.devices,
-            strategy=t.strategy,
-            precision=resolve_precision(cfg),
-            gradient_clip_val=t.grad_clip or None,
-            gradient_clip_algorithm="norm",
-            accumulate_grad_batches=t.accumulate_grad_batches,
-            # Validation every val_every optimizer steps, counted across the (single, long) epoch.
-            val_check_interval=t.val_every * t.accumulate_grad_batches,
-            check_val_every_n_epoch=None,
-            limit_val_batches=t.val_batches,
-            num_sanity_val_steps=0,
-            log_every_n_steps=t.log_every,
-            deterministic=t.deterministic,
-            use_distributed_sampler=False,  # TextDataModule splits the data over ranks itself
-            callbacks=[*callbacks, monitor, throughput, stop, LastCheckpoint(ckpt_dir / LAST), best],
-            logger=_logger(cfg, run),
-            default_root_dir=str(ckpt_dir),
-            plugins=[AtomicCheckpointIO()],
-            enable_model_summary=False,
-        )
-        with _first_sigint_requests(stop.request_stop), warnings.catch_warnings():
+
+def _train(cfg: RunConfig, run: Run | None, resumed: Resumed | None, module: LitMoELab, dm: TextDataModule,
+           callbacks: Sequence[Callback], started: float) -> TrainResult:
+    ckpt_dir, t = cfg.ckpt_dir, cfg.train
+    ckpt = resumed.path if resumed else None
+    # The whole run's history: what the resumed checkpoint had seen, then this process's steps.
+    prior = read_history(ckpt.parent / "history.csv", resumed.step) if resumed else []
+    sink = run.log_metrics if run is not None else None
+    last_ckpt = LastCheckpoint(ckpt_dir / LAST, (ckpt, resumed.step) if resumed else None)
+    monitor = StepMonitor(last_ckpt, t.log_every, sink, ckpt_dir / "history.csv", prior)
+    throughput, stop = _throughput(cfg, sink), StopControl()
+    best = ModelCheckpoint(dirpath=ckpt_dir, filename=BEST, monitor="val/loss", mode="min", save_top_k=1,
+                           save_last=False, auto_insert_metric_name=False, enable_version_counter=False)
+    trainer = L.Trainer(
+        max_steps=t.max_steps,
+        accelerator=t.accelerator,
+        devices=t.devices,
+        strategy=t.strategy,
+        precision=resolve_precision(cfg),
+        gradient_clip_val=t.grad_clip or None,
+        gradient_clip_algorithm="norm",
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        # Validation every val_every optimizer steps, counted across the (single, long) epoch.
+        val_check_interval=t.val_every * t.accumulate_grad_batches,
+        check_val_every_n_epoch=None,
+        limit_val_batches=t.val_batches,
+        num_sanity_val_steps=0,
+        deterministic=t.deterministic,
+        use_distributed_sampler=False,  # TextDataModule splits the data over ranks itself
+        callbacks=[*callbacks, monitor, throughput, stop, last_ckpt, best, StepProgressBar()],
+        logger=False,  # moelab's callbacks log to MLflow themselves, at the step they describe
+        default_root_dir=str(ckpt_dir),
+        plugins=[AtomicCheckpointIO()],
+        enable_model_summary=False,
+    )
+    if run is not None:
+        _log_start(run, cfg, resumed, trainer.world_size)
+
+    def result(status: str) -> TrainResult:
+        last = ckpt_dir / LAST
+        rows = monitor.rows
+        return TrainResult(
+            status=status, ckpt_dir=ckpt_dir, last_checkpoint=last if last.exists() else None,
+            best_checkpoint=Path(best.best_model_path) if best.best_model_path else None,
+            run_id=run.run_id if run else None, history=rows,
+            val_history=[(int(r["step"]), r["val/loss"]) for r in rows if "val/loss" in r])
+
+    try:
+        with _stop_on_signals(stop), warnings.catch_warnings():
             # config.yaml is always there already; the warning would only be noise.
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
             trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
-
-        interrupted = stop.interrupted_at is not None
-        last = ckpt_dir / LAST
-        result = TrainResult(
-            status="interrupted" if interrupted else "finished",
-            ckpt_dir=ckpt_dir,
-            last_checkpoint=last if last.exists() else None,
-            best_checkpoint=Path(best.best_model_path) if best.best_model_path else None,
-            run_id=run.run_id if run else None,
-            history=monitor.history,
-            val_history=monitor.val_history,
-        )
+    except BaseException as e:
         if trainer.is_global_zero:
-            result.summary = _summarize(cfg, trainer, result, throughput, time.perf_counter() - started)
-            _write_outputs(ckpt_dir, result)
-            if run is not None:
-                _log_end(run, result)
-        if interrupted:
-            raise KeyboardInterrupt(f"training interrupted at step {stop.interrupted_at}; resume from {last}")
-    return result
+            out = result("failed")
+            out.summary = {**_summarize(cfg, trainer, out, throughput, time.perf_counter() - started),
+                           "error": f"{type(e).__name__}: {e}"}
+            write_history(ckpt_dir / "history.csv", out.history)
+            write_json(ckpt_dir / "summary.json", out.summary)
+        raise
+
+    signum = stop.requested if stop.interrupted_at is not None else None
+    out = result({None: "finished", signal.SIGTERM: "terminated"}.get(signum, "interrupted"))
+    if trainer.is_global_zero:
+        out.summary = _summarize(cfg, trainer, out, throughput, time.perf_counter() - started)
+        write_history(ckpt_dir / "history.csv", out.history)
+        write_json(ckpt_dir / "summary.json", out.summary)
+        if run is not None:
+            _log_end(run, out)
+            run.flush(cfg.tracking.retry_timeout_s)
+            if run.problems():
+                out.summary["tracking_problems"] = run.problems()
+                write_json(ckpt_dir / "summary.json", out.summary)
+    if signum is not None:
+        name = signal.Signals(signum).name
+        raise Interrupted(f"training stopped by {name} at step {stop.interrupted_at}; resume from "
+                          f"{ckpt_dir / LAST}", signum)
+    return out
 
 
-def _throughput(cfg: RunConfig) -> Throughput:
+def _throughput(cfg: RunConfig, sink: Any) -> Throughput:
     t = cfg.train
     return Throughput(tokens_per_device_step=t.batch_size * t.accumulate_grad_batches * cfg.data.seq_len,
                       flops_per_token_fwd=flops_per_token(cfg.model, cfg.data.seq_len),
-                      log_every=t.log_every)
-
-
-def _logger(cfg: RunConfig, run: Run | None) -> Any:
-    if run is None:
-        return False
-    from lightning.pytorch.loggers import MLFlowLogger
-
-    # tracking_uri passed explicitly: MLFlowLogger's default reads $MLFLOW_TRACKING_URI at import time.
-    return MLFlowLogger(experiment_name=cfg.tracking.experiment, tracking_uri=run.tracking_uri, run_id=run.run_id)
+                      log_every=t.log_every, sink=sink)
 
 
 @contextmanager
-def _first_sigint_requests(request_stop: Callable[[], None]) -> Iterator[None]:
-    """While fitting, the first Ctrl-C asks for a clean stop (checkpoint, then KeyboardInterrupt); the second aborts.
+def _stop_on_signals(stop: StopControl) -> Iterator[None]:
+    """While fitting, the first Ctrl-C or SIGTERM asks for a clean stop (checkpoint, summary, then
+    :class:`Interrupted`); a second one acts as usual (KeyboardInterrupt, termination).
 
-    Lightning's own handler would exit the process mid-step; finishing the step keeps weights
-    and optimizer state consistent with the checkpoint. Only the main thread can own signals.
+    Lightning's own handlers would end the process mid-step or without a summary; finishing the
+    step keeps weights and optimizer state consistent with the checkpoint. Only the main thread
+    can own signals.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.getsignal(signal.SIGINT)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def handler(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGINT, previous)
-        rank_zero_info("\nCtrl-C: stopping after this step and saving last.ckpt (press Ctrl-C again to abort now)")
-        request_stop()
+        signal.signal(signum, previous[signum])
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        rank_zero_info(f"\n{what}: stopping after this step and saving last.ckpt (send it again to abort now)")
+        stop.request_stop(signum)
 
-    signal.signal(signal.SIGINT, handler)
+    stop.handler = handler
+    for s in previous:
+        signal.signal(s, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
-def _accounting(cfg: RunConfig) -> dict[str, Any]:
+def _constants(cfg: RunConfig, world_size: int) -> dict[str, Any]:
+    """What a run holds fixed: MLflow params (not metrics), and part of the summary."""
     counts = param_counts(cfg.model)
+    t = cfg.train
     return {"params_total": counts["total"], "params_activated": counts["activated"],
             "params_activated_non_embedding": counts["activated_non_embedding"],
-            "flops_per_token_fwd": flops_per_token(cfg.model, cfg.data.seq_len)}
+            "flops_per_token_fwd": flops_per_token(cfg.model, cfg.data.seq_len),
+            "world_size": world_size,
+            "tokens_per_step": t.batch_size * t.accumulate_grad_batches * cfg.data.seq_len * world_size,
+            "precision": resolve_precision(cfg)}
 
 
-def _log_start(run: Run, cfg: RunConfig, ckpt: Path | None) -> None:
+def _log_start(run: Run, cfg: RunConfig, resumed: Resumed | None, world_size: int) -> None:
     run.log_params(flatten(cfg))
-    run.log_params({f"accounting.{k}": v for k, v in _accounting(cfg).items()})
+    run.log_params({f"run.{k}": v for k, v in _constants(cfg, world_size).items()})
     run.log_text(to_yaml(cfg), "config.yaml")
     run.log_text(model_summary(cfg.model, cfg.data.seq_len), "model_summary.txt")
-    tags: dict[str, Any] = {"moelab.preset": cfg.name}
-    if ckpt is not None:
-        tags["moelab.resumed_from_checkpoint"] = str(ckpt)
-        previous = _checkpoint_run_id(ckpt)
-        if previous:
-            tags["moelab.resumed_from_run"] = previous
+    tags: dict[str, Any] = {"moelab.preset": cfg.preset or cfg.name}
+    if resumed is not None:
+        tags["moelab.resumed_from_checkpoint"] = str(resumed.path)
+        tags["moelab.resumed_at_step"] = resumed.step
+        if resumed.run_id:
+            tags["moelab.resumed_from_run"] = resumed.run_id
+        if resumed.applied:
+            tags["moelab.resume_changes"] = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in resumed.applied.items())
     run.set_tags(tags)
-
-
-def _checkpoint_run_id(path: Path) -> str | None:
-    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    return state.get("moelab", {}).get("mlflow_run_id")
 
 
 def _summarize(cfg: RunConfig, trainer: L.Trainer, result: TrainResult, throughput: Throughput,
                wall_s: float) -> dict[str, Any]:
-    last_loss = result.history[-1]["train/loss"] if result.history else math.nan
+    last_loss = result.history[-1]["train/loss"] if result.history else None
     vals = [v for _, v in result.val_history]
     return {
         "name": cfg.name,
+        "preset": cfg.preset,
         "status": result.status,
         "run_id": result.run_id,
         "steps": trainer.global_step,
@@ -283,23 +591,13 @@ def _summarize(cfg: RunConfig, trainer: L.Trainer, result: TrainResult, throughp
         "best_val_loss": min(vals) if vals else None,
         "B": cfg.train.batch_size,
         "T": cfg.data.seq_len,
-        "world_size": trainer.world_size,
-        "precision": resolve_precision(cfg),
         "device": torch.cuda.get_device_name() if trainer.strategy.root_device.type == "cuda" else "cpu",
         **throughput.summary(trainer.strategy.root_device),
-        **_accounting(cfg),
+        **_constants(cfg, trainer.world_size),
         "wall_s": wall_s,
         "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
         "best_checkpoint": str(result.best_checkpoint) if result.best_checkpoint else None,
     }
-
-
-def _write_outputs(ckpt_dir: Path, result: TrainResult) -> None:
-    import pandas as pd
-
-    with atomic_write(ckpt_dir / "history.csv") as f:
-        pd.DataFrame(result.history).to_csv(f, index=False)
-    write_json(ckpt_dir / "summary.json", result.summary)
 
 
 def loss_figure(result: TrainResult) -> Any:
@@ -324,27 +622,22 @@ def loss_figure(result: TrainResult) -> Any:
 
 
 def _log_end(run: Run, result: TrainResult) -> None:
+    """Artifacts of the finished run; a failing store is reported (``Run.problems``), never raised."""
     import pandas as pd
 
-    final = {f"final/{k}": v for k, v in result.summary.items()
-             if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
-    run.log_metrics(final, step=result.summary.get("steps", 0))
-    run.log_figure(loss_figure(result), "loss_curve.png")
+    run.attempt("uploading loss_curve.png", run.log_figure, loss_figure(result), "loss_curve.png")
     if result.history:
-        run.log_table(pd.DataFrame(result.history), "metrics_table.json")
-    run.log_dict(result.summary, "summary.json")
+        run.attempt("uploading metrics_table.json", run.log_table, pd.DataFrame(result.history), "metrics_table.json")
+    run.attempt("uploading summary.json", run.log_dict, result.summary, "summary.json")
 
 
 def load_model(checkpoint: str | Path, map_location: str | torch.device = "cpu") -> tuple[Any, RunConfig]:
-    """``(MoELab, RunConfig)`` from a moelab checkpoint: the model in eval mode with the trained weights."""
-    from moelab.config import from_dict
+    """``(MoELab, RunConfig)`` from a moelab checkpoint (verified): the model in eval mode with the trained weights."""
     from moelab.model import MoELab
 
-    state = torch.load(checkpoint, map_location=map_location, weights_only=False)
-    if "moelab" not in state:
-        raise ValueError(f"{checkpoint} is not a moelab training checkpoint (no 'moelab' entry)")
+    state = load_checkpoint(checkpoint)
     cfg = from_dict(state["moelab"]["config"])
     model = MoELab(cfg.model)
     prefix = "model."
     model.load_state_dict({k[len(prefix):]: v for k, v in state["state_dict"].items() if k.startswith(prefix)})
-    return model.eval(), cfg
+    return model.to(map_location).eval(), cfg
