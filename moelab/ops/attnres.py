@@ -1,0 +1,308 @@
+"""AttnRes depth aggregation (attnres.md), fused in Triton: one softmax over depth per token.
+
+For every token (row n) with sources ``v_i [D]`` (i < L), pseudo-query ``q [D]`` and key-norm
+weight ``g [D]``:
+
+    r_i = rsqrt(mean(v_i^2) + eps)          (RMSNorm of the key, weight g)
+    s_i = r_i * <v_i, g * q>                 (the score of source i)
+    p   = softmax_i(s)                       (over depth, per token)
+    h   = sum_i p_i v_i                      (the values are the raw sources)
+
+Gradients, with ``dp_i = <dh, v_i>`` and ``ds_i = p_i (dp_i - sum_j p_j dp_j)``:
+
+    dv_i = p_i dh + ds_i r_i (g * q - s_i r_i v_i / D)
+    dq   = g * B,  dg = q * B,  B = sum_n sum_i ds_i r_i v_i
+
+The plain path stacks the L sources (one copy of all of them per read), materializes the
+normalized keys in fp32 and saves both for the backward. Here the sources are passed as L
+separate pointers (a tuple kernel argument, so no stack and mixed dtypes are fine), the forward
+reads each source once with an online softmax over depth and keeps only three fp32 ``[L, N]``
+row statistics (p, r, s). The backward recomputes nothing large: one pass over the sources for
+``dp``, a second that writes every ``dv_i`` in its source's dtype and folds the row sums of B into
+per-program fp32 partials (summed in torch, so the result is deterministic). fp32 math throughout.
+
+``depth_attention`` is the front door (either backend); ``depth_attention_torch`` the fp32
+PyTorch reference that defines the semantics.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+BACKENDS = ("auto", "torch", "triton")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_D = 16384  # one program holds a whole row (next power of two) of a few [rows, D] fp32 tiles
+_INTERP_PROGRAMS = 3  # interpreter: a few programs, so the persistent loop takes several turns
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Launch parameters of the Triton path (tuning knobs; ``launch_config`` picks the default).
+
+    rows: tokens per program tile (a power of two); each tile is ``[rows, next_pow2(D)]``.
+    warps: warps per program.
+    programs_per_sm: the backward's persistent grid is ``SMs * programs_per_sm`` programs (each
+        writes one fp32 ``[D]`` partial of B); the forward launches one program per tile.
+    """
+
+    rows: int = 1
+    warps: int = 4
+    programs_per_sm: int = 8
+
+    def validate(self) -> None:
+        for name, value, hi in (("rows", self.rows, 64), ("warps", self.warps, 32)):
+            if value < 1 or value > hi or value & (value - 1):
+                raise ValueError(f"LaunchConfig.{name}={value} is not allowed: expected a power of two in 1..{hi}")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"LaunchConfig.programs_per_sm={self.programs_per_sm} is not allowed: expected >= 1")
+
+
+def launch_config(d: int) -> LaunchConfig:
+    """Default launch for width ``d``: tiles of at least 2048 elements (several rows when d is
+    small) at about 16 elements per thread, which keeps each load 16 bytes wide per thread."""
+    bd = triton.next_power_of_2(d)
+    rows = max(1, 2048 // bd)
+    return LaunchConfig(rows=rows, warps=min(16, max(1, rows * bd // 512)), programs_per_sm=8)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _tile(blk, N, D, cols, BN: tl.constexpr):
+    """Rows, row mask, element offsets and mask of the ``[BN, BD]`` tile ``blk``."""
+    rows = blk * BN + tl.arange(0, BN)
+    rm = rows < N
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    return rows, rm, offs, rm[:, None] & (cols < D)[None, :]
+
+
+@triton.jit
+def _pick(vec, lidx, i: tl.constexpr):
+    """Column i of a ``[BN, LP]`` per-source vector, as ``[BN]``."""
+    return tl.sum(tl.where(lidx[None, :] == i, vec, 0.0), axis=1)
+
+
+@triton.jit
+def _attnres_fwd_kernel(srcs, q, w, h, p, r, s, N, D, eps,
+                        L: tl.constexpr, LP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    """One ``[BN, D]`` tile of h; writes p, r, s ``[L, N]`` fp32 for the backward."""
+    cols = tl.arange(0, BD)
+    cm = cols < D
+    gq = tl.load(q + cols, mask=cm, other=0.0).to(tl.float32) * tl.load(w + cols, mask=cm, other=0.0).to(tl.float32)
+    lidx = tl.arange(0, LP)
+    rows, rm, offs, mask = _tile(tl.program_id(0), N, D, cols, BN)
+    m = tl.full([BN], float("-inf"), tl.float32)
+    den = tl.zeros([BN], tl.float32)
+    acc = tl.zeros([BN, BD], tl.float32)
+    svec = tl.zeros([BN, LP], tl.float32)
+    rvec = tl.zeros([BN, LP], tl.float32)
+    for i in tl.static_range(L):
+        v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+        ri = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
+        si = tl.sum(v * gq[None, :], axis=1) * ri
+        # online softmax: each source is read once; rescale what was summed when the max moves
+        m_new = tl.maximum(m, si)
+        alpha = tl.exp(m - m_new)
+        e = tl.exp(si - m_new)
+        acc = acc * alpha[:, None] + e[:, None] * v
+        den = den * alpha + e
+        m = m_new
+        svec = tl.where(lidx[None, :] == i, si[:, None], svec)
+        rvec = tl.where(lidx[None, :] == i, ri[:, None], rvec)
+    tl.store(h + offs, (acc / den[:, None]).to(h.dtype.element_ty), mask=mask)
+    st = lidx[None, :].to(tl.int64) * N + rows[:, None]
+    sm = (lidx[None, :] < L) & rm[:, None]
+    tl.store(p + st, tl.exp(svec - m[:, None]) / den[:, None], mask=sm)
+    tl.store(r + st, rvec, mask=sm)
+    tl.store(s + st, svec, mask=sm)
+
+
+@triton.jit
+def _attnres_bwd_kernel(srcs, dsrcs, q, w, dh, p, r, s, part, N, D, NPROG,
+                        L: tl.constexpr, LP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    """dv_i for the tiles ``pid, pid + NPROG, ...`` and this program's partial of B (``part [NPROG, D]``)."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BD)
+    cm = cols < D
+    gq = tl.load(q + cols, mask=cm, other=0.0).to(tl.float32) * tl.load(w + cols, mask=cm, other=0.0).to(tl.float32)
+    lidx = tl.arange(0, LP)
+    b_acc = tl.zeros([BD], tl.float32)
+    for blk in range(pid, tl.cdiv(N, BN), NPROG):
+        rows, rm, offs, mask = _tile(blk, N, D, cols, BN)
+        g = tl.load(dh + offs, mask=mask, other=0.0).to(tl.float32)
+        st = lidx[None, :].to(tl.int64) * N + rows[:, None]
+        sm = (lidx[None, :] < L) & rm[:, None]
+        pvec = tl.load(p + st, mask=sm, other=0.0)
+        dpvec = tl.zeros([BN, LP], tl.float32)
+        for i in tl.static_range(L):
+            v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+            dpvec = tl.where(lidx[None, :] == i, tl.sum(v * g, axis=1)[:, None], dpvec)
+        dsvec = pvec * (dpvec - tl.sum(pvec * dpvec, axis=1)[:, None])
+        rvec = tl.load(r + st, mask=sm, other=0.0)
+        arvec = dsvec * rvec  # ds_i r_i: the weight of g * q in dv_i and of v_i in B
+        brvec = arvec * tl.load(s + st, mask=sm, other=0.0) * rvec / D  # the weight of -v_i in dv_i
+        for i in tl.static_range(L):
+            v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+            a = _pick(arvec, lidx, i)
+            dv = _pick(pvec, lidx, i)[:, None] * g + a[:, None] * gq[None, :] - _pick(brvec, lidx, i)[:, None] * v
+            tl.store(dsrcs[i] + offs, dv.to(dsrcs[i].dtype.element_ty), mask=mask)
+            b_acc += tl.sum(a[:, None] * v, axis=0)
+    tl.store(part + pid.to(tl.int64) * D + cols, b_acc, mask=cm)
+
+
+def _n_programs(n_tiles: int, device: torch.device, cfg: LaunchConfig) -> int:
+    if _interpret():
+        return max(1, min(n_tiles, _INTERP_PROGRAMS))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n_tiles, sms * cfg.programs_per_sm))
+
+
+class _DepthAttentionFn(torch.autograd.Function):
+    """Inputs: query, norm_weight ``[D]``, then either one stacked ``[L, N, D]`` tensor
+    (``stacked=True``; its gradient is one ``[L, N, D]`` buffer) or L tensors ``[N, D]``."""
+
+    @staticmethod
+    def forward(ctx, query, norm_weight, eps, out_dtype, stacked, cfg, *inputs):
+        srcs = tuple(inputs[0].unbind(0)) if stacked else inputs
+        N, D = srcs[0].shape
+        L = len(srcs)
+        dev = srcs[0].device
+        h = torch.empty(N, D, device=dev, dtype=out_dtype)
+        p, r, s = torch.empty(3, L, N, device=dev, dtype=torch.float32).unbind(0)
+        BN, BD = cfg.rows, triton.next_power_of_2(D)
+        _attnres_fwd_kernel[(triton.cdiv(N, BN),)](
+            srcs, query, norm_weight, h, p, r, s, N, D, eps,
+            L=L, LP=triton.next_power_of_2(L), BN=BN, BD=BD, num_warps=cfg.warps)
+        ctx.save_for_backward(query, norm_weight, p, r, s, *inputs)
+        ctx.stacked, ctx.cfg = stacked, cfg
+        ctx.mark_non_differentiable(p)
+        return h, p
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dh, _dp):
+        query, norm_weight, p, r, s, *inputs = ctx.saved_tensors
+        cfg = ctx.cfg
+        if ctx.stacked:
+            dstack = torch.empty_like(inputs[0])
+            srcs, dsrcs = tuple(inputs[0].unbind(0)), tuple(dstack.unbind(0))
+        else:
+            srcs = tuple(inputs)
+            dsrcs = tuple(torch.empty_like(x) for x in srcs)
+        N, D = srcs[0].shape
+        L = len(srcs)
+        BN = cfg.rows
+        nprog = _n_programs(triton.cdiv(N, BN), dh.device, cfg)
+        part = torch.empty(nprog, D, device=dh.device, dtype=torch.float32)
+        _attnres_bwd_kernel[(nprog,)](
+            srcs, dsrcs, query, norm_weight, dh.contiguous(), p, r, s, part, N, D, nprog,
+            L=L, LP=triton.next_power_of_2(L), BN=BN, BD=triton.next_power_of_2(D), num_warps=cfg.warps)
+        b = part.sum(0)
+        dq = (b * norm_weight.float()).to(query.dtype)
+        dw = (b * query.float()).to(norm_weight.dtype)
+        grads = (dstack,) if ctx.stacked else dsrcs
+        return dq, dw, None, None, None, None, *grads
+
+
+def depth_attention_torch(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
+                          eps: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference, fp32 math: ``sources`` L tensors ``[..., D]`` -> ``h [..., D]`` (out_dtype), ``p [L, ...]`` fp32."""
+    v = torch.stack([x.float() for x in sources])
+    keys = F.rms_norm(v, (v.shape[-1],), norm_weight.float(), eps)
+    p = (keys @ query.float()).softmax(dim=0)
+    return torch.einsum("l...,l...d->...d", p, v).to(out_dtype), p
+
+
+def _out_dtype(sources: Sequence[torch.Tensor]) -> torch.dtype:
+    """The autocast dtype when autocast is on for the sources' device, else the promoted dtype
+    of the sources (what ``torch.stack`` gives)."""
+    dev = sources[0].device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    dt = sources[0].dtype
+    for x in sources[1:]:
+        dt = torch.promote_types(dt, x.dtype)
+    return dt
+
+
+def _check(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+           backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not allowed: expected one of {BACKENDS}")
+    if len(sources) == 0:
+        raise ValueError("sources is empty: expected at least one source")
+    shape, dev = sources[0].shape, sources[0].device
+    if len(shape) == 0:
+        raise ValueError("sources must be [..., D] tensors, got a 0-d tensor")
+    for i, x in enumerate(sources):
+        if x.shape != shape:
+            raise ValueError(f"sources[{i}] has shape {tuple(x.shape)}, expected {tuple(shape)} (as sources[0])")
+        if x.device != dev:
+            raise ValueError(f"sources[{i}] is on {x.device}, expected {dev} (as sources[0])")
+        if x.dtype not in DTYPES:
+            raise ValueError(f"sources[{i}] dtype {x.dtype} is not allowed: expected bf16, fp16 or fp32")
+    D = shape[-1]
+    for name, t in (("query", query), ("norm_weight", norm_weight)):
+        if t.shape != (D,):
+            raise ValueError(f"{name} must be [D] with D = {D}, got shape {tuple(t.shape)}")
+        if t.device != dev:
+            raise ValueError(f"{name} is on {t.device}, expected {dev} (as the sources)")
+    if not eps > 0:
+        raise ValueError(f"eps={eps!r} is not allowed: expected a positive number")
+
+
+@torch.compiler.disable  # a compiled model calls the op eagerly (its kernels launch themselves)
+def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch.Tensor,
+                    norm_weight: torch.Tensor, eps: float = 1e-6, backend: str = "auto",
+                    config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over depth with one pseudo-query and an RMSNorm on the keys (see the module docstring).
+
+    Args:
+        sources: L tensors ``[..., D]`` of one shape (bf16 / fp16 / fp32, dtypes may differ), or
+            one stacked tensor ``[L, ..., D]``. A list is the fast form for a model: nothing is
+            stacked, and each gradient comes back in its source's dtype.
+        query: the pseudo-query ``[D]``.
+        norm_weight: the key RMSNorm's weight ``[D]``.
+        eps: the RMSNorm epsilon (> 0).
+        backend: ``"triton"`` (CUDA tensors, or any under ``TRITON_INTERPRET=1``), ``"torch"``
+            (``depth_attention_torch``), or ``"auto"``: triton on CUDA tensors, else torch.
+        config: Triton launch parameters; None takes ``launch_config(D)``.
+
+    Returns:
+        ``h [..., D]`` in the autocast dtype when autocast is on for the sources' device, else in
+        the promoted dtype of the sources; the depth weights ``p [L, ...]`` fp32 (no gradient).
+        Gradients flow to every source, query and norm_weight.
+    """
+    stacked = isinstance(sources, torch.Tensor)
+    if stacked and sources.dim() < 2:
+        raise ValueError(f"stacked sources must be [L, ..., D], got shape {tuple(sources.shape)}")
+    seq = tuple(sources.unbind(0)) if stacked else tuple(sources)
+    _check(seq, query, norm_weight, eps, backend)
+    out_dtype = _out_dtype(seq)
+    if backend == "auto":
+        backend = "triton" if seq[0].is_cuda else "torch"
+    if backend == "torch":
+        return depth_attention_torch(seq, query, norm_weight, eps, out_dtype)
+    if not (seq[0].is_cuda or _interpret()):
+        raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {seq[0].device}")
+    lead, D = seq[0].shape[:-1], seq[0].shape[-1]
+    if D > MAX_D:
+        raise ValueError(f"D={D} is not allowed with backend='triton': expected 1..{MAX_D} (use backend='torch')")
+    cfg = config or launch_config(D)
+    cfg.validate()
+    if stacked:
+        inputs = (sources.reshape(len(seq), -1, D).contiguous(),)
+    else:
+        inputs = tuple(x.reshape(-1, D).contiguous() for x in seq)
+    h, p = _DepthAttentionFn.apply(query.contiguous(), norm_weight.contiguous(), float(eps), out_dtype, stacked,
+                                   cfg, *inputs)
+    return h.view(*lead, D), p.view(len(seq), *lead)
