@@ -16,10 +16,18 @@ Gradients, with ``dp_i = <dh, v_i>`` and ``ds_i = p_i (dp_i - sum_j p_j dp_j)``:
 The plain path stacks the L sources (one copy of all of them per read), materializes the
 normalized keys in fp32 and saves both for the backward. Here the sources are passed as L
 separate pointers (a tuple kernel argument, so no stack and mixed dtypes are fine), the forward
-reads each source once with an online softmax over depth and keeps only three fp32 ``[L, N]``
-row statistics (p, r, s). The backward recomputes nothing large: one pass over the sources for
-``dp``, a second that writes every ``dv_i`` in its source's dtype and folds the row sums of B into
-per-program fp32 partials (summed in torch, so the result is deterministic). fp32 math throughout.
+reads each source once with an online softmax over depth and keeps only fp32 row statistics
+(r and s ``[L, N]``, the log-sum-exp ``[N]``). The backward recomputes p from them and writes
+every ``dv_i`` in its source's dtype; the row sums of B go into per-program fp32 partials
+(summed in torch, so the result is deterministic). fp32 math throughout.
+
+``c = sum_j p_j dp_j`` in ``ds_i`` equals ``<dh, h>``. When h is fp32 (in the model: the fp32
+embedding is always a source) the forward saves h (the next RMSNorm keeps that same tensor
+anyway) and the backward reads each source once. A 16-bit h would carry its rounding into c
+(about 4e-3 relative error in the gradients), so then h is not saved and the backward sums c in
+a first pass over the sources instead. Traffic per token and width element with bf16 sources:
+forward 2L + 2 bytes (+2 for an fp32 h); backward 4L + 8 with the fp32 h, 6L + 2 without. The
+plain path adds a stack copy of the sources, fp32 keys and their saved copies on top.
 
 ``depth_attention`` is the front door (either backend); ``depth_attention_torch`` the fp32
 PyTorch reference that defines the semantics.
@@ -49,27 +57,28 @@ class LaunchConfig:
     rows: tokens per program tile (a power of two); each tile is ``[rows, next_pow2(D)]``.
     warps: warps per program.
     programs_per_sm: the backward's persistent grid is ``SMs * programs_per_sm`` programs (each
-        writes one fp32 ``[D]`` partial of B); the forward launches one program per tile.
+        writes one fp32 ``[D]`` partial of B); 0: as many as fit on an SM at once. The forward
+        launches one program per tile.
     """
 
     rows: int = 1
-    warps: int = 4
-    programs_per_sm: int = 8
+    warps: int = 8
+    programs_per_sm: int = 0
 
     def validate(self) -> None:
-        for name, value, hi in (("rows", self.rows, 64), ("warps", self.warps, 32)):
+        for name, value, hi in (("rows", self.rows, 64), ("warps", self.warps, 16)):
             if value < 1 or value > hi or value & (value - 1):
                 raise ValueError(f"LaunchConfig.{name}={value} is not allowed: expected a power of two in 1..{hi}")
-        if self.programs_per_sm < 1:
-            raise ValueError(f"LaunchConfig.programs_per_sm={self.programs_per_sm} is not allowed: expected >= 1")
+        if self.programs_per_sm < 0:
+            raise ValueError(f"LaunchConfig.programs_per_sm={self.programs_per_sm} is not allowed: expected >= 0")
 
 
 def launch_config(d: int) -> LaunchConfig:
     """Default launch for width ``d``: tiles of at least 2048 elements (several rows when d is
-    small) at about 16 elements per thread, which keeps each load 16 bytes wide per thread."""
+    small) at 8 elements per thread (one 16-byte load of bf16), at most 16 warps."""
     bd = triton.next_power_of_2(d)
     rows = max(1, 2048 // bd)
-    return LaunchConfig(rows=rows, warps=min(16, max(1, rows * bd // 512)), programs_per_sm=8)
+    return LaunchConfig(rows=rows, warps=min(16, max(1, rows * bd // 256)))
 
 
 def _interpret() -> bool:
@@ -86,29 +95,24 @@ def _tile(blk, N, D, cols, BN: tl.constexpr):
 
 
 @triton.jit
-def _pick(vec, lidx, i: tl.constexpr):
-    """Column i of a ``[BN, LP]`` per-source vector, as ``[BN]``."""
-    return tl.sum(tl.where(lidx[None, :] == i, vec, 0.0), axis=1)
+def _attnres_fwd_kernel(srcs, q, w, h, r, s, lse, N, D, eps, L: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    """One ``[BN, D]`` tile of h; writes r, s ``[L, N]`` and lse ``[N]`` (fp32) for the backward.
 
-
-@triton.jit
-def _attnres_fwd_kernel(srcs, q, w, h, p, r, s, N, D, eps,
-                        L: tl.constexpr, LP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
-    """One ``[BN, D]`` tile of h; writes p, r, s ``[L, N]`` fp32 for the backward."""
+    Per-source statistics go straight to memory as they come: holding them in ``[BN, L]``
+    registers costs a layout conversion per source and spills at large L."""
     cols = tl.arange(0, BD)
     cm = cols < D
     gq = tl.load(q + cols, mask=cm, other=0.0).to(tl.float32) * tl.load(w + cols, mask=cm, other=0.0).to(tl.float32)
-    lidx = tl.arange(0, LP)
     rows, rm, offs, mask = _tile(tl.program_id(0), N, D, cols, BN)
     m = tl.full([BN], float("-inf"), tl.float32)
     den = tl.zeros([BN], tl.float32)
     acc = tl.zeros([BN, BD], tl.float32)
-    svec = tl.zeros([BN, LP], tl.float32)
-    rvec = tl.zeros([BN, LP], tl.float32)
     for i in tl.static_range(L):
         v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
         ri = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
         si = tl.sum(v * gq[None, :], axis=1) * ri
+        tl.store(r + i * N + rows, ri, mask=rm)
+        tl.store(s + i * N + rows, si, mask=rm)
         # online softmax: each source is read once; rescale what was summed when the max moves
         m_new = tl.maximum(m, si)
         alpha = tl.exp(m - m_new)
@@ -116,54 +120,69 @@ def _attnres_fwd_kernel(srcs, q, w, h, p, r, s, N, D, eps,
         acc = acc * alpha[:, None] + e[:, None] * v
         den = den * alpha + e
         m = m_new
-        svec = tl.where(lidx[None, :] == i, si[:, None], svec)
-        rvec = tl.where(lidx[None, :] == i, ri[:, None], rvec)
     tl.store(h + offs, (acc / den[:, None]).to(h.dtype.element_ty), mask=mask)
-    st = lidx[None, :].to(tl.int64) * N + rows[:, None]
-    sm = (lidx[None, :] < L) & rm[:, None]
-    tl.store(p + st, tl.exp(svec - m[:, None]) / den[:, None], mask=sm)
-    tl.store(r + st, rvec, mask=sm)
-    tl.store(s + st, svec, mask=sm)
+    tl.store(lse + rows, m + tl.log(den), mask=rm)
 
 
 @triton.jit
-def _attnres_bwd_kernel(srcs, dsrcs, q, w, dh, p, r, s, part, N, D, NPROG,
-                        L: tl.constexpr, LP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
-    """dv_i for the tiles ``pid, pid + NPROG, ...`` and this program's partial of B (``part [NPROG, D]``)."""
+def _attnres_bwd_kernel(srcs, dsrcs, q, w, h, dh, r, s, lse, part, N, D, NPROG,
+                        L: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, C_FROM_H: tl.constexpr):
+    """dv_i for the tiles ``pid, pid + NPROG, ...`` and this program's partial of B (``part [NPROG, D]``).
+
+    ``c = sum_j p_j dp_j``: with C_FROM_H (an fp32 h) it is ``<dh, h>`` and each source is read once;
+    otherwise a first pass over the sources sums it (h is not even saved then)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
     cm = cols < D
     gq = tl.load(q + cols, mask=cm, other=0.0).to(tl.float32) * tl.load(w + cols, mask=cm, other=0.0).to(tl.float32)
-    lidx = tl.arange(0, LP)
     b_acc = tl.zeros([BD], tl.float32)
     for blk in range(pid, tl.cdiv(N, BN), NPROG):
         rows, rm, offs, mask = _tile(blk, N, D, cols, BN)
         g = tl.load(dh + offs, mask=mask, other=0.0).to(tl.float32)
-        st = lidx[None, :].to(tl.int64) * N + rows[:, None]
-        sm = (lidx[None, :] < L) & rm[:, None]
-        pvec = tl.load(p + st, mask=sm, other=0.0)
-        dpvec = tl.zeros([BN, LP], tl.float32)
+        lse_r = tl.load(lse + rows, mask=rm, other=0.0)
+        if C_FROM_H:
+            c = tl.sum(g * tl.load(h + offs, mask=mask, other=0.0), axis=1)
+        else:
+            c = tl.zeros([BN], tl.float32)
+            for i in tl.static_range(L):
+                v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+                c += tl.exp(tl.load(s + i * N + rows, mask=rm, other=0.0) - lse_r) * tl.sum(v * g, axis=1)
         for i in tl.static_range(L):
             v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-            dpvec = tl.where(lidx[None, :] == i, tl.sum(v * g, axis=1)[:, None], dpvec)
-        dsvec = pvec * (dpvec - tl.sum(pvec * dpvec, axis=1)[:, None])
-        rvec = tl.load(r + st, mask=sm, other=0.0)
-        arvec = dsvec * rvec  # ds_i r_i: the weight of g * q in dv_i and of v_i in B
-        brvec = arvec * tl.load(s + st, mask=sm, other=0.0) * rvec / D  # the weight of -v_i in dv_i
-        for i in tl.static_range(L):
-            v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-            a = _pick(arvec, lidx, i)
-            dv = _pick(pvec, lidx, i)[:, None] * g + a[:, None] * gq[None, :] - _pick(brvec, lidx, i)[:, None] * v
+            si = tl.load(s + i * N + rows, mask=rm, other=0.0)
+            ri = tl.load(r + i * N + rows, mask=rm, other=0.0)
+            pi = tl.exp(si - lse_r)
+            a = pi * (tl.sum(v * g, axis=1) - c) * ri  # ds_i r_i: the weight of g * q in dv_i and of v_i in B
+            dv = pi[:, None] * g + a[:, None] * gq[None, :] - (a * si * ri / D)[:, None] * v
             tl.store(dsrcs[i] + offs, dv.to(dsrcs[i].dtype.element_ty), mask=mask)
             b_acc += tl.sum(a[:, None] * v, axis=0)
     tl.store(part + pid.to(tl.int64) * D + cols, b_acc, mask=cm)
 
 
-def _n_programs(n_tiles: int, device: torch.device, cfg: LaunchConfig) -> int:
+_RESIDENT: dict[tuple, int] = {}  # backward launch signature -> programs that fit on one SM at once
+
+
+def _bwd_programs(n_tiles: int, device: torch.device, cfg: LaunchConfig, args: tuple, consts: dict) -> int:
+    """Persistent grid of the backward: ``SMs * programs_per_sm``, or with programs_per_sm = 0 as
+    many programs as are resident at once (from the compiled kernel's registers and shared
+    memory), so that the grid is one wave and every program walks the same number of tiles.
+    ``args`` are the kernel's arguments with placeholders for ``part`` and ``NPROG``."""
     if _interpret():
         return max(1, min(n_tiles, _INTERP_PROGRAMS))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_tiles, sms * cfg.programs_per_sm))
+    props = triton.runtime.driver.active.utils.get_device_properties(device.index)
+    per_sm = cfg.programs_per_sm
+    if per_sm == 0:
+        key = (device.index, cfg, tuple(consts.items()), tuple(x.dtype for x in args[0] + args[4:6]))
+        if key not in _RESIDENT:
+            kernel = _attnres_bwd_kernel.warmup(*args, grid=(1,), num_warps=cfg.warps, **consts)
+            kernel._init_handles()
+            regs = -(-kernel.n_regs // 8) * 8  # registers are allocated in units of 8 per thread
+            fit = [props["max_num_regs"] // (regs * 32 * cfg.warps), 64 // cfg.warps]
+            if kernel.metadata.shared:
+                fit.append(props["max_shared_mem"] // kernel.metadata.shared)
+            _RESIDENT[key] = max(1, min(fit))
+        per_sm = _RESIDENT[key]
+    return max(1, min(n_tiles, props["multiprocessor_count"] * per_sm))
 
 
 class _DepthAttentionFn(torch.autograd.Function):
@@ -177,12 +196,13 @@ class _DepthAttentionFn(torch.autograd.Function):
         L = len(srcs)
         dev = srcs[0].device
         h = torch.empty(N, D, device=dev, dtype=out_dtype)
-        p, r, s = torch.empty(3, L, N, device=dev, dtype=torch.float32).unbind(0)
-        BN, BD = cfg.rows, triton.next_power_of_2(D)
-        _attnres_fwd_kernel[(triton.cdiv(N, BN),)](
-            srcs, query, norm_weight, h, p, r, s, N, D, eps,
-            L=L, LP=triton.next_power_of_2(L), BN=BN, BD=BD, num_warps=cfg.warps)
-        ctx.save_for_backward(query, norm_weight, p, r, s, *inputs)
+        stats = torch.empty(2 * L + 1, N, device=dev, dtype=torch.float32)
+        r, s, lse = stats[:L], stats[L:2 * L], stats[2 * L]
+        _attnres_fwd_kernel[(triton.cdiv(N, cfg.rows),)](
+            srcs, query, norm_weight, h, r, s, lse, N, D, eps,
+            L=L, BN=cfg.rows, BD=triton.next_power_of_2(D), num_warps=cfg.warps)
+        p = torch.exp(s - lse)
+        ctx.save_for_backward(query, norm_weight, h if out_dtype == torch.float32 else None, stats, *inputs)
         ctx.stacked, ctx.cfg = stacked, cfg
         ctx.mark_non_differentiable(p)
         return h, p
@@ -190,7 +210,7 @@ class _DepthAttentionFn(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dh, _dp):
-        query, norm_weight, p, r, s, *inputs = ctx.saved_tensors
+        query, norm_weight, h, stats, *inputs = ctx.saved_tensors
         cfg = ctx.cfg
         if ctx.stacked:
             dstack = torch.empty_like(inputs[0])
@@ -200,12 +220,12 @@ class _DepthAttentionFn(torch.autograd.Function):
             dsrcs = tuple(torch.empty_like(x) for x in srcs)
         N, D = srcs[0].shape
         L = len(srcs)
-        BN = cfg.rows
-        nprog = _n_programs(triton.cdiv(N, BN), dh.device, cfg)
+        consts = dict(L=L, BN=cfg.rows, BD=triton.next_power_of_2(D), C_FROM_H=h is not None)
+        dh = dh.contiguous()
+        args = [srcs, dsrcs, query, norm_weight, dh if h is None else h, dh, stats[:L], stats[L:2 * L], stats[2 * L]]
+        nprog = _bwd_programs(triton.cdiv(N, cfg.rows), dh.device, cfg, (*args, stats, N, D, 1), consts)
         part = torch.empty(nprog, D, device=dh.device, dtype=torch.float32)
-        _attnres_bwd_kernel[(nprog,)](
-            srcs, dsrcs, query, norm_weight, dh.contiguous(), p, r, s, part, N, D, nprog,
-            L=L, LP=triton.next_power_of_2(L), BN=BN, BD=triton.next_power_of_2(D), num_warps=cfg.warps)
+        _attnres_bwd_kernel[(nprog,)](*args, part, N, D, nprog, num_warps=cfg.warps, **consts)
         b = part.sum(0)
         dq = (b * norm_weight.float()).to(query.dtype)
         dw = (b * query.float()).to(norm_weight.dtype)
@@ -223,11 +243,7 @@ def depth_attention_torch(sources: Sequence[torch.Tensor], query: torch.Tensor, 
 
 
 def _out_dtype(sources: Sequence[torch.Tensor]) -> torch.dtype:
-    """The autocast dtype when autocast is on for the sources' device, else the promoted dtype
-    of the sources (what ``torch.stack`` gives)."""
-    dev = sources[0].device.type
-    if torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
+    """The promoted dtype of the sources (what ``torch.stack`` gives), with or without autocast."""
     dt = sources[0].dtype
     for x in sources[1:]:
         dt = torch.promote_types(dt, x.dtype)
@@ -278,9 +294,10 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch
         config: Triton launch parameters; None takes ``launch_config(D)``.
 
     Returns:
-        ``h [..., D]`` in the autocast dtype when autocast is on for the sources' device, else in
-        the promoted dtype of the sources; the depth weights ``p [L, ...]`` fp32 (no gradient).
-        Gradients flow to every source, query and norm_weight.
+        ``h [..., D]`` in the promoted dtype of the sources (autocast or not: with the model's
+        fp32 embedding among the sources that is fp32, the dtype of prenorm's running sum, and the
+        next RMSNorm then keeps this very tensor instead of an fp32 copy); the depth weights
+        ``p [L, ...]`` fp32 (no gradient). Gradients flow to every source, query and norm_weight.
     """
     stacked = isinstance(sources, torch.Tensor)
     if stacked and sources.dim() < 2:
