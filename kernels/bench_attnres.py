@@ -198,7 +198,7 @@ def main() -> int:
 
     cuda = torch.cuda.is_available() and not args.smoke
     if args.smoke:
-        args.tokens, args.d_model, args.sources = 37, 136, "1,2,3"
+        args.tokens, args.d_model, args.sources = 37, 72, "1,3"
     elif not cuda:
         ap.error("no CUDA device: use --smoke for the CPU run")
     dev = "cuda" if cuda else "cpu"

@@ -159,30 +159,28 @@ def _attnres_bwd_kernel(srcs, dsrcs, q, w, h, dh, r, s, lse, part, N, D, NPROG,
     tl.store(part + pid.to(tl.int64) * D + cols, b_acc, mask=cm)
 
 
-_RESIDENT: dict[tuple, int] = {}  # backward launch signature -> programs that fit on one SM at once
+_RESIDENT: dict[tuple, int] = {}  # backward launch signature -> its programs that fit on one SM at once
 
 
-def _bwd_programs(n_tiles: int, device: torch.device, cfg: LaunchConfig, args: tuple, consts: dict) -> int:
-    """Persistent grid of the backward: ``SMs * programs_per_sm``, or with programs_per_sm = 0 as
-    many programs as are resident at once (from the compiled kernel's registers and shared
-    memory), so that the grid is one wave and every program walks the same number of tiles.
-    ``args`` are the kernel's arguments with placeholders for ``part`` and ``NPROG``."""
+def _bwd_programs(n_tiles: int, device: torch.device, cfg: LaunchConfig, key: tuple) -> int:
+    """Persistent grid of the backward: ``SMs * programs_per_sm``; with programs_per_sm = 0 as
+    many programs as are resident at once, so that the grid is one wave and every program walks
+    the same number of tiles (one per SM until the first launch of ``key`` has told its registers)."""
     if _interpret():
         return max(1, min(n_tiles, _INTERP_PROGRAMS))
+    sms = triton.runtime.driver.active.utils.get_device_properties(device.index)["multiprocessor_count"]
+    return max(1, min(n_tiles, sms * (cfg.programs_per_sm or _RESIDENT.get(key, 1))))
+
+
+def _note_resident(key: tuple, kernel, device: torch.device, warps: int) -> None:
+    """Programs of a compiled kernel that fit on one SM: registers (allocated per thread in units
+    of 8), shared memory, and 64 warps per SM."""
     props = triton.runtime.driver.active.utils.get_device_properties(device.index)
-    per_sm = cfg.programs_per_sm
-    if per_sm == 0:
-        key = (device.index, cfg, tuple(consts.items()), tuple(x.dtype for x in args[0] + args[4:6]))
-        if key not in _RESIDENT:
-            kernel = _attnres_bwd_kernel.warmup(*args, grid=(1,), num_warps=cfg.warps, **consts)
-            kernel._init_handles()
-            regs = -(-kernel.n_regs // 8) * 8  # registers are allocated in units of 8 per thread
-            fit = [props["max_num_regs"] // (regs * 32 * cfg.warps), 64 // cfg.warps]
-            if kernel.metadata.shared:
-                fit.append(props["max_shared_mem"] // kernel.metadata.shared)
-            _RESIDENT[key] = max(1, min(fit))
-        per_sm = _RESIDENT[key]
-    return max(1, min(n_tiles, props["multiprocessor_count"] * per_sm))
+    regs = -(-kernel.n_regs // 8) * 8
+    fit = [props["max_num_regs"] // (max(regs, 8) * 32 * warps), 64 // warps]
+    if kernel.metadata.shared:
+        fit.append(props["max_shared_mem"] // kernel.metadata.shared)
+    _RESIDENT[key] = max(1, min(fit))
 
 
 class _DepthAttentionFn(torch.autograd.Function):
@@ -222,10 +220,14 @@ class _DepthAttentionFn(torch.autograd.Function):
         L = len(srcs)
         consts = dict(L=L, BN=cfg.rows, BD=triton.next_power_of_2(D), C_FROM_H=h is not None)
         dh = dh.contiguous()
-        args = [srcs, dsrcs, query, norm_weight, dh if h is None else h, dh, stats[:L], stats[L:2 * L], stats[2 * L]]
-        nprog = _bwd_programs(triton.cdiv(N, cfg.rows), dh.device, cfg, (*args, stats, N, D, 1), consts)
+        key = (dh.device.index, cfg, tuple(consts.items()), tuple(x.dtype for x in srcs), dh.dtype)
+        nprog = _bwd_programs(triton.cdiv(N, cfg.rows), dh.device, cfg, key)
         part = torch.empty(nprog, D, device=dh.device, dtype=torch.float32)
-        _attnres_bwd_kernel[(nprog,)](*args, part, N, D, nprog, num_warps=cfg.warps, **consts)
+        kernel = _attnres_bwd_kernel[(nprog,)](
+            srcs, dsrcs, query, norm_weight, dh if h is None else h, dh, stats[:L], stats[L:2 * L], stats[2 * L],
+            part, N, D, nprog, num_warps=cfg.warps, **consts)
+        if not (cfg.programs_per_sm or _interpret() or key in _RESIDENT):
+            _note_resident(key, kernel, dh.device, cfg.warps)
         b = part.sum(0)
         dq = (b * norm_weight.float()).to(query.dtype)
         dw = (b * query.float()).to(norm_weight.dtype)
