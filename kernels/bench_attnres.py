@@ -10,8 +10,9 @@ pseudo-query and key-norm weight (as trained), everything under bf16 autocast. R
   moelab_fused         ``moelab.ops.attnres.depth_attention`` on the list of sources (no stack).
   torch_plain          ``DepthAttention`` with ``backend="torch"``: torch.stack of the list, then the
                        plain module (today's model path, the stack included).
-  fla_fused_attnres    ``fla.ops.attnres.fused_attnres`` on a pre-stacked ``[L, N, D]`` tensor (its
-                       own layout; the stack is not timed), when fla is importable.
+  fla_fused_attnres    ``fla.ops.attnres.fused_attnres`` on the list of sources (fla versions differ:
+                       some stack a list inside, some read the list as it is), when importable.
+  fla_fused_attnres_stacked  the same on a pre-stacked ``[L, 1, N, D]`` tensor (the stack not timed).
   *_mixed              the same with source 0 in fp32 (the model's embedding) among bf16 outputs.
 Every row: fwd_ms (no grad), fwdbwd_ms (forward + backward w.r.t. sources, query and norm weight,
 fixed output gradient), peak_mem_gb (max allocated during one fwd+bwd step, inputs included) and
@@ -104,14 +105,19 @@ def _impls(fla_fn, cfg: LaunchConfig | None):
         return leaves, lambda: att(leaves[:-2])[0], lambda: [x.grad for x in leaves]
 
     def fla(srcs, q, w):
-        stacked = torch.stack(srcs).requires_grad_()  # fla's layout; mixed dtypes promote to fp32 here
+        leaves = _leaves(srcs, q, w)
+        return (leaves, lambda: fla_fn(leaves[-2], leaves[:-2], leaves[-1], rms_eps=1e-6),
+                lambda: [x.grad for x in leaves])
+
+    def fla_stacked(srcs, q, w):
+        stacked = torch.stack(srcs).requires_grad_()  # mixed dtypes promote to fp32 here
         leaves = [stacked, q.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()]
-        return (leaves, lambda: fla_fn(leaves[1], leaves[0], leaves[2], 1e-6),
+        return (leaves, lambda: fla_fn(leaves[1], leaves[0], leaves[2], rms_eps=1e-6),
                 lambda: [*stacked.grad.unbind(0), leaves[1].grad, leaves[2].grad])
 
     impls = {"moelab_fused": moelab, "torch_plain": plain}
     if fla_fn is not None:
-        impls["fla_fused_attnres"] = fla
+        impls.update(fla_fused_attnres=fla, fla_fused_attnres_stacked=fla_stacked)
     return impls
 
 
@@ -234,11 +240,14 @@ def main() -> int:
     summary = []
     for L in Ls:
         ours = by.get(("moelab_fused", L))
+        fla_rows = [by[(n, L)] for n in ("fla_fused_attnres", "fla_fused_attnres_stacked") if (n, L) in by]
+        others = {"torch_plain": by.get(("torch_plain", L)),
+                  "fla_best": min(fla_rows, key=lambda r: r["fwdbwd_ms"]) if fla_rows else None}
         line = dict(L=L)
-        for other in ("torch_plain", "fla_fused_attnres"):
-            if ours and (other, L) in by:
-                line[f"fwdbwd_speedup_vs_{other}"] = by[(other, L)]["fwdbwd_ms"] / ours["fwdbwd_ms"]
-                line[f"fwd_speedup_vs_{other}"] = by[(other, L)]["fwd_ms"] / ours["fwd_ms"]
+        for other, row in others.items():
+            if ours and row:
+                line[f"fwdbwd_speedup_vs_{other}"] = row["fwdbwd_ms"] / ours["fwdbwd_ms"]
+                line[f"fwd_speedup_vs_{other}"] = row["fwd_ms"] / ours["fwd_ms"]
         summary.append(line)
         print(json.dumps(line))
     cfg = launch_config(D)
@@ -251,10 +260,10 @@ def main() -> int:
                                                        programs_per_sm=cfg.programs_per_sm),
                 timing="triton.testing.do_bench median, warmup 25 ms, rep 200 ms; grads set to None each step",
                 tolerances=dict(h=OUT_TOL, grads=GRAD_TOL), anchors_fwdbwd_ms=ANCHORS_FWDBWD_MS,
-                target="moelab_fused fwd+bwd >= 5x faster than torch_plain and at least fla's speed",
+                target="moelab_fused fwd+bwd >= 5x faster than torch_plain and at least the faster fla row's speed",
                 target_met=bool(summary) and all(
                     line.get("fwdbwd_speedup_vs_torch_plain", 0) >= 5
-                    and line.get("fwdbwd_speedup_vs_fla_fused_attnres", 1) >= 1 for line in summary),
+                    and line.get("fwdbwd_speedup_vs_fla_best", 1) >= 1 for line in summary),
                 all_ok=all(r.get("ok", False) for r in rows + sweep if r["impl"].startswith("moelab")))
     out = args.out or (None if args.smoke else os.path.join(ROOT, "kernels", "results", "attnres_h200.json"))
     if out:

@@ -237,11 +237,13 @@ class _DepthAttentionFn(torch.autograd.Function):
 
 def depth_attention_torch(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
                           eps: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference, fp32 math: ``sources`` L tensors ``[..., D]`` -> ``h [..., D]`` (out_dtype), ``p [L, ...]`` fp32."""
-    v = torch.stack([x.float() for x in sources])
-    keys = F.rms_norm(v, (v.shape[-1],), norm_weight.float(), eps)
-    p = (keys @ query.float()).softmax(dim=0)
-    return torch.einsum("l...,l...d->...d", p, v).to(out_dtype), p
+    """Reference, fp32 math (autocast or not): ``sources`` L tensors ``[..., D]`` -> ``h [..., D]``
+    (out_dtype), ``p [L, ...]`` fp32."""
+    with torch.autocast(sources[0].device.type, enabled=False):
+        v = torch.stack([x.float() for x in sources])
+        keys = F.rms_norm(v, (v.shape[-1],), norm_weight.float(), eps)
+        p = (keys @ query.float()).softmax(dim=0)
+        return torch.einsum("l...,l...d->...d", p, v).to(out_dtype), p
 
 
 def _out_dtype(sources: Sequence[torch.Tensor]) -> torch.dtype:

@@ -102,8 +102,11 @@ def test_autocast(dtypes):
     ref = _reference(sources, query, weight, dh)
     with torch.autocast(DEV, dtype=torch.bfloat16):
         out = _run(lambda s, q, w: depth_attention(s, q, w, backend="triton"), sources, query, weight, dh)
-    assert out[0].dtype == (F32 if F32 in dtypes else BF)
+        torch_out = _run(lambda s, q, w: depth_attention(s, q, w, backend="torch"), sources, query, weight, dh)
+    assert out[0].dtype == torch_out[0].dtype == (F32 if F32 in dtypes else BF)
     _compare(ref, out, dtypes, 5e-3, 1e-2)
+    _compare(ref, torch_out, dtypes, 5e-3, 1e-2)  # the reference keeps fp32 math under autocast too
+    assert_close(ref[0], torch_out[0].float(), 1e-6 if F32 in dtypes else 5e-3, "torch backend h")
 
 
 def test_torch_backend_is_the_reference_and_auto_picks_by_device(monkeypatch):
