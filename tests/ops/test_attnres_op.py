@@ -12,7 +12,7 @@ from tests.helpers import assert_close
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BF, HF, F32 = torch.bfloat16, torch.float16, torch.float32
 
-# (lead shape, D, source dtypes, launch config, query scale): L = 1, 2, 5; N not a multiple of the
+# (lead shape, D, source dtypes, launch config, query scale): L = 1, 2, 3, 5; N not a multiple of the
 # rows per tile; D not a power of two; mixed dtypes; a large query scale gives peaked softmaxes,
 # so the online softmax's running max moves between sources.
 CASES = [
@@ -80,6 +80,16 @@ def test_matches_reference(case):
     # fp32: near the real error; all fp16 (10 mantissa bits): a bound that catches a 1% slip in c
     out_tol, grad_tol = {(F32,): (1e-5, 1e-5), (HF,): (1e-3, 2e-3)}.get(tuple(set(dtypes)), (5e-3, 1e-2))
     _compare(ref, out, dtypes, out_tol, grad_tol)
+
+
+def test_bf16_parameters():
+    """A bf16-cast model: bf16 query and norm weight get bf16 gradients, within bf16 error."""
+    sources, query, weight, dh = _inputs((3, 11), 40, (BF, BF, BF), 3.0, seed=6)
+    query, weight = query.bfloat16(), weight.bfloat16()
+    ref = _reference(sources, query.float(), weight.float(), dh)
+    out = _run(lambda s, q, w: depth_attention(s, q, w, backend="triton"), sources, query, weight, dh)
+    assert out[3].dtype == out[4].dtype == BF
+    _compare(ref, out, (BF, BF, BF), 5e-3, 1e-2)
 
 
 def test_stacked_input_matches_list():
