@@ -43,7 +43,8 @@ class DepthAttention(nn.Module):
     """Softmax over depth with one pseudo-query: ``sources [S, B, T, D] -> h [B, T, D]``.
 
     ``backend="triton"`` (``"auto"``: on CUDA tensors) runs the fused ``moelab.ops.attnres`` op on
-    the list of sources as they are (no stack, fp32 math); the torch path is the plain one.
+    the list of sources as they are (no stack, fp32 math; h in the sources' promoted dtype, so
+    fp32 with the embedding among them, where the torch path under autocast returns bf16).
     """
 
     def __init__(self, d_model: int, norm_eps: float = 1e-6, backend: str = "auto") -> None:
