@@ -44,3 +44,19 @@ def test_aot_report(tmp_path):
     res = _run(["kernels/aot_kda.py", "--only", "dg"], tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "registers" in res.stdout and "dg" in res.stdout
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU smoke runs; the GPU runs the real thing")
+def test_bench_attnres_smoke(tmp_path):
+    out = tmp_path / "attnres.json"
+    res = _run(["kernels/bench_attnres.py", "--smoke", "--sweep", "--out", str(out)], tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert {r["impl"] for r in rows} == {"moelab_fused", "torch_plain", "moelab_fused_mixed", "torch_plain_mixed"}
+    assert {r["L"] for r in rows} == {1, 3}
+    assert all(r["ok"] and r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 for r in rows)
+    assert [r["out_dtype"] for r in rows if r["impl"] == "moelab_fused_mixed"] == ["float32"] * 2
+    assert data["sweep"] and all(r["ok"] for r in data["sweep"])
+    assert {"gpu", "torch", "triton", "date", "commit", "command"} <= set(data["meta"])
+    assert data["meta"]["all_ok"] and "bench_attnres.py" in data["meta"]["command"]

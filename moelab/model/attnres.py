@@ -27,15 +27,28 @@ from moelab.model.norm import RMSNorm
 
 
 class DepthAttention(nn.Module):
-    """Softmax over depth with one pseudo-query: ``sources [S, B, T, D] -> h [B, T, D]``."""
+    """Softmax over depth with one pseudo-query: ``sources [S, B, T, D] -> h [B, T, D]``.
 
-    def __init__(self, d_model: int, norm_eps: float = 1e-6) -> None:
+    ``backend="triton"`` (``"auto"``: on CUDA tensors) runs the fused ``moelab.ops.attnres`` op on
+    the list of sources as they are (no stack, fp32 math; h in the sources' promoted dtype, so
+    fp32 with the embedding among them, where the torch path under autocast returns bf16).
+    """
+
+    def __init__(self, d_model: int, norm_eps: float = 1e-6, backend: str = "auto") -> None:
         super().__init__()
         self.query = nn.Parameter(torch.zeros(d_model))
         self.key_norm = RMSNorm(d_model, eps=norm_eps)
+        self.backend = backend
 
-    def forward(self, sources: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mix ``sources [S, B, T, D]``; return ``h [B, T, D]`` and the weights ``[S, B, T]`` (fp32)."""
+    def forward(self, sources: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mix ``sources`` (``[S, B, T, D]`` or S tensors ``[B, T, D]``); return ``h [B, T, D]`` and
+        the weights ``[S, B, T]`` (fp32)."""
+        if self.backend == "triton" or (self.backend == "auto" and sources[0].is_cuda):
+            from moelab.ops.attnres import depth_attention
+
+            return depth_attention(sources, self.query, self.key_norm.weight, self.key_norm.eps, backend="triton")
+        if not isinstance(sources, torch.Tensor):
+            sources = torch.stack(sources)
         logits = self.key_norm(sources).float() @ self.query.float()  # [S, B, T]
         weights = logits.softmax(dim=0)
         h = torch.einsum("sbt,sbtd->btd", weights.to(sources.dtype), sources)
@@ -55,7 +68,7 @@ class AttnResidual(nn.Module):
         self.n_sublayers = n_sublayers
         self.block_ends = frozenset(cfg.block_ends(n_sublayers))  # sublayer counts that close a block
         n_queries = 0 if cfg.mode == "prenorm" else n_sublayers + 1
-        self.depth = nn.ModuleList(DepthAttention(d_model, norm_eps) for _ in range(n_queries))
+        self.depth = nn.ModuleList(DepthAttention(d_model, norm_eps, cfg.backend) for _ in range(n_queries))
 
     def stream(self, embedding: torch.Tensor, diagnostics: bool = False) -> ResidualStream:
         """Start a pass from the token embedding ``[B, T, D]``."""
@@ -85,7 +98,7 @@ class ResidualStream:
             h = self.x
         else:
             sources = self.blocks + ([self.partial] if self.partial is not None else [])
-            h, w = self.m.depth[idx](torch.stack(sources))
+            h, w = self.m.depth[idx](sources)
             if self.diag is not None:
                 self.diag["depth_weights"].append(w.detach().mean(dim=(1, 2)))
         if self.diag is not None:

@@ -142,9 +142,13 @@ class ResidualConfig:
     # block_attnres only: allow a num_blocks that does not divide the sublayer count; blocks then
     # differ in size by at most one sublayer (K3: 8 blocks over 93 layers = 186 sublayers).
     uneven_blocks: bool = False
+    # the depth softmax of the AttnRes modes: triton = moelab.ops.attnres (fused, no stack of the
+    # sources); torch = the plain path; auto = triton on CUDA tensors, else torch
+    backend: Literal["auto", "torch", "triton"] = "auto"
 
     def validate(self, n_sublayers: int, prefix: str = "residual") -> None:
         _one_of(f"{prefix}.mode", self.mode, ("prenorm", "full_attnres", "block_attnres"))
+        _one_of(f"{prefix}.backend", self.backend, ("auto", "torch", "triton"))
         if self.mode == "block_attnres":
             if self.uneven_blocks:
                 _check(1 <= self.num_blocks <= n_sublayers, f"{prefix}.num_blocks", self.num_blocks,

@@ -1,0 +1,212 @@
+"""Fused AttnRes depth aggregation (moelab/ops/attnres.py) against its fp32 PyTorch reference, forward
+and every gradient; CPU runs use the Triton interpreter (tests/conftest.py), so shapes stay small."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moelab.ops.attnres import MAX_D, LaunchConfig, depth_attention, depth_attention_torch
+from tests.helpers import assert_close
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+BF, HF, F32 = torch.bfloat16, torch.float16, torch.float32
+
+# (lead shape, D, source dtypes, launch config, query scale): L = 1, 2, 3, 5; N not a multiple of the
+# rows per tile; D not a power of two; mixed dtypes; a large query scale gives peaked softmaxes,
+# so the online softmax's running max moves between sources.
+CASES = [
+    ((7,), 24, (F32,), None, 1.0),
+    ((2, 9), 40, (F32, F32), None, 1.0),
+    ((37,), 48, (F32,) * 5, LaunchConfig(rows=4, warps=1), 30.0),
+    ((2, 9), 40, (BF, BF), None, 1.0),
+    ((37,), 64, (F32, BF, BF, BF, BF), LaunchConfig(rows=4, warps=2), 1.0),
+    ((3, 7), 33, (BF, HF, F32, BF, BF), LaunchConfig(rows=2, warps=1), 10.0),
+    ((4, 10), 72, (HF, HF, HF), None, 10.0),
+]
+
+
+def _inputs(lead, D, dtypes, qscale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    sources = [(torch.randn(*lead, D, generator=gen) * (0.5 + i)).to(DEV, dt) for i, dt in enumerate(dtypes)]
+    query = (torch.randn(D, generator=gen) * qscale / D ** 0.5).to(DEV)
+    weight = (torch.rand(D, generator=gen) + 0.5).to(DEV)
+    dh = torch.randn(*lead, D, generator=gen).to(DEV)
+    return sources, query, weight, dh
+
+
+def _run(fn, sources, query, weight, dh):
+    """h, p and the gradients of (h * dh).sum() w.r.t. every source, the query and the norm weight."""
+    sources = [x.detach().clone().requires_grad_() for x in sources]
+    query = query.detach().clone().requires_grad_()
+    weight = weight.detach().clone().requires_grad_()
+    h, p = fn(sources, query, weight)
+    (h.float() * dh).sum().backward()
+    return h, p, [x.grad for x in sources], query.grad, weight.grad
+
+
+def _reference(sources, query, weight, dh):
+    """fp32 reference on the same (already rounded) source values."""
+    return _run(lambda s, q, w: depth_attention_torch(s, q, w, 1e-6, F32), [x.float() for x in sources], query,
+                weight, dh)
+
+
+def _compare(ref, out, dtypes, out_tol, grad_tol):
+    h, p, dsrc, dq, dw = out
+    assert_close(ref[0], h.float(), out_tol, "h")
+    assert_close(ref[1], p, out_tol, "p")
+    for i, (a, b, dt) in enumerate(zip(ref[2], dsrc, dtypes)):
+        assert b.dtype == dt, f"dv[{i}] dtype {b.dtype} != source dtype {dt}"
+        assert_close(a, b.float(), grad_tol, f"dv[{i}]")
+    if len(dtypes) > 1:  # one source: the softmax is constant, dq = dw = 0 exactly
+        assert_close(ref[3], dq, grad_tol, "dquery")
+        assert_close(ref[4], dw, grad_tol, "dnorm_weight")
+    else:
+        assert not dq.any() and not dw.any()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"L{len(c[2])}N{c[0]}D{c[1]}-" + "".join(
+    {BF: "b", HF: "h", F32: "f"}[d] for d in c[2]))
+def test_matches_reference(case):
+    lead, D, dtypes, cfg, qscale = case
+    sources, query, weight, dh = _inputs(lead, D, dtypes, qscale, seed=D + len(dtypes))
+    ref = _reference(sources, query, weight, dh)
+    out = _run(lambda s, q, w: depth_attention(s, q, w, 1e-6, backend="triton", config=cfg),
+               sources, query, weight, dh)
+    promoted = dtypes[0]
+    for dt in dtypes[1:]:
+        promoted = torch.promote_types(promoted, dt)
+    assert out[0].dtype == promoted and out[1].dtype == F32 and out[1].shape == (len(dtypes), *lead)
+    # fp32: near the real error; all fp16 (10 mantissa bits): a bound that catches a 1% slip in c
+    out_tol, grad_tol = {(F32,): (1e-5, 1e-5), (HF,): (1e-3, 2e-3)}.get(tuple(set(dtypes)), (5e-3, 1e-2))
+    _compare(ref, out, dtypes, out_tol, grad_tol)
+
+
+def test_bf16_parameters():
+    """A bf16-cast model: bf16 query and norm weight get bf16 gradients, within bf16 error."""
+    sources, query, weight, dh = _inputs((3, 11), 40, (BF, BF, BF), 3.0, seed=6)
+    query, weight = query.bfloat16(), weight.bfloat16()
+    ref = _reference(sources, query.float(), weight.float(), dh)
+    out = _run(lambda s, q, w: depth_attention(s, q, w, backend="triton"), sources, query, weight, dh)
+    assert out[3].dtype == out[4].dtype == BF
+    _compare(ref, out, (BF, BF, BF), 5e-3, 1e-2)
+
+
+def test_stacked_input_matches_list():
+    """A stacked ``[L, ..., D]`` tensor gives the list's h and its gradient as one tensor."""
+    sources, query, weight, dh = _inputs((3, 11), 40, (F32,) * 4, 3.0, seed=1)
+    out = _run(lambda s, q, w: depth_attention(s, q, w, backend="triton"), sources, query, weight, dh)
+    stack = torch.stack(sources).requires_grad_()
+    h, p = depth_attention(stack, query, weight, backend="triton")
+    (h * dh).sum().backward()
+    assert torch.equal(h, out[0]) and torch.equal(p, out[1])
+    assert torch.equal(stack.grad, torch.stack(out[2]))
+
+
+@pytest.mark.parametrize("dtypes", [(F32, BF, BF), (BF, BF, BF)], ids=["fp32+bf16", "bf16"])
+def test_autocast(dtypes):
+    """Under bf16 autocast, e.g. with an fp32 source among bf16 ones (the model's embedding and
+    sublayer outputs): h comes out in the sources' promoted dtype and every gradient in its
+    source's dtype, within bf16 error."""
+    sources, query, weight, dh = _inputs((2, 13), 32, dtypes, 3.0, seed=4)
+    ref = _reference(sources, query, weight, dh)
+    with torch.autocast(DEV, dtype=torch.bfloat16):
+        out = _run(lambda s, q, w: depth_attention(s, q, w, backend="triton"), sources, query, weight, dh)
+        torch_out = _run(lambda s, q, w: depth_attention(s, q, w, backend="torch"), sources, query, weight, dh)
+    assert out[0].dtype == torch_out[0].dtype == (F32 if F32 in dtypes else BF)
+    _compare(ref, out, dtypes, 5e-3, 1e-2)
+    _compare(ref, torch_out, dtypes, 5e-3, 1e-2)  # the reference keeps fp32 math under autocast too
+    assert_close(ref[0], torch_out[0].float(), 1e-6 if F32 in dtypes else 5e-3, "torch backend h")
+
+
+def test_torch_backend_is_the_reference_and_auto_picks_by_device(monkeypatch):
+    """``backend="torch"`` is the reference itself; ``"auto"`` takes the fused op on CUDA tensors only."""
+    import moelab.ops.attnres as ops
+
+    sources, query, weight, _ = _inputs((5,), 16, (F32, F32), 1.0, seed=2)
+    h_ref, p_ref = depth_attention_torch(sources, query, weight, 1e-6, F32)
+    h, p = depth_attention(sources, query, weight, backend="torch")
+    assert torch.equal(h, h_ref) and torch.equal(p, p_ref)
+    calls = []
+    fused = ops._DepthAttentionFn.apply
+    monkeypatch.setattr(ops._DepthAttentionFn, "apply", lambda *a: calls.append(1) or fused(*a))
+    h_auto, _ = depth_attention(sources, query, weight)
+    assert len(calls) == (1 if DEV == "cuda" else 0)
+    assert_close(h_ref, h_auto, 1e-5, "auto")
+
+
+def test_bad_arguments_raise():
+    x = torch.randn(4, 8, device=DEV)
+    q, w = torch.zeros(8, device=DEV), torch.ones(8, device=DEV)
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        depth_attention([x], q, w, backend="cuda")
+    with pytest.raises(ValueError, match="sources is empty"):
+        depth_attention([], q, w)
+    with pytest.raises(ValueError, match=r"sources\[1\] has shape \(4, 6\)"):
+        depth_attention([x, torch.randn(4, 6, device=DEV)], q, w)
+    with pytest.raises(ValueError, match=r"sources\[0\] dtype torch.int64"):
+        depth_attention([x.long()], q, w)
+    with pytest.raises(ValueError, match=r"query must be \[D\] with D = 8"):
+        depth_attention([x], torch.zeros(7, device=DEV), w)
+    with pytest.raises(ValueError, match=r"norm_weight must be \[D\] with D = 8"):
+        depth_attention([x], q, torch.ones(1, 8, device=DEV))
+    with pytest.raises(ValueError, match="eps=0.0"):
+        depth_attention([x], q, w, eps=0.0)
+    with pytest.raises(ValueError, match="LaunchConfig.rows=3"):
+        depth_attention([x], q, w, backend="triton", config=LaunchConfig(rows=3))
+    big = torch.zeros(1, MAX_D + 1, device=DEV)
+    with pytest.raises(ValueError, match=f"D={MAX_D + 1} is not allowed with backend='triton'"):
+        depth_attention([big], torch.zeros(MAX_D + 1, device=DEV), torch.ones(MAX_D + 1, device=DEV),
+                        backend="triton")
+
+
+@pytest.mark.parametrize("mode, num_blocks", [("full_attnres", 1), ("block_attnres", 4)])
+def test_model_backends_agree(mode, num_blocks):
+    """The tiny model with ``model.residual.backend=triton`` (fused op) against ``torch`` (the plain
+    path): the same loss, depth weights and gradients, in fp32."""
+    from moelab.config import load_config
+    from moelab.model import MoELab
+
+    x = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3)).to(DEV)
+    runs = {}
+    for backend in ("torch", "triton"):
+        cfg = load_config("tiny", {"model.residual.mode": mode, "model.residual.num_blocks": num_blocks,
+                                   "model.residual.backend": backend})
+        torch.manual_seed(0)
+        model = MoELab(cfg.model).to(DEV)
+        with torch.no_grad():  # non-zero queries and norm weights, so the mixing is not uniform
+            for p in model.residual.parameters():
+                p.normal_()
+        out = model(x, x, return_diagnostics=True)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        runs[backend] = (out.loss.detach(), out.diagnostics["depth_weights"], grads)
+    assert_close(runs["torch"][0], runs["triton"][0], 1e-6, "loss")
+    for i, (a, b) in enumerate(zip(runs["torch"][1], runs["triton"][1])):
+        assert_close(a, b, 1e-5, f"depth weights of read {i}")
+    assert runs["torch"][2].keys() == runs["triton"][2].keys()
+    for n, g in runs["torch"][2].items():
+        assert_close(g, runs["triton"][2][n], 1e-4, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtypes", [(BF,) * 9, (F32,) + (BF,) * 8], ids=["bf16", "fp32+bf16"])
+def test_bf16_on_gpu_real_size(dtypes):
+    """N = 32768 tokens, D = 2048, L = 9 under bf16 autocast: errors within bf16 bounds, and the
+    graph keeps only h and the small row statistics (the sources are the caller's)."""
+    lead, D = (8, 4096), 2048
+    sources, query, weight, dh = _inputs(lead, D, dtypes, 3.0, seed=7)
+    ref = _reference(sources, query, weight, dh)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = _run(lambda s, q, w: depth_attention(s, q, w, backend="triton"), sources, query, weight, dh)
+    _compare(ref, out, dtypes, 5e-3, 1e-2)
+    leaves = [x.detach().clone().requires_grad_() for x in sources]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        h, _ = depth_attention(leaves, query, weight)
+    n_tok, L = 8 * 4096, len(dtypes)
+    expected = h.numel() * h.element_size() + (2 * L + 1) * n_tok * 4 + L * n_tok * 4  # h, stats, p
+    grew = torch.cuda.memory_allocated() - before
+    mib = 2 ** 20
+    assert grew <= expected * 1.05 + mib, f"forward kept {grew / mib:.1f} MiB, expected {expected / mib:.1f}"
