@@ -162,8 +162,8 @@ def _kda_infer_intra(
     src = t0 * H + i_h
     pk = r[:, None] * (H * K) + ck[None, :]
 
-    qn = _qk_fwd(tl.load(q + src * K + pk, mask=mk, other=0.0).to(tl.float32), eps, SILU, L2NORM)
-    kn = _qk_fwd(tl.load(k + src * K + pk, mask=mk, other=0.0).to(tl.float32), eps, SILU, L2NORM)
+    # gate and decay first, then the k side, the q side and v, each stored as soon as it is
+    # final: fewer tiles live at once (register pressure sets how many programs share an SM)
     x = tl.load(z + src * K + pk, mask=mk, other=0.0).to(tl.float32)
     if GATE != 0:
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
@@ -172,28 +172,29 @@ def _kda_infer_intra(
         x = _gate(x, a, lower_bound, GATE)
     # padded rows and channels: g = 0, so G stays flat there and G at the last row is G_last
     G = tl.cumsum(tl.where(mk, x, 0.0) * 1.4426950408889634, axis=0)
+    Gl = tl.sum(tl.where(r[:, None] == C - 1, G, 0.0), axis=0)
     b = tl.load(beta + src + r * H, mask=rm, other=0.0).to(tl.float32)
     if BETA_SIGMOID:
         b = tl.where(rm, tl.sigmoid(b), 0.0)
+    hs = (i_h * NS + i_s).to(tl.int64)  # the slot's row block in the head-major intermediates
+    pw = r[:, None] * BK + ck[None, :]
+    tl.store(gl + hs * BK + ck, tl.exp2(Gl))
 
     # |G - mid| <= C/2 |lower_bound| for g in [lower_bound, 0]: both factors stay finite, and
     # the entries above the diagonal (which may overflow) are dropped by selects, not products
-    up = tl.exp2(G - mid)
-    kT = tl.trans(_cast(kn * tl.exp2(mid - G), False))
-    sq = _dot(_cast(qn * up, False), kT, IEEE)
-    sk = _dot(_cast(kn * up, False), kT, IEEE)
-    Aq = tl.where(r[:, None] >= r[None, :], sq * scale, 0.0)
-    Ai = _unit_lower_inv(tl.where(r[:, None] > r[None, :], sk * b[:, None], 0.0), IEEE, C)
-
-    eG = tl.exp2(G)
-    Gl = tl.sum(tl.where(r[:, None] == C - 1, G, 0.0), axis=0)
-    hs = (i_h * NS + i_s).to(tl.int64)  # the slot's row block in the head-major intermediates
-    pw = r[:, None] * BK + ck[None, :]
-    tl.store(w + hs * (C * BK) + pw, _dot(Ai, kn * b[:, None] * eG, IEEE).to(w.dtype.element_ty))
-    tl.store(qg + hs * (C * BK) + pw, (qn * eG * scale).to(qg.dtype.element_ty))
+    kn = _qk_fwd(tl.load(k + src * K + pk, mask=mk, other=0.0).to(tl.float32), eps, SILU, L2NORM)
     tl.store(kd + hs * (C * BK) + pw, (kn * tl.exp2(Gl[None, :] - G)).to(kd.dtype.element_ty))
-    tl.store(gl + hs * BK + ck, tl.exp2(Gl))
-    tl.store(Aqk + hs * (C * C) + r[:, None] * C + r[None, :], Aq.to(Aqk.dtype.element_ty))
+    kT = tl.trans(_cast(kn * tl.exp2(mid - G), False))
+    sk = _dot(_cast(kn * tl.exp2(G - mid), False), kT, IEEE)
+    Ai = _unit_lower_inv(tl.where(r[:, None] > r[None, :], sk * b[:, None], 0.0), IEEE, C)
+    tl.store(w + hs * (C * BK) + pw, _dot(Ai, kn * b[:, None] * tl.exp2(G), IEEE).to(w.dtype.element_ty))
+
+    qn = _qk_fwd(tl.load(q + src * K + pk, mask=mk, other=0.0).to(tl.float32), eps, SILU, L2NORM)
+    tl.store(qg + hs * (C * BK) + pw, (qn * tl.exp2(G) * scale).to(qg.dtype.element_ty))
+    sq = _dot(_cast(qn * tl.exp2(G - mid), False), kT, IEEE)
+    tl.store(Aqk + hs * (C * C) + r[:, None] * C + r[None, :],
+             tl.where(r[:, None] >= r[None, :], sq * scale, 0.0).to(Aqk.dtype.element_ty))
+
     vt = tl.load(v + src * V + r[:, None] * (H * V) + cv[None, :], mask=rm[:, None] & (cv < V)[None, :],
                  other=0.0).to(tl.float32)
     tl.store(u + hs * (C * BVF) + r[:, None] * BVF + cv[None, :],
