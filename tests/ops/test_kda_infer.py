@@ -62,9 +62,13 @@ def _reference(x, s0, cu, *, gate, lower_bound=-5.0, silu=False, l2=True):
 
 
 def _run(x, s0, cu, *, gate, lower_bound=-5.0, silu=False, l2=True, beta_sigmoid=True, **kw):
-    """The op on ``x``; ``beta_sigmoid``: it gets the logits and applies the sigmoid itself."""
+    """The op on ``x``; ``beta_sigmoid``: it gets the logits and applies the sigmoid itself (not
+    when ``x["beta"]`` is given: that is passed as is)."""
     gate_kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"]) if gate == "bounded" else {}
-    beta = x["beta"] if "beta" in x else (x["beta_logit"] if beta_sigmoid else x["beta_logit"].sigmoid())
+    if "beta" in x:
+        beta, beta_sigmoid = x["beta"], False
+    else:
+        beta = x["beta_logit"] if beta_sigmoid else x["beta_logit"].sigmoid()
     return kda_infer(x["q"], x["k"], x["v"], x["z"], beta, initial_state=s0, gate=gate, lower_bound=lower_bound,
                      silu_qk=silu, l2norm_qk=l2, beta_sigmoid=beta_sigmoid,
                      cu_seqlens=torch.tensor(cu, device=DEV) if cu is not None else None, **gate_kw, **kw)

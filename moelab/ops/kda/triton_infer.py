@@ -280,6 +280,21 @@ def _kda_infer_recur(
         tl.store(hT + ph, h, mask=hm)
 
 
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Storage dtype of the intermediates (w, u, qg, kd, A_qk): bf16 for bf16 inputs, else fp32."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+def _dot_bf16(dtype: torch.dtype) -> bool:
+    """Whether the recurrence's product operands are bf16 (bf16 inputs) rather than fp32 / TF32."""
+    return dtype == torch.bfloat16
+
+
+def _ieee(dtype: torch.dtype) -> bool:
+    """fp32 inputs: exact fp32 products everywhere (the reference use)."""
+    return dtype == torch.float32
+
+
 def _recur_launch(programs_per_block: int, Vp: int) -> tuple[int, int, int]:
     """(BV, num_warps, num_stages) of the recurrence; ``programs_per_block``: documents x heads."""
     if _interpret():
@@ -446,12 +461,12 @@ def kda_infer(
         cu = coff = torch.zeros(1, device=dev, dtype=torch.int32)
         NC = triton.cdiv(T, C)
         NS = B * NC
-    wd = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    wd = _work_dtype(q.dtype)
     w, qg, kd = (torch.empty(H, NS * C, Kp, device=dev, dtype=wd) for _ in range(3))
     u = torch.empty(H, NS * C, Vp, device=dev, dtype=wd)
     Aqk = torch.empty(H, NS * C, C, device=dev, dtype=wd)
     gl = torch.empty(H, NS, Kp, device=dev, dtype=torch.float32)
-    ieee = q.dtype == torch.float32
+    ieee = _ieee(q.dtype)
     dummy = gl
     _, warps, stages = LAUNCH["intra"]
     _kda_infer_intra[(NS, H)](
@@ -470,6 +485,6 @@ def kda_infer(
         w, u, qg, kd, Aqk, gl, h0 if h0 is not None else dummy, o, hT if hT is not None else dummy, cu, coff,
         T, NC, NS,
         H=H, K=K, V=V, BK=Kp, BVF=Vp, BV=BV, C=C, VARLEN=varlen, HAS_H0=h0 is not None, STORE_HT=hT is not None,
-        DOT_BF16=q.dtype == torch.bfloat16, IEEE=ieee, num_warps=warps, num_stages=stages,
+        DOT_BF16=_dot_bf16(q.dtype), IEEE=ieee, num_warps=warps, num_stages=stages,
     )
     return o, hT
