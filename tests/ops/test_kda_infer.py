@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moelab.model.config import max_safe_g_min
+from moelab.ops.kda import triton_infer
 from moelab.ops.kda.naive import naive_recurrent_kda
 from moelab.ops.kda.triton_infer import kda_infer
 from moelab.ops.kda.triton_prep import kda_prep_torch
@@ -179,10 +180,13 @@ def test_bad_inputs_name_the_value():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recur", triton_infer.LAUNCH["recur"], ids=lambda c: "recur{}-{}-{}".format(*c))
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
-def test_bf16_real_size_vs_reference_and_fla(packed):
-    """bf16 at D = 128: error vs the fp32 recurrence within the training op's 5e-3, and (where fla
-    is importable) at most twice fla's ``chunk_kda`` error on the same inputs."""
+def test_bf16_real_size_vs_reference_and_fla(packed, recur, monkeypatch):
+    """bf16 at D = 128, every recurrence launch config the op may pick: error vs the fp32 recurrence
+    within the training op's 5e-3, and (where fla is importable) at most twice fla's ``chunk_kda``
+    error on the same inputs."""
+    monkeypatch.setitem(triton_infer.LAUNCH, "recur", (recur,))
     B, T, H, D = (1, 3000, 4, 128) if packed else (2, 1000, 4, 128)
     cu = [0, 700, 1013, 1500, 1501, 2400, 3000] if packed else None
     x = _inputs(B, T, H, D, D, torch.bfloat16, seed=0, n_states=len(cu) - 1 if packed else B)
