@@ -29,7 +29,7 @@ Kernels (bases of exponentials are 2: G is kept in log2 units, ``exp2(G)`` is ``
   substitution; see ``_unit_lower_inv``), then ``w = Ai (beta k e^G)``, ``u = Ai (beta v)``,
   ``qg = scale q e^G``, ``kd = k e^{G_last - G}``, ``gl = e^{G_last}``: everything the recurrence
   reads, so its loop carries no exp, cumsum or solve.
-* ``_kda_infer_recur``, grid ``[V-blocks, docs * H]`` (head-parallel, sequential over chunks):
+* ``_kda_infer_recur``, grid ``[docs * H, V-blocks]`` (head-parallel, sequential over chunks):
   ``U = u - w h``, ``o = qg h + A_qk U`` (written straight to the output), ``h <- gl h + kd^T U``.
   Output and state in one pass: the chunk states are never stored (at chunk 16 they would be
   ``K V / 16`` values per token).
@@ -218,8 +218,8 @@ def _kda_infer_recur(
 ):
     """Columns ``[i_v BV, (i_v + 1) BV)`` of the state of one document and head, over its chunks:
     ``U = u - w h``, ``o = qg h + A_qk U``, ``h <- gl h + kd^T U``; initial state in, final out."""
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
+    i_nh = tl.program_id(0)  # documents x heads on axis 0: axis 1 allows only 65535 programs
+    i_v = tl.program_id(1)
     n = i_nh // H
     i_h = i_nh % H
     if VARLEN:
@@ -481,7 +481,7 @@ def kda_infer(
     hT = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     BV, warps, stages = _recur_launch(N * H, Vp)
-    _kda_infer_recur[(Vp // BV, N * H)](
+    _kda_infer_recur[(N * H, Vp // BV)](
         w, u, qg, kd, Aqk, gl, h0 if h0 is not None else dummy, o, hT if hT is not None else dummy, cu, coff,
         T, NC, NS,
         H=H, K=K, V=V, BK=Kp, BVF=Vp, BV=BV, C=C, VARLEN=varlen, HAS_H0=h0 is not None, STORE_HT=hT is not None,
