@@ -297,6 +297,8 @@ def run_infer(args, dev) -> int:
         shapes, warmup, rep = [(1, 64, 2, 32)], 1, 1
     else:
         shapes, warmup, rep = (INFER_SHAPES[2:3] if args.quick else INFER_SHAPES), 25, 100
+        if args.infer_shapes:
+            shapes = [INFER_SHAPES[i] for i in args.infer_shapes]
     beta_logits = dev == "cpu" or _fla_takes_beta_logits()
     out = args.out if args.out != DEFAULT_OUT else "kernels/results/kda_infer_h200.json"
     try:
@@ -389,6 +391,8 @@ def main() -> int:
     ap.add_argument("--part", choices=("all", "main", "long", "infer"), default="all",
                     help="main: the three anchor shapes, all impls; long: T up to 524288 at B=1, moelab only; "
                          "infer: the inference forward vs fla (--quick: B8 T4096 only)")
+    ap.add_argument("--infer-shapes", nargs="*", type=int, choices=range(len(INFER_SHAPES)),
+                    help=f"--part infer: only these indices of {INFER_SHAPES} (to split a run)")
     ap.add_argument("--commit", help="commit to record (--part infer; default: git rev-parse HEAD)")
     ap.add_argument("--tune", action="store_true", help="also time bf16 intra scores (scores_tf32=False) at B8 T4096")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU (Triton interpreter), moelab only")
