@@ -20,6 +20,16 @@ B8 T4096 (torch.profiler; JSON key ``kernel_ms``).
     python kernels/bench_kda.py --quick         # B8 T4096 only, shorter timing
     python kernels/bench_kda.py --tune          # + moelab with bf16 (not TF32) intra scores at B8 T4096
     python kernels/bench_kda.py --smoke --out /tmp/kda_bench.json   # CPU interpreter, tiny shape
+    python kernels/bench_kda.py --part infer    # inference forward vs fla -> kernels/results/kda_infer_h200.json
+    python kernels/bench_kda.py --part infer --smoke --out /tmp/kda_infer.json   # CPU interpreter
+
+``--part infer`` times forwards only (no grad), bf16, output and final state returned by every side:
+``moelab_infer`` (``moelab.ops.kda.triton_infer.kda_infer``: chunk 16, gate, L2 norm and beta
+sigmoid in its kernels) against ``fla_chunk_kda`` (the same in-kernel gate, L2 norm, beta sigmoid
+and bound) and ``moelab_train_fwd`` (the training op's forward, fixed length only: it takes no
+``cu_seqlens``), at fixed length and packed (``cu_seqlens``: each row's T tokens cut into 6
+uneven documents, all rows packed into one), with the relative difference of moelab's output and
+final state from fla's as a check.
 """
 
 from __future__ import annotations
@@ -34,6 +44,9 @@ import time
 
 import torch
 
+# fla 0.6.0 hands chunk_kda to FlashKDA under inference_mode when that package is installed; its
+# wheel rejects CUDA tensors on the H200 machine, and the comparison is with fla's own kernels
+os.environ.setdefault("FLA_FLASH_KDA", "0")
 if not torch.cuda.is_available():  # must precede the first @triton.jit of moelab's kernels
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -43,7 +56,7 @@ import torch.nn.attention  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from moelab.ops.kda import triton_chunk  # noqa: E402
+from moelab.ops.kda import triton_chunk, triton_infer  # noqa: E402
 
 try:
     import fla  # noqa: E402
@@ -55,6 +68,7 @@ except Exception as exc:  # fla-core is optional
     print(f"fla not importable ({type(exc).__name__}: {exc}); skipping fla_* rows", flush=True)
 
 G_MIN = -5.0  # the bounded gate's floor, on both sides (fla calls it lower_bound)
+DEFAULT_OUT = "kernels/results/kda_h200.json"
 SHAPES = [(8, 4096, 16, 128), (1, 32768, 16, 128), (2, 65536, 16, 128)]
 LONG_SHAPES = [(1, 131072, 16, 128), (1, 262144, 16, 128), (1, 524288, 16, 128)]
 IMPLS = ["moelab_bounded", "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash"]
@@ -206,18 +220,188 @@ def print_ratios(rows):
                       f"fwd+bwd {o['fwdbwd_ms'] / r['fwdbwd_ms']:.2f}x")
 
 
+# ---------------------------------------------------------------------------------------------
+# --part infer: the inference forward (issue 18)
+# ---------------------------------------------------------------------------------------------
+INFER_SHAPES = [(1, 8192, 64, 128), (1, 8192, 96, 128), (8, 4096, 16, 128), (1, 32768, 16, 128)]
+INFER_DOCS = 6  # documents per row in the packed layout
+INFER_IMPLS = ["moelab_infer", "fla_chunk_kda", "moelab_train_fwd"]
+
+
+def doc_offsets(B: int, T: int, n_docs: int = INFER_DOCS, seed: int = 0) -> list[int]:
+    """``cu_seqlens`` of B rows of T tokens, each row cut into ``n_docs`` documents of uneven
+    length (seeded), all packed into one row of B*T tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    cu = [0]
+    for _ in range(B):
+        w = torch.rand(n_docs, generator=gen) + 0.15
+        lens = (w / w.sum() * T).floor().long()
+        lens[-1] += T - lens.sum()
+        for n in lens.tolist():
+            cu.append(cu[-1] + n)
+    return cu
+
+
+def _fla_takes_beta_logits() -> bool:
+    import inspect
+
+    return fla_chunk_kda is not None and "use_beta_sigmoid_in_kernel" in inspect.signature(fla_chunk_kda).parameters
+
+
+def infer_inputs(B, T, H, D, dev, packed, beta_logits):
+    """bf16 (fp32 on CPU) q, k, v, z, beta, A_log, dt_bias as in ``make_inputs``; packed: one row
+    of B*T tokens and its ``cu_seqlens``. ``beta_logits``: beta holds logits (sigmoid in the ops)."""
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    rows, cols = (1, B * T) if packed else (B, T)
+    q, k, v, z = (torch.randn(rows, cols, H, D, device=dev, dtype=dt) for _ in range(4))
+    beta = torch.randn(rows, cols, H, device=dev, dtype=dt)
+    if not beta_logits:
+        beta = beta.sigmoid()
+    A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
+    dt_bias = torch.zeros(H * D, device=dev)
+    cu = torch.tensor(doc_offsets(B, T), device=dev, dtype=torch.int64) if packed else None
+    return dict(q=q, k=k, v=v, z=z, beta=beta, A_log=A_log, dt_bias=dt_bias, cu=cu)
+
+
+def infer_fn(impl, x, beta_logits):
+    """A no-grad forward returning ``(o, final state)``."""
+    q, k, v, z, beta, A_log, dt_bias, cu = (x[n] for n in ("q", "k", "v", "z", "beta", "A_log", "dt_bias", "cu"))
+    if impl == "moelab_infer":
+        return lambda: triton_infer.kda_infer(q, k, v, z, beta, gate="bounded", A_log=A_log, dt_bias=dt_bias,
+                                              g_min=G_MIN, l2norm_qk=True, beta_sigmoid=beta_logits,
+                                              output_final_state=True, cu_seqlens=cu, validate=False)
+    if impl == "fla_chunk_kda":
+        kw = dict(use_beta_sigmoid_in_kernel=True) if beta_logits else {}
+
+        def fla():
+            with torch.no_grad():
+                return fla_chunk_kda(q, k, v, z, beta, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
+                                     use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=G_MIN,
+                                     output_final_state=True, cu_seqlens=cu, **kw)
+        return fla
+    # the training op takes beta in (0, 1): the sigmoid is precomputed, outside the timed call
+    b = beta.sigmoid() if beta_logits else beta
+
+    def train():
+        with torch.no_grad():
+            return triton_chunk.chunk_kda(q, k, v, z, b, mode="bounded", g_min=G_MIN, gate="bounded",
+                                          A_log=A_log, dt_bias=dt_bias, l2norm_qk=True, output_final_state=True)
+    return train
+
+
+def run_infer(args, dev) -> int:
+    """``--part infer``: time every impl at every shape, fixed and packed; JSON after every row."""
+    from tests.helpers import rel_err
+
+    if args.smoke or dev == "cpu":
+        shapes, warmup, rep = [(1, 64, 2, 32)], 1, 1
+    else:
+        shapes, warmup, rep = (INFER_SHAPES[2:3] if args.quick else INFER_SHAPES), 25, 100
+        if args.infer_shapes:
+            shapes = [INFER_SHAPES[i] for i in args.infer_shapes]
+    beta_logits = dev == "cpu" or _fla_takes_beta_logits()
+    out = args.out if args.out != DEFAULT_OUT else "kernels/results/kda_infer_h200.json"
+    try:
+        import subprocess
+
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except OSError:
+        commit = None
+    meta = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu (triton interpreter)",
+                host=os.uname().nodename, torch=torch.__version__, triton=triton.__version__, fla=FLA_VERSION,
+                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                commit=args.commit or commit, command=" ".join(sys.argv), dtype=str(torch.bfloat16 if dev == "cuda"
+                                                                                     else torch.float32),
+                launch=triton_infer.LAUNCH, min_programs=triton_infer.MIN_PROGRAMS,
+                beta_sigmoid_in_kernel=beta_logits, docs_per_row=INFER_DOCS, g_min=G_MIN,
+                note="forward only, no grad, output and final state from every impl; gate, L2 norm of q, k, "
+                     "beta sigmoid (where fla takes beta logits) and the bound inside the ops; packed: each "
+                     "row's T tokens cut into 6 uneven documents (doc_offsets), rows packed into one; "
+                     "diff_vs_fla: relative RMS difference of moelab_infer's o and final state from fla's")
+    rows: list[dict] = []
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+
+    def write():
+        with open(out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+    impls = [i for i in INFER_IMPLS if not (i.startswith("fla") and fla_chunk_kda is None)]
+    for (B, T, H, D) in shapes:
+        for packed in (False, True):
+            x = infer_inputs(B, T, H, D, dev, packed, beta_logits)
+            results = {}
+            for impl in impls:
+                if impl == "moelab_train_fwd" and packed:
+                    continue
+                row = dict(impl=impl, layout="packed" if packed else "fixed", B=B, T=T, H=H, D=D, fwd_ms=None)
+                if packed:
+                    row["cu_seqlens"] = x["cu"].tolist()
+                try:
+                    fn = infer_fn(impl, x, beta_logits)
+                    results[impl] = fn()
+                    row["fwd_ms"] = timed(fn, dev, warmup, rep)
+                except torch.cuda.OutOfMemoryError:
+                    row["error"] = "OOM"
+                except Exception as exc:  # record and go on: one failing side must not hide the rest
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                if impl == "moelab_infer" and "fla_chunk_kda" in impls:
+                    row["diff_vs_fla"] = None  # filled in once fla has run
+                rows.append(row)
+                write()
+                ms = f"{row['fwd_ms']:9.3f}" if row["fwd_ms"] is not None else "        -"
+                print(f"{impl:17s} {row['layout']:6s} B{B:<2d} T{T:<6d} H{H:<3d} D{D}  fwd {ms} ms  "
+                      f"{row.get('error', '')}", flush=True)
+            if "moelab_infer" in results and "fla_chunk_kda" in results:
+                (o, S), (fo, fS) = results["moelab_infer"], results["fla_chunk_kda"]
+                diff = dict(o=rel_err(fo.float(), o.float()), final_state=rel_err(fS.float(), S.float()))
+                for row in rows[::-1]:
+                    if row["impl"] == "moelab_infer" and row["layout"] == ("packed" if packed else "fixed"):
+                        row["diff_vs_fla"] = diff
+                        break
+                print(f"  moelab_infer vs fla: o {diff['o']:.2e}  final state {diff['final_state']:.2e}", flush=True)
+                write()
+            del x, results
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    print_infer_ratios(rows)
+    print(f"wrote {out}")
+    return 0
+
+
+def print_infer_ratios(rows) -> None:
+    by = {(r["impl"], r["layout"], r["B"], r["T"], r["H"]): r["fwd_ms"] for r in rows}
+    print("\nratios, forward (>1: moelab_infer faster; targets: 1.85x fixed, 2x packed)")
+    for (impl, layout, B, T, H), ms in by.items():
+        if impl != "moelab_infer" or ms is None:
+            continue
+        parts = []
+        for other in ("fla_chunk_kda", "moelab_train_fwd"):
+            o = by.get((other, layout, B, T, H))
+            if o is not None:
+                parts.append(f"{other} / moelab_infer {o / ms:.2f}x")
+        print(f"  {layout:6s} B{B} T{T} H{H}: " + ("  ".join(parts) or "-"))
+
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="kernels/results/kda_h200.json")
+    ap.add_argument("--out", default=DEFAULT_OUT, help="--part infer: default kernels/results/kda_infer_h200.json")
     ap.add_argument("--quick", action="store_true", help="B8 T4096 only, shorter timing")
-    ap.add_argument("--part", choices=("all", "main", "long"), default="all",
-                    help="main: the three anchor shapes, all impls; long: T up to 524288 at B=1, moelab only")
+    ap.add_argument("--part", choices=("all", "main", "long", "infer"), default="all",
+                    help="main: the three anchor shapes, all impls; long: T up to 524288 at B=1, moelab only; "
+                         "infer: the inference forward vs fla (--quick: B8 T4096 only)")
+    ap.add_argument("--infer-shapes", nargs="*", type=int, choices=range(len(INFER_SHAPES)),
+                    help=f"--part infer: only these indices of {INFER_SHAPES} (to split a run)")
+    ap.add_argument("--commit", help="commit to record (--part infer; default: git rev-parse HEAD)")
     ap.add_argument("--tune", action="store_true", help="also time bf16 intra scores (scores_tf32=False) at B8 T4096")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU (Triton interpreter), moelab only")
     ap.add_argument("--impls", nargs="*", choices=IMPLS, help="only these rows (default: all)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel breakdown")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.part == "infer":
+        return run_infer(args, dev)
     if args.smoke or dev == "cpu":
         shapes, long_shapes, impls, warmup, rep = [(1, 128, 2, 32)], [], ["moelab_bounded", "moelab_general"], 1, 1
     elif args.quick:

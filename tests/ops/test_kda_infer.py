@@ -1,0 +1,213 @@
+"""KDA inference forward (moelab/ops/kda/triton_infer.py) against the fp32 token recurrence.
+
+The reference is the fp32 prep (``kda_prep_torch``: SiLU, L2 norm, gate) followed by
+``naive_recurrent_kda`` run on each sequence or packed document on its own, on the same
+(dtype-rounded) inputs. On a CPU machine the kernels run in the Triton interpreter: fp32 and fp16
+only (the interpreter gets bf16 wrong); bf16 at real sizes is the ``gpu`` test at the end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moelab.ops.kda import triton_infer
+from moelab.ops.kda.bounds import max_safe_g_min
+from moelab.ops.kda.gate import kda_prep_torch
+from moelab.ops.kda.naive import naive_recurrent_kda
+from moelab.ops.kda.triton_infer import kda_infer
+from tests.helpers import assert_close, rel_err
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32: exact fp32 products, measured ~5e-7 (o) and ~3e-7 (state); fp16: ~4e-4 from the fp16
+# inputs' rounding carried through fp32 intermediates; bf16 (GPU): the training op's 5e-3
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 5e-3}
+
+
+def _inputs(B, T, H, K, V, dtype, seed, n_states, hard=False):
+    """Random inputs; ``hard``: keys near one shared direction, decay near 0 and beta near 1, so
+    ``A_kk`` has entries near 1 and every term of the 16x16 inverse's series matters."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, z = (torch.randn(B, T, H, K, generator=gen) for _ in range(3))
+    v = torch.randn(B, T, H, V, generator=gen)
+    beta_logit = torch.randn(B, T, H, generator=gen)
+    if hard:
+        k = torch.randn(K, generator=gen) + 0.3 * k
+        z, beta_logit = z - 3.0, beta_logit + 3.0
+    A_log = torch.log(torch.empty(H).uniform_(1, 16, generator=gen))
+    dt_bias = 0.5 * torch.randn(H * K, generator=gen)
+    s0 = torch.randn(n_states, H, K, V, generator=gen)
+    return dict(q=q.to(DEV, dtype), k=k.to(DEV, dtype), v=v.to(DEV, dtype), z=z.to(DEV), beta_logit=beta_logit.to(DEV),
+                A_log=A_log.to(DEV), dt_bias=dt_bias.to(DEV), s0=s0.to(DEV))
+
+
+def _reference(x, s0, cu, *, gate, g_min=-5.0, silu=False, l2=True):
+    """fp32 prep + token recurrence per document; ``cu``: list of offsets (None: one per batch row);
+    ``x["beta"]`` if given, else ``sigmoid(x["beta_logit"])``."""
+    q, k, v = (x[n].float() for n in ("q", "k", "v"))
+    A_log, dt_bias = (x["A_log"], x["dt_bias"]) if gate == "bounded" else (None, None)
+    qn, kn, g = kda_prep_torch(q, k, x["z"], A_log, dt_bias, gate=gate, g_min=g_min, silu_qk=silu,
+                               l2norm_qk=l2)
+    beta = x["beta"].float() if "beta" in x else x["beta_logit"].sigmoid()
+    if cu is None:
+        return naive_recurrent_kda(qn, kn, v, g, beta, initial_state=s0, output_final_state=True)
+    outs, states = [], []
+    for n in range(len(cu) - 1):
+        a, b = cu[n], cu[n + 1]
+        h0 = s0[n:n + 1] if s0 is not None else None
+        o, S = naive_recurrent_kda(qn[:, a:b], kn[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], initial_state=h0,
+                                   output_final_state=True)
+        outs.append(o)
+        states.append(S)
+    return torch.cat(outs, 1), torch.cat(states, 0)
+
+
+def _run(x, s0, cu, *, gate, g_min=-5.0, silu=False, l2=True, beta_sigmoid=True, **kw):
+    """The op on ``x``; ``beta_sigmoid``: it gets the logits and applies the sigmoid itself (not
+    when ``x["beta"]`` is given: that is passed as is)."""
+    gate_kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"]) if gate == "bounded" else {}
+    if "beta" in x:
+        beta, beta_sigmoid = x["beta"], False
+    else:
+        beta = x["beta_logit"] if beta_sigmoid else x["beta_logit"].sigmoid()
+    return kda_infer(x["q"], x["k"], x["v"], x["z"], beta, initial_state=s0, gate=gate, g_min=g_min,
+                     silu_qk=silu, l2norm_qk=l2, beta_sigmoid=beta_sigmoid,
+                     cu_seqlens=torch.tensor(cu, device=DEV) if cu is not None else None, **gate_kw, **kw)
+
+
+def _check(ref, out, dtype):
+    (o_r, S_r), (o_t, S_t) = ref, out
+    assert o_t.dtype == dtype and S_t.dtype == torch.float32
+    assert_close(o_r, o_t.float(), TOL[dtype], "o")
+    assert_close(S_r, S_t, TOL[dtype], "final state")
+
+
+# (B, T, H, K, V, dtype, initial state, SiLU, hard): T = 1; T not a multiple of 16 with K != V;
+# non-power-of-two head dims; K = 128 (the real head dim); fp16; correlated keys (see _inputs)
+CASES = [
+    (1, 1, 1, 16, 16, torch.float32, True, False, False),
+    (2, 37, 2, 32, 16, torch.float32, True, True, False),
+    (1, 70, 1, 20, 40, torch.float32, False, False, False),
+    (1, 40, 1, 128, 32, torch.float32, True, False, False),
+    (2, 37, 2, 32, 16, torch.float16, True, True, False),
+    (1, 48, 2, 32, 32, torch.float32, True, False, True),
+    (1, 48, 2, 32, 32, torch.float16, False, False, True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}K{c[3]}V{c[4]}-{str(c[5])[6:]}"
+                         f"-h0{int(c[6])}-silu{int(c[7])}{'-hard' if c[8] else ''}")
+def test_bounded_gate_matches_reference(case):
+    B, T, H, K, V, dtype, h0, silu, hard = case
+    x = _inputs(B, T, H, K, V, dtype, seed=T * 31 + K + V, n_states=B, hard=hard)
+    s0 = x["s0"] if h0 else None
+    _check(_reference(x, s0, None, gate="bounded", silu=silu),
+           _run(x, s0, None, gate="bounded", silu=silu), dtype)
+
+
+# document lengths 5, 16, 0 (empty), 27, 1, 1: chunk tails, a whole chunk, an empty document
+PACKED = [0, 5, 21, 21, 48, 49, 50]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_packed_documents(dtype):
+    x = _inputs(1, PACKED[-1], 2, 32, 32, dtype, seed=7, n_states=len(PACKED) - 1)
+    ref = _reference(x, x["s0"], PACKED, gate="bounded")
+    out = _run(x, x["s0"], PACKED, gate="bounded")
+    _check(ref, out, dtype)
+    # each document on its own through the same op: packing must not leak state across documents
+    for n in range(len(PACKED) - 1):
+        a, b = PACKED[n], PACKED[n + 1]
+        if a == b:
+            assert torch.equal(out[1][n], x["s0"][n]), "an empty document must pass its initial state through"
+            continue
+        one = {key: (t[:, a:b] if key in ("q", "k", "v", "z", "beta_logit") else t) for key, t in x.items()}
+        o, S = _run(one, x["s0"][n:n + 1], None, gate="bounded")
+        assert_close(o.float(), out[0][:, a:b].float(), TOL[dtype], f"o of document {n}")
+        assert_close(S, out[1][n:n + 1], TOL[dtype], f"state of document {n}")
+
+
+def test_packed_zero_state_int64_offsets_no_final_state():
+    cu = [0, 17, 33, 34]
+    x = _inputs(1, cu[-1], 1, 16, 16, torch.float32, seed=3, n_states=len(cu) - 1)
+    o, S = _run(x, None, cu, gate="bounded", output_final_state=False)
+    assert S is None
+    assert_close(_reference(x, None, cu, gate="bounded")[0], o, TOL[torch.float32], "o")
+
+
+@pytest.mark.parametrize("fill", ["floor", "floor_or_zero"])
+def test_decay_at_the_bound(fill):
+    """g exactly at the lowest allowed bound (every channel, or mixed with g = 0): the factored
+    16-token scores reach their largest exponents and must stay finite and exact."""
+    lb = max_safe_g_min("fp32", 16)
+    x = _inputs(1, 48, 2, 32, 32, torch.float32, seed=11, n_states=1)
+    g = torch.full_like(x["z"], lb)
+    if fill == "floor_or_zero":
+        g = torch.where(torch.rand(g.shape, generator=torch.Generator().manual_seed(0)).to(DEV) < 0.5, g, 0.0)
+    x["z"] = g
+    _check(_reference(x, x["s0"], None, gate="none", g_min=lb, l2=True),
+           _run(x, x["s0"], None, gate="none", g_min=lb, l2=True), torch.float32)
+
+
+def test_no_autograd_graph():
+    x = _inputs(1, 20, 1, 16, 16, torch.float32, seed=5, n_states=1)
+    x["q"].requires_grad_()
+    o, S = _run(x, x["s0"], None, gate="bounded")
+    assert not o.requires_grad and not S.requires_grad
+
+
+def _err(fn, match):
+    with pytest.raises(ValueError, match=match):
+        fn()
+
+
+def test_bad_inputs_name_the_value():
+    x = _inputs(1, 20, 1, 16, 16, torch.float32, seed=1, n_states=1)
+    q, k, v, z, beta = x["q"], x["k"], x["v"], x["z"], x["beta_logit"].sigmoid()
+    A = dict(A_log=x["A_log"])
+    _err(lambda: kda_infer(q, k, v, z, beta, gate="softplus", **A), "gate='softplus'.*no lower bound")
+    _err(lambda: kda_infer(q, k, v, z, beta, gate="bounded", g_min=-6.0, **A), r"g_min=-6.0.*-5.545")
+    _err(lambda: kda_infer(q, k, v, z, beta, gate="bounded"), r"needs A_log of shape \[H\] = \(1,\)")
+    _err(lambda: kda_infer(q, k, v, z.abs(), beta), r"g must be a log decay in \[g_min, 0\].*max\(g\)")
+    _err(lambda: kda_infer(q, k, v, -z.abs() * 9, beta), r"min\(g\)")
+    _err(lambda: kda_infer(q, k, v, z, beta, gate="bounded", initial_state=x["s0"][:, :, :8], **A),
+         r"initial_state must be \[N, H, K, V\] = \(1, 1, 16, 16\)")
+    cu = torch.tensor([0, 5, 19], device=DEV)
+    _err(lambda: kda_infer(q, k, v, z, beta, gate="bounded", cu_seqlens=cu, **A), r"end at T = 20, got \[0, 5, 19\]")
+    _err(lambda: kda_infer(q, k, v, z, beta, gate="bounded", cu_seqlens=cu.float(), **A), "int32/int64")
+    two = [t.expand(2, *t.shape[1:]) for t in (q, k, v, z, beta)]
+    _err(lambda: kda_infer(*two, gate="bounded", cu_seqlens=cu, **A), "expected B = 1, got B = 2")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recur", triton_infer.LAUNCH["recur"], ids=lambda c: "recur{}-{}-{}".format(*c))
+@pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
+def test_bf16_real_size_vs_reference_and_fla(packed, recur, monkeypatch):
+    """bf16 at D = 128, every recurrence launch config the op may pick: error vs the fp32 recurrence
+    within the training op's 5e-3, and (where fla is importable) at most twice fla's ``chunk_kda``
+    error on the same inputs."""
+    monkeypatch.setitem(triton_infer.LAUNCH, "recur", (recur,))
+    B, T, H, D = (1, 3000, 4, 128) if packed else (2, 1000, 4, 128)
+    cu = [0, 700, 1013, 1500, 1501, 2400, 3000] if packed else None
+    x = _inputs(B, T, H, D, D, torch.bfloat16, seed=0, n_states=len(cu) - 1 if packed else B)
+    # the same bf16 inputs for both ops (fla's in-kernel gate has the same form)
+    x["dt_bias"] = torch.zeros_like(x["dt_bias"])
+    x["z"] = x["z"].to(torch.bfloat16)
+    x["beta"] = x["beta_logit"].sigmoid().to(torch.bfloat16)
+    ref_o, ref_S = _reference(x, x["s0"], cu, gate="bounded")
+    o, S = _run(x, x["s0"], cu, gate="bounded")
+    err_o, err_S = rel_err(ref_o, o.float()), rel_err(ref_S, S)
+    print(f"moelab o {err_o:.2e} S {err_S:.2e}")
+    assert err_o <= TOL[torch.bfloat16] and err_S <= TOL[torch.bfloat16], (err_o, err_S)
+    try:
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+    except ImportError:
+        return
+    with torch.no_grad():
+        fo, fS = fla_chunk_kda(x["q"], x["k"], x["v"], x["z"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                               use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, safe_gate=True,
+                               g_min=-5.0, initial_state=x["s0"], output_final_state=True,
+                               cu_seqlens=torch.tensor(cu, device=DEV) if packed else None)
+    fla_o, fla_S = rel_err(ref_o, fo.float()), rel_err(ref_S, fS.float())
+    print(f"fla o {fla_o:.2e} S {fla_S:.2e}")
+    assert err_o <= 2 * fla_o and err_S <= 2 * fla_S, (err_o, err_S, fla_o, fla_S)
