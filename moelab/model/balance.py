@@ -13,7 +13,9 @@ Balancers (``MoEConfig.balancer``):
     quantile_load       l <- decay l + (1 - decay) load / mean(load);  b_j += eta (quantile_q(l) - l_j);  b -= mean(b)
     quantile_balancing  a_t = (k+1)-th largest of s_t + b                    (cutoff just below the top k)
                         b_j = -[(q+1)-th largest over t of s_tj - a_t];  b -= mean(b)
-                        (one exact coordinate step on the dual of the balanced assignment LP)
+                        (one exact coordinate step on the dual of the balanced assignment LP;
+                        ``quantile_balancing_cutoff='excluding_self'`` takes a_tj over the other
+                        experts instead, see ``routing_margins``)
 
 TopK(s + b) does not change when every b_j moves by the same constant, so the rules whose step
 does not sum to zero re-centre b; the sign rule is kept as published (its drift is bounded by u
@@ -128,13 +130,25 @@ def _gcd(a: int, b: int) -> int:
     return a
 
 
-def routing_margins(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
-    """``s_tj - a_t`` with a_t the (k+1)-th largest of ``s_t + b``: scores ``[m, n]``, bias ``[n]`` -> ``[m, n]`` fp32.
+def routing_margins(scores: torch.Tensor, bias: torch.Tensor, k: int, cutoff: str = "k_plus_1") -> torch.Tensor:
+    """Margins ``s_tj - a_tj`` over per-token cutoffs: scores ``[m, n]``, bias ``[n]`` -> ``[m, n]`` fp32.
 
-    Expert j takes token t in the balanced LP's dual when this margin exceeds ``-b_j``.
+    cutoff ``"k_plus_1"`` (the report's step): a_tj = a_t, the (k+1)-th largest of ``s_t + b``, the
+    same for every expert. ``"excluding_self"``: a_tj = the k-th largest of ``s_t + b`` over the
+    experts other than j (the (k+1)-th overall when j is in the top k, else the k-th), so that
+    ``s_tj + b_j > a_tj`` is exactly "token t picks j" with every other bias held: the bias then
+    becomes each expert's exact best response. The difference matters for an under-loaded expert
+    that is the (k+1)-th choice of many tokens: with ``k_plus_1`` those tokens' margins all equal
+    ``-b_j``, its (q+1)-th largest margin is ``-b_j`` again, and its bias only moves through the
+    re-centring, so on correlated scores balancing slows down or stalls (tests/model/test_balance.py
+    shows both on one batch).
     """
-    cutoff = torch.topk(scores.float() + bias.float(), k + 1, dim=-1).values[:, -1:]
-    return scores.float() - cutoff
+    top = torch.topk(scores.float() + bias.float(), k + 1, dim=-1)
+    after = top.values[:, k:]
+    if cutoff == "k_plus_1":
+        return scores.float() - after
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top.indices[:, :k], True)
+    return scores.float() - torch.where(chosen, after, top.values[:, k - 1:k])
 
 
 def qb_exact(margins: torch.Tensor, k: int) -> torch.Tensor:
@@ -276,7 +290,7 @@ class RouterBalance(nn.Module):
         self.entropy_sum = entropy if self.entropy_sum is None else self.entropy_sum + entropy
         if self.kind != "quantile_balancing":
             return
-        margins = routing_margins(scores, bias, self.top_k)
+        margins = routing_margins(scores, bias, self.top_k, self.cfg.quantile_balancing_cutoff)
         if not self.histogram:
             self.margins.append(margins)
             return

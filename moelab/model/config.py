@@ -145,6 +145,8 @@ class MoEConfig:
     quantile_balancing_mode: Literal["exact", "histogram"] = "exact"  # histogram: one all-reduce, error <= 1 bin
     quantile_balancing_bins: int = 1000
     quantile_balancing_ema: float = 0.0  # b <- ema b_old + (1 - ema) b_new; 0: no smoothing
+    # k_plus_1: the report's per-token cutoff; excluding_self: each expert's exact best response
+    quantile_balancing_cutoff: Literal["k_plus_1", "excluding_self"] = "k_plus_1"
     router_z_loss: float = 0.0  # ST-MoE z-loss coefficient; with any balancer
 
     def validate(self, prefix: str = "moe") -> None:
@@ -171,6 +173,7 @@ class MoEConfig:
                "an integer >= 2")
         _check(0.0 <= self.quantile_balancing_ema < 1.0, f"{prefix}.quantile_balancing_ema",
                self.quantile_balancing_ema, "a number in [0, 1)")
+        _one_of(f"{prefix}.quantile_balancing_cutoff", self.quantile_balancing_cutoff, ("k_plus_1", "excluding_self"))
         if self.balancer == "quantile_balancing":
             # The per-token cutoff is the (k+1)-th largest score: there must be a (k+1)-th expert.
             _check(self.top_k < self.num_experts, f"{prefix}.top_k", self.top_k,
