@@ -85,3 +85,22 @@ def test_fit_refuses_quantile_balancing_with_a_fractional_target(tmp_path: Path)
                       model__moe__balancer="quantile_balancing", model__moe__num_experts=3)
     with pytest.raises(ConfigError, match=r"512 tokens per optimizer step .* k=2, n=3 .* multiple of 3"):
         fit(cfg)
+
+
+def test_k3_mini_turns_every_k3_technique_on() -> None:
+    from moelab.config import load_config
+    from moelab.model.balance import qb_target
+
+    cfg = load_config("k3-mini")
+    cfg.check_trainable()
+    m, k3 = cfg.model, load_config("k3").model
+    kinds = m.layer_types()
+    assert m.pattern == k3.pattern and m.final_mla and kinds[-1] == "mla"
+    assert kinds.count("kda") == 3 * (kinds.count("mla") - 1)  # 3:1 before the final MLA, as in K3
+    assert m.kda.gate == "bounded" and m.kda.g_min == k3.kda.g_min
+    assert (m.mla.output_gate, m.mla.fp32_output, m.mla.q_latent_dim > 0) == (True, True, True)
+    assert (m.residual.mode, m.residual.num_blocks) == ("block_attnres", k3.residual.num_blocks)
+    assert m.moe.num_shared == k3.moe.num_shared and m.moe.latent_dim * 2 == m.d_model
+    assert m.moe.activation == m.dense_activation == "situ_glu"
+    assert m.moe.num_experts >= 64 and m.moe.top_k == 8 and m.moe.balancer == "quantile_balancing"
+    assert qb_target(cfg.train.batch_size * cfg.data.seq_len, m.moe.top_k, m.moe.num_experts) > 0
