@@ -245,6 +245,8 @@ class RouterBalance(nn.Module):
     fp32 for ``quantile_load`` (starts at 1, the uniform normalized load). The bias itself is the
     router's ``bias`` buffer. The accumulators are plain attributes, not buffers: DDP broadcasts
     buffers from rank 0 at every forward, which would overwrite the other ranks' statistics.
+    A training loop must call :func:`balance_step` once per optimizer step (the Lightning
+    callback does): exact quantile balancing keeps every micro-batch's margins until then.
     """
 
     def __init__(self, cfg: MoEConfig) -> None:
