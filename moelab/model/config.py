@@ -28,6 +28,8 @@ Dispatch = Literal["auto", "grouped", "loop"]
 Backend = Literal["auto", "triton", "torch"]
 KDABackend = Literal["auto", "triton", "chunk", "recurrent"]
 KDA_BACKENDS = ("auto", "triton", "chunk", "recurrent")
+Balancer = Literal["none", "aux_loss", "loss_free_sign", "quantile_load", "quantile_balancing"]
+BALANCERS = ("none", "aux_loss", "loss_free_sign", "quantile_load", "quantile_balancing")
 
 
 @dataclass
@@ -113,6 +115,20 @@ class MoEConfig:
     # FFN (the dense ones too): "triton" fuses them (moelab.ops.moe, moelab.ops.glu); same function
     backend: Backend = "auto"
     router_dtype: Literal["fp32"] = "fp32"
+    # Load balancing (moelab.model.balance; formulas in its docstring). Each coefficient is read
+    # only by the balancer its name starts with.
+    balancer: Balancer = "none"
+    aux_loss_alpha: float = 1e-2  # alpha of the Switch/GShard loss
+    loss_free_sign_rate: float = 1e-3  # u: bias step per optimizer step
+    quantile_load_rate: float = 1e-2  # eta, per unit of mean-normalized load
+    quantile_load_decay: float = 0.9  # moving average of the normalized loads
+    quantile_load_q: float = 0.75  # the quantile of the averaged loads the biases aim at
+    quantile_balancing_mode: Literal["exact", "histogram"] = "exact"  # histogram: one all-reduce, error <= 1 bin
+    quantile_balancing_bins: int = 1000
+    quantile_balancing_ema: float = 0.0  # b <- ema b_old + (1 - ema) b_new; 0: no smoothing
+    # k_plus_1: the report's per-token cutoff; excluding_self: each expert's exact best response
+    quantile_balancing_cutoff: Literal["k_plus_1", "excluding_self"] = "k_plus_1"
+    router_z_loss: float = 0.0  # ST-MoE z-loss coefficient; with any balancer
 
     def validate(self, prefix: str = "moe") -> None:
         _check(self.num_experts >= 1, f"{prefix}.num_experts", self.num_experts, "an integer >= 1")
@@ -127,6 +143,23 @@ class MoEConfig:
         _one_of(f"{prefix}.backend", self.backend, BACKENDS)
         _check(self.situ_beta1 > 0, f"{prefix}.situ_beta1", self.situ_beta1, "a positive number")
         _check(self.situ_beta2 > 0, f"{prefix}.situ_beta2", self.situ_beta2, "a positive number")
+        _one_of(f"{prefix}.balancer", self.balancer, BALANCERS)
+        for name in ("aux_loss_alpha", "loss_free_sign_rate", "quantile_load_rate", "router_z_loss"):
+            _check(getattr(self, name) >= 0, f"{prefix}.{name}", getattr(self, name), "a number >= 0")
+        _check(0.0 <= self.quantile_load_decay < 1.0, f"{prefix}.quantile_load_decay", self.quantile_load_decay,
+               "a number in [0, 1)")
+        _check(0.0 < self.quantile_load_q < 1.0, f"{prefix}.quantile_load_q", self.quantile_load_q,
+               "a number in (0, 1)")
+        _one_of(f"{prefix}.quantile_balancing_mode", self.quantile_balancing_mode, ("exact", "histogram"))
+        _check(self.quantile_balancing_bins >= 2, f"{prefix}.quantile_balancing_bins", self.quantile_balancing_bins,
+               "an integer >= 2")
+        _check(0.0 <= self.quantile_balancing_ema < 1.0, f"{prefix}.quantile_balancing_ema",
+               self.quantile_balancing_ema, "a number in [0, 1)")
+        _one_of(f"{prefix}.quantile_balancing_cutoff", self.quantile_balancing_cutoff, ("k_plus_1", "excluding_self"))
+        if self.balancer == "quantile_balancing":
+            # The per-token cutoff is the (k+1)-th largest score: there must be a (k+1)-th expert.
+            _check(self.top_k < self.num_experts, f"{prefix}.top_k", self.top_k,
+                   f"< num_experts ({self.num_experts}) with balancer='quantile_balancing'")
 
 
 @dataclass
@@ -229,5 +262,10 @@ class ModelConfig:
             self.mla.validate("model.mla")
         if self.dense_layers < self.n_layers:
             self.moe.validate("model.moe")
+        else:
+            _check(self.moe.balancer == "none", "model.moe.balancer", self.moe.balancer,
+                   f"'none': the model has no MoE layer (dense_layers={self.dense_layers} >= n_layers={self.n_layers})")
+            _check(self.moe.router_z_loss == 0, "model.moe.router_z_loss", self.moe.router_z_loss,
+                   f"0: the model has no MoE layer (dense_layers={self.dense_layers} >= n_layers={self.n_layers})")
         self.residual.validate(2 * self.n_layers, "model.residual")
         return self

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moelab.base import ConfigError
+from moelab.model.balance import RouterBalance, router_loss_fn
 from moelab.model.config import MoEConfig
 from moelab.model.ffn import GLUFFN
 from moelab.model.norm import RMSNorm
@@ -52,6 +53,7 @@ class RouterStats:
     scores: ``[N, E]`` fp32 sigmoid scores s (with grad).
     topk_idx: ``[N, k]`` long, experts chosen by TopK(s + bias).
     topk_weight: ``[N, k]`` fp32, p = s[idx] / sum s[idx] (with grad).
+    logits: ``[N, E]`` fp32 router logits, s = sigmoid(logits) (with grad; the z-loss reads them).
     """
 
     aux_loss: torch.Tensor
@@ -59,19 +61,24 @@ class RouterStats:
     scores: torch.Tensor
     topk_idx: torch.Tensor
     topk_weight: torch.Tensor
+    logits: torch.Tensor | None = None
 
 
 class Router(nn.Module):
     """Sigmoid top-k router in fp32 with a selection-only per-expert bias.
 
     ``bias`` ``[E]`` fp32 is a persistent buffer (not a Parameter): balancers update it in place
-    between steps. ``aux_loss_fn``, when set, is called with the RouterStats of every forward and
-    its scalar result becomes ``stats.aux_loss`` (the caller adds it to the loss). ``backend``
+    between steps. ``balance`` (a ``moelab.model.balance.RouterBalance``; LatentMoE builds it from
+    ``MoEConfig.balancer``) sees every routing decision: training forwards feed the step's balancer
+    statistics, eval forwards only the loads. ``aux_loss_fn``, when set (LatentMoE: from the config),
+    is called with the RouterStats of every forward and its scalar result becomes ``stats.aux_loss``
+    (the caller adds it to the loss). ``backend``
     ("auto" | "triton" | "torch", ``MoEConfig.backend``): the logits (``mm_f32``) and the top-k
     (``select_experts``) implementations.
     """
 
-    def __init__(self, d_model: int, num_experts: int, top_k: int, backend: str = "auto") -> None:
+    def __init__(self, d_model: int, num_experts: int, top_k: int, backend: str = "auto",
+                 balance: RouterBalance | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ConfigError(f"Router: top_k={top_k} is not allowed: expected 1..num_experts ({num_experts})")
@@ -79,6 +86,7 @@ class Router(nn.Module):
         self.backend = backend
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         self.register_buffer("bias", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
+        self.balance = balance
         self.aux_loss_fn: Callable[[RouterStats], torch.Tensor] | None = None
         self.reset_parameters()
 
@@ -108,9 +116,11 @@ class Router(nn.Module):
         # sigmoid > 0, but can underflow to 0 for logits < -88; keep the division finite then.
         weight = picked / picked.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
         stats = RouterStats(aux_loss=torch.zeros((), device=logits.device), tokens_per_expert=counts,
-                            scores=scores, topk_idx=idx, topk_weight=weight)
+                            scores=scores, topk_idx=idx, topk_weight=weight, logits=logits)
         if self.aux_loss_fn is not None:
             stats.aux_loss = self.aux_loss_fn(stats)
+        if self.balance is not None:
+            self.balance.observe(stats, self.bias, self.training)
         return stats
 
     def extra_repr(self) -> str:
@@ -146,7 +156,8 @@ class LatentMoE(nn.Module):
         self.latent = cfg.latent_dim > 0
         self.routed_dim = cfg.latent_dim if self.latent else d_model
         r, f, e = self.routed_dim, cfg.expert_dim, cfg.num_experts
-        self.router = Router(d_model, e, cfg.top_k, cfg.backend)
+        self.router = Router(d_model, e, cfg.top_k, cfg.backend, balance=RouterBalance(cfg))
+        self.router.aux_loss_fn = router_loss_fn(cfg)
         if self.latent:
             self.proj_down = nn.Linear(d_model, r, bias=False)
             self.latent_norm = RMSNorm(r, eps=norm_eps)

@@ -2,7 +2,10 @@
 
 Lightning owns the loop (devices, precision, accumulation, clipping, checkpoints); the math
 stays in ``moelab.model``. The loss is ``ModelOutput.loss`` (mean next-token cross-entropy)
-plus ``ModelOutput.aux_loss`` (the MoE balancer's auxiliary term, zero without one).
+plus ``ModelOutput.aux_loss`` (the routers' loss terms from ``model.moe``: the aux-loss balancer,
+the z-loss; zero without them). The routing statistics of every training forward feed the
+balancer inside the model (``moelab.model.balance``); ``configure_callbacks`` adds the
+:class:`moelab.train.balance.BalancerCallback` that updates the biases once per optimizer step.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 
 from moelab.config import RunConfig, to_dict
 from moelab.model import MoELab
+from moelab.train.balance import BalancerCallback
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -34,8 +38,9 @@ class LitMoELab(L.LightningModule):
     """``MoELab(cfg.model)`` trained with AdamW + warmup/cosine on ``{"input_ids", "targets"}`` batches ``[B, T]``.
 
     Each optimizer step leaves its scalars in ``step_scalars`` (detached 0-dim tensors:
-    ``train/loss``, ``train/ce``, ``train/aux_loss``, ``train/grad_norm``), which
-    :class:`moelab.train.callbacks.StepMonitor` turns into floats once per step.
+    ``train/loss``, ``train/ce``, ``train/aux_loss``, ``train/grad_norm``, and with MoE layers the
+    balancer's ``balance/*`` per-layer metrics), which :class:`moelab.train.callbacks.StepMonitor`
+    turns into floats once per step.
     """
 
     def __init__(self, cfg: RunConfig) -> None:
@@ -49,6 +54,13 @@ class LitMoELab(L.LightningModule):
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None):
         return self.model(input_ids, targets)
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        # Every MoE model gets the balancer step (a no-op update for none / aux_loss) and its load metrics.
+        m = self.cfg.model
+        if m.dense_layers >= m.n_layers:
+            return []
+        return [BalancerCallback(self.cfg.train.batch_size * self.cfg.data.seq_len)]
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         # the loss without the [B, T, vocab] logits (moelab.ops.linear_ce): the fla-shape model at B8

@@ -1,0 +1,435 @@
+"""Expert load balancing: the rules as pure functions, the per-router statistics, the balance metrics.
+
+Notation (``../shared/research/balancing.md``): m tokens, n routed experts, k active per token,
+sigmoid scores s ``[m, n]``, a per-expert bias b ``[n]`` used for selection only (TopK(s + b)),
+load_j = tokens routed to expert j (sums to m k), target load q = m k / n.
+
+Balancers (``MoEConfig.balancer``):
+
+    none                no balancing (the loads are still measured)
+    aux_loss            L = alpha n sum_j f_j P_j,  f_j = load_j / (m k),  P_j = mean_t s_tj / sum_i s_ti
+                        (Switch / GShard; a loss term with gradient, the bias stays 0)
+    loss_free_sign      b_j += u sign(mean(load) - load_j)                  (Wang et al. 2024, DeepSeek-V3)
+    quantile_load       l <- decay l + (1 - decay) load / mean(load);  b_j += eta (quantile_q(l) - l_j);  b -= mean(b)
+    quantile_balancing  a_t = (k+1)-th largest of s_t + b                    (cutoff just below the top k)
+                        b_j = -[(q+1)-th largest over t of s_tj - a_t];  b -= mean(b)
+                        (one exact coordinate step on the dual of the balanced assignment LP;
+                        ``quantile_balancing_cutoff='excluding_self'`` takes a_tj over the other
+                        experts instead, see ``routing_margins``)
+
+TopK(s + b) does not change when every b_j moves by the same constant, so the rules whose step
+does not sum to zero re-centre b; the sign rule is kept as published (its drift is bounded by u
+per step and changes no routing). ``router_z_loss`` (ST-MoE: coeff mean_t logsumexp(logits_t)^2)
+can be added to any balancer.
+
+How it runs (the torchtitan split): every router of a LatentMoE owns a :class:`RouterBalance`.
+During a training forward it accumulates the step's statistics (loads, router entropy, and for
+quantile balancing the margins s - a or their histogram); once per optimizer step the training
+side calls :func:`balance_step` with its data-parallel collectives, which reduces the statistics
+of all micro-batches and ranks, writes the new biases and clears the accumulators. Every rank
+then holds the same bias. This module never imports ``torch.distributed``: callers pass the
+reductions. In eval mode the bias is frozen and only the loads are summed (MaxVio_global).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from moelab.model.config import MoEConfig
+
+if TYPE_CHECKING:
+    from moelab.model.moe import RouterStats
+
+BIAS_BALANCERS = ("loss_free_sign", "quantile_load", "quantile_balancing")
+TINY = torch.finfo(torch.float32).tiny
+
+Collective = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+# ----------------------------------------------------------------------------------------------
+# The rules.
+# ----------------------------------------------------------------------------------------------
+
+def recentre(bias: torch.Tensor) -> torch.Tensor:
+    """``b - mean(b)``: the same routing, with the common drift removed."""
+    return bias - bias.mean()
+
+
+def aux_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int, alpha: float) -> torch.Tensor:
+    """Switch/GShard balance loss ``alpha n sum_j f_j P_j`` (fp32 scalar; gradient through P only).
+
+    scores ``[m, n]`` fp32 sigmoid scores; tokens_per_expert ``[n]`` integer loads (sum m k).
+    f_j = load_j / (m k) and P_j = mean over tokens of the scores normalized over experts both
+    sum to 1, so the loss is alpha at a uniform routing and up to alpha n when one expert takes all.
+    """
+    m, n = scores.shape
+    f = tokens_per_expert.float() / max(m * top_k, 1)
+    p = (scores / scores.sum(-1, keepdim=True).clamp_min(TINY)).sum(0) / max(m, 1)
+    return alpha * n * (f * p).sum()
+
+
+def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+    """Router z-loss ``coeff mean_t logsumexp_j(logits_tj)^2`` (ST-MoE); logits ``[m, n]`` fp32."""
+    if logits.shape[0] == 0:
+        return logits.sum()
+    return coeff * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+
+
+def loss_free_sign_update(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
+    """``b_j + u sign(mean(load) - load_j)``: bias ``[n]`` fp32, load ``[n]`` (counts) -> new bias ``[n]``."""
+    load = load.float()
+    return bias + rate * torch.sign(load.mean() - load)
+
+
+def load_average(average: torch.Tensor, load: torch.Tensor, decay: float) -> torch.Tensor:
+    """Moving average of mean-normalized loads: ``decay avg + (1 - decay) load / mean(load)``; ``[n]`` fp32.
+
+    Normalizing by the mean makes the rate independent of the batch size (a uniform load is 1).
+    """
+    load = load.float()
+    return decay * average + (1.0 - decay) * load / load.mean().clamp_min(TINY)
+
+
+def quantile_load_update(bias: torch.Tensor, average: torch.Tensor, rate: float, q: float) -> torch.Tensor:
+    """``b_j + eta (quantile_q(avg) - avg_j)``, re-centred; average ``[n]`` from :func:`load_average`.
+
+    Experts above the q-quantile of the averaged load lose bias, those below gain; using a
+    quantile rather than the mean as the base is the articles' choice (robust to one outlier).
+    """
+    base = torch.quantile(average, q)
+    return recentre(bias + rate * (base - average))
+
+
+def qb_target(m: int, k: int, n: int) -> int:
+    """q = m k / n, the per-expert load quantile balancing aims at; m k must be a multiple of n.
+
+    With a remainder no assignment gives every expert the same load, and the dual step's
+    order statistic (the (q+1)-th largest margin) is not defined, so this refuses it (as
+    Megatron-LM does); choose batch_size * seq_len (* accumulation * ranks) accordingly.
+    """
+    if m < 1 or (m * k) % n:
+        raise ValueError(f"quantile_balancing needs m*k divisible by n: m={m} tokens per optimizer step, "
+                         f"k={k}, n={n} experts (m*k % n = {(m * k) % n if m >= 1 else 'no tokens'}); choose "
+                         f"batch_size * seq_len * accumulation * ranks as a multiple of {n // _gcd(n, k)}")
+    return m * k // n
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def routing_margins(scores: torch.Tensor, bias: torch.Tensor, k: int, cutoff: str = "k_plus_1") -> torch.Tensor:
+    """Margins ``s_tj - a_tj`` over per-token cutoffs: scores ``[m, n]``, bias ``[n]`` -> ``[m, n]`` fp32.
+
+    cutoff ``"k_plus_1"`` (the report's step): a_tj = a_t, the (k+1)-th largest of ``s_t + b``, the
+    same for every expert. ``"excluding_self"``: a_tj = the k-th largest of ``s_t + b`` over the
+    experts other than j (the (k+1)-th overall when j is in the top k, else the k-th), so that
+    ``s_tj + b_j > a_tj`` is exactly "token t picks j" with every other bias held: the bias then
+    becomes each expert's exact best response. The difference matters for an under-loaded expert
+    that is the (k+1)-th choice of many tokens: with ``k_plus_1`` those tokens' margins all equal
+    ``-b_j``, its (q+1)-th largest margin is ``-b_j`` again, and its bias only moves through the
+    re-centring, so on correlated scores balancing slows down or stalls (tests/model/test_balance.py
+    shows both on one batch).
+    """
+    top = torch.topk(scores.float() + bias.float(), k + 1, dim=-1)
+    after = top.values[:, k:]
+    if cutoff == "k_plus_1":
+        return scores.float() - after
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top.indices[:, :k], True)
+    return scores.float() - torch.where(chosen, after, top.values[:, k - 1:k])
+
+
+def qb_exact(margins: torch.Tensor, k: int) -> torch.Tensor:
+    """Quantile-balancing bias from all margins of a step: ``[m, n]`` -> ``[n]`` fp32, re-centred.
+
+    b_j = -((q+1)-th largest margin of expert j), the (1 - k/n) quantile: with the cutoffs held,
+    exactly q tokens of the step would pass expert j's threshold (ties aside).
+    """
+    m, n = margins.shape
+    q = qb_target(m, k, n)
+    return recentre(-margins.kthvalue(m - q, dim=0).values)
+
+
+def histogram_range(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[lo, hi] = [-1 - max(b), 1 - min(b)]``, which holds every margin for scores in (0, 1).
+
+    a_t lies between min_j(s_tj + b_j) > min(b) and max_j(s_tj + b_j) < 1 + max(b); both ends are
+    0-dim fp32 tensors (no host sync). Fixed by the bias, so the same on every rank in a step.
+    """
+    return -1.0 - bias.max(), 1.0 - bias.min()
+
+
+def margin_histogram(margins: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bins: int) -> torch.Tensor:
+    """Per-expert histogram of margins ``[m, n]`` over ``bins`` equal bins of ``[lo, hi]`` -> ``[n, bins]`` int64.
+
+    Integer counts: sums over micro-batches and ranks are exact and order-independent.
+    """
+    m, n = margins.shape
+    width = (hi - lo) / bins
+    idx = ((margins - lo) / width).floor().clamp_(0, bins - 1).long()
+    idx += torch.arange(n, device=margins.device) * bins
+    hist = torch.zeros(n * bins, dtype=torch.long, device=margins.device)
+    # 1-D scatter_add_ has a deterministic CUDA implementation; bincount would sync on max().
+    hist.scatter_add_(0, idx.reshape(-1), torch.ones(idx.numel(), dtype=torch.long, device=margins.device))
+    return hist.view(n, bins)
+
+
+def qb_histogram(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, m: int) -> torch.Tensor:
+    """Quantile-balancing bias from margin histograms ``[n, bins]`` of m tokens -> ``[n]`` fp32, re-centred.
+
+    The (q+1)-th largest margin is taken as the centre of the bin that holds it: at most half a
+    bin width ``(hi - lo) / bins`` from :func:`qb_exact` before re-centring, one width after.
+    m is passed in (the caller knows it on the host) so that this issues no host sync.
+    """
+    n, bins = hist.shape
+    q = qb_target(m, k, n)
+    at_or_above = hist.flip(-1).cumsum(-1).flip(-1)  # tokens in bin i or higher
+    top_bin = (at_or_above > q).sum(-1) - 1  # highest bin with >= q + 1 tokens at or above it
+    value = lo + (top_bin.float() + 0.5) * (hi - lo) / bins
+    return recentre(-value)
+
+
+def smooth(old: torch.Tensor, new: torch.Tensor, ema: float) -> torch.Tensor:
+    """``ema old + (1 - ema) new``, re-centred (the optional EMA of quantile balancing)."""
+    return recentre(ema * old + (1.0 - ema) * new) if ema > 0 else new
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics.
+# ----------------------------------------------------------------------------------------------
+
+def max_vio(load: torch.Tensor) -> torch.Tensor:
+    """MaxVio = (max_j load_j - mean load) / mean load of loads ``[..., n]`` -> ``[...]`` fp32 (0 = balanced)."""
+    load = load.float()
+    mean = load.mean(-1)
+    return (load.amax(-1) - mean) / mean.clamp_min(TINY)
+
+
+def load_cv(load: torch.Tensor) -> torch.Tensor:
+    """Coefficient of variation std / mean (population std) of loads ``[..., n]`` -> ``[...]`` fp32."""
+    load = load.float()
+    return load.std(-1, correction=0) / load.mean(-1).clamp_min(TINY)
+
+
+def dead_experts(load: torch.Tensor) -> torch.Tensor:
+    """Experts with zero load ``[..., n]`` -> ``[...]`` int64."""
+    return (load == 0).sum(-1)
+
+
+def token_entropy(scores: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of each token's scores normalized over experts: ``[m, n]`` -> ``[m]`` fp32 (max ln n)."""
+    p = scores.float() / scores.float().sum(-1, keepdim=True).clamp_min(TINY)
+    return -torch.xlogy(p, p).sum(-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-router statistics and the once-per-step update.
+# ----------------------------------------------------------------------------------------------
+
+class RouterBalance(nn.Module):
+    """One router's balancer: its configuration, persistent state, and this step's statistics.
+
+    Persistent (in ``state_dict``, so resume continues the same trajectory): ``load_avg`` ``[n]``
+    fp32 for ``quantile_load`` (starts at 1, the uniform normalized load). The bias itself is the
+    router's ``bias`` buffer. The accumulators are plain attributes, not buffers: DDP broadcasts
+    buffers from rank 0 at every forward, which would overwrite the other ranks' statistics.
+    A training loop must call :func:`balance_step` once per optimizer step (the Lightning
+    callback does): exact quantile balancing keeps every micro-batch's margins until then.
+    """
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.kind = cfg.balancer
+        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        if self.kind == "quantile_load":
+            self.register_buffer("load_avg", torch.ones(cfg.num_experts), persistent=True)
+        self.eval_load: torch.Tensor | None = None
+        self.clear()
+
+    @property
+    def histogram(self) -> bool:
+        return self.kind == "quantile_balancing" and self.cfg.quantile_balancing_mode == "histogram"
+
+    def clear(self) -> None:
+        """Forget this step's training statistics."""
+        self.load: torch.Tensor | None = None  # [n] int64
+        self.entropy_sum: torch.Tensor | None = None  # 0-dim fp64, sum over tokens
+        self.margins: list[torch.Tensor] = []  # exact quantile balancing: [m_i, n] per micro-batch
+        self.hist: torch.Tensor | None = None  # histogram quantile balancing: [n, bins] int64
+        self.hist_range: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _apply(self, fn, recurse: bool = True):
+        # Like Router.bias: a bf16 cast of the model must not round the moving average's small steps.
+        super()._apply(fn, recurse)
+        if self.kind == "quantile_load" and self.load_avg.dtype != torch.float32:
+            self.load_avg = self.load_avg.float()
+        return self
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def observe(self, stats: RouterStats, bias: torch.Tensor, training: bool) -> None:
+        """Add one forward's routing to the statistics (training) or to ``eval_load`` (eval)."""
+        counts = stats.tokens_per_expert.long()
+        if not training:
+            self.eval_load = counts if self.eval_load is None else self.eval_load + counts
+            return
+        scores = stats.scores.detach()
+        entropy = token_entropy(scores).double().sum()
+        self.load = counts if self.load is None else self.load + counts
+        self.entropy_sum = entropy if self.entropy_sum is None else self.entropy_sum + entropy
+        if self.kind != "quantile_balancing":
+            return
+        margins = routing_margins(scores, bias, self.top_k, self.cfg.quantile_balancing_cutoff)
+        if not self.histogram:
+            self.margins.append(margins)
+            return
+        if self.hist_range is None:  # the bias is fixed within a step, so is the range
+            self.hist_range = histogram_range(bias.float())
+        hist = margin_histogram(margins, *self.hist_range, self.cfg.quantile_balancing_bins)
+        self.hist = hist if self.hist is None else self.hist + hist
+
+    def new_bias(self, bias: torch.Tensor, load: torch.Tensor, tokens: int, hist: torch.Tensor | None,
+                 margins: torch.Tensor | None) -> torch.Tensor:
+        """The bias for the next step from this step's global statistics: ``load`` ``[n]`` over
+        ``tokens`` tokens; for quantile balancing ``hist`` ``[n, bins]`` or all ``margins`` ``[m, n]``.
+        Updates ``load_avg``."""
+        c = self.cfg
+        if self.kind == "loss_free_sign":
+            return loss_free_sign_update(bias, load, c.loss_free_sign_rate)
+        if self.kind == "quantile_load":
+            self.load_avg.copy_(load_average(self.load_avg, load, c.quantile_load_decay))
+            return quantile_load_update(bias, self.load_avg, c.quantile_load_rate, c.quantile_load_q)
+        if self.kind == "quantile_balancing":
+            new = (qb_histogram(hist, *self.hist_range, self.top_k, tokens) if self.histogram
+                   else qb_exact(margins, self.top_k))
+            return smooth(bias, new, c.quantile_balancing_ema)
+        return bias
+
+
+@dataclass
+class BalanceStep:
+    """What one :func:`balance_step` did, per MoE layer (in model order).
+
+    layers: names (``"L3"`` for ``layers.3``); load: ``[L, n]`` int64 global loads of the step;
+    bias: ``[L, n]`` fp32 biases after the update; metrics: ``maxvio_batch``, ``load_cv``,
+    ``router_entropy`` ``[L]`` fp32 and ``dead_experts`` ``[L]`` int64, all on the model's device.
+    """
+
+    layers: list[str]
+    load: torch.Tensor
+    bias: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+def balanced_routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(layer name, router)`` for every router with a :class:`RouterBalance`, in model order."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "balance", None), RouterBalance):
+            layer = re.search(r"(?:^|\.)layers\.(\d+)\.", name + ".")
+            found.append((f"L{layer.group(1)}" if layer else name, module))
+    return found
+
+
+@torch.no_grad()
+def balance_step(model: nn.Module, all_reduce: Collective = _identity,
+                 all_gather: Collective = _identity) -> BalanceStep | None:
+    """Once per optimizer step: reduce every router's statistics, update its bias, clear the accumulators.
+
+    all_reduce(t) must return the sum of ``t`` over data-parallel ranks (in place is fine);
+    all_gather(t ``[m_rank, c]``) the ranks' tensors concatenated along dim 0. Defaults: one process.
+    Loads, entropies and histograms travel in ONE all-reduce (fp64 holds integer counts exactly up
+    to 2^53, so the sums do not depend on order); exact quantile balancing adds one all-gather of
+    every layer's margins side by side (all layers see the same tokens). Returns None when no
+    training forward ran since the last step.
+    """
+    routers = balanced_routers(model)
+    if not routers or any(r.balance.load is None for _, r in routers):
+        return None
+    parts = []
+    for _, r in routers:
+        parts += [r.balance.load.double(), r.balance.entropy_sum.reshape(1)]
+        if r.balance.histogram:
+            parts.append(r.balance.hist.double().reshape(-1))
+    summed = all_reduce(torch.cat(parts))
+    exact = [r.balance for _, r in routers if r.balance.kind == "quantile_balancing" and not r.balance.histogram]
+    margins = all_gather(torch.cat([torch.cat(b.margins) for b in exact], dim=1)) if exact else None
+    k = routers[0][1].balance.top_k
+    # Every layer routes the same tokens; quantile balancing needs their number on the host (one sync).
+    needs_tokens = any(r.balance.kind == "quantile_balancing" for _, r in routers)
+    tokens = int(summed[:routers[0][1].balance.num_experts].sum().item()) // k if needs_tokens else 0
+
+    loads, biases, entropy = [], [], []
+    offset, column = 0, 0
+    for _, r in routers:
+        b = r.balance
+        n = b.num_experts
+        load = summed[offset:offset + n].round().long()
+        entropy.append(summed[offset + n])
+        offset += n + 1
+        hist = mine = None
+        if b.histogram:
+            hist = summed[offset:offset + n * b.cfg.quantile_balancing_bins].round().long().view(n, -1)
+            offset += hist.numel()
+        elif b.kind == "quantile_balancing":
+            mine, column = margins[:, column:column + n], column + n
+        r.bias.copy_(b.new_bias(r.bias.float(), load, tokens, hist, mine))
+        b.clear()
+        loads.append(load)
+        biases.append(r.bias.detach().clone())
+    load = torch.stack(loads)
+    metrics = {"maxvio_batch": max_vio(load), "load_cv": load_cv(load), "dead_experts": dead_experts(load),
+               "router_entropy": (torch.stack(entropy) / (load.sum(-1).double() / k).clamp_min(1)).float()}
+    return BalanceStep([name for name, _ in routers], load, torch.stack(biases), metrics)
+
+
+def clear_eval_loads(model: nn.Module) -> None:
+    """Start a new evaluation: forget the loads summed by earlier eval-mode forwards."""
+    for _, r in balanced_routers(model):
+        r.balance.eval_load = None
+
+
+@torch.no_grad()
+def eval_loads(model: nn.Module, all_reduce: Collective = _identity) -> tuple[list[str], torch.Tensor] | None:
+    """Per-layer loads summed over every eval-mode forward since :func:`clear_eval_loads`, and over ranks.
+
+    Returns ``(layer names, [L, n] int64)`` (MaxVio_global = ``max_vio`` of it), or None when no
+    eval forward ran. One all-reduce.
+    """
+    routers = balanced_routers(model)
+    if not routers or any(r.balance.eval_load is None for _, r in routers):
+        return None
+    load = all_reduce(torch.stack([r.balance.eval_load for _, r in routers]).double()).round().long()
+    return [name for name, _ in routers], load
+
+
+def router_loss_fn(cfg: MoEConfig) -> Callable[[RouterStats], torch.Tensor] | None:
+    """The router's loss term from the config (``Router.aux_loss_fn``): the aux loss when
+    ``balancer='aux_loss'``, plus the z-loss when ``router_z_loss > 0``; None when neither."""
+    alpha = cfg.aux_loss_alpha if cfg.balancer == "aux_loss" else 0.0
+    z = cfg.router_z_loss
+    if alpha == 0 and z == 0:
+        return None
+
+    def loss(stats: RouterStats) -> torch.Tensor:
+        total = stats.scores.new_zeros(())
+        if alpha:
+            total = total + aux_loss(stats.scores, stats.tokens_per_expert, cfg.top_k, alpha)
+        if z:
+            total = total + z_loss(stats.logits, z)
+        return total
+
+    return loss

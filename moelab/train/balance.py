@@ -1,0 +1,167 @@
+"""The balancer's training side: the once-per-optimizer-step bias update under DDP, its metrics, the load heatmap.
+
+The rules and the statistics live in ``moelab.model.balance`` (no ``torch.distributed`` there);
+this module supplies the data-parallel collectives and the moment: :class:`BalancerCallback`
+runs ``balance_step`` in ``on_before_optimizer_step``, which Lightning calls once per optimizer
+step, after the backward of the step's last micro-batch. So the statistics of every micro-batch
+(gradient accumulation) and every rank (DDP) enter one update, and all ranks write the same bias.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from moelab.base import ConfigError
+from moelab.model.balance import (
+    BalanceStep,
+    balance_step,
+    balanced_routers,
+    clear_eval_loads,
+    eval_loads,
+    max_vio,
+    qb_target,
+)
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of ``t`` over the default process group (in place); ``t`` itself without one."""
+    if _world() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``t`` ``[m_rank, c]`` concatenated along dim 0 in rank order (ranks may differ in m_rank)."""
+    world = _world()
+    if world == 1:
+        return t
+    rows = torch.tensor([t.shape[0]], device=t.device)
+    sizes = [torch.empty_like(rows) for _ in range(world)]
+    dist.all_gather(sizes, rows)
+    sizes = [int(s) for s in sizes]
+    padded = t.new_zeros(max(sizes), *t.shape[1:])
+    padded[:t.shape[0]] = t
+    out = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(out, padded)
+    return torch.cat([o[:s] for o, s in zip(out, sizes)])
+
+
+def step_scalars(step: BalanceStep) -> dict[str, torch.Tensor]:
+    """Per layer ``balance/<metric>/<layer>`` and the mean over layers ``balance/<metric>`` (0-dim tensors).
+
+    Metrics: ``maxvio_batch``, ``load_cv``, ``dead_experts``, ``router_entropy`` (nats; at most ln n).
+    """
+    out = {}
+    for metric, values in step.metrics.items():
+        values = values.float()
+        out[f"balance/{metric}"] = values.mean()
+        out.update({f"balance/{metric}/{name}": v for name, v in zip(step.layers, values)})
+    return out
+
+
+class BalancerCallback(Callback):
+    """Runs the balancer once per optimizer step and records what it did.
+
+    ``tokens_per_micro_batch`` (batch_size * seq_len per rank), when given, lets ``on_fit_start``
+    refuse a quantile-balancing run whose step token count ``m`` (times accumulation and ranks)
+    makes ``m k / n`` fractional, before any step runs.
+
+    After each step: the per-layer metrics go into ``pl_module.step_scalars`` (when the module has
+    one, as ``LitMoELab`` does: ``StepMonitor`` then records them in the run's history), and
+    ``steps``, ``loads`` (``[L, n]`` int64) and ``biases`` (``[L, n]`` fp32) grow by one entry, kept
+    on the device until :meth:`trajectories`. Each validation appends ``(step, MaxVio_global [L])``
+    to ``val_history`` (loads summed over the whole validation set and all ranks) and logs
+    ``val/maxvio_global`` (mean over layers) and ``val/maxvio_global/<layer>``.
+    """
+
+    def __init__(self, tokens_per_micro_batch: int | None = None) -> None:
+        self.tokens_per_micro_batch = tokens_per_micro_batch
+        self.layers: list[str] = []
+        self.steps: list[int] = []
+        self.loads: list[torch.Tensor] = []
+        self.biases: list[torch.Tensor] = []
+        self.val_history: list[tuple[int, torch.Tensor]] = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.tokens_per_micro_batch is None:
+            return
+        m = self.tokens_per_micro_batch * trainer.accumulate_grad_batches * trainer.world_size
+        for _, router in balanced_routers(pl_module):
+            b = router.balance
+            if b.kind == "quantile_balancing":
+                try:
+                    qb_target(m, b.top_k, b.num_experts)
+                except ValueError as e:
+                    raise ConfigError(
+                        f"model.moe.balancer='quantile_balancing' is not allowed with {m} tokens per optimizer "
+                        f"step (train.batch_size * data.seq_len = {self.tokens_per_micro_batch}, x "
+                        f"{trainer.accumulate_grad_batches} accumulated x {trainer.world_size} ranks): {e}") from e
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        step = balance_step(pl_module, all_reduce_sum, all_gather_rows)
+        if step is None:
+            return
+        self.layers = step.layers
+        self.steps.append(trainer.global_step + 1)  # the step being completed, as StepMonitor numbers it
+        self.loads.append(step.load)
+        self.biases.append(step.bias)
+        scalars = getattr(pl_module, "step_scalars", None)
+        if isinstance(scalars, dict):
+            scalars.update(step_scalars(step))
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        clear_eval_loads(pl_module)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        got = eval_loads(pl_module, all_reduce_sum)
+        if got is None:
+            return
+        layers, load = got
+        values = max_vio(load)
+        self.val_history.append((trainer.global_step, values.cpu()))
+        # Every rank holds the same all-reduced value; sync_dist only silences Lightning's epoch-level warning.
+        pl_module.log("val/maxvio_global", values.mean(), sync_dist=True)
+        for name, v in zip(layers, values):
+            pl_module.log(f"val/maxvio_global/{name}", v, sync_dist=True)
+
+    def trajectories(self) -> dict[str, Any]:
+        """``{"layers": [L names], "step": [S] int64, "load": [S, L, n] int64, "bias": [S, L, n] fp32}`` on the CPU."""
+        if not self.steps:
+            return {"layers": self.layers, "step": torch.zeros(0, dtype=torch.long), "load": None, "bias": None}
+        return {"layers": self.layers, "step": torch.tensor(self.steps),
+                "load": torch.stack(self.loads).cpu(), "bias": torch.stack(self.biases).cpu()}
+
+
+def load_heatmap(step: torch.Tensor, load: torch.Tensor, layers: list[str]) -> Any:
+    """Expert load over training, one panel per MoE layer, as a matplotlib Figure (no pyplot state).
+
+    step ``[S]``, load ``[S, L, n]`` (e.g. :meth:`BalancerCallback.trajectories`). Colour = load /
+    mean load of that step and layer: 1 is balanced, 0 a dead expert, 2 twice its share (clipped).
+    """
+    from matplotlib.figure import Figure
+
+    rel = load.double() / load.double().mean(-1, keepdim=True).clamp_min(1e-12)
+    n_layers, n = rel.shape[1], rel.shape[2]
+    fig = Figure(figsize=(7, 1.2 + 1.4 * n_layers), dpi=100)
+    axes = fig.subplots(n_layers, 1, sharex=True, squeeze=False)[:, 0]
+    first, last = (float(step[0]), float(step[-1])) if len(step) else (0.0, 1.0)
+    image = None
+    for i, ax in enumerate(axes):
+        image = ax.imshow(rel[:, i].T.numpy(), aspect="auto", origin="lower", cmap="coolwarm", vmin=0.0, vmax=2.0,
+                          interpolation="nearest", extent=(first - 0.5, last + 0.5, -0.5, n - 0.5))
+        ax.set_ylabel(f"{layers[i]}\nexpert")
+    axes[-1].set_xlabel("optimizer step")
+    fig.colorbar(image, ax=list(axes), label="load / mean load")
+    return fig

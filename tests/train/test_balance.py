@@ -1,0 +1,106 @@
+"""The balancer's training side: one update per optimizer step under gradient accumulation, exact
+resume of the bias trajectory, and LitMoELab wiring (metrics in the history, MaxVio_global, errors)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from moelab.model.config import ConfigError
+from moelab.train import fit
+from moelab.train.balance import BalancerCallback, load_heatmap
+from tests.helpers import assert_close
+from tests.train.balance_probe import Probe, batches, trainer
+from tests.train.helpers import tiny_config
+
+
+def _run(module: Probe, steps: int, root: Path, **kwargs) -> BalancerCallback:
+    callback = BalancerCallback()
+    trainer(steps, callback, root, **kwargs).fit(module)
+    return callback
+
+
+def test_two_micro_batches_give_the_bias_trajectory_of_one_batch(tmp_path: Path) -> None:
+    data = batches(3, 4)
+    whole = _run(Probe(data), 3, tmp_path / "a").trajectories()
+    parts = _run(Probe(data, micro_batches=2), 3, tmp_path / "b", accumulate_grad_batches=2).trajectories()
+    assert whole["step"].tolist() == parts["step"].tolist() == [1, 2, 3]  # one update per optimizer step
+    assert torch.equal(whole["load"], parts["load"])
+    assert_close(whole["bias"], parts["bias"], 1e-6, "bias trajectory")
+    assert whole["bias"][-1].abs().amin(-1).gt(0).all()  # every rule moved every layer's bias
+
+
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
+def test_resume_reproduces_the_bias_trajectory(tmp_path: Path) -> None:
+    data = batches(1, 4).repeat(4, 1, 1)  # the same batch every step: resume cannot pick other data
+    straight_module = Probe(data, lr=1e-2, adam=True)
+    straight = _run(straight_module, 4, tmp_path / "a").trajectories()
+
+    first = Probe(data, lr=1e-2, adam=True)
+    t = trainer(2, BalancerCallback(), tmp_path / "b")
+    t.fit(first)
+    t.save_checkpoint(tmp_path / "b" / "step2.ckpt")
+    resumed_module = Probe(data, lr=1e-2, adam=True)
+    callback = BalancerCallback()
+    trainer(4, callback, tmp_path / "b").fit(resumed_module, ckpt_path=tmp_path / "b" / "step2.ckpt")
+    resumed = callback.trajectories()
+
+    assert resumed["step"].tolist() == [3, 4]
+    assert_close(straight["bias"][2:], resumed["bias"], 0.0, "resumed bias trajectory")
+    ref, out = straight_module.state_dict(), resumed_module.state_dict()
+    assert any(k.endswith("load_avg") for k in ref)  # quantile_load's moving average is checkpointed
+    for k in ref:
+        assert_close(ref[k].float(), out[k].float(), 0.0, k)
+
+
+class _Grab(Callback):
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.balancer = next(c for c in trainer.callbacks if isinstance(c, BalancerCallback))
+
+
+def test_fit_records_per_layer_balance_metrics(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path / "ckpt", None, train__max_steps=4, train__warmup_steps=1, train__val_every=2,
+                      model__moe__balancer="quantile_balancing")
+    grab = _Grab()
+    result = fit(cfg, callbacks=[grab])
+    row = result.history[-1]
+    for metric in ("maxvio_batch", "load_cv", "dead_experts", "router_entropy"):
+        assert math.isfinite(row[f"balance/{metric}/L1"]) and row[f"balance/{metric}"] == row[f"balance/{metric}/L1"]
+    assert 0 < row["balance/router_entropy"] <= math.log(cfg.model.moe.num_experts) + 1e-6
+    cb = grab.balancer
+    assert [s for s, _ in cb.val_history] == [2, 4] and all(v.shape == (1,) for _, v in cb.val_history)
+    state = torch.load(result.last_checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    assert_close(cb.trajectories()["bias"][-1, 0], state["model.layers.1.ffn.router.bias"], 0.0, "bias in ckpt")
+    traj = cb.trajectories()
+    fig = load_heatmap(traj["step"], traj["load"], traj["layers"])
+    assert len(fig.axes) == 2  # one panel per MoE layer + the colour bar
+
+
+def test_fit_refuses_quantile_balancing_with_a_fractional_target(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path / "ckpt", None, train__max_steps=2, train__warmup_steps=1,
+                      model__moe__balancer="quantile_balancing", model__moe__num_experts=3)
+    with pytest.raises(ConfigError, match=r"512 tokens per optimizer step .* k=2, n=3 .* multiple of 3"):
+        fit(cfg)
+
+
+def test_k3_mini_turns_every_k3_technique_on() -> None:
+    from moelab.config import load_config
+    from moelab.model.balance import qb_target
+
+    cfg = load_config("k3-mini")
+    cfg.check_trainable()
+    m, k3 = cfg.model, load_config("k3").model
+    kinds = m.layer_types()
+    assert m.pattern == k3.pattern and m.final_mla and kinds[-1] == "mla"
+    assert kinds.count("kda") == 3 * (kinds.count("mla") - 1)  # 3:1 before the final MLA, as in K3
+    assert m.kda.gate == "bounded" and m.kda.g_min == k3.kda.g_min
+    assert (m.mla.output_gate, m.mla.fp32_output, m.mla.q_latent_dim > 0) == (True, True, True)
+    assert (m.residual.mode, m.residual.num_blocks) == ("block_attnres", k3.residual.num_blocks)
+    assert m.moe.num_shared == k3.moe.num_shared and m.moe.latent_dim * 2 == m.d_model
+    assert m.moe.activation == m.dense_activation == "situ_glu"
+    assert m.moe.num_experts >= 64 and m.moe.top_k == 8 and m.moe.balancer == "quantile_balancing"
+    assert qb_target(cfg.train.batch_size * cfg.data.seq_len, m.moe.top_k, m.moe.num_experts) > 0
