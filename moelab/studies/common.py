@@ -422,7 +422,6 @@ def run_grid(
         fp = _fingerprint(cfg, ctx["git"])
         rec = _load_record(run_dir / "record.json", fp)
         if rec is None:
-            corpus = prepare(cfg.data, progress=False)
             t0 = time.perf_counter()
             resume = (run_dir / "last.ckpt").is_file() and (run_dir / "fingerprint").is_file() \
                 and (run_dir / "fingerprint").read_text() == fp
@@ -431,6 +430,7 @@ def run_grid(
             with output_to(run_dir / "train.log"):
                 from moelab.train import fit
 
+                corpus = prepare(cfg.data)  # its size gives the epochs; a first build logs its progress here
                 res = fit(cfg, resume=True if resume else None)
             s = res.summary
             tokens = int(s["steps"] * s["B"] * s["T"] * cfg.train.accumulate_grad_batches * s.get("world_size", 1))
