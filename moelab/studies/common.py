@@ -218,12 +218,13 @@ def study_context(study: str) -> dict[str, Any]:
 _IMPORTED_AT = time.time()
 
 
-def measured_commit(path: str | os.PathLike) -> dict[str, str | None]:
-    """Which code produced a committed result file: ``{"commit", "how"}``.
+def measured_commit(path: str | os.PathLike, needle: str | None = None) -> dict[str, str | None]:
+    """Which code produced a committed result file (or one value in it): ``{"commit", "how"}``.
 
     ``meta.commit`` inside the file when it records one; else the commit named in the message of the
-    last commit that changed the file (``"... results at 730381e"``, ``"(commit e95d6c9)"``); else that
-    commit itself. ``how`` says which of the three it is.
+    commit that added ``needle`` to the file (a value's exact text, for files whose rows were
+    measured at different times), or of the last commit that changed the file
+    (``"... results at 730381e"``, ``"(commit e95d6c9)"``); else that commit itself. ``how`` says which.
     """
     path = Path(path)
     try:
@@ -234,17 +235,19 @@ def measured_commit(path: str | os.PathLike) -> dict[str, str | None]:
         return {"commit": str(meta["commit"])[:12], "how": "recorded in the file"}
     try:
         rel = path.resolve().relative_to(repo_root()).as_posix()
-        line = subprocess.run(["git", "log", "-1", "--format=%h %s", "--", rel], cwd=repo_root(), capture_output=True,
-                              text=True, timeout=30, check=True).stdout.strip()
+        pick = [f"-S{needle}"] if needle else []  # the latest commit that changed its count: the one that added it
+        line = subprocess.run(["git", "log", "-1", *pick, "--format=%h %s", "--", rel], cwd=repo_root(),
+                              capture_output=True, text=True, timeout=30, check=True).stdout.strip()
     except (OSError, ValueError, subprocess.SubprocessError):
         return {"commit": None, "how": "not in git"}
     if not line:
         return {"commit": None, "how": "not committed"}
     sha, subject = line.split(" ", 1) if " " in line else (line, "")
+    what = "added the value" if needle else "last changed the file"
     named = re.search(r"\b(?:at|commit)\s+([0-9a-f]{7,40})\b", subject)
     if named:
-        return {"commit": named.group(1), "how": f"named by the message of {sha}, which last changed the file"}
-    return {"commit": sha, "how": "the commit that last changed the file"}
+        return {"commit": named.group(1), "how": f"named by the message of {sha}, which {what}"}
+    return {"commit": sha, "how": f"the commit that {what}"}
 
 
 # ------------------------------------------------------------------------------------------- arms

@@ -44,17 +44,25 @@ def _k(tok_per_s: float) -> str:
     return f"{tok_per_s / 1e3:.1f}K"
 
 
-def _throughput_gpu_small() -> tuple[str, str, list[str]]:
+Row = tuple[str, str, list[str], tuple[str, str | None]]
+
+
+def _needle(value: float) -> str:
+    """A value's text as ``json.dump`` wrote it: what ``git log -S`` looks for."""
+    return json.dumps(value)
+
+
+def _throughput_gpu_small() -> Row:
     f, s_file = "studies/throughput_h200.json", "studies/logs/train_gpu_small_h200_summary.json"
     r, s = _row(_load(f)["rows"], "moelab_gpu_small"), _load(s_file)
     what = (f"`make throughput PRESET=gpu-small` ({s['params_total'] / 1e6:.0f}M total / "
             f"{s['params_activated'] / 1e6:.0f}M activated, B={s['B']}, T={s['T']}, {s['precision']})")
     result = (f"{s['steps']} steps ({s['status']}); train loss {s['final_train_loss']:.2f}, val "
               f"{s['final_val_loss']:.2f}; {_k(r['tok_per_s'])} tokens/s; {r['peak_mem_gb']:.1f} GB peak")
-    return what, result, [_ref(f, "row `moelab_gpu_small`"), _ref(s_file)]
+    return what, result, [_ref(f, "row `moelab_gpu_small`"), _ref(s_file)], (f, _needle(r["tok_per_s"]))
 
 
-def _residual_modes() -> tuple[str, str, list[str]]:
+def _residual_modes() -> Row:
     f = "studies/throughput_h200.json"
     rows = [r for r in _load(f)["rows"] if str(r.get("impl", "")).startswith("moelab_gpu_small_")]
     parts = []
@@ -64,10 +72,11 @@ def _residual_modes() -> tuple[str, str, list[str]]:
         parts.append(f"{mode}{blocks} {_k(r['tok_per_s'])}")
     finite = all(r.get("loss_finite") and not r.get("nonfinite_grads") for r in rows)
     return ("gpu-small per residual mode, fwd+bwd+AdamW (`kernels/bench_model.py --only gpu-small`)",
-            f"{', '.join(parts)} tokens/s; loss and every gradient {'finite' if finite else 'NOT finite'}", [_ref(f)])
+            f"{', '.join(parts)} tokens/s; loss and every gradient {'finite' if finite else 'NOT finite'}", [_ref(f)],
+            (f, _needle(rows[0]["tok_per_s"])))
 
 
-def _moe() -> tuple[str, str, list[str]]:
+def _moe() -> Row:
     f = "kernels/results/moe_h200.json"
     d = _load(f)
     r, ratios = _row(d["rows"], "moelab_moe"), d["extra"]["ratios"]
@@ -76,10 +85,10 @@ def _moe() -> tuple[str, str, list[str]]:
     result = (f"{r['fwdbwd_ms']:.2f} ms fwd+bwd, {r['tflops']:.0f} TFLOP/s = "
               f"{ratios['ratio_vs_dense_equal_flops']:.1%} of a dense chain of equal FLOPs with the same activation "
               f"({ratios['ratio_vs_dense_bare_matmuls']:.0%} of bare matmuls of equal FLOPs)")
-    return what, result, [_ref(f)]
+    return what, result, [_ref(f)], (f, None)
 
 
-def _kda_check() -> tuple[str, str, list[str]]:
+def _kda_check() -> Row:
     f = "kernels/results/kda_check_h200.json"
     d = _load(f)
     rows = d["rows"]
@@ -94,10 +103,10 @@ def _kda_check() -> tuple[str, str, list[str]]:
             f"modes {', '.join(modes)})")
     result = (f"o <= {o:.1e}, every gradient <= {grads:.1e} (targets {tol_o:g} / {tol_g:g}); "
               f"{'passed' if d['meta'].get('passed') else 'FAILED'}")
-    return what, result, [_ref(f)]
+    return what, result, [_ref(f)], (f, None)
 
 
-def _kda_speed() -> tuple[str, str, list[str]]:
+def _kda_speed() -> Row:
     f, f_long = "kernels/results/kda_h200.json", "kernels/results/kda_h200_long.json"
     rows, long_rows = _load(f)["rows"], _load(f_long)["rows"]
     by = {(r["impl"], r["B"], r["T"]): r for r in rows}
@@ -122,10 +131,10 @@ def _kda_speed() -> tuple[str, str, list[str]]:
               f"**{speedup('fwd_ms')}**; bounded {min(gen):.2f}-{max(gen):.2f}x faster than general; peak memory "
               f"<= {mem:.2f}x fla's; longest run T={longest['T']}: {longest['fwdbwd_ms']:.0f} ms fwd+bwd, "
               f"{longest['peak_mem_gb']:.0f} GB")
-    return what, result, [_ref(f), _ref(f_long)]
+    return what, result, [_ref(f), _ref(f_long)], (f, None)
 
 
-def _fla_shape() -> tuple[str, str, list[str]]:
+def _fla_shape() -> Row:
     f = "studies/throughput_h200.json"
     rows = _load(f)["rows"]
     m, fla = _row(rows, "moelab_fla_shape"), _row(rows, "fla_kda")
@@ -135,10 +144,10 @@ def _fla_shape() -> tuple[str, str, list[str]]:
               f"{m['peak_mem_gb']:.1f} GB peak; fla {_k(fla['tok_per_s'])} tokens/s, {fla['mfu']:.1%}, "
               f"{fla['peak_mem_gb']:.1f} GB: "
               f"**{m['tok_per_s'] / fla['tok_per_s']:.2f}x fla's tokens/s**")
-    return what, result, [_ref(f, "rows `moelab_fla_shape`, `fla_kda`")]
+    return what, result, [_ref(f, "rows `moelab_fla_shape`, `fla_kda`")], (f, _needle(m["tok_per_s"]))
 
 
-def _study_1() -> tuple[str, str, list[str]]:
+def _study_1() -> Row:
     f = "studies/01_decay_bound/summary.json"
     s = _load(f)
     meta, safe, arms = s["meta"], s["most_negative_safe_g_min"], s["arms"]
@@ -157,26 +166,19 @@ def _study_1() -> tuple[str, str, list[str]]:
               f"{bound('fp32', 'midpoint')}, fp16 {bound('fp16', 'noshift')} / {bound('fp16', 'midpoint')}; after "
               f"{steps} steps ({seeds} seed{'s' * (seeds > 1)}, {meta['epochs']:.2f} epochs) most negative trained "
               f"log decay {g_min}; best val loss {losses}")
-    return what, result, [_ref(f), _ref("studies/01_decay_bound/01_decay_bound.ipynb")]
+    return what, result, [_ref(f), _ref("studies/01_decay_bound/01_decay_bound.ipynb")], (f, None)
 
 
-ROWS: list[tuple[Callable[[], tuple[str, str, list[str]]], str]] = [
-    (_throughput_gpu_small, "studies/throughput_h200.json"),
-    (_residual_modes, "studies/throughput_h200.json"),
-    (_moe, "kernels/results/moe_h200.json"),
-    (_kda_check, "kernels/results/kda_check_h200.json"),
-    (_kda_speed, "kernels/results/kda_h200.json"),
-    (_fla_shape, "studies/throughput_h200.json"),
-    (_study_1, "studies/01_decay_bound/summary.json"),
-]
+ROWS: list[Callable[[], Row]] = [_throughput_gpu_small, _residual_modes, _moe, _kda_check, _kda_speed, _fla_shape,
+                                 _study_1]
 
 
 def table() -> str:
     """The generated block: markers, header and one row per entry of ``ROWS``."""
     lines = [BEGIN, HEADER]
-    for build, commit_of in ROWS:
-        what, result, files = build()
-        commit = measured_commit(repo_root() / commit_of)["commit"] or "unknown"
+    for build in ROWS:
+        what, result, files, (source, needle) = build()
+        commit = measured_commit(repo_root() / source, needle)["commit"] or "unknown"
         lines.append(f"| {what} | {result} | {', '.join(files)} | `{commit[:7]}` |")
     lines.append(END)
     return "\n".join(lines)
