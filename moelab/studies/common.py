@@ -13,8 +13,8 @@ calls :func:`run_grid`. For every (arm, seed) it
   ``<out_dir>/checkpoints/<arm>-s<seed>/train.log`` and prints one line when the run ends (arm,
   seed, steps, val loss, time, ETA of the study);
 * writes ``record.json`` beside the checkpoints; a rerun at the same code and config finds it and
-  skips the run, so an interrupted study resumes where it stopped (an interrupted training itself
-  resumes from its ``last.ckpt``).
+  skips the run, so an interrupted study resumes where it stopped (the run it was in when
+  interrupted trains again from the start).
 
 Results come back as a :class:`Grid`: one row per run (:meth:`Grid.table`), mean +- spread over seeds
 (:func:`aggregate`), one loss-curve style (:func:`loss_curves`), and :func:`study_meta` for the
@@ -33,6 +33,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import subprocess
 import time
 import warnings
@@ -397,15 +398,12 @@ def run_grid(
     Args:
         study: the study's name (``01_decay_bound``): run names, tags, the code-state exclusion.
         base: preset name or YAML path every run starts from.
-        arms: ``{arm: {"section.key": value}}``; arms must differ only in these keys.
+        arms: ``{arm: {"section.key": value}}``; arms may differ only in the keys every arm sets.
         seeds: ``cfg.seed`` values (initialization and data order); every arm runs every seed.
         out_dir: the study's folder; runs live under ``<out_dir>/checkpoints/<arm>-s<seed>/``.
         common: overrides applied to every arm first (scale of the preset: steps, batch size).
         echo: where the one-line progress per run goes.
     """
-    from moelab.data import prepare
-    from moelab.tracking import client
-
     if not seeds:
         raise ValueError("seeds is empty: a study needs at least one seed")
     quiet_known_noise()
@@ -426,40 +424,53 @@ def run_grid(
         rec = _load_record(run_dir / "record.json", fp)
         if rec is None:
             t0 = time.perf_counter()
-            resume = (run_dir / "last.ckpt").is_file() and (run_dir / "fingerprint").is_file() \
-                and (run_dir / "fingerprint").read_text() == fp
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "fingerprint").write_text(fp)
-            with output_to(run_dir / "train.log"):
-                from moelab.train import fit
-
-                corpus = prepare(cfg.data)  # its size gives the epochs; a first build logs its progress here
-                res = fit(cfg, resume=True if resume else None)
-            s = res.summary
-            tokens = int(s["steps"] * s["B"] * s["T"] * cfg.train.accumulate_grad_batches * s.get("world_size", 1))
-            tail = _tail_train_loss(res.history, cfg.train.val_every)
-            val = s.get("final_val_loss")
-            rec = RunRecord(arm=arm, seed=seed, summary=s, history=res.history,
-                            val_history=[list(v) for v in res.val_history], tokens=tokens,
-                            epochs=tokens / corpus.n_train_tokens,
-                            train_val_gap=(val - tail) if val is not None and tail is not None else None,
-                            fingerprint=fp)
-            write_json(run_dir / "record.json", {k: v for k, v in rec.__dict__.items() if k != "skipped"})
-            if res.run_id:
-                _tag_child(client(), res.run_id, study, rec)
+            rec = _train(study, arm, seed, cfg, run_dir, fp)
             trained_s.append(time.perf_counter() - t0)
         if rec.epochs:
             corpus_tokens = round(rec.tokens / rec.epochs)
         records.append(rec)
         left = len(grid) - i - 1
-        eta = f"study ETA {_fmt_s(left * sum(trained_s) / len(trained_s))}" if trained_s and left else (
-            "study done" if not left else "study ETA after the first trained run")
+        if not left:
+            eta = "study done"
+        elif trained_s:
+            eta = f"study ETA {_fmt_s(left * sum(trained_s) / len(trained_s))}"
+        else:
+            eta = "study ETA after the first trained run"
         val = rec.summary.get("best_val_loss")
-        what = "found finished, skipped" if rec.skipped else f"{_fmt_s(trained_s[-1])}"
         echo(f"[{i + 1}/{len(grid)}] arm={arm} seed={seed} steps={rec.summary.get('steps')} "
-             f"val_loss={val:.4f} ({what}); {eta}" if val is not None else
-             f"[{i + 1}/{len(grid)}] arm={arm} seed={seed} steps={rec.summary.get('steps')} ({what}); {eta}")
+             f"val_loss={'n/a' if val is None else f'{val:.4f}'} "
+             f"({'found finished, skipped' if rec.skipped else _fmt_s(trained_s[-1])}); {eta}")
     return Grid(study=study, base=base, records=records, factor=factor, corpus_tokens=corpus_tokens)
+
+
+def _train(study: str, arm: str, seed: int, cfg: Any, run_dir: Path, fingerprint: str) -> RunRecord:
+    """Train one run of the grid from scratch with its output in ``train.log``; write and return its record.
+
+    Whatever an unfinished earlier attempt left in ``run_dir`` is removed first: a run's curves,
+    record and MLflow run then always cover the whole training (runs of a study are minutes long).
+    """
+    from moelab.data import prepare
+    from moelab.tracking import client
+    from moelab.train import fit
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    with output_to(run_dir / "train.log"):
+        corpus = prepare(cfg.data)  # its size gives the epochs; a first build logs its progress here
+        res = fit(cfg)
+    s = res.summary
+    tokens = int(s["steps"] * s["B"] * s["T"] * cfg.train.accumulate_grad_batches * s.get("world_size", 1))
+    tail = _tail_train_loss(res.history, cfg.train.val_every)
+    val = s.get("final_val_loss")
+    rec = RunRecord(arm=arm, seed=seed, summary=s, history=res.history,
+                    val_history=[list(v) for v in res.val_history], tokens=tokens,
+                    epochs=tokens / corpus.n_train_tokens,
+                    train_val_gap=(val - tail) if val is not None and tail is not None else None,
+                    fingerprint=fingerprint)
+    write_json(run_dir / "record.json", {k: v for k, v in rec.__dict__.items() if k != "skipped"})
+    if res.run_id:
+        _tag_child(client(cfg.tracking.tracking_uri), res.run_id, study, rec)
+    return rec
 
 
 def _tag_child(mlflow_client: Any, run_id: str, study: str, rec: RunRecord) -> None:

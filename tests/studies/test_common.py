@@ -57,13 +57,20 @@ def test_grid_runs_nested_tagged_and_resumes(tmp_path, tracking_uri) -> None:  #
         try:
             grid = common.run_grid("99_grid", "tiny", GATES, [0], tmp_path, common=TINY, echo=lines.append)
             again = common.run_grid("99_grid", "tiny", GATES, [0], tmp_path, common=TINY, echo=lines.append)
+            # A run cut off before its record trains again from scratch; the finished one is kept.
+            (tmp_path / "checkpoints" / "softplus-s0" / "record.json").unlink()
+            (tmp_path / "checkpoints" / "softplus-s0" / "stale.txt").write_text("left by the interrupted attempt")
+            resumed = common.run_grid("99_grid", "tiny", GATES, [0], tmp_path, common=TINY, echo=lines.append)
         finally:
             del os.environ["MOELAB_PARENT_RUN_ID"], os.environ[common.GIT_ENV]
 
     assert [(r.arm, r.seed, r.skipped) for r in grid.records] == [("bounded", 0, False), ("softplus", 0, False)]
     assert [r.skipped for r in again.records] == [True, True]
     assert again.table().equals(grid.table())
-    assert len(lines) == 4 and lines[0].startswith("[1/2] arm=bounded seed=0 steps=4 val_loss=")
+    assert [r.skipped for r in resumed.records] == [True, False] and "skipped" not in lines[5]
+    assert not (tmp_path / "checkpoints" / "softplus-s0" / "stale.txt").exists()
+    assert resumed.records[1].summary["steps"] == 4 and len(resumed.records[1].history) == 4
+    assert len(lines) == 6 and lines[0].startswith("[1/2] arm=bounded seed=0 steps=4 val_loss=")
     assert "ETA" in lines[0] and "study done" in lines[1] and "skipped" in lines[2]
     table = grid.table()
     assert set(table.columns) >= {"arm", "seed", "steps", "best_val_loss", "train_val_gap", "tokens", "epochs"}
@@ -76,7 +83,8 @@ def test_grid_runs_nested_tagged_and_resumes(tmp_path, tracking_uri) -> None:  #
 
     client = MlflowClient(tracking_uri)
     children = client.search_runs([parent.experiment_id], f"tags.mlflow.parentRunId = '{parent.run_id}'")
-    assert sorted(c.data.params["study.arm"] for c in children) == ["bounded", "softplus"]
+    # The retrained softplus run is a second MLflow run (the first one's record was lost).
+    assert sorted(c.data.params["study.arm"] for c in children) == ["bounded", "softplus", "softplus"]
     for c in children:
         assert c.data.tags["moelab.arm"] == c.data.params["study.arm"] and c.data.params["study.seed"] == "0"
         assert {"study/epochs", "study/train_val_gap", "study/best_val_loss"} <= set(c.data.metrics)
