@@ -3,7 +3,7 @@
 Median ``triton.testing.do_bench`` time of a forward (no grad) and of a forward + backward with a
 random output gradient, plus peak memory of the forward + backward, bf16. Both KDA sides compute
 the same thing: L2-normalized q, k and the bounded gate ``g = -5 sigmoid(exp(A_log) * (x + dt_bias))``
-(A_log = log U(1, 16), as in the anchor /work/shared/anchors/fla_bench.py):
+(A_log = log U(1, 16), as in fla's own KDA benchmark setup):
 
 * ``moelab_bounded`` / ``moelab_general``: ``chunk_kda(mode=..., gate="bounded", A_log=..., dt_bias=...,
   l2norm_qk=True)``: L2 norm and gate fused into the op (moelab/ops/kda/triton_prep.py);

@@ -9,7 +9,7 @@ Rows (added to ``studies/throughput_h200.json`` by ``impl``):
 * ``moelab_gpu_small_<residual>``: the ``gpu-small`` preset (~100M total, hybrid KDA + gated MLA,
   LatentMoE) for each residual mode, with a check that loss and every gradient are finite.
 
-Timing as the anchor (``../shared/anchors/fla_model_bench.py``): 5 warm-up steps, then the mean of 10
+Timing as the H200 anchor measurement of fla's model: 5 warm-up steps, then the mean of 10
 timed steps on random tokens. MFU columns: ``mfu`` = 6 x params x tokens/s / 792e12 (the anchor's
 convention: all parameters, the measured bf16 matmul ceiling), and ``mfu_model_flops`` = 3 x forward
 FLOPs per token (moelab accounting, activated parameters + attention/KDA terms) x tokens/s / 989e12.

@@ -1,14 +1,21 @@
-"""nbs/NN_name.py (jupytext py:percent) and nbs/NN_name.ipynb must hold the same cells.
+"""The study notebooks: sources and their executed reports.
 
-Edit either one, then ``make sync-nbs`` (``jupytext --sync``); this test fails when they drift.
+nbs/NN_name.py (jupytext py:percent) and nbs/NN_name.ipynb must hold the same cells: edit either
+one, then ``make sync-nbs`` (``jupytext --sync``); these tests fail when they drift. The executed
+notebook in studies/NN_name/ must read as a report: every figure rendered as a PNG with a caption,
+no machine paths or known log noise in any output, and a computed "Findings" section at the end.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import jupytext
 import pytest
+
+from moelab.studies.common import KNOWN_NOISE, MACHINE_PATH
 
 NBS = Path(__file__).resolve().parents[1] / "nbs"
 SOURCES = sorted(NBS.glob("[0-9][0-9]_*.py"))
@@ -65,3 +72,101 @@ def test_drift_is_detected(tmp_path: Path) -> None:
     assert "3 cells" in drift(py, ipynb)
     py.write_text(text.replace('tags=["parameters"]', ""))
     assert "cell 0 differs" in drift(py, ipynb)
+
+
+# --- executed notebooks (studies/NN_name/NN_name.ipynb): what a reader sees -----------------------
+
+EXECUTED = sorted((NBS.parent / "studies").glob("[0-9][0-9]_*/[0-9][0-9]_*.ipynb"))
+UNRENDERED_FIGURE = re.compile(r"<(?:matplotlib\.figure\.)?Figure size \d")
+
+
+def output_texts(output: dict) -> list[str]:
+    """Every text a reader can see in one cell output (streams, plain/HTML/Markdown data, tracebacks)."""
+    texts = [output.get("text", "")] if output.get("output_type") == "stream" else []
+    for mime, value in output.get("data", {}).items():
+        if mime.startswith("text/") or mime == "application/json":
+            texts.append(value if isinstance(value, str) else json.dumps(value))
+    texts.extend(output.get("traceback", []))
+    return [t if isinstance(t, str) else "".join(t) for t in texts]
+
+
+def report_problems(nb: dict) -> list[str]:
+    """Why an executed study notebook does not read as a report; empty when it does."""
+    problems = []
+    cells = nb["cells"]
+    captions = 0
+    images = 0
+    for i, cell in enumerate(cells):
+        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        if cell["cell_type"] == "markdown":
+            captions += len(re.findall(r"^\*\*Figure \d+\.\*\*", src, flags=re.M))
+            continue
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if "image/png" in data:
+                images += 1
+            if any(k.startswith("application/vnd.jupyter.widget") for k in data):
+                problems.append(f"cell {i}: a widget output (an empty progress bar in the saved notebook)")
+            for text in output_texts(out):
+                if UNRENDERED_FIGURE.search(text) and "image/png" not in data:
+                    problems.append(f"cell {i}: a figure output without image/png: {text[:80]!r}")
+                path = MACHINE_PATH.search(text)
+                if path:
+                    where = text[max(0, path.start() - 40):][:120]
+                    problems.append(f"cell {i}: a machine path in the output: {where!r}")
+                for noise in KNOWN_NOISE:
+                    hit = re.search(noise, text)
+                    if hit:
+                        problems.append(f"cell {i}: known noise {noise!r} in the output: {text[hit.start():][:80]!r}")
+            if out.get("output_type") == "error":
+                problems.append(f"cell {i}: an error: {out.get('ename')}: {out.get('evalue')}")
+    if captions != images:
+        problems.append(f"{images} image/png outputs but {captions} '**Figure N.**' captions")
+    heads = [i for i, c in enumerate(cells) if c["cell_type"] == "markdown"
+             and re.match(r"#+\s*Findings\s*$", "".join(c["source"]).strip())]
+    if not heads:
+        problems.append("no '## Findings' markdown cell")
+    else:
+        after = [c for c in cells[heads[-1] + 1:] if c["cell_type"] == "code"][:1]
+        md = [o["data"]["text/markdown"] for c in after for o in c.get("outputs", [])
+              if "text/markdown" in o.get("data", {})]
+        if not md or not "".join(md[0]).strip().startswith("- "):
+            problems.append("the cell after '## Findings' has no computed Markdown list as its output")
+    return problems
+
+
+@pytest.mark.parametrize("ipynb", EXECUTED, ids=[p.stem for p in EXECUTED])
+def test_executed_study_notebook_reads_as_a_report(ipynb: Path) -> None:
+    nb = json.loads(ipynb.read_text())
+    problems = report_problems(nb)
+    assert not problems, f"{ipynb.name}:\n" + "\n".join(problems)
+    html = ipynb.with_suffix(".html")
+    assert html.exists(), f"{html.name} (the runner's HTML export) is missing"
+    images = sum("image/png" in o.get("data", {}) for c in nb["cells"] for o in c.get("outputs", []))
+    assert html.read_text().count("data:image/png;base64,") >= images
+
+
+def test_report_check_catches_each_problem() -> None:
+    def nb(*cells: dict) -> dict:
+        return {"cells": list(cells)}
+
+    def code(*outputs: dict) -> dict:
+        return {"cell_type": "code", "source": "x", "outputs": list(outputs)}
+
+    def md(text: str) -> dict:
+        return {"cell_type": "markdown", "source": text}
+
+    findings = [md("## Findings"), code({"output_type": "execute_result", "data": {"text/markdown": "- a finding"}})]
+    png = {"output_type": "display_data", "data": {"image/png": "iVBOR", "text/plain": "<IPython.core.display.Image>"}}
+    good = nb(code(png), md("**Figure 1.** What it shows."), *findings)
+    assert report_problems(good) == []
+    bare = {"output_type": "execute_result", "data": {"text/plain": "<Figure size 640x480 with 1 Axes>"}}
+    assert any("without image/png" in p for p in report_problems(nb(code(bare), *findings)))
+    path = {"output_type": "stream", "name": "stdout", "text": "saved to /work/main/studies/x.png\n"}
+    assert any("machine path" in p for p in report_problems(nb(code(path), *findings)))
+    noise = {"output_type": "stream", "name": "stderr", "text": "GPU available: False, used: False\n"}
+    assert any("known noise" in p for p in report_problems(nb(code(noise), *findings)))
+    assert any("no '## Findings'" in p for p in report_problems(nb(code(png), md("**Figure 1.** x"))))
+    assert any("'**Figure N.**' captions" in p for p in report_problems(nb(code(png), *findings)))
+    widget = {"output_type": "display_data", "data": {"application/vnd.jupyter.widget-view+json": {}}}
+    assert any("widget" in p for p in report_problems(nb(code(widget), *findings)))

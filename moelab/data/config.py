@@ -13,10 +13,10 @@ from typing import Literal
 
 from moelab.base import ConfigError, _check, _one_of, repo_root
 
-Source = Literal["shakespeare", "files", "hf"]
+Source = Literal["shakespeare", "gutenberg", "files", "hf"]
 TokenizerKind = Literal["bpe", "byte"]
 
-SOURCES = ("shakespeare", "files", "hf")
+SOURCES = ("shakespeare", "gutenberg", "files", "hf")
 TOKENIZERS = ("bpe", "byte")
 BYTE_VOCAB = 256
 # A byte-level BPE needs its 256-byte alphabet plus the end-of-text token before any merge.
@@ -36,7 +36,9 @@ class DataConfig:
     """Where text comes from and how it becomes ``[B, seq_len]`` token windows.
 
     ``source``: ``"shakespeare"`` unpacks the committed ``data/shakespeare.tar.xz`` (one play = one
-    document), ``"files"`` reads every file matched by the ``files`` globs (one file = one document),
+    document; the CPU presets' corpus), ``"gutenberg"`` the committed ``data/gutenberg.tar.xz`` (one
+    e-book = one document; the GPU presets' corpus, see data/README.md), ``"files"`` reads every
+    file matched by the ``files`` globs (one file = one document),
     ``"hf"`` calls ``datasets.load_dataset(hf_name, hf_config, split=hf_split)[text_field]`` (one row
     = one document; needs the hub or a local datasets cache).
     ``tokenizer``: ``"bpe"`` is a byte-level BPE trained on the train split (``vocab_size`` ids,

@@ -8,23 +8,24 @@ Three measurements, each a function the notebook ``nbs/01_decay_bound.py`` calls
 2. :func:`decay_stats` on the log decays a *trained* model produces (:func:`collect_log_decay`):
    how far an unbounded softplus gate goes below -5, and how many 16-token tiles the factored
    form could not hold.
-3. Training quality bounded vs softplus (the notebook trains both through ``moelab.train.fit``)
-   and kernel speed (``kernels/bench_kda.py`` on a GPU; the committed H200 JSON elsewhere).
+3. Training quality bounded vs softplus: two arms of the study harness
+   (:func:`moelab.studies.common.run_grid`) that differ only in ``model.kda.gate``; and kernel
+   speed, read from the committed ``kernels/results/kda_h200.json`` (``make kda-bench`` measures
+   it; re-running that sweep inside the study would not fit one GPU session).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from moelab.ops.kda.bounds import EXP_LIMIT
+from moelab.studies import common
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -166,82 +167,85 @@ def decay_stats(g: torch.Tensor, bound: float = -5.0, subtile: int = 16) -> dict
 
 # --- training bounded vs softplus ------------------------------------------------------------
 
-GATES = ("bounded", "softplus")
+STUDY = "01_decay_bound"
+ARMS = {"bounded": {"model.kda.gate": "bounded"}, "softplus": {"model.kda.gate": "softplus"}}
+# preset -> (training preset, overrides for every arm, seeds). cpu: about a minute per run on 2 cores.
 PRESETS = {
-    # preset -> (training preset, its overrides): cpu finishes in minutes on 2 cores.
-    "cpu": ("cpu", {"train.max_steps": 150, "train.batch_size": 8, "train.val_every": 50}),
-    "gpu": ("gpu-small", {"train.max_steps": 300, "train.val_every": 100}),
+    "cpu": ("cpu", {"train.max_steps": 150, "train.batch_size": 8, "train.val_every": 50}, (0,)),
+    "gpu": ("gpu-small", {"train.max_steps": 300, "train.val_every": 100}, (0,)),
 }
+KERNEL_RESULTS = "kernels/results/kda_h200.json"
 
 
-def train_gates(preset: str, ckpt_root: str | Path, extra: dict | None = None) -> dict[str, Any]:
-    """Train the same model once per gate parameterization; return ``{gate: TrainResult}``.
-
-    Args:
-        preset: ``cpu`` or ``gpu`` (see ``PRESETS``).
-        ckpt_root: checkpoints go to ``<ckpt_root>/<gate>``.
-        extra: more ``--set`` style overrides for both runs.
-    """
-    from moelab.config import load_config
-    from moelab.train import fit
-
+def _preset(preset: str) -> tuple[str, dict[str, Any], tuple[int, ...]]:
     if preset not in PRESETS:
         raise ValueError(f"preset={preset!r} is not allowed: expected one of {tuple(PRESETS)}")
-    base, overrides = PRESETS[preset]
-    out = {}
-    for gate in GATES:
-        cfg = load_config(base, {**overrides, **(extra or {}), "model.kda.gate": gate,
-                                 "name": f"decay_bound-{gate}",
-                                 "train.ckpt_dir": str(Path(ckpt_root) / gate)})
-        out[gate] = fit(cfg)
-    return out
+    return PRESETS[preset]
 
 
-def gate_decay_rows(results: dict[str, Any], batches: int = 2) -> list[dict]:
-    """Per trained model and KDA layer, :func:`decay_stats` of the log decay on validation windows."""
+def arms_factor(preset: str) -> dict[str, dict[str, Any]]:
+    """``{config key: {arm: value}}``: what differs between the arms (raises if anything but the gate does)."""
+    base, overrides, _ = _preset(preset)
+    return common.check_arms_differ_only(base, ARMS, overrides)
+
+
+def train_gates(preset: str, out_dir: str | Path, extra: Mapping[str, Any] | None = None) -> common.Grid:
+    """Train every gate arm at every seed of ``preset`` (finished runs are reused); see ``PRESETS``.
+
+    Args:
+        out_dir: the study folder; runs go to ``<out_dir>/checkpoints/<gate>-s<seed>``.
+        extra: more ``--set`` style overrides for every arm.
+    """
+    base, overrides, seeds = _preset(preset)
+    return common.run_grid(STUDY, base, ARMS, seeds, out_dir, common={**overrides, **(extra or {})})
+
+
+def gate_decay_rows(grid: common.Grid, batches: int = 2) -> list[dict]:
+    """Per trained model (arm, seed) and KDA layer, :func:`decay_stats` of the log decay on validation windows."""
     from moelab.data import TextDataModule
     from moelab.train.runner import load_model
 
     rows = []
-    for gate, res in results.items():
-        ckpt = res.best_checkpoint or res.last_checkpoint
-        model, cfg = load_model(ckpt)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for rec in grid.records:
+        model, cfg = load_model(rec.summary.get("best_checkpoint") or rec.summary["last_checkpoint"])
         dm = TextDataModule(cfg.data, cfg.train.batch_size, cfg.seed, cfg.train.max_steps, batches)
         dm.setup("validate")
-        device = "cuda" if torch.cuda.is_available() else "cpu"
         model = model.to(device)
         for i, batch in enumerate(dm.val_dataloader()):
             if i >= batches:
                 break
-            per_layer = collect_log_decay(model, batch["input_ids"].to(device))
-            for layer, g in per_layer.items():
-                rows.append({"gate": gate, "layer": layer, "batch": i, **decay_stats(g)})
+            for layer, g in collect_log_decay(model, batch["input_ids"].to(device)).items():
+                rows.append({"gate": rec.arm, "seed": rec.seed, "layer": layer, "batch": i, **decay_stats(g)})
     return rows
 
 
 # --- kernel speed ----------------------------------------------------------------------------
 
-def kernel_speed(preset: str, out_dir: str | Path) -> tuple[list[dict], str]:
-    """KDA kernel timings: measured now on a GPU, else the committed H200 results.
+def kernel_speed() -> tuple[list[dict], dict[str, Any]]:
+    """KDA kernel timings from the committed H200 benchmark (``make kda-bench`` writes it).
 
-    Returns ``(rows, source)``: rows in the format of ``kernels/results/kda_h200.json`` and where
-    they came from (a fresh run's JSON path, or the committed file with its date and machine).
+    Returns ``(rows, source)``: rows as in ``kernels/results/kda_h200.json`` (empty if the file is
+    missing) and ``{"file", "gpu", "date", "commit", "commit_how"}`` saying where they came from.
     """
     from moelab.base import repo_root
 
-    committed = repo_root() / "kernels" / "results" / "kda_h200.json"
-    if preset == "gpu" and torch.cuda.is_available():
-        out = Path(out_dir) / "results" / "kda_bench.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, str(repo_root() / "kernels" / "bench_kda.py"), "--quick",
-                        "--out", str(out)], check=True)
-        data = json.loads(out.read_text())
-        return data["rows"], f"measured now: {out.name} ({data['meta'].get('gpu')})"
-    if committed.exists():
-        data = json.loads(committed.read_text())
-        meta = data.get("meta", {})
-        return data["rows"], f"committed {committed.name} ({meta.get('gpu')}, {meta.get('date')})"
-    return [], "no GPU here and no committed kernels/results/kda_h200.json yet"
+    path = repo_root() / KERNEL_RESULTS
+    if not path.exists():
+        return [], {"file": KERNEL_RESULTS, "gpu": None, "date": None, "commit": None, "commit_how": "missing"}
+    data = json.loads(path.read_text())
+    meta = data.get("meta", {})
+    measured = common.measured_commit(path)
+    return data["rows"], {"file": KERNEL_RESULTS, "gpu": meta.get("gpu"), "date": meta.get("date"),
+                          "commit": measured["commit"], "commit_how": measured["how"]}
+
+
+def describe_source(source: Mapping[str, Any]) -> str:
+    """One line naming the benchmark file, its GPU, date and the commit it measured."""
+    if source.get("gpu") is None:
+        return f"{source['file']} is not committed yet: no kernel timings"
+    return (f"{source['file']}: {source['gpu']}, {str(source['date'])[:10]}, code at commit {source['commit']} "
+            f"({source['commit_how']})")
 
 
 # --- figures -------------------------------------------------------------------------------
@@ -271,27 +275,7 @@ def overflow_figure(rows: list[dict]) -> Any:
     return fig
 
 
-def training_figure(results: dict[str, Any]) -> Any:
-    """Train (line) and validation (dots) loss of each gate."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6, 4), dpi=100)
-    ax = fig.subplots()
-    for gate, res in results.items():
-        line, = ax.plot([h["step"] for h in res.history], [h["train/loss"] for h in res.history], lw=1,
-                        label=f"{gate} train")
-        if res.val_history:
-            s, v = zip(*res.val_history)
-            ax.plot(s, v, "o", color=line.get_color(), label=f"{gate} val")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
-
-
-def speed_figure(rows: list[dict], source: str) -> Any:
+def speed_figure(rows: list[dict], source: Mapping[str, Any]) -> Any:
     """Forward+backward time per implementation and shape (bars)."""
     from matplotlib.figure import Figure
 
@@ -308,7 +292,7 @@ def speed_figure(rows: list[dict], source: str) -> Any:
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], [f"B{b} T{t}" for b, t in shapes])
     ax.set_yscale("log")  # SDPA's quadratic time at 64K tokens would flatten every other bar
     ax.set_ylabel("forward+backward (ms, log scale)")
-    ax.set_title(source, fontsize=8)
+    ax.set_title(f"{source.get('gpu')}, code at {source.get('commit')}", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
@@ -325,36 +309,106 @@ def _ratio(rows: list[dict], num: str, den: str, key: str = "fwdbwd_ms") -> dict
     return out
 
 
-def summarize(overflow: Any, results: dict[str, Any], decay: Any, speed_rows: list[dict], speed_source: str,
-              preset: str) -> dict[str, Any]:
-    """The study's ``summary.json``: findings with the numbers behind them and where they ran."""
-    import datetime
-    import platform
+# --- summary and findings ------------------------------------------------------------------------
 
-    ok = overflow[overflow.finite & (overflow.rel_err < 1e-2)]
-    safe = {f"{d}_tile{s}_{'midpoint' if m else 'noshift'}": float(g)
+def safe_bounds(overflow: Any, tol: float = 1e-2) -> dict[str, float]:
+    """Most negative swept g_min at which the factored tile is finite with relative error < ``tol``.
+
+    Keys ``<dtype>_tile<S>_<midpoint|noshift>``; a combination that fails at every swept bound is absent.
+    """
+    ok = overflow[overflow.finite & (overflow.rel_err < tol)]
+    return {f"{d}_tile{s}_{'midpoint' if m else 'noshift'}": float(g)
             for (d, s, m), g in ok.groupby(["dtype", "subtile", "midpoint"]).g_min.min().items()}
-    gates = {}
-    for gate, res in results.items():
+
+
+def summarize(overflow: Any, grid: common.Grid, decay: Any, speed_rows: list[dict], speed_source: Mapping[str, Any],
+              preset: str) -> dict[str, Any]:
+    """The study's ``summary.json``: the meta block, then the numbers the findings are computed from."""
+    table = grid.table()
+    agg = common.aggregate(table)
+    arms = {}
+    for gate in agg.index:
         sel = decay[decay.gate == gate]
-        gates[gate] = {
-            "best_val_loss": res.summary.get("best_val_loss"),
-            "final_train_loss": res.summary.get("final_train_loss"),
-            "steps": res.summary.get("steps"),
-            "tok_per_s": res.summary.get("tok_per_s"),
+        a = agg.loc[gate]
+        arms[gate] = {
+            "n_seeds": int(a.n_seeds),
+            **{f"{m}_{stat}": (float(a[f"{m}_{stat}"]) if math.isfinite(a[f"{m}_{stat}"]) else None)
+               for m in common.STUDY_METRICS for stat in ("mean", "std")},
+            "steps": int(table[table.arm == gate].steps.max()),
+            "tok_per_s": float(table[table.arm == gate].tok_per_s.mean()),
             "g_min_observed": float(sel.g_min.min()),
             "frac_below_-5": float(sel.frac_below_bound.max()),
             "max_tile_exponent": float(sel.max_tile_exponent.max()),
             "frac_tiles_over_bf16": float(sel.frac_tiles_over_bf16.max()),
-            "run_id": res.run_id,
+            "run_ids": [r for r in table[table.arm == gate].run_id],
         }
     return {
-        "meta": {"study": "01_decay_bound", "preset": preset, "date": datetime.date.today().isoformat(),
-                 "torch": torch.__version__, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-                 else platform.processor() or "cpu", "command": f"make study-1 PRESET={preset}"},
-        "most_negative_safe_g_min": safe,
-        "gates": gates,
-        "kernel_source": speed_source,
+        "meta": common.study_meta(STUDY, preset, grid, kernel_results=dict(speed_source)),
+        "factor": {k: {a: v for a, v in vals.items()} for k, vals in grid.factor.items()},
+        "most_negative_safe_g_min": safe_bounds(overflow),
+        "arms": arms,
         "general_over_bounded_fwdbwd": _ratio(speed_rows, "moelab_general", "moelab_bounded"),
         "fla_safe_gate_over_moelab_bounded_fwdbwd": _ratio(speed_rows, "fla_safe_gate", "moelab_bounded"),
     }
+
+
+def findings(summary: Mapping[str, Any], bound: float = -5.0) -> str:
+    """The study's conclusions as a Markdown list, every sentence computed from ``summary`` (no typed numbers)."""
+    lines = []
+    safe = summary["most_negative_safe_g_min"]
+    for dt in ("bf16", "fp32", "fp16"):
+        no, mid = safe.get(f"{dt}_tile16_noshift"), safe.get(f"{dt}_tile16_midpoint")
+        if no is None and mid is None:
+            lines.append(f"- **{dt}**: the factored 16-token tile fails at every swept bound, even with the midpoint "
+                         "shift.")
+            continue
+        verdict = ("holds" if (no is not None and no <= bound) else
+                   "holds only with the midpoint shift" if (mid is not None and mid <= bound) else "does not hold")
+        lines.append(f"- **{dt}**: the factored 16-token tile stays finite and within 1% of the exact tile "
+                     f"{_reach(no, 'without a shift')} and {_reach(mid, 'with the midpoint shift')}, so K3's bound "
+                     f"$g_{{min}} = {bound:g}$ {verdict}.")
+    arms = summary["arms"]
+    for gate, a in arms.items():
+        below = a["frac_below_-5"]
+        over = a["frac_tiles_over_bf16"]
+        lines.append(f"- The trained **{gate}** gate's most negative per-token log decay is "
+                     f"{a['g_min_observed']:.2f} ({'below' if a['g_min_observed'] < bound else 'above'} "
+                     f"{bound:g}; {below:.1%} of entries below it); {over:.1%} of 16-token tiles exceed the bf16 "
+                     "exponent range.")
+    if len(arms) == 2:
+        (ga, a), (gb, b) = arms.items()
+        diff = a["best_val_loss_mean"] - b["best_val_loss_mean"]
+        spreads = [s for s in (a["best_val_loss_std"], b["best_val_loss_std"]) if s is not None]
+        better, worse = (gb, ga) if diff > 0 else (ga, gb)
+        if spreads:
+            noise = 2 * max(spreads)
+            judged = (f"larger than twice the seed spread ({noise:.3f}), so the gap is not seed noise"
+                      if abs(diff) > noise else
+                      f"within twice the seed spread ({noise:.3f}): not distinguishable at these seeds")
+        else:
+            judged = "from one seed per arm, so its size against seed noise is not measured here"
+        lines.append(f"- Best validation loss: {ga} {a['best_val_loss_mean']:.3f}, {gb} {b['best_val_loss_mean']:.3f}; "
+                     f"**{better}** is lower by {abs(diff):.3f} nats/token than {worse}, {judged}.")
+    meta = summary["meta"]
+    epochs = meta.get("epochs")
+    if epochs is not None:
+        gaps = meta.get("train_val_gap", {})
+        worst = max(gaps.values()) if gaps else None
+        seen = (f"each run saw {epochs:.2f} epochs of the {meta['corpus_train_tokens']:,}-token training split"
+                if epochs >= 0.01 else f"each run saw {epochs:.1e} epochs of the training split")
+        gap = (f"; validation minus training loss is at most {worst:+.3f} nats/token" if worst is not None else "")
+        warn = (" Over one epoch the arms are compared partly on memorization." if epochs > 1 else "")
+        lines.append(f"- Data: {seen}{gap}.{warn}")
+    ratio = summary["general_over_bounded_fwdbwd"]
+    if ratio:
+        lo, hi = min(ratio.values()), max(ratio.values())
+        src = meta.get("kernel_results", {})
+        lines.append(f"- Kernel time: the general (element-wise diagonal tile) path takes {lo:.2f}-{hi:.2f}x the "
+                     f"bounded path's forward+backward time over {len(ratio)} shapes ({src.get('gpu')}, code at "
+                     f"commit {src.get('commit')}): the bound {'buys speed' if lo > 1 else 'does not buy speed'}.")
+    return "\n".join(lines)
+
+
+def _reach(g_min: float | None, how: str) -> str:
+    """``down to $g_{min} = -5$ without a shift``, or that it holds at no swept bound."""
+    return f"at no swept bound {how}" if g_min is None else f"down to $g_{{min}} = {g_min:g}$ {how}"

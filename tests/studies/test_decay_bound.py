@@ -7,8 +7,7 @@ import torch
 
 from moelab.model import MoELab
 from moelab.model.config import KDAConfig, ModelConfig
-from moelab.studies.decay_bound import (collect_log_decay, decay_stats, exact_tile, factored_tile,
-                                        tile_overflow_table)
+from moelab.studies.decay_bound import collect_log_decay, decay_stats, exact_tile, factored_tile, tile_overflow_table
 from tests.helpers import rel_err
 
 
@@ -71,3 +70,61 @@ def test_collect_log_decay_from_the_model(gate):
         assert gl.min() > -5.0
     assert not any(m._forward_pre_hooks for m in model.modules())  # hooks removed
     assert math.isfinite(decay_stats(gl)["max_tile_exponent"])
+
+
+def _summary(safe: dict, val: tuple[float, float], std: tuple[float | None, float | None], epochs: float) -> dict:
+    arm = {"g_min_observed": -0.5, "frac_below_-5": 0.0, "frac_tiles_over_bf16": 0.0, "n_seeds": 2}
+    return {
+        "most_negative_safe_g_min": safe,
+        "arms": {"bounded": {**arm, "best_val_loss_mean": val[0], "best_val_loss_std": std[0]},
+                 "softplus": {**arm, "g_min_observed": -7.0, "frac_below_-5": 0.25,
+                              "best_val_loss_mean": val[1], "best_val_loss_std": std[1]}},
+        "meta": {"epochs": epochs, "corpus_train_tokens": 1_000_000, "train_val_gap": {"bounded": 0.1, "softplus": 0.3},
+                 "kernel_results": {"gpu": "NVIDIA H200", "commit": "730381e"}},
+        "general_over_bounded_fwdbwd": {"B8_T4096": 1.36, "B1_T32768": 1.25},
+    }
+
+
+def test_findings_are_computed_from_the_summary() -> None:
+    from moelab.studies.decay_bound import findings
+
+    safe = {"bf16_tile16_noshift": -5.0, "bf16_tile16_midpoint": -10.0, "fp32_tile16_noshift": -2.0,
+            "fp32_tile16_midpoint": -5.5, "fp16_tile16_midpoint": -1.0}
+    text = findings(_summary(safe, (5.70, 5.60), (0.01, 0.02), 0.4))
+    lines = text.splitlines()
+    assert all(ln.startswith("- ") for ln in lines)
+    assert ("down to $g_{min} = -5$ without a shift and down to $g_{min} = -10$ with the midpoint shift, so K3's "
+            "bound $g_{min} = -5$ holds.") in lines[0]
+    assert lines[1].endswith("holds only with the midpoint shift.")  # fp32: -2 without, -5.5 with the shift
+    assert "at no swept bound without a shift" in lines[2] and lines[2].endswith("does not hold.")  # fp16
+    assert "**softplus** is lower by 0.100" in text and "not seed noise" in text
+    assert "-7.00 (below -5; 25.0% of entries below it)" in text
+    assert "0.40 epochs of the 1,000,000-token training split" in text and "memorization" not in text
+    assert "at most +0.300 nats/token" in text
+    assert "1.25-1.36x" in text and "buys speed" in text and "commit 730381e" in text
+
+    close = findings(_summary(safe, (5.60, 5.61), (0.02, 0.03), 3.0))
+    assert "**bounded** is lower by 0.010" in close and "not distinguishable at these seeds" in close
+    assert "memorization" in close
+    one_seed = findings(_summary(safe, (5.60, 5.70), (None, None), 0.5))
+    assert "from one seed per arm" in one_seed
+
+
+def test_the_study_arms_differ_only_in_the_gate() -> None:
+    from moelab.studies.decay_bound import ARMS, PRESETS, arms_factor
+
+    for preset in PRESETS:
+        assert arms_factor(preset) == {"model.kda.gate": {"bounded": "bounded", "softplus": "softplus"}}
+    assert set(ARMS) == {"bounded", "softplus"}
+    with pytest.raises(ValueError, match="preset='tpu'"):
+        arms_factor("tpu")
+
+
+def test_kernel_speed_reads_the_committed_results_with_their_commit() -> None:
+    from moelab.studies.decay_bound import describe_source, kernel_speed
+
+    rows, source = kernel_speed()
+    assert {r["impl"] for r in rows} >= {"moelab_bounded", "moelab_general"}
+    assert source["file"] == "kernels/results/kda_h200.json" and source["gpu"] == "NVIDIA H200"
+    assert source["commit"] and len(source["commit"]) >= 7
+    assert f"code at commit {source['commit']}" in describe_source(source)
