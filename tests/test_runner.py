@@ -64,7 +64,7 @@ def test_runner_executes_notebook_under_a_parent_run(tmp_path, tracking_uri) -> 
     assert summary["preset"] == "cpu"
 
     client = MlflowClient(tracking_uri)
-    exp = client.get_experiment_by_name("07_demo")
+    exp = client.get_experiment_by_name("study/07_demo")
     runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
     parent, child = runs["07_demo-cpu"], runs["child-cpu"]
     assert parent.info.status == child.info.status == "FINISHED"
@@ -90,7 +90,7 @@ def test_failing_notebook_marks_parent_failed_and_keeps_the_executed_notebook(tm
     executed = tmp_path / "studies" / "08_broken" / "08_broken.ipynb"
     assert "study failed here" in executed.read_text()
     client = MlflowClient(tracking_uri)
-    exp = client.get_experiment_by_name("08_broken")
+    exp = client.get_experiment_by_name("study/08_broken")
     statuses = {r.info.run_name: r.info.status for r in client.search_runs([exp.experiment_id])}
     assert statuses == {"08_broken-cpu": "FAILED", "child-cpu": "FINISHED"}
 

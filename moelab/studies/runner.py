@@ -4,7 +4,7 @@ For study ``N`` the runner
 
 1. finds ``nbs/NN_*.ipynb`` (the paired, executable copy of ``nbs/NN_*.py``);
 2. creates ``studies/NN_name/`` (papermill does not create folders);
-3. opens one MLflow parent run (experiment ``NN_name``, run ``NN_name-<preset>``) and exports
+3. opens one MLflow parent run (experiment ``study/NN_name``, run ``NN_name-<preset>``) and exports
    ``MOELAB_PARENT_RUN_ID`` / ``MLFLOW_TRACKING_URI`` so that the kernel's training runs nest
    under it, and what the kernel cannot know itself: the command, the start time and the code
    state before the study wrote anything (``moelab.studies.common.study_context``);
@@ -31,7 +31,7 @@ from typing import Any
 
 from moelab.base import repo_root
 from moelab.studies.common import COMMAND_ENV, GIT_ENV, STARTED_ENV, git_state, quiet_known_noise
-from moelab.tracking import PARENT_ENV, Run, start_run
+from moelab.tracking import PARENT_ENV, Run, experiment_name, start_run
 from moelab.utils import atomic_path, flatten_dict
 
 STUDIES = {1: "01_decay_bound", 2: "02_balancing", 3: "03_attnres_depth", 4: "04_context_curriculum"}
@@ -123,7 +123,8 @@ def run_study(
     code = git_state(exclude=(out_dir.relative_to(repo_root()).as_posix(),) if out_dir.is_relative_to(repo_root())
                      else ())
 
-    with start_run(notebook.stem, f"{notebook.stem}-{preset}", tracking_uri=tracking_uri, parent_run_id="",
+    with start_run(experiment_name("study", notebook.stem), f"{notebook.stem}-{preset}",
+                   tracking_uri=tracking_uri, parent_run_id="",
                    params={"study": notebook.stem, "preset": preset, "notebook": notebook.name},
                    tags={"moelab.study": notebook.stem,
                          "moelab.code": f"{code['commit']}{'-dirty' if code['dirty'] else ''}"}) as run:
