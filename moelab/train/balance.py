@@ -27,7 +27,6 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from moelab.base import ConfigError
-from moelab.utils import atomic_path
 from moelab.model.balance import (
     BalanceStep,
     balance_step,
@@ -37,6 +36,7 @@ from moelab.model.balance import (
     max_vio,
     qb_target,
 )
+from moelab.utils import atomic_path
 
 
 def _world() -> int:
