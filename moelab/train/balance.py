@@ -25,10 +25,12 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from moelab.base import ConfigError
 from moelab.model.balance import (
     BalanceStep,
+    Collective,
     balance_step,
     balanced_routers,
     clear_eval_loads,
@@ -66,6 +68,36 @@ def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([o[:s] for o, s in zip(out, sizes)])
 
 
+def all_gather_stack(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``t`` ``[c]`` (the same shape on all ranks) stacked in rank order: ``[world, c]``."""
+    world = _world()
+    if world == 1:
+        return t[None]
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t)
+    return torch.stack(out)
+
+
+@torch.no_grad()
+def compare_replicas(module: torch.nn.Module, gather: Collective = all_gather_stack) -> dict[str, bool]:
+    """Whether every data-parallel rank holds the same router biases and the same weights.
+
+    ``bias``: all biases, compared exactly. ``weights``: per parameter the fp64 sum and sum of
+    squares, compared exactly (DDP applies the same all-reduced gradient on every rank, so replicas
+    are bitwise equal; a sum over identical values on identical hardware is too). ``gather(t [c])``
+    returns ``[world, c]``. One gather of ``L n + 2 P`` numbers.
+    """
+    routers = balanced_routers(module)
+    bias = torch.cat([r.bias.float().reshape(-1) for _, r in routers]).double() if routers else None
+    params = [p.detach().double() for p in module.parameters()]
+    sums = torch.stack([torch.stack([p.sum(), p.square().sum()]) for p in params]).reshape(-1)
+    mine = sums if bias is None else torch.cat([bias, sums])
+    every = gather(mine)
+    same = (every == every[:1]).all(0)
+    n_bias = 0 if bias is None else bias.numel()
+    return {"bias": bool(same[:n_bias].all()), "weights": bool(same[n_bias:].all())}
+
+
 def step_scalars(step: BalanceStep) -> dict[str, torch.Tensor]:
     """Per layer ``balance/<metric>/<layer>`` and the mean over layers ``balance/<metric>`` (0-dim tensors).
 
@@ -100,6 +132,9 @@ class BalancerCallback(Callback):
     quantile balancing already makes one (the step's token count). ``timings`` keeps
     ``(step, ms, share or None)`` of every step.
 
+    At the end of a multi-rank fit, ``replicas`` says whether all ranks hold the same biases and
+    weights (:func:`compare_replicas`; a warning when not); the run's summary records it.
+
     The trajectories and ``val_history`` are part of the checkpoint (``state_dict``): S L n x 12
     bytes for S steps, 1.8 MB for k3-mini's 300 steps.
     """
@@ -112,6 +147,7 @@ class BalancerCallback(Callback):
         self.biases: list[torch.Tensor] = []
         self.val_history: list[tuple[int, torch.Tensor]] = []
         self.timings: list[tuple[int, float, float | None]] = []
+        self.replicas: dict[str, bool] | None = None  # compare_replicas at the end of a multi-rank fit
         self._last_update: float | None = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -166,6 +202,15 @@ class BalancerCallback(Callback):
             if share is not None:
                 scalars["perf/balancer_share"] = torch.tensor(share, device=device)
 
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.world_size < 2:
+            return
+        self.replicas = compare_replicas(pl_module)
+        differ = [name for name, same in self.replicas.items() if not same]
+        if differ:
+            rank_zero_warn(f"data-parallel ranks ended with different {' and '.join(differ)} (compare_replicas): "
+                           f"the balancer or DDP did not keep the replicas equal")
+
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         clear_eval_loads(pl_module)
         self._last_update = None  # the next step's share must not count the validation
@@ -193,12 +238,14 @@ class BalancerCallback(Callback):
 
     def summary(self) -> dict[str, float | None]:
         """Medians over the steps after the first (which holds compilation and warm-up): ``balancer_ms``,
-        ``balancer_share``; and ``maxvio_global``, the last validation's mean over layers (None if none ran)."""
+        ``balancer_share``; ``maxvio_global``, the last validation's mean over layers (None if none ran);
+        ``replicas_identical`` (biases and weights equal on all ranks; None with one rank)."""
         steady = self.timings[1:] or self.timings
         shares = [share for _, _, share in steady if share is not None]
         return {"balancer_ms": statistics.median(ms for _, ms, _ in steady) if steady else None,
                 "balancer_share": statistics.median(shares) if shares else None,
-                "maxvio_global": float(self.val_history[-1][1].mean()) if self.val_history else None}
+                "maxvio_global": float(self.val_history[-1][1].mean()) if self.val_history else None,
+                "replicas_identical": all(self.replicas.values()) if self.replicas is not None else None}
 
     def state_dict(self) -> dict[str, Any]:
         traj = self.trajectories()

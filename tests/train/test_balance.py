@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Callback
 
 from moelab.model.config import ConfigError
 from moelab.train import fit
-from moelab.train.balance import BalancerCallback, load_heatmap
+from moelab.train.balance import BalancerCallback, compare_replicas, load_heatmap
 from tests.helpers import assert_close
 from tests.train.balance_probe import Probe, batches, trainer
 from tests.train.helpers import tiny_config
@@ -132,6 +132,23 @@ def test_fit_logs_the_balancer_to_mlflow_and_the_run_folder(tmp_path: Path, trac
     assert summary["maxvio_global"] == pytest.approx(row["val/maxvio_global"])
     fig = load_heatmap(traj["step"], traj["load"], traj["layers"])
     assert len(fig.axes) == 2  # one panel per MoE layer + the colour bar
+
+
+def test_compare_replicas_finds_a_differing_bias_or_weight() -> None:
+    def two_ranks(mine: Probe, other: Probe) -> dict[str, bool]:
+        seen = []
+        compare_replicas(other, lambda t: seen.append(t) or t[None])  # what rank 1 would send
+        return compare_replicas(mine, lambda t: torch.stack([t, seen[0]]))
+
+    a, b = Probe(batches(1, 4)), Probe(batches(1, 4))
+    assert two_ranks(a, b) == {"bias": True, "weights": True}
+    with torch.no_grad():
+        b.models[2].layers[1].ffn.router.bias[3] += 1e-6
+    assert two_ranks(a, b) == {"bias": False, "weights": True}
+    c = Probe(batches(1, 4))
+    with torch.no_grad():
+        c.models[0].layers[0].ffn.w_out.view(-1)[5] += 1e-6
+    assert two_ranks(a, c) == {"bias": True, "weights": False}
 
 
 def test_fit_refuses_quantile_balancing_with_a_fractional_target(tmp_path: Path) -> None:
