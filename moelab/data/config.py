@@ -36,8 +36,10 @@ def resolve_path(path: str | os.PathLike) -> Path:
 class CurriculumStage:
     """One stage of a context curriculum (``data.curriculum``): train at ``seq_len`` for a stretch of steps.
 
-    Length of the stage: ``steps`` optimizer steps, or ``tokens`` (a multiple of the run's tokens
-    per optimizer step); the last stage may leave both at 0 to run until ``train.max_steps``.
+    Length of the stage: ``steps`` optimizer steps, or ``tokens`` (per device, a multiple of the
+    run's tokens per optimizer step and device); the last stage may leave both at 0 to run until
+    ``train.max_steps``. Validation keeps reading ``data.seq_len`` windows in every stage, so its
+    loss stays comparable across stages.
     The micro-batch is resized so that every stage trains on the same tokens per optimizer step
     (``moelab.data.curriculum.plan``). Data mix: a share ``synthetic`` of the stage's sequences are
     retrieval sub-tasks (``synthetic_tasks``, drawn uniformly), the rest are corpus documents
