@@ -35,6 +35,7 @@ of a process that was killed in this folder (KILLED).
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -649,13 +650,28 @@ def _log_end(run: Run, result: TrainResult, files: Sequence[Path] = ()) -> None:
     run.attempt("uploading summary.json", run.log_dict, result.summary, "summary.json")
 
 
-def load_model(checkpoint: str | Path, map_location: str | torch.device = "cpu") -> tuple[Any, RunConfig]:
-    """``(MoELab, RunConfig)`` from a moelab checkpoint (verified): the model in eval mode with the trained weights."""
+def load_model(checkpoint: str | Path, map_location: str | torch.device = "cpu",
+               max_seq_len: int | None = None) -> tuple[Any, RunConfig]:
+    """``(MoELab, RunConfig)`` from a moelab checkpoint (verified): the model in eval mode with the trained weights.
+
+    ``max_seq_len``: see :func:`model_from_checkpoint`.
+    """
+    return model_from_checkpoint(load_checkpoint(checkpoint), map_location, max_seq_len)
+
+
+def model_from_checkpoint(state: dict[str, Any], map_location: str | torch.device = "cpu",
+                          max_seq_len: int | None = None) -> tuple[Any, RunConfig]:
+    """``(MoELab, RunConfig)`` from a checkpoint :func:`load_checkpoint` read: the model in eval mode.
+
+    ``max_seq_len``: the longest input the model accepts, when it should differ from the trained
+    config's (evaluation beyond the training window; the model has no positional parameters, so
+    the limit only guards inputs). The returned config is the checkpoint's.
+    """
     from moelab.model import MoELab
 
-    state = load_checkpoint(checkpoint)
     cfg = from_dict(state["moelab"]["config"])
-    model = MoELab(cfg.model)
+    model_cfg = cfg.model if max_seq_len is None else dataclasses.replace(cfg.model, max_seq_len=max_seq_len)
+    model = MoELab(model_cfg)
     prefix = "model."
     model.load_state_dict({k[len(prefix):]: v for k, v in state["state_dict"].items() if k.startswith(prefix)})
     return model.to(map_location).eval(), cfg
