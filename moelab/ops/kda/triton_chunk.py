@@ -236,7 +236,7 @@ def _state_pass(inter, h0, output_final_state, dtype, C):
 
 
 # what the forward keeps for the backward besides the raw inputs; the backward reruns the prep and
-# the state kernel (the other choices measured: kernels/README.md, "What the forward keeps")
+# the state kernel (the other choices measured: kernels/README.md, "A/B record")
 _INTRA_KEYS = ("Gbuf", "Abuf", "Aqk", "w", "u", "qg", "kd", "gl")
 
 
