@@ -28,15 +28,17 @@ def test_bench_and_ab_smoke(tmp_path):
     assert all(r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 for r in rows)
 
     ab = tmp_path / "ab.jsonl"
-    res = _run(["kernels/ab_kda.py", "--smoke", "--out", str(ab), "--variant", "base",
-                "--variant", 'bad={"tuning": {"dqkg": "bogus"}}'], tmp_path)
+    res = _run(["kernels/ab_kda.py", "--smoke", "--out", str(ab), "--variant", 'cap128={"maxnreg": {"kktr": 128}}',
+                "--variant", 'bad={"launch": {"bogus": [64, 4, 1]}}'], tmp_path)
     assert res.returncode == 1, res.stdout + res.stderr[-2000:]  # the bad variant fails, the run goes on
     rows = [json.loads(x) for x in ab.read_text().splitlines()]
-    assert [r["variant"] for r in rows] == ["base"]
+    assert [r["variant"] for r in rows] == ["cap128"]
+    assert rows[0]["spec"] == {"maxnreg": {"kktr": 128}} and rows[0]["maxnreg"] == {"kktr": 128}  # applied
     assert rows[0]["ok"] and rows[0]["check_bounded"]["ok"] and rows[0]["timing"]
     assert {"gpu", "torch", "triton", "date", "command"} <= set(rows[0]["meta"])
     assert "ab_kda.py" in rows[0]["meta"]["command"]
-    assert "base" in res.stdout and "bad" in res.stdout
+    assert "cap128" in res.stdout and "bad" in res.stdout
+    assert "'bogus'" in (tmp_path / "ab.jsonl.bad.err").read_text()
 
 
 def test_aot_report(tmp_path):
