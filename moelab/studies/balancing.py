@@ -58,10 +58,12 @@ _MOE = {"model.moe.num_experts": 64, "model.moe.top_k": 8, "model.moe.num_shared
         "model.moe.activation": "situ_glu"}
 # preset -> training preset, overrides for every arm, seeds, shift-test steps, seeds shift-tested.
 # cpu: an MLA-only 3-layer model of width 64 (the KDA layers' chunked recurrence in plain torch
-# would triple the step time), 512 tokens per step; 21 runs then fit 4 minutes of 2 CPU cores only
-# when nothing else runs, so the cpu preset trains 2 seeds.
-# gpu: gpu-small's width, KDA/MLA mix and corpus at 4 layers (3 MoE layers), 16K tokens per step;
-# 21 runs of 200 steps, about 8 minutes on one H200 with compilation.
+# would triple the step time), 512 tokens per step. 14 runs took about 85 s of CPU time but 4 minutes of
+# wall time on a shared 2-core machine, so 21 would not fit the 4 minutes there: the cpu preset trains 2 seeds.
+# gpu: gpu-small's width, KDA/MLA mix and corpus at 4 layers (3 MoE layers), 16K tokens per step; 21 runs
+# of 160 steps. Estimate for one H200 from gpu-small's measured ~150-200 ms per 32K-token step over 12
+# layers (studies/throughput_h200.json): ~50 ms per step here, ~8 s per run plus ~6 s of start, validation
+# and checkpoints, so ~5 minutes of training, ~1 minute of kernel compilation, under a minute of shift test.
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {"base": "cpu", "seeds": (0, 1), "shift_steps": 30, "shift_seeds": (0,),
             "overrides": {**_MOE, "model.d_model": 64, "model.n_layers": 3, "model.pattern": "M",
@@ -72,8 +74,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                           "train.log_every": 10, "tracking.log_system_metrics": False}},
     "gpu": {"base": "gpu-small", "seeds": (0, 1, 2), "shift_steps": 40, "shift_seeds": (0,),
             "overrides": {**_MOE, "model.n_layers": 4, "model.moe.latent_dim": 256, "model.moe.expert_dim": 128,
-                          "data.seq_len": 2048, "train.batch_size": 8, "train.max_steps": 200,
-                          "train.warmup_steps": 20, "train.val_every": 100, "train.val_batches": 4,
+                          "data.seq_len": 2048, "train.batch_size": 8, "train.max_steps": 160,
+                          "train.warmup_steps": 16, "train.val_every": 80, "train.val_batches": 4,
                           "train.log_every": 10, "tracking.log_system_metrics": False}},
 }
 
@@ -292,12 +294,28 @@ def shift_test(rec: common.RunRecord, steps: int, seed: int = 0) -> dict[str, An
             "maxvio_batch": [float(v) for v in max_vio(traj["load"]).mean(-1)]}
 
 
-def shift_rows(shifts: Sequence[Mapping[str, Any]], threshold: float) -> list[dict[str, Any]]:
-    """Per shift-tested run: MaxVio_batch at the first shifted step (trained bias), mean over the last
-    :data:`TAIL` of the steps, and ``resettle_step`` (:func:`steps_until`; 1 = never left balance)."""
-    return [{"arm": s["arm"], "seed": s["seed"], "maxvio_first": s["maxvio_batch"][0],
-             "maxvio_last": tail_mean(s["maxvio_batch"]),
-             "resettle_step": steps_until(s["step"], s["maxvio_batch"], threshold)} for s in shifts]
+RECOVER = 1.1  # "recovered" after the shift: back within 10% of the arm's own pre-shift MaxVio_batch
+
+
+def shift_rows(shifts: Sequence[Mapping[str, Any]], threshold: float,
+               before: Mapping[tuple[str, int], float]) -> list[dict[str, Any]]:
+    """Per shift-tested run, MaxVio_batch before and after the switch and how long re-balancing took.
+
+    before: ``{(arm, seed): MaxVio_batch}`` over the last :data:`TAIL` of the run's training steps.
+    Row: ``maxvio_before``; ``maxvio_first`` (the first shifted step, routed with the trained bias);
+    ``maxvio_last`` (mean over the last :data:`TAIL` of the shifted steps); ``disturbed`` (the first
+    step exceeds :data:`RECOVER` x the level before); ``recover_step`` (:func:`steps_until` back
+    under that level; 1 when not disturbed); ``resettle_step`` (:func:`steps_until` under ``threshold``).
+    """
+    rows = []
+    for s in shifts:
+        level = before[s["arm"], s["seed"]]
+        first = s["maxvio_batch"][0]
+        rows.append({"arm": s["arm"], "seed": s["seed"], "maxvio_before": level, "maxvio_first": first,
+                     "maxvio_last": tail_mean(s["maxvio_batch"]), "disturbed": first > RECOVER * level,
+                     "recover_step": steps_until(s["step"], s["maxvio_batch"], RECOVER * level),
+                     "resettle_step": steps_until(s["step"], s["maxvio_batch"], threshold)})
+    return rows
 
 
 # --- figures ---------------------------------------------------------------------------------------
@@ -424,7 +442,10 @@ def summarize(grid: common.Grid, rows: Any, shifts: Sequence[Mapping[str, Any]],
     settings: ``tokens_per_step``, ``num_experts``, ``top_k``, ``noise_floor``, ``threshold`` and the like.
     """
     agg = balance_table(rows)
-    shifted = {r["arm"]: r for r in shift_rows(shifts, settings["threshold"])}
+    before = {(r.arm, r.seed): r.maxvio_batch for r in rows.itertuples()}
+    shifted: dict[str, dict[str, Any]] = {}
+    for r in sorted(shift_rows(shifts, settings["threshold"], before), key=lambda r: r["seed"]):
+        shifted.setdefault(r["arm"], r)  # the first shift-tested seed stands for the arm
     table = grid.table()
     arms = {}
     for arm in agg.index:
@@ -437,9 +458,8 @@ def summarize(grid: common.Grid, rows: Any, shifts: Sequence[Mapping[str, Any]],
             "settled_seeds": int(sel.settle_step.count()),
             "max_abs_bias": float(sel.max_abs_bias.max()),
             "balancer_ms_mean": _num(sel.balancer_ms.mean()),
-            "shift_maxvio_first": sh.get("maxvio_first"),
-            "shift_maxvio_last": sh.get("maxvio_last"),
-            "shift_resettle_step": sh.get("resettle_step"),
+            **{f"shift_{k}": sh.get(k) for k in ("maxvio_before", "maxvio_first", "maxvio_last", "disturbed",
+                                                 "recover_step", "resettle_step")},
             "run_ids": list(table[table.arm == arm].run_id),
         }
     return {
@@ -514,13 +534,26 @@ def findings(summary: Mapping[str, Any]) -> str:
     for arm in ("qb", "qb_excl_self"):
         if arm not in arms:
             continue
-        s, r = g(arm, "settle_step_mean"), g(arm, "shift_resettle_step")
+        s, r = g(arm, "settle_step_mean"), g(arm, "shift_recover_step")
         ok = s is not None and s <= few and g(arm, "settled_seeds") == g(arm, "n_seeds")
+        after = ("" if r is None and g(arm, "shift_disturbed") is None else
+                 f", and after the shift it is back within {RECOVER - 1:.0%} of its earlier level at "
+                 f"{_fmt_steps(r, st['shift_steps'])}")
         lines.append(f"- **{arm}** (cutoff {ARMS[arm]['model.moe.quantile_balancing_cutoff']}): MaxVio_batch settles "
-                     f"at {_fmt_steps(s, steps)} in training ({g(arm, 'settled_seeds')}/{g(arm, 'n_seeds')} seeds), "
-                     f"ends at {g(arm, 'maxvio_batch_mean'):.3f} over the last {TAIL:.0%} of the steps, and after the "
-                     f"shift re-settles at {_fmt_steps(r, st['shift_steps'])}: the report's \"a few steps\" (taken as "
-                     f"<= {few}) {'holds' if ok else 'does not hold'} here.")
+                     f"at {_fmt_steps(s, steps)} in training ({g(arm, 'settled_seeds')}/{g(arm, 'n_seeds')} seeds) "
+                     f"and ends at {g(arm, 'maxvio_batch_mean'):.3f} over the last {TAIL:.0%} of the steps{after}: "
+                     f"the report's \"a few steps\" (taken as <= {few}) {'holds' if ok else 'does not hold'} here.")
+    tested = [a for a in arms if g(a, "shift_disturbed") is not None]
+    if tested:
+        moved = [a for a in tested if g(a, "shift_disturbed")]
+        calm = [a for a in tested if not g(a, "shift_disturbed")]
+        parts = [f"{a} {g(a, 'shift_maxvio_before'):.2f} -> {g(a, 'shift_maxvio_first'):.2f}, back "
+                 + ("at " + _fmt_steps(g(a, "shift_recover_step")) if g(a, "shift_recover_step") is not None
+                    else f"never within {st['shift_steps']} steps") for a in moved]
+        lines.append("- Shift test (MaxVio_batch before -> at the switch to the permuted stream, and when it is back "
+                     f"within {RECOVER - 1:.0%} of the level before): " + ("; ".join(parts) if parts else "no arm")
+                     + (f". At the switch within {RECOVER - 1:.0%} of the level before (unaffected, or unbalanced "
+                        f"already): {', '.join(calm)}." if calm else "."))
     if "qb" in arms and "qb_excl_self" in arms:
         a, b = g("qb", "maxvio_batch_mean"), g("qb_excl_self", "maxvio_batch_mean")
         lines.append(f"- The k+1 cutoff leaves MaxVio_batch at {a:.3f}, the excluding-self cutoff at {b:.3f} "

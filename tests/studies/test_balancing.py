@@ -122,9 +122,12 @@ def test_permuted_batches_keep_the_text_under_a_new_vocabulary():
 
 
 def test_shift_rows():
-    shift = {"arm": "qb", "seed": 0, "step": [1, 2, 3, 4, 5], "maxvio_batch": [3.0, 0.5, 0.05, 0.05, 0.05]}
-    (row,) = study.shift_rows([shift], threshold=0.1)
-    assert row == {"arm": "qb", "seed": 0, "maxvio_first": 3.0, "maxvio_last": 0.05, "resettle_step": 3}
+    shift = {"arm": "qb", "seed": 0, "step": [1, 2, 3, 4, 5, 6], "maxvio_batch": [3.0, 0.5, 0.15, 0.05, 0.05, 0.05]}
+    calm = {"arm": "none", "seed": 0, "step": [1, 2, 3], "maxvio_batch": [7.0, 7.0, 7.0]}
+    qb, none = study.shift_rows([shift, calm], threshold=0.1, before={("qb", 0): 0.2, ("none", 0): 6.9})
+    assert qb == {"arm": "qb", "seed": 0, "maxvio_before": 0.2, "maxvio_first": 3.0, "maxvio_last": 0.05,
+                  "disturbed": True, "recover_step": 3, "resettle_step": 4}
+    assert none["disturbed"] is False and none["recover_step"] == 1 and none["resettle_step"] is None
 
 
 def _summary(free_global: float, aux_global: float, qb_settle: float | None) -> dict:
@@ -133,11 +136,13 @@ def _summary(free_global: float, aux_global: float, qb_settle: float | None) -> 
                 "maxvio_global_mean": maxvio_global, "maxvio_batch_mean": maxvio_global, "dead_experts_mean": 0.0,
                 "settle_step_mean": settle,
                 "settled_seeds": 0 if settle is None else 2, "balancer_share_mean": 0.01, "max_abs_bias": 0.05,
-                "shift_resettle_step": settle}
+                "shift_maxvio_before": maxvio_global, "shift_maxvio_first": 3.0, "shift_disturbed": True,
+                "shift_recover_step": settle}
 
     arms = {a: arm(1.0) for a in study.ARMS}
     arms.update({"loss_free_sign": arm(free_global, 30), "aux_1e-3": arm(aux_global, loss=5.1),
                  "qb": arm(0.5, qb_settle), "qb_excl_self": arm(0.1, 5), "none": arm(7.0)})
+    arms["none"]["shift_disturbed"] = False
     settings = {"threshold": 0.1, "noise_floor": 0.04, "steps": 100, "tokens_per_step": 4096, "num_experts": 64,
                 "top_k": 8, "hold": 3, "shift_steps": 20, "loss_free_sign_rate": 1e-3, "device": "CPU"}
     return {"meta": {"epochs": 0.5, "corpus_train_tokens": 1000}, "settings": settings, "arms": arms}
@@ -153,6 +158,8 @@ def test_findings_compare_against_the_anchors():
     assert "(taken as <= 10) holds here" in text
     assert "the report's cutoff stalls on these scores" in text  # 0.5 vs 0.1
     assert "-0.100 nats/token, outside twice the largest seed spread" in text  # sign rule vs aux loss
+    assert "qb 0.50 -> 3.00, back at step 3" in text and "aux_1e-2 1.00 -> 3.00, back never within 20 steps" in text
+    assert "(unaffected, or unbalanced already): none." in text
 
     flipped = study.findings(_summary(free_global=0.9, aux_global=0.6, qb_settle=None))
     assert "so the ordering does not hold" in flipped
