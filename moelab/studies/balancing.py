@@ -470,10 +470,9 @@ def summarize(grid: common.Grid, rows: Any, shifts: Sequence[Mapping[str, Any]],
     }
 
 
-def _fmt_steps(step: float | None, of: int | None = None) -> str:
-    if step is None:
-        return "never" + (f" within {of} steps" if of else "")
-    return f"step {step:.0f}"
+def _fmt_steps(step: float | None, of: int) -> str:
+    """``at step 12``, or ``never within 80 steps``."""
+    return f"never within {of} steps" if step is None else f"at step {step:.0f}"
 
 
 def findings(summary: Mapping[str, Any]) -> str:
@@ -489,6 +488,12 @@ def findings(summary: Mapping[str, Any]) -> str:
     def g(arm: str, key: str) -> float | None:
         return arms.get(arm, {}).get(key)
 
+    collapse = st["num_experts"] / st["top_k"] - 1  # MaxVio when every token picks the same k experts
+    if g("none", "maxvio_batch_mean") is not None:
+        share = g("none", "maxvio_batch_mean") / collapse
+        lines.append(f"- Without a balancer MaxVio_batch ends at {g('none', 'maxvio_batch_mean'):.3f}, {share:.0%} of "
+                     f"the {collapse:g} reached when every token picks the same {st['top_k']} experts"
+                     + (": the router collapses." if share > 0.5 else "."))
     ranked = sorted((a for a in arms if g(a, "maxvio_global_mean") is not None),
                     key=lambda a: g(a, "maxvio_global_mean"))
     if ranked:
@@ -536,11 +541,11 @@ def findings(summary: Mapping[str, Any]) -> str:
             continue
         s, r = g(arm, "settle_step_mean"), g(arm, "shift_recover_step")
         ok = s is not None and s <= few and g(arm, "settled_seeds") == g(arm, "n_seeds")
-        after = ("" if r is None and g(arm, "shift_disturbed") is None else
-                 f", and after the shift it is back within {RECOVER - 1:.0%} of its earlier level at "
+        after = ("" if g(arm, "shift_disturbed") is None else
+                 f"; after the shift it is back within {RECOVER - 1:.0%} of its earlier level "
                  f"{_fmt_steps(r, st['shift_steps'])}")
         lines.append(f"- **{arm}** (cutoff {ARMS[arm]['model.moe.quantile_balancing_cutoff']}): MaxVio_batch settles "
-                     f"at {_fmt_steps(s, steps)} in training ({g(arm, 'settled_seeds')}/{g(arm, 'n_seeds')} seeds) "
+                     f"{_fmt_steps(s, steps)} in training ({g(arm, 'settled_seeds')}/{g(arm, 'n_seeds')} seeds) "
                      f"and ends at {g(arm, 'maxvio_batch_mean'):.3f} over the last {TAIL:.0%} of the steps{after}: "
                      f"the report's \"a few steps\" (taken as <= {few}) {'holds' if ok else 'does not hold'} here.")
     tested = [a for a in arms if g(a, "shift_disturbed") is not None]
@@ -548,8 +553,7 @@ def findings(summary: Mapping[str, Any]) -> str:
         moved = [a for a in tested if g(a, "shift_disturbed")]
         calm = [a for a in tested if not g(a, "shift_disturbed")]
         parts = [f"{a} {g(a, 'shift_maxvio_before'):.2f} -> {g(a, 'shift_maxvio_first'):.2f}, back "
-                 + ("at " + _fmt_steps(g(a, "shift_recover_step")) if g(a, "shift_recover_step") is not None
-                    else f"never within {st['shift_steps']} steps") for a in moved]
+                 + _fmt_steps(g(a, "shift_recover_step"), st["shift_steps"]) for a in moved]
         lines.append("- Shift test (MaxVio_batch before -> at the switch to the permuted stream, and when it is back "
                      f"within {RECOVER - 1:.0%} of the level before): " + ("; ".join(parts) if parts else "no arm")
                      + (f". At the switch within {RECOVER - 1:.0%} of the level before (unaffected, or unbalanced "

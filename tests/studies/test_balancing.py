@@ -155,6 +155,7 @@ def test_findings_compare_against_the_anchors():
     assert "lowest first: loss_free_sign 0.040, qb_excl_self 0.100, qb 0.500" in text
     assert text.index("qb 0.500") < text.index("none 7.000")
     assert "**qb** (cutoff k_plus_1): MaxVio_batch settles at step 3" in text
+    assert "Without a balancer MaxVio_batch ends at 7.000, 100% of the 7 reached" in text
     assert "(taken as <= 10) holds here" in text
     assert "the report's cutoff stalls on these scores" in text  # 0.5 vs 0.1
     assert "-0.100 nats/token, outside twice the largest seed spread" in text  # sign rule vs aux loss
@@ -163,7 +164,7 @@ def test_findings_compare_against_the_anchors():
 
     flipped = study.findings(_summary(free_global=0.9, aux_global=0.6, qb_settle=None))
     assert "so the ordering does not hold" in flipped
-    assert "settles at never within 100 steps in training (0/2 seeds)" in flipped
+    assert "settles never within 100 steps in training (0/2 seeds)" in flipped
     assert "(taken as <= 10) does not hold here" in flipped
 
 
