@@ -70,10 +70,9 @@ pd.Series({
 # The model and its scale. The floor is the MaxVio_batch of uniformly random top-$k$ routing at this many tokens
 # per step: even exactly balanced expected loads fluctuate by sampling. A run counts as settled from the first
 # step after which MaxVio_batch (mean over MoE layers) stays below the threshold for three steps; the threshold
-# is 0.1, or twice the floor where that is larger (the cpu preset's 512 tokens per step). The cpu preset trains
-# two seeds per arm (three do not fit 4 minutes on 2 shared cores) and uses MLA layers only (the KDA layers'
-# chunked recurrence in plain torch would triple the step time); the gpu preset trains three seeds on
-# gpu-small's width, KDA/MLA mix and corpus.
+# is 0.1, or twice the floor where that is larger (the cpu preset's 512 tokens per step). Both presets train
+# three seeds per arm; the cpu preset uses MLA layers only (the KDA layers' chunked recurrence in plain torch
+# would triple the step time), the gpu preset gpu-small's width, KDA/MLA mix and corpus.
 #
 # ## 1. Arms: what differs
 # Checked on the resolved configs: every other key (model, data, schedule, seeds) is the same in every arm.

@@ -58,14 +58,14 @@ _MOE = {"model.moe.num_experts": 64, "model.moe.top_k": 8, "model.moe.num_shared
         "model.moe.activation": "situ_glu"}
 # preset -> training preset, overrides for every arm, seeds, shift-test steps, seeds shift-tested.
 # cpu: an MLA-only 3-layer model of width 64 (the KDA layers' chunked recurrence in plain torch
-# would triple the step time), 512 tokens per step. 14 runs took about 85 s of CPU time but 4 minutes of
-# wall time on a shared 2-core machine, so 21 would not fit the 4 minutes there: the cpu preset trains 2 seeds.
+# would triple the step time), 512 tokens per step; 21 runs take about 100 s of CPU time (wall time on a
+# 2-core machine that other jobs share stretches by their load).
 # gpu: gpu-small's width, KDA/MLA mix and corpus at 4 layers (3 MoE layers), 16K tokens per step; 21 runs
 # of 160 steps. Estimate for one H200 from gpu-small's measured ~150-200 ms per 32K-token step over 12
 # layers (studies/throughput_h200.json): ~50 ms per step here, ~8 s per run plus ~6 s of start, validation
 # and checkpoints, so ~5 minutes of training, ~1 minute of kernel compilation, under a minute of shift test.
 PRESETS: dict[str, dict[str, Any]] = {
-    "cpu": {"base": "cpu", "seeds": (0, 1), "shift_steps": 30, "shift_seeds": (0,),
+    "cpu": {"base": "cpu", "seeds": (0, 1, 2), "shift_steps": 30, "shift_seeds": (0,),
             "overrides": {**_MOE, "model.d_model": 64, "model.n_layers": 3, "model.pattern": "M",
                           "model.mla.num_heads": 1, "model.mla.kv_latent_dim": 32,
                           "model.moe.latent_dim": 32, "model.moe.expert_dim": 32,
