@@ -170,3 +170,25 @@ def test_report_check_catches_each_problem() -> None:
     assert any("'**Figure N.**' captions" in p for p in report_problems(nb(code(png), *findings)))
     widget = {"output_type": "display_data", "data": {"application/vnd.jupyter.widget-view+json": {}}}
     assert any("widget" in p for p in report_problems(nb(code(widget), *findings)))
+
+
+# --- study 2's committed results --------------------------------------------------------------------
+
+def test_study_2_summary_covers_every_balancer() -> None:
+    """studies/02_balancing/summary.json: every balancer arm with its seeds, each balance column and the shift test."""
+    from moelab.studies import balancing
+
+    path = NBS.parent / "studies" / "02_balancing" / "summary.json"
+    assert path.exists(), "studies/02_balancing/summary.json is missing: run `make study-2 PRESET=cpu`"
+    summary = json.loads(path.read_text())
+    preset = summary["meta"]["preset"]
+    assert set(summary["arms"]) == set(balancing.ARMS)
+    assert set(summary["factor"]) <= {"model.moe.balancer", "model.moe.aux_loss_alpha",
+                                      "model.moe.quantile_balancing_cutoff"}
+    for arm, a in summary["arms"].items():
+        assert a["n_seeds"] == len(balancing.PRESETS[preset]["seeds"]) >= 2, arm
+        assert len(a["run_ids"]) == a["n_seeds"], arm
+        for metric in ("final_val_loss", "maxvio_batch", "maxvio_global", "load_cv", "dead_experts", "balancer_share"):
+            assert isinstance(a[f"{metric}_mean"], float), (arm, metric)
+        assert a["shift_maxvio_first"] is not None, f"{arm}: no shift test"
+    assert summary["settings"]["threshold"] >= 0.1
