@@ -50,7 +50,7 @@ out = Path(out_dir)
 (out / "results").mkdir(parents=True, exist_ok=True)
 plan = study.plan(preset)
 print(f"preset {preset}: base {plan.base} ({plan.notes}); depths {plan.depths}; seeds {plan.seeds} for the three "
-      f"main modes, {plan.extra_seeds} for the other block counts")
+      f"main modes, {plan.extra_seeds} for the other block counts at depths {plan.extra_depths}")
 
 # %% [markdown]
 # ## 1. The arms

@@ -9,7 +9,8 @@ The arms are ``(residual mode, blocks, n_layers)`` over the harness (:func:`moel
 ``prenorm``, ``full_attnres`` and ``block_attnres`` with N blocks, where the main block arm takes
 the largest divisor of the sublayer count ``2L`` that is at most 8 and below ``2L`` (``N = 2L`` would
 be Full AttnRes) and the other block counts (2, 4) run where they divide ``2L`` and differ from it.
-The three main modes run every seed of the preset, the other block counts the first seed only.
+The three main modes run every seed of the preset at every depth, the other block counts the first
+seed at the preset's ``extra_depths``.
 
 The notebook ``nbs/03_attnres_depth.py`` calls, in order: :func:`arms_factor`, :func:`train`,
 :func:`summary_rows`, :func:`collect_diagnostics` (hidden-state RMS, gradient norm and depth-attention
@@ -42,7 +43,8 @@ class Plan:
 
     base: training preset every arm starts from; common: overrides for every arm (scale and the
     dense FFN); depths: ``model.n_layers`` values; seeds: of the three main modes; extra_seeds: of
-    the other block counts.
+    the other block counts, which run at ``extra_depths``; threads: torch intra-op threads for the
+    study's process (None: leave torch's setting).
     """
 
     base: str
@@ -50,6 +52,8 @@ class Plan:
     depths: tuple[int, ...]
     seeds: tuple[int, ...]
     extra_seeds: tuple[int, ...]
+    extra_depths: tuple[int, ...]
+    threads: int | None = None
     notes: str = ""
 
 
@@ -57,18 +61,19 @@ class Plan:
 # stream, and routing would add a second source of seed noise and most of the step time.
 PRESETS = {
     # 2 shared CPU cores, about 4 minutes: all-MLA mixers (KDA's chunked form costs ~4x an MLA layer
-    # per step on CPU), width 64, 512 tokens per step.
-    "cpu": Plan("tiny", {"model.pattern": "M", "model.dense_layers": 8, "train.max_steps": 60,
-                         "train.warmup_steps": 5, "train.val_every": 30, "train.val_batches": 2,
+    # per step on CPU), width 64, 512 tokens per step, the other block counts at the deepest depth
+    # only. One thread: measured on a busy 2-core machine, two threads made a step 5-9x slower.
+    "cpu": Plan("tiny", {"model.pattern": "M", "model.dense_layers": 8, "train.max_steps": 40,
+                         "train.warmup_steps": 4, "train.val_every": 20, "train.val_batches": 2,
                          "train.log_every": 5, "tracking.log_system_metrics": False},
-                (2, 4, 8), (0, 1), (0,),
-                notes="all-MLA mixers, d_model 64, 60 steps of 8 x 64 tokens"),
+                (2, 4, 8), (0, 1), (0,), (8,), threads=1,
+                notes="all-MLA mixers, d_model 64, 40 steps of 8 x 64 tokens"),
     # One H200 in 10 minutes with compilation: gpu-small's hybrid (3 KDA : 1 MLA, d_model 512) with
     # dense FFNs, 16K tokens per step.
     "gpu": Plan("gpu-small", {"model.dense_layers": 24, "data.seq_len": 1024, "train.batch_size": 16,
                               "train.max_steps": 100, "train.warmup_steps": 10, "train.val_every": 50,
                               "train.val_batches": 2},
-                (6, 12, 24), (0, 1), (0,),
+                (6, 12, 24), (0, 1), (0,), (6, 12, 24),
                 notes="3:1 KDA/MLA, d_model 512, 100 steps of 16 x 1024 tokens"),
 }
 
@@ -112,7 +117,7 @@ def arms(preset: str) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, An
     Every arm sets ``model.n_layers``, ``model.residual.mode`` and ``model.residual.num_blocks``
     (prenorm and full keep the base preset's value, which they ignore), so those three keys are the
     factor :func:`moelab.studies.common.check_arms_differ_only` allows. main: the three main modes
-    at every depth; extra: the other block counts.
+    at every depth; extra: the other block counts at the plan's ``extra_depths``.
     """
     from moelab.config import load_config
 
@@ -124,7 +129,7 @@ def arms(preset: str) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, An
         nb = main_blocks(L)
         for mode, n in (("prenorm", unused), ("block_attnres", nb), ("full_attnres", unused)):
             main[arm_name(mode, L, n)] = _overrides(L, mode, n)
-        for n in block_counts(L):
+        for n in block_counts(L) if L in p.extra_depths else ():
             if n != nb:
                 extra[arm_name("block_attnres", L, n)] = _overrides(L, "block_attnres", n)
     return main, extra
@@ -153,8 +158,11 @@ def arms_factor(preset: str) -> dict[str, dict[str, Any]]:
 
 def train(preset: str, out_dir: str | Path, extra_overrides: Mapping[str, Any] | None = None) -> common.Grid:
     """Train every arm of ``preset`` (the main modes at every seed, the other block counts at the first
-    seeds); finished runs are reused. Runs go to ``<out_dir>/checkpoints/<arm>-s<seed>``."""
+    seeds); finished runs are reused. Runs go to ``<out_dir>/checkpoints/<arm>-s<seed>``. Sets the
+    plan's torch thread count for this process."""
     p = plan(preset)
+    if p.threads:
+        torch.set_num_threads(p.threads)
     main, extra = arms(preset)
     factor = arms_factor(preset)
     overrides = {**p.common, **(extra_overrides or {})}
@@ -306,8 +314,9 @@ def gain_trend(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def overhead(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, dict[str, float | None]]]:
-    """``{n_layers: {mode label: {"tok_per_s_ratio", "peak_mem_ratio"}}}``: each mode's mean over seeds
-    divided by prenorm's at the same depth (None where a value is missing, e.g. memory on CPU)."""
+    """``{n_layers: {mode: {"tok_per_s_ratio", "peak_mem_ratio"}}}`` (mode: ``block8``, ``full``, the arm
+    name without the depth): each mode's mean over seeds divided by prenorm's at the same depth (None
+    where a value is missing, e.g. memory on CPU). Keys are valid MLflow metric names."""
     tps, mem = stats(rows, "tok_per_s"), stats(rows, "peak_mem_gb")
     out: dict[str, dict[str, dict[str, float | None]]] = {}
     for (mode, blocks, L), g in sorted(tps.items(), key=lambda kv: (kv[0][2], MODES.index(kv[0][0]), kv[0][1] or 0)):
@@ -315,7 +324,7 @@ def overhead(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, dict[str,
             continue
         base_t, base_m = tps.get(("prenorm", None, L)), mem.get(("prenorm", None, L))
         m = mem.get((mode, blocks, L))
-        out.setdefault(str(L), {})[mode_label(mode, blocks)] = {
+        out.setdefault(str(L), {})[arm_name(mode, L, blocks).split("-")[0]] = {
             "tok_per_s_ratio": _ratio(g["mean"], base_t["mean"] if base_t else None),
             "peak_mem_ratio": _ratio(m["mean"] if m else None, base_m["mean"] if base_m else None),
         }
@@ -563,7 +572,7 @@ def summarize(grid: common.Grid, rows: Sequence[Mapping[str, Any]], diag_rows: S
               preset: str) -> dict[str, Any]:
     """The study's ``summary.json``: meta, the factor, the budget rule, the rows and the verdicts computed from them."""
     p = plan(preset)
-    params = {f"{r['residual']}|{r['blocks']}|{r['n_layers']}": r["params"] for r in rows}
+    params = {r["arm"]: r["params"] for r in rows}
     on_gpu = torch.cuda.is_available()
     return {
         "meta": common.study_meta(STUDY, preset, grid, plan=p.notes, depths=list(p.depths), seeds=list(p.seeds),
