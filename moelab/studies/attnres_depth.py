@@ -214,37 +214,43 @@ def stats(rows: Sequence[Mapping[str, Any]], metric: str = "val_loss") -> dict[t
     return out
 
 
-def compare(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
-    """``a - b`` of two seed groups (``{"mean", "std", "n"}``), judged against the seed noise.
+def seed_values(rows: Sequence[Mapping[str, Any]], residual: str, blocks: int | None,
+                n_layers: int) -> dict[int, float]:
+    """``{seed: val_loss}`` of one arm (runs without a validation loss left out)."""
+    return {r["seed"]: float(r["val_loss"]) for r in rows if r["residual"] == residual and r["blocks"] == blocks
+            and r["n_layers"] == n_layers and r["val_loss"] is not None}
 
-    noise is twice the larger seed standard deviation (the rule of every study here); it needs two
-    seeds on both sides. verdict: ``lower`` / ``higher`` (a below / above b beyond the noise),
-    ``within noise``, or ``one seed`` (noise not measured).
+
+def paired_diff(a: Mapping[int, float], b: Mapping[int, float]) -> dict[str, Any]:
+    """``a - b`` seed by seed over the seeds both arms ran, judged against the seed noise.
+
+    Seeds pair the arms: the same seed gives the same data order, so the per-seed difference leaves
+    out what the seed does to every arm alike. Returns ``{"mean", "std", "n", "values", "noise",
+    "verdict"}``: mean and std (ddof=1) of the differences; noise = twice that std (the rule of every
+    study here: twice the seed spread of the compared quantity), which needs two seeds; verdict
+    ``lower`` / ``higher`` (a below / above b beyond the noise), ``within noise`` or ``one seed``.
     """
-    diff = a["mean"] - b["mean"]
-    if a["n"] < 2 or b["n"] < 2:
-        return {"diff": diff, "noise": None, "verdict": "one seed"}
-    noise = 2 * max(a["std"], b["std"])
-    verdict = "within noise" if abs(diff) <= noise else ("lower" if diff < 0 else "higher")
-    return {"diff": diff, "noise": noise, "verdict": verdict}
+    values = [a[s] - b[s] for s in sorted(set(a) & set(b))]
+    n = len(values)
+    mean = sum(values) / n if n else None
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else None
+    if n < 2:
+        return {"mean": mean, "std": std, "n": n, "values": values, "noise": None, "verdict": "one seed"}
+    noise = 2 * std
+    verdict = "within noise" if abs(mean) <= noise else ("lower" if mean < 0 else "higher")
+    return {"mean": mean, "std": std, "n": n, "values": values, "noise": noise, "verdict": verdict}
 
 
 def paired_gain(rows: Sequence[Mapping[str, Any]], residual: str, blocks: int | None, n_layers: int) -> dict[str, Any]:
-    """Gain of a mode over prenorm at one depth, seed by seed (same seed = same data order):
-    ``{"mean", "std", "n", "values"}`` of ``val_loss(prenorm) - val_loss(mode)`` (positive: the mode is better)."""
-    base = {r["seed"]: r["val_loss"] for r in rows if r["residual"] == "prenorm" and r["n_layers"] == n_layers}
-    gains = [base[r["seed"]] - r["val_loss"] for r in rows
-             if r["residual"] == residual and r["blocks"] == blocks and r["n_layers"] == n_layers
-             and r["seed"] in base and r["val_loss"] is not None and base[r["seed"]] is not None]
-    mean = sum(gains) / len(gains) if gains else None
-    std = math.sqrt(sum((g - mean) ** 2 for g in gains) / (len(gains) - 1)) if len(gains) > 1 else None
-    return {"mean": mean, "std": std, "n": len(gains), "values": gains}
+    """Gain of a mode over prenorm at one depth: :func:`paired_diff` of ``val_loss(prenorm) - val_loss(mode)``
+    (positive: the mode is better)."""
+    return paired_diff(seed_values(rows, "prenorm", None, n_layers), seed_values(rows, residual, blocks, n_layers))
 
 
 def depth_verdicts(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per depth (key: n_layers as text), the three main modes compared.
 
-    ``block_vs_prenorm``, ``full_vs_prenorm``, ``full_vs_block``: :func:`compare` results (diff = first
+    ``block_vs_prenorm``, ``full_vs_prenorm``, ``full_vs_block``: :func:`paired_diff` results (first
     minus second); ``order``: whether Full <= Block < PreNorm holds: ``holds`` (Block below PreNorm
     beyond the noise and Full not above Block beyond it), ``does not hold`` (Block above PreNorm or
     Full above Block beyond the noise), ``inside the noise, means in that order`` /
@@ -253,12 +259,11 @@ def depth_verdicts(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any
     s = stats(rows)
     out = {}
     for L in sorted({r["n_layers"] for r in rows}):
-        pre = s.get(("prenorm", None, L))
-        full = s.get(("full_attnres", 2 * L, L))
-        blk = s.get(("block_attnres", main_blocks(L), L))
-        if pre is None or full is None or blk is None:
+        keys = {"prenorm": None, "block_attnres": main_blocks(L), "full_attnres": 2 * L}
+        if any((mode, blocks, L) not in s for mode, blocks in keys.items()):
             continue
-        bp, fp, fb = compare(blk, pre), compare(full, pre), compare(full, blk)
+        pre, blk, full = (seed_values(rows, mode, blocks, L) for mode, blocks in keys.items())
+        bp, fp, fb = paired_diff(blk, pre), paired_diff(full, pre), paired_diff(full, blk)
         if "one seed" in (bp["verdict"], fb["verdict"]):
             order = "one seed"
         elif "higher" in (bp["verdict"], fb["verdict"]):
@@ -266,10 +271,10 @@ def depth_verdicts(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any
         elif bp["verdict"] == "lower":
             order = "holds"
         else:
-            in_order = bp["diff"] < 0 and fb["diff"] <= 0
+            in_order = bp["mean"] < 0 and fb["mean"] <= 0
             order = f"inside the noise, means {'in that order' if in_order else 'not in that order'}"
-        out[str(L)] = {"blocks": main_blocks(L), "prenorm": _mean_std(pre), "block_attnres": _mean_std(blk),
-                       "full_attnres": _mean_std(full), "block_vs_prenorm": bp, "full_vs_prenorm": fp,
+        means = {mode: _mean_std(s[(mode, blocks, L)]) for mode, blocks in keys.items()}
+        out[str(L)] = {"blocks": main_blocks(L), **means, "block_vs_prenorm": bp, "full_vs_prenorm": fp,
                        "full_vs_block": fb, "order": order}
     return out
 
@@ -364,7 +369,7 @@ def layer_diagnostics(model: torch.nn.Module, input_ids: torch.Tensor, targets: 
     d = out.diagnostics
     return {"hidden_rms": d["hidden_rms"].float().cpu(), "output_rms": d["output_rms"].float().cpu(),
             "grad_norm": torch.stack(grads).float().cpu(),
-            "depth_weights": [w.float().cpu() for w in d["depth_weights"]], "loss": float(out.loss)}
+            "depth_weights": [w.float().cpu() for w in d["depth_weights"]], "loss": out.loss.item()}
 
 
 def weight_matrix(depth_weights: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -546,7 +551,9 @@ def overhead_figure(over: Mapping[str, Mapping[str, Mapping[str, float | None]]]
     fig = Figure(figsize=(11, 4.0), dpi=100)
     axes = fig.subplots(1, 2)
     depths = list(over)
-    labels = list(dict.fromkeys(lab for d in over.values() for lab in d))
+    # block2, block4, block8, ..., full: one fixed order (and colour) per mode in every depth group
+    labels = sorted({lab for d in over.values() for lab in d},
+                    key=lambda lab: (lab == "full", int(lab[5:]) if lab.startswith("block") else 0))
     width = 0.8 / max(len(labels), 1)
     for ax, key, title in ((axes[0], "tok_per_s_ratio", "tokens/s ÷ prenorm's"),
                            (axes[1], "peak_mem_ratio", "peak memory ÷ prenorm's")):
@@ -614,8 +621,8 @@ def findings(summary: Mapping[str, Any]) -> str:
         lines.append(
             f"- **{L} layers**: prenorm {_ms(v['prenorm'])}, "
             f"block_attnres (N={v['blocks']}) {_ms(v['block_attnres'])}, "
-            f"full_attnres {_ms(v['full_attnres'])}. Block − PreNorm {bp['diff']:+.4f} ({_judge(bp)}), "
-            f"Full − PreNorm {fp['diff']:+.4f} ({_judge(fp)}), Full − Block {fb['diff']:+.4f} ({_judge(fb)}): "
+            f"full_attnres {_ms(v['full_attnres'])}. Block − PreNorm {bp['mean']:+.4f} ({_judge(bp)}), "
+            f"Full − PreNorm {fp['mean']:+.4f} ({_judge(fp)}), Full − Block {fb['mean']:+.4f} ({_judge(fb)}): "
             f"Full ≤ Block < PreNorm: **{v['order']}**.")
     for mode, t in summary["gain_trend"].items():
         gains = ", ".join(f"{L} layers {g['mean']:+.4f}" for L, g in t["gains"].items())

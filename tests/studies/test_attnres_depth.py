@@ -16,7 +16,7 @@ from moelab.studies import common
 FACTOR = ["model.n_layers", "model.residual.mode", "model.residual.num_blocks"]
 
 
-@pytest.mark.parametrize("preset", ["cpu", "gpu"])
+@pytest.mark.parametrize("preset", ["cpu", "gpu"], ids=["cpu_plan", "gpu_plan"])  # "gpu" alone marks a GPU test
 def test_arms_differ_only_in_depth_mode_and_blocks(preset: str) -> None:
     p = study.plan(preset)
     main, extra = study.arms(preset)
@@ -62,28 +62,34 @@ def _rows(losses: dict[tuple[str, int], list[float]]) -> list[dict]:
     return rows
 
 
-def test_compare_against_the_seed_noise() -> None:
-    a, b = {"mean": 1.0, "std": 0.01, "n": 2}, {"mean": 1.1, "std": 0.02, "n": 2}
-    assert study.compare(a, b) == pytest.approx({"diff": -0.1, "noise": 0.04, "verdict": "lower"})
-    assert study.compare(b, a)["verdict"] == "higher"
-    assert study.compare(a, {**b, "mean": 1.03})["verdict"] == "within noise"
-    assert study.compare(a, {**b, "n": 1, "std": None})["verdict"] == "one seed"
+# 2 layers: every paired gap inside the noise; 8 layers: Full < Block < PreNorm beyond it.
+KNOWN = {("prenorm", 2): [2.00, 2.02], ("block_attnres", 2): [1.99, 2.02], ("full_attnres", 2): [2.01, 2.02],
+         ("prenorm", 8): [1.90, 1.91], ("block_attnres", 8): [1.80, 1.81], ("full_attnres", 8): [1.78, 1.79]}
+
+
+def test_paired_diff_against_the_seed_noise() -> None:
+    a, b = {0: 1.00, 1: 1.10, 2: 1.20}, {0: 1.10, 1: 1.21, 2: 1.29}
+    d = study.paired_diff(a, b)  # differences -0.10, -0.11, -0.09: a seed offset shared by both arms drops out
+    assert d["mean"] == pytest.approx(-0.1) and d["std"] == pytest.approx(0.01) and d["n"] == 3
+    assert d["noise"] == pytest.approx(0.02) and d["verdict"] == "lower"
+    assert study.paired_diff(b, a)["verdict"] == "higher"
+    assert study.paired_diff({0: 1.0, 1: 1.2}, {0: 1.05, 1: 1.1})["verdict"] == "within noise"
+    one = study.paired_diff({0: 1.0, 1: 1.2}, {0: 1.05})  # only seed 0 pairs up
+    assert one["verdict"] == "one seed" and one["noise"] is None and one["mean"] == pytest.approx(-0.05)
 
 
 def test_verdicts_on_known_rows() -> None:
-    # 2 layers: every gap inside the noise; 8 layers: Full < Block < PreNorm beyond it.
-    rows = _rows({("prenorm", 2): [2.00, 2.02], ("block_attnres", 2): [1.99, 2.01], ("full_attnres", 2): [2.00, 2.03],
-                  ("prenorm", 8): [1.90, 1.91], ("block_attnres", 8): [1.80, 1.81], ("full_attnres", 8): [1.78, 1.79]})
+    rows = _rows(KNOWN)
     v = study.depth_verdicts(rows)
     assert v["2"]["order"] == "inside the noise, means not in that order"
     assert v["8"]["order"] == "holds" and v["8"]["blocks"] == 8
-    assert v["8"]["block_vs_prenorm"]["diff"] == pytest.approx(-0.1)
+    assert v["8"]["block_vs_prenorm"]["mean"] == pytest.approx(-0.1)
     g = study.paired_gain(rows, "full_attnres", 16, 8)
     assert g["values"] == pytest.approx([0.12, 0.12]) and g["n"] == 2
     t = study.gain_trend(rows)
     assert t["block_attnres"]["verdict"] == "grows"
-    assert t["block_attnres"]["deep_minus_shallow"] == pytest.approx(0.1 - 0.01)
-    assert t["block_attnres"]["slope_per_doubling"] == pytest.approx((0.1 - 0.01) / 2)  # log2 8 - log2 2 = 2
+    assert t["block_attnres"]["deep_minus_shallow"] == pytest.approx(0.1 - 0.005)
+    assert t["block_attnres"]["slope_per_doubling"] == pytest.approx((0.1 - 0.005) / 2)  # log2 8 - log2 2 = 2
     # Full above Block beyond the noise breaks the order.
     worse = _rows({("prenorm", 4): [2.0, 2.0], ("block_attnres", 4): [1.8, 1.8], ("full_attnres", 4): [1.9, 1.9]})
     assert study.depth_verdicts(worse)["4"]["order"] == "does not hold"
@@ -96,8 +102,7 @@ def test_verdicts_on_known_rows() -> None:
 
 
 def test_findings_are_computed_from_the_summary() -> None:
-    rows = _rows({("prenorm", 2): [2.00, 2.02], ("block_attnres", 2): [1.99, 2.01], ("full_attnres", 2): [2.00, 2.03],
-                  ("prenorm", 8): [1.90, 1.91], ("block_attnres", 8): [1.80, 1.81], ("full_attnres", 8): [1.78, 1.79]})
+    rows = _rows(KNOWN)
     diag = [{"arm": a, "sublayer": s, "hidden_rms": h, "grad_norm": g}
             for a, hs in (("prenorm-L8", (1.0, 2.0, 6.0)), ("full-L8", (1.0, 1.1, 1.2)))
             for s, (h, g) in enumerate(zip(hs, (2.0, 1.0, None)))]
