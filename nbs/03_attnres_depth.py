@@ -91,6 +91,9 @@ common.show(common.loss_curves(deep, f"{grid.base}, {deepest} layers: residual m
 
 # %% [markdown]
 # ## 3. Validation loss vs depth
+# The verdicts in the findings compare arms seed by seed (the same seed gives the same data order, so what a seed
+# does to every arm alike drops out): a gap counts when it exceeds twice the seed standard deviation of the
+# per-seed differences; smaller gaps are called inside the noise.
 
 # %%
 common.show(study.loss_vs_depth_figure(rows), out / "figures" / "loss_vs_depth.png")
