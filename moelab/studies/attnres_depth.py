@@ -616,6 +616,10 @@ def findings(summary: Mapping[str, Any]) -> str:
     lines.append(f"- Budget: every run saw {', '.join(f'{t:,}' for t in toks)} tokens; at one depth the modes' "
                  f"parameter counts differ by at most {budget['max_param_excess_at_a_depth']:.2%} (the AttnRes "
                  "queries and key norms), so the comparison at each depth is at equal tokens and parameters.")
+    seeds = summary["meta"].get("seeds") or []
+    if len(seeds) == 2:
+        lines.append("- Seeds: two per main arm, so each noise below is the spread of two paired differences, itself "
+                     "a rough estimate: a verdict beyond the noise is a lead to confirm with more seeds.")
     for L, v in summary["by_depth"].items():
         bp, fp, fb = v["block_vs_prenorm"], v["full_vs_prenorm"], v["full_vs_block"]
         lines.append(
@@ -638,7 +642,7 @@ def findings(summary: Mapping[str, Any]) -> str:
         deepest = max(int(L) for L in summary["by_depth"]) if summary["by_depth"] else None
         sel = {a: g for a, g in growth.items() if deepest is not None and a.endswith(f"-L{deepest}")}
         parts = [f"{a} {g['hidden_last_over_first']:.1f}x" for a, g in sel.items()]
-        gparts = [f"{a} {g['grad_first_over_last']:.2g}" for a, g in sel.items() if g["grad_first_over_last"]]
+        gparts = [f"{a} {g['grad_first_over_last']:.2f}" for a, g in sel.items() if g["grad_first_over_last"]]
         pre = sel.get(f"prenorm-L{deepest}")
         others = [g["hidden_last_over_first"] for a, g in sel.items() if not a.startswith("prenorm")]
         if pre and others:

@@ -109,13 +109,13 @@ def test_findings_are_computed_from_the_summary() -> None:
     summary = {"budget": {"tokens_per_run": [512], "max_param_excess_at_a_depth": study._param_excess(rows)},
                "by_depth": study.depth_verdicts(rows), "gain_trend": study.gain_trend(rows),
                "norm_growth": study.norm_growth(diag), "overhead": study.overhead(rows),
-               "meta": {"device": "CPU: test", "overhead_meaningful": False, "epochs": None}}
+               "meta": {"device": "CPU: test", "overhead_meaningful": False, "epochs": None, "seeds": [0, 1]}}
     text = study.findings(summary)
     assert text.startswith("- ")
     assert "**8 layers**" in text and "Full ≤ Block < PreNorm: **holds**" in text
     assert "the gain **grows** with depth" in text
     assert "prenorm-L8 6.0x" in text and "grows more under prenorm" in text
-    assert "not meaningful here" in text
+    assert "not meaningful here" in text and "rough estimate" in text
     assert study.norm_growth(diag)["prenorm-L8"]["grad_first_over_last"] == pytest.approx(2.0)
 
 
