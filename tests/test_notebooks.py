@@ -192,3 +192,28 @@ def test_study_2_summary_covers_every_balancer() -> None:
             assert isinstance(a[f"{metric}_mean"], float), (arm, metric)
         assert a["shift_maxvio_first"] is not None, f"{arm}: no shift test"
     assert summary["settings"]["threshold"] >= 0.1
+
+
+STUDY3 = NBS.parent / "studies" / "03_attnres_depth" / "summary.json"
+
+
+@pytest.mark.skipif(not STUDY3.exists(), reason="study 3 has no committed results yet")
+def test_study3_summary_holds_its_grid_and_verdicts() -> None:
+    """Study 3's committed rows cover the grid it promises, under one token budget, with a verdict per depth."""
+    from moelab.studies.attnres_depth import ROW_KEYS, main_blocks
+
+    s = json.loads(STUDY3.read_text())
+    rows = s["rows"]
+    assert rows and all(set(r) == set(ROW_KEYS) for r in rows)
+    depths = sorted({r["n_layers"] for r in rows})
+    assert len(depths) >= 3, f"depths {depths}: the study sweeps at least three"
+    for L in depths:
+        for mode, blocks in (("prenorm", None), ("block_attnres", main_blocks(L)), ("full_attnres", 2 * L)):
+            seeds = {r["seed"] for r in rows if (r["residual"], r["blocks"], r["n_layers"]) == (mode, blocks, L)}
+            assert len(seeds) >= 2, f"{mode} at {L} layers has seeds {seeds}: the main modes need two or more"
+    assert {r["blocks"] for r in rows if r["residual"] == "block_attnres"} >= {2, 4}
+    assert len({r["tokens"] for r in rows}) == 1, "the budget rule: every run sees the same tokens"
+    assert set(s["by_depth"]) == {str(L) for L in depths}
+    assert all(v["order"] for v in s["by_depth"].values())
+    if s["meta"]["preset"] == "cpu":
+        assert s["meta"]["wall_s"] <= 240, f"PRESET=cpu took {s['meta']['wall_s']} s: the rule is 4 minutes"
