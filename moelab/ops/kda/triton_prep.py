@@ -459,11 +459,8 @@ def prep_bwd(
     dqn, dkn, dg = (t.contiguous() if t is not None else None for t in (dqn, dkn, dg))
     dq = torch.empty_like(q) if dqn is not None else None
     dk = torch.empty_like(k) if dkn is not None else None
+    dz = torch.empty_like(z) if dg is not None else None
     gated = dg is not None and gate != "none"
-    # ddt_bias sums dz over all B*T tokens: sum the fp32 values, not dz already rounded to z's dtype
-    wide = gated and dt_bias is not None and z.dtype != torch.float32
-    dz = (torch.empty(z.shape, device=z.device, dtype=torch.float32) if wide else torch.empty_like(z)) \
-        if dg is not None else None
     n_rows = q.shape[0] * q.shape[1] * q.shape[2]
     dA_rows = torch.empty(n_rows if gated else 1, device=q.device, dtype=torch.float32)
     grid, scalars, const = _launch_args(q, gate, g_min, silu_qk, l2norm_qk, eps, _BWD_ELEMS)
@@ -487,7 +484,7 @@ def prep_bwd(
     H = q.shape[2]
     dA_log = dA_rows.view(-1, H).sum(0) if gated else None
     ddt_bias = dz.view(-1, dt_bias.numel()).sum(0, dtype=torch.float32) if gated and dt_bias is not None else None
-    return dq, dk, (dz.to(z.dtype) if wide else dz), dA_log, ddt_bias
+    return dq, dk, dz, dA_log, ddt_bias
 
 
 class PrepFunction(torch.autograd.Function):
