@@ -164,7 +164,7 @@ pd.DataFrame(real_rows)[["source", "g_min", "nonfinite", "rel_err", "rel_err_gen
 # %%
 forgetting = pd.DataFrame(study.fast_forgetting({arm: (ov["model.kda.g_min"] if ov["model.kda.gate"] == "bounded"
                                                        else None) for arm, ov in study.ARMS.items()},
-                                                steps=P["forget_steps"], seeds=P["seeds"]))
+                                                steps=P["forget_steps"], seeds=P["forget_seeds"]))
 forgetting.to_csv(out / "results" / "fast_forgetting.csv", index=False)
 forgetting.groupby("arm", sort=False)[["bound", "g_fast_min", "g_fast_mean", "g_slow_mean", "frac_fast_near_bound",
                                        "first_loss", "final_loss"]].agg(["mean", "std"])

@@ -286,20 +286,21 @@ ARMS = {
 EXTRAPOLATE = 4  # evaluate at up to 4x the training context (max_seq_len is raised for it in every arm)
 # preset -> (training preset, overrides for every arm, seeds, evaluation sizes).
 # cpu: a narrower cpu model, seconds per run on 2 shared cores. gpu: gpu-small at 8 x 4096 tokens per
-# step; 4 arms x 3 seeds x 120 steps = 47M tokens, about 4.5 min at ~180K tokens/s, plus evaluation.
+# step; 4 arms x 3 seeds x 160 steps = 63M tokens, about 6 min at ~180K tokens/s, plus evaluation.
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {"base": "cpu", "seeds": (0, 1, 2),
-            "overrides": {"train.max_steps": 40, "train.batch_size": 8, "train.val_every": 20, "train.val_batches": 4,
+            "overrides": {"train.max_steps": 30, "train.batch_size": 8, "train.val_every": 15, "train.val_batches": 4,
                           "train.warmup_steps": 5, "data.seq_len": 64, "model.max_seq_len": 64 * EXTRAPOLATE,
                           "model.d_model": 64, "model.kda.head_dim": 32, "model.mla.head_dim": 32,
                           "model.kda.decay_rank": 8},
             "eval_windows": 4, "overflow_shape": (1, 32, 1, 32), "overflow_g_mins": (-5, -11, -12, -16),
-            "forget_steps": 60},
+            "forget_steps": 150, "forget_seeds": (0,)},
     "gpu": {"base": "gpu-small", "seeds": (0, 1, 2),
-            "overrides": {"train.max_steps": 120, "train.val_every": 40, "train.val_batches": 4,
+            "overrides": {"train.max_steps": 160, "train.val_every": 40, "train.val_batches": 4,
                           "train.warmup_steps": 20, "model.max_seq_len": 4096 * EXTRAPOLATE},
             "eval_windows": 4, "overflow_shape": (2, 1024, 4, 128),
-            "overflow_g_mins": (-5, -8, -10, -11, -11.5, -12, -16, -24), "forget_steps": 300},
+            "overflow_g_mins": (-5, -8, -10, -11, -11.5, -12, -16, -24), "forget_steps": 400,
+            "forget_seeds": (0, 1, 2)},
 }
 KERNEL_RESULTS = ("kernels/results/kda_h200.json", "kernels/results/kda_h200_long.json")
 
@@ -458,7 +459,7 @@ def extrapolation_summary(extra: Any) -> Any:
 
 def fast_forgetting(bounds: Mapping[str, float | None], steps: int = 200, seeds: Iterable[int] = (0, 1, 2),
                     fast: float = -8.0, slow: float = -0.05, B: int = 8, T: int = 64, H: int = 2,
-                    K: int = 16, lr: float = 0.05) -> list[dict]:
+                    K: int = 16, lr: float = 0.3) -> list[dict]:
     """Learn the decay of a KDA op whose targets need fast forgetting, with each gate.
 
     The targets are the outputs of a KDA recurrence (fresh random unit q, k, values, beta each
