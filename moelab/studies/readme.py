@@ -150,22 +150,21 @@ def _fla_shape() -> Row:
 def _study_1() -> Row:
     f = "studies/01_decay_bound/summary.json"
     s = _load(f)
-    meta, safe, arms = s["meta"], s["most_negative_safe_g_min"], s["arms"]
+    meta, tile, ko, arms = s["meta"], s["modelled_tile"], s["kernel_overflow"], s["arms"]
 
-    def bound(dt: str, how: str) -> str:
-        v = safe.get(f"{dt}_tile16_{how}")
-        return "fails" if v is None else f"{v:g}"
+    def pm(x: dict) -> str:
+        return f"{x['mean']:.3f}" + (f" ± {x['std']:.3f}" if x["std"] is not None else "")
 
-    losses = ", ".join(f"{gate} {a['best_val_loss_mean']:.3f}" for gate, a in arms.items())
-    seeds = min(a["n_seeds"] for a in arms.values())
+    losses = ", ".join(f"{arm} {pm(a['best_val_loss'])}" for arm, a in arms.items())
+    seeds = min(a["best_val_loss"]["n"] for a in arms.values())
     steps = max(a["steps"] for a in arms.values())
-    g_min = ", ".join(f"{gate} {a['g_min_observed']:.2f}" for gate, a in arms.items())
+    near = ", ".join(f"{arm} {a['frac_channels_near_bound']['mean']:.1%}" for arm, a in arms.items())
+    first = ko["first_nonfinite_bound"]
     what = f"Study 1, `{meta['preset']}` preset ({meta['device']})"
-    result = (f"most negative g_min at which the factored 16-token tile holds (no shift / midpoint shift): bf16 "
-              f"{bound('bf16', 'noshift')} / {bound('bf16', 'midpoint')}, fp32 {bound('fp32', 'noshift')} / "
-              f"{bound('fp32', 'midpoint')}, fp16 {bound('fp16', 'noshift')} / {bound('fp16', 'midpoint')}; after "
-              f"{steps} steps ({seeds} seed{'s' * (seeds > 1)}, {meta['epochs']:.2f} epochs) most negative trained "
-              f"log decay {g_min}; best val loss {losses}")
+    result = (f"bounded kernel's sub-tile (modelled, bf16) finite within 1% down to constant g = "
+              f"{tile.get('bf16_constant', float('nan')):g}; real op ({ko['dtype']}) first non-finite at g = "
+              f"{'none swept' if first is None else f'{first:g}'}; after {steps} steps ({seeds} seeds, "
+              f"{meta['epochs']:.2f} epochs) best val loss {losses}; channels within 5% of the bound {near}")
     return what, result, [_ref(f), _ref("studies/01_decay_bound/01_decay_bound.ipynb")], (f, None)
 
 
