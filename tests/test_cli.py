@@ -173,7 +173,7 @@ def test_a_damaged_corpus_archive_exits_2_naming_it(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("MOELAB_ROOT", str(tmp_path))
     assert main(["data", "--config", "tiny"]) == 2
     err = capsys.readouterr().err
-    assert f"the default corpus {tmp_path / 'data' / 'shakespeare.tar.xz'} is damaged" in err, err
+    assert f"the corpus archive {tmp_path / 'data' / 'shakespeare.tar.xz'} is damaged" in err, err
 
 
 def test_unreachable_tracking_server_exits_1(tmp_path, monkeypatch, capsys) -> None:

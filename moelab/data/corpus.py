@@ -179,8 +179,9 @@ def _archive(source: str) -> Path:
                                 f"MOELAB_ROOT to one (current root: {repo_root()})")
     actual = _sha256_file(path)
     if actual != sha:
-        raise ValueError(f"{rel} has sha256 {actual[:16]}..., expected {sha[:16]}... (data/README.md says how it "
-                         "was built; a Git LFS pointer or a partial checkout gives a different file)")
+        raise ConfigError(f"the corpus archive {path} is damaged: sha256 {actual[:16]}..., expected {sha[:16]}...; "
+                          f"restore it with git checkout -- {rel} (data/README.md says how it was built; a Git LFS "
+                          "pointer or a partial checkout gives a different file)")
     return path
 
 

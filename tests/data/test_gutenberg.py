@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from moelab.base import ConfigError
 from moelab.data.config import DataConfig
 from moelab.data.corpus import ARCHIVES, load_documents
 
@@ -42,7 +43,7 @@ def test_a_changed_archive_is_refused(tmp_path: Path, monkeypatch: pytest.Monkey
     with open(tmp_path / rel, "ab") as f:
         f.write(b"\0")
     monkeypatch.setenv("MOELAB_ROOT", str(tmp_path))
-    with pytest.raises(ValueError, match=r"data/gutenberg.tar.xz has sha256 .* expected 913c6baa"):
+    with pytest.raises(ConfigError, match=r"gutenberg.tar.xz is damaged: sha256 .* expected 913c6baa"):
         load_documents(DataConfig(source="gutenberg"))
     (tmp_path / rel).unlink()
     with pytest.raises(FileNotFoundError, match="is missing"):
