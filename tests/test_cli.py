@@ -78,6 +78,7 @@ def test_data_prepares_the_default_corpus(capsys) -> None:
     assert "cache:" in out and "512 ids" in out and "train" in out
 
 
+@pytest.mark.slow  # a training subprocess: ~10 s
 def test_train_subprocess_prints_summary_and_records_throughput(tmp_path, tracking_uri) -> None:  # noqa: F811
     table = tmp_path / "throughput.json"
     proc = _moelab("train", "--config", "tiny", "--set", "train.max_steps=4", "--set", "train.warmup_steps=1",
@@ -94,6 +95,7 @@ def test_train_subprocess_prints_summary_and_records_throughput(tmp_path, tracki
     assert MlflowClient(tracking_uri).get_run(summary["run_id"]).info.status == "FINISHED"  # env URI honoured
 
 
+@pytest.mark.slow  # a training subprocess: ~8 s
 def test_sigterm_exits_143_with_summary_and_checkpoint(tmp_path, tracking_uri) -> None:  # noqa: F811
     """SIGTERM (what a scheduler or `docker stop` sends) stops after the step under way, like Ctrl-C."""
     ckpt = tmp_path / "ckpt"

@@ -72,14 +72,16 @@ def _compare(ref, out, dtype=torch.float32, tol=None):
         assert_close(a, b.float(), grad_tol, name)
 
 
-# seeded randomized sweep: (B, T, H, K, V, chunk, dtype, h0); every case runs in both modes
+# seeded randomized sweep: (B, T, H, K, V, chunk, dtype, h0); every case runs in both modes. The
+# interpreter takes 10-60 s on the larger ones: those are `slow` (make test runs them, test-fast not).
+slow = pytest.mark.slow
 SWEEP = [
     (1, 1, 1, 16, 16, 64, torch.float32, True),  # T = 1
-    (2, 150, 2, 32, 16, 64, torch.float32, True),  # B > 1, K != V, T not a multiple of 64
-    (1, 70, 1, 128, 32, 64, torch.float32, False),  # K = 128: several K-blocks in the interpreter
+    pytest.param((2, 150, 2, 32, 16, 64, torch.float32, True), marks=slow),  # B > 1, K != V, T % 64 != 0
+    pytest.param((1, 70, 1, 128, 32, 64, torch.float32, False), marks=slow),  # K = 128: several K-blocks
     (1, 40, 1, 20, 40, 32, torch.float32, True),  # non-power-of-two K and V, chunk 32
     (1, 37, 2, 16, 24, 16, torch.float16, False),  # fp16, chunk 16
-    (1, 100, 1, 32, 16, 64, torch.float16, True),  # fp16, partial second chunk
+    pytest.param((1, 100, 1, 32, 16, 64, torch.float16, True), marks=slow),  # fp16, partial second chunk
 ]
 
 
@@ -92,6 +94,7 @@ def test_matches_reference(case, mode):
     _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS, mode=mode, chunk_size=C), dtype)
 
 
+@slow
 def test_modes_agree_and_defaults():
     """Bounded and general paths compute the same function; default scale is K**-0.5."""
     ins, s0, do, dS = _inputs(1, 65, 1, 32, 32, torch.float32, seed=3)
@@ -138,6 +141,7 @@ def _refuses_bogus(monkeypatch, key, ins, s0, do, dS, mode):
         _run(chunk, ins, s0, do, dS, mode=mode)
 
 
+@slow
 @pytest.mark.parametrize("mode", ["bounded", "general"])
 def test_save_policies_agree(monkeypatch, mode):
     """Keeping the forward's intermediates for the backward (save=intra/all) gives bitwise the same
@@ -153,6 +157,7 @@ def test_save_policies_agree(monkeypatch, mode):
     _refuses_bogus(monkeypatch, "save", ins, s0, do, dS, mode)
 
 
+@slow
 @pytest.mark.parametrize("mode", ["bounded", "general"])
 def test_dqkg_paths_agree(monkeypatch, mode):
     """State terms inside the per-sub-tile gradient kernel ("fused") or in their own per-chunk
@@ -169,6 +174,7 @@ def test_dqkg_paths_agree(monkeypatch, mode):
     _refuses_bogus(monkeypatch, "dqkg", ins, s0, do, dS, mode)
 
 
+@slow
 @pytest.mark.parametrize("mode", ["bounded", "general"])
 def test_score_paths_agree(monkeypatch, mode):
     """The three intra paths (chunk-wide scores in the intra kernel, the sub-tile score kernel, and
@@ -184,6 +190,7 @@ def test_score_paths_agree(monkeypatch, mode):
             assert_close(a, b, 3e-5, f"grad {other}")
 
 
+@slow
 @pytest.mark.parametrize("mode", ["bounded", "general"])
 def test_kkt_paths_agree(monkeypatch, mode):
     """The sub-tile rows of a chunk one after the other in one kkt program ("rows") or in parallel
@@ -194,6 +201,7 @@ def test_kkt_paths_agree(monkeypatch, mode):
     _paths_agree(monkeypatch, "kkt", tc.KKT_PATHS, ("rows", "parallel"), mode, seed=19)
 
 
+@slow
 @pytest.mark.parametrize("mode", ["bounded", "general"])
 def test_cumsum_paths_agree(monkeypatch, mode):
     """G written by the prep ("prep") or recomputed in the kkt rows ("kernel"; "auto" picks one per
