@@ -29,7 +29,8 @@ def _run(uri: str, run_id: str):
 class FinalWeights(Callback):
     """Keeps a copy of the model's weights as training ends (before anything is reloaded)."""
 
-    state: dict[str, torch.Tensor] = {}
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] = {}
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.state = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
