@@ -94,8 +94,13 @@ mlflow-ui: $(SETUP) ## serve the MLflow dashboard of ./mlflow.db on http://127.0
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=$${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false} \
 	$(PYTHON) -m mlflow server --host 127.0.0.1 --port $(PORT) --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
 
-lab: $(SETUP) ## start JupyterLab on the notebooks (nbs/*.py and *.ipynb stay paired by jupytext)
-	$(PYTHON) -m jupyterlab --ip 127.0.0.1 --notebook-dir $(CURDIR)
+# JupyterLab refuses to start as root without --allow-root: the usual user in containers and on GPU machines.
+LAB_ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+# PORT's default (5000) is the dashboard's; the lab takes 8888 unless PORT is given.
+LAB_PORT = $(if $(filter file,$(origin PORT)),8888,$(PORT))
+
+lab: $(SETUP) ## start JupyterLab on the notebooks on http://127.0.0.1:PORT (default 8888); ARGS go to jupyter lab
+	$(PYTHON) -m jupyterlab --ip 127.0.0.1 --port $(LAB_PORT) --no-browser $(LAB_ALLOW_ROOT) --notebook-dir $(CURDIR) $(ARGS)
 
 sync-nbs: $(SETUP) ## re-pair nbs/NN_name.py and nbs/NN_name.ipynb after editing either
 	$(PYTHON) -m jupytext --sync nbs/[0-9][0-9]_*.py

@@ -1,8 +1,8 @@
-"""A/B variants of moelab's KDA kernels on one GPU: correctness and speed of each variant, one
-process per variant (a launch config that miscompiles may fault and take its process down).
+"""A/B variants of moelab's KDA launch configs on one GPU: correctness and speed of each variant,
+one process per variant (a launch config that miscompiles may fault and take its process down).
 
-A variant is a name plus ``MOELAB_KDA_LAUNCH`` / ``MOELAB_KDA_TUNING`` / ``MOELAB_KDA_MAXNREG``
-overrides. Each one runs:
+A variant is a name plus ``launch`` / ``maxnreg`` entries, applied in its process with
+``triton_chunk.launch_overrides`` (kernel names as in ``triton_chunk.LAUNCH``). Each one runs:
 
 1. a bf16 forward + backward at B1 T1024 H16 D128 (both modes, bounded gate, initial state)
    against the fp32 token recurrence (``check_kda_gpu.py``'s reference): rel. errors, pass/fail at
@@ -21,7 +21,7 @@ run cut by a time limit keeps what it measured).
     python kernels/ab_kda.py --out /tmp/ab.json \\
         --variant base \\
         --variant 'dqkg64={"launch": {"dqkg": [64, 4, 1]}}' \\
-        --variant 'subtile={"tuning": {"scores": "subtile"}}'
+        --variant 'nocap={"maxnreg": {"kktr": null}}'
     python kernels/ab_kda.py --smoke --out /tmp/ab.json --variant base   # CPU interpreter dry run
 """
 
@@ -38,28 +38,34 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """``name`` or ``name={"launch": {...}, "tuning": {...}}``."""
+    """``name`` or ``name={"launch": {...}, "maxnreg": {...}}``."""
     name, _, spec = text.partition("=")
     spec = json.loads(spec) if spec else {}
-    bad = set(spec) - {"launch", "tuning", "maxnreg"}
+    bad = set(spec) - {"launch", "maxnreg"}
     if bad:
-        raise SystemExit(f"variant {name!r}: keys {sorted(bad)} are not allowed: expected 'launch', 'tuning' "
-                         f"and/or 'maxnreg'")
+        raise SystemExit(f"variant {name!r}: keys {sorted(bad)} are not allowed: expected 'launch' and/or 'maxnreg'")
     return name, spec
 
 
 def child(args: argparse.Namespace) -> None:
-    """Runs inside the variant's process (environment already set)."""
+    """Runs inside the variant's process: the variant's launch configs for the whole measurement."""
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available():  # before moelab's kernels are defined
         os.environ.setdefault("TRITON_INTERPRET", "1")
     sys.path.insert(0, os.path.dirname(HERE))
     sys.path.insert(0, HERE)
+    from moelab.ops.kda import triton_chunk as tc
+
+    with tc.launch_overrides(**json.loads(args.spec)):
+        measure(args, tc)
+
+
+def measure(args: argparse.Namespace, tc) -> None:
+    """Check, then (if it passed) time ``tc.chunk_kda`` at the current launch configs; appends a row."""
     import bench_kda as bk
     import check_kda_gpu as ck
-
-    from moelab.ops.kda import triton_chunk as tc
+    import torch
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -67,7 +73,7 @@ def child(args: argparse.Namespace) -> None:
 
     import triton
 
-    row = dict(variant=args.name, launch=tc.launch_configs(), tuning=dict(tc.TUNING), maxnreg=dict(tc.MAXNREG),
+    row = dict(variant=args.name, spec=json.loads(args.spec), launch=tc.launch_configs(), maxnreg=dict(tc.MAXNREG),
                meta=dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu (triton interpreter)",
                          torch=torch.__version__, triton=triton.__version__,
                          date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -109,18 +115,10 @@ def child(args: argparse.Namespace) -> None:
         fh.write(json.dumps(row) + "\n")
 
 
-def variant_env(spec: dict) -> dict:
-    env = dict(os.environ)
-    for key, var in (("launch", "LAUNCH"), ("tuning", "TUNING"), ("maxnreg", "MAXNREG")):
-        if key in spec:
-            env[f"MOELAB_KDA_{var}"] = json.dumps(spec[key])
-    return env
-
-
-def child_cmd(args: argparse.Namespace, name: str, *extra: str) -> list[str]:
+def child_cmd(args: argparse.Namespace, name: str, spec: dict, *extra: str) -> list[str]:
     """The command line of variant ``name``'s child process."""
-    return [sys.executable, os.path.abspath(__file__), "--child", "--name", name, "--out", args.out,
-            "--shapes", *args.shapes, "--modes", *args.modes, *extra]
+    return [sys.executable, os.path.abspath(__file__), "--child", "--name", name, "--spec", json.dumps(spec),
+            "--out", args.out, "--shapes", *args.shapes, "--modes", *args.modes, *extra]
 
 
 def warm(args: argparse.Namespace, variants: list[tuple[str, dict]]) -> None:
@@ -129,10 +127,10 @@ def warm(args: argparse.Namespace, variants: list[tuple[str, dict]]) -> None:
 
     def one(item):
         name, spec = item
-        cmd = child_cmd(args, name, "--warm")
+        cmd = child_cmd(args, name, spec, "--warm")
         t0 = time.time()
         try:
-            proc = subprocess.run(cmd, env=variant_env(spec), capture_output=True, text=True, timeout=args.timeout * 3)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout * 3)
             status = f"exit {proc.returncode}"
         except subprocess.TimeoutExpired:
             status = "timeout"
@@ -152,11 +150,10 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=150, help="seconds per variant")
     ap.add_argument("--jobs", type=int, default=1, help="compile this many variants at once first")
     ap.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--pick-env", help="write the fastest passing variant's MOELAB_KDA_* exports to this file "
-                    "(summed fwd+bwd over the shapes; the first variant unless another is >1%% faster)")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny shapes")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--name", help=argparse.SUPPRESS)
+    ap.add_argument("--spec", default="{}", help=argparse.SUPPRESS)
     ap.add_argument("--command", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -169,12 +166,11 @@ def main() -> int:
         warm(args, variants)
     rows = []
     for name, spec in variants:
-        env = variant_env(spec)
         before = open(args.out).read().count("\n") if os.path.exists(args.out) else 0
         t0 = time.time()
-        cmd = child_cmd(args, name, "--command", "python " + " ".join(sys.argv))
+        cmd = child_cmd(args, name, spec, "--command", "python " + " ".join(sys.argv))
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             status = "exit 0" if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr[-300:]!r}"
             if proc.returncode != 0:  # the whole error, next to the JSON lines
                 with open(args.out + f".{name}.err", "w") as fh:
@@ -189,30 +185,7 @@ def main() -> int:
         desc = "  ".join(f"{r['impl'][7:]} B{r['B']} T{r['T']}: {r['fwd_ms']:.3f}/{r['fwdbwd_ms']:.3f} ms"
                          for r in t)
         print(f"{name:20s} ok={row.get('ok')} {desc} [{status[:80]}, {row['seconds']} s]", flush=True)
-    if args.pick_env:
-        pick(rows, dict(variants), args.pick_env)
     return 0 if all(r.get("ok") for r in rows) else 1
-
-
-def pick(rows: list[dict], specs: dict, path: str) -> None:
-    """Write ``export MOELAB_KDA_...`` lines for the fastest passing variant to ``path``."""
-    import shlex
-
-    def total(r):
-        t = r.get("timing") or []
-        return sum(x["fwdbwd_ms"] for x in t) if r.get("ok") and t else float("inf")
-
-    best = rows[0]
-    for r in rows[1:]:
-        if total(r) < 0.99 * total(best):
-            best = r
-    env = variant_env(specs[best["variant"]])
-    with open(path, "w") as fh:
-        fh.write(f"# picked {best['variant']} (summed fwd+bwd {total(best):.3f} ms)\n")
-        for key in ("LAUNCH", "TUNING", "MAXNREG"):
-            if f"MOELAB_KDA_{key}" in env and f"MOELAB_KDA_{key}" not in os.environ:
-                fh.write(f"export MOELAB_KDA_{key}={shlex.quote(env[f'MOELAB_KDA_{key}'])}\n")
-    print(f"picked {best['variant']}", flush=True)
 
 
 if __name__ == "__main__":

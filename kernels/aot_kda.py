@@ -76,47 +76,42 @@ def main() -> int:
     ap.add_argument("--cfg", nargs="*", default=[], help="NAME=block,warps,stages overrides")
     ap.add_argument("--K", type=int, default=128)
     args = ap.parse_args()
+    cfgs = {}
     for item in args.cfg:
         name, val = item.split("=")
-        tc.LAUNCH[name] = tuple(int(x) for x in val.split(","))
+        cfgs[name] = tuple(int(x) for x in val.split(","))
     base = dict(H=16, K=args.K, V=args.K, C=64)
-    TUNING_STATE = tc.TUNING["dqkg"] == "fused"  # noqa: N806 (the kernel's constexpr for the chosen path)
-    cumsum = tc.TUNING["cumsum"]  # per mode: whether kktr reads G in ("auto": in bounded mode only)
-    g_in = {m: cumsum == "prep" or (cumsum == "auto" and m) for m in (True, False)}
     bf = dict(DOT_BF16=True, IEEE=False)
+    # (kernel, constexprs as the op launches them for bf16 inputs, block parameter, mode); kktr reads
+    # the prep's G (fp32) in bounded mode and forms G itself in general mode
     kernels = {
-        "scores": [(F._kda_fwd_scores, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False), None, m)
-                   for m in (True, False)],
-        "intra": [(F._kda_fwd_intra, dict(base, BC=16, BV=64, BOUNDED=m, STORE_G=not m, SCORE_BF16=False, IEEE=False,
-                                          SCORES=False), "BK", m) for m in (True, False)],
+        "kktr": [(F._kda_fwd_kkt_row, dict(base, BC=16, BOUNDED=m, IEEE=False, G_IN=m), "BK", m)
+                 for m in (True, False)],
+        "merge": [(F._kda_fwd_merge, dict(base, BC=16), None, None)],
+        "wu": [(F._kda_fwd_wu, dict(base, BV=64, IEEE=False), "BK", None)],
         "state": [(F._kda_fwd_state, dict(base, HAS_H0=True, STORE_HT=True, **bf), "BV", None)],
+        "state_small": [(F._kda_fwd_state, dict(base, HAS_H0=True, STORE_HT=True, **bf), "BV", None)],
         "out": [(F._kda_fwd_out, dict(base, **bf), "BV", None)],
         "dh": [(B._kda_bwd_dh, dict(base, HAS_DHT=True, STORE_DH0=True, **bf), "BV", None)],
         "wy": [(B._kda_bwd_wy, dict(base, BV=64, **bf), "BK", None)],
-        "dqkg": [(B._kda_bwd_dqkg, dict(base, BC=16, BV=64, BOUNDED=m, STATE=TUNING_STATE, **bf), "BK", m)
-                 for m in (True, False)],
-        "dg": [(B._kda_bwd_dg, dict(H=16, K=args.K, V=args.K, C=64, NPART=4), "BK", None)],
         "sterm": [(B._kda_bwd_sterm, dict(base, BV=64, **bf), "BK", None)],
-        "kkt": [(F._kda_fwd_kkt, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False), "BK", m)
-                for m in (True, False)],
-        "kktr": [(F._kda_fwd_kkt_row, dict(base, BC=16, BOUNDED=m, SCORE_BF16=False, IEEE=False, G_IN=g_in[m]), "BK", m)
-                 for m in (True, False)],
-        "merge": [(F._kda_fwd_merge, dict(base, BC=16), None, None)],
-        "wu": [(F._kda_fwd_wu, dict(base, BV=64, IEEE=False, WU_BF16=bool(tc.TUNING["wu_bf16"])), "BK", None)],
+        "dqkg": [(B._kda_bwd_dqkg, dict(base, BC=16, BV=64, BOUNDED=m, **bf), "BK", m) for m in (True, False)],
+        "dg": [(B._kda_bwd_dg, dict(base), "BK", None)],
     }
-    for name, variants in kernels.items():
-        if args.only and name not in args.only:
-            continue
-        size, warps, stages = tc.LAUNCH[name]
-        for kernel, consts, block, bounded in variants:
-            if block is not None:
-                consts = dict(consts, **{block: min(size, args.K)})
-            tag = "" if bounded is None else (" bounded" if bounded else " general")
-            blk = f"{block}={consts[block]}" if block is not None else "all-K"
-            cap = tc.MAXNREG.get(name)  # the launch's register cap, as the real launch applies it
-            capped = f" maxnreg={cap}" if cap else ""
-            print(f"{name:6s}{tag:9s} {blk} warps={warps} stages={stages}{capped}: "
-                  f"{compile_one(kernel, consts, warps, stages, maxnreg=cap)}", flush=True)
+    with tc.launch_overrides(launch=cfgs):
+        for name, variants in kernels.items():
+            if args.only and name not in args.only:
+                continue
+            size, warps, stages = tc.LAUNCH[name]
+            for kernel, consts, block, bounded in variants:
+                if block is not None:
+                    consts = dict(consts, **{block: min(size, args.K)})
+                tag = "" if bounded is None else (" bounded" if bounded else " general")
+                blk = f"{block}={consts[block]}" if block is not None else "all-K"
+                cap = tc.MAXNREG.get(name)  # the launch's register cap, as the real launch applies it
+                capped = f" maxnreg={cap}" if cap else ""
+                print(f"{name:11s}{tag:9s} {blk} warps={warps} stages={stages}{capped}: "
+                      f"{compile_one(kernel, consts, warps, stages, maxnreg=cap)}", flush=True)
     return 0
 
 

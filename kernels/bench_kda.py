@@ -3,7 +3,7 @@
 Median ``triton.testing.do_bench`` time of a forward (no grad) and of a forward + backward with a
 random output gradient, plus peak memory of the forward + backward, bf16. Both KDA sides compute
 the same thing: L2-normalized q, k and the bounded gate ``g = -5 sigmoid(exp(A_log) * (x + dt_bias))``
-(A_log = log U(1, 16), as in the anchor /work/shared/anchors/fla_bench.py):
+(A_log = log U(1, 16), as in fla's own KDA benchmark setup):
 
 * ``moelab_bounded`` / ``moelab_general``: ``chunk_kda(mode=..., gate="bounded", A_log=..., dt_bias=...,
   l2norm_qk=True)``: L2 norm and gate fused into the op (moelab/ops/kda/triton_prep.py);
@@ -18,7 +18,6 @@ B8 T4096 (torch.profiler; JSON key ``kernel_ms``).
     python kernels/bench_kda.py --part main --out kernels/results/kda_h200_main.json   # split across
     python kernels/bench_kda.py --part long --out kernels/results/kda_h200_long.json   #  two calls
     python kernels/bench_kda.py --quick         # B8 T4096 only, shorter timing
-    python kernels/bench_kda.py --tune          # + moelab with bf16 (not TF32) intra scores at B8 T4096
     python kernels/bench_kda.py --smoke --out /tmp/kda_bench.json   # CPU interpreter, tiny shape
     python kernels/bench_kda.py --part infer    # inference forward vs fla -> kernels/results/kda_infer_h200.json
     python kernels/bench_kda.py --part infer --smoke --out /tmp/kda_infer.json   # CPU interpreter
@@ -72,9 +71,6 @@ DEFAULT_OUT = "kernels/results/kda_h200.json"
 SHAPES = [(8, 4096, 16, 128), (1, 32768, 16, 128), (2, 65536, 16, 128)]
 LONG_SHAPES = [(1, 131072, 16, 128), (1, 262144, 16, 128), (1, 524288, 16, 128)]
 IMPLS = ["moelab_bounded", "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash"]
-# launch configs are fixed inside moelab (the JSON records them); what remains to
-# compare is the precision choice of the intra-chunk scores
-TUNE_VARIANTS = [{"scores_tf32": False}]
 
 
 def make_inputs(impl, B, T, H, D, dev):
@@ -153,12 +149,12 @@ def bench_one(impl, B, T, H, D, dev, warmup, rep):
     return fwd_ms, fb_ms, peak
 
 
-def run_rows(impls, shapes, dev, warmup, rep, rows, extra=None, save=None):
+def run_rows(impls, shapes, dev, warmup, rep, rows, save=None):
     for (B, T, H, D) in shapes:
         for impl in impls:
             if impl.startswith("fla") and fla_chunk_kda is None:
                 continue
-            row = dict(impl=impl, B=B, T=T, H=H, D=D, fwd_ms=None, fwdbwd_ms=None, peak_mem_gb=None, **(extra or {}))
+            row = dict(impl=impl, B=B, T=T, H=H, D=D, fwd_ms=None, fwdbwd_ms=None, peak_mem_gb=None)
             try:
                 row["fwd_ms"], row["fwdbwd_ms"], row["peak_mem_gb"] = bench_one(impl, B, T, H, D, dev, warmup, rep)
             except torch.cuda.OutOfMemoryError:
@@ -170,8 +166,7 @@ def run_rows(impls, shapes, dev, warmup, rep, rows, extra=None, save=None):
                 save()  # after every row: a run cut short by a time limit keeps what it measured
             fmt = lambda x: f"{x:9.3f}" if x is not None else "        -"  # noqa: E731
             print(f"{impl:16s} B{B:<2d} T{T:<7d} H{H} D{D}  fwd {fmt(row['fwd_ms'])} ms  fwd+bwd "
-                  f"{fmt(row['fwdbwd_ms'])} ms  peak {fmt(row['peak_mem_gb'])} GB  {row.get('error', '')}"
-                  f"{'  ' + json.dumps(extra) if extra else ''}", flush=True)
+                  f"{fmt(row['fwdbwd_ms'])} ms  peak {fmt(row['peak_mem_gb'])} GB  {row.get('error', '')}", flush=True)
             if dev == "cuda":
                 torch.cuda.empty_cache()
 
@@ -394,7 +389,6 @@ def main() -> int:
     ap.add_argument("--infer-shapes", nargs="*", type=int, choices=range(len(INFER_SHAPES)),
                     help=f"--part infer: only these indices of {INFER_SHAPES} (to split a run)")
     ap.add_argument("--commit", help="commit to record (--part infer; default: git rev-parse HEAD)")
-    ap.add_argument("--tune", action="store_true", help="also time bf16 intra scores (scores_tf32=False) at B8 T4096")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU (Triton interpreter), moelab only")
     ap.add_argument("--impls", nargs="*", choices=IMPLS, help="only these rows (default: all)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel breakdown")
@@ -420,7 +414,7 @@ def main() -> int:
     meta = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu (triton interpreter)",
                 torch=torch.__version__, triton=triton.__version__, fla=FLA_VERSION,
                 date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                command=" ".join(sys.argv), tuning=dict(triton_chunk.TUNING),
+                command=" ".join(sys.argv),
                 launch_configs=triton_chunk.launch_configs(), maxnreg=dict(triton_chunk.MAXNREG),
                 note="both sides: L2 norm of q, k and the bounded gate (with dt_bias) inside the op")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -432,15 +426,6 @@ def main() -> int:
 
     run_rows(impls, shapes, dev, warmup, rep, rows, save=write)
     run_rows(["moelab_bounded", "moelab_general"], long_shapes, dev, warmup, rep, rows, save=write)
-    if args.tune:
-        default = dict(triton_chunk.TUNING)
-        for var in TUNE_VARIANTS:
-            triton_chunk.TUNING.clear()
-            triton_chunk.TUNING.update(default, **var)
-            run_rows(["moelab_bounded", "moelab_general"], shapes[:1], dev, warmup, rep, rows, extra={"tuning": var},
-                     save=write)
-        triton_chunk.TUNING.clear()
-        triton_chunk.TUNING.update(default)
     print_ratios(rows)
     write()  # the timings are safe before the optional breakdown runs
     if dev == "cuda" and args.part != "long" and not args.no_profile:

@@ -19,7 +19,7 @@ Rows (every one timed forward+backward w.r.t. every input and weight, and forwar
                         kernel) between the two matmuls of each GLU pair: router x[N,d]W[d,E];
                         W_down x[N,d]W[d,l]; experts a[N k,l]W[l,2f] -> GLU -> [N k,f]W[f,l]; W_up
                         z[N,l]W[l,d]; shared x[N,d]W[d,2S] -> GLU -> [N,S]W[S,d]. This is the anchor's
-                        "dense_equal_flops" (/work/shared/anchors/grouped_mm_bench.py) for the whole layer:
+                        "dense_equal_flops" (its grouped-GEMM benchmark) for the whole layer:
                         no routing, dispatch, combine or norm.
   dense_bare_matmuls    the same GEMMs with no activation: the pure matmul speed of those shapes.
   experts_grouped_only  the routed experts alone through grouped GEMM + activation on the layer's own

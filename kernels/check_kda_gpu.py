@@ -2,8 +2,12 @@
 
 Real sizes in bf16 (what training uses): forward output, final state and every gradient
 (q, k, v, g, beta, initial_state) of both modes, compared with ``rel_err`` = RMS(ref - out) /
-RMS(ref). Targets: o and final state <= 5e-3, gradients <= 1e-2. Prints a table, writes JSON to
-``--out`` and exits 1 on any failure (or non-finite value).
+RMS(ref). Targets: o and final state <= 5e-3, gradients <= 1e-2. Then the gate computed inside the
+op (``gate="bounded"`` / ``"softplus"`` from the raw input z with ``A_log`` and ``dt_bias``): the
+gradients of z, A_log and dt_bias against the fp32 chain rule through ``naive_kda_gate`` on the
+recurrence's dg, beside fla's ``chunk_kda`` with the same in-kernel gate on the same inputs when fla
+is importable; target: moelab's error <= fla's for each of them (without fla: <= GATE_TOL). Prints
+tables, writes JSON to ``--out`` and exits 1 on any failure (or non-finite value).
 
     python kernels/check_kda_gpu.py --out kernels/results/kda_check_h200.json
     python kernels/check_kda_gpu.py --smoke --out /tmp/kda_check.json   # CPU, Triton interpreter
@@ -40,10 +44,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from moelab.ops.kda.gate import naive_kda_gate  # noqa: E402
 from moelab.ops.kda.naive import naive_recurrent_kda  # noqa: E402
 
+os.environ.setdefault("FLA_FLASH_KDA", "0")  # fla's own kernels, not the FlashKDA hand-off (bench_kda.py)
+try:
+    from fla.ops.kda import chunk_kda as fla_chunk_kda  # noqa: E402
+except Exception as exc:  # fla-core is optional: the gate rows then use GATE_TOL
+    fla_chunk_kda = None
+    print(f"fla not importable ({type(exc).__name__}: {exc}); gate gradients checked against GATE_TOL only")
+
 O_TOL, GRAD_TOL = 5e-3, 1e-2
+# Bound on the gate-parameter gradients when fla (the bar they must meet) is not installed: each is a
+# sum over B*T tokens of per-token terms, so it carries the per-token error and any bias in it.
+GATE_TOL = 5e-2
 NAMES = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+GATE_NAMES = ["o", "dz", "dA_log", "ddt_bias"]
 
 
 def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -200,6 +216,82 @@ def self_check(dev: str) -> float:
     return max(rel_err(a, m) for a, m in zip(auto, manual))
 
 
+def make_gate_inputs(B, T, H, D, dtype, dev, seed):
+    """q, k L2-normalized, v, beta, the gate input z ``[B, T, H, D]`` in ``dtype``; A_log = log U(1, 16)
+    ``[H]`` and dt_bias ~ 0.5 N(0, 1) ``[H*D]`` fp32 (as the layer keeps them); do, dS fp32."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q = torch.nn.functional.normalize(rnd(B, T, H, D), dim=-1)
+    k = torch.nn.functional.normalize(rnd(B, T, H, D), dim=-1)
+    v, z = rnd(B, T, H, D), rnd(B, T, H, D)
+    beta = torch.sigmoid(rnd(B, T, H))
+    A_log = torch.empty(H).uniform_(1, 16, generator=gen).log()
+    dt_bias = 0.5 * rnd(H * D)
+    do, dS = rnd(B, T, H, D), rnd(B, H, D, D)
+    ins = [x.to(dev, dtype) for x in (q, k, v, z, beta)]
+    return ins, A_log.to(dev), dt_bias.to(dev), do.to(dev), dS.to(dev)
+
+
+def gate_reference(ins, A_log, dt_bias, gate, do, dS):
+    """fp32 ``[o, dz, dA_log, ddt_bias]``: the recurrence's dg pulled back through ``naive_kda_gate``."""
+    q, k, v, z, beta = (x.float() for x in ins)
+    z, A_log, dt_bias = (x.detach().clone().requires_grad_() for x in (z, A_log, dt_bias))
+    g = naive_kda_gate(z, A_log, gate, g_min_for("bounded") if gate == "bounded" else None, dt_bias)
+    with torch.no_grad():
+        o, _, _, _, _, dg, _ = recurrent_reference(q, k, v, g, beta, None, do, dS)
+    dz, dA, ddt = torch.autograd.grad(g, (z, A_log, dt_bias), dg)
+    return [o, dz, dA, ddt]
+
+
+def gate_run(fn, ins, A_log, dt_bias, do, dS, round_z_grad=False, **kw):
+    """``[o, dz, dA_log, ddt_bias]`` of ``fn`` (moelab's or fla's chunk_kda) with the gate in the op."""
+    q, k, v, z, beta = (x.detach().clone().requires_grad_() for x in ins)
+    A, dt = (x.detach().clone().requires_grad_() for x in (A_log, dt_bias))
+    o, S = fn(q, k, v, z, beta, A_log=A, dt_bias=dt, output_final_state=True, **kw)
+    ((o.float() * do).sum() + (S.float() * dS).sum()).backward()
+    dz = z.grad.bfloat16() if round_z_grad else z.grad  # z is bf16 on the GPU, so is its gradient
+    return [x.float() for x in (o.detach(), dz, A.grad, dt.grad)]
+
+
+def check_gate_grads(chunk_kda, cases, dtype, dev, emulate):
+    """Gate-parameter gradient errors of moelab (and fla where importable) per case; ``(rows, ok)``."""
+    use_fla = fla_chunk_kda is not None and dev == "cuda"
+    who = "fla" if use_fla else f"tol {GATE_TOL:g}"
+    print(f"\ngate inside the op: moelab rel_err (bar: {who})")
+    print(f"{'case':28s} {'mode':8s} " + " ".join(f"{n:>19s}" for n in GATE_NAMES) + "  status")
+    rows, ok = [], True
+    for i, (B, T, H, D, gate) in enumerate(cases):
+        ins, A_log, dt_bias, do, dS = make_gate_inputs(B, T, H, D, dtype, dev, seed=100 + i)
+        if emulate:  # bf16-rounded fp32 values, z a real bf16 tensor as on the GPU (the prep has no products)
+            ins = [x.bfloat16().float() for x in ins]
+            ins[3] = ins[3].bfloat16()
+        ref = gate_reference(ins, A_log, dt_bias, gate, do, dS)
+        mode = "bounded" if gate == "bounded" else "general"
+        g_min = G_MIN if gate == "bounded" else None
+        out = gate_run(chunk_kda, ins, A_log, dt_bias, do, dS, round_z_grad=emulate, mode=mode, gate=gate,
+                       g_min=g_min)
+        errs = {n: rel_err(r, o) for n, r, o in zip(GATE_NAMES, ref, out)}
+        if use_fla:
+            kw = dict(use_gate_in_kernel=True, safe_gate=gate == "bounded")
+            if gate == "bounded":
+                kw["lower_bound"] = G_MIN
+            fla_out = gate_run(fla_chunk_kda, ins, A_log, dt_bias, do, dS, **kw)
+            bar = {n: rel_err(r, o) for n, r, o in zip(GATE_NAMES, ref, fla_out)}
+        else:
+            bar = {n: (O_TOL if n == "o" else GATE_TOL) for n in GATE_NAMES}
+        passed = all(errs[n] <= bar[n] for n in GATE_NAMES if n != "o") and errs["o"] <= max(bar["o"], O_TOL)
+        ok &= passed
+        case = f"B{B} T{T} H{H} D{D} {gate}"
+        print(f"{case:28s} {mode:8s} " + " ".join(f"{errs[n]:9.2e} ({bar[n]:7.2e})" for n in GATE_NAMES)
+              + ("  ok" if passed else "  FAIL"), flush=True)
+        rows.append(dict(B=B, T=T, H=H, D=D, gate=gate, mode=mode,
+                         dtype="bf16 (emulated)" if emulate else str(dtype), errors=errs,
+                         **({"fla_errors": bar} if use_fla else {"tolerances": bar}), passed=passed))
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return rows, ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="kernels/results/kda_check.json", help="JSON output path")
@@ -219,13 +311,18 @@ def main() -> int:
         dtype = torch.float32  # bf16-rounded values; the emulation rounds the rest
         cases = [(1, 300, 2, 64, "bounded", True), (1, 200, 1, 128, "bounded", False),
                  (1, 300, 2, 64, "softplus", True)]
+        gate_cases = [(1, 300, 2, 64, "bounded"), (1, 300, 2, 64, "softplus")]
     elif args.smoke:
         dtype = torch.float32 if dev == "cpu" else torch.bfloat16  # the interpreter gets bf16 wrong
         cases = [(1, 100, 2, 32, "bounded", False), (1, 70, 1, 32, "bounded", True), (1, 90, 1, 32, "softplus", False)]
+        gate_cases = [(1, 100, 2, 32, "bounded"), (1, 90, 1, 32, "softplus")]
     else:
         dtype = torch.bfloat16
         cases = [(2, 4096, 16, 128, "bounded", False), (2, 1000, 16, 128, "bounded", False),
                  (2, 1000, 16, 128, "bounded", True), (2, 2048, 16, 128, "softplus", True)]
+        # the shapes where the gate gradients were found least accurate (odd T: a padded last chunk)
+        gate_cases = [(2, 4097, 16, 128, "bounded"), (4, 1000, 6, 64, "bounded"), (2, 2048, 16, 128, "softplus"),
+                      (1, 4097, 4, 256, "softplus")]
     ref_err = self_check(dev)
     print(f"reference adjoint vs autograd: max rel_err {ref_err:.2e}")
     if ref_err > 1e-5:
@@ -256,14 +353,17 @@ def main() -> int:
         del ref
         if dev == "cuda":
             torch.cuda.empty_cache()
+    gate_rows, gate_ok = check_gate_grads(chunk_kda, gate_cases, dtype, dev, args.emulate_bf16)
+    ok &= gate_ok
     meta = dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (triton interpreter)",
                 emulate_bf16=args.emulate_bf16,
                 torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                command=" ".join(sys.argv), reference_self_check=ref_err, passed=ok)
+                command=" ".join(sys.argv), reference_self_check=ref_err, passed=ok,
+                fla=getattr(sys.modules.get("fla"), "__version__", None))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, gate_rows=gate_rows), f, indent=1)
     print(("ALL PASSED" if ok else "FAILURES") + f"; wrote {args.out}")
     return 0 if ok else 1
 

@@ -4,11 +4,12 @@
 Phase 1 (parallel workers, one process each, restarted after a crash): for every candidate config
 of one kernel (the others at a base config), run a bf16 forward + backward of chunk_kda in both
 modes with a synchronize after every kernel launch; check every launch IN ISOLATION against fp32
-torch computed from that launch's own inputs (intra, state, out, dh), the gradients end to end
+torch computed from that launch's own inputs (state, out, dh), the gradients end to end
 against the fp32 recurrence (wy, dqkg), and determinism (two runs bitwise equal). A crash is pinned
 to the kernel whose launch was in flight. Phase 2 (one process): per-kernel device time of the
 passing configs at B8 T4096 H16 D128 (CUDA events around each launch). Writes JSON, and the
-fastest passing config per kernel to best_launch.json beside it (a MOELAB_KDA_LAUNCH value).
+fastest passing config per kernel to best_launch.json beside it (a ``launch_overrides(launch=...)``
+value; a new default goes into ``triton_chunk.LAUNCH``).
 
     python kernels/sweep_kda.py --out kernels/results/kda_sweep_h200.json   # GPU, ~2 min
     KDA_SWEEP_SMOKE=1 python kernels/sweep_kda.py --workers 2 --deadline 600 --out /tmp/s.json  # CPU dry run
@@ -37,14 +38,13 @@ from moelab.ops.kda import triton_chunk as tc  # noqa: E402
 # kernel and of 16/32-wide blocks at 4/8 warps (faults, wrong states; kernels/README.md) narrowed
 # these to the families that passed, plus the configs not timed then.
 CANDS = {
-    "intra": [(32, 4, 1), (64, 4, 1), (64, 8, 1), (32, 2, 1)],
     "wy": [(32, 2, 1), (64, 2, 1), (64, 4, 1), (64, 8, 1)],
     "dqkg": [(32, 2, 1), (64, 2, 1), (64, 4, 1), (64, 8, 1)],
     "state": [(32, 2, 1), (64, 2, 1), (64, 4, 1), (64, 8, 1)],
     "dh": [(32, 2, 1), (64, 2, 1), (64, 4, 1), (64, 8, 1)],
     "out": [(64, 4, 1), (128, 4, 1), (128, 8, 1), (64, 8, 1)],
 }
-ORDER = ["dqkg", "wy", "intra", "dh", "state", "out"]
+ORDER = ["dqkg", "wy", "dh", "state", "out"]
 SMOKE = os.environ.get("KDA_SWEEP_SMOKE") == "1"  # CPU interpreter dry run of the harness itself
 DEV, DT = ("cpu", torch.float32) if SMOKE else ("cuda", torch.bfloat16)
 CHECK_SHAPE = (1, 130, 2, 32) if SMOKE else (1, 1024, 16, 128)
@@ -95,29 +95,6 @@ def _h_chunks(x):
     return x.float().permute(0, 2, 1, 3, 4)
 
 
-def ref_intra(a):
-    C = a["C"]
-    q, k, v = (_chunks(a[n], C) for n in ("q", "k", "v"))
-    G = _chunks(a["g"], C).cumsum(-2)
-    B, T, H = a["beta"].shape
-    b = a["beta"].float().view(B, T // C, C, H).permute(0, 3, 1, 2)[..., None]
-    tril = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    D = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~tril[..., None], float("-inf")).exp_()
-    Akk = b * torch.einsum("...ik,...jk,...ijk->...ij", k, k, D) * (~torch.eye(C, dtype=torch.bool, device=q.device))
-    Aqk = a["scale"] * torch.einsum("...ik,...jk,...ijk->...ij", q, k, D)
-    del D
-    eye = torch.eye(C, device=q.device).expand_as(Akk)
-    Tm = torch.linalg.solve_triangular(eye + Akk, eye, upper=False)
-    Gl = G[..., -1:, :]
-    ref = dict(Abuf=Tm, Aqk=Aqk, w=Tm @ (b * k * G.exp()), u=Tm @ (b * v), qg=a["scale"] * q * G.exp(),
-               kd=k * (Gl - G).exp(), gl=Gl.exp()[..., 0, :])
-    got = dict(Abuf=_chunks(a["Abuf"], C), Aqk=_chunks(a["Aqk"], C), w=_chunks(a["w"], C), u=_chunks(a["u"], C),
-               qg=_chunks(a["qg"], C), kd=_chunks(a["kd"], C), gl=a["gl"].float().permute(0, 2, 1, 3))
-    if a["STORE_G"]:
-        ref["Gbuf"], got["Gbuf"] = G * 1.4426950408889634, _chunks(a["Gbuf"], C)  # log2 units
-    return {n: ck.rel_err(ref[n], got[n]) for n in ref}
-
-
 def ref_state(a):
     C = a["C"]
     kd, w, u = (_chunks(a[n], C) for n in ("kd", "w", "u"))
@@ -165,7 +142,7 @@ def ref_dh(a):
     return out
 
 
-REFS = dict(intra=ref_intra, state=ref_state, out=ref_out, dh=ref_dh)
+REFS = dict(state=ref_state, out=ref_out, dh=ref_dh)
 
 
 # ---------------------------------------------------------------- launch instrumentation
@@ -222,17 +199,16 @@ def worker(args):
     Probe.log = open(args.log, "a")
     for name, cfg in todo:
         cfg = tuple(cfg)
-        tc.LAUNCH.update({k: tuple(v) for k, v in base.items()})
-        tc.LAUNCH[name] = cfg
         Probe.log.write(f"start {json.dumps([name, list(cfg)])} base {json.dumps(base)}\n")
         Probe.log.flush()
         t0 = time.time()
         res = dict(kernel=name, cfg=list(cfg), base=base, modes={})
         for mode in ("bounded", "general"):
-            Probe.mode, Probe.iso = "check", {}
-            out1 = ck.fwd_bwd(tc.chunk_kda, ins, s0, do, dS, mode=mode)
-            Probe.mode = "off"
-            out2 = ck.fwd_bwd(tc.chunk_kda, ins, s0, do, dS, mode=mode)
+            with tc.launch_overrides(launch={**base, name: cfg}):
+                Probe.mode, Probe.iso = "check", {}
+                out1 = ck.fwd_bwd(tc.chunk_kda, ins, s0, do, dS, mode=mode, g_min=ck.g_min_for(mode))
+                Probe.mode = "off"
+                out2 = ck.fwd_bwd(tc.chunk_kda, ins, s0, do, dS, mode=mode, g_min=ck.g_min_for(mode))
             det = all(torch.equal(x, y) for x, y in zip(out1, out2))
             e2e = {n: ck.rel_err(r, o) for n, r, o in zip(ck.NAMES, ref, out1)}
             res["modes"][mode] = dict(iso=Probe.iso, e2e=e2e, deterministic=det)
@@ -265,6 +241,36 @@ def e2e_ok(res):
 
 
 # ---------------------------------------------------------------- driver
+def _time_mode(name, mode, leaves, do):
+    """Device ms of kernel ``name`` (median of 3 fwd+bwd), the fwd+bwd ms, every kernel's ms and
+    whether the 3 runs' gradients are bitwise equal, at the current launch configs."""
+    def step():
+        for x in leaves:
+            x.grad = None
+        o, _ = tc.chunk_kda(*leaves, mode=mode, g_min=ck.g_min_for(mode), validate=False)
+        o.backward(do)
+    step()
+    _sync()
+    per, tot, grads = [], [], []
+    for _ in range(3):
+        Probe.mode, Probe.events = "time", []
+        s, e = _Ev(), _Ev()
+        s.record()
+        step()
+        e.record()
+        _sync()
+        Probe.mode = "off"
+        acc = {}
+        for n, a, b in Probe.events:
+            acc[n] = acc.get(n, 0.0) + a.elapsed_time(b)
+        per.append(acc)
+        tot.append(s.elapsed_time(e))
+        grads.append([x.grad.clone() for x in leaves])
+    det = all(torch.equal(a, b) for g in grads[1:] for a, b in zip(grads[0], g))
+    return dict(kernel_ms=round(sorted(p[name] for p in per)[1], 4), fwdbwd_ms=round(sorted(tot)[1], 3),
+                all_ms={n: round(sorted(p[n] for p in per)[1], 4) for n in per[0]}, deterministic=det)
+
+
 def timer(args):
     """Phase-2 worker: per-kernel device ms at B8 T4096 H16 D128 of each given config (others at
     its base), plus a determinism check at that size (grads of 3 runs bitwise equal)."""
@@ -276,36 +282,10 @@ def timer(args):
         name, cfg = res["kernel"], tuple(res["cfg"])
         log.write(f"start {json.dumps([name, list(cfg)])}\n")
         log.flush()
-        tc.LAUNCH.update({k: tuple(v) for k, v in res["base"].items()})
-        tc.LAUNCH[name] = cfg
         row = dict(kernel=name, cfg=list(cfg), base=res["base"])
-        for mode in ("bounded", "general"):
-            def step(mode=mode):
-                for x in leaves:
-                    x.grad = None
-                o, _ = tc.chunk_kda(*leaves, mode=mode, validate=False)
-                o.backward(do)
-            step()
-            _sync()
-            per, tot, grads = [], [], []
-            for _ in range(3):
-                Probe.mode, Probe.events = "time", []
-                s, e = _Ev(), _Ev()
-                s.record()
-                step()
-                e.record()
-                _sync()
-                Probe.mode = "off"
-                acc = {}
-                for n, a, b in Probe.events:
-                    acc[n] = acc.get(n, 0.0) + a.elapsed_time(b)
-                per.append(acc)
-                tot.append(s.elapsed_time(e))
-                grads.append([x.grad.clone() for x in leaves])
-            det = all(torch.equal(a, b) for g in grads[1:] for a, b in zip(grads[0], g))
-            row[mode] = dict(kernel_ms=round(sorted(p[name] for p in per)[1], 4), fwdbwd_ms=round(sorted(tot)[1], 3),
-                             all_ms={n: round(sorted(p[n] for p in per)[1], 4) for n in per[0]}, deterministic=det)
-            del grads
+        with tc.launch_overrides(launch={**res["base"], name: cfg}):
+            for mode in ("bounded", "general"):
+                row[mode] = _time_mode(name, mode, leaves, do)
         log.write("row " + json.dumps(row) + "\n")
         log.flush()
 

@@ -1,9 +1,10 @@
-"""``python -m moelab {train,info,data,study}``.
+"""``python -m moelab {train,info,data,study,eval}``.
 
     python -m moelab train --config tiny --set train.max_steps=20 [--resume [CKPT]] [--throughput FILE]
     python -m moelab info  --config k3
     python -m moelab data  --config cpu [--force]
     python -m moelab study 1 [--preset cpu|gpu]
+    python -m moelab eval  --ckpt runs/tiny/last.ckpt --task passkey|mqar|loss_by_position [--lengths ...]
 
 ``--config`` takes a preset name (``moelab/presets/<name>.yaml``) or a YAML path; ``--set KEY=VALUE``
 (repeatable) overrides any field, the value parsed as YAML. Exit codes: 0 done, 1 failed (the
@@ -56,6 +57,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("number", type=int, help="study number (1-4)")
     p.add_argument("--preset", choices=("cpu", "gpu"), default=None,
                    help="scale of the study (default: gpu when CUDA is available, else cpu)")
+
+    p = sub.add_parser("eval", help="long-context evaluation of a checkpoint (JSON + MLflow eval/<preset>)")
+    p.add_argument("--ckpt", required=True, metavar="PATH", help="a moelab checkpoint (.ckpt)")
+    p.add_argument("--task", required=True, choices=("passkey", "mqar", "loss_by_position"))
+    p.add_argument("--lengths", type=int, nargs="+", default=None, metavar="N",
+                   help="context lengths in tokens (default: 1x, 2x, 4x the training window)")
+    p.add_argument("--depths", type=float, nargs="+", default=None, metavar="D",
+                   help="passkey needle depths in [0, 1] (default: 0 0.25 0.5 0.75 1)")
+    p.add_argument("--samples", type=int, default=16, help="samples per length (and depth)")
+    p.add_argument("--mqar-pairs", type=int, default=16, help="key-value pairs per MQAR sample")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="tokens per forward piece (default: the training window; 0: one full forward)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--out", metavar="FILE", help="JSON path (default: <checkpoint folder>/eval/<task>.json)")
+    p.add_argument("--tracking-uri", default="", help="MLflow store (default: as for training)")
+    p.add_argument("--no-mlflow", action="store_true", help="write the JSON only")
     return parser
 
 
@@ -64,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return {"train": _train, "info": _info, "data": _data, "study": _study}[args.command](args)
+        return {"train": _train, "info": _info, "data": _data, "study": _study, "eval": _eval}[args.command](args)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -138,4 +157,20 @@ def _study(args: argparse.Namespace) -> int:
 
     out = run_study(args.number, args.preset)
     print(f"study {args.number}: results in {out}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from moelab.eval.suite import evaluate
+
+    report = evaluate(args.ckpt, args.task, lengths=args.lengths, depths=args.depths, samples=args.samples,
+                      mqar_pairs=args.mqar_pairs, chunk_size=args.chunk_size, batch_size=args.batch_size,
+                      seed=args.seed, device=args.device, out=args.out, tracking=not args.no_mlflow,
+                      tracking_uri=args.tracking_uri)
+    keys = {"passkey": ("accuracy_by_length", "effective_context"), "mqar": ("accuracy", "all_correct"),
+            "loss_by_position": ()}[args.task]
+    lines = {k: report[k] for k in ("task", "step", "lengths", *keys, "state_bytes_per_token", "wall_s", "json")}
+    if args.task == "loss_by_position":
+        lines["mean_loss"] = [c["mean_loss"] for c in report["curves"]]
+    print(json.dumps(lines, indent=2, default=str))
     return 0

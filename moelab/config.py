@@ -35,6 +35,7 @@ import yaml
 
 from moelab.base import ConfigError, _check, _one_of
 from moelab.data.config import DataConfig, resolve_path
+from moelab.data.curriculum import plan
 from moelab.model.config import ModelConfig
 from moelab.tracking import experiment_name
 from moelab.utils import flatten_dict
@@ -142,6 +143,12 @@ class RunConfig:
         self.data.validate()
         self.train.validate()
         self.tracking.validate()
+        for i, stage in enumerate(self.data.curriculum):
+            _check(stage.seq_len <= self.model.max_seq_len, f"data.curriculum[{i}].seq_len", stage.seq_len,
+                   f"<= model.max_seq_len ({self.model.max_seq_len})")
+        if self.data.curriculum:
+            plan(self.data.curriculum, self.train.batch_size, self.data.seq_len, self.train.accumulate_grad_batches,
+                 self.train.max_steps)
         return self
 
     def check_trainable(self) -> None:

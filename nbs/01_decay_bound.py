@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -12,79 +14,207 @@
 # ---
 
 # %% [markdown]
-# # Study 1: the lower-bounded decay — where the factored tile overflows, what the bound costs, what it buys
+# # Study 1: the lower-bounded decay — where the kernel overflows, what the bound costs, what it buys
 #
-# KDA's chunked kernels need the gated scores `q_i k_j exp(G_i - G_j)` inside each chunk. Computed as one
-# tensor-core product `(q e^{G-G_m}) (k e^{G_m-G})^T`, the factors `e^{±G}` must stay finite in the working
-# precision. K3 bounds the per-token log decay from below (`g = g_min * sigmoid(.)`, `g_min = -5`) so that
-# they do over 16-token tiles. This notebook measures (1) where the factored tile breaks, per precision,
-# tile length and bound; (2) what an unbounded softplus gate actually produces in training, and the loss
-# of both gates; (3) the kernel time the bounded path saves. All logic is in `moelab.studies.decay_bound`.
+# KDA's chunked kernels need the gated scores $q_i^\top \mathrm{diag}(e^{G_i - G_j})\, k_j$ inside each chunk,
+# where $G$ is the cumulative sum of the per-token log decay $g \le 0$. moelab's bounded kernel forms each
+# diagonal 16-token sub-tile as one tensor-core product $(q \odot e^{G - G_r})(k \odot e^{G_r - G})^\top$, with
+# $G_r$ the value of $G$ at the sub-tile's row 7, so the factors $e^{\pm(G - G_r)}$ must stay finite. K3 bounds
+# the decay, $g = g_{min}\,\sigma(\cdot)$ with $g_{min} = -5$; Kimi Linear's softplus gate does not. This notebook
+# measures (1) where the kernel's sub-tile breaks, modelled and on the real Triton op; (2) language models that
+# differ only in the gate (bounded at $-5$, $-2$, $-1$; softplus), several seeds each: loss, how close the decay
+# comes to the bound, the cumulative decay per sub-tile, and loss past the training length (NoPE extrapolation);
+# (3) a task that needs fast forgetting; (4) kernel speed. Logic: `moelab.studies.decay_bound`; run grid:
+# `moelab.studies.common`.
 
 # %% tags=["parameters"]
-preset = "cpu"  # "cpu": minutes on 2 cores; "gpu": gpu-small model, kernel benchmark on the GPU
+preset = "cpu"  # "cpu": minutes on 2 cores; "gpu": the gpu-small model on one GPU
 out_dir = "."
 
 # %%
-from pathlib import Path
+import os
 
-import pandas as pd
+import torch
 
-from moelab.studies import decay_bound as study
-from moelab.utils import write_json
+if not torch.cuda.is_available():  # the Triton kernels run in the interpreter; chosen before their first import
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from pathlib import Path  # noqa: E402
+
+import pandas as pd  # noqa: E402
+from IPython.display import Markdown  # noqa: E402
+
+from moelab.studies import common  # noqa: E402
+from moelab.studies import decay_bound as study  # noqa: E402
+from moelab.utils import write_json  # noqa: E402
 
 out = Path(out_dir)
 (out / "figures").mkdir(parents=True, exist_ok=True)
 (out / "results").mkdir(parents=True, exist_ok=True)
+P = study.PRESETS[preset]
 
 # %% [markdown]
-# ## 1. The factored diagonal tile vs an exact fp64 reference
-# Worst case allowed by the bound (`g = g_min` on every channel) and uniform `g` in `[g_min, 0]`.
+# ## 1. Where the bounded kernel's sub-tile overflows
+# Left: the sub-tile modelled as the kernel computes it: $G$ and the factors in fp32, shifted by the fixed row 7
+# (so the $k$ factor of row 15 holds $e^{|G_{15} - G_7|}$, 8 tokens of decay), the products' operands in the
+# precision the kernel picks for the input dtype (bf16 inputs: bf16 operands; fp16: TF32; fp32: fp32), against an
+# exact fp64 element-wise tile. Two decays per bound: $g = g_{min}$ on every channel of every token (the worst
+# case a bound allows) and $g$ uniform in $[g_{min}, 0]$. Right: the real Triton op in bounded mode, told
+# $g_{min} = -5$ with its input check off, on decays down to the swept value, against the fp32 token recurrence.
 
 # %%
 overflow = pd.DataFrame(study.tile_overflow_table())
 overflow.to_csv(out / "results" / "tile_overflow.csv", index=False)
-fig = study.overflow_figure(overflow.to_dict("records"))
-fig.savefig(out / "figures" / "tile_overflow.png")
-fig
-
-# %%
-holds = overflow[overflow.finite & (overflow.rel_err < 1e-2)]
-safe_bound = (holds.groupby(["dtype", "subtile", "midpoint"]).g_min.min()
-              .unstack("midpoint").rename(columns={False: "no shift", True: "midpoint shift"}))
-safe_bound  # most negative g_min (of the swept values) at which the factored tile is still finite and accurate
+kernel_rows = study.kernel_overflow_rows(P["overflow_g_mins"], P["overflow_shape"])
+pd.DataFrame(kernel_rows).to_csv(out / "results" / "kernel_overflow.csv", index=False)
+common.show(study.overflow_figure(overflow.to_dict("records"), kernel_rows), out / "figures" / "tile_overflow.png")
 
 # %% [markdown]
-# ## 2. Training with the bounded and the softplus gate (same model, data, seed)
+# **Figure 1.** Left: relative RMS error of the modelled diagonal sub-tile vs $|g_{min}|$ (a line that stops has
+# overflowed); the vertical line is $|g_{min}| = 88.7/8 = 11.1$, where 8 tokens of constant decay exceed fp32's
+# exponent range ($\ln$ of its largest value). Right: relative error of the op's output $o$ in bounded mode
+# (markers), red crosses where it has non-finite entries, dotted the general mode (element-wise diagonal
+# sub-tiles) on the same inputs.
 
 # %%
-results = study.train_gates(preset, out / "checkpoints")
-fig = study.training_figure(results)
-fig.savefig(out / "figures" / "training_loss.png")
-fig
+pd.Series(study.safe_bounds(overflow), name="g_min").to_frame()  # most negative finite within 1%; first non-finite
+
+# %% [markdown]
+# ## 2. Language models that differ only in the gate
+# **Matched initialization.** Both gates start with $A = 0$ (rate 1) and each channel's bias $b$ of the gate input
+# $z = W_{up} W_{down} x + b$ set so that $g(b) = -dt$, with $dt$ log-uniform in $[10^{-3}, 0.1]$ from the same
+# $H \cdot K$ random numbers: softplus $b = \mathrm{softplus}^{-1}(dt)$, bounded $b = \mathrm{logit}(dt/|g_{min}|)$.
+# The slopes $\partial g / \partial z$ at $b$ agree to first order in $dt$ too. The gate draws the same random
+# numbers whatever its kind, so with one seed every other parameter is bitwise equal (checked below and by
+# `tests/studies/test_decay_bound.py`), and the data order depends on the seed only. The arms differ in the
+# two config keys below (checked on the resolved configs); softplus ignores `g_min`.
 
 # %%
-decay = pd.DataFrame(study.gate_decay_rows(results))
+pd.DataFrame(study.arms_factor(preset))
+
+# %%
+init = study.build_arm_models(preset, seed=0)
+gate_names = study.gate_parameter_names(init["softplus"])
+first = dict(init["softplus"].named_parameters())
+same = {arm: all(torch.equal(p, first[n]) for n, p in m.named_parameters() if n not in gate_names)
+        for arm, m in init.items()}
+ids0 = torch.randint(0, init["softplus"].cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+g0 = {arm: torch.cat([g.flatten() for g in study.collect_log_decay(m, ids0).values()]) for arm, m in init.items()}
+del init
+pd.DataFrame({arm: {"non-gate parameters bitwise equal to softplus's": same[arm],
+                    **{f"g at step 0, q{int(100 * q)}": float(g.quantile(q)) for q in (0.01, 0.5, 0.99)}}
+              for arm, g in g0.items()}).T
+
+# %%
+grid = study.train_gates(preset, out)
+runs = grid.table()
+runs.to_csv(out / "results" / "runs.csv", index=False)
+grid.histories().to_csv(out / "results" / "loss_histories.csv", index=False)
+common.aggregate(runs)[list(common.STUDY_METRICS) + ["n_seeds"]]
+
+# %%
+common.show(common.loss_curves(grid, f"{grid.base}: bounded (g_min -5, -2, -1) vs softplus gate"),
+            out / "figures" / "training_loss.png")
+
+# %% [markdown]
+# **Figure 2.** Training loss per optimizer step (thin: each seed; bold: mean over seeds) and validation loss
+# (dots: each seed; diamonds: mean) of each arm, in nats per token. Same model, initial decay, data order and
+# schedule; only the gate differs.
+
+# %%
+decay_list, pooled = study.gate_decay_rows(grid)
+decay = pd.DataFrame(decay_list)
 decay.to_csv(out / "results" / "trained_decay_stats.csv", index=False)
-decay_summary = decay.groupby("gate")[["g_min", "frac_below_bound", "max_tile_exponent",
-                                       "frac_tiles_over_bf16", "frac_tiles_over_fp16"]].agg(
-    {"g_min": "min", "frac_below_bound": "max", "max_tile_exponent": "max",
-     "frac_tiles_over_bf16": "max", "frac_tiles_over_fp16": "max"})
-decay_summary
+decay.groupby("arm", sort=False)[["bound", "g_min", "frac_channels_near_bound", "frac_entries_near_bound",
+                                  "tile_decay_q50", "tile_decay_q99", "tile_decay_max", "max_factor_exponent"]].agg(
+    {"bound": "first", "g_min": "min", "frac_channels_near_bound": "mean", "frac_entries_near_bound": "mean",
+     "tile_decay_q50": "mean", "tile_decay_q99": "max", "tile_decay_max": "max", "max_factor_exponent": "max"})
 
 # %% [markdown]
-# ## 3. Kernel speed: bounded (dense tiles) vs general (element-wise diagonal tiles) vs fla
+# The table: per arm, over seeds and KDA layers, on validation windows of the training length: the most negative
+# log decay $g$; the share of channels (layer, head, channel) whose most negative $g$ is within 5% of the arm's bound
+# (softplus: of $-5$), mean over models; the same share of all (token, channel) entries; the median and 99th
+# percentile of the cumulative decay $-\sum g$ over a 16-token sub-tile and its maximum; the largest exponent a
+# factor of the bounded kernel's sub-tile would hold ($|G_i - G_7|$; fp32 overflows above 88.7).
 
 # %%
-speed_rows, speed_source = study.kernel_speed(preset, out)
-if speed_rows:
-    pd.DataFrame(speed_rows).to_csv(out / "results" / "kernel_speed.csv", index=False)
-    fig = study.speed_figure(speed_rows, speed_source)
-    fig.savefig(out / "figures" / "kernel_speed.png")
-    display(fig)  # noqa: F821 (IPython)
-print(speed_source)
+common.show(study.tile_decay_figure(pooled["tile_decay"]), out / "figures" / "tile_decay.png")
+
+# %% [markdown]
+# **Figure 3.** Distribution of the cumulative decay over one 16-token sub-tile, $-\sum_{t \in tile} g_t$, per
+# arm (pooled over seeds, layers, heads, channels; share of tiles above x). A bounded arm cannot pass
+# $16 |g_{min}|$. The vertical line, 177 nats, is twice fp32's exponent range: a constant decay that large puts
+# 88.7 nats on either side of row 7.
+#
+# **The trained softplus decays on the real kernel.** Each softplus model's log decays (one validation window,
+# each layer) fed to the Triton op in bounded mode (check off), with random unit q, k, values and beta:
 
 # %%
-summary = study.summarize(overflow, results, decay, speed_rows, speed_source, preset)
+real_rows = study.real_g_kernel_rows(pooled["real_g"], max_tokens=P["overflow_shape"][1])
+kernel_rows += real_rows
+pd.DataFrame(kernel_rows).to_csv(out / "results" / "kernel_overflow.csv", index=False)
+pd.DataFrame(real_rows)[["source", "g_min", "nonfinite", "rel_err", "rel_err_general", "dtype"]]
+
+# %% [markdown]
+# ## 3. When the model wants fast forgetting
+# Language modelling at this scale keeps the decays far from any bound. Here the targets are the outputs of a KDA
+# recurrence that forgets at $g = -8$ per token on half the channels ($e^{-8} = 3 \cdot 10^{-4}$) and at
+# $-0.05$ on the rest; a student learns one gate bias per channel from $g = -0.05$, with each gate.
+
+# %%
+forgetting = pd.DataFrame(study.fast_forgetting({arm: (ov["model.kda.g_min"] if ov["model.kda.gate"] == "bounded"
+                                                       else None) for arm, ov in study.ARMS.items()},
+                                                steps=P["forget_steps"], seeds=P["forget_seeds"]))
+forgetting.to_csv(out / "results" / "fast_forgetting.csv", index=False)
+forgetting.groupby("arm", sort=False)[["bound", "g_fast_min", "g_fast_mean", "g_slow_mean", "frac_fast_near_bound",
+                                       "first_loss", "final_loss"]].agg(["mean", "std"])
+
+# %% [markdown]
+# ## 4. NoPE length extrapolation
+# Every trained model reads validation windows 4x its training context (`MoELab.prefill` in pieces of the
+# training length; the KDA state and the MLA latent cache carry across pieces; the MLA layers have no positional
+# encoding). The model is causal, so the 1x and 2x evaluations are the first quarter and half of the same windows.
+
+# %%
+extra = pd.DataFrame(study.extrapolation_rows(grid, P["eval_windows"]))
+extra.to_csv(out / "results" / "extrapolation.csv", index=False)
+extra_summary = study.extrapolation_summary(extra)
+extra_summary.to_csv(out / "results" / "extrapolation_summary.csv", index=False)
+common.show(study.extrapolation_figure(extra), out / "figures" / "extrapolation.png")
+
+# %% [markdown]
+# **Figure 4.** Validation loss by position (16 bins over 4x the training context; x: position over the training
+# length), mean over seeds, band: min-max over seeds. Vertical lines: 1x and 2x the training context.
+
+# %%
+extra_summary.groupby("arm", sort=False)[["loss_1x", "loss_1_2x", "loss_2_4x", "d_2x", "d_4x"]].agg(["mean", "std"])
+
+# %% [markdown]
+# ## 5. Kernel speed: bounded vs general vs fla vs flash attention
+# Read from the committed H200 benchmarks (`make kda-bench` writes them); the study does not re-run them.
+
+# %%
+speed_rows, speed_source = study.kernel_speed()
+print(study.describe_source(speed_source))
+ratios = study.speed_ratios(speed_rows)
+pd.DataFrame(speed_rows).to_csv(out / "results" / "kernel_speed.csv", index=False)
+crossover = study.crossover_length(ratios)
+common.show(study.speed_figure(ratios, speed_source, crossover), out / "figures" / "kernel_speed.png")
+
+# %% [markdown]
+# **Figure 5.** Forward+backward time of each implementation divided by moelab's bounded path, by sequence
+# length (16 heads of dimension 128, bf16; B = 8, 1, 2 at T = 4K, 32K, 64K, B = 1 beyond): moelab's general path,
+# fla's `chunk_kda` with its safe gate and with softplus (left axis), causal SDPA on the flash backend (dashed,
+# right axis; the red line: where it becomes slower than bounded KDA, interpolated linearly in T).
+
+# %%
+summary = study.summarize(overflow, kernel_rows, grid, decay, extra_summary, forgetting, ratios, speed_source, preset)
 write_json(out / "summary.json", summary)
-summary
+pd.Series({k: str(summary["meta"][k]) for k in ("commit", "dirty", "device", "torch", "triton", "command", "date",
+                                                "wall_s", "tokens_per_run", "epochs")}, name="run facts").to_frame()
+
+# %% [markdown]
+# ## Findings
+
+# %%
+Markdown(study.findings(summary))

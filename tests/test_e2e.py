@@ -4,16 +4,19 @@ in a copy of the repository with the default store."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -131,6 +134,28 @@ def test_tiny_train_track_serve_resume(tmp_path, tracking_uri, mlflow_server) ->
 NOBODY = 65534
 
 
+@contextlib.contextmanager
+def _interpreter_reachable_by_others() -> Iterator[None]:
+    """Let other users traverse the folders above the interpreter and its standard library for the duration.
+
+    Where Python lives under a root-only home (``/root/.pyenv``, as on CI), uid 65534 cannot start it at all;
+    adding the search bit (not read) to those folders, and restoring their modes afterwards, lets the
+    unprivileged case run instead of being skipped.
+    """
+    changed: dict[Path, int] = {}
+    try:
+        for leaf in {Path(os.path.realpath(sys.executable)), Path(sys.base_prefix).resolve()}:
+            for folder in [leaf, *leaf.parents] if leaf.is_dir() else leaf.parents:
+                mode = folder.stat().st_mode
+                if folder not in changed and not mode & stat.S_IXOTH:
+                    changed[folder] = stat.S_IMODE(mode)
+                    folder.chmod(stat.S_IMODE(mode) | stat.S_IXOTH)
+        yield
+    finally:
+        for folder, mode in changed.items():
+            folder.chmod(mode)
+
+
 def _user_kwargs(user: str) -> dict:
     """subprocess arguments that run the child as ``user``: ``current``, or ``unprivileged`` (uid/gid 65534)."""
     if user == "current":
@@ -149,6 +174,11 @@ def _user_kwargs(user: str) -> dict:
 def test_training_with_the_default_store_keeps_artifacts_inside_the_repository(user, mlflow_template_db) -> None:  # noqa: F811
     """The CLI with the default store (``<repo>/mlflow.db``) in a copy of the repository owned by the user who
     trains; ``unprivileged`` trains as uid 65534 when the suite runs as root."""
+    with _interpreter_reachable_by_others() if user == "unprivileged" else contextlib.nullcontext():
+        _train_with_the_default_store(user, mlflow_template_db)
+
+
+def _train_with_the_default_store(user: str, template_db: Path) -> None:
     import tempfile
 
     from moelab.config import load_config
@@ -162,7 +192,7 @@ def test_training_with_the_default_store_keeps_artifacts_inside_the_repository(u
         shutil.copy(REPO / "data" / "shakespeare.tar.xz", repo / "data")
         cache = prepare(load_config("tiny").data, progress=False).cache_dir
         shutil.copytree(cache, repo / "data" / "cache" / cache.name)
-        shutil.copy(mlflow_template_db, repo / "mlflow.db")
+        shutil.copy(template_db, repo / "mlflow.db")
         if kwargs:
             for path in [repo, *repo.rglob("*")]:
                 os.chown(path, NOBODY, NOBODY, follow_symlinks=False)

@@ -31,15 +31,17 @@ def test_bench_and_ab_smoke(tmp_path):
     assert all(r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 for r in rows)
 
     ab = tmp_path / "ab.jsonl"
-    res = _run(["kernels/ab_kda.py", "--smoke", "--out", str(ab), "--variant", "base",
-                "--variant", 'bad={"tuning": {"dqkg": "bogus"}}'], tmp_path)
+    res = _run(["kernels/ab_kda.py", "--smoke", "--out", str(ab), "--variant", 'cap128={"maxnreg": {"kktr": 128}}',
+                "--variant", 'bad={"launch": {"bogus": [64, 4, 1]}}'], tmp_path)
     assert res.returncode == 1, res.stdout + res.stderr[-2000:]  # the bad variant fails, the run goes on
     rows = [json.loads(x) for x in ab.read_text().splitlines()]
-    assert [r["variant"] for r in rows] == ["base"]
+    assert [r["variant"] for r in rows] == ["cap128"]
+    assert rows[0]["spec"] == {"maxnreg": {"kktr": 128}} and rows[0]["maxnreg"] == {"kktr": 128}  # applied
     assert rows[0]["ok"] and rows[0]["check_bounded"]["ok"] and rows[0]["timing"]
     assert {"gpu", "torch", "triton", "date", "command"} <= set(rows[0]["meta"])
     assert "ab_kda.py" in rows[0]["meta"]["command"]
-    assert "base" in res.stdout and "bad" in res.stdout
+    assert "cap128" in res.stdout and "bad" in res.stdout
+    assert "'bogus'" in (tmp_path / "ab.jsonl.bad.err").read_text()
 
 
 def test_aot_report(tmp_path):
@@ -63,3 +65,19 @@ def test_bench_attnres_smoke(tmp_path):
     assert data["sweep"] and all(r["ok"] for r in data["sweep"])
     assert {"gpu", "torch", "triton", "date", "commit", "command"} <= set(data["meta"])
     assert data["meta"]["all_ok"] and "bench_attnres.py" in data["meta"]["command"]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU smoke runs; the GPU runs the real thing")
+def test_bench_model_k3_mini_smoke(tmp_path):
+    out = tmp_path / "model.json"
+    res = _run(["kernels/bench_model.py", "--smoke", "--out", str(out)], tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"moelab_k3_mini", "moelab_k3_mini_balancer_none"}
+    qb, none = rows["moelab_k3_mini"], rows["moelab_k3_mini_balancer_none"]
+    assert (qb["balancer"], none["balancer"]) == ("quantile_balancing", "none")
+    for r in (qb, none):  # the balancer update ran and was timed inside the step
+        assert r["loss_finite"] and not r["nonfinite_grads"] and r["tok_per_s"] > 0
+        assert 0 < r["balancer_ms"] < r["step_ms"] and r["balancer_share"] == r["balancer_ms"] / r["step_ms"]
+    assert qb["balancer_cost"] == 1 - qb["tok_per_s"] / none["tok_per_s"]
+    assert "k3-mini quantile_balancing vs none" in res.stdout

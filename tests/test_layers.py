@@ -19,6 +19,7 @@ LAYERS: list[set[str]] = [
     {"model", "data", "tracking"},
     {"config"},
     {"train"},
+    {"eval"},
     {"studies"},
     {"cli"},
     {"__main__"},

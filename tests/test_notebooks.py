@@ -1,14 +1,21 @@
-"""nbs/NN_name.py (jupytext py:percent) and nbs/NN_name.ipynb must hold the same cells.
+"""The study notebooks: sources and their executed reports.
 
-Edit either one, then ``make sync-nbs`` (``jupytext --sync``); this test fails when they drift.
+nbs/NN_name.py (jupytext py:percent) and nbs/NN_name.ipynb must hold the same cells: edit either
+one, then ``make sync-nbs`` (``jupytext --sync``); these tests fail when they drift. The executed
+notebook in studies/NN_name/ must read as a report: every figure rendered as a PNG with a caption,
+no machine paths or known log noise in any output, and a computed "Findings" section at the end.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import jupytext
 import pytest
+
+from moelab.studies.common import KNOWN_NOISE, MACHINE_PATH
 
 NBS = Path(__file__).resolve().parents[1] / "nbs"
 SOURCES = sorted(NBS.glob("[0-9][0-9]_*.py"))
@@ -65,3 +72,148 @@ def test_drift_is_detected(tmp_path: Path) -> None:
     assert "3 cells" in drift(py, ipynb)
     py.write_text(text.replace('tags=["parameters"]', ""))
     assert "cell 0 differs" in drift(py, ipynb)
+
+
+# --- executed notebooks (studies/NN_name/NN_name.ipynb): what a reader sees -----------------------
+
+EXECUTED = sorted((NBS.parent / "studies").glob("[0-9][0-9]_*/[0-9][0-9]_*.ipynb"))
+UNRENDERED_FIGURE = re.compile(r"<(?:matplotlib\.figure\.)?Figure size \d")
+
+
+def output_texts(output: dict) -> list[str]:
+    """Every text a reader can see in one cell output (streams, plain/HTML/Markdown data, tracebacks)."""
+    texts = [output.get("text", "")] if output.get("output_type") == "stream" else []
+    for mime, value in output.get("data", {}).items():
+        if mime.startswith("text/") or mime == "application/json":
+            texts.append(value if isinstance(value, str) else json.dumps(value))
+    texts.extend(output.get("traceback", []))
+    return [t if isinstance(t, str) else "".join(t) for t in texts]
+
+
+def report_problems(nb: dict) -> list[str]:
+    """Why an executed study notebook does not read as a report; empty when it does."""
+    problems = []
+    cells = nb["cells"]
+    captions = 0
+    images = 0
+    for i, cell in enumerate(cells):
+        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        if cell["cell_type"] == "markdown":
+            captions += len(re.findall(r"^\*\*Figure \d+\.\*\*", src, flags=re.M))
+            continue
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if "image/png" in data:
+                images += 1
+            if any(k.startswith("application/vnd.jupyter.widget") for k in data):
+                problems.append(f"cell {i}: a widget output (an empty progress bar in the saved notebook)")
+            for text in output_texts(out):
+                if UNRENDERED_FIGURE.search(text) and "image/png" not in data:
+                    problems.append(f"cell {i}: a figure output without image/png: {text[:80]!r}")
+                path = MACHINE_PATH.search(text)
+                if path:
+                    where = text[max(0, path.start() - 40):][:120]
+                    problems.append(f"cell {i}: a machine path in the output: {where!r}")
+                for noise in KNOWN_NOISE:
+                    hit = re.search(noise, text)
+                    if hit:
+                        problems.append(f"cell {i}: known noise {noise!r} in the output: {text[hit.start():][:80]!r}")
+            if out.get("output_type") == "error":
+                problems.append(f"cell {i}: an error: {out.get('ename')}: {out.get('evalue')}")
+    if captions != images:
+        problems.append(f"{images} image/png outputs but {captions} '**Figure N.**' captions")
+    heads = [i for i, c in enumerate(cells) if c["cell_type"] == "markdown"
+             and re.match(r"#+\s*Findings\s*$", "".join(c["source"]).strip())]
+    if not heads:
+        problems.append("no '## Findings' markdown cell")
+    else:
+        after = [c for c in cells[heads[-1] + 1:] if c["cell_type"] == "code"][:1]
+        md = [o["data"]["text/markdown"] for c in after for o in c.get("outputs", [])
+              if "text/markdown" in o.get("data", {})]
+        if not md or not "".join(md[0]).strip().startswith("- "):
+            problems.append("the cell after '## Findings' has no computed Markdown list as its output")
+    return problems
+
+
+@pytest.mark.parametrize("ipynb", EXECUTED, ids=[p.stem for p in EXECUTED])
+def test_executed_study_notebook_reads_as_a_report(ipynb: Path) -> None:
+    nb = json.loads(ipynb.read_text())
+    problems = report_problems(nb)
+    assert not problems, f"{ipynb.name}:\n" + "\n".join(problems)
+    html = ipynb.with_suffix(".html")
+    assert html.exists(), f"{html.name} (the runner's HTML export) is missing"
+    images = sum("image/png" in o.get("data", {}) for c in nb["cells"] for o in c.get("outputs", []))
+    assert html.read_text().count("data:image/png;base64,") >= images
+
+
+def test_report_check_catches_each_problem() -> None:
+    def nb(*cells: dict) -> dict:
+        return {"cells": list(cells)}
+
+    def code(*outputs: dict) -> dict:
+        return {"cell_type": "code", "source": "x", "outputs": list(outputs)}
+
+    def md(text: str) -> dict:
+        return {"cell_type": "markdown", "source": text}
+
+    findings = [md("## Findings"), code({"output_type": "execute_result", "data": {"text/markdown": "- a finding"}})]
+    png = {"output_type": "display_data", "data": {"image/png": "iVBOR", "text/plain": "<IPython.core.display.Image>"}}
+    good = nb(code(png), md("**Figure 1.** What it shows."), *findings)
+    assert report_problems(good) == []
+    bare = {"output_type": "execute_result", "data": {"text/plain": "<Figure size 640x480 with 1 Axes>"}}
+    assert any("without image/png" in p for p in report_problems(nb(code(bare), *findings)))
+    path = {"output_type": "stream", "name": "stdout", "text": "saved to /work/main/studies/x.png\n"}
+    assert any("machine path" in p for p in report_problems(nb(code(path), *findings)))
+    noise = {"output_type": "stream", "name": "stderr", "text": "GPU available: False, used: False\n"}
+    assert any("known noise" in p for p in report_problems(nb(code(noise), *findings)))
+    assert any("no '## Findings'" in p for p in report_problems(nb(code(png), md("**Figure 1.** x"))))
+    assert any("'**Figure N.**' captions" in p for p in report_problems(nb(code(png), *findings)))
+    widget = {"output_type": "display_data", "data": {"application/vnd.jupyter.widget-view+json": {}}}
+    assert any("widget" in p for p in report_problems(nb(code(widget), *findings)))
+
+
+# --- study 2's committed results --------------------------------------------------------------------
+
+def test_study_2_summary_covers_every_balancer() -> None:
+    """studies/02_balancing/summary.json: every balancer arm with its seeds, each balance column and the shift test."""
+    from moelab.studies import balancing
+
+    path = NBS.parent / "studies" / "02_balancing" / "summary.json"
+    assert path.exists(), "studies/02_balancing/summary.json is missing: run `make study-2 PRESET=cpu`"
+    summary = json.loads(path.read_text())
+    preset = summary["meta"]["preset"]
+    assert set(summary["arms"]) == set(balancing.ARMS)
+    assert set(summary["factor"]) <= {"model.moe.balancer", "model.moe.aux_loss_alpha",
+                                      "model.moe.quantile_balancing_cutoff"}
+    for arm, a in summary["arms"].items():
+        assert a["n_seeds"] == len(balancing.PRESETS[preset]["seeds"]) >= 2, arm
+        assert len(a["run_ids"]) == a["n_seeds"], arm
+        for metric in ("final_val_loss", "maxvio_batch", "maxvio_global", "load_cv", "dead_experts", "balancer_share"):
+            assert isinstance(a[f"{metric}_mean"], float), (arm, metric)
+        assert a["shift_maxvio_first"] is not None, f"{arm}: no shift test"
+    assert summary["settings"]["threshold"] >= 0.1
+
+
+STUDY3 = NBS.parent / "studies" / "03_attnres_depth" / "summary.json"
+
+
+@pytest.mark.skipif(not STUDY3.exists(), reason="study 3 has no committed results yet")
+def test_study3_summary_holds_its_grid_and_verdicts() -> None:
+    """Study 3's committed rows cover the grid it promises, under one token budget, with a verdict per depth."""
+    from moelab.studies.attnres_depth import ROW_KEYS, main_blocks
+
+    s = json.loads(STUDY3.read_text())
+    rows = s["rows"]
+    assert rows and all(set(r) == set(ROW_KEYS) for r in rows)
+    depths = sorted({r["n_layers"] for r in rows})
+    assert len(depths) >= 3, f"depths {depths}: the study sweeps at least three"
+    for L in depths:
+        for mode, blocks in (("prenorm", None), ("block_attnres", main_blocks(L)), ("full_attnres", 2 * L)):
+            seeds = {r["seed"] for r in rows if (r["residual"], r["blocks"], r["n_layers"]) == (mode, blocks, L)}
+            assert len(seeds) >= 2, f"{mode} at {L} layers has seeds {seeds}: the main modes need two or more"
+    assert {r["blocks"] for r in rows if r["residual"] == "block_attnres"} >= {2, 4}
+    assert len({r["tokens"] for r in rows}) == 1, "the budget rule: every run sees the same tokens"
+    assert set(s["by_depth"]) == {str(L) for L in depths}
+    assert all(v["order"] for v in s["by_depth"].values())
+    if s["meta"]["preset"] == "cpu":
+        assert s["meta"]["wall_s"] <= 240, f"PRESET=cpu took {s['meta']['wall_s']} s: the rule is 4 minutes"

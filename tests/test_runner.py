@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jupytext
@@ -27,7 +28,9 @@ with nested_run(f"child-{preset}") as run:
     run.log_metrics({"score": 0.5}, step=1)
 os.makedirs("figures", exist_ok=True)
 open("figures/plot.svg", "w").write("<svg/>")
-json.dump({"preset": preset, "parent": current_parent_run_id(), "scores": {"a": 1.5}}, open("summary.json", "w"))
+json.dump({"preset": preset, "parent": current_parent_run_id(), "scores": {"a": 1.5},
+           "meta": {"wall_s": 3.0}, "arms": {"x": {"loss": 2.0}}}, open("summary.json", "w"))
+print(os.environ["MOELAB_STUDY_COMMAND"], json.loads(os.environ["MOELAB_STUDY_GIT"])["commit"] is not None)
 FAIL
 '''
 
@@ -53,19 +56,26 @@ def test_runner_executes_notebook_under_a_parent_run(tmp_path, tracking_uri) -> 
     executed = nbformat.read(out / "07_demo.ipynb", as_version=4)
     injected = [c for c in executed.cells if "injected-parameters" in c.metadata.get("tags", [])]
     assert injected and "preset = \"cpu\"" in injected[0].source
+    assert 'out_dir = "."' in injected[0].source  # the working directory: no machine path in the notebook
+    printed = "".join(o.get("text", "") for c in executed.cells for o in c.get("outputs", []))
+    assert "make study-7 PRESET=cpu True" in printed  # command and code state reach the kernel
+    assert "make study-7 PRESET=cpu True" in (out / "07_demo.html").read_text()  # the HTML export has the outputs
     summary = json.loads((out / "summary.json").read_text())
     assert summary["preset"] == "cpu"
 
     client = MlflowClient(tracking_uri)
-    exp = client.get_experiment_by_name("07_demo")
+    exp = client.get_experiment_by_name("study/07_demo")
     runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
     parent, child = runs["07_demo-cpu"], runs["child-cpu"]
     assert parent.info.status == child.info.status == "FINISHED"
     assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id == summary["parent"]
     assert parent.data.params == {"study": "07_demo", "preset": "cpu", "notebook": "07_demo.ipynb"}
     assert parent.data.metrics["summary/scores.a"] == 1.5
+    # Run facts and per-arm numbers are not parent metrics (the children carry per-arm metrics).
+    assert not any(k.startswith(("summary/meta.", "summary/arms.")) for k in parent.data.metrics)
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", parent.data.tags["moelab.code"])
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
-    assert {"07_demo.ipynb", "summary.json", "figures"} <= artifacts
+    assert {"07_demo.ipynb", "07_demo.html", "summary.json", "figures"} <= artifacts
 
 
 def test_failing_notebook_marks_parent_failed_and_keeps_the_executed_notebook(tmp_path, tracking_uri) -> None:  # noqa: F811
@@ -80,7 +90,7 @@ def test_failing_notebook_marks_parent_failed_and_keeps_the_executed_notebook(tm
     executed = tmp_path / "studies" / "08_broken" / "08_broken.ipynb"
     assert "study failed here" in executed.read_text()
     client = MlflowClient(tracking_uri)
-    exp = client.get_experiment_by_name("08_broken")
+    exp = client.get_experiment_by_name("study/08_broken")
     statuses = {r.info.run_name: r.info.status for r in client.search_runs([exp.experiment_id])}
     assert statuses == {"08_broken-cpu": "FAILED", "child-cpu": "FINISHED"}
 

@@ -6,12 +6,12 @@ is imported lazily so that corpus preparation does not pull in Lightning.
 """
 
 from moelab.base import repo_root
-from moelab.data.config import DataConfig, resolve_path
+from moelab.data.config import CurriculumStage, DataConfig, resolve_path
 from moelab.data.corpus import PreparedCorpus, prepare
 from moelab.data.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["DataConfig", "PreparedCorpus", "TextDataModule", "Tokenizer", "load_tokenizer", "prepare", "repo_root",
-           "resolve_path"]
+__all__ = ["CurriculumStage", "DataConfig", "PreparedCorpus", "TextDataModule", "Tokenizer", "load_tokenizer",
+           "prepare", "repo_root", "resolve_path"]
 
 
 def __getattr__(name: str):

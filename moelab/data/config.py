@@ -13,10 +13,11 @@ from typing import Literal
 
 from moelab.base import ConfigError, _check, _one_of, repo_root
 
-Source = Literal["shakespeare", "files", "hf"]
+Source = Literal["shakespeare", "gutenberg", "files", "hf"]
 TokenizerKind = Literal["bpe", "byte"]
 
-SOURCES = ("shakespeare", "files", "hf")
+SOURCES = ("shakespeare", "gutenberg", "files", "hf")
+SYNTHETIC_TASKS = ("passkey", "mqar")
 TOKENIZERS = ("bpe", "byte")
 BYTE_VOCAB = 256
 # A byte-level BPE needs its 256-byte alphabet plus the end-of-text token before any merge.
@@ -32,15 +33,63 @@ def resolve_path(path: str | os.PathLike) -> Path:
 
 
 @dataclass
+class CurriculumStage:
+    """One stage of a context curriculum (``data.curriculum``): train at ``seq_len`` for a stretch of steps.
+
+    Length of the stage: ``steps`` optimizer steps, or ``tokens`` (per device, a multiple of the
+    run's tokens per optimizer step and device); the last stage may leave both at 0 to run until
+    ``train.max_steps``. Validation keeps reading ``data.seq_len`` windows in every stage, so its
+    loss stays comparable across stages.
+    The micro-batch is resized so that every stage trains on the same tokens per optimizer step
+    (``moelab.data.curriculum.plan``). Data mix: a share ``synthetic`` of the stage's sequences are
+    retrieval sub-tasks (``synthetic_tasks``, drawn uniformly), the rest are corpus documents
+    permuted and concatenated (``moelab.data.curriculum``). ``mqar_pairs``: key-value pairs per
+    MQAR sequence.
+    """
+
+    seq_len: int = 0  # required: 0 is refused
+    steps: int = 0
+    tokens: int = 0
+    synthetic: float = 0.0
+    synthetic_tasks: list[str] = field(default_factory=lambda: list(SYNTHETIC_TASKS))
+    mqar_pairs: int = 8
+
+    def validate(self, name: str = "data.curriculum[0]") -> CurriculumStage:
+        """Check the fields that need no other section (``name`` prefixes the messages); return self."""
+        _check(_is_int(self.seq_len) and self.seq_len >= 1, f"{name}.seq_len", self.seq_len, "an integer >= 1")
+        _check(_is_int(self.steps) and self.steps >= 0, f"{name}.steps", self.steps, "an integer >= 0")
+        _check(_is_int(self.tokens) and self.tokens >= 0, f"{name}.tokens", self.tokens, "an integer >= 0")
+        _check(not (self.steps and self.tokens), f"{name}.tokens", self.tokens,
+               f"0 when {name}.steps is given ({self.steps}): a stage's length is steps or tokens, not both")
+        _check(isinstance(self.synthetic, (int, float)) and 0.0 <= self.synthetic <= 1.0, f"{name}.synthetic",
+               self.synthetic, "a share in [0, 1]")
+        _check(len(self.synthetic_tasks) > 0 and all(t in SYNTHETIC_TASKS for t in self.synthetic_tasks)
+               and len(set(self.synthetic_tasks)) == len(self.synthetic_tasks), f"{name}.synthetic_tasks",
+               self.synthetic_tasks, f"a non-empty list of distinct names from {SYNTHETIC_TASKS}")
+        _check(_is_int(self.mqar_pairs) and self.mqar_pairs >= 1, f"{name}.mqar_pairs", self.mqar_pairs,
+               "an integer >= 1")
+        if self.synthetic > 0 and "mqar" in self.synthetic_tasks:
+            need = 4 * self.mqar_pairs - 1  # the pairs, then every key asked once with its value
+            _check(self.seq_len >= need, f"{name}.seq_len", self.seq_len,
+                   f">= {need} for MQAR with mqar_pairs={self.mqar_pairs}")
+        return self
+
+
+@dataclass
 class DataConfig:
     """Where text comes from and how it becomes ``[B, seq_len]`` token windows.
 
     ``source``: ``"shakespeare"`` unpacks the committed ``data/shakespeare.tar.xz`` (one play = one
-    document), ``"files"`` reads every file matched by the ``files`` globs (one file = one document),
+    document; the CPU presets' corpus), ``"gutenberg"`` the committed ``data/gutenberg.tar.xz`` (one
+    e-book = one document; the GPU presets' corpus, see data/README.md), ``"files"`` reads every
+    file matched by the ``files`` globs (one file = one document),
     ``"hf"`` calls ``datasets.load_dataset(hf_name, hf_config, split=hf_split)[text_field]`` (one row
     = one document; needs the hub or a local datasets cache).
     ``tokenizer``: ``"bpe"`` is a byte-level BPE trained on the train split (``vocab_size`` ids,
     id 0 = end of text); ``"byte"`` maps UTF-8 bytes to ids 0..255 (byte 0 = end of text).
+    ``seq_len``: the window of validation, and of training without a curriculum.
+    ``curriculum``: stages of training lengths (:class:`CurriculumStage`); empty: every step
+    trains on random ``seq_len`` windows of the train stream.
     """
 
     source: Source = "shakespeare"
@@ -56,6 +105,7 @@ class DataConfig:
     split_seed: int = 1234
     cache_dir: str = "data/cache"
     num_workers: int = 0
+    curriculum: list[CurriculumStage] = field(default_factory=list)
 
     def validate(self) -> DataConfig:
         """Check every field; return self so calls chain. Raises ConfigError naming field and range."""
@@ -84,6 +134,12 @@ class DataConfig:
                self.cache_dir, "a non-empty path")
         _check(_is_int(self.num_workers) and self.num_workers >= 0, "data.num_workers", self.num_workers,
                "an integer >= 0")
+        _check(isinstance(self.curriculum, list), "data.curriculum", self.curriculum, "a list of stages")
+        for i, stage in enumerate(self.curriculum):
+            stage.validate(f"data.curriculum[{i}]")
+            if i < len(self.curriculum) - 1:
+                _check(stage.steps > 0 or stage.tokens > 0, f"data.curriculum[{i}].steps", stage.steps,
+                       "an integer >= 1 (or tokens >= 1): only the last stage may run until train.max_steps")
         return self
 
     @property
@@ -96,4 +152,4 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-__all__ = ["ConfigError", "DataConfig", "repo_root", "resolve_path"]
+__all__ = ["ConfigError", "CurriculumStage", "DataConfig", "repo_root", "resolve_path"]

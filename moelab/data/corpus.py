@@ -43,7 +43,12 @@ from moelab.data.tokenizer import EOS_ID, ByteTokenizer, Tokenizer, load_tokeniz
 from moelab.utils import write_json
 
 FORMAT_VERSION = 1
-SHAKESPEARE_ARCHIVE = "data/shakespeare.tar.xz"
+# Corpora committed under data/ (see data/README.md): source name -> (archive, its sha256). The hash
+# is checked on every read, so a truncated checkout or a Git LFS pointer fails with a clear error.
+ARCHIVES = {
+    "shakespeare": ("data/shakespeare.tar.xz", "ab195c685df602af65f474529b1c1c3d405609aa916a3f54743e09ca02954b2e"),
+    "gutenberg": ("data/gutenberg.tar.xz", "913c6baa84bddd4bf87e27e329b24c4443a746271155ac5eaaff384f04a54e5e"),
+}
 SPLITS = ("train", "val")
 _ENCODE_BATCH = 1000  # documents per tokenizer call: bounds memory on large hub datasets
 
@@ -126,8 +131,8 @@ def cache_key_fields(cfg: DataConfig) -> dict:
     fields: dict = {"format": FORMAT_VERSION, "source": cfg.source, "tokenizer": cfg.tokenizer,
                     "vocab_size": cfg.effective_vocab_size, "val_fraction": float(cfg.val_fraction),
                     "split_seed": cfg.split_seed}
-    if cfg.source == "shakespeare":
-        fields["content_sha256"] = _sha256_file(_shakespeare_archive())
+    if cfg.source in ARCHIVES:
+        fields["content_sha256"] = _sha256_file(_archive(cfg.source))
     elif cfg.source == "files":
         paths = _match_files(cfg.files)
         fields["content_sha256"] = _sha256_json({_doc_id(p): _sha256_file(p) for p in paths})
@@ -139,8 +144,8 @@ def cache_key_fields(cfg: DataConfig) -> dict:
 
 def load_documents(cfg: DataConfig) -> Documents:
     """Read the documents of ``cfg.source`` (see :class:`moelab.data.config.DataConfig`)."""
-    if cfg.source == "shakespeare":
-        return _shakespeare_documents()
+    if cfg.source in ARCHIVES:
+        return _archive_documents(cfg.source)
     if cfg.source == "files":
         return _file_documents(cfg.files)
     return _hf_documents(cfg)
@@ -165,27 +170,35 @@ def split_documents(ids: Sequence[str], val_fraction: float, seed: int) -> tuple
 # ---------------------------------------------------------------------------------------- sources
 
 
-def _shakespeare_archive() -> Path:
-    path = resolve_path(SHAKESPEARE_ARCHIVE)
+def _archive(source: str) -> Path:
+    """The committed archive of ``source``, after checking its sha256 against ``ARCHIVES``."""
+    rel, sha = ARCHIVES[source]
+    path = resolve_path(rel)
     if not path.is_file():
-        raise FileNotFoundError(f"the default corpus {path} is missing: run from a moelab checkout or set "
+        raise FileNotFoundError(f"the corpus archive {path} is missing: run from a moelab checkout or set "
                                 f"MOELAB_ROOT to one (current root: {repo_root()})")
+    actual = _sha256_file(path)
+    if actual != sha:
+        raise ValueError(f"{rel} has sha256 {actual[:16]}..., expected {sha[:16]}... (data/README.md says how it "
+                         "was built; a Git LFS pointer or a partial checkout gives a different file)")
     return path
 
 
-def _shakespeare_documents() -> Documents:
-    path = _shakespeare_archive()
+def _archive_documents(source: str) -> Documents:
+    """One document per ``.txt`` member. Ids: the file stem for shakespeare (as its split was
+    first defined), the member path without ``.txt`` (``Author/Title``) for the others."""
+    path = _archive(source)
     try:
         with tarfile.open(path, mode="r:xz") as tar:
             members = sorted((m for m in tar.getmembers() if m.isfile() and m.name.endswith(".txt")),
                              key=lambda m: m.name)
             texts = [tar.extractfile(m).read().decode("utf-8") for m in members]
     except (tarfile.TarError, EOFError, lzma.LZMAError) as e:
-        raise ConfigError(f"the default corpus {path} is damaged ({type(e).__name__}: {e}): restore it with "
-                          f"git checkout -- {SHAKESPEARE_ARCHIVE}") from e
-    ids = [Path(m.name).stem for m in members]
+        raise ConfigError(f"the corpus archive {path} is damaged ({type(e).__name__}: {e}): restore it with "
+                          f"git checkout -- {ARCHIVES[source][0]}") from e
+    ids = [Path(m.name).stem if source == "shakespeare" else m.name.removesuffix(".txt") for m in members]
     return Documents(ids=ids, texts=lambda idx: (texts[i] for i in idx),
-                     info={"archive": str(SHAKESPEARE_ARCHIVE), "archive_sha256": _sha256_file(path)})
+                     info={"archive": ARCHIVES[source][0], "archive_sha256": ARCHIVES[source][1]})
 
 
 def _match_files(patterns: Sequence[str]) -> list[Path]:

@@ -16,12 +16,16 @@ A resumed run therefore sees exactly the batches an uninterrupted run would have
 the number of dataloader workers. Build the Trainer with ``use_distributed_sampler=False`` so
 Lightning keeps this sampler instead of substituting a ``DistributedSampler``.
 
+With ``data.curriculum`` set, training items come from :mod:`moelab.data.curriculum` instead
+(stage-sized batches of document packs and retrieval sub-tasks), on the same step -> batch rule.
+
 Validation reads the first ``val_batches * B`` non-overlapping windows of the val stream, dealt
 round-robin to the ranks (each rank gets the same count, so per-rank means average exactly).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterator
 
@@ -33,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from moelab.base import ConfigError, _check
 from moelab.data.config import DataConfig
 from moelab.data.corpus import PreparedCorpus, prepare
+from moelab.data.curriculum import CurriculumSampler, CurriculumSequences, StagePlan, plan
 from moelab.data.tokenizer import Tokenizer
 
 
@@ -151,7 +156,8 @@ def val_windows(n_available: int, val_batches: int, batch_size: int, rank: int, 
 
 
 class TextDataModule(L.LightningDataModule):
-    """Token windows of a prepared corpus as ``{"input_ids": [B, T] int64, "targets": [B, T] int64}``.
+    """Token windows of a prepared corpus as ``{"input_ids": [B, T] int64, "targets": [B, T] int64}``
+    (with a curriculum, training batches are ``[B_k, T_k]`` per stage and add ``segment_ids`` ``[B_k, T_k]`` int32).
 
     ``max_steps`` is the optimizer-step length of the whole run (the train loader covers steps
     ``global_step .. max_steps``); ``seed`` fixes which windows each step reads.
@@ -198,13 +204,26 @@ class TextDataModule(L.LightningDataModule):
         num_steps = self.max_steps * accum
         if step * accum > num_steps:
             raise ConfigError(f"max_steps={self.max_steps} is not allowed: the trainer resumed at global step {step}")
-        dataset = RandomWindows(self._stream("train"), self.cfg.seq_len, self.seed,
-                                length=num_steps * self.batch_size * world)
-        sampler = StepBatchSampler(self.batch_size, num_steps, rank, world, start_step=step * accum)
         sampling = {"seed": self.seed, "batch_size": self.batch_size, "world_size": world,
                     "accumulate_grad_batches": accum, "seq_len": self.cfg.seq_len,
                     "corpus": self._prepared().cache_dir.name}
+        if self.cfg.curriculum:
+            stages = self.stages(accum)
+            dataset: Dataset = CurriculumSequences(
+                self._stream("train"), stages, self.seed, self.tokenizer, self.vocab_size,
+                length=sum(s.steps * accum * s.batch_size * world for s in stages))
+            dataset.check()
+            sampler: Sampler = CurriculumSampler(stages, accum, rank, world, start_step=step * accum)
+            sampling["curriculum"] = [dataclasses.asdict(s) for s in self.cfg.curriculum]
+        else:
+            dataset = RandomWindows(self._stream("train"), self.cfg.seq_len, self.seed,
+                                    length=num_steps * self.batch_size * world)
+            sampler = StepBatchSampler(self.batch_size, num_steps, rank, world, start_step=step * accum)
         return self._loader(dataset, loader_cls=StepLoader, sampling=sampling, batch_sampler=sampler)
+
+    def stages(self, accumulate: int = 1) -> list[StagePlan]:
+        """The curriculum's stages over this module's ``max_steps`` (:func:`moelab.data.curriculum.plan`)."""
+        return plan(self.cfg.curriculum, self.batch_size, self.cfg.seq_len, accumulate, self.max_steps)
 
     def val_dataloader(self) -> DataLoader:
         rank, world, _, _ = self._placement()

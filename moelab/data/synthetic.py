@@ -81,7 +81,7 @@ def passkey(tokenizer: Tokenizer, n: int, seq_len: int, depth: float | None = No
             raise ValueError(f"seq_len={seq_len} is not allowed: a passkey sample needs at least "
                              f"{seq_len - n_fill} tokens with this tokenizer")
         start = int(rng.integers(0, haystack.size)) if filler is not None else 0
-        fill = np.resize(np.roll(haystack, -start), n_fill)  # cyclic: any length from any stream
+        fill = haystack[(start + np.arange(n_fill)) % haystack.size]  # cyclic: any length from any stream
         cut = int(round(float(depths[i]) * n_fill))
         seq = np.concatenate([prefix, fill[:cut], needle, fill[cut:], question, answer]).astype(np.int64)
         input_ids[i], needle_pos[i] = seq[:-1], len(prefix) + cut

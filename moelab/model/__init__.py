@@ -1,7 +1,7 @@
 """The moelab model: plain ``torch.nn`` modules, configured by ``moelab.model.config``.
 
 Reading order: ``config`` (every option) -> ``kda`` / ``mla`` (token mixers) -> ``activations`` /
-``moe`` (FFNs) -> ``attnres`` (residual modes) -> ``transformer`` (the stack, ``generate``);
+``moe`` (FFNs) -> ``attnres`` (residual modes) -> ``transformer`` (the stack, ``prefill``, ``generate``);
 ``accounting`` counts parameters and FLOPs from a config without building the model.
 """
 
@@ -16,7 +16,7 @@ from moelab.model.config import (
 )
 from moelab.model.kda import KDALayer, KDAState
 from moelab.model.mla import MLA
-from moelab.model.transformer import ModelOutput, ModelState, MoELab
+from moelab.model.transformer import ModelOutput, ModelState, MoELab, PrefillChunk, PrefillOutput
 
 __all__ = [
     "ConfigError",
@@ -30,6 +30,8 @@ __all__ = [
     "ModelState",
     "MoEConfig",
     "MoELab",
+    "PrefillChunk",
+    "PrefillOutput",
     "ResidualConfig",
     "flops_per_token",
     "param_counts",

@@ -1,6 +1,6 @@
 """Expert load balancing: the rules as pure functions, the per-router statistics, the balance metrics.
 
-Notation (``../shared/research/balancing.md``): m tokens, n routed experts, k active per token,
+Notation: m tokens, n routed experts, k active per token,
 sigmoid scores s ``[m, n]``, a per-expert bias b ``[n]`` used for selection only (TopK(s + b)),
 load_j = tokens routed to expert j (sums to m k), target load q = m k / n.
 

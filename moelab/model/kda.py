@@ -116,20 +116,23 @@ class KDALayer(nn.Module):
     def reset_gate_parameters(self, dt_min: float = 1e-3, dt_max: float = 0.1) -> None:
         """Decay init. Called at construction and again after the model-wide init.
 
-        ``A``: 0 for the bounded gate (K3), ``log U(1, 16)`` for softplus (Kimi Linear / Mamba).
-        ``b`` (bias of ``W_up``): per channel so that at ``z = b`` the decay is
-        ``g = -exp(A) * dt`` with ``dt`` log-uniform in ``[dt_min, dt_max]`` (Mamba's spread of
-        memory lengths, 10 to 1000 tokens). For softplus ``b = softplus^-1(dt)``; for the bounded
-        gate, ``g_min * sigmoid(b) = -dt`` gives ``b = logit(dt / |g_min|)``.
+        Both gates start from the same per-token log decay, so that arms differing only in the gate
+        also start alike: ``A = 0`` (rate 1), and ``b`` (bias of ``W_up``) per channel such that at
+        ``z = b`` the decay is ``g = -dt``, ``dt`` log-uniform in ``[dt_min, dt_max]`` (Mamba's spread
+        of memory lengths, 10 to 1000 tokens), from one draw of ``H*K`` numbers whatever the gate
+        (so every other parameter gets the same random numbers too). softplus: ``b =
+        softplus^-1(dt)``; bounded: ``g_min * sigmoid(b) = -dt`` gives ``b = logit(dt / |g_min|)``.
+        The slopes ``dg/dz`` at ``b`` then agree to first order in dt as well: ``-dt (1 - dt/|g_min|)``
+        and ``-(1 - e^{-dt})``. (Kimi Linear draws ``A = log U(1, 16)`` for softplus: 1-16x faster
+        initial decay than the bounded gate's, and extra random numbers.)
         """
         H, K = self.H, self.K
         dt = torch.exp(torch.rand(H * K) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        self.A_log.zero_()
         if self.cfg.gate == "bounded":
-            self.A_log.zero_()
             p = (dt / -self.cfg.g_min).clamp(max=0.5)
             self.f_up.bias.copy_(torch.log(p) - torch.log1p(-p))
         else:
-            self.A_log.copy_(torch.log(torch.empty(H).uniform_(1.0, 16.0)))
             self.f_up.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:

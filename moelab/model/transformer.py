@@ -15,6 +15,8 @@ for ``prenorm``, a softmax over depth for the AttnRes modes.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +71,47 @@ class ModelOutput:
     router_stats: list = field(default_factory=list)
     state: ModelState | None = None
     diagnostics: dict | None = None
+
+
+@dataclass
+class PrefillChunk:
+    """One piece of a chunked prefill (what ``MoELab.prefill_chunks`` yields).
+
+    Attributes:
+        start: index in ``input_ids`` of the piece's first token (0 for the first piece).
+        logits: ``[B, c, vocab]`` logits of the piece's c tokens, in the compute dtype.
+        token_loss: ``[B, c]`` fp32 next-token cross-entropy per token (0 where the target is
+            -100), or None without targets.
+        state: the decoding state after the piece's last token.
+    """
+
+    start: int
+    logits: torch.Tensor
+    token_loss: torch.Tensor | None
+    state: ModelState
+
+
+@dataclass
+class PrefillOutput:
+    """What ``MoELab.prefill`` returns.
+
+    Attributes:
+        state: the decoding state after the last token (for ``forward(..., state=)``, decoding, or
+            another ``prefill(..., state=)``).
+        last_logits: ``[B, vocab]`` logits at the last position (the next token's distribution).
+        token_loss: ``[B, T]`` fp32 next-token cross-entropy per token (0 where the target is -100),
+            or None without targets.
+        loss: fp32 scalar, the mean of ``token_loss`` over targets != -100 (as ``forward``'s loss;
+            NaN when every target is -100), or None without targets.
+    """
+
+    state: ModelState
+    last_logits: torch.Tensor
+    token_loss: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+
+
+PREFILL_CHUNK = 1024  # default tokens per prefill piece: bounds the [chunk, vocab] logits and activations
 
 
 class Layer(nn.Module):
@@ -221,6 +264,90 @@ class MoELab(nn.Module):
             diagnostics=diagnostics,
         )
 
+    @contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        """Eval mode for the block (routing counts go to the balancer's eval statistics, not the training
+        step's), then the mode as before."""
+        was_training = self.training
+        self.eval()
+        try:
+            yield
+        finally:
+            self.train(was_training)
+
+    def prefill_chunks(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        chunk_size: int = PREFILL_CHUNK,
+        state: ModelState | None = None,
+        check_ids: bool = True,
+    ) -> Iterator[PrefillChunk]:
+        """Run ``input_ids [B, T]`` through the model ``chunk_size`` tokens at a time, carrying the
+        decoding state (KDA recurrent state and conv tails, MLA latent cache), and yield each piece's
+        logits and per-token loss as soon as it is computed.
+
+        Equal to one ``forward`` over the whole sequence (tested), but the memory of a piece is
+        bounded by ``chunk_size``: its activations and ``[B, chunk_size, vocab]`` logits, and MLA
+        scores ``[B, H, chunk_size, T_seen]`` (``F.scaled_dot_product_attention``); what grows with T
+        is only the MLA latent cache (``B T kv_latent_dim`` per MLA layer; the KDA state is
+        ``B H K V`` per layer whatever T), never ``T^2`` or ``T vocab``. No gradients; the model is
+        in eval mode while each piece runs (then as before). With ``kda.backend`` auto / triton on a
+        GPU the KDA layers run the inference forward (``moelab.ops.kda.kda_path``).
+
+        Args:
+            input_ids: ``[B, T]`` long token ids in ``[0, vocab_size)``.
+            targets: ``[B, T]`` long next-token targets (``-100`` = ignore), or None (no loss).
+            chunk_size: tokens per piece (>= 1); the last piece may be shorter.
+            state: the state after earlier tokens of the same sequences (from ``prefill`` or a
+                ``forward(..., use_cache=True)``), or None: the sequences start here.
+            check_ids: check every id once up front (one host sync).
+
+        Yields:
+            One :class:`PrefillChunk` per piece, in order; each holds the state after its last token.
+        """
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size={chunk_size!r} is not allowed: expected an int >= 1")
+        self._check(input_ids, targets, state.seq_len if state is not None else 0, check_ids)
+        T = input_ids.shape[1]
+        for start in range(0, T, chunk_size):
+            piece = slice(start, start + chunk_size)
+            with torch.no_grad(), self._eval_mode():
+                out = self(input_ids[:, piece], state=state, use_cache=True, check_ids=False)
+                token_loss = None
+                if targets is not None:
+                    tgt = targets[:, piece]
+                    token_loss = F.cross_entropy(out.logits.float().flatten(0, 1), tgt.flatten(), ignore_index=-100,
+                                                 reduction="none").view(tgt.shape)
+            state = out.state
+            yield PrefillChunk(start=start, logits=out.logits, token_loss=token_loss, state=state)
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        chunk_size: int = PREFILL_CHUNK,
+        state: ModelState | None = None,
+        check_ids: bool = True,
+    ) -> PrefillOutput:
+        """Chunked prefill of ``input_ids [B, T]``: the state after the last token, the logits at the
+        last position and, with targets, the per-token and mean loss. Arguments and memory as for
+        :meth:`prefill_chunks` (which yields every piece's logits, for callers that need them);
+        here the pieces' logits are dropped as soon as their loss is taken.
+        """
+        token_losses: list[torch.Tensor] = []
+        for piece in self.prefill_chunks(input_ids, targets, chunk_size=chunk_size, state=state, check_ids=check_ids):
+            if piece.token_loss is not None:
+                token_losses.append(piece.token_loss)
+            last = piece
+        if targets is None:
+            return PrefillOutput(state=last.state, last_logits=last.logits[:, -1])
+        token_loss = torch.cat(token_losses, dim=1)
+        loss = token_loss.sum() / (targets != -100).sum()
+        return PrefillOutput(state=last.state, last_logits=last.logits[:, -1], token_loss=token_loss, loss=loss)
+
     @torch.no_grad()
     def generate(
         self,
@@ -239,8 +366,8 @@ class MoELab(nn.Module):
             temperature: softmax temperature; ``<= 0`` picks the argmax (greedy).
             top_k: sample among the k most likely tokens only; None: all.
             generator: RNG for sampling (reproducible generations).
-            prefill_chunk: prefill the prompt in pieces of this many tokens (bounds the memory of
-                long prompts); None: one piece.
+            prefill_chunk: prefill the prompt in pieces of this many tokens (:meth:`prefill`,
+                bounds the memory of long prompts); None: one piece.
             return_logits: also return the logits each new token was sampled from.
 
         Returns:
@@ -253,25 +380,17 @@ class MoELab(nn.Module):
             raise ValueError(f"prompt {T} + max_new_tokens {max_new_tokens} exceeds max_seq_len={self.cfg.max_seq_len}")
         if top_k is not None and not 1 <= top_k <= self.cfg.vocab_size:
             raise ValueError(f"top_k={top_k} must be in 1..vocab_size ({self.cfg.vocab_size})")
-        was_training = self.training
-        self.eval()
-        try:
-            state = None
-            step = prefill_chunk or T
-            for start in range(0, T, step):
-                out = self(input_ids[:, start:start + step], state=state, use_cache=True)
-                state = out.state
+        with self._eval_mode():
+            pre = self.prefill(input_ids, chunk_size=prefill_chunk or T)
+            state, logits = pre.state, pre.last_logits
             tokens, seen = [input_ids], []
-            logits = out.logits[:, -1]
             for i in range(max_new_tokens):
                 seen.append(logits)
                 nxt = self._sample(logits, temperature, top_k, generator)
                 tokens.append(nxt)
                 if i + 1 < max_new_tokens:
-                    out = self(nxt, state=state, use_cache=True)
+                    out = self(nxt, state=state, use_cache=True, check_ids=False)
                     state, logits = out.state, out.logits[:, -1]
-        finally:
-            self.train(was_training)
         ids = torch.cat(tokens, dim=1)
         if return_logits:
             empty = input_ids.new_zeros(B, 0, self.cfg.vocab_size, dtype=torch.float32)

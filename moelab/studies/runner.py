@@ -4,13 +4,16 @@ For study ``N`` the runner
 
 1. finds ``nbs/NN_*.ipynb`` (the paired, executable copy of ``nbs/NN_*.py``);
 2. creates ``studies/NN_name/`` (papermill does not create folders);
-3. opens one MLflow parent run (experiment ``NN_name``, run ``NN_name-<preset>``) and exports
+3. opens one MLflow parent run (experiment ``study/NN_name``, run ``NN_name-<preset>``) and exports
    ``MOELAB_PARENT_RUN_ID`` / ``MLFLOW_TRACKING_URI`` so that the kernel's training runs nest
-   under it;
-4. executes the notebook with papermill, injecting ``preset`` and ``out_dir`` into its
-   ``parameters`` cell, with ``out_dir`` as the working directory, into
-   ``studies/NN_name/NN_name.ipynb`` (kept even when a cell fails: it shows the error);
-5. logs the executed notebook, ``summary.json`` (and its numbers as ``summary/*`` metrics) and
+   under it, and what the kernel cannot know itself: the command, the start time and the code
+   state before the study wrote anything (``moelab.studies.common.study_context``);
+4. executes the notebook with papermill (cell progress on stderr), injecting ``preset`` and
+   ``out_dir = "."`` into its ``parameters`` cell, with the results folder as the working
+   directory (so no machine path enters the notebook), into ``studies/NN_name/NN_name.ipynb``
+   (kept even when a cell fails: it shows the error);
+5. exports the executed notebook as ``NN_name.html`` beside it, and logs both, ``summary.json``
+   (its study-level numbers as ``summary/*`` metrics; per-arm numbers live on the child runs) and
    the figures and results the notebook wrote as artifacts of the parent run.
 
 The notebook itself writes its figures, raw results and ``summary.json`` into ``out_dir``.
@@ -20,19 +23,24 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 from moelab.base import repo_root
-from moelab.tracking import PARENT_ENV, Run, start_run
+from moelab.studies.common import COMMAND_ENV, GIT_ENV, STARTED_ENV, git_state, quiet_known_noise
+from moelab.tracking import PARENT_ENV, Run, experiment_name, start_run
 from moelab.utils import atomic_path, flatten_dict
 
 STUDIES = {1: "01_decay_bound", 2: "02_balancing", 3: "03_attnres_depth", 4: "04_context_curriculum"}
 PRESETS = ("cpu", "gpu")
-ARTIFACT_SUFFIXES = {".png", ".svg", ".pdf", ".json", ".csv", ".md", ".txt"}
+ARTIFACT_SUFFIXES = {".png", ".svg", ".pdf", ".json", ".csv", ".md", ".txt", ".html"}
 ARTIFACT_DIRS = ("figures", "results")
+# summary.json sections not logged as parent metrics: run facts (meta) and per-arm numbers, which
+# the child runs carry under one metric name per quantity so MLflow can chart arms side by side.
+NOT_PARENT_METRICS = ("meta", "arms", "factor")
 
 
 def default_preset() -> str:
@@ -103,6 +111,7 @@ def run_study(
     """
     import papermill
 
+    quiet_known_noise()
     preset = preset or default_preset()
     if preset not in PRESETS:
         raise ValueError(f"preset={preset!r} is not allowed: expected one of {PRESETS}")
@@ -110,24 +119,47 @@ def run_study(
     out_dir = (Path(out_root) if out_root else repo_root() / "studies").resolve() / notebook.stem
     out_dir.mkdir(parents=True, exist_ok=True)
     executed = out_dir / notebook.name
-    params = {"preset": preset, "out_dir": str(out_dir), **(parameters or {})}
+    params = {"preset": preset, "out_dir": ".", **(parameters or {})}
+    code = git_state(exclude=(out_dir.relative_to(repo_root()).as_posix(),) if out_dir.is_relative_to(repo_root())
+                     else ())
 
-    with start_run(notebook.stem, f"{notebook.stem}-{preset}", tracking_uri=tracking_uri, parent_run_id="",
+    with start_run(experiment_name("study", notebook.stem), f"{notebook.stem}-{preset}",
+                   tracking_uri=tracking_uri, parent_run_id="",
                    params={"study": notebook.stem, "preset": preset, "notebook": notebook.name},
-                   tags={"moelab.study": notebook.stem}) as run:
+                   tags={"moelab.study": notebook.stem,
+                         "moelab.code": f"{code['commit']}{'-dirty' if code['dirty'] else ''}"}) as run:
         env = {
             PARENT_ENV: run.run_id,
             "MLFLOW_TRACKING_URI": run.tracking_uri,
             # The kernel imports moelab from this checkout even where it is not pip-installed.
             "PYTHONPATH": os.pathsep.join(p for p in (str(repo_root()), os.environ.get("PYTHONPATH", "")) if p),
+            COMMAND_ENV: f"make study-{number} PRESET={preset}",
+            STARTED_ENV: repr(time.time()),
+            GIT_ENV: json.dumps(code),
+            "MLFLOW_LOGGING_LEVEL": "WARNING",
         }
         try:
             with _environ(env), atomic_path(executed, keep_on_error=True) as tmp:
                 papermill.execute_notebook(str(notebook), str(tmp), parameters=params, cwd=str(out_dir),
-                                           kernel_name=kernel_name, progress_bar=False, log_output=log_output)
+                                           kernel_name=kernel_name, progress_bar=True, log_output=log_output)
         finally:
+            export_html(executed)
             _log_results(run, out_dir, executed)
     return out_dir
+
+
+def export_html(notebook: Path) -> Path | None:
+    """Write ``notebook`` as a standalone HTML page beside it (figures embedded); None if it does not exist."""
+    if not notebook.exists():
+        return None
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    body, _ = HTMLExporter().from_notebook_node(nbformat.read(notebook, as_version=4))
+    out = notebook.with_suffix(".html")
+    with atomic_path(out) as tmp:
+        tmp.write_text(body, encoding="utf-8")
+    return out
 
 
 def _log_results(run: Run, out_dir: Path, executed: Path) -> None:
@@ -135,7 +167,8 @@ def _log_results(run: Run, out_dir: Path, executed: Path) -> None:
         run.log_artifact(executed)
     summary = _read_json(out_dir / "summary.json")
     if isinstance(summary, dict):
-        run.log_metrics({f"summary/{k}": v for k, v in flatten_dict(summary).items()
+        study_level = {k: v for k, v in summary.items() if k not in NOT_PARENT_METRICS}
+        run.log_metrics({f"summary/{k}": v for k, v in flatten_dict(study_level).items()
                          if isinstance(v, (int, float)) and not isinstance(v, bool)})
     for path in sorted(out_dir.iterdir()):
         if path.is_file() and path.suffix in ARTIFACT_SUFFIXES:

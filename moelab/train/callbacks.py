@@ -5,7 +5,7 @@ Under DDP every decision that ends the loop (non-finite value, Ctrl-C, SIGTERM) 
 ranks first, so all ranks stop at the same step instead of one waiting forever in a collective.
 
 Step convention (MLflow, ``history.csv``, the NaN guard): step ``s`` is the state after ``s``
-optimizer steps, i.e. Lightning's ``global_step`` after the step. ``train/*`` and ``perf/*`` are
+optimizer steps, i.e. Lightning's ``global_step`` after the step. ``train/*``, ``balance/*`` and ``perf/*`` are
 logged together every ``log_every`` steps, ``val/*`` at each validation.
 """
 
@@ -118,7 +118,8 @@ class StepMonitor(_PerStep):
     Reads ``LitMoELab.step_scalars`` (loss of the step's last micro-batch, its CE and aux parts,
     the pre-clipping gradient norm) and the learning rate: one host sync per step, which the
     progress bar pays anyway. Every ``log_every`` steps the row goes to ``sink`` (MLflow); after
-    each validation ``val/loss`` and ``val/best_loss`` do, the row gets its ``val/loss`` and
+    each validation every ``val/*`` scalar logged in it (``val/loss``, the balancer's ``val/maxvio_global``)
+    and ``val/best_loss`` do, the row gets those scalars and
     ``history_path`` (``history.csv``: ``prior`` rows from before a resume, then this run's) is
     rewritten, so it always reaches as far as ``last.ckpt``.
     """
@@ -155,14 +156,16 @@ class StepMonitor(_PerStep):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or "val/loss" not in trainer.callback_metrics:
             return
-        step, val = trainer.global_step, float(trainer.callback_metrics["val/loss"])
+        # Every val/* scalar of this validation (the loss, the balancer's MaxVio_global per layer, ...).
+        vals = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        step, val = trainer.global_step, vals["val/loss"]
         self.val_history.append((step, val))
         if self.history and int(self.history[-1]["step"]) == step:
-            self.history[-1]["val/loss"] = val
+            self.history[-1].update(vals)
         if math.isfinite(val):
             self._best = min(self._best, val)
         if self.sink is not None:
-            self.sink({"val/loss": val, "val/best_loss": self._best}, step)
+            self.sink({**vals, "val/best_loss": self._best}, step)
         if self.history_path is not None and trainer.is_global_zero:
             write_history(self.history_path, self.rows)
 

@@ -38,9 +38,9 @@ class LitMoELab(L.LightningModule):
     """``MoELab(cfg.model)`` trained with AdamW + warmup/cosine on ``{"input_ids", "targets"}`` batches ``[B, T]``.
 
     Each optimizer step leaves its scalars in ``step_scalars`` (detached 0-dim tensors:
-    ``train/loss``, ``train/ce``, ``train/aux_loss``, ``train/grad_norm``, and with MoE layers the
-    balancer's ``balance/*`` per-layer metrics), which :class:`moelab.train.callbacks.StepMonitor`
-    turns into floats once per step.
+    ``train/loss``, ``train/ce``, ``train/aux_loss``, ``train/grad_norm``, with a curriculum
+    ``train/seq_len``, and with MoE layers the balancer's ``balance/*`` per-layer metrics), which
+    :class:`moelab.train.callbacks.StepMonitor` turns into floats once per step.
     """
 
     def __init__(self, cfg: RunConfig) -> None:
@@ -71,6 +71,8 @@ class LitMoELab(L.LightningModule):
         loss = out.loss + out.aux_loss
         self.step_scalars = {"train/loss": loss.detach(), "train/ce": out.loss.detach(),
                              "train/aux_loss": out.aux_loss.detach()}
+        if self.cfg.data.curriculum:  # the stage's length, so tokens/s and loss can be read per stage
+            self.step_scalars["train/seq_len"] = loss.new_tensor(float(batch["input_ids"].shape[1]))
         # For the progress bar only: StepMonitor logs every scalar of the step, at the step it completes.
         self.log("train/loss", loss, prog_bar=True, logger=False)
         return loss

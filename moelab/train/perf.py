@@ -19,7 +19,7 @@ from moelab.utils import write_json
 
 # Dense (no structured sparsity) bf16 tensor-core peaks per device, FLOP/s, from the vendors'
 # data sheets. Measured on our H200: a bf16 8192^3 matmul reaches 792 TFLOP/s (80% of 989), so
-# an MFU near 0.8 is the practical ceiling there (../shared/anchors/h200.md).
+# an MFU near 0.8 is the practical ceiling there.
 # Longer names first: the first substring that matches the device name wins.
 PEAK_BF16_FLOPS: dict[str, float] = {
     "H100 PCIe": 756e12,

@@ -9,15 +9,19 @@ What a run leaves behind, in ``cfg.ckpt_dir`` (``runs/<name>`` by default):
     *.ckpt.sha256   each checkpoint's checksum (``sha256sum -c`` format), verified before a resume
     history.csv     the scalars of every optimizer step of the whole run (resumes append), rewritten
                     at each validation so it reaches as far as ``last.ckpt``
-    summary.json    status, final losses, tokens/s, MFU, peak memory, parameter counts; also
+    summary.json    status, final losses, tokens/s, MFU, peak memory, parameter counts (MoE: the
+                    balancer's time per step and share of the step, the last MaxVio_global); also
                     written when training fails (status ``failed`` and the error)
+    load_heatmap.png, balance_trajectories.pt
+                    MoE models: every step's per-layer expert loads and biases (moelab.train.balance)
     run.lock        held (flock) while a process trains here; names that process and its MLflow run
 
 and in MLflow (experiment ``train/<preset>``): the flattened config and the run's constants
 (parameter counts, FLOPs per token, world size, tokens per step) as params, the preset as the
-``moelab.preset`` tag, ``train/*`` and ``perf/*`` every ``log_every`` steps and ``val/*`` at each
-validation (all at the optimizer step they describe), system metrics, the loss curve
-(``loss_curve.png``), the per-step table (``metrics_table.json``) and the summary.
+``moelab.preset`` tag, ``train/*``, ``balance/*`` and ``perf/*`` every ``log_every`` steps and ``val/*``
+at each validation (all at the optimizer step they describe), system metrics, the loss curve
+(``loss_curve.png``), the per-step table (``metrics_table.json``), the summary, and for MoE models
+the load heatmap and trajectories.
 
 A run folder belongs to one run: a fresh run refuses a folder that holds another run's
 checkpoints, and no two processes train in one folder at once. Resume (``resume=True``, a
@@ -31,6 +35,7 @@ of a process that was killed in this folder (KILLED).
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -60,6 +65,7 @@ from moelab.data.datamodule import TextDataModule
 from moelab.model.accounting import flops_per_token, param_counts
 from moelab.model.accounting import summary as model_summary
 from moelab.tracking import Run, end_stale_run, start_run
+from moelab.train.balance import BalancerCallback
 from moelab.train.callbacks import (
     Interrupted,
     LastCheckpoint,
@@ -498,8 +504,10 @@ def _train(cfg: RunConfig, run: Run | None, resumed: Resumed | None, module: Lit
         out.summary = _summarize(cfg, trainer, out, throughput, time.perf_counter() - started)
         write_history(ckpt_dir / "history.csv", out.history)
         write_json(ckpt_dir / "summary.json", out.summary)
+        balancer = _balancer(trainer)
+        extra = balancer.save(ckpt_dir) if balancer is not None else []
         if run is not None:
-            _log_end(run, out)
+            _log_end(run, out, extra)
             run.flush(cfg.tracking.retry_timeout_s)
             if run.problems():
                 out.summary["tracking_problems"] = run.problems()
@@ -579,6 +587,7 @@ def _log_start(run: Run, cfg: RunConfig, resumed: Resumed | None, world_size: in
 def _summarize(cfg: RunConfig, trainer: L.Trainer, result: TrainResult, throughput: Throughput,
                wall_s: float) -> dict[str, Any]:
     last_loss = result.history[-1]["train/loss"] if result.history else None
+    balancer = _balancer(trainer)
     vals = [v for _, v in result.val_history]
     return {
         "name": cfg.name,
@@ -593,6 +602,7 @@ def _summarize(cfg: RunConfig, trainer: L.Trainer, result: TrainResult, throughp
         "T": cfg.data.seq_len,
         "device": torch.cuda.get_device_name() if trainer.strategy.root_device.type == "cuda" else "cpu",
         **throughput.summary(trainer.strategy.root_device),
+        **(balancer.summary() if balancer is not None else {}),
         **_constants(cfg, trainer.world_size),
         "wall_s": wall_s,
         "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
@@ -621,9 +631,18 @@ def loss_figure(result: TrainResult) -> Any:
     return fig
 
 
-def _log_end(run: Run, result: TrainResult) -> None:
-    """Artifacts of the finished run; a failing store is reported (``Run.problems``), never raised."""
+def _balancer(trainer: L.Trainer) -> BalancerCallback | None:
+    """The MoE balancer's callback (``LitMoELab.configure_callbacks`` adds it to MoE models), if any."""
+    return next((c for c in trainer.callbacks if isinstance(c, BalancerCallback)), None)
+
+
+def _log_end(run: Run, result: TrainResult, files: Sequence[Path] = ()) -> None:
+    """Artifacts of the finished run (and ``files`` from the run folder); a failing store is reported
+    (``Run.problems``), never raised."""
     import pandas as pd
+
+    for path in files:
+        run.attempt(f"uploading {path.name}", run.log_artifact, path)
 
     run.attempt("uploading loss_curve.png", run.log_figure, loss_figure(result), "loss_curve.png")
     if result.history:
@@ -631,13 +650,28 @@ def _log_end(run: Run, result: TrainResult) -> None:
     run.attempt("uploading summary.json", run.log_dict, result.summary, "summary.json")
 
 
-def load_model(checkpoint: str | Path, map_location: str | torch.device = "cpu") -> tuple[Any, RunConfig]:
-    """``(MoELab, RunConfig)`` from a moelab checkpoint (verified): the model in eval mode with the trained weights."""
+def load_model(checkpoint: str | Path, map_location: str | torch.device = "cpu",
+               max_seq_len: int | None = None) -> tuple[Any, RunConfig]:
+    """``(MoELab, RunConfig)`` from a moelab checkpoint (verified): the model in eval mode with the trained weights.
+
+    ``max_seq_len``: see :func:`model_from_checkpoint`.
+    """
+    return model_from_checkpoint(load_checkpoint(checkpoint), map_location, max_seq_len)
+
+
+def model_from_checkpoint(state: dict[str, Any], map_location: str | torch.device = "cpu",
+                          max_seq_len: int | None = None) -> tuple[Any, RunConfig]:
+    """``(MoELab, RunConfig)`` from a checkpoint :func:`load_checkpoint` read: the model in eval mode.
+
+    ``max_seq_len``: the longest input the model accepts, when it should differ from the trained
+    config's (evaluation beyond the training window; the model has no positional parameters, so
+    the limit only guards inputs). The returned config is the checkpoint's.
+    """
     from moelab.model import MoELab
 
-    state = load_checkpoint(checkpoint)
     cfg = from_dict(state["moelab"]["config"])
-    model = MoELab(cfg.model)
+    model_cfg = cfg.model if max_seq_len is None else dataclasses.replace(cfg.model, max_seq_len=max_seq_len)
+    model = MoELab(model_cfg)
     prefix = "model."
     model.load_state_dict({k[len(prefix):]: v for k, v in state["state_dict"].items() if k.startswith(prefix)})
     return model.to(map_location).eval(), cfg

@@ -111,6 +111,7 @@ def test_dispatcher_triton_call(monkeypatch: pytest.MonkeyPatch, g_min) -> None:
     fake.chunk_kda = fake_chunk_kda
     monkeypatch.setitem(sys.modules, "moelab.ops.kda.triton_chunk", fake)
     q, k, v, g, beta, s0 = make_inputs(B=1, T=4, H=1, K=4, V=4, g_low=-1.0)
+    q.requires_grad_()  # a gradient is needed: the training op, not the inference forward
     o, _ = kda(q, k, v, g, beta, scale=0.5, initial_state=s0, output_final_state=True, backend="triton",
                chunk_size=32, g_min=g_min)
     assert o is v

@@ -106,122 +106,15 @@ def test_modes_agree_and_defaults():
         assert_close(x, y, 3e-5, "grad bounded vs general")
 
 
-def _runs_by_tuning(monkeypatch, key, values, ins, s0, do, dS, mode):
-    """One forward + backward per value of ``TUNING[key]``: {value: (o, S, grads)}."""
-    from moelab.ops.kda import triton_chunk as tc
-
-    runs = {}
-    for val in values:
-        monkeypatch.setitem(tc.TUNING, key, val)
-        runs[val] = _run(chunk, ins, s0, do, dS, mode=mode)
-    return runs
-
-
-def _paths_agree(monkeypatch, key, paths, pair, mode, seed):
-    """Every value of ``TUNING[key]`` close to the reference at B2 T150 (a padded last chunk), the
-    two of ``pair`` equal up to fp32 rounding (o 1e-5, gradients 3e-5), a bogus value refused."""
-    ins, s0, do, dS = _inputs(2, 150, 2, 32, 16, torch.float32, seed=seed)
-    runs = _runs_by_tuning(monkeypatch, key, paths, ins, s0, do, dS, mode)
-    ref = _reference(ins, s0, do, dS)
-    for path in paths:
-        _compare(ref, runs[path])
-    a, b = pair
-    assert_close(runs[a][0], runs[b][0], 1e-5, f"o {a} vs {b}")
-    for x, y in zip(runs[a][2], runs[b][2]):
-        assert_close(x, y, 3e-5, f"grad {a} vs {b}")
-    _refuses_bogus(monkeypatch, key, ins, s0, do, dS, mode)
-
-
-def _refuses_bogus(monkeypatch, key, ins, s0, do, dS, mode):
-    """An unknown ``TUNING[key]`` value raises a ValueError naming it."""
-    from moelab.ops.kda import triton_chunk as tc
-
-    monkeypatch.setitem(tc.TUNING, key, "bogus")
-    with pytest.raises(ValueError, match="'bogus'"):
-        _run(chunk, ins, s0, do, dS, mode=mode)
-
-
-@slow
-@pytest.mark.parametrize("mode", ["bounded", "general"])
-def test_save_policies_agree(monkeypatch, mode):
-    """Keeping the forward's intermediates for the backward (save=intra/all) gives bitwise the same
-    gradients as recomputing them from the inputs (save=inputs); a bad policy is refused."""
-    from moelab.ops.kda import triton_chunk as tc
-
-    ins, s0, do, dS = _inputs(1, 130, 2, 32, 16, torch.float32, seed=11)
-    runs = _runs_by_tuning(monkeypatch, "save", tc.SAVE_POLICIES, ins, s0, do, dS, mode)
-    for save in ("intra", "all"):
-        assert torch.equal(runs[save][0], runs["inputs"][0])
-        for a, b in zip(runs[save][2], runs["inputs"][2]):
-            assert torch.equal(a, b), save
-    _refuses_bogus(monkeypatch, "save", ins, s0, do, dS, mode)
-
-
-@slow
-@pytest.mark.parametrize("mode", ["bounded", "general"])
-def test_dqkg_paths_agree(monkeypatch, mode):
-    """State terms inside the per-sub-tile gradient kernel ("fused") or in their own per-chunk
-    kernel first ("split"): the same outputs and gradients up to fp32 rounding, both close to the
-    reference; a bad path name is refused."""
-    from moelab.ops.kda import triton_chunk as tc
-
-    ins, s0, do, dS = _inputs(2, 150, 2, 32, 16, torch.float32, seed=17)
-    runs = _runs_by_tuning(monkeypatch, "dqkg", tc.DQKG_PATHS, ins, s0, do, dS, mode)
-    _compare(_reference(ins, s0, do, dS), runs["split"])
-    assert torch.equal(runs["fused"][0], runs["split"][0])  # the forward does not change
-    for a, b in zip(runs["fused"][2], runs["split"][2]):
-        assert_close(a, b, 1e-5, "grad fused vs split")
-    _refuses_bogus(monkeypatch, "dqkg", ins, s0, do, dS, mode)
-
-
-@slow
-@pytest.mark.parametrize("mode", ["bounded", "general"])
-def test_score_paths_agree(monkeypatch, mode):
-    """The three intra paths (chunk-wide scores in the intra kernel, the sub-tile score kernel, and
-    the sub-tile kkt + wu kernels) compute the same outputs and gradients (fp32, exact products:
-    up to rounding)."""
-    from moelab.ops.kda import triton_chunk as tc
-
-    ins, s0, do, dS = _inputs(1, 150, 2, 32, 16, torch.float32, seed=13)
-    runs = _runs_by_tuning(monkeypatch, "scores", tc.SCORE_PATHS, ins, s0, do, dS, mode)
-    for other in ("subtile", "tiles"):
-        assert_close(runs["chunk"][0], runs[other][0], 1e-5, f"o {other}")
-        for a, b in zip(runs["chunk"][2], runs[other][2]):
-            assert_close(a, b, 3e-5, f"grad {other}")
-
-
-@slow
-@pytest.mark.parametrize("mode", ["bounded", "general"])
-def test_kkt_paths_agree(monkeypatch, mode):
-    """The sub-tile rows of a chunk one after the other in one kkt program ("rows") or in parallel
-    programs followed by a merge ("parallel"): the same outputs and gradients up to fp32 rounding,
-    both close to the reference; a bad path name is refused."""
-    from moelab.ops.kda import triton_chunk as tc
-
-    _paths_agree(monkeypatch, "kkt", tc.KKT_PATHS, ("rows", "parallel"), mode, seed=19)
-
-
-@slow
-@pytest.mark.parametrize("mode", ["bounded", "general"])
-def test_cumsum_paths_agree(monkeypatch, mode):
-    """G written by the prep ("prep") or recomputed in the kkt rows ("kernel"; "auto" picks one per
-    mode): the same outputs and gradients up to fp32 rounding, all close to the reference (T = 150
-    pads the last chunk); a bad value is refused."""
-    from moelab.ops.kda import triton_chunk as tc
-
-    _paths_agree(monkeypatch, "cumsum", tc.CUMSUM_PATHS, ("prep", "kernel"), mode, seed=23)
-
-
 @pytest.mark.parametrize("mode, want", [("bounded", True), ("general", False)])
-def test_cumsum_auto_picks_per_mode(monkeypatch, mode, want):
-    """``cumsum="auto"`` (the default): the chunked prep writes G in bounded mode, the kkt rows
-    form it themselves in general mode (where reading it in was measured slower)."""
+def test_g_from_the_prep_in_bounded_mode_only(monkeypatch, mode, want):
+    """The chunked prep writes G for the kkt rows in bounded mode; in general mode the kkt rows form
+    it themselves (where reading it in was measured slower). Both match the reference."""
     from moelab.ops.kda import triton_chunk as tc
 
     calls = []
     orig = tc.prep_fwd_chunked
     monkeypatch.setattr(tc, "prep_fwd_chunked", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
-    assert tc.TUNING["cumsum"] == "auto"
     ins, s0, do, dS = _inputs(1, 40, 1, 16, 16, torch.float32, seed=3)
     _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS, mode=mode))
     assert bool(calls) == want
@@ -291,30 +184,30 @@ def test_bf16_on_gpu(mode):
     _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS, mode=mode), torch.bfloat16)
 
 
-def test_launch_config_override(monkeypatch):
-    """MOELAB_KDA_LAUNCH entries replace LAUNCH entries; unknown kernels or malformed configs raise."""
+KERNELS = {"kktr", "merge", "wu", "state", "state_small", "out", "dh", "wy", "sterm", "dqkg", "dg"}
+
+
+def test_launch_overrides():
+    """``launch_overrides`` swaps LAUNCH / MAXNREG entries inside its block and restores them on
+    exit (also after an error); unknown kernels or malformed entries raise, naming them."""
     from moelab.ops.kda import triton_chunk as tc
 
-    monkeypatch.setattr(tc, "LAUNCH", dict(tc.LAUNCH))
-    tc._launch_from_env('{"state": [64, 4, 1]}')
-    assert tc.LAUNCH["state"] == (64, 4, 1)
-    with pytest.raises(ValueError, match="'bogus'"):
-        tc._launch_from_env('{"bogus": [64, 4, 1]}')
-    with pytest.raises(ValueError, match="'out'"):
-        tc._launch_from_env('{"out": [64, 4]}')
-    monkeypatch.setattr(tc, "TUNING", dict(tc.TUNING))
-    tc._tuning_from_env('{"scores": "chunk"}')
-    assert tc.TUNING["scores"] == "chunk"
-    with pytest.raises(ValueError, match="'bogus'"):
-        tc._tuning_from_env('{"bogus": 1}')
-    monkeypatch.setattr(tc, "MAXNREG", {})
-    tc._maxnreg_from_env('{"kkt": 168}')
-    assert tc.MAXNREG == {"kkt": 168}
-    with pytest.raises(ValueError, match="'kkt'"):
-        tc._maxnreg_from_env('{"kkt": 300}')
-    cfgs = tc.launch_configs(128, 128)
-    assert set(cfgs) == set(tc.LAUNCH) == {"scores", "intra", "state", "out", "dh", "wy", "dqkg", "dg", "sterm", "kkt",
-                                           "kktr", "merge", "wu", "state_small"}
+    launch, maxnreg = dict(tc.LAUNCH), dict(tc.MAXNREG)
+    assert set(launch) == set(tc.launch_configs(128, 128)) == KERNELS
+    with tc.launch_overrides(launch={"state": [32, 2, 1]}, maxnreg={"kktr": None, "dqkg": 128}):
+        assert tc.LAUNCH["state"] == (32, 2, 1) and tc.LAUNCH["out"] == launch["out"]
+        assert tc.MAXNREG == {"dqkg": 128}
+    assert tc.LAUNCH == launch and tc.MAXNREG == maxnreg
+    with pytest.raises(RuntimeError, match="inside"), tc.launch_overrides(launch={"out": (128, 8, 1)}):
+        raise RuntimeError("inside")
+    assert tc.LAUNCH == launch
+    with pytest.raises(ValueError, match="'bogus'"), tc.launch_overrides(launch={"bogus": (64, 4, 1)}):
+        pass
+    with pytest.raises(ValueError, match="'out'"), tc.launch_overrides(launch={"out": (64, 4)}):
+        pass
+    with pytest.raises(ValueError, match="'kktr'"), tc.launch_overrides(maxnreg={"kktr": 300}):
+        pass
+    assert tc.LAUNCH == launch and tc.MAXNREG == maxnreg
 
 
 # fused prep: (B, T, H, K, V, chunk, gate, mode, silu, dt_bias)
@@ -376,8 +269,7 @@ def test_fused_prep_bad_arguments():
         chunk_kda(*ins, A_log=A_log)
 
 
-@pytest.mark.parametrize("scores, kkt", [("chunk", "rows"), ("tiles", "rows"), ("tiles", "parallel")])
-def test_launch_arguments_match_kernel_signatures(monkeypatch, scores, kkt):
+def test_launch_arguments_match_kernel_signatures(monkeypatch):
     """Every launch passes exactly the kernel's parameters: the interpreter tolerates an unknown
     keyword that the GPU JIT rejects, so this catches it on a CPU machine."""
     from moelab.ops.kda import triton_chunk as tc
@@ -394,14 +286,10 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, scores, kkt):
         return orig(self, grid, *args, **kw)
 
     monkeypatch.setattr(tc._Launcher, "__call__", check)
-    monkeypatch.setitem(tc.TUNING, "scores", scores)
-    monkeypatch.setitem(tc.TUNING, "kkt", kkt)
     for mode in ("bounded", "general"):
         ins, s0, do, dS = _inputs(1, 40, 1, 16, 16, torch.float32, seed=1)
         _run(chunk, ins, s0, do, dS, mode=mode)
-    paths = {"rows": {"kkt"}, "parallel": {"kktr", "merge"}}
-    want = {"intra"} if scores == "chunk" else {"wu"} | paths[kkt]
-    assert want <= set(seen)
+    assert set(seen) == KERNELS - {"state"}  # B1 H1: the small-grid state launch
 
 
 def test_small_grid_takes_its_state_launch(monkeypatch):

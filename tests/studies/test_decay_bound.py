@@ -1,14 +1,14 @@
-"""Study 1 logic: the factored tile against its exact reference, decay statistics, layer hooks."""
+"""Study 1 logic: the kernel's sub-tile against its exact reference, decay statistics, matched arms, findings."""
 
 import math
 
+import pandas as pd
 import pytest
 import torch
 
 from moelab.model import MoELab
 from moelab.model.config import KDAConfig, ModelConfig
-from moelab.studies.decay_bound import (collect_log_decay, decay_stats, exact_tile, factored_tile,
-                                        tile_overflow_table)
+from moelab.studies import decay_bound as study
 from tests.helpers import rel_err
 
 
@@ -26,39 +26,45 @@ def test_exact_tile_matches_direct_sum():
     for i in range(8):
         for j in range(i + 1):
             ref[i, j] = (q[i].double() * k[j].double() * (G[i] - G[j]).exp()).sum()
-    assert rel_err(ref, exact_tile(q, k, g)) < 1e-12
+    assert rel_err(ref, study.exact_tile(q, k, g)) < 1e-12
 
 
-def test_factored_tile_fp32_is_exact_inside_the_bound():
+def test_kernel_tile_fp32_is_exact_inside_the_bound_and_bf16_within_a_percent():
     q, k, g = _tile(g_min=-5.0)
-    assert rel_err(exact_tile(q, k, g), factored_tile(q, k, g, torch.float32)) < 1e-5
+    ref = study.exact_tile(q, k, g)
+    assert rel_err(ref, study.kernel_tile(q, k, g, "fp32")) < 1e-5
+    assert 1e-4 < rel_err(ref, study.kernel_tile(q, k, g, "bf16")) < 1e-2  # bf16 operands do round
 
 
-@pytest.mark.parametrize("dtype,g_min,finite", [("fp16", -5.0, False), ("bf16", -5.0, True), ("bf16", -12.0, False),
-                                                ("fp32", -10.0, True)])
-def test_overflow_table_marks_where_the_tile_breaks(dtype, g_min, finite):
-    rows = tile_overflow_table(g_mins=[g_min], subtiles=[16], dtypes=[dtype], head_dim=16, trials=2)
-    mid = next(r for r in rows if r["midpoint"])
-    assert mid["finite"] is finite
-    # the largest |exponent| a factor takes at a constant decay g_min: read off the 16-token tile's
-    # cumulative decay around its midpoint row, not from the table's formula
-    G = torch.full((16,), g_min, dtype=torch.float64).cumsum(0)
-    assert mid["max_exponent"] == pytest.approx((G - G[8]).abs().max().item())
-    if finite:
-        assert mid["rel_err"] < 1e-2
+@pytest.mark.parametrize("g_min,finite", [(-11.0, True), (-11.2, False)])
+def test_kernel_tile_overflows_where_8_tokens_exceed_fp32(g_min, finite):
+    # the k factor of row 15 is exp(8 |g|) after the shift by row 7; fp32 holds exp(x) up to x = 88.72
+    q, k, _ = _tile()
+    g = torch.full((16, 32), g_min)
+    assert bool(torch.isfinite(study.kernel_tile(q, k, g, "bf16")).all()) is finite
+    rows = study.tile_overflow_table(g_mins=[g_min], dtypes=["fp32"], head_dim=16, trials=2)
+    assert next(r for r in rows if r["pattern"] == "constant")["finite"] is finite
+    assert next(r for r in rows if r["pattern"] == "constant")["max_exponent"] == pytest.approx(8 * abs(g_min))
+
+
+def test_tf32_rounding_keeps_ten_mantissa_bits():
+    x = torch.tensor([1.0 + 2.0 ** -10, 1.0 + 2.0 ** -11 + 2.0 ** -20, 1.0 + 2.0 ** -12])
+    assert study._tf32(x).tolist() == [1.0 + 2.0 ** -10, 1.0 + 2.0 ** -10, 1.0]
 
 
 def test_decay_stats_on_a_known_decay():
-    g = torch.full((1, 32, 1, 2), -1.0)
-    g[..., 1] = -20.0  # one channel decays far below the bound
-    s = decay_stats(g, bound=-5.0, subtile=16)
-    assert s["g_min"] == -20.0
-    assert s["frac_below_bound"] == pytest.approx(0.5)
-    assert s["max_tile_exponent"] == pytest.approx(20.0 * 8)
-    assert s["frac_tiles_over_bf16"] == pytest.approx(0.5)  # 160 > 88.7 on the -20 channel only
-    assert s["frac_tiles_over_fp16"] == pytest.approx(0.5)  # 8 < 11.1 on the -1 channel
+    g = torch.full((1, 32, 1, 2), -0.5)
+    g[..., 1] = -1.96  # one channel sits within 5% of the bound -2 on every token
+    s = study.decay_stats(g, bound=-2.0)
+    assert s["g_min"] == pytest.approx(-1.96)
+    assert s["frac_channels_near_bound"] == 0.5 and s["frac_entries_near_bound"] == 0.5
+    assert s["frac_below_bound"] == 0.0
+    assert s["tile_decay_max"] == pytest.approx(16 * 1.96)
+    assert s["max_factor_exponent"] == pytest.approx(8 * 1.96)  # rows 8..15 after the reference row 7
     with pytest.raises(ValueError, match="T=4"):
-        decay_stats(g[:, :4])
+        study.decay_stats(g[:, :4], bound=-2.0)
+    with pytest.raises(ValueError, match="bound=1"):
+        study.decay_stats(g, bound=1.0)
 
 
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
@@ -66,11 +72,116 @@ def test_collect_log_decay_from_the_model(gate):
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, pattern="K", final_mla=True, dense_layers=2,
                       kda=KDAConfig(num_heads=2, head_dim=16, gate=gate, backend="chunk", chunk_size=16)).validate()
     model = MoELab(cfg)
-    g = collect_log_decay(model, torch.randint(0, 64, (2, 20)))
+    g = study.collect_log_decay(model, torch.randint(0, 64, (2, 20)))
     assert list(g) == ["layers.0.mixer"]
     (gl,) = g.values()
     assert gl.shape == (2, 20, 2, 16) and (gl <= 0).all()
-    if gate == "bounded":
-        assert gl.min() > -5.0
     assert not any(m._forward_pre_hooks for m in model.modules())  # hooks removed
-    assert math.isfinite(decay_stats(gl)["max_tile_exponent"])
+
+
+def test_arms_start_bitwise_equal_outside_the_gate_with_the_same_initial_decay():
+    models = study.build_arm_models("cpu", seed=3)
+    assert set(models) == set(study.ARMS)
+    soft = models["softplus"]
+    gate = study.gate_parameter_names(soft)
+    assert gate and all(n.endswith(("A_log", "f_up.bias")) for n in gate)
+    ref = dict(soft.named_parameters())
+    ids = torch.randint(0, soft.cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    g_soft = torch.cat([g.flatten() for g in study.collect_log_decay(soft, ids).values()])
+    for arm, m in models.items():
+        params = dict(m.named_parameters())
+        assert params.keys() == ref.keys()
+        for name, p in params.items():
+            if name not in gate:
+                assert torch.equal(p, ref[name]), (arm, name)
+        # g = -dt at z = b for either gate; the slopes differ by O(dt), so the step-0 decays nearly coincide
+        g = torch.cat([g.flatten() for g in study.collect_log_decay(m, ids).values()])
+        assert (g - g_soft).abs().max() < 0.01 * g_soft.abs().max()
+        assert -0.11 < g.min() and g.max() < 0
+
+
+def test_the_study_arms_differ_only_in_the_gate() -> None:
+    for preset in study.PRESETS:
+        factor = study.arms_factor(preset)
+        assert set(factor) == {"model.kda.gate", "model.kda.g_min"}
+        assert factor["model.kda.gate"]["softplus"] == "softplus"
+    with pytest.raises(ValueError, match="preset='tpu'"):
+        study.arms_factor("tpu")
+
+
+def test_real_kernel_in_bounded_mode_overflows_only_below_the_bound():
+    inside = study.run_bounded_kernel(torch.full((1, 16, 1, 16), -5.0))
+    assert inside["nonfinite"] == 0 and inside["rel_err"] < 1e-4  # fp32 in the interpreter
+    below = study.run_bounded_kernel(torch.full((1, 16, 1, 16), -16.0))  # 8 * 16 = 128 > 88.7
+    assert below["nonfinite"] > 0 and below["rel_err"] == math.inf
+    assert below["rel_err_general"] < 1e-4
+
+
+def test_fast_forgetting_softplus_goes_below_a_bound_the_bounded_gate_cannot_pass():
+    rows = study.fast_forgetting({"bounded-1": -1.0, "softplus": None}, steps=40, seeds=(0,), B=2, T=32, H=1, K=8,
+                                 lr=0.2)
+    by = {r["arm"]: r for r in rows}
+    assert by["bounded-1"]["g_fast_min"] >= -1.0
+    assert by["softplus"]["g_fast_min"] < -1.0
+    assert by["softplus"]["final_loss"] < by["bounded-1"]["final_loss"]
+
+
+def test_crossover_is_linear_in_T_between_the_measured_lengths():
+    ratios = [{"impl": "sdpa_flash", "T": 4096, "ratio": 0.5}, {"impl": "sdpa_flash", "T": 8192, "ratio": 1.5},
+              {"impl": "moelab_general", "T": 4096, "ratio": 1.3}]
+    assert study.crossover_length(ratios) == pytest.approx(6144)
+    assert study.crossover_length(ratios, "moelab_general") is None
+
+
+def test_speed_ratios_divide_by_the_bounded_path():
+    rows = [{"impl": "moelab_bounded", "B": 1, "T": 8, "fwdbwd_ms": 2.0},
+            {"impl": "sdpa_flash", "B": 1, "T": 8, "fwdbwd_ms": 5.0},
+            {"impl": "fla_softplus", "B": 1, "T": 16, "fwdbwd_ms": 1.0}]  # no bounded row at T=16: left out
+    assert study.speed_ratios(rows) == [{"impl": "sdpa_flash", "B": 1, "T": 8, "tokens": 8, "ratio": 2.5}]
+
+
+def test_extrapolation_summary_reads_the_position_ranges():
+    rows = [{"arm": "a", "seed": 0, "rel_pos": p, "loss": loss}
+            for p, loss in ((0.25, 5.0), (0.75, 4.0), (1.5, 4.5), (3.0, 6.0))]
+    s = study.extrapolation_summary(pd.DataFrame(rows)).iloc[0]
+    assert (s.loss_1x, s.loss_1x_2nd_half, s.d_2x, s.d_4x) == (4.5, 4.0, 0.5, 2.0)
+
+
+def _ms(mean, std, n=3):
+    return {"mean": mean, "std": std, "n": n}
+
+
+def _summary():
+    arm = {"frac_channels_near_bound": _ms(0.0, 0.0), "forgetting_g_fast_min": _ms(-1.0, 0.0),
+           "forgetting_final_loss": _ms(1e-3, 1e-4), "extrapolation_d_4x": _ms(0.05, 0.01)}
+    return {
+        "modelled_tile": {"bf16_constant": -11.0},
+        "kernel_overflow": {"dtype": "bfloat16", "first_nonfinite_bound": -11.5,
+                            "worst_finite_rel_err_at_or_above_-5": 3e-3,
+                            "real_softplus": {"layers": 9, "g_min": -14.2, "layers_nonfinite": 2,
+                                              "layers_rel_err_over_1pct": 3, "worst_rel_err_general": 4e-3}},
+        "speed": {"general_over_bounded": [1.25, 1.36], "crossover_T_sdpa_flash": 4440.0},
+        "arms": {"bounded-5": {**arm, "gate": "bounded", "best_val_loss": _ms(5.70, 0.01)},
+                 "softplus": {**arm, "gate": "softplus", "best_val_loss": _ms(5.60, 0.02),
+                              "forgetting_g_fast_min": _ms(-7.9, 0.1), "extrapolation_d_4x": _ms(0.30, 0.02)}},
+        "meta": {"epochs": 0.4, "corpus_train_tokens": 1_000_000, "tokens_per_run": 400_000,
+                 "train_val_gap": {"bounded-5": 0.1, "softplus": 0.3},
+                 "kernel_results": {"gpu": "NVIDIA H200", "commit": "730381e"}},
+    }
+
+
+def test_findings_are_computed_from_the_summary() -> None:
+    text = study.findings(_summary())
+    lines = text.splitlines()
+    assert all(ln.startswith("- ") for ln in lines) and len(lines) == 6
+    assert "first non-finite output at g_min = -11.5" in lines[0] and "non-finite in 2" in lines[0]
+    assert "1.25-1.36x" in lines[1] and "T = 4,440" in lines[1] and "code at 730381e" in lines[1]
+    # 0.1 nats over a standard error sqrt(0.01^2/3 + 0.02^2/3) = 0.0129: 7.7 standard errors
+    assert "bounded-5 +0.100 (7.7 standard errors: distinguishable from the seed spread" in lines[2]
+    assert "softplus g = -7.90 ± 0.10" in lines[3]
+    assert "bounded-5 minus softplus -0.250" in lines[4]
+    assert "400,000 tokens, 0.40 epochs of the 1,000,000-token" in lines[5] and "memorization" not in lines[5]
+
+    close = _summary()
+    close["arms"]["bounded-5"]["best_val_loss"] = _ms(5.61, 0.02)
+    assert "within the seed spread" in study.findings(close)

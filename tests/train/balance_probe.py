@@ -83,7 +83,8 @@ def main(out_dir: str, devices: str) -> None:
     t = trainer(steps, callback, Path(out_dir), devices=world, strategy="ddp")
     t.fit(module)
     weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    torch.save({"trajectories": callback.trajectories(), "state": weights}, Path(out_dir) / f"rank{t.global_rank}.pt")
+    torch.save({"trajectories": callback.trajectories(), "state": weights, "replicas": callback.replicas},
+               Path(out_dir) / f"rank{t.global_rank}.pt")
 
 
 if __name__ == "__main__":

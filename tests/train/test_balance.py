@@ -4,6 +4,7 @@ resume of the bias trajectory, and LitMoELab wiring (metrics in the history, Max
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from lightning.pytorch.callbacks import Callback
 
 from moelab.model.config import ConfigError
 from moelab.train import fit
-from moelab.train.balance import BalancerCallback, load_heatmap
+from moelab.train.balance import BalancerCallback, compare_replicas, load_heatmap
 from tests.helpers import assert_close
 from tests.train.balance_probe import Probe, batches, trainer
 from tests.train.helpers import tiny_config
@@ -49,12 +50,33 @@ def test_resume_reproduces_the_bias_trajectory(tmp_path: Path) -> None:
     trainer(4, callback, tmp_path / "b").fit(resumed_module, ckpt_path=tmp_path / "b" / "step2.ckpt")
     resumed = callback.trajectories()
 
-    assert resumed["step"].tolist() == [3, 4]
-    assert_close(straight["bias"][2:], resumed["bias"], 0.0, "resumed bias trajectory")
+    # The checkpoint carries the trajectories: the resumed callback holds steps 1-2 too.
+    assert resumed["step"].tolist() == [1, 2, 3, 4] and resumed["layers"] == straight["layers"]
+    assert torch.equal(straight["load"], resumed["load"])
+    assert_close(straight["bias"], resumed["bias"], 0.0, "resumed bias trajectory")
     ref, out = straight_module.state_dict(), resumed_module.state_dict()
     assert any(k.endswith("load_avg") for k in ref)  # quantile_load's moving average is checkpointed
     for k in ref:
         assert_close(ref[k].float(), out[k].float(), 0.0, k)
+
+
+def test_balancer_time_is_measured_per_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import moelab.train.balance as train_balance
+
+    update = train_balance.balance_step
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)
+        return update(*args, **kwargs)
+
+    monkeypatch.setattr(train_balance, "balance_step", slow)
+    callback = _run(Probe(batches(3, 4)), 3, tmp_path)
+    assert [s for s, _, _ in callback.timings] == [1, 2, 3]
+    assert all(ms >= 50 for _, ms, _ in callback.timings)
+    shares = [share for _, _, share in callback.timings]
+    assert shares[0] is None and all(0.0 < x < 1.0 for x in shares[1:])  # no previous update to measure from
+    summary = callback.summary()
+    assert summary["balancer_ms"] >= 50 and 0 < summary["balancer_share"] < 1 and summary["maxvio_global"] is None
 
 
 class _Grab(Callback):
@@ -62,22 +84,71 @@ class _Grab(Callback):
         self.balancer = next(c for c in trainer.callbacks if isinstance(c, BalancerCallback))
 
 
-def test_fit_records_per_layer_balance_metrics(tmp_path: Path) -> None:
-    cfg = tiny_config(tmp_path / "ckpt", None, train__max_steps=4, train__warmup_steps=1, train__val_every=2,
-                      model__moe__balancer="quantile_balancing")
+def test_fit_logs_the_balancer_to_mlflow_and_the_run_folder(tmp_path: Path, tracking_uri: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    cfg = tiny_config(tmp_path / "ckpt", tracking_uri, train__max_steps=4, train__warmup_steps=1,
+                      train__val_every=2, train__log_every=2, model__moe__balancer="quantile_balancing")
     grab = _Grab()
     result = fit(cfg, callbacks=[grab])
     row = result.history[-1]
     for metric in ("maxvio_batch", "load_cv", "dead_experts", "router_entropy"):
         assert math.isfinite(row[f"balance/{metric}/L1"]) and row[f"balance/{metric}"] == row[f"balance/{metric}/L1"]
     assert 0 < row["balance/router_entropy"] <= math.log(cfg.model.moe.num_experts) + 1e-6
+    assert row["perf/balancer_ms"] > 0 and 0 < row["perf/balancer_share"] < 1
     cb = grab.balancer
     assert [s for s, _ in cb.val_history] == [2, 4] and all(v.shape == (1,) for _, v in cb.val_history)
+    assert row["val/maxvio_global"] == row["val/maxvio_global/L1"] == pytest.approx(float(cb.val_history[-1][1][0]))
     state = torch.load(result.last_checkpoint, map_location="cpu", weights_only=False)["state_dict"]
     assert_close(cb.trajectories()["bias"][-1, 0], state["model.layers.1.ffn.router.bias"], 0.0, "bias in ckpt")
-    traj = cb.trajectories()
+
+    # Through the real tracking path: the names, at the train/* and val/* steps.
+    client = MlflowClient(tracking_uri)
+    run = client.get_run(result.run_id)
+    per_layer = [f"balance/{m}/L1" for m in ("maxvio_batch", "load_cv", "dead_experts", "router_entropy")]
+    for name in [*per_layer, "balance/maxvio_batch", "perf/balancer_ms", "perf/balancer_share", "train/loss"]:
+        assert [m.step for m in client.get_metric_history(result.run_id, name)] == [2, 4], name
+    for name in ("val/maxvio_global", "val/maxvio_global/L1", "val/loss"):
+        history = client.get_metric_history(result.run_id, name)
+        assert [m.step for m in history] == [2, 4], name
+    assert history[-1].value == pytest.approx(row["val/loss"])
+    logged = client.get_metric_history(result.run_id, "balance/maxvio_batch/L1")[-1].value
+    assert logged == pytest.approx(row["balance/maxvio_batch/L1"])
+    params = run.data.params  # the coefficients, as params
+    assert params["model.moe.balancer"] == "quantile_balancing"
+    assert params["model.moe.quantile_balancing_mode"] == "exact" and params["model.moe.aux_loss_alpha"] == "0.01"
+    assert {"load_heatmap.png", "balance_trajectories.pt"} <= {a.path for a in client.list_artifacts(result.run_id)}
+
+    # The run folder: the heatmap, the trajectories behind it, the balancer's summary.
+    folder = tmp_path / "ckpt"
+    assert (folder / "load_heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    traj = torch.load(folder / "balance_trajectories.pt", weights_only=False)
+    assert traj["step"].tolist() == [1, 2, 3, 4] and traj["layers"] == ["L1"]
+    k = cfg.model.moe.top_k
+    assert (traj["load"].sum(-1) == cfg.train.batch_size * cfg.data.seq_len * k).all()
+    assert_close(traj["bias"][-1, 0], state["model.layers.1.ffn.router.bias"], 0.0, "saved bias trajectory")
+    summary = result.summary
+    assert summary["balancer_ms"] > 0 and 0 < summary["balancer_share"] < 1
+    assert summary["maxvio_global"] == pytest.approx(row["val/maxvio_global"])
     fig = load_heatmap(traj["step"], traj["load"], traj["layers"])
     assert len(fig.axes) == 2  # one panel per MoE layer + the colour bar
+
+
+def test_compare_replicas_finds_a_differing_bias_or_weight() -> None:
+    def two_ranks(mine: Probe, other: Probe) -> dict[str, bool]:
+        seen = []
+        compare_replicas(other, lambda t: seen.append(t) or t[None])  # what rank 1 would send
+        return compare_replicas(mine, lambda t: torch.stack([t, seen[0]]))
+
+    a, b = Probe(batches(1, 4)), Probe(batches(1, 4))
+    assert two_ranks(a, b) == {"bias": True, "weights": True}
+    with torch.no_grad():
+        b.models[2].layers[1].ffn.router.bias[3] += 1e-6
+    assert two_ranks(a, b) == {"bias": False, "weights": True}
+    c = Probe(batches(1, 4))
+    with torch.no_grad():
+        c.models[0].layers[0].ffn.w_out.view(-1)[5] += 1e-6
+    assert two_ranks(a, c) == {"bias": True, "weights": False}
 
 
 def test_fit_refuses_quantile_balancing_with_a_fractional_target(tmp_path: Path) -> None:

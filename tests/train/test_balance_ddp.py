@@ -32,6 +32,7 @@ def test_two_ranks_hold_the_bias_of_the_concatenated_batch(tmp_path: Path) -> No
     assert_close(t0["bias"], t1["bias"], 0.0, "bias on rank 0 vs rank 1")
     for k, v in r0["state"].items():
         assert_close(v.float(), r1["state"][k].float(), 0.0, k)
+    assert r0["replicas"] == r1["replicas"] == {"bias": True, "weights": True}  # the callback's own end check
 
     callback = BalancerCallback()
     trainer(3, callback, tmp_path / "one").fit(Probe(batches(3, 4)))  # one process, all 4 rows per step

@@ -6,8 +6,10 @@ backend a config field names, so layers and studies switch implementations witho
 
 - ``recurrent``: :func:`naive_recurrent_kda`, token by token (the reference).
 - ``chunk``: :func:`chunk_kda_torch`, chunkwise WY form in PyTorch (CPU-friendly, any g).
-- ``triton``: ``moelab.ops.kda.triton_chunk.chunk_kda`` (GPU; imported on first use), with the
-  prep and gate fused into its kernels.
+- ``triton``: the Triton kernels (GPU, or CPU under ``TRITON_INTERPRET=1``; imported on first
+  use), with the prep and gate fused into them. Two paths, picked per call (:func:`kda_path`):
+  the inference forward ``triton_infer.kda_infer`` (chunk 16, no autograd graph) when no
+  gradient is needed and g is bounded, else the training op ``triton_chunk.chunk_kda``.
 - ``auto``: ``triton`` when q is on a CUDA device, else ``chunk``.
 
 The PyTorch backends take the prep and gate from ``moelab.ops.kda.gate``, the one PyTorch copy of
@@ -16,13 +18,88 @@ those formulas (the Triton kernels are tested against it).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from moelab.ops.kda.bounds import max_safe_g_min
 from moelab.ops.kda.chunk import chunk_kda_torch
 from moelab.ops.kda.gate import GATES, naive_kda_gate, naive_qk_prep
 from moelab.ops.kda.naive import naive_recurrent_kda
 
 BACKENDS = ("auto", "triton", "chunk", "recurrent")
+PATHS = ("infer", "train", "chunk", "recurrent")
+INFER_CHUNK = 16  # the inference forward's chunk (triton_infer.CHUNK; kept here to avoid importing triton)
+INFER_G_MIN_FLOOR = max_safe_g_min("fp32", INFER_CHUNK)  # the lowest g_min the inference forward takes
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def kda_path(backend: str, q: torch.Tensor, *, gate: str = "none", g_min: float | None = None,
+             needs_grad: bool = False) -> str:
+    """Which implementation ``kda(...)`` runs, one of :data:`PATHS`.
+
+    - ``"infer"``: ``triton_infer.kda_infer``, when the backend resolves to ``triton``, q is on a
+      CUDA device (or ``TRITON_INTERPRET=1``), no gradient is needed, and g is bounded: ``gate=
+      "bounded"``, or ``gate="none"`` with a ``g_min``, where ``INFER_G_MIN_FLOOR <= g_min < 0``.
+    - ``"train"``: ``triton_chunk.chunk_kda`` (forward + backward), the other ``triton`` calls.
+    - ``"chunk"`` / ``"recurrent"``: the PyTorch backends (``auto`` on a CPU tensor is ``chunk``).
+
+    Args:
+        backend: one of :data:`BACKENDS`.
+        q: the op's q (its device decides ``auto``).
+        gate, g_min: as for :func:`kda`.
+        needs_grad: whether autograd must reach any input (``kda`` passes
+            ``torch.is_grad_enabled()`` and any input's ``requires_grad``).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not allowed: expected one of {', '.join(map(repr, BACKENDS))}")
+    if backend == "auto":
+        backend = "triton" if q.is_cuda else "chunk"
+    if backend != "triton":
+        return backend
+    on_device = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    bounded = gate in ("bounded", "none") and g_min is not None and INFER_G_MIN_FLOOR <= g_min < 0
+    return "infer" if on_device and bounded and not needs_grad else "train"
+
+
+def _cu_list(cu_seqlens: torch.Tensor, B: int, T: int) -> list[int]:
+    """``cu_seqlens`` as a checked list of offsets (one host sync)."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor of N + 1 >= 2 offsets, got "
+                         f"{(tuple(cu_seqlens.shape), cu_seqlens.dtype)}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the documents are packed in one row: expected B = 1, got B = {B}")
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+        shown = cu if len(cu) <= 16 else cu[:8] + ["..."] + cu[-8:]
+        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T = {T}, got {shown}")
+    return cu
+
+
+def _per_document(run, q, k, v, g, beta, initial_state, output_final_state, cu: list[int]):
+    """``run(q, k, v, g, beta, h0) -> (o, S)`` on each packed document on its own (the state
+    restarts at each boundary): the reference semantics of ``cu_seqlens``."""
+    N = len(cu) - 1
+    _, _, H, K = q.shape
+    V = v.shape[-1]
+    if initial_state is not None and initial_state.shape != (N, H, K, V):
+        raise ValueError(f"initial_state must be [N, H, K, V] = {(N, H, K, V)} with cu_seqlens (N = documents), "
+                         f"got {tuple(initial_state.shape)}")
+    outs, states = [], []
+    for n in range(N):
+        a, b = cu[n], cu[n + 1]
+        h0 = initial_state[n:n + 1] if initial_state is not None else None
+        if b == a:  # an empty document leaves its state as it came in
+            states.append(h0.float() if h0 is not None else q.new_zeros(1, H, K, V, dtype=torch.float32))
+            continue
+        o, S = run(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], h0)
+        outs.append(o)
+        states.append(S)
+    o = torch.cat(outs, dim=1) if outs else v.new_zeros(v.shape)
+    return o, (torch.cat(states, dim=0) if output_final_state else None)
 
 
 def kda(
@@ -45,55 +122,88 @@ def kda(
     l2norm_qk: bool = False,
     norm_eps: float = 1e-6,
     validate: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule with per-channel decay, by the chosen backend.
+
+    Which path runs (:func:`kda_path`): with ``backend="triton"`` (or ``"auto"`` on a CUDA
+    tensor), a call that needs no gradient (``torch.no_grad()`` / ``inference_mode()``, or no
+    input requiring grad) with a bounded g runs the inference forward ``triton_infer.kda_infer``
+    (chunk 16, no autograd graph; ``chunk_size`` is not used); any other Triton call runs the
+    training op ``triton_chunk.chunk_kda``. ``chunk`` / ``recurrent`` (and ``auto`` on CPU) run
+    the PyTorch code. All paths compute the same function.
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]`` in (0, 1).
         g: ``[B, T, H, K]``: with ``gate="none"`` the log decay (natural log, <= 0); otherwise the
             gate's raw input z, turned into the log decay by the op (``gate.naive_kda_gate``).
         scale: multiplier on q; default ``K ** -0.5``.
-        initial_state: ``[B, H, K, V]`` fp32 state, or None.
-        output_final_state: also return the final state ``[B, H, K, V]`` fp32.
+        initial_state: ``[N, H, K, V]`` fp32 state before the first token of each sequence
+            (N = B, or the number of documents with ``cu_seqlens``), or None (zeros).
+        output_final_state: also return the state after the last token, ``[N, H, K, V]`` fp32.
         backend: ``auto | triton | chunk | recurrent``.
-        chunk_size: tokens per chunk for ``chunk`` / ``triton``.
+        chunk_size: tokens per chunk for ``chunk`` and the Triton training op.
         gate: ``none | bounded | softplus``; A_log ``[H]`` and dt_bias ``[H*K]`` (or None) are its
             parameters.
         g_min: the lower bound of g: the bounded gate's floor (required with ``gate="bounded"``),
             or with ``gate="none"`` the caller's promise ``g >= g_min``. Either lets the Triton
-            backend use its bounded (factored-GEMM) mode; None: g is unbounded below.
+            backend use its bounded modes (the training op's factored GEMMs, the inference
+            forward); None: g is unbounded below.
         silu_qk, l2norm_qk, norm_eps: ``q, k <- L2Norm(SiLU(.))`` first, each step as flagged.
-        validate: ``triton`` with ``gate="none"`` only: check the range of g first (one reduction
-            and a host sync); callers whose g is bounded by construction pass False.
+        validate: ``triton`` only: with ``gate="none"`` check the range of g, and check
+            ``cu_seqlens`` (a host sync each); callers whose inputs are right by construction
+            pass False. The PyTorch backends always check ``cu_seqlens`` (they read it anyway).
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets of N documents packed in one row (B = 1):
+            document n is tokens ``[cu_seqlens[n], cu_seqlens[n + 1])`` and the state restarts at
+            each boundary (from ``initial_state[n]`` or zeros). Taken by the inference forward
+            (in-kernel) and the PyTorch backends (one document at a time); the Triton training op
+            takes none and raises.
 
     Returns:
-        ``(o [B, T, H, V] in v's dtype, S_T or None)``.
+        ``(o [B, T, H, V] in v's dtype, S_T [N, H, K, V] fp32 or None)``.
     """
     if gate not in GATES:
         raise ValueError(f"gate={gate!r} is not allowed: expected one of {', '.join(map(repr, GATES))}")
-    if backend == "auto":
-        backend = "triton" if q.is_cuda else "chunk"
-    if backend == "triton":
+    path = kda_path(backend, q, gate=gate, g_min=g_min,
+                    needs_grad=_needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias))
+    if path == "infer":
+        from moelab.ops.kda.triton_infer import kda_infer
+
+        return kda_infer(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, g_min=g_min, validate=validate, gate=gate,
+                         A_log=A_log, dt_bias=dt_bias, l2norm_qk=l2norm_qk, silu_qk=silu_qk, norm_eps=norm_eps,
+                         cu_seqlens=cu_seqlens)
+    if path == "train":
+        if cu_seqlens is not None:
+            raise ValueError(
+                "cu_seqlens is not taken by the Triton training op (triton_chunk.chunk_kda): packed documents run "
+                "on the inference forward (no gradient needed, gate='bounded' or gate='none' with g_min >= "
+                f"{INFER_G_MIN_FLOOR:.3f}) or with backend='chunk' / 'recurrent'")
         from moelab.ops.kda.triton_chunk import chunk_kda
 
         return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, g_min=g_min, validate=validate,
                          chunk_size=chunk_size, gate=gate, A_log=A_log, dt_bias=dt_bias, l2norm_qk=l2norm_qk,
                          silu_qk=silu_qk, norm_eps=norm_eps)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not allowed: expected one of {', '.join(map(repr, BACKENDS))}")
     if gate == "bounded" and g_min is None:
         raise ValueError("gate='bounded' needs g_min, the gate's floor (a number < 0)")
+    cu = _cu_list(cu_seqlens, q.shape[0], q.shape[1]) if cu_seqlens is not None else None
     if silu_qk or l2norm_qk:
         q = naive_qk_prep(q, silu_qk, l2norm_qk, norm_eps).to(q.dtype)
         k = naive_qk_prep(k, silu_qk, l2norm_qk, norm_eps).to(k.dtype)
     if gate != "none":
         g = naive_kda_gate(g, A_log, gate, g_min, dt_bias)
-    if backend == "recurrent":
-        return naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                   output_final_state=output_final_state)
-    return chunk_kda_torch(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                           output_final_state=output_final_state, chunk_size=chunk_size)
+
+    def run(q, k, v, g, beta, h0):
+        if path == "recurrent":
+            return naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=h0,
+                                       output_final_state=output_final_state or cu is not None)
+        return chunk_kda_torch(q, k, v, g, beta, scale=scale, initial_state=h0,
+                               output_final_state=output_final_state or cu is not None, chunk_size=chunk_size)
+
+    if cu is None:
+        return run(q, k, v, g, beta, initial_state)
+    return _per_document(run, q, k, v, g, beta, initial_state, output_final_state, cu)
 
 
-__all__ = ["BACKENDS", "chunk_kda_torch", "kda", "naive_kda_gate", "naive_recurrent_kda"]
+__all__ = ["BACKENDS", "PATHS", "chunk_kda_torch", "kda", "kda_path", "naive_kda_gate", "naive_recurrent_kda"]

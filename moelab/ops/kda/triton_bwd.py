@@ -1,7 +1,7 @@
 """Backward kernels of chunked KDA.
 
-The forward's intermediates (``Tm``, ``A_qk``, ``w``, ``u``, ``qg``, ``kd``) are kept or recomputed
-(``triton_chunk.TUNING["save"]``), the state kernel reruns (``h_c``, ``U``), then:
+The forward keeps its intra-chunk intermediates (``Tm``, ``A_qk``, ``w``, ``u``, ``qg``, ``kd``,
+``e^{G_last}``; G too in general mode), the state kernel reruns (``h_c``, ``U``), then:
 
 * ``_kda_bwd_dh`` (grid ``[cdiv(V, BV), B*H]``, sequential over chunks in reverse): with ``dh``
   the gradient of the state leaving chunk c (stored per chunk),
@@ -12,11 +12,11 @@ The forward's intermediates (``Tm``, ``A_qk``, ``w``, ``u``, ``qg``, ``kd``) are
   ``dw = -dU h^T``; from ``u = Tm beta v``: ``dvb = Tm^T dU``, ``dv = beta dvb``; from
   ``w = Tm (beta k e^G)``: ``dkb = Tm^T dw`` (stored); from ``Tm = (I + A_kk)^-1``:
   ``dA_kk = -strict_lower(dvb u^T + dkb w^T)``; from ``o``: ``dA_qk = lower(do U^T)``.
-* ``_kda_bwd_dqkg`` (grid ``[K // BK, NT * C // 16, B*H]``): per 16-row sub-tile, the state terms
-  (``dq += scale e^G (do h^T)``, ``dk += e^{G_last-G} (U dh^T)``, the w path; or, on the "split"
-  path, ``_kda_bwd_sterm`` per chunk first) and the gated-score terms (``A_qk`` with q on the row
-  side, ``A_kk`` with ``beta k``). Every term that differentiates an ``exp(G)`` factor lands in
-  ``dG``.
+* ``_kda_bwd_sterm`` (grid ``[K // BK, NT, B*H]``): the state terms per chunk
+  (``dq = scale e^G (do h^T)``, ``dk = e^{G_last-G} (U dh^T)``, the w path) and d(G_last);
+* ``_kda_bwd_dqkg`` (grid ``[K // BK, NT * C // 16, B*H]``): per 16-row sub-tile, adds the
+  gated-score terms (``A_qk`` with q on the row side, ``A_kk`` with ``beta k``). Every term that
+  differentiates an ``exp(G)`` factor lands in ``dG``.
 * ``_kda_bwd_dg``: ``dg`` is the reverse cumsum of ``dG`` within the chunk plus the gradient of
   ``G_last`` (which every g of the chunk feeds).
 """
@@ -166,17 +166,17 @@ def _kda_bwd_wy(
 @triton.jit
 def _kda_bwd_dqkg(
     q, k, g, beta, Gbuf, hbuf, dhbuf, U, do, dAs, dkb,
-    dq, dk, dG, dGl, dbk,
+    dq, dk, dG, dbk,
     scale, T, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr, STATE: tl.constexpr,
+    BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Per K-block, sub-tile and chunk (grid ``[K // BK, NT * C // BC, B*H]``): the rows ``I`` of
-    one ``BC``-token sub-tile. Stores dq and dk of those rows (final), their ``dG`` (fp32, before
-    the reverse cumsum that ``_kda_bwd_dg`` does over the chunk), this sub-tile's part of the
-    gradient of ``G_last`` (``dGl`` ``[B, NT, H, C // BC, K]``) and its dbeta terms (``dbk``
-    ``[K // BK, B, T, H]``, summed on the host).
+    one ``BC``-token sub-tile. ``_kda_bwd_sterm`` left the state terms of those rows in ``dq``
+    (dq), ``dkb`` (dk) and ``dG``; this kernel adds the gated-score terms and stores dq and dk
+    (final), their ``dG`` (fp32, before the reverse cumsum that ``_kda_bwd_dg`` does over the
+    chunk) and the score part of dbeta (``dbk`` ``[K // BK, B, T, H]``, summed on the host).
 
     Gated-score terms, with sub-tile ``J`` of the chunk:
     * row side (``J < I``): ``sum_J dS_IJ (b_J e^{gn - G_J}) * e^{G_I - gn}``, ``gn`` = G at the first
@@ -186,9 +186,6 @@ def _kda_bwd_dqkg(
     * diagonal (``J = I``): bounded mode one product each side on factors shifted to the sub-tile
       midpoint; general mode element-wise ``e^{G_i - G_j}`` per pair (partner rows from memory).
     Every tile is ``[BC, *]``: small enough to stay in registers (the chunk-wide version spilled).
-
-    ``STATE=False``: the state terms were done per chunk by ``_kda_bwd_sterm``, which left dq's
-    state part in ``dq``, dk's in ``dkb`` and dG's in ``dG``; this kernel adds the score terms.
     """
     i_k = tl.program_id(0)
     i_ci = tl.program_id(1)
@@ -219,13 +216,11 @@ def _kda_bwd_dqkg(
     hbuf += c_off * K * V + bo * V
     dhbuf += c_off * K * V + bo * V
     dAs += c_off * (2 * C * C)
-    dGl += (c_off * NC + i_i) * K + bo
 
     rI = i_i * BC + rc  # this sub-tile's rows within the chunk
     pI = rI[:, None] * (H * K) + cols[None, :]
     # chunk-local cumsum in log2 units: offsets from one load of the chunk's g block
     gch = tl.load(g + r[:, None] * (H * K) + cols[None, :]).to(tl.float32) * 1.4426950408889634
-    Gl = tl.sum(gch, axis=0)  # G at the chunk's last row
     offI = tl.sum(tl.where((r < i_i * BC)[:, None], gch, 0.0), axis=0)  # G before the first row of I
     if BOUNDED:
         GI = offI[None, :] + tl.cumsum(tl.load(g + pI).to(tl.float32) * 1.4426950408889634, axis=0)
@@ -239,15 +234,10 @@ def _kda_bwd_dqkg(
     bI = tl.load(beta + rI * H).to(tl.float32)
     bkI = kI * bI[:, None]
 
-    if STATE:
-        dqt, dkt, dGt, db, part, dgl = _state_terms(rI, cols, hbuf, dhbuf, U, do, GI, Gl, qI, kI, bI, tl.load(dkb + pI),
-                                                    scale, H, V, BV, DOT_BF16, IEEE)
-        part += tl.where(i_i == NC - 1, tl.exp2(Gl) * dgl, 0.0)
-    else:
-        dqt = tl.load(dq + pI).to(tl.float32)
-        dkt = tl.load(dkb + pI)
-        dGt = tl.load(dG + pI)
-        db = tl.zeros([BC], dtype=tl.float32)
+    dqt = tl.load(dq + pI).to(tl.float32)
+    dkt = tl.load(dkb + pI)
+    dGt = tl.load(dG + pI)
+    db = tl.zeros([BC], dtype=tl.float32)
 
     # row side, J < I
     sA = rI[:, None] * C  # rows I of the [C, C] score gradients
@@ -328,8 +318,6 @@ def _kda_bwd_dqkg(
     dGt += qI * rq + bkI * rk - kI * cs
     tl.store(dk + pI, dkt.to(dk.dtype.element_ty))
     tl.store(dG + pI, dGt)
-    if STATE:
-        tl.store(dGl + cols, part)
     tl.store(dbk + rI * H, db)
 
 
@@ -371,9 +359,9 @@ def _kda_bwd_sterm(
 ):
     """State terms per K-block and chunk (grid ``[K // BK, NT, B*H]``), ``[C, BK]`` tiles:
     ``dq = scale e^G (do h^T)`` (to ``dq``), ``dk = e^{G_last-G} (U dh^T) + beta e^G dkb``
-    (overwrites ``dkb``, fp32), their ``dG`` (to ``dG``), the gradient of ``G_last`` (one part of
-    ``dGl`` ``[B, NT, H, 1, K]``) and the dbeta term (``dbs`` ``[K // BK, B, T, H]``). The
-    per-sub-tile kernel (``STATE=False``) then adds the gated-score terms."""
+    (overwrites ``dkb``, fp32), their ``dG`` (to ``dG``), the gradient of ``G_last`` (``dGl``
+    ``[B, NT, H, K]``) and the dbeta term (``dbs`` ``[K // BK, B, T, H]``). ``_kda_bwd_dqkg`` then
+    adds the gated-score terms."""
     i_k = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2)
@@ -415,11 +403,11 @@ def _kda_bwd_sterm(
 @triton.jit
 def _kda_bwd_dg(
     dG, dGl, dg, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, NPART: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
 ):
     """Per K-block and chunk (grid ``[K // BK, NT, B*H]``): ``dg`` = reverse cumsum of ``dG``
-    within the chunk plus the gradient of ``G_last`` (the sum of the ``NPART`` parts in ``dGl``),
-    which every g of the chunk feeds."""
+    within the chunk plus the gradient of ``G_last`` (``dGl`` ``[B, NT, H, K]``, from
+    ``_kda_bwd_sterm``), which every g of the chunk feeds."""
     i_k = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2)
@@ -431,8 +419,7 @@ def _kda_bwd_dg(
     p = r[:, None] * (H * K) + cols[None, :]
     x = tl.load(dG + row0 * K + p)
     c_off = (i_b * (T // C) + i_c).to(tl.int64) * H + i_h
-    parts = tl.load(dGl + c_off * NPART * K + tl.arange(0, NPART)[:, None] * K + cols[None, :])
-    tot = tl.sum(parts, axis=0)
+    tot = tl.load(dGl + c_off * K + cols)
     out = tl.sum(x, axis=0)[None, :] - tl.cumsum(x, axis=0) + x + tot[None, :]
     tl.store(dg + row0 * K + p, out.to(dg.dtype.element_ty))
 

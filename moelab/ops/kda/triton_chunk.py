@@ -8,7 +8,7 @@ Kernels: triton_prep.py (optional SiLU, q/k L2 norm and gate, fused into the Fun
 triton_fwd.py (intra-chunk scores + UT transform, state recurrence, output) and triton_bwd.py
 (state-gradient recurrence, per-chunk dA / dv, per-sub-tile dq / dk / dG, reverse cumsum of dg);
 the two modes differ only in how the 16x16 diagonal sub-tiles of the gated scores are formed
-(triton_common.py, triton_bwd.py):
+(``_diag`` in triton_fwd.py, ``_kda_bwd_dqkg`` in triton_bwd.py):
 
 * ``mode="bounded"``: one tensor-core product per sub-tile on ``q exp(G - G_mid)`` and
   ``k exp(G_mid - G)``; exact while ``g >= g_min`` with ``|g_min| * 16 / 2`` inside
@@ -16,17 +16,17 @@ the two modes differ only in how the 16x16 diagonal sub-tiles of the gated score
 * ``mode="general"``: element-wise ``exp(G_i - G_j)`` per position pair, masked to ``i >= j``
   before ``exp``; correct for any ``g <= 0``.
 
-The forward keeps the raw inputs and (``TUNING["save"]``) its intra-chunk intermediates; the
-backward reruns the prep and the state kernel. Inputs are zero-padded (only when needed) to T a
-multiple of the chunk and K, V powers of two >= 16, so the kernels need no masks. Each kernel
-runs with one fixed launch config (``LAUNCH``), checked and timed on an H200. fp32 inputs take
+The forward keeps the raw inputs and its intra-chunk intermediates; the backward reruns the prep
+and the state kernel. Inputs are zero-padded (only when needed) to T a multiple of the chunk and K,
+V powers of two >= 16, so the kernels need no masks. Each kernel runs with one fixed launch config
+(``LAUNCH``), checked and timed on an H200 (kernels/README.md, "Launch configs"). fp32 inputs take
 exact fp32 products everywhere (the reference path); bf16 / fp16 inputs take bf16 / TF32
 tensor-core products (the fast path).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 
 import torch
@@ -35,16 +35,7 @@ import triton
 from moelab.ops.kda.bounds import G_MIN_FLOOR, SUBTILE
 from moelab.ops.kda.triton_bwd import _kda_bwd_dg, _kda_bwd_dh, _kda_bwd_dqkg, _kda_bwd_sterm, _kda_bwd_wy
 from moelab.ops.kda.triton_common import LOG2E
-from moelab.ops.kda.triton_fwd import (
-    _kda_fwd_intra,
-    _kda_fwd_kkt,
-    _kda_fwd_kkt_row,
-    _kda_fwd_merge,
-    _kda_fwd_out,
-    _kda_fwd_scores,
-    _kda_fwd_state,
-    _kda_fwd_wu,
-)
+from moelab.ops.kda.triton_fwd import _kda_fwd_kkt_row, _kda_fwd_merge, _kda_fwd_out, _kda_fwd_state, _kda_fwd_wu
 from moelab.ops.kda.triton_prep import prep_bwd, prep_fwd, prep_fwd_chunked
 
 MODES = ("bounded", "general")
@@ -57,69 +48,27 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# A_kk feeds the (I + A_kk)^-1 solve, which can amplify its rounding: the intra kernel forms the
-# scores from fp32 operands (TF32 on the GPU) rather than bf16 ones. Benchmarks may flip it.
-# ``save``: what the forward keeps for the backward. "inputs": only the inputs (the backward reruns
-# the intra and state kernels); "intra": also Tm, A_qk, w, u, qg, kd, e^{G_last} (the backward
-# reruns only the state kernel); "all": also the chunk states and U (no rerun). The op-level peak
-# memory is about the same for all three (the rerun materializes the same buffers); a model that
-# stacks layers keeps "intra"/"all" buffers per layer until its backward.
-# ``scores``: the intra-chunk path. "tiles" (default): ``_kda_fwd_kkt`` forms every 16-row sub-tile
-# pair of the scores with its own small product and the solve, then ``_kda_fwd_wu`` does
-# w, u, qg, kd chunk-wide (1.06 + 0.45 ms at B8 T4096 H16 D128 on the H200); "chunk": one intra
-# kernel over chunk-wide masked [C, C] tiles (1.96 ms); "subtile": ``_kda_fwd_scores`` per 16-row
-# sub-tile, then the intra kernel without its scores (1.67 + 1.04 ms). All three compute the same.
-# ``dqkg``: "split" (default): ``_kda_bwd_sterm`` does the state terms (``do h^T``, ``U dh^T``, the
-# w path) per chunk and K-block on [C, BK] tiles, then the per-sub-tile kernel adds the score terms
-# (0.98 + 2.09 ms); "fused": the per-sub-tile kernel does both (4.66 ms).
-# ``kkt`` (with "tiles"): "parallel" (default): one program per sub-tile row does its diagonal and
-# off-diagonal pairs (partner G recomputed from g), then ``_kda_fwd_merge`` per chunk (0.83 + 0.08
-# ms at B8 T4096 H16 D128); "rows": one kernel per chunk does the sub-tile rows one after the other
-# (1.06 ms). Measured slower and removed (kernels/results/kda_ab_h200.json): the diagonal sub-tiles
-# in their own kernel before the per-chunk one, a "strip" layout (a row's off-diagonal pairs as one
-# [16, BK] x [BK, C] product) and the gate applied inside kkt (``fuse_gate``).
-# ``cumsum`` (with "tiles" + "parallel"): where the chunk-local cumsum G of the decay is formed.
-# "prep": the forward prep writes G itself, zero-padded (``triton_prep.prep_fwd_chunked``), and the
-# kkt rows read their partners' G instead of recomputing it from g; "kernel": the prep writes g and
-# each kkt row recomputes the cumsum of its own and its partner sub-tiles (and writes G for wu);
-# "auto" (default): "prep" in bounded mode, "kernel" in general mode. Bounded, B8 T4096 H16 D128 on
-# the H200: kktr 0.46 vs 0.73 ms (forward 1.72 vs 1.97 ms); general: kktr 1.97 vs 1.72 ms (its
-# element-wise diagonal pairs hold more registers; with G read in the 168 cap spills).
-# ``wu_bf16``: the w and u products of wu on bf16 operands (Tm rounded to bf16; bf16 inputs only)
-# instead of TF32: wu 0.05 ms faster at B8 T4096, o error 3.1e-3 -> 3.3e-3, final state 1.7e-3 ->
-# 2.2e-3 (kernels/results/kda_ab_h200.json); off.
-TUNING: dict = {"scores_tf32": True, "save": "intra", "scores": "tiles", "dqkg": "split", "kkt": "parallel",
-                "cumsum": "auto", "wu_bf16": False}
-CUMSUM_PATHS = ("auto", "prep", "kernel")
-KKT_PATHS = ("rows", "parallel")
-SAVE_POLICIES = ("inputs", "intra", "all")
-SCORE_PATHS = ("subtile", "chunk", "tiles")
-DQKG_PATHS = ("fused", "split")
-
-
 # Launch configuration per kernel on the GPU: (block size, num_warps, num_stages); the block is
 # the K-block (BK) of the intra and gradient kernels and the V-block (BV) of the others. Fixed,
 # not autotuned: with Triton 3.6 on Hopper, configs whose products have a 16- or 32-wide block at
 # 4 or 8 warps (warpgroup MMA) were miscompiled in an H200 sweep (illegal memory accesses in the
 # dh and gradient kernels; wrong, nondeterministic states in the state kernel; fla excludes the
-# same kind of config), and an autotuner would run them. Every entry below passed a per-launch
-# check against fp32 torch, a determinism check and the end-to-end check (kernels/README.md,
-# "Launch configs"), and was the fastest passing one where timed. A block clamped below its entry
-# (small head dims) runs at 2 warps (mma.sync, no warpgroup MMA), which passed for every kernel.
+# same kind of config), and an autotuner would run them. Every entry passed a per-launch or
+# end-to-end bf16 check against fp32 and a determinism check, and was the fastest passing one
+# where timed (kernels/README.md, "Launch configs"). A block clamped below its entry (small head
+# dims) runs at 2 warps (mma.sync, no warpgroup MMA), which passed for every kernel.
+# ``launch_overrides`` swaps entries for A/B runs.
 LAUNCH: dict[str, tuple[int, int, int]] = {
-    "scores": (0, 4, 1),  # no block: every program takes all of K
-    "intra": (32, 4, 1),
-    "state": (64, 4, 2),  # fla's H200 choice for its state kernel; 0.47 vs 0.67 ms (32/2/1, 2 launches) at B8
-    "out": (64, 4, 1),
-    "dh": (64, 8, 1),
-    "wy": (64, 4, 1),
-    "dqkg": (16, 1, 1),
-    "dg": (64, 4, 1),
-    "sterm": (64, 4, 1),
-    "kkt": (32, 1, 1),
     "kktr": (32, 1, 1),
     "merge": (0, 1, 1),  # no block: [16, 16] tiles
     "wu": (32, 4, 1),
+    "state": (64, 4, 2),
+    "out": (64, 4, 1),
+    "dh": (64, 8, 1),
+    "wy": (64, 4, 1),
+    "sterm": (64, 4, 1),
+    "dqkg": (16, 1, 1),
+    "dg": (64, 4, 1),
     # the sequential state kernel when B * H * V / 32 <= SMALL_GRID (B1 H16: 64 programs at 32-wide
     # blocks, under one per SM): 16-wide blocks give 128 programs, and two stages prefetch the next
     # chunk's loads, which do not depend on the carried state
@@ -128,52 +77,44 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
 SMALL_GRID = 128
 # the interpreter: 16-wide blocks so that small test shapes still take the multi-block paths
 _INTERP_LAUNCH = (16, 4, 1)
-
-
-def _launch_from_env(text: str | None) -> None:
-    """``MOELAB_KDA_LAUNCH='{"state": [32, 2, 1], ...}'`` overrides entries of LAUNCH (experiments)."""
-    if not text:
-        return
-    for name, cfg in json.loads(text).items():
-        if name not in LAUNCH or len(cfg) != 3:
-            raise ValueError(f"MOELAB_KDA_LAUNCH entry {name!r}: {cfg!r} is not allowed: expected one of "
-                             f"{sorted(LAUNCH)} mapped to [block, num_warps, num_stages]")
-        LAUNCH[name] = tuple(int(x) for x in cfg)
-
-
-_launch_from_env(os.environ.get("MOELAB_KDA_LAUNCH"))
-
-# Register cap per kernel (ptxas ``maxnreg``): a 1-warp kernel that takes ~232 registers fits 8
-# programs per SM, a cap trades spills for occupancy. kktr at 168: 1.967 vs 2.073 ms forward at B8
-# T4096 H16 D128 on the H200 (128: 2.039; kernels/results/kda_ab_h200.json). Override for
-# experiments: ``MOELAB_KDA_MAXNREG='{"kkt": 168}'``.
+# Register cap per kernel (ptxas ``maxnreg``): the 1-warp kktr takes ~216 registers uncapped; the
+# cap trades spills for occupancy.
 MAXNREG: dict[str, int] = {"kktr": 168}
 
 
-def _maxnreg_from_env(text: str | None) -> None:
-    if not text:
-        return
-    for name, val in json.loads(text).items():
-        if name not in LAUNCH or not (32 <= int(val) <= 255):
-            raise ValueError(f"MOELAB_KDA_MAXNREG entry {name!r}: {val!r} is not allowed: expected one of "
-                             f"{sorted(LAUNCH)} mapped to a register count in 32..255")
-        MAXNREG[name] = int(val)
+@contextlib.contextmanager
+def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None):
+    """Run the op with some ``LAUNCH`` / ``MAXNREG`` entries replaced, restored on exit (A/B runs
+    and launch-config sweeps, e.g. kernels/ab_kda.py).
 
-
-_maxnreg_from_env(os.environ.get("MOELAB_KDA_MAXNREG"))
-
-
-def _tuning_from_env(text: str | None) -> None:
-    """``MOELAB_KDA_TUNING='{"scores": "chunk"}'`` overrides entries of TUNING (experiments)."""
-    if not text:
-        return
-    for name, val in json.loads(text).items():
-        if name not in TUNING:
-            raise ValueError(f"MOELAB_KDA_TUNING entry {name!r} is not allowed: expected one of {sorted(TUNING)}")
-        TUNING[name] = val
-
-
-_tuning_from_env(os.environ.get("MOELAB_KDA_TUNING"))
+    Args:
+        launch: ``{kernel: (block, num_warps, num_stages)}`` for kernels named in ``LAUNCH``.
+        maxnreg: ``{kernel: registers}`` (32..255) for kernels named in ``LAUNCH``; ``None`` as a
+            value removes that kernel's cap.
+    """
+    launch, maxnreg = dict(launch or {}), dict(maxnreg or {})
+    for name, cfg in launch.items():
+        if name not in LAUNCH or len(cfg) != 3:
+            raise ValueError(f"launch entry {name!r}: {cfg!r} is not allowed: expected one of {sorted(LAUNCH)} "
+                             f"mapped to (block, num_warps, num_stages)")
+    for name, val in maxnreg.items():
+        if name not in LAUNCH or not (val is None or 32 <= int(val) <= 255):
+            raise ValueError(f"maxnreg entry {name!r}: {val!r} is not allowed: expected one of {sorted(LAUNCH)} "
+                             f"mapped to a register count in 32..255 or None")
+    saved = dict(LAUNCH), dict(MAXNREG)
+    LAUNCH.update({name: tuple(int(x) for x in cfg) for name, cfg in launch.items()})
+    for name, val in maxnreg.items():
+        if val is None:
+            MAXNREG.pop(name, None)
+        else:
+            MAXNREG[name] = int(val)
+    try:
+        yield
+    finally:
+        LAUNCH.clear()
+        LAUNCH.update(saved[0])
+        MAXNREG.clear()
+        MAXNREG.update(saved[1])
 
 
 class _Launcher:
@@ -200,8 +141,6 @@ class _Launcher:
         return self.kernel[grid](*args, **kwargs, **block, num_warps=warps, num_stages=stages, **cap)
 
 
-_scores = _Launcher("scores", _kda_fwd_scores, None)
-_intra = _Launcher("intra", _kda_fwd_intra, "BK")
 _state = _Launcher("state", _kda_fwd_state, "BV")
 _out = _Launcher("out", _kda_fwd_out, "BV")
 _dh = _Launcher("dh", _kda_bwd_dh, "BV")
@@ -209,7 +148,6 @@ _wy = _Launcher("wy", _kda_bwd_wy, "BK")
 _dqkg = _Launcher("dqkg", _kda_bwd_dqkg, "BK")
 _dg = _Launcher("dg", _kda_bwd_dg, "BK")
 _sterm = _Launcher("sterm", _kda_bwd_sterm, "BK")
-_kkt = _Launcher("kkt", _kda_fwd_kkt, "BK")
 _kktr = _Launcher("kktr", _kda_fwd_kkt_row, "BK")
 _merge = _Launcher("merge", _kda_fwd_merge, None)
 _wu = _Launcher("wu", _kda_fwd_wu, "BK")
@@ -238,88 +176,43 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, g_min, g_in=False):
+def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, g_min):
     """Intra-chunk and state kernels on padded inputs; returns the intermediates."""
-    inter = _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min, g_in)
+    inter = _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min)
     inter.update(_state_pass(inter, h0, output_final_state, q.dtype, C))
     return inter
 
 
-def _cumsum_in_prep(bounded: bool) -> bool:
-    """Whether the forward prep writes G for the kkt rows (``TUNING["cumsum"]``; see there)."""
-    path = TUNING["cumsum"]
-    if path not in CUMSUM_PATHS:
-        raise ValueError(f"TUNING['cumsum']={path!r} is not allowed: expected one of {CUMSUM_PATHS}")
-    if path == "auto":
-        path = "prep" if bounded else "kernel"
-    return path == "prep" and TUNING["scores"] == "tiles" and TUNING["kkt"] == "parallel"
+def _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min):
+    """The intra-chunk kernels (kktr, merge, wu): A_qk, Tm, w, u, qg, kd, e^{G_last}.
 
-
-def _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min, g_in=False):
-    """The intra-chunk kernels: scores, UT transform, w, u, qg, kd, e^{G_last} (and G, general mode).
-    ``g_min`` (bounded mode) places the diagonal sub-tiles' reference of the "tiles" path.
-    ``g_in``: ``g`` already holds G (``prep_fwd_chunked``; "tiles" + "parallel" only)."""
+    Bounded mode: ``g`` already holds G (``prep_fwd_chunked``) and ``g_min`` places the diagonal
+    sub-tiles' reference. General mode: ``g`` is the log decay; kktr forms G and writes it for wu
+    and for the backward's element-wise diagonal pairs (returned as ``Gbuf``)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = T // C
     dev = q.device
     wd = _work_dtype(q.dtype)
-    dot_bf16 = _dot_bf16(q.dtype)
-    if TUNING["scores"] not in SCORE_PATHS:
-        raise ValueError(f"TUNING['scores']={TUNING['scores']!r} is not allowed: expected one of {SCORE_PATHS}")
-    tiles = TUNING["scores"] == "tiles"
-    # the general-mode gathers of the backward read G back from memory; the "tiles" path's second
-    # kernel reads it too
-    store_g = (not bounded or tiles) and not g_in
-    if g_in:
-        Gbuf = g
-    elif store_g:
-        Gbuf = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
-    else:
-        Gbuf = q.new_empty(1, dtype=torch.float32)
+    Gbuf = g if bounded else torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
     Abuf = torch.empty(B, T, H, C, device=dev, dtype=torch.float32)
     Aqk = torch.empty(B, T, H, C, device=dev, dtype=wd)
     w, qg, kd = (torch.empty(B, T, H, K, device=dev, dtype=wd) for _ in range(3))
     u = torch.empty(B, T, H, V, device=dev, dtype=wd)
     gl = torch.empty(B, NT, H, K, device=dev, dtype=torch.float32)
-    score_bf16 = dot_bf16 and not TUNING["scores_tf32"]
-    if tiles:
-        mid = (SUBTILE / 2) * (g_min if bounded else 0.0) * LOG2E
-        if TUNING["kkt"] not in KKT_PATHS:
-            raise ValueError(f"TUNING['kkt']={TUNING['kkt']!r} is not allowed: expected one of {KKT_PATHS}")
-        if TUNING["kkt"] != "parallel" and g_in:
-            raise ValueError(f"g_in needs TUNING['kkt'] 'parallel', got {TUNING['kkt']!r}")
-        if TUNING["kkt"] == "parallel":
-            _kktr(
-                (NT * (C // SUBTILE), B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
-                H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype), G_IN=g_in,
-            )
-            if C > SUBTILE:
-                _merge((NT, B * H), Abuf, T, H=H, K=K, V=V, C=C, BC=SUBTILE)
-        else:
-            _kkt(
-                (NT, B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
-                H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype),
-            )
-        _wu(
-            (NT, B * H), q, k, v, Gbuf, beta, Abuf, w, u, qg, kd, gl, scale, T,
-            H=H, K=K, V=V, C=C, BV=min(V, 64), IEEE=_ieee(q.dtype),
-            WU_BF16=bool(TUNING["wu_bf16"]) and dot_bf16,
-        )
-        if bounded:  # the backward does not read G in bounded mode: keep only a placeholder
-            Gbuf = q.new_empty(1, dtype=torch.float32)
-        return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, qg=qg, kd=kd, gl=gl)
-    subtile = TUNING["scores"] == "subtile" and C >= SUBTILE
-    if subtile:
-        _scores(
-            (NT * (C // SUBTILE), B * H), q, k, g, beta, Abuf, Aqk, scale, T, B * H,
-            H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype),
-        )
-    _intra(
-        (NT, B * H), q, k, v, g, beta, Gbuf, Abuf, Aqk, w, u, qg, kd, gl, scale, T, B * H,
-        H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64),
-        BOUNDED=bounded, STORE_G=store_g, SCORE_BF16=score_bf16, IEEE=_ieee(q.dtype), SCORES=not subtile,
+    mid = (SUBTILE / 2) * (g_min if bounded else 0.0) * LOG2E
+    _kktr(
+        (NT * (C // SUBTILE), B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
+        H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, IEEE=_ieee(q.dtype), G_IN=bounded,
     )
+    if C > SUBTILE:
+        _merge((NT, B * H), Abuf, T, H=H, K=K, V=V, C=C, BC=SUBTILE)
+    _wu(
+        (NT, B * H), q, k, v, Gbuf, beta, Abuf, w, u, qg, kd, gl, scale, T,
+        H=H, K=K, V=V, C=C, BV=min(V, 64), IEEE=_ieee(q.dtype),
+    )
+    if bounded:  # the backward does not read G in bounded mode: keep only a placeholder
+        Gbuf = q.new_empty(1, dtype=torch.float32)
     return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, qg=qg, kd=kd, gl=gl)
 
 
@@ -342,8 +235,9 @@ def _state_pass(inter, h0, output_final_state, dtype, C):
     return dict(hbuf=hbuf, U=U, hT=hT)
 
 
+# what the forward keeps for the backward besides the raw inputs; the backward reruns the prep and
+# the state kernel (the other choices measured: kernels/README.md, "A/B record")
 _INTRA_KEYS = ("Gbuf", "Abuf", "Aqk", "w", "u", "qg", "kd", "gl")
-_STATE_KEYS = ("hbuf", "U")
 
 
 class Prep:
@@ -388,8 +282,9 @@ class ChunkKDAFunction(torch.autograd.Function):
                 g_min):
         B, T, H, K = q.shape
         V = v.shape[-1]
-        g_in = _cumsum_in_prep(bounded)
-        if g_in:  # one pass writes the padded qn, kn and G (prep or not: G is needed either way)
+        # bounded mode: one pass writes the padded qn, kn and G for kktr (prep or not: G is needed
+        # either way); general mode: kktr forms G itself (reading it in was slower there)
+        if bounded:
             qn, kn, gn = prep_fwd_chunked(q, k, g, A_log, dt_bias, chunk_size=C, **prep.kw(), qk=prep.active)
             if qn is None:
                 qn, kn = q, k
@@ -399,22 +294,16 @@ class ChunkKDAFunction(torch.autograd.Function):
             qn, kn, gn = q, k, g
         qp, kp, vp, gp, bp, h0p = _padded(qn, kn, v, gn, beta, initial_state, C)
         del qn, kn, gn
-        inter = _forward(qp, kp, vp, gp, bp, scale, h0p, output_final_state, bounded, C, g_min, g_in=g_in)
+        inter = _forward(qp, kp, vp, gp, bp, scale, h0p, output_final_state, bounded, C, g_min)
         Tp, Kp, Vp = qp.shape[1], qp.shape[3], vp.shape[3]
         o = torch.empty_like(vp)
         _out(
             (Tp // C, B * H), inter["qg"], inter["Aqk"], inter["hbuf"], inter["U"], o, Tp, B * H,
             H=H, K=Kp, V=Vp, C=C, DOT_BF16=_dot_bf16(q.dtype), IEEE=_ieee(q.dtype),
         )
-        save = TUNING["save"]
-        if save not in SAVE_POLICIES:
-            raise ValueError(f"TUNING['save']={save!r} is not allowed: expected one of {SAVE_POLICIES}")
-        keys = () if save == "inputs" else _INTRA_KEYS + (_STATE_KEYS if save == "all" else ())
         # raw inputs (the prep and the padding are redone in the backward) + kept intermediates
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, *(inter[key] for key in keys))
-        ctx.keys = keys
-        ctx.scale, ctx.bounded, ctx.chunk_size, ctx.prep, ctx.g_min = scale, bounded, C, prep, g_min
-        ctx.g_in = g_in
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, *(inter[key] for key in _INTRA_KEYS))
+        ctx.scale, ctx.bounded, ctx.chunk_size, ctx.prep = scale, bounded, C, prep
         hT = inter["hT"]
         if (Tp, Vp) != (T, V):
             o = o[:, :T, :, :V]
@@ -437,13 +326,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         do = _pad(do, {1: T, 3: V}).contiguous()
         if dht is not None:
             dht = _pad(dht, {2: K, 3: V}).contiguous()
-        inter = dict(zip(ctx.keys, saved))
-        if not inter:  # the forward's intra pass again, on the same G
-            G = (prep_fwd_chunked(q_raw, k_raw, g_raw, A_log, dt_bias, chunk_size=C, **prep.kw(), qk=False)[2]
-                 if ctx.g_in else g)
-            inter = _intra_pass(q, k, v, G, beta, scale, bounded, C, ctx.g_min, g_in=ctx.g_in)
-        if "hbuf" not in inter:
-            inter.update(_state_pass(inter, h0, False, q.dtype, C))
+        inter = dict(zip(_INTRA_KEYS, saved))
+        inter.update(_state_pass(inter, h0, False, q.dtype, C))
         dot_bf16 = _dot_bf16(q.dtype)
         dhbuf = torch.empty(B, NT, H, K, V, device=q.device, dtype=_work_dtype(q.dtype))
         dU = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)
@@ -466,30 +350,24 @@ class ChunkKDAFunction(torch.autograd.Function):
             H=H, K=K, V=V, C=C, BV=min(V, 64), DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
         )
         del dU  # only dh (writes) and wy (reads) use it: freed before the largest allocations below
-        if TUNING["dqkg"] not in DQKG_PATHS:
-            raise ValueError(f"TUNING['dqkg']={TUNING['dqkg']!r} is not allowed: expected one of {DQKG_PATHS}")
-        split = TUNING["dqkg"] == "split"
         nk = K // _dqkg.config(K, V)[0]
-        nparts = 1 if split else C // SUBTILE  # d(G_last) parts per chunk
+        nks = K // _sterm.config(K, V)[0]
         dbk = torch.empty(nk, B, T, H, device=q.device, dtype=torch.float32)  # per-K-block dbeta terms
+        dbs = torch.empty(nks, B, T, H, device=q.device, dtype=torch.float32)  # same, state terms
         dGs = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)  # dG before the reverse cumsum
-        dGl = torch.empty(B, NT, H, nparts, K, device=q.device, dtype=torch.float32)  # d(G_last) parts
-        dbeta = dbv
-        if split:
-            nks = K // _sterm.config(K, V)[0]
-            dbs = torch.empty(nks, B, T, H, device=q.device, dtype=torch.float32)
-            _sterm(
-                lambda bk: (K // bk, NT, B * H), q, k, g, beta, inter["hbuf"], dhbuf, inter["U"], do, dkb, dq, dGs,
-                dGl, dbs, scale, T, B * H, H=H, K=K, V=V, C=C, BV=min(V, 64), DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
-            )
-            dbeta = dbeta + dbs.sum(0)
+        dGl = torch.empty(B, NT, H, K, device=q.device, dtype=torch.float32)  # d(G_last)
+        # the state terms per chunk first, then the per-sub-tile kernel adds the gated-score terms
+        _sterm(
+            lambda bk: (K // bk, NT, B * H), q, k, g, beta, inter["hbuf"], dhbuf, inter["U"], do, dkb, dq, dGs,
+            dGl, dbs, scale, T, B * H, H=H, K=K, V=V, C=C, BV=min(V, 64), DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
+        )
+        dbeta = dbv + dbs.sum(0)
         _dqkg(
             lambda bk: (K // bk, NT * (C // SUBTILE), B * H), q, k, g, beta, inter["Gbuf"], inter["hbuf"], dhbuf,
-            inter["U"], do, dAs, dkb, dq, dk, dGs, dGl, dbk, scale, T, B * H,
+            inter["U"], do, dAs, dkb, dq, dk, dGs, dbk, scale, T, B * H,
             H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64), BOUNDED=bounded, DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
-            STATE=not split,
         )
-        _dg(lambda bk: (K // bk, NT, B * H), dGs, dGl, dg, T, H=H, K=K, V=V, C=C, NPART=nparts)
+        _dg(lambda bk: (K // bk, NT, B * H), dGs, dGl, dg, T, H=H, K=K, V=V, C=C)
         del inter, dAs, dkb, dhbuf, dGs, dGl
         dbeta = (dbeta + dbk.sum(0))[:, :T0].to(beta_raw.dtype)
         dq, dk, dg = (x[:, :T0, :, :K0] for x in (dq, dk, dg))
@@ -504,7 +382,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 def launch_configs(K: int = 128, V: int = 128) -> dict:
     """The launch config of every kernel at head dims K, V: {name: {block: size, num_warps, num_stages}}."""
     out = {}
-    for lau in (_scores, _intra, _state, _out, _dh, _wy, _dqkg, _dg, _sterm, _kkt, _kktr, _merge, _wu, _state_small):
+    for lau in (_kktr, _merge, _wu, _state, _state_small, _out, _dh, _wy, _sterm, _dqkg, _dg):
         size, warps, stages = lau.config(K, V)
         out[lau.name] = {**({lau.block: size} if lau.block else {}), "num_warps": warps, "num_stages": stages}
     return out

@@ -1,0 +1,606 @@
+"""The study harness: a grid of arms x seeds from one preset, tracked, resumable, summarized one way.
+
+A study names a base preset and its arms, each a dict of ``--set``-style overrides
+(``{"bounded": {"model.kda.gate": "bounded"}, "softplus": {"model.kda.gate": "softplus"}}``), and
+calls :func:`run_grid`. For every (arm, seed) it
+
+* checks first that the arms differ only in their override keys (:func:`check_arms_differ_only`);
+* trains ``load_config(base, {**common, **arm, "seed": seed})`` with ``moelab.train.fit`` as a
+  nested MLflow run of the study's parent run, named ``<study>-<arm>-s<seed>``, with ``study.arm``
+  and ``study.seed`` as params and ``moelab.arm`` / ``moelab.seed`` as tags, and the same
+  ``study/*`` metric names for every arm;
+* sends the training's console output (progress, Lightning and data messages) to
+  ``<out_dir>/checkpoints/<arm>-s<seed>/train.log`` and prints one line when the run ends (arm,
+  seed, steps, val loss, time, ETA of the study);
+* writes ``record.json`` beside the checkpoints; a rerun at the same code and config finds it and
+  skips the run, so an interrupted study resumes where it stopped (the run it was in when
+  interrupted trains again from the start).
+
+Results come back as a :class:`Grid`: one row per run (:meth:`Grid.table`), mean +- spread over seeds
+(:func:`aggregate`), one loss-curve style (:func:`loss_curves`), and :func:`study_meta` for the
+``meta`` block every ``summary.json`` carries. :func:`show` turns a matplotlib Figure into an
+image that Jupyter renders (Figures built without pyplot have no inline display of their own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import platform
+import re
+import shutil
+import subprocess
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from moelab.base import repo_root
+from moelab.utils import write_json
+
+# Runner -> kernel: what the notebook cannot know by itself (its command line, when the study began,
+# the code state before the study wrote anything into the checkout).
+COMMAND_ENV = "MOELAB_STUDY_COMMAND"
+STARTED_ENV = "MOELAB_STUDY_STARTED"
+GIT_ENV = "MOELAB_STUDY_GIT"
+
+# Console lines that carry no information for a study reader. Filtered where they are emitted
+# (quiet_known_noise) and looked for in executed notebooks by the tests.
+KNOWN_NOISE = (
+    r"INFO mlflow\.",
+    r"GPU available: ",
+    r"TPU available: ",
+    r"HPU available: ",
+    r"litlogger",
+    r"LeafSpec",
+    r"`Trainer\.fit` stopped: `max_steps=",
+)
+_LIGHTNING_NOISE = re.compile("|".join(KNOWN_NOISE[1:]))
+# Absolute paths of one machine: meaningless in a committed report, and they leak the machine.
+MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|home|tmp|root|Users|mnt|private|var/folders)/")
+
+STUDY_METRICS = ("best_val_loss", "final_val_loss", "final_train_loss", "train_val_gap", "epochs")
+
+
+# ------------------------------------------------------------------------------------------ quiet
+
+
+class _DropNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _LIGHTNING_NOISE.search(record.getMessage())
+
+
+_NOISE_FILTER = _DropNoise()
+
+
+def quiet_known_noise() -> None:
+    """Silence the known noise at its source, for this process (idempotent).
+
+    MLflow's INFO messages (database setup, system-metrics monitor start/stop), Lightning's
+    accelerator inventory and litlogger advertisement, the end-of-fit ``max_steps`` notice, and
+    torch's ``LeafSpec`` FutureWarning raised from inside Lightning. Warnings and errors pass.
+    """
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow configures its loggers
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                 "lightning_utilities.core.rank_zero"):
+        logger = logging.getLogger(name)
+        if _NOISE_FILTER not in logger.filters:
+            logger.addFilter(_NOISE_FILTER)
+    warnings.filterwarnings("ignore", message=r".*LeafSpec", category=FutureWarning)
+
+
+@contextlib.contextmanager
+def output_to(path: str | os.PathLike) -> Iterator[None]:
+    """Send this process's Python-level console output (print, warnings, logging) to ``path`` (appended).
+
+    Logging handlers hold the stream they were created with (often the notebook's own), so each
+    console ``StreamHandler`` is pointed at the file for the block and back afterwards; handlers
+    created inside the block (bound to the file) are pointed at the console the block started with.
+    """
+    import sys
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    console = sys.stderr
+    with open(path, "a", encoding="utf-8", buffering=1) as f:
+        moved = [(h, h.stream) for h in _stream_handlers()]
+        for h, _ in moved:
+            h.stream = f
+        try:
+            with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f), _not_in_jupyter():
+                yield
+        finally:
+            for h, old in moved:
+                h.stream = old
+            for h in _stream_handlers():
+                if h.stream is f:
+                    h.stream = console
+
+
+@contextlib.contextmanager
+def _not_in_jupyter() -> Iterator[None]:
+    """Make rich (Lightning's progress bar) write text to the redirected stream.
+
+    Inside a Jupyter kernel rich draws its live display as a widget in the running cell instead
+    of writing to ``sys.stdout``, which would put an empty progress widget into the notebook.
+    """
+    try:
+        import rich.console
+    except ImportError:
+        yield
+        return
+    saved = rich.console._is_jupyter
+    rich.console._is_jupyter = lambda: False
+    try:
+        yield
+    finally:
+        rich.console._is_jupyter = saved
+
+
+def _stream_handlers() -> list[logging.StreamHandler]:
+    """Every console-like ``StreamHandler`` of every logger (files and ``logging.lastResort`` left out)."""
+    loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(lg, logging.Logger))]
+    # logging.lastResort's stream is a read-only property that follows sys.stderr by itself.
+    return [h for lg in loggers for h in lg.handlers
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+            and not isinstance(getattr(type(h), "stream", None), property)]
+
+
+# ---------------------------------------------------------------------------------- code and host
+
+
+def git_state(exclude: Sequence[str] = ()) -> dict[str, Any]:
+    """``{"commit", "dirty", "diff_sha256"}`` of the checkout; tracked files only, ``exclude`` paths left out.
+
+    ``diff_sha256`` hashes ``git diff HEAD``, so two dirty trees with different edits differ.
+    Outside a git checkout every value is None.
+    """
+    root = repo_root()
+    spec = ["--", ".", *(f":(exclude){p}" for p in exclude)]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30,
+                              check=True).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        diff = git("diff", "HEAD", *spec)
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None, "diff_sha256": None}
+    return {"commit": commit, "dirty": bool(diff),
+            "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else None}
+
+
+def device_name() -> str:
+    """The CUDA device's name, else the CPU model and its core count."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU: {model} ({os.cpu_count()} cores)"
+
+
+def _versions() -> dict[str, str | None]:
+    import torch
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version}
+
+
+def study_context(study: str) -> dict[str, Any]:
+    """Command, start time and code state of the running study: from the runner, else from here and now."""
+    git = json.loads(os.environ[GIT_ENV]) if os.environ.get(GIT_ENV) else git_state(exclude=(f"studies/{study}",))
+    return {"command": os.environ.get(COMMAND_ENV) or "interactive (notebook run by hand)",
+            "started": float(os.environ.get(STARTED_ENV) or _IMPORTED_AT), "git": git}
+
+
+_IMPORTED_AT = time.time()
+
+
+def measured_commit(path: str | os.PathLike, needle: str | None = None) -> dict[str, str | None]:
+    """Which code produced a committed result file (or one value in it): ``{"commit", "how"}``.
+
+    ``meta.commit`` inside the file when it records one; else the commit named in the message of the
+    commit that added ``needle`` to the file (a value's exact text, for files whose rows were
+    measured at different times), or of the last commit that changed the file
+    (``"... results at 730381e"``, ``"(commit e95d6c9)"``); else that commit itself. ``how`` says which.
+    """
+    path = Path(path)
+    try:
+        meta = json.loads(path.read_text()).get("meta", {})
+    except (OSError, json.JSONDecodeError, AttributeError):
+        meta = {}
+    if isinstance(meta, dict) and meta.get("commit"):
+        return {"commit": str(meta["commit"])[:12], "how": "recorded in the file"}
+    try:
+        rel = path.resolve().relative_to(repo_root()).as_posix()
+        pick = [f"-S{needle}"] if needle else []  # the latest commit that changed its count: the one that added it
+        line = subprocess.run(["git", "log", "-1", *pick, "--format=%h %s", "--", rel], cwd=repo_root(),
+                              capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return {"commit": None, "how": "not in git"}
+    if not line:
+        return {"commit": None, "how": "not committed"}
+    sha, subject = line.split(" ", 1) if " " in line else (line, "")
+    what = "added the value" if needle else "last changed the file"
+    named = re.search(r"\b(?:at|commit)\s+([0-9a-f]{7,40})\b", subject)
+    if named:
+        return {"commit": named.group(1), "how": f"named by the message of {sha}, which {what}"}
+    return {"commit": sha, "how": f"the commit that {what}"}
+
+
+# ------------------------------------------------------------------------------------------- arms
+
+
+def resolve_arms(base: str, arms: Mapping[str, Mapping[str, Any]], common: Mapping[str, Any] | None = None,
+                 seed: int = 0) -> dict[str, Any]:
+    """``{arm: RunConfig}`` of ``load_config(base, {**common, **overrides, "seed": seed})``."""
+    from moelab.config import load_config
+
+    if not arms:
+        raise ValueError("arms is empty: a study needs at least one arm")
+    return {arm: load_config(base, {**(common or {}), **ov, "seed": seed}) for arm, ov in arms.items()}
+
+
+def check_arms_differ_only(base: str, arms: Mapping[str, Mapping[str, Any]],
+                           common: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Check that the resolved configs of the arms differ only in the factor studied.
+
+    The factor is the set of keys that every arm overrides. Returns ``{key: {arm: value}}`` for each
+    key whose value differs between arms, to show in the study. Raises ValueError naming any other
+    differing key (one arm overriding something the others leave at the preset's value, or a
+    validation rule that changed a field), or two arms that resolve to the same config.
+    """
+    from moelab.config import flatten
+
+    flat = {arm: flatten(cfg) for arm, cfg in resolve_arms(base, arms, common).items()}
+    names = list(flat)
+    keys = set().union(*(f.keys() for f in flat.values()))
+    differing = {k: {a: flat[a].get(k) for a in names} for k in sorted(keys)
+                 if len({json.dumps(flat[a].get(k), sort_keys=True, default=str) for a in names}) > 1}
+    allowed = set.intersection(*(set(ov) for ov in arms.values()))
+    extra = sorted(set(differing) - allowed)
+    if extra:
+        raise ValueError(f"arms {names} of {base!r} differ in {extra} besides the factor studied "
+                         f"{sorted(allowed)} (the keys every arm sets): {({k: differing[k] for k in extra})}")
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if flat[a] == flat[b]:
+                raise ValueError(f"arms {a!r} and {b!r} resolve to the same config of {base!r}: "
+                                 f"overrides {dict(arms[a])} and {dict(arms[b])}")
+    return differing
+
+
+# ------------------------------------------------------------------------------------------- runs
+
+
+@dataclass
+class RunRecord:
+    """One finished (arm, seed) training of a grid, as ``record.json`` keeps it.
+
+    history: ``[{"step", "train/loss", ...}]`` per optimizer step; val_history: ``[[step, val/loss]]``.
+    """
+
+    arm: str
+    seed: int
+    summary: dict[str, Any]
+    history: list[dict[str, float]]
+    val_history: list[list[float]]
+    tokens: int
+    epochs: float
+    train_val_gap: float | None
+    fingerprint: str
+    skipped: bool = False
+
+    def row(self) -> dict[str, Any]:
+        s = self.summary
+        return {"arm": self.arm, "seed": self.seed, "steps": s.get("steps"),
+                "best_val_loss": s.get("best_val_loss"), "final_val_loss": s.get("final_val_loss"),
+                "final_train_loss": s.get("final_train_loss"), "train_val_gap": self.train_val_gap,
+                "tokens": self.tokens, "epochs": self.epochs, "tok_per_s": s.get("tok_per_s"),
+                "wall_s": s.get("wall_s"), "run_id": s.get("run_id")}
+
+
+@dataclass
+class Grid:
+    """What :func:`run_grid` returns: the records in grid order and the arms' differing config keys."""
+
+    study: str
+    base: str
+    records: list[RunRecord]
+    factor: dict[str, dict[str, Any]] = field(default_factory=dict)
+    corpus_tokens: int = 0
+
+    def table(self) -> Any:
+        """One row per run (pandas DataFrame): arm, seed, steps, losses, gap, tokens, epochs, speed, run id."""
+        import pandas as pd
+
+        return pd.DataFrame([r.row() for r in self.records])
+
+    def histories(self) -> Any:
+        """Every run's curves as one long table: arm, seed, step, ``train/loss``, ``val/loss`` (NaN off validations)."""
+        import pandas as pd
+
+        frames = []
+        for r in self.records:
+            h = pd.DataFrame(r.history)[["step", "train/loss"]] if r.history else pd.DataFrame(columns=["step"])
+            v = pd.DataFrame(r.val_history, columns=["step", "val/loss"])
+            df = h.merge(v, on="step", how="outer").sort_values("step")
+            df.insert(0, "seed", r.seed)
+            df.insert(0, "arm", r.arm)
+            frames.append(df)
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def _fingerprint(cfg: Any, git: Mapping[str, Any]) -> str:
+    from moelab.config import flatten
+
+    cfg_flat = {k: v for k, v in flatten(cfg).items() if not k.startswith("tracking.")}
+    payload = {"config": cfg_flat, "commit": git.get("commit"), "diff": git.get("diff_sha256")}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _tail_train_loss(history: Sequence[Mapping[str, float]], window: int) -> float | None:
+    """Mean training loss over the last ``window`` steps (the stretch the final validation follows)."""
+    tail = [h["train/loss"] for h in history[-max(window, 1):] if math.isfinite(h.get("train/loss", math.nan))]
+    return sum(tail) / len(tail) if tail else None
+
+
+def _load_record(path: Path, fingerprint: str) -> RunRecord | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if data.get("fingerprint") != fingerprint or data.get("summary", {}).get("status") != "finished":
+        return None
+    return RunRecord(**{**data, "skipped": True})
+
+
+def _fmt_s(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def run_grid(
+    study: str,
+    base: str,
+    arms: Mapping[str, Mapping[str, Any]],
+    seeds: Sequence[int],
+    out_dir: str | os.PathLike,
+    *,
+    common: Mapping[str, Any] | None = None,
+    echo: Callable[[str], None] = print,
+) -> Grid:
+    """Train every (arm, seed) of the grid (skipping those already finished); return the :class:`Grid`.
+
+    Args:
+        study: the study's name (``01_decay_bound``): run names, tags, the code-state exclusion.
+        base: preset name or YAML path every run starts from.
+        arms: ``{arm: {"section.key": value}}``; arms may differ only in the keys every arm sets.
+        seeds: ``cfg.seed`` values (initialization and data order); every arm runs every seed.
+        out_dir: the study's folder; runs live under ``<out_dir>/checkpoints/<arm>-s<seed>/``.
+        common: overrides applied to every arm first (scale of the preset: steps, batch size).
+        echo: where the one-line progress per run goes.
+    """
+    if not seeds:
+        raise ValueError("seeds is empty: a study needs at least one seed")
+    quiet_known_noise()
+    factor = check_arms_differ_only(base, arms, common)
+    ctx = study_context(study)
+    root = Path(out_dir).resolve() / "checkpoints"  # train.ckpt_dir: relative paths start at the repo root
+    grid = [(arm, seed) for arm in arms for seed in seeds]
+    records: list[RunRecord] = []
+    trained_s: list[float] = []
+    corpus_tokens = 0
+    for i, (arm, seed) in enumerate(grid):
+        name = f"{arm}-s{seed}"
+        run_dir = root / name
+        cfg = resolve_arms(base, {arm: arms[arm]}, {**(common or {}), "name": f"{study}-{name}",
+                                                     "train.ckpt_dir": str(run_dir),
+                                                     "tracking.run_name": f"{study}-{name}"}, seed)[arm]
+        fp = _fingerprint(cfg, ctx["git"])
+        rec = _load_record(run_dir / "record.json", fp)
+        if rec is None:
+            t0 = time.perf_counter()
+            rec = _train(study, arm, seed, cfg, run_dir, fp)
+            trained_s.append(time.perf_counter() - t0)
+        if rec.epochs:
+            corpus_tokens = round(rec.tokens / rec.epochs)
+        records.append(rec)
+        left = len(grid) - i - 1
+        if not left:
+            eta = "study done"
+        elif trained_s:
+            eta = f"study ETA {_fmt_s(left * sum(trained_s) / len(trained_s))}"
+        else:
+            eta = "study ETA after the first trained run"
+        val = rec.summary.get("best_val_loss")
+        echo(f"[{i + 1}/{len(grid)}] arm={arm} seed={seed} steps={rec.summary.get('steps')} "
+             f"val_loss={'n/a' if val is None else f'{val:.4f}'} "
+             f"({'found finished, skipped' if rec.skipped else _fmt_s(trained_s[-1])}); {eta}")
+    return Grid(study=study, base=base, records=records, factor=factor, corpus_tokens=corpus_tokens)
+
+
+def _train(study: str, arm: str, seed: int, cfg: Any, run_dir: Path, fingerprint: str) -> RunRecord:
+    """Train one run of the grid from scratch with its output in ``train.log``; write and return its record.
+
+    Whatever an unfinished earlier attempt left in ``run_dir`` is removed first: a run's curves,
+    record and MLflow run then always cover the whole training (runs of a study are minutes long).
+    """
+    from moelab.data import prepare
+    from moelab.tracking import client
+    from moelab.train import fit
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    with output_to(run_dir / "train.log"):
+        corpus = prepare(cfg.data)  # its size gives the epochs; a first build logs its progress here
+        res = fit(cfg)
+    s = res.summary
+    tokens = int(s["steps"] * s["B"] * s["T"] * cfg.train.accumulate_grad_batches * s.get("world_size", 1))
+    tail = _tail_train_loss(res.history, cfg.train.val_every)
+    val = s.get("final_val_loss")
+    rec = RunRecord(arm=arm, seed=seed, summary=s, history=res.history,
+                    val_history=[list(v) for v in res.val_history], tokens=tokens,
+                    epochs=tokens / corpus.n_train_tokens,
+                    train_val_gap=(val - tail) if val is not None and tail is not None else None,
+                    fingerprint=fingerprint)
+    write_json(run_dir / "record.json", {k: v for k, v in rec.__dict__.items() if k != "skipped"})
+    if res.run_id:
+        _tag_child(client(cfg.tracking.tracking_uri), res.run_id, study, rec)
+    return rec
+
+
+def _tag_child(mlflow_client: Any, run_id: str, study: str, rec: RunRecord) -> None:
+    """Arm and seed as params and tags, and the study's per-run metrics, on the training's MLflow run."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    now = int(time.time() * 1000)
+    step = int(rec.summary.get("steps") or 0)
+    metrics = {"epochs": rec.epochs, "train_val_gap": rec.train_val_gap,
+               "best_val_loss": rec.summary.get("best_val_loss")}
+    mlflow_client.log_batch(
+        run_id,
+        params=[Param("study.arm", rec.arm), Param("study.seed", str(rec.seed)),
+                Param("study.tokens", str(rec.tokens))],
+        tags=[RunTag("moelab.study", study), RunTag("moelab.arm", rec.arm), RunTag("moelab.seed", str(rec.seed))],
+        metrics=[Metric(f"study/{k}", float(v), now, step) for k, v in metrics.items() if v is not None])
+
+
+# ------------------------------------------------------------------------------------ summarizing
+
+
+def aggregate(table: Any, metrics: Sequence[str] = STUDY_METRICS) -> Any:
+    """Mean, standard deviation (over seeds, ddof=1; NaN for one seed) and seed count per arm.
+
+    Returns a DataFrame indexed by arm with columns ``<metric>_mean``, ``<metric>_std``, ``n_seeds``
+    and ``<metric>`` as display text (``5.564 ± 0.012``; ``5.564`` for one seed).
+    """
+    import pandas as pd
+
+    g = table.groupby("arm", sort=False)
+    out = pd.DataFrame({"n_seeds": g.seed.nunique()})
+    for m in metrics:
+        out[f"{m}_mean"] = g[m].mean()
+        out[f"{m}_std"] = g[m].std(ddof=1)
+        out[m] = [_pm(mu, sd, n) for mu, sd, n in zip(out[f"{m}_mean"], out[f"{m}_std"], out.n_seeds)]
+    return out
+
+
+def _pm(mean: float, std: float, n: int) -> str:
+    if mean is None or not math.isfinite(mean):
+        return "n/a"
+    return f"{mean:.4g} ± {std:.2g}" if n > 1 and math.isfinite(std) else f"{mean:.4g}"
+
+
+def loss_curves(grid: Grid, title: str = "") -> Any:
+    """Train loss of every run: one colour per arm, each seed a thin line, the seed mean bold; val loss as dots.
+
+    A matplotlib Figure (no pyplot state); pass it to :func:`show` to display it.
+    """
+    import matplotlib
+    from matplotlib.figure import Figure
+
+    df = grid.histories()
+    fig = Figure(figsize=(6.4, 4.2), dpi=100)
+    ax = fig.subplots()
+    cycle = [c["color"] for c in matplotlib.rcParams["axes.prop_cycle"]]
+    for i, arm in enumerate(dict.fromkeys(r.arm for r in grid.records)):
+        color = cycle[i % len(cycle)]
+        sel = df[df.arm == arm]
+        train = sel.dropna(subset=["train/loss"])
+        for _, one in train.groupby("seed"):
+            ax.plot(one.step, one["train/loss"], color=color, lw=0.6, alpha=0.45)
+        mean = train.groupby("step")["train/loss"].mean()
+        n = train.seed.nunique()
+        ax.plot(mean.index, mean.values, color=color, lw=2.0, label=f"{arm} train ({n} seed{'s' * (n > 1)})")
+        val = sel.dropna(subset=["val/loss"])
+        if not val.empty:
+            vmean = val.groupby("step")["val/loss"].mean()
+            ax.plot(val.step, val["val/loss"], "o", color=color, ms=3, alpha=0.45)
+            ax.plot(vmean.index, vmean.values, "D--", color=color, ms=5, lw=1.0, label=f"{arm} val")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats/token)")
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def show(fig: Any, path: str | os.PathLike | None = None) -> Any:
+    """Save ``fig`` as PNG (to ``path`` if given) and return an ``IPython.display.Image`` of it.
+
+    The returned object renders inline as ``image/png`` in Jupyter, papermill's executed notebook
+    and its HTML export, whatever matplotlib backend the kernel runs.
+    """
+    from IPython.display import Image
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=fig.dpi)
+    data = buf.getvalue()
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_bytes(data)
+    return Image(data=data, format="png")
+
+
+def study_meta(study: str, preset: str, grid: Grid | None = None, **extra: Any) -> dict[str, Any]:
+    """The ``meta`` block of a study's ``summary.json``.
+
+    git commit and dirty flag (code state when the study began, its own results folder left out),
+    device, python/torch/triton versions, command, UTC date, wall time since the study began, and
+    from ``grid``: tokens per run, epochs over the corpus's training split and the train/val gap
+    (final validation loss minus the mean training loss of the last validation interval; per
+    arm, mean over seeds). ``extra`` entries are added as they are.
+    """
+    ctx = study_context(study)
+    meta: dict[str, Any] = {
+        "study": study, "preset": preset,
+        "commit": ctx["git"]["commit"], "dirty": ctx["git"]["dirty"],
+        "device": device_name(), **_versions(),
+        "command": ctx["command"],
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "wall_s": round(time.time() - ctx["started"], 1),
+    }
+    if grid is not None and grid.records:
+        table = grid.table()
+        meta.update({
+            "base_preset": grid.base,
+            "corpus_train_tokens": grid.corpus_tokens,
+            "tokens_per_run": int(table.tokens.max()),
+            "epochs": float(table.epochs.max()),
+            "train_val_gap": {arm: float(v)
+                              for arm, v in table.groupby("arm", sort=False).train_val_gap.mean().items()},
+            "runs": len(table), "runs_skipped": sum(r.skipped for r in grid.records),
+        })
+    meta.update(extra)
+    return meta
+
+
+__all__ = ["Grid", "KNOWN_NOISE", "MACHINE_PATH", "RunRecord", "aggregate", "check_arms_differ_only", "device_name",
+           "git_state", "loss_curves", "measured_commit", "output_to", "quiet_known_noise", "resolve_arms",
+           "run_grid", "show", "study_context", "study_meta"]

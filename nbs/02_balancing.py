@@ -1,0 +1,184 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Study 2: load balancers — auxiliary loss, loss-free sign rule, quantile rules, Quantile Balancing
+#
+# A sigmoid router picks the top $k$ of $n$ experts by $s + b$, where the per-expert bias $b$ is used for
+# selection only. Balancers either add a loss term (Switch/GShard auxiliary loss, coefficient $\alpha$) or
+# move $b$ once per optimizer step: the loss-free sign rule $b_j \mathrel{+}= u\,\mathrm{sign}(\bar{l} - l_j)$,
+# the articles' quantile rule on averaged loads, and Quantile Balancing (QB), one exact coordinate step on the
+# dual of the balanced assignment problem. QB's per-token cutoff is the $(k{+}1)$-th largest $s + b$ (the
+# report's) or, per expert, the $k$-th largest over the other experts (`excluding_self`, each expert's exact
+# best response). Every balancer trains the same model on the same tokens and seeds; the arms differ only in
+# the balancer's config keys. Measured: validation loss, MaxVio (max load over mean load, minus 1) per batch and
+# over the validation set, load CV, dead experts, steps until MaxVio_batch settles, the balancer's time, and how
+# fast each re-balances after the data distribution changes. Anchors: the loss-free paper's Table 2 (sign rule
+# MaxVio_global 0.04 where the auxiliary loss stays at 0.5-0.7, at equal or better perplexity) and the report's
+# "QB settles in a few steps". The logic is in `moelab.studies.balancing`, the run grid in `moelab.studies.common`.
+
+# %% tags=["parameters"]
+preset = "cpu"  # "cpu": minutes on 2 cores; "gpu": a gpu-small-width model on one GPU
+out_dir = "."
+
+# %%
+from pathlib import Path
+
+import pandas as pd
+from IPython.display import Markdown
+
+from moelab.model.accounting import param_counts
+from moelab.studies import balancing as study
+from moelab.studies import common
+from moelab.utils import write_json
+
+out = Path(out_dir)
+(out / "figures").mkdir(parents=True, exist_ok=True)
+(out / "results").mkdir(parents=True, exist_ok=True)
+p = study.PRESETS[preset]
+cfg = study.base_config(preset)
+moe = cfg.model.moe
+tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+floor = study.random_routing_maxvio(tokens_per_step, moe.num_experts, moe.top_k)
+threshold = study.settle_threshold(floor)
+counts = param_counts(cfg.model)
+moe_layers = cfg.model.n_layers - cfg.model.dense_layers
+pd.Series({
+    "base preset": p["base"], "layers (mixers)": "".join(k[0].upper() for k in cfg.model.layer_types()),
+    "MoE layers": moe_layers, "d_model": cfg.model.d_model,
+    "routed experts / top-k / shared": f"{moe.num_experts} / {moe.top_k} / {moe.num_shared}",
+    "latent / expert width": f"{moe.latent_dim} / {moe.expert_dim}", "expert activation": moe.activation,
+    "parameters (total / activated)": f"{counts['total']:,} / {counts['activated']:,}",
+    "tokens per step": f"{tokens_per_step:,} ({cfg.train.batch_size} x {cfg.data.seq_len})",
+    "steps": cfg.train.max_steps, "seeds": len(p["seeds"]), "corpus": cfg.data.source,
+    "random-routing MaxVio_batch floor": round(floor, 4), "settle threshold": round(threshold, 4),
+}, name=f"preset {preset}").to_frame()
+
+# %% [markdown]
+# The model and its scale. The floor is the MaxVio_batch of uniformly random top-$k$ routing at this many tokens
+# per step: even exactly balanced expected loads fluctuate by sampling. A run counts as settled from the first
+# step after which MaxVio_batch (mean over MoE layers) stays below the threshold for three steps; the threshold
+# is 0.1, or twice the floor where that is larger (the cpu preset's 512 tokens per step). Both presets train
+# three seeds per arm; the cpu preset uses MLA layers only (the KDA layers' chunked recurrence in plain torch
+# would triple the step time), the gpu preset gpu-small's width, KDA/MLA mix and corpus.
+#
+# ## 1. Arms: what differs
+# Checked on the resolved configs: every other key (model, data, schedule, seeds) is the same in every arm.
+
+# %%
+pd.DataFrame(study.arms_factor(preset))
+
+# %% [markdown]
+# ## 2. Training every balancer
+# One line per finished run; each run's training output goes to `checkpoints/<arm>-s<seed>/train.log`.
+
+# %%
+grid = study.train_balancers(preset, out)
+runs = grid.table()
+runs.to_csv(out / "results" / "runs.csv", index=False)
+grid.histories().to_csv(out / "results" / "loss_histories.csv", index=False)
+trajs = {(r.arm, r.seed): study.trajectories(r) for r in grid.records}
+rows = pd.DataFrame([study.run_metrics(r, trajs[r.arm, r.seed], threshold) for r in grid.records])
+rows.to_csv(out / "results" / "balance_runs.csv", index=False)
+table = study.balance_table(rows)
+table.to_csv(out / "results" / "balance_table.csv")
+table[list(study.TABLE_METRICS) + ["settled", "n_seeds"]].rename(columns={
+    "final_val_loss": "val loss", "maxvio_batch": "MaxVio_batch (last 20%)", "maxvio_global": "MaxVio_global",
+    "load_cv": "load CV (last 20%)", "dead_experts": f"dead experts (of {moe_layers * moe.num_experts})",
+    "settle_step": f"steps to MaxVio_batch < {threshold:.2g}", "balancer_share": "balancer share of step"})
+
+# %% [markdown]
+# Per balancer, mean ± standard deviation over seeds: final validation loss (nats/token), MaxVio_batch and load
+# CV averaged over the last 20% of the steps, MaxVio_global at the last validation (loads summed over the
+# validation set), experts that received no token in the last 20% of the steps (all MoE layers together), the
+# step at which MaxVio_batch settled (over the settled seeds; `settled` counts them), and the balancer's median
+# share of a training step (its statistics and update, the collectives included).
+
+# %%
+common.show(common.loss_curves(grid, f"{grid.base}-based, {moe.num_experts} experts top-{moe.top_k}: balancers"),
+            out / "figures" / "training_loss.png")
+
+# %% [markdown]
+# **Figure 1.** Training loss per optimizer step (thin: each seed; bold: mean over seeds) and validation loss
+# (dots: each seed; diamonds: mean), in nats per token, for every balancer.
+
+# %%
+common.show(study.maxvio_figure(grid, threshold, floor), out / "figures" / "maxvio_batch.png")
+
+# %% [markdown]
+# **Figure 2.** MaxVio_batch per optimizer step (log scale, mean over MoE layers): the seed mean per balancer,
+# shaded between the lowest and highest seed. Dashed: the settle threshold; dotted: the floor of uniformly random
+# routing at this batch size. A value of $n/k - 1$ means every token picks the same $k$ experts.
+
+# %%
+bias_arms = [a for a in study.ARMS if study.ARMS[a]["model.moe.balancer"] in study.BIAS_BALANCERS]
+common.show(study.bias_figure({a: trajs[a, p["seeds"][0]] for a in bias_arms}),
+            out / "figures" / "bias_trajectories.png")
+
+# %% [markdown]
+# **Figure 3.** Router bias of each of the last MoE layer's experts per step (one thin line per expert, seed
+# 0), minus its mean over experts (routing depends only on differences). The auxiliary-loss and `none` arms keep
+# a zero bias and are left out.
+
+# %%
+common.show(study.heatmap_figure({a: trajs[a, p["seeds"][0]] for a in study.ARMS}),
+            out / "figures" / "load_heatmaps.png")
+
+# %% [markdown]
+# **Figure 4.** Expert load over training, seed 0: one row per balancer, one column per MoE layer, experts on
+# the vertical axis. Colour is the expert's load over the mean load of that step: white is balanced, blue
+# under-used (dark blue: no token), red over-used (clipped at twice the mean).
+#
+# ## 3. Shift test: re-balancing after the data distribution changes
+# Each trained model (seed 0) continues training for a fixed number of steps on the validation text under a
+# random permutation of the vocabulary, applied to inputs and targets: the same language with every token's
+# embedding row swapped, so the router's input distribution changes at once. The balancer runs as in training,
+# starting from the trained bias; the optimizer is a fresh AdamW at the final learning rate of the schedule.
+# Step 1 is routed with the trained bias. Counted: the step from which MaxVio_batch stays (three steps) within
+# 10% of the arm's own level before the switch (mean over the last 20% of its training steps), and the step from
+# which it stays below the settle threshold.
+
+# %%
+shifts = [study.shift_test(r, p["shift_steps"]) for r in grid.records if r.seed in p["shift_seeds"]]
+pd.DataFrame([{"arm": s["arm"], "seed": s["seed"], "step": st, "maxvio_batch": v} for s in shifts
+              for st, v in zip(s["step"], s["maxvio_batch"])]).to_csv(out / "results" / "shift_maxvio.csv", index=False)
+before = {(r.arm, r.seed): r.maxvio_batch for r in rows.itertuples()}
+pd.DataFrame(study.shift_rows(shifts, threshold, before)).set_index("arm").rename(columns={
+    "maxvio_before": "MaxVio_batch before (last 20%)", "maxvio_first": "at the first shifted step",
+    "maxvio_last": "last 20% after the switch", "recover_step": "steps back to within 10% of before",
+    "resettle_step": f"steps to MaxVio_batch < {threshold:.2g}"})
+
+# %%
+common.show(study.shift_figure(shifts, threshold, floor), out / "figures" / "shift_test.png")
+
+# %% [markdown]
+# **Figure 5.** MaxVio_batch per step after the switch to the permuted stream (log scale, mean over MoE layers,
+# seed 0), one line per balancer; dashed: the settle threshold, dotted: the random-routing floor.
+
+# %%
+settings = {"steps": cfg.train.max_steps, "tokens_per_step": tokens_per_step, "num_experts": moe.num_experts,
+            "top_k": moe.top_k, "moe_layers": moe_layers, "noise_floor": floor,
+            "threshold": threshold, "hold": study.HOLD, "tail": study.TAIL, "shift_steps": p["shift_steps"],
+            "loss_free_sign_rate": moe.loss_free_sign_rate, "device": common.device_name()}
+summary = study.summarize(grid, rows, shifts, preset, settings)
+write_json(out / "summary.json", summary)
+pd.Series({k: str(summary["meta"][k]) for k in ("commit", "dirty", "device", "torch", "triton", "command", "date",
+                                                "wall_s", "tokens_per_run", "epochs")}, name="run facts").to_frame()
+
+# %% [markdown]
+# ## Findings
+
+# %%
+Markdown(study.findings(summary))

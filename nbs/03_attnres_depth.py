@@ -1,0 +1,160 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Study 3: Attention Residuals over depth — PreNorm vs Block vs Full AttnRes
+#
+# With a PreNorm residual every sublayer (each mixer and each FFN) reads the running sum
+# $h_l = v_0 + \sum_{i<l} v_i$ of the embedding and all earlier outputs. Full AttnRes replaces the sum by a
+# softmax over depth, $h_l = \sum_{i<l} a_{i\to l} v_i$ with $a_{\cdot\to l} = \mathrm{softmax}_i(w_l^\top
+# \mathrm{RMSNorm}(v_i))$ and one learned pseudo-query $w_l$ per sublayer (zero at init: a uniform average).
+# Block AttnRes groups the $2L$ sublayers into $N$ blocks and attends over the block sums (K3: 8 blocks). The
+# AttnRes paper reports, for a 16-layer model, validation loss Full 1.737 < Block 1.746 < PreNorm 1.766, and a gain
+# that grows with depth; public reproductions see little gain at ~12 layers and a clear one at 24-48.
+#
+# This notebook trains the three modes (and Block AttnRes with 2, 4 and 8 blocks) at several depths and measures
+# (1) validation loss vs depth with the seed spread, (2) hidden-state and gradient norms by layer, (3) the learned
+# depth-attention weights, (4) each mode's cost in tokens/s and memory. **Budget rule: same tokens and same width
+# for every run, depth varied; at one depth the modes have the same parameters** (up to the AttnRes pseudo-queries
+# and key norms, reported below). The logic is in `moelab.studies.attnres_depth`, the run grid in
+# `moelab.studies.common`.
+
+# %% tags=["parameters"]
+preset = "cpu"  # "cpu": minutes on 2 cores (all-MLA, width 64); "gpu": gpu-small's hybrid with dense FFNs, one GPU
+out_dir = "."
+
+# %%
+from pathlib import Path
+
+import pandas as pd
+from IPython.display import Markdown
+
+from moelab.studies import attnres_depth as study
+from moelab.studies import common
+from moelab.utils import write_json
+
+out = Path(out_dir)
+(out / "figures").mkdir(parents=True, exist_ok=True)
+(out / "results").mkdir(parents=True, exist_ok=True)
+plan = study.plan(preset)
+print(f"preset {preset}: base {plan.base} ({plan.notes}); depths {plan.depths}; seeds {plan.seeds} for the three "
+      f"main modes, {plan.extra_seeds} for the other block counts at depths {plan.extra_depths}")
+
+# %% [markdown]
+# ## 1. The arms
+# Each arm sets depth, residual mode and block count; the check below resolves every arm's config and fails if
+# anything else differs (prenorm and full_attnres keep the preset's `num_blocks`, which they ignore). The main
+# Block AttnRes arm at each depth has the largest block count up to 8 that divides the $2L$ sublayers and is below
+# $2L$ (at $2L$ blocks it would be Full AttnRes).
+
+# %%
+pd.DataFrame(study.arms_factor(preset))
+
+# %% [markdown]
+# ## 2. Training
+# One line per finished run; each run's training output goes to `checkpoints/<arm>-s<seed>/train.log`.
+
+# %%
+grid = study.train(preset, out)
+rows = study.summary_rows(grid, preset)
+table = pd.DataFrame(rows)
+table.to_csv(out / "results" / "runs.csv", index=False)
+grid.histories().to_csv(out / "results" / "loss_histories.csv", index=False)
+(table.groupby(["n_layers", "residual", "blocks"], dropna=False, sort=True)
+ .agg(val_loss=("val_loss", "mean"), val_loss_std=("val_loss", "std"), seeds=("seed", "nunique"),
+      params=("params", "first"), tokens=("tokens", "first"), tok_per_s=("tok_per_s", "mean"),
+      peak_mem_gb=("peak_mem_gb", "mean")))
+
+# %%
+deepest = max(plan.depths)
+deep = common.Grid(grid.study, grid.base, [r for r in grid.records if r.arm.endswith(f"-L{deepest}")], grid.factor,
+                   grid.corpus_tokens)
+common.show(common.loss_curves(deep, f"{grid.base}, {deepest} layers: residual modes"),
+            out / "figures" / "training_loss.png")
+
+# %% [markdown]
+# **Figure 1.** Training loss per optimizer step at the deepest depth (thin: each seed; bold: mean over seeds) and
+# validation loss (dots: each seed; diamonds: mean), in nats per token, one colour per arm (`prenorm-L*`,
+# `blockN-L*` = Block AttnRes with N blocks, `full-L*`). Same data order per seed and the same schedule.
+
+# %% [markdown]
+# ## 3. Validation loss vs depth
+# The verdicts in the findings compare arms seed by seed (the same seed gives the same data order, so what a seed
+# does to every arm alike drops out): a gap counts when it exceeds twice the seed standard deviation of the
+# per-seed differences; smaller gaps are called inside the noise.
+
+# %%
+common.show(study.loss_vs_depth_figure(rows), out / "figures" / "loss_vs_depth.png")
+
+# %% [markdown]
+# **Figure 2.** Left: final validation loss (nats/token) vs number of layers (log scale), mean over seeds with the
+# seed standard deviation as error bars and each seed as a dot, for prenorm, Block AttnRes with the main block
+# count and Full AttnRes; open squares: Block AttnRes with other block counts (one seed). Right: the gain over
+# prenorm, `val_loss(prenorm) − val_loss(mode)` computed seed by seed (same seed = same data order), mean ± std.
+
+# %% [markdown]
+# ## 4. Hidden-state and gradient norms by layer, learned depth attention
+# For the first seed of every arm: one forward and backward pass of the trained model on validation windows.
+
+# %%
+diag_rows, weights = study.collect_diagnostics(grid, preset)
+pd.DataFrame(diag_rows).to_csv(out / "results" / "layer_diagnostics.csv", index=False)
+write_json(out / "results" / "depth_weights.json", {arm: w.tolist() for arm, w in weights.items()})
+common.show(study.norms_figure(diag_rows, deepest), out / "figures" / "norms_by_layer.png")
+
+# %% [markdown]
+# **Figure 3.** At the deepest depth, per arm (log scale): left, the RMS of each sublayer's input $h_l$ (the last
+# point is the stream the final norm reads); right, the L2 norm of the loss gradient over each sublayer's
+# parameters (its pre-norm and its mixer or FFN). Under PreNorm the stream is a growing sum, so later sublayers
+# add a shrinking share to it; AttnRes keeps $h_l$ a convex mix of the sources.
+
+# %%
+labels = {a: f"{a}: {study.mode_label(r['residual'], r['blocks'])}, {r['n_layers']} layers"
+          for a, r in {r["arm"]: r for r in rows}.items()}
+common.show(study.depth_weights_figure({a: w for a, w in weights.items() if a.endswith(f"-L{deepest}")}, labels),
+            out / "figures" / "depth_weights.png")
+
+# %% [markdown]
+# **Figure 4.** Learned depth-attention weights at the deepest depth (first seed), one panel per AttnRes arm: row
+# $l$ is the read before sublayer $l$ (the last row: the final read before the LM head), column $i$ its source
+# (0 = the embedding, then the block sums or, for Full AttnRes, the sublayer outputs), colour the weight averaged
+# over the validation tokens. Blank cells are sources that do not exist yet at that read. At initialization every
+# row is uniform over its sources.
+
+# %% [markdown]
+# ## 5. Overhead: tokens/s and peak memory relative to prenorm
+
+# %%
+over = study.overhead(rows)
+common.show(study.overhead_figure(over, common.device_name()), out / "figures" / "overhead.png")
+
+# %% [markdown]
+# **Figure 5.** Training throughput (median tokens/s over the logging windows after the first, which holds the
+# compilation) and peak GPU memory of each AttnRes arm divided by prenorm's at the same depth, mean over seeds; 1
+# is prenorm's cost. On a CPU the depth softmax runs as plain PyTorch and memory is not recorded, so the bars do not
+# say what the fused op costs on a GPU.
+
+# %%
+summary = study.summarize(grid, rows, diag_rows, preset)
+write_json(out / "summary.json", summary)
+pd.Series({k: str(summary["meta"][k]) for k in ("commit", "dirty", "device", "torch", "triton", "command", "date",
+                                                "wall_s", "tokens_per_run", "epochs", "runs", "runs_skipped")},
+          name="run facts").to_frame()
+
+# %% [markdown]
+# ## Findings
+
+# %%
+Markdown(study.findings(summary))

@@ -1,0 +1,178 @@
+"""Study 2 logic: the arms differ only in the balancer; balance measures, shift stream and findings on
+tiny synthetic inputs."""
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from moelab.studies import balancing as study
+from moelab.studies import common
+
+
+# ids without the bare word "gpu": tests/conftest.py skips tests carrying that keyword on CPU machines
+@pytest.mark.parametrize("preset", ["cpu", "gpu"], ids=["cpu-preset", "gpu-preset"])
+def test_arms_differ_only_in_the_balancer(preset):
+    factor = study.arms_factor(preset)
+    assert set(factor) <= {"model.moe.balancer", "model.moe.aux_loss_alpha", "model.moe.quantile_balancing_cutoff"}
+    assert factor["model.moe.balancer"] == {a: ov["model.moe.balancer"] for a, ov in study.ARMS.items()}
+    assert factor["model.moe.aux_loss_alpha"]["aux_1e-3"] == 1e-3
+    assert factor["model.moe.quantile_balancing_cutoff"]["qb_excl_self"] == "excluding_self"
+    cfg = study.base_config(preset).model
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.activation) == (64, 8, "situ_glu")
+    assert cfg.moe.num_shared >= 1 and cfg.moe.latent_dim > 0  # a LatentMoE with shared experts
+
+
+def test_the_check_refuses_an_arm_that_changes_something_else():
+    p = study.PRESETS["cpu"]
+    arms = {**study.ARMS, "qb": {**study.ARMS["qb"], "train.lr": 1e-4}}
+    with pytest.raises(ValueError, match="train.lr"):
+        common.check_arms_differ_only(p["base"], arms, p["overrides"])
+
+
+def test_random_routing_maxvio():
+    # one token, one expert: that expert holds everything, MaxVio = n - 1 exactly
+    assert study.random_routing_maxvio(1, 16, 1, trials=4) == pytest.approx(15.0)
+    small, large = (study.random_routing_maxvio(m, 64, 8, trials=8) for m in (512, 32768))
+    assert 0.15 < small < 0.6 and large < 0.08 and large < small / 4  # shrinks about as 1/sqrt(m)
+    with pytest.raises(ValueError, match="k=9"):
+        study.random_routing_maxvio(10, 8, 9)
+
+
+def test_settle_threshold_is_the_target_unless_the_floor_is_high():
+    assert study.settle_threshold(0.03) == 0.1
+    assert study.settle_threshold(0.3) == pytest.approx(0.6)
+
+
+def test_steps_until_needs_hold_consecutive_values():
+    steps = [1, 2, 3, 4, 5, 6, 7]
+    values = [0.5, 0.05, 0.5, 0.05, 0.04, 0.03, 0.5]
+    assert study.steps_until(steps, values, 0.1, hold=3) == 4
+    assert study.steps_until(steps, values, 0.1, hold=1) == 2
+    assert study.steps_until(steps, values, 0.1, hold=4) is None
+    assert study.steps_until(steps, [0.05, math.nan, 0.05, 0.05, 0.05, 1, 1], 0.1, hold=2) == 3
+    with pytest.raises(ValueError, match="7 steps but 2 values"):
+        study.steps_until(steps, [0.1, 0.2], 0.1)
+
+
+def test_tail_mean_and_dead_experts():
+    assert study.tail_mean([float(v) for v in range(1, 11)], 0.2) == pytest.approx(9.5)
+    assert study.tail_mean([1.0, math.nan], 0.5) != study.tail_mean([1.0, math.nan], 0.5)  # only NaN in the tail
+    load = torch.ones(10, 2, 4, dtype=torch.long)
+    load[:5, 0, 1] = 0  # dead early only: not counted
+    load[8:, 1, 2] = 0  # dead over the last 20%: counted
+    load[9:, 1, 3] = 0  # dead on the last step only: not counted
+    assert study.dead_experts(load, 0.2) == 1
+
+
+def _record(arm: str, seed: int, maxvio: list[float], val: float = 5.0) -> common.RunRecord:
+    history = [{"step": float(i + 1), "train/loss": 6.0, "balance/maxvio_batch": v, "balance/load_cv": v / 2}
+               for i, v in enumerate(maxvio)]
+    summary = {"steps": len(maxvio), "final_val_loss": val, "maxvio_global": maxvio[-1] / 2, "balancer_share": 0.01,
+               "balancer_ms": 1.0, "run_id": f"{arm}{seed}", "status": "finished"}
+    return common.RunRecord(arm=arm, seed=seed, summary=summary, history=history, val_history=[[len(maxvio), val]],
+                            tokens=1000, epochs=0.1, train_val_gap=0.0, fingerprint="x")
+
+
+def _traj(steps: int, bias_scale: float = 0.0) -> dict:
+    bias = torch.zeros(steps, 2, 4)
+    bias[:, 1] = bias_scale * torch.tensor([1.0, 1.0, 1.0, -3.0]) + 7.0  # a common shift is not counted
+    return {"layers": ["L1", "L2"], "step": torch.arange(1, steps + 1), "load": torch.full((steps, 2, 4), 5),
+            "bias": bias}
+
+
+def test_run_metrics_from_history_and_trajectories():
+    rec = _record("qb", 0, [2.0, 1.0, 0.05, 0.05, 0.05, 0.2, 0.05, 0.05, 0.05, 0.05])
+    row = study.run_metrics(rec, _traj(10, bias_scale=0.5), threshold=0.1)
+    assert row["settle_step"] == 3
+    assert row["maxvio_batch"] == pytest.approx(0.05)  # last 2 of 10 steps
+    assert row["load_cv"] == pytest.approx(0.025)
+    assert row["maxvio_global"] == pytest.approx(0.025)
+    assert row["dead_experts"] == 0
+    assert row["max_abs_bias"] == pytest.approx(1.5)  # the bias minus its mean over experts
+
+
+def test_balance_table_counts_settled_seeds():
+    rows = pd.DataFrame([
+        {"arm": "qb", "seed": 0, "settle_step": 4, **{m: 1.0 for m in study.TABLE_METRICS if m != "settle_step"}},
+        {"arm": "qb", "seed": 1, "settle_step": None, **{m: 3.0 for m in study.TABLE_METRICS if m != "settle_step"}},
+    ])
+    agg = study.balance_table(rows)
+    assert agg.loc["qb", "settled"] == "1/2"
+    assert agg.loc["qb", "settle_step_mean"] == 4
+    assert agg.loc["qb", "maxvio_batch_mean"] == 2.0 and agg.loc["qb", "n_seeds"] == 2
+
+
+def test_permuted_batches_keep_the_text_under_a_new_vocabulary():
+    tokens = torch.arange(50).numpy() % 7
+    perm = torch.randperm(7, generator=torch.Generator().manual_seed(0))
+    batches = study.permuted_batches(tokens, perm, batch_size=3, seq_len=5, steps=2, seed=1)
+    assert len(batches) == 2
+    inverse = torch.argsort(perm)
+    for b in batches:
+        assert b["input_ids"].shape == (3, 5) and b["input_ids"].dtype == torch.long
+        assert torch.equal(b["input_ids"][:, 1:], b["targets"][:, :-1])
+        original = inverse[b["input_ids"]]
+        assert torch.equal((original[:, 1:] - original[:, :-1]) % 7, torch.ones(3, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="outside the permutation"):
+        study.permuted_batches(tokens, perm[:5], 1, 5, 1)
+    with pytest.raises(ValueError, match="seq_len=60"):
+        study.permuted_batches(tokens, perm, 1, 60, 1)
+
+
+def test_shift_rows():
+    shift = {"arm": "qb", "seed": 0, "step": [1, 2, 3, 4, 5, 6], "maxvio_batch": [3.0, 0.5, 0.15, 0.05, 0.05, 0.05]}
+    calm = {"arm": "none", "seed": 0, "step": [1, 2, 3], "maxvio_batch": [7.0, 7.0, 7.0]}
+    qb, none = study.shift_rows([shift, calm], threshold=0.1, before={("qb", 0): 0.2, ("none", 0): 6.9})
+    assert qb == {"arm": "qb", "seed": 0, "maxvio_before": 0.2, "maxvio_first": 3.0, "maxvio_last": 0.05,
+                  "disturbed": True, "recover_step": 3, "resettle_step": 4}
+    assert none["disturbed"] is False and none["recover_step"] == 1 and none["resettle_step"] is None
+
+
+def _summary(free_global: float, aux_global: float, qb_settle: float | None) -> dict:
+    def arm(maxvio_global, settle=None, loss=5.0):
+        return {"n_seeds": 2, "final_val_loss_mean": loss, "final_val_loss_std": 0.01,
+                "maxvio_global_mean": maxvio_global, "maxvio_batch_mean": maxvio_global, "dead_experts_mean": 0.0,
+                "settle_step_mean": settle,
+                "settled_seeds": 0 if settle is None else 2, "balancer_share_mean": 0.01, "max_abs_bias": 0.05,
+                "shift_maxvio_before": maxvio_global, "shift_maxvio_first": 3.0, "shift_disturbed": True,
+                "shift_recover_step": settle}
+
+    arms = {a: arm(1.0) for a in study.ARMS}
+    arms.update({"loss_free_sign": arm(free_global, 30), "aux_1e-3": arm(aux_global, loss=5.1),
+                 "qb": arm(0.5, qb_settle), "qb_excl_self": arm(0.1, 5), "none": arm(7.0)})
+    arms["none"]["shift_disturbed"] = False
+    settings = {"threshold": 0.1, "noise_floor": 0.04, "steps": 100, "tokens_per_step": 4096, "num_experts": 64,
+                "top_k": 8, "hold": 3, "shift_steps": 20, "loss_free_sign_rate": 1e-3, "device": "CPU"}
+    return {"meta": {"epochs": 0.5, "corpus_train_tokens": 1000}, "settings": settings, "arms": arms}
+
+
+def test_findings_compare_against_the_anchors():
+    text = study.findings(_summary(free_global=0.04, aux_global=0.6, qb_settle=3))
+    assert all(line.startswith("- ") for line in text.splitlines())
+    assert "so the ordering holds" in text
+    assert "lowest first: loss_free_sign 0.040, qb_excl_self 0.100, qb 0.500" in text
+    assert text.index("qb 0.500") < text.index("none 7.000")
+    assert "**qb** (cutoff k_plus_1): MaxVio_batch settles at step 3" in text
+    assert "Without a balancer MaxVio_batch ends at 7.000, 100% of the 7 reached" in text
+    assert "(taken as <= 10) holds here" in text
+    assert "the report's cutoff stalls on these scores" in text  # 0.5 vs 0.1
+    assert "-0.100 nats/token, outside twice the largest seed spread" in text  # sign rule vs aux loss
+    assert "qb 0.50 -> 3.00, back at step 3" in text and "aux_1e-2 1.00 -> 3.00, back never within 20 steps" in text
+    assert "(unaffected, or unbalanced already): none." in text
+
+    flipped = study.findings(_summary(free_global=0.9, aux_global=0.6, qb_settle=None))
+    assert "so the ordering does not hold" in flipped
+    assert "settles never within 100 steps in training (0/2 seeds)" in flipped
+    assert "(taken as <= 10) does not hold here" in flipped
+
+
+def test_figures_build_from_synthetic_runs():
+    grid = common.Grid(study="02_balancing", base="cpu",
+                       records=[_record(a, s, [1.0, 0.5, 0.2]) for a in ("qb", "none") for s in (0, 1)])
+    trajs = {"qb": _traj(3, 0.1), "none": _traj(3)}
+    shift = [{"arm": "qb", "seed": 0, "step": [1, 2], "maxvio_batch": [1.0, 0.1]}]
+    for fig, panels in ((study.maxvio_figure(grid, 0.1, 0.05), 1), (study.bias_figure(trajs), 2),
+                        (study.heatmap_figure(trajs), 2 * 2 + 1), (study.shift_figure(shift, 0.1, 0.05), 1)):
+        assert len(fig.axes) == panels  # the heatmap grid: arms x layers panels and the colour bar

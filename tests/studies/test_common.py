@@ -1,0 +1,200 @@
+"""The study harness: arm checks, the resumable grid under a parent run, aggregation, figures, quiet output."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import warnings
+
+import pandas as pd
+import pytest
+
+from moelab.studies import common
+from moelab.tracking import start_run
+from tests.train.mlflow_fixtures import mlflow_template_db, tracking_uri  # noqa: F401
+
+GATES = {"bounded": {"model.kda.gate": "bounded"}, "softplus": {"model.kda.gate": "softplus"}}
+TINY = {"train.max_steps": 4, "train.warmup_steps": 1, "train.val_every": 2, "train.val_batches": 1,
+        "train.log_every": 1, "tracking.log_system_metrics": False}
+
+
+def test_arms_differ_only_in_the_factor() -> None:
+    assert common.check_arms_differ_only("tiny", GATES) == {
+        "model.kda.gate": {"bounded": "bounded", "softplus": "softplus"}}
+    # One arm changing a second key that the other leaves at the preset's value is a confound.
+    confounded = {"bounded": {"model.kda.gate": "bounded"},
+                  "softplus": {"model.kda.gate": "softplus", "train.lr": 1e-2}}
+    with pytest.raises(ValueError, match=r"differ in \['train.lr'\] besides the factor studied"):
+        common.check_arms_differ_only("tiny", confounded)
+    # Common overrides apply to every arm, so they are no confound.
+    assert list(common.check_arms_differ_only("tiny", GATES, {"train.lr": 1e-2})) == ["model.kda.gate"]
+    with pytest.raises(ValueError, match="resolve to the same config"):
+        common.check_arms_differ_only("tiny", {"a": {"train.lr": 1e-3}, "b": {"train.lr": 1e-3}})
+    with pytest.raises(ValueError, match="arms is empty"):
+        common.check_arms_differ_only("tiny", {})
+
+
+def test_aggregate_mean_and_spread_over_seeds() -> None:
+    table = pd.DataFrame({"arm": ["a", "a", "b"], "seed": [0, 1, 0], "best_val_loss": [1.0, 2.0, 3.0]})
+    agg = common.aggregate(table, ["best_val_loss"])
+    assert agg.loc["a", "best_val_loss_mean"] == 1.5
+    assert agg.loc["a", "best_val_loss_std"] == pytest.approx(math.sqrt(0.5))
+    assert agg.loc["a", "best_val_loss"] == "1.5 ± 0.71" and agg.loc["a", "n_seeds"] == 2
+    assert math.isnan(agg.loc["b", "best_val_loss_std"]) and agg.loc["b", "best_val_loss"] == "3"
+    assert list(agg.index) == ["a", "b"]
+
+
+def test_grid_runs_nested_tagged_and_resumes(tmp_path, tracking_uri) -> None:  # noqa: F811
+    from mlflow.tracking import MlflowClient
+
+    lines: list[str] = []
+    with start_run("99_grid", "99_grid-cpu", tracking_uri=tracking_uri, parent_run_id="",
+                   log_system_metrics=False) as parent:
+        os.environ[common.GIT_ENV] = json.dumps({"commit": "abc", "dirty": False, "diff_sha256": None})
+        os.environ["MOELAB_PARENT_RUN_ID"] = parent.run_id
+        try:
+            grid = common.run_grid("99_grid", "tiny", GATES, [0], tmp_path, common=TINY, echo=lines.append)
+            again = common.run_grid("99_grid", "tiny", GATES, [0], tmp_path, common=TINY, echo=lines.append)
+            # A run cut off before its record trains again from scratch; the finished one is kept.
+            (tmp_path / "checkpoints" / "softplus-s0" / "record.json").unlink()
+            (tmp_path / "checkpoints" / "softplus-s0" / "stale.txt").write_text("left by the interrupted attempt")
+            resumed = common.run_grid("99_grid", "tiny", GATES, [0], tmp_path, common=TINY, echo=lines.append)
+        finally:
+            del os.environ["MOELAB_PARENT_RUN_ID"], os.environ[common.GIT_ENV]
+
+    assert [(r.arm, r.seed, r.skipped) for r in grid.records] == [("bounded", 0, False), ("softplus", 0, False)]
+    assert [r.skipped for r in again.records] == [True, True]
+    assert again.table().equals(grid.table())
+    assert [r.skipped for r in resumed.records] == [True, False] and "skipped" not in lines[5]
+    assert not (tmp_path / "checkpoints" / "softplus-s0" / "stale.txt").exists()
+    assert resumed.records[1].summary["steps"] == 4 and len(resumed.records[1].history) == 4
+    assert len(lines) == 6 and lines[0].startswith("[1/2] arm=bounded seed=0 steps=4 val_loss=")
+    assert "ETA" in lines[0] and "study done" in lines[1] and "skipped" in lines[2]
+    table = grid.table()
+    assert set(table.columns) >= {"arm", "seed", "steps", "best_val_loss", "train_val_gap", "tokens", "epochs"}
+    assert (table.tokens == 4 * 8 * 64).all()  # steps x batch 8 x seq_len 64 (tiny)
+    assert (table.epochs > 0).all() and grid.corpus_tokens > 0
+    assert set(grid.histories().arm) == {"bounded", "softplus"}
+
+    log = (tmp_path / "checkpoints" / "bounded-s0" / "train.log").read_text()
+    assert log and not any(noise in log for noise in ("GPU available", "litlogger", "INFO mlflow"))
+
+    client = MlflowClient(tracking_uri)
+    children = client.search_runs([parent.experiment_id], f"tags.mlflow.parentRunId = '{parent.run_id}'")
+    # The retrained softplus run is a second MLflow run (the first one's record was lost).
+    assert sorted(c.data.params["study.arm"] for c in children) == ["bounded", "softplus", "softplus"]
+    for c in children:
+        assert c.data.tags["moelab.arm"] == c.data.params["study.arm"] and c.data.params["study.seed"] == "0"
+        assert {"study/epochs", "study/train_val_gap", "study/best_val_loss"} <= set(c.data.metrics)
+    assert {c.info.run_name for c in children} == {"99_grid-bounded-s0", "99_grid-softplus-s0"}
+
+    meta = common.study_meta("99_grid", "cpu", grid)
+    assert meta["tokens_per_run"] == 2048 and set(meta["train_val_gap"]) == {"bounded", "softplus"}
+    assert meta["runs"] == 2 and meta["runs_skipped"] == 0 and "commit" in meta and "device" in meta
+
+
+def test_a_changed_code_state_reruns(tmp_path, monkeypatch) -> None:
+    from moelab.config import load_config
+
+    cfg = load_config("tiny")
+    a = common._fingerprint(cfg, {"commit": "abc", "diff_sha256": None})
+    assert a == common._fingerprint(cfg, {"commit": "abc", "diff_sha256": None})
+    assert a != common._fingerprint(cfg, {"commit": "abd", "diff_sha256": None})
+    assert a != common._fingerprint(cfg, {"commit": "abc", "diff_sha256": "0123"})
+    assert a != common._fingerprint(load_config("tiny", {"train.lr": 1e-2}), {"commit": "abc", "diff_sha256": None})
+    (tmp_path / "record.json").write_text(json.dumps({"fingerprint": a, "summary": {"status": "interrupted"}}))
+    assert common._load_record(tmp_path / "record.json", a) is None  # only finished runs are reused
+
+
+def test_quiet_known_noise_drops_only_the_noise(capsys) -> None:
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    common.quiet_known_noise()
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        rank_zero_info("GPU available: False, used: False")
+        rank_zero_info("💡 Tip: try installing [litlogger](https://pypi.org/project/litlogger/)")
+        rank_zero_info("Ctrl-C: stopping after this step")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    assert seen == ["Ctrl-C: stopping after this step"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        common.quiet_known_noise()
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning, stacklevel=1)
+        warnings.warn("something else", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["something else"]
+    assert logging.getLogger("mlflow").getEffectiveLevel() >= logging.WARNING
+
+
+def test_output_to_moves_print_stderr_and_handlers(tmp_path, capsys) -> None:
+    import sys
+
+    logger = logging.getLogger("moelab.test.output_to")
+    handler = logging.StreamHandler(sys.stderr)
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        with common.output_to(tmp_path / "log.txt"):
+            print("printed")
+            logger.warning("logged")
+            print("to stderr", file=sys.stderr)  # where warnings.showwarning writes
+        logger.warning("after")
+    finally:
+        logger.removeHandler(handler)
+    text = (tmp_path / "log.txt").read_text()
+    assert "printed" in text and "logged" in text and "to stderr" in text and "after" not in text
+    out = capsys.readouterr()
+    assert "printed" not in out.out and "after" in out.err
+    assert handler.stream is sys.stderr
+
+
+def test_show_returns_an_inline_png(tmp_path) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(2, 2))
+    fig.subplots().plot([0, 1], [1, 0])
+    img = common.show(fig, tmp_path / "f" / "plot.png")
+    png = (tmp_path / "f" / "plot.png").read_bytes()
+    from IPython.core.formatters import format_display_data
+
+    assert png.startswith(b"\x89PNG") and img.data == png
+    assert "image/png" in format_display_data(img)[0]
+
+
+def test_loss_curves_one_colour_per_arm() -> None:
+    recs = [common.RunRecord(arm=a, seed=s, summary={"steps": 3}, tokens=1, epochs=1.0, train_val_gap=0.0,
+                             fingerprint="x", history=[{"step": i, "train/loss": 5.0 - i + s} for i in (1, 2, 3)],
+                             val_history=[[3, 4.5 + s]])
+            for a in ("a", "b") for s in (0, 1)]
+    fig = common.loss_curves(common.Grid("s", "tiny", recs))
+    ax = fig.axes[0]
+    train_lines = [ln for ln in ax.lines if ln.get_linestyle() == "-"]
+    assert len(train_lines) == 6  # 2 arms x (2 seeds thin + 1 mean bold)
+    bold = [ln for ln in train_lines if ln.get_linewidth() == 2.0]
+    assert len(bold) == 2 and bold[0].get_color() != bold[1].get_color()
+    assert list(bold[0].get_ydata()) == [4.5, 3.5, 2.5]  # mean over the two seeds
+    assert [t.get_text() for t in ax.get_legend().get_texts()][:2] == ["a train (2 seeds)", "a val"]
+
+
+def test_measured_commit_prefers_the_file(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"meta": {"commit": "0123456789abcdef"}}))
+    assert common.measured_commit(path) == {"commit": "0123456789ab", "how": "recorded in the file"}
+    assert common.measured_commit(tmp_path / "none.json")["commit"] is None
+
+
+def test_machine_path_pattern() -> None:
+    for bad in ("/work/main/x.py", "see /tmp/a.json", "'/root/out/k.json'", "/home/u/x"):
+        assert common.MACHINE_PATH.search(bad), bad
+    for ok in ("studies/01_decay_bound/x", "kernels/results/kda_h200.json", "1/tmp", "nats/token"):
+        assert not common.MACHINE_PATH.search(ok), ok
