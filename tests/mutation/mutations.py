@@ -129,7 +129,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "resume-offset",
         "a resumed run restarts the data one micro-step early (repeats a batch)",
-        (Edit("moelab/data/datamodule.py", "start_step=step * accum)", "start_step=max(0, step * accum - 1))"),),
+        (Edit("moelab/data/datamodule.py", "start_step=step * accum)", "start_step=max(0, step * accum - 1))", None),),
         ("tests/train/test_fit.py::test_resume_after_ctrl_c_matches_an_uninterrupted_run",),
     ),
     # ------------------------------------------------------------------ AttnRes aggregation
