@@ -90,7 +90,7 @@ kda-aot: $(SETUP) ## any machine: compile the KDA kernels for sm_90 and print re
 model-bench: $(SETUP) ## GPU: whole-model tokens/s, moelab vs fla's KDAForCausalLM -> studies/throughput_h200.json
 	$(PYTHON) kernels/bench_model.py --out studies/throughput_h200.json $(ARGS)
 
-mlflow-ui: $(SETUP) ## serve the MLflow dashboard of ./mlflow.db on http://127.0.0.1:PORT (default 5000)
+mlflow-ui: $(SETUP) ## serve the MLflow dashboard of ./mlflow.db on http://127.0.0.1:PORT (default 5000; pick "Model training")
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=$${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false} \
 	$(PYTHON) -m mlflow server --host 127.0.0.1 --port $(PORT) --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
 

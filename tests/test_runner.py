@@ -29,7 +29,8 @@ with nested_run(f"child-{preset}") as run:
 os.makedirs("figures", exist_ok=True)
 open("figures/plot.svg", "w").write("<svg/>")
 json.dump({"preset": preset, "parent": current_parent_run_id(), "scores": {"a": 1.5},
-           "meta": {"wall_s": 3.0}, "arms": {"x": {"loss": 2.0}}}, open("summary.json", "w"))
+           "meta": {"wall_s": 3.0}, "arms": {"x": {"loss": 2.0}}, "factor": {"model.k": {"x": 1, "y-2": 2}},
+           "growth": {"x": 1.1, "y-2": {"ratio": 1.2}, "mean": 1.15}}, open("summary.json", "w"))
 print(os.environ["MOELAB_STUDY_COMMAND"], json.loads(os.environ["MOELAB_STUDY_GIT"])["commit"] is not None)
 FAIL
 '''
@@ -72,7 +73,9 @@ def test_runner_executes_notebook_under_a_parent_run(tmp_path, tracking_uri) -> 
     assert parent.data.params == {"study": "07_demo", "preset": "cpu", "notebook": "07_demo.ipynb"}
     assert parent.data.metrics["summary/scores.a"] == 1.5
     # Run facts and per-arm numbers are not parent metrics (the children carry per-arm metrics).
-    assert not any(k.startswith(("summary/meta.", "summary/arms.")) for k in parent.data.metrics)
+    assert not any(k.startswith(("summary/meta.", "summary/arms.", "summary/factor.")) for k in parent.data.metrics)
+    # Numbers keyed by an arm name (from arms or factor) anywhere else are per-arm too.
+    assert {k for k in parent.data.metrics if k.startswith("summary/growth.")} == {"summary/growth.mean"}
     assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", parent.data.tags["moelab.code"])
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"07_demo.ipynb", "07_demo.html", "summary.json", "figures"} <= artifacts

@@ -478,7 +478,6 @@ def _tag_child(mlflow_client: Any, run_id: str, study: str, rec: RunRecord) -> N
     from mlflow.entities import Metric, Param, RunTag
 
     now = int(time.time() * 1000)
-    step = int(rec.summary.get("steps") or 0)
     metrics = {"epochs": rec.epochs, "train_val_gap": rec.train_val_gap,
                "best_val_loss": rec.summary.get("best_val_loss")}
     mlflow_client.log_batch(
@@ -486,7 +485,9 @@ def _tag_child(mlflow_client: Any, run_id: str, study: str, rec: RunRecord) -> N
         params=[Param("study.arm", rec.arm), Param("study.seed", str(rec.seed)),
                 Param("study.tokens", str(rec.tokens))],
         tags=[RunTag("moelab.study", study), RunTag("moelab.arm", rec.arm), RunTag("moelab.seed", str(rec.seed))],
-        metrics=[Metric(f"study/{k}", float(v), now, step) for k, v in metrics.items() if v is not None])
+        # One value per run at step 0: MLflow charts a metric whose values all sit at step 0 as a bar
+        # per run (or per arm when grouped); at step >= 1 it draws a line chart of lone dots.
+        metrics=[Metric(f"study/{k}", float(v), now, 0) for k, v in metrics.items() if v is not None])
 
 
 # ------------------------------------------------------------------------------------ summarizing

@@ -216,7 +216,8 @@ def _restructure() -> Row:
             f"prenorm step {mn['step_ms']:.1f} vs {mo['step_ms']:.1f} ms ({_k(mn['tok_per_s'])} vs "
             f"{_k(mo['tok_per_s'])} tokens/s; {ms['step_ms']:.1f} ms with the old bench script on the new code): "
             f"**the model step is {mn['step_ms'] / mo['step_ms'] - 1:.0%} slower, cause not yet found**",
-            [_ref(base)], (base + "kda_1227ff2.json", None))
+            [_ref(base + "kda_1227ff2.json"), _ref(base + "model_gpu_small_1227ff2.json"),
+             _ref(base + "model_gpu_small_9e7d213.json")], (base + "kda_1227ff2.json", None))
 
 
 ROWS: list[Callable[[], Row]] = [_throughput_gpu_small, _residual_modes, _moe, _kda_check, _kda_speed, _fla_shape,

@@ -13,7 +13,8 @@ For study ``N`` the runner
    directory (so no machine path enters the notebook), into ``studies/NN_name/NN_name.ipynb``
    (kept even when a cell fails: it shows the error);
 5. exports the executed notebook as ``NN_name.html`` beside it, and logs both, ``summary.json``
-   (its study-level numbers as ``summary/*`` metrics; per-arm numbers live on the child runs) and
+   (its study-level numbers as ``summary/*`` metrics; per-arm numbers, including any keyed by an
+   arm name of ``arms`` or ``factor``, live on the child runs and in ``summary.json``) and
    the figures and results the notebook wrote as artifacts of the parent run.
 
 The notebook itself writes its figures, raw results and ``summary.json`` into ``out_dir``.
@@ -168,14 +169,32 @@ def _log_results(run: Run, out_dir: Path, executed: Path) -> None:
     summary = _read_json(out_dir / "summary.json")
     if isinstance(summary, dict):
         study_level = {k: v for k, v in summary.items() if k not in NOT_PARENT_METRICS}
+        arms = _arm_names(summary)
         run.log_metrics({f"summary/{k}": v for k, v in flatten_dict(study_level).items()
-                         if isinstance(v, (int, float)) and not isinstance(v, bool)})
+                         if isinstance(v, (int, float)) and not isinstance(v, bool)
+                         and not any(f".{arm}." in f".{k}." for arm in arms)})
     for path in sorted(out_dir.iterdir()):
         if path.is_file() and path.suffix in ARTIFACT_SUFFIXES:
             run.log_artifact(path)
         elif path.is_dir() and path.name in ARTIFACT_DIRS:
             run.log_artifact(path, path.name)
 
+
+
+def _arm_names(summary: Mapping[str, Any]) -> set[str]:
+    """The arms a summary names: keys of ``arms`` and of each ``factor`` entry (``{key: {arm: value}}``).
+
+    A number keyed by arm elsewhere in the summary (``norm_growth.<arm>.x``) is per-arm: as a parent
+    metric it would be one single-bar chart per arm, named by arm, which MLflow cannot compare.
+    """
+    arms = summary.get("arms")
+    names = set(arms) if isinstance(arms, dict) else set()
+    factor = summary.get("factor")
+    if isinstance(factor, dict):
+        for by_arm in factor.values():
+            if isinstance(by_arm, dict):
+                names.update(by_arm)
+    return names
 
 
 def _read_json(path: Path) -> Any:

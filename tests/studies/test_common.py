@@ -88,6 +88,8 @@ def test_grid_runs_nested_tagged_and_resumes(tmp_path, tracking_uri) -> None:  #
     for c in children:
         assert c.data.tags["moelab.arm"] == c.data.params["study.arm"] and c.data.params["study.seed"] == "0"
         assert {"study/epochs", "study/train_val_gap", "study/best_val_loss"} <= set(c.data.metrics)
+        # All at step 0: MLflow then charts them as bars per run (or per arm), not as lone dots on a line chart.
+        assert {m.step for m in client.get_metric_history(c.info.run_id, "study/best_val_loss")} == {0}
     assert {c.info.run_name for c in children} == {"99_grid-bounded-s0", "99_grid-softplus-s0"}
 
     meta = common.study_meta("99_grid", "cpu", grid)
