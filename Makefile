@@ -25,7 +25,7 @@ SETUP :=
 endif
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast lint data train info study-1 study-2 study-3 study-4 throughput kda-check kda-bench kda-aot model-bench mlflow-ui lab sync-nbs
+.PHONY: help setup test test-fast mutate lint data train info study-1 study-2 study-3 study-4 throughput kda-check kda-bench kda-aot model-bench mlflow-ui lab sync-nbs
 
 help: ## list the targets
 	@echo "usage: make TARGET [PRESET=...] [PYTHON=python3] [ARGS='--set key=value ...']"
@@ -53,6 +53,10 @@ test: $(SETUP) ## install if needed, then run the whole test suite (what CI runs
 
 test-fast: $(SETUP) ## the test suite without tests marked slow
 	$(TEST_ENV) $(PYTHON) -m pytest -q -m "not slow" $(ARGS)
+
+# Not part of `make test`: each mutation reruns its test files in a scratch copy of the repository.
+mutate: $(SETUP) ## mutation check: every curated bug in tests/mutation/mutations.py must fail its tests (ARGS=NAME ... for some)
+	$(TEST_ENV) $(PYTHON) -m tests.mutation.mutate $(ARGS)
 
 lint: $(SETUP) ## ruff
 	$(PYTHON) -m ruff check moelab tests

@@ -1,5 +1,6 @@
 """``python -m moelab``: info answers fast, bad input exits 2 with a one-line message (never a traceback),
-data prepares the corpus, train runs and reports, SIGTERM exits 143 (Ctrl-C: tests/train/test_fit.py)."""
+data prepares the corpus, train runs and reports; exit codes 1 (NaN, tracking store down), 130 (Ctrl-C),
+143 (SIGTERM)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from moelab.cli import build_parser, main
+from tests.train.helpers import AtStep
 from tests.train.mlflow_fixtures import mlflow_template_db, tracking_uri  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,6 +78,7 @@ def test_data_prepares_the_default_corpus(capsys) -> None:
     assert "cache:" in out and "512 ids" in out and "train" in out
 
 
+@pytest.mark.slow  # a training subprocess: ~10 s
 def test_train_subprocess_prints_summary_and_records_throughput(tmp_path, tracking_uri) -> None:  # noqa: F811
     table = tmp_path / "throughput.json"
     proc = _moelab("train", "--config", "tiny", "--set", "train.max_steps=4", "--set", "train.warmup_steps=1",
@@ -92,6 +95,7 @@ def test_train_subprocess_prints_summary_and_records_throughput(tmp_path, tracki
     assert MlflowClient(tracking_uri).get_run(summary["run_id"]).info.status == "FINISHED"  # env URI honoured
 
 
+@pytest.mark.slow  # a training subprocess: ~8 s
 def test_sigterm_exits_143_with_summary_and_checkpoint(tmp_path, tracking_uri) -> None:  # noqa: F811
     """SIGTERM (what a scheduler or `docker stop` sends) stops after the step under way, like Ctrl-C."""
     ckpt = tmp_path / "ckpt"
@@ -187,3 +191,29 @@ def test_unreachable_tracking_server_exits_1(tmp_path, monkeypatch, capsys) -> N
                  "--set", f"tracking.tracking_uri=http://127.0.0.1:{port}"])
     assert code == 1
     assert f"the MLflow tracking server http://127.0.0.1:{port} does not answer" in capsys.readouterr().err
+
+
+def _fit_with(monkeypatch, callback) -> None:
+    """Make the CLI's fit() run with one extra Lightning callback (the CLI takes none)."""
+    import moelab.train
+
+    real = moelab.train.fit
+    monkeypatch.setattr(moelab.train, "fit", lambda cfg, resume=None: real(cfg, resume=resume, callbacks=[callback]))
+
+
+def test_nan_exits_1_naming_the_step(tmp_path, monkeypatch, capsys) -> None:
+    poison = AtStep(3, lambda trainer, module: module.model.lm_head.weight.data.fill_(float("nan")))
+    _fit_with(monkeypatch, poison)
+    assert main(_train_args(tmp_path, "train.max_steps=10", "train.val_every=2", "train.warmup_steps=1")) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: train/loss=nan at step 4: training stopped; last good checkpoint: ") and \
+        "Traceback" not in err, err
+
+
+def test_ctrl_c_exits_130_after_saving(tmp_path, monkeypatch, capsys) -> None:
+    _fit_with(monkeypatch, AtStep(2, lambda trainer, module: os.kill(os.getpid(), signal.SIGINT)))
+    assert main(_train_args(tmp_path, "train.max_steps=10", "train.val_every=5", "train.warmup_steps=1")) == 130
+    err = capsys.readouterr().err
+    assert "interrupted: training stopped by SIGINT at step 3; resume from" in err, err
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "interrupted"
+    assert (tmp_path / "run" / "last.ckpt").is_file()

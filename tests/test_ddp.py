@@ -13,10 +13,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers import assert_close
 from tests.train.mlflow_fixtures import mlflow_template_db, tracking_uri  # noqa: F401
+
+pytestmark = pytest.mark.slow  # two training processes: ~12 s
 
 SCRIPT = textwrap.dedent('''
     import sys

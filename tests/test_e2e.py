@@ -26,6 +26,9 @@ from moelab.train import fit
 from tests.train.helpers import tiny_config
 from tests.train.mlflow_fixtures import mlflow_template_db, tracking_uri  # noqa: F401
 
+# Real training, a real mlflow server, subprocesses: 10-20 s per test.
+pytestmark = pytest.mark.slow
+
 STEPS = 60
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,6 +12,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Kernel-script smokes in the interpreter: 3-70 s each.
+pytestmark = pytest.mark.slow
+
 
 def _run(args: list[str], tmp_path) -> subprocess.CompletedProcess:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)

@@ -196,6 +196,7 @@ def test_real_trainer_resume(shakespeare_cfg: DataConfig, shakespeare: PreparedC
         assert sa == sb and torch.equal(a, b), f"step {sa}: resumed batch differs"
 
 
+@pytest.mark.slow  # two spawned ranks: ~8 s
 def test_real_ddp_two_cpu_ranks(shakespeare_cfg: DataConfig, shakespeare: PreparedCorpus, tmp_path: Path) -> None:
     """Lightning DDP (gloo, 2 processes) keeps the sampler: each rank trains on its own step_indices
     windows and validates on its half of the fixed val windows."""

@@ -13,6 +13,7 @@ from moelab.model import kda as kda_module
 from moelab.model.config import KDAConfig
 from moelab.model.kda import KDALayer, ShortConv
 from moelab.ops.kda.bounds import G_MIN_FLOOR, max_safe_g_min
+from moelab.ops.kda.gate import naive_kda_gate
 from tests.helpers import assert_close
 
 D = 24
@@ -77,6 +78,56 @@ def test_gate_range_and_init(gate: str) -> None:
     g0 = m.log_decay(torch.zeros(1, 1, D))[0, 0]
     dt = -g0 / m.A_log.exp()[:, None]
     assert ((dt > 0.9e-3) & (dt < 0.11)).all()
+
+
+def _trained_like(m: KDALayer, seed: int = 1) -> KDALayer:
+    """Move the gate parameters off their init as training does: per-head rates ``exp(A_log)`` spread
+    moved by about e^{+-0.9} (a fresh bounded gate has A_log = 0, where exp(A) = 1 + A hides a wrong
+    rate) and the per-channel bias of ``W_up`` shifted."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        m.A_log.add_(torch.linspace(-0.9, 0.9, m.H) + 0.1 * torch.randn(m.H, generator=gen))
+        m.f_up.bias.add_(torch.randn(m.f_up.bias.shape, generator=gen))
+    return m
+
+
+def _gate_fp64(z: torch.Tensor, A_log: torch.Tensor, gate: str, g_min: float | None) -> torch.Tensor:
+    """The gate written out in fp64 from the paper's formulas (not from moelab's code):
+    bounded ``g_min / (1 + e^{-e^A z})``, softplus ``-e^A ln(1 + e^z)``; z ``[B, T, H, K]``, A_log ``[H]``."""
+    z, rate = z.double(), A_log.double().exp()[:, None]
+    if gate == "bounded":
+        return g_min / (1 + torch.exp(-rate * z))
+    return -rate * torch.log1p(torch.exp(z))
+
+
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_gate_formulas_with_trained_like_parameters(gate: str) -> None:
+    """The layer's log decay and the op's gate (with a dt_bias) at random A_log: the fp64 formula."""
+    m = _trained_like(layer(gate))
+    x = 3 * torch.randn(2, 9, D)
+    z = m.f_up(m.f_down(x)).view(2, 9, 2, 8).detach()
+    assert_close(_gate_fp64(z, m.A_log.detach(), gate, m.g_min), m.log_decay(x).detach(), 1e-6, "layer log decay")
+    dt_bias = torch.randn(2 * 8)
+    got = naive_kda_gate(z, m.A_log.detach(), gate, m.g_min, dt_bias)
+    assert_close(_gate_fp64(z + dt_bias.view(2, 8), m.A_log.detach(), gate, m.g_min), got, 1e-6, "gate with dt_bias")
+
+
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_prefill_and_decode_agree_with_trained_like_gate(gate: str) -> None:
+    """A prompt through the Triton op (its gate fused in the kernel), then token-by-token decoding
+    (T = 1 takes the PyTorch recurrence and its gate): with trained-like A_log and bias both must
+    give the one-pass output. At init the two gates agree whatever the rate formula says."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    m = _trained_like(layer(gate, backend="triton")).to(dev)
+    x = torch.randn(1, 24, D, device=dev)
+    with torch.no_grad():
+        full, _ = m(x)
+        y, state = m(x[:, :18], use_cache=True)
+        outs = [y]
+        for t in range(18, 24):
+            y, state = m(x[:, t:t + 1], state, use_cache=True)
+            outs.append(y)
+    assert_close(full, torch.cat(outs, 1), 1e-5, "prefill + decode vs one pass")
 
 
 @pytest.mark.parametrize("gate, bound", [("bounded", -5.0), ("softplus", None)])

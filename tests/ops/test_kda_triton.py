@@ -16,7 +16,12 @@ from tests.helpers import assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 G_MIN = -5.0  # the bound of the test decays (the model's default g_min)
-O_TOL, GRAD_TOL = 5e-3, 1e-2
+# Relative-error bounds (o and final state, gradients) by input dtype. fp32 is held near its measured
+# error (interpreter: o <= 1e-6, gradients <= 8e-6), so a constant wrong in its 4th digit (log2(e) as
+# 1.443: 3e-4) fails; bf16 to the GPU targets of kernels/check_kda_gpu.py; fp16, with 3 more mantissa
+# bits, to a fifth of them (measured: 2e-4 / 4e-4).
+TOL = {torch.float32: (1e-5, 3e-5), torch.float16: (1e-3, 2e-3), torch.bfloat16: (5e-3, 1e-2)}
+O_TOL, GRAD_TOL = TOL[torch.float32]
 
 
 def _inputs(B, T, H, K, V, dtype, seed, g_min=G_MIN, h0=True):
@@ -55,7 +60,8 @@ def _reference(ins, s0, do, dS):
     return _run(naive_recurrent_kda, [x.float() for x in ins], s0, do, dS)
 
 
-def _compare(ref, out, o_tol=O_TOL, grad_tol=GRAD_TOL):
+def _compare(ref, out, dtype=torch.float32, tol=None):
+    o_tol, grad_tol = tol or TOL[dtype]
     o_r, S_r, g_r = ref
     o_t, S_t, g_t = out
     assert o_t.dtype == o_r.dtype or o_t.dtype != torch.float32
@@ -66,11 +72,13 @@ def _compare(ref, out, o_tol=O_TOL, grad_tol=GRAD_TOL):
         assert_close(a, b.float(), grad_tol, name)
 
 
-# seeded randomized sweep: (B, T, H, K, V, chunk, dtype, h0); every case runs in both modes
+# seeded randomized sweep: (B, T, H, K, V, chunk, dtype, h0); every case runs in both modes. The
+# interpreter takes 4-10 s on the two largest: those are `slow` (make test runs them, test-fast not).
+slow = pytest.mark.slow
 SWEEP = [
     (1, 1, 1, 16, 16, 64, torch.float32, True),  # T = 1
-    (2, 150, 2, 32, 16, 64, torch.float32, True),  # B > 1, K != V, T not a multiple of 64
-    (1, 70, 1, 128, 32, 64, torch.float32, False),  # K = 128: several K-blocks in the interpreter
+    pytest.param((2, 150, 2, 32, 16, 64, torch.float32, True), marks=slow),  # B > 1, K != V, T % 64 != 0
+    pytest.param((1, 70, 1, 128, 32, 64, torch.float32, False), marks=slow),  # K = 128: several K-blocks
     (1, 40, 1, 20, 40, 32, torch.float32, True),  # non-power-of-two K and V, chunk 32
     (1, 37, 2, 16, 24, 16, torch.float16, False),  # fp16, chunk 16
     (1, 100, 1, 32, 16, 64, torch.float16, True),  # fp16, partial second chunk
@@ -83,7 +91,7 @@ SWEEP = [
 def test_matches_reference(case, mode):
     B, T, H, K, V, C, dtype, h0 = case
     ins, s0, do, dS = _inputs(B, T, H, K, V, dtype, seed=B * 1000 + T * 7 + K + V, h0=h0)
-    _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS, mode=mode, chunk_size=C))
+    _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS, mode=mode, chunk_size=C), dtype)
 
 
 def test_modes_agree_and_defaults():
@@ -134,7 +142,9 @@ def test_general_mode_survives_very_negative_decay():
     g[..., :8] = -30.0
     g[:, 10:20, :, 8:12] = -60.0
     ins[3] = g
-    _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS, mode="general"))
+    # fp32 still, but channels decayed by e^-30 per token leave a state of tiny entries: measured
+    # 4e-5 on the final state and dbeta, so 1e-4 here (the sweep above holds fp32 to 1e-5)
+    _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS, mode="general"), tol=(1e-4, 1e-4))
     o, _ = chunk(*ins, mode="bounded", validate=False)
     assert not torch.isfinite(o).all(), "expected the bounded fast path to overflow at g = -60"
 
@@ -170,7 +180,7 @@ def test_bad_arguments_raise():
 def test_bf16_on_gpu(mode):
     """The real bf16 path (tensor-core products, bf16 intermediates), which the interpreter cannot run."""
     ins, s0, do, dS = _inputs(2, 300, 4, 64, 64, torch.bfloat16, seed=7)
-    _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS, mode=mode))
+    _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS, mode=mode), torch.bfloat16)
 
 
 KERNELS = {"kktr", "merge", "wu", "state", "state_small", "out", "dh", "wy", "sterm", "dqkg", "dg"}

@@ -49,6 +49,20 @@ def test_fp32_matches_plain_loss_and_grads(chunk):
     assert_close(ref[2], out[2], 1e-5, "dW")
 
 
+def test_backward_scales_by_the_incoming_gradient():
+    """A scaled loss (gradient accumulation divides by the micro-batch count, AMP multiplies by its
+    scale) and a sum of two losses sharing the weight: the gradients scale and add as the plain path's."""
+    h, w, t = _inputs(30, 16, 23, seed=4)
+    h2, _, t2 = _inputs(20, 16, 23, seed=5)
+    grads = []
+    for fn in (_plain, linear_cross_entropy):
+        hl, wl, hl2 = h.clone().requires_grad_(), w.clone().requires_grad_(), h2.clone().requires_grad_()
+        (0.25 * fn(hl, wl, t) - 3.0 * fn(hl2, wl, t2)).backward()
+        grads.append((hl.grad, hl2.grad, wl.grad))
+    for name, a, b in zip(("dh", "dh2", "dW"), *grads):
+        assert_close(a, b, 1e-5, name)
+
+
 def test_bf16_autocast_matches_plain_path():
     """Under bf16 autocast both paths form bf16 logits from bf16 operands and the loss in fp32."""
     h, w, t = _inputs(300, 64, 500, seed=1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.callbacks import Callback
+
 from moelab.config import RunConfig, load_config
 
 
@@ -16,3 +18,15 @@ def tiny_config(ckpt_dir: Path, tracking_uri: str | None = None, **overrides: An
         values["tracking.tracking_uri"] = tracking_uri
     values.update({k.replace("__", "."): v for k, v in overrides.items()})
     return load_config("tiny", values)
+
+
+class AtStep(Callback):
+    """Calls ``action(trainer, pl_module)`` once, at the start of the batch after ``step`` optimizer steps."""
+
+    def __init__(self, step: int, action) -> None:
+        self.step, self.action, self.done = step, action, False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self.done and trainer.global_step == self.step:
+            self.done = True
+            self.action(trainer, pl_module)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from moelab.train.balance import BalancerCallback
@@ -15,6 +16,7 @@ from tests.helpers import assert_close
 from tests.train.balance_probe import Probe, batches, trainer
 
 
+@pytest.mark.slow  # two spawned ranks: ~15 s
 def test_two_ranks_hold_the_bias_of_the_concatenated_batch(tmp_path: Path) -> None:
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}

@@ -1,0 +1,164 @@
+"""The curated mutation set: bugs that would corrupt results without crashing, and the tests that must catch them.
+
+Run with ``make mutate`` (tests/mutation/mutate.py); every mutation must be caught. Before resolving
+an issue that touches one of these modules, run it and say the result in the note. When a refactor
+moves a snippet, the run reports the mutation as stale: update its ``old`` text (and keep the bug).
+"""
+
+from __future__ import annotations
+
+from tests.mutation.mutate import Edit, Mutation
+
+_LOG2E = "1.4426950408889634"
+
+MUTATIONS: tuple[Mutation, ...] = (
+    # ------------------------------------------------------------------ KDA gate and kernels
+    Mutation(
+        "gate-exp",
+        "the torch KDA gate (CPU training, every decode step) uses 1 + A_log for exp(A_log): equal at A_log = 0",
+        (Edit("moelab/ops/kda/gate.py", "a = A_log.float().exp()[:, None]", "a = (1 + A_log.float())[:, None]"),),
+        ("tests/model/test_kda_layer.py::test_gate_formulas_with_trained_like_parameters",
+         "tests/model/test_kda_layer.py::test_prefill_and_decode_agree_with_trained_like_gate"),
+    ),
+    Mutation(
+        "gate-dt-bias-dropped",
+        "the torch KDA gate ignores dt_bias",
+        (Edit("moelab/ops/kda/gate.py", "x = x + dt_bias.float().view(H, K)", "x = x"),),
+        ("tests/model/test_kda_layer.py::test_gate_formulas_with_trained_like_parameters",),
+    ),
+    Mutation(
+        "triton-gate-exp",
+        "the Triton prep kernel's gate rate is 1 + A_log instead of exp(A_log)",
+        (Edit("moelab/ops/kda/triton_prep.py", "a = tl.exp(tl.load(A_log + h).to(tl.float32))[:, None]",
+              "a = (1.0 + tl.load(A_log + h).to(tl.float32))[:, None]", None),),
+        ("tests/ops/test_kda_prep.py",),
+    ),
+    Mutation(
+        "triton-log2e",
+        "log2(e) rounded to 1.443 in the Triton chunk kernels (fp32 error ~3e-4 instead of ~1e-6)",
+        tuple(Edit(f"moelab/ops/kda/{name}.py", _LOG2E, "1.443", None)
+              for name in ("triton_common", "triton_fwd", "triton_bwd", "triton_prep")),
+        ("tests/ops/test_kda_triton.py::test_matches_reference[B1T40H1K20V40C32-float32-h01-bounded]",
+         "tests/ops/test_kda_triton.py::test_matches_reference[B1T40H1K20V40C32-float32-h01-general]"),
+    ),
+    Mutation(
+        "kda-ref-decay-after-write",
+        "the fp32 KDA reference decays the state after the delta-rule write instead of before",
+        (Edit("moelab/ops/kda/naive.py", "        S = S * g[:, t].exp()[..., None]\n", ""),
+         Edit("moelab/ops/kda/naive.py", "        S = S + k_t[..., None] * u[..., None, :]\n",
+              "        S = S + k_t[..., None] * u[..., None, :]\n        S = S * g[:, t].exp()[..., None]\n")),
+        ("tests/ops/test_kda_chunk.py",),
+    ),
+    # ------------------------------------------------------------------ router / top-k
+    Mutation(
+        "router-bias-in-weights",
+        "the selection-only router bias enters the routing weights",
+        (Edit("moelab/model/moe.py", "picked = scores.gather(1, idx)",
+              "picked = (scores + self.bias).gather(1, idx)"),),
+        ("tests/model/test_moe.py::test_router_bias_selects_but_does_not_weight",),
+    ),
+    Mutation(
+        "topk-ignores-bias",
+        "the torch top-k selects on the scores alone (the balancers' bias has no effect)",
+        (Edit("moelab/ops/moe.py", "idx = torch.topk(scores + bias.float(), k, dim=-1).indices",
+              "idx = torch.topk(scores, k, dim=-1).indices"),),
+        ("tests/model/test_moe.py::test_router_bias_selects_but_does_not_weight",),
+    ),
+    Mutation(
+        "router-normalizer-detached",
+        "the routing weights' normalizer sum_T s carries no gradient (the router learns a wrong signal)",
+        (Edit("moelab/model/moe.py", "weight = picked / picked.sum(-1, keepdim=True)",
+              "weight = picked / picked.detach().sum(-1, keepdim=True)"),),
+        ("tests/model/test_moe.py::test_moe_matches_dense_reference",),
+    ),
+    # ------------------------------------------------------------------ balancer rules
+    Mutation(
+        "loss-free-sign-flipped",
+        "the loss-free balancer raises the bias of overloaded experts",
+        (Edit("moelab/model/balance.py", "torch.sign(load.mean() - load)", "torch.sign(load - load.mean())"),),
+        ("tests/model/test_balance.py",),
+    ),
+    Mutation(
+        "quantile-load-flipped",
+        "quantile_load moves the bias towards the overloaded experts",
+        (Edit("moelab/model/balance.py", "recentre(bias + rate * (base - average))",
+              "recentre(bias + rate * (average - base))"),),
+        ("tests/model/test_balance.py",),
+    ),
+    Mutation(
+        "qb-order-statistic-off-by-one",
+        "exact quantile balancing takes the q-th instead of the (q+1)-th largest margin",
+        (Edit("moelab/model/balance.py", "margins.kthvalue(m - q, dim=0)", "margins.kthvalue(m - q + 1, dim=0)"),),
+        ("tests/model/test_balance.py",),
+    ),
+    Mutation(
+        "qb-cutoff-kth",
+        "the quantile-balancing cutoff is the k-th instead of the (k+1)-th largest biased score",
+        (Edit("moelab/model/balance.py", "after = top.values[:, k:]", "after = top.values[:, k - 1:k]"),),
+        ("tests/model/test_balance.py",),
+    ),
+    # ------------------------------------------------------------------ loss
+    Mutation(
+        "linear-ce-ignores-grad",
+        "linear_ce's backward ignores its incoming gradient (wrong under gradient accumulation / loss scaling)",
+        (Edit("moelab/ops/linear_ce.py", "return (dh * grad_loss).to(h_dtype), (dw * grad_loss).to(w_dtype),",
+              "return dh.to(h_dtype), dw.to(w_dtype),"),),
+        ("tests/ops/test_linear_ce.py",),
+    ),
+    Mutation(
+        "linear-ce-mean-over-all",
+        "linear_ce divides by every target, ignored ones included",
+        (Edit("moelab/ops/linear_ce.py", "n = keep.sum()", "n = torch.tensor(targets.numel(), device=h.device)"),),
+        ("tests/ops/test_linear_ce.py",),
+    ),
+    # ------------------------------------------------------------------ training loop: guard, resume
+    Mutation(
+        "nan-guard-loss-only",
+        "the NaN guard checks train/loss only, not the gradient norm",
+        (Edit("moelab/train/callbacks.py", "bad = [(k, v) for k, v in zip(names, values) if not math.isfinite(v)]",
+              "bad = [(k, v) for k, v in zip(names, values) if k == 'train/loss' and not math.isfinite(v)]"),),
+        ("tests/train/test_guard.py",),
+    ),
+    Mutation(
+        "nan-guard-nan-only",
+        "the NaN guard lets Inf through",
+        (Edit("moelab/train/callbacks.py", "bad = [(k, v) for k, v in zip(names, values) if not math.isfinite(v)]",
+              "bad = [(k, v) for k, v in zip(names, values) if math.isnan(v)]"),),
+        ("tests/train/test_guard.py",),
+    ),
+    Mutation(
+        "resume-offset",
+        "a resumed run restarts the data one micro-step early (repeats a batch)",
+        (Edit("moelab/data/datamodule.py", "start_step=step * accum)", "start_step=max(0, step * accum - 1))", None),),
+        ("tests/train/test_fit.py::test_resume_after_ctrl_c_matches_an_uninterrupted_run",),
+    ),
+    # ------------------------------------------------------------------ AttnRes aggregation
+    Mutation(
+        "attnres-ref-softmax-dim",
+        "the AttnRes torch reference normalizes over the width instead of over depth",
+        (Edit("moelab/ops/attnres.py", "p = (keys @ query.float()).softmax(dim=0)",
+              "p = (keys @ query.float()).softmax(dim=-1)"),),
+        ("tests/ops/test_attnres_op.py",),
+    ),
+    Mutation(
+        "attnres-ref-raw-keys",
+        "the AttnRes torch reference scores the raw sources (no key RMSNorm)",
+        (Edit("moelab/ops/attnres.py", "keys = F.rms_norm(v, (v.shape[-1],), norm_weight.float(), eps)",
+              "keys = v * norm_weight.float()"),),
+        ("tests/ops/test_attnres_op.py",),
+    ),
+    Mutation(
+        "attnres-model-raw-keys",
+        "the model's DepthAttention scores the raw sources (no key RMSNorm)",
+        (Edit("moelab/model/attnres.py", "logits = self.key_norm(sources).float() @ self.query.float()",
+              "logits = sources.float() @ self.query.float()"),),
+        ("tests/model/test_attnres.py",),
+    ),
+    Mutation(
+        "attnres-block-sum-dropped",
+        "a block summary keeps only its last sublayer's output instead of their sum",
+        (Edit("moelab/model/attnres.py", "self.partial = out if self.partial is None else self.partial + out",
+              "self.partial = out"),),
+        ("tests/model/test_attnres.py",),
+    ),
+)
