@@ -88,7 +88,7 @@ PRESETS = {
                          "train.warmup_steps": 10, "train.val_every": 20, "train.val_batches": 2,
                          "train.log_every": 5, "tracking.log_system_metrics": False},
                 (256, 1024, 2048), (0.5, 0.3, 0.2), 100, 0.1, (0, 1),
-                EvalPlan(depths=(0.0, 0.5, 1.0), samples=4, mqar_pairs=8, mqar_samples=8, lbp_samples=2,
+                EvalPlan(depths=(0.0, 0.5, 1.0), samples=4, mqar_pairs=8, mqar_samples=8, lbp_samples=4,
                          batch_size=4),
                 threads=1, notes="all-MLA, d_model 64, 100 steps of 2048 tokens; stages 256 -> 1024 -> 2048"),
     # One H200 in 10 minutes with compilation: gpu-small (3 KDA : 1 MLA, d_model 512, MoE) at 32K tokens per
@@ -206,7 +206,8 @@ def _same_settings(found: Mapping[str, Any], kwargs: Mapping[str, Any]) -> bool:
 
 
 def evaluate_runs(grid: common.Grid, preset: str, echo: Any = print) -> dict[str, dict[str, Any]]:
-    """Run the evaluation suite on the last checkpoint of every run; ``{"<arm>-s<seed>": {task: report}}``.
+    """Run the evaluation suite on the last checkpoint of every run; ``{"<arm>-s<seed>": {task: report}}``
+    (the reports of :func:`moelab.eval.suite.evaluate` without their file paths).
 
     Reports are written beside the checkpoint (``eval/<task>.json``), which a retrained run's fresh
     folder drops, so a rerun reuses a report only for the same trained model and settings. The main
@@ -225,7 +226,8 @@ def evaluate_runs(grid: common.Grid, preset: str, echo: Any = print) -> dict[str
             if found is None or not _same_settings(found, kwargs):
                 with common.output_to(ckpt.parent / "eval.log"):
                     found = evaluate(ckpt, task, out=path, tracking=False, **kwargs)
-            reports[task] = found
+            # where this machine keeps the checkpoint says nothing in a committed report
+            reports[task] = {k: v for k, v in found.items() if k not in ("checkpoint", "json")}
         out[f"{rec.arm}-s{rec.seed}"] = reports
         pk = reports["passkey"]
         echo(f"eval {rec.arm} seed {rec.seed}: passkey by length "
