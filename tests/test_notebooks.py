@@ -217,3 +217,27 @@ def test_study3_summary_holds_its_grid_and_verdicts() -> None:
     assert all(v["order"] for v in s["by_depth"].values())
     if s["meta"]["preset"] == "cpu":
         assert s["meta"]["wall_s"] <= 240, f"PRESET=cpu took {s['meta']['wall_s']} s: the rule is 4 minutes"
+
+
+STUDY4 = NBS.parent / "studies" / "04_context_curriculum" / "summary.json"
+
+
+@pytest.mark.skipif(not STUDY4.exists(), reason="study 4 has no committed results yet")
+def test_study4_summary_holds_its_schedules_and_verdicts() -> None:
+    """Study 4's committed rows: every schedule with two or more seeds at one token budget, passkey up to 4x the
+    longest training length, and both verdicts computed."""
+    from moelab.studies.context_curriculum import ROW_KEYS, SCHEDULES
+
+    s = json.loads(STUDY4.read_text())
+    rows = s["rows"]
+    assert rows and all(set(r) == set(ROW_KEYS) for r in rows)
+    for sched in SCHEDULES:
+        seeds = {r["seed"] for r in rows if r["schedule"] == sched}
+        assert len(seeds) >= 2, f"{sched} has seeds {seeds}: the main comparison needs two or more"
+    assert len({r["tokens"] for r in rows}) == 1, "the budget rule: every schedule sees the same tokens"
+    longest = max(s["meta"]["lengths"])
+    assert all(max(int(n) for n in r["passkey"]) >= 4 * longest for r in rows)
+    assert set(s["factor"]) == {"data.curriculum"}
+    assert set(s["verdict"]) == {"equal_tokens", "equal_wall_clock"} and all(s["verdict"].values())
+    if s["meta"]["preset"] == "cpu":
+        assert s["meta"]["wall_s"] <= 240, f"PRESET=cpu took {s['meta']['wall_s']} s: the rule is 4 minutes"

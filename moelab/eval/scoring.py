@@ -1,8 +1,9 @@
 """Scoring a model on long inputs piece by piece: per-token losses, and answer spans read alone.
 
 Every evaluation forward goes through :func:`chunked_forward`, the one place that knows how the
-model carries its state from piece to piece (today ``MoELab.forward(..., state=, use_cache=True)``:
-the KDA recurrent state and conv tails, the MLA latent cache). A sequence is fed ``chunk_size``
+model carries its state from piece to piece: the model's own chunked prefill
+(``MoELab.prefill_chunks``: the KDA recurrent state and conv tails, the MLA latent cache, eval mode,
+the KDA inference path on a GPU). A sequence is fed ``chunk_size``
 tokens at a time, so the memory of a forward is that of one chunk against the cache, and what
 persists between chunks grows only with the MLA latent cache (``kv_latent_dim`` numbers per token
 and MLA layer; the KDA state is fixed-size); :func:`state_nbytes` measures it.
@@ -73,22 +74,15 @@ def chunked_forward(model: torch.nn.Module, ids: torch.Tensor,
                     chunk_size: int | None) -> Iterator[tuple[int, torch.Tensor, object]]:
     """Feed ``ids [B, T]`` to ``model`` in pieces; yield ``(start, logits [B, c, vocab], state)`` per piece.
 
-    ``chunk_size``: tokens per piece; None (or ``>= T``): one full forward. The state after the
-    piece is yielded so callers can measure it; it is the model's own
-    (``MoELab.forward(state=, use_cache=True)``), so the pieces together equal one full forward.
+    ``chunk_size``: tokens per piece; None (or ``>= T``): one piece. The pieces come from
+    ``model.prefill_chunks`` (equal to one full forward, tested there); the state after each piece
+    is yielded so callers can measure it.
     """
     T = ids.shape[1]
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} is not allowed: expected an integer >= 1 or None")
-    if chunk_size is None or chunk_size >= T:
-        out = model(ids, use_cache=True)
-        yield 0, out.logits, out.state
-        return
-    state = None
-    for start in range(0, T, chunk_size):
-        out = model(ids[:, start: start + chunk_size], state=state, use_cache=True)
-        state = out.state
-        yield start, out.logits, state
+    for piece in model.prefill_chunks(ids, chunk_size=min(chunk_size or T, T)):
+        yield piece.start, piece.logits, piece.state
 
 
 @torch.no_grad()

@@ -62,6 +62,14 @@ class Oracle(torch.nn.Module):
         nxt = torch.cat([nxt, nxt.new_zeros(ids.shape[0], T - nxt.shape[1])], dim=1)
         return SimpleNamespace(logits=F.one_hot(nxt, self.vocab).float() * 10, state=SimpleNamespace(seen=past + T))
 
+    def prefill_chunks(self, ids: torch.Tensor, *, chunk_size: int):
+        """The pieces of ``MoELab.prefill_chunks``: start, logits and state per ``chunk_size`` tokens."""
+        state = None
+        for start in range(0, ids.shape[1], chunk_size):
+            out = self(ids[:, start: start + chunk_size], state=state)
+            state = out.state
+            yield SimpleNamespace(start=start, logits=out.logits, state=state)
+
 
 def test_the_scorer_reads_only_the_answer_span() -> None:
     ids = torch.randint(0, 10, (3, 40), generator=torch.Generator().manual_seed(2))

@@ -1,0 +1,754 @@
+"""Study 4: context curriculum vs direct long training vs short-only training, at the same total tokens.
+
+The report trains 8K -> 64K -> 256K -> 1M, each stage starting from the last, and judges a model by
+its *effective* context (the longest length where passkey retrieval works), not its nominal window.
+This study trains three **schedules** over one token budget (same steps, same tokens per optimizer
+step, same data mix and learning-rate schedule; :mod:`moelab.data.curriculum` keeps the tokens per
+step by resizing the micro-batch):
+
+* ``curriculum``: the plan's stage lengths in order (e.g. 256 -> 1024 -> 2048 on a CPU), each stage a
+  share of the steps;
+* ``direct``: every step at the longest length;
+* ``short``: every step at the shortest length.
+
+Every arm sets only ``data.curriculum`` (the schedule), which :func:`arms_factor` checks. Validation
+reads windows of the longest length (``data.seq_len``) in every arm, so the validation loss is
+comparable. Each trained model then runs the evaluation suite (:mod:`moelab.eval`): passkey over
+lengths x depths up to 4x the longest training length, MQAR, loss by position.
+
+The notebook ``nbs/04_context_curriculum.py`` calls, in order: :func:`arms_factor`, :func:`train`,
+:func:`evaluate_runs`, :func:`summary_rows`, :func:`stage_perf`, the figures, :func:`summarize` and
+:func:`findings` (every sentence computed from the summary).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moelab.studies import common
+
+STUDY = "04_context_curriculum"
+SCHEDULES = ("curriculum", "direct", "short")
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """Settings of the evaluation suite for every trained model.
+
+    depths: passkey needle depths; samples: passkey samples per (length, depth) cell; mqar_pairs and
+    mqar_samples: per MQAR length; lbp_samples: held-out windows for loss by position; batch_size:
+    sequences per forward; extrapolation: the longest evaluated length over the longest trained one.
+    """
+
+    depths: tuple[float, ...]
+    samples: int
+    mqar_pairs: int
+    mqar_samples: int
+    lbp_samples: int
+    batch_size: int
+    extrapolation: int = 4
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One preset of the study.
+
+    base: training preset; common: overrides for every arm (scale); lengths: the curriculum's stage
+    lengths, shortest first (direct trains at the last, short at the first); shares: each stage's
+    share of the steps; steps: optimizer steps of every run; synthetic: share of retrieval
+    sub-tasks (passkey, MQAR) in every stage of every arm; seeds; threads: torch intra-op threads.
+    """
+
+    base: str
+    common: Mapping[str, Any]
+    lengths: tuple[int, ...]
+    shares: tuple[float, ...]
+    steps: int
+    synthetic: float
+    seeds: tuple[int, ...]
+    eval: EvalPlan
+    threads: int | None = None
+    notes: str = ""
+
+
+PRESETS = {
+    # 2 shared CPU cores, about 4 minutes: all-MLA mixers and dense FFNs at width 64 (KDA's chunked form and
+    # the MoE dispatch cost most of a CPU step), 1024 tokens per step. The shortest stage is 256 because a
+    # passkey sample needs 132 tokens with the 512-id tokenizer; 1:4:8 as 512 -> 2K -> 4K. One thread (see study 3).
+    "cpu": Plan("tiny", {"model.pattern": "M", "model.dense_layers": 8, "model.max_seq_len": 2048,
+                         "data.seq_len": 2048, "train.batch_size": 1, "train.max_steps": 100,
+                         "train.warmup_steps": 10, "train.val_every": 20, "train.val_batches": 2,
+                         "train.log_every": 5, "tracking.log_system_metrics": False},
+                (256, 1024, 2048), (0.5, 0.3, 0.2), 100, 0.1, (0, 1),
+                EvalPlan(depths=(0.0, 0.5, 1.0), samples=4, mqar_pairs=8, mqar_samples=8, lbp_samples=4,
+                         batch_size=4),
+                threads=1, notes="all-MLA, d_model 64, 100 steps of 2048 tokens; stages 256 -> 1024 -> 2048"),
+    # One H200 in 10 minutes with compilation: gpu-small (3 KDA : 1 MLA, d_model 512, MoE) at 32K tokens per
+    # step, 1K -> 4K -> 16K (the report's 8K -> 64K -> 256K ratios 1:8:32, scaled to 1:4:16).
+    "gpu": Plan("gpu-small", {"model.max_seq_len": 16384, "data.seq_len": 16384, "train.batch_size": 2,
+                              "train.max_steps": 120, "train.warmup_steps": 12, "train.val_every": 20,
+                              "train.val_batches": 2, "train.log_every": 5},
+                (1024, 4096, 16384), (0.5, 0.3, 0.2), 120, 0.1, (0, 1),
+                EvalPlan(depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=8, mqar_pairs=16, mqar_samples=16,
+                         lbp_samples=4, batch_size=8),
+                notes="gpu-small, 120 steps of 2 x 16384 tokens; stages 1K -> 4K -> 16K"),
+}
+
+
+def plan(preset: str) -> Plan:
+    """The :class:`Plan` of ``preset`` (``cpu`` or ``gpu``)."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset={preset!r} is not allowed: expected one of {tuple(PRESETS)}")
+    return PRESETS[preset]
+
+
+# ------------------------------------------------------------------------------------------- arms
+
+
+def split_steps(steps: int, shares: Sequence[float]) -> list[int]:
+    """``steps`` split by ``shares`` into whole numbers (largest remainder), each >= 1, summing to ``steps``."""
+    if not shares or any(s <= 0 for s in shares):
+        raise ValueError(f"shares={list(shares)} is not allowed: expected a non-empty list of positive numbers")
+    if steps < len(shares):
+        raise ValueError(f"steps={steps} is not allowed: expected >= {len(shares)}, one per stage")
+    total = sum(shares)
+    exact = [steps * s / total for s in shares]
+    out = [max(1, math.floor(x)) for x in exact]
+    order = sorted(range(len(shares)), key=lambda i: exact[i] - math.floor(exact[i]), reverse=True)
+    i = 0
+    while sum(out) < steps:
+        out[order[i % len(order)]] += 1
+        i += 1
+    while sum(out) > steps:  # only when the floor of 1 pushed a tiny share up: take from the largest
+        out[out.index(max(out))] -= 1
+    return out
+
+
+def schedules(p: Plan) -> dict[str, list[dict[str, Any]]]:
+    """``{schedule: data.curriculum stages}``: curriculum over ``p.lengths``, direct at the longest, short at the
+    shortest; every stage has the plan's synthetic share, its MQAR sub-tasks the evaluation's pair count."""
+    if list(p.lengths) != sorted(set(p.lengths)) or len(p.lengths) < 2:
+        raise ValueError(f"lengths={p.lengths} is not allowed: expected two or more increasing lengths")
+    if len(p.shares) != len(p.lengths):
+        raise ValueError(f"shares={p.shares} is not allowed: expected one share per length ({len(p.lengths)})")
+
+    def stage(seq_len: int, steps: int) -> dict[str, Any]:
+        return {"seq_len": seq_len, "steps": steps, "synthetic": p.synthetic, "mqar_pairs": p.eval.mqar_pairs}
+
+    return {"curriculum": [stage(L, n) for L, n in zip(p.lengths, split_steps(p.steps, p.shares))],
+            "direct": [stage(p.lengths[-1], p.steps)],
+            "short": [stage(p.lengths[0], p.steps)]}
+
+
+def arms(preset: str) -> dict[str, dict[str, Any]]:
+    """``{schedule: {"data.curriculum": stages}}``: the schedule is the only override of an arm."""
+    return {name: {"data.curriculum": stages} for name, stages in schedules(plan(preset)).items()}
+
+
+def arms_factor(preset: str) -> dict[str, dict[str, Any]]:
+    """``{config key: {arm: value}}``; raises if the arms differ in anything but ``data.curriculum``."""
+    p = plan(preset)
+    return common.check_arms_differ_only(p.base, arms(preset), p.common)
+
+
+def stage_text(stages: Sequence[Mapping[str, Any]]) -> str:
+    """``256x30 -> 512x18 -> 1024x12`` (length x steps per stage)."""
+    return " -> ".join(f"{s['seq_len']}x{s['steps']}" for s in stages)
+
+
+def train(preset: str, out_dir: str | Path, extra_overrides: Mapping[str, Any] | None = None) -> common.Grid:
+    """Train every schedule at every seed of ``preset``; finished runs are reused."""
+    p = plan(preset)
+    if p.threads:
+        torch.set_num_threads(p.threads)
+    return common.run_grid(STUDY, p.base, arms(preset), p.seeds, out_dir,
+                           common={**p.common, **(extra_overrides or {})})
+
+
+# ------------------------------------------------------------------------------------------- eval
+
+
+def eval_lengths(p: Plan) -> list[int]:
+    """Passkey lengths: doublings from the shortest training length to ``extrapolation`` x the longest."""
+    out, n = [], p.lengths[0]
+    while n <= p.eval.extrapolation * p.lengths[-1]:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def eval_settings(preset: str) -> dict[str, dict[str, Any]]:
+    """``{task: keyword arguments of moelab.eval.suite.evaluate}`` (lengths, depths, samples, ...)."""
+    p = plan(preset)
+    e = p.eval
+    longest = p.lengths[-1]
+    return {
+        "passkey": {"lengths": eval_lengths(p), "depths": list(e.depths), "samples": e.samples,
+                    "batch_size": e.batch_size},
+        "mqar": {"lengths": [p.lengths[0], longest, e.extrapolation * longest], "samples": e.mqar_samples,
+                 "mqar_pairs": e.mqar_pairs, "batch_size": e.batch_size},
+        "loss_by_position": {"lengths": [e.extrapolation * longest], "samples": e.lbp_samples,
+                             "batch_size": e.batch_size},
+    }
+
+
+def _same_settings(found: Mapping[str, Any], kwargs: Mapping[str, Any]) -> bool:
+    s = found.get("settings", {})
+    return all(s.get(k) == v for k, v in kwargs.items() if k in ("lengths", "depths", "samples", "mqar_pairs"))
+
+
+def evaluate_runs(grid: common.Grid, preset: str, echo: Any = print) -> dict[str, dict[str, Any]]:
+    """Run the evaluation suite on the last checkpoint of every run; ``{"<arm>-s<seed>": {task: report}}``
+    (the reports of :func:`moelab.eval.suite.evaluate` without their file paths).
+
+    Reports are written beside the checkpoint (``eval/<task>.json``), which a retrained run's fresh
+    folder drops, so a rerun reuses a report only for the same trained model and settings. The main
+    numbers go onto the run's MLflow run as ``study/*`` metrics.
+    """
+    from moelab.eval.suite import evaluate
+
+    settings = eval_settings(preset)
+    out: dict[str, dict[str, Any]] = {}
+    for rec in grid.records:
+        ckpt = Path(rec.summary.get("last_checkpoint") or rec.summary["best_checkpoint"])
+        reports = {}
+        for task, kwargs in settings.items():
+            path = ckpt.parent / "eval" / f"{task}.json"
+            found = json.loads(path.read_text()) if path.exists() else None
+            if found is None or not _same_settings(found, kwargs):
+                with common.output_to(ckpt.parent / "eval.log"):
+                    found = evaluate(ckpt, task, out=path, tracking=False, **kwargs)
+            # where this machine keeps the checkpoint says nothing in a committed report
+            reports[task] = {k: v for k, v in found.items() if k not in ("checkpoint", "json")}
+        out[f"{rec.arm}-s{rec.seed}"] = reports
+        pk = reports["passkey"]
+        echo(f"eval {rec.arm} seed {rec.seed}: passkey by length "
+             f"{dict(zip(pk['lengths'], (round(a, 2) for a in pk['accuracy_by_length'])))}, effective context "
+             f"{pk['effective_context']}, mqar {[round(a, 3) for a in reports['mqar']['accuracy']]}")
+        _log_eval(rec, reports)
+    return out
+
+
+def _log_eval(rec: common.RunRecord, reports: Mapping[str, Mapping[str, Any]]) -> None:
+    """``study/effective_context``, ``study/passkey_acc`` and ``study/mqar_acc`` on the training's MLflow run."""
+    run_id = rec.summary.get("run_id")
+    if not run_id:
+        return
+    import time
+
+    from mlflow.entities import Metric
+
+    from moelab.tracking import client
+
+    pk, mq = reports["passkey"], reports["mqar"]
+    now = int(time.time() * 1000)
+    metrics = [Metric("study/effective_context", float(pk["effective_context"]), now, 0)]
+    metrics += [Metric("study/passkey_acc", float(a), now, int(n)) for n, a in zip(pk["lengths"],
+                                                                                   pk["accuracy_by_length"])]
+    metrics += [Metric("study/mqar_acc", float(a), now, int(n)) for n, a in zip(mq["lengths"], mq["accuracy"])]
+    client("").log_batch(run_id, metrics=metrics)
+
+
+# ------------------------------------------------------------------------------------------- rows
+
+ROW_KEYS = ("schedule", "seed", "stages", "tokens", "wall_s", "val_loss", "effective_context", "passkey",
+            "mqar_acc", "mqar")
+
+
+def summary_rows(grid: common.Grid, preset: str, evals: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per run: schedule, seed, stages (``len x steps`` text), tokens, wall_s (training), val_loss
+    (final, on longest-length windows), effective_context, passkey ``{length: accuracy}``, mqar_acc (at the
+    longest training length) and mqar ``{length: accuracy}``."""
+    longest = plan(preset).lengths[-1]
+    sched = schedules(plan(preset))
+    rows = []
+    for r in grid.records:
+        ev = evals[f"{r.arm}-s{r.seed}"]
+        pk, mq = ev["passkey"], ev["mqar"]
+        mqar = {int(n): float(a) for n, a in zip(mq["lengths"], mq["accuracy"])}
+        rows.append({"schedule": r.arm, "seed": r.seed, "stages": stage_text(sched[r.arm]), "tokens": r.tokens,
+                     "wall_s": r.summary.get("wall_s"), "val_loss": r.summary.get("final_val_loss"),
+                     "effective_context": int(pk["effective_context"]),
+                     "passkey": {int(n): float(a) for n, a in zip(pk["lengths"], pk["accuracy_by_length"])},
+                     "mqar_acc": mqar.get(longest), "mqar": mqar})
+    return rows
+
+
+def stage_of_window(stages: Sequence[Mapping[str, Any]], start: int, end: int) -> int | None:
+    """Index of the stage holding every optimizer step of ``(start, end]``; None if the window spans two."""
+    edge = 0
+    for i, s in enumerate(stages):
+        lo, edge = edge, edge + s["steps"]
+        if lo <= start and end <= edge:
+            return i
+    return None
+
+
+def stage_perf(grid: common.Grid, preset: str) -> list[dict[str, Any]]:
+    """Training speed and memory per (run, stage) from the runs' ``perf/*`` MLflow metrics.
+
+    Rows: schedule, seed, stage, seq_len, batch (sequences per micro-batch), windows (logging windows
+    wholly inside the stage, the first of the run left out: it holds compilation), tok_per_s and
+    step_time_s (medians over those windows), peak_mem_gb (largest; None on CPU).
+    """
+    from moelab.tracking import client
+
+    p = plan(preset)
+    sched = schedules(p)
+    micro = p.common["train.batch_size"] * p.common["data.seq_len"]
+    mlflow = client("")
+    rows = []
+    for r in grid.records:
+        run_id = r.summary.get("run_id")
+        hist = {k: {m.step: m.value for m in mlflow.get_metric_history(run_id, k)} if run_id else {}
+                for k in ("perf/tokens_per_s", "perf/step_time_s", "perf/peak_mem_gb")}
+        steps = sorted(hist["perf/tokens_per_s"])
+        by_stage: dict[int, list[int]] = {}
+        for prev, step in zip([0, *steps[:-1]], steps):
+            k = stage_of_window(sched[r.arm], prev, step)
+            if prev and k is not None:
+                by_stage.setdefault(k, []).append(step)
+        for k, s in enumerate(sched[r.arm]):
+            ws = by_stage.get(k, [])
+            mem = [hist["perf/peak_mem_gb"][w] for w in ws if w in hist["perf/peak_mem_gb"]]
+            rows.append({"schedule": r.arm, "seed": r.seed, "stage": k, "seq_len": s["seq_len"],
+                         "batch": micro // s["seq_len"], "windows": len(ws),
+                         "tok_per_s": float(np.median([hist["perf/tokens_per_s"][w] for w in ws])) if ws else None,
+                         "step_time_s": float(np.median([hist["perf/step_time_s"][w] for w in ws])) if ws else None,
+                         "peak_mem_gb": max(mem) if mem else None})
+    return rows
+
+
+# ------------------------------------------------------------------------------------ wall-clock
+
+
+def step_times(stages: Sequence[Mapping[str, Any]], stage_step_s: Sequence[float | None], wall_s: float) -> np.ndarray:
+    """Estimated wall-clock at the end of each optimizer step ``[steps + 1]`` (index 0: the start).
+
+    Each stage's steps take its measured median step time (a stage without one takes the mean of the
+    others, or 1); the whole is scaled so the last step ends at ``wall_s`` (the run's wall-clock, with
+    validation and start-up spread over the steps in proportion).
+    """
+    known = [t for t in stage_step_s if t]
+    fill = float(np.mean(known)) if known else 1.0
+    per_step = np.concatenate([np.full(s["steps"], t or fill) for s, t in zip(stages, stage_step_s)])
+    t = np.concatenate([[0.0], np.cumsum(per_step)])
+    return t * (wall_s / t[-1])
+
+
+def value_at_time(val_history: Sequence[Sequence[float]], times: np.ndarray, when: float) -> float | None:
+    """Validation loss at wall-clock ``when``, linearly interpolated between validations (``[[step, loss]]``);
+    None before the first validation or after the last."""
+    pts = sorted((times[int(s)], v) for s, v in val_history if 0 < int(s) < len(times))
+    if not pts or when < pts[0][0] or when > pts[-1][0] + 1e-9:
+        return None
+    ts, vs = zip(*pts)
+    return float(np.interp(when, ts, vs))
+
+
+def equal_time(grid: common.Grid, preset: str, perf_rows: Sequence[Mapping[str, Any]], a: str = "curriculum",
+               b: str = "direct") -> dict[str, Any]:
+    """Validation loss of ``a`` and ``b`` at the same wall-clock, seed by seed.
+
+    The shared time is the shorter run's wall-clock; the longer run's loss there is read off its
+    validation curve (:func:`value_at_time`, steps placed in time by :func:`step_times`). Returns
+    ``{"values": {seed: {"time_s", "read": arm read mid-run, a, b}}, "diff": paired a - b}``; a seed
+    whose reading falls before the first validation is left out.
+    """
+    sched = schedules(plan(preset))
+    recs = {(r.arm, r.seed): r for r in grid.records}
+    st = {(p["schedule"], p["seed"], p["stage"]): p["step_time_s"] for p in perf_rows}
+    values: dict[int, dict[str, Any]] = {}
+    for seed in sorted({s for arm, s in recs if arm == a} & {s for arm, s in recs if arm == b}):
+        ra, rb = recs[(a, seed)], recs[(b, seed)]
+        wa, wb = ra.summary["wall_s"], rb.summary["wall_s"]
+        early, late = (ra, rb) if wa <= wb else (rb, ra)
+        t = min(wa, wb)
+        times = step_times(sched[late.arm], [st.get((late.arm, seed, k)) for k in range(len(sched[late.arm]))],
+                           late.summary["wall_s"])
+        v_late = value_at_time(late.val_history, times, t)
+        if v_late is None:
+            continue
+        vals = {early.arm: early.summary["final_val_loss"], late.arm: v_late}
+        values[seed] = {"time_s": t, "read": late.arm, a: vals[a], b: vals[b]}
+    diff = paired({s: v[a] for s, v in values.items()}, {s: v[b] for s, v in values.items()})
+    return {"values": values, "diff": diff}
+
+
+# ------------------------------------------------------------------------------------ verdicts
+
+
+def paired(a: Mapping[int, float], b: Mapping[int, float]) -> dict[str, Any]:
+    """``a - b`` seed by seed (same seed = same initialization and data order), judged against the seed noise.
+
+    ``{"mean", "std", "n", "values", "noise", "verdict"}``: noise = twice the std (ddof=1) of the per-seed
+    differences; verdict ``lower`` / ``higher`` beyond it, ``within noise`` (also when every difference
+    is 0), or ``one seed``.
+    """
+    seeds = sorted(set(a) & set(b))
+    values = [a[s] - b[s] for s in seeds if a[s] is not None and b[s] is not None]
+    n = len(values)
+    mean = float(np.mean(values)) if n else None
+    std = float(np.std(values, ddof=1)) if n > 1 else None
+    if n < 2:
+        return {"mean": mean, "std": std, "n": n, "values": values, "noise": None, "verdict": "one seed"}
+    noise = 2 * std
+    verdict = "within noise" if abs(mean) <= noise else ("lower" if mean < 0 else "higher")
+    return {"mean": mean, "std": std, "n": n, "values": values, "noise": noise, "verdict": verdict}
+
+
+def by_seed(rows: Sequence[Mapping[str, Any]], schedule: str, key: str) -> dict[int, float]:
+    """``{seed: row[key]}`` of one schedule; ``key`` ``passkey_mean`` is the mean passkey accuracy over lengths."""
+    out = {}
+    for r in rows:
+        if r["schedule"] == schedule:
+            out[r["seed"]] = float(np.mean(list(r["passkey"].values()))) if key == "passkey_mean" else r[key]
+    return out
+
+
+METRICS = {"val_loss": -1, "effective_context": 1, "passkey_mean": 1, "mqar_acc": 1}  # sign: +1 higher is better
+
+
+def compare(rows: Sequence[Mapping[str, Any]], a: str, b: str) -> dict[str, dict[str, Any]]:
+    """Per metric of :data:`METRICS`, :func:`paired` ``a - b`` and whether ``a`` is ``better`` / ``worse``
+    (beyond the noise), ``tie`` (inside it) or ``one seed``."""
+    out = {}
+    for m, sign in METRICS.items():
+        d = paired(by_seed(rows, a, m), by_seed(rows, b, m))
+        d["judgement"] = _judgement(d, sign)
+        out[m] = d
+    return out
+
+
+def _judgement(d: Mapping[str, Any], sign: int) -> str:
+    if d["verdict"] in ("one seed", "within noise"):
+        return "one seed" if d["verdict"] == "one seed" else "tie"
+    return "better" if (d["verdict"] == "higher") == (sign > 0) else "worse"
+
+
+def verdict(cmp: Mapping[str, Mapping[str, Any]], at_time: Mapping[str, Any]) -> dict[str, str]:
+    """Does the curriculum beat direct long training? ``equal_tokens``: from the validation loss and the passkey /
+    MQAR numbers; ``equal_wall_clock``: from the validation losses at the same wall-clock."""
+    judged = [cmp[m]["judgement"] for m in METRICS]
+    if "one seed" in judged:
+        tokens = "not judged (one seed)"
+    elif "better" in judged and "worse" not in judged:
+        tokens = "yes"
+    elif "worse" in judged and "better" not in judged:
+        tokens = "no: direct is better"
+    elif "better" in judged:
+        tokens = "mixed"
+    else:
+        tokens = "no difference beyond the noise"
+    j = _judgement(at_time["diff"], -1)
+    clock = {"better": "yes", "worse": "no: direct is better", "tie": "no difference beyond the noise",
+             "one seed": "not judged (fewer than two seeds with a reading)"}[j]
+    return {"equal_tokens": tokens, "equal_wall_clock": clock}
+
+
+def summarize(grid: common.Grid, rows: Sequence[Mapping[str, Any]], perf_rows: Sequence[Mapping[str, Any]],
+              evals: Mapping[str, Mapping[str, Any]], preset: str) -> dict[str, Any]:
+    """The study's ``summary.json``: meta, factor, budget, rows, per-stage perf, comparisons and verdicts."""
+    p = plan(preset)
+    on_gpu = torch.cuda.is_available()
+    cmp_direct, cmp_short = compare(rows, "curriculum", "direct"), compare(rows, "curriculum", "short")
+    at_time = equal_time(grid, preset, perf_rows)
+    any_eval = next(iter(evals.values()))
+    return {
+        "meta": common.study_meta(STUDY, preset, grid, plan=p.notes, seeds=list(p.seeds), lengths=list(p.lengths),
+                                  perf_meaningful=on_gpu, eval_settings=eval_settings(preset),
+                                  state_bytes_per_token=any_eval["passkey"].get("state_bytes_per_token")),
+        "factor": {k: dict(v) for k, v in grid.factor.items()},
+        "budget": {"rule": "same optimizer steps, tokens per step, data mix and learning-rate schedule; only the "
+                           "sequence length per step (the schedule) differs",
+                   "tokens_per_run": sorted({r["tokens"] for r in rows}), "steps": p.steps,
+                   "synthetic_share": p.synthetic},
+        "rows": [{k: r[k] for k in ROW_KEYS} for r in rows],
+        "stage_perf": list(perf_rows),
+        "wall_s": {s: _mean_std([r["wall_s"] for r in rows if r["schedule"] == s]) for s in SCHEDULES},
+        "curriculum_vs_direct": cmp_direct,
+        "curriculum_vs_short": cmp_short,
+        "equal_wall_clock": at_time,
+        "verdict": verdict(cmp_direct, at_time),
+        "chance": {"passkey": chance_passkey(), "mqar": 1 / max(2, _mqar_values(preset))},
+    }
+
+
+def chance_passkey(digits: int = 5) -> float:
+    """Accuracy of guessing a ``digits``-digit key: ``1 / 9·10^(digits-1)`` (the generator draws them uniformly)."""
+    return 1 / (9 * 10 ** (digits - 1))
+
+
+def _mqar_values(preset: str) -> int:
+    """How many distinct values an MQAR answer can take (the value half of the vocabulary)."""
+    from moelab.config import load_config
+
+    p = plan(preset)
+    return load_config(p.base, dict(p.common)).model.vocab_size // 2
+
+
+def _mean_std(xs: Sequence[float | None]) -> dict[str, float | None]:
+    xs = [x for x in xs if x is not None]
+    return {"mean": float(np.mean(xs)) if xs else None, "std": float(np.std(xs, ddof=1)) if len(xs) > 1 else None}
+
+
+def findings(summary: Mapping[str, Any]) -> str:
+    """The conclusions as a Markdown list; every number and verdict comes from ``summary``."""
+    meta, rows = summary["meta"], summary["rows"]
+    lines = []
+    b = summary["budget"]
+    stages = {r["schedule"]: r["stages"] for r in rows}
+    lines.append(f"- Budget: every run trained {', '.join(f'{t:,}' for t in b['tokens_per_run'])} tokens in "
+                 f"{b['steps']} steps ({b['synthetic_share']:.0%} retrieval sub-tasks in every stage); schedules "
+                 + "; ".join(f"{s} {stages[s]}" for s in SCHEDULES if s in stages) + " (length x steps).")
+    for s in SCHEDULES:
+        sel = [r for r in rows if r["schedule"] == s]
+        if not sel:
+            continue
+        lines.append(f"- **{s}**: val loss {_ms([r['val_loss'] for r in sel], 4)}, effective context "
+                     f"{_ms([r['effective_context'] for r in sel], 0)} tokens, MQAR accuracy at the longest "
+                     f"training length {_ms([r['mqar_acc'] for r in sel], 3)}, wall-clock "
+                     f"{_ms([r['wall_s'] for r in sel], 1)} s ({len(sel)} seed{'s' * (len(sel) > 1)}).")
+    if len(meta.get("seeds") or []) == 2:
+        lines.append("- Seeds: two per schedule, so each noise below is the spread of two paired differences, itself "
+                     "a rough estimate: a difference beyond it is a lead to confirm with more seeds.")
+    for other, key in (("direct", "curriculum_vs_direct"), ("short", "curriculum_vs_short")):
+        c = summary[key]
+        parts = [f"{NAMES[m]} {c[m]['mean']:+.4g} ({_judge(c[m])})" for m in METRICS if c[m]["mean"] is not None]
+        lines.append(f"- Curriculum − {other}, paired by seed: " + "; ".join(parts) + ".")
+    et = summary["equal_wall_clock"]
+    if et["values"]:
+        reads = "; ".join(f"seed {s}: at {v['time_s']:.1f} s, curriculum {v['curriculum']:.4f} vs direct "
+                          f"{v['direct']:.4f} ({v['read']} read mid-run)" for s, v in et["values"].items())
+        d = et["diff"]
+        caveat = "" if meta.get("perf_meaningful") else (" On a shared CPU the wall-clock, hence this comparison, "
+                                                          "is dominated by other load.")
+        lines.append(f"- Equal wall-clock (validation loss when the faster run finished): {reads}; mean difference "
+                     f"{d['mean']:+.4f} ({_judge(d)}).{caveat}")
+    else:
+        lines.append("- Equal wall-clock: no seed has a validation of the slower run before the faster one ended; "
+                     "not compared.")
+    v = summary["verdict"]
+    lines.append(f"- **Verdict: does the curriculum beat direct long training at equal tokens? {v['equal_tokens']}. "
+                 f"At equal wall-clock? {v['equal_wall_clock']}.**")
+    ch = summary["chance"]
+    best = max((max(r["passkey"].values()) for r in rows), default=0.0)
+    if best < 0.5:
+        lines.append(f"- Scale: the best passkey accuracy of any run at any length is {best:.2f} (chance "
+                     f"{ch['passkey']:.1e}); MQAR chance is {ch['mqar']:.1e}. At this scale retrieval has not been "
+                     "learned, so effective context and the passkey heatmaps say nothing about long-context "
+                     "ability: only the validation loss and loss-by-position comparisons carry signal here.")
+    if meta.get("perf_meaningful"):
+        perf = [p for p in summary["stage_perf"] if p["tok_per_s"] is not None]
+        parts = [f"{p['schedule']} stage {p['stage']} ({p['seq_len']}) {p['tok_per_s']:,.0f} tok/s"
+                 + (f", {p['peak_mem_gb']:.1f} GB" if p["peak_mem_gb"] is not None else "")
+                 for p in perf if p["seed"] == min(meta["seeds"])]
+        lines.append(f"- Speed and memory per stage on {meta['device']} (seed {min(meta['seeds'])}): "
+                     + "; ".join(parts) + ".")
+    else:
+        lines.append(f"- Speed and memory: measured on {meta['device']}, a shared CPU where tokens/s per stage and "
+                     "wall-clock mostly reflect other load and plain-PyTorch attention; memory is not recorded. Not "
+                     "meaningful here: the GPU preset measures them.")
+    if meta.get("state_bytes_per_token") is not None:
+        lines.append(f"- Evaluation memory: the chunked-prefill state grows by {meta['state_bytes_per_token']:,.0f} "
+                     "bytes per token of context per sequence (the MLA latent cache; the KDA state is fixed-size).")
+    if meta.get("epochs") is not None:
+        lines.append(f"- Data: each run saw {meta['epochs']:.3g} epochs of the {meta['corpus_train_tokens']:,}-token "
+                     "training split.")
+    return "\n".join(lines)
+
+
+NAMES = {"val_loss": "val loss", "effective_context": "effective context", "passkey_mean": "mean passkey accuracy",
+         "mqar_acc": "MQAR accuracy"}
+
+
+def _ms(xs: Sequence[float | None], digits: int) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "n/a"
+    if len(xs) == 1:
+        return f"{xs[0]:.{digits}f}"
+    return f"{np.mean(xs):.{digits}f} ± {np.std(xs, ddof=1):.{digits}f}"
+
+
+def _judge(d: Mapping[str, Any]) -> str:
+    if d["verdict"] == "one seed":
+        return "one seed: noise not measured"
+    if d["verdict"] == "within noise":
+        return f"inside the noise {d['noise']:.3g}"
+    return f"beyond the noise {d['noise']:.3g}"
+
+
+# ------------------------------------------------------------------------------------------ figures
+
+
+def _colors() -> dict[str, str]:
+    import matplotlib
+
+    cycle = [c["color"] for c in matplotlib.rcParams["axes.prop_cycle"]]
+    return {s: cycle[i] for i, s in enumerate(SCHEDULES)}
+
+
+def passkey_figure(evals: Mapping[str, Mapping[str, Any]], preset: str) -> Any:
+    """One heatmap per schedule: passkey accuracy (mean over seeds) by length (x) and needle depth (y)."""
+    from matplotlib.figure import Figure
+
+    longest = plan(preset).lengths[-1]
+    fig = Figure(figsize=(4.2 * len(SCHEDULES), 3.4), dpi=100)
+    axes = fig.subplots(1, len(SCHEDULES), squeeze=False)[0]
+    im = None
+    for ax, s in zip(axes, SCHEDULES):
+        reps = [ev["passkey"] for k, ev in evals.items() if k.rsplit("-s", 1)[0] == s]
+        if not reps:
+            ax.set_axis_off()
+            continue
+        acc = np.mean([np.asarray(r["accuracy"]) for r in reps], axis=0).T  # [depth, length]
+        lengths, depths = reps[0]["lengths"], reps[0]["depths"]
+        im = ax.imshow(acc, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
+        ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths], rotation=45, fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
+        if longest in lengths:
+            ax.axvline(lengths.index(longest) + 0.5, color="w", ls="--", lw=1)
+        for (i, j), v in np.ndenumerate(acc):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6, color="w" if v < 0.5 else "k")
+        ax.set_title(f"{s} ({len(reps)} seed{'s' * (len(reps) > 1)})", fontsize=9)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("needle depth")
+    if im is not None:
+        fig.colorbar(im, ax=list(axes), shrink=0.8, label="passkey accuracy")
+    return fig
+
+
+def accuracy_figure(rows: Sequence[Mapping[str, Any]], preset: str, chance: Mapping[str, float]) -> Any:
+    """Passkey accuracy by length (left) and MQAR accuracy by length (right), mean ± std over seeds per schedule."""
+    from matplotlib.figure import Figure
+
+    lengths = plan(preset).lengths
+    fig = Figure(figsize=(10, 3.8), dpi=100)
+    axes = fig.subplots(1, 2)
+    colors = _colors()
+    for ax, key, title in ((axes[0], "passkey", "passkey"), (axes[1], "mqar", "MQAR")):
+        for s in SCHEDULES:
+            sel = [r[key] for r in rows if r["schedule"] == s]
+            if not sel:
+                continue
+            xs = sorted(sel[0])
+            ys = np.array([[d[x] for x in xs] for d in sel])
+            ax.errorbar(xs, ys.mean(0), yerr=ys.std(0, ddof=1) if len(sel) > 1 else None, marker="o", capsize=3,
+                        color=colors[s], label=s)
+        for L in lengths:
+            ax.axvline(L, color="grey", ls=":", lw=0.8)
+        ax.axhline(chance[key], color="k", ls="--", lw=0.8, label="chance")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(f"{title} accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def position_figure(evals: Mapping[str, Mapping[str, Any]], preset: str) -> Any:
+    """Held-out loss by token position (log-spaced bins, mean over seeds) per schedule."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.2), dpi=100)
+    ax = fig.subplots()
+    colors = _colors()
+    for s in SCHEDULES:
+        curves = [ev["loss_by_position"]["curves"][0] for k, ev in evals.items() if k.rsplit("-s", 1)[0] == s]
+        if not curves:
+            continue
+        mid = [math.sqrt(max(a, 1) * b) for a, b in zip(curves[0]["bin_start"], curves[0]["bin_end"])]
+        ys = np.array([c["loss"] for c in curves])
+        for y in ys:
+            ax.plot(mid, y, color=colors[s], lw=0.6, alpha=0.4)
+        ax.plot(mid, ys.mean(0), color=colors[s], lw=2, label=f"{s} ({len(curves)} seeds)")
+    for L in plan(preset).lengths:
+        ax.axvline(L, color="grey", ls=":", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("token position")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def perf_figure(perf_rows: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[str, Any]], device: str) -> Any:
+    """Left: training tokens/s per (schedule, stage); middle: peak memory per stage (GPU); right: wall-clock."""
+    import pandas as pd
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 3.8), dpi=100)
+    axes = fig.subplots(1, 3)
+    colors = _colors()
+    df = pd.DataFrame(perf_rows)
+    g = df.groupby(["schedule", "stage", "seq_len"], sort=False).agg(
+        tps=("tok_per_s", "mean"), tps_sd=("tok_per_s", "std"), mem=("peak_mem_gb", "max")).reset_index()
+    labels = [f"{r.schedule}\n{r.seq_len}" for r in g.itertuples()]
+    cols = [colors[s] for s in g.schedule]
+    axes[0].bar(range(len(g)), g.tps.fillna(0), yerr=g.tps_sd.fillna(0), color=cols, capsize=3)
+    axes[0].set_ylabel("training tokens/s")
+    mem = g.mem.astype(float)
+    axes[1].bar(range(len(g)), mem.fillna(0), color=cols)
+    axes[1].set_ylabel("peak memory (GB)")
+    if mem.isna().all():
+        axes[1].text(0.5, 0.5, "not recorded on CPU", ha="center", va="center", transform=axes[1].transAxes)
+    for ax in axes[:2]:
+        ax.set_xticks(range(len(g)), labels, fontsize=7)
+        ax.grid(alpha=0.3, axis="y")
+    for i, s in enumerate(SCHEDULES):
+        w = [r["wall_s"] for r in rows if r["schedule"] == s and r["wall_s"] is not None]
+        if w:
+            axes[2].bar(i, np.mean(w), yerr=np.std(w, ddof=1) if len(w) > 1 else 0, color=colors[s], capsize=3)
+            axes[2].plot([i] * len(w), w, "k.", ms=4)
+    axes[2].set_xticks(range(len(SCHEDULES)), SCHEDULES)
+    axes[2].set_ylabel("training wall-clock (s)")
+    axes[2].grid(alpha=0.3, axis="y")
+    fig.suptitle(device, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def val_time_figure(grid: common.Grid, preset: str, perf_rows: Sequence[Mapping[str, Any]]) -> Any:
+    """Validation loss (longest-length windows) against estimated wall-clock, every run."""
+    from matplotlib.figure import Figure
+
+    sched = schedules(plan(preset))
+    st = {(p["schedule"], p["seed"], p["stage"]): p["step_time_s"] for p in perf_rows}
+    fig = Figure(figsize=(6.4, 4.2), dpi=100)
+    ax = fig.subplots()
+    colors = _colors()
+    seen = set()
+    for r in grid.records:
+        times = step_times(sched[r.arm], [st.get((r.arm, r.seed, k)) for k in range(len(sched[r.arm]))],
+                           r.summary["wall_s"])
+        pts = sorted((times[int(s)], v) for s, v in r.val_history if 0 < int(s) < len(times))
+        if not pts:
+            continue
+        ax.plot(*zip(*pts), "o-", color=colors[r.arm], ms=3, lw=1, alpha=0.8,
+                label=None if r.arm in seen else r.arm)
+        seen.add(r.arm)
+    ax.set_xlabel("estimated training wall-clock (s)")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+__all__ = ["EvalPlan", "PRESETS", "Plan", "ROW_KEYS", "SCHEDULES", "STUDY", "accuracy_figure", "arms", "arms_factor",
+           "by_seed", "chance_passkey", "compare", "equal_time", "eval_lengths", "eval_settings", "evaluate_runs",
+           "findings", "paired", "passkey_figure", "perf_figure", "plan", "position_figure", "schedules",
+           "split_steps", "stage_of_window", "stage_perf", "stage_text", "step_times", "summarize", "summary_rows",
+           "val_time_figure", "value_at_time", "verdict"]

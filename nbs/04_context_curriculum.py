@@ -1,0 +1,165 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Study 4: context curriculum — effective context, not nominal window
+#
+# The report trains at 8K → 64K → 256K → 1M tokens, each stage starting from the previous one, with long
+# training data synthesized by permuting and concatenating documents, and it judges a model by its **effective
+# context**: the longest length at which retrieval still works, not the window it was trained at. Here the
+# question is whether such a curriculum beats the obvious alternatives **at the same total tokens**: training every
+# step at the longest length (direct), or only at the shortest (short).
+#
+# Three schedules, same steps, same tokens per optimizer step (the micro-batch shrinks as the sequences grow), same
+# learning-rate schedule across stages, same data mix (document packs with a share of passkey / MQAR sub-tasks in
+# every stage). Validation reads windows of the longest length in every arm. Each trained model then runs the
+# evaluation suite: passkey over lengths × needle depths up to 4× the longest training length (beyond the window by
+# chunked prefill), multi-query associative recall (MQAR), loss by token position. The logic is in
+# `moelab.studies.context_curriculum`, the run grid in `moelab.studies.common`, the tasks in `moelab.eval`.
+
+# %% tags=["parameters"]
+preset = "cpu"  # "cpu": minutes on 2 cores (all-MLA, width 64, 256 -> 2048); "gpu": gpu-small, 1K -> 16K, one H200
+out_dir = "."
+
+# %%
+from pathlib import Path
+
+import pandas as pd
+from IPython.display import Markdown
+
+from moelab.studies import common
+from moelab.studies import context_curriculum as study
+from moelab.utils import write_json
+
+out = Path(out_dir)
+(out / "figures").mkdir(parents=True, exist_ok=True)
+(out / "results").mkdir(parents=True, exist_ok=True)
+plan = study.plan(preset)
+print(f"preset {preset}: base {plan.base} ({plan.notes}); seeds {plan.seeds}; "
+      f"{plan.synthetic:.0%} retrieval sub-tasks in every stage")
+
+# %% [markdown]
+# ## 1. The arms
+# Each arm sets only `data.curriculum` (its stages: length, steps, data mix); the check resolves every arm's config
+# and fails if anything else differs.
+
+# %%
+pd.DataFrame([{"schedule": s, "stages (length x steps)": study.stage_text(st)}
+              for s, st in study.schedules(plan).items()]).set_index("schedule")
+
+# %%
+study.arms_factor(preset).keys()
+
+# %% [markdown]
+# ## 2. Training
+# One line per finished run; each run's training output goes to `checkpoints/<schedule>-s<seed>/train.log`.
+
+# %%
+grid = study.train(preset, out)
+grid.histories().to_csv(out / "results" / "loss_histories.csv", index=False)
+common.show(common.loss_curves(grid, f"{grid.base}: schedules at equal tokens"), out / "figures" / "training_loss.png")
+
+# %% [markdown]
+# **Figure 1.** Training loss per optimizer step (thin: each seed; bold: mean over seeds) and validation loss (dots:
+# each seed; diamonds: mean), nats per token. Training losses are on each schedule's own sequence length, so they
+# are not comparable across schedules (a short window has less context to predict from, and the share of sub-task
+# answer tokens differs); the validation loss is on windows of the longest length for every schedule.
+
+# %% [markdown]
+# ## 3. Evaluation: passkey, MQAR, loss by position
+# The last checkpoint of every run, evaluated by `moelab.eval` (lengths beyond the training window in pieces of the
+# window, carrying the KDA state and the MLA latent cache). One line per run.
+
+# %%
+evals = study.evaluate_runs(grid, preset)
+write_json(out / "results" / "eval.json", evals)
+rows = study.summary_rows(grid, preset, evals)
+table = pd.DataFrame(rows)
+table.to_csv(out / "results" / "runs.csv", index=False)
+table[["schedule", "seed", "stages", "tokens", "wall_s", "val_loss", "effective_context", "mqar_acc"]]
+
+# %%
+(table.groupby("schedule", sort=False)
+ .agg(val_loss=("val_loss", "mean"), val_loss_std=("val_loss", "std"), effective_context=("effective_context", "mean"),
+      mqar_acc=("mqar_acc", "mean"), mqar_acc_std=("mqar_acc", "std"), wall_s=("wall_s", "mean"),
+      seeds=("seed", "nunique")))
+
+# %%
+common.show(study.passkey_figure(evals, preset), out / "figures" / "passkey_heatmaps.png")
+
+# %% [markdown]
+# **Figure 2.** Passkey accuracy (share of samples whose whole key greedy decoding reproduces; mean over seeds) by
+# context length (x) and needle depth (y: 0 = right after the prompt, 1 = just before the question), one panel per
+# schedule. The dashed white line marks the longest training length; to its right the model runs beyond every
+# sequence it trained on. Effective context = the longest length at which this and every shorter length reach 90%
+# accuracy averaged over depths.
+
+# %%
+summary = study.summarize(grid, rows, study.stage_perf(grid, preset), evals, preset)
+common.show(study.accuracy_figure(rows, preset, summary["chance"]), out / "figures" / "retrieval_by_length.png")
+
+# %% [markdown]
+# **Figure 3.** Left: passkey accuracy by context length, averaged over depths; right: MQAR accuracy (share of
+# queries whose value is the argmax) by length; mean over seeds with the seed standard deviation as error bars.
+# Dotted lines: the curriculum's stage lengths; dashed: chance.
+
+# %%
+common.show(study.position_figure(evals, preset), out / "figures" / "loss_by_position.png")
+
+# %% [markdown]
+# **Figure 4.** Held-out next-token loss by position in windows of 4× the longest training length (log-spaced
+# position bins; thin: each seed; bold: mean), per schedule. Dotted lines: the stage lengths. A model that uses
+# its context keeps the loss falling with position; a rise past a length is where it stops generalizing.
+
+# %% [markdown]
+# ## 4. Cost: tokens/s and memory per stage, wall-clock per schedule
+
+# %%
+perf = pd.DataFrame(summary["stage_perf"])
+perf.to_csv(out / "results" / "stage_perf.csv", index=False)
+common.show(study.perf_figure(summary["stage_perf"], rows, common.device_name()), out / "figures" / "cost.png")
+
+# %% [markdown]
+# **Figure 5.** Left: training tokens/s per stage (median of the logging windows inside the stage, the run's first
+# window left out as it holds compilation; mean over seeds); middle: peak GPU memory per stage; right: training
+# wall-clock per schedule (bars: mean; dots: seeds). Tokens per step are the same in every stage, so tokens/s
+# differences are the cost of the sequence length. On a CPU shared with other jobs these numbers are not meaningful
+# (plain-PyTorch attention, other load) and memory is not recorded.
+
+# %%
+common.show(study.val_time_figure(grid, preset, summary["stage_perf"]), out / "figures" / "val_vs_wall_clock.png")
+
+# %% [markdown]
+# **Figure 6.** Validation loss (longest-length windows) against estimated training wall-clock, every run: each
+# step placed at its stage's measured step time, scaled to the run's wall-clock. The equal-wall-clock verdict reads
+# the slower schedule's curve at the time the faster one finished (before its learning rate had decayed, which
+# favours the faster schedule).
+
+# %% [markdown]
+# ## 5. Summary
+# Comparisons are paired by seed (same seed: same initialization and data order); a difference counts when it
+# exceeds twice the seed standard deviation of the per-seed differences, and is called inside the noise otherwise.
+
+# %%
+write_json(out / "summary.json", summary)
+pd.Series({k: str(summary["meta"][k]) for k in ("commit", "dirty", "device", "torch", "triton", "command", "date",
+                                                "wall_s", "tokens_per_run", "epochs", "runs", "runs_skipped")},
+          name="run facts").to_frame()
+
+# %% [markdown]
+# ## Findings
+
+# %%
+Markdown(study.findings(summary))

@@ -1,0 +1,97 @@
+"""Study 4 (context curriculum): the arms differ only in the schedule, at equal tokens; the pure helpers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moelab.config import load_config
+from moelab.data.curriculum import plan as stage_plan
+from moelab.studies import context_curriculum as cc
+
+
+@pytest.mark.parametrize("preset", sorted(cc.PRESETS), ids=lambda p: f"preset_{p}")
+def test_arms_differ_only_in_the_schedule_at_equal_tokens(preset: str) -> None:
+    p = cc.plan(preset)
+    factor = cc.arms_factor(preset)
+    assert set(factor) == {"data.curriculum"}
+    steps_and_tokens = set()
+    for arm, ov in cc.arms(preset).items():
+        cfg = load_config(p.base, {**p.common, **ov})
+        stages = stage_plan(cfg.data.curriculum, cfg.train.batch_size, cfg.data.seq_len,
+                            cfg.train.accumulate_grad_batches, cfg.train.max_steps)
+        # every stage trains the same tokens per step; the runs the same steps
+        per_step = {s.batch_size * s.seq_len for s in stages}
+        assert len(per_step) == 1, (arm, per_step)
+        steps_and_tokens.add((stages[-1].end_step, per_step.pop()))
+        assert {s.synthetic for s in stages} == {p.synthetic}
+    assert len(steps_and_tokens) == 1, steps_and_tokens
+    sched = cc.schedules(p)
+    assert [s["seq_len"] for s in sched["curriculum"]] == list(p.lengths)
+    assert [s["seq_len"] for s in sched["direct"]] == [max(p.lengths)]
+    assert [s["seq_len"] for s in sched["short"]] == [min(p.lengths)]
+    assert max(cc.eval_lengths(p)) >= 4 * max(p.lengths)
+
+
+def test_split_steps() -> None:
+    assert cc.split_steps(100, (0.5, 0.3, 0.2)) == [50, 30, 20]
+    assert cc.split_steps(10, (1, 1, 1)) == [4, 3, 3]
+    assert cc.split_steps(3, (0.98, 0.01, 0.01)) == [1, 1, 1]
+    with pytest.raises(ValueError, match=r"steps=2 is not allowed: expected >= 3"):
+        cc.split_steps(2, (1, 1, 1))
+    with pytest.raises(ValueError, match=r"shares=\[1, 0\] is not allowed"):
+        cc.split_steps(10, (1, 0))
+
+
+def test_schedules_refuse_bad_lengths() -> None:
+    p = cc.plan("cpu")
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match=r"lengths=\(512, 256\) is not allowed"):
+        cc.schedules(replace(p, lengths=(512, 256), shares=(1, 1)))
+    with pytest.raises(ValueError, match=r"shares=\(1,\) is not allowed"):
+        cc.schedules(replace(p, shares=(1,)))
+
+
+def test_stage_of_window() -> None:
+    stages = [{"seq_len": 4, "steps": 10}, {"seq_len": 8, "steps": 5}]
+    assert cc.stage_of_window(stages, 0, 5) == 0
+    assert cc.stage_of_window(stages, 5, 10) == 0
+    assert cc.stage_of_window(stages, 10, 15) == 1
+    assert cc.stage_of_window(stages, 5, 12) is None  # spans the boundary
+
+
+def test_step_times_and_value_at_time() -> None:
+    stages = [{"steps": 2}, {"steps": 2}]
+    t = cc.step_times(stages, [1.0, 3.0], wall_s=16.0)
+    assert np.allclose(t, [0, 2, 4, 10, 16])
+    assert np.allclose(cc.step_times(stages, [None, None], 8.0), [0, 2, 4, 6, 8])
+    val = [[2, 5.0], [4, 3.0]]
+    assert cc.value_at_time(val, t, 7.0) == pytest.approx(4.5)  # a quarter of the way from t=4 to t=16
+    assert cc.value_at_time(val, t, 4.0) == pytest.approx(5.0)
+    assert cc.value_at_time(val, t, 16.0) == pytest.approx(3.0)
+    assert cc.value_at_time(val, t, 3.0) is None  # before the first validation
+
+
+def test_paired_and_verdicts() -> None:
+    assert cc.paired({0: 1.0, 1: 2.0}, {0: 0.0, 1: 1.1})["verdict"] == "higher"  # diffs 1.0, 0.9: noise 0.14
+    assert cc.paired({0: 1.0, 1: 2.0}, {0: 0.0, 1: 2.5})["verdict"] == "within noise"
+    assert cc.paired({0: 1.0}, {0: 0.0})["verdict"] == "one seed"
+    assert cc.paired({0: 0.0, 1: 0.0}, {0: 0.0, 1: 0.0})["verdict"] == "within noise"
+
+    def row(schedule: str, seed: int, val: float, eff: int, acc: float) -> dict:
+        return {"schedule": schedule, "seed": seed, "val_loss": val, "effective_context": eff,
+                "passkey": {256: acc, 512: acc / 2}, "mqar_acc": acc}
+
+    rows = [row("curriculum", 0, 3.0, 512, 0.9), row("curriculum", 1, 3.1, 512, 0.95),
+            row("direct", 0, 3.5, 256, 0.5), row("direct", 1, 3.61, 256, 0.52)]
+    cmp = cc.compare(rows, "curriculum", "direct")
+    assert cmp["val_loss"]["judgement"] == "better" and cmp["passkey_mean"]["judgement"] == "better"
+    assert cmp["effective_context"]["judgement"] == "better"  # +256 at both seeds: zero spread
+    tie_clock = {"diff": cc.paired({0: 3.0, 1: 3.2}, {0: 3.1, 1: 3.0})}
+    v = cc.verdict(cmp, tie_clock)
+    assert v == {"equal_tokens": "yes", "equal_wall_clock": "no difference beyond the noise"}
+    worse = cc.compare([{**r, "val_loss": -r["val_loss"]} if r["schedule"] == "direct" else r for r in rows],
+                       "curriculum", "direct")
+    assert worse["val_loss"]["judgement"] == "worse"
+    assert cc.verdict(worse, tie_clock)["equal_tokens"] == "mixed"
