@@ -122,6 +122,9 @@ def report_problems(nb: dict) -> list[str]:
                 problems.append(f"cell {i}: an error: {out.get('ename')}: {out.get('evalue')}")
     if captions != images:
         problems.append(f"{images} image/png outputs but {captions} '**Figure N.**' captions")
+    for key, value in nb.get("metadata", {}).get("papermill", {}).items():
+        if isinstance(value, str) and MACHINE_PATH.search(value):
+            problems.append(f"papermill metadata {key} is a machine path: {value!r}")
     heads = [i for i, c in enumerate(cells) if c["cell_type"] == "markdown"
              and re.match(r"#+\s*Findings\s*$", "".join(c["source"]).strip())]
     if not heads:

@@ -55,6 +55,8 @@ def test_runner_executes_notebook_under_a_parent_run(tmp_path, tracking_uri) -> 
 
     assert out == tmp_path / "studies" / "07_demo"
     executed = nbformat.read(out / "07_demo.ipynb", as_version=4)
+    paths = [executed.metadata.papermill[k] for k in ("input_path", "output_path")]
+    assert not any(p.startswith("/") or ".tmp." in p for p in paths), paths  # no machine or temp paths kept
     injected = [c for c in executed.cells if "injected-parameters" in c.metadata.get("tags", [])]
     assert injected and "preset = \"cpu\"" in injected[0].source
     assert 'out_dir = "."' in injected[0].source  # the working directory: no machine path in the notebook

@@ -144,9 +144,29 @@ def run_study(
                 papermill.execute_notebook(str(notebook), str(tmp), parameters=params, cwd=str(out_dir),
                                            kernel_name=kernel_name, progress_bar=True, log_output=log_output)
         finally:
+            _relative_paths(executed, notebook)
             export_html(executed)
             _log_results(run, out_dir, executed)
     return out_dir
+
+
+def _relative_paths(executed: Path, notebook: Path) -> None:
+    """Record papermill's input and output paths relative to the repository (no machine paths in a
+    committed notebook): ``nbs/NN_name.ipynb`` and ``studies/NN_name/NN_name.ipynb``."""
+    if not executed.exists():
+        return
+    import nbformat
+
+    nb = nbformat.read(executed, as_version=4)
+    meta = nb.metadata.get("papermill")
+    if meta is None:
+        return
+    root = repo_root()
+    for key, path in (("input_path", notebook), ("output_path", executed)):
+        path = path.resolve()
+        meta[key] = path.relative_to(root).as_posix() if path.is_relative_to(root) else path.name
+    with atomic_path(executed) as tmp:
+        nbformat.write(nb, tmp)
 
 
 def export_html(notebook: Path) -> Path | None:
