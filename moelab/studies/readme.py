@@ -220,8 +220,57 @@ def _restructure() -> Row:
              _ref(base + "model_gpu_small_9e7d213.json")], (base + "kda_1227ff2.json", None))
 
 
+
+def _study_meta(meta: dict) -> str:
+    return f"`{meta['preset']}` preset ({meta['device']}), {meta.get('tokens_per_run', 0):,} tokens per run"
+
+
+def _study_2() -> Row:
+    f = "studies/02_balancing/summary.json"
+    d = _load(f)
+    arms = d["arms"]
+    parts = [f"{name} {a['final_val_loss_mean']:.3f} ± {a['final_val_loss_std']:.3f}, MaxVio_global "
+             f"{a['maxvio_global_mean']:.2f}" for name, a in arms.items()]
+    st = d["settings"]
+    return (f"Study 2 (load balancers), {_study_meta(d['meta'])}; {st['num_experts']} experts top-{st['top_k']}, "
+            f"{st['steps']} steps, {max(a['n_seeds'] for a in arms.values())} seeds",
+            "val loss and MaxVio_global per balancer: " + "; ".join(parts),
+            [_ref(f), _ref("studies/02_balancing/02_balancing.ipynb")], (f, None))
+
+
+def _study_3() -> Row:
+    f = "studies/03_attnres_depth/summary.json"
+    d = _load(f)
+    parts = []
+    for depth, r in d["by_depth"].items():
+        parts.append(f"{depth} layers: prenorm {r['prenorm']['mean']:.3f}, block ({r['blocks']}) "
+                     f"{r['block_attnres']['mean']:.3f}, full {r['full_attnres']['mean']:.3f} "
+                     f"(Full <= Block < PreNorm {r['order']})")
+    seeds = max(r["prenorm"]["n"] for r in d["by_depth"].values())
+    return (f"Study 3 (AttnRes over depth), {_study_meta(d['meta'])}, {seeds} seeds",
+            "mean val loss: " + "; ".join(parts), [_ref(f), _ref("studies/03_attnres_depth/03_attnres_depth.ipynb")],
+            (f, None))
+
+
+def _study_4() -> Row:
+    f = "studies/04_context_curriculum/summary.json"
+    d = _load(f)
+    by: dict[str, list[dict]] = {}
+    for r in d["rows"]:
+        by.setdefault(r["schedule"], []).append(r)
+    parts = [f"{name} ({rows[0]['stages']}) val {sum(r['val_loss'] for r in rows) / len(rows):.3f}, effective "
+             f"context {max(r['effective_context'] for r in rows)}" for name, rows in by.items()]
+    v = d["verdict"]
+    seeds = max(len(rows) for rows in by.values())
+    return (f"Study 4 (context curriculum), {_study_meta(d['meta'])}, {seeds} seeds",
+            "; ".join(parts) + f"; curriculum better than direct at equal tokens: {v['equal_tokens']}, at equal "
+            "wall-clock: " + f"{v['equal_wall_clock']} (retrieval at chance at this scale)",
+            [_ref(f), _ref("studies/04_context_curriculum/04_context_curriculum.ipynb")], (f, None))
+
+
 ROWS: list[Callable[[], Row]] = [_throughput_gpu_small, _residual_modes, _moe, _kda_check, _kda_speed, _fla_shape,
-                                 _attnres_op, _kda_infer, _restructure, _study_1]
+                                 _attnres_op, _kda_infer, _restructure, _study_1,
+                                 _study_2, _study_3, _study_4]
 
 
 def table() -> str:
