@@ -7,6 +7,8 @@ GPU by kernels/check_kda_gpu.py.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -217,10 +219,13 @@ FUSED = [
 ]
 
 
-@pytest.mark.parametrize("case", FUSED, ids=lambda c: f"T{c[1]}K{c[3]}V{c[4]}-{c[6]}-{c[7]}-silu{int(c[8])}")
-def test_fused_prep_matches_reference(case):
-    """Gate, SiLU and L2 norm inside the op == the fp32 torch prep followed by the recurrence,
-    output, final state and the gradients of every raw input (q, k, v, z, beta, A_log, dt_bias, h0)."""
+FUSED_IDS = [f"T{c[1]}K{c[3]}V{c[4]}-{c[6]}-{c[7]}-silu{int(c[8])}" for c in FUSED]
+
+
+def _check_fused_prep(case, around_op=contextlib.nullcontext):
+    """Gate, SiLU and L2 norm inside the op (run inside ``around_op()``) == the fp32 torch prep followed
+    by the recurrence: output, final state and the gradients of every raw input (q, k, v, z, beta,
+    A_log, dt_bias, h0)."""
     from moelab.ops.kda.gate import kda_prep_torch
 
     B, T, H, K, V, C, gate, mode, silu, has_bias = case
@@ -238,13 +243,14 @@ def test_fused_prep_matches_reference(case):
         leaves = [x.clone().to(DEV).requires_grad_() for x in (q, k, v, z, beta, A_log, s0)]
         bias = dt_bias.clone().to(DEV).requires_grad_() if has_bias else None
         qq, kk, vv, zz, bb, al, h0 = leaves
-        if fused:
-            o, S = chunk_kda(qq, kk, vv, zz, bb, initial_state=h0, output_final_state=True, mode=mode,
-                             chunk_size=C, A_log=al, dt_bias=bias, **kw)
-        else:
-            qn, kn, g = kda_prep_torch(qq, kk, zz, al, bias, **kw)
-            o, S = naive_recurrent_kda(qn, kn, vv, g, bb, initial_state=h0, output_final_state=True)
-        ((o * do.to(DEV)).sum() + (S * dS.to(DEV)).sum()).backward()
+        with around_op() if fused else contextlib.nullcontext():
+            if fused:
+                o, S = chunk_kda(qq, kk, vv, zz, bb, initial_state=h0, output_final_state=True, mode=mode,
+                                 chunk_size=C, A_log=al, dt_bias=bias, **kw)
+            else:
+                qn, kn, g = kda_prep_torch(qq, kk, zz, al, bias, **kw)
+                o, S = naive_recurrent_kda(qn, kn, vv, g, bb, initial_state=h0, output_final_state=True)
+            ((o * do.to(DEV)).sum() + (S * dS.to(DEV)).sum()).backward()
         return o, S, [x.grad for x in leaves] + ([bias.grad] if has_bias else [])
 
     o_r, S_r, g_r = run(False)
@@ -253,6 +259,37 @@ def test_fused_prep_matches_reference(case):
     assert_close(S_r, S_t, O_TOL, "final state")
     for name, a, b in zip(["dq", "dk", "dv", "dz", "dbeta", "dA_log", "dh0", "ddt_bias"], g_r, g_t):
         assert_close(a, b, GRAD_TOL, name)
+
+
+@pytest.mark.parametrize("case", FUSED, ids=FUSED_IDS)
+def test_fused_prep_matches_reference(case):
+    _check_fused_prep(case)
+
+
+@pytest.mark.parametrize("case", FUSED, ids=FUSED_IDS)
+def test_fused_prep_ignores_uninitialised_memory(monkeypatch, case):
+    """Every buffer the op allocates uninitialised (torch.empty, empty_like, new_empty, in the forward
+    and the backward) starts full of NaN: a kernel that reads or accumulates into rows it did not write
+    (padded tails, per-chunk or per-block partial sums, the dA_log rows) then turns the result NaN, where
+    with a real allocator it would silently depend on what the previous user of the memory left."""
+    allocs = []
+
+    def poisoned(make):
+        def alloc(*args, **kw):
+            x = make(*args, **kw)
+            allocs.append(x.shape)
+            return x.fill_(float("nan")) if x.is_floating_point() else x
+        return alloc
+
+    @contextlib.contextmanager
+    def poison():
+        with monkeypatch.context() as m:
+            for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")):
+                m.setattr(owner, name, poisoned(getattr(owner, name)))
+            yield
+
+    _check_fused_prep(case, poison)
+    assert len(allocs) > 20, f"the poisoning reached only {len(allocs)} allocations"
 
 
 def test_fused_prep_bad_arguments():
