@@ -87,7 +87,7 @@ kda-bench: $(SETUP) ## GPU: KDA op speed/memory, moelab vs fla vs SDPA -> kernel
 kda-aot: $(SETUP) ## any machine: compile the KDA kernels for sm_90 and print registers / spills
 	$(PYTHON) kernels/aot_kda.py
 
-model-bench: $(SETUP) ## GPU: whole-model tokens/s, moelab vs fla's KDAForCausalLM -> studies/throughput_h200.json
+model-bench: $(SETUP) ## GPU: whole-model tokens/s (fla shape vs fla, gpu-small residual modes, k3-mini vs balancer none; ARGS='--only k3-mini') -> studies/throughput_h200.json
 	$(PYTHON) kernels/bench_model.py --out studies/throughput_h200.json $(ARGS)
 
 mlflow-ui: $(SETUP) ## serve the MLflow dashboard of ./mlflow.db on http://127.0.0.1:PORT (default 5000; pick "Model training")
