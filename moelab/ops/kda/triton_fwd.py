@@ -32,10 +32,11 @@ from moelab.ops.kda.triton_common import _cast, _dot
 
 @triton.jit
 def _kda_fwd_state(
-    kd, gl, w, u, h0, hbuf, U, hT,
+    kd, gl, w, u, h0, hbuf, U, hT, coff,
     T, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -46,13 +47,20 @@ def _kda_fwd_state(
     d = tl.arange(0, K)
     cv = i_v * BV + tl.arange(0, BV)
     h_ptrs = d[:, None] * V + cv[None, :]
-    row0 = (i_b * T).to(tl.int64) * H + i_h
+    if VARLEN:  # one packed row (B = 1); i_b is the document, its chunks are [coff[i_b], coff[i_b + 1])
+        c0 = tl.load(coff + i_b).to(tl.int64)
+        NT = (tl.load(coff + i_b + 1).to(tl.int64) - c0).to(tl.int32)
+        row0 = c0 * C * H + i_h
+        hbuf += (c0 * H + i_h) * K * V
+        gl += (c0 * H + i_h) * K
+    else:
+        row0 = (i_b * T).to(tl.int64) * H + i_h
+        gl += ((i_b * NT).to(tl.int64) * H + i_h) * K
+        hbuf += ((i_b * NT).to(tl.int64) * H + i_h) * K * V
     kd += row0 * K
     w += row0 * K
     u += row0 * V
     U += row0 * V
-    gl += ((i_b * NT).to(tl.int64) * H + i_h) * K
-    hbuf += ((i_b * NT).to(tl.int64) * H + i_h) * K * V
     k_ptrs = r[:, None] * (H * K) + d[None, :]
     v_ptrs = r[:, None] * (H * V) + cv[None, :]
     if HAS_H0:
