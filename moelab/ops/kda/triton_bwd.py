@@ -3,8 +3,8 @@
 The forward keeps its intra-chunk intermediates (``Tm``, ``A_qk``, ``w``, ``u``, ``qg``, ``kd``,
 ``e^{G_last}``; G too in general mode), the state kernel reruns (``h_c``, ``U``), then:
 
-* ``_kda_bwd_dh`` (grid ``[cdiv(V, BV), B*H]``, sequential over chunks in reverse): with ``dh``
-  the gradient of the state leaving chunk c (stored per chunk),
+* ``_kda_bwd_dh`` (grid ``[cdiv(V, BV), B*H]``, or ``N*H`` documents with ``VARLEN``, sequential
+  over chunks in reverse): with ``dh`` the gradient of the state leaving chunk c (stored per chunk),
   ``dU = A_qk^T do + (k e^{G_last-G}) dh`` and
   ``dh_c = e^{G_last} dh + qg^T do - w^T dU`` (``kd``, ``qg`` from the intra kernel); the last
   ``dh_c`` is d(initial_state).

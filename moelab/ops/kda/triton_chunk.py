@@ -18,10 +18,11 @@ the two modes differ only in how the 16x16 diagonal sub-tiles of the gated score
 
 The forward keeps the raw inputs and its intra-chunk intermediates; the backward reruns the prep
 and the state kernel. Inputs are zero-padded (only when needed) to T a multiple of the chunk and K,
-V powers of two >= 16, so the kernels need no masks. Each kernel runs with one fixed launch config
-(``LAUNCH``), checked and timed on an H200 (kernels/README.md, "Launch configs"). fp32 inputs take
-exact fp32 products everywhere (the reference path); bf16 / fp16 inputs take bf16 / TF32
-tensor-core products (the fast path).
+V powers of two >= 16, so the kernels need no masks. Packed documents (``cu_seqlens``) are laid
+out on whole chunks (``Packing``); only the two state kernels then walk documents (``VARLEN``).
+Each kernel runs with one fixed launch config (``LAUNCH``), checked and timed on an H200
+(kernels/README.md, "Launch configs"). fp32 inputs take exact fp32 products everywhere (the
+reference path); bf16 / fp16 inputs take bf16 / TF32 tensor-core products (the fast path).
 """
 
 from __future__ import annotations

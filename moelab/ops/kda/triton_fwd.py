@@ -13,7 +13,8 @@ Per head and chunk of ``C`` tokens, with ``G`` the chunk-local cumsum of g (see 
 * ``_kda_fwd_wu`` (grid ``[NT, B*H]``): ``w = Tm (beta k e^G)``, ``u = Tm (beta v)`` and the
   decayed ``qg = scale q e^G``, ``kd = k e^{G_last - G}``, ``gl = e^{G_last}``, so the chunk loops
   below carry no cumsum or exp;
-* ``_kda_fwd_state`` (grid ``[cdiv(V, BV), B*H]``, sequential over chunks): stores the state
+* ``_kda_fwd_state`` (grid ``[cdiv(V, BV), B*H]``, or ``[cdiv(V, BV), N*H]`` over packed documents
+  with ``VARLEN``, sequential over chunks): stores the state
   ``h_c`` entering each chunk, ``U = u - w h_c`` (the delta-rule corrected values), then
   ``h_{c+1} = e^{G_last} h_c + (k e^{G_last - G})^T U``;
 * ``_kda_fwd_out`` (grid ``[NT, B*H]``): ``o = qg h_c + A_qk U``.
