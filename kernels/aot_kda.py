@@ -37,6 +37,7 @@ def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf1
                 maxnreg: int | None = None) -> str:
     ptrs = {n: "*" + dtype for n in WORK + INPUT}
     ptrs.update({n: "*fp32" for n in FP32})
+    ptrs["coff"] = "*i32"  # the packed documents' chunk offsets (state kernels)
     if consts.get("G_IN"):
         ptrs["g"] = "*fp32"  # g holds the chunk-local G the prep wrote (fp32)
     sig = {}
@@ -89,10 +90,10 @@ def main() -> int:
                  for m in (True, False)],
         "merge": [(F._kda_fwd_merge, dict(base, BC=16), None, None)],
         "wu": [(F._kda_fwd_wu, dict(base, BV=64, IEEE=False), "BK", None)],
-        "state": [(F._kda_fwd_state, dict(base, HAS_H0=True, STORE_HT=True, **bf), "BV", None)],
-        "state_small": [(F._kda_fwd_state, dict(base, HAS_H0=True, STORE_HT=True, **bf), "BV", None)],
+        "state": [(F._kda_fwd_state, dict(base, HAS_H0=True, STORE_HT=True, VARLEN=False, **bf), "BV", None)],
+        "state_small": [(F._kda_fwd_state, dict(base, HAS_H0=True, STORE_HT=True, VARLEN=False, **bf), "BV", None)],
         "out": [(F._kda_fwd_out, dict(base, **bf), "BV", None)],
-        "dh": [(B._kda_bwd_dh, dict(base, HAS_DHT=True, STORE_DH0=True, **bf), "BV", None)],
+        "dh": [(B._kda_bwd_dh, dict(base, HAS_DHT=True, STORE_DH0=True, VARLEN=False, **bf), "BV", None)],
         "wy": [(B._kda_bwd_wy, dict(base, BV=64, **bf), "BK", None)],
         "sterm": [(B._kda_bwd_sterm, dict(base, BV=64, **bf), "BK", None)],
         "dqkg": [(B._kda_bwd_dqkg, dict(base, BC=16, BV=64, BOUNDED=m, **bf), "BK", m) for m in (True, False)],

@@ -6,8 +6,10 @@ RMS(ref). Targets: o and final state <= 5e-3, gradients <= 1e-2. Then the gate c
 op (``gate="bounded"`` / ``"softplus"`` from the raw input z with ``A_log`` and ``dt_bias``): the
 gradients of z, A_log and dt_bias against the fp32 chain rule through ``naive_kda_gate`` on the
 recurrence's dg, beside fla's ``chunk_kda`` with the same in-kernel gate on the same inputs when fla
-is importable; target: moelab's error <= fla's for each of them (without fla: <= GATE_TOL). Prints
-tables, writes JSON to ``--out`` and exits 1 on any failure (or non-finite value).
+is importable; target: moelab's error <= fla's for each of them (without fla: <= GATE_TOL). Then
+packed documents (``cu_seqlens``, B = 1, uneven lengths including an empty and a one-token
+document, an initial state per document) against each document's own recurrence, same targets.
+Prints tables, writes JSON to ``--out`` and exits 1 on any failure (or non-finite value).
 
     python kernels/check_kda_gpu.py --out kernels/results/kda_check_h200.json
     python kernels/check_kda_gpu.py --smoke --out /tmp/kda_check.json   # CPU, Triton interpreter
@@ -217,6 +219,53 @@ def self_check(dev: str) -> float:
     return max(rel_err(a, m) for a, m in zip(auto, manual))
 
 
+def packed_reference(ins, s0, do, dS, cu):
+    """``recurrent_reference`` of each document ``[cu[n], cu[n+1])`` on its own (s0, dS ``[N, H, K, V]``),
+    joined: tokens along T, states along N (an empty document passes its state and dS through)."""
+    parts = []
+    for n in range(len(cu) - 1):
+        a, b = cu[n], cu[n + 1]
+        doc = [x[:, a:b] for x in ins]
+        parts.append(recurrent_reference(*doc, s0[n:n + 1], do[:, a:b], dS[n:n + 1]))
+    return [torch.cat([p[i] for p in parts], dim=0 if i in (1, 7) else 1) for i in range(len(parts[0]))]
+
+
+def check_packed(chunk_kda, cases, dtype, dev, emulate):
+    """Packed documents through ``chunk_kda(cu_seqlens=...)`` vs ``packed_reference``; ``(rows, ok)``."""
+    print("\npacked documents (cu_seqlens), rel_err vs each document's recurrence")
+    print(f"{'case':34s} {'mode':8s} " + " ".join(f"{n:>11s}" for n in NAMES) + "  status")
+    rows, ok = [], True
+    for i, (lens, H, D, gate) in enumerate(cases):
+        T, N = sum(lens), len(lens)
+        ins, _, do, _ = make_inputs(1, T, H, D, gate, False, dtype, dev, seed=200 + i)
+        gen = torch.Generator(device="cpu").manual_seed(300 + i)
+        s0, dS = (torch.randn(N, H, D, D, generator=gen).to(dev) for _ in range(2))
+        if emulate:
+            ins = [x.bfloat16().float() for x in ins]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        with torch.no_grad():
+            ref = packed_reference(ins, s0, do, dS, cu)
+        for mode in (["bounded", "general"] if gate == "bounded" else ["general"]):
+            out = fwd_bwd(chunk_kda, ins, s0, do, dS, round_grads=emulate, mode=mode, g_min=g_min_for(mode),
+                          cu_seqlens=torch.tensor(cu, device=dev, dtype=torch.int32))
+            errs = {n: rel_err(r, o) for n, r, o in zip(NAMES, ref, out)}
+            tol = {n: (O_TOL if n in ("o", "final_state") else GRAD_TOL) for n in errs}
+            passed = all(errs[n] <= tol[n] for n in errs)
+            ok &= passed
+            case = f"T{T} N{N} H{H} D{D} {gate} gate h0"
+            print(f"{case:34s} {mode:8s} " + " ".join(f"{errs[n]:11.2e}" for n in NAMES)
+                  + ("  ok" if passed else "  FAIL"), flush=True)
+            rows.append(dict(lengths=lens, H=H, D=D, gate=gate, mode=mode,
+                             dtype="bf16 (emulated)" if emulate else str(dtype), errors=errs, tolerances=tol,
+                             passed=passed))
+        del ref
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return rows, ok
+
+
 def make_gate_inputs(B, T, H, D, dtype, dev, seed):
     """q, k L2-normalized, v, beta, the gate input z ``[B, T, H, D]`` in ``dtype``; A_log = log U(1, 16)
     ``[H]`` and dt_bias ~ 0.5 N(0, 1) ``[H*D]`` fp32 (as the layer keeps them); do, dS fp32."""
@@ -315,10 +364,12 @@ def main() -> int:
         cases = [(1, 300, 2, 64, "bounded", True), (1, 200, 1, 128, "bounded", False),
                  (1, 300, 2, 64, "softplus", True)]
         gate_cases = [(1, 300, 2, 64, "bounded"), (1, 300, 2, 64, "softplus")]
+        packed_cases = [([130, 0, 1, 64, 105], 2, 64, "bounded")]
     elif args.smoke:
         dtype = torch.float32 if dev == "cpu" else torch.bfloat16  # the interpreter gets bf16 wrong
         cases = [(1, 100, 2, 32, "bounded", False), (1, 70, 1, 32, "bounded", True), (1, 90, 1, 32, "softplus", False)]
         gate_cases = [(1, 100, 2, 32, "bounded"), (1, 90, 1, 32, "softplus")]
+        packed_cases = [([65, 0, 1, 64, 70], 1, 32, "bounded"), ([40, 1, 0, 60], 1, 32, "softplus")]
     else:
         dtype = torch.bfloat16
         cases = [(2, 4096, 16, 128, "bounded", False), (2, 1000, 16, 128, "bounded", False),
@@ -326,6 +377,9 @@ def main() -> int:
         # the shapes where the gate gradients were found least accurate (odd T: a padded last chunk)
         gate_cases = [(2, 4097, 16, 128, "bounded"), (4, 1000, 6, 64, "bounded"), (2, 2048, 16, 128, "softplus"),
                       (1, 4097, 4, 256, "softplus")]
+        # 6 uneven documents per row, one empty and one of a single token
+        packed_cases = [([3000, 0, 1, 64, 1777, 3350], 16, 128, "bounded"),
+                        ([1000, 1, 2047, 0, 63, 985], 16, 128, "softplus")]
     ref_err = self_check(dev)
     print(f"reference adjoint vs autograd: max rel_err {ref_err:.2e}")
     if ref_err > 1e-5:
@@ -358,6 +412,8 @@ def main() -> int:
             torch.cuda.empty_cache()
     gate_rows, gate_ok = check_gate_grads(chunk_kda, gate_cases, dtype, dev, args.emulate_bf16)
     ok &= gate_ok
+    packed_rows, packed_ok = check_packed(chunk_kda, packed_cases, dtype, dev, args.emulate_bf16)
+    ok &= packed_ok
     meta = dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (triton interpreter)",
                 emulate_bf16=args.emulate_bf16,
                 torch=torch.__version__, triton=triton.__version__,
@@ -366,7 +422,7 @@ def main() -> int:
                 fla=getattr(sys.modules.get("fla"), "__version__", None))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows, gate_rows=gate_rows), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, gate_rows=gate_rows, packed_rows=packed_rows), f, indent=1)
     print(("ALL PASSED" if ok else "FAILURES") + f"; wrote {args.out}")
     return 0 if ok else 1
 

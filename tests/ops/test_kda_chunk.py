@@ -117,7 +117,7 @@ def test_dispatcher_triton_call(monkeypatch: pytest.MonkeyPatch, g_min) -> None:
     assert o is v
     assert seen == {"scale": 0.5, "initial_state": s0, "output_final_state": True, "g_min": g_min,
                     "validate": True, "chunk_size": 32, "gate": "none", "A_log": None, "dt_bias": None,
-                    "l2norm_qk": False, "silu_qk": False, "norm_eps": 1e-6}
+                    "l2norm_qk": False, "silu_qk": False, "norm_eps": 1e-6, "cu_seqlens": None}
 
 
 @pytest.mark.parametrize("backend", ["chunk", "recurrent"])

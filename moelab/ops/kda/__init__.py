@@ -65,13 +65,17 @@ def kda_path(backend: str, q: torch.Tensor, *, gate: str = "none", g_min: float 
     return "infer" if on_device and bounded and not needs_grad else "train"
 
 
-def _cu_list(cu_seqlens: torch.Tensor, B: int, T: int) -> list[int]:
-    """``cu_seqlens`` as a checked list of offsets (one host sync)."""
+def check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int, read: bool = True) -> list[int] | None:
+    """Raise ValueError unless ``cu_seqlens`` is a 1-D int32/int64 ``[N + 1]`` tensor for B = 1;
+    with ``read``, also check its values (0 first, non-decreasing, T last: one host sync) and
+    return them as a list."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor of N + 1 >= 2 offsets, got "
                          f"{(tuple(cu_seqlens.shape), cu_seqlens.dtype)}")
     if B != 1:
         raise ValueError(f"with cu_seqlens the documents are packed in one row: expected B = 1, got B = {B}")
+    if not read:
+        return None
     cu = cu_seqlens.tolist()
     if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
         shown = cu if len(cu) <= 16 else cu[:8] + ["..."] + cu[-8:]
@@ -155,9 +159,9 @@ def kda(
             pass False. The PyTorch backends always check ``cu_seqlens`` (they read it anyway).
         cu_seqlens: ``[N + 1]`` int32/int64 offsets of N documents packed in one row (B = 1):
             document n is tokens ``[cu_seqlens[n], cu_seqlens[n + 1])`` and the state restarts at
-            each boundary (from ``initial_state[n]`` or zeros). Taken by the inference forward
-            (in-kernel) and the PyTorch backends (one document at a time); the Triton training op
-            takes none and raises.
+            each boundary (from ``initial_state[n]`` or zeros). Every path takes it: the Triton
+            kernels in-kernel (the training op lays each document out on whole chunks), the
+            PyTorch backends one document at a time.
 
     Returns:
         ``(o [B, T, H, V] in v's dtype, S_T [N, H, K, V] fp32 or None)``.
@@ -174,20 +178,15 @@ def kda(
                          A_log=A_log, dt_bias=dt_bias, l2norm_qk=l2norm_qk, silu_qk=silu_qk, norm_eps=norm_eps,
                          cu_seqlens=cu_seqlens)
     if path == "train":
-        if cu_seqlens is not None:
-            raise ValueError(
-                "cu_seqlens is not taken by the Triton training op (triton_chunk.chunk_kda): packed documents run "
-                "on the inference forward (no gradient needed, gate='bounded' or gate='none' with g_min >= "
-                f"{INFER_G_MIN_FLOOR:.3f}) or with backend='chunk' / 'recurrent'")
         from moelab.ops.kda.triton_chunk import chunk_kda
 
         return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, g_min=g_min, validate=validate,
                          chunk_size=chunk_size, gate=gate, A_log=A_log, dt_bias=dt_bias, l2norm_qk=l2norm_qk,
-                         silu_qk=silu_qk, norm_eps=norm_eps)
+                         silu_qk=silu_qk, norm_eps=norm_eps, cu_seqlens=cu_seqlens)
     if gate == "bounded" and g_min is None:
         raise ValueError("gate='bounded' needs g_min, the gate's floor (a number < 0)")
-    cu = _cu_list(cu_seqlens, q.shape[0], q.shape[1]) if cu_seqlens is not None else None
+    cu = check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1]) if cu_seqlens is not None else None
     if silu_qk or l2norm_qk:
         q = naive_qk_prep(q, silu_qk, l2norm_qk, norm_eps).to(q.dtype)
         k = naive_qk_prep(k, silu_qk, l2norm_qk, norm_eps).to(k.dtype)

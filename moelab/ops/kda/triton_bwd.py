@@ -3,8 +3,8 @@
 The forward keeps its intra-chunk intermediates (``Tm``, ``A_qk``, ``w``, ``u``, ``qg``, ``kd``,
 ``e^{G_last}``; G too in general mode), the state kernel reruns (``h_c``, ``U``), then:
 
-* ``_kda_bwd_dh`` (grid ``[cdiv(V, BV), B*H]``, sequential over chunks in reverse): with ``dh``
-  the gradient of the state leaving chunk c (stored per chunk),
+* ``_kda_bwd_dh`` (grid ``[cdiv(V, BV), B*H]``, or ``N*H`` documents with ``VARLEN``, sequential
+  over chunks in reverse): with ``dh`` the gradient of the state leaving chunk c (stored per chunk),
   ``dU = A_qk^T do + (k e^{G_last-G}) dh`` and
   ``dh_c = e^{G_last} dh + qg^T do - w^T dU`` (``kd``, ``qg`` from the intra kernel); the last
   ``dh_c`` is d(initial_state).
@@ -31,10 +31,11 @@ from moelab.ops.kda.triton_common import _cast, _dot
 
 @triton.jit
 def _kda_bwd_dh(
-    qg, kd, gl, w, Aqk, do, dht, dhbuf, dU, dh0,
+    qg, kd, gl, w, Aqk, do, dht, dhbuf, dU, dh0, coff,
     T, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -47,15 +48,22 @@ def _kda_bwd_dh(
     cv = i_v * BV + tl.arange(0, BV)
     h_ptrs = d[:, None] * V + cv[None, :]
     # start at the last chunk and walk back
-    row0 = (i_b * T + T - C).to(tl.int64) * H + i_h
+    if VARLEN:  # one packed row (B = 1); i_b is the document, its chunks are [coff[i_b], coff[i_b + 1])
+        c1 = tl.load(coff + i_b + 1).to(tl.int64)
+        NT = (c1 - tl.load(coff + i_b).to(tl.int64)).to(tl.int32)
+        row0 = (c1 - 1) * C * H + i_h
+        gl += ((c1 - 1) * H + i_h) * K
+        dhbuf += ((c1 - 1) * H + i_h) * K * V
+    else:
+        row0 = (i_b * T + T - C).to(tl.int64) * H + i_h
+        gl += ((i_b * NT + NT - 1).to(tl.int64) * H + i_h) * K
+        dhbuf += ((i_b * NT + NT - 1).to(tl.int64) * H + i_h) * K * V
     qg += row0 * K
     kd += row0 * K
     w += row0 * K
     Aqk += row0 * C
     do += row0 * V
     dU += row0 * V
-    gl += ((i_b * NT + NT - 1).to(tl.int64) * H + i_h) * K
-    dhbuf += ((i_b * NT + NT - 1).to(tl.int64) * H + i_h) * K * V
     k_ptrs = r[:, None] * (H * K) + d[None, :]
     v_ptrs = r[:, None] * (H * V) + cv[None, :]
     A_ptrs = r[:, None] * (H * C) + cidx[None, :]

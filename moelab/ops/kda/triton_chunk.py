@@ -18,10 +18,11 @@ the two modes differ only in how the 16x16 diagonal sub-tiles of the gated score
 
 The forward keeps the raw inputs and its intra-chunk intermediates; the backward reruns the prep
 and the state kernel. Inputs are zero-padded (only when needed) to T a multiple of the chunk and K,
-V powers of two >= 16, so the kernels need no masks. Each kernel runs with one fixed launch config
-(``LAUNCH``), checked and timed on an H200 (kernels/README.md, "Launch configs"). fp32 inputs take
-exact fp32 products everywhere (the reference path); bf16 / fp16 inputs take bf16 / TF32
-tensor-core products (the fast path).
+V powers of two >= 16, so the kernels need no masks. Packed documents (``cu_seqlens``) are laid
+out on whole chunks (``Packing``); only the two state kernels then walk documents (``VARLEN``).
+Each kernel runs with one fixed launch config (``LAUNCH``), checked and timed on an H200
+(kernels/README.md, "Launch configs"). fp32 inputs take exact fp32 products everywhere (the
+reference path); bf16 / fp16 inputs take bf16 / TF32 tensor-core products (the fast path).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import os
 import torch
 import triton
 
+from moelab.ops.kda import check_cu_seqlens
 from moelab.ops.kda.bounds import G_MIN_FLOOR, SUBTILE
 from moelab.ops.kda.triton_bwd import _kda_bwd_dg, _kda_bwd_dh, _kda_bwd_dqkg, _kda_bwd_sterm, _kda_bwd_wy
 from moelab.ops.kda.triton_common import LOG2E
@@ -176,10 +178,10 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, g_min):
+def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, g_min, pack):
     """Intra-chunk and state kernels on padded inputs; returns the intermediates."""
     inter = _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min)
-    inter.update(_state_pass(inter, h0, output_final_state, q.dtype, C))
+    inter.update(_state_pass(inter, h0, output_final_state, q.dtype, C, pack))
     return inter
 
 
@@ -216,21 +218,26 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min):
     return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, qg=qg, kd=kd, gl=gl)
 
 
-def _state_pass(inter, h0, output_final_state, dtype, C):
-    """The state kernel: chunk states ``hbuf`` ``[B, NT, H, K, V]``, ``U``, optional final state."""
+def _state_pass(inter, h0, output_final_state, dtype, C, pack):
+    """The state kernel: chunk states ``hbuf`` ``[B, NT, H, K, V]``, ``U``, optional final state
+    ``[N, H, K, V]`` (N = B, or the documents of ``pack``: one program per document and head)."""
     kd, w, u = inter["kd"], inter["w"], inter["u"]
     B, T, H, K = kd.shape
     V = u.shape[-1]
     NT = T // C
+    N = B if pack is None else pack.N
     dev = kd.device
-    hbuf = torch.empty(B, NT, H, K, V, device=dev, dtype=_work_dtype(dtype))
+    # packed: the slots past the last document are never written here but read (and discarded) by
+    # the per-chunk kernels; zeros keep those discarded rows finite
+    hbuf = (torch.empty if pack is None else torch.zeros)(B, NT, H, K, V, device=dev, dtype=_work_dtype(dtype))
     U = torch.empty(B, T, H, V, device=dev, dtype=_work_dtype(dtype))
-    hT = torch.empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    (_state_small if _small_grid(B, H, V) else _state)(
-        lambda bv: (V // bv, B * H),
-        kd, inter["gl"], w, u, h0 if h0 is not None else U, hbuf, U, hT if hT is not None else U, T, B * H,
+    hT = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+    (_state_small if _small_grid(N, H, V) else _state)(
+        lambda bv: (V // bv, N * H),
+        kd, inter["gl"], w, u, h0 if h0 is not None else U, hbuf, U, hT if hT is not None else U,
+        pack.coff if pack is not None else U, T, N * H,
         H=H, K=K, V=V, C=C, HAS_H0=h0 is not None, STORE_HT=hT is not None, DOT_BF16=_dot_bf16(dtype),
-        IEEE=_ieee(dtype),
+        IEEE=_ieee(dtype), VARLEN=pack is not None,
     )
     return dict(hbuf=hbuf, U=U, hT=hT)
 
@@ -273,28 +280,77 @@ def _padded(q, k, v, g, beta, h0, C):
     return q, k, v, g, beta, h0
 
 
+class Packing:
+    """Packed documents (``cu_seqlens``, B = 1) laid out so that each starts on a chunk: document
+    n takes chunk slots ``[coff[n], coff[n + 1])`` of a zeroed row of ``NS = cdiv(T, C) + N`` slots
+    (an upper bound of ``sum_n cdiv(len_n, C)``, so no host sync), and token t goes to row
+    ``pos[t]``. The padded rows (q = k = v = beta = 0, g = 0) leave the state as it is, so only the
+    state kernels need to know the documents (they restart at each ``coff[n]``).
+
+    Attributes:
+        N: documents; coff: ``[N + 1]`` int32 chunk offsets; pos: ``[T]`` int64 rows; rows: NS * C.
+    """
+
+    def __init__(self, cu_seqlens: torch.Tensor, T: int, C: int):
+        cu = cu_seqlens.to(torch.int64)
+        self.N = cu.numel() - 1
+        coff = torch.zeros(self.N + 1, device=cu.device, dtype=torch.int64)
+        coff[1:] = torch.cumsum(torch.div(cu[1:] - cu[:-1] + (C - 1), C, rounding_mode="floor"), 0)
+        t = torch.arange(T, device=cu.device)
+        doc = torch.searchsorted(cu[1:], t, right=True)  # the document of each token
+        self.pos = coff[doc] * C + (t - cu[doc])
+        self.coff = coff.to(torch.int32)
+        self.rows = (triton.cdiv(T, C) + self.N) * C
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """``[1, T, ...]`` -> ``[1, rows, ...]``, zeros outside the documents' rows."""
+        out = x.new_zeros(1, self.rows, *x.shape[2:])
+        out[0, self.pos] = x[0]
+        return out
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``[1, rows, ...]`` -> ``[1, T, ...]``: the documents' rows back in token order."""
+        return x[:, self.pos]
+
+
+def _inputs(q, k, v, g, beta, A_log, dt_bias, h0, prep, C, pack):
+    """Prep (when active) and padding for the backward and the packed forward: q, k, v, log decay
+    g, beta and h0, zero-padded (``_padded``) or laid out on whole chunks per document (``pack``;
+    the prep runs first, so the padded rows keep g = 0 whatever the gate gives at z = 0)."""
+    qn, kn, gn = prep_fwd(q, k, g, A_log, dt_bias, **prep.kw()) if prep.active else (q, k, g)
+    if pack is not None:
+        qn, kn, v, gn, beta = (pack.scatter(x) for x in (qn, kn, v, gn, beta))
+    return _padded(qn, kn, v, gn, beta, h0, C)
+
+
 class ChunkKDAFunction(torch.autograd.Function):
     """Autograd wrapper: optional fused prep (``Prep``), padding, the chunk kernels; gradients for
     q, k, v, g (or the gate's z, A_log, dt_bias), beta and initial_state."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, bounded, C, prep,
-                g_min):
+                g_min, pack):
         B, T, H, K = q.shape
         V = v.shape[-1]
         # bounded mode: one pass writes the padded qn, kn and G for kktr (prep or not: G is needed
         # either way); general mode: kktr forms G itself (reading it in was slower there)
-        if bounded:
-            qn, kn, gn = prep_fwd_chunked(q, k, g, A_log, dt_bias, chunk_size=C, **prep.kw(), qk=prep.active)
-            if qn is None:
-                qn, kn = q, k
-        elif prep.active:
-            qn, kn, gn = prep_fwd(q, k, g, A_log, dt_bias, **prep.kw())
+        if pack is not None:
+            qp, kp, vp, gp, bp, h0p = _inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, prep, C, pack)
+            if bounded:  # G from the laid-out g (its chunks are the documents' chunks)
+                gp = prep_fwd_chunked(qp, kp, gp, None, None, chunk_size=C, gate="none", g_min=None,
+                                      silu_qk=False, l2norm_qk=False, qk=False)[2]
         else:
-            qn, kn, gn = q, k, g
-        qp, kp, vp, gp, bp, h0p = _padded(qn, kn, v, gn, beta, initial_state, C)
-        del qn, kn, gn
-        inter = _forward(qp, kp, vp, gp, bp, scale, h0p, output_final_state, bounded, C, g_min)
+            if bounded:
+                qn, kn, gn = prep_fwd_chunked(q, k, g, A_log, dt_bias, chunk_size=C, **prep.kw(), qk=prep.active)
+                if qn is None:
+                    qn, kn = q, k
+            elif prep.active:
+                qn, kn, gn = prep_fwd(q, k, g, A_log, dt_bias, **prep.kw())
+            else:
+                qn, kn, gn = q, k, g
+            qp, kp, vp, gp, bp, h0p = _padded(qn, kn, v, gn, beta, initial_state, C)
+            del qn, kn, gn
+        inter = _forward(qp, kp, vp, gp, bp, scale, h0p, output_final_state, bounded, C, g_min, pack)
         Tp, Kp, Vp = qp.shape[1], qp.shape[3], vp.shape[3]
         o = torch.empty_like(vp)
         _out(
@@ -303,9 +359,11 @@ class ChunkKDAFunction(torch.autograd.Function):
         )
         # raw inputs (the prep and the padding are redone in the backward) + kept intermediates
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, *(inter[key] for key in _INTRA_KEYS))
-        ctx.scale, ctx.bounded, ctx.chunk_size, ctx.prep = scale, bounded, C, prep
+        ctx.scale, ctx.bounded, ctx.chunk_size, ctx.prep, ctx.pack = scale, bounded, C, prep, pack
         hT = inter["hT"]
-        if (Tp, Vp) != (T, V):
+        if pack is not None:
+            o = pack.gather(o)[..., :V]
+        elif (Tp, Vp) != (T, V):
             o = o[:, :T, :, :V]
         if hT is not None and (Kp, Vp) != (K, V):
             hT = hT[:, :, :K, :V]
@@ -315,30 +373,31 @@ class ChunkKDAFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
         q_raw, k_raw, v_raw, g_raw, beta_raw, A_log, dt_bias, h0_raw, *saved = ctx.saved_tensors
-        scale, bounded, C, prep = ctx.scale, ctx.bounded, ctx.chunk_size, ctx.prep
+        scale, bounded, C, prep, pack = ctx.scale, ctx.bounded, ctx.chunk_size, ctx.prep, ctx.pack
         B, T0, H, K0 = q_raw.shape
         V0 = v_raw.shape[-1]
-        qn, kn, gn = (prep_fwd(q_raw, k_raw, g_raw, A_log, dt_bias, **prep.kw()) if prep.active
-                      else (q_raw, k_raw, g_raw))
-        q, k, v, g, beta, h0 = _padded(qn, kn, v_raw, gn, beta_raw, h0_raw, C)
+        N = B if pack is None else pack.N
+        q, k, v, g, beta, h0 = _inputs(q_raw, k_raw, v_raw, g_raw, beta_raw, A_log, dt_bias, h0_raw, prep, C, pack)
         T, K, V = q.shape[1], q.shape[3], v.shape[3]
         NT = T // C
-        do = _pad(do, {1: T, 3: V}).contiguous()
+        do = _pad(pack.scatter(do) if pack is not None else do, {1: T, 3: V}).contiguous()
         if dht is not None:
             dht = _pad(dht, {2: K, 3: V}).contiguous()
         inter = dict(zip(_INTRA_KEYS, saved))
-        inter.update(_state_pass(inter, h0, False, q.dtype, C))
+        inter.update(_state_pass(inter, h0, False, q.dtype, C, pack))
         dot_bf16 = _dot_bf16(q.dtype)
-        dhbuf = torch.empty(B, NT, H, K, V, device=q.device, dtype=_work_dtype(q.dtype))
+        # packed: zeros for the same reason as hbuf (_state_pass)
+        dhbuf = (torch.empty if pack is None else torch.zeros)(B, NT, H, K, V, device=q.device,
+                                                               dtype=_work_dtype(q.dtype))
         dU = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)
-        dh0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if h0 is not None else None
+        dh0 = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32) if h0 is not None else None
         has_dht = dht is not None
         _dh(
-            lambda bv: (V // bv, B * H),
+            lambda bv: (V // bv, N * H),
             inter["qg"], inter["kd"], inter["gl"], inter["w"], inter["Aqk"], do, dht if has_dht else dU,
-            dhbuf, dU, dh0 if dh0 is not None else dU, T, B * H,
+            dhbuf, dU, dh0 if dh0 is not None else dU, pack.coff if pack is not None else dU, T, N * H,
             H=H, K=K, V=V, C=C, HAS_DHT=has_dht, STORE_DH0=dh0 is not None, DOT_BF16=dot_bf16,
-            IEEE=_ieee(q.dtype),
+            IEEE=_ieee(q.dtype), VARLEN=pack is not None,
         )
         dq, dk, dv, dg = (torch.empty_like(x) for x in (q, k, v, g))
         dAs = torch.empty(B, NT, H, 2, C, C, device=q.device, dtype=torch.float32)  # per-chunk dA_qk, dA_kk scratch
@@ -369,14 +428,17 @@ class ChunkKDAFunction(torch.autograd.Function):
         )
         _dg(lambda bk: (K // bk, NT, B * H), dGs, dGl, dg, T, H=H, K=K, V=V, C=C)
         del inter, dAs, dkb, dhbuf, dGs, dGl
-        dbeta = (dbeta + dbk.sum(0))[:, :T0].to(beta_raw.dtype)
+        dbeta = dbeta + dbk.sum(0)
+        if pack is not None:
+            dq, dk, dv, dg, dbeta = (pack.gather(x) for x in (dq, dk, dv, dg, dbeta))
+        dbeta = dbeta[:, :T0].to(beta_raw.dtype)
         dq, dk, dg = (x[:, :T0, :, :K0] for x in (dq, dk, dg))
         dv = dv[:, :T0, :, :V0]
         dh0 = dh0[:, :, :K0, :V0].to(h0_raw.dtype) if dh0 is not None else None
         dA_log = ddt_bias = None
         if prep.active:
             dq, dk, dg, dA_log, ddt_bias = prep_bwd(q_raw, k_raw, g_raw, A_log, dt_bias, dq, dk, dg, **prep.kw())
-        return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, None, dh0, None, None, None, None, None
+        return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, None, dh0, None, None, None, None, None, None
 
 
 def launch_configs(K: int = 128, V: int = 128) -> dict:
@@ -417,6 +479,7 @@ def chunk_kda(
     l2norm_qk: bool = False,
     silu_qk: bool = False,
     norm_eps: float = 1e-6,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA forward (Triton) with an autograd backward.
 
@@ -431,7 +494,8 @@ def chunk_kda(
             ``g = -exp(A_log_h) softplus(z + dt_bias)`` (unbounded: needs ``mode="general"``).
         beta: ``[B, T, H]`` write strength.
         scale: multiplier on q; default ``K ** -0.5``.
-        initial_state: ``[B, H, K, V]`` fp32 state before the first token, or None (zeros).
+        initial_state: ``[N, H, K, V]`` fp32 state before the first token of each sequence (N = B,
+            or the number of documents with ``cu_seqlens``), or None (zeros).
         output_final_state: also return the state after the last token.
         mode: ``"bounded"`` (fast diagonal sub-tiles, needs ``g >= g_min``) or ``"general"``
             (any ``g <= 0``); None: bounded when ``g_min`` is given, else general.
@@ -440,7 +504,8 @@ def chunk_kda(
             ``g_min >= bounds.G_MIN_FLOOR`` (about -5.5), else the 16-token diagonal sub-tile
             would overflow.
         validate: with ``gate="none"``, check ``max(g) <= 0`` and, in bounded mode,
-            ``min(g) >= g_min`` (one reduction over g and a host sync); ``validate=False``
+            ``min(g) >= g_min`` (one reduction over g and a host sync), and the values of
+            ``cu_seqlens`` (another sync); ``validate=False``
             skips it for speed, and then out-of-range g gives undefined (possibly non-finite)
             results. A gate computed inside the op needs no check.
         chunk_size: tokens per chunk, one of 16, 32, 64.
@@ -450,9 +515,14 @@ def chunk_kda(
         l2norm_qk: L2-normalize q and k per head inside the op (``F.normalize`` semantics,
             ``eps=norm_eps``), after ``silu_qk``.
         silu_qk: apply SiLU to q and k first (as the KDA layer does after its short convolution).
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets (on q's device) of N documents packed in one
+            row (B = 1): document n is tokens ``[cu_seqlens[n], cu_seqlens[n + 1])`` (empty ones
+            allowed) and the state restarts at each boundary, from ``initial_state[n]`` or zeros.
+            The documents are laid out on whole chunks (``Packing``: at most N more chunks of
+            work) and only the state kernels walk them one by one.
 
     Returns:
-        ``o`` ``[B, T, H, V]`` in v's dtype and the final state ``[B, H, K, V]`` fp32 (or None).
+        ``o`` ``[B, T, H, V]`` in v's dtype and the final state ``[N, H, K, V]`` fp32 (or None).
         Gradients flow to q, k, v, g (or z, A_log, dt_bias), beta and initial_state.
     """
     if mode is None:
@@ -479,8 +549,15 @@ def chunk_kda(
         raise ValueError(f"head dims K={K}, V={V} are not allowed: expected 1..{MAX_HEAD_DIM}")
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype of bf16/fp16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if initial_state is not None and initial_state.shape != (B, H, K, V):
-        raise ValueError(f"initial_state must be [B, H, K, V] = {(B, H, K, V)}, got {tuple(initial_state.shape)}")
+    N = B
+    if cu_seqlens is not None:
+        if cu_seqlens.device != q.device:
+            raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
+        check_cu_seqlens(cu_seqlens, B, T, read=validate)
+        N = cu_seqlens.numel() - 1
+    if initial_state is not None and initial_state.shape != (N, H, K, V):
+        raise ValueError(f"initial_state must be [N, H, K, V] = {(N, H, K, V)} (N = "
+                         f"{'documents' if cu_seqlens is not None else 'B'}), got {tuple(initial_state.shape)}")
     bounded = mode == "bounded"
     if gate == "bounded" and g_min is None:
         raise ValueError("gate='bounded' needs g_min, the gate's floor (a number < 0)")
@@ -509,4 +586,5 @@ def chunk_kda(
     scale = K**-0.5 if scale is None else float(scale)
     prep = Prep(gate, g_min if gate == "bounded" else None, silu_qk, l2norm_qk, norm_eps)
     return ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
-                                  bounded, chunk_size, prep, g_min)
+                                  bounded, chunk_size, prep, g_min,
+                                  Packing(cu_seqlens, T, chunk_size) if cu_seqlens is not None else None)

@@ -13,7 +13,8 @@ Per head and chunk of ``C`` tokens, with ``G`` the chunk-local cumsum of g (see 
 * ``_kda_fwd_wu`` (grid ``[NT, B*H]``): ``w = Tm (beta k e^G)``, ``u = Tm (beta v)`` and the
   decayed ``qg = scale q e^G``, ``kd = k e^{G_last - G}``, ``gl = e^{G_last}``, so the chunk loops
   below carry no cumsum or exp;
-* ``_kda_fwd_state`` (grid ``[cdiv(V, BV), B*H]``, sequential over chunks): stores the state
+* ``_kda_fwd_state`` (grid ``[cdiv(V, BV), B*H]``, or ``[cdiv(V, BV), N*H]`` over packed documents
+  with ``VARLEN``, sequential over chunks): stores the state
   ``h_c`` entering each chunk, ``U = u - w h_c`` (the delta-rule corrected values), then
   ``h_{c+1} = e^{G_last} h_c + (k e^{G_last - G})^T U``;
 * ``_kda_fwd_out`` (grid ``[NT, B*H]``): ``o = qg h_c + A_qk U``.
@@ -32,10 +33,11 @@ from moelab.ops.kda.triton_common import _cast, _dot
 
 @triton.jit
 def _kda_fwd_state(
-    kd, gl, w, u, h0, hbuf, U, hT,
+    kd, gl, w, u, h0, hbuf, U, hT, coff,
     T, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -46,13 +48,20 @@ def _kda_fwd_state(
     d = tl.arange(0, K)
     cv = i_v * BV + tl.arange(0, BV)
     h_ptrs = d[:, None] * V + cv[None, :]
-    row0 = (i_b * T).to(tl.int64) * H + i_h
+    if VARLEN:  # one packed row (B = 1); i_b is the document, its chunks are [coff[i_b], coff[i_b + 1])
+        c0 = tl.load(coff + i_b).to(tl.int64)
+        NT = (tl.load(coff + i_b + 1).to(tl.int64) - c0).to(tl.int32)
+        row0 = c0 * C * H + i_h
+        hbuf += (c0 * H + i_h) * K * V
+        gl += (c0 * H + i_h) * K
+    else:
+        row0 = (i_b * T).to(tl.int64) * H + i_h
+        gl += ((i_b * NT).to(tl.int64) * H + i_h) * K
+        hbuf += ((i_b * NT).to(tl.int64) * H + i_h) * K * V
     kd += row0 * K
     w += row0 * K
     u += row0 * V
     U += row0 * V
-    gl += ((i_b * NT).to(tl.int64) * H + i_h) * K
-    hbuf += ((i_b * NT).to(tl.int64) * H + i_h) * K * V
     k_ptrs = r[:, None] * (H * K) + d[None, :]
     v_ptrs = r[:, None] * (H * V) + cv[None, :]
     if HAS_H0:
