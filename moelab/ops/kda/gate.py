@@ -49,6 +49,32 @@ def naive_qk_prep(x: torch.Tensor, silu: bool, l2norm: bool, eps: float = 1e-6) 
     return F.normalize(x, dim=-1, eps=eps) if l2norm else x
 
 
+
+def check_op_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """The shape and dtype checks every KDA op shares; returns ``(B, T, H, K, V)``.
+
+    q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``; T >= 1, head dims 1..MAX_HEAD_DIM,
+    q, k, v of one dtype among bf16/fp16/fp32. Raises ValueError naming the offending shape or dtype.
+    """
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"k {tuple(k.shape)} and g {tuple(g.shape)} must match q {tuple(q.shape)} [B, T, H, K]")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, V] with B, T, H of q {tuple(q.shape)}, got {tuple(v.shape)}")
+    V = v.shape[-1]
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"beta must be [B, T, H] = {tuple(q.shape[:3])}, got {tuple(beta.shape)}")
+    if T < 1:
+        raise ValueError(f"T={T} is not allowed: expected T >= 1")
+    if not (1 <= K <= MAX_HEAD_DIM and 1 <= V <= MAX_HEAD_DIM):
+        raise ValueError(f"head dims K={K}, V={V} are not allowed: expected 1..{MAX_HEAD_DIM}")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype of bf16/fp16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    return B, T, H, K, V
+
 def check_prep_args(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -35,6 +35,7 @@ import triton
 
 from moelab.ops.kda import check_cu_seqlens
 from moelab.ops.kda.bounds import G_MIN_FLOOR, SUBTILE
+from moelab.ops.kda.gate import check_op_shapes
 from moelab.ops.kda.triton_bwd import _kda_bwd_dg, _kda_bwd_dh, _kda_bwd_dqkg, _kda_bwd_sterm, _kda_bwd_wy
 from moelab.ops.kda.triton_common import LOG2E
 from moelab.ops.kda.triton_fwd import _kda_fwd_kkt_row, _kda_fwd_merge, _kda_fwd_out, _kda_fwd_state, _kda_fwd_wu
@@ -43,7 +44,6 @@ from moelab.ops.kda.triton_prep import prep_bwd, prep_fwd, prep_fwd_chunked
 MODES = ("bounded", "general")
 GATES = ("none", "bounded", "softplus")
 CHUNK_SIZES = (16, 32, 64)
-MAX_HEAD_DIM = 256
 
 
 def _interpret() -> bool:
@@ -533,22 +533,7 @@ def chunk_kda(
         raise ValueError(f"chunk_size={chunk_size} is not allowed: expected one of {CHUNK_SIZES}")
     if gate not in GATES:
         raise ValueError(f"gate={gate!r} is not allowed: expected one of {GATES}")
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
-    B, T, H, K = q.shape
-    if k.shape != q.shape or g.shape != q.shape:
-        raise ValueError(f"k {tuple(k.shape)} and g {tuple(g.shape)} must match q {tuple(q.shape)}")
-    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must be [B, T, H, V] with B, T, H of q {tuple(q.shape)}, got {tuple(v.shape)}")
-    V = v.shape[-1]
-    if beta.shape != q.shape[:3]:
-        raise ValueError(f"beta must be [B, T, H] = {tuple(q.shape[:3])}, got {tuple(beta.shape)}")
-    if T < 1:
-        raise ValueError(f"T={T} is not allowed: expected T >= 1")
-    if not (1 <= K <= MAX_HEAD_DIM and 1 <= V <= MAX_HEAD_DIM):
-        raise ValueError(f"head dims K={K}, V={V} are not allowed: expected 1..{MAX_HEAD_DIM}")
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype of bf16/fp16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, T, H, K, V = check_op_shapes(q, k, v, g, beta)
     N = B
     if cu_seqlens is not None:
         if cu_seqlens.device != q.device:

@@ -58,12 +58,12 @@ import triton
 import triton.language as tl
 
 from moelab.ops.kda.bounds import max_safe_g_min
+from moelab.ops.kda.gate import check_op_shapes
 from moelab.ops.kda.triton_common import LOG2E, _cast, _dot
 from moelab.ops.kda.triton_prep import _gate, _qk_fwd
 
 CHUNK = 16  # tokens per chunk: the bound on |G - ref| (module docstring) is what allows 16
 GATES = ("none", "bounded")
-MAX_HEAD_DIM = 256
 _GATE_ID = {"none": 0, "bounded": 1}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -314,22 +314,7 @@ def _check(q, k, v, g, beta, scale, initial_state, g_min, validate, gate, A_log,
         hint = " (the softplus gate has no lower bound: use triton_chunk.chunk_kda with mode='general')" \
             if gate == "softplus" else ""
         raise ValueError(f"gate={gate!r} is not allowed: expected one of {GATES}{hint}")
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
-    B, T, H, K = q.shape
-    if k.shape != q.shape or g.shape != q.shape:
-        raise ValueError(f"k {tuple(k.shape)} and g {tuple(g.shape)} must match q {tuple(q.shape)} [B, T, H, K]")
-    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must be [B, T, H, V] with B, T, H of q {tuple(q.shape)}, got {tuple(v.shape)}")
-    V = v.shape[-1]
-    if beta.shape != q.shape[:3]:
-        raise ValueError(f"beta must be [B, T, H] = {tuple(q.shape[:3])}, got {tuple(beta.shape)}")
-    if T < 1:
-        raise ValueError(f"T={T} is not allowed: expected T >= 1")
-    if not (1 <= K <= MAX_HEAD_DIM and 1 <= V <= MAX_HEAD_DIM):
-        raise ValueError(f"head dims K={K}, V={V} are not allowed: expected 1..{MAX_HEAD_DIM}")
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype of bf16/fp16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, T, H, K, V = check_op_shapes(q, k, v, g, beta)
     if g.dtype not in _DTYPES or beta.dtype not in _DTYPES:
         raise ValueError(f"g and beta must be bf16/fp16/fp32, got {g.dtype}, {beta.dtype}")
     if any(t.device != q.device for t in (k, v, g, beta)):
