@@ -292,7 +292,10 @@ ARMS = {
 EXTRAPOLATE = 4  # evaluate at up to 4x the training context (max_seq_len is raised for it in every arm)
 # preset -> (training preset, overrides for every arm, seeds, evaluation sizes).
 # cpu: a narrower cpu model, seconds per run on 2 shared cores. gpu: gpu-small at 8 x 4096 tokens per
-# step; 4 arms x 3 seeds x 160 steps = 63M tokens, about 6 min at ~180K tokens/s, plus evaluation.
+# step; 4 arms x 3 seeds x 100 steps = 39M tokens. Estimate for one H200 from a measured gpu-small run
+# (studies/logs/train_gpu_small_h200_summary.json: 200 steps in 40 s of training, 53.5 s wall): ~19 s of
+# training and ~13 s of start, validation and checkpoints per run, ~6.5 min for the grid, ~1 min of kernel
+# compilation, ~1 min of evaluation and the fast-forgetting task (CPU).
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {"base": "cpu", "seeds": (0, 1, 2),
             "overrides": {"train.max_steps": 30, "train.batch_size": 8, "train.val_every": 15, "train.val_batches": 4,
@@ -302,10 +305,10 @@ PRESETS: dict[str, dict[str, Any]] = {
             "eval_windows": 4, "overflow_shape": (1, 32, 1, 32), "overflow_g_mins": (-5, -11, -12, -16),
             "forget_steps": 150, "forget_seeds": (0,)},
     "gpu": {"base": "gpu-small", "seeds": (0, 1, 2),
-            "overrides": {"train.max_steps": 160, "train.val_every": 40, "train.val_batches": 4,
-                          "train.warmup_steps": 20, "model.max_seq_len": 4096 * EXTRAPOLATE},
+            "overrides": {"train.max_steps": 100, "train.val_every": 50, "train.val_batches": 4,
+                          "train.warmup_steps": 10, "model.max_seq_len": 4096 * EXTRAPOLATE},
             "eval_windows": 4, "overflow_shape": (2, 1024, 4, 128),
-            "overflow_g_mins": (-5, -8, -10, -11, -11.5, -12, -16, -24), "forget_steps": 400,
+            "overflow_g_mins": (-5, -8, -10, -11, -11.5, -12, -16, -24), "forget_steps": 300,
             "forget_seeds": (0, 1, 2)},
 }
 KERNEL_RESULTS = ("kernels/results/kda_h200.json", "kernels/results/kda_h200_long.json")
