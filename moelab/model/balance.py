@@ -23,11 +23,12 @@ per step and changes no routing). ``router_z_loss`` (ST-MoE: coeff mean_t logsum
 can be added to any balancer.
 
 How it runs (the torchtitan split): every router of a LatentMoE owns a :class:`RouterBalance`.
-During a training forward it accumulates the step's statistics (loads, router entropy, and for
-quantile balancing the margins s - a or their histogram); once per optimizer step the training
-side calls :func:`balance_step` with its data-parallel collectives, which reduces the statistics
-of all micro-batches and ranks, writes the new biases and clears the accumulators. Every rank
-then holds the same bias. This module never imports ``torch.distributed``: callers pass the
+During a training forward it adds the loads and keeps the detached scores; once per optimizer
+step the training side calls :func:`balance_step` with its data-parallel collectives, which
+computes the statistics (router entropy, and for quantile balancing the margins s - a or their
+histogram) for all routers in one batch of kernels, reduces them over micro-batches and ranks,
+writes the new biases and clears the accumulators, without a host sync. Every rank then holds
+the same bias. This module never imports ``torch.distributed``: callers pass the
 reductions. In eval mode the bias is frozen and only the loads are summed (MaxVio_global).
 """
 
