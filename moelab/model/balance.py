@@ -263,9 +263,10 @@ class RouterBalance(nn.Module):
     A training forward only adds the loads and keeps the detached scores (:meth:`observe`): the
     entropies, margins and histograms are computed in :func:`balance_step`, for all routers of the
     model in one batch of kernels instead of a dozen small ones per router per forward (the model
-    is host-bound at one-GPU scale, so every op a layer adds costs its launch). The price is memory:
-    the scores ``[m, n]`` fp32 of every micro-batch stay alive until the step (autograd keeps them
-    for the sigmoid's backward anyway, so within one micro-batch's backward nothing is added).
+    is host-bound at one-GPU scale, so every op a layer adds costs its launch). Only the last
+    micro-batch's scores ``[m, n]`` fp32 are kept (autograd holds them for the sigmoid's backward
+    anyway); under gradient accumulation the next forward folds them into the step's entropy sum,
+    histogram or margins first, router by router, so memory does not grow with the micro-batches.
     """
 
     def __init__(self, cfg: MoEConfig) -> None:
@@ -287,11 +288,16 @@ class RouterBalance(nn.Module):
     def clear(self) -> None:
         """Forget this step's training statistics."""
         self.load: torch.Tensor | None = None  # [n] int64
-        self.scores: list[torch.Tensor] = []  # [m_i, n] fp32 detached, one per training micro-batch
+        self.scores: torch.Tensor | None = None  # [m, n] fp32 detached, the last training micro-batch
+        # The earlier micro-batches of the step, folded by observe: their number of tokens,
+        self.folded_tokens = 0
+        self.entropy_sum: torch.Tensor | None = None  # 0-dim fp64, sum over their tokens
+        self.hist: torch.Tensor | None = None  # histogram quantile balancing: [n, bins] int64
+        self.margins: list[torch.Tensor] = []  # exact quantile balancing: [m_i, n] per micro-batch
 
     def group_key(self) -> tuple:
         """Routers with the same key are updated as one batch: same rule, sizes and micro-batches."""
-        return repr(self.cfg), tuple(s.shape[0] for s in self.scores), self.load.device
+        return repr(self.cfg), self.scores.shape[0], self.folded_tokens, self.load.device
 
     def _apply(self, fn, recurse: bool = True):
         # Like Router.bias: a bf16 cast of the model must not round the moving average's small steps.
@@ -301,17 +307,30 @@ class RouterBalance(nn.Module):
         return self
 
     @torch.compiler.disable
-    def observe(self, stats: RouterStats, training: bool) -> None:
+    def observe(self, stats: RouterStats, bias: torch.Tensor, training: bool) -> None:
         """Add one forward's routing to the statistics (training) or to ``eval_load`` (eval).
 
-        No host sync and at most one kernel (the load sum from the second micro-batch on).
+        No host sync; no kernel on the first micro-batch of a step, the load sum and a fold on the next.
         """
         counts = stats.tokens_per_expert
         if not training:
             self.eval_load = counts if self.eval_load is None else self.eval_load + counts
             return
+        if self.load is not None:
+            self._fold(bias)
         self.load = counts if self.load is None else self.load + counts
-        self.scores.append(stats.scores.detach())
+        self.scores = stats.scores.detach()
+
+    @torch.no_grad()
+    def _fold(self, bias: torch.Tensor) -> None:
+        entropy, margins, hist, _ = _statistics(self, self.scores, bias.float())
+        self.entropy_sum = entropy if self.entropy_sum is None else self.entropy_sum + entropy
+        if hist is not None:
+            self.hist = hist if self.hist is None else self.hist + hist
+        if margins is not None:
+            self.margins.append(margins)
+        self.folded_tokens += self.scores.shape[0]
+        self.scores = None
 
     def check_tokens(self, m: torch.Tensor) -> None:
         """Refuse (``qb_target``'s ValueError) a step whose global token count m (0-dim, exact integer
@@ -360,32 +379,48 @@ def balanced_routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def _statistics(b: RouterBalance, scores: torch.Tensor, bias: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """One micro-batch's statistics of routers with ``b``'s config: scores ``[..., m, n]``, bias ``[..., n]``
+    -> (entropy sums ``[...]`` fp64; exact QB: margins ``[..., m, n]``; histogram QB: histograms
+    ``[..., n, bins]`` int64 and their range (lo, hi ``[...]``))."""
+    entropy = token_entropy(scores).double().sum(-1)
+    if b.kind != "quantile_balancing":
+        return entropy, None, None, None
+    margins = routing_margins(scores, bias[..., None, :], b.top_k, b.cfg.quantile_balancing_cutoff)
+    if not b.histogram:
+        return entropy, margins, None, None
+    lo, hi = histogram_range(bias)
+    return entropy, None, margin_histogram(margins, lo, hi, b.cfg.quantile_balancing_bins), (lo, hi)
+
+
 class _Group:
     """The local statistics of routers that share a :meth:`RouterBalance.group_key`, batched over them.
 
-    scores ``[L, m, n]`` (micro-batches concatenated), bias ``[L, n]``; ``parts`` go into the
-    all-reduce (loads ``[L n]``, entropy sums ``[L]``, for histogram QB the histograms ``[L n bins]``);
-    ``margins`` ``[m, L n]`` (exact QB) into the all-gather.
+    The last micro-batch's statistics are computed here for all L routers at once, the folded
+    earlier ones added. bias ``[L, n]``; ``parts`` go into the all-reduce (loads ``[L n]``, entropy
+    sums ``[L]``, for histogram QB the histograms ``[L n bins]``); ``margins`` ``[m, L n]`` (exact QB,
+    the micro-batches' rows in order) into the all-gather.
     """
 
     def __init__(self, routers: list[nn.Module]) -> None:
         self.routers = routers
         self.balance: RouterBalance = routers[0].balance
-        b = self.balance
-        micro = [torch.stack([r.balance.scores[i] for r in routers]) for i in range(len(b.scores))]
-        scores = micro[0] if len(micro) == 1 else torch.cat(micro, dim=1)
+        b, folded = self.balance, self.balance.folded_tokens > 0
         self.bias = torch.stack([r.bias for r in routers])
-        self.parts = [torch.stack([r.balance.load for r in routers]).double().reshape(-1),
-                      token_entropy(scores).double().sum(-1)]
+        entropy, margins, hist, self.range = _statistics(b, torch.stack([r.balance.scores for r in routers]),
+                                                         self.bias)
+        if folded:
+            entropy = torch.stack([r.balance.entropy_sum for r in routers]) + entropy
+        self.parts = [torch.stack([r.balance.load for r in routers]).double().reshape(-1), entropy]
+        if hist is not None:
+            if folded:
+                hist = torch.stack([r.balance.hist for r in routers]) + hist
+            self.parts.append(hist.double().reshape(-1))
         self.margins = None
-        if b.kind == "quantile_balancing":
-            margins = routing_margins(scores, self.bias[:, None], b.top_k, b.cfg.quantile_balancing_cutoff)
-            if b.histogram:
-                self.range = histogram_range(self.bias)
-                hist = margin_histogram(margins, *self.range, b.cfg.quantile_balancing_bins)
-                self.parts.append(hist.double().reshape(-1))
-            else:
-                self.margins = margins.transpose(0, 1).reshape(margins.shape[1], -1)
+        if margins is not None:
+            earlier = [torch.cat([r.balance.margins[i] for r in routers], dim=1) for i in range(len(b.margins))]
+            self.margins = torch.cat([*earlier, margins.transpose(0, 1).reshape(margins.shape[1], -1)])
 
     def update(self, summed: torch.Tensor, margins: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the routers' new biases from this group's slice of the all-reduce (``summed``, its

@@ -120,7 +120,7 @@ class Router(nn.Module):
         if self.aux_loss_fn is not None:
             stats.aux_loss = self.aux_loss_fn(stats)
         if self.balance is not None:
-            self.balance.observe(stats, self.training)
+            self.balance.observe(stats, self.bias, self.training)
         return stats
 
     def extra_repr(self) -> str:
