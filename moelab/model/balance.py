@@ -23,16 +23,18 @@ per step and changes no routing). ``router_z_loss`` (ST-MoE: coeff mean_t logsum
 can be added to any balancer.
 
 How it runs (the torchtitan split): every router of a LatentMoE owns a :class:`RouterBalance`.
-During a training forward it accumulates the step's statistics (loads, router entropy, and for
-quantile balancing the margins s - a or their histogram); once per optimizer step the training
-side calls :func:`balance_step` with its data-parallel collectives, which reduces the statistics
-of all micro-batches and ranks, writes the new biases and clears the accumulators. Every rank
-then holds the same bias. This module never imports ``torch.distributed``: callers pass the
+During a training forward it adds the loads and keeps the detached scores; once per optimizer
+step the training side calls :func:`balance_step` with its data-parallel collectives, which
+computes the statistics (router entropy, and for quantile balancing the margins s - a or their
+histogram) for all routers in one batch of kernels, reduces them over micro-batches and ranks,
+writes the new biases and clears the accumulators, without a host sync. Every rank then holds
+the same bias. This module never imports ``torch.distributed``: callers pass the
 reductions. In eval mode the bias is frozen and only the loads are summed (MaxVio_global).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,8 +63,8 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 def recentre(bias: torch.Tensor) -> torch.Tensor:
-    """``b - mean(b)``: the same routing, with the common drift removed."""
-    return bias - bias.mean()
+    """``b - mean(b)`` over the experts (last dim) of ``[..., n]``: the same routing, without the common drift."""
+    return bias - bias.mean(-1, keepdim=True)
 
 
 def aux_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int, alpha: float) -> torch.Tensor:
@@ -86,27 +88,27 @@ def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
 
 
 def loss_free_sign_update(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
-    """``b_j + u sign(mean(load) - load_j)``: bias ``[n]`` fp32, load ``[n]`` (counts) -> new bias ``[n]``."""
+    """``b_j + u sign(mean(load) - load_j)``: bias ``[..., n]`` fp32, load ``[..., n]`` (counts) -> new bias."""
     load = load.float()
-    return bias + rate * torch.sign(load.mean() - load)
+    return bias + rate * torch.sign(load.mean(-1, keepdim=True) - load)
 
 
 def load_average(average: torch.Tensor, load: torch.Tensor, decay: float) -> torch.Tensor:
-    """Moving average of mean-normalized loads: ``decay avg + (1 - decay) load / mean(load)``; ``[n]`` fp32.
+    """Moving average of mean-normalized loads: ``decay avg + (1 - decay) load / mean(load)``; ``[..., n]`` fp32.
 
     Normalizing by the mean makes the rate independent of the batch size (a uniform load is 1).
     """
     load = load.float()
-    return decay * average + (1.0 - decay) * load / load.mean().clamp_min(TINY)
+    return decay * average + (1.0 - decay) * load / load.mean(-1, keepdim=True).clamp_min(TINY)
 
 
 def quantile_load_update(bias: torch.Tensor, average: torch.Tensor, rate: float, q: float) -> torch.Tensor:
-    """``b_j + eta (quantile_q(avg) - avg_j)``, re-centred; average ``[n]`` from :func:`load_average`.
+    """``b_j + eta (quantile_q(avg) - avg_j)``, re-centred; average ``[..., n]`` from :func:`load_average`.
 
     Experts above the q-quantile of the averaged load lose bias, those below gain; using a
     quantile rather than the mean as the base is the articles' choice (robust to one outlier).
     """
-    base = torch.quantile(average, q)
+    base = torch.quantile(average, q, dim=-1, keepdim=True)
     return recentre(bias + rate * (base - average))
 
 
@@ -131,7 +133,8 @@ def _gcd(a: int, b: int) -> int:
 
 
 def routing_margins(scores: torch.Tensor, bias: torch.Tensor, k: int, cutoff: str = "k_plus_1") -> torch.Tensor:
-    """Margins ``s_tj - a_tj`` over per-token cutoffs: scores ``[m, n]``, bias ``[n]`` -> ``[m, n]`` fp32.
+    """Margins ``s_tj - a_tj`` over per-token cutoffs: scores ``[..., m, n]``, bias ``[..., 1, n]`` or ``[n]``
+    -> ``[..., m, n]`` fp32 (the leading dims batch several routers: one kernel each for all of them).
 
     cutoff ``"k_plus_1"`` (the report's step): a_tj = a_t, the (k+1)-th largest of ``s_t + b``, the
     same for every expert. ``"excluding_self"``: a_tj = the k-th largest of ``s_t + b`` over the
@@ -144,20 +147,21 @@ def routing_margins(scores: torch.Tensor, bias: torch.Tensor, k: int, cutoff: st
     shows both on one batch).
     """
     top = torch.topk(scores.float() + bias.float(), k + 1, dim=-1)
-    after = top.values[:, k:]
+    after = top.values[..., k:]
     if cutoff == "k_plus_1":
         return scores.float() - after
-    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top.indices[:, :k], True)
-    return scores.float() - torch.where(chosen, after, top.values[:, k - 1:k])
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices[..., :k], True)
+    return scores.float() - torch.where(chosen, after, top.values[..., k - 1:k])
 
 
 def qb_exact(margins: torch.Tensor, k: int) -> torch.Tensor:
-    """Quantile-balancing bias from all margins of a step: ``[m, n]`` -> ``[n]`` fp32, re-centred.
+    """Quantile-balancing bias from all margins of a step: ``[m, ..., n]`` -> ``[..., n]`` fp32, re-centred.
 
     b_j = -((q+1)-th largest margin of expert j), the (1 - k/n) quantile: with the cutoffs held,
-    exactly q tokens of the step would pass expert j's threshold (ties aside).
+    exactly q tokens of the step would pass expert j's threshold (ties aside). Middle dims batch
+    several routers that saw the same m tokens.
     """
-    m, n = margins.shape
+    m, n = margins.shape[0], margins.shape[-1]
     q = qb_target(m, k, n)
     return recentre(-margins.kthvalue(m - q, dim=0).values)
 
@@ -165,39 +169,47 @@ def qb_exact(margins: torch.Tensor, k: int) -> torch.Tensor:
 def histogram_range(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[lo, hi] = [-1 - max(b), 1 - min(b)]``, which holds every margin for scores in (0, 1).
 
-    a_t lies between min_j(s_tj + b_j) > min(b) and max_j(s_tj + b_j) < 1 + max(b); both ends are
-    0-dim fp32 tensors (no host sync). Fixed by the bias, so the same on every rank in a step.
+    a_t lies between min_j(s_tj + b_j) > min(b) and max_j(s_tj + b_j) < 1 + max(b). bias ``[..., n]``
+    -> lo, hi ``[...]`` fp32 tensors (0-dim for one router; no host sync). Fixed by the bias, so the
+    same on every rank in a step.
     """
-    return -1.0 - bias.max(), 1.0 - bias.min()
+    return -1.0 - bias.amax(-1), 1.0 - bias.amin(-1)
 
 
 def margin_histogram(margins: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bins: int) -> torch.Tensor:
-    """Per-expert histogram of margins ``[m, n]`` over ``bins`` equal bins of ``[lo, hi]`` -> ``[n, bins]`` int64.
+    """Per-expert histogram of margins ``[..., m, n]`` over ``bins`` equal bins of ``[lo, hi]`` (``[...]``
+    each, from :func:`histogram_range`) -> ``[..., n, bins]`` int64.
 
-    Integer counts: sums over micro-batches and ranks are exact and order-independent.
+    Integer counts: sums over micro-batches and ranks are exact and order-independent. The leading
+    dims batch several routers into one scatter.
     """
-    m, n = margins.shape
-    width = (hi - lo) / bins
-    idx = ((margins - lo) / width).floor().clamp_(0, bins - 1).long()
-    idx += torch.arange(n, device=margins.device) * bins
-    hist = torch.zeros(n * bins, dtype=torch.long, device=margins.device)
+    *batch, m, n = margins.shape
+    lo, width = lo[..., None, None], ((hi - lo) / bins)[..., None, None]
+    # Values in [0, bins) truncate as they floor, and the clamp sends the rest to the end bins.
+    idx = ((margins - lo) / width).clamp_(0, bins - 1).long()
+    groups = math.prod(batch) * n  # one row of bins per (router, expert)
+    idx += (torch.arange(groups, device=margins.device) * bins).view(*batch, 1, n)
+    hist = torch.zeros(groups * bins, dtype=torch.long, device=margins.device)
     # 1-D scatter_add_ has a deterministic CUDA implementation; bincount would sync on max().
     hist.scatter_add_(0, idx.reshape(-1), torch.ones(idx.numel(), dtype=torch.long, device=margins.device))
-    return hist.view(n, bins)
+    return hist.view(*batch, n, bins)
 
 
-def qb_histogram(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, m: int) -> torch.Tensor:
-    """Quantile-balancing bias from margin histograms ``[n, bins]`` of m tokens -> ``[n]`` fp32, re-centred.
+def qb_histogram(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int,
+                 m: int | torch.Tensor) -> torch.Tensor:
+    """Quantile-balancing bias from margin histograms ``[..., n, bins]`` of m tokens -> ``[..., n]`` fp32, re-centred.
 
     The (q+1)-th largest margin is taken as the centre of the bin that holds it: at most half a
     bin width ``(hi - lo) / bins`` from :func:`qb_exact` before re-centring, one width after.
-    m is passed in (the caller knows it on the host) so that this issues no host sync.
+    lo, hi ``[...]`` from :func:`histogram_range`. m: an int (checked by :func:`qb_target`), or a
+    0-dim tensor on the histogram's device, used there as is, so that this issues no host sync
+    (the caller checks it: :func:`balance_step` does, one step late).
     """
-    n, bins = hist.shape
-    q = qb_target(m, k, n)
+    n, bins = hist.shape[-2:]
+    q = qb_target(m, k, n) if isinstance(m, int) else m.double() * k / n
     at_or_above = hist.flip(-1).cumsum(-1).flip(-1)  # tokens in bin i or higher
     top_bin = (at_or_above > q).sum(-1) - 1  # highest bin with >= q + 1 tokens at or above it
-    value = lo + (top_bin.float() + 0.5) * (hi - lo) / bins
+    value = lo[..., None] + (top_bin.float() + 0.5) * (hi - lo)[..., None] / bins
     return recentre(-value)
 
 
@@ -246,7 +258,15 @@ class RouterBalance(nn.Module):
     router's ``bias`` buffer. The accumulators are plain attributes, not buffers: DDP broadcasts
     buffers from rank 0 at every forward, which would overwrite the other ranks' statistics.
     A training loop must call :func:`balance_step` once per optimizer step (the Lightning
-    callback does): exact quantile balancing keeps every micro-batch's margins until then.
+    callback does).
+
+    A training forward only adds the loads and keeps the detached scores (:meth:`observe`): the
+    entropies, margins and histograms are computed in :func:`balance_step`, for all routers of the
+    model in one batch of kernels instead of a dozen small ones per router per forward (the model
+    is host-bound at one-GPU scale, so every op a layer adds costs its launch). Only the last
+    micro-batch's scores ``[m, n]`` fp32 are kept (autograd holds them for the sigmoid's backward
+    anyway); under gradient accumulation the next forward folds them into the step's entropy sum,
+    histogram or margins first, router by router, so memory does not grow with the micro-batches.
     """
 
     def __init__(self, cfg: MoEConfig) -> None:
@@ -257,6 +277,8 @@ class RouterBalance(nn.Module):
         if self.kind == "quantile_load":
             self.register_buffer("load_avg", torch.ones(cfg.num_experts), persistent=True)
         self.eval_load: torch.Tensor | None = None
+        # Histogram quantile balancing: the last step's token count on its way to the host (see check_tokens).
+        self.pending_tokens: tuple[torch.Tensor, torch.cuda.Event] | None = None
         self.clear()
 
     @property
@@ -266,10 +288,16 @@ class RouterBalance(nn.Module):
     def clear(self) -> None:
         """Forget this step's training statistics."""
         self.load: torch.Tensor | None = None  # [n] int64
-        self.entropy_sum: torch.Tensor | None = None  # 0-dim fp64, sum over tokens
-        self.margins: list[torch.Tensor] = []  # exact quantile balancing: [m_i, n] per micro-batch
+        self.scores: torch.Tensor | None = None  # [m, n] fp32 detached, the last training micro-batch
+        # The earlier micro-batches of the step, folded by observe: their number of tokens,
+        self.folded_tokens = 0
+        self.entropy_sum: torch.Tensor | None = None  # 0-dim fp64, sum over their tokens
         self.hist: torch.Tensor | None = None  # histogram quantile balancing: [n, bins] int64
-        self.hist_range: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.margins: list[torch.Tensor] = []  # exact quantile balancing: [m_i, n] per micro-batch
+
+    def group_key(self) -> tuple:
+        """Routers with the same key are updated as one batch: same rule, sizes and micro-batches."""
+        return repr(self.cfg), self.scores.shape[0], self.folded_tokens, self.load.device
 
     def _apply(self, fn, recurse: bool = True):
         # Like Router.bias: a bf16 cast of the model must not round the moving average's small steps.
@@ -279,44 +307,51 @@ class RouterBalance(nn.Module):
         return self
 
     @torch.compiler.disable
-    @torch.no_grad()
     def observe(self, stats: RouterStats, bias: torch.Tensor, training: bool) -> None:
-        """Add one forward's routing to the statistics (training) or to ``eval_load`` (eval)."""
-        counts = stats.tokens_per_expert.long()
+        """Add one forward's routing to the statistics (training) or to ``eval_load`` (eval).
+
+        No host sync; no kernel on the first micro-batch of a step, the load sum and a fold on the next.
+        """
+        counts = stats.tokens_per_expert
         if not training:
             self.eval_load = counts if self.eval_load is None else self.eval_load + counts
             return
-        scores = stats.scores.detach()
-        entropy = token_entropy(scores).double().sum()
+        if self.load is not None:
+            self._fold(bias)
         self.load = counts if self.load is None else self.load + counts
-        self.entropy_sum = entropy if self.entropy_sum is None else self.entropy_sum + entropy
-        if self.kind != "quantile_balancing":
-            return
-        margins = routing_margins(scores, bias, self.top_k, self.cfg.quantile_balancing_cutoff)
-        if not self.histogram:
-            self.margins.append(margins)
-            return
-        if self.hist_range is None:  # the bias is fixed within a step, so is the range
-            self.hist_range = histogram_range(bias.float())
-        hist = margin_histogram(margins, *self.hist_range, self.cfg.quantile_balancing_bins)
-        self.hist = hist if self.hist is None else self.hist + hist
+        self.scores = stats.scores.detach()
 
-    def new_bias(self, bias: torch.Tensor, load: torch.Tensor, tokens: int, hist: torch.Tensor | None,
-                 margins: torch.Tensor | None) -> torch.Tensor:
-        """The bias for the next step from this step's global statistics: ``load`` ``[n]`` over
-        ``tokens`` tokens; for quantile balancing ``hist`` ``[n, bins]`` or all ``margins`` ``[m, n]``.
-        Updates ``load_avg``."""
-        c = self.cfg
-        if self.kind == "loss_free_sign":
-            return loss_free_sign_update(bias, load, c.loss_free_sign_rate)
-        if self.kind == "quantile_load":
-            self.load_avg.copy_(load_average(self.load_avg, load, c.quantile_load_decay))
-            return quantile_load_update(bias, self.load_avg, c.quantile_load_rate, c.quantile_load_q)
-        if self.kind == "quantile_balancing":
-            new = (qb_histogram(hist, *self.hist_range, self.top_k, tokens) if self.histogram
-                   else qb_exact(margins, self.top_k))
-            return smooth(bias, new, c.quantile_balancing_ema)
-        return bias
+    @torch.no_grad()
+    def _fold(self, bias: torch.Tensor) -> None:
+        entropy, margins, hist, _ = _statistics(self, self.scores, bias.float())
+        self.entropy_sum = entropy if self.entropy_sum is None else self.entropy_sum + entropy
+        if hist is not None:
+            self.hist = hist if self.hist is None else self.hist + hist
+        if margins is not None:
+            self.margins.append(margins)
+        self.folded_tokens += self.scores.shape[0]
+        self.scores = None
+
+    def check_tokens(self, m: torch.Tensor) -> None:
+        """Refuse (``qb_target``'s ValueError) a step whose global token count m (0-dim, exact integer
+        value) makes m k / n fractional, without a host sync.
+
+        On the CPU at once. On a GPU the count is copied to pinned host memory behind the step's
+        kernels and read at the next step, long after it arrived: there the error comes one step
+        late (``BalancerCallback`` refuses such a run before its first step anyway).
+        """
+        if not m.is_cuda:
+            qb_target(int(m), self.top_k, self.num_experts)
+            return
+        if self.pending_tokens is not None:
+            host, arrived = self.pending_tokens
+            arrived.synchronize()
+            qb_target(int(host), self.top_k, self.num_experts)
+        host = torch.empty((), dtype=m.dtype, pin_memory=True)
+        host.copy_(m, non_blocking=True)
+        arrived = torch.cuda.Event()
+        arrived.record()
+        self.pending_tokens = host, arrived
 
 
 @dataclass
@@ -344,6 +379,81 @@ def balanced_routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def _statistics(b: RouterBalance, scores: torch.Tensor, bias: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """One micro-batch's statistics of routers with ``b``'s config: scores ``[..., m, n]``, bias ``[..., n]``
+    -> (entropy sums ``[...]`` fp64; exact QB: margins ``[..., m, n]``; histogram QB: histograms
+    ``[..., n, bins]`` int64 and their range (lo, hi ``[...]``))."""
+    entropy = token_entropy(scores).double().sum(-1)
+    if b.kind != "quantile_balancing":
+        return entropy, None, None, None
+    margins = routing_margins(scores, bias[..., None, :], b.top_k, b.cfg.quantile_balancing_cutoff)
+    if not b.histogram:
+        return entropy, margins, None, None
+    lo, hi = histogram_range(bias)
+    return entropy, None, margin_histogram(margins, lo, hi, b.cfg.quantile_balancing_bins), (lo, hi)
+
+
+class _Group:
+    """The local statistics of routers that share a :meth:`RouterBalance.group_key`, batched over them.
+
+    The last micro-batch's statistics are computed here for all L routers at once, the folded
+    earlier ones added. bias ``[L, n]``; ``parts`` go into the all-reduce (loads ``[L n]``, entropy
+    sums ``[L]``, for histogram QB the histograms ``[L n bins]``); ``margins`` ``[m, L n]`` (exact QB,
+    the micro-batches' rows in order) into the all-gather.
+    """
+
+    def __init__(self, routers: list[nn.Module]) -> None:
+        self.routers = routers
+        self.balance: RouterBalance = routers[0].balance
+        b, folded = self.balance, self.balance.folded_tokens > 0
+        self.bias = torch.stack([r.bias for r in routers])
+        entropy, margins, hist, self.range = _statistics(b, torch.stack([r.balance.scores for r in routers]),
+                                                         self.bias)
+        if folded:
+            entropy = torch.stack([r.balance.entropy_sum for r in routers]) + entropy
+        self.parts = [torch.stack([r.balance.load for r in routers]).double().reshape(-1), entropy]
+        if hist is not None:
+            if folded:
+                hist = torch.stack([r.balance.hist for r in routers]) + hist
+            self.parts.append(hist.double().reshape(-1))
+        self.margins = None
+        if margins is not None:
+            earlier = [torch.cat([r.balance.margins[i] for r in routers], dim=1) for i in range(len(b.margins))]
+            self.margins = torch.cat([*earlier, margins.transpose(0, 1).reshape(margins.shape[1], -1)])
+
+    def update(self, summed: torch.Tensor, margins: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the routers' new biases from this group's slice of the all-reduce (``summed``, its
+        ``parts`` concatenated) and, for exact QB, of the all-gather (``margins`` ``[m, L n]``).
+        Returns (load ``[L, n]`` int64, entropy sums ``[L]`` fp64)."""
+        b, c = self.balance, self.balance.cfg
+        L, n = self.bias.shape
+        load = summed[:L * n].round().long().view(L, n)
+        entropy = summed[L * n:L * n + L]
+        new = None
+        if b.kind == "loss_free_sign":
+            new = loss_free_sign_update(self.bias, load, c.loss_free_sign_rate)
+        elif b.kind == "quantile_load":
+            buffers = [r.balance.load_avg for r in self.routers]
+            average = load_average(torch.stack(buffers), load, c.quantile_load_decay)
+            torch._foreach_copy_(buffers, list(average.unbind(0)))
+            new = quantile_load_update(self.bias, average, c.quantile_load_rate, c.quantile_load_q)
+        elif b.histogram:
+            # Every layer routes the same tokens: m k = the load of any layer, read on the device.
+            m = summed[:n].sum() / b.top_k
+            b.check_tokens(m)
+            hist = summed[L * n + L:].view(L, n, -1)  # integer counts, exact in fp64
+            new = smooth(self.bias, qb_histogram(hist, *self.range, b.top_k, m), c.quantile_balancing_ema)
+        elif b.kind == "quantile_balancing":
+            new = smooth(self.bias, qb_exact(margins.view(margins.shape[0], L, n), b.top_k), c.quantile_balancing_ema)
+        if new is not None:
+            torch._foreach_copy_([r.bias for r in self.routers], list(new.unbind(0)))
+            self.bias = new
+        for r in self.routers:
+            r.balance.clear()
+        return load, entropy
+
+
 @torch.no_grad()
 def balance_step(model: nn.Module, all_reduce: Collective = _identity,
                  all_gather: Collective = _identity) -> BalanceStep | None:
@@ -353,47 +463,50 @@ def balance_step(model: nn.Module, all_reduce: Collective = _identity,
     all_gather(t ``[m_rank, c]``) the ranks' tensors concatenated along dim 0. Defaults: one process.
     Loads, entropies and histograms travel in ONE all-reduce (fp64 holds integer counts exactly up
     to 2^53, so the sums do not depend on order); exact quantile balancing adds one all-gather of
-    every layer's margins side by side (all layers see the same tokens). Returns None when no
-    training forward ran since the last step.
+    every layer's margins side by side (all layers see the same tokens). The routers are batched
+    (one set of kernels for all layers with the same config) and nothing here waits for the device
+    (histogram QB checks its token count one step late on a GPU: :meth:`RouterBalance.check_tokens`).
+    Returns None when no training forward ran since the last step.
     """
-    routers = balanced_routers(model)
-    if not routers or any(r.balance.load is None for _, r in routers):
+    found = balanced_routers(model)
+    if not found or any(r.balance.load is None for _, r in found):
         return None
-    parts = []
-    for _, r in routers:
-        parts += [r.balance.load.double(), r.balance.entropy_sum.reshape(1)]
-        if r.balance.histogram:
-            parts.append(r.balance.hist.double().reshape(-1))
-    summed = all_reduce(torch.cat(parts))
-    exact = [r.balance for _, r in routers if r.balance.kind == "quantile_balancing" and not r.balance.histogram]
-    margins = all_gather(torch.cat([torch.cat(b.margins) for b in exact], dim=1)) if exact else None
-    k = routers[0][1].balance.top_k
-    # Every layer routes the same tokens; quantile balancing needs their number on the host (one sync).
-    needs_tokens = any(r.balance.kind == "quantile_balancing" for _, r in routers)
-    tokens = int(summed[:routers[0][1].balance.num_experts].sum().item()) // k if needs_tokens else 0
+    members: dict[tuple, list[int]] = {}
+    for i, (_, r) in enumerate(found):
+        members.setdefault(r.balance.group_key(), []).append(i)
+    groups = [_Group([found[i][1] for i in idx]) for idx in members.values()]
+    summed = all_reduce(torch.cat([p for g in groups for p in g.parts]))
+    exact = [g for g in groups if g.margins is not None]
+    gathered = all_gather(torch.cat([g.margins for g in exact], dim=1)) if exact else None
 
-    loads, biases, entropy = [], [], []
+    loads, entropies, biases = [], [], []
     offset, column = 0, 0
-    for _, r in routers:
-        b = r.balance
-        n = b.num_experts
-        load = summed[offset:offset + n].round().long()
-        entropy.append(summed[offset + n])
-        offset += n + 1
-        hist = mine = None
-        if b.histogram:
-            hist = summed[offset:offset + n * b.cfg.quantile_balancing_bins].round().long().view(n, -1)
-            offset += hist.numel()
-        elif b.kind == "quantile_balancing":
-            mine, column = margins[:, column:column + n], column + n
-        r.bias.copy_(b.new_bias(r.bias.float(), load, tokens, hist, mine))
-        b.clear()
+    for g in groups:
+        size = sum(p.numel() for p in g.parts)
+        mine = None
+        if g.margins is not None:
+            width = g.margins.shape[1]
+            mine, column = gathered[:, column:column + width], column + width
+        load, entropy = g.update(summed[offset:offset + size], mine)
+        offset += size
         loads.append(load)
-        biases.append(r.bias.detach().clone())
-    load = torch.stack(loads)
+        entropies.append(entropy)
+        biases.append(g.bias)
+    order = [i for idx in members.values() for i in idx]
+    load, entropy, bias = (_in_model_order(parts, order) for parts in (loads, entropies, biases))
+    k = found[0][1].balance.top_k
     metrics = {"maxvio_batch": max_vio(load), "load_cv": load_cv(load), "dead_experts": dead_experts(load),
-               "router_entropy": (torch.stack(entropy) / (load.sum(-1).double() / k).clamp_min(1)).float()}
-    return BalanceStep([name for name, _ in routers], load, torch.stack(biases), metrics)
+               "router_entropy": (entropy / (load.sum(-1).double() / k).clamp_min(1)).float()}
+    return BalanceStep([name for name, _ in found], load, bias, metrics)
+
+
+def _in_model_order(parts: list[torch.Tensor], order: list[int]) -> torch.Tensor:
+    """The groups' per-router rows ``[L_g, ...]`` as one ``[L, ...]`` in model order; ``order[j]`` is
+    the model position of row j of the groups' concatenation (one group: already in order)."""
+    if len(parts) == 1:
+        return parts[0]
+    rows = [row for p in parts for row in p.unbind(0)]
+    return torch.stack([rows[j] for j in sorted(range(len(order)), key=order.__getitem__)])
 
 
 def clear_eval_loads(model: nn.Module) -> None:

@@ -128,8 +128,8 @@ class BalancerCallback(Callback):
     Timing: ``perf/balancer_ms`` is the wall time of the update (the collectives included) and
     ``perf/balancer_share`` that time over the time since the previous update (one optimizer step;
     left out on the first step after the start and after each validation). On a GPU the update is
-    bracketed by CUDA events and the host waits for the second one: one host sync per step, where
-    quantile balancing already makes one (the step's token count). ``timings`` keeps
+    bracketed by CUDA events and the host waits for the second one: one host sync per step (the
+    update itself makes none; ``StepMonitor`` makes one per step anyway). ``timings`` keeps
     ``(step, ms, share or None)`` of every step.
 
     At the end of a multi-rank fit, ``replicas`` says whether all ranks hold the same biases and
