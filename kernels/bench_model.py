@@ -7,7 +7,8 @@ Rows (added to ``studies/throughput_h200.json`` by ``impl``):
   gate (``g_min = -5``; fla: ``safe_gate=True, lower_bound=-5``). fla-core/flash-linear-attention are
   optional: without them the fla row is skipped and the script says so.
 * ``moelab_gpu_small_<residual>``: the ``gpu-small`` preset (~100M total, hybrid KDA + gated MLA,
-  LatentMoE) for each residual mode, with a check that loss and every gradient are finite.
+  LatentMoE) for each residual mode (block_attnres with 6 blocks, and ``..._block_attnres_8`` with
+  the 8 of the issue's target), with a check that loss and every gradient are finite.
 * ``moelab_k3_mini`` beside ``moelab_k3_mini_balancer_none``: the ``k3-mini`` preset (quantile
   balancing, histogram mode) and the same model with ``model.moe.balancer=none``. The QB row adds
   ``balancer_cost`` = 1 - its tokens/s over the none row's (the acceptance target is <= 0.02).
@@ -17,6 +18,12 @@ before the optimizer step, as training does (``BalancerCallback``; with ``none``
 the load metrics), so its cost is in the step time; its own device time is the row's
 ``balancer_ms`` (CUDA events around it, read after the timed steps) and ``balancer_share`` =
 ``balancer_ms / step_ms``. Training also lists each step's loss as ``loss + aux_loss``, so do the rows.
+
+``host_ms``: after the timed steps, the wall time the host takes to issue one more step from an
+idle GPU (no sync inside it). Near ``step_ms`` the row is bound by the host (Python, autograd,
+launches), and host-side work such as the balancer's shows in it 1:1 (and so does a slower or
+busier host CPU); well below it, by the GPU. With a host-bound row the balancer's CUDA-event
+span also grows beyond its kernels' time: it then includes the GPU waiting for the host.
 
 Timing as the H200 anchor measurement of fla's model: 5 warm-up steps, then the mean of 10
 timed steps on random tokens. MFU columns: ``mfu`` = 6 x params x tokens/s / 792e12 (the anchor's
@@ -104,7 +111,11 @@ def time_training(model: torch.nn.Module, loss_fn, B: int, T: int, vocab: int, w
         loss = step(timed=True)
     sync()
     dt = (time.perf_counter() - t0) / steps
-    out = {"step_ms": dt * 1e3, "tok_per_s": B * T / dt,
+    t1 = time.perf_counter()
+    step()
+    host = time.perf_counter() - t1
+    sync()
+    out = {"step_ms": dt * 1e3, "tok_per_s": B * T / dt, "host_ms": host * 1e3,
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "loss": float(loss)}
     if balance:
         ms = [a.elapsed_time(b) for a, b in balancer_spans] if cuda else [1e3 * t for t in balancer_spans]
@@ -268,11 +279,12 @@ def main() -> None:
             add(moelab_row(name, "fla-shape", over, args.warmup, args.steps, check_grads=False, compile_model=True))
         add(fla_row(args.warmup, args.steps))
     if args.only in (None, "gpu-small"):
-        for mode in ("prenorm", "full_attnres", "block_attnres"):
+        for impl, mode, blocks in (("prenorm", "prenorm", None), ("full_attnres", "full_attnres", None),
+                                   ("block_attnres", "block_attnres", 6), ("block_attnres_8", "block_attnres", 8)):
             over = {"model.residual.mode": mode}
-            if mode == "block_attnres":
-                over["model.residual.num_blocks"] = 6
-            add(moelab_row(f"moelab_gpu_small_{mode}", "gpu-small", over, args.warmup, args.steps, check_grads=True))
+            if blocks is not None:
+                over["model.residual.num_blocks"] = blocks
+            add(moelab_row(f"moelab_gpu_small_{impl}", "gpu-small", over, args.warmup, args.steps, check_grads=True))
     if args.only in (None, "k3-mini"):
         base = SMOKE_K3_MINI if args.smoke else {}
         none = moelab_row("moelab_k3_mini_balancer_none", "k3-mini", {**base, "model.moe.balancer": "none"},
@@ -281,16 +293,24 @@ def main() -> None:
         qb = moelab_row("moelab_k3_mini", "k3-mini", base, args.warmup, args.steps, check_grads=True, device=device)
         qb["balancer_cost"] = 1.0 - qb["tok_per_s"] / none["tok_per_s"]
         add(qb)
-    print(f"\n{'impl':32s} {'params':>8s} {'ms/step':>9s} {'tok/s':>10s} {'MFU(6N)':>8s} {'peak GB':>8s} "
-          f"{'balancer':>9s}")
+    print(f"\n{'impl':32s} {'params':>8s} {'ms/step':>9s} {'host ms':>8s} {'tok/s':>10s} {'MFU(6N)':>8s} "
+          f"{'peak GB':>8s} {'balancer':>9s}")
     for r in rows:
         if r is not None:
             mfu = f"{100 * r['mfu']:7.1f}%" if r["mfu"] is not None else f"{'-':>8s}"
             mem = f"{r['peak_mem_gb']:8.1f}" if r["peak_mem_gb"] is not None else f"{'-':>8s}"
             share = f"{100 * r['balancer_share']:8.2f}%" if "balancer_share" in r else f"{'-':>9s}"
-            print(f"{r['impl']:32s} {r['params'] / 1e6:7.1f}M {r['step_ms']:9.1f} {r['tok_per_s'] / 1e3:9.1f}K "
-                  f"{mfu} {mem} {share}")
+            print(f"{r['impl']:32s} {r['params'] / 1e6:7.1f}M {r['step_ms']:9.1f} {r['host_ms']:8.1f} "
+                  f"{r['tok_per_s'] / 1e3:9.1f}K {mfu} {mem} {share}")
     by = {r["impl"]: r for r in rows if r is not None}
+    if "moelab_gpu_small_prenorm" in by:
+        base = by["moelab_gpu_small_prenorm"]
+        for name, target in (("full_attnres", 0.75), ("block_attnres", 0.9), ("block_attnres_8", 0.9)):
+            r = by.get(f"moelab_gpu_small_{name}")
+            if r is not None:
+                print(f"gpu-small {name} / prenorm: tokens/s {r['tok_per_s'] / base['tok_per_s']:.3f} "
+                      f"(target >= {target}), peak memory {r['peak_mem_gb'] / base['peak_mem_gb']:.3f}"
+                      + (" (target <= 1.2)" if name.startswith("block") else ""))
     if "moelab_k3_mini" in by:
         print(f"k3-mini quantile_balancing vs none: {100 * by['moelab_k3_mini']['balancer_cost']:.2f}% fewer "
               f"tokens/s (target <= 2%)")

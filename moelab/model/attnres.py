@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from moelab.model.config import ResidualConfig
 from moelab.model.norm import RMSNorm
+from moelab.ops.attnres import GradSlot
 
 
 class DepthAttention(nn.Module):
@@ -31,7 +32,8 @@ class DepthAttention(nn.Module):
 
     ``backend="triton"`` (``"auto"``: on CUDA tensors) runs the fused ``moelab.ops.attnres`` op on
     the list of sources as they are (no stack, fp32 math; h in the sources' promoted dtype, so
-    fp32 with the embedding among them, where the torch path under autocast returns bf16).
+    fp32 with the embedding among them, where the torch path under autocast returns bf16), with
+    each source's gradient summed in place in its :class:`GradSlot` when ``slots`` are given.
     """
 
     def __init__(self, d_model: int, norm_eps: float = 1e-6, backend: str = "auto") -> None:
@@ -40,19 +42,21 @@ class DepthAttention(nn.Module):
         self.key_norm = RMSNorm(d_model, eps=norm_eps)
         self.backend = backend
 
-    def forward(self, sources: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, sources: torch.Tensor | list[torch.Tensor], weights: bool = True,
+                slots: list[GradSlot] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Mix ``sources`` (``[S, B, T, D]`` or S tensors ``[B, T, D]``); return ``h [B, T, D]`` and
-        the weights ``[S, B, T]`` (fp32)."""
+        the weights ``[S, B, T]`` (fp32; None when ``weights`` is False)."""
         if self.backend == "triton" or (self.backend == "auto" and sources[0].is_cuda):
             from moelab.ops.attnres import depth_attention
 
-            return depth_attention(sources, self.query, self.key_norm.weight, self.key_norm.eps, backend="triton")
+            return depth_attention(sources, self.query, self.key_norm.weight, self.key_norm.eps, backend="triton",
+                                   weights=weights, slots=slots)
         if not isinstance(sources, torch.Tensor):
             sources = torch.stack(sources)
         logits = self.key_norm(sources).float() @ self.query.float()  # [S, B, T]
-        weights = logits.softmax(dim=0)
-        h = torch.einsum("sbt,sbtd->btd", weights.to(sources.dtype), sources)
-        return h, weights
+        p = logits.softmax(dim=0)
+        h = torch.einsum("sbt,sbtd->btd", p.to(sources.dtype), sources)
+        return h, (p if weights else None)
 
 
 class AttnResidual(nn.Module):
@@ -89,6 +93,10 @@ class ResidualStream:
         self.x = embedding  # prenorm: the running sum
         self.blocks: list[torch.Tensor] = [embedding]  # AttnRes: b_0 and every completed block
         self.partial: torch.Tensor | None = None
+        # One gradient slot per source tensor (fused path): a block is read by every later sublayer,
+        # and its gradient is summed in place there instead of by autograd (moelab.ops.attnres).
+        self.slots: list[GradSlot] = [GradSlot()]
+        self.partial_slot: GradSlot | None = None
         self.diag: dict[str, list] | None = (
             {"depth_weights": [], "hidden_rms": [], "output_rms": []} if diagnostics else None
         )
@@ -97,8 +105,10 @@ class ResidualStream:
         if self.m.mode == "prenorm":
             h = self.x
         else:
-            sources = self.blocks + ([self.partial] if self.partial is not None else [])
-            h, w = self.m.depth[idx](sources)
+            sources, slots = self.blocks, self.slots
+            if self.partial is not None:
+                sources, slots = sources + [self.partial], slots + [self.partial_slot]
+            h, w = self.m.depth[idx](sources, weights=self.diag is not None, slots=slots)
             if self.diag is not None:
                 self.diag["depth_weights"].append(w.detach().mean(dim=(1, 2)))
         if self.diag is not None:
@@ -117,9 +127,11 @@ class ResidualStream:
             self.x = self.x + out
             return
         self.partial = out if self.partial is None else self.partial + out
+        self.partial_slot = GradSlot()
         if i + 1 in self.m.block_ends:
             self.blocks.append(self.partial)
-            self.partial = None
+            self.slots.append(self.partial_slot)
+            self.partial = self.partial_slot = None
 
     def read_final(self) -> torch.Tensor:
         """The stream as the final norm + LM head see it, ``[B, T, D]``."""

@@ -29,6 +29,12 @@ a first pass over the sources instead. Traffic per token and width element with 
 forward 2L + 2 bytes (+2 for an fp32 h); backward 4L + 8 with the fp32 h, 6L + 2 without. The
 plain path adds a stack copy of the sources, fp32 keys and their saved copies on top.
 
+A model reads every source many times (Full AttnRes: source i in every later read), so autograd
+would write a fresh ``dv_i`` per read and then add them up, a write plus an add (two reads, one
+write) of ``[N, D]`` per source and read. With a :class:`GradSlot` per source the backward kernel
+sums ``dv_i`` in place into the slot's buffer instead (one read and one write), and only the read
+that saw the source first hands the sum to autograd (see ``GradSlot``).
+
 ``depth_attention`` is the front door (either backend); ``depth_attention_torch`` the fp32
 PyTorch reference that defines the semantics.
 """
@@ -126,11 +132,13 @@ def _attnres_fwd_kernel(srcs, q, w, h, r, s, lse, N, D, eps, L: tl.constexpr, BN
 
 @triton.jit
 def _attnres_bwd_kernel(srcs, dsrcs, q, w, h, dh, r, s, lse, part, N, D, NPROG,
-                        L: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, C_FROM_H: tl.constexpr):
+                        L: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, C_FROM_H: tl.constexpr,
+                        ACC: tl.constexpr):
     """dv_i for the tiles ``pid, pid + NPROG, ...`` and this program's partial of B (``part [NPROG, D]``).
 
     ``c = sum_j p_j dp_j``: with C_FROM_H (an fp32 h) it is ``<dh, h>`` and each source is read once;
-    otherwise a first pass over the sources sums it (h is not even saved then)."""
+    otherwise a first pass over the sources sums it (h is not even saved then). Bit i of ACC: add
+    dv_i to what ``dsrcs[i]`` holds (a gradient slot's running sum) instead of overwriting it."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
     cm = cols < D
@@ -154,12 +162,15 @@ def _attnres_bwd_kernel(srcs, dsrcs, q, w, h, dh, r, s, lse, part, N, D, NPROG,
             pi = tl.exp(si - lse_r)
             a = pi * (tl.sum(v * g, axis=1) - c) * ri  # ds_i r_i: the weight of g * q in dv_i and of v_i in B
             dv = pi[:, None] * g + a[:, None] * gq[None, :] - (a * si * ri / D)[:, None] * v
+            if (ACC >> i) & 1:
+                dv += tl.load(dsrcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(dsrcs[i] + offs, dv.to(dsrcs[i].dtype.element_ty), mask=mask)
             b_acc += tl.sum(a[:, None] * v, axis=0)
     tl.store(part + pid.to(tl.int64) * D + cols, b_acc, mask=cm)
 
 
 _RESIDENT: dict[tuple, int] = {}  # backward launch signature -> its programs that fit on one SM at once
+_SMS: dict[int, int] = {}  # device index -> multiprocessor count (a driver query, asked once)
 
 
 def _bwd_programs(n_tiles: int, device: torch.device, cfg: LaunchConfig, key: tuple) -> int:
@@ -168,7 +179,10 @@ def _bwd_programs(n_tiles: int, device: torch.device, cfg: LaunchConfig, key: tu
     the same number of tiles (one per SM until the first launch of ``key`` has told its registers)."""
     if _interpret():
         return max(1, min(n_tiles, _INTERP_PROGRAMS))
-    sms = triton.runtime.driver.active.utils.get_device_properties(device.index)["multiprocessor_count"]
+    sms = _SMS.get(device.index)
+    if sms is None:
+        sms = _SMS[device.index] = triton.runtime.driver.active.utils.get_device_properties(
+            device.index)["multiprocessor_count"]
     return max(1, min(n_tiles, sms * (cfg.programs_per_sm or _RESIDENT.get(key, 1))))
 
 
@@ -183,15 +197,35 @@ def _note_resident(key: tuple, kernel, device: torch.device, warps: int) -> None
     _RESIDENT[key] = max(1, min(fit))
 
 
+class GradSlot:
+    """Where the backward of the reads of one source sums that source's gradient, in place.
+
+    Contract (what makes the sum complete when it is handed over): the first read that takes the
+    slot (in the forward) owns it; every later read of the source depends, through the sublayers
+    in between, on the owner's output, so autograd runs the owner's backward after all of theirs.
+    Non-owners add their ``dv`` into ``grad`` and give autograd None; the owner adds its own, returns
+    the sum as the source's gradient and empties the slot (so a retained graph can run again). A
+    model's residual stream keeps this order by construction: source i first appears in the read
+    right after it is made, and every later read mixes a source that contains it.
+    """
+
+    __slots__ = ("grad", "taken")
+
+    def __init__(self) -> None:
+        self.grad: torch.Tensor | None = None
+        self.taken = False
+
+
 class _DepthAttentionFn(torch.autograd.Function):
     """Inputs: query, norm_weight ``[D]``, then either one stacked ``[L, N, D]`` tensor
-    (``stacked=True``; its gradient is one ``[L, N, D]`` buffer) or L tensors ``[N, D]``."""
+    (``stacked=True``; its gradient is one ``[L, N, D]`` buffer) or L tensors ``[N, D]``, each with
+    an optional :class:`GradSlot` (``slots``, None: a fresh gradient per source)."""
 
     @staticmethod
-    def forward(ctx, query, norm_weight, eps, out_dtype, stacked, cfg, *inputs):
+    def forward(ctx, query, norm_weight, eps, out_dtype, stacked, cfg, want_p, slots, *inputs):
         srcs = tuple(inputs[0].unbind(0)) if stacked else inputs
-        N, D = srcs[0].shape
-        L = len(srcs)
+        D = srcs[0].shape[-1]
+        N, L = srcs[0].numel() // D, len(srcs)
         dev = srcs[0].device
         h = torch.empty(N, D, device=dev, dtype=out_dtype)
         stats = torch.empty(2 * L + 1, N, device=dev, dtype=torch.float32)
@@ -199,9 +233,16 @@ class _DepthAttentionFn(torch.autograd.Function):
         _attnres_fwd_kernel[(triton.cdiv(N, cfg.rows),)](
             srcs, query, norm_weight, h, r, s, lse, N, D, eps,
             L=L, BN=cfg.rows, BD=triton.next_power_of_2(D), num_warps=cfg.warps)
-        p = torch.exp(s - lse)
         ctx.save_for_backward(query, norm_weight, h if out_dtype == torch.float32 else None, stats, *inputs)
         ctx.stacked, ctx.cfg = stacked, cfg
+        ctx.slots = slots or (None,) * L
+        ctx.owner = tuple(sl is not None and not sl.taken for sl in ctx.slots)
+        for sl in ctx.slots:
+            if sl is not None:
+                sl.taken = True
+        if not want_p:
+            return h, None
+        p = torch.exp(s - lse)
         ctx.mark_non_differentiable(p)
         return h, p
 
@@ -210,15 +251,25 @@ class _DepthAttentionFn(torch.autograd.Function):
     def backward(ctx, dh, _dp):
         query, norm_weight, h, stats, *inputs = ctx.saved_tensors
         cfg = ctx.cfg
+        acc = 0
         if ctx.stacked:
             dstack = torch.empty_like(inputs[0])
             srcs, dsrcs = tuple(inputs[0].unbind(0)), tuple(dstack.unbind(0))
         else:
-            srcs = tuple(inputs)
-            dsrcs = tuple(torch.empty_like(x) for x in srcs)
-        N, D = srcs[0].shape
-        L = len(srcs)
-        consts = dict(L=L, BN=cfg.rows, BD=triton.next_power_of_2(D), C_FROM_H=h is not None)
+            srcs, dsrcs = tuple(inputs), []
+            for i, (x, sl) in enumerate(zip(srcs, ctx.slots)):
+                if sl is None:
+                    dsrcs.append(torch.empty_like(x))
+                elif sl.grad is None:
+                    sl.grad = torch.empty_like(x)
+                    dsrcs.append(sl.grad)
+                else:
+                    acc |= 1 << i
+                    dsrcs.append(sl.grad)
+            dsrcs = tuple(dsrcs)
+        D = srcs[0].shape[-1]
+        N, L = srcs[0].numel() // D, len(srcs)
+        consts = dict(L=L, BN=cfg.rows, BD=triton.next_power_of_2(D), C_FROM_H=h is not None, ACC=acc)
         dh = dh.contiguous()
         key = (dh.device.index, cfg, tuple(consts.items()), tuple(x.dtype for x in srcs), dh.dtype)
         nprog = _bwd_programs(triton.cdiv(N, cfg.rows), dh.device, cfg, key)
@@ -231,8 +282,15 @@ class _DepthAttentionFn(torch.autograd.Function):
         b = part.sum(0)
         dq = (b * norm_weight.float()).to(query.dtype)
         dw = (b * query.float()).to(norm_weight.dtype)
-        grads = (dstack,) if ctx.stacked else dsrcs
-        return dq, dw, None, None, None, None, *grads
+        if ctx.stacked:
+            grads = (dstack,)
+        else:
+            grads = []
+            for d, sl, own in zip(dsrcs, ctx.slots, ctx.owner):
+                if sl is not None and own:
+                    sl.grad = None
+                grads.append(d if sl is None or own else None)
+        return dq, dw, None, None, None, None, None, None, *grads
 
 
 def depth_attention_torch(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
@@ -283,7 +341,8 @@ def _check(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: to
 @torch.compiler.disable  # a compiled model calls the op eagerly (its kernels launch themselves)
 def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch.Tensor,
                     norm_weight: torch.Tensor, eps: float = 1e-6, backend: str = "auto",
-                    config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    config: LaunchConfig | None = None, weights: bool = True,
+                    slots: Sequence[GradSlot] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax over depth with one pseudo-query and an RMSNorm on the keys (see the module docstring).
 
     Args:
@@ -296,12 +355,18 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch
         backend: ``"triton"`` (CUDA tensors, or any under ``TRITON_INTERPRET=1``), ``"torch"``
             (``depth_attention_torch``), or ``"auto"``: triton on CUDA tensors, else torch.
         config: Triton launch parameters; None takes ``launch_config(D)``.
+        weights: also return the depth weights p (False: None in their place, and the Triton
+            path skips the two kernels that make them).
+        slots: one :class:`GradSlot` per source (list form, Triton path): the sources' gradients
+            are summed in place over the reads that share a slot (see ``GradSlot`` for the order
+            this relies on). Ignored by the torch backend (autograd sums there).
 
     Returns:
         ``h [..., D]`` in the promoted dtype of the sources (autocast or not: with the model's
         fp32 embedding among the sources that is fp32, the dtype of prenorm's running sum, and the
         next RMSNorm then keeps this very tensor instead of an fp32 copy); the depth weights
-        ``p [L, ...]`` fp32 (no gradient). Gradients flow to every source, query and norm_weight.
+        ``p [L, ...]`` fp32 (no gradient), or None with ``weights=False``. Gradients flow to every
+        source, query and norm_weight.
     """
     stacked = isinstance(sources, torch.Tensor)
     if stacked and sources.dim() < 2:
@@ -311,8 +376,12 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch
     out_dtype = _out_dtype(seq)
     if backend == "auto":
         backend = "triton" if seq[0].is_cuda else "torch"
+    if slots is not None and (stacked or len(slots) != len(seq)):
+        raise ValueError(f"slots: expected one GradSlot per source in list form ({len(seq)}), got "
+                         f"{len(slots)} for {'a stacked tensor' if stacked else 'a list'}")
     if backend == "torch":
-        return depth_attention_torch(seq, query, norm_weight, eps, out_dtype)
+        h, p = depth_attention_torch(seq, query, norm_weight, eps, out_dtype)
+        return h, (p if weights else None)
     if not (seq[0].is_cuda or _interpret()):
         raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {seq[0].device}")
     lead, D = seq[0].shape[:-1], seq[0].shape[-1]
@@ -322,8 +391,8 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch
     cfg.validate()
     if stacked:
         inputs = (sources.reshape(len(seq), -1, D).contiguous(),)
-    else:
-        inputs = tuple(x.reshape(-1, D).contiguous() for x in seq)
+    else:  # the kernels index rows of D elements, so any contiguous [..., D] source goes in as it is
+        inputs = tuple(x if x.is_contiguous() else x.contiguous() for x in seq)
     h, p = _DepthAttentionFn.apply(query.contiguous(), norm_weight.contiguous(), float(eps), out_dtype, stacked,
-                                   cfg, *inputs)
-    return h.view(*lead, D), p.view(len(seq), *lead)
+                                   cfg, weights, None if slots is None else tuple(slots), *inputs)
+    return h.view(*lead, D), (p.view(len(seq), *lead) if weights else None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moelab.ops.attnres import MAX_D, LaunchConfig, depth_attention, depth_attention_torch
+from moelab.ops.attnres import MAX_D, GradSlot, LaunchConfig, depth_attention, depth_attention_torch
 from tests.helpers import assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -160,6 +160,55 @@ def test_bad_arguments_raise():
                         backend="triton")
 
 
+def _chain(backend, leaves, dts, with_slots):
+    """A residual stream in miniature: read i mixes the embedding and the outputs of the sublayers
+    before it (``tanh(h @ W_i)``, so every later read depends on every earlier one), as Full AttnRes
+    does; returns the last read."""
+    emb, query, weight, *ws = leaves
+    sources, slots = [emb], [GradSlot()]
+    for w, dt in zip(ws, dts):
+        h, p = depth_attention(sources, query, weight, backend=backend, weights=False,
+                               slots=slots if with_slots else None)
+        assert p is None
+        sources.append(torch.tanh(h.float() @ w).to(dt))
+        slots.append(GradSlot())
+    return depth_attention(sources, query, weight, backend=backend, weights=False,
+                           slots=slots if with_slots else None)[0], slots
+
+
+@pytest.mark.parametrize("dts", [(F32,) * 4, (BF,) * 4], ids=["fp32", "bf16"])
+def test_grad_slots_sum_in_place_over_reads(dts):
+    """Sources read by several reads with gradient slots (the backward sums each source's gradient in
+    place, only its first read hands it over): the same gradients as autograd's own sum over the
+    fp32 reference; a retained graph run twice gives the same gradients again (slots emptied)."""
+    gen = torch.Generator().manual_seed(11)
+    D = 24
+    leaves = [torch.randn(3, 5, D, generator=gen), torch.randn(D, generator=gen) * 0.5,
+              torch.rand(D, generator=gen) + 0.5]
+    leaves += [torch.randn(D, D, generator=gen) / D ** 0.5 for _ in dts]
+    dh = torch.randn(3, 5, D, generator=gen).to(DEV)
+
+    def grads(backend, with_slots, dtypes, runs=1):
+        xs = [x.to(DEV).requires_grad_() for x in leaves]
+        h, slots = _chain(backend, xs, dtypes, with_slots)
+        for _ in range(runs):
+            for x in xs:
+                x.grad = None
+            (h.float() * dh).sum().backward(retain_graph=True)
+        assert all(sl.grad is None for sl in slots)
+        return h.float(), [x.grad for x in xs]
+
+    ref_h, ref = grads("torch", False, (F32,) * len(dts))
+    tol = (1e-5, 1e-5) if dts[0] == F32 else (5e-3, 2e-2)
+    for runs in (1, 2):
+        h, out = grads("triton", True, dts, runs)
+        assert_close(ref_h, h, tol[0], "h")
+        for i, (a, b) in enumerate(zip(ref, out)):
+            assert_close(a, b, tol[1], f"grad of leaf {i} (run {runs})")
+    with pytest.raises(ValueError, match=r"slots: expected one GradSlot per source in list form \(2\), got 1"):
+        depth_attention(leaves[:1] * 2, leaves[1], leaves[2], backend="triton", slots=[GradSlot()])
+
+
 @pytest.mark.parametrize("mode, num_blocks", [("full_attnres", 1), ("block_attnres", 4)])
 def test_model_backends_agree(mode, num_blocks):
     """The tiny model with ``model.residual.backend=triton`` (fused op) against ``torch`` (the plain
@@ -180,6 +229,11 @@ def test_model_backends_agree(mode, num_blocks):
         out = model(x, x, return_diagnostics=True)
         out.loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        model(x, x).loss.backward()  # without diagnostics: no depth weights made, the same gradients
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                assert_close(grads[n], p.grad, 1e-6, f"{n} without diagnostics")
         runs[backend] = (out.loss.detach(), out.diagnostics["depth_weights"], grads)
     assert_close(runs["torch"][0], runs["triton"][0], 1e-6, "loss")
     for i, (a, b) in enumerate(zip(runs["torch"][1], runs["triton"][1])):
