@@ -81,3 +81,17 @@ def test_bench_model_k3_mini_smoke(tmp_path):
         assert 0 < r["balancer_ms"] < r["step_ms"] and r["balancer_share"] == r["balancer_ms"] / r["step_ms"]
     assert qb["balancer_cost"] == 1 - qb["tok_per_s"] / none["tok_per_s"]
     assert "k3-mini quantile_balancing vs none" in res.stdout
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU smoke runs; the GPU runs the real thing")
+def test_ab_model_smoke(tmp_path):
+    out = tmp_path / "ab.json"
+    res = _run(["kernels/ab_model.py", "--smoke", "--out", str(out)], tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    row = json.loads(out.read_text())
+    assert row["moelab"].startswith(os.path.join(ROOT, "moelab"))
+    assert row["step_ms"] > 0 and row["step_ms_nocheck"] > 0 and 0 < row["host_ms"]
+    assert row["cpu_ops"] > 100 and row["top_cpu"] and row["launches"] == 0  # CPU: no kernel launches
+    # a tree without the package (here: an empty folder) is refused, not silently replaced by another copy
+    res = _run(["kernels/ab_model.py", "--smoke", "--root", str(tmp_path)], tmp_path)
+    assert res.returncode != 0 and "not from --root" in res.stderr
