@@ -60,14 +60,15 @@ class Plan:
 # Dense SwiGLU FFNs in every layer (dense_layers >= every depth): the study is about the residual
 # stream, and routing would add a second source of seed noise and most of the step time.
 PRESETS = {
-    # 2 shared CPU cores, about 3 minutes: all-MLA mixers (KDA's chunked form costs ~4x an MLA layer
-    # per step on CPU), width 64, 30 steps of 512 tokens, the other block counts at the deepest depth
-    # only; 29 runs. One thread: measured on a busy 2-core machine, two threads made a step 5-9x slower.
-    "cpu": Plan("tiny", {"model.pattern": "M", "model.dense_layers": 8, "train.max_steps": 30,
-                         "train.warmup_steps": 3, "train.val_every": 15, "train.val_batches": 2,
+    # 2 shared CPU cores, under 2 minutes when idle and about 3 under other jobs' load: all-MLA mixers (KDA's
+    # chunked form costs ~4x an MLA layer per step on CPU), width 64, 40 steps of 512 tokens, the other block
+    # counts at the deepest depth only; 29 runs. One thread: measured on a busy 2-core machine, two threads
+    # made a step 5-9x slower.
+    "cpu": Plan("tiny", {"model.pattern": "M", "model.dense_layers": 8, "train.max_steps": 40,
+                         "train.warmup_steps": 4, "train.val_every": 20, "train.val_batches": 2,
                          "train.log_every": 5, "tracking.log_system_metrics": False},
                 (2, 4, 8), (0, 1, 2), (0,), (8,), threads=1,
-                notes="all-MLA mixers, d_model 64, 30 steps of 8 x 64 tokens"),
+                notes="all-MLA mixers, d_model 64, 40 steps of 8 x 64 tokens"),
     # One H200, estimated ~7 minutes with compilation (not yet measured): gpu-small's hybrid (3 KDA : 1 MLA,
     # d_model 512) with dense FFNs, 80 steps of 16K tokens. Estimate: gpu-small's measured 121 ms per
     # 32K-token step over 12 layers is ~5 ms per layer per 16K-token step; Block and Full AttnRes cost ~1.9x
