@@ -60,21 +60,29 @@ class Plan:
 # Dense SwiGLU FFNs in every layer (dense_layers >= every depth): the study is about the residual
 # stream, and routing would add a second source of seed noise and most of the step time.
 PRESETS = {
-    # 2 shared CPU cores, about 4 minutes: all-MLA mixers (KDA's chunked form costs ~4x an MLA layer
-    # per step on CPU), width 64, 512 tokens per step, the other block counts at the deepest depth
-    # only. One thread: measured on a busy 2-core machine, two threads made a step 5-9x slower.
+    # 2 shared CPU cores, under 2 minutes when idle and about 3 under other jobs' load: all-MLA mixers (KDA's
+    # chunked form costs ~4x an MLA layer per step on CPU), width 64, 40 steps of 512 tokens, the other block
+    # counts at the deepest depth only; 29 runs. One thread: measured on a busy 2-core machine, two threads
+    # made a step 5-9x slower.
     "cpu": Plan("tiny", {"model.pattern": "M", "model.dense_layers": 8, "train.max_steps": 40,
                          "train.warmup_steps": 4, "train.val_every": 20, "train.val_batches": 2,
                          "train.log_every": 5, "tracking.log_system_metrics": False},
-                (2, 4, 8), (0, 1), (0,), (8,), threads=1,
+                (2, 4, 8), (0, 1, 2), (0,), (8,), threads=1,
                 notes="all-MLA mixers, d_model 64, 40 steps of 8 x 64 tokens"),
-    # One H200 in 10 minutes with compilation: gpu-small's hybrid (3 KDA : 1 MLA, d_model 512) with
-    # dense FFNs, 16K tokens per step.
-    "gpu": Plan("gpu-small", {"model.dense_layers": 24, "data.seq_len": 1024, "train.batch_size": 16,
-                              "train.max_steps": 100, "train.warmup_steps": 10, "train.val_every": 50,
+    # One H200, estimated ~7 minutes with compilation (not yet measured): gpu-small's hybrid (3 KDA : 1 MLA,
+    # d_model 512) with dense FFNs, 80 steps of 16K tokens. Estimate: gpu-small's measured 121 ms per
+    # 32K-token step over 12 layers is ~5 ms per layer per 16K-token step; Block and Full AttnRes cost ~1.9x
+    # prenorm's step at 12 layers (kernels/results/restructure_h200/model_gpu_small_1227ff2.json; Full's extra
+    # grows with depth), so the three main modes at 4 + 8 + 16 layers take ~53 s per seed, ~160 s for three
+    # seeds, plus ~25 s for the other block counts at 16 layers (seed 0): ~3 min of steps, ~2.5 min of start,
+    # validation and checkpoints over 29 runs (~5 s each), ~1 min of kernel compilation. Three seeds at depths
+    # (6, 12, 24) with the other block counts at every depth and 100 steps would take ~11 min, so the grid is
+    # 4 -> 16 layers, 80 steps, and the other block counts run at the deepest depth only.
+    "gpu": Plan("gpu-small", {"model.dense_layers": 16, "data.seq_len": 1024, "train.batch_size": 16,
+                              "train.max_steps": 80, "train.warmup_steps": 8, "train.val_every": 40,
                               "train.val_batches": 2},
-                (6, 12, 24), (0, 1), (0,), (6, 12, 24),
-                notes="3:1 KDA/MLA, d_model 512, 100 steps of 16 x 1024 tokens"),
+                (4, 8, 16), (0, 1, 2), (0,), (16,),
+                notes="3:1 KDA/MLA, d_model 512, 80 steps of 16 x 1024 tokens"),
 }
 
 
@@ -616,10 +624,9 @@ def findings(summary: Mapping[str, Any]) -> str:
     lines.append(f"- Budget: every run saw {', '.join(f'{t:,}' for t in toks)} tokens; at one depth the modes' "
                  f"parameter counts differ by at most {budget['max_param_excess_at_a_depth']:.2%} (the AttnRes "
                  "queries and key norms), so the comparison at each depth is at equal tokens and parameters.")
-    seeds = summary["meta"].get("seeds") or []
-    if len(seeds) == 2:
-        lines.append("- Seeds: two per main arm, so each noise below is the spread of two paired differences, itself "
-                     "a rough estimate: a verdict beyond the noise is a lead to confirm with more seeds.")
+    note = common.seed_note(len(summary["meta"].get("seeds") or []), "main arm")
+    if note:
+        lines.append(note)
     for L, v in summary["by_depth"].items():
         bp, fp, fb = v["block_vs_prenorm"], v["full_vs_prenorm"], v["full_vs_block"]
         lines.append(

@@ -516,6 +516,28 @@ def _pm(mean: float, std: float, n: int) -> str:
     return f"{mean:.4g} ± {std:.2g}" if n > 1 and math.isfinite(std) else f"{mean:.4g}"
 
 
+FEW_SEEDS = 4  # up to this many seeds the noise estimate (n - 1 degrees of freedom) is called rough
+
+
+def seed_note(n_seeds: int, per: str) -> str | None:
+    """The findings line on what the seed count means for the noise every verdict is judged against.
+
+    For studies that call a paired difference real when its mean exceeds twice the standard deviation
+    of the per-seed differences (studies 3 and 4): with n seeds that std has n - 1 degrees of freedom,
+    so with a few seeds it is itself uncertain and a verdict beyond it is a lead rather than a result. None for one
+    seed (no noise is measured; the verdicts say so). ``per``: what a seed count is counted per
+    (``schedule``, ``main arm``).
+    """
+    if n_seeds < 2:
+        return None
+    count = {2: "two", 3: "three", 4: "four"}.get(n_seeds, str(n_seeds))
+    line = (f"- Seeds: {count} per {per}, so each noise below is twice the standard deviation of {count} paired "
+            f"differences ({n_seeds - 1} degree{'s' * (n_seeds > 2)} of freedom)")
+    if n_seeds <= FEW_SEEDS:
+        return line + ", itself a rough estimate: a verdict beyond it is a lead to confirm with more seeds."
+    return line + "."
+
+
 def loss_curves(grid: Grid, title: str = "") -> Any:
     """Train loss of every run: one colour per arm, each seed a thin line, the seed mean bold; val loss as dots.
 
@@ -604,4 +626,4 @@ def study_meta(study: str, preset: str, grid: Grid | None = None, **extra: Any) 
 
 __all__ = ["Grid", "KNOWN_NOISE", "MACHINE_PATH", "RunRecord", "aggregate", "check_arms_differ_only", "device_name",
            "git_state", "loss_curves", "measured_commit", "output_to", "quiet_known_noise", "resolve_arms",
-           "run_grid", "show", "study_context", "study_meta"]
+           "run_grid", "seed_note", "show", "study_context", "study_meta"]

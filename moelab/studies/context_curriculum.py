@@ -80,23 +80,30 @@ class Plan:
 
 
 PRESETS = {
-    # 2 shared CPU cores, about 4 minutes: all-MLA mixers and dense FFNs at width 64 (KDA's chunked form and
-    # the MoE dispatch cost most of a CPU step), 1024 tokens per step. The shortest stage is 256 because a
-    # passkey sample needs 132 tokens with the 512-id tokenizer; 1:4:8 as 512 -> 2K -> 4K. One thread (see study 3).
+    # 2 shared CPU cores, about 3 minutes: all-MLA mixers and dense FFNs at width 64 (KDA's chunked form and
+    # the MoE dispatch cost most of a CPU step), 80 steps of 2048 tokens, 9 runs. The shortest stage is 256
+    # because a passkey sample needs 132 tokens with the 512-id tokenizer; 256 -> 1024 -> 2048 keeps the ratio
+    # 1:4:8. The evaluation (passkey and MQAR up to 8192 tokens, plain-PyTorch attention, ~11K tokens/s) takes
+    # over half the time; retrieval stays at chance at this scale, so it runs 2 passkey samples per cell and 4
+    # MQAR samples per length (times 3 seeds). One thread (see study 3).
     "cpu": Plan("tiny", {"model.pattern": "M", "model.dense_layers": 8, "model.max_seq_len": 2048,
-                         "data.seq_len": 2048, "train.batch_size": 1, "train.max_steps": 100,
-                         "train.warmup_steps": 10, "train.val_every": 20, "train.val_batches": 2,
+                         "data.seq_len": 2048, "train.batch_size": 1, "train.max_steps": 80,
+                         "train.warmup_steps": 8, "train.val_every": 20, "train.val_batches": 2,
                          "train.log_every": 5, "tracking.log_system_metrics": False},
-                (256, 1024, 2048), (0.5, 0.3, 0.2), 100, 0.1, (0, 1),
-                EvalPlan(depths=(0.0, 0.5, 1.0), samples=4, mqar_pairs=8, mqar_samples=8, lbp_samples=4,
+                (256, 1024, 2048), (0.5, 0.3, 0.2), 80, 0.1, (0, 1, 2),
+                EvalPlan(depths=(0.0, 0.5, 1.0), samples=2, mqar_pairs=8, mqar_samples=4, lbp_samples=4,
                          batch_size=4),
-                threads=1, notes="all-MLA, d_model 64, 100 steps of 2048 tokens; stages 256 -> 1024 -> 2048"),
-    # One H200 in 10 minutes with compilation: gpu-small (3 KDA : 1 MLA, d_model 512, MoE) at 32K tokens per
-    # step, 1K -> 4K -> 16K (the report's 8K -> 64K -> 256K ratios 1:8:32, scaled to 1:4:16).
+                threads=1, notes="all-MLA, d_model 64, 80 steps of 2048 tokens; stages 256 -> 1024 -> 2048"),
+    # One H200, estimated ~6.5 minutes with compilation (not yet measured): gpu-small (3 KDA : 1 MLA, d_model 512,
+    # MoE) at 32K tokens per step, 1K -> 4K -> 16K (the report's 8K -> 64K -> 256K ratios 1:8:32, scaled to
+    # 1:4:16). Estimate: gpu-small's measured 121 ms per 32K-token step (T = 4096; the three MLA layers' longer
+    # attention adds a little at 16K), so ~15 s of steps and ~5 s of start, validation and checkpoints per run,
+    # ~3 min for 3 schedules x 3 seeds; the evaluation forwards ~7M tokens per model (passkey and MQAR up to
+    # 64K), ~10 s each, ~1.5 min; ~1.5 min of kernel compilation over the lengths.
     "gpu": Plan("gpu-small", {"model.max_seq_len": 16384, "data.seq_len": 16384, "train.batch_size": 2,
                               "train.max_steps": 120, "train.warmup_steps": 12, "train.val_every": 20,
                               "train.val_batches": 2, "train.log_every": 5},
-                (1024, 4096, 16384), (0.5, 0.3, 0.2), 120, 0.1, (0, 1),
+                (1024, 4096, 16384), (0.5, 0.3, 0.2), 120, 0.1, (0, 1, 2),
                 EvalPlan(depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=8, mqar_pairs=16, mqar_samples=16,
                          lbp_samples=4, batch_size=8),
                 notes="gpu-small, 120 steps of 2 x 16384 tokens; stages 1K -> 4K -> 16K"),
@@ -517,9 +524,9 @@ def findings(summary: Mapping[str, Any]) -> str:
                      f"{_ms([r['effective_context'] for r in sel], 0)} tokens, MQAR accuracy at the longest "
                      f"training length {_ms([r['mqar_acc'] for r in sel], 3)}, wall-clock "
                      f"{_ms([r['wall_s'] for r in sel], 1)} s ({len(sel)} seed{'s' * (len(sel) > 1)}).")
-    if len(meta.get("seeds") or []) == 2:
-        lines.append("- Seeds: two per schedule, so each noise below is the spread of two paired differences, itself "
-                     "a rough estimate: a difference beyond it is a lead to confirm with more seeds.")
+    note = common.seed_note(len(meta.get("seeds") or []), "schedule")
+    if note:
+        lines.append(note)
     for other, key in (("direct", "curriculum_vs_direct"), ("short", "curriculum_vs_short")):
         c = summary[key]
         parts = [f"{NAMES[m]} {c[m]['mean']:+.4g} ({_judge(c[m])})" for m in METRICS if c[m]["mean"] is not None]

@@ -46,6 +46,16 @@ def test_aggregate_mean_and_spread_over_seeds() -> None:
     assert list(agg.index) == ["a", "b"]
 
 
+def test_seed_note_names_the_count_and_the_degrees_of_freedom() -> None:
+    assert common.seed_note(1, "arm") is None  # one seed: no noise measured, the verdicts say so
+    three = common.seed_note(3, "schedule")
+    assert three.startswith("- Seeds: three per schedule") and "(2 degrees of freedom)" in three
+    assert "rough estimate" in three
+    assert "(1 degree of freedom)" in common.seed_note(2, "arm")
+    many = common.seed_note(common.FEW_SEEDS + 1, "arm")
+    assert f"{common.FEW_SEEDS + 1} paired differences" in many and "rough" not in many
+
+
 def test_grid_runs_nested_tagged_and_resumes(tmp_path, tracking_uri) -> None:  # noqa: F811
     from mlflow.tracking import MlflowClient
 
