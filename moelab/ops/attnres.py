@@ -41,9 +41,11 @@ PyTorch reference that defines the semantics.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -60,29 +62,55 @@ _INTERP_PROGRAMS = 3  # interpreter: a few programs, so the persistent loop take
 class LaunchConfig:
     """Launch parameters of the Triton path (tuning knobs; ``launch_config`` picks the default).
 
-    rows: tokens per program tile (a power of two); each tile is ``[rows, next_pow2(D)]``.
-    warps: warps per program.
+    rows: tokens per forward tile (a power of two); each tile is ``[rows, next_pow2(D)]``.
+    warps: warps per forward program.
     programs_per_sm: the backward's persistent grid is ``SMs * programs_per_sm`` programs (each
         writes one fp32 ``[D]`` partial of B); 0: as many as fit on an SM at once. The forward
         launches one program per tile.
+    bwd_rows, bwd_warps: the same for the backward; 0 takes the forward's value.
     """
 
     rows: int = 1
     warps: int = 8
     programs_per_sm: int = 0
+    bwd_rows: int = 0
+    bwd_warps: int = 0
 
     def validate(self) -> None:
-        for name, value, hi in (("rows", self.rows, 64), ("warps", self.warps, 16)):
-            if value < 1 or value > hi or value & (value - 1):
-                raise ValueError(f"LaunchConfig.{name}={value} is not allowed: expected a power of two in 1..{hi}")
+        for name, value, lo, hi in (("rows", self.rows, 1, 64), ("warps", self.warps, 1, 16),
+                                    ("bwd_rows", self.bwd_rows, 0, 64), ("bwd_warps", self.bwd_warps, 0, 16)):
+            if value < lo or value > hi or value & (value - 1):
+                what = "0 (as the forward) or a power of two" if lo == 0 else "a power of two"
+                raise ValueError(f"LaunchConfig.{name}={value} is not allowed: expected {what} in {max(lo, 1)}..{hi}")
         if self.programs_per_sm < 0:
             raise ValueError(f"LaunchConfig.programs_per_sm={self.programs_per_sm} is not allowed: expected >= 0")
 
+    @property
+    def bwd(self) -> tuple[int, int]:
+        """(rows, warps) of the backward."""
+        return self.bwd_rows or self.rows, self.bwd_warps or self.warps
 
+
+# Measured launches per width (kernels/bench_attnres.py --sweep on the H200); other widths take the rule
+# in ``launch_config``.
+LAUNCH_TABLE: Mapping[int, LaunchConfig] = MappingProxyType({})
+
+
+def _pow2(n: int) -> int:
+    """Next power of two (plain Python: ``triton.next_power_of_2`` is a constexpr function now,
+    about 10 us a call from host code)."""
+    return 1 << (n - 1).bit_length()
+
+
+@functools.cache
 def launch_config(d: int) -> LaunchConfig:
-    """Default launch for width ``d``: tiles of at least 2048 elements (several rows when d is
-    small) at 8 elements per thread (one 16-byte load of bf16), at most 16 warps."""
-    bd = triton.next_power_of_2(d)
+    """Default launch for width ``d``: ``LAUNCH_TABLE[d]`` when measured, else tiles of at least 2048
+    elements (several rows when d is small) at 8 elements per thread (one 16-byte load of bf16), at
+    most 16 warps."""
+    if d in LAUNCH_TABLE:
+        LAUNCH_TABLE[d].validate()
+        return LAUNCH_TABLE[d]
+    bd = _pow2(d)
     rows = max(1, 2048 // bd)
     return LaunchConfig(rows=rows, warps=min(16, max(1, rows * bd // 256)))
 
@@ -101,11 +129,14 @@ def _tile(blk, N, D, cols, BN: tl.constexpr):
 
 
 @triton.jit
-def _attnres_fwd_kernel(srcs, q, w, h, r, s, lse, N, D, eps, L: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
-    """One ``[BN, D]`` tile of h; writes r, s ``[L, N]`` and lse ``[N]`` (fp32) for the backward.
+def _attnres_fwd_kernel(srcs, q, w, h, stats, N, D, eps, L: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    """One ``[BN, D]`` tile of h; writes ``stats [2L + 1, N]`` (fp32: r, s ``[L, N]`` and lse ``[N]``)
+    for the backward.
 
     Per-source statistics go straight to memory as they come: holding them in ``[BN, L]``
-    registers costs a layout conversion per source and spills at large L."""
+    registers costs a layout conversion per source and spills at large L. The next source's load
+    is issued before this one's row sums, so its latency hides behind their barriers."""
+    r, s, lse = stats, stats + L * N, stats + 2 * L * N
     cols = tl.arange(0, BD)
     cm = cols < D
     gq = tl.load(q + cols, mask=cm, other=0.0).to(tl.float32) * tl.load(w + cols, mask=cm, other=0.0).to(tl.float32)
@@ -113,8 +144,11 @@ def _attnres_fwd_kernel(srcs, q, w, h, r, s, lse, N, D, eps, L: tl.constexpr, BN
     m = tl.full([BN], float("-inf"), tl.float32)
     den = tl.zeros([BN], tl.float32)
     acc = tl.zeros([BN, BD], tl.float32)
+    nxt = tl.load(srcs[0] + offs, mask=mask, other=0.0)
     for i in tl.static_range(L):
-        v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+        v = nxt.to(tl.float32)
+        if i + 1 < L:
+            nxt = tl.load(srcs[i + 1] + offs, mask=mask, other=0.0)
         ri = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
         si = tl.sum(v * gq[None, :], axis=1) * ri
         tl.store(r + i * N + rows, ri, mask=rm)
@@ -131,21 +165,28 @@ def _attnres_fwd_kernel(srcs, q, w, h, r, s, lse, N, D, eps, L: tl.constexpr, BN
 
 
 @triton.jit
-def _attnres_bwd_kernel(srcs, dsrcs, q, w, h, dh, r, s, lse, part, N, D, NPROG,
+def _attnres_bwd_kernel(srcs, dsrcs, q, w, h, dh, stats, part, N, D, NPROG,
                         L: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, C_FROM_H: tl.constexpr,
                         ACC: tl.constexpr):
     """dv_i for the tiles ``pid, pid + NPROG, ...`` and this program's partial of B (``part [NPROG, D]``).
 
     ``c = sum_j p_j dp_j``: with C_FROM_H (an fp32 h) it is ``<dh, h>`` and each source is read once;
     otherwise a first pass over the sources sums it (h is not even saved then). Bit i of ACC: add
-    dv_i to what ``dsrcs[i]`` holds (a gradient slot's running sum) instead of overwriting it."""
+    dv_i to what ``dsrcs[i]`` holds (a gradient slot's running sum) instead of overwriting it.
+    B is summed over the rows of a ``[BN, BD]`` register tile and reduced across rows once per
+    program (a reduction per source and tile costs a barrier each); the loads of source i + 1 (and of
+    its slot) are issued before source i's row sums, as in the forward."""
+    r, s, lse = stats, stats + L * N, stats + 2 * L * N
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
     cm = cols < D
     gq = tl.load(q + cols, mask=cm, other=0.0).to(tl.float32) * tl.load(w + cols, mask=cm, other=0.0).to(tl.float32)
-    b_acc = tl.zeros([BD], tl.float32)
+    b_acc = tl.zeros([BN, BD], tl.float32)
     for blk in range(pid, tl.cdiv(N, BN), NPROG):
         rows, rm, offs, mask = _tile(blk, N, D, cols, BN)
+        nxt = tl.load(srcs[0] + offs, mask=mask, other=0.0)
+        if ACC & 1:
+            nxt_d = tl.load(dsrcs[0] + offs, mask=mask, other=0.0)
         g = tl.load(dh + offs, mask=mask, other=0.0).to(tl.float32)
         lse_r = tl.load(lse + rows, mask=rm, other=0.0)
         if C_FROM_H:
@@ -156,17 +197,23 @@ def _attnres_bwd_kernel(srcs, dsrcs, q, w, h, dh, r, s, lse, part, N, D, NPROG,
                 v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
                 c += tl.exp(tl.load(s + i * N + rows, mask=rm, other=0.0) - lse_r) * tl.sum(v * g, axis=1)
         for i in tl.static_range(L):
-            v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+            v = nxt.to(tl.float32)
+            if (ACC >> i) & 1:
+                prev = nxt_d.to(tl.float32)
+            if i + 1 < L:
+                nxt = tl.load(srcs[i + 1] + offs, mask=mask, other=0.0)
+                if (ACC >> (i + 1)) & 1:
+                    nxt_d = tl.load(dsrcs[i + 1] + offs, mask=mask, other=0.0)
             si = tl.load(s + i * N + rows, mask=rm, other=0.0)
             ri = tl.load(r + i * N + rows, mask=rm, other=0.0)
             pi = tl.exp(si - lse_r)
             a = pi * (tl.sum(v * g, axis=1) - c) * ri  # ds_i r_i: the weight of g * q in dv_i and of v_i in B
             dv = pi[:, None] * g + a[:, None] * gq[None, :] - (a * si * ri / D)[:, None] * v
             if (ACC >> i) & 1:
-                dv += tl.load(dsrcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+                dv += prev
             tl.store(dsrcs[i] + offs, dv.to(dsrcs[i].dtype.element_ty), mask=mask)
-            b_acc += tl.sum(a[:, None] * v, axis=0)
-    tl.store(part + pid.to(tl.int64) * D + cols, b_acc, mask=cm)
+            b_acc += a[:, None] * v
+    tl.store(part + pid.to(tl.int64) * D + cols, tl.sum(b_acc, axis=0), mask=cm)
 
 
 _RESIDENT: dict[tuple, int] = {}  # backward launch signature -> its programs that fit on one SM at once
@@ -219,30 +266,32 @@ class GradSlot:
 class _DepthAttentionFn(torch.autograd.Function):
     """Inputs: query, norm_weight ``[D]``, then either one stacked ``[L, N, D]`` tensor
     (``stacked=True``; its gradient is one ``[L, N, D]`` buffer) or L tensors ``[N, D]``, each with
-    an optional :class:`GradSlot` (``slots``, None: a fresh gradient per source)."""
+    an optional :class:`GradSlot` (``slots``, None: a fresh gradient per source).
+
+    Host time matters here (a model calls this about twice per sublayer and step, and its step is
+    launch-bound): one Triton launch per direction plus three small torch ops for dq, dw; no
+    per-source work beyond the tuples the kernels take and the slots' bookkeeping."""
 
     @staticmethod
     def forward(ctx, query, norm_weight, eps, out_dtype, stacked, cfg, want_p, slots, *inputs):
         srcs = tuple(inputs[0].unbind(0)) if stacked else inputs
-        D = srcs[0].shape[-1]
-        N, L = srcs[0].numel() // D, len(srcs)
-        dev = srcs[0].device
-        h = torch.empty(N, D, device=dev, dtype=out_dtype)
-        stats = torch.empty(2 * L + 1, N, device=dev, dtype=torch.float32)
-        r, s, lse = stats[:L], stats[L:2 * L], stats[2 * L]
-        _attnres_fwd_kernel[(triton.cdiv(N, cfg.rows),)](
-            srcs, query, norm_weight, h, r, s, lse, N, D, eps,
-            L=L, BN=cfg.rows, BD=triton.next_power_of_2(D), num_warps=cfg.warps)
+        x0 = srcs[0]
+        D = x0.shape[-1]
+        N, L = x0.numel() // D, len(srcs)
+        h = torch.empty(x0.shape, device=x0.device, dtype=out_dtype)  # list form: the sources' [..., D]
+        stats = torch.empty(2 * L + 1, N, device=x0.device, dtype=torch.float32)
+        _attnres_fwd_kernel[(-(-N // cfg.rows),)](
+            srcs, query, norm_weight, h, stats, N, D, eps,
+            L=L, BN=cfg.rows, BD=_pow2(D), num_warps=cfg.warps)
         ctx.save_for_backward(query, norm_weight, h if out_dtype == torch.float32 else None, stats, *inputs)
-        ctx.stacked, ctx.cfg = stacked, cfg
-        ctx.slots = slots or (None,) * L
-        ctx.owner = tuple(sl is not None and not sl.taken for sl in ctx.slots)
-        for sl in ctx.slots:
-            if sl is not None:
+        ctx.stacked, ctx.cfg, ctx.slots = stacked, cfg, slots
+        if slots is not None:
+            ctx.owner = tuple(not sl.taken for sl in slots)
+            for sl in slots:
                 sl.taken = True
         if not want_p:
             return h, None
-        p = torch.exp(s - lse)
+        p = torch.exp(stats[L:2 * L] - stats[2 * L])
         ctx.mark_non_differentiable(p)
         return h, p
 
@@ -250,46 +299,48 @@ class _DepthAttentionFn(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dh, _dp):
         query, norm_weight, h, stats, *inputs = ctx.saved_tensors
-        cfg = ctx.cfg
+        cfg, slots = ctx.cfg, ctx.slots
         acc = 0
         if ctx.stacked:
             dstack = torch.empty_like(inputs[0])
             srcs, dsrcs = tuple(inputs[0].unbind(0)), tuple(dstack.unbind(0))
+        elif slots is None:
+            srcs, dsrcs = tuple(inputs), tuple(torch.empty_like(x) for x in inputs)
         else:
             srcs, dsrcs = tuple(inputs), []
-            for i, (x, sl) in enumerate(zip(srcs, ctx.slots)):
-                if sl is None:
-                    dsrcs.append(torch.empty_like(x))
-                elif sl.grad is None:
+            for i, (x, sl) in enumerate(zip(srcs, slots)):
+                if sl.grad is None:
                     sl.grad = torch.empty_like(x)
-                    dsrcs.append(sl.grad)
                 else:
                     acc |= 1 << i
-                    dsrcs.append(sl.grad)
+                dsrcs.append(sl.grad)
             dsrcs = tuple(dsrcs)
-        D = srcs[0].shape[-1]
-        N, L = srcs[0].numel() // D, len(srcs)
-        consts = dict(L=L, BN=cfg.rows, BD=triton.next_power_of_2(D), C_FROM_H=h is not None, ACC=acc)
-        dh = dh.contiguous()
-        key = (dh.device.index, cfg, tuple(consts.items()), tuple(x.dtype for x in srcs), dh.dtype)
-        nprog = _bwd_programs(triton.cdiv(N, cfg.rows), dh.device, cfg, key)
+        x0 = srcs[0]
+        D = x0.shape[-1]
+        N, L = x0.numel() // D, len(srcs)
+        rows, warps = cfg.bwd
+        if not dh.is_contiguous():
+            dh = dh.contiguous()
+        key = (dh.device.index, cfg, L, h is not None, acc, tuple(x.dtype for x in srcs), dh.dtype)
+        nprog = _bwd_programs(-(-N // rows), dh.device, cfg, key)
         part = torch.empty(nprog, D, device=dh.device, dtype=torch.float32)
         kernel = _attnres_bwd_kernel[(nprog,)](
-            srcs, dsrcs, query, norm_weight, dh if h is None else h, dh, stats[:L], stats[L:2 * L], stats[2 * L],
-            part, N, D, nprog, num_warps=cfg.warps, **consts)
-        if not (cfg.programs_per_sm or _interpret() or key in _RESIDENT):
-            _note_resident(key, kernel, dh.device, cfg.warps)
+            srcs, dsrcs, query, norm_weight, dh if h is None else h, dh, stats, part, N, D, nprog,
+            L=L, BN=rows, BD=_pow2(D), C_FROM_H=h is not None, ACC=acc, num_warps=warps)
+        if not (cfg.programs_per_sm or key in _RESIDENT or _interpret()):
+            _note_resident(key, kernel, dh.device, warps)
         b = part.sum(0)
-        dq = (b * norm_weight.float()).to(query.dtype)
-        dw = (b * query.float()).to(norm_weight.dtype)
+        dq = (b * norm_weight).to(query.dtype)
+        dw = (b * query).to(norm_weight.dtype)
         if ctx.stacked:
-            grads = (dstack,)
-        else:
-            grads = []
-            for d, sl, own in zip(dsrcs, ctx.slots, ctx.owner):
-                if sl is not None and own:
-                    sl.grad = None
-                grads.append(d if sl is None or own else None)
+            return dq, dw, None, None, None, None, None, None, dstack
+        if slots is None:
+            return dq, dw, None, None, None, None, None, None, *dsrcs
+        grads = []
+        for d, sl, own in zip(dsrcs, slots, ctx.owner):
+            if own:
+                sl.grad = None
+            grads.append(d if own else None)
         return dq, dw, None, None, None, None, None, None, *grads
 
 
@@ -304,16 +355,10 @@ def depth_attention_torch(sources: Sequence[torch.Tensor], query: torch.Tensor, 
         return torch.einsum("l...,l...d->...d", p, v).to(out_dtype), p
 
 
-def _out_dtype(sources: Sequence[torch.Tensor]) -> torch.dtype:
-    """The promoted dtype of the sources (what ``torch.stack`` gives), with or without autocast."""
-    dt = sources[0].dtype
-    for x in sources[1:]:
-        dt = torch.promote_types(dt, x.dtype)
-    return dt
-
-
 def _check(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-           backend: str) -> None:
+           backend: str) -> torch.dtype:
+    """Validate the arguments (one cheap test per source: a model calls this ~50 times a step) and
+    return the promoted dtype of the sources (what ``torch.stack`` gives), with or without autocast."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not allowed: expected one of {BACKENDS}")
     if len(sources) == 0:
@@ -321,13 +366,16 @@ def _check(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: to
     shape, dev = sources[0].shape, sources[0].device
     if len(shape) == 0:
         raise ValueError("sources must be [..., D] tensors, got a 0-d tensor")
+    dtypes = set()
     for i, x in enumerate(sources):
-        if x.shape != shape:
-            raise ValueError(f"sources[{i}] has shape {tuple(x.shape)}, expected {tuple(shape)} (as sources[0])")
-        if x.device != dev:
-            raise ValueError(f"sources[{i}] is on {x.device}, expected {dev} (as sources[0])")
-        if x.dtype not in DTYPES:
-            raise ValueError(f"sources[{i}] dtype {x.dtype} is not allowed: expected bf16, fp16 or fp32")
+        dt = x.dtype
+        if x.shape != shape or x.device != dev or dt not in DTYPES:
+            if x.shape != shape:
+                raise ValueError(f"sources[{i}] has shape {tuple(x.shape)}, expected {tuple(shape)} (as sources[0])")
+            if x.device != dev:
+                raise ValueError(f"sources[{i}] is on {x.device}, expected {dev} (as sources[0])")
+            raise ValueError(f"sources[{i}] dtype {dt} is not allowed: expected bf16, fp16 or fp32")
+        dtypes.add(dt)
     D = shape[-1]
     for name, t in (("query", query), ("norm_weight", norm_weight)):
         if t.shape != (D,):
@@ -336,6 +384,10 @@ def _check(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: to
             raise ValueError(f"{name} is on {t.device}, expected {dev} (as the sources)")
     if not eps > 0:
         raise ValueError(f"eps={eps!r} is not allowed: expected a positive number")
+    out = dtypes.pop()
+    for dt in dtypes:
+        out = torch.promote_types(out, dt)
+    return out
 
 
 @torch.compiler.disable  # a compiled model calls the op eagerly (its kernels launch themselves)
@@ -372,27 +424,41 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch
     if stacked and sources.dim() < 2:
         raise ValueError(f"stacked sources must be [L, ..., D], got shape {tuple(sources.shape)}")
     seq = tuple(sources.unbind(0)) if stacked else tuple(sources)
-    _check(seq, query, norm_weight, eps, backend)
-    out_dtype = _out_dtype(seq)
+    out_dtype = _check(seq, query, norm_weight, eps, backend)
+    x0 = seq[0]
     if backend == "auto":
-        backend = "triton" if seq[0].is_cuda else "torch"
-    if slots is not None and (stacked or len(slots) != len(seq)):
-        raise ValueError(f"slots: expected one GradSlot per source in list form ({len(seq)}), got "
-                         f"{len(slots)} for {'a stacked tensor' if stacked else 'a list'}")
+        backend = "triton" if x0.is_cuda else "torch"
+    if slots is not None:
+        if stacked or len(slots) != len(seq):
+            raise ValueError(f"slots: expected one GradSlot per source in list form ({len(seq)}), got "
+                             f"{len(slots)} for {'a stacked tensor' if stacked else 'a list'}")
+        slots = tuple(slots)
+        if len(set(map(id, slots))) != len(slots):  # the backward prefetches slot i + 1 before it writes slot i
+            raise ValueError("slots: expected a distinct GradSlot per source, got one GradSlot twice")
     if backend == "torch":
         h, p = depth_attention_torch(seq, query, norm_weight, eps, out_dtype)
         return h, (p if weights else None)
-    if not (seq[0].is_cuda or _interpret()):
-        raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {seq[0].device}")
-    lead, D = seq[0].shape[:-1], seq[0].shape[-1]
+    if not (x0.is_cuda or _interpret()):
+        raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {x0.device}")
+    lead, D = x0.shape[:-1], x0.shape[-1]
     if D > MAX_D:
         raise ValueError(f"D={D} is not allowed with backend='triton': expected 1..{MAX_D} (use backend='torch')")
-    cfg = config or launch_config(D)
-    cfg.validate()
+    if config is None:
+        config = launch_config(D)
+    else:
+        config.validate()
     if stacked:
         inputs = (sources.reshape(len(seq), -1, D).contiguous(),)
-    else:  # the kernels index rows of D elements, so any contiguous [..., D] source goes in as it is
-        inputs = tuple(x if x.is_contiguous() else x.contiguous() for x in seq)
-    h, p = _DepthAttentionFn.apply(query.contiguous(), norm_weight.contiguous(), float(eps), out_dtype, stacked,
-                                   cfg, weights, None if slots is None else tuple(slots), *inputs)
-    return h.view(*lead, D), (p.view(len(seq), *lead) if weights else None)
+    elif all(x.is_contiguous() for x in seq):  # the kernels index rows of D elements: any contiguous [..., D]
+        inputs = seq
+    else:
+        inputs = tuple(x.contiguous() for x in seq)
+    if not query.is_contiguous():
+        query = query.contiguous()
+    if not norm_weight.is_contiguous():
+        norm_weight = norm_weight.contiguous()
+    h, p = _DepthAttentionFn.apply(query, norm_weight, float(eps), out_dtype, stacked, config, weights, slots,
+                                   *inputs)
+    if stacked:
+        h = h.view(lead + (D,))
+    return h, (p.view((len(seq),) + lead) if weights else None)
