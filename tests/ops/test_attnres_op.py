@@ -12,9 +12,9 @@ from tests.helpers import assert_close
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BF, HF, F32 = torch.bfloat16, torch.float16, torch.float32
 
-# (lead shape, D, source dtypes, launch config, query scale): L = 1, 2, 3, 5; N not a multiple of the
+# (lead shape, D, source dtypes, launch config, query scale): L = 1, 2, 3, 4, 5; N not a multiple of the
 # rows per tile; D not a power of two; mixed dtypes; a large query scale gives peaked softmaxes,
-# so the online softmax's running max moves between sources.
+# so the online softmax's running max moves between sources; one backward tile differs from the forward's.
 CASES = [
     ((7,), 24, (F32,), None, 1.0),
     ((2, 9), 40, (F32, F32), None, 1.0),
@@ -22,6 +22,7 @@ CASES = [
     ((2, 9), 40, (BF, BF), None, 1.0),
     ((37,), 64, (F32, BF, BF, BF, BF), LaunchConfig(rows=4, warps=2), 1.0),
     ((3, 7), 33, (BF, HF, F32, BF, BF), LaunchConfig(rows=2, warps=1), 10.0),
+    ((41,), 40, (F32, BF, BF, BF), LaunchConfig(rows=2, warps=1, bwd_rows=8, bwd_warps=2), 10.0),
     ((4, 10), 72, (HF, HF, HF), None, 10.0),
 ]
 
@@ -154,6 +155,11 @@ def test_bad_arguments_raise():
         depth_attention([x], q, w, eps=0.0)
     with pytest.raises(ValueError, match="LaunchConfig.rows=3"):
         depth_attention([x], q, w, backend="triton", config=LaunchConfig(rows=3))
+    with pytest.raises(ValueError, match="LaunchConfig.bwd_warps=3"):
+        depth_attention([x], q, w, backend="triton", config=LaunchConfig(bwd_warps=3))
+    slot = GradSlot()
+    with pytest.raises(ValueError, match="one GradSlot twice"):
+        depth_attention([x, x], q, w, backend="triton", slots=[slot, slot])
     big = torch.zeros(1, MAX_D + 1, device=DEV)
     with pytest.raises(ValueError, match=f"D={MAX_D + 1} is not allowed with backend='triton'"):
         depth_attention([big], torch.zeros(MAX_D + 1, device=DEV), torch.ones(MAX_D + 1, device=DEV),
