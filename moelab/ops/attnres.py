@@ -98,7 +98,7 @@ LAUNCH_TABLE: Mapping[int, LaunchConfig] = MappingProxyType({})
 
 def _pow2(n: int) -> int:
     """Next power of two (plain Python: ``triton.next_power_of_2`` is a constexpr function now,
-    about 10 us a call from host code)."""
+    about 3 us a call from host code, and the old wrapper made five calls per read)."""
     return 1 << (n - 1).bit_length()
 
 
