@@ -3,7 +3,7 @@ forward+backward on one GPU, in one run: moelab's fused op, today's plain PyTorc
 
     python kernels/bench_attnres.py                 # GPU: writes kernels/results/attnres_h200.json
     python kernels/bench_attnres.py --smoke         # CPU (Triton interpreter), tiny sizes, prints only
-    python kernels/bench_attnres.py --sweep         # GPU: launch-config sweep at gpu-small's shape (below)
+    python kernels/bench_attnres.py --sweep-only    # GPU: launch-config sweep at gpu-small's shape (below)
     python kernels/bench_attnres.py --host          # host microseconds per call (GPU: real launches;
                                                     # CPU: launches stubbed, the Python part only)
 
@@ -21,15 +21,16 @@ fixed output gradient), peak_mem_gb (max allocated during one fwd+bwd step, inpu
 extra_mem_gb (that peak minus what was allocated before the step), and the relative errors of h
 and of every gradient against the fp32 reference (``depth_attention_torch`` on the same values).
 
-``--sweep`` (defaults: D = 512, N = 32768, L = 4, 7, 13, 25: gpu-small's reads) times the fused op
-as the model calls it: source 0 fp32 (the embedding), the others bf16, fp32 h, gradient slots (every
-source but the last adds into its slot, the last one is the owner). For each tile (rows, warps) it
+``--sweep`` (``--sweep-only``: without the rows above; defaults: D = 512, N = 32768, L = 4, 7, 13,
+25: gpu-small's reads) times the fused op as the model calls it: source 0 fp32 (the embedding), the
+others bf16, fp32 h, gradient slots (every source but the last adds into its slot, the last one is
+the owner). For each tile (rows, warps) it
 times the forward (no grad) and the backward alone (a retained graph), for the backward also under
 a few persistent grid sizes (programs per SM), checks h and every gradient against the fp32
 reference, and prints GB/s against the ideal traffic (every tensor read or written once). It ends
 with the best forward and backward launch summed over the L values, as a ``LAUNCH_TABLE`` entry
-for ``moelab/ops/attnres.py``; the JSON goes to ``--out`` (GPU default:
-kernels/results/attnres_sweep_h200.json).
+for ``moelab/ops/attnres.py``; in the JSON as ``sweep`` and ``sweep_best`` (``--sweep-only`` GPU
+default: kernels/results/attnres_sweep_h200.json).
 
 ``--host`` times the host side of one read (forward + backward) of a 24-sublayer stream at a
 tiny N (the device never waits): ``AttnResidual`` in block (6) and full mode against prenorm, per
@@ -261,8 +262,8 @@ def _sweep_one(srcs, q, w, dh, ref, rows: int, warps: int, pps_list, cuda: bool)
 
 def run_sweep(args, cuda: bool, dev: str) -> tuple[list[dict], dict]:
     """The launch sweep (see the module docstring); returns its rows and the best launch."""
-    N, D = args.tokens, args.d_model
-    Ls = [int(x) for x in args.sources.split(",")]
+    N, D = args.tokens, args.sweep_d_model
+    Ls = [int(x) for x in args.sweep_sources.split(",")]
     tiles = ([tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")] if args.tiles
              else _sweep_tiles(D))
     pps_list = [int(x) for x in args.programs_per_sm.split(",")]
@@ -319,7 +320,7 @@ class _LaunchCounter:
 
 def run_host(args, cuda: bool, dev: str) -> dict:
     """Host microseconds per read (see the module docstring): min over repeats of the mean over steps."""
-    N, D, n_sub = 256 if cuda else 16, args.d_model, 24
+    N, D, n_sub = 256 if cuda else 16, args.sweep_d_model, 24
     counters = [_LaunchCounter(k, cuda) for k in (attnres_op._attnres_fwd_kernel, attnres_op._attnres_bwd_kernel)]
     attnres_op._attnres_fwd_kernel, attnres_op._attnres_bwd_kernel = counters
 
@@ -392,20 +393,23 @@ def _commit() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny sizes, no JSON unless --out")
-    ap.add_argument("--out", default=None, help="JSON path (GPU default: kernels/results/attnres_h200.json)")
+    ap.add_argument("--out", default=None, help="JSON path (GPU default: kernels/results/attnres_h200.json, "
+                    "with --sweep-only kernels/results/attnres_sweep_h200.json)")
     ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--d-model", type=int, default=None, help="width (default 2048; --sweep, --host: 512)")
-    ap.add_argument("--sources", default=None, help="comma-separated L values (default 4,9,17; --sweep: 4,7,13,25)")
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--sources", default="4,9,17", help="comma-separated L values")
     ap.add_argument("--no-mixed", action="store_true", help="skip the rows with an fp32 source 0")
-    ap.add_argument("--sweep", action="store_true", help="only the launch-config sweep of the fused op (see above)")
+    ap.add_argument("--sweep", action="store_true", help="also the launch-config sweep of the fused op (see above)")
+    ap.add_argument("--sweep-only", action="store_true", help="the sweep without the comparison rows")
+    ap.add_argument("--sweep-d-model", type=int, default=512, help="--sweep: width")
+    ap.add_argument("--sweep-sources", default="4,7,13,25", help="--sweep: comma-separated L values")
     ap.add_argument("--tiles", default=None, help="--sweep: rowsxwarps list, e.g. 4x8,8x8 (default: a grid by D)")
     ap.add_argument("--programs-per-sm", default="0,2,4", help="--sweep: backward grid sizes (0: all resident)")
-    ap.add_argument("--host", action="store_true", help="only the host time per call (see above)")
+    ap.add_argument("--host", action="store_true", help="only the host time per call, at --sweep-d-model (see above)")
     args = ap.parse_args()
+    args.sweep = args.sweep or args.sweep_only
 
     cuda = torch.cuda.is_available() and not args.smoke
-    args.d_model = args.d_model or (512 if args.sweep or args.host else 2048)
-    args.sources = args.sources or ("4,7,13,25" if args.sweep else "4,9,17")
     if args.host:
         res = run_host(args, cuda, "cuda" if cuda else "cpu")
         if args.out:
@@ -415,23 +419,25 @@ def main() -> int:
         return 0
     if args.smoke:
         args.tokens, args.d_model, args.sources = 37, 72, "1,3"
+        args.sweep_d_model, args.sweep_sources = 72, "1,3"
     elif not cuda:
         ap.error("no CUDA device: use --smoke for the CPU run")
     dev = "cuda" if cuda else "cpu"
-    if args.sweep:
-        rows, best = run_sweep(args, cuda, dev)
+    sweep, best = run_sweep(args, cuda, dev) if args.sweep else ([], None)
+    sweep_meta = dict(sweep_d_model=args.sweep_d_model, sweep_sources=args.sweep_sources,
+                      sweep_inputs="source 0 fp32, others bf16, fp32 q/w/h/dh; slots: all but the last source add",
+                      sweep_timing="do_bench median; backward alone on a retained graph") if args.sweep else {}
+    if args.sweep_only:
         out = args.out or (None if args.smoke else os.path.join(ROOT, "kernels", "results", "attnres_sweep_h200.json"))
         if out:
             meta = dict(gpu=torch.cuda.get_device_name() if cuda else "cpu (smoke, Triton interpreter)",
                         torch=torch.__version__, triton=triton.__version__, commit=_commit(),
                         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                         command=" ".join([os.path.basename(sys.executable)] + sys.argv), tokens=args.tokens,
-                        d_model=args.d_model, sources=args.sources, tolerances=dict(h=OUT_TOL, grads=GRAD_TOL),
-                        inputs="source 0 fp32, others bf16, fp32 q/w/h/dh; slots: all but the last source add",
-                        timing="triton.testing.do_bench median (warmup 25 ms, rep 200 ms); bwd on a retained graph")
+                        tolerances=dict(h=OUT_TOL, grads=GRAD_TOL), all_ok=best["all_ok"], **sweep_meta)
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
             with open(out, "w") as fh:
-                json.dump(dict(meta=meta, rows=rows, best=best), fh, indent=1)
+                json.dump(dict(meta=meta, sweep=sweep, sweep_best=best), fh, indent=1)
             print(f"wrote {out}")
         return 0 if best["all_ok"] else 1
     N, D = args.tokens, args.d_model
@@ -484,12 +490,13 @@ def main() -> int:
                 target_met=bool(summary) and all(
                     line.get("fwdbwd_speedup_vs_torch_plain", 0) >= 5
                     and line.get("fwdbwd_speedup_vs_fla_best", 1) >= 1 for line in summary),
-                all_ok=all(r.get("ok", False) for r in rows if r["impl"].startswith("moelab")))
+                all_ok=all(r.get("ok", False) for r in rows + sweep if r.get("impl", "moelab").startswith("moelab")),
+                **sweep_meta)
     out = args.out or (None if args.smoke else os.path.join(ROOT, "kernels", "results", "attnres_h200.json"))
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as fh:
-            json.dump(dict(meta=meta, rows=rows, summary=summary), fh, indent=1)
+            json.dump(dict(meta=meta, rows=rows, summary=summary, sweep=sweep, sweep_best=best), fh, indent=1)
         print(f"wrote {out}")
     return 0 if meta["all_ok"] else 1
 
