@@ -60,7 +60,7 @@ def router_statistics(scores: torch.Tensor, load: torch.Tensor, bias: torch.Tens
     if cutoff not in CUTOFFS:
         raise ValueError(f"router_statistics: cutoff={cutoff!r} is not allowed: expected one of {CUTOFFS}")
     scores, load = scores.float().contiguous(), load.contiguous()
-    bias = (bias if bins else load).float().contiguous()  # a placeholder pointer without histograms
+    bias = bias.float().contiguous() if bins else scores  # without histograms the kernel reads no bias
     # Histograms are accumulated by atomic adds, so their part starts at zero; the rest is written.
     out = (torch.zeros if bins else torch.empty)(parts_size(L, n, bins), dtype=torch.float64, device=scores.device)
     np_ = triton.next_power_of_2(n)
