@@ -101,7 +101,7 @@ def finish_step(summed: torch.Tensor, bias: torch.Tensor, top_k: int, bins: int 
     block_b = max(16, min(triton.next_power_of_2(max(bins, 1)), 8192 // np_))
     _finish_kernel[(L,)](summed.contiguous(), bias.float().contiguous(), load, metrics, dead, tokens,
                          load if new is None else new, n, max(bins, 1), float(ema), K=top_k, NP=np_,
-                         BLOCK_B=block_b, HIST=bins > 0)
+                         BLOCK_B=block_b, HIST=bins > 0, num_warps=8)  # an n x BLOCK_B fp64 tile per chunk
     named = {"maxvio_batch": metrics[0], "load_cv": metrics[1], "dead_experts": dead, "router_entropy": metrics[2]}
     return load, named, new, tokens
 
@@ -159,7 +159,7 @@ if HAS_TRITON:
             idx = tl.minimum(tl.maximum(idx, 0.0), (BINS - 1).to(tl.float32)).to(tl.int64)
             hist = out_ptr + tl.num_programs(1).to(tl.int64) * (N + 1)  # after the L n loads and L entropies
             dst = hist + (layer * N + cols[None, :]) * BINS + idx
-            tl.atomic_add(dst, tl.full([BLOCK_T, NP], 1.0, tl.float64), mask=valid)
+            tl.atomic_add(dst, tl.full([BLOCK_T, NP], 1.0, tl.float64), mask=valid, sem="relaxed")  # counts: any order
 
     @triton.jit
     def _finish_kernel(sum_ptr, b_ptr, load_ptr, metric_ptr, dead_ptr, tok_ptr, new_ptr, N, BINS, EMA,
