@@ -23,11 +23,13 @@ per step and changes no routing). ``router_z_loss`` (ST-MoE: coeff mean_t logsum
 can be added to any balancer.
 
 How it runs (the torchtitan split): every router of a LatentMoE owns a :class:`RouterBalance`.
-During a training forward it adds the loads and keeps the detached scores; once per optimizer
+During a training forward it adds the loads and keeps the scores; once per optimizer
 step the training side calls :func:`balance_step` with its data-parallel collectives, which
 computes the statistics (router entropy, and for quantile balancing the margins s - a or their
 histogram) for all routers in one batch of kernels, reduces them over micro-batches and ranks,
-writes the new biases and clears the accumulators, without a host sync. Every rank then holds
+writes the new biases and clears the accumulators, without a host sync. On a GPU the statistics,
+the metrics and the histogram quantile-balancing update are two fused Triton kernels for all
+routers (``moelab.ops.balance``; the functions here are their reference and the CPU's path). Every rank then holds
 the same bias. This module never imports ``torch.distributed``: callers pass the
 reductions. In eval mode the bias is frozen and only the loads are summed (MaxVio_global).
 """
@@ -44,6 +46,8 @@ import torch
 import torch.nn as nn
 
 from moelab.model.config import MoEConfig
+from moelab.ops.backend import use_triton
+from moelab.ops.balance import finish_step, router_statistics
 
 if TYPE_CHECKING:
     from moelab.model.moe import RouterStats
@@ -260,7 +264,7 @@ class RouterBalance(nn.Module):
     A training loop must call :func:`balance_step` once per optimizer step (the Lightning
     callback does).
 
-    A training forward only adds the loads and keeps the detached scores (:meth:`observe`): the
+    A training forward only adds the loads and keeps the scores (:meth:`observe`): the
     entropies, margins and histograms are computed in :func:`balance_step`, for all routers of the
     model in one batch of kernels instead of a dozen small ones per router per forward (the model
     is host-bound at one-GPU scale, so every op a layer adds costs its launch). Only the last
@@ -288,7 +292,7 @@ class RouterBalance(nn.Module):
     def clear(self) -> None:
         """Forget this step's training statistics."""
         self.load: torch.Tensor | None = None  # [n] int64
-        self.scores: torch.Tensor | None = None  # [m, n] fp32 detached, the last training micro-batch
+        self.scores: torch.Tensor | None = None  # [m, n] fp32, the last training micro-batch (not detached)
         # The earlier micro-batches of the step, folded by observe: their number of tokens,
         self.folded_tokens = 0
         self.entropy_sum: torch.Tensor | None = None  # 0-dim fp64, sum over their tokens
@@ -319,7 +323,7 @@ class RouterBalance(nn.Module):
         if self.load is not None:
             self._fold(bias)
         self.load = counts if self.load is None else self.load + counts
-        self.scores = stats.scores.detach()
+        self.scores = stats.scores  # read under no_grad only (balance_step, _fold): no detach needed
 
     @torch.no_grad()
     def _fold(self, bias: torch.Tensor) -> None:
@@ -401,6 +405,13 @@ class _Group:
     earlier ones added. bias ``[L, n]``; ``parts`` go into the all-reduce (loads ``[L n]``, entropy
     sums ``[L]``, for histogram QB the histograms ``[L n bins]``); ``margins`` ``[m, L n]`` (exact QB,
     the micro-batches' rows in order) into the all-gather.
+
+    ``fused``: on a GPU (``MoEConfig.backend`` 'auto', or 'triton' anywhere) a step whose one
+    micro-batch nothing was folded into takes the two Triton kernels of ``moelab.ops.balance``
+    (statistics, then metrics and the histogram QB update), a handful of launches for all layers
+    instead of ~75 small ones; the loads and histograms are bitwise those of this module's torch
+    functions, the bias equal within fp32 rounding. Steps with folded micro-batches (gradient
+    accumulation) take the torch functions.
     """
 
     def __init__(self, routers: list[nn.Module]) -> None:
@@ -408,29 +419,52 @@ class _Group:
         self.balance: RouterBalance = routers[0].balance
         b, folded = self.balance, self.balance.folded_tokens > 0
         self.bias = torch.stack([r.bias for r in routers])
-        entropy, margins, hist, self.range = _statistics(b, torch.stack([r.balance.scores for r in routers]),
-                                                         self.bias)
+        scores = torch.stack([r.balance.scores for r in routers])
+        load = torch.stack([r.balance.load for r in routers])
+        self.fused = not folded and use_triton(b.cfg.backend, scores)
+        self.margins = None
+        if self.fused:
+            bins = b.cfg.quantile_balancing_bins if b.histogram else 0
+            self.parts = [router_statistics(scores, load, self.bias if bins else None, b.top_k, bins,
+                                            b.cfg.quantile_balancing_cutoff)]
+            if b.kind == "quantile_balancing" and not b.histogram:
+                margins = routing_margins(scores, self.bias[..., None, :], b.top_k, b.cfg.quantile_balancing_cutoff)
+                self.margins = margins.transpose(0, 1).reshape(margins.shape[1], -1)
+            return
+        entropy, margins, hist, self.range = _statistics(b, scores, self.bias)
         if folded:
             entropy = torch.stack([r.balance.entropy_sum for r in routers]) + entropy
-        self.parts = [torch.stack([r.balance.load for r in routers]).double().reshape(-1), entropy]
+        self.parts = [load.double().reshape(-1), entropy]
         if hist is not None:
             if folded:
                 hist = torch.stack([r.balance.hist for r in routers]) + hist
             self.parts.append(hist.double().reshape(-1))
-        self.margins = None
         if margins is not None:
             earlier = [torch.cat([r.balance.margins[i] for r in routers], dim=1) for i in range(len(b.margins))]
             self.margins = torch.cat([*earlier, margins.transpose(0, 1).reshape(margins.shape[1], -1)])
 
-    def update(self, summed: torch.Tensor, margins: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, summed: torch.Tensor,
+               margins: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Write the routers' new biases from this group's slice of the all-reduce (``summed``, its
         ``parts`` concatenated) and, for exact QB, of the all-gather (``margins`` ``[m, L n]``).
-        Returns (load ``[L, n]`` int64, entropy sums ``[L]`` fp64)."""
+        Returns (load ``[L, n]`` int64, the :class:`BalanceStep` metrics ``[L]``)."""
         b, c = self.balance, self.balance.cfg
         L, n = self.bias.shape
-        load = summed[:L * n].round().long().view(L, n)
-        entropy = summed[L * n:L * n + L]
         new = None
+        if self.fused:
+            bins = c.quantile_balancing_bins if b.histogram else 0
+            load, metrics, new, tokens = finish_step(summed, self.bias, b.top_k, bins, c.quantile_balancing_ema)
+            if b.histogram:
+                b.check_tokens(tokens[0])
+        else:
+            load = summed[:L * n].round().long().view(L, n)
+            metrics = step_metrics(load, summed[L * n:L * n + L], b.top_k)
+            if b.histogram:
+                # Every layer routes the same tokens: m k = the load of any layer, read on the device.
+                m = summed[:n].sum() / b.top_k
+                b.check_tokens(m)
+                hist = summed[L * n + L:].view(L, n, -1)  # integer counts, exact in fp64
+                new = smooth(self.bias, qb_histogram(hist, *self.range, b.top_k, m), c.quantile_balancing_ema)
         if b.kind == "loss_free_sign":
             new = loss_free_sign_update(self.bias, load, c.loss_free_sign_rate)
         elif b.kind == "quantile_load":
@@ -438,20 +472,20 @@ class _Group:
             average = load_average(torch.stack(buffers), load, c.quantile_load_decay)
             torch._foreach_copy_(buffers, list(average.unbind(0)))
             new = quantile_load_update(self.bias, average, c.quantile_load_rate, c.quantile_load_q)
-        elif b.histogram:
-            # Every layer routes the same tokens: m k = the load of any layer, read on the device.
-            m = summed[:n].sum() / b.top_k
-            b.check_tokens(m)
-            hist = summed[L * n + L:].view(L, n, -1)  # integer counts, exact in fp64
-            new = smooth(self.bias, qb_histogram(hist, *self.range, b.top_k, m), c.quantile_balancing_ema)
-        elif b.kind == "quantile_balancing":
+        elif b.kind == "quantile_balancing" and not b.histogram:
             new = smooth(self.bias, qb_exact(margins.view(margins.shape[0], L, n), b.top_k), c.quantile_balancing_ema)
         if new is not None:
             torch._foreach_copy_([r.bias for r in self.routers], list(new.unbind(0)))
             self.bias = new
         for r in self.routers:
             r.balance.clear()
-        return load, entropy
+        return load, metrics
+
+
+def step_metrics(load: torch.Tensor, entropy: torch.Tensor, top_k: int) -> dict[str, torch.Tensor]:
+    """The :class:`BalanceStep` metrics of loads ``[L, n]`` (m top_k tokens per layer) and entropy sums ``[L]``."""
+    return {"maxvio_batch": max_vio(load), "load_cv": load_cv(load), "dead_experts": dead_experts(load),
+            "router_entropy": (entropy / (load.sum(-1).double() / top_k).clamp_min(1)).float()}
 
 
 @torch.no_grad()
@@ -464,7 +498,8 @@ def balance_step(model: nn.Module, all_reduce: Collective = _identity,
     Loads, entropies and histograms travel in ONE all-reduce (fp64 holds integer counts exactly up
     to 2^53, so the sums do not depend on order); exact quantile balancing adds one all-gather of
     every layer's margins side by side (all layers see the same tokens). The routers are batched
-    (one set of kernels for all layers with the same config) and nothing here waits for the device
+    (one set of kernels for all layers with the same config; on a GPU the fused kernels of
+    ``moelab.ops.balance``: 6 launches for ``none``, 9 for histogram QB) and nothing here waits for the device
     (histogram QB checks its token count one step late on a GPU: :meth:`RouterBalance.check_tokens`).
     Returns None when no training forward ran since the last step.
     """
@@ -475,11 +510,12 @@ def balance_step(model: nn.Module, all_reduce: Collective = _identity,
     for i, (_, r) in enumerate(found):
         members.setdefault(r.balance.group_key(), []).append(i)
     groups = [_Group([found[i][1] for i in idx]) for idx in members.values()]
-    summed = all_reduce(torch.cat([p for g in groups for p in g.parts]))
+    parts = [p for g in groups for p in g.parts]
+    summed = all_reduce(parts[0] if len(parts) == 1 else torch.cat(parts))
     exact = [g for g in groups if g.margins is not None]
     gathered = all_gather(torch.cat([g.margins for g in exact], dim=1)) if exact else None
 
-    loads, entropies, biases = [], [], []
+    loads, metrics, biases = [], [], []
     offset, column = 0, 0
     for g in groups:
         size = sum(p.numel() for p in g.parts)
@@ -487,17 +523,15 @@ def balance_step(model: nn.Module, all_reduce: Collective = _identity,
         if g.margins is not None:
             width = g.margins.shape[1]
             mine, column = gathered[:, column:column + width], column + width
-        load, entropy = g.update(summed[offset:offset + size], mine)
+        load, values = g.update(summed[offset:offset + size], mine)
         offset += size
         loads.append(load)
-        entropies.append(entropy)
+        metrics.append(values)
         biases.append(g.bias)
     order = [i for idx in members.values() for i in idx]
-    load, entropy, bias = (_in_model_order(parts, order) for parts in (loads, entropies, biases))
-    k = found[0][1].balance.top_k
-    metrics = {"maxvio_batch": max_vio(load), "load_cv": load_cv(load), "dead_experts": dead_experts(load),
-               "router_entropy": (entropy / (load.sum(-1).double() / k).clamp_min(1)).float()}
-    return BalanceStep([name for name, _ in found], load, bias, metrics)
+    load, bias = (_in_model_order(parts, order) for parts in (loads, biases))
+    named = {key: _in_model_order([values[key] for values in metrics], order) for key in metrics[0]}
+    return BalanceStep([name for name, _ in found], load, bias, named)
 
 
 def _in_model_order(parts: list[torch.Tensor], order: list[int]) -> torch.Tensor:

@@ -9,14 +9,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from moelab.config import load_config
-from moelab.model import MoELab
+from moelab.model import MoELab, balance
 from moelab.model.balance import (
+    BIAS_BALANCERS,
     RouterBalance,
     aux_loss,
     balance_step,
+    balanced_routers,
     clear_eval_loads,
     dead_experts,
     eval_loads,
@@ -408,3 +410,83 @@ def test_routers_of_different_configs_update_as_each_alone() -> None:
         assert_close(torch.cat([w.metrics["router_entropy"] for w in want]), got.metrics["router_entropy"], 1e-6,
                      "entropy")
     assert got.bias[0].abs().sum() > 0 and got.bias[1].abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------- fused step
+
+@pytest.mark.parametrize("balancer,mode,ema", [("none", "exact", 0.0), ("loss_free_sign", "exact", 0.0),
+                                               ("quantile_balancing", "histogram", 0.0),
+                                               ("quantile_balancing", "histogram", 0.5),
+                                               ("quantile_balancing", "exact", 0.0)])
+def test_fused_step_matches_the_torch_step(balancer: str, mode: str, ema: float,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU's fused step (here in the Triton interpreter) against the torch functions on the same
+    forwards: the same loads and dead experts every step, biases within a few fp32 ulp (the histogram
+    bins are bitwise the same, the re-centring mean sums in another order), metrics within fp32
+    rounding, and every router keeps the bias the step reports."""
+    ids = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(3))
+    moe = dict(quantile_balancing_mode=mode, quantile_balancing_ema=ema, loss_free_sign_rate=1e-2)
+    ref, fused = _model(balancer, **moe), _model(balancer, **moe)
+    for _ in range(3):
+        ref(ids, ids)
+        fused(ids, ids)
+        a = balance_step(ref)
+        with monkeypatch.context() as patch:
+            patch.setattr(balance, "use_triton", lambda backend, t: True)
+            b = balance_step(fused)
+        assert torch.equal(a.load, b.load) and torch.equal(a.metrics["dead_experts"], b.metrics["dead_experts"])
+        assert (a.bias - b.bias).abs().max() <= 8 * torch.finfo(torch.float32).eps * (1 + a.bias.abs().max())
+        for key in ("maxvio_batch", "load_cv", "router_entropy"):
+            assert_close(a.metrics[key], b.metrics[key], 1e-6, key)
+        assert torch.equal(torch.stack([r.bias for _, r in balanced_routers(fused)]), b.bias)
+    assert balancer not in BIAS_BALANCERS or a.bias.abs().sum() > 0
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("balancer", ["none", "quantile_balancing"])
+def test_fused_step_does_not_grow_with_the_layers(balancer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model is host-bound at one-GPU scale, so every launch of the step costs wall time: the
+    fused step issues the same ops for 2 layers as for 6 (no per-layer kernels), a handful in all
+    (the Triton launches are not torch ops; the interpreter's own copies are kept out of the count)."""
+    import moelab.ops.balance as ops
+
+    launched: list[str] = []
+    for name in ("_stats_kernel", "_finish_kernel"):
+        kernel = getattr(ops, name)
+        monkeypatch.setattr(ops, name, _Uncounted(kernel, name, launched))
+    monkeypatch.setattr(RouterBalance, "check_tokens", lambda self, m: None)  # reads m on the CPU at once
+    monkeypatch.setattr(balance, "use_triton", lambda backend, t: True)
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    counts = []
+    for n_layers in (2, 6):
+        m = _model(balancer, n_layers=n_layers, quantile_balancing_mode="histogram")
+        m(ids, ids)
+        with _OpCounter() as c:
+            balance_step(m)
+        counts.append(c.ops)
+    assert counts[0] == counts[1] <= 20, counts
+    assert launched == ["_stats_kernel", "_finish_kernel"] * 2
+
+
+class _Uncounted:
+    """A Triton kernel whose launches run outside the dispatch mode (the interpreter copies every argument)."""
+
+    def __init__(self, kernel, name: str, launched: list[str]) -> None:
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launched.append(self.name)
+            with _disable_current_modes():
+                return self.kernel[grid](*args, **kwargs)
+
+        return launch
