@@ -4,11 +4,16 @@ GPU session does not spend its time on a broken harness."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
+import types
 
 import pytest
+import torch
+import triton
+import triton.language as tl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,3 +100,56 @@ def test_ab_model_smoke(tmp_path):
     # a tree without the package (here: an empty folder) is refused, not silently replaced by another copy
     res = _run(["kernels/ab_model.py", "--smoke", "--root", str(tmp_path)], tmp_path)
     assert res.returncode != 0 and "not from --root" in res.stderr
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU smoke runs; the GPU runs the real thing")
+def test_check_kda_gate_part_smoke(tmp_path):
+    """``--part gate`` runs the gate rows alone; without fla they are held to the tolerances."""
+    out = tmp_path / "gate.json"
+    res = _run(["kernels/check_kda_gpu.py", "--smoke", "--part", "gate", "--commit", "abc1234", "--out", str(out)],
+               tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["rows"] == [] and data["packed_rows"] == []  # the other parts did not run
+    rows = data["gate_rows"]
+    assert [r["gate"] for r in rows] == ["bounded", "softplus"]
+    for r in rows:
+        assert r["bar"] == "tolerance" and "fla_errors" not in r
+        assert r["tolerances"] == {"o": 5e-3, "dz": 5e-2, "dA_log": 5e-2, "ddt_bias": 5e-2}
+        assert set(r["errors"]) == {"o", "dz", "dA_log", "ddt_bias"}
+        assert all(math.isfinite(e) and e <= r["tolerances"][n] for n, e in r["errors"].items()) and r["passed"]
+        assert set(r["seconds"]) == {"reference", "moelab"}
+    meta = data["meta"]
+    assert meta["parts"] == ["gate"] and meta["commit"] == "abc1234" and meta["complete"] and meta["passed"]
+    assert meta["fla"] is None and meta["fla_autotune"] is None and "fla" in meta["gate_rule"]
+    assert "gate inside the op" in res.stdout and "packed documents" not in res.stdout
+
+
+@triton.jit
+def _store_block(out_ptr, n, BLOCK: tl.constexpr):
+    tl.store(out_ptr, BLOCK + n)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel runs in the interpreter, on CPU")
+def test_pin_autotuners_keeps_first_pruned_config(monkeypatch):
+    """check_kda_gpu pins fla's autotuners: an autotuner under a heuristics wrapper keeps the first
+    config its own pruning leaves (here 16: the prune drops 8), and nothing is benchmarked."""
+    sys.path.insert(0, os.path.join(ROOT, "kernels"))
+    try:
+        import check_kda_gpu as ck
+    finally:
+        sys.path.remove(os.path.join(ROOT, "kernels"))
+    configs = [triton.Config({"BLOCK": b}) for b in (8, 16, 32)]
+    tuned = triton.autotune(configs=configs, key=["n"],
+                            prune_configs_by={"early_config_prune": lambda cs, nargs, **kw: cs[1:]})(_store_block)
+    kernel = triton.heuristics({"unused": lambda args: 0})(tuned)
+    mod = types.ModuleType("fakepkg.kernels")
+    mod.kernel, mod.alias = kernel, tuned  # reached twice, pinned once
+    monkeypatch.setitem(sys.modules, "fakepkg.kernels", mod)
+    monkeypatch.setitem(sys.modules, "fakepkgother", types.SimpleNamespace(kernel=triton.autotune(configs, ["n"])(
+        _store_block)))  # another package: left alone
+    assert ck.pin_autotuners("fakepkg") == 1
+    tuned._bench = lambda *a, **kw: pytest.fail("a pinned autotuner benchmarked")
+    out = torch.zeros(1, dtype=torch.int32)
+    kernel[(1,)](out, 3)
+    assert out.item() == 16 + 3
