@@ -77,8 +77,8 @@ throughput: $(SETUP) ## train PRESET (default gpu-small) and record tokens/s + M
 	$(PYTHON) -m moelab train --config $(or $(PRESET),gpu-small) --throughput studies/throughput_h200.json $(ARGS)
 
 # Job execution (GenAI evaluation workers, ~8 processes) is off unless you set it: browsing runs needs none.
-kda-check: $(SETUP) ## GPU: bf16 correctness of the Triton KDA op vs the fp32 recurrence -> kernels/results/kda_check_h200.json
-	$(PYTHON) kernels/check_kda_gpu.py --out kernels/results/kda_check_h200.json
+kda-check: $(SETUP) ## GPU: bf16 correctness of the Triton KDA op vs the fp32 recurrence, gate gradients beside fla's -> kernels/results/kda_check_h200.json; ARGS='--commit SHA --part gate'
+	$(PYTHON) kernels/check_kda_gpu.py --out kernels/results/kda_check_h200.json $(ARGS)
 
 kda-bench: $(SETUP) ## GPU: KDA op speed/memory, moelab vs fla vs SDPA -> kernels/results/kda_h200{,_long}.json
 	$(PYTHON) kernels/bench_kda.py --part main --out kernels/results/kda_h200.json

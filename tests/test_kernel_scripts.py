@@ -4,11 +4,16 @@ GPU session does not spend its time on a broken harness."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
+import types
 
 import pytest
+import torch
+import triton
+import triton.language as tl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,3 +100,106 @@ def test_ab_model_smoke(tmp_path):
     # a tree without the package (here: an empty folder) is refused, not silently replaced by another copy
     res = _run(["kernels/ab_model.py", "--smoke", "--root", str(tmp_path)], tmp_path)
     assert res.returncode != 0 and "not from --root" in res.stderr
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU smoke runs; the GPU runs the real thing")
+def test_check_kda_gate_part_smoke(tmp_path):
+    """``--part gate`` runs the gate rows alone; without fla they are held to the tolerances."""
+    out = tmp_path / "gate.json"
+    res = _run(["kernels/check_kda_gpu.py", "--smoke", "--part", "gate", "--commit", "abc1234", "--out", str(out)],
+               tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["rows"] == [] and data["packed_rows"] == []  # the other parts did not run
+    rows = data["gate_rows"]
+    assert [r["gate"] for r in rows] == ["bounded", "softplus"]
+    for r in rows:
+        assert r["bar"] == "tolerance" and "fla_errors" not in r
+        assert r["tolerances"] == {"o": 5e-3, "dz": 5e-2, "dA_log": 5e-2, "ddt_bias": 5e-2}
+        assert set(r["errors"]) == {"o", "dz", "dA_log", "ddt_bias"}
+        assert all(math.isfinite(e) and e <= r["tolerances"][n] for n, e in r["errors"].items()) and r["passed"]
+        assert set(r["seconds"]) == {"reference", "moelab"}
+    meta = data["meta"]
+    assert meta["parts"] == ["gate"] and meta["commit"] == "abc1234" and meta["complete"] and meta["passed"]
+    assert meta["fla"] is None and meta["fla_autotune"] is None and "fla" in meta["gate_rule"]
+    assert "gate inside the op" in res.stdout and "packed documents" not in res.stdout
+
+
+def _check_kda_gpu():
+    sys.path.insert(0, os.path.join(ROOT, "kernels"))
+    try:
+        import check_kda_gpu
+    finally:
+        sys.path.remove(os.path.join(ROOT, "kernels"))
+    return check_kda_gpu
+
+
+def _stand_in_fla(noise: float, fail: bool = False):
+    """fla's ``chunk_kda`` with the gate in the op, played by autograd through the fp32 recurrence on
+    ``z + noise * N(0, 1)`` (noise 0: as exact as the reference); ``fail``: raises like a config that does not fit."""
+    from moelab.ops.kda.gate import naive_kda_gate
+    from moelab.ops.kda.naive import naive_recurrent_kda
+
+    def chunk_kda(q, k, v, z, beta, *, A_log, dt_bias, output_final_state, use_gate_in_kernel, safe_gate,
+                  lower_bound=None):
+        assert use_gate_in_kernel and output_final_state and (lower_bound == -5.0) == safe_gate
+        if fail:
+            raise RuntimeError("out of resource: shared memory")
+        zn = z + noise * torch.randn(z.shape, generator=torch.Generator().manual_seed(0))
+        g = naive_kda_gate(zn, A_log, "bounded" if safe_gate else "softplus", lower_bound, dt_bias)
+        return naive_recurrent_kda(q, k, v, g, beta, output_final_state=True)
+    return chunk_kda
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="moelab's op runs in the interpreter, on CPU")
+def test_check_kda_gate_rows_against_fla():
+    """The gate rows' bar is fla's error on the same inputs: a noisier fla lets moelab pass, an fla as exact as
+    the reference makes its gate gradients fail, a failing fla call fails its row and the next row still runs."""
+    ck = _check_kda_gpu()
+    from moelab.ops.kda.triton_chunk import chunk_kda
+
+    cases = [(1, 40, 1, 32, "bounded"), (1, 40, 1, 32, "softplus")]
+    saves = []
+
+    def run(fla):
+        rows = []
+        ok = ck.check_gate_grads(chunk_kda, cases, torch.float32, "cpu", False, rows, lambda: saves.append(1), fla=fla)
+        return ok, rows
+
+    ok, rows = run(_stand_in_fla(1e-2))
+    assert ok and [r["passed"] for r in rows] == [True, True] and len(saves) == 2
+    for r in rows:
+        assert r["bar"] == "fla" and "tolerances" not in r and set(r["seconds"]) == {"reference", "moelab", "fla"}
+        assert all(r["errors"][n] <= r["fla_errors"][n] for n in ("dz", "dA_log", "ddt_bias"))
+    ok, rows = run(_stand_in_fla(0.0))
+    assert not ok and [r["passed"] for r in rows] == [False, False]
+    assert all(r["fla_errors"]["dz"] < 1e-6 < r["errors"]["dz"] for r in rows)
+    ok, rows = run(_stand_in_fla(1e-2, fail=True))
+    assert not ok and len(rows) == 2 and not any(r["passed"] for r in rows)
+    assert all(r["bar"] == "tolerance" and r["fla_failed"].startswith("RuntimeError: out of resource") for r in rows)
+
+
+@triton.jit
+def _store_block(out_ptr, n, BLOCK: tl.constexpr):
+    tl.store(out_ptr, BLOCK + n)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel runs in the interpreter, on CPU")
+def test_pin_autotuners_keeps_first_pruned_config(monkeypatch):
+    """check_kda_gpu pins fla's autotuners: an autotuner under a heuristics wrapper keeps the first
+    config its own pruning leaves (here 16: the prune drops 8), and nothing is benchmarked."""
+    ck = _check_kda_gpu()
+    configs = [triton.Config({"BLOCK": b}) for b in (8, 16, 32)]
+    tuned = triton.autotune(configs=configs, key=["n"],
+                            prune_configs_by={"early_config_prune": lambda cs, nargs, **kw: cs[1:]})(_store_block)
+    kernel = triton.heuristics({"unused": lambda args: 0})(tuned)
+    mod = types.ModuleType("fakepkg.kernels")
+    mod.kernel, mod.alias = kernel, tuned  # reached twice, pinned once
+    monkeypatch.setitem(sys.modules, "fakepkg.kernels", mod)
+    monkeypatch.setitem(sys.modules, "fakepkgother", types.SimpleNamespace(kernel=triton.autotune(configs, ["n"])(
+        _store_block)))  # another package: left alone
+    assert ck.pin_autotuners("fakepkg") == 1
+    tuned._bench = lambda *a, **kw: pytest.fail("a pinned autotuner benchmarked")
+    out = torch.zeros(1, dtype=torch.int32)
+    kernel[(1,)](out, 3)
+    assert out.item() == 16 + 3
