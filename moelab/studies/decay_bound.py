@@ -319,10 +319,20 @@ ARMS = {
 EXTRAPOLATE = 4  # evaluate at up to 4x the training context (max_seq_len is raised for it in every arm)
 # preset -> (training preset, overrides for every arm, seeds, evaluation sizes).
 # cpu: a narrower cpu model, seconds per run on 2 shared cores. gpu: gpu-small at 8 x 4096 tokens per
-# step; 4 arms x 3 seeds x 100 steps = 39M tokens. Estimate for one H200 from a measured gpu-small run
-# (studies/logs/train_gpu_small_h200_summary.json: 200 steps in 40 s of training, 53.5 s wall): ~19 s of
-# training and ~13 s of start, validation and checkpoints per run, ~6.5 min for the grid, ~1 min of kernel
-# compilation, ~1 min of evaluation and the fast-forgetting task (CPU).
+# step; 4 arms x 3 seeds x 100 steps = 39M tokens. Time on one fresh H200 (Triton cache empty), per
+# notebook phase, estimated from the cell times of the run at 0d87287 (killed at 549 s, ~11.5 min in
+# all) and a gpu-small run (studies/logs/train_gpu_small_h200_summary.json: 200 steps in 40 s):
+#   imports 5 s; §1 modelled tile + the op on synthetic decays, mostly compilation: 15 s (was 20 s: one
+#   batched call instead of 16, each with a 1024-step token-by-token reference); init check of the 4
+#   arms: 16 s;
+#   grid: the first run ~70 s (compilation), then ~26 s per run: ~19 s of training, ~5 s of start and
+#   tracking, one 1.2 GB checkpoint at the end instead of four (last and best at both validations),
+#   ~1 s of evaluate_run in the training process: ~6 min (was 425 s, evaluation not included);
+#   decay statistics and loss by position: read from the runs (was 65 s + ~65 s of reloading 12
+#   checkpoints and rebuilding the models); tile-decay figure <1 s (was 3.4 s); the op on 27 trained
+#   softplus decays: one call, ~2 s; fast forgetting: 12 runs in one batched loop on the GPU, ~5 s (was
+#   12 sequential CPU loops, ~1 min); speed, summary, HTML: ~10 s.
+#   In all ~7 min (was ~11.5 min).
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {"base": "cpu", "seeds": (0, 1, 2),
             "overrides": {"train.max_steps": 30, "train.batch_size": 8, "train.val_every": 15, "train.val_batches": 4,
