@@ -398,11 +398,13 @@ def _load_record(path: Path, fingerprint: str, evals: bool = False) -> RunRecord
         return None
     found = None
     if evals:
+        import pickle
+
         import torch
 
         try:
             found = torch.load(path.parent / EVALS, weights_only=True)
-        except (OSError, RuntimeError, EOFError):
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
             return None
     return RunRecord(**{**data, "skipped": True, "evals": found})
 
