@@ -48,6 +48,8 @@ from moelab.studies import common  # noqa: E402
 from moelab.studies import decay_bound as study  # noqa: E402
 from moelab.utils import write_json  # noqa: E402
 
+common.quiet_known_noise()  # log noise filtered at its source, before anything imports Lightning
+
 out = Path(out_dir)
 (out / "figures").mkdir(parents=True, exist_ok=True)
 (out / "results").mkdir(parents=True, exist_ok=True)
@@ -131,7 +133,8 @@ decay.groupby("arm", sort=False)[["bound", "g_min", "frac_channels_near_bound", 
      "tile_decay_q50": "mean", "tile_decay_q99": "max", "tile_decay_max": "max", "max_factor_exponent": "max"})
 
 # %% [markdown]
-# The table: per arm, over seeds and KDA layers, on validation windows of the training length: the most negative
+# The table: per arm, over seeds and KDA layers, on validation windows of the training length (measured at the end
+# of each training run, with the training's precision: bf16 autocast on a GPU): the most negative
 # log decay $g$; the share of channels (layer, head, channel) whose most negative $g$ is within 5% of the arm's bound
 # (softplus: of $-5$), mean over models; the same share of all (token, channel) entries; the median and 99th
 # percentile of the cumulative decay $-\sum g$ over a 16-token sub-tile and its maximum; the largest exponent a
@@ -173,10 +176,11 @@ forgetting.groupby("arm", sort=False)[["bound", "g_fast_min", "g_fast_mean", "g_
 # ## 4. NoPE length extrapolation
 # Every trained model reads validation windows 4x its training context (`MoELab.prefill` in pieces of the
 # training length; the KDA state and the MLA latent cache carry across pieces; the MLA layers have no positional
-# encoding). The model is causal, so the 1x and 2x evaluations are the first quarter and half of the same windows.
+# encoding), at the end of its training run, like the decay statistics above. The model is causal, so the 1x and
+# 2x evaluations are the first quarter and half of the same windows.
 
 # %%
-extra = pd.DataFrame(study.extrapolation_rows(grid, P["eval_windows"]))
+extra = pd.DataFrame(study.extrapolation_rows(grid))
 extra.to_csv(out / "results" / "extrapolation.csv", index=False)
 extra_summary = study.extrapolation_summary(extra)
 extra_summary.to_csv(out / "results" / "extrapolation_summary.csv", index=False)

@@ -43,6 +43,8 @@ from moelab.studies import common
 from moelab.studies import context_curriculum as study
 from moelab.utils import write_json
 
+common.quiet_known_noise()  # log noise filtered at its source, before anything imports Lightning
+
 out = Path(out_dir)
 (out / "figures").mkdir(parents=True, exist_ok=True)
 (out / "results").mkdir(parents=True, exist_ok=True)

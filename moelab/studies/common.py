@@ -12,9 +12,13 @@ calls :func:`run_grid`. For every (arm, seed) it
 * sends the training's console output (progress, Lightning and data messages) to
   ``<out_dir>/checkpoints/<arm>-s<seed>/train.log`` and prints one line when the run ends (arm,
   seed, steps, val loss, time, ETA of the study);
+* with ``evaluate``, measures the trained model inside the training process, when training ends
+  (no checkpoint is read back, no model rebuilt), and keeps the result in ``evals.pt``
+  (:attr:`RunRecord.evals`);
 * writes ``record.json`` beside the checkpoints; a rerun at the same code and config finds it and
   skips the run, so an interrupted study resumes where it stopped (the run it was in when
-  interrupted trains again from the start).
+  interrupted trains again from the start). Since a run is restarted rather than resumed,
+  ``checkpoints="final"`` writes one checkpoint per run, at its end.
 
 Results come back as a :class:`Grid`: one row per run (:meth:`Grid.table`), mean +- spread over seeds
 (:func:`aggregate`), one loss-curve style (:func:`loss_curves`), and :func:`study_meta` for the
@@ -44,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from moelab.base import repo_root
-from moelab.utils import write_json
+from moelab.utils import atomic_path, write_json
 
 # Runner -> kernel: what the notebook cannot know by itself (its command line, when the study began,
 # the code state before the study wrote anything into the checkout).
@@ -54,18 +58,24 @@ GIT_ENV = "MOELAB_STUDY_GIT"
 
 # Console lines that carry no information for a study reader. Filtered where they are emitted
 # (quiet_known_noise) and looked for in executed notebooks by the tests.
-KNOWN_NOISE = (
-    r"INFO mlflow\.",
+_LIGHTNING_LINES = (  # Lightning's rank-zero log messages
     r"GPU available: ",
     r"TPU available: ",
     r"HPU available: ",
     r"litlogger",
-    r"LeafSpec",
     r"`Trainer\.fit` stopped: `max_steps=",
 )
-_LIGHTNING_NOISE = re.compile("|".join(KNOWN_NOISE[1:]))
+_WARNINGS = (  # warnings.warn messages
+    r"LeafSpec",  # torch's FutureWarning, raised from inside Lightning
+    r"IProgress not found",  # tqdm.auto imported in a Jupyter kernel without ipywidgets (Lightning imports it)
+)
+KNOWN_NOISE = (r"INFO mlflow\.", *_LIGHTNING_LINES, *_WARNINGS)
+_LIGHTNING_NOISE = re.compile("|".join(_LIGHTNING_LINES))
 # Absolute paths of one machine: meaningless in a committed report, and they leak the machine.
-MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|home|tmp|root|Users|mnt|private|var/folders)/")
+MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|home|tmp|root|Users|mnt|opt|usr|private|var/folders)/")
+
+# run_grid's evaluate: (the trained MoELab, its RunConfig) -> results kept beside the run's record
+Evaluate = Callable[[Any, Any], dict[str, Any]]
 
 STUDY_METRICS = ("best_val_loss", "final_val_loss", "final_train_loss", "train_val_gap", "epochs")
 
@@ -85,8 +95,11 @@ def quiet_known_noise() -> None:
     """Silence the known noise at its source, for this process (idempotent).
 
     MLflow's INFO messages (database setup, system-metrics monitor start/stop), Lightning's
-    accelerator inventory and litlogger advertisement, the end-of-fit ``max_steps`` notice, and
-    torch's ``LeafSpec`` FutureWarning raised from inside Lightning. Warnings and errors pass.
+    accelerator inventory and litlogger advertisement, the end-of-fit ``max_steps`` notice,
+    torch's ``LeafSpec`` FutureWarning raised from inside Lightning, and tqdm's "IProgress not
+    found" warning (a kernel without ipywidgets, as on the GPU machines: tqdm falls back to its
+    text bar). Other warnings and errors pass. A notebook calls it before anything imports
+    Lightning (which imports ``tqdm.auto``, where that warning is raised once).
     """
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow configures its loggers
     logging.getLogger("mlflow").setLevel(logging.WARNING)
@@ -96,6 +109,7 @@ def quiet_known_noise() -> None:
         if _NOISE_FILTER not in logger.filters:
             logger.addFilter(_NOISE_FILTER)
     warnings.filterwarnings("ignore", message=r".*LeafSpec", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"IProgress not found")
 
 
 @contextlib.contextmanager
@@ -301,6 +315,8 @@ class RunRecord:
     """One finished (arm, seed) training of a grid, as ``record.json`` keeps it.
 
     history: ``[{"step", "train/loss", ...}]`` per optimizer step; val_history: ``[[step, val/loss]]``.
+    evals: what ``run_grid``'s ``evaluate`` returned for the trained model (kept in ``evals.pt``,
+    not in ``record.json``); None without ``evaluate``.
     """
 
     arm: str
@@ -313,6 +329,7 @@ class RunRecord:
     train_val_gap: float | None
     fingerprint: str
     skipped: bool = False
+    evals: dict[str, Any] | None = None
 
     def row(self) -> dict[str, Any]:
         s = self.summary
@@ -368,14 +385,54 @@ def _tail_train_loss(history: Sequence[Mapping[str, float]], window: int) -> flo
     return sum(tail) / len(tail) if tail else None
 
 
-def _load_record(path: Path, fingerprint: str) -> RunRecord | None:
+EVALS = "evals.pt"  # beside record.json: run_grid's evaluate result
+
+
+def _load_record(path: Path, fingerprint: str, evals: bool = False) -> RunRecord | None:
+    """The finished run recorded at ``path`` with this fingerprint (and, if ``evals``, its evaluation), else None."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
     if data.get("fingerprint") != fingerprint or data.get("summary", {}).get("status") != "finished":
         return None
-    return RunRecord(**{**data, "skipped": True})
+    found = None
+    if evals:
+        import pickle
+
+        import torch
+
+        try:
+            found = torch.load(path.parent / EVALS, weights_only=True)
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
+            return None
+    return RunRecord(**{**data, "skipped": True, "evals": found})
+
+
+def _evaluation_callback(evaluate: Evaluate) -> Any:
+    """A Lightning callback that calls ``evaluate(model, cfg)`` once training has reached ``max_steps``.
+
+    The model is the trained ``MoELab`` on its training device, in eval mode, without autograd;
+    the result is left in the callback's ``result`` (None when training stopped early).
+    """
+    import lightning as L
+    import torch
+
+    class EvaluateAtEnd(L.Callback):
+        result: dict[str, Any] | None = None
+
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            if trainer.global_step < trainer.max_steps:  # Ctrl-C / SIGTERM: not a finished run
+                return
+            model, was_training = pl_module.model, pl_module.model.training
+            model.eval()
+            try:
+                with torch.no_grad():
+                    self.result = evaluate(model, pl_module.cfg)
+            finally:
+                model.train(was_training)
+
+    return EvaluateAtEnd()
 
 
 def _fmt_s(s: float) -> str:
@@ -392,6 +449,8 @@ def run_grid(
     *,
     common: Mapping[str, Any] | None = None,
     echo: Callable[[str], None] = print,
+    evaluate: Evaluate | None = None,
+    checkpoints: str = "every_validation",
 ) -> Grid:
     """Train every (arm, seed) of the grid (skipping those already finished); return the :class:`Grid`.
 
@@ -403,6 +462,12 @@ def run_grid(
         out_dir: the study's folder; runs live under ``<out_dir>/checkpoints/<arm>-s<seed>/``.
         common: overrides applied to every arm first (scale of the preset: steps, batch size).
         echo: where the one-line progress per run goes.
+        evaluate: ``(trained MoELab, RunConfig) -> dict`` (tensors, lists, numbers, strings), called in
+            the training process when a run reaches ``max_steps``, model in eval mode on its device
+            under ``torch.no_grad``; kept in ``<run dir>/evals.pt`` and returned as ``RunRecord.evals``
+            (a finished run without it trains again).
+        checkpoints: ``moelab.train.fit``'s policy: ``"every_validation"`` (last and best after each
+            validation) or ``"final"`` (one ``last.ckpt``, when the run ends).
     """
     if not seeds:
         raise ValueError("seeds is empty: a study needs at least one seed")
@@ -421,10 +486,10 @@ def run_grid(
                                                      "train.ckpt_dir": str(run_dir),
                                                      "tracking.run_name": f"{study}-{name}"}, seed)[arm]
         fp = _fingerprint(cfg, ctx["git"])
-        rec = _load_record(run_dir / "record.json", fp)
+        rec = _load_record(run_dir / "record.json", fp, evals=evaluate is not None)
         if rec is None:
             t0 = time.perf_counter()
-            rec = _train(study, arm, seed, cfg, run_dir, fp)
+            rec = _train(study, arm, seed, cfg, run_dir, fp, evaluate, checkpoints)
             trained_s.append(time.perf_counter() - t0)
         if rec.epochs:
             corpus_tokens = round(rec.tokens / rec.epochs)
@@ -443,8 +508,10 @@ def run_grid(
     return Grid(study=study, base=base, records=records, factor=factor, corpus_tokens=corpus_tokens)
 
 
-def _train(study: str, arm: str, seed: int, cfg: Any, run_dir: Path, fingerprint: str) -> RunRecord:
-    """Train one run of the grid from scratch with its output in ``train.log``; write and return its record.
+def _train(study: str, arm: str, seed: int, cfg: Any, run_dir: Path, fingerprint: str,
+           evaluate: Evaluate | None = None, checkpoints: str = "every_validation") -> RunRecord:
+    """Train (and evaluate) one run of the grid from scratch with its output in ``train.log``; write and
+    return its record (``evals.pt`` first: ``record.json`` marks a complete run).
 
     Whatever an unfinished earlier attempt left in ``run_dir`` is removed first: a run's curves,
     record and MLflow run then always cover the whole training (runs of a study are minutes long).
@@ -455,9 +522,10 @@ def _train(study: str, arm: str, seed: int, cfg: Any, run_dir: Path, fingerprint
 
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
+    at_end = _evaluation_callback(evaluate) if evaluate is not None else None
     with output_to(run_dir / "train.log"):
         corpus = prepare(cfg.data)  # its size gives the epochs; a first build logs its progress here
-        res = fit(cfg)
+        res = fit(cfg, callbacks=[at_end] if at_end else (), checkpoints=checkpoints)
     s = res.summary
     tokens = int(s["steps"] * s["B"] * s["T"] * cfg.train.accumulate_grad_batches * s.get("world_size", 1))
     tail = _tail_train_loss(res.history, cfg.train.val_every)
@@ -466,8 +534,16 @@ def _train(study: str, arm: str, seed: int, cfg: Any, run_dir: Path, fingerprint
                     val_history=[list(v) for v in res.val_history], tokens=tokens,
                     epochs=tokens / corpus.n_train_tokens,
                     train_val_gap=(val - tail) if val is not None and tail is not None else None,
-                    fingerprint=fingerprint)
-    write_json(run_dir / "record.json", {k: v for k, v in rec.__dict__.items() if k != "skipped"})
+                    fingerprint=fingerprint, evals=at_end.result if at_end else None)
+    if at_end is not None:
+        import torch
+
+        if at_end.result is None:
+            raise RuntimeError(f"{run_dir.name}: training ended at step {s['steps']} before max_steps="
+                               f"{cfg.train.max_steps}, so the run was not evaluated")
+        with atomic_path(run_dir / EVALS) as tmp:
+            torch.save(at_end.result, tmp)
+    write_json(run_dir / "record.json", {k: v for k, v in rec.__dict__.items() if k not in ("skipped", "evals")})
     if res.run_id:
         _tag_child(client(cfg.tracking.tracking_uri), res.run_id, study, rec)
     return rec

@@ -6,6 +6,8 @@ What a run leaves behind, in ``cfg.ckpt_dir`` (``runs/<name>`` by default):
     last.ckpt       the state after the latest validation (every ``val_every`` steps, the last step,
                     Ctrl-C, SIGTERM); written only while the weights are finite
     best.ckpt       the state with the lowest validation loss
+                    (``fit(..., checkpoints="final")``: last.ckpt only at the validation that ends
+                    training, no best.ckpt)
     *.ckpt.sha256   each checkpoint's checksum (``sha256sum -c`` format), verified before a resume
     history.csv     the scalars of every optimizer step of the whole run (resumes append), rewritten
                     at each validation so it reaches as far as ``last.ckpt``
@@ -83,6 +85,7 @@ LAST = "last.ckpt"
 BEST = "best"  # ModelCheckpoint's file name, without the extension
 LOCK = "run.lock"
 CHECKSUM_SUFFIX = ".sha256"
+CHECKPOINT_POLICIES = ("every_validation", "final")  # fit(checkpoints=...)
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as shells report it
 
 
@@ -347,6 +350,7 @@ def fit(
     resume: bool | str | Path | None = None,
     callbacks: Sequence[Callback] = (),
     parent_run_id: str | None = None,
+    checkpoints: str = "every_validation",
 ) -> TrainResult:
     """Train ``cfg``; return the histories, checkpoints and summary.
 
@@ -355,6 +359,9 @@ def fit(
             that run folder's ``last.ckpt``.
         callbacks: extra Lightning callbacks (run before moelab's own).
         parent_run_id: nest the MLflow run under this run (default: the enclosing study's, if any).
+        checkpoints: ``"every_validation"``: ``last.ckpt`` after each validation and ``best.ckpt``;
+            ``"final"``: ``last.ckpt`` once, when training ends (a study's short runs, which its harness
+            restarts rather than resumes).
 
     Every check below runs before the MLflow run is opened or anything is written.
 
@@ -366,6 +373,8 @@ def fit(
         NonFiniteLossError: a NaN/Inf training scalar or weight (names the step and the last good checkpoint).
         Interrupted: after Ctrl-C or SIGTERM, once ``last.ckpt`` and ``summary.json`` are saved.
     """
+    if checkpoints not in CHECKPOINT_POLICIES:
+        raise ValueError(f"checkpoints={checkpoints!r} is not allowed: expected one of {CHECKPOINT_POLICIES}")
     cfg.validate().check_trainable()
     check_device(cfg)
     ckpt = resume_path(cfg, resume)
@@ -380,7 +389,7 @@ def fit(
         if rank_zero_only.rank == 0:
             folder.claim(ckpt)
             outer.callback(folder.release)
-        return _fit(cfg, resumed, folder, callbacks, parent_run_id)
+        return _fit(cfg, resumed, folder, callbacks, parent_run_id, checkpoints == "final")
 
 
 @dataclass
@@ -394,7 +403,7 @@ class Resumed:
 
 
 def _fit(cfg: RunConfig, resumed: Resumed | None, folder: RunFolder, callbacks: Sequence[Callback],
-         parent_run_id: str | None) -> TrainResult:
+         parent_run_id: str | None, final_only: bool) -> TrainResult:
     ckpt_dir = cfg.ckpt_dir
     started = time.perf_counter()
     corpus = prepare(cfg.data)  # builds the cache on first use, with progress on stderr
@@ -428,7 +437,7 @@ def _fit(cfg: RunConfig, resumed: Resumed | None, folder: RunFolder, callbacks: 
                 changes = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in resumed.applied.items())
                 rank_zero_info(f"resuming {resumed.path} at step {resumed.step} with changed settings, applied "
                                f"from the next step: {changes}")
-            return _train(cfg, run, resumed, module, dm, callbacks, started)
+            return _train(cfg, run, resumed, module, dm, callbacks, started, final_only)
     finally:
         # A final status MLflow could not record shows up only when the run closes.
         if run is not None and summary_path.is_file():
@@ -439,17 +448,18 @@ def _fit(cfg: RunConfig, resumed: Resumed | None, folder: RunFolder, callbacks: 
 
 
 def _train(cfg: RunConfig, run: Run | None, resumed: Resumed | None, module: LitMoELab, dm: TextDataModule,
-           callbacks: Sequence[Callback], started: float) -> TrainResult:
+           callbacks: Sequence[Callback], started: float, final_only: bool) -> TrainResult:
     ckpt_dir, t = cfg.ckpt_dir, cfg.train
     ckpt = resumed.path if resumed else None
     # The whole run's history: what the resumed checkpoint had seen, then this process's steps.
     prior = read_history(ckpt.parent / "history.csv", resumed.step) if resumed else []
     sink = run.log_metrics if run is not None else None
-    last_ckpt = LastCheckpoint(ckpt_dir / LAST, (ckpt, resumed.step) if resumed else None)
+    last_ckpt = LastCheckpoint(ckpt_dir / LAST, (ckpt, resumed.step) if resumed else None, final_only)
     monitor = StepMonitor(last_ckpt, t.log_every, sink, ckpt_dir / "history.csv", prior)
     throughput, stop = _throughput(cfg, sink), StopControl()
-    best = ModelCheckpoint(dirpath=ckpt_dir, filename=BEST, monitor="val/loss", mode="min", save_top_k=1,
-                           save_last=False, auto_insert_metric_name=False, enable_version_counter=False)
+    best = None if final_only else ModelCheckpoint(
+        dirpath=ckpt_dir, filename=BEST, monitor="val/loss", mode="min", save_top_k=1, save_last=False,
+        auto_insert_metric_name=False, enable_version_counter=False)
     trainer = L.Trainer(
         max_steps=t.max_steps,
         accelerator=t.accelerator,
@@ -466,10 +476,11 @@ def _train(cfg: RunConfig, run: Run | None, resumed: Resumed | None, module: Lit
         num_sanity_val_steps=0,
         deterministic=t.deterministic,
         use_distributed_sampler=False,  # TextDataModule splits the data over ranks itself
-        callbacks=[*callbacks, monitor, throughput, stop, last_ckpt, best, StepProgressBar()],
+        callbacks=[*callbacks, monitor, throughput, stop, last_ckpt, *([best] if best else []), StepProgressBar()],
         logger=False,  # moelab's callbacks log to MLflow themselves, at the step they describe
         default_root_dir=str(ckpt_dir),
         plugins=[AtomicCheckpointIO()],
+        enable_checkpointing=best is not None,  # else Lightning adds a ModelCheckpoint of its own
         enable_model_summary=False,
     )
     if run is not None:
@@ -480,7 +491,7 @@ def _train(cfg: RunConfig, run: Run | None, resumed: Resumed | None, module: Lit
         rows = monitor.rows
         return TrainResult(
             status=status, ckpt_dir=ckpt_dir, last_checkpoint=last if last.exists() else None,
-            best_checkpoint=Path(best.best_model_path) if best.best_model_path else None,
+            best_checkpoint=Path(best.best_model_path) if best is not None and best.best_model_path else None,
             run_id=run.run_id if run else None, history=rows,
             val_history=[(int(r["step"]), r["val/loss"]) for r in rows if "val/loss" in r])
 

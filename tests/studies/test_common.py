@@ -107,6 +107,55 @@ def test_grid_runs_nested_tagged_and_resumes(tmp_path, tracking_uri) -> None:  #
     assert meta["runs"] == 2 and meta["runs_skipped"] == 0 and "commit" in meta and "device" in meta
 
 
+def test_grid_evaluates_in_the_training_process_and_checkpoints_once(tmp_path, monkeypatch) -> None:
+    import torch
+
+    from moelab.train.runner import AtomicCheckpointIO, load_checkpoint
+
+    saves: list[tuple[str, int]] = []
+    save = AtomicCheckpointIO.save_checkpoint
+
+    def counted(self, checkpoint, path, storage_options=None):
+        saves.append((os.path.basename(path), checkpoint["global_step"]))
+        save(self, checkpoint, path, storage_options)
+
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", counted)
+    monkeypatch.setenv(common.GIT_ENV, json.dumps({"commit": "abc", "dirty": False, "diff_sha256": None}))
+    modes: list[tuple[bool, bool]] = []
+
+    def evaluate(model, cfg):
+        modes.append((model.training, torch.is_grad_enabled()))
+        name, p = next(model.named_parameters())
+        return {"name": name, "sum": p.detach().double().sum().cpu(), "seed": cfg.seed}
+
+    def grid():
+        return common.run_grid("99_grid", "tiny", {"bounded": GATES["bounded"]}, [0], tmp_path,
+                               common={**TINY, "tracking.enabled": False}, echo=lambda line: None,
+                               evaluate=evaluate, checkpoints="final")
+
+    first = grid().records[0]
+    run_dir = tmp_path / "checkpoints" / "bounded-s0"
+    # validations at steps 2 and 4 (val_every 2), one checkpoint: at the end, no best.ckpt
+    assert [r["step"] for r in first.history if "val/loss" in r] == [2.0, 4.0]
+    assert saves == [("last.ckpt", 4)] and sorted(p.name for p in run_dir.glob("*.ckpt")) == ["last.ckpt"]
+    assert first.summary["best_checkpoint"] is None
+    assert modes == [(False, False)]
+    # evaluated on the trained weights, the ones the checkpoint holds
+    weights = load_checkpoint(run_dir / "last.ckpt")["state_dict"][f"model.{first.evals['name']}"]
+    assert first.evals["sum"] == weights.double().sum() and first.evals["seed"] == 0
+
+    again = grid().records[0]
+    assert again.skipped and len(saves) == 1 and len(modes) == 1
+    assert again.evals["name"] == first.evals["name"] and torch.equal(again.evals["sum"], first.evals["sum"])
+    (run_dir / common.EVALS).unlink()  # a record without its evaluation is not a finished run
+    assert not grid().records[0].skipped and len(modes) == 2
+    with pytest.raises(ValueError, match="checkpoints='best'"):
+        from moelab.config import load_config
+        from moelab.train import fit
+
+        fit(load_config("tiny", {**TINY, "tracking.enabled": False}), checkpoints="best")
+
+
 def test_a_changed_code_state_reruns(tmp_path, monkeypatch) -> None:
     from moelab.config import load_config
 
@@ -146,6 +195,39 @@ def test_quiet_known_noise_drops_only_the_noise(capsys) -> None:
         warnings.warn("something else", FutureWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["something else"]
     assert logging.getLogger("mlflow").getEffectiveLevel() >= logging.WARNING
+
+
+# tqdm.auto imported inside a Jupyter kernel that has no ipywidgets (the GPU machines' kernels): tqdm
+# warns "IProgress not found" with the path of its own file, once, when Lightning first imports it.
+_TQDM_IN_A_KERNEL = """
+import sys, types
+import IPython  # noqa: F401  (tqdm reads sys.modules["IPython"])
+sys.modules["ipykernel.zmqshell"] = types.ModuleType("ipykernel.zmqshell")  # what tqdm looks for
+sys.modules["ipywidgets"] = None  # import fails
+if sys.argv[1] == "quiet":
+    from moelab.studies import common
+    common.quiet_known_noise()
+import tqdm.auto
+"""
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_tqdm_ipywidgets_warning_is_known_noise_and_filtered(quiet: bool) -> None:
+    import re
+    import subprocess
+    import sys
+
+    from moelab.base import repo_root
+
+    done = subprocess.run([sys.executable, "-c", _TQDM_IN_A_KERNEL, "quiet" if quiet else "loud"], cwd=repo_root(),
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(repo_root()), "PYTHONWARNINGS": ""})
+    assert done.returncode == 0, done.stderr
+    if quiet:
+        assert "IProgress" not in done.stderr
+    else:  # the line the GPU notebook showed; the report test counts it as noise
+        assert "TqdmWarning: IProgress not found" in done.stderr
+        assert any(re.search(noise, done.stderr) for noise in common.KNOWN_NOISE)
 
 
 def test_output_to_moves_print_stderr_and_handlers(tmp_path, capsys) -> None:

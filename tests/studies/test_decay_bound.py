@@ -185,3 +185,57 @@ def test_findings_are_computed_from_the_summary() -> None:
     close = _summary()
     close["arms"]["bounded-5"]["best_val_loss"] = _ms(5.61, 0.02)
     assert "within the seed spread" in study.findings(close)
+
+
+def test_kernel_rows_of_a_batch_are_those_of_each_decay_alone():
+    gs = [torch.full((1, 16, 1, 16), -5.0), torch.full((1, 16, 1, 16), -16.0),
+          -3.0 * torch.rand(1, 16, 1, 16, generator=torch.Generator().manual_seed(1))]
+    together = study.bounded_kernel_rows(gs)
+    alone = [study.run_bounded_kernel(g) for g in gs]
+    assert [r["nonfinite"] > 0 for r in together] == [False, True, False]
+    for a, b in zip(together, alone):
+        assert a["g_min"] == b["g_min"] and a["nonfinite"] == b["nonfinite"]
+        for key in ("rel_err", "rel_err_general"):
+            assert a[key] == b[key] == math.inf or abs(a[key] - b[key]) <= 1e-6 + 1e-3 * b[key], (key, a, b)
+    with pytest.raises(ValueError, match="one shape"):
+        study.bounded_kernel_rows([gs[0], torch.zeros(1, 32, 1, 16)])
+
+
+def test_fast_forgetting_runs_together_as_each_run_alone():
+    bounds = {"bounded-1": -1.0, "softplus": None}
+    kw = {"steps": 6, "B": 2, "T": 32, "H": 1, "K": 8, "device": "cpu"}
+    together = study.fast_forgetting(bounds, seeds=(0, 1), **kw)
+    alone = [r for arm, b in bounds.items() for s in (0, 1) for r in study.fast_forgetting({arm: b}, seeds=(s,), **kw)]
+    assert [(r["arm"], r["seed"]) for r in together] == [(r["arm"], r["seed"]) for r in alone]
+    for a, b in zip(together, alone):
+        for key in ("final_loss", "first_loss", "g_fast_min", "g_fast_mean", "g_slow_mean"):
+            assert rel_err(torch.tensor(a[key]), torch.tensor(b[key])) < 1e-5, (key, a, b)
+    assert together[0]["first_loss"] != together[1]["first_loss"]  # the seeds draw different inputs
+
+
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_evaluate_run_measures_the_model_it_is_given(gate):
+    from moelab.config import load_config
+
+    cfg = load_config("tiny", {"model.kda.gate": gate, "model.max_seq_len": 64 * study.EXTRAPOLATE})
+    torch.manual_seed(0)
+    model = MoELab(cfg.model).eval()
+    ev = study.evaluate_run(model, cfg, eval_windows=2, real_g_tokens=32)
+    (layer,) = [r["layer"] for r in ev["decay"]]
+    bound = cfg.model.kda.g_min if gate == "bounded" else study.REFERENCE_BOUND
+    ids = study._val_windows(cfg, 64, 2)[:, :-1]
+    g = study.collect_log_decay(model, ids)[layer]
+    assert ev["decay"][0]["bound"] == bound and ev["decay"][0]["g_min"] == pytest.approx(g.min().item())
+    sample = ev["tile_decay"][layer]
+    assert len(sample) == min(study.TILE_SAMPLE, g.shape[0] * (64 // 16) * g.shape[2] * g.shape[3])
+    assert torch.isin(sample, study.tile_decays(g)).all()
+    assert list(ev["real_g"]) == ([layer] if gate == "softplus" else [])
+    if gate == "softplus":
+        assert torch.equal(ev["real_g"][layer], g[:1, :32])
+    # 16 bins over 4x the training length; the first quarter is a plain forward over the training length
+    rows = ev["extrapolation"]
+    assert len(rows) == 16 and rows[-1]["pos_hi"] == 4 * 64 and rows[0]["rel_pos"] == pytest.approx(8 / 64)
+    data = study._val_windows(cfg, 4 * 64, 2)
+    with torch.no_grad():
+        first = model(data[:, :64], data[:, 1:65]).loss.item()
+    assert sum(r["loss"] for r in rows[:4]) / 4 == pytest.approx(first, rel=1e-4)
