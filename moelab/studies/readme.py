@@ -71,9 +71,25 @@ def _residual_modes() -> Row:
         blocks = f" ({r['model.residual.num_blocks']} blocks)" if "model.residual.num_blocks" in r else ""
         parts.append(f"{mode}{blocks} {_k(r['tok_per_s'])}")
     finite = all(r.get("loss_finite") and not r.get("nonfinite_grads") for r in rows)
+    base = next((r for r in rows if r["model.residual.mode"] == "prenorm"), None)
+    ratios = "" if base is None else "; of prenorm's tokens/s: " + ", ".join(
+        f"{r['impl'].removeprefix('moelab_gpu_small_')} {r['tok_per_s'] / base['tok_per_s']:.2f}x"
+        for r in rows if r is not base) + " (issue 16's targets: block >= 0.9x, full >= 0.75x)"
     return ("gpu-small per residual mode, fwd+bwd+AdamW (`kernels/bench_model.py --only gpu-small`)",
-            f"{', '.join(parts)} tokens/s; loss and every gradient {'finite' if finite else 'NOT finite'}", [_ref(f)],
-            (f, _needle(rows[0]["tok_per_s"])))
+            f"{', '.join(parts)} tokens/s{ratios}; loss and every gradient {'finite' if finite else 'NOT finite'}",
+            [_ref(f)], (f, _needle(rows[0]["tok_per_s"])))
+
+
+def _k3_mini() -> Row:
+    f = "studies/throughput_h200.json"
+    rows = _load(f)["rows"]
+    qb, none = _row(rows, "moelab_k3_mini"), _row(rows, "moelab_k3_mini_balancer_none")
+    return (f"k3-mini ({qb['params'] / 1e6:.0f}M total / {qb['params_activated'] / 1e6:.0f}M activated, B={qb['B']}, "
+            f"T={qb['T']}), {qb['balancer']} vs `balancer: none` (`kernels/bench_model.py --only k3-mini`)",
+            f"{_k(qb['tok_per_s'])} vs {_k(none['tok_per_s'])} tokens/s, MFU {qb['mfu']:.1%} vs {none['mfu']:.1%}, "
+            f"peak {qb['peak_mem_gb']:.1f} vs {none['peak_mem_gb']:.1f} GB: the balancer costs "
+            f"{1 - qb['tok_per_s'] / none['tok_per_s']:.1%} of the tokens/s (target <= 2%)",
+            [_ref(f)], (f, _needle(qb["tok_per_s"])))
 
 
 def _moe() -> Row:
@@ -268,8 +284,8 @@ def _study_4() -> Row:
             [_ref(f), _ref("studies/04_context_curriculum/04_context_curriculum.ipynb")], (f, None))
 
 
-ROWS: list[Callable[[], Row]] = [_throughput_gpu_small, _residual_modes, _moe, _kda_check, _kda_speed, _fla_shape,
-                                 _attnres_op, _kda_infer, _restructure, _study_1,
+ROWS: list[Callable[[], Row]] = [_throughput_gpu_small, _residual_modes, _k3_mini, _moe, _kda_check, _kda_speed,
+                                 _fla_shape, _attnres_op, _kda_infer, _restructure, _study_1,
                                  _study_2, _study_3, _study_4]
 
 
