@@ -225,7 +225,7 @@ def _versions() -> dict[str, str | None]:
 
 def study_context(study: str) -> dict[str, Any]:
     """Command, start time and code state of the running study: from the runner, else from here and now."""
-    git = json.loads(os.environ[GIT_ENV]) if os.environ.get(GIT_ENV) else git_state(exclude=(f"studies/{study}",))
+    git = json.loads(os.environ[GIT_ENV]) if os.environ.get(GIT_ENV) else git_state(exclude=("studies",))
     return {"command": os.environ.get(COMMAND_ENV) or "interactive (notebook run by hand)",
             "started": float(os.environ.get(STARTED_ENV) or _IMPORTED_AT), "git": git}
 

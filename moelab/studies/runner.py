@@ -121,7 +121,10 @@ def run_study(
     out_dir.mkdir(parents=True, exist_ok=True)
     executed = out_dir / notebook.name
     params = {"preset": preset, "out_dir": ".", **(parameters or {})}
-    code = git_state(exclude=(out_dir.relative_to(repo_root()).as_posix(),) if out_dir.is_relative_to(repo_root())
+    # The code state leaves out every study's results (their folder): one study's fresh outputs do not
+    # make the next study's code "dirty".
+    results = out_dir.parent
+    code = git_state(exclude=(results.relative_to(repo_root()).as_posix(),) if results.is_relative_to(repo_root())
                      else ())
 
     with start_run(experiment_name("study", notebook.stem), f"{notebook.stem}-{preset}",

@@ -292,3 +292,25 @@ def test_machine_path_pattern() -> None:
         assert common.MACHINE_PATH.search(bad), bad
     for ok in ("studies/01_decay_bound/x", "kernels/results/kda_h200.json", "1/tmp", "nats/token"):
         assert not common.MACHINE_PATH.search(ok), ok
+
+
+def test_git_state_leaves_out_the_excluded_results(tmp_path, monkeypatch) -> None:
+    """A changed result file under an excluded folder keeps the tree clean; a changed code file does not."""
+    import subprocess
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    (tmp_path / "studies").mkdir()
+    (tmp_path / "studies" / "summary.json").write_text("{}")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    monkeypatch.setattr(common, "repo_root", lambda: tmp_path)
+    (tmp_path / "studies" / "summary.json").write_text('{"new": 1}')
+    assert common.git_state(exclude=("studies",))["dirty"] is False
+    assert common.git_state()["dirty"] is True
+    (tmp_path / "code.py").write_text("x = 2\n")
+    state = common.git_state(exclude=("studies",))
+    assert state["dirty"] is True and state["diff_sha256"]
