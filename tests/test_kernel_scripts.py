@@ -102,6 +102,69 @@ def test_ab_model_smoke(tmp_path):
     assert res.returncode != 0 and "not from --root" in res.stderr
 
 
+def _ab_model():
+    sys.path.insert(0, os.path.join(ROOT, "kernels"))
+    try:
+        import ab_model
+    finally:
+        sys.path.remove(os.path.join(ROOT, "kernels"))
+    return ab_model
+
+
+def test_ab_model_verdict():
+    """The compare verdict from synthetic per-round step times: the noise is the larger tree range."""
+    compare = _ab_model().compare
+    same = compare([100.0, 110.0, 105.0, 108.0], [104.0, 112.0, 103.0, 110.0])  # diff +0.5 ms, ranges 10 and 9
+    assert (same["old"]["median"], same["new"]["median"], same["diff_ms"]) == (106.5, 107.0, 0.5)
+    assert same["noise_ms"] == 10.0 and same["verdict"] == "same within noise"
+    slower = compare([100.0, 101.0, 99.0, 100.0], [120.0, 121.0, 119.0, 122.0])  # +20.5 ms against 3 ms of noise
+    assert slower["diff_ms"] == 20.5 and slower["noise_ms"] == 3.0
+    assert slower["verdict"] == "new slower by 20.5% (beyond noise)"
+    assert compare([120.0, 121.0, 119.0], [100.0, 101.0, 99.0])["verdict"] == "new faster by 16.7% (beyond noise)"
+    edge = compare([100.0, 104.0], [104.0, 108.0])  # |diff| == noise counts as noise
+    assert edge["diff_ms"] == edge["noise_ms"] == 4.0 and edge["verdict"] == "same within noise"
+    with pytest.raises(ValueError, match="old=1"):
+        compare([100.0], [100.0, 101.0])
+    assert _ab_model().round_order(3) == ["old", "new", "new", "old", "old", "new"]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU smoke runs; the GPU runs the real thing")
+def test_ab_model_compare_smoke(tmp_path):
+    """Compare mode, old and new both this tree (the old one a copy): fresh processes per round, JSON fields."""
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(os.path.join(ROOT, "moelab"), old / "moelab", ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "cmp.json"
+    res = _run(["kernels/ab_model.py", "--compare", str(old), "--smoke", "--commit", "new1234", "--old-commit",
+                "old5678", "--out", str(out)], tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    data = json.loads(out.read_text())
+    meta = data["meta"]
+    assert {"gpu", "torch", "triton", "date", "command", "seconds"} <= set(meta)
+    assert (meta["commit"], meta["old_commit"], meta["old_root"], meta["new_root"]) == (
+        "new1234", "old5678", str(old), ROOT)
+    assert meta["rounds"] == 2 and "--compare" in meta["command"]
+    assert [(r["round"], r["tree"]) for r in data["rounds"]] == [(0, "old"), (0, "new"), (1, "new"), (1, "old")]
+    assert all(r["step_ms"] > 0 and r["host_ms"] > 0 and r["seconds"] > 0 for r in data["rounds"])
+    assert set(data["warmup_rounds"]) == {"old", "new"}  # run, kept apart from the timed rounds
+    for key in ("step_ms", "host_ms"):
+        c = data[key]
+        for tree in ("old", "new"):
+            values = [r[key] for r in data["rounds"] if r["tree"] == tree]
+            assert c[tree]["values"] == values and c[tree]["range"] == max(values) - min(values)
+        assert c["diff_ms"] == c["new"]["median"] - c["old"]["median"]
+        assert c["noise_ms"] == max(c["old"]["range"], c["new"]["range"])
+    assert data["verdict"] == data["step_ms"]["verdict"]
+    assert (data["verdict"] == "same within noise") == (abs(data["step_ms"]["diff_ms"]) <= data["step_ms"]["noise_ms"])
+    assert data["verdict"] in res.stdout
+    # a tree without the package, or a single round (no spread), is refused up front
+    res = _run(["kernels/ab_model.py", "--compare", str(tmp_path / "none"), "--smoke"], tmp_path)
+    assert res.returncode != 0 and "has no moelab package" in res.stderr
+    res = _run(["kernels/ab_model.py", "--compare", str(old), "--smoke", "--rounds", "1"], tmp_path)
+    assert res.returncode != 0 and "--rounds must be >= 2" in res.stderr
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU smoke runs; the GPU runs the real thing")
 def test_check_kda_gate_part_smoke(tmp_path):
     """``--part gate`` runs the gate rows alone; without fla they are held to the tolerances."""
