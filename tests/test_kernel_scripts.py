@@ -3,6 +3,7 @@ GPU session does not spend its time on a broken harness."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -102,18 +103,18 @@ def test_ab_model_smoke(tmp_path):
     assert res.returncode != 0 and "not from --root" in res.stderr
 
 
-def _ab_model():
+def _kernel_script(name: str):
+    """Import ``kernels/<name>.py`` (the folder is not a package) as a module."""
     sys.path.insert(0, os.path.join(ROOT, "kernels"))
     try:
-        import ab_model
+        return importlib.import_module(name)
     finally:
         sys.path.remove(os.path.join(ROOT, "kernels"))
-    return ab_model
 
 
 def test_ab_model_verdict():
     """The compare verdict from synthetic per-round step times: the noise is the larger tree range."""
-    compare = _ab_model().compare
+    compare = _kernel_script("ab_model").compare
     same = compare([100.0, 110.0, 105.0, 108.0], [104.0, 112.0, 103.0, 110.0])  # diff +0.5 ms, ranges 10 and 9
     assert (same["old"]["median"], same["new"]["median"], same["diff_ms"]) == (106.5, 107.0, 0.5)
     assert same["noise_ms"] == 10.0 and same["verdict"] == "same within noise"
@@ -125,7 +126,7 @@ def test_ab_model_verdict():
     assert edge["diff_ms"] == edge["noise_ms"] == 4.0 and edge["verdict"] == "same within noise"
     with pytest.raises(ValueError, match="old=1"):
         compare([100.0], [100.0, 101.0])
-    assert _ab_model().round_order(3) == ["old", "new", "new", "old", "old", "new"]
+    assert _kernel_script("ab_model").round_order(3) == ["old", "new", "new", "old", "old", "new"]
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU smoke runs; the GPU runs the real thing")
@@ -188,13 +189,6 @@ def test_check_kda_gate_part_smoke(tmp_path):
     assert "gate inside the op" in res.stdout and "packed documents" not in res.stdout
 
 
-def _check_kda_gpu():
-    sys.path.insert(0, os.path.join(ROOT, "kernels"))
-    try:
-        import check_kda_gpu
-    finally:
-        sys.path.remove(os.path.join(ROOT, "kernels"))
-    return check_kda_gpu
 
 
 def _stand_in_fla(noise: float, fail: bool = False):
@@ -218,7 +212,7 @@ def _stand_in_fla(noise: float, fail: bool = False):
 def test_check_kda_gate_rows_against_fla():
     """The gate rows' bar is fla's error on the same inputs: a noisier fla lets moelab pass, an fla as exact as
     the reference makes its gate gradients fail, a failing fla call fails its row and the next row still runs."""
-    ck = _check_kda_gpu()
+    ck = _kernel_script("check_kda_gpu")
     from moelab.ops.kda.triton_chunk import chunk_kda
 
     cases = [(1, 40, 1, 32, "bounded"), (1, 40, 1, 32, "softplus")]
@@ -251,7 +245,7 @@ def _store_block(out_ptr, n, BLOCK: tl.constexpr):
 def test_pin_autotuners_keeps_first_pruned_config(monkeypatch):
     """check_kda_gpu pins fla's autotuners: an autotuner under a heuristics wrapper keeps the first
     config its own pruning leaves (here 16: the prune drops 8), and nothing is benchmarked."""
-    ck = _check_kda_gpu()
+    ck = _kernel_script("check_kda_gpu")
     configs = [triton.Config({"BLOCK": b}) for b in (8, 16, 32)]
     tuned = triton.autotune(configs=configs, key=["n"],
                             prune_configs_by={"early_config_prune": lambda cs, nargs, **kw: cs[1:]})(_store_block)
