@@ -123,7 +123,9 @@ def train_balancers(preset: str, out_dir: str | Path, extra: Mapping[str, Any] |
         extra: more ``--set`` style overrides for every arm.
     """
     p = _preset(preset)
-    return common.run_grid(STUDY, p["base"], ARMS, p["seeds"], out_dir, common={**p["overrides"], **(extra or {})})
+    # One checkpoint per run, at its end: the shift test reads only last.ckpt.
+    return common.run_grid(STUDY, p["base"], ARMS, p["seeds"], out_dir, common={**p["overrides"], **(extra or {})},
+                           checkpoints="final")
 
 
 # --- balance measures ------------------------------------------------------------------------------

@@ -176,8 +176,9 @@ def train(preset: str, out_dir: str | Path, extra_overrides: Mapping[str, Any] |
     p = plan(preset)
     if p.threads:
         torch.set_num_threads(p.threads)
+    # One checkpoint per run, at its end: the evaluation suite reads only last.ckpt.
     return common.run_grid(STUDY, p.base, arms(preset), p.seeds, out_dir,
-                           common={**p.common, **(extra_overrides or {})})
+                           common={**p.common, **(extra_overrides or {})}, checkpoints="final")
 
 
 # ------------------------------------------------------------------------------------------- eval
