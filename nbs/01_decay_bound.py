@@ -19,7 +19,8 @@
 # KDA's chunked kernels need the gated scores $q_i^\top \mathrm{diag}(e^{G_i - G_j})\, k_j$ inside each chunk,
 # where $G$ is the cumulative sum of the per-token log decay $g \le 0$. moelab's bounded kernel forms each
 # diagonal 16-token sub-tile as one tensor-core product $(q \odot e^{G - G_r})(k \odot e^{G_r - G})^\top$, with
-# $G_r$ the value of $G$ at the sub-tile's row 7, so the factors $e^{\pm(G - G_r)}$ must stay finite. K3 bounds
+# the reference $G_r$ placed by the bound the op is told (forward: $G$ before the sub-tile plus $8 g_{min}$;
+# backward: $G$ at row 7), so the factors $e^{\pm(G - G_r)}$ must stay finite. K3 bounds
 # the decay, $g = g_{min}\,\sigma(\cdot)$ with $g_{min} = -5$; Kimi Linear's softplus gate does not. This notebook
 # measures (1) where the kernel's sub-tile breaks, modelled and on the real Triton op; (2) language models that
 # differ only in the gate (bounded at $-5$, $-2$, $-1$; softplus), several seeds each: loss, how close the decay
@@ -57,12 +58,14 @@ P = study.PRESETS[preset]
 
 # %% [markdown]
 # ## 1. Where the bounded kernel's sub-tile overflows
-# Left: the sub-tile modelled as the kernel computes it: $G$ and the factors in fp32, shifted by the fixed row 7
-# (so the $k$ factor of row 15 holds $e^{|G_{15} - G_7|}$, 8 tokens of decay), the products' operands in the
-# precision the kernel picks for the input dtype (bf16 inputs: bf16 operands; fp16: TF32; fp32: fp32), against an
-# exact fp64 element-wise tile. Two decays per bound: $g = g_{min}$ on every channel of every token (the worst
-# case a bound allows) and $g$ uniform in $[g_{min}, 0]$. Right: the real Triton op in bounded mode, told
-# $g_{min} = -5$ with its input check off, on decays down to the swept value, against the fp32 token recurrence.
+# Left: the sub-tile modelled as the forward kernel computes it (`study.kernel_tile`): $G$ (each row's own decay
+# included) and the factors in fp32, shifted by $G$ before the sub-tile plus $8 g_{min}$, with $g_{min}$ the bound
+# the op is *told*, not the data; the products' operands in the precision the kernel picks (fp32 inputs: fp32;
+# bf16, fp16: TF32), against an exact fp64 element-wise tile. Two decays per swept value: $g = g_{min}$ on every
+# channel of every token (the worst case) and $g$ uniform in $[g_{min}, 0]$; two promises: the op told $-5$ with its
+# input check off (decays below it break the promise: row 15's $k$ factor holds $e^{16|g| - 8 \cdot 5}$), and the op
+# told each decay's own $g_{min}$ (the promise kept, below the op's floor: $e^{8|g|}$). Right: the real Triton op
+# in bounded mode on the same cases, against the fp32 token recurrence.
 
 # %%
 overflow = pd.DataFrame(study.tile_overflow_table())
@@ -73,10 +76,13 @@ common.show(study.overflow_figure(overflow.to_dict("records"), kernel_rows), out
 
 # %% [markdown]
 # **Figure 1.** Left: relative RMS error of the modelled diagonal sub-tile vs $|g_{min}|$ (a line that stops has
-# overflowed); the vertical line is $|g_{min}| = 88.7/8 = 11.1$, where 8 tokens of constant decay exceed fp32's
-# exponent range ($\ln$ of its largest value). Right: relative error of the op's output $o$ in bounded mode
-# (markers), red crosses where it has non-finite entries, dotted the general mode (element-wise diagonal
-# sub-tiles) on the same inputs.
+# overflowed). Right: relative error of the op's output $o$ in bounded mode (markers), crosses where it has
+# non-finite entries, dotted the general mode (element-wise diagonal sub-tiles) on the same inputs. Vertical lines:
+# the constant decay at which a factor leaves fp32's exponent range (`study.constant_overflow_g`; dashed: told
+# $-5$, solid: told its own bound); the values follow the table.
+
+# %%
+Markdown(study.overflow_text(overflow, kernel_rows))
 
 # %%
 pd.Series(study.safe_bounds(overflow), name="g_min").to_frame()  # most negative finite within 1%; first non-finite
@@ -138,7 +144,8 @@ decay.groupby("arm", sort=False)[["bound", "g_min", "frac_channels_near_bound", 
 # log decay $g$; the share of channels (layer, head, channel) whose most negative $g$ is within 5% of the arm's bound
 # (softplus: of $-5$), mean over models; the same share of all (token, channel) entries; the median and 99th
 # percentile of the cumulative decay $-\sum g$ over a 16-token sub-tile and its maximum; the largest exponent a
-# factor of the bounded kernel's sub-tile would hold ($|G_i - G_7|$; fp32 overflows above 88.7).
+# factor of the bounded backward's sub-tile would hold ($|G_i - G_7|$; fp32 overflows above $\ln$ of its largest
+# value, `study.EXP_LIMIT["fp32"]`).
 
 # %%
 common.show(study.tile_decay_figure(pooled["tile_decay"]), out / "figures" / "tile_decay.png")

@@ -28,12 +28,16 @@ from typing import Any
 
 import torch
 
-from moelab.ops.kda.bounds import EXP_LIMIT, SUBTILE
+from moelab.ops.kda.bounds import EXP_LIMIT, G_MIN_FLOOR, SUBTILE
 from moelab.studies import common
 
-# input dtype -> operand precision of the kernel's products (triton_chunk._dot_bf16 / _ieee)
-OPERANDS = {"bf16": "bf16", "fp16": "tf32", "fp32": "fp32"}
-REF_ROW = SUBTILE // 2 - 1  # the sub-tile row whose G the bounded kernel shifts by (triton_common._mid_tile)
+# input dtype -> operand precision of the diagonal sub-tile's products: the forward (``triton_fwd._diag``)
+# casts its factors to fp32 whatever the input dtype, so the products are exact fp32 for fp32 inputs
+# (``triton_chunk._ieee``) and TF32 otherwise
+OPERANDS = {"bf16": "tf32", "fp16": "tf32", "fp32": "fp32"}
+REFERENCE_BOUND = -5.0  # K3's bound: the line the softplus arm is measured against
+INPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+REF_ROW = SUBTILE // 2 - 1  # the row whose G the backward's diagonal sub-tile shifts by (triton_bwd._kda_bwd_dqkg)
 
 
 def _tf32(x: torch.Tensor) -> torch.Tensor:
@@ -50,27 +54,60 @@ def _operand(x: torch.Tensor, operand: str) -> torch.Tensor:
     return _tf32(x) if operand == "tf32" else x
 
 
-def kernel_tile(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, operand: str = "bf16") -> torch.Tensor:
-    """Gated scores of one diagonal sub-tile as the bounded Triton kernel forms them.
+def factor_exponents(g: torch.Tensor, told: float) -> torch.Tensor:
+    """Exponents ``G - ref`` (natural log) of the bounded forward's diagonal sub-tile factors.
+
+    The kernel (``triton_fwd._diag``) shifts G by ``ref = off + SUBTILE/2 * told``: ``off`` is G
+    just before the sub-tile and ``told`` the g_min the op was told (``mid`` in triton_chunk), not
+    the data; G of row r includes row r's own decay. So a constant decay g puts
+    ``(r + 1) g - 8 told`` on row r: ``-8 g`` on row 7 when told = g, but ``16 g - 8 told`` on row 15
+    when g is below what the op was told.
+
+    Args:
+        g: ``[S, ...]`` one sub-tile's log decay (natural log, <= 0), rows first.
+        told: the g_min the op is told (< 0).
+
+    Returns:
+        ``[S, ...]`` fp32: the q factor is ``e^{x}``, the k factor ``e^{-x}``.
+    """
+    return g.float().cumsum(0) - (SUBTILE / 2) * told
+
+
+def constant_overflow_g(told: float | None = None, limit: float = EXP_LIMIT["fp32"]) -> float:
+    """The constant log decay below which the bounded forward's diagonal sub-tile holds a factor
+    past ``e^limit`` (fp32's range: the factors are fp32 whatever the input dtype).
+
+    Told ``g_min = told``, the k factor of row 15 holds ``e^{16 |g| - 8 |told|}``; told the decay's
+    own value (``told=None``, the promise kept), ``e^{8 |g|}``.
+    """
+    half = SUBTILE / 2
+    if told is None:
+        return -limit / half
+    if not -limit / half <= told < 0:
+        raise ValueError(f"told={told} is not allowed: expected {-limit / half:.3f} <= told < 0 (below it the q "
+                         f"factor of row 0, e^(8 |told|), overflows whatever g is)")
+    return -(limit + half * abs(told)) / SUBTILE
+
+
+def kernel_tile(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, told: float, operand: str = "tf32") -> torch.Tensor:
+    """Gated scores of one diagonal sub-tile as the bounded Triton forward forms them.
 
     Args:
         q, k: ``[S, K]`` the sub-tile's queries and keys (fp32).
         g: ``[S, K]`` per-token log decay (natural log, <= 0).
-        operand: precision of the product's operands ("bf16" for bf16 inputs, "tf32" for fp16,
-            "fp32" for fp32).
+        told: the g_min the op is told: it places the factors' reference (:func:`factor_exponents`).
+        operand: precision of the product's operands (``OPERANDS`` of the input dtype).
 
     Returns:
         ``[S, S]`` fp32 ``A_ij = sum_c q_ic k_jc exp(G_ic - G_jc)`` for ``j <= i``, 0 above the
-        diagonal (a select, as in the kernel): the factors ``exp(G - G_r)``, ``exp(G_r - G)`` are
-        fp32 (inf past fp32's range), shifted by G at the fixed row ``REF_ROW``; the product
-        accumulates in fp32.
+        diagonal (a select, as in the kernel): the factors ``q e^{x}``, ``k e^{-x}`` are fp32 (inf
+        past fp32's range); the product accumulates in fp32.
     """
-    G = g.float().cumsum(0)
-    ref = G[min(REF_ROW, G.shape[0] - 1)]
-    qs = _operand(q.float() * (G - ref).exp(), operand)
-    ks = _operand(k.float() * (ref - G).exp(), operand)
+    x = factor_exponents(g, told)
+    qs = _operand(q.float() * x.exp(), operand)
+    ks = _operand(k.float() * (-x).exp(), operand)
     A = qs @ ks.T
-    S = G.shape[0]
+    S = g.shape[0]
     return torch.where(torch.ones(S, S, dtype=torch.bool).tril(), A, torch.zeros_like(A))
 
 
@@ -90,59 +127,96 @@ def _rms_rel(ref: torch.Tensor, out: torch.Tensor) -> float:
     return ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
 
 
+TILE_G_MINS = (-2, -5, -8, -8.1, -10, -11, -11.1, -12, -16, -24, -32)  # both sides of each overflow, 0.1 apart
+
+
 def tile_overflow_table(
-    g_mins: Iterable[float] = (-2, -5, -8, -10, -11, -11.5, -12, -16, -24, -32),
+    g_mins: Iterable[float] = TILE_G_MINS,
     dtypes: Iterable[str] = ("bf16", "fp16", "fp32"),
+    tolds: Iterable[float | None] = (REFERENCE_BOUND, None),
     head_dim: int = 64,
     trials: int = 4,
     seed: int = 0,
 ) -> list[dict]:
-    """Sweep :func:`kernel_tile` over the bound and the input dtype.
+    """Sweep :func:`kernel_tile` over the decay's lower end, the input dtype and what the op is told.
 
-    Decays: ``g = g_min`` on every channel of every token (the worst case the bound allows;
-    ``pattern="constant"``) and ``g`` uniform in ``[g_min, 0]`` (``"uniform"``); q, k unit vectors
-    like the layer's L2-normalized ones.
+    Decays: ``g = g_min`` on every channel of every token (the worst case; ``pattern="constant"``)
+    and ``g`` uniform in ``[g_min, 0]`` (``"uniform"``); q, k unit vectors like the layer's
+    L2-normalized ones; q, k, g rounded to the input dtype (as the op stores them).
+
+    Args:
+        tolds: the g_min the op is told, per sweep: a number (fixed; decays below it break the promise,
+            as with the op's check off), or None (each decay's own ``g_min``: the promise kept).
 
     Returns:
-        One row per (dtype, pattern, g_min): ``operand``, ``max_exponent`` (largest |exponent| a
-        factor holds in that draw, natural log), ``limit`` (ln of fp32's max: the factors are
-        fp32), ``finite`` (every trial finite) and ``rel_err`` (worst RMS relative error vs fp64;
-        inf when not finite).
+        One row per (dtype, told, pattern, g_min): ``operand``, ``told`` (the g_min the op is told),
+        ``told_bound`` (told each decay's own g_min), ``max_exponent`` (largest |exponent| a factor
+        holds over the trials, natural log), ``limit`` (ln of fp32's max: the factors are fp32),
+        ``finite`` (every trial finite) and ``rel_err`` (worst RMS relative error vs fp64; inf when
+        not finite).
     """
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for dtype in dtypes:
-        for pattern in ("constant", "uniform"):
-            for g_min in g_mins:
-                worst, finite, span = 0.0, True, 0.0
-                for _ in range(trials):
-                    q = torch.nn.functional.normalize(torch.randn(SUBTILE, head_dim, generator=gen), dim=-1)
-                    k = torch.nn.functional.normalize(torch.randn(SUBTILE, head_dim, generator=gen), dim=-1)
-                    g = (torch.full((SUBTILE, head_dim), float(g_min)) if pattern == "constant"
-                         else g_min * torch.rand(SUBTILE, head_dim, generator=gen))
-                    G = g.double().cumsum(0)
-                    span = max(span, (G - G[REF_ROW]).abs().max().item())
-                    err = _rms_rel(exact_tile(q, k, g), kernel_tile(q, k, g, OPERANDS[dtype]))
-                    finite &= math.isfinite(err)
-                    worst = max(worst, err)
-                rows.append({"dtype": dtype, "operand": OPERANDS[dtype], "pattern": pattern, "g_min": float(g_min),
-                             "max_exponent": span, "limit": EXP_LIMIT["fp32"], "finite": finite, "rel_err": worst})
+        rnd = INPUT_DTYPES[dtype]
+        for told in tolds:
+            for pattern in ("constant", "uniform"):
+                for g_min in g_mins:
+                    t = float(g_min) if told is None else float(told)
+                    worst, finite, span = 0.0, True, 0.0
+                    for _ in range(trials):
+                        q = torch.nn.functional.normalize(torch.randn(SUBTILE, head_dim, generator=gen), dim=-1)
+                        k = torch.nn.functional.normalize(torch.randn(SUBTILE, head_dim, generator=gen), dim=-1)
+                        g = (torch.full((SUBTILE, head_dim), float(g_min)) if pattern == "constant"
+                             else g_min * torch.rand(SUBTILE, head_dim, generator=gen))
+                        q, k, g = (x.to(rnd).float() for x in (q, k, g))
+                        span = max(span, factor_exponents(g.double(), t).abs().max().item())
+                        err = _rms_rel(exact_tile(q, k, g), kernel_tile(q, k, g, t, OPERANDS[dtype]))
+                        finite &= math.isfinite(err)
+                        worst = max(worst, err)
+                    rows.append({"dtype": dtype, "operand": OPERANDS[dtype], "told": t, "told_bound": told is None,
+                                 "pattern": pattern, "g_min": float(g_min), "max_exponent": span,
+                                 "limit": EXP_LIMIT["fp32"], "finite": finite, "rel_err": worst})
     return rows
+
+
+def _told_key(told_bound: bool) -> str:
+    return "_told_bound" if told_bound else ""
 
 
 def safe_bounds(overflow: Any, tol: float = 1e-2) -> dict[str, float]:
     """Most negative swept g_min at which the modelled tile is finite with relative error < ``tol``,
-    keyed ``<dtype>_<pattern>``, and the least negative swept g_min where it is not finite
-    (``<dtype>_<pattern>_first_nonfinite``); a key is absent when no swept bound qualifies."""
+    keyed ``<dtype>_<pattern>`` (the op told a fixed g_min) or ``<dtype>_<pattern>_told_bound`` (told
+    each decay's own g_min), and the least negative swept g_min where it is not finite (the key plus
+    ``_first_nonfinite``); a key is absent when no swept g_min qualifies."""
     out = {}
-    for (d, p), sel in overflow.groupby(["dtype", "pattern"]):
+    for (d, p, tb), sel in overflow.groupby(["dtype", "pattern", "told_bound"]):
+        key = f"{d}_{p}{_told_key(tb)}"
         ok = sel[sel.finite & (sel.rel_err < tol)]
         if len(ok):
-            out[f"{d}_{p}"] = float(ok.g_min.min())
+            out[key] = float(ok.g_min.min())
         bad = sel[~sel.finite]
         if len(bad):
-            out[f"{d}_{p}_first_nonfinite"] = float(bad.g_min.max())
+            out[f"{key}_first_nonfinite"] = float(bad.g_min.max())
     return out
+
+
+def overflow_text(overflow: Any, kernel_rows: list[dict], dtype: str = "fp32") -> str:
+    """One sentence per told case: the predicted constant-decay overflow (:func:`constant_overflow_g`), the
+    first non-finite swept g of the modelled sub-tile (``dtype`` inputs) and of the real op."""
+    tiles = safe_bounds(overflow)
+    syn = [r for r in kernel_rows if r["source"].startswith("synthetic")]
+    lines = []
+    for tb, sel in overflow.groupby("told_bound"):
+        told = None if tb else float(sel.told.iloc[0])
+        first = _first_nonfinite([r for r in syn if r["told_bound"] == tb])
+        lines.append(
+            f"- {_told_label(tb, sel.told.iloc[0])}: a constant decay first overflows below g = "
+            f"{constant_overflow_g(told):.3f}; modelled sub-tile ({dtype}) first non-finite at swept g = "
+            f"{tiles.get(f'{dtype}_constant{_told_key(tb)}_first_nonfinite', float('nan')):g}; real op "
+            f"({syn[0]['dtype'] if syn else 'not run'}) first non-finite at "
+            f"{'none swept' if first is None else f'{first:g}'}.")
+    return "\n".join(lines)
 
 
 def _triton_kda():
@@ -163,25 +237,30 @@ def _triton_kda():
     return chunk_kda
 
 
-def bounded_kernel_rows(gs: Sequence[torch.Tensor], seed: int = 0, g_min: float = -5.0) -> list[dict[str, Any]]:
-    """The real Triton op in bounded mode (``g_min`` promised, validation off) on each log decay of ``gs``.
+def bounded_kernel_rows(gs: Sequence[torch.Tensor], seed: int = 0,
+                        told: float | Sequence[float] = REFERENCE_BOUND) -> list[dict[str, Any]]:
+    """The real Triton op in bounded mode (told ``g_min = told``, validation off) on each log decay of ``gs``.
 
-    All decays go through one call of the op and of the fp32 token recurrence, stacked along the
-    batch (a token-by-token reference on a GPU is thousands of small kernel launches per call);
-    each gets the same q, k (unit vectors), v and beta, drawn from ``seed`` for one decay's shape,
-    so a row is what the decay alone would give.
+    The decays go through one call of the fp32 token recurrence and of the general mode, and one
+    bounded call per distinct ``told``, stacked along the batch (a token-by-token reference on a GPU
+    is thousands of small kernel launches per call); each gets the same q, k (unit vectors), v and
+    beta, drawn from ``seed`` for one decay's shape, so a row is what the decay alone would give.
 
     Args:
-        gs: log decays ``[B, T, H, K]``, all of one shape (may go below ``g_min``: what the check
+        gs: log decays ``[B, T, H, K]``, all of one shape (may go below ``told``: what the check
             would have refused).
+        told: the g_min the op is told, one for all decays or one per decay (may be below
+            ``bounds.G_MIN_FLOOR``: what the check would have refused).
 
     Returns:
-        Per decay: ``nonfinite`` (share of non-finite entries of o), ``rel_err`` (RMS relative error
-        of the finite case vs the fp32 token recurrence, inf otherwise), ``rel_err_general`` (the
-        general mode on the same inputs), ``g_min`` of the input, and ``dtype`` (bf16 on a GPU;
-        fp32 in the CPU interpreter, whose bf16 products are not faithful: the same exponent range).
+        Per decay: ``told``, ``nonfinite`` (share of non-finite entries of o), ``rel_err`` (RMS
+        relative error of the finite case vs the fp32 token recurrence, inf otherwise),
+        ``rel_err_general`` (the general mode on the same inputs), ``g_min`` of the input, and
+        ``dtype`` (bf16 on a GPU; fp32 in the CPU interpreter, whose bf16 products are not faithful:
+        the same exponent range).
     """
     import warnings
+    from unittest import mock
 
     import numpy as np
 
@@ -189,11 +268,16 @@ def bounded_kernel_rows(gs: Sequence[torch.Tensor], seed: int = 0, g_min: float 
 
     if not gs or len({tuple(g.shape) for g in gs}) != 1:
         raise ValueError(f"gs has shapes {[tuple(g.shape) for g in gs]}: expected one or more decays of one shape")
+    n = len(gs)
+    tolds = [float(told)] * n if isinstance(told, (int, float)) else [float(t) for t in told]
+    if len(tolds) != n:
+        raise ValueError(f"told has {len(tolds)} values for {n} decays: expected one, or one per decay")
     chunk_kda = _triton_kda()
+    from moelab.ops.kda import triton_chunk
+
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     B, T, H, K = gs[0].shape
-    n = len(gs)
     gen = torch.Generator().manual_seed(seed)
     q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
@@ -201,38 +285,50 @@ def bounded_kernel_rows(gs: Sequence[torch.Tensor], seed: int = 0, g_min: float 
     beta = torch.rand(B, T, H, generator=gen)
     ins = [x.repeat(n, *[1] * (x.dim() - 1)).to(dev, dtype) for x in (q, k, v)]
     ins += [torch.cat(list(gs)).to(dev, dtype), beta.repeat(n, 1, 1).to(dev, dtype)]
+    out = torch.empty_like(ins[2])
     # overflow is what is measured here: the interpreter's numpy warnings about it are expected
     with torch.no_grad(), np.errstate(over="ignore", invalid="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         ref, _ = naive_recurrent_kda(*(x.float() for x in ins))
-        out, _ = chunk_kda(*ins, mode="bounded", g_min=g_min, validate=False)
+        for t in dict.fromkeys(tolds):
+            sel = torch.tensor([i * B + b for i in range(n) if tolds[i] == t for b in range(B)], device=dev)
+            # the op refuses g_min below its floor even unvalidated: lowered here, for the measurement only
+            with mock.patch.object(triton_chunk, "G_MIN_FLOOR", min(t, triton_chunk.G_MIN_FLOOR)):
+                out[sel] = chunk_kda(*(x[sel] for x in ins), mode="bounded", g_min=t, validate=False)[0]
         gen_out, _ = chunk_kda(*ins, mode="general")
     rows = []
     for i, g in enumerate(gs):
         part = slice(i * B, (i + 1) * B)
-        rows.append({"g_min": g.min().item(), "nonfinite": (~torch.isfinite(out[part])).float().mean().item(),
+        rows.append({"told": tolds[i], "g_min": g.min().item(),
+                     "nonfinite": (~torch.isfinite(out[part])).float().mean().item(),
                      "rel_err": _rms_rel(ref[part], out[part].float()),
                      "rel_err_general": _rms_rel(ref[part], gen_out[part].float()),
                      "dtype": str(dtype).replace("torch.", "")})
     return rows
 
 
-def run_bounded_kernel(g: torch.Tensor, seed: int = 0, g_min: float = -5.0) -> dict[str, Any]:
+def run_bounded_kernel(g: torch.Tensor, seed: int = 0, told: float = REFERENCE_BOUND) -> dict[str, Any]:
     """:func:`bounded_kernel_rows` of the one log decay ``g [B, T, H, K]``."""
-    return bounded_kernel_rows([g], seed, g_min)[0]
+    return bounded_kernel_rows([g], seed, told)[0]
 
 
-def kernel_overflow_rows(g_mins: Iterable[float], shape: tuple[int, int, int, int], seed: int = 0) -> list[dict]:
+def kernel_overflow_rows(g_mins: Iterable[float], shape: tuple[int, int, int, int], seed: int = 0,
+                         tolds: Iterable[float | None] = (REFERENCE_BOUND, None)) -> list[dict]:
     """:func:`bounded_kernel_rows` on synthetic decays: per g_min, constant ``g = g_min`` and uniform in
-    ``[g_min, 0]`` over ``shape`` ``(B, T, H, K)``."""
+    ``[g_min, 0]`` over ``shape`` ``(B, T, H, K)``, per entry of ``tolds`` (as in
+    :func:`tile_overflow_table`: a fixed g_min told, or None: each decay's own)."""
     gen = torch.Generator().manual_seed(seed)
-    cases, gs = [], []
-    for g_min in g_mins:
-        for pattern in ("constant", "uniform"):
-            gs.append(torch.full(shape, float(g_min)) if pattern == "constant"
-                      else g_min * torch.rand(shape, generator=gen))
-            cases.append({"source": f"synthetic {pattern}", "pattern": pattern, "bound": float(g_min)})
-    return [{**case, **row} for case, row in zip(cases, bounded_kernel_rows(gs, seed) if gs else [])]
+    g_mins = [float(x) for x in g_mins]
+    cases, gs, tell = [], [], []
+    for told in tolds:
+        for g_min in g_mins:
+            for pattern in ("constant", "uniform"):
+                gs.append(torch.full(shape, g_min) if pattern == "constant"
+                          else g_min * torch.rand(shape, generator=gen))
+                cases.append({"source": f"synthetic {pattern}", "pattern": pattern, "bound": g_min,
+                              "told_bound": told is None})
+                tell.append(g_min if told is None else float(told))
+    return [{**case, **row} for case, row in zip(cases, bounded_kernel_rows(gs, seed, tell) if gs else [])]
 
 
 @torch.no_grad()
@@ -271,7 +367,8 @@ def decay_stats(g: torch.Tensor, bound: float, near: float = 0.05) -> dict[str, 
         ``tile_decay_q50/q99/max``: quantiles of ``-sum g`` over each aligned 16-token sub-tile
         (per tile, head, channel), the cumulative decay one sub-tile spans; ``max_factor_exponent``:
         the largest exponent a factor of the bounded kernel's diagonal sub-tile holds
-        (``|G_i - G_ref|``, reference row ``REF_ROW``), against ``ln`` fp32 max = 88.7.
+        in the backward (``|G_i - G_ref|``, reference row ``REF_ROW``; the forward's factors, shifted by
+        the told bound, stay within ``8 |bound|`` for ``g >= bound``), against ``ln`` fp32 max = 88.7.
     """
     B, T, H, K = g.shape
     T0 = (T // SUBTILE) * SUBTILE
@@ -308,7 +405,6 @@ def tile_decays(g: torch.Tensor) -> torch.Tensor:
 # --- training: arms that differ only in the gate ----------------------------------------------------
 
 STUDY = "01_decay_bound"
-REFERENCE_BOUND = -5.0  # K3's bound: the line the softplus arm is measured against
 # Every arm sets both keys (the factor studied); softplus ignores g_min.
 ARMS = {
     "bounded-5": {"model.kda.gate": "bounded", "model.kda.g_min": -5.0},
@@ -339,13 +435,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                           "train.warmup_steps": 5, "data.seq_len": 64, "model.max_seq_len": 64 * EXTRAPOLATE,
                           "model.d_model": 64, "model.kda.head_dim": 32, "model.mla.head_dim": 32,
                           "model.kda.decay_rank": 8},
-            "eval_windows": 4, "overflow_shape": (1, 32, 1, 32), "overflow_g_mins": (-5, -11, -12, -16),
+            "eval_windows": 4, "overflow_shape": (1, 32, 1, 32), "overflow_g_mins": (-5, -8, -8.1, -11, -11.1, -16),
             "forget_steps": 150, "forget_seeds": (0,)},
     "gpu": {"base": "gpu-small", "seeds": (0, 1, 2),
             "overrides": {"train.max_steps": 100, "train.val_every": 50, "train.val_batches": 4,
                           "train.warmup_steps": 10, "model.max_seq_len": 4096 * EXTRAPOLATE},
             "eval_windows": 4, "overflow_shape": (2, 1024, 4, 128),
-            "overflow_g_mins": (-5, -8, -10, -11, -11.5, -12, -16, -24), "forget_steps": 300,
+            "overflow_g_mins": (-5, -8, -8.1, -10, -11, -11.1, -12, -16, -24), "forget_steps": 300,
             "forget_seeds": (0, 1, 2)},
 }
 KERNEL_RESULTS = ("kernels/results/kda_h200.json", "kernels/results/kda_h200_long.json")
@@ -684,32 +780,43 @@ def _figure(w: float, h: float, n: int = 1):
     return fig, fig.subplots(1, n, squeeze=False)[0]
 
 
+def _told_label(told_bound: bool, told: float) -> str:
+    return "told its own g_min" if told_bound else f"told g_min = {told:g}"
+
+
 def overflow_figure(rows: list[dict], kernel_rows: list[dict]) -> Any:
-    """Left: modelled sub-tile error vs |g_min| per input dtype and decay pattern. Right: the real
-    kernel in bounded mode (relative error of o, non-finite shown at the top)."""
-    fig, (ax, bx) = _figure(10, 3.8, 2)
-    for (dt, pat), style in zip(sorted({(r["dtype"], r["pattern"]) for r in rows}), ["-", "--"] * 3):
-        sel = sorted((r for r in rows if r["dtype"] == dt and r["pattern"] == pat), key=lambda r: -r["g_min"])
+    """Left: modelled sub-tile error vs |g_min| per input dtype, decay pattern and what the op is told.
+    Right: the real op in bounded mode (relative error of o, non-finite shown at 1). Vertical lines:
+    :func:`constant_overflow_g` of each told case."""
+    fig, (ax, bx) = _figure(11, 4.2, 2)
+    keys = sorted({(r["told_bound"], r["dtype"], r["pattern"]) for r in rows})
+    for i, (tb, dt, pat) in enumerate(keys):
+        sel = sorted((r for r in rows if (r["told_bound"], r["dtype"], r["pattern"]) == (tb, dt, pat)),
+                     key=lambda r: -r["g_min"])
         ax.semilogy([-r["g_min"] for r in sel], [r["rel_err"] if r["finite"] else float("nan") for r in sel],
-                    style, marker="o", ms=3, label=f"{dt} inputs ({sel[0]['operand']} operands), {pat} g")
-    ax.axvline(EXP_LIMIT["fp32"] / (SUBTILE // 2), color="k", lw=0.8, alpha=0.5)
-    ax.set(xlabel="|g_min|", ylabel="relative error (gaps: inf/NaN)", title="modelled diagonal sub-tile")
-    ax.legend(fontsize=6)
+                    "-" if pat == "constant" else "--", color=f"C{i // 2}", marker="o", ms=3,
+                    label=f"{_told_label(tb, sel[0]['told'])}, {dt} ({sel[0]['operand']}), {pat} g")
+    ax.set(xlabel="|g_min| of the decay", ylabel="relative error (gaps: inf/NaN)", title="modelled diagonal sub-tile")
     syn = [r for r in kernel_rows if r["source"].startswith("synthetic")]
-    for pat, marker in (("constant", "o"), ("uniform", "s")):
-        sel = sorted((r for r in syn if r["pattern"] == pat), key=lambda r: -r["bound"])
-        xs = [-r["bound"] for r in sel]
-        bx.semilogy(xs, [r["rel_err"] if math.isfinite(r["rel_err"]) else float("nan") for r in sel], marker=marker,
-                    label=f"bounded mode, {pat} g")
-        bad = [x for x, r in zip(xs, sel) if r["nonfinite"] > 0]
-        bx.plot(bad, [1.0] * len(bad), "x", color="r", ms=8, label="non-finite output" if pat == "constant" else None)
+    for i, tb in enumerate(sorted({r["told_bound"] for r in syn})):
+        for pat, marker in (("constant", "o"), ("uniform", "s")):
+            sel = sorted((r for r in syn if r["pattern"] == pat and r["told_bound"] == tb), key=lambda r: -r["bound"])
+            xs = [-r["bound"] for r in sel]
+            bx.semilogy(xs, [r["rel_err"] if math.isfinite(r["rel_err"]) else float("nan") for r in sel],
+                        marker=marker, color=f"C{i}", ls="-" if pat == "constant" else "--",
+                        label=f"bounded mode, {_told_label(tb, sel[0]['told'])}, {pat} g")
+            bad = [x for x, r in zip(xs, sel) if r["nonfinite"] > 0]
+            bx.plot(bad, [1.0] * len(bad), "x", color=f"C{i}", ms=8)
         bx.semilogy(xs, [r["rel_err_general"] for r in sel], ":", color="gray",
-                    label="general mode" if pat == "constant" else None)
-    bx.set(xlabel="|g_min| of the input decay", ylabel="rel. error of o vs fp32 recurrence",
-           title=f"real Triton op ({syn[0]['dtype'] if syn else ''})")
-    bx.legend(fontsize=6)
+                    label="general mode" if i == 0 else None)
     for a in (ax, bx):
+        for told in sorted({r["told"] for r in rows if not r["told_bound"]}):
+            a.axvline(-constant_overflow_g(told), color="k", lw=0.8, alpha=0.5, ls="--")
+        a.axvline(-constant_overflow_g(), color="k", lw=0.8, alpha=0.5)
         a.grid(alpha=0.3)
+        a.legend(fontsize=5)
+    bx.set(xlabel="|g_min| of the input decay (x: non-finite output)", ylabel="rel. error of o vs fp32 recurrence",
+           title=f"real Triton op ({syn[0]['dtype'] if syn else ''})")
     fig.tight_layout()
     return fig
 
@@ -785,6 +892,11 @@ def _ms(values: Any) -> dict[str, float | None]:
     return {"mean": mean, "std": std, "n": len(vals)}
 
 
+def _first_nonfinite(rows: list[dict], pattern: str = "constant") -> float | None:
+    """The least negative swept bound at which the op's output of ``pattern`` decays is non-finite."""
+    return max((r["bound"] for r in rows if r["pattern"] == pattern and r["nonfinite"] > 0), default=None)
+
+
 def summarize(overflow: Any, kernel_rows: list[dict], grid: common.Grid, decay: Any, extra_summary: Any,
               forgetting: Any, ratios: list[dict], speed_source: Mapping[str, Any], preset: str) -> dict[str, Any]:
     """The study's ``summary.json``: the meta block, then the numbers the findings are computed from.
@@ -813,6 +925,8 @@ def summarize(overflow: Any, kernel_rows: list[dict], grid: common.Grid, decay: 
         }
     real = [r for r in kernel_rows if not r["source"].startswith("synthetic")]
     syn = [r for r in kernel_rows if r["source"].startswith("synthetic")]
+    fixed = [r for r in syn if not r["told_bound"]]
+    own = [r for r in syn if r["told_bound"]]
     general = [r for r in ratios if r["impl"] == "moelab_general"]
     return {
         "meta": common.study_meta(STUDY, preset, grid, kernel_results=dict(speed_source)),
@@ -821,7 +935,12 @@ def summarize(overflow: Any, kernel_rows: list[dict], grid: common.Grid, decay: 
         "kernel_overflow": {
             "dtype": kernel_rows[0]["dtype"] if kernel_rows else None,
             "synthetic": syn,
-            "first_nonfinite_bound": max((r["bound"] for r in syn if r["nonfinite"] > 0), default=None),
+            "told": fixed[0]["told"] if fixed else None,
+            "first_nonfinite_bound": _first_nonfinite(fixed),
+            "first_nonfinite_bound_told_bound": _first_nonfinite(own),
+            "predicted_constant": constant_overflow_g(fixed[0]["told"]) if fixed else None,
+            "predicted_constant_told_bound": constant_overflow_g(),
+            "op_floor": G_MIN_FLOOR,
             "worst_finite_rel_err_at_or_above_-5": max((r["rel_err"] for r in syn if r["bound"] >= REFERENCE_BOUND),
                                                        default=None),
             "real_softplus": {"layers": len(real), "g_min": min((r["g_min"] for r in real), default=None),
@@ -861,14 +980,23 @@ def findings(summary: Mapping[str, Any]) -> str:
     lines = []
     ko, tile = summary["kernel_overflow"], summary["modelled_tile"]
     real = ko["real_softplus"]
-    first = ko["first_nonfinite_bound"]
+    nan = float("nan")
+
+    def swept(x: float | None) -> str:
+        return "none swept" if x is None else f"{x:g}"
+
     lines.append(
-        f"- **bf16 overflow removed**: the bounded kernel's sub-tile, modelled as the kernel forms it, stays finite "
-        f"and within 1% for constant decays down to g = {tile.get('bf16_constant', float('nan')):g} with bf16 inputs; "
-        f"the real op in bounded mode ({ko['dtype']}) gives "
-        + (f"its first non-finite output at g_min = {first:g}" if first is not None else
-           "no non-finite output at any swept decay")
-        + f" and at most {ko['worst_finite_rel_err_at_or_above_-5']:.1e} relative error for decays inside -5; on the "
+        f"- **bf16 overflow removed**: the bounded forward shifts a diagonal sub-tile's factors by 8 times the g_min "
+        f"it is told, not by the data. Told g_min = {ko['told']:g} (check off), a constant decay g puts "
+        f"e^(16|g| - 8|g_min|) in a factor, which overflows fp32 below g = {ko['predicted_constant']:.2f}: the "
+        f"modelled sub-tile (bf16 inputs) stays finite within 1% down to g = {tile.get('bf16_constant', nan):g} and "
+        f"is first non-finite at {tile.get('bf16_constant_first_nonfinite', nan):g}, the real op in bounded mode "
+        f"({ko['dtype']}) first at g = {swept(ko['first_nonfinite_bound'])}. Told each decay's own g_min, the "
+        f"factors hold e^(8|g|), which overflows below {ko['predicted_constant_told_bound']:.2f}: modelled first "
+        f"non-finite at {tile.get('bf16_constant_told_bound_first_nonfinite', nan):g}, real op at "
+        f"{swept(ko['first_nonfinite_bound_told_bound'])}; the op's floor g_min >= {ko['op_floor']:.2f} keeps "
+        f"{ko['predicted_constant_told_bound'] / ko['op_floor']:.1f}x of margin. The op gives at most "
+        f"{ko['worst_finite_rel_err_at_or_above_-5']:.1e} relative error for decays inside -5; on the "
         f"{real['layers']} trained softplus layers (min g {real['g_min']:.2f}) bounded mode is non-finite in "
         f"{real['layers_nonfinite']} and off by > 1% in {real['layers_rel_err_over_1pct']}, while the general mode "
         f"stays within {real['worst_rel_err_general']:.1e}.")

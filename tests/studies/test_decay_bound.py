@@ -8,6 +8,7 @@ import torch
 
 from moelab.model import MoELab
 from moelab.model.config import KDAConfig, ModelConfig
+from moelab.ops.kda.bounds import G_MIN_FLOOR
 from moelab.studies import decay_bound as study
 from tests.helpers import rel_err
 
@@ -29,22 +30,56 @@ def test_exact_tile_matches_direct_sum():
     assert rel_err(ref, study.exact_tile(q, k, g)) < 1e-12
 
 
-def test_kernel_tile_fp32_is_exact_inside_the_bound_and_bf16_within_a_percent():
+def test_kernel_tile_fp32_is_exact_inside_the_bound_and_tf32_within_a_percent():
     q, k, g = _tile(g_min=-5.0)
     ref = study.exact_tile(q, k, g)
-    assert rel_err(ref, study.kernel_tile(q, k, g, "fp32")) < 1e-5
-    assert 1e-4 < rel_err(ref, study.kernel_tile(q, k, g, "bf16")) < 1e-2  # bf16 operands do round
+    assert rel_err(ref, study.kernel_tile(q, k, g, -5.0, "fp32")) < 1e-5
+    assert 1e-5 < rel_err(ref, study.kernel_tile(q, k, g, -5.0, "tf32")) < 1e-2  # TF32 operands do round
 
 
-@pytest.mark.parametrize("g_min,finite", [(-11.0, True), (-11.2, False)])
-def test_kernel_tile_overflows_where_8_tokens_exceed_fp32(g_min, finite):
-    # the k factor of row 15 is exp(8 |g|) after the shift by row 7; fp32 holds exp(x) up to x = 88.72
+@pytest.mark.parametrize("told,g_min,finite", [(None, -11.0, True), (None, -11.1, False),
+                                               (-5.0, -8.0, True), (-5.0, -8.1, False)])
+def test_kernel_tile_overflows_where_the_told_shift_exceeds_fp32(told, g_min, finite):
+    # told g_min = t, the forward shifts by 8 t: row 15's k factor is exp(16 |g| - 8 |t|); fp32 holds exp(88.72)
     q, k, _ = _tile()
     g = torch.full((16, 32), g_min)
-    assert bool(torch.isfinite(study.kernel_tile(q, k, g, "bf16")).all()) is finite
-    rows = study.tile_overflow_table(g_mins=[g_min], dtypes=["fp32"], head_dim=16, trials=2)
-    assert next(r for r in rows if r["pattern"] == "constant")["finite"] is finite
-    assert next(r for r in rows if r["pattern"] == "constant")["max_exponent"] == pytest.approx(8 * abs(g_min))
+    t = g_min if told is None else told
+    assert bool(torch.isfinite(study.kernel_tile(q, k, g, t)).all()) is finite
+    rows = study.tile_overflow_table(g_mins=[g_min], dtypes=["fp32"], tolds=[told], head_dim=16, trials=2)
+    row = next(r for r in rows if r["pattern"] == "constant")
+    assert row["finite"] is finite and row["told"] == t
+    assert row["max_exponent"] == pytest.approx(16 * abs(g_min) - 8 * abs(t), rel=1e-6)
+    assert (g_min >= study.constant_overflow_g(told)) is finite
+
+
+def test_constant_overflow_g_is_fp32s_range_over_the_factor_exponent():
+    assert study.constant_overflow_g() == pytest.approx(-88.7228 / 8, rel=1e-4)
+    assert study.constant_overflow_g(-5.0) == pytest.approx(-(88.7228 + 40) / 16, rel=1e-4)
+    with pytest.raises(ValueError, match="told=-11.2"):
+        study.constant_overflow_g(-11.2)  # row 0's q factor e^(8 * 11.2) overflows even at g = 0
+
+
+@pytest.mark.parametrize("told,grid", [(-5.0, (-7.9, -8.0, -8.1, -8.2)), (None, (-10.9, -11.0, -11.1, -11.2))])
+def test_modelled_tile_and_real_op_first_overflow_at_the_same_constant_decay(told, grid):
+    # fp32 in the interpreter; the grid steps by 0.1 across constant_overflow_g(told)
+    rows = study.kernel_overflow_rows(grid, (1, 16, 1, 16), tolds=[told])
+    real = max(r["bound"] for r in rows if r["pattern"] == "constant" and r["nonfinite"] > 0)
+    tile = pd.DataFrame(study.tile_overflow_table(g_mins=grid, dtypes=["fp32"], tolds=[told], head_dim=16, trials=1))
+    key = "fp32_constant" + ("_told_bound" if told is None else "")
+    modelled = study.safe_bounds(tile)[f"{key}_first_nonfinite"]
+    predicted = max(g for g in grid if g < study.constant_overflow_g(told))
+    assert real == modelled == predicted
+    assert all(r["nonfinite"] == 0 for r in rows if r["pattern"] == "constant" and r["bound"] > real)
+
+
+def test_the_ops_floor_holds_on_the_real_op():
+    # the op's check accepts g_min >= G_MIN_FLOOR: told the floor, g at the floor or 0 (row 0's q factor
+    # holds e^(8 |told|)) must stay finite and exact; the forward overflows only at 2x the floor
+    assert study.constant_overflow_g() == pytest.approx(2 * G_MIN_FLOOR)
+    g = G_MIN_FLOOR * torch.rand(1, 32, 1, 16, generator=torch.Generator().manual_seed(0))
+    g[:, ::16] = 0.0
+    rows = study.bounded_kernel_rows([torch.full((1, 32, 1, 16), G_MIN_FLOOR), g], told=G_MIN_FLOOR)
+    assert all(r["nonfinite"] == 0 and r["rel_err"] < 1e-4 for r in rows), rows
 
 
 def test_tf32_rounding_keeps_ten_mantissa_bits():
@@ -155,8 +190,11 @@ def _summary():
     arm = {"frac_channels_near_bound": _ms(0.0, 0.0), "forgetting_g_fast_min": _ms(-1.0, 0.0),
            "forgetting_final_loss": _ms(1e-3, 1e-4), "extrapolation_d_4x": _ms(0.05, 0.01)}
     return {
-        "modelled_tile": {"bf16_constant": -11.0},
-        "kernel_overflow": {"dtype": "bfloat16", "first_nonfinite_bound": -11.5,
+        "modelled_tile": {"bf16_constant": -8.0, "bf16_constant_first_nonfinite": -8.1,
+                          "bf16_constant_told_bound_first_nonfinite": -11.1},
+        "kernel_overflow": {"dtype": "bfloat16", "told": -5.0, "first_nonfinite_bound": -8.1,
+                            "first_nonfinite_bound_told_bound": None, "predicted_constant": -8.045,
+                            "predicted_constant_told_bound": -11.09, "op_floor": -5.545,
                             "worst_finite_rel_err_at_or_above_-5": 3e-3,
                             "real_softplus": {"layers": 9, "g_min": -14.2, "layers_nonfinite": 2,
                                               "layers_rel_err_over_1pct": 3, "worst_rel_err_general": 4e-3}},
@@ -174,7 +212,10 @@ def test_findings_are_computed_from_the_summary() -> None:
     text = study.findings(_summary())
     lines = text.splitlines()
     assert all(ln.startswith("- ") for ln in lines) and len(lines) == 6
-    assert "first non-finite output at g_min = -11.5" in lines[0] and "non-finite in 2" in lines[0]
+    assert "Told g_min = -5 (check off)" in lines[0] and "overflows fp32 below g = -8.04" in lines[0]
+    assert "first non-finite at -8.1, the real op in bounded mode (bfloat16) first at g = -8.1." in lines[0]
+    assert "overflows below -11.09: modelled first non-finite at -11.1, real op at none swept" in lines[0]
+    assert "2.0x of margin" in lines[0] and "non-finite in 2" in lines[0]
     assert "1.25-1.36x" in lines[1] and "T = 4,440" in lines[1] and "code at 730381e" in lines[1]
     # 0.1 nats over a standard error sqrt(0.01^2/3 + 0.02^2/3) = 0.0129: 7.7 standard errors
     assert "bounded-5 +0.100 (7.7 standard errors: distinguishable from the seed spread" in lines[2]
@@ -190,11 +231,12 @@ def test_findings_are_computed_from_the_summary() -> None:
 def test_kernel_rows_of_a_batch_are_those_of_each_decay_alone():
     gs = [torch.full((1, 16, 1, 16), -5.0), torch.full((1, 16, 1, 16), -16.0),
           -3.0 * torch.rand(1, 16, 1, 16, generator=torch.Generator().manual_seed(1))]
-    together = study.bounded_kernel_rows(gs)
-    alone = [study.run_bounded_kernel(g) for g in gs]
+    tolds = [-5.0, -5.0, -3.0]  # two bounded calls: the rows come back in order whatever the grouping
+    together = study.bounded_kernel_rows(gs, told=tolds)
+    alone = [study.run_bounded_kernel(g, told=t) for g, t in zip(gs, tolds)]
     assert [r["nonfinite"] > 0 for r in together] == [False, True, False]
     for a, b in zip(together, alone):
-        assert a["g_min"] == b["g_min"] and a["nonfinite"] == b["nonfinite"]
+        assert a["g_min"] == b["g_min"] and a["nonfinite"] == b["nonfinite"] and a["told"] == b["told"]
         for key in ("rel_err", "rel_err_general"):
             assert a[key] == b[key] == math.inf or abs(a[key] - b[key]) <= 1e-6 + 1e-3 * b[key], (key, a, b)
     with pytest.raises(ValueError, match="one shape"):
