@@ -175,11 +175,16 @@ def _study_1() -> Row:
     seeds = min(a["best_val_loss"]["n"] for a in arms.values())
     steps = max(a["steps"] for a in arms.values())
     near = ", ".join(f"{arm} {a['frac_channels_near_bound']['mean']:.1%}" for arm, a in arms.items())
-    first = ko["first_nonfinite_bound"]
+    def first(key: str) -> str:
+        return "none swept" if ko.get(key) is None else f"{ko[key]:g}"
+
     what = f"Study 1, `{meta['preset']}` preset ({meta['device']})"
-    result = (f"bounded kernel's sub-tile (modelled, bf16) finite within 1% down to constant g = "
-              f"{tile.get('bf16_constant', float('nan')):g}; real op ({ko['dtype']}) first non-finite at g = "
-              f"{'none swept' if first is None else f'{first:g}'}; after {steps} steps ({seeds} seeds, "
+    result = (f"bounded forward's sub-tile with the op told g_min = {ko['told']:g} (modelled as the kernel shifts, "
+              f"bf16 inputs): finite within 1% down to constant g = {tile.get('bf16_constant', float('nan')):g}; "
+              f"real op ({ko['dtype']}) first non-finite at g = {first('first_nonfinite_bound')} (predicted "
+              f"{ko['predicted_constant']:.3f}); told its own g_min: first non-finite at g = "
+              f"{first('first_nonfinite_bound_told_bound')} (predicted {ko['predicted_constant_told_bound']:.3f}); "
+              f"after {steps} steps ({seeds} seeds, "
               f"{meta['epochs']:.2f} epochs) best val loss {losses}; channels within 5% of the bound {near}")
     return what, result, [_ref(f), _ref("studies/01_decay_bound/01_decay_bound.ipynb")], (f, None)
 
