@@ -112,3 +112,15 @@ def test_default_preset_and_study_folders() -> None:
 
     assert default_preset() == ("gpu" if torch.cuda.is_available() else "cpu")
     assert STUDIES == {1: "01_decay_bound", 2: "02_balancing", 3: "03_attnres_depth", 4: "04_context_curriculum"}
+
+
+def test_html_export_finds_templates_installed_with_pip_target(tmp_path, monkeypatch) -> None:
+    """``pip install --target DIR`` (the GPU machine's install) puts nbconvert's templates in
+    ``DIR/share/jupyter/nbconvert/templates``, outside nbconvert's search path: the exporter gets it."""
+    from moelab.studies import runner
+
+    site = tmp_path / "site"
+    (site / "share" / "jupyter" / "nbconvert" / "templates" / "lab").mkdir(parents=True)
+    (tmp_path / "other").mkdir()
+    monkeypatch.setattr("sys.path", [str(tmp_path / "other"), str(site)])
+    assert runner._template_dirs() == [str(site / "share" / "jupyter" / "nbconvert" / "templates")]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
@@ -179,11 +180,24 @@ def export_html(notebook: Path) -> Path | None:
     import nbformat
     from nbconvert import HTMLExporter
 
-    body, _ = HTMLExporter().from_notebook_node(nbformat.read(notebook, as_version=4))
+    body, _ = HTMLExporter(extra_template_basedirs=_template_dirs()).from_notebook_node(
+        nbformat.read(notebook, as_version=4))
     out = notebook.with_suffix(".html")
     with atomic_path(out) as tmp:
         tmp.write_text(body, encoding="utf-8")
     return out
+
+
+def _template_dirs() -> list[str]:
+    """nbconvert's template folders where the interpreter's data prefix does not hold them: a
+    ``pip install --target DIR`` puts them in ``DIR/share/jupyter/nbconvert/templates``, which
+    nbconvert does not search (it looks under ``sys.prefix`` and the user's Jupyter folders)."""
+    found = []
+    for entry in sys.path:
+        templates = Path(entry or ".") / "share" / "jupyter" / "nbconvert" / "templates"
+        if (templates / "lab").is_dir():
+            found.append(str(templates))
+    return found
 
 
 def _log_results(run: Run, out_dir: Path, executed: Path) -> None:
