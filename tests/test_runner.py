@@ -123,4 +123,4 @@ def test_html_export_finds_templates_installed_with_pip_target(tmp_path, monkeyp
     (site / "share" / "jupyter" / "nbconvert" / "templates" / "lab").mkdir(parents=True)
     (tmp_path / "other").mkdir()
     monkeypatch.setattr("sys.path", [str(tmp_path / "other"), str(site)])
-    assert runner._template_dirs() == [str(site / "share" / "jupyter" / "nbconvert" / "templates")]
+    assert runner._jupyter_data_dirs() == [str(site / "share" / "jupyter")]

@@ -124,9 +124,13 @@ def run_study(
     params = {"preset": preset, "out_dir": ".", **(parameters or {})}
     # The code state leaves out every study's results (their folder): one study's fresh outputs do not
     # make the next study's code "dirty".
+    # A machine whose checkout has no usable .git (a copied tree) passes the state in MOELAB_STUDY_GIT.
     results = out_dir.parent
-    code = git_state(exclude=(results.relative_to(repo_root()).as_posix(),) if results.is_relative_to(repo_root())
-                     else ())
+    if os.environ.get(GIT_ENV):
+        code = json.loads(os.environ[GIT_ENV])
+    else:
+        code = git_state(exclude=(results.relative_to(repo_root()).as_posix(),)
+                         if results.is_relative_to(repo_root()) else ())
 
     with start_run(experiment_name("study", notebook.stem), f"{notebook.stem}-{preset}",
                    tracking_uri=tracking_uri, parent_run_id="",
@@ -180,23 +184,25 @@ def export_html(notebook: Path) -> Path | None:
     import nbformat
     from nbconvert import HTMLExporter
 
-    body, _ = HTMLExporter(extra_template_basedirs=_template_dirs()).from_notebook_node(
-        nbformat.read(notebook, as_version=4))
+    extra = os.pathsep.join(_jupyter_data_dirs())
+    path = os.pathsep.join(p for p in (extra, os.environ.get("JUPYTER_PATH", "")) if p)
+    with _environ({"JUPYTER_PATH": path} if extra else {}):
+        body, _ = HTMLExporter().from_notebook_node(nbformat.read(notebook, as_version=4))
     out = notebook.with_suffix(".html")
     with atomic_path(out) as tmp:
         tmp.write_text(body, encoding="utf-8")
     return out
 
 
-def _template_dirs() -> list[str]:
-    """nbconvert's template folders where the interpreter's data prefix does not hold them: a
-    ``pip install --target DIR`` puts them in ``DIR/share/jupyter/nbconvert/templates``, which
-    nbconvert does not search (it looks under ``sys.prefix`` and the user's Jupyter folders)."""
+def _jupyter_data_dirs() -> list[str]:
+    """Jupyter data folders holding nbconvert's templates outside the places Jupyter searches: a
+    ``pip install --target DIR`` puts them in ``DIR/share/jupyter``, while nbconvert looks under
+    ``sys.prefix``, the user's folders and ``JUPYTER_PATH`` only."""
     found = []
     for entry in sys.path:
-        templates = Path(entry or ".") / "share" / "jupyter" / "nbconvert" / "templates"
-        if (templates / "lab").is_dir():
-            found.append(str(templates))
+        data = Path(entry or ".") / "share" / "jupyter"
+        if (data / "nbconvert" / "templates" / "lab").is_dir():
+            found.append(str(data))
     return found
 
 
