@@ -180,6 +180,13 @@ def histogram_range(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return -1.0 - bias.amax(-1), 1.0 - bias.amin(-1)
 
 
+def _divide(x: torch.Tensor, bins: int) -> torch.Tensor:
+    """``x / bins`` correctly rounded on every device. CUDA divides by a Python number as a multiply by
+    its rounded reciprocal (one ulp off at times), which would move margins on a bin edge to the next
+    bin and break the bitwise agreement with the fused kernel (tests/ops/test_balance_op.py)."""
+    return x / torch.full((), float(bins), dtype=x.dtype, device=x.device)
+
+
 def margin_histogram(margins: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bins: int) -> torch.Tensor:
     """Per-expert histogram of margins ``[..., m, n]`` over ``bins`` equal bins of ``[lo, hi]`` (``[...]``
     each, from :func:`histogram_range`) -> ``[..., n, bins]`` int64.
@@ -188,7 +195,7 @@ def margin_histogram(margins: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, 
     dims batch several routers into one scatter.
     """
     *batch, m, n = margins.shape
-    lo, width = lo[..., None, None], ((hi - lo) / bins)[..., None, None]
+    lo, width = lo[..., None, None], _divide(hi - lo, bins)[..., None, None]
     # Values in [0, bins) truncate as they floor, and the clamp sends the rest to the end bins.
     idx = ((margins - lo) / width).clamp_(0, bins - 1).long()
     groups = math.prod(batch) * n  # one row of bins per (router, expert)
@@ -213,7 +220,7 @@ def qb_histogram(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int,
     q = qb_target(m, k, n) if isinstance(m, int) else m.double() * k / n
     at_or_above = hist.flip(-1).cumsum(-1).flip(-1)  # tokens in bin i or higher
     top_bin = (at_or_above > q).sum(-1) - 1  # highest bin with >= q + 1 tokens at or above it
-    value = lo[..., None] + (top_bin.float() + 0.5) * (hi - lo)[..., None] / bins
+    value = lo[..., None] + _divide((top_bin.float() + 0.5) * (hi - lo)[..., None], bins)
     return recentre(-value)
 
 

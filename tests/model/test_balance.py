@@ -41,6 +41,9 @@ from moelab.model.moe import LatentMoE
 from tests.helpers import assert_close
 from tests.model.tiny import tiny_config
 
+# The fused-step tests run on CUDA tensors where a GPU is present, else in the Triton interpreter.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def _loads(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
     idx = torch.topk(scores + bias, k, dim=-1).indices
@@ -424,13 +427,15 @@ def test_fused_step_matches_the_torch_step(balancer: str, mode: str, ema: float,
     forwards: the same loads and dead experts every step, biases within a few fp32 ulp (the histogram
     bins are bitwise the same, the re-centring mean sums in another order), metrics within fp32
     rounding, and every router keeps the bias the step reports."""
-    ids = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(3)).to(DEV)
     moe = dict(quantile_balancing_mode=mode, quantile_balancing_ema=ema, loss_free_sign_rate=1e-2)
-    ref, fused = _model(balancer, **moe), _model(balancer, **moe)
+    ref, fused = _model(balancer, **moe).to(DEV), _model(balancer, **moe).to(DEV)
     for _ in range(3):
         ref(ids, ids)
         fused(ids, ids)
-        a = balance_step(ref)
+        with monkeypatch.context() as patch:
+            patch.setattr(balance, "use_triton", lambda backend, t: False)
+            a = balance_step(ref)
         with monkeypatch.context() as patch:
             patch.setattr(balance, "use_triton", lambda backend, t: True)
             b = balance_step(fused)
@@ -465,10 +470,10 @@ def test_fused_step_does_not_grow_with_the_layers(balancer: str, monkeypatch: py
         monkeypatch.setattr(ops, name, _Uncounted(kernel, name, launched))
     monkeypatch.setattr(RouterBalance, "check_tokens", lambda self, m: None)  # reads m on the CPU at once
     monkeypatch.setattr(balance, "use_triton", lambda backend, t: True)
-    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0)).to(DEV)
     counts = []
     for n_layers in (2, 6):
-        m = _model(balancer, n_layers=n_layers, quantile_balancing_mode="histogram")
+        m = _model(balancer, n_layers=n_layers, quantile_balancing_mode="histogram").to(DEV)
         m(ids, ids)
         with _OpCounter() as c:
             balance_step(m)

@@ -23,9 +23,11 @@ from moelab.ops.balance import finish_step, parts_size, router_statistics
 from tests.helpers import assert_close
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+# On a GPU machine the kernels run on CUDA tensors; on CPU, in the Triton interpreter (tests/conftest.py).
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _case(L: int, m: int, n: int, k: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, ...]:
+def _case(L: int, m: int, n: int, k: int, seed: int, device: str = DEV) -> tuple[torch.Tensor, ...]:
     """Skewed sigmoid scores ``[L, m, n]`` with a few exact ties, biases ``[L, n]`` and their top-k loads."""
     g = torch.Generator().manual_seed(seed)
     scores = torch.sigmoid(torch.randn(L, m, n, generator=g) * 2 + torch.linspace(2, -2, n))
@@ -80,7 +82,7 @@ def test_finish_matches_the_reference(L: int, m: int, n: int, k: int, bins: int,
     assert tokens.tolist() == [3.0 * m] * L
     lo, hi = histogram_range(bias)
     hist = summed[L * n + L:].view(L, n, bins)
-    want = smooth(bias, qb_histogram(hist, lo, hi, k, torch.tensor(3.0 * m)), ema)
+    want = smooth(bias, qb_histogram(hist, lo, hi, k, torch.tensor(3.0 * m, device=DEV)), ema)
     # Same quantile bin (bitwise), then a re-centring mean (and the EMA) in another order: a few ulp.
     assert (new - want).abs().max() <= 8 * torch.finfo(torch.float32).eps * (1 + want.abs().max()), (new - want)
     assert abs(float(new.sum(-1).abs().max())) < 1e-5
@@ -92,14 +94,14 @@ def test_finish_matches_the_reference(L: int, m: int, n: int, k: int, bins: int,
 
 
 def test_finish_counts_dead_experts_and_no_histograms() -> None:
-    load = torch.tensor([[4, 4, 0, 0], [2, 2, 2, 2]], dtype=torch.float64)
-    summed = torch.cat([load.reshape(-1), torch.tensor([1.0, 2.0], dtype=torch.float64)])
-    got_load, metrics, new, tokens = finish_step(summed, torch.zeros(2, 4), top_k=2)
+    load = torch.tensor([[4, 4, 0, 0], [2, 2, 2, 2]], dtype=torch.float64, device=DEV)
+    summed = torch.cat([load.reshape(-1), torch.tensor([1.0, 2.0], dtype=torch.float64, device=DEV)])
+    got_load, metrics, new, tokens = finish_step(summed, torch.zeros(2, 4, device=DEV), top_k=2)
     assert new is None and got_load.tolist() == load.long().tolist() and tokens.tolist() == [4.0, 4.0]
     assert metrics["dead_experts"].tolist() == [2, 0]
-    assert_close(torch.tensor([1.0, 0.0]), metrics["maxvio_batch"], 1e-7, "maxvio")
-    assert_close(torch.tensor([1.0, 0.0]), metrics["load_cv"], 1e-7, "cv")
-    assert_close(torch.tensor([0.25, 0.5]), metrics["router_entropy"], 1e-7, "entropy")
+    assert_close(torch.tensor([1.0, 0.0]), metrics["maxvio_batch"].cpu(), 1e-7, "maxvio")
+    assert_close(torch.tensor([1.0, 0.0]), metrics["load_cv"].cpu(), 1e-7, "cv")
+    assert_close(torch.tensor([0.25, 0.5]), metrics["router_entropy"].cpu(), 1e-7, "entropy")
 
 
 def test_bad_arguments_name_the_value() -> None:
