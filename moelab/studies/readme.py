@@ -124,6 +124,22 @@ def _kda_check() -> Row:
     return what, result, [_ref(f)], (f, None)
 
 
+def _kda_gate_check() -> Row:
+    f = "kernels/results/kda_check_gate_h200.json"
+    d = _load(f)
+    cells = []
+    for r in d["gate_rows"]:
+        pairs = ", ".join(f"{k} {v:.1e} ({r['fla_errors'][k]:.1e})" for k, v in r["errors"].items() if k != "o")
+        cells.append(f"B{r['B']} T{r['T']} H{r['H']} D{r['D']} {r['gate']}: {pairs}")
+    worse = sorted({k for r in d["gate_rows"] for k, v in r["errors"].items()
+                    if k != "o" and v > r["fla_errors"][k]})
+    what = ("KDA gate-parameter gradients with the gate inside the op, bf16, vs the fp32 reference: "
+            "moelab (fla `chunk_kda` on the same inputs)")
+    verdict = ("moelab <= fla everywhere: passed" if d["meta"].get("passed")
+               else f"FAILED: moelab above fla on {', '.join(worse)}")
+    return what, "; ".join(cells) + f"; {verdict}", [_ref(f)], (f, None)
+
+
 def _kda_speed() -> Row:
     f, f_long = "kernels/results/kda_h200.json", "kernels/results/kda_h200_long.json"
     rows, long_rows = _load(f)["rows"], _load(f_long)["rows"]
@@ -298,7 +314,8 @@ def _study_4() -> Row:
             [_ref(f), _ref("studies/04_context_curriculum/04_context_curriculum.ipynb")], (f, None))
 
 
-ROWS: list[Callable[[], Row]] = [_throughput_gpu_small, _residual_modes, _k3_mini, _moe, _kda_check, _kda_speed,
+ROWS: list[Callable[[], Row]] = [_throughput_gpu_small, _residual_modes, _k3_mini, _moe, _kda_check, _kda_gate_check,
+                                 _kda_speed,
                                  _fla_shape, _attnres_op, _kda_infer, _restructure, _study_1,
                                  _study_2, _study_3, _study_4]
 
