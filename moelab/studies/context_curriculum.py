@@ -352,6 +352,20 @@ def step_times(stages: Sequence[Mapping[str, Any]], stage_step_s: Sequence[float
     return t * (wall_s / t[-1])
 
 
+def train_clock(stages: Sequence[Mapping[str, Any]], stage_step_s: Sequence[float | None],
+                wall_s: float) -> tuple[float, str]:
+    """Training time of one run in seconds and how it was taken.
+
+    ``"steady"``: the sum over stages of steps x the stage's median step time, when every stage has
+    one: compilation, validation and evaluation are left out. A process compiles once, so its first
+    run pays for every later one; on the wall-clock that first run looks slower by tens of seconds.
+    ``"wall"``: the run's measured wall-clock, when a stage has no step time (too short to time).
+    """
+    if stage_step_s and all(stage_step_s):
+        return float(sum(s["steps"] * t for s, t in zip(stages, stage_step_s))), "steady"
+    return float(wall_s), "wall"
+
+
 def value_at_time(val_history: Sequence[Sequence[float]], times: np.ndarray, when: float) -> float | None:
     """Validation loss at wall-clock ``when``, linearly interpolated between validations (``[[step, loss]]``);
     None before the first validation or after the last."""
@@ -366,10 +380,11 @@ def equal_time(grid: common.Grid, preset: str, perf_rows: Sequence[Mapping[str, 
                b: str = "direct") -> dict[str, Any]:
     """Validation loss of ``a`` and ``b`` at the same wall-clock, seed by seed.
 
-    The shared time is the shorter run's wall-clock; the longer run's loss there is read off its
+    The shared time is the shorter run's training time (:func:`train_clock`: steady-state when both
+    runs have step times, else both wall-clocks); the longer run's loss there is read off its
     validation curve (:func:`value_at_time`, steps placed in time by :func:`step_times`). Returns
-    ``{"values": {seed: {"time_s", "read": arm read mid-run, a, b}}, "diff": paired a - b}``; a seed
-    whose reading falls before the first validation is left out.
+    ``{"values": {seed: {"time_s", "clock", "read": arm read mid-run, a, b}}, "diff": paired a - b}``;
+    a seed whose reading falls before the first validation is left out.
     """
     sched = schedules(plan(preset))
     recs = {(r.arm, r.seed): r for r in grid.records}
@@ -377,16 +392,18 @@ def equal_time(grid: common.Grid, preset: str, perf_rows: Sequence[Mapping[str, 
     values: dict[int, dict[str, Any]] = {}
     for seed in sorted({s for arm, s in recs if arm == a} & {s for arm, s in recs if arm == b}):
         ra, rb = recs[(a, seed)], recs[(b, seed)]
-        wa, wb = ra.summary["wall_s"], rb.summary["wall_s"]
-        early, late = (ra, rb) if wa <= wb else (rb, ra)
-        t = min(wa, wb)
-        times = step_times(sched[late.arm], [st.get((late.arm, seed, k)) for k in range(len(sched[late.arm]))],
-                           late.summary["wall_s"])
+        per_stage = {r.arm: [st.get((r.arm, seed, k)) for k in range(len(sched[r.arm]))] for r in (ra, rb)}
+        clocks = {r.arm: train_clock(sched[r.arm], per_stage[r.arm], r.summary["wall_s"]) for r in (ra, rb)}
+        if {kind for _, kind in clocks.values()} != {"steady"}:  # compare like with like
+            clocks = {r.arm: (float(r.summary["wall_s"]), "wall") for r in (ra, rb)}
+        early, late = (ra, rb) if clocks[ra.arm][0] <= clocks[rb.arm][0] else (rb, ra)
+        t = clocks[early.arm][0]
+        times = step_times(sched[late.arm], per_stage[late.arm], clocks[late.arm][0])
         v_late = value_at_time(late.val_history, times, t)
         if v_late is None:
             continue
         vals = {early.arm: early.summary["final_val_loss"], late.arm: v_late}
-        values[seed] = {"time_s": t, "read": late.arm, a: vals[a], b: vals[b]}
+        values[seed] = {"time_s": t, "clock": clocks[early.arm][1], "read": late.arm, a: vals[a], b: vals[b]}
     diff = paired({s: v[a] for s, v in values.items()}, {s: v[b] for s, v in values.items()})
     return {"values": values, "diff": diff}
 
@@ -539,8 +556,11 @@ def findings(summary: Mapping[str, Any]) -> str:
         d = et["diff"]
         caveat = "" if meta.get("perf_meaningful") else (" On a shared CPU the wall-clock, hence this comparison, "
                                                           "is dominated by other load.")
-        lines.append(f"- Equal wall-clock (validation loss when the faster run finished): {reads}; mean difference "
-                     f"{d['mean']:+.4f} ({_judge(d)}).{caveat}")
+        steady = all(v.get("clock") == "steady" for v in et["values"].values())
+        clock = ("training time: each stage's median step time x its steps, so compilation (paid once per "
+                 "process, by its first run) and validation are left out" if steady else "measured wall-clock")
+        lines.append(f"- Equal wall-clock ({clock}; validation loss when the faster run finished): {reads}; mean "
+                     f"difference {d['mean']:+.4f} ({_judge(d)}).{caveat}")
     else:
         lines.append("- Equal wall-clock: no seed has a validation of the slower run before the faster one ended; "
                      "not compared.")
@@ -729,7 +749,7 @@ def perf_figure(perf_rows: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[s
 
 
 def val_time_figure(grid: common.Grid, preset: str, perf_rows: Sequence[Mapping[str, Any]]) -> Any:
-    """Validation loss (longest-length windows) against estimated wall-clock, every run."""
+    """Validation loss (longest-length windows) against training time (:func:`train_clock`), every run."""
     from matplotlib.figure import Figure
 
     sched = schedules(plan(preset))
@@ -738,16 +758,20 @@ def val_time_figure(grid: common.Grid, preset: str, perf_rows: Sequence[Mapping[
     ax = fig.subplots()
     colors = _colors()
     seen = set()
+    kinds = set()
     for r in grid.records:
-        times = step_times(sched[r.arm], [st.get((r.arm, r.seed, k)) for k in range(len(sched[r.arm]))],
-                           r.summary["wall_s"])
+        per_stage = [st.get((r.arm, r.seed, k)) for k in range(len(sched[r.arm]))]
+        total, kind = train_clock(sched[r.arm], per_stage, r.summary["wall_s"])
+        kinds.add(kind)
+        times = step_times(sched[r.arm], per_stage, total)
         pts = sorted((times[int(s)], v) for s, v in r.val_history if 0 < int(s) < len(times))
         if not pts:
             continue
         ax.plot(*zip(*pts), "o-", color=colors[r.arm], ms=3, lw=1, alpha=0.8,
                 label=None if r.arm in seen else r.arm)
         seen.add(r.arm)
-    ax.set_xlabel("estimated training wall-clock (s)")
+    ax.set_xlabel("training time (s): median step time x steps, per stage" if kinds == {"steady"}
+                  else "estimated training wall-clock (s)")
     ax.set_ylabel("validation loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -759,4 +783,5 @@ __all__ = ["EvalPlan", "PRESETS", "Plan", "ROW_KEYS", "SCHEDULES", "STUDY", "acc
            "by_seed", "chance_passkey", "compare", "equal_time", "eval_lengths", "eval_settings", "evaluate_runs",
            "findings", "paired", "passkey_figure", "perf_figure", "plan", "position_figure", "schedules",
            "split_steps", "stage_of_window", "stage_perf", "stage_text", "step_times", "summarize", "summary_rows",
+           "train_clock",
            "val_time_figure", "value_at_time", "verdict"]

@@ -73,6 +73,36 @@ def test_step_times_and_value_at_time() -> None:
     assert cc.value_at_time(val, t, 3.0) is None  # before the first validation
 
 
+def test_train_clock_leaves_out_compilation() -> None:
+    stages = [{"steps": 2}, {"steps": 3}]
+    assert cc.train_clock(stages, [1.0, 2.0], wall_s=99.0) == (8.0, "steady")
+    assert cc.train_clock(stages, [1.0, None], wall_s=99.0) == (99.0, "wall")
+
+
+def test_equal_time_compares_steady_state_time_not_the_first_runs_compilation() -> None:
+    """The first run of a process compiles (its wall-clock is 10x here); the comparison must not see it."""
+    from types import SimpleNamespace
+
+    sched = cc.schedules(cc.plan("cpu"))
+    steps = {arm: sum(s["steps"] for s in st) for arm, st in sched.items()}
+
+    def rec(arm: str, wall: float, losses: list[float]) -> SimpleNamespace:
+        n = steps[arm]
+        hist = [[n * (i + 1) // len(losses), v] for i, v in enumerate(losses)]
+        return SimpleNamespace(arm=arm, seed=0, val_history=hist,
+                               summary={"wall_s": wall, "final_val_loss": losses[-1]})
+
+    grid = SimpleNamespace(records=[rec("curriculum", 1000.0, [6.0, 5.0]), rec("direct", 100.0, [6.0, 4.0])])
+    perf = [{"schedule": "curriculum", "seed": 0, "stage": k, "step_time_s": 0.5}
+            for k in range(len(sched["curriculum"]))]
+    perf += [{"schedule": "direct", "seed": 0, "stage": 0, "step_time_s": 1.0}]
+    out = cc.equal_time(grid, "cpu", perf)
+    v = out["values"][0]
+    assert v["clock"] == "steady" and v["read"] == "direct"  # curriculum's steady time is the shorter one
+    assert v["time_s"] == pytest.approx(0.5 * steps["curriculum"])
+    assert v["curriculum"] == 5.0 and 4.0 < v["direct"] < 6.0 + 1e-9
+
+
 def test_paired_and_verdicts() -> None:
     assert cc.paired({0: 1.0, 1: 2.0}, {0: 0.0, 1: 1.1})["verdict"] == "higher"  # diffs 1.0, 0.9: noise 0.14
     assert cc.paired({0: 1.0, 1: 2.0}, {0: 0.0, 1: 2.5})["verdict"] == "within noise"
