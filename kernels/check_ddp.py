@@ -72,7 +72,8 @@ RUN_SUMMARY_KEYS = ("status", "steps", "tok_per_s", "peak_mem_gb", "balancer_ms"
 GPU_SIZE = {"data.seq_len": 1024, "train.batch_size": 4}  # per rank: 4096 tokens, m k / n = 2 * 4096 * 8 / 64
 SMOKE_STEPS = 4
 # bench_model's toy k3-mini, with the preset's 1000 histogram bins: at the toy's 64 (bins 1/32 wide) the
-# toy router's margins share a bin, every bias stays 0, and equal zeros would prove nothing.
+# toy router's margins mostly share a bin (every bias stayed 0 over the 4 smoke steps), and equal zeros
+# would prove nothing.
 SMOKE_TOY = {k: v for k, v in SMOKE_K3_MINI.items() if k != "model.moe.quantile_balancing_bins"}
 # Variables by which torchrun or an enclosing Lightning run would make the worker believe it is a rank already.
 RANK_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
