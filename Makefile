@@ -25,7 +25,7 @@ SETUP :=
 endif
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast mutate lint data train info study-1 study-2 study-3 study-4 throughput kda-check kda-bench kda-aot model-bench mlflow-ui lab sync-nbs
+.PHONY: help setup test test-fast mutate lint data train info study-1 study-2 study-3 study-4 throughput kda-check kda-bench kda-aot model-bench ddp-check mlflow-ui lab sync-nbs
 
 help: ## list the targets
 	@echo "usage: make TARGET [PRESET=...] [PYTHON=python3] [ARGS='--set key=value ...']"
@@ -89,6 +89,9 @@ kda-aot: $(SETUP) ## any machine: compile the KDA kernels for sm_90 and print re
 
 model-bench: $(SETUP) ## GPU: whole-model tokens/s (fla shape vs fla, gpu-small residual modes, k3-mini vs balancer none; ARGS='--only k3-mini') -> studies/throughput_h200.json
 	$(PYTHON) kernels/bench_model.py --out studies/throughput_h200.json $(ARGS)
+
+ddp-check: $(SETUP) ## 2 GPUs: two DDP ranks train k3-mini (quantile balancing) 100 steps, biases and weights must end bitwise equal -> kernels/results/ddp_check_h200.json; ARGS='--commit SHA'
+	$(PYTHON) kernels/check_ddp.py --out kernels/results/ddp_check_h200.json $(ARGS)
 
 mlflow-ui: $(SETUP) ## serve the MLflow dashboard of ./mlflow.db on http://127.0.0.1:PORT (default 5000; pick "Model training")
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=$${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false} \
