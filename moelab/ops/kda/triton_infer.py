@@ -22,17 +22,27 @@ independent of the state, so it runs token-parallel; only the state recurrence i
 Kernels (bases of exponentials are 2: G is kept in log2 units, ``exp2(G)`` is ``e^{G ln 2}``):
 
 * ``_kda_infer_intra``, grid ``[chunks, H]`` (token-parallel): loads the raw q, k, z, v, beta
-  of one 16-token chunk and one head; SiLU / L2 norm, gate, ``G``;
+  of one 16-token chunk and one head (all five reads issued before any math, so their latencies
+  overlap); SiLU / L2 norm, gate, ``G``;
   ``A_qk = scale lower(sum_d q_id k_jd e^{G_id - G_jd})``,
   ``L = strict_lower(beta_i sum_d k_id k_jd e^{G_id - G_jd})``,
   ``Ai = (I + L)^-1`` by block doubling (4 levels of two small products instead of a 15-step
   substitution; see ``_unit_lower_inv``), then ``w = Ai (beta k e^G)``, ``u = Ai (beta v)``,
   ``qg = scale q e^G``, ``kd = k e^{G_last - G}``, ``gl = e^{G_last}``: everything the recurrence
   reads, so its loop carries no exp, cumsum or solve.
-* ``_kda_infer_recur``, grid ``[docs * H, V-blocks]`` (head-parallel, sequential over chunks):
-  ``U = u - w h``, ``o = qg h + A_qk U`` (written straight to the output), ``h <- gl h + kd^T U``.
-  Output and state in one pass: the chunk states are never stored (at chunk 16 they would be
-  ``K V / 16`` values per token).
+* ``_kda_infer_recur``, grid ``[docs * H * V-blocks]`` (head x V-block parallel, sequential over
+  chunks): the state's V columns evolve independently given the K-side tiles, so each program
+  owns ``BV`` of them (``LAUNCH`` picks BV so that the grid covers the GPU when there are few
+  sequences and heads). It holds that slice transposed, ``hv = h^T`` ``[BV, K]``, fp32 in
+  registers: ``U^T = u^T - hv w^T``, ``o^T = hv qg^T + U^T A_qk^T`` (written straight to the
+  output), ``hv <- hv Diag(gl) + U^T kd``. Both quantities that the chunk loop carries from one
+  product to the next (hv, U^T) are left operands, whose mma.sync layout is the accumulator's, so
+  the chain from one chunk's state to the next's has no shared-memory round trip; the per-chunk
+  tiles (w^T, qg^T, kd, A_qk^T) are right operands, copied to shared memory two chunks ahead by the
+  software pipeline. Output and state in one pass: the chunk states are never stored (at chunk
+  16 they would be ``K V / 16`` values per token).
+
+Memory traffic and parallelism: kernels/README.md, "Inference forward".
 
 Intermediates are stored head-major (``[H, slots * 16, Kp]``) so that the recurrence reads one
 contiguous block per chunk. Documents are padded to whole chunks inside the kernels (masked
@@ -68,19 +78,22 @@ GATES = ("none", "bounded")
 _GATE_ID = {"none": 0, "bounded": 1}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Launch configs on the GPU, not yet measured: an H200 sweep (``kernels/bench_kda.py --part infer
-# --infer-sweep``) times every candidate and prints the best per shape; edit them here. The
-# inference path writes results/kda_infer_h200.json rows with the configs it ran (``meta.launch``).
-# intra: (num_warps, num_stages), all of K in one program (4 warps: 160 registers at K = 128, three
-# programs per SM; sm_90a ptxas, Triton 3.6).
+# Launch configs on the GPU. Not measured yet: chosen from sm_90a compiles with Triton 3.6 (ptxas
+# registers, the pipeline's schedule in the TTGIR) on a CPU machine; the H200 sweep
+# ``kernels/bench_kda.py --part infer --infer-sweep`` times every candidate per kernel and shape and
+# prints the fastest, to be entered here (the JSON records what ran, ``meta.launch``).
+# intra: (num_warps, num_stages), all of K in one program (4 warps: 160 registers at K = 128, so
+# three programs share an SM).
 # recur: candidates (BV, num_warps, num_stages), widest V-block first; the op takes the first whose
-# grid (sequences x heads x V-blocks) reaches the SM count, else the last (few sequences and heads:
-# narrow V-blocks for more SMs; wide ones where the grid is full, since every V-block of a head
-# reads that head's K-side tiles again). BV = 16 x num_warps: each warp owns 16 rows of the
-# transposed state, so products chain in registers (see ``_kda_infer_recur``); 4 or more warps
-# would take warpgroup MMA at N = 16, the config class Triton 3.6 miscompiled in the training
-# op's state kernel (kernels/README.md, "Launch configs"). Three stages: the pipeline issues a
-# chunk's copies two chunks ahead (two stages issue them at the end of the chunk before).
+# grid (sequences x heads x V-blocks) reaches the SM count, else the last: narrow V-blocks where
+# there are few sequences and heads (B1 H16: 128 programs of one warp), wide ones where the grid is
+# full anyway, since every V-block of a head reads the head's K-side tiles again (from L2).
+# BV = 16 x num_warps: each warp owns 16 rows of the transposed state, so products chain in
+# registers (``_kda_infer_recur``); wider per warp, the state and its bf16 copy spill (BV 64 at 2
+# warps: 255 registers); 4 or more warps take warpgroup MMA at N = 16, the config class Triton 3.6
+# miscompiled in the training op's state kernel (kernels/README.md, "Launch configs"), left to the
+# sweep. Three stages: the pipeline then issues a chunk's copies two chunks ahead; with two it
+# issues them at the end of the chunk before, so each chunk waited out a full memory latency.
 LAUNCH: dict = {"intra": (4, 1), "recur": ((32, 2, 3), (16, 1, 3))}
 _INTERP_BV = 16  # the interpreter: 16-wide V-blocks so that small test shapes take several
 
