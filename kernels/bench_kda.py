@@ -21,6 +21,7 @@ B8 T4096 (torch.profiler; JSON key ``kernel_ms``).
     python kernels/bench_kda.py --smoke --out /tmp/kda_bench.json   # CPU interpreter, tiny shape
     python kernels/bench_kda.py --part infer    # inference forward vs fla -> kernels/results/kda_infer_h200.json
     python kernels/bench_kda.py --part infer --smoke --out /tmp/kda_infer.json   # CPU interpreter
+    python kernels/bench_kda.py --part infer --infer-sweep   # launch sweep of its two kernels first
 
 ``--part infer`` times forwards only (no grad), bf16, output and final state returned by every side:
 ``moelab_infer`` (``moelab.ops.kda.triton_infer.kda_infer``: chunk 16, gate, L2 norm and beta
@@ -28,7 +29,11 @@ sigmoid in its kernels) against ``fla_chunk_kda`` (the same in-kernel gate, L2 n
 and bound) and ``moelab_train_fwd`` (the training op's forward, fixed length only: it takes no
 ``cu_seqlens``), at fixed length and packed (``cu_seqlens``: each row's T tokens cut into 6
 uneven documents, all rows packed into one), with the relative difference of moelab's output and
-final state from fla's as a check.
+final state from fla's as a check. ``--infer-sweep`` first times each launch config of the inference
+forward's two kernels apart at the fixed-length shapes (``INFER_SWEEP_INTRA``, ``INFER_SWEEP_RECUR``;
+JSON key ``sweep``: ms, GB/s of the least bytes each kernel must move, error against the training
+forward), prints the fastest passing configs per shape, and adds a ``moelab_infer_tuned`` row per
+shape and layout at those configs.
 """
 
 from __future__ import annotations
@@ -431,7 +436,7 @@ def run_infer(args, dev) -> int:
                 rows.append(row)
                 write()
                 ms = f"{row['fwd_ms']:9.3f}" if row["fwd_ms"] is not None else "        -"
-                print(f"{impl:17s} {row['layout']:6s} B{B:<2d} T{T:<6d} H{H:<3d} D{D}  fwd {ms} ms  "
+                print(f"{impl:18s} {row['layout']:6s} B{B:<2d} T{T:<6d} H{H:<3d} D{D}  fwd {ms} ms  "
                       f"{row.get('error', '')}", flush=True)
             if "moelab_infer" in results and "fla_chunk_kda" in results:
                 (o, S), (fo, fS) = results["moelab_infer"], results["fla_chunk_kda"]
