@@ -21,6 +21,7 @@ B8 T4096 (torch.profiler; JSON key ``kernel_ms``).
     python kernels/bench_kda.py --smoke --out /tmp/kda_bench.json   # CPU interpreter, tiny shape
     python kernels/bench_kda.py --part infer    # inference forward vs fla -> kernels/results/kda_infer_h200.json
     python kernels/bench_kda.py --part infer --smoke --out /tmp/kda_infer.json   # CPU interpreter
+    python kernels/bench_kda.py --part infer --infer-sweep   # launch sweep of its two kernels first
 
 ``--part infer`` times forwards only (no grad), bf16, output and final state returned by every side:
 ``moelab_infer`` (``moelab.ops.kda.triton_infer.kda_infer``: chunk 16, gate, L2 norm and beta
@@ -28,13 +29,18 @@ sigmoid in its kernels) against ``fla_chunk_kda`` (the same in-kernel gate, L2 n
 and bound) and ``moelab_train_fwd`` (the training op's forward, fixed length only: it takes no
 ``cu_seqlens``), at fixed length and packed (``cu_seqlens``: each row's T tokens cut into 6
 uneven documents, all rows packed into one), with the relative difference of moelab's output and
-final state from fla's as a check.
+final state from fla's as a check. ``--infer-sweep`` first times each launch config of the inference
+forward's two kernels apart at the fixed-length shapes (``INFER_SWEEP_INTRA``, ``INFER_SWEEP_RECUR``;
+JSON key ``sweep``: ms, GB/s of the least bytes each kernel must move, error against the training
+forward), prints the fastest passing configs per shape, and adds a ``moelab_infer_tuned`` row per
+shape and layout at those configs.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -258,13 +264,23 @@ def infer_inputs(B, T, H, D, dev, packed, beta_logits):
     return dict(q=q, k=k, v=v, z=z, beta=beta, A_log=A_log, dt_bias=dt_bias, cu=cu)
 
 
-def infer_fn(impl, x, beta_logits):
-    """A no-grad forward returning ``(o, final state)``."""
+def infer_fn(impl, x, beta_logits, tuned=None):
+    """A no-grad forward returning ``(o, final state)``; ``tuned``: (intra, recur) launch configs of
+    ``moelab_infer_tuned``."""
     q, k, v, z, beta, A_log, dt_bias, cu = (x[n] for n in ("q", "k", "v", "z", "beta", "A_log", "dt_bias", "cu"))
-    if impl == "moelab_infer":
-        return lambda: triton_infer.kda_infer(q, k, v, z, beta, gate="bounded", A_log=A_log, dt_bias=dt_bias,
-                                              g_min=G_MIN, l2norm_qk=True, beta_sigmoid=beta_logits,
-                                              output_final_state=True, cu_seqlens=cu, validate=False)
+    if impl.startswith("moelab_infer"):
+        def infer():
+            return triton_infer.kda_infer(q, k, v, z, beta, gate="bounded", A_log=A_log, dt_bias=dt_bias, g_min=G_MIN,
+                                          l2norm_qk=True, beta_sigmoid=beta_logits, output_final_state=True,
+                                          cu_seqlens=cu, validate=False)
+        if impl == "moelab_infer":
+            return infer
+        intra, recur = tuned  # moelab_infer_tuned: the sweep's fastest configs at this shape
+
+        def infer_tuned():
+            with triton_infer.launch_overrides(intra=intra, recur=(recur,)):
+                return infer()
+        return infer_tuned
     if impl == "fla_chunk_kda":
         kw = dict(use_beta_sigmoid_in_kernel=True) if beta_logits else {}
 
@@ -282,6 +298,70 @@ def infer_fn(impl, x, beta_logits):
             return triton_chunk.chunk_kda(q, k, v, z, b, mode="bounded", g_min=G_MIN, gate="bounded",
                                           A_log=A_log, dt_bias=dt_bias, l2norm_qk=True, output_final_state=True)
     return train
+
+
+# --infer-sweep: the inference forward's two kernels timed apart, one launch config at a time
+INFER_SWEEP_INTRA = [(2, 1), (4, 1), (8, 1)]  # (num_warps, num_stages)
+# (BV, num_warps, num_stages); 64/4 and 128/8 take warpgroup MMA at N = 16 (the config class Triton 3.6
+# miscompiled in the training op's state kernel: triton_infer.LAUNCH), so they are checked like the rest
+INFER_SWEEP_RECUR = [(16, 1, 2), (16, 1, 3), (16, 1, 4), (32, 2, 2), (32, 2, 3), (32, 2, 4), (64, 4, 3), (128, 8, 3)]
+# a config whose o or final state is further than this from the training forward's is wrong (both
+# sides are bf16 paths ~3e-3 from the fp32 recurrence; a miscompile is off by O(1))
+INFER_SWEEP_TOL = 2e-2
+
+
+def infer_sweep(shapes, dev, beta_logits, warmup, rep) -> dict:
+    """Per fixed-length shape: every ``INFER_SWEEP_INTRA`` config of the token-parallel kernel (with
+    the recurrence at its default) and every ``INFER_SWEEP_RECUR`` config of the recurrence (after the
+    default intra launch) timed apart, each checked against the training forward's o and final state;
+    the fastest passing one of each, and the pair the op's defaults pick."""
+    from tests.helpers import rel_err
+
+    out = {}
+    for (B, T, H, D) in shapes:
+        x = infer_inputs(B, T, H, D, dev, False, beta_logits)
+        ref_o, ref_S = infer_fn("moelab_train_fwd", x, beta_logits)()
+        plan = triton_infer.InferPlan(x["q"], x["k"], x["v"], x["z"], x["beta"], gate="bounded", A_log=x["A_log"],
+                                      dt_bias=x["dt_bias"], g_min=G_MIN, l2norm_qk=True, beta_sigmoid=beta_logits,
+                                      output_final_state=True, validate=False)
+        # bytes each kernel must move at least: its inputs read once, its outputs written once
+        inter = sum(t.numel() * t.element_size() for t in (plan.w, plan.u, plan.qg, plan.kd, plan.Aqk, plan.gl))
+        ins = sum(t.numel() * t.element_size() for t in plan.inputs)
+        io = plan.o.numel() * plan.o.element_size() + plan.hT.numel() * 4
+        default = dict(intra=plan.intra_launch(), recur=plan.recur_launch())
+        res: dict = dict(default=default, intra=[], recur=[], min_bytes=dict(intra=ins + inter, recur=inter + io))
+        recur = [c for c in INFER_SWEEP_RECUR if c[0] <= plan.dims[6]]  # V-blocks no wider than V (padded)
+        for kernel, cands in (("intra", INFER_SWEEP_INTRA), ("recur", recur)):
+            for cfg in cands:
+                row = dict(cfg=list(cfg), ms=None)
+                run = functools.partial(getattr(plan, kernel), *cfg)
+                try:
+                    if kernel == "recur":
+                        plan.intra(*default["intra"])
+                    run()
+                    if kernel == "intra":
+                        plan.recur(*default["recur"])
+                    torch.cuda.synchronize() if dev == "cuda" else None
+                    row.update(err_o=rel_err(ref_o.float(), plan.o.float()), err_S=rel_err(ref_S.float(), plan.hT))
+                    row["ok"] = bool(row["err_o"] <= INFER_SWEEP_TOL and row["err_S"] <= INFER_SWEEP_TOL)
+                    row["ms"] = timed(run, dev, warmup, rep)
+                    row["gbps"] = res["min_bytes"][kernel] / row["ms"] / 1e6
+                except Exception as exc:  # a config that fails to compile or run is recorded, not fatal
+                    row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+                res[kernel].append(row)
+                ms = f"{row['ms']:8.3f} ms {row['gbps']:6.0f} GB/s" if row["ms"] is not None else "       -"
+                err = f"err o {row['err_o']:.1e} S {row['err_S']:.1e}" if "err_o" in row else row.get("error", "")
+                print(f"  sweep B{B} T{T} H{H} {kernel:5s} {str(tuple(cfg)):13s} {ms}  {err}"
+                      f"{'' if row['ok'] else '  FAILED'}", flush=True)
+            ok = [r for r in res[kernel] if r["ok"] and r["ms"] is not None]
+            res["best_" + kernel] = min(ok, key=lambda r: r["ms"])["cfg"] if ok else None
+        out[f"B{B}_T{T}_H{H}"] = res
+        print(f"  sweep B{B} T{T} H{H}: default intra {default['intra']} recur {default['recur']}; fastest passing: "
+              f"intra {res['best_intra']} recur {res['best_recur']}", flush=True)
+        del x, plan, ref_o, ref_S
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return out
 
 
 def run_infer(args, dev) -> int:
@@ -308,44 +388,55 @@ def run_infer(args, dev) -> int:
                 date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 commit=args.commit or commit, command=" ".join(sys.argv), dtype=str(torch.bfloat16 if dev == "cuda"
                                                                                      else torch.float32),
-                launch=triton_infer.LAUNCH, min_programs=triton_infer.MIN_PROGRAMS,
-                beta_sigmoid_in_kernel=beta_logits, docs_per_row=INFER_DOCS, g_min=G_MIN,
+                launch=triton_infer.LAUNCH, sm_count=torch.cuda.get_device_properties(0).multi_processor_count
+                if dev == "cuda" else None, beta_sigmoid_in_kernel=beta_logits, docs_per_row=INFER_DOCS, g_min=G_MIN,
                 note="forward only, no grad, output and final state from every impl; gate, L2 norm of q, k, "
                      "beta sigmoid (where fla takes beta logits) and the bound inside the ops; packed: each "
                      "row's T tokens cut into 6 uneven documents (doc_offsets), rows packed into one; "
-                     "diff_vs_fla: relative RMS difference of moelab_infer's o and final state from fla's")
+                     "diff_vs_fla: relative RMS difference of moelab_infer's o and final state from fla's; "
+                     "moelab_infer_tuned (with --infer-sweep): moelab_infer at the sweep's fastest passing "
+                     "launch configs of the fixed-length shape (packed rows too); sweep: per kernel and config, "
+                     "ms, GB/s of the least bytes the kernel must move, error vs the training forward")
     rows: list[dict] = []
+    sweep: dict = {}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
 
     def write():
         with open(out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+            json.dump(dict(meta=meta, rows=rows, **(dict(sweep=sweep) if sweep else {})), f, indent=1)
 
+    if args.infer_sweep:
+        sweep.update(infer_sweep(shapes, dev, beta_logits, *((1, 1) if dev == "cpu" else (10, 40))))
+        write()
     impls = [i for i in INFER_IMPLS if not (i.startswith("fla") and fla_chunk_kda is None)]
     for (B, T, H, D) in shapes:
+        sw = sweep.get(f"B{B}_T{T}_H{H}", {})
+        tuned = (sw["best_intra"], sw["best_recur"]) if sw.get("best_intra") and sw.get("best_recur") else None
         for packed in (False, True):
             x = infer_inputs(B, T, H, D, dev, packed, beta_logits)
             results = {}
-            for impl in impls:
+            for impl in impls + (["moelab_infer_tuned"] if tuned else []):
                 if impl == "moelab_train_fwd" and packed:
                     continue
                 row = dict(impl=impl, layout="packed" if packed else "fixed", B=B, T=T, H=H, D=D, fwd_ms=None)
                 if packed:
                     row["cu_seqlens"] = x["cu"].tolist()
                 try:
-                    fn = infer_fn(impl, x, beta_logits)
+                    fn = infer_fn(impl, x, beta_logits, tuned)
                     results[impl] = fn()
                     row["fwd_ms"] = timed(fn, dev, warmup, rep)
                 except torch.cuda.OutOfMemoryError:
                     row["error"] = "OOM"
                 except Exception as exc:  # record and go on: one failing side must not hide the rest
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                if impl == "moelab_infer_tuned":
+                    row["launch"] = dict(intra=tuned[0], recur=tuned[1])
                 if impl == "moelab_infer" and "fla_chunk_kda" in impls:
                     row["diff_vs_fla"] = None  # filled in once fla has run
                 rows.append(row)
                 write()
                 ms = f"{row['fwd_ms']:9.3f}" if row["fwd_ms"] is not None else "        -"
-                print(f"{impl:17s} {row['layout']:6s} B{B:<2d} T{T:<6d} H{H:<3d} D{D}  fwd {ms} ms  "
+                print(f"{impl:18s} {row['layout']:6s} B{B:<2d} T{T:<6d} H{H:<3d} D{D}  fwd {ms} ms  "
                       f"{row.get('error', '')}", flush=True)
             if "moelab_infer" in results and "fla_chunk_kda" in results:
                 (o, S), (fo, fS) = results["moelab_infer"], results["fla_chunk_kda"]
@@ -368,13 +459,13 @@ def print_infer_ratios(rows) -> None:
     by = {(r["impl"], r["layout"], r["B"], r["T"], r["H"]): r["fwd_ms"] for r in rows}
     print("\nratios, forward (>1: moelab_infer faster; targets: 1.85x fixed, 2x packed)")
     for (impl, layout, B, T, H), ms in by.items():
-        if impl != "moelab_infer" or ms is None:
+        if not impl.startswith("moelab_infer") or ms is None:
             continue
         parts = []
         for other in ("fla_chunk_kda", "moelab_train_fwd"):
             o = by.get((other, layout, B, T, H))
             if o is not None:
-                parts.append(f"{other} / moelab_infer {o / ms:.2f}x")
+                parts.append(f"{other} / {impl} {o / ms:.2f}x")
         print(f"  {layout:6s} B{B} T{T} H{H}: " + ("  ".join(parts) or "-"))
 
 
@@ -389,6 +480,9 @@ def main() -> int:
     ap.add_argument("--infer-shapes", nargs="*", type=int, choices=range(len(INFER_SHAPES)),
                     help=f"--part infer: only these indices of {INFER_SHAPES} (to split a run)")
     ap.add_argument("--commit", help="commit to record (--part infer; default: git rev-parse HEAD)")
+    ap.add_argument("--infer-sweep", action="store_true",
+                    help="--part infer: first time the inference kernels' launch configs apart at every shape "
+                         "(JSON key sweep), then also time moelab_infer at the fastest (moelab_infer_tuned)")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU (Triton interpreter), moelab only")
     ap.add_argument("--impls", nargs="*", choices=IMPLS, help="only these rows (default: all)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel breakdown")

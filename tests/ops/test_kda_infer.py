@@ -105,6 +105,25 @@ def test_bounded_gate_matches_reference(case):
            _run(x, s0, None, gate="bounded", silu=silu), dtype)
 
 
+@pytest.mark.parametrize("bv", [32, 64], ids=["BV32", "BV64"])
+def test_state_split_in_v_blocks(bv, monkeypatch):
+    """The recurrence's V-blocks at other widths than the interpreter's 16 (the GPU takes 16 or 32):
+    each owns BV columns of the state, so the split must not change o or the final state."""
+    monkeypatch.setattr(triton_infer, "_INTERP_BV", bv)
+    x = _inputs(2, 37, 2, 32, 64, torch.float32, seed=13, n_states=2)
+    _check(_reference(x, x["s0"], None, gate="bounded"), _run(x, x["s0"], None, gate="bounded"), torch.float32)
+
+
+def test_launch_overrides_restore_and_check():
+    saved = dict(triton_infer.LAUNCH)
+    with triton_infer.launch_overrides(intra=(8, 1), recur=((16, 1, 2),)):
+        assert triton_infer.LAUNCH["intra"] == (8, 1) and triton_infer.LAUNCH["recur"] == ((16, 1, 2),)
+    assert triton_infer.LAUNCH == saved
+    _err(lambda: triton_infer.launch_overrides(intra=(4,)).__enter__(), r"intra=\(4,\) is not allowed")
+    _err(lambda: triton_infer.launch_overrides(recur=((16, 1),)).__enter__(), r"recur=.* is not allowed")
+    assert triton_infer.LAUNCH == saved
+
+
 # document lengths 5, 16, 0 (empty), 27, 1, 1: chunk tails, a whole chunk, an empty document
 PACKED = [0, 5, 21, 21, 48, 49, 50]
 

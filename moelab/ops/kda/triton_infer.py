@@ -22,17 +22,27 @@ independent of the state, so it runs token-parallel; only the state recurrence i
 Kernels (bases of exponentials are 2: G is kept in log2 units, ``exp2(G)`` is ``e^{G ln 2}``):
 
 * ``_kda_infer_intra``, grid ``[chunks, H]`` (token-parallel): loads the raw q, k, z, v, beta
-  of one 16-token chunk and one head; SiLU / L2 norm, gate, ``G``;
+  of one 16-token chunk and one head (all five reads issued before any math, so their latencies
+  overlap); SiLU / L2 norm, gate, ``G``;
   ``A_qk = scale lower(sum_d q_id k_jd e^{G_id - G_jd})``,
   ``L = strict_lower(beta_i sum_d k_id k_jd e^{G_id - G_jd})``,
   ``Ai = (I + L)^-1`` by block doubling (4 levels of two small products instead of a 15-step
   substitution; see ``_unit_lower_inv``), then ``w = Ai (beta k e^G)``, ``u = Ai (beta v)``,
   ``qg = scale q e^G``, ``kd = k e^{G_last - G}``, ``gl = e^{G_last}``: everything the recurrence
   reads, so its loop carries no exp, cumsum or solve.
-* ``_kda_infer_recur``, grid ``[docs * H, V-blocks]`` (head-parallel, sequential over chunks):
-  ``U = u - w h``, ``o = qg h + A_qk U`` (written straight to the output), ``h <- gl h + kd^T U``.
-  Output and state in one pass: the chunk states are never stored (at chunk 16 they would be
-  ``K V / 16`` values per token).
+* ``_kda_infer_recur``, grid ``[docs * H * V-blocks]`` (head x V-block parallel, sequential over
+  chunks): the state's V columns evolve independently given the K-side tiles, so each program
+  owns ``BV`` of them (``LAUNCH`` picks BV so that the grid covers the GPU when there are few
+  sequences and heads). It holds that slice transposed, ``hv = h^T`` ``[BV, K]``, fp32 in
+  registers: ``U^T = u^T - hv w^T``, ``o^T = hv qg^T + U^T A_qk^T`` (written straight to the
+  output), ``hv <- hv Diag(gl) + U^T kd``. Both quantities that the chunk loop carries from one
+  product to the next (hv, U^T) are left operands, whose mma.sync layout is the accumulator's, so
+  the chain from one chunk's state to the next's has no shared-memory round trip; the per-chunk
+  tiles (w^T, qg^T, kd, A_qk^T) are right operands, copied to shared memory two chunks ahead by the
+  software pipeline. Output and state in one pass: the chunk states are never stored (at chunk
+  16 they would be ``K V / 16`` values per token).
+
+Memory traffic and parallelism: kernels/README.md, "Inference forward".
 
 Intermediates are stored head-major (``[H, slots * 16, Kp]``) so that the recurrence reads one
 contiguous block per chunk. Documents are padded to whole chunks inside the kernels (masked
@@ -49,7 +59,8 @@ fp16 inputs keep fp32 intermediates and TF32 products.
 
 from __future__ import annotations
 
-import json
+import contextlib
+import functools
 import math
 import os
 
@@ -67,32 +78,49 @@ GATES = ("none", "bounded")
 _GATE_ID = {"none": 0, "bounded": 1}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Launch configs on the GPU. intra: (0, num_warps, num_stages), all of K in one program;
-# recur: candidates (BV, num_warps, num_stages), the first one that gives at least MIN_PROGRAMS
-# programs is taken, else the last (few heads and documents: narrower V-blocks for more SMs).
-# BV 16 / 32 run at 2 warps: with Triton 3.6 on Hopper the training op's state kernel was
-# miscompiled at 16- or 32-wide blocks with 4 or 8 warps (kernels/README.md, "Launch configs").
-# Not yet tuned on the H200; ``MOELAB_KDA_INFER_LAUNCH='{"intra": [0, 4, 1], "recur": [[64, 4, 2]]}'``
-# overrides them for experiments.
-LAUNCH: dict = {"intra": (0, 4, 1), "recur": ((64, 4, 2), (32, 2, 2), (16, 2, 2))}
-MIN_PROGRAMS = 128
+# Launch configs on the GPU. Not measured yet: chosen from sm_90a compiles with Triton 3.6 (ptxas
+# registers, the pipeline's schedule in the TTGIR) on a CPU machine; the H200 sweep
+# ``kernels/bench_kda.py --part infer --infer-sweep`` times every candidate per kernel and shape and
+# prints the fastest, to be entered here (the JSON records what ran, ``meta.launch``).
+# intra: (num_warps, num_stages), all of K in one program (4 warps: 160 registers at K = 128, so
+# three programs share an SM).
+# recur: candidates (BV, num_warps, num_stages), widest V-block first; the op takes the first whose
+# grid (sequences x heads x V-blocks) reaches the SM count, else the last: narrow V-blocks where
+# there are few sequences and heads (B1 H16: 128 programs of one warp), wide ones where the grid is
+# full anyway, since every V-block of a head reads the head's K-side tiles again (from L2).
+# BV = 16 x num_warps: each warp owns 16 rows of the transposed state, so products chain in
+# registers (``_kda_infer_recur``); wider per warp, the state and its bf16 copy spill (BV 64 at 2
+# warps: 255 registers); 4 or more warps take warpgroup MMA at N = 16, the config class Triton 3.6
+# miscompiled in the training op's state kernel (kernels/README.md, "Launch configs"), left to the
+# sweep. Three stages: the pipeline then issues a chunk's copies two chunks ahead; with two it
+# issues them at the end of the chunk before, so each chunk waited out a full memory latency.
+LAUNCH: dict = {"intra": (4, 1), "recur": ((32, 2, 3), (16, 1, 3))}
 _INTERP_BV = 16  # the interpreter: 16-wide V-blocks so that small test shapes take several
 
 
-def _launch_from_env(text: str | None) -> None:
-    if not text:
-        return
-    for name, cfg in json.loads(text).items():
-        if name == "intra" and len(cfg) == 3:
-            LAUNCH[name] = tuple(int(x) for x in cfg)
-        elif name == "recur" and cfg and all(len(c) == 3 for c in cfg):
-            LAUNCH[name] = tuple(tuple(int(x) for x in c) for c in cfg)
-        else:
-            raise ValueError(f"MOELAB_KDA_INFER_LAUNCH entry {name!r}: {cfg!r} is not allowed: expected "
-                             "'intra': [0, num_warps, num_stages] or 'recur': [[BV, num_warps, num_stages], ...]")
+@contextlib.contextmanager
+def launch_overrides(intra: tuple[int, int] | None = None, recur: tuple | None = None):
+    """Run the op with ``LAUNCH["intra"]`` = ``(num_warps, num_stages)`` and/or ``LAUNCH["recur"]`` =
+    ``((BV, num_warps, num_stages), ...)`` replaced, restored on exit (launch sweeps, A/B runs)."""
+    saved = dict(LAUNCH)
+    if intra is not None:
+        if len(intra) != 2:
+            raise ValueError(f"intra={intra!r} is not allowed: expected (num_warps, num_stages)")
+        LAUNCH["intra"] = tuple(int(x) for x in intra)
+    if recur is not None:
+        if not recur or any(len(c) != 3 for c in recur):
+            raise ValueError(f"recur={recur!r} is not allowed: expected ((BV, num_warps, num_stages), ...)")
+        LAUNCH["recur"] = tuple(tuple(int(x) for x in c) for c in recur)
+    try:
+        yield
+    finally:
+        LAUNCH.clear()
+        LAUNCH.update(saved)
 
 
-_launch_from_env(os.environ.get("MOELAB_KDA_INFER_LAUNCH"))
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _interpret() -> bool:
@@ -137,8 +165,8 @@ def _unit_lower_inv(L, IEEE: tl.constexpr, C: tl.constexpr):
 def _kda_infer_intra(
     q, k, v, z, beta, A_log, dt_bias, cu, coff,
     w, u, qg, kd, Aqk, gl,
-    scale, g_min, mid, eps, T, NC, NS, N,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, C: tl.constexpr,
+    scale, g_min, mid, eps, T, NC, NS, N, H,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, C: tl.constexpr,
     LOG_N: tl.constexpr, VARLEN: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -169,9 +197,15 @@ def _kda_infer_intra(
     src = t0 * H + i_h
     pk = r[:, None] * (H * K) + ck[None, :]
 
-    # gate and decay first, then the k side, the q side and v, each stored as soon as it is
-    # final: fewer tiles live at once (register pressure sets how many programs share an SM)
-    x = tl.load(z + src * K + pk, mask=mk, other=0.0).to(tl.float32)
+    # every load first, in the input dtype: the five reads are independent, and issued together
+    # they wait out one memory latency instead of five in a row (the kernel is bound by memory)
+    x = tl.load(z + src * K + pk, mask=mk, other=0.0)
+    kr = tl.load(k + src * K + pk, mask=mk, other=0.0)
+    qr = tl.load(q + src * K + pk, mask=mk, other=0.0)
+    vr = tl.load(v + src * V + r[:, None] * (H * V) + cv[None, :], mask=rm[:, None] & (cv < V)[None, :], other=0.0)
+    b = tl.load(beta + src + r * H, mask=rm, other=0.0).to(tl.float32)
+
+    x = x.to(tl.float32)
     if GATE != 0:
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         if HAS_BIAS:
@@ -180,7 +214,6 @@ def _kda_infer_intra(
     # padded rows and channels: g = 0, so G stays flat there and G at the last row is G_last
     G = tl.cumsum(tl.where(mk, x, 0.0) * 1.4426950408889634, axis=0)
     Gl = tl.sum(tl.where(r[:, None] == C - 1, G, 0.0), axis=0)
-    b = tl.load(beta + src + r * H, mask=rm, other=0.0).to(tl.float32)
     if BETA_SIGMOID:
         b = tl.where(rm, tl.sigmoid(b), 0.0)
     hs = (i_h * NS + i_s).to(tl.int64)  # the slot's row block in the head-major intermediates
@@ -189,37 +222,48 @@ def _kda_infer_intra(
 
     # |G - mid| <= C/2 |g_min| for g in [g_min, 0]: both factors stay finite, and
     # the entries above the diagonal (which may overflow) are dropped by selects, not products
-    kn = _qk_fwd(tl.load(k + src * K + pk, mask=mk, other=0.0).to(tl.float32), eps, SILU, L2NORM)
-    tl.store(kd + hs * (C * BK) + pw, (kn * tl.exp2(Gl[None, :] - G)).to(kd.dtype.element_ty))
-    kT = tl.trans(_cast(kn * tl.exp2(mid - G), False))
-    sk = _dot(_cast(kn * tl.exp2(G - mid), False), kT, IEEE)
+    up = tl.exp2(G - mid)
+    dn = tl.exp2(mid - G)
+    kn = _qk_fwd(kr.to(tl.float32), eps, SILU, L2NORM)
+    kdn = kn * dn
+    # e^{G_last - G} = e^{G_last - mid} e^{mid - G}: one exp of a K-vector instead of a tile
+    tl.store(kd + hs * (C * BK) + pw, (kdn * tl.exp2(Gl - mid)[None, :]).to(kd.dtype.element_ty))
+    kT = tl.trans(_cast(kdn, False))
+    sk = _dot(_cast(kn * up, False), kT, IEEE)
     Ai = _unit_lower_inv(tl.where(r[:, None] > r[None, :], sk * b[:, None], 0.0), IEEE, C)
-    tl.store(w + hs * (C * BK) + pw, _dot(Ai, kn * b[:, None] * tl.exp2(G), IEEE).to(w.dtype.element_ty))
+    eG = tl.exp2(G)
+    tl.store(w + hs * (C * BK) + pw, _dot(Ai, kn * b[:, None] * eG, IEEE).to(w.dtype.element_ty))
 
-    qn = _qk_fwd(tl.load(q + src * K + pk, mask=mk, other=0.0).to(tl.float32), eps, SILU, L2NORM)
-    tl.store(qg + hs * (C * BK) + pw, (qn * tl.exp2(G) * scale).to(qg.dtype.element_ty))
-    sq = _dot(_cast(qn * tl.exp2(G - mid), False), kT, IEEE)
+    qn = _qk_fwd(qr.to(tl.float32), eps, SILU, L2NORM)
+    tl.store(qg + hs * (C * BK) + pw, (qn * eG * scale).to(qg.dtype.element_ty))
+    sq = _dot(_cast(qn * up, False), kT, IEEE)
     tl.store(Aqk + hs * (C * C) + r[:, None] * C + r[None, :],
              tl.where(r[:, None] >= r[None, :], sq * scale, 0.0).to(Aqk.dtype.element_ty))
-
-    vt = tl.load(v + src * V + r[:, None] * (H * V) + cv[None, :], mask=rm[:, None] & (cv < V)[None, :],
-                 other=0.0).to(tl.float32)
     tl.store(u + hs * (C * BVF) + r[:, None] * BVF + cv[None, :],
-             _dot(Ai, vt * b[:, None], IEEE).to(u.dtype.element_ty))
+             _dot(Ai, vr.to(tl.float32) * b[:, None], IEEE).to(u.dtype.element_ty))
 
 
 @triton.jit
 def _kda_infer_recur(
     w, u, qg, kd, Aqk, gl, h0, o, hT, cu, coff,
-    T, NC, NS,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr,
-    C: tl.constexpr, VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
+    T, NC, NS, H,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_BF16: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
-    """Columns ``[i_v BV, (i_v + 1) BV)`` of the state of one document and head, over its chunks:
-    ``U = u - w h``, ``o = qg h + A_qk U``, ``h <- gl h + kd^T U``; initial state in, final out."""
-    i_nh = tl.program_id(0)  # documents x heads on axis 0: axis 1 allows only 65535 programs
-    i_v = tl.program_id(1)
+    """Columns ``[i_v BV, (i_v + 1) BV)`` of the state of one document and head, over its chunks,
+    held transposed (``hv = h^T``, ``[BV, K]``): ``U^T = u^T - hv w^T``,
+    ``o^T = hv qg^T + U^T A_qk^T``, ``hv <- hv Diag(gl) + U^T kd``; initial state in, final out.
+
+    Transposed, the state and ``U^T`` are the left operands of the products that read them, so
+    a product's fp32 result becomes the next product's operand in registers (the accumulator
+    and left-operand layouts of mma.sync match; a right operand needs a shared-memory round trip
+    each chunk), and everything loaded per chunk is a right operand, which the software pipeline
+    copies to shared memory ahead of use (``num_stages``)."""
+    NV: tl.constexpr = BVF // BV
+    pid = tl.program_id(0)
+    i_v = pid % NV  # the V-blocks of one head are neighbours: they read the same K-side tiles
+    i_nh = pid // NV
     n = i_nh // H
     i_h = i_nh % H
     if VARLEN:
@@ -236,12 +280,12 @@ def _kda_infer_recur(
     dk = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     vm = cv < V
-    hm = (dk < K)[:, None] & vm[None, :]
-    ph = i_nh.to(tl.int64) * (K * V) + dk[:, None] * V + cv[None, :]
+    hm = vm[:, None] & (dk < K)[None, :]
+    ph = i_nh.to(tl.int64) * (K * V) + cv[:, None] + dk[None, :] * V
     if HAS_H0:
         h = tl.load(h0 + ph, mask=hm, other=0.0).to(tl.float32)
     else:
-        h = tl.zeros([BK, BV], dtype=tl.float32)
+        h = tl.zeros([BV, BK], dtype=tl.float32)
     hs = (i_h * NS + s0).to(tl.int64)
     w += hs * (C * BK)
     qg += hs * (C * BK)
@@ -250,24 +294,32 @@ def _kda_infer_recur(
     Aqk += hs * (C * C)
     gl += hs * BK
     o += (bos * H + i_h) * V
+    pkT = dk[:, None] + r[None, :] * BK  # [BK, C]: w^T and qg^T out of their [C, BK] chunk blocks
     pk = r[:, None] * BK + dk[None, :]
-    pv = r[:, None] * BVF + cv[None, :]
-    pa = r[:, None] * C + r[None, :]
-    po = r[:, None] * (H * V) + cv[None, :]
+    paT = r[:, None] + r[None, :] * C  # A_qk^T: [j, i] <- A_qk[i, j]
+    puT = cv[:, None] + r[None, :] * BVF
+    po = cv[:, None] + r[None, :] * (H * V)
     left = eos - bos  # tokens of the document not yet written
+    # the decay of the next chunk is loaded one chunk ahead by hand (gl has a spare slot at the
+    # end): a vector operand of an element-wise product is not software-pipelined
+    gn = tl.load(gl + dk)
     for _ in range(nc):
-        wt = tl.load(w + pk)
-        qt = tl.load(qg + pk)
-        kt = tl.load(kd + pk)
-        at = tl.load(Aqk + pa)
-        ut = tl.load(u + pv).to(tl.float32)
-        gt = tl.load(gl + dk)
+        gt = gn
+        gn = tl.load(gl + BK + dk)
+        wT = _cast(tl.load(w + pkT), DOT_BF16)
+        qT = _cast(tl.load(qg + pkT), DOT_BF16)
+        kt = _cast(tl.load(kd + pk), DOT_BF16)
+        aT = _cast(tl.load(Aqk + paT), DOT_BF16)
+        uT = tl.load(u + puT).to(tl.float32)
         hb = _cast(h, DOT_BF16)
-        U = ut - _dot(_cast(wt, DOT_BF16), hb, IEEE)
-        Ub = _cast(U, DOT_BF16)
-        ot = _dot(_cast(qt, DOT_BF16), hb, IEEE) + _dot(_cast(at, DOT_BF16), Ub, IEEE)
-        tl.store(o + po, ot.to(o.dtype.element_ty), mask=(r < left)[:, None] & vm[None, :])
-        h = h * gt[:, None] + _dot(_cast(tl.trans(kt), DOT_BF16), Ub, IEEE)
+        # layout changes go through shared memory behind a barrier: the decay's before the
+        # chain of products, the output's after the state update, not between its two products
+        h = h * gt[None, :]
+        Ub = _cast(uT - _dot(hb, wT, IEEE), DOT_BF16)
+        ot = _dot(hb, qT, IEEE)
+        h += _dot(Ub, kt, IEEE)
+        ot += _dot(Ub, aT, IEEE)
+        tl.store(o + po, ot.to(o.dtype.element_ty), mask=vm[:, None] & (r < left)[None, :])
         w += C * BK
         qg += C * BK
         kd += C * BK
@@ -295,15 +347,13 @@ def _ieee(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def _recur_launch(programs_per_block: int, Vp: int) -> tuple[int, int, int]:
-    """(BV, num_warps, num_stages) of the recurrence; ``programs_per_block``: documents x heads."""
+def _recur_launch(pairs: int, Vp: int, device: torch.device) -> tuple[int, int, int]:
+    """(BV, num_warps, num_stages) of the recurrence for ``pairs`` = sequences x heads (see ``LAUNCH``)."""
     if _interpret():
         return min(_INTERP_BV, Vp), 1, 1
-    cands = [c for c in LAUNCH["recur"] if c[0] <= Vp] or [(Vp, 2, 2)]
-    for bv, warps, stages in cands:
-        if programs_per_block * (Vp // bv) >= MIN_PROGRAMS:
-            return bv, warps, stages
-    return cands[-1]
+    cands = [c for c in LAUNCH["recur"] if c[0] <= Vp] or [(16, 1, 3)]
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return next((c for c in cands if pairs * (Vp // c[0]) >= sms), cands[-1])
 
 
 def _check(q, k, v, g, beta, scale, initial_state, g_min, validate, gate, A_log, dt_bias, norm_eps,
@@ -425,51 +475,91 @@ def kda_infer(
     Returns:
         ``o`` ``[B, T, H, V]`` in v's dtype and the final state ``[N, H, K, V]`` fp32 (or None).
     """
-    N = _check(q, k, v, g, beta, scale, initial_state, g_min, validate, gate, A_log, dt_bias, norm_eps,
-               cu_seqlens)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    C = CHUNK
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    scale = K**-0.5 if scale is None else float(scale)
-    Kp = max(16, triton.next_power_of_2(K))
-    Vp = max(16, triton.next_power_of_2(V))
-    dev = q.device
-    varlen = cu_seqlens is not None
-    if varlen:
-        cu = cu_seqlens.to(torch.int32)
-        coff = torch.zeros(N + 1, device=dev, dtype=torch.int32)
-        coff[1:] = torch.cumsum(torch.div(cu[1:] - cu[:-1] + (C - 1), C, rounding_mode="floor"), 0)
-        NC = 0
-        NS = triton.cdiv(T, C) + N  # >= sum_n cdiv(len_n, C), known without reading cu_seqlens
-    else:
-        cu = coff = torch.zeros(1, device=dev, dtype=torch.int32)
-        NC = triton.cdiv(T, C)
-        NS = B * NC
-    wd = _work_dtype(q.dtype)
-    w, qg, kd = (torch.empty(H, NS * C, Kp, device=dev, dtype=wd) for _ in range(3))
-    u = torch.empty(H, NS * C, Vp, device=dev, dtype=wd)
-    Aqk = torch.empty(H, NS * C, C, device=dev, dtype=wd)
-    gl = torch.empty(H, NS, Kp, device=dev, dtype=torch.float32)
-    ieee = _ieee(q.dtype)
-    dummy = gl
-    _, warps, stages = LAUNCH["intra"]
-    _kda_infer_intra[(NS, H)](
-        q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy, cu, coff,
-        w, u, qg, kd, Aqk, gl,
-        scale, float(g_min), (C / 2) * float(g_min) * LOG2E, float(norm_eps), T, NC, NS, N,
-        H=H, K=K, V=V, BK=Kp, BVF=Vp, C=C, LOG_N=max(1, N.bit_length()), VARLEN=varlen, GATE=_GATE_ID[gate],
-        HAS_BIAS=dt_bias is not None, SILU=bool(silu_qk), L2NORM=bool(l2norm_qk), BETA_SIGMOID=bool(beta_sigmoid),
-        IEEE=ieee, num_warps=warps if Kp <= 128 else 2 * warps, num_stages=stages,
-    )
-    o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
-    hT = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    h0 = initial_state.contiguous() if initial_state is not None else None
-    BV, warps, stages = _recur_launch(N * H, Vp)
-    _kda_infer_recur[(N * H, Vp // BV)](
-        w, u, qg, kd, Aqk, gl, h0 if h0 is not None else dummy, o, hT if hT is not None else dummy, cu, coff,
-        T, NC, NS,
-        H=H, K=K, V=V, BK=Kp, BVF=Vp, BV=BV, C=C, VARLEN=varlen, HAS_H0=h0 is not None, STORE_HT=hT is not None,
-        DOT_BF16=_dot_bf16(q.dtype), IEEE=ieee, num_warps=warps, num_stages=stages,
-    )
-    return o, hT
+    p = InferPlan(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  g_min=g_min, validate=validate, gate=gate, A_log=A_log, dt_bias=dt_bias, l2norm_qk=l2norm_qk,
+                  silu_qk=silu_qk, beta_sigmoid=beta_sigmoid, norm_eps=norm_eps, cu_seqlens=cu_seqlens)
+    p.intra(*p.intra_launch())
+    p.recur(*p.recur_launch())
+    return p.o, p.hT
+
+
+class InferPlan:
+    """One call of ``kda_infer``: its checked inputs, intermediates and outputs, and its two launches.
+
+    ``kda_infer`` runs ``intra`` then ``recur`` at the configs of ``LAUNCH``; the benchmark's launch
+    sweep (kernels/bench_kda.py --infer-sweep) times the two kernels of one plan apart, at other
+    configs. Arguments as for ``kda_infer``; ``o`` and ``hT`` hold the outputs once both have run.
+    """
+
+    def __init__(self, q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=True, g_min=-5.0,
+                 validate=True, gate="none", A_log=None, dt_bias=None, l2norm_qk=False, silu_qk=False,
+                 beta_sigmoid=False, norm_eps=1e-6, cu_seqlens=None):
+        N = _check(q, k, v, g, beta, scale, initial_state, g_min, validate, gate, A_log, dt_bias, norm_eps,
+                   cu_seqlens)
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        C = CHUNK
+        Kp = max(16, triton.next_power_of_2(K))
+        Vp = max(16, triton.next_power_of_2(V))
+        dev = q.device
+        varlen = cu_seqlens is not None
+        if varlen:
+            cu = cu_seqlens.to(torch.int32)
+            coff = torch.zeros(N + 1, device=dev, dtype=torch.int32)
+            coff[1:] = torch.cumsum(torch.div(cu[1:] - cu[:-1] + (C - 1), C, rounding_mode="floor"), 0)
+            NC = 0
+            NS = triton.cdiv(T, C) + N  # >= sum_n cdiv(len_n, C), known without reading cu_seqlens
+        else:
+            cu = coff = torch.zeros(1, device=dev, dtype=torch.int32)
+            NC = triton.cdiv(T, C)
+            NS = B * NC
+        wd = _work_dtype(q.dtype)
+        self.w, self.qg, self.kd = (torch.empty(H, NS * C, Kp, device=dev, dtype=wd) for _ in range(3))
+        self.u = torch.empty(H, NS * C, Vp, device=dev, dtype=wd)
+        self.Aqk = torch.empty(H, NS * C, C, device=dev, dtype=wd)
+        self.gl = torch.empty(H * NS + 1, Kp, device=dev, dtype=torch.float32)  # + 1: the recurrence reads ahead
+        self.o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
+        self.hT = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+        self.h0 = initial_state.contiguous() if initial_state is not None else None
+        self.inputs = tuple(x.contiguous() for x in (q, k, v, g, beta))
+        self.A_log, self.dt_bias, self.cu, self.coff = A_log, dt_bias, cu, coff
+        self.scale = K**-0.5 if scale is None else float(scale)
+        self.g_min, self.norm_eps, self.gate = float(g_min), float(norm_eps), gate
+        self.flags = dict(SILU=bool(silu_qk), L2NORM=bool(l2norm_qk), BETA_SIGMOID=bool(beta_sigmoid))
+        self.N, self.NC, self.NS, self.varlen, self.dims = N, NC, NS, varlen, (B, T, H, K, V, Kp, Vp)
+
+    def intra_launch(self) -> tuple[int, int]:
+        """(num_warps, num_stages) of the token-parallel kernel."""
+        return (1, 1) if _interpret() else LAUNCH["intra"]
+
+    def recur_launch(self) -> tuple[int, int, int]:
+        """(BV, num_warps, num_stages) of the recurrence (see ``LAUNCH``)."""
+        return _recur_launch(self.N * self.dims[2], self.dims[6], self.o.device)
+
+    def intra(self, warps: int, stages: int) -> None:
+        """The token-parallel kernel: w, u, qg, kd, A_qk, gl from the inputs."""
+        B, T, H, K, V, Kp, Vp = self.dims
+        dummy = self.gl
+        _kda_infer_intra[(self.NS, H)](
+            *self.inputs, self.A_log if self.A_log is not None else dummy,
+            self.dt_bias if self.dt_bias is not None else dummy, self.cu, self.coff,
+            self.w, self.u, self.qg, self.kd, self.Aqk, self.gl,
+            self.scale, self.g_min, (CHUNK / 2) * self.g_min * LOG2E, self.norm_eps, T, self.NC, self.NS, self.N, H,
+            K=K, V=V, BK=Kp, BVF=Vp, C=CHUNK, LOG_N=max(1, self.N.bit_length()), VARLEN=self.varlen,
+            GATE=_GATE_ID[self.gate], HAS_BIAS=self.dt_bias is not None, IEEE=_ieee(self.inputs[0].dtype),
+            **self.flags, num_warps=warps if Kp <= 128 else 2 * warps, num_stages=stages,
+        )
+
+    def recur(self, BV: int, warps: int, stages: int) -> None:
+        """The recurrence over chunks (after ``intra``): o and the final state."""
+        B, T, H, K, V, Kp, Vp = self.dims
+        dtype = self.inputs[0].dtype
+        dummy = self.gl
+        _kda_infer_recur[(self.N * H * (Vp // BV),)](
+            self.w, self.u, self.qg, self.kd, self.Aqk, self.gl, self.h0 if self.h0 is not None else dummy, self.o,
+            self.hT if self.hT is not None else dummy, self.cu, self.coff,
+            T, self.NC, self.NS, H,
+            K=K, V=V, BK=Kp, BVF=Vp, BV=BV, C=CHUNK, VARLEN=self.varlen, HAS_H0=self.h0 is not None,
+            STORE_HT=self.hT is not None, DOT_BF16=_dot_bf16(dtype), IEEE=_ieee(dtype), num_warps=warps,
+            num_stages=stages,
+        )
