@@ -405,6 +405,7 @@ def _check_sources(sources: Sequence[torch.Tensor]) -> torch.dtype:
 
 
 def _check_params(query: torch.Tensor, norm_weight: torch.Tensor, eps: float, D: int, dev: torch.device) -> None:
+    """Raise unless query and norm_weight are ``[D]`` on the sources' device and eps > 0 (O(1) per read)."""
     for name, t in (("query", query), ("norm_weight", norm_weight)):
         if t.shape != (D,):
             raise ValueError(f"{name} must be [D] with D = {D}, got shape {tuple(t.shape)}")
