@@ -344,7 +344,7 @@ class _DepthAttentionFn(torch.autograd.Function):
             dh = dh.contiguous()
         # the grid is sized by the kernel's registers only when programs_per_sm is 0 (see _bwd_programs)
         key = None if cfg.programs_per_sm or _INTERPRET else (
-            dh.device.index, cfg, L, h is not None, acc, tuple(x.dtype for x in srcs), dh.dtype)
+            dh.device.index, cfg, L, h is not None, acc, tuple([x.dtype for x in srcs]), dh.dtype)
         nprog = _bwd_programs(-(-N // rows), dh.device, cfg, key)
         part = torch.empty(nprog, 2, D, device=dh.device, dtype=torch.float32)
         kernel = _attnres_bwd_kernel[(nprog,)](
