@@ -24,16 +24,17 @@ import torch.nn as nn
 
 from moelab.model.config import ResidualConfig
 from moelab.model.norm import RMSNorm
-from moelab.ops.attnres import GradSlot
+from moelab.ops.attnres import GradSlot, Sources, depth_attention
 
 
 class DepthAttention(nn.Module):
     """Softmax over depth with one pseudo-query: ``sources [S, B, T, D] -> h [B, T, D]``.
 
     ``backend="triton"`` (``"auto"``: on CUDA tensors) runs the fused ``moelab.ops.attnres`` op on
-    the list of sources as they are (no stack, fp32 math; h in the sources' promoted dtype, so
-    fp32 with the embedding among them, where the torch path under autocast returns bf16), with
-    each source's gradient summed in place in its :class:`GradSlot` when ``slots`` are given.
+    the sources as they are (no stack, fp32 math; h in the sources' promoted dtype, so fp32 with the
+    embedding among them, where the torch path under autocast returns bf16), with each source's
+    gradient summed in place in its GradSlot when ``slots`` are given or the sources are a
+    :class:`~moelab.ops.attnres.Sources` (what the residual stream passes).
     """
 
     def __init__(self, d_model: int, norm_eps: float = 1e-6, backend: str = "auto") -> None:
@@ -42,15 +43,15 @@ class DepthAttention(nn.Module):
         self.key_norm = RMSNorm(d_model, eps=norm_eps)
         self.backend = backend
 
-    def forward(self, sources: torch.Tensor | list[torch.Tensor], weights: bool = True,
+    def forward(self, sources: torch.Tensor | list[torch.Tensor] | Sources, weights: bool = True,
                 slots: list[GradSlot] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Mix ``sources`` (``[S, B, T, D]`` or S tensors ``[B, T, D]``); return ``h [B, T, D]`` and
-        the weights ``[S, B, T]`` (fp32; None when ``weights`` is False)."""
+        """Mix ``sources`` (``[S, B, T, D]``, S tensors ``[B, T, D]`` or a Sources); return ``h [B, T, D]``
+        and the weights ``[S, B, T]`` (fp32; None when ``weights`` is False)."""
         if self.backend == "triton" or (self.backend == "auto" and sources[0].is_cuda):
-            from moelab.ops.attnres import depth_attention
-
             return depth_attention(sources, self.query, self.key_norm.weight, self.key_norm.eps, backend="triton",
                                    weights=weights, slots=slots)
+        if isinstance(sources, Sources):
+            sources = sources.tensors
         if not isinstance(sources, torch.Tensor):
             sources = torch.stack(sources)
         logits = self.key_norm(sources).float() @ self.query.float()  # [S, B, T]
@@ -91,12 +92,12 @@ class ResidualStream:
     def __init__(self, module: AttnResidual, embedding: torch.Tensor, diagnostics: bool) -> None:
         self.m = module
         self.x = embedding  # prenorm: the running sum
-        self.blocks: list[torch.Tensor] = [embedding]  # AttnRes: b_0 and every completed block
-        self.partial: torch.Tensor | None = None
-        # One gradient slot per source tensor (fused path): a block is read by every later sublayer,
-        # and its gradient is summed in place there instead of by autograd (moelab.ops.attnres).
-        self.slots: list[GradSlot] = [GradSlot()]
-        self.partial_slot: GradSlot | None = None
+        # AttnRes: b_0, every completed block, then the partial sum of the open block while it is not
+        # empty. Each source is checked once as it comes and carries a gradient slot (fused path): a
+        # block is read by every later sublayer, and its gradient is summed in place there instead of
+        # by autograd (moelab.ops.attnres).
+        self.sources = Sources(embedding) if module.mode != "prenorm" else None
+        self.open = False  # whether the last source is the open block's partial sum
         self.diag: dict[str, list] | None = (
             {"depth_weights": [], "hidden_rms": [], "output_rms": []} if diagnostics else None
         )
@@ -105,10 +106,7 @@ class ResidualStream:
         if self.m.mode == "prenorm":
             h = self.x
         else:
-            sources, slots = self.blocks, self.slots
-            if self.partial is not None:
-                sources, slots = sources + [self.partial], slots + [self.partial_slot]
-            h, w = self.m.depth[idx](sources, weights=self.diag is not None, slots=slots)
+            h, w = self.m.depth[idx](self.sources, weights=self.diag is not None)
             if self.diag is not None:
                 self.diag["depth_weights"].append(w.detach().mean(dim=(1, 2)))
         if self.diag is not None:
@@ -126,12 +124,11 @@ class ResidualStream:
         if self.m.mode == "prenorm":
             self.x = self.x + out
             return
-        self.partial = out if self.partial is None else self.partial + out
-        self.partial_slot = GradSlot()
-        if i + 1 in self.m.block_ends:
-            self.blocks.append(self.partial)
-            self.slots.append(self.partial_slot)
-            self.partial = self.partial_slot = None
+        if self.open:
+            self.sources.replace_last(self.sources[-1] + out)
+        else:
+            self.sources.append(out)
+        self.open = i + 1 not in self.m.block_ends
 
     def read_final(self) -> torch.Tensor:
         """The stream as the final norm + LM head see it, ``[B, T, D]``."""

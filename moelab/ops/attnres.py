@@ -18,8 +18,9 @@ normalized keys in fp32 and saves both for the backward. Here the sources are pa
 separate pointers (a tuple kernel argument, so no stack and mixed dtypes are fine), the forward
 reads each source once with an online softmax over depth and keeps only fp32 row statistics
 (r and s ``[L, N]``, the log-sum-exp ``[N]``). The backward recomputes p from them and writes
-every ``dv_i`` in its source's dtype; the row sums of B go into per-program fp32 partials
-(summed in torch, so the result is deterministic). fp32 math throughout.
+every ``dv_i`` in its source's dtype; each program's row sums of B, times g and times q, go into
+fp32 partials of dq and dw (one torch sum over the programs gives both, in a fixed order, so the
+result is deterministic). fp32 math throughout.
 
 ``c = sum_j p_j dp_j`` in ``ds_i`` equals ``<dh, h>``. When h is fp32 (in the model: the fp32
 embedding is always a source) the forward saves h (the next RMSNorm keeps that same tensor
@@ -33,7 +34,9 @@ A model reads every source many times (Full AttnRes: source i in every later rea
 would write a fresh ``dv_i`` per read and then add them up, a write plus an add (two reads, one
 write) of ``[N, D]`` per source and read. With a :class:`GradSlot` per source the backward kernel
 sums ``dv_i`` in place into the slot's buffer instead (one read and one write), and only the read
-that saw the source first hands the sum to autograd (see ``GradSlot``).
+that saw the source first hands the sum to autograd (see ``GradSlot``). A :class:`Sources` holds
+such a growing list with its slots, each source checked once when added, so that a read does no
+per-source host work beyond the kernels' pointer tuples.
 
 ``depth_attention`` is the front door (either backend); ``depth_attention_torch`` the fp32
 PyTorch reference that defines the semantics.
@@ -91,9 +94,12 @@ class LaunchConfig:
         return self.bwd_rows or self.rows, self.bwd_warps or self.warps
 
 
-# Measured launches per width (kernels/bench_attnres.py --sweep on the H200); other widths take the rule
-# in ``launch_config``.
-LAUNCH_TABLE: Mapping[int, LaunchConfig] = MappingProxyType({})
+# Measured launches per width (kernels/bench_attnres.py --sweep-only on the H200, L = 4, 7, 13, 25 with an fp32
+# source 0 and gradient slots as in gpu-small; kernels/results/attnres_sweep_h200.json); other widths take the
+# rule in ``launch_config``.
+LAUNCH_TABLE: Mapping[int, LaunchConfig] = MappingProxyType({
+    512: LaunchConfig(rows=4, warps=4, programs_per_sm=4, bwd_rows=4, bwd_warps=4),
+})
 
 
 def _pow2(n: int) -> int:
@@ -115,8 +121,9 @@ def launch_config(d: int) -> LaunchConfig:
     return LaunchConfig(rows=rows, warps=min(16, max(1, rows * bd // 256)))
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+# Read once: Triton decides at each @triton.jit below whether the kernels run in its CPU interpreter, so
+# the flag cannot change later (and an environment lookup per call is host time on the model's hot path).
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -168,7 +175,8 @@ def _attnres_fwd_kernel(srcs, q, w, h, stats, N, D, eps, L: tl.constexpr, BN: tl
 def _attnres_bwd_kernel(srcs, dsrcs, q, w, h, dh, stats, part, N, D, NPROG,
                         L: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, C_FROM_H: tl.constexpr,
                         ACC: tl.constexpr):
-    """dv_i for the tiles ``pid, pid + NPROG, ...`` and this program's partial of B (``part [NPROG, D]``).
+    """dv_i for the tiles ``pid, pid + NPROG, ...`` and this program's partials of dq = g * B and
+    dw = q * B (``part [NPROG, 2, D]``; their sum over the programs is the two gradients).
 
     ``c = sum_j p_j dp_j``: with C_FROM_H (an fp32 h) it is ``<dh, h>`` and each source is read once;
     otherwise a first pass over the sources sums it (h is not even saved then). Bit i of ACC: add
@@ -180,7 +188,9 @@ def _attnres_bwd_kernel(srcs, dsrcs, q, w, h, dh, stats, part, N, D, NPROG,
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
     cm = cols < D
-    gq = tl.load(q + cols, mask=cm, other=0.0).to(tl.float32) * tl.load(w + cols, mask=cm, other=0.0).to(tl.float32)
+    qv = tl.load(q + cols, mask=cm, other=0.0).to(tl.float32)
+    wv = tl.load(w + cols, mask=cm, other=0.0).to(tl.float32)
+    gq = qv * wv
     b_acc = tl.zeros([BN, BD], tl.float32)
     for blk in range(pid, tl.cdiv(N, BN), NPROG):
         rows, rm, offs, mask = _tile(blk, N, D, cols, BN)
@@ -213,7 +223,10 @@ def _attnres_bwd_kernel(srcs, dsrcs, q, w, h, dh, stats, part, N, D, NPROG,
                 dv += prev
             tl.store(dsrcs[i] + offs, dv.to(dsrcs[i].dtype.element_ty), mask=mask)
             b_acc += a[:, None] * v
-    tl.store(part + pid.to(tl.int64) * D + cols, tl.sum(b_acc, axis=0), mask=cm)
+    b = tl.sum(b_acc, axis=0)
+    dq_part = part + pid.to(tl.int64) * 2 * D
+    tl.store(dq_part + cols, b * wv, mask=cm)
+    tl.store(dq_part + D + cols, b * qv, mask=cm)
 
 
 _RESIDENT: dict[tuple, int] = {}  # backward launch signature -> its programs that fit on one SM at once
@@ -224,7 +237,7 @@ def _bwd_programs(n_tiles: int, device: torch.device, cfg: LaunchConfig, key: tu
     """Persistent grid of the backward: ``SMs * programs_per_sm``; with programs_per_sm = 0 as
     many programs as are resident at once, so that the grid is one wave and every program walks
     the same number of tiles (one per SM until the first launch of ``key`` has told its registers)."""
-    if _interpret():
+    if _INTERPRET:
         return max(1, min(n_tiles, _INTERP_PROGRAMS))
     sms = _SMS.get(device.index)
     if sms is None:
@@ -269,8 +282,9 @@ class _DepthAttentionFn(torch.autograd.Function):
     an optional :class:`GradSlot` (``slots``, None: a fresh gradient per source).
 
     Host time matters here (a model calls this about twice per sublayer and step, and its step is
-    launch-bound): one Triton launch per direction plus three small torch ops for dq, dw; no
-    per-source work beyond the tuples the kernels take and the slots' bookkeeping."""
+    launch-bound): one Triton launch per direction; forward two allocations (h, the row statistics),
+    backward two plus one sum that gives dq and dw at once; no per-source work beyond the tuples the
+    kernels take and the slots' bookkeeping."""
 
     @staticmethod
     def forward(ctx, query, norm_weight, eps, out_dtype, stacked, cfg, want_p, slots, *inputs):
@@ -286,9 +300,12 @@ class _DepthAttentionFn(torch.autograd.Function):
         ctx.save_for_backward(query, norm_weight, h if out_dtype == torch.float32 else None, stats, *inputs)
         ctx.stacked, ctx.cfg, ctx.slots = stacked, cfg, slots
         if slots is not None:
-            ctx.owner = tuple(not sl.taken for sl in slots)
-            for sl in slots:
-                sl.taken = True
+            owner = 0  # bit i: this read took slot i first
+            for i, sl in enumerate(slots):
+                if not sl.taken:
+                    owner |= 1 << i
+                    sl.taken = True
+            ctx.owner = owner
         if not want_p:
             return h, None
         p = torch.exp(stats[L:2 * L] - stats[2 * L])
@@ -306,14 +323,18 @@ class _DepthAttentionFn(torch.autograd.Function):
             srcs, dsrcs = tuple(inputs[0].unbind(0)), tuple(dstack.unbind(0))
         elif slots is None:
             srcs, dsrcs = tuple(inputs), tuple(torch.empty_like(x) for x in inputs)
-        else:
-            srcs, dsrcs = tuple(inputs), []
+        else:  # the owner of a slot hands its sum to autograd and empties it; the others leave it there
+            srcs, dsrcs, grads, owner = tuple(inputs), [], [], ctx.owner
             for i, (x, sl) in enumerate(zip(srcs, slots)):
-                if sl.grad is None:
-                    sl.grad = torch.empty_like(x)
+                d = sl.grad
+                if d is None:
+                    d = torch.empty_like(x)
                 else:
                     acc |= 1 << i
-                dsrcs.append(sl.grad)
+                own = (owner >> i) & 1
+                sl.grad = None if own else d
+                grads.append(d if own else None)
+                dsrcs.append(d)
             dsrcs = tuple(dsrcs)
         x0 = srcs[0]
         D = x0.shape[-1]
@@ -321,27 +342,24 @@ class _DepthAttentionFn(torch.autograd.Function):
         rows, warps = cfg.bwd
         if not dh.is_contiguous():
             dh = dh.contiguous()
-        key = (dh.device.index, cfg, L, h is not None, acc, tuple(x.dtype for x in srcs), dh.dtype)
+        # the grid is sized by the kernel's registers only when programs_per_sm is 0 (see _bwd_programs)
+        key = None if cfg.programs_per_sm or _INTERPRET else (
+            dh.device.index, cfg, L, h is not None, acc, tuple([x.dtype for x in srcs]), dh.dtype)
         nprog = _bwd_programs(-(-N // rows), dh.device, cfg, key)
-        part = torch.empty(nprog, D, device=dh.device, dtype=torch.float32)
+        part = torch.empty(nprog, 2, D, device=dh.device, dtype=torch.float32)
         kernel = _attnres_bwd_kernel[(nprog,)](
             srcs, dsrcs, query, norm_weight, dh if h is None else h, dh, stats, part, N, D, nprog,
             L=L, BN=rows, BD=_pow2(D), C_FROM_H=h is not None, ACC=acc, num_warps=warps)
-        if not (cfg.programs_per_sm or key in _RESIDENT or _interpret()):
+        if key is not None and key not in _RESIDENT:
             _note_resident(key, kernel, dh.device, warps)
-        b = part.sum(0)
-        dq = (b * norm_weight).to(query.dtype)
-        dw = (b * query).to(norm_weight.dtype)
+        dq, dw = part.sum(0).unbind(0)
+        if dq.dtype != query.dtype:
+            dq = dq.to(query.dtype)
+        if dw.dtype != norm_weight.dtype:
+            dw = dw.to(norm_weight.dtype)
         if ctx.stacked:
             return dq, dw, None, None, None, None, None, None, dstack
-        if slots is None:
-            return dq, dw, None, None, None, None, None, None, *dsrcs
-        grads = []
-        for d, sl, own in zip(dsrcs, slots, ctx.owner):
-            if own:
-                sl.grad = None
-            grads.append(d if own else None)
-        return dq, dw, None, None, None, None, None, None, *grads
+        return dq, dw, None, None, None, None, None, None, *(dsrcs if slots is None else grads)
 
 
 def depth_attention_torch(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
@@ -355,28 +373,39 @@ def depth_attention_torch(sources: Sequence[torch.Tensor], query: torch.Tensor, 
         return torch.einsum("l...,l...d->...d", p, v).to(out_dtype), p
 
 
-def _check(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-           backend: str) -> torch.dtype:
-    """Validate the arguments (one cheap test per source: a model calls this ~50 times a step) and
-    return the promoted dtype of the sources (what ``torch.stack`` gives), with or without autocast."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not allowed: expected one of {BACKENDS}")
+def _promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """``torch.promote_types`` on ``DTYPES`` (two different ones give fp32, bf16 with fp16 too), in plain
+    Python: the torch function dispatches an op, and a read would make one per step and read."""
+    return a if a == b else torch.float32
+
+
+def _check_source(i: int, x: torch.Tensor, shape: torch.Size, device: torch.device) -> None:
+    """Raise unless source ``i`` has ``shape``, lies on ``device`` and has one of ``DTYPES``."""
+    if x.shape != shape:
+        raise ValueError(f"sources[{i}] has shape {tuple(x.shape)}, expected {tuple(shape)} (as sources[0])")
+    if x.device != device:
+        raise ValueError(f"sources[{i}] is on {x.device}, expected {device} (as sources[0])")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"sources[{i}] dtype {x.dtype} is not allowed: expected bf16, fp16 or fp32")
+
+
+def _check_sources(sources: Sequence[torch.Tensor]) -> torch.dtype:
+    """Validate a list of sources and return their promoted dtype (what ``torch.stack`` gives, with or
+    without autocast)."""
     if len(sources) == 0:
         raise ValueError("sources is empty: expected at least one source")
-    shape, dev = sources[0].shape, sources[0].device
-    if len(shape) == 0:
+    x0 = sources[0]
+    if x0.dim() == 0:
         raise ValueError("sources must be [..., D] tensors, got a 0-d tensor")
-    dtypes = set()
+    out = x0.dtype
     for i, x in enumerate(sources):
-        dt = x.dtype
-        if x.shape != shape or x.device != dev or dt not in DTYPES:
-            if x.shape != shape:
-                raise ValueError(f"sources[{i}] has shape {tuple(x.shape)}, expected {tuple(shape)} (as sources[0])")
-            if x.device != dev:
-                raise ValueError(f"sources[{i}] is on {x.device}, expected {dev} (as sources[0])")
-            raise ValueError(f"sources[{i}] dtype {dt} is not allowed: expected bf16, fp16 or fp32")
-        dtypes.add(dt)
-    D = shape[-1]
+        _check_source(i, x, x0.shape, x0.device)
+        out = _promote(out, x.dtype)
+    return out
+
+
+def _check_params(query: torch.Tensor, norm_weight: torch.Tensor, eps: float, D: int, dev: torch.device) -> None:
+    """Raise unless query and norm_weight are ``[D]`` on the sources' device and eps > 0 (O(1) per read)."""
     for name, t in (("query", query), ("norm_weight", norm_weight)):
         if t.shape != (D,):
             raise ValueError(f"{name} must be [D] with D = {D}, got shape {tuple(t.shape)}")
@@ -384,23 +413,71 @@ def _check(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: to
             raise ValueError(f"{name} is on {t.device}, expected {dev} (as the sources)")
     if not eps > 0:
         raise ValueError(f"eps={eps!r} is not allowed: expected a positive number")
-    out = dtypes.pop()
-    for dt in dtypes:
-        out = torch.promote_types(out, dt)
-    return out
+
+
+class Sources:
+    """A growing list of sources that is read many times (a model's residual stream).
+
+    Each source is checked once, when it is added (the first one's shape and device, an allowed
+    dtype; kept contiguous), gets its own :class:`GradSlot`, and the promoted dtype of all of them
+    is kept up to date, so that ``depth_attention(sources, ...)`` does no per-source work on the
+    host beyond the tuples the kernels take. Full AttnRes reads source i in every later read: a
+    check per source and read would be O(L^2) Python per step.
+
+    Attributes:
+        tensors: the sources ``[..., D]`` (tuple, in order).
+        slots: one GradSlot per source (a source added again, or put in place of the last one, gets a
+            fresh slot).
+        dtype: the promoted dtype of the sources (h's dtype).
+    """
+
+    __slots__ = ("tensors", "slots", "dtype")
+
+    def __init__(self, first: torch.Tensor) -> None:
+        _check_sources((first,))
+        self.tensors: tuple[torch.Tensor, ...] = (first.contiguous(),)
+        self.slots: tuple[GradSlot, ...] = (GradSlot(),)
+        self.dtype: torch.dtype = first.dtype
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.tensors[i]
+
+    def _checked(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        x0 = self.tensors[0]
+        _check_source(i, x, x0.shape, x0.device)
+        return x if x.is_contiguous() else x.contiguous()
+
+    def append(self, x: torch.Tensor) -> None:
+        """Add source ``x`` ``[..., D]`` (the first source's shape and device)."""
+        self.tensors += (self._checked(x, len(self.tensors)),)
+        self.slots += (GradSlot(),)
+        self.dtype = _promote(self.dtype, x.dtype)
+
+    def replace_last(self, x: torch.Tensor) -> None:
+        """Put ``x`` in place of the last source (the running sum of a block that is still open)."""
+        old = self.tensors[-1]
+        self.tensors = self.tensors[:-1] + (self._checked(x, len(self.tensors) - 1),)
+        self.slots = self.slots[:-1] + (GradSlot(),)
+        if x.dtype != old.dtype:
+            self.dtype = functools.reduce(_promote, (t.dtype for t in self.tensors))
 
 
 @torch.compiler.disable  # a compiled model calls the op eagerly (its kernels launch themselves)
-def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch.Tensor,
+def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor] | Sources, query: torch.Tensor,
                     norm_weight: torch.Tensor, eps: float = 1e-6, backend: str = "auto",
                     config: LaunchConfig | None = None, weights: bool = True,
                     slots: Sequence[GradSlot] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax over depth with one pseudo-query and an RMSNorm on the keys (see the module docstring).
 
     Args:
-        sources: L tensors ``[..., D]`` of one shape (bf16 / fp16 / fp32, dtypes may differ), or
-            one stacked tensor ``[L, ..., D]``. A list is the fast form for a model: nothing is
-            stacked, and each gradient comes back in its source's dtype.
+        sources: L tensors ``[..., D]`` of one shape (bf16 / fp16 / fp32, dtypes may differ), one
+            stacked tensor ``[L, ..., D]``, or a :class:`Sources`. A list is the fast form for one
+            read: nothing is stacked, and each gradient comes back in its source's dtype. A Sources
+            is the fast form for many reads of a growing list (a model's residual stream): its
+            sources were checked when added and carry their gradient slots.
         query: the pseudo-query ``[D]``.
         norm_weight: the key RMSNorm's weight ``[D]``.
         eps: the RMSNorm epsilon (> 0).
@@ -411,7 +488,8 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch
             path skips the two kernels that make them).
         slots: one :class:`GradSlot` per source (list form, Triton path): the sources' gradients
             are summed in place over the reads that share a slot (see ``GradSlot`` for the order
-            this relies on). Ignored by the torch backend (autograd sums there).
+            this relies on). Ignored by the torch backend (autograd sums there). None with a
+            Sources (it has its own).
 
     Returns:
         ``h [..., D]`` in the promoted dtype of the sources (autocast or not: with the model's
@@ -420,27 +498,35 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch
         ``p [L, ...]`` fp32 (no gradient), or None with ``weights=False``. Gradients flow to every
         source, query and norm_weight.
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not allowed: expected one of {BACKENDS}")
     stacked = isinstance(sources, torch.Tensor)
-    if stacked and sources.dim() < 2:
-        raise ValueError(f"stacked sources must be [L, ..., D], got shape {tuple(sources.shape)}")
-    seq = tuple(sources.unbind(0)) if stacked else tuple(sources)
-    out_dtype = _check(seq, query, norm_weight, eps, backend)
+    if isinstance(sources, Sources):
+        if slots is not None:
+            raise ValueError("slots: a Sources carries one GradSlot per source, expected slots=None with it")
+        seq, slots, out_dtype = sources.tensors, sources.slots, sources.dtype
+    else:
+        if stacked and sources.dim() < 2:
+            raise ValueError(f"stacked sources must be [L, ..., D], got shape {tuple(sources.shape)}")
+        seq = tuple(sources.unbind(0)) if stacked else tuple(sources)
+        out_dtype = _check_sources(seq)
+        if slots is not None:
+            if stacked or len(slots) != len(seq):
+                raise ValueError(f"slots: expected one GradSlot per source in list form ({len(seq)}), got "
+                                 f"{len(slots)} for {'a stacked tensor' if stacked else 'a list'}")
+            slots = tuple(slots)
+            if len(set(map(id, slots))) != len(slots):  # the backward prefetches slot i + 1 before it writes slot i
+                raise ValueError("slots: expected a distinct GradSlot per source, got one GradSlot twice")
     x0 = seq[0]
+    lead, D = x0.shape[:-1], x0.shape[-1]
+    _check_params(query, norm_weight, eps, D, x0.device)
     if backend == "auto":
         backend = "triton" if x0.is_cuda else "torch"
-    if slots is not None:
-        if stacked or len(slots) != len(seq):
-            raise ValueError(f"slots: expected one GradSlot per source in list form ({len(seq)}), got "
-                             f"{len(slots)} for {'a stacked tensor' if stacked else 'a list'}")
-        slots = tuple(slots)
-        if len(set(map(id, slots))) != len(slots):  # the backward prefetches slot i + 1 before it writes slot i
-            raise ValueError("slots: expected a distinct GradSlot per source, got one GradSlot twice")
     if backend == "torch":
         h, p = depth_attention_torch(seq, query, norm_weight, eps, out_dtype)
         return h, (p if weights else None)
-    if not (x0.is_cuda or _interpret()):
+    if not (x0.is_cuda or _INTERPRET):
         raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {x0.device}")
-    lead, D = x0.shape[:-1], x0.shape[-1]
     if D > MAX_D:
         raise ValueError(f"D={D} is not allowed with backend='triton': expected 1..{MAX_D} (use backend='torch')")
     if config is None:
@@ -449,8 +535,8 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch
         config.validate()
     if stacked:
         inputs = (sources.reshape(len(seq), -1, D).contiguous(),)
-    elif all(x.is_contiguous() for x in seq):  # the kernels index rows of D elements: any contiguous [..., D]
-        inputs = seq
+    elif isinstance(sources, Sources) or all(x.is_contiguous() for x in seq):
+        inputs = seq  # the kernels index rows of D elements: any contiguous [..., D] goes in as it is
     else:
         inputs = tuple(x.contiguous() for x in seq)
     if not query.is_contiguous():

@@ -12,6 +12,7 @@ from tests.helpers import assert_close
 from tests.model.tiny import tiny_config
 
 D = 16
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def rms_norm(v: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -124,3 +125,43 @@ def test_attnres_queries_start_at_zero_and_learn() -> None:
     # The first sublayer has one source (the embedding): a softmax over one item has no gradient.
     assert torch.equal(m.residual.depth[0].query.grad, torch.zeros(32))
     assert all(d.query.grad.abs().sum() > 0 for d in m.residual.depth[1:])
+
+
+# Host work one residual read may add to a training step over prenorm (forward + backward + optimizer),
+# whatever the number of sources it mixes: the fused op's two launches and one autograd Function, that
+# Function's graph node and the AccumulateGrad of its two parameters, and a few allocations and one
+# sum (kernels/count_step_ops.py gives the breakdown: about 8.5 aten ops per read now).
+PER_READ = {"triton_launches": 2, "fn_applies": 1, "graph_nodes": 3, "aten_ops": 9, "attnres_py_calls": 16}
+
+
+@pytest.fixture(scope="module")
+def step_counts() -> dict:
+    """Counts of one training step of the tiny model (4 layers, 9 reads; fused op, bf16 autocast, fused
+    AdamW) per residual mode."""
+    from kernels.count_step_ops import _loss, _update, count_step
+
+    counts = {}
+    for mode, blocks in (("prenorm", 2), ("block_attnres", 4), ("full_attnres", 1)):
+        cfg = tiny_config(mode=mode, num_blocks=blocks)
+        cfg.residual.backend = "triton"
+        torch.manual_seed(0)
+        model = MoELab(cfg).to(DEV)
+        x = torch.randint(0, cfg.vocab_size, (2, 16), device=DEV)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        _update(_loss(model, x), opt)  # optimizer state, kernel caches
+        counts[mode] = count_step(model, x, opt)
+    return counts
+
+
+@pytest.mark.parametrize("mode", ["block_attnres", "full_attnres"])
+def test_step_host_work_per_read_is_bounded(step_counts: dict, mode: str) -> None:
+    """Over prenorm, a step of an AttnRes mode adds at most ``PER_READ`` of each count per read (exactly
+    two launches and one Function): no per-source op, launch or Python call, so full AttnRes (up to
+    9 sources here) costs what block AttnRes does."""
+    reads = 2 * 4 + 1
+    base, got = step_counts["prenorm"], step_counts[mode]
+    assert got["triton_launches"] - base["triton_launches"] == 2 * reads, got["by"]["triton_launches"]
+    assert got["fn_applies"] - base["fn_applies"] == reads, got["by"]["fn_applies"]
+    for key, limit in PER_READ.items():
+        added = got[key] - base[key]
+        assert added <= limit * reads, f"{mode}: {key} +{added} over prenorm, more than {limit} per read x {reads}"

@@ -6,7 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moelab.ops.attnres import MAX_D, GradSlot, LaunchConfig, depth_attention, depth_attention_torch
+from moelab.ops.attnres import (
+    DTYPES,
+    LAUNCH_TABLE,
+    MAX_D,
+    GradSlot,
+    LaunchConfig,
+    Sources,
+    _promote,
+    depth_attention,
+    depth_attention_torch,
+    launch_config,
+)
 from tests.helpers import assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -213,6 +224,60 @@ def test_grad_slots_sum_in_place_over_reads(dts):
             assert_close(a, b, tol[1], f"grad of leaf {i} (run {runs})")
     with pytest.raises(ValueError, match=r"slots: expected one GradSlot per source in list form \(2\), got 1"):
         depth_attention(leaves[:1] * 2, leaves[1], leaves[2], backend="triton", slots=[GradSlot()])
+
+
+def test_promote_matches_torch():
+    """The plain-Python promotion (no torch op per read) gives torch's answer on every pair of DTYPES."""
+    for a in DTYPES:
+        for b in DTYPES:
+            assert _promote(a, b) == torch.promote_types(a, b), (a, b)
+
+
+def test_sources_match_the_list_and_check_each_source_once():
+    """A Sources gives the list form's h, p and gradients (its own slots in place of a list of them);
+    its dtype follows the sources as they are added and replaced; a bad source fails when it is
+    added, with the same message as in a list; a Sources with extra slots is refused."""
+    sources, query, weight, dh = _inputs((3, 5), 24, (F32, BF, BF), 3.0, seed=9)
+    ref = _run(lambda s, q, w: depth_attention(s, q, w, backend="triton", slots=[GradSlot() for _ in s]),
+               sources, query, weight, dh)
+
+    def via_sources(s, q, w):
+        src = Sources(s[0])
+        for x in s[1:]:
+            src.append(x)
+        assert src.dtype == F32 and len(src) == len(s) and src[1] is s[1]
+        return depth_attention(src, q, w, backend="triton")
+
+    out = _run(via_sources, sources, query, weight, dh)
+    for name, a, b in (("h", ref[0], out[0]), ("p", ref[1], out[1]), ("dquery", ref[3], out[3]),
+                       ("dnorm_weight", ref[4], out[4])):
+        assert torch.equal(a, b), name
+    assert all(torch.equal(a, b) for a, b in zip(ref[2], out[2]))
+
+    x = torch.randn(4, 8, device=DEV, dtype=BF)
+    src = Sources(x)
+    src.append(x.float())
+    assert src.dtype == F32
+    src.replace_last(x.t().contiguous().t())  # bf16 again, and not contiguous: stored as a contiguous copy
+    assert src.dtype == BF and src[1].is_contiguous() and torch.equal(src[1], x)
+    assert len(src.slots) == 2 and len({id(sl) for sl in src.slots}) == 2
+    with pytest.raises(ValueError, match=r"sources\[2\] has shape \(4, 6\), expected \(4, 8\)"):
+        src.append(torch.randn(4, 6, device=DEV))
+    with pytest.raises(ValueError, match=r"sources\[1\] dtype torch.int64"):
+        src.replace_last(x.long())
+    with pytest.raises(ValueError, match="0-d tensor"):
+        Sources(torch.zeros((), device=DEV))
+    q, w = torch.zeros(8, device=DEV), torch.ones(8, device=DEV)
+    with pytest.raises(ValueError, match="a Sources carries one GradSlot per source"):
+        depth_attention(src, q, w, backend="triton", slots=src.slots)
+
+
+def test_launch_table_entries_are_valid():
+    """Every measured entry passes LaunchConfig.validate and is what launch_config returns."""
+    assert LAUNCH_TABLE, "no measured launch"
+    for d, cfg in LAUNCH_TABLE.items():
+        cfg.validate()
+        assert launch_config(d) is cfg
 
 
 @pytest.mark.parametrize("mode, num_blocks", [("full_attnres", 1), ("block_attnres", 4)])
