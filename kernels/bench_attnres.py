@@ -6,6 +6,9 @@ forward+backward on one GPU, in one run: moelab's fused op, today's plain PyTorc
     python kernels/bench_attnres.py --sweep-only    # GPU: launch-config sweep at gpu-small's shape (below)
     python kernels/bench_attnres.py --host          # host microseconds per call (GPU: real launches;
                                                     # CPU: launches stubbed, the Python part only)
+    python kernels/bench_attnres.py --replay full --replay block:8 [--replay-ops moelab,OLD_OP.py]
+                                                    # GPU: a model step's AttnRes reads (below) ->
+                                                    # kernels/results/attnres_replay_h200.json
 
 Problem (issue 16): N = 32768 tokens, D = 2048, L = 4, 9, 17 sources of bf16 ``[N, D]``, fp32
 pseudo-query and key-norm weight (as trained), everything under bf16 autocast. Rows:
@@ -35,12 +38,31 @@ default: kernels/results/attnres_sweep_h200.json).
 ``--host`` times the host side of one read (forward + backward) of a 24-sublayer stream at a
 tiny N (the device never waits): ``AttnResidual`` in block (6) and full mode against prenorm, per
 read, and the bare op per L; plus the Triton launches per read.
+
+``--replay SPEC`` (``full`` or ``block:N``; repeatable) runs exactly a model step's sequence of
+AttnRes reads and writes: ``moelab.model.attnres.AttnResidual``'s residual stream at gpu-small's
+shape (24 sublayers, N = 32768 as 8 x 4096, D = 512; ``--replay-sublayers``, ``--tokens``,
+``--sweep-d-model``), every sublayer a stand-in (pre-norm ``RMSNorm``, then a bias-free ``Linear``:
+bf16 out under autocast, as the real mixers and FFNs), fp32 embedding, forward + backward under bf16
+autocast. Every launch of the two AttnRes kernels is logged (L, dtypes, slots that add, grid, tile,
+registers and spills of the compiled kernel, contiguity) and timed with CUDA events; per read the
+median over ``--replay-steps`` steps, per step the sum, against the ideal bytes (``_read_bytes``)
+and the floor at the measured device copy rate; plus one step under torch.profiler (the measure of
+``kernels/bench_model.py --profile``) and, at gpu-small's shape, that profile's committed kernel
+times beside it. ``--replay-configs`` lists launches of this op (``table`` = ``launch_config``, or
+``ROWSxWARPS[xPROGRAMS_PER_SM][/BWD_ROWSxBWD_WARPS]``); ``--replay-ops`` adds op modules from files
+(an older ``moelab/ops/attnres.py`` from ``git show``), replayed at their own launch;
+``--replay-jobs K`` compiles the replays' kernels in K processes first (a Full stream has 50).
+``--smoke``: CPU interpreter, 16 tokens, D = 72, 4 sublayers, one step.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import hashlib
+import importlib.util
 import json
 import os
 import statistics
@@ -61,6 +83,7 @@ import triton  # noqa: E402
 import moelab.ops.attnres as attnres_op  # noqa: E402
 from moelab.model.attnres import AttnResidual, DepthAttention  # noqa: E402
 from moelab.model.config import ResidualConfig  # noqa: E402
+from moelab.model.norm import RMSNorm  # noqa: E402
 from moelab.ops.attnres import (  # noqa: E402
     GradSlot,
     LaunchConfig,
@@ -212,17 +235,24 @@ def _model_like(L: int, N: int, D: int, dev: str, seed: int):
     return [x.view(N, D) for x in srcs], q, w, dh.view(N, D)
 
 
-def _ideal_bytes(srcs: list[torch.Tensor]) -> tuple[int, int]:
-    """Forward and backward traffic if every tensor is read or written once: forward reads the
-    sources, writes fp32 h and the fp32 row statistics ``[2L + 1, N]``; backward reads dh, h, the
-    sources and the statistics, adds into L - 1 slots (read + write) and writes the last one."""
-    N, D = srcs[0].shape
-    L, el = len(srcs), N * D
-    src = sum(x.element_size() for x in srcs) * el
+def _read_bytes(N: int, D: int, sizes: list[int], h_size: int, dh_size: int, acc: int, c_from_h: bool
+                ) -> tuple[int, int]:
+    """Forward and backward traffic of one read if every tensor its kernels touch is read or written
+    once. ``sizes``: the sources' element sizes (their gradients have the same); ``acc``: bit i set
+    when source i's gradient slot already holds a sum (the backward reads and writes it, else writes
+    it). Forward: the sources, h (written) and the fp32 row statistics ``[2L + 1, N]``. Backward: dh,
+    h when c comes from it, the sources, the statistics and the gradients."""
+    el, L = N * D, len(sizes)
     stats = (2 * L + 1) * N * 4
-    fwd = src + 4 * el + stats
-    bwd = 8 * el + src + stats + sum(2 * x.element_size() for x in srcs[:-1]) * el + srcs[-1].element_size() * el
-    return fwd, bwd
+    src = sum(sizes) * el
+    grads = sum(size * (2 if acc >> i & 1 else 1) for i, size in enumerate(sizes)) * el
+    return src + h_size * el + stats, (dh_size + (h_size if c_from_h else 0)) * el + src + stats + grads
+
+
+def _ideal_bytes(srcs: list[torch.Tensor]) -> tuple[int, int]:
+    """``_read_bytes`` of a sweep read: fp32 h and dh, every source but the last adds into its slot."""
+    N, D = srcs[0].shape
+    return _read_bytes(N, D, [x.element_size() for x in srcs], 4, 4, (1 << (len(srcs) - 1)) - 1, True)
 
 
 def _sweep_one(srcs, q, w, dh, ref, rows: int, warps: int, pps_list, cuda: bool) -> list[dict]:
@@ -308,14 +338,60 @@ def run_sweep(args, cuda: bool, dev: str) -> tuple[list[dict], dict]:
 
 
 class _LaunchCounter:
-    """Counts launches of a Triton kernel (CPU: and skips them, so only the Python part is timed)."""
+    """Counts launches of a Triton kernel (``run=False``: and skips them, so only the Python part is
+    timed). With a ``log`` list it also appends one record per launch (``_launch_record``) with
+    start and end marks around it: CUDA events, or perf_counter seconds on CPU (where the
+    interpreter runs the kernel inside the call)."""
 
-    def __init__(self, kernel, run: bool) -> None:
-        self.kernel, self.run, self.n = kernel, run, 0
+    def __init__(self, kernel, run: bool, log: list[dict] | None = None, cuda: bool = False) -> None:
+        self.kernel, self.run, self.n, self.log, self.cuda = kernel, run, 0, log, cuda
 
     def __getitem__(self, grid):
         self.n += 1
-        return self.kernel[grid] if self.run else (lambda *a, **k: None)
+        if not self.run:
+            return lambda *a, **k: None
+        if self.log is None:
+            return self.kernel[grid]
+        return functools.partial(self._launch, grid)
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _launch(self, grid, *args, **kw):
+        start = self._mark()
+        compiled = self.kernel[grid](*args, **kw)
+        end = self._mark()
+        self.log.append(dict(_launch_record(grid, args, kw), start=start, end=end,
+                             regs=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None)))
+        return compiled
+
+
+_DT = {torch.float32: "f", torch.bfloat16: "b", torch.float16: "h"}
+
+
+def _launch_record(grid, args, kw) -> dict:
+    """One launch of either AttnRes kernel (this op's or an older one's: both take the sources first,
+    h at 3 (forward) or the gradients, h and dh at 1, 4, 5 (backward)): its direction, L, grid and
+    tile, the sources' dtypes (f/b/h), the slots it adds into, whether every ``[N, D]`` tensor is
+    contiguous, and its ideal bytes (``_read_bytes``)."""
+    bwd = "ACC" in kw
+    srcs = args[0]
+    D = srcs[0].shape[-1]
+    N = srcs[0].numel() // D
+    h, dh = (args[4], args[5]) if bwd else (args[3], None)
+    acc = kw.get("ACC", 0)
+    tensors = [*srcs, h] + ([*args[1], dh] if bwd else [])
+    fwd_b, bwd_b = _read_bytes(N, D, [x.element_size() for x in srcs], h.element_size(),
+                               dh.element_size() if bwd else 0, acc, kw.get("C_FROM_H", True))
+    return dict(kind="bwd" if bwd else "fwd", L=kw["L"], grid=grid[0], rows=kw["BN"], warps=kw.get("num_warps"),
+                dtypes="".join(_DT[x.dtype] for x in srcs), h_dtype=_DT[h.dtype],
+                dh_dtype=_DT[dh.dtype] if bwd else None,
+                acc_slots=bin(acc).count("1"), contiguous=all(x.is_contiguous() for x in tensors),
+                bytes=bwd_b if bwd else fwd_b)
 
 
 def run_host(args, cuda: bool, dev: str) -> dict:
@@ -379,6 +455,261 @@ def run_host(args, cuda: bool, dev: str) -> dict:
         print(f"op L={L:2d}: forward + backward {us:7.1f} us per call (host), Triton launches per call "
               f"{out['op'][L]['triton_launches']:g}")
     return out
+
+
+REPLAY_SPECS = "full | block:N"
+# The whole-model profile that the replay stands beside (kernels/bench_model.py --profile): its rows per spec.
+MODEL_PROFILE = os.path.join(ROOT, "kernels", "results", "model_profile_gpu_small_h200.json")
+_PROFILE_ROWS = {("full_attnres", None): "moelab_gpu_small_full_attnres",
+                 ("block_attnres", 6): "moelab_gpu_small_block_attnres",
+                 ("block_attnres", 8): "moelab_gpu_small_block_attnres_8"}
+_KERNELS = ("_attnres_fwd_kernel", "_attnres_bwd_kernel")
+
+
+def _parse_spec(spec: str) -> tuple[str, int | None]:
+    """``full`` -> Full AttnRes; ``block:N`` -> Block AttnRes with N blocks."""
+    if spec == "full":
+        return "full_attnres", None
+    if spec.startswith("block:") and spec[6:].isdigit() and int(spec[6:]) >= 1:
+        return "block_attnres", int(spec[6:])
+    raise ValueError(f"--replay {spec!r} is not allowed: expected {REPLAY_SPECS} (N >= 1 blocks)")
+
+
+def _parse_config(text: str) -> LaunchConfig | None:
+    """``table``: the op's own launch (``launch_config``); ``RxW[xP][/BRxBW]``: the forward's rows x warps
+    (x backward programs per SM, default 0) and, after a slash, the backward's rows x warps."""
+    if text == "table":
+        return None
+    fwd, _, bwd = text.partition("/")
+    try:
+        f = [int(v) for v in fwd.split("x")]
+        b = [int(v) for v in bwd.split("x")] if bwd else [0, 0]
+    except ValueError:
+        f = b = []
+    if len(f) not in (2, 3) or len(b) != 2:
+        raise ValueError(f"--replay-configs entry {text!r} is not allowed: expected 'table' or "
+                         "ROWSxWARPS[xPROGRAMS_PER_SM][/BWD_ROWSxBWD_WARPS], e.g. 4x4x4/4x4")
+    cfg = LaunchConfig(rows=f[0], warps=f[1], programs_per_sm=f[2] if len(f) == 3 else 0, bwd_rows=b[0],
+                       bwd_warps=b[1])
+    cfg.validate()
+    return cfg
+
+
+def _load_op(path: str):
+    """An AttnRes op module from a file (e.g. an older ``moelab/ops/attnres.py``, from ``git show``)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--replay-ops entry {path!r} is not allowed: expected 'moelab' or an existing file")
+    spec = importlib.util.spec_from_file_location(f"attnres_op_{hashlib.sha1(path.encode()).hexdigest()[:8]}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    missing = [n for n in ("depth_attention", *_KERNELS) if not hasattr(mod, n)]
+    if missing:
+        raise ValueError(f"--replay-ops entry {path!r} has no {', '.join(missing)}: expected an AttnRes op module")
+    return mod
+
+
+def _model_profile(mode: str, blocks: int | None) -> dict | None:
+    """The whole-model profile's AttnRes kernel times for this spec (ms per step), where recorded."""
+    key = _PROFILE_ROWS.get((mode, blocks))
+    if key is None or not os.path.exists(MODEL_PROFILE):
+        return None
+    data = json.load(open(MODEL_PROFILE))
+    if key not in data:
+        return None
+    k = data[key]["kernels"]
+    return dict(fwd_ms=k.get("_attnres_fwd_kernel"), bwd_ms=k.get("_attnres_bwd_kernel"),
+                commit=data.get("meta", {}).get("commit"), file=os.path.relpath(MODEL_PROFILE, ROOT))
+
+
+def _replay_one(mode: str, blocks: int | None, cfg: LaunchConfig | None, op, args, cuda: bool, dev: str
+                ) -> dict | None:
+    """One spec, op and launch: the model's residual stream (``AttnResidual``) with every sublayer
+    replaced by a pre-norm ``RMSNorm`` and a bias-free ``Linear`` (bf16 out under autocast, as the
+    real mixers and FFNs), the fp32 embedding as source 0, the final read through an RMSNorm into a
+    fixed random projection as the loss; forward + backward under bf16 autocast. Each AttnRes launch
+    is logged and timed; the per-read times are medians over ``--replay-steps`` steps (None with 0
+    steps: the warm-up alone, to fill Triton's cache)."""
+    import moelab.model.attnres as model_attnres
+
+    N, D, n_sub = args.tokens, args.sweep_d_model, args.replay_sublayers
+    B = 8 if N % 8 == 0 else 1
+    torch.manual_seed(0)
+    res = AttnResidual(D, n_sub, ResidualConfig(mode=mode, num_blocks=blocks or 1, backend="triton")).to(dev)
+    norms = torch.nn.ModuleList(RMSNorm(D) for _ in range(n_sub + 1)).to(dev)
+    subs = torch.nn.ModuleList(torch.nn.Linear(D, D, bias=False) for _ in range(n_sub)).to(dev)
+    with torch.no_grad():  # queries as after some training: the depth softmax is not uniform
+        for att in res.depth:
+            att.query.normal_(0.0, D ** -0.5)
+    emb = torch.randn(B, N // B, D, device=dev, requires_grad=True)
+    probe = torch.randn(B, N // B, D, device=dev)
+    params = [emb, *res.parameters(), *norms.parameters(), *subs.parameters()]
+
+    def step() -> torch.Tensor:
+        for x in params:
+            x.grad = None
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            st = res.stream(emb)
+            for i in range(n_sub):
+                st.write(i, subs[i](norms[i](st.read(i))))
+            loss = (norms[n_sub](st.read_final()) * probe).sum()
+        loss.backward()
+        return loss.detach()
+
+    call_op, model_op = op.depth_attention, model_attnres.depth_attention
+
+    def read(sources, query, norm_weight, eps, backend="auto", weights=True, slots=None):
+        if op is not attnres_op:  # an older op: the list and the Sources' slots
+            return call_op(list(sources.tensors), query, norm_weight, eps, backend=backend, config=cfg,
+                           weights=weights, slots=sources.slots)
+        return call_op(sources, query, norm_weight, eps, backend=backend, config=cfg, weights=weights, slots=slots)
+
+    log: list[dict] = []
+    kernels = {name: getattr(op, name) for name in _KERNELS}
+    model_attnres.depth_attention = read
+    for name, k in kernels.items():
+        setattr(op, name, _LaunchCounter(k, True, log, cuda))
+    try:
+        for _ in range(args.replay_warmup):  # compiles every read's kernels and sizes the resident grids
+            step()
+        if args.replay_steps == 0:
+            return None
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        steps, losses = [], []
+        for _ in range(args.replay_steps):
+            log.clear()
+            losses.append(step())
+            if cuda:
+                torch.cuda.synchronize()
+            steps.append([dict(r, ms=r["start"].elapsed_time(r["end"]) if cuda else (r["end"] - r["start"]) * 1e3)
+                          for r in log])
+        peak_gb = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None
+        prof = None
+        if cuda:  # the model profile's measure (CUPTI device time per kernel name) over one more step
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+                step()
+                torch.cuda.synchronize()
+            prof = {name[9:12] + "_ms": sum(ev.device_time_total for ev in p.key_averages() if name in ev.key) / 1e3
+                    for name in _KERNELS}
+        grads_finite = all(torch.isfinite(x.grad).all() for x in params if x.grad is not None)
+    finally:
+        model_attnres.depth_attention = model_op
+        for name, k in kernels.items():
+            setattr(op, name, k)
+
+    reads = []
+    for i in range(n_sub + 1):
+        # forward launches come in read order, backward ones in reverse (each read's backward needs the
+        # complete gradient of every later read's sources)
+        fwd = [s[i] for s in steps if s[i]["kind"] == "fwd"]
+        bwd = [s[-1 - i] for s in steps if s[-1 - i]["kind"] == "bwd"]
+        row = dict(read=i)
+        for kind, recs in (("fwd", fwd), ("bwd", bwd)):
+            if len(recs) != len(steps):
+                continue
+            r = recs[0]
+            ms = statistics.median(x["ms"] for x in recs)
+            row.update({f"{kind}_{k}": r[k] for k in ("L", "dtypes", "grid", "rows", "warps", "regs", "spills",
+                                                      "bytes", "contiguous")},
+                       **{f"{kind}_ms": ms, f"{kind}_gbps": r["bytes"] / ms / 1e6})
+            if kind == "bwd":
+                row.update(bwd_acc_slots=r["acc_slots"], bwd_h_dtype=r["h_dtype"], bwd_dh_dtype=r["dh_dtype"])
+        reads.append(row)
+    launches = {k: [sum(r["kind"] == k for r in s) for s in steps] for k in ("fwd", "bwd")}
+    order_ok = all("fwd_L" in r and "bwd_L" in r and r["fwd_L"] == r["bwd_L"] for r in reads)
+    out = dict(mode=mode, blocks=blocks, n_reads=n_sub + 1, launches_per_step=launches, order_ok=order_ok,
+               sources_per_read=[r.get("fwd_L") for r in reads], loss=float(losses[-1]), peak_mem_gb=peak_gb,
+               profiler=prof, model_profile=_model_profile(mode, blocks) if (N, D, n_sub) == (32768, 512, 24) else None)
+    for kind in ("fwd", "bwd"):
+        ms = sum(r.get(f"{kind}_ms", 0.0) for r in reads)
+        nbytes = sum(r.get(f"{kind}_bytes", 0) for r in reads)
+        out.update({f"{kind}_ms": ms, f"{kind}_bytes": nbytes, f"{kind}_tbps": nbytes / ms / 1e9,
+                    f"{kind}_floor_ms": nbytes / (args.copy_tbps * 1e9) if args.copy_tbps else None})
+    out["ok"] = bool(order_ok and grads_finite and torch.isfinite(losses[-1])
+                     and all(n == n_sub + 1 for v in launches.values() for n in v)
+                     and all(r.get("fwd_contiguous") and r.get("bwd_contiguous") for r in reads))
+    out["reads"] = reads
+    return out
+
+
+def _copy_tbps() -> float:
+    """Device-to-device copy rate of 1 GiB (bytes read + written per second, in TB/s): the floor's bandwidth."""
+    from triton.testing import do_bench
+
+    src = torch.empty(2 ** 28, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
+    return 2 * src.numel() * src.element_size() / ms / 1e9
+
+
+def _precompile(args, jobs: list[tuple[str, str, str]]) -> None:
+    """Fill Triton's on-disk cache with every job's kernels in ``--replay-jobs`` processes at once (a
+    Full AttnRes stream compiles two kernels per read, one at a time in one process), so that the
+    timed runs after it only load them."""
+    base = [sys.executable, os.path.abspath(__file__), "--tokens", str(args.tokens), "--sweep-d-model",
+            str(args.sweep_d_model), "--replay-sublayers", str(args.replay_sublayers), "--replay-steps", "0",
+            "--replay-warmup", "1"]
+    pending, running = list(jobs), []
+    t0 = time.perf_counter()
+    while pending or running:
+        while pending and len(running) < args.replay_jobs:
+            spec, cfg, op = pending.pop(0)
+            cmd = base + ["--replay", spec, "--replay-configs", cfg, "--replay-ops", op]
+            running.append((cmd, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                  text=True)))
+        cmd, proc = running.pop(0)
+        log = proc.communicate()[0]
+        if proc.returncode:
+            print(f"precompile failed ({' '.join(cmd[2:])}):\n{log[-2000:]}")
+    print(f"precompiled {len(jobs)} replays in {time.perf_counter() - t0:.0f} s ({args.replay_jobs} at a time)")
+
+
+def run_replay(args, cuda: bool, dev: str) -> list[dict]:
+    """Every ``--replay`` spec x ``--replay-ops`` op x launch (``--replay-configs`` for this op, the op's
+    own for a file); prints each row's totals against the floor and the model profile, and its reads."""
+    specs = [(s, *_parse_spec(s)) for s in args.replay]
+    ops = {name: (attnres_op if name == "moelab" else _load_op(name)) for name in args.replay_ops.split(",")}
+    configs = {c: _parse_config(c) for c in args.replay_configs.split(",")}
+    jobs = [(s, c if name == "moelab" else "table", name) for s, _, _ in specs for name in ops
+            for c in (configs if name == "moelab" else ["table"])]
+    if cuda and args.replay_jobs > 1 and args.replay_steps > 0:
+        _precompile(args, jobs)
+    rows = []
+    for spec, cfg_text, op_name in jobs:
+        _, mode, blocks = next(s for s in specs if s[0] == spec)
+        cfg = configs[cfg_text] if op_name == "moelab" else None
+        row = _replay_one(mode, blocks, cfg, ops[op_name], args, cuda, dev)
+        if row is None:
+            continue
+        row = dict(spec=spec, op=op_name, config=cfg_text, **row)
+        rows.append(row)
+        ref = row["model_profile"]
+        floor = (f"; floor at {args.copy_tbps:.2f} TB/s: fwd {row['fwd_floor_ms']:.2f}, "
+                 f"bwd {row['bwd_floor_ms']:.2f} ms" if args.copy_tbps else "")
+        print(f"\nreplay {spec} op={op_name} launch={cfg_text}: fwd {row['fwd_ms']:.2f} ms "
+              f"({row['fwd_bytes'] / 1e9:.1f} GB, {row['fwd_tbps']:.2f} TB/s), bwd {row['bwd_ms']:.2f} ms "
+              f"({row['bwd_bytes'] / 1e9:.1f} GB, {row['bwd_tbps']:.2f} TB/s) per step{floor}; "
+              f"launches/step {row['launches_per_step']}; ok {row['ok']}")
+        if row["profiler"]:
+            print(f"  torch.profiler, one step: fwd {row['profiler']['fwd_ms']:.2f} ms, "
+                  f"bwd {row['profiler']['bwd_ms']:.2f} ms")
+        if ref:
+            print(f"  model profile ({ref['commit'][:7] if ref['commit'] else '?'}): fwd {ref['fwd_ms']:.2f} ms, "
+                  f"bwd {ref['bwd_ms']:.2f} ms")
+        print(f"  {'read':>4s} {'L':>3s} {'slots+':>6s} {'fwd ms':>7s} {'GB/s':>6s} {'bwd ms':>7s} {'GB/s':>6s} "
+              f"{'grid':>5s} {'tile':>5s} {'regs':>4s} {'spill':>5s}")
+        for r in row["reads"]:
+            print(f"  {r['read']:4d} {r.get('fwd_L', 0):3d} {r.get('bwd_acc_slots', 0):6d} {r.get('fwd_ms', 0):7.3f} "
+                  f"{r.get('fwd_gbps', 0):6.0f} {r.get('bwd_ms', 0):7.3f} {r.get('bwd_gbps', 0):6.0f} "
+                  f"{r.get('bwd_grid', 0):5d} {r.get('bwd_rows', 0)}x{r.get('bwd_warps', 0):<3} "
+                  f"{r.get('bwd_regs') or 0:4d} {r.get('bwd_spills') or 0:5d}")
+        if cuda:
+            torch.cuda.empty_cache()
+    return rows
+
+
 def _commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -406,10 +737,23 @@ def main() -> int:
     ap.add_argument("--tiles", default=None, help="--sweep: rowsxwarps list, e.g. 4x8,8x8 (default: a grid by D)")
     ap.add_argument("--programs-per-sm", default="0,2,4", help="--sweep: backward grid sizes (0: all resident)")
     ap.add_argument("--host", action="store_true", help="only the host time per call, at --sweep-d-model (see above)")
+    ap.add_argument("--replay", action="append", default=[], metavar="SPEC",
+                    help=f"replay a model's AttnRes reads ({REPLAY_SPECS}; repeatable; see above)")
+    ap.add_argument("--replay-configs", default="table", help="--replay: comma-separated launches of this op: "
+                    "'table' (launch_config) or ROWSxWARPS[xPROGRAMS_PER_SM][/BWD_ROWSxBWD_WARPS]")
+    ap.add_argument("--replay-ops", default="moelab", help="--replay: comma-separated ops: 'moelab' (this tree's) "
+                    "or the path of an AttnRes op module file, replayed at its own launch")
+    ap.add_argument("--replay-sublayers", type=int, default=None, help="--replay: sublayers (default 24, smoke 4)")
+    ap.add_argument("--replay-steps", type=int, default=5, help="--replay: timed steps (0: warm-up only)")
+    ap.add_argument("--replay-warmup", type=int, default=2, help="--replay: untimed steps first (compiles)")
+    ap.add_argument("--replay-jobs", type=int, default=1, help="--replay on a GPU: compile the replays' kernels "
+                    "in this many processes at once first")
     args = ap.parse_args()
     args.sweep = args.sweep or args.sweep_only
 
     cuda = torch.cuda.is_available() and not args.smoke
+    if args.replay:
+        return _replay_main(args, ap, cuda)
     if args.host:
         res = run_host(args, cuda, "cuda" if cuda else "cpu")
         if args.out:
@@ -499,6 +843,46 @@ def main() -> int:
             json.dump(dict(meta=meta, rows=rows, summary=summary, sweep=sweep, sweep_best=best), fh, indent=1)
         print(f"wrote {out}")
     return 0 if meta["all_ok"] else 1
+
+
+def _replay_main(args, ap: argparse.ArgumentParser, cuda: bool) -> int:
+    """``--replay``: sizes (gpu-small's, or tiny with --smoke), the copy bandwidth, the rows, the JSON."""
+    if args.smoke:
+        args.tokens, args.sweep_d_model, args.replay_steps = 16, 72, min(args.replay_steps, 1)
+        args.replay_warmup = min(args.replay_warmup, 1)
+    elif not cuda:
+        ap.error("no CUDA device: use --smoke for the CPU run")
+    if args.replay_sublayers is None:
+        args.replay_sublayers = 4 if args.smoke else 24
+    for name in ("replay_sublayers", "replay_steps", "replay_warmup", "replay_jobs"):
+        lo = 0 if name == "replay_steps" else 1
+        if getattr(args, name) < lo:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} is not allowed: expected >= {lo}")
+    args.copy_tbps = _copy_tbps() if cuda and args.replay_steps > 0 else None
+    try:
+        rows = run_replay(args, cuda, "cuda" if cuda else "cpu")
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.replay_steps == 0:
+        return 0
+    out = args.out or (None if args.smoke else os.path.join(ROOT, "kernels", "results", "attnres_replay_h200.json"))
+    if out:
+        ops = {name: (name if name == "moelab" else dict(
+            file=name, sha1=hashlib.sha1(open(name, "rb").read()).hexdigest())) for name in args.replay_ops.split(",")}
+        meta = dict(gpu=torch.cuda.get_device_name() if cuda else "cpu (smoke, Triton interpreter)",
+                    torch=torch.__version__, triton=triton.__version__, commit=_commit(),
+                    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                    command=" ".join([os.path.basename(sys.executable)] + sys.argv), tokens=args.tokens,
+                    d_model=args.sweep_d_model, sublayers=args.replay_sublayers, steps=args.replay_steps,
+                    warmup=args.replay_warmup, ops=ops, copy_tbps=args.copy_tbps, autocast="bf16",
+                    stand_ins="sublayer: RMSNorm + Linear(D, D) (bf16 out); loss: RMSNorm(final read) . fixed probe",
+                    timing="per read: CUDA events around each launch, median over the steps; profiler: one step",
+                    all_ok=all(r["ok"] for r in rows))
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as fh:
+            json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+        print(f"wrote {out}")
+    return 0 if all(r["ok"] for r in rows) else 1
 
 
 def _fla_version() -> str | None:
