@@ -591,8 +591,10 @@ def _replay_one(mode: str, blocks: int | None, cfg: LaunchConfig | None, op, arg
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
                 step()
                 torch.cuda.synchronize()
-            prof = {name[9:12] + "_ms": sum(ev.device_time_total for ev in p.key_averages() if name in ev.key) / 1e3
-                    for name in _KERNELS}
+            evs = [(ev.key, getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0))
+                   for ev in p.key_averages()]
+            prof = {f"{kind}_ms": sum(us for key, us in evs if name in key) / 1e3
+                    for kind, name in zip(("fwd", "bwd"), _KERNELS)}
         grads_finite = all(torch.isfinite(x.grad).all() for x in params if x.grad is not None)
     finally:
         model_attnres.depth_attention = model_op
@@ -666,19 +668,28 @@ def _precompile(args, jobs: list[tuple[str, str, str]]) -> None:
     print(f"precompiled {len(jobs)} replays in {time.perf_counter() - t0:.0f} s ({args.replay_jobs} at a time)")
 
 
-def run_replay(args, cuda: bool, dev: str) -> list[dict]:
-    """Every ``--replay`` spec x ``--replay-ops`` op x launch (``--replay-configs`` for this op, the op's
-    own for a file); prints each row's totals against the floor and the model profile, and its reads."""
-    specs = [(s, *_parse_spec(s)) for s in args.replay]
+def _replay_plan(args) -> tuple[dict, dict, dict]:
+    """The parsed ``--replay`` specs, ``--replay-ops`` modules and ``--replay-configs`` launches (ValueError
+    naming a bad entry)."""
+    specs = {s: _parse_spec(s) for s in args.replay}
+    for mode, blocks in specs.values():  # e.g. a block count that does not divide the sublayers
+        ResidualConfig(mode=mode, num_blocks=blocks or 1).validate(args.replay_sublayers)
     ops = {name: (attnres_op if name == "moelab" else _load_op(name)) for name in args.replay_ops.split(",")}
     configs = {c: _parse_config(c) for c in args.replay_configs.split(",")}
-    jobs = [(s, c if name == "moelab" else "table", name) for s, _, _ in specs for name in ops
+    return specs, ops, configs
+
+
+def run_replay(args, plan: tuple[dict, dict, dict], cuda: bool, dev: str) -> list[dict]:
+    """Every ``--replay`` spec x ``--replay-ops`` op x launch (``--replay-configs`` for this op, the op's
+    own for a file); prints each row's totals against the floor and the model profile, and its reads."""
+    specs, ops, configs = plan
+    jobs = [(s, c if name == "moelab" else "table", name) for s in specs for name in ops
             for c in (configs if name == "moelab" else ["table"])]
     if cuda and args.replay_jobs > 1 and args.replay_steps > 0:
         _precompile(args, jobs)
     rows = []
     for spec, cfg_text, op_name in jobs:
-        _, mode, blocks = next(s for s in specs if s[0] == spec)
+        mode, blocks = specs[spec]
         cfg = configs[cfg_text] if op_name == "moelab" else None
         row = _replay_one(mode, blocks, cfg, ops[op_name], args, cuda, dev)
         if row is None:
@@ -858,11 +869,12 @@ def _replay_main(args, ap: argparse.ArgumentParser, cuda: bool) -> int:
         lo = 0 if name == "replay_steps" else 1
         if getattr(args, name) < lo:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} is not allowed: expected >= {lo}")
-    args.copy_tbps = _copy_tbps() if cuda and args.replay_steps > 0 else None
     try:
-        rows = run_replay(args, cuda, "cuda" if cuda else "cpu")
+        plan = _replay_plan(args)
     except ValueError as exc:
         ap.error(str(exc))
+    args.copy_tbps = _copy_tbps() if cuda and args.replay_steps > 0 else None
+    rows = run_replay(args, plan, cuda, "cuda" if cuda else "cpu")
     if args.replay_steps == 0:
         return 0
     out = args.out or (None if args.smoke else os.path.join(ROOT, "kernels", "results", "attnres_replay_h200.json"))
