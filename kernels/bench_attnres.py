@@ -463,6 +463,7 @@ MODEL_PROFILE = os.path.join(ROOT, "kernels", "results", "model_profile_gpu_smal
 _PROFILE_ROWS = {("full_attnres", None): "moelab_gpu_small_full_attnres",
                  ("block_attnres", 6): "moelab_gpu_small_block_attnres",
                  ("block_attnres", 8): "moelab_gpu_small_block_attnres_8"}
+_PROFILE_SHAPE = (32768, 512, 24)  # the profile's gpu-small step: tokens, width, sublayers
 _KERNELS = ("_attnres_fwd_kernel", "_attnres_bwd_kernel")
 
 
@@ -533,7 +534,7 @@ def _replay_one(mode: str, blocks: int | None, cfg: LaunchConfig | None, op, arg
     import moelab.model.attnres as model_attnres
 
     N, D, n_sub = args.tokens, args.sweep_d_model, args.replay_sublayers
-    B = 8 if N % 8 == 0 else 1
+    B = 8 if N % 8 == 0 else 1  # gpu-small's batch (8 x 4096 tokens); only N reaches the kernels
     torch.manual_seed(0)
     res = AttnResidual(D, n_sub, ResidualConfig(mode=mode, num_blocks=blocks or 1, backend="triton")).to(dev)
     norms = torch.nn.ModuleList(RMSNorm(D) for _ in range(n_sub + 1)).to(dev)
@@ -623,7 +624,7 @@ def _replay_one(mode: str, blocks: int | None, cfg: LaunchConfig | None, op, arg
     order_ok = all("fwd_L" in r and "bwd_L" in r and r["fwd_L"] == r["bwd_L"] for r in reads)
     out = dict(mode=mode, blocks=blocks, n_reads=n_sub + 1, launches_per_step=launches, order_ok=order_ok,
                sources_per_read=[r.get("fwd_L") for r in reads], loss=float(losses[-1]), peak_mem_gb=peak_gb,
-               profiler=prof, model_profile=_model_profile(mode, blocks) if (N, D, n_sub) == (32768, 512, 24) else None)
+               profiler=prof, model_profile=_model_profile(mode, blocks) if (N, D, n_sub) == _PROFILE_SHAPE else None)
     for kind in ("fwd", "bwd"):
         ms = sum(r.get(f"{kind}_ms", 0.0) for r in reads)
         nbytes = sum(r.get(f"{kind}_bytes", 0) for r in reads)
@@ -658,7 +659,8 @@ def _precompile(args, jobs: list[tuple[str, str, str]]) -> None:
     while pending or running:
         while pending and len(running) < args.replay_jobs:
             spec, cfg, op = pending.pop(0)
-            cmd = base + ["--replay", spec, "--replay-configs", cfg, "--replay-ops", op]
+            cmd = base + ["--replay", spec, "--replay-configs", cfg, "--replay-ops",
+                          op if op == "moelab" else os.path.abspath(op)]
             running.append((cmd, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                   text=True)))
         cmd, proc = running.pop(0)
@@ -706,7 +708,7 @@ def run_replay(args, plan: tuple[dict, dict, dict], cuda: bool, dev: str) -> lis
         if row["profiler"]:
             print(f"  torch.profiler, one step: fwd {row['profiler']['fwd_ms']:.2f} ms, "
                   f"bwd {row['profiler']['bwd_ms']:.2f} ms")
-        if ref:
+        if ref and ref["fwd_ms"] is not None and ref["bwd_ms"] is not None:
             print(f"  model profile ({ref['commit'][:7] if ref['commit'] else '?'}): fwd {ref['fwd_ms']:.2f} ms, "
                   f"bwd {ref['bwd_ms']:.2f} ms")
         print(f"  {'read':>4s} {'L':>3s} {'slots+':>6s} {'fwd ms':>7s} {'GB/s':>6s} {'bwd ms':>7s} {'GB/s':>6s} "
