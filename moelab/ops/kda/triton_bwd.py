@@ -1,7 +1,8 @@
 """Backward kernels of chunked KDA.
 
 The forward keeps its intra-chunk intermediates (``Tm``, ``A_qk``, ``w``, ``u``, ``qg``, ``kd``,
-``e^{G_last}``; G too in general mode), the state kernel reruns (``h_c``, ``U``), then:
+``e^{G_last}``; G too in general mode, while bounded mode's backward reruns the chunked prep for
+it), the state kernel reruns (``h_c``, ``U``), then (every kernel reads G, none recomputes it):
 
 * ``_kda_bwd_dh`` (grid ``[cdiv(V, BV), B*H]``, or ``N*H`` documents with ``VARLEN``, sequential
   over chunks in reverse): with ``dh`` the gradient of the state leaving chunk c (stored per chunk),
@@ -16,7 +17,8 @@ The forward keeps its intra-chunk intermediates (``Tm``, ``A_qk``, ``w``, ``u``,
   (``dq = scale e^G (do h^T)``, ``dk = e^{G_last-G} (U dh^T)``, the w path) and d(G_last);
 * ``_kda_bwd_dqkg`` (grid ``[K // BK, NT * C // 16, B*H]``): per 16-row sub-tile, adds the
   gated-score terms (``A_qk`` with q on the row side, ``A_kk`` with ``beta k``). Every term that
-  differentiates an ``exp(G)`` factor lands in ``dG``.
+  differentiates an ``exp(G)`` factor lands in ``dG``; the two terms of each score pair are formed
+  from the same rounded operands, so that they cancel in dg's reverse cumsum.
 * ``_kda_bwd_dg``: ``dg`` is the reverse cumsum of ``dG`` within the chunk plus the gradient of
   ``G_last`` (which every g of the chunk feeds).
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelab.ops.kda.triton_common import _cast, _dot
+from moelab.ops.kda.triton_common import _cast, _dot, _tf32
 
 
 @triton.jit
@@ -173,137 +175,93 @@ def _kda_bwd_wy(
 
 @triton.jit
 def _kda_bwd_dqkg(
-    q, k, g, beta, Gbuf, hbuf, dhbuf, U, do, dAs, dkb,
+    q, k, Gbuf, beta, dAs, dkb,
     dq, dk, dG, dbk,
-    scale, T, NBH,
+    T, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
+    C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    BOUNDED: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Per K-block, sub-tile and chunk (grid ``[K // BK, NT * C // BC, B*H]``): the rows ``I`` of
     one ``BC``-token sub-tile. ``_kda_bwd_sterm`` left the state terms of those rows in ``dq``
     (dq), ``dkb`` (dk) and ``dG``; this kernel adds the gated-score terms and stores dq and dk
     (final), their ``dG`` (fp32, before the reverse cumsum that ``_kda_bwd_dg`` does over the
-    chunk) and the score part of dbeta (``dbk`` ``[K // BK, B, T, H]``, summed on the host).
+    chunk) and the score part of dbeta (``dbk`` ``[K // BK, B, T, H]``, summed on the host). G is
+    read from ``Gbuf`` (the chunk-local cumsum, log2 units, fp32), the same values in every program.
 
-    Gated-score terms, with sub-tile ``J`` of the chunk:
-    * row side (``J < I``): ``sum_J dS_IJ (b_J e^{gn - G_J}) * e^{G_I - gn}``, ``gn`` = G at the first
-      row of ``I`` (both factors <= 1);
-    * column side (``J > I``): ``sum_J dS_JI^T (a_J e^{G_J - gl}) * e^{gl - G_I}``, ``gl`` = G at the
-      last row of ``I``;
-    * diagonal (``J = I``): bounded mode one product each side on factors shifted to the sub-tile
-      midpoint; general mode element-wise ``e^{G_i - G_j}`` per pair (partner rows from memory).
+    A pair ``(i, j)``, ``i >= j``, of the gated scores puts one term ``X_ij`` into dG_i (row side)
+    and ``-X_ij`` into dG_j (column side); in dg's reverse cumsum the two cancel for every token
+    ``t <= j``, and what a rounding makes them differ by stays in all those dg. So each pair's two
+    terms are formed from the same operands: the gated factors are rounded to TF32 (``_tf32``) before
+    the product, and dG multiplies the product by those rounded factors, so that ``X_ij`` is
+    ``tf32(a_i e^{G_i - ref}) A_ij tf32(b_j e^{ref - G_j})`` on both sides, up to fp32 accumulation.
+    With sub-tile ``J`` of the chunk:
+    * off-diagonal pairs (``J < I`` here as the row side, ``J > I`` as the column side): the
+      reference of a pair is G at the first row of its later sub-tile (both factors <= 1); the
+      column side takes the reference of each partner ``J``, as ``J``'s own row side does;
+    * diagonal (``J = I``): bounded mode one product each side on factors shifted to G at the
+      sub-tile's row ``BC // 2 - 1``; general mode element-wise ``e^{G_i - G_j}`` per pair in
+      fp32 (partner rows from memory), the same number on both sides.
     Every tile is ``[BC, *]``: small enough to stay in registers (the chunk-wide version spilled).
     """
     i_k = tl.program_id(0)
     i_ci = tl.program_id(1)
     i_bh = tl.program_id(2)
     NC: tl.constexpr = C // BC
+    SK: tl.constexpr = H * K
     i_c = i_ci // NC
     i_i = i_ci % NC
     i_b = i_bh // H
     i_h = i_bh % H
-    r = tl.arange(0, C)
     rc = tl.arange(0, BC)
     cols = tl.arange(0, BK)
     row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h  # the chunk's first token
     bo = i_k * BK
     q += row0 * K + bo
     k += row0 * K + bo
-    g += row0 * K + bo
     Gbuf += row0 * K + bo
     dkb += row0 * K + bo
     dq += row0 * K + bo
     dk += row0 * K + bo
     dG += row0 * K + bo
-    U += row0 * V
-    do += row0 * V
     beta += row0
     dbk += i_k.to(tl.int64) * NBH * T + row0  # [K // BK, B, T, H]; B*T*H = NBH*T
-    c_off = (i_b * (T // C) + i_c).to(tl.int64) * H + i_h  # (chunk, head) index
-    hbuf += c_off * K * V + bo * V
-    dhbuf += c_off * K * V + bo * V
-    dAs += c_off * (2 * C * C)
+    dAs += ((i_b * (T // C) + i_c).to(tl.int64) * H + i_h) * (2 * C * C)  # the (chunk, head) scratch
 
     rI = i_i * BC + rc  # this sub-tile's rows within the chunk
-    pI = rI[:, None] * (H * K) + cols[None, :]
-    # chunk-local cumsum in log2 units: offsets from one load of the chunk's g block
-    gch = tl.load(g + r[:, None] * (H * K) + cols[None, :]).to(tl.float32) * 1.4426950408889634
-    offI = tl.sum(tl.where((r < i_i * BC)[:, None], gch, 0.0), axis=0)  # G before the first row of I
-    if BOUNDED:
-        GI = offI[None, :] + tl.cumsum(tl.load(g + pI).to(tl.float32) * 1.4426950408889634, axis=0)
-    else:
-        # the G the intra kernel stored: the diagonal pairs below take partner rows from it, and
-        # e^{G_i - G_j} of a pair must come from one cumsum (a second one rounds differently, and
-        # the diagonal terms dominate)
-        GI = tl.load(Gbuf + pI)
+    pI = rI[:, None] * SK + cols[None, :]
+    GI = tl.load(Gbuf + pI)
     qI = tl.load(q + pI).to(tl.float32)
     kI = tl.load(k + pI).to(tl.float32)
     bI = tl.load(beta + rI * H).to(tl.float32)
     bkI = kI * bI[:, None]
-
-    dqt = tl.load(dq + pI).to(tl.float32)
-    dkt = tl.load(dkb + pI)
     dGt = tl.load(dG + pI)
-    db = tl.zeros([BC], dtype=tl.float32)
-
-    # row side, J < I
     sA = rI[:, None] * C  # rows I of the [C, C] score gradients
-    gn = offI + tl.load(g + (i_i * BC) * (H * K) + cols).to(tl.float32) * 1.4426950408889634
-    rq = tl.zeros([BC, BK], dtype=tl.float32)
-    rk = tl.zeros([BC, BK], dtype=tl.float32)
-    offJ = tl.zeros([BK], dtype=tl.float32)
-    for J in range(0, i_i):
-        pJ = (J * BC + rc)[:, None] * (H * K) + cols[None, :]
-        gJ = tl.load(g + pJ).to(tl.float32) * 1.4426950408889634
-        GJ = offJ[None, :] + tl.cumsum(gJ, axis=0)
-        offJ += tl.sum(gJ, axis=0)
-        kf = _cast(tl.load(k + pJ).to(tl.float32) * tl.exp2(gn[None, :] - GJ), DOT_BF16)
-        cJ = J * BC + rc
-        rq += _dot(_cast(tl.load(dAs + sA + cJ[None, :]), DOT_BF16), kf, IEEE)
-        rk += _dot(_cast(tl.load(dAs + C * C + sA + cJ[None, :]), DOT_BF16), kf, IEEE)
-    eI = tl.exp2(GI - gn[None, :])
-    rq *= eI
-    rk *= eI
 
-    # column side, J > I: element (i, j) of dS_JI^T is dS[j, i]
-    gI_last = offI + tl.sum(tl.load(g + pI).to(tl.float32), axis=0) * 1.4426950408889634
-    cs = tl.zeros([BC, BK], dtype=tl.float32)
-    offJ = gI_last
-    for J in range(i_i + 1, NC):
-        pJ = (J * BC + rc)[:, None] * (H * K) + cols[None, :]
-        gJ = tl.load(g + pJ).to(tl.float32) * 1.4426950408889634
-        GJ = offJ[None, :] + tl.cumsum(gJ, axis=0)
-        offJ += tl.sum(gJ, axis=0)
-        e = tl.exp2(GJ - gI_last[None, :])
-        bJ = tl.load(beta + (J * BC + rc) * H).to(tl.float32)
-        qf = _cast(tl.load(q + pJ).to(tl.float32) * e, DOT_BF16)
-        bkf = _cast(tl.load(k + pJ).to(tl.float32) * bJ[:, None] * e, DOT_BF16)
-        tP = (J * BC + rc)[None, :] * C + rI[:, None]
-        cs += _dot(_cast(tl.load(dAs + tP), DOT_BF16), qf, IEEE)
-        cs += _dot(_cast(tl.load(dAs + C * C + tP), DOT_BF16), bkf, IEEE)
-    cs *= tl.exp2(gI_last[None, :] - GI)
-
-    # diagonal sub-tile
+    # diagonal sub-tile: rq, rk, cs start as its terms of dq, dk (through A_kk, before beta) and dk
     dP = sA + rI[None, :]  # dS[i, j], i, j in I (stored already masked to j <= i / j < i)
     tPd = rI[None, :] * C + rI[:, None]  # dS[j, i]
     if BOUNDED:
-        # fp32 operands (TF32) even for bf16 inputs: the row and column terms of every diagonal
-        # pair cancel in dg's reverse cumsum, and bf16 rounding of the midpoint-shifted factors
-        # (up to e^{+-40}) left a residue of dg's own size (kernels/README.md, Precision)
-        Gm = tl.sum(tl.where((rc == BC // 2 - 1)[:, None], GI, 0.0), axis=0)
+        Gm = tl.load(Gbuf + (i_i * BC + BC // 2 - 1) * SK + cols)
         up = tl.exp2(GI - Gm[None, :])
         down = tl.exp2(Gm[None, :] - GI)
-        kd = _cast(kI * down, False)
-        rq += up * _dot(_cast(tl.load(dAs + dP), False), kd, IEEE)
-        rk += up * _dot(_cast(tl.load(dAs + C * C + dP), False), kd, IEEE)
-        acc = _dot(_cast(tl.load(dAs + tPd), False), _cast(qI * up, False), IEEE)
-        acc += _dot(_cast(tl.load(dAs + C * C + tPd), False), _cast(bkI * up, False), IEEE)
-        cs += down * acc
+        kd = _tf32(kI * down, IEEE)
+        qu = _tf32(qI * up, IEEE)
+        bku = _tf32(bkI * up, IEEE)
+        pq = _dot(tl.load(dAs + dP), kd, IEEE)
+        pk = _dot(tl.load(dAs + C * C + dP), kd, IEEE)
+        pc = _dot(tl.load(dAs + tPd), qu, IEEE) + _dot(tl.load(dAs + C * C + tPd), bku, IEEE)
+        dGt += qu * pq + bku * pk - kd * pc
+        rq = up * pq
+        rk = up * pk
+        cs = down * pc
     else:
+        rq = tl.zeros([BC, BK], dtype=tl.float32)
+        rk = tl.zeros([BC, BK], dtype=tl.float32)
+        cs = tl.zeros([BC, BK], dtype=tl.float32)
         for s in range(BC):
             j = i_i * BC + s
-            pj = j * (H * K) + cols
+            pj = j * SK + cols
             kj = tl.load(k + pj).to(tl.float32)
             qj = tl.load(q + pj).to(tl.float32)
             Gj = tl.load(Gbuf + pj)
@@ -319,14 +277,42 @@ def _kda_bwd_dqkg(
             cq = tl.load(dAs + j * C + rI)
             ck = tl.load(dAs + C * C + j * C + rI)
             cs += (cq[:, None] * qj[None, :] + (ck * bj)[:, None] * kj[None, :]) * e_c
+        dGt += qI * rq + bkI * rk - kI * cs
 
-    tl.store(dq + pI, (dqt + rq).to(dq.dtype.element_ty))
-    dkt += rk * bI[:, None] + cs
-    db += tl.sum(rk * kI, axis=1)
-    dGt += qI * rq + bkI * rk - kI * cs
-    tl.store(dk + pI, dkt.to(dk.dtype.element_ty))
+    # row side, J < I, reference gI = G at the first row of I: dS_IJ (b_J e^{gI - G_J}) * e^{G_I - gI}
+    gI = tl.load(Gbuf + (i_i * BC) * SK + cols)
+    eI = tl.exp2(GI - gI[None, :])
+    pq = tl.zeros([BC, BK], dtype=tl.float32)
+    pk = tl.zeros([BC, BK], dtype=tl.float32)
+    for J in range(0, i_i):
+        pJ = (J * BC + rc)[:, None] * SK + cols[None, :]
+        kf = _tf32(tl.load(k + pJ).to(tl.float32) * tl.exp2(gI[None, :] - tl.load(Gbuf + pJ)), IEEE)
+        cJ = J * BC + rc
+        pq += _dot(tl.load(dAs + sA + cJ[None, :]), kf, IEEE)
+        pk += _dot(tl.load(dAs + C * C + sA + cJ[None, :]), kf, IEEE)
+    dGt += _tf32(qI * eI, IEEE) * pq + _tf32(bkI * eI, IEEE) * pk
+    rq += eI * pq
+    rk += eI * pk
+
+    # column side, J > I, reference gJ = G at the first row of J: dS_JI^T (a_J e^{G_J - gJ}) * e^{gJ - G_I};
+    # element (i, j) of dS_JI^T is dS[j, i]
+    for J in range(i_i + 1, NC):
+        pJ = (J * BC + rc)[:, None] * SK + cols[None, :]
+        gJ = tl.load(Gbuf + (J * BC) * SK + cols)
+        eJ = tl.exp2(tl.load(Gbuf + pJ) - gJ[None, :])
+        bJ = tl.load(beta + (J * BC + rc) * H).to(tl.float32)
+        qf = _tf32(tl.load(q + pJ).to(tl.float32) * eJ, IEEE)
+        bkf = _tf32(tl.load(k + pJ).to(tl.float32) * bJ[:, None] * eJ, IEEE)
+        tP = (J * BC + rc)[None, :] * C + rI[:, None]
+        pc = _dot(tl.load(dAs + tP), qf, IEEE) + _dot(tl.load(dAs + C * C + tP), bkf, IEEE)
+        f = tl.exp2(gJ[None, :] - GI)
+        dGt -= _tf32(kI * f, IEEE) * pc
+        cs += f * pc
+
+    tl.store(dq + pI, (tl.load(dq + pI).to(tl.float32) + rq).to(dq.dtype.element_ty))
+    tl.store(dk + pI, (tl.load(dkb + pI) + rk * bI[:, None] + cs).to(dk.dtype.element_ty))
     tl.store(dG + pI, dGt)
-    tl.store(dbk + rI * H, db)
+    tl.store(dbk + rI * H, tl.sum(rk * kI, axis=1))
 
 
 @triton.jit
@@ -360,7 +346,7 @@ def _state_terms(rows, cols, hbuf, dhbuf, U, do, G, Gl, qt, kt, b, dkbt, scale, 
 
 @triton.jit
 def _kda_bwd_sterm(
-    q, k, g, beta, hbuf, dhbuf, U, do, dkb, dq, dG, dGl, dbs,
+    q, k, Gbuf, beta, hbuf, dhbuf, U, do, dkb, dq, dG, dGl, dbs,
     scale, T, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
@@ -368,8 +354,8 @@ def _kda_bwd_sterm(
     """State terms per K-block and chunk (grid ``[K // BK, NT, B*H]``), ``[C, BK]`` tiles:
     ``dq = scale e^G (do h^T)`` (to ``dq``), ``dk = e^{G_last-G} (U dh^T) + beta e^G dkb``
     (overwrites ``dkb``, fp32), their ``dG`` (to ``dG``), the gradient of ``G_last`` (``dGl``
-    ``[B, NT, H, K]``) and the dbeta term (``dbs`` ``[K // BK, B, T, H]``). ``_kda_bwd_dqkg`` then
-    adds the gated-score terms."""
+    ``[B, NT, H, K]``) and the dbeta term (``dbs`` ``[K // BK, B, T, H]``), with G from ``Gbuf``.
+    ``_kda_bwd_dqkg`` then adds the gated-score terms."""
     i_k = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2)
@@ -381,7 +367,7 @@ def _kda_bwd_sterm(
     bo = i_k * BK
     q += row0 * K + bo
     k += row0 * K + bo
-    g += row0 * K + bo
+    Gbuf += row0 * K + bo
     dkb += row0 * K + bo
     dq += row0 * K + bo
     dG += row0 * K + bo
@@ -395,8 +381,8 @@ def _kda_bwd_sterm(
     dGl += c_off * K + bo
 
     kp = r[:, None] * (H * K) + cols[None, :]
-    G = tl.cumsum(tl.load(g + kp).to(tl.float32), axis=0) * 1.4426950408889634
-    Gl = tl.sum(tl.where((r == C - 1)[:, None], G, 0.0), axis=0)
+    G = tl.load(Gbuf + kp)
+    Gl = tl.load(Gbuf + (C - 1) * (H * K) + cols)
     b = tl.load(beta + r * H).to(tl.float32)
     dqt, dkt, dGt, db, part, dgl = _state_terms(r, cols, hbuf, dhbuf, U, do, G, Gl, tl.load(q + kp).to(tl.float32),
                                                 tl.load(k + kp).to(tl.float32), b, tl.load(dkb + kp), scale, H, V, BV,

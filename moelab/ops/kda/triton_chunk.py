@@ -213,7 +213,7 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min):
         (NT, B * H), q, k, v, Gbuf, beta, Abuf, w, u, qg, kd, gl, scale, T,
         H=H, K=K, V=V, C=C, BV=min(V, 64), IEEE=_ieee(q.dtype),
     )
-    if bounded:  # the backward does not read G in bounded mode: keep only a placeholder
+    if bounded:  # bounded mode's backward reruns the chunked prep for G: keep only a placeholder
         Gbuf = q.new_empty(1, dtype=torch.float32)
     return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, qg=qg, kd=kd, gl=gl)
 
@@ -313,14 +313,26 @@ class Packing:
         return x[:, self.pos]
 
 
-def _inputs(q, k, v, g, beta, A_log, dt_bias, h0, prep, C, pack):
-    """Prep (when active) and padding for the backward and the packed forward: q, k, v, log decay
-    g, beta and h0, zero-padded (``_padded``) or laid out on whole chunks per document (``pack``;
-    the prep runs first, so the padded rows keep g = 0 whatever the gate gives at z = 0)."""
+def _inputs(q, k, v, g, beta, A_log, dt_bias, h0, prep, C, pack, bounded):
+    """Prep (when active) and padding, the same in the forward and the backward: q, k, v, the
+    decay, beta and h0, zero-padded (``_padded``) or laid out on whole chunks per document
+    (``pack``; the prep runs first, so the padded rows keep g = 0 whatever the gate gives at
+    z = 0). The decay is the log decay g in general mode (kktr forms G from it; reading G in was
+    slower there), and in bounded mode G itself (fp32, ``prep_fwd_chunked``: one pass writes the
+    padded qn, kn and G; packed: G from the laid-out g, whose chunks are the documents' chunks)."""
+    if pack is None and bounded:
+        qn, kn, gn = prep_fwd_chunked(q, k, g, A_log, dt_bias, chunk_size=C, **prep.kw(), qk=prep.active)
+        if qn is None:
+            qn, kn = q, k
+        return _padded(qn, kn, v, gn, beta, h0, C)
     qn, kn, gn = prep_fwd(q, k, g, A_log, dt_bias, **prep.kw()) if prep.active else (q, k, g)
     if pack is not None:
         qn, kn, v, gn, beta = (pack.scatter(x) for x in (qn, kn, v, gn, beta))
-    return _padded(qn, kn, v, gn, beta, h0, C)
+    qp, kp, vp, gp, bp, h0p = _padded(qn, kn, v, gn, beta, h0, C)
+    if pack is not None and bounded:
+        gp = prep_fwd_chunked(qp, kp, gp, None, None, chunk_size=C, gate="none", g_min=None, silu_qk=False,
+                              l2norm_qk=False, qk=False)[2]
+    return qp, kp, vp, gp, bp, h0p
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -332,24 +344,7 @@ class ChunkKDAFunction(torch.autograd.Function):
                 g_min, pack):
         B, T, H, K = q.shape
         V = v.shape[-1]
-        # bounded mode: one pass writes the padded qn, kn and G for kktr (prep or not: G is needed
-        # either way); general mode: kktr forms G itself (reading it in was slower there)
-        if pack is not None:
-            qp, kp, vp, gp, bp, h0p = _inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, prep, C, pack)
-            if bounded:  # G from the laid-out g (its chunks are the documents' chunks)
-                gp = prep_fwd_chunked(qp, kp, gp, None, None, chunk_size=C, gate="none", g_min=None,
-                                      silu_qk=False, l2norm_qk=False, qk=False)[2]
-        else:
-            if bounded:
-                qn, kn, gn = prep_fwd_chunked(q, k, g, A_log, dt_bias, chunk_size=C, **prep.kw(), qk=prep.active)
-                if qn is None:
-                    qn, kn = q, k
-            elif prep.active:
-                qn, kn, gn = prep_fwd(q, k, g, A_log, dt_bias, **prep.kw())
-            else:
-                qn, kn, gn = q, k, g
-            qp, kp, vp, gp, bp, h0p = _padded(qn, kn, v, gn, beta, initial_state, C)
-            del qn, kn, gn
+        qp, kp, vp, gp, bp, h0p = _inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, prep, C, pack, bounded)
         inter = _forward(qp, kp, vp, gp, bp, scale, h0p, output_final_state, bounded, C, g_min, pack)
         Tp, Kp, Vp = qp.shape[1], qp.shape[3], vp.shape[3]
         o = torch.empty_like(vp)
@@ -377,13 +372,17 @@ class ChunkKDAFunction(torch.autograd.Function):
         B, T0, H, K0 = q_raw.shape
         V0 = v_raw.shape[-1]
         N = B if pack is None else pack.N
-        q, k, v, g, beta, h0 = _inputs(q_raw, k_raw, v_raw, g_raw, beta_raw, A_log, dt_bias, h0_raw, prep, C, pack)
+        q, k, v, gp, beta, h0 = _inputs(q_raw, k_raw, v_raw, g_raw, beta_raw, A_log, dt_bias, h0_raw, prep, C, pack,
+                                        bounded)
         T, K, V = q.shape[1], q.shape[3], v.shape[3]
         NT = T // C
         do = _pad(pack.scatter(do) if pack is not None else do, {1: T, 3: V}).contiguous()
         if dht is not None:
             dht = _pad(dht, {2: K, 3: V}).contiguous()
         inter = dict(zip(_INTRA_KEYS, saved))
+        # G for the gradient kernels: bounded mode's prep just wrote it, general mode's kktr kept it
+        G = gp if bounded else inter["Gbuf"]
+        del gp
         inter.update(_state_pass(inter, h0, False, q.dtype, C, pack))
         dot_bf16 = _dot_bf16(q.dtype)
         # packed: zeros for the same reason as hbuf (_state_pass)
@@ -399,7 +398,10 @@ class ChunkKDAFunction(torch.autograd.Function):
             H=H, K=K, V=V, C=C, HAS_DHT=has_dht, STORE_DH0=dh0 is not None, DOT_BF16=dot_bf16,
             IEEE=_ieee(q.dtype), VARLEN=pack is not None,
         )
-        dq, dk, dv, dg = (torch.empty_like(x) for x in (q, k, v, g))
+        dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+        # the gradient of the log decay: fp32 when the prep made it (the gate's parameters sum it over
+        # tokens), else in g's dtype
+        dg = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32 if prep.active else g_raw.dtype)
         dAs = torch.empty(B, NT, H, 2, C, C, device=q.device, dtype=torch.float32)  # per-chunk dA_qk, dA_kk scratch
         dkb = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)  # gradient of beta k e^G through w
         dbv = torch.empty(B, T, H, device=q.device, dtype=torch.float32)  # value-side dbeta
@@ -417,17 +419,16 @@ class ChunkKDAFunction(torch.autograd.Function):
         dGl = torch.empty(B, NT, H, K, device=q.device, dtype=torch.float32)  # d(G_last)
         # the state terms per chunk first, then the per-sub-tile kernel adds the gated-score terms
         _sterm(
-            lambda bk: (K // bk, NT, B * H), q, k, g, beta, inter["hbuf"], dhbuf, inter["U"], do, dkb, dq, dGs,
+            lambda bk: (K // bk, NT, B * H), q, k, G, beta, inter["hbuf"], dhbuf, inter["U"], do, dkb, dq, dGs,
             dGl, dbs, scale, T, B * H, H=H, K=K, V=V, C=C, BV=min(V, 64), DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
         )
         dbeta = dbv + dbs.sum(0)
         _dqkg(
-            lambda bk: (K // bk, NT * (C // SUBTILE), B * H), q, k, g, beta, inter["Gbuf"], inter["hbuf"], dhbuf,
-            inter["U"], do, dAs, dkb, dq, dk, dGs, dbk, scale, T, B * H,
-            H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64), BOUNDED=bounded, DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
+            lambda bk: (K // bk, NT * (C // SUBTILE), B * H), q, k, G, beta, dAs, dkb, dq, dk, dGs, dbk, T, B * H,
+            H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, IEEE=_ieee(q.dtype),
         )
         _dg(lambda bk: (K // bk, NT, B * H), dGs, dGl, dg, T, H=H, K=K, V=V, C=C)
-        del inter, dAs, dkb, dhbuf, dGs, dGl
+        del inter, G, dAs, dkb, dhbuf, dGs, dGl
         dbeta = dbeta + dbk.sum(0)
         if pack is not None:
             dq, dk, dv, dg, dbeta = (pack.gather(x) for x in (dq, dk, dv, dg, dbeta))

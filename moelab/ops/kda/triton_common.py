@@ -40,3 +40,17 @@ def _dot(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _tf32(x, IEEE: tl.constexpr):
+    """``x`` (fp32) rounded to the nearest TF32 value (10-bit mantissa, ties away from zero), still
+    fp32: an operand that is already a TF32 value enters a TF32 product unchanged, whether the
+    tensor cores round or truncate, so a kernel that rounds a factor itself knows the exact value
+    the product used and can reuse it elsewhere (the dG terms of triton_bwd.py). ``IEEE`` (fp32
+    products): ``x`` as it is."""
+    if IEEE:
+        return x
+    else:
+        bits = x.to(tl.uint32, bitcast=True)
+        return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)

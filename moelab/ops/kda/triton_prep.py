@@ -226,8 +226,9 @@ def _prep_bwd_kernel(
     dq,
     dk,
     dz,
-    dA_rows,
-    n_rows,
+    dA_part,
+    dbias_part,
+    n_tok,
     H,
     g_min,
     eps,
@@ -242,15 +243,20 @@ def _prep_bwd_kernel(
     HAS_DK: tl.constexpr,
     HAS_DG: tl.constexpr,
 ):
-    """Gradients of ``_prep_fwd_kernel`` for the same rows; ``dA_rows[row]`` = that row's share of
-    dA_log (summed over its K channels)."""
-    row0 = tl.program_id(0).to(tl.int64) * BR
-    base = row0 * K
+    """Gradients of ``_prep_fwd_kernel`` for ``BR`` tokens of one head (grid ``[cdiv(B*T, BR), H]``),
+    and that block's fp32 shares of the gate's parameter gradients, summed over its tokens from the
+    fp32 dz (before dz is rounded to z's dtype): ``dA_part[block, h]`` (over the K channels too) and
+    ``dbias_part[block, h*K:(h+1)*K]``."""
+    i_t = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = i_t.to(tl.int64) * BR
+    base = (t0 * H + i_h) * K  # int64: B*T*H*K may pass 2^31; offsets inside the tile stay int32
     r = tl.arange(0, BR)
     c = tl.arange(0, BK)
-    rmask = r < n_rows - row0
-    mask = rmask[:, None] & (c < K)[None, :]
-    offs = r[:, None] * K + c[None, :]
+    rmask = r < n_tok - t0
+    cmask = c < K
+    mask = rmask[:, None] & cmask[None, :]
+    offs = r[:, None] * (H * K) + c[None, :]
 
     if HAS_DQ:
         x = tl.load(q + base + offs, mask=mask, other=0.0).to(tl.float32)
@@ -266,10 +272,9 @@ def _prep_bwd_kernel(
             dx = dy
         else:
             x = tl.load(z + base + offs, mask=mask, other=0.0).to(tl.float32)
-            h = ((row0 % H).to(tl.int32) + r) % H
-            a = tl.exp(tl.load(A_log + h).to(tl.float32))[:, None]
+            a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
             if HAS_BIAS:
-                x += tl.load(dt_bias + h[:, None] * K + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                x += tl.load(dt_bias + i_h * K + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
             if GATE == 1:
                 # g = lb * sigmoid(u), u = a x: dg/du = lb s (1 - s); du/dx = a; d(u)/d(A_log) = a x
                 s = tl.sigmoid(a * x)
@@ -281,21 +286,23 @@ def _prep_bwd_kernel(
                 ds = tl.where(x > SOFTPLUS_THRESHOLD, 1.0, tl.sigmoid(x))
                 dx = -a * dy * ds
                 dA = -a * dy * _softplus(x)
-            tl.store(dA_rows + row0 + r, tl.sum(tl.where(mask, dA, 0.0), axis=1), mask=rmask)
+            dx = tl.where(mask, dx, 0.0)
+            tl.store(dA_part + i_t * H + i_h, tl.sum(tl.sum(tl.where(mask, dA, 0.0), axis=1), axis=0))
+            if HAS_BIAS:
+                tl.store(dbias_part + (i_t * H + i_h) * K + c, tl.sum(dx, axis=0), mask=cmask)
         tl.store(dz + base + offs, dx.to(dz.dtype.element_ty), mask=mask)
 
 
 def _launch_args(
     q: torch.Tensor, gate: str, g_min: float | None, silu_qk: bool, l2norm_qk: bool, eps: float, elems: int
-) -> tuple[tuple, tuple, dict]:
-    """(grid, runtime scalars, constexprs) shared by both kernels."""
-    B, T, H, K = q.shape
-    n_rows = B * T * H
+) -> tuple[int, tuple, dict]:
+    """(rows per program, runtime scalars after the row count, constexprs) shared by both kernels."""
+    H, K = q.shape[2], q.shape[3]
     BK = triton.next_power_of_2(K)
     BR = _block_rows(BK, elems)
     lb = float(g_min) if gate == "bounded" else 0.0
     const = dict(K=K, BK=BK, BR=BR, GATE=_GATE_ID[gate], SILU=bool(silu_qk), L2NORM=bool(l2norm_qk))
-    return (triton.cdiv(n_rows, BR),), (n_rows, H, lb, float(eps)), const
+    return BR, (H, lb, float(eps)), const
 
 
 def prep_fwd(
@@ -334,8 +341,9 @@ def prep_fwd(
     q, k, z = q.contiguous(), k.contiguous(), z.contiguous()
     qn, kn = torch.empty_like(q), torch.empty_like(k)
     g = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    grid, scalars, const = _launch_args(q, gate, g_min, silu_qk, l2norm_qk, eps, _FWD_ELEMS)
-    _prep_fwd_kernel[grid](
+    BR, scalars, const = _launch_args(q, gate, g_min, silu_qk, l2norm_qk, eps, _FWD_ELEMS)
+    n_rows = q.shape[0] * q.shape[1] * q.shape[2]
+    _prep_fwd_kernel[(triton.cdiv(n_rows, BR),)](
         q,
         k,
         z,
@@ -344,6 +352,7 @@ def prep_fwd(
         qn,
         kn,
         g,
+        n_rows,
         *scalars,
         **const,
         HAS_BIAS=dt_bias is not None,
@@ -443,8 +452,8 @@ def prep_bwd(
         ``(dq, dk, dz, dA_log, ddt_bias)``: dq, dk ``[B, T, H, K]`` in q's dtype (None when dqn /
         dkn is None); dz ``[B, T, H, K]`` in z's dtype, dA_log ``[H]`` fp32 and ddt_bias
         ``[H*K]`` fp32 (None when dg is None; dA_log also for ``gate="none"``, ddt_bias also when
-        dt_bias is None). The reductions over rows are torch sums of per-row partials:
-        deterministic.
+        dt_bias is None). Both are formed from the fp32 chain rule, not from the rounded dz: torch
+        sums of the kernel's fp32 per-block partials (deterministic).
     """
     _check(q, k, z, A_log, dt_bias, gate, g_min, eps)
     for name, t in (("dqn", dqn), ("dkn", dkn), ("dg", dg)):
@@ -461,18 +470,21 @@ def prep_bwd(
     dk = torch.empty_like(k) if dkn is not None else None
     dz = torch.empty_like(z) if dg is not None else None
     gated = dg is not None and gate != "none"
-    n_rows = q.shape[0] * q.shape[1] * q.shape[2]
-    dA_rows = torch.empty(n_rows if gated else 1, device=q.device, dtype=torch.float32)
-    grid, scalars, const = _launch_args(q, gate, g_min, silu_qk, l2norm_qk, eps, _BWD_ELEMS)
-    dummy = dA_rows  # stands in for absent tensors; constexpr flags keep the kernel off it
-    _prep_bwd_kernel[grid](
+    B, T, H, K = q.shape
+    BR, scalars, const = _launch_args(q, gate, g_min, silu_qk, l2norm_qk, eps, _BWD_ELEMS)
+    NB = triton.cdiv(B * T, BR)
+    # per-block fp32 partials of dA_log and ddt_bias, summed here (deterministic: no atomics)
+    dA_part = torch.empty(NB if gated else 1, H, device=q.device, dtype=torch.float32)
+    dbias_part = torch.empty(NB, H * K, device=q.device, dtype=torch.float32) if gated and dt_bias is not None else None
+    dummy = dA_part  # stands in for absent tensors; constexpr flags keep the kernel off it
+    _prep_bwd_kernel[(NB, H)](
         q,
         k,
         z,
         A_log if A_log is not None else dummy,
         dt_bias if dt_bias is not None else dummy,
-        *(t if t is not None else dummy for t in (dqn, dkn, dg, dq, dk, dz)),
-        dA_rows,
+        *(t if t is not None else dummy for t in (dqn, dkn, dg, dq, dk, dz, dA_part, dbias_part)),
+        B * T,
         *scalars,
         **const,
         HAS_BIAS=dt_bias is not None,
@@ -481,9 +493,8 @@ def prep_bwd(
         HAS_DG=dg is not None,
         num_warps=_NUM_WARPS,
     )
-    H = q.shape[2]
-    dA_log = dA_rows.view(-1, H).sum(0) if gated else None
-    ddt_bias = dz.view(-1, dt_bias.numel()).sum(0, dtype=torch.float32) if gated and dt_bias is not None else None
+    dA_log = dA_part.sum(0) if gated else None
+    ddt_bias = dbias_part.sum(0) if dbias_part is not None else None
     return dq, dk, dz, dA_log, ddt_bias
 
 
