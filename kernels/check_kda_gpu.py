@@ -28,7 +28,10 @@ adjoint against autograd at a small size.
 interpreter cannot run bf16 products, so the inputs stay fp32 (bf16-rounded) while every
 intermediate the GPU stores in bf16 is stored in bf16 (round-to-nearest-even, patched into the
 interpreter's conversion, which truncates), bf16 product operands are rounded to bf16 and TF32
-ones to TF32 before an fp32 product, and o and the gradients are rounded to bf16 at the end.
+ones truncated to TF32 before an fp32 product, and o and the gradients are rounded to bf16 at the
+end. Truncation, not rounding, because Triton hands fp32 registers to the TF32 tensor-core
+products, which read their top 19 bits: with truncation the emulation reproduced the H200's errors
+of the gate rows on the same inputs (o, dz, dA_log, ddt_bias; issue 14), with rounding it did not.
 
 fla autotunes each kernel over all its configs at every new autotune key (mostly H, K, V and the
 dtypes): its op's backward and forward run about 14 autotuned kernels with 6-36 configs each (the
@@ -209,9 +212,9 @@ def _emulated_cast(x, DOT_BF16: tl.constexpr):
     """Stand-in for triton_common._cast under --emulate-bf16: round, then multiply in fp32."""
     if DOT_BF16:
         return x.to(tl.bfloat16).to(tl.float32)
-    else:  # TF32: 10-bit mantissa, round to nearest even
+    else:  # TF32: the top 19 bits (10-bit mantissa), the rest dropped
         bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-        return ((bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        return (bits & 0xFFFFE000).to(tl.float32, bitcast=True)
 
 
 def emulate_bf16():
@@ -236,6 +239,9 @@ def emulate_bf16():
 
     triton_chunk._dot_bf16 = lambda dtype: True
     triton_chunk._work_dtype = lambda dtype: torch.bfloat16
+    # the fast path's TF32 products, not the fp32 inputs' IEEE ones: the kernels round some TF32
+    # operands themselves (triton_common._tf32) only off the IEEE path
+    triton_chunk._ieee = lambda dtype: False
 
     def chunk_kda(*args, **kw):
         o, S = triton_chunk.chunk_kda(*args, **kw)

@@ -248,9 +248,10 @@ def _kda_bwd_dqkg(
         kd = _tf32(kI * down, IEEE)
         qu = _tf32(qI * up, IEEE)
         bku = _tf32(bkI * up, IEEE)
-        pq = _dot(tl.load(dAs + dP), kd, IEEE)
-        pk = _dot(tl.load(dAs + C * C + dP), kd, IEEE)
-        pc = _dot(tl.load(dAs + tPd), qu, IEEE) + _dot(tl.load(dAs + C * C + tPd), bku, IEEE)
+        pq = _dot(_cast(tl.load(dAs + dP), False), _cast(kd, False), IEEE)
+        pk = _dot(_cast(tl.load(dAs + C * C + dP), False), _cast(kd, False), IEEE)
+        pc = (_dot(_cast(tl.load(dAs + tPd), False), _cast(qu, False), IEEE)
+              + _dot(_cast(tl.load(dAs + C * C + tPd), False), _cast(bku, False), IEEE))
         dGt += qu * pq + bku * pk - kd * pc
         rq = up * pq
         rk = up * pk
@@ -288,8 +289,8 @@ def _kda_bwd_dqkg(
         pJ = (J * BC + rc)[:, None] * SK + cols[None, :]
         kf = _tf32(tl.load(k + pJ).to(tl.float32) * tl.exp2(gI[None, :] - tl.load(Gbuf + pJ)), IEEE)
         cJ = J * BC + rc
-        pq += _dot(tl.load(dAs + sA + cJ[None, :]), kf, IEEE)
-        pk += _dot(tl.load(dAs + C * C + sA + cJ[None, :]), kf, IEEE)
+        pq += _dot(_cast(tl.load(dAs + sA + cJ[None, :]), False), _cast(kf, False), IEEE)
+        pk += _dot(_cast(tl.load(dAs + C * C + sA + cJ[None, :]), False), _cast(kf, False), IEEE)
     dGt += _tf32(qI * eI, IEEE) * pq + _tf32(bkI * eI, IEEE) * pk
     rq += eI * pq
     rk += eI * pk
@@ -304,7 +305,8 @@ def _kda_bwd_dqkg(
         qf = _tf32(tl.load(q + pJ).to(tl.float32) * eJ, IEEE)
         bkf = _tf32(tl.load(k + pJ).to(tl.float32) * bJ[:, None] * eJ, IEEE)
         tP = (J * BC + rc)[None, :] * C + rI[:, None]
-        pc = _dot(tl.load(dAs + tP), qf, IEEE) + _dot(tl.load(dAs + C * C + tP), bkf, IEEE)
+        pc = (_dot(_cast(tl.load(dAs + tP), False), _cast(qf, False), IEEE)
+              + _dot(_cast(tl.load(dAs + C * C + tP), False), _cast(bkf, False), IEEE))
         f = tl.exp2(gJ[None, :] - GI)
         dGt -= _tf32(kI * f, IEEE) * pc
         cs += f * pc
