@@ -200,9 +200,13 @@ if HAS_TRITON:
             for start in range(0, BINS, BLOCK_B):
                 mask = cmask[:, None] & (start + bins[None, :] < BINS)
                 c = tl.load(hist + start + bins[None, :], mask=mask, other=0.0)
-                at_or_above = total[:, None] - (below[:, None] + tl.cumsum(c, axis=1) - c)
+                running = below[:, None] + tl.cumsum(c, axis=1)  # tokens up to and including each bin
+                at_or_above = total[:, None] - (running - c)
                 count += tl.sum((mask & (at_or_above > q)).to(tl.int32), axis=1)
-                below += tl.sum(c, axis=1)
+                # The counts are >= 0, so the running sum's largest entry is its last (exact: integers in
+                # fp64). Not ``below += tl.sum(c, 1)``: a summed loop-carry that nothing reads after the
+                # loop crashes Triton's TritonGPUOptimizeThreadLocality pass on the GPU (triton 3.6).
+                below = tl.max(running, axis=1)
             top = (count - 1).to(tl.float32)
             value = lo + tl.math.div_rn((top + 0.5) * (hi - lo), BINS.to(tl.float32))
             new = tl.where(cmask, -value, 0.0)

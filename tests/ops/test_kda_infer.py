@@ -225,7 +225,7 @@ def test_bf16_real_size_vs_reference_and_fla(packed, recur, monkeypatch):
     with torch.no_grad():
         fo, fS = fla_chunk_kda(x["q"], x["k"], x["v"], x["z"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                                use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, safe_gate=True,
-                               g_min=-5.0, initial_state=x["s0"], output_final_state=True,
+                               lower_bound=-5.0, initial_state=x["s0"], output_final_state=True,
                                cu_seqlens=torch.tensor(cu, device=DEV) if packed else None)
     fla_o, fla_S = rel_err(ref_o, fo.float()), rel_err(ref_S, fS.float())
     print(f"fla o {fla_o:.2e} S {fla_S:.2e}")
