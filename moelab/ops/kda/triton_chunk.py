@@ -69,7 +69,7 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "dh": (64, 8, 1),
     "wy": (64, 4, 1),
     "sterm": (64, 4, 1),
-    "dqkg": (16, 1, 1),
+    "dqkg": (32, 1, 1),
     "dg": (64, 4, 1),
     # the sequential state kernel when B * H * V / 32 <= SMALL_GRID (B1 H16: 64 programs at 32-wide
     # blocks, under one per SM): 16-wide blocks give 128 programs, and two stages prefetch the next
