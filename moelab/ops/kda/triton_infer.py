@@ -78,12 +78,11 @@ GATES = ("none", "bounded")
 _GATE_ID = {"none": 0, "bounded": 1}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Launch configs on the GPU. Not measured yet: chosen from sm_90a compiles with Triton 3.6 (ptxas
-# registers, the pipeline's schedule in the TTGIR) on a CPU machine; the H200 sweep
-# ``kernels/bench_kda.py --part infer --infer-sweep`` times every candidate per kernel and shape and
-# prints the fastest, to be entered here (the JSON records what ran, ``meta.launch``).
-# intra: (num_warps, num_stages), all of K in one program (4 warps: 160 registers at K = 128, so
-# three programs share an SM).
+# Launch configs on the GPU. The H200 sweep ``kernels/bench_kda.py --part infer --infer-sweep``
+# times every candidate per kernel and shape and prints the fastest (the JSON records what ran,
+# ``meta.launch``); the first sweep (kernels/results/history/kda_infer_sweep_h200_1aca9ee.json).
+# intra: (num_warps, num_stages), all of K in one program: 2 warps was the fastest at all four
+# shapes, 0.51 ms against 0.72 (4 warps) and 1.16 (8 warps) at B1 T8192 H64.
 # recur: candidates (BV, num_warps, num_stages), widest V-block first; the op takes the first whose
 # grid (sequences x heads x V-blocks) reaches the SM count, else the last: narrow V-blocks where
 # there are few sequences and heads (B1 H16: 128 programs of one warp), wide ones where the grid is
@@ -94,7 +93,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # miscompiled in the training op's state kernel (kernels/README.md, "Launch configs"), left to the
 # sweep. Three stages: the pipeline then issues a chunk's copies two chunks ahead; with two it
 # issues them at the end of the chunk before, so each chunk waited out a full memory latency.
-LAUNCH: dict = {"intra": (4, 1), "recur": ((32, 2, 3), (16, 1, 3))}
+LAUNCH: dict = {"intra": (2, 1), "recur": ((32, 2, 3), (16, 1, 3))}
 _INTERP_BV = 16  # the interpreter: 16-wide V-blocks so that small test shapes take several
 
 
