@@ -32,12 +32,43 @@ FLOPs per token (moelab accounting, activated parameters + attention/KDA terms) 
 
     python kernels/bench_model.py --out studies/throughput_h200.json [--steps 10] [--only fla|gpu-small|k3-mini]
     python kernels/bench_model.py --only fla --profile kernels/results/model_profile_h200.json
+    python kernels/bench_model.py --only gpu-small --rounds 8 --steps 20 --out ...   # paired rounds, see below
     python kernels/bench_model.py --smoke --out /tmp/bench.json   # CPU: the k3-mini rows at toy sizes, fp32
 
 ``--profile PATH`` also records the device time per kernel of one training step of each row
 (torch.profiler, after the timed steps) to PATH: ``{impl: {"step_ms": ..., "kernels": {name: ms}}}``,
 the breakdown that says where a whole-model gap comes from (projections, short convolutions,
-norms, the KDA op, the loss, the optimizer).
+norms, the KDA op, the loss, the optimizer). With ``--rounds`` it profiles each row once, after the rounds.
+
+``--rounds N`` (N > 1, with ``--only gpu-small`` or ``--only k3-mini``): these groups are judged as
+ratios (issue 16: block_attnres >= 0.9x and full_attnres >= 0.75x of prenorm's tokens/s; issue 15:
+quantile balancing costs <= 2% of the tokens/s of ``balancer: none``, a ratio >= 0.98), and their step
+is host-bound, so rows timed one after the other drift apart by more than such effects. Every config of
+the group is built, gradient-checked and warmed up (``--warmup`` steps) once and stays on the GPU; then
+each of N rounds times every config once, in the order of a Williams design (:func:`round_order`: over
+every n rounds each config runs once in each position and once right after each other config; 2n rounds
+for an odd n; so 4 configs balance in multiples of 4 rounds, 2 in multiples of 2). A config's window is
+one untimed step of its own model, then the timed steps as above (mean of ``--steps`` synchronized steps,
+then the host issue time of one more). The rows are recorded after every round (a run cut short keeps the
+rounds it finished).
+
+Per row: ``step_ms`` = median of the rounds, ``tok_per_s`` = B x T / that median, ``host_ms`` and
+``balancer_ms`` the medians (``balancer_share`` their quotient), ``peak_mem_gb`` the largest window's own
+peak (the memory the other models hold between their steps subtracted), ``loss`` the last window's; and
+``rounds``, ``rounds_step_ms`` / ``rounds_host_ms`` (in round order), ``step_ms_min`` / ``step_ms_max``.
+A compared row adds ``ratio_vs_prenorm`` or ``ratio_vs_balancer_none`` (from :func:`compare_rounds`):
+``ratios``, per round the base row's step time over this row's (this row's tokens/s over the base's,
+paired by round so that drift between rounds cancels), their ``median``, ``min``, ``max``, the ``target``
+and the ``verdict`` (:func:`verdict`): "met" when every paired ratio reaches the target, "not met" when
+none does, "within noise" when min..max straddles it. For independent rounds, [min, max] of n ratios
+holds their distribution's median with probability 1 - 2^(1-n) whatever that distribution (94% at 5
+rounds, 99% at 8). The quantile-balancing row's ``balancer_cost`` is 1 - its median ratio.
+
+Memory with ``--rounds``: each model holds its fp32 parameters and AdamW state (12 bytes per parameter)
+between its steps, and one step's activations come and go. gpu-small (4 configs of 103M parameters, each
+16.5-17.7 GB peak alone) needs about 3 x 1.2 + 17.7 ~ 21 GB allocated at once; k3-mini (2 of 173M, 24.3 GB
+alone) about 2.1 + 24.3 ~ 27 GB; the allocator's cache may hold up to the sum of the single peaks (~69 /
+~49 GB), within an H200's 141 GB. A group that does not fit stops with an out-of-memory message.
 """
 
 from __future__ import annotations
@@ -46,8 +77,11 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import yaml
@@ -65,80 +99,130 @@ DATASHEET_PEAK = 989e12
 MFU_CONVENTION = "6 x all params x tok/s / 792e12 (anchor convention)"
 
 
-def time_training(model: torch.nn.Module, loss_fn, B: int, T: int, vocab: int, warmup: int, steps: int,
-                  balance: bool = False, device: str = "cuda") -> dict:
-    """Mean step time of forward + backward (+ the balancer update) + AdamW, and peak memory.
+class Runner:
+    """One model's training step with its optimizer and input batch, kept between timing windows so that
+    several models can be timed in turn (``--rounds``).
 
     CUDA: bf16 autocast, fused AdamW, the balancer's time from CUDA events (no host sync inside the
     timed loop). CPU (``--smoke``): fp32, plain AdamW, perf_counter around the balancer.
     """
-    cuda = device == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=cuda or None)
-    x = torch.randint(0, vocab, (B, T), device=device)
-    balancer_spans: list = []  # (start, end) CUDA events or seconds, one per timed step
 
-    def step(timed: bool = False) -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            loss = loss_fn(model, x)
+    def __init__(self, model: torch.nn.Module, loss_fn, B: int, T: int, vocab: int, balance: bool = False,
+                 device: str = "cuda"):
+        self.model, self.loss_fn, self.balance = model, loss_fn, balance
+        self.cuda = device == "cuda"
+        self.tokens = B * T
+        self.opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=self.cuda or None)
+        self.x = torch.randint(0, vocab, (B, T), device=device)  # (B, T) token ids
+        # Bytes this model keeps allocated between steps (parameters, AdamW state, input, buffers), set once
+        # it is warm when other models share the GPU: a window's peak memory is then its own, as if alone.
+        self.held_bytes: int | None = None
+
+    def step(self, spans: list | None = None) -> torch.Tensor:
+        """One training step; with ``spans`` given, the balancer's (start, end) CUDA events or seconds go there."""
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
+            loss = self.loss_fn(self.model, self.x)
         loss.backward()
-        if balance:
-            if cuda:
+        if self.balance:
+            if self.cuda:
                 span = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 span[0].record()
-                balance_step(model)
+                balance_step(self.model)
                 span[1].record()
             else:
                 t = time.perf_counter()
-                balance_step(model)
+                balance_step(self.model)
                 span = time.perf_counter() - t
-            if timed:
-                balancer_spans.append(span)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            if spans is not None:
+                spans.append(span)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         return loss
 
-    def sync() -> None:
-        if cuda:
+    def sync(self) -> None:
+        if self.cuda:
             torch.cuda.synchronize()
 
-    for _ in range(warmup):
-        step()
-    sync()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss = step(timed=True)
-    sync()
-    dt = (time.perf_counter() - t0) / steps
-    t1 = time.perf_counter()
-    step()
-    host = time.perf_counter() - t1
-    sync()
-    out = {"step_ms": dt * 1e3, "tok_per_s": B * T / dt, "host_ms": host * 1e3,
-           "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "loss": float(loss)}
-    if balance:
-        ms = [a.elapsed_time(b) for a, b in balancer_spans] if cuda else [1e3 * t for t in balancer_spans]
-        out["balancer_ms"] = sum(ms) / len(ms)
-        out["balancer_share"] = out["balancer_ms"] / out["step_ms"]
-    if PROFILE:
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated() if self.cuda else 0
+
+    def warm(self, steps: int) -> None:
+        for _ in range(steps):
+            self.step()
+        self.sync()
+
+    def window(self, steps: int) -> dict:
+        """Mean time of ``steps`` steps (synchronized at both ends), then the host time to issue one more
+        step from an idle GPU, the peak memory of both, and the balancer's mean time in the timed steps."""
+        self.sync()
+        others = 0 if self.held_bytes is None else self.allocated() - self.held_bytes
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        spans: list = []
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss = self.step(spans)
+        self.sync()
+        dt = (time.perf_counter() - t0) / steps
+        t1 = time.perf_counter()
+        self.step()
+        host = time.perf_counter() - t1
+        self.sync()
+        out = {"step_ms": dt * 1e3, "tok_per_s": self.tokens / dt, "host_ms": host * 1e3,
+               "peak_mem_gb": (torch.cuda.max_memory_allocated() - others) / 2**30 if self.cuda else None,
+               "loss": float(loss.detach())}
+        if self.balance:
+            ms = [a.elapsed_time(b) for a, b in spans] if self.cuda else [1e3 * t for t in spans]
+            out["balancer_ms"] = sum(ms) / len(ms)
+            out["balancer_share"] = out["balancer_ms"] / out["step_ms"]
+        return out
+
+    def profile(self) -> dict[str, float]:
+        """Device ms per kernel name of one step (torch.profiler), largest first."""
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            step()
+            self.step()
             torch.cuda.synchronize()
         kernels: dict[str, float] = {}
         for ev in prof.key_averages():
             us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
             if us:
                 kernels[ev.key[:160]] = kernels.get(ev.key[:160], 0.0) + us / 1e3
-        out["_profile"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1]))
+        return dict(sorted(kernels.items(), key=lambda kv: -kv[1]))
+
+
+def time_once(runner: Runner, warmup: int, steps: int) -> dict:
+    """A row's timing without ``--rounds``: ``warmup`` steps, one window of ``steps``, the profile if asked."""
+    runner.warm(warmup)
+    out = runner.window(steps)
+    if PROFILE:
+        out["_profile"] = runner.profile()
     return out
 
 
 PROFILE = False  # set by --profile
 
 
-def moelab_row(impl: str, preset: str, overrides: dict, warmup: int, steps: int, check_grads: bool,
-               compile_model: bool = False, device: str = "cuda") -> dict:
+@dataclass
+class Bench:
+    """A built moelab model: its row's fixed fields (config, sizes, the gradient check), its runner, its config."""
+
+    row: dict
+    runner: Runner
+    model_cfg: Any
+
+    def result(self, res: dict) -> dict:
+        """The row with the measured fields ``res`` and the MFU columns derived from its tokens/s."""
+        row = {**self.row, **res}
+        peak = self.runner.cuda
+        row["mfu"] = 6 * row["params"] * res["tok_per_s"] / ANCHOR_PEAK if peak else None
+        row["mfu_convention"] = MFU_CONVENTION
+        row["mfu_model_flops"] = (3 * flops_per_token(self.model_cfg, row["T"]) * res["tok_per_s"] / DATASHEET_PEAK
+                                  if peak else None)
+        return row
+
+
+def build_moelab(impl: str, preset: str, overrides: dict, check_grads: bool, compile_model: bool = False,
+                 device: str = "cuda") -> Bench:
     cfg = load_config(preset, overrides)
     torch.manual_seed(0)
     model = MoELab(cfg.model).to(device)
@@ -146,9 +230,9 @@ def moelab_row(impl: str, preset: str, overrides: dict, warmup: int, steps: int,
         model.compile()
         impl += "_compiled"
     B, T = cfg.train.batch_size, cfg.data.seq_len
-    n_params = sum(p.numel() for p in model.parameters())
     balance = bool(balanced_routers(model))
-    row = {"impl": impl, "preset": preset, **{k: str(v) for k, v in overrides.items()}, "params": n_params,
+    row = {"impl": impl, "preset": preset, **{k: str(v) for k, v in overrides.items()},
+           "params": sum(p.numel() for p in model.parameters()),
            "params_activated": param_counts(cfg.model)["activated"], "B": B, "T": T}
     if balance:
         row["balancer"] = cfg.model.moe.balancer
@@ -169,14 +253,15 @@ def moelab_row(impl: str, preset: str, overrides: dict, warmup: int, steps: int,
         out = m(x, x, return_logits=False)
         return out.loss + out.aux_loss  # what LitMoELab.training_step minimizes
 
-    res = time_training(model, loss_fn, B, T, cfg.model.vocab_size, warmup, steps, balance, device)
-    row.update(res)
+    return Bench(row, Runner(model, loss_fn, B, T, cfg.model.vocab_size, balance, device), cfg.model)
+
+
+def moelab_row(impl: str, preset: str, overrides: dict, warmup: int, steps: int, check_grads: bool,
+               compile_model: bool = False, device: str = "cuda") -> dict:
+    bench = build_moelab(impl, preset, overrides, check_grads, compile_model, device)
+    row = bench.result(time_once(bench.runner, warmup, steps))
     _save_profile(row)
-    peak = device == "cuda"
-    row["mfu"] = 6 * n_params * res["tok_per_s"] / ANCHOR_PEAK if peak else None
-    row["mfu_convention"] = MFU_CONVENTION
-    row["mfu_model_flops"] = 3 * flops_per_token(cfg.model, T) * res["tok_per_s"] / DATASHEET_PEAK if peak else None
-    del model
+    del bench
     if device == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -227,7 +312,7 @@ def fla_row(warmup: int, steps: int) -> dict | None:
     torch.manual_seed(0)
     model = KDAForCausalLM(cfg).cuda()
     n_params = sum(p.numel() for p in model.parameters())
-    res = time_training(model, lambda m, x: m(input_ids=x, labels=x).loss, B, T, V, warmup, steps)
+    res = time_once(Runner(model, lambda m, x: m(input_ids=x, labels=x).loss, B, T, V), warmup, steps)
     row = {"impl": "fla_kda", "params": n_params, "B": B, "T": T, **res,
            "mfu": 6 * n_params * res["tok_per_s"] / ANCHOR_PEAK, "mfu_convention": MFU_CONVENTION}
     _save_profile(row)
@@ -236,12 +321,137 @@ def fla_row(warmup: int, steps: int) -> dict | None:
     return row
 
 
+# --rounds: the groups compared as ratios. gpu-small's rows per residual mode, each built with its overrides.
+GPU_SMALL = [
+    ("moelab_gpu_small_prenorm", {"model.residual.mode": "prenorm"}),
+    ("moelab_gpu_small_full_attnres", {"model.residual.mode": "full_attnres"}),
+    ("moelab_gpu_small_block_attnres", {"model.residual.mode": "block_attnres", "model.residual.num_blocks": 6}),
+    ("moelab_gpu_small_block_attnres_8", {"model.residual.mode": "block_attnres", "model.residual.num_blocks": 8}),
+]
+# row -> (the row it is compared with, the field holding the paired tokens/s ratios, the least ratio the issue allows)
+TARGETS = {
+    "moelab_gpu_small_full_attnres": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.75),  # issue 16
+    "moelab_gpu_small_block_attnres": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.9),
+    "moelab_gpu_small_block_attnres_8": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.9),
+    "moelab_k3_mini": ("moelab_k3_mini_balancer_none", "ratio_vs_balancer_none", 0.98),  # issue 15: cost <= 2%
+}
+
+
+def k3_mini_specs(base: dict) -> list[tuple[str, dict]]:
+    """The k3-mini rows: ``balancer: none`` first, then the preset's quantile balancing (``base``: overrides)."""
+    return [("moelab_k3_mini_balancer_none", {**base, "model.moe.balancer": "none"}), ("moelab_k3_mini", base)]
+
+
+def verdict(ratios: list[float], target: float) -> str:
+    """``"met"`` when every paired tokens/s ratio is >= ``target``, ``"not met"`` when every one is below it,
+    ``"within noise"`` when their range straddles it (the median alone could land on either side)."""
+    if not ratios:
+        raise ValueError("verdict needs at least one paired ratio, got none")
+    if min(ratios) >= target:
+        return "met"
+    if max(ratios) < target:
+        return "not met"
+    return "within noise"
+
+
+def compare_rounds(base_ms: list[float], other_ms: list[float], target: float) -> dict:
+    """Per-round step times (ms) of a row and of the row it is compared with, paired by round.
+
+    Returns both medians (ms), the per-round tokens/s ratios other / base (= base_ms / other_ms: both rows
+    run the same tokens per step), their median, min and max, the target and :func:`verdict`.
+    """
+    if len(base_ms) != len(other_ms) or not base_ms:
+        raise ValueError(f"need the same number (>= 1) of rounds on both sides, got base={len(base_ms)}, "
+                         f"other={len(other_ms)}")
+    ratios = [b / o for b, o in zip(base_ms, other_ms)]
+    return {"base_median_ms": statistics.median(base_ms), "median_ms": statistics.median(other_ms),
+            "ratios": ratios, "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+            "target": target, "verdict": verdict(ratios, target)}
+
+
+def round_order(n: int, r: int) -> list[int]:
+    """Order of the ``n`` configs in round ``r``: a Williams design (a balanced Latin square; for odd ``n``
+    the square and its mirror, 2n rounds). Over every n rounds (2n for odd n) each config runs once in each
+    position, and each config runs right after each other config equally often."""
+    first, lo, hi = [0], 1, n - 1
+    while lo <= hi:
+        first.append(lo)
+        lo += 1
+        if lo <= hi:
+            first.append(hi)
+            hi -= 1
+    order = [(c + r) % n for c in first]
+    return order[::-1] if n % 2 and (r // n) % 2 else order
+
+
+def rounds_result(windows: list[dict], tokens: int) -> dict:
+    """One row's measured fields from its per-round windows (:meth:`Runner.window` dicts, in round order):
+    medians of step, host and balancer time, tokens/s from the median step, the largest peak, the last loss,
+    and the per-round lists."""
+    ms = [w["step_ms"] for w in windows]
+    step = statistics.median(ms)
+    out = {"step_ms": step, "tok_per_s": tokens / (step / 1e3),
+           "host_ms": statistics.median(w["host_ms"] for w in windows),
+           "peak_mem_gb": None if windows[0]["peak_mem_gb"] is None else max(w["peak_mem_gb"] for w in windows),
+           "loss": windows[-1]["loss"]}
+    if "balancer_ms" in windows[0]:
+        out["balancer_ms"] = statistics.median(w["balancer_ms"] for w in windows)
+        out["balancer_share"] = out["balancer_ms"] / step
+    out.update(rounds=len(windows), rounds_step_ms=ms, step_ms_min=min(ms), step_ms_max=max(ms),
+               rounds_host_ms=[w["host_ms"] for w in windows])
+    return out
+
+
+def paired_rows(benches: list[Bench], windows: list[list[dict]]) -> list[dict]:
+    """The rows of one ``--rounds`` group so far, each compared row with its paired ratios (``TARGETS``)."""
+    rows = [b.result(rounds_result(w, b.runner.tokens)) for b, w in zip(benches, windows)]
+    by = {r["impl"]: r for r in rows}
+    for row in rows:
+        if row["impl"] in TARGETS and TARGETS[row["impl"]][0] in by:
+            base, key, target = TARGETS[row["impl"]]
+            row[key] = {"base": base, **compare_rounds(by[base]["rounds_step_ms"], row["rounds_step_ms"], target)}
+            if key == "ratio_vs_balancer_none":
+                row["balancer_cost"] = 1.0 - row[key]["median"]
+    return rows
+
+
+def run_rounds(specs: list[tuple[str, dict]], preset: str, warmup: int, steps: int, rounds: int, device: str,
+               record) -> list[dict]:
+    """Build and warm every config of a group (all stay on the GPU), then time them in ``rounds`` interleaved
+    rounds (:func:`round_order`); ``record(rows)`` after every round, so a run cut short keeps what it has."""
+    benches = []
+    for impl, over in specs:
+        before = torch.cuda.memory_allocated() if device == "cuda" else 0
+        bench = build_moelab(impl, preset, over, check_grads=True, device=device)
+        bench.runner.warm(warmup)
+        bench.runner.held_bytes = bench.runner.allocated() - before
+        benches.append(bench)
+    windows: list[list[dict]] = [[] for _ in benches]
+    for r in range(rounds):
+        order = round_order(len(benches), r)
+        for i in order:
+            # one untimed step first, so the window starts from this model's own step, not another model's
+            benches[i].runner.warm(1)
+            windows[i].append(benches[i].runner.window(steps))
+        rows = paired_rows(benches, windows)
+        record(rows)
+        print(f"round {r + 1}/{rounds}: " + ", ".join(
+            f"{benches[i].row['impl']} {windows[i][-1]['step_ms']:.1f}" for i in order) + " ms/step", flush=True)
+    if PROFILE:  # once, after the rounds
+        for bench, row in zip(benches, rows):
+            _save_profile({**row, "_profile": bench.runner.profile()})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="studies/throughput_h200.json")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--only", choices=["fla", "gpu-small", "k3-mini"], default=None, help="run one group of rows")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --only gpu-small or k3-mini: time the group's configs in this many interleaved rounds "
+                         "(all models on the GPU at once) and judge the ratios on the paired rounds; 1: one run each")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU check of the harness: the k3-mini rows at toy sizes, fp32, 1 warm-up + 2 timed steps")
     ap.add_argument("--profile", default=None, help="also write each row's per-kernel device time to this JSON")
@@ -253,6 +463,11 @@ def main() -> None:
     args = ap.parse_args()
     global PROFILE, PROFILE_OUT
     PROFILE, PROFILE_OUT = args.profile is not None, args.profile
+    if args.rounds < 1:
+        sys.exit(f"--rounds must be >= 1, got {args.rounds}")
+    if args.rounds > 1 and args.only not in ("gpu-small", "k3-mini") and not args.smoke:  # --smoke: k3-mini
+        sys.exit(f"--rounds {args.rounds} needs --only gpu-small or --only k3-mini (the groups compared as ratios), "
+                 f"got --only {args.only}")
     if args.smoke:
         if args.only not in (None, "k3-mini") or args.profile or args.compile:
             sys.exit(f"--smoke runs the k3-mini rows only (got --only {args.only}, --profile {args.profile}, "
@@ -271,54 +486,77 @@ def main() -> None:
             record_throughput(args.out, row, command)
             print(json.dumps(row), flush=True)
 
-    if args.only in (None, "fla"):
-        over = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
-        name = "moelab_fla_shape" + ("+" + ",".join(args.set) if args.set else "")
-        add(moelab_row(name, "fla-shape", over, args.warmup, args.steps, check_grads=False))
-        if args.compile:
-            add(moelab_row(name, "fla-shape", over, args.warmup, args.steps, check_grads=False, compile_model=True))
-        add(fla_row(args.warmup, args.steps))
-    if args.only in (None, "gpu-small"):
-        for impl, mode, blocks in (("prenorm", "prenorm", None), ("full_attnres", "full_attnres", None),
-                                   ("block_attnres", "block_attnres", 6), ("block_attnres_8", "block_attnres", 8)):
-            over = {"model.residual.mode": mode}
-            if blocks is not None:
-                over["model.residual.num_blocks"] = blocks
-            add(moelab_row(f"moelab_gpu_small_{impl}", "gpu-small", over, args.warmup, args.steps, check_grads=True))
-    if args.only in (None, "k3-mini"):
-        base = SMOKE_K3_MINI if args.smoke else {}
-        none = moelab_row("moelab_k3_mini_balancer_none", "k3-mini", {**base, "model.moe.balancer": "none"},
-                          args.warmup, args.steps, check_grads=True, device=device)
-        add(none)
-        qb = moelab_row("moelab_k3_mini", "k3-mini", base, args.warmup, args.steps, check_grads=True, device=device)
-        qb["balancer_cost"] = 1.0 - qb["tok_per_s"] / none["tok_per_s"]
-        add(qb)
-    print(f"\n{'impl':32s} {'params':>8s} {'ms/step':>9s} {'host ms':>8s} {'tok/s':>10s} {'MFU(6N)':>8s} "
-          f"{'peak GB':>8s} {'balancer':>9s}")
+    def record(group: list[dict]) -> None:
+        for row in group:
+            record_throughput(args.out, row, command)
+
+    groups = {"gpu-small": ("gpu-small", GPU_SMALL),
+              "k3-mini": ("k3-mini", k3_mini_specs(SMOKE_K3_MINI if args.smoke else {}))}
+    if args.rounds > 1:
+        preset, specs = groups[args.only]
+        try:
+            rows = run_rounds(specs, preset, args.warmup, args.steps, args.rounds, device, record)
+        except torch.cuda.OutOfMemoryError as e:
+            sys.exit(f"--rounds keeps all {len(specs)} models of {args.only} on the GPU at once and ran out of "
+                     f"memory; run it with --rounds 1 (one model at a time): {e}")
+        for row in rows:
+            print(json.dumps(row), flush=True)
+    else:
+        if args.only in (None, "fla"):
+            over = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
+            name = "moelab_fla_shape" + ("+" + ",".join(args.set) if args.set else "")
+            add(moelab_row(name, "fla-shape", over, args.warmup, args.steps, check_grads=False))
+            if args.compile:
+                add(moelab_row(name, "fla-shape", over, args.warmup, args.steps, check_grads=False,
+                               compile_model=True))
+            add(fla_row(args.warmup, args.steps))
+        for group, (preset, specs) in groups.items():
+            if args.only in (None, group):
+                for impl, over in specs:
+                    row = moelab_row(impl, preset, over, args.warmup, args.steps, check_grads=True, device=device)
+                    if impl == "moelab_k3_mini":  # measured after its balancer-none row (k3_mini_specs)
+                        none = next(r for r in rows if r is not None and r["impl"] == "moelab_k3_mini_balancer_none")
+                        row["balancer_cost"] = 1.0 - row["tok_per_s"] / none["tok_per_s"]
+                    add(row)
+    report(rows)
+    if any(not math.isfinite(r.get("loss", 0.0)) or r.get("nonfinite_grads") for r in rows if r is not None):
+        sys.exit("non-finite loss or gradients: see the rows above")
+
+
+def report(rows: list[dict | None]) -> None:
+    """The console table: per row its step time (median and range with --rounds), then each compared pair's
+    tokens/s ratio (median and range of the paired rounds) with its verdict against the issue's target."""
+    print(f"\n{'impl':32s} {'params':>8s} {'ms/step':>9s} {'range':>13s} {'host ms':>8s} {'tok/s':>10s} "
+          f"{'MFU(6N)':>8s} {'peak GB':>8s} {'balancer':>9s}")
     for r in rows:
         if r is not None:
             mfu = f"{100 * r['mfu']:7.1f}%" if r["mfu"] is not None else f"{'-':>8s}"
             mem = f"{r['peak_mem_gb']:8.1f}" if r["peak_mem_gb"] is not None else f"{'-':>8s}"
             share = f"{100 * r['balancer_share']:8.2f}%" if "balancer_share" in r else f"{'-':>9s}"
-            print(f"{r['impl']:32s} {r['params'] / 1e6:7.1f}M {r['step_ms']:9.1f} {r['host_ms']:8.1f} "
+            spread = f"{r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}" if "step_ms_min" in r else "-"
+            print(f"{r['impl']:32s} {r['params'] / 1e6:7.1f}M {r['step_ms']:9.1f} {spread:>13s} {r['host_ms']:8.1f} "
                   f"{r['tok_per_s'] / 1e3:9.1f}K {mfu} {mem} {share}")
     by = {r["impl"]: r for r in rows if r is not None}
-    if "moelab_gpu_small_prenorm" in by:
-        base = by["moelab_gpu_small_prenorm"]
-        for name, target in (("full_attnres", 0.75), ("block_attnres", 0.9), ("block_attnres_8", 0.9)):
-            r = by.get(f"moelab_gpu_small_{name}")
-            if r is not None:
-                print(f"gpu-small {name} / prenorm: tokens/s {r['tok_per_s'] / base['tok_per_s']:.3f} "
-                      f"(target >= {target}), peak memory {r['peak_mem_gb'] / base['peak_mem_gb']:.3f}"
-                      + (" (target <= 1.2)" if name.startswith("block") else ""))
-    if "moelab_k3_mini" in by:
-        print(f"k3-mini quantile_balancing vs none: {100 * by['moelab_k3_mini']['balancer_cost']:.2f}% fewer "
+    for impl, (base_impl, key, target) in TARGETS.items():
+        if impl not in by or base_impl not in by:
+            continue
+        r, base = by[impl], by[base_impl]
+        q = r.get(key) or compare_rounds([base["step_ms"]], [r["step_ms"]], target)
+        n = len(q["ratios"])
+        spread = f" [{q['min']:.3f}, {q['max']:.3f}] over {n} paired rounds" if n > 1 else " (one run each: no spread)"
+        line = (f"{impl} / {base_impl}: tokens/s {q['median']:.3f}{spread} (target >= {target}): "
+                f"{q['verdict']}")
+        if impl.startswith("moelab_gpu_small_block"):
+            line += f"; peak memory {r['peak_mem_gb'] / base['peak_mem_gb']:.3f} (target <= 1.2)"
+        print(line)
+    if "balancer_cost" in by.get("moelab_k3_mini", {}):
+        q = by["moelab_k3_mini"].get("ratio_vs_balancer_none")
+        spread = f" [{100 * (1 - q['max']):.2f}%, {100 * (1 - q['min']):.2f}%]" if q else ""
+        print(f"k3-mini quantile_balancing vs none: {100 * by['moelab_k3_mini']['balancer_cost']:.2f}%{spread} fewer "
               f"tokens/s (target <= 2%)")
     if "fla_kda" in by and "moelab_fla_shape" in by:
         ratio = by["moelab_fla_shape"]["tok_per_s"] / by["fla_kda"]["tok_per_s"]
         print(f"moelab_fla_shape / fla_kda tokens/s = {ratio:.3f} (target >= 1.0)")
-    if any(not math.isfinite(r.get("loss", 0.0)) or r.get("nonfinite_grads") for r in rows if r is not None):
-        sys.exit("non-finite loss or gradients: see the rows above")
 
 
 if __name__ == "__main__":

@@ -90,6 +90,91 @@ def test_bench_model_k3_mini_smoke(tmp_path):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU smoke runs; the GPU runs the real thing")
+def test_bench_model_rounds_smoke(tmp_path):
+    """``--rounds 2``: both k3-mini models built once, timed in two interleaved rounds; medians, paired ratios and
+    the verdict in the rows; bad --rounds values are refused up front."""
+    bm = _kernel_script("bench_model")
+    out = tmp_path / "rounds.json"
+    res = _run(["kernels/bench_model.py", "--smoke", "--rounds", "2", "--out", str(out)], tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
+    qb, none = rows["moelab_k3_mini"], rows["moelab_k3_mini_balancer_none"]
+    for r in (qb, none):
+        ms = r["rounds_step_ms"]
+        assert r["rounds"] == 2 and len(ms) == len(r["rounds_host_ms"]) == 2 and all(t > 0 for t in ms)
+        assert r["step_ms"] == (ms[0] + ms[1]) / 2 and (r["step_ms_min"], r["step_ms_max"]) == (min(ms), max(ms))
+        assert r["tok_per_s"] == r["B"] * r["T"] / (r["step_ms"] / 1e3)
+        assert r["host_ms"] == sum(r["rounds_host_ms"]) / 2 and r["loss_finite"] and not r["nonfinite_grads"]
+        assert 0 < r["balancer_ms"] < r["step_ms"] and r["balancer_share"] == r["balancer_ms"] / r["step_ms"]
+    q = qb["ratio_vs_balancer_none"]
+    assert "ratio_vs_balancer_none" not in none and q["base"] == none["impl"] and q["target"] == 0.98
+    assert q["ratios"] == [b / o for b, o in zip(none["rounds_step_ms"], qb["rounds_step_ms"])]
+    assert q["median"] == sum(q["ratios"]) / 2 and q["verdict"] == bm.verdict(q["ratios"], 0.98)
+    assert qb["balancer_cost"] == 1 - q["median"]
+    assert res.stdout.count("round 1/2:") == res.stdout.count("round 2/2:") == 1
+    # round 1 runs none then QB, round 2 the other way
+    assert "round 1/2: moelab_k3_mini_balancer_none " in res.stdout and "round 2/2: moelab_k3_mini " in res.stdout
+    assert f"over 2 paired rounds (target >= 0.98): {q['verdict']}" in res.stdout
+    for bad, msg in ((["--smoke", "--rounds", "0"], "--rounds must be >= 1, got 0"),
+                     (["--only", "fla", "--rounds", "3"], "--rounds 3 needs --only gpu-small or --only k3-mini")):
+        res = _run(["kernels/bench_model.py", *bad, "--out", str(tmp_path / "bad.json")], tmp_path)
+        assert res.returncode != 0 and msg in res.stderr
+
+
+def test_bench_model_paired_verdict():
+    """Paired ratios, medians and the verdict from synthetic per-round step times."""
+    bm = _kernel_script("bench_model")
+    assert bm.verdict([0.93, 0.91, 0.95], 0.9) == "met"
+    assert bm.verdict([0.85, 0.89, 0.80], 0.9) == "not met"
+    assert bm.verdict([0.9, 0.95], 0.9) == "met"  # reaching the target counts as met
+    # the median passes, but one round falls below: the rounds cannot tell it from noise
+    q = bm.compare_rounds([100.0, 100.0, 120.0], [105.0, 115.0, 100.0], 0.9)
+    assert q["ratios"] == [100 / 105, 100 / 115, 1.2] and q["median"] == 100 / 105 > 0.9
+    assert (q["min"], q["max"]) == (100 / 115, 1.2) and q["min"] < 0.9
+    assert (q["base_median_ms"], q["median_ms"], q["verdict"]) == (100.0, 105.0, "within noise")
+    assert q["target"] == 0.9
+    # pairing by round: a drift that slows both configs alike cancels (step times span 60 ms, the ratios < 0.005)
+    drift = bm.compare_rounds([100.0, 130.0, 160.0], [101.0, 131.0, 162.0], 0.98)
+    assert drift["verdict"] == "met" and drift["max"] - drift["min"] < 0.005
+    assert bm.compare_rounds([100.0], [125.0], 0.9)["verdict"] == "not met"
+    with pytest.raises(ValueError, match="base=2, other=3"):
+        bm.compare_rounds([100.0, 101.0], [100.0, 101.0, 102.0], 0.9)
+    with pytest.raises(ValueError, match="at least one"):
+        bm.verdict([], 0.9)
+
+
+def test_bench_model_round_order():
+    """Williams design: per n rounds (2n for odd n) each config once per position and after each other config
+    equally often."""
+    order = _kernel_script("bench_model").round_order
+    assert [order(2, r) for r in range(4)] == [[0, 1], [1, 0], [0, 1], [1, 0]]
+    assert [order(4, r) for r in range(4)] == [[0, 1, 3, 2], [1, 2, 0, 3], [2, 3, 1, 0], [3, 0, 2, 1]]
+    for n in (3, 4, 5):
+        rows = [order(n, r) for r in range(2 * n if n % 2 else n)]
+        assert all(sorted(row) == list(range(n)) for row in rows)
+        assert all(sorted(col) == sorted(list(range(n)) * (len(rows) // n)) for col in zip(*rows))
+        pairs = [(a, b) for row in rows for a, b in zip(row, row[1:])]
+        assert all(pairs.count((a, b)) == len(pairs) // (n * (n - 1)) for a in range(n) for b in range(n) if a != b)
+    assert order(1, 0) == [0]
+
+
+def test_bench_model_rounds_result():
+    """A row's fields from its rounds: medians, tokens/s from the median step, the largest peak, the last loss."""
+    rr = _kernel_script("bench_model").rounds_result
+    w = [{"step_ms": 120.0, "host_ms": 110.0, "peak_mem_gb": 17.0, "loss": 7.0, "balancer_ms": 2.0},
+         {"step_ms": 100.0, "host_ms": 90.0, "peak_mem_gb": 17.5, "loss": 6.9, "balancer_ms": 1.0},
+         {"step_ms": 110.0, "host_ms": 130.0, "peak_mem_gb": 17.2, "loss": 6.8, "balancer_ms": 4.0}]
+    out = rr(w, 32768)
+    assert (out["step_ms"], out["host_ms"], out["balancer_ms"], out["peak_mem_gb"], out["loss"]) == (
+        110.0, 110.0, 2.0, 17.5, 6.8)
+    assert out["tok_per_s"] == 32768 / 0.11 and out["balancer_share"] == 2.0 / 110.0
+    assert out["rounds_step_ms"] == [120.0, 100.0, 110.0] and out["rounds_host_ms"] == [110.0, 90.0, 130.0]
+    assert (out["rounds"], out["step_ms_min"], out["step_ms_max"]) == (3, 100.0, 120.0)
+    cpu = rr([{k: v for k, v in x.items() if k != "balancer_ms"} | {"peak_mem_gb": None} for x in w], 64)
+    assert cpu["peak_mem_gb"] is None and "balancer_ms" not in cpu and "balancer_share" not in cpu
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU smoke runs; the GPU runs the real thing")
 def test_ab_model_smoke(tmp_path):
     out = tmp_path / "ab.json"
     res = _run(["kernels/ab_model.py", "--smoke", "--out", str(out)], tmp_path)

@@ -47,3 +47,28 @@ def test_no_path_outside_the_repository_is_cited() -> None:
     cited = [f"{f}:{i}: {line.strip()}" for f in tracked if not f.startswith("tests/")
              for i, line in enumerate((ROOT / f).read_text().splitlines(), 1) if OUTSIDE.search(line)]
     assert not cited, "paths a clone does not have:\n" + "\n".join(cited)
+
+
+def test_rows_show_paired_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows from ``bench_model.py --rounds`` show the median paired ratio, its range and the verdict."""
+    def q(ratios: list[float], target: float, verdict: str) -> dict:
+        return {"ratios": ratios, "median": sorted(ratios)[1], "min": min(ratios), "max": max(ratios),
+                "target": target, "verdict": verdict}
+
+    common = {"tok_per_s": 250e3, "loss_finite": True, "nonfinite_grads": [], "params": 173e6,
+              "params_activated": 57e6, "B": 8, "T": 4096, "mfu": 0.3, "peak_mem_gb": 24.0, "host_ms": 120.0,
+              "step_ms": 131.0, "balancer_ms": 0.5, "balancer_share": 0.004}
+    rows = [{**common, "impl": "moelab_gpu_small_prenorm", "model.residual.mode": "prenorm"},
+            {**common, "impl": "moelab_gpu_small_block_attnres_8", "model.residual.mode": "block_attnres",
+             "model.residual.num_blocks": "8", "ratio_vs_prenorm": q([0.88, 0.93, 0.95], 0.9, "within noise")},
+            {**common, "impl": "moelab_k3_mini_balancer_none", "balancer": "none"},
+            {**common, "impl": "moelab_k3_mini", "balancer": "quantile_balancing", "balancer_cost": 0.015,
+             "ratio_vs_balancer_none": q([0.975, 0.985, 0.99], 0.98, "within noise")}]
+    monkeypatch.setattr(readme, "_load", lambda rel: {"rows": rows})
+    result = readme._residual_modes()[1]
+    assert "block_attnres_8 0.93x (0.88-0.95 in 3 paired rounds: within noise)" in result
+    result = readme._k3_mini()[1]
+    assert "costs 1.5% of the tokens/s (1.0% to 2.5% in 3 paired rounds; target <= 2%: within noise" in result
+    del rows[1]["ratio_vs_prenorm"], rows[3]["ratio_vs_balancer_none"]  # single runs: the plain ratio as before
+    assert "block_attnres_8 1.00x (issue 16's" in readme._residual_modes()[1]
+    assert "costs 0.0% of the tokens/s (target <= 2%; one run each" in readme._k3_mini()[1]
