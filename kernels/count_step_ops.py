@@ -26,7 +26,8 @@ work is left out of every count and time (a launch counts as one). Op counts of 
 other backends on the CPU (KDA, MoE, convolutions run their torch paths) differ from the GPU's,
 but those parts are the same in every mode, so the deltas are the residual modes' own.
 On a GPU (``--device cuda``) the model has gpu-small's real sizes and each mode also gets
-``step_ms`` (mean of back-to-back steps, the tokens/s measure), ``host_ms`` (median host time to
+``step_ms`` (mean of back-to-back steps, the tokens/s measure; ``step_ms_check_ids`` the same with
+the model's id check on, as ``bench_model.py`` at 38ae496 timed its rows), ``host_ms`` (median host time to
 issue one step from an idle GPU; ``host_fwd_ms``, ``host_bwd_ms``, ``host_opt_ms`` per phase) and
 ``tok_per_s``, and what in a step can make the host wait for the GPU: ``sync_calls``
 (``torch.cuda.set_sync_debug_mode``: synchronizing calls, by the Python line that made them; those
@@ -217,10 +218,10 @@ def graph_nodes(root: torch.Tensor) -> collections.Counter:
     return counts
 
 
-def _loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """What training minimizes (``LitMoELab.training_step``, as ``bench_model.py`` times it)."""
+def _loss(model: torch.nn.Module, x: torch.Tensor, check_ids: bool = False) -> torch.Tensor:
+    """What training minimizes (``LitMoELab.training_step``: no id check, which is a host sync)."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16):
-        out = model(x, x, return_logits=False, check_ids=False)
+        out = model(x, x, return_logits=False, check_ids=check_ids)
     return out.loss + out.aux_loss
 
 
@@ -278,7 +279,8 @@ def time_steps(model: torch.nn.Module, x: torch.Tensor, opt: torch.optim.Optimiz
     """``attnres_host_ms`` with its forward, backward and launch parts (least over the steps;
     ``attnres_host_ms_median`` too); on a GPU also ``step_ms`` (mean of back-to-back steps),
     ``host_ms`` and ``host_{fwd,bwd,opt}_ms`` (median host time to issue a step, and each phase of it,
-    from an idle GPU) and ``tok_per_s``. On the CPU the Triton kernels are skipped (``_Hooks``), so
+    from an idle GPU), ``tok_per_s`` and ``step_ms_check_ids`` (the same steps with the model's id
+    check, two host syncs at the start of each forward). On the CPU the Triton kernels are skipped (``_Hooks``), so
     run this after the counts: the weights it leaves behind are garbage."""
     cuda = x.is_cuda
 
@@ -309,6 +311,11 @@ def time_steps(model: torch.nn.Module, x: torch.Tensor, opt: torch.optim.Optimiz
         sync()
         out["step_ms"] = 1e3 * (time.perf_counter() - t0) / steps
         out["tok_per_s"] = x.numel() / (out["step_ms"] / 1e3)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            _update(_loss(model, x, check_ids=True), opt)
+        sync()
+        out["step_ms_check_ids"] = 1e3 * (time.perf_counter() - t0) / steps
         phases = collections.defaultdict(list)
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -409,8 +416,9 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
     base = rows[0]
-    cols = [*TOTALS, *(("step_ms", "host_ms", "host_fwd_ms", "host_bwd_ms", "host_opt_ms", "tok_per_s", "sync_calls")
-                       if cuda else ())]
+    gpu_cols = ("step_ms", "step_ms_check_ids", "host_ms", "host_fwd_ms", "host_bwd_ms", "host_opt_ms", "tok_per_s",
+                "sync_calls")
+    cols = [*TOTALS, *(gpu_cols if cuda else ())]
     print(f"{'mode':<16}" + "".join(f"{k:>{len(k) + 2}}" for k in cols))
     for row in rows:
         print(f"{row['mode']:<16}" + "".join(f"{row[k]:>{len(k) + 2}.1f}" if isinstance(row[k], float)
