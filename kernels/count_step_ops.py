@@ -14,9 +14,11 @@ for one forward + backward + fused AdamW step under bf16 autocast:
   function, and for every function of ``moelab/model/attnres.py`` and ``moelab/ops/attnres.py``;
 
 and times ``attnres_host_ms``: host time per step inside the residual stream's reads and writes
-(forward, the op's launch included) and the op's backward (least over ``--steps`` steps). Every
-mode is reported with its deltas against prenorm, in total, per residual read (``2 n_layers + 1``
-reads per forward) and by op / kernel / node / function.
+(forward, the op's launch included) and the op's backward (least over ``--steps`` steps), split
+into ``attnres_fwd_host_ms`` and ``attnres_bwd_host_ms``, and of that the time inside the AttnRes
+kernels' Triton launches (``attnres_launch_host_ms``; 0 on the CPU, where the launches are
+stubbed while timing). Every mode is reported with its deltas against prenorm, in total, per
+residual read (``2 n_layers + 1`` reads per forward) and by op / kernel / node / function.
 
 On the CPU (default without a GPU) the widths are shrunk (``SHRINK``: layer count, layer kinds
 and block structure kept) so that the Triton kernels run in the interpreter; the interpreter's own
@@ -24,8 +26,14 @@ work is left out of every count and time (a launch counts as one). Op counts of 
 other backends on the CPU (KDA, MoE, convolutions run their torch paths) differ from the GPU's,
 but those parts are the same in every mode, so the deltas are the residual modes' own.
 On a GPU (``--device cuda``) the model has gpu-small's real sizes and each mode also gets
-``step_ms`` (mean of back-to-back steps, the tokens/s measure), ``host_ms`` (median host time to
-issue one step from an idle GPU) and ``tok_per_s``.
+``step_ms`` (mean of back-to-back steps, the tokens/s measure; ``step_ms_check_ids`` the same with
+the model's id check on, as ``bench_model.py`` at 38ae496 timed its rows), ``host_ms`` (median host time to
+issue one step from an idle GPU; ``host_fwd_ms``, ``host_bwd_ms``, ``host_opt_ms`` per phase) and
+``tok_per_s``, and what in a step can make the host wait for the GPU: ``sync_calls``
+(``torch.cuda.set_sync_debug_mode``: synchronizing calls, by the Python line that made them; those
+made in the backward's engine thread come back at ``loss.backward()``) and ``allocator`` (the
+caching allocator's device allocations, frees, failed allocations and all-stream syncs during one
+steady-state step; all 0 when nothing serializes there).
 
     python kernels/count_step_ops.py [--modes prenorm block_attnres:8 ...] [--out counts.json]
     python kernels/count_step_ops.py --device cuda --steps 10 --out /tmp/counts_h200.json
@@ -44,6 +52,7 @@ import pstats
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 
@@ -52,7 +61,8 @@ if not torch.cuda.is_available():  # before the first @triton.jit of moelab's ke
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 import moelab.ops.attnres as attnres_op  # noqa: E402
 from moelab.config import load_config  # noqa: E402
@@ -71,7 +81,10 @@ SHRINK = {
 MODES = ("prenorm", "block_attnres:6", "block_attnres:8", "full_attnres")
 ATTNRES_FILES = (os.path.join("moelab", "model", "attnres.py"), os.path.join("moelab", "ops", "attnres.py"))
 TOTALS = ("aten_ops", "aten_ops_fwd", "aten_ops_bwd", "aten_ops_opt", "triton_launches", "fn_applies", "graph_nodes",
-          "py_calls", "attnres_py_calls", "attnres_host_ms")
+          "py_calls", "attnres_py_calls", "attnres_host_ms", "attnres_fwd_host_ms", "attnres_bwd_host_ms",
+          "attnres_launch_host_ms")
+ATTNRES_KERNELS = ("_attnres_fwd_kernel", "_attnres_bwd_kernel")
+ALLOC_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 
 
 def parse_mode(spec: str) -> tuple[str, int | None]:
@@ -104,13 +117,15 @@ class _Hooks:
     patched at the classes so that every kernel and Function of the process is seen. While a kernel
     runs (in the interpreter), ``ops`` stops counting and ``prof`` is off: the launch counts, not the
     interpreter's work. ``run_kernels=False`` skips the kernels (CPU timing: the interpreter's work
-    would otherwise slow the host code around it, several times over, and its outputs are not needed)."""
+    would otherwise slow the host code around it, several times over, and its outputs are not needed).
+    ``launch_s`` sums the seconds spent in the launches of the AttnRes kernels (``ATTNRES_KERNELS``)."""
 
     def __init__(self, ops: _CountOps | None = None, prof: cProfile.Profile | None = None,
                  run_kernels: bool = True) -> None:
         self.ops, self.prof, self.run_kernels = ops, prof, run_kernels
         self.launches: collections.Counter = collections.Counter()
         self.applies: collections.Counter = collections.Counter()
+        self.launch_s = 0.0
 
     @contextlib.contextmanager
     def installed(self):
@@ -123,10 +138,17 @@ class _Hooks:
 
         def counted_run(orig):
             def run(self, *args, **kwargs):
+                name = self.fn.__name__
                 if not kwargs.get("warmup", False):
-                    hooks.launches[self.fn.__name__] += 1
+                    hooks.launches[name] += 1
                 if not hooks.run_kernels:
                     return None
+                if name in ATTNRES_KERNELS and hooks.ops is None and hooks.prof is None:
+                    t0 = time.perf_counter()
+                    try:
+                        return orig(self, *args, **kwargs)
+                    finally:
+                        hooks.launch_s += time.perf_counter() - t0
                 if hooks.prof is not None:
                     hooks.prof.disable()
                 if hooks.ops is not None:
@@ -158,23 +180,23 @@ class _Hooks:
 @contextlib.contextmanager
 def attnres_host_time():
     """Seconds spent in the residual stream's reads and writes (forward, the fused op's launches
-    included) and in the fused op's backward, summed in ``acc["s"]``."""
-    acc = {"s": 0.0}
+    included; ``acc["fwd"]``) and in the fused op's backward (``acc["bwd"]``)."""
+    acc = {"fwd": 0.0, "bwd": 0.0}
     fn = attnres_op._DepthAttentionFn
     saved = [(ResidualStream, "_read", ResidualStream._read), (ResidualStream, "write", ResidualStream.write),
              (fn, "backward", fn.backward)]
 
-    def timed(orig):
+    def timed(orig, part):
         def wrapper(*args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return orig(*args, **kwargs)
             finally:
-                acc["s"] += time.perf_counter() - t0
+                acc[part] += time.perf_counter() - t0
         return wrapper
 
     for owner, name, orig in saved:
-        setattr(owner, name, staticmethod(timed(orig)) if owner is fn else timed(orig))
+        setattr(owner, name, staticmethod(timed(orig, "bwd")) if owner is fn else timed(orig, "fwd"))
     try:
         yield acc
     finally:
@@ -196,10 +218,10 @@ def graph_nodes(root: torch.Tensor) -> collections.Counter:
     return counts
 
 
-def _loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """What training minimizes (``LitMoELab.training_step``, as ``bench_model.py`` times it)."""
+def _loss(model: torch.nn.Module, x: torch.Tensor, check_ids: bool = False) -> torch.Tensor:
+    """What training minimizes (``LitMoELab.training_step``: no id check, which is a host sync)."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16):
-        out = model(x, x, return_logits=False, check_ids=False)
+        out = model(x, x, return_logits=False, check_ids=check_ids)
     return out.loss + out.aux_loss
 
 
@@ -254,10 +276,12 @@ def count_step(model: torch.nn.Module, x: torch.Tensor, opt: torch.optim.Optimiz
 
 
 def time_steps(model: torch.nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer, steps: int) -> dict:
-    """``attnres_host_ms`` (least over the steps; ``_median`` too); on a GPU also ``step_ms`` (mean of
-    back-to-back steps), ``host_ms`` (median host time to issue a step from an idle GPU) and
-    ``tok_per_s``. On the CPU the Triton kernels are skipped (``_Hooks``), so run this after the
-    counts: the weights it leaves behind are garbage."""
+    """``attnres_host_ms`` with its forward, backward and launch parts (least over the steps;
+    ``attnres_host_ms_median`` too); on a GPU also ``step_ms`` (mean of back-to-back steps),
+    ``host_ms`` and ``host_{fwd,bwd,opt}_ms`` (median host time to issue a step, and each phase of it,
+    from an idle GPU), ``tok_per_s`` and ``step_ms_check_ids`` (the same steps with the model's id
+    check, two host syncs at the start of each forward). On the CPU the Triton kernels are skipped (``_Hooks``), so
+    run this after the counts: the weights it leaves behind are garbage."""
     cuda = x.is_cuda
 
     def sync() -> None:
@@ -265,19 +289,21 @@ def time_steps(model: torch.nn.Module, x: torch.Tensor, opt: torch.optim.Optimiz
             torch.cuda.synchronize()
 
     out = {}
-    per_step = []
-    with contextlib.ExitStack() as stack:
-        if not cuda:
-            stack.enter_context(_Hooks(run_kernels=False).installed())
-        acc = stack.enter_context(attnres_host_time())
+    parts = collections.defaultdict(list)
+    hooks = _Hooks(run_kernels=cuda)
+    with hooks.installed(), attnres_host_time() as acc:
         for _ in range(steps):
-            before = acc["s"]
+            before = dict(acc, launch=hooks.launch_s)
             _update(_loss(model, x), opt)
-            per_step.append(acc["s"] - before)
+            for k, v in dict(acc, launch=hooks.launch_s).items():
+                parts[k].append(v - before[k])
     sync()
+    total = [f + b for f, b in zip(parts["fwd"], parts["bwd"])]
     # the least of the steps: the work itself, without what a busy (shared) host adds now and then
-    out["attnres_host_ms"] = 1e3 * min(per_step)
-    out["attnres_host_ms_median"] = 1e3 * statistics.median(per_step)
+    out["attnres_host_ms"] = 1e3 * min(total)
+    out["attnres_host_ms_median"] = 1e3 * statistics.median(total)
+    for k in ("fwd", "bwd", "launch"):
+        out[f"attnres_{k}_host_ms"] = 1e3 * min(parts[k])
     if cuda:
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -285,14 +311,47 @@ def time_steps(model: torch.nn.Module, x: torch.Tensor, opt: torch.optim.Optimiz
         sync()
         out["step_ms"] = 1e3 * (time.perf_counter() - t0) / steps
         out["tok_per_s"] = x.numel() / (out["step_ms"] / 1e3)
-        hosts = []
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            _update(_loss(model, x, check_ids=True), opt)
+        sync()
+        out["step_ms_check_ids"] = 1e3 * (time.perf_counter() - t0) / steps
+        phases = collections.defaultdict(list)
         for _ in range(steps):
             t0 = time.perf_counter()
-            _update(_loss(model, x), opt)
-            hosts.append(time.perf_counter() - t0)
+            loss = _loss(model, x)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t3 = time.perf_counter()
             sync()
-        out["host_ms"] = 1e3 * statistics.median(hosts)
+            for k, v in (("host", t3 - t0), ("host_fwd", t1 - t0), ("host_bwd", t2 - t1), ("host_opt", t3 - t2)):
+                phases[k].append(v)
+        out.update({f"{k}_ms": 1e3 * statistics.median(v) for k, v in phases.items()})
     return out
+
+
+def blocking(model: torch.nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer) -> dict:
+    """CUDA: what in one steady-state step can make the host wait for the GPU: ``sync_calls``
+    (synchronizing calls that ``torch.cuda.set_sync_debug_mode`` reports, by file and line) and
+    ``allocator`` (``ALLOC_COUNTERS`` of ``torch.cuda.memory_stats`` over the step)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _update(_loss(model, x), opt)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
+    syncs = collections.Counter(f"{os.path.relpath(w.filename, ROOT)}:{w.lineno}" for w in caught
+                                if "synchronizing" in str(w.message))
+    return {"sync_calls": sum(syncs.values()), "sync_calls_by": dict(syncs),
+            "allocator": {k: after.get(k, 0) - before.get(k, 0) for k in ALLOC_COUNTERS}}
 
 
 def count_mode(spec: str, device: str, n_layers: int | None = None, steps: int = 5, warmup: int = 2) -> dict:
@@ -315,6 +374,8 @@ def count_mode(spec: str, device: str, n_layers: int | None = None, steps: int =
            "B": x.shape[0], "T": x.shape[1], "d_model": cfg.model.d_model}
     row.update(count_step(model, x, opt))
     row.update(time_steps(model, x, opt, steps))
+    if device == "cuda":
+        row.update(blocking(model, x, opt))
     return row
 
 
@@ -355,11 +416,16 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
     base = rows[0]
-    cols = [*TOTALS, *(("step_ms", "host_ms", "tok_per_s") if cuda else ())]
+    gpu_cols = ("step_ms", "step_ms_check_ids", "host_ms", "host_fwd_ms", "host_bwd_ms", "host_opt_ms", "tok_per_s",
+                "sync_calls")
+    cols = [*TOTALS, *(gpu_cols if cuda else ())]
     print(f"{'mode':<16}" + "".join(f"{k:>{len(k) + 2}}" for k in cols))
     for row in rows:
         print(f"{row['mode']:<16}" + "".join(f"{row[k]:>{len(k) + 2}.1f}" if isinstance(row[k], float)
                                              else f"{row[k]:>{len(k) + 2}}" for k in cols))
+    if cuda:
+        for row in rows:
+            print(f"{row['mode']}: allocator {row['allocator']}, sync calls {row['sync_calls_by']}")
     for row in rows[1:]:
         row["vs_prenorm"] = d = deltas(row, base)
         print(f"\n{row['mode']} - prenorm ({row['reads']} reads): "

@@ -3,6 +3,7 @@ and every gradient; CPU runs use the Triton interpreter (tests/conftest.py), so 
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -276,6 +277,49 @@ def test_sources_match_the_list_and_check_each_source_once():
     q, w = torch.zeros(8, device=DEV), torch.ones(8, device=DEV)
     with pytest.raises(ValueError, match="a Sources carries one GradSlot per source"):
         depth_attention(src, q, w, backend="triton", slots=src.slots)
+
+
+# aten ops that copy between devices (a pointer table built on the host, a cast per source) or make the host
+# wait for the GPU (.item(), nonzero): a read has none of them.
+_HOST_BOUND_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.copy_", "aten._to_copy", "aten.lift_fresh")
+
+
+def _read_ops(L: int) -> tuple[collections.Counter, collections.Counter]:
+    """aten ops of one read of a Sources of L sources under bf16 autocast, forward and backward, as
+    in a model's backward: every older source's slot already holds a sum, the newest is this read's."""
+    from kernels.count_step_ops import _CountOps, _Hooks
+
+    torch.manual_seed(0)
+    D, n = 32, 8
+    srcs = [torch.randn(n, D, device=DEV, dtype=F32 if i == 0 else BF, requires_grad=True) for i in range(L)]
+    src = Sources(srcs[0])
+    for x in srcs[1:]:
+        src.append(x)
+    for sl, x in zip(src.slots[:-1], srcs):
+        sl.taken, sl.grad = True, torch.zeros_like(x)
+    q = torch.randn(D, device=DEV, requires_grad=True)
+    w = torch.ones(D, device=DEV, requires_grad=True)
+    dh = torch.randn(n, D, device=DEV)
+    ops = _CountOps()
+    with _Hooks(ops=ops).installed(), ops:  # the interpreter's own ops are not counted
+        with torch.autocast(DEV, dtype=BF):
+            h, _ = depth_attention(src, q, w, backend="triton", weights=False)
+        fwd = collections.Counter(ops.counts)
+        h.backward(dh)
+    assert srcs[-1].grad is not None and srcs[0].grad is None  # the newest source's sum came out, the others wait
+    return fwd, ops.counts - fwd
+
+
+def test_read_ops_do_not_grow_with_sources():
+    """A read dispatches the same aten ops, forward and backward, whether it mixes 2 or 9 sources (the
+    sources go to the kernels as they are: no per-source cast, copy or allocation beyond the one new
+    gradient slot), and none that copies to the device or waits for it."""
+    (f2, b2), (f9, b9) = _read_ops(2), _read_ops(9)
+    assert f9 == f2, (f2, f9)
+    assert b9 == b2, (b2, b9)
+    assert sum(f2.values()) + sum(b2.values()) <= 12, (f2, b2)
+    bad = {op: n for op, n in (f9 + b9).items() if op in _HOST_BOUND_OPS}
+    assert not bad, f"host-bound ops in a read: {bad}"
 
 
 def test_launch_table_entries_are_valid():
