@@ -250,7 +250,9 @@ def build_moelab(impl: str, preset: str, overrides: dict, check_grads: bool, com
             balance_step(model)  # the statistics of this forward must not enter the first timed update
 
     def loss_fn(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        out = m(x, x, return_logits=False)
+        # As LitMoELab.training_step: no id check, whose min/max reads wait on the GPU every step (the
+        # data pipeline checks ids once); with it the timed loop was serialised at each step's start.
+        out = m(x, x, return_logits=False, check_ids=False)
         return out.loss + out.aux_loss  # what LitMoELab.training_step minimizes
 
     return Bench(row, Runner(model, loss_fn, B, T, cfg.model.vocab_size, balance, device), cfg.model)
