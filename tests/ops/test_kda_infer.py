@@ -168,6 +168,70 @@ def test_decay_at_the_bound(fill):
            _run(x, x["s0"], None, gate="none", g_min=lb, l2=True), torch.float32)
 
 
+# Segmented recurrence (kda_infer(segment_chunks=L)): segments of L chunks run in parallel, joined by
+# their state transitions. (B, T, H, K, V, initial state, L, cu_seqlens): T = 103 is 7 chunks, cut
+# into 3 (L = 3) or 4 (L = 2) segments with a short last one; K = 20, V = 40: padded K identity
+# columns; packed lengths 5, 65, 0, 30, 33, 1: a document shorter than a segment, an empty one, and
+# (L = 2) 9 segments within a bound of 14, so the bound's spare empty segments run too.
+SEG_PACKED = [0, 5, 70, 70, 100, 133, 134]
+SEG_CASES = [
+    (2, 103, 2, 32, 16, True, 3, None),
+    (2, 103, 2, 32, 16, True, 2, None),
+    (1, 100, 1, 20, 40, False, 2, None),
+    (1, SEG_PACKED[-1], 2, 32, 16, True, 2, SEG_PACKED),
+    (1, SEG_PACKED[-1], 2, 16, 32, False, 3, SEG_PACKED),
+]
+
+
+@pytest.mark.parametrize("case", SEG_CASES, ids=lambda c: f"B{c[0]}T{c[1]}K{c[3]}V{c[4]}-h0{int(c[5])}-L{c[6]}"
+                         f"{'-packed' if c[7] else ''}")
+def test_segmented_matches_plain_and_reference(case):
+    """Segmented and plain recurrence agree to fp32 rounding (o and final state), and both match the
+    fp32 token recurrence. The decay is weak (g in [-0.02, 0], given directly) so that the state
+    carries across segment boundaries and a wrong join shows: checked by the initial state's share
+    of the reference output."""
+    B, T, H, K, V, h0, L, cu = case
+    x = _inputs(B, T, H, K, V, torch.float32, seed=T + K + L, n_states=B if cu is None else len(cu) - 1)
+    x["z"] = -0.02 * torch.rand(x["z"].shape, generator=torch.Generator().manual_seed(L)).to(DEV)
+    s0 = x["s0"] if h0 else None
+    ref = _reference(x, s0, cu, gate="none")
+    if h0:
+        assert rel_err(ref[0], _reference(x, None, cu, gate="none")[0]) > 0.1, "the initial state must matter"
+    plain = _run(x, s0, cu, gate="none", segment_chunks=0)
+    seg = _run(x, s0, cu, gate="none", segment_chunks=L)
+    _check(ref, plain, torch.float32)
+    _check(ref, seg, torch.float32)
+    assert_close(plain[0], seg[0], 1e-5, "o, segmented vs plain")
+    assert_close(plain[1], seg[1], 1e-5, "final state, segmented vs plain")
+
+
+def test_segment_plan_counts():
+    """The segments the plan records: per document max(1, cdiv(chunks, L)), within the grid's bound."""
+    x = _inputs(1, SEG_PACKED[-1], 1, 16, 16, torch.float32, seed=0, n_states=1)
+    args = (x["q"], x["k"], x["v"], x["z"], x["beta_logit"].sigmoid())
+    plan = triton_infer.InferPlan(*args, gate="bounded", A_log=x["A_log"], segment_chunks=2,
+                                  cu_seqlens=torch.tensor(SEG_PACKED, device=DEV))
+    path = plan.path()
+    assert path["segmented"] and path["segment_chunks"] == 2 and path["segments"] == [1, 3, 1, 1, 2, 1]
+    assert plan.nseg >= sum(path["segments"])
+    plan = triton_infer.InferPlan(*args, gate="bounded", A_log=x["A_log"], segment_chunks=0)
+    assert plan.path()["segmented"] is False
+
+
+def test_segment_heuristic():
+    """Segments for few (sequence, head) pairs and long sequences (B1 T32768 H16 on 132 SMs), each at
+    least SEG_MIN_LEN chunks; the plain recurrence when the grid is full (the other benchmark shapes,
+    packed T32768 as 6 documents) or the sequences are short."""
+    pick = triton_infer.choose_segment_chunks
+    L = pick(1, 16, 32768 // 16, 128, 132)
+    P = -(-2048 // L)
+    assert L >= triton_infer.SEG_MIN_LEN and 2 <= P <= 2048 // triton_infer.SEG_MIN_LEN, (L, P)
+    assert 16 * P * 128 // 32 >= 2 * 132, "phase 3 must fill the GPU"
+    for seqs, H, chunks in [(1, 64, 512), (1, 96, 512), (8, 16, 256), (6, 16, 2048 // 6), (1, 16, 256), (1, 4, 200)]:
+        assert pick(seqs, H, chunks, 128, 132) == 0, (seqs, H, chunks)
+    assert pick(1, 4, 4096, 128, 132) > 0
+
+
 def test_no_autograd_graph():
     x = _inputs(1, 20, 1, 16, 16, torch.float32, seed=5, n_states=1)
     x["q"].requires_grad_()
@@ -196,15 +260,19 @@ def test_bad_inputs_name_the_value():
     _err(lambda: kda_infer(q, k, v, z, beta, gate="bounded", cu_seqlens=cu.float(), **A), "int32/int64")
     two = [t.expand(2, *t.shape[1:]) for t in (q, k, v, z, beta)]
     _err(lambda: kda_infer(*two, gate="bounded", cu_seqlens=cu, **A), "expected B = 1, got B = 2")
+    for bad in (-1, 2.0, True):
+        _err(lambda bad=bad: kda_infer(q, k, v, z, beta, gate="bounded", segment_chunks=bad, **A),
+             f"segment_chunks={bad!r} is not allowed")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("seg", [0, 8], ids=["plain", "segmented"])
 @pytest.mark.parametrize("recur", triton_infer.LAUNCH["recur"], ids=lambda c: "recur{}-{}-{}".format(*c))
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
-def test_bf16_real_size_vs_reference_and_fla(packed, recur, monkeypatch):
-    """bf16 at D = 128, every recurrence launch config the op may pick: error vs the fp32 recurrence
-    within the training op's 5e-3, and (where fla is importable) at most twice fla's ``chunk_kda``
-    error on the same inputs."""
+def test_bf16_real_size_vs_reference_and_fla(packed, recur, seg, monkeypatch):
+    """bf16 at D = 128, every recurrence launch config the op may pick, plain and segmented (8-chunk
+    segments, every phase at that config): error vs the fp32 recurrence within the training op's
+    5e-3, and (where fla is importable) at most twice fla's ``chunk_kda`` error on the same inputs."""
     monkeypatch.setitem(triton_infer.LAUNCH, "recur", (recur,))
     B, T, H, D = (1, 3000, 4, 128) if packed else (2, 1000, 4, 128)
     cu = [0, 700, 1013, 1500, 1501, 2400, 3000] if packed else None
@@ -214,7 +282,7 @@ def test_bf16_real_size_vs_reference_and_fla(packed, recur, monkeypatch):
     x["z"] = x["z"].to(torch.bfloat16)
     x["beta"] = x["beta_logit"].sigmoid().to(torch.bfloat16)
     ref_o, ref_S = _reference(x, x["s0"], cu, gate="bounded")
-    o, S = _run(x, x["s0"], cu, gate="bounded")
+    o, S = _run(x, x["s0"], cu, gate="bounded", segment_chunks=seg)
     err_o, err_S = rel_err(ref_o, o.float()), rel_err(ref_S, S)
     print(f"moelab o {err_o:.2e} S {err_S:.2e}")
     assert err_o <= TOL[torch.bfloat16] and err_S <= TOL[torch.bfloat16], (err_o, err_S)

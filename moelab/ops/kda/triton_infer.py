@@ -93,8 +93,39 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # miscompiled in the training op's state kernel (kernels/README.md, "Launch configs"), left to the
 # sweep. Three stages: the pipeline then issues a chunk's copies two chunks ahead; with two it
 # issues them at the end of the chunk before, so each chunk waited out a full memory latency.
-LAUNCH: dict = {"intra": (2, 1), "recur": ((32, 2, 3), (16, 1, 3))}
+# join (phase 2 of the segmented recurrence, below): (BV, num_warps); its products are exact fp32
+# (FMA, not tensor cores), one [BV, K] x [K, K] per segment: 16-wide blocks give 128 programs at B1 H16.
+LAUNCH: dict = {"intra": (2, 1), "recur": ((32, 2, 3), (16, 1, 3)), "join": (16, 4)}
 _INTERP_BV = 16  # the interpreter: 16-wide V-blocks so that small test shapes take several
+
+# Segmented recurrence (``InferPlan``). With few (sequence, head) pairs and long sequences the plain
+# recurrence is one long chain of chunk steps on a mostly idle GPU: in the first H200 sweep B1 T32768
+# H16 (128 programs) took 2.06 ms for 2048 chunks, ~1.0 us each, while B8 T4096 H16 (512 programs of
+# BV 32) ran its 256 chunks at ~1.4 us each, i.e. ~5x the work per microsecond. So: segment when the
+# plain grid at its narrowest V-blocks (16) is under SEG_FEW_PROGRAMS per SM and the sequences are
+# longer than SEG_MIN_CHUNKS chunks; take P segments per sequence so that phase 3 at BV 32 has
+# SEG_PROGRAMS_PER_SM programs per SM (about the B8 T4096 H16 grid), each segment at least SEG_MIN_LEN
+# chunks, since phase 1 does (K + V) / V times the plain work and phase 2 one K x K product per segment:
+# short segments would spend more there than the shorter chain saves. Packed documents: judged on the
+# mean document length (the lengths stay on the device), each document cut into pieces of that length.
+SEG_FEW_PROGRAMS = 2
+SEG_MIN_CHUNKS = 256
+SEG_MIN_LEN = 64
+SEG_PROGRAMS_PER_SM = 4
+
+
+def choose_segment_chunks(seqs: int, H: int, chunks: int, V: int, sms: int) -> int:
+    """Segment length in chunks for the segmented recurrence, or 0 for the plain one (see above).
+
+    Args:
+        seqs: sequences (B, or packed documents); H: heads; chunks: 16-token chunks per sequence (the
+            mean for packed documents); V: value head dim; sms: the GPU's SM count."""
+    Vp = max(16, triton.next_power_of_2(V))
+    pairs = seqs * H
+    if pairs * (Vp // 16) >= SEG_FEW_PROGRAMS * sms or chunks <= SEG_MIN_CHUNKS:
+        return 0
+    P = min(triton.cdiv(SEG_PROGRAMS_PER_SM * sms, pairs * max(1, Vp // 32)), chunks // SEG_MIN_LEN)
+    return triton.cdiv(chunks, P) if P >= 2 else 0
 
 
 @contextlib.contextmanager
@@ -248,7 +279,7 @@ def _kda_infer_recur(
     T, NC, NS, H,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_BF16: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, AUG: tl.constexpr, STORE_O: tl.constexpr,
 ):
     """Columns ``[i_v BV, (i_v + 1) BV)`` of the state of one document and head, over its chunks,
     held transposed (``hv = h^T``, ``[BV, K]``): ``U^T = u^T - hv w^T``,
@@ -258,8 +289,16 @@ def _kda_infer_recur(
     a product's fp32 result becomes the next product's operand in registers (the accumulator
     and left-operand layouts of mma.sync match; a right operand needs a shared-memory round trip
     each chunk), and everything loaded per chunk is a right operand, which the software pipeline
-    copies to shared memory ahead of use (``num_stages``)."""
-    NV: tl.constexpr = BVF // BV
+    copies to shared memory ahead of use (``num_stages``).
+
+    ``AUG`` (phase 1 of the segmented recurrence, ``InferPlan``): the state gets ``K`` more columns
+    in front, ``BK / BV`` V-blocks that start from the identity and read ``u = 0`` (nothing loaded),
+    so the final state is ``[A | B]`` (``S_end = A S_start + B``), stored ``[K, K + V]`` per document
+    and head; no initial state. ``STORE_O`` false: no output, and none of the loads and products
+    that only feed it."""
+    NI: tl.constexpr = BK // BV if AUG else 0  # identity V-blocks
+    NV: tl.constexpr = BVF // BV + NI
+    VS: tl.constexpr = K + V if AUG else V  # columns of the stored final state
     pid = tl.program_id(0)
     i_v = pid % NV  # the V-blocks of one head are neighbours: they read the same K-side tiles
     i_nh = pid // NV
@@ -277,13 +316,21 @@ def _kda_infer_recur(
         nc = NC
     r = tl.arange(0, C)
     dk = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    vm = cv < V
+    if AUG:
+        ident = i_v < NI
+        cv = tl.where(ident, i_v, i_v - NI) * BV + tl.arange(0, BV)  # the column among K, or among V
+        vm = cv < tl.where(ident, K, V)
+        col = cv + tl.where(ident, 0, K)  # the column of [A | B]
+        h = tl.where((cv[:, None] == dk[None, :]) & vm[:, None] & ident, 1.0, 0.0)
+    else:
+        cv = i_v * BV + tl.arange(0, BV)
+        vm = cv < V
+        col = cv
     hm = vm[:, None] & (dk < K)[None, :]
-    ph = i_nh.to(tl.int64) * (K * V) + cv[:, None] + dk[None, :] * V
+    ph = i_nh.to(tl.int64) * (K * VS) + col[:, None] + dk[None, :] * VS
     if HAS_H0:
         h = tl.load(h0 + ph, mask=hm, other=0.0).to(tl.float32)
-    else:
+    elif not AUG:
         h = tl.zeros([BV, BK], dtype=tl.float32)
     hs = (i_h * NS + s0).to(tl.int64)
     w += hs * (C * BK)
@@ -299,6 +346,8 @@ def _kda_infer_recur(
     puT = cv[:, None] + r[None, :] * BVF
     po = cv[:, None] + r[None, :] * (H * V)
     left = eos - bos  # tokens of the document not yet written
+    if AUG:
+        um = puT < tl.where(ident, 0, C * BVF)  # [BV, C]: u is read by the value blocks only
     # the decay of the next chunk is loaded one chunk ahead by hand (gl has a spare slot at the
     # end): a vector operand of an element-wise product is not software-pipelined
     gn = tl.load(gl + dk)
@@ -306,29 +355,76 @@ def _kda_infer_recur(
         gt = gn
         gn = tl.load(gl + BK + dk)
         wT = _cast(tl.load(w + pkT), DOT_BF16)
-        qT = _cast(tl.load(qg + pkT), DOT_BF16)
+        if STORE_O:
+            qT = _cast(tl.load(qg + pkT), DOT_BF16)
         kt = _cast(tl.load(kd + pk), DOT_BF16)
-        aT = _cast(tl.load(Aqk + paT), DOT_BF16)
-        uT = tl.load(u + puT).to(tl.float32)
+        if STORE_O:
+            aT = _cast(tl.load(Aqk + paT), DOT_BF16)
+        if AUG:  # the identity blocks' u is 0: masked off, not read
+            uT = tl.load(u + puT, mask=um, other=0.0).to(tl.float32)
+        else:
+            uT = tl.load(u + puT).to(tl.float32)
         hb = _cast(h, DOT_BF16)
         # layout changes go through shared memory behind a barrier: the decay's before the
         # chain of products, the output's after the state update, not between its two products
         h = h * gt[None, :]
         Ub = _cast(uT - _dot(hb, wT, IEEE), DOT_BF16)
-        ot = _dot(hb, qT, IEEE)
+        if STORE_O:
+            ot = _dot(hb, qT, IEEE)
         h += _dot(Ub, kt, IEEE)
-        ot += _dot(Ub, aT, IEEE)
-        tl.store(o + po, ot.to(o.dtype.element_ty), mask=vm[:, None] & (r < left)[None, :])
+        if STORE_O:
+            ot += _dot(Ub, aT, IEEE)
+            tl.store(o + po, ot.to(o.dtype.element_ty), mask=vm[:, None] & (r < left)[None, :])
+            qg += C * BK
+            Aqk += C * C
+            o += C * H * V
+            left -= C
         w += C * BK
-        qg += C * BK
         kd += C * BK
         u += C * BVF
-        Aqk += C * C
         gl += BK
-        o += C * H * V
-        left -= C
     if STORE_HT:
         tl.store(hT + ph, h, mask=hm)
+
+
+@triton.jit
+def _kda_infer_join(
+    M, h0, S0, soff, H,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
+):
+    """Phase 2 of the segmented recurrence: the start states of the segments of one document and
+    head (segments ``soff[n] .. soff[n + 1] - 1``), columns ``[i_v BV, (i_v + 1) BV)``:
+    ``S_0 = h0`` (or 0), ``S_{s+1} = A_s S_s + B_s`` with ``[A_s | B_s]`` from phase 1 (``M``
+    ``[segments, H, K, K + V]``), into ``S0`` ``[segments, H, K, V]``. Transposed like the
+    recurrence, ``hv <- hv A_s^T + B_s^T``; exact fp32 products (one per segment: small next to
+    the recurrences, and the start states carry the whole history of the sequence)."""
+    NV: tl.constexpr = BVF // BV
+    pid = tl.program_id(0)
+    i_v = pid % NV
+    i_nh = pid // NV
+    n = i_nh // H
+    i_h = i_nh % H
+    j0 = tl.load(soff + n)
+    j1 = tl.load(soff + n + 1)  # > j0: every document has a segment, an empty one too
+    dk = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    km = dk < K
+    hm = (cv < V)[:, None] & km[None, :]
+    ph = cv[:, None] + dk[None, :] * V
+    if HAS_H0:
+        h = tl.load(h0 + i_nh.to(tl.int64) * (K * V) + ph, mask=hm, other=0.0).to(tl.float32)
+    else:
+        h = tl.zeros([BV, BK], dtype=tl.float32)
+    pa = dk[:, None] + dk[None, :] * (K + V)  # A^T: [c, d] <- A[d, c]
+    pb = K + cv[:, None] + dk[None, :] * (K + V)  # B^T: [v, d] <- B[d, v]
+    js = (j0 * H + i_h).to(tl.int64)
+    for _ in range(j1 - j0 - 1):  # the last segment's [A | B] is not needed
+        tl.store(S0 + js * (K * V) + ph, h, mask=hm)
+        At = tl.load(M + js * (K * (K + V)) + pa, mask=km[:, None] & km[None, :], other=0.0)
+        Bt = tl.load(M + js * (K * (K + V)) + pb, mask=hm, other=0.0)
+        h = tl.dot(h, At, input_precision="ieee") + Bt
+        js += H
+    tl.store(S0 + js * (K * V) + ph, h, mask=hm)
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -346,13 +442,18 @@ def _ieee(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def _recur_launch(pairs: int, Vp: int, device: torch.device) -> tuple[int, int, int]:
-    """(BV, num_warps, num_stages) of the recurrence for ``pairs`` = sequences x heads (see ``LAUNCH``)."""
+def _recur_launch(pairs: int, Vp: int, device: torch.device, Kp: int = 0) -> tuple[int, int, int]:
+    """(BV, num_warps, num_stages) of the recurrence for ``pairs`` = sequences x heads (see ``LAUNCH``);
+    ``Kp``: phase 1 of the segmented recurrence, with ``Kp`` identity columns beside the ``Vp``."""
+    width = min(Vp, Kp) if Kp else Vp  # BV must divide both parts
     if _interpret():
-        return min(_INTERP_BV, Vp), 1, 1
-    cands = [c for c in LAUNCH["recur"] if c[0] <= Vp] or [(16, 1, 3)]
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return next((c for c in cands if pairs * (Vp // c[0]) >= sms), cands[-1])
+        return min(_INTERP_BV, width), 1, 1
+    cands = [c for c in LAUNCH["recur"] if c[0] <= width] or [(16, 1, 3)]
+    return next((c for c in cands if pairs * ((Vp + Kp) // c[0]) >= _sms(device)), cands[-1])
+
+
+def _sms(device: torch.device) -> int:
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _check(q, k, v, g, beta, scale, initial_state, g_min, validate, gate, A_log, dt_bias, norm_eps,
@@ -438,6 +539,7 @@ def kda_infer(
     beta_sigmoid: bool = False,
     norm_eps: float = 1e-6,
     cu_seqlens: torch.Tensor | None = None,
+    segment_chunks: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA forward for inference (no autograd graph: the outputs carry no gradient).
 
@@ -470,31 +572,55 @@ def kda_infer(
         cu_seqlens: ``[N + 1]`` int32/int64 offsets of N documents packed in one row (B = 1):
             document n is tokens ``[cu_seqlens[n], cu_seqlens[n + 1])``, and the state restarts at
             each document (from ``initial_state[n]`` or zeros). Empty documents are allowed.
+        segment_chunks: the recurrence's path. None: chosen by ``choose_segment_chunks`` (segmented
+            only with few sequences x heads and long sequences, on the GPU); 0: the plain recurrence;
+            L > 0: the segmented one, every sequence or document cut into pieces of L chunks (16 L
+            tokens), run in parallel and joined by their state transitions (``InferPlan``). The
+            result is the same up to rounding.
 
     Returns:
         ``o`` ``[B, T, H, V]`` in v's dtype and the final state ``[N, H, K, V]`` fp32 (or None).
     """
     p = InferPlan(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   g_min=g_min, validate=validate, gate=gate, A_log=A_log, dt_bias=dt_bias, l2norm_qk=l2norm_qk,
-                  silu_qk=silu_qk, beta_sigmoid=beta_sigmoid, norm_eps=norm_eps, cu_seqlens=cu_seqlens)
+                  silu_qk=silu_qk, beta_sigmoid=beta_sigmoid, norm_eps=norm_eps, cu_seqlens=cu_seqlens,
+                  segment_chunks=segment_chunks)
     p.intra(*p.intra_launch())
-    p.recur(*p.recur_launch())
+    p.recur()
     return p.o, p.hT
 
 
 class InferPlan:
-    """One call of ``kda_infer``: its checked inputs, intermediates and outputs, and its two launches.
+    """One call of ``kda_infer``: its checked inputs, intermediates and outputs, and its launches.
 
     ``kda_infer`` runs ``intra`` then ``recur`` at the configs of ``LAUNCH``; the benchmark's launch
-    sweep (kernels/bench_kda.py --infer-sweep) times the two kernels of one plan apart, at other
-    configs. Arguments as for ``kda_infer``; ``o`` and ``hT`` hold the outputs once both have run.
+    sweep (kernels/bench_kda.py --infer-sweep) times the two apart, at other configs. Arguments as for
+    ``kda_infer``; ``o`` and ``hT`` hold the outputs once both have run.
+
+    The segmented recurrence (``seg`` = L > 0 chunks per segment). Each chunk maps the state affinely,
+    ``S <- (Diag(gl) - kd^T w) S + kd^T u``, with the same K-side operator for every column of S
+    (value channel), so a segment of chunks maps it as ``S_end = A S_start + B`` with A ``[K, K]`` and
+    B ``[K, V]``; both are the segment's final state when run from ``[I_K | 0]`` on ``[0 | v]``:
+    1. every segment as a document of its own, K identity columns beside the V value columns
+       (``AUG``: extra V-blocks that start from the identity and read no u, so nothing is
+       materialised) and no output: ``[A | B]``, fp32;
+    2. per document, sequential over its segments: ``S_{s+1} = A_s S_s + B_s`` from the initial
+       state (``_kda_infer_join``, fp32);
+    3. every segment as a document again, from ``S_s``: the output, and the final state of each
+       document's last segment.
+    The sequential chain is L + P + L steps instead of P L (P segments), and the work (K + V) / V + 1
+    times the plain recurrence's (phase 1 skips the output's loads and products). Segments are whole
+    chunks: a sequence of n chunks gives ``cdiv(n, L)``, an empty document one empty segment.
     """
 
     def __init__(self, q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=True, g_min=-5.0,
                  validate=True, gate="none", A_log=None, dt_bias=None, l2norm_qk=False, silu_qk=False,
-                 beta_sigmoid=False, norm_eps=1e-6, cu_seqlens=None):
+                 beta_sigmoid=False, norm_eps=1e-6, cu_seqlens=None, segment_chunks=None):
         N = _check(q, k, v, g, beta, scale, initial_state, g_min, validate, gate, A_log, dt_bias, norm_eps,
                    cu_seqlens)
+        if segment_chunks is not None and (isinstance(segment_chunks, bool) or not isinstance(segment_chunks, int)
+                                           or segment_chunks < 0):
+            raise ValueError(f"segment_chunks={segment_chunks!r} is not allowed: expected None or an int >= 0")
         B, T, H, K = q.shape
         V = v.shape[-1]
         C = CHUNK
@@ -512,6 +638,13 @@ class InferPlan:
             cu = coff = torch.zeros(1, device=dev, dtype=torch.int32)
             NC = triton.cdiv(T, C)
             NS = B * NC
+        if segment_chunks is None:
+            chunks = triton.cdiv(T, C * N) if varlen else NC
+            segment_chunks = 0 if _interpret() else choose_segment_chunks(N, H, chunks, V, _sms(dev))
+        self.seg = segment_chunks
+        # segments: exact for fixed length, an upper bound for packed documents (sum_n max(1, cdiv(n_n, L))
+        # <= N + sum_n n_n / L); the bound's spare segments are empty ones at the end
+        self.nseg = (B * triton.cdiv(NC, self.seg) if not varlen else N + triton.cdiv(NS, self.seg)) if self.seg else 0
         wd = _work_dtype(q.dtype)
         self.w, self.qg, self.kd = (torch.empty(H, NS * C, Kp, device=dev, dtype=wd) for _ in range(3))
         self.u = torch.empty(H, NS * C, Vp, device=dev, dtype=wd)
@@ -532,8 +665,24 @@ class InferPlan:
         return (1, 1) if _interpret() else LAUNCH["intra"]
 
     def recur_launch(self) -> tuple[int, int, int]:
-        """(BV, num_warps, num_stages) of the recurrence (see ``LAUNCH``)."""
-        return _recur_launch(self.N * self.dims[2], self.dims[6], self.o.device)
+        """(BV, num_warps, num_stages) of the recurrence (see ``LAUNCH``); segmented: of phase 3."""
+        return _recur_launch((self.nseg or self.N) * self.dims[2], self.dims[6], self.o.device)
+
+    def path(self) -> dict:
+        """Which recurrence runs, for benchmark records: ``segment_chunks`` (0: plain) and, segmented,
+        the segments per sequence (fixed length) or per document (packed: reads ``cu_seqlens``, a host
+        sync) and the launch config of each phase."""
+        if not self.seg:
+            return dict(segmented=False, segment_chunks=0, recur=list(self.recur_launch()))
+        B, T, H, K, V, Kp, Vp = self.dims
+        if self.varlen:
+            per = [max(1, triton.cdiv(triton.cdiv(b - a, CHUNK), self.seg)) for a, b in
+                   zip(self.cu.tolist(), self.cu.tolist()[1:])]
+        else:
+            per = triton.cdiv(self.NC, self.seg)
+        return dict(segmented=True, segment_chunks=self.seg, segments=per,
+                    phase1=list(_recur_launch(self.nseg * H, Vp, self.o.device, Kp)),
+                    join=list(self._join_launch()), recur=list(self.recur_launch()))
 
     def intra(self, warps: int, stages: int) -> None:
         """The token-parallel kernel: w, u, qg, kd, A_qk, gl from the inputs."""
@@ -549,16 +698,70 @@ class InferPlan:
             **self.flags, num_warps=warps if Kp <= 128 else 2 * warps, num_stages=stages,
         )
 
-    def recur(self, BV: int, warps: int, stages: int) -> None:
-        """The recurrence over chunks (after ``intra``): o and the final state."""
+    def recur(self, BV: int | None = None, warps: int | None = None, stages: int | None = None) -> None:
+        """The recurrence over chunks (after ``intra``): o and the final state. ``(BV, warps, stages)``:
+        one launch config for every recurrence kernel (launch sweeps); None: ``LAUNCH``'s per phase."""
+        cfg = None if BV is None else (BV, warps, stages)
+        if not self.seg:
+            self._recur(self.N, self.cu, self.coff, self.h0, self.o, self.hT, cfg or self.recur_launch(),
+                        varlen=self.varlen)
+            return
         B, T, H, K, V, Kp, Vp = self.dims
+        dev, f32 = self.o.device, torch.float32
+        cu, coff, soff = self._segments()
+        M = torch.empty(self.nseg, H, K, K + V, device=dev, dtype=f32)
+        self._recur(self.nseg, cu, coff, None, None, M, cfg or _recur_launch(self.nseg * H, Vp, dev, Kp),
+                    varlen=True, aug=True)
+        S0 = torch.empty(self.nseg, H, K, V, device=dev, dtype=f32)
+        jbv, jwarps = self._join_launch()
+        _kda_infer_join[(self.N * H * (Vp // jbv),)](
+            M, self.h0 if self.h0 is not None else M, S0, soff, H,
+            K=K, V=V, BK=Kp, BVF=Vp, BV=jbv, HAS_H0=self.h0 is not None, num_warps=jwarps, num_stages=1,
+        )
+        Send = torch.empty_like(S0) if self.hT is not None else None
+        self._recur(self.nseg, cu, coff, S0, self.o, Send, cfg or self.recur_launch(), varlen=True)
+        if self.hT is not None:
+            torch.index_select(Send, 0, soff[1:] - 1, out=self.hT)
+
+    def _join_launch(self) -> tuple[int, int]:
+        Vp = self.dims[6]
+        return (min(_INTERP_BV, Vp), 1) if _interpret() else (min(LAUNCH["join"][0], Vp), LAUNCH["join"][1])
+
+    def _segments(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Segments as documents, on the device (no host sync): their token offsets and chunk-slot
+        offsets (``[nseg + 1]`` each, like ``cu`` and ``coff``: consecutive segments tile each
+        document, consecutive documents follow each other, the bound's spare segments are empty at
+        the end) and ``soff`` ``[N + 1]``, the first segment of each document."""
+        B, T, H, K, V, Kp, Vp = self.dims
+        L, C, dev = self.seg, CHUNK, self.o.device
+        if self.varlen:
+            cu, coff = self.cu, self.coff
+        else:
+            cu = torch.arange(B + 1, device=dev, dtype=torch.int32) * T
+            coff = torch.arange(B + 1, device=dev, dtype=torch.int32) * self.NC
+        soff = torch.zeros(self.N + 1, device=dev, dtype=torch.int64)
+        soff[1:] = torch.cumsum(torch.div(coff[1:] - coff[:-1] + (L - 1), L, rounding_mode="floor").clamp_min(1), 0)
+        j = torch.arange(self.nseg, device=dev)
+        n = torch.searchsorted(soff[1:], j, right=True).clamp_max(self.N - 1)  # spare segments: the last document
+        s = j - soff[n]
+        seg_cu = torch.cat([torch.minimum(cu[n] + s * (L * C), cu[n + 1]), cu[-1:]]).to(torch.int32)
+        seg_coff = torch.cat([torch.minimum(coff[n] + s * L, coff[n + 1]), coff[-1:]]).to(torch.int32)
+        return seg_cu, seg_coff, soff
+
+    def _recur(self, seqs, cu, coff, h0, o, hT, cfg, varlen, aug=False) -> None:
+        """One launch of ``_kda_infer_recur`` over ``seqs`` documents (``cu``, ``coff``) or fixed-length rows;
+        ``o`` None: no output (phase 1); ``aug``: with the identity columns (phase 1)."""
+        B, T, H, K, V, Kp, Vp = self.dims
+        BV, warps, stages = cfg
+        if aug and Kp % BV:
+            raise ValueError(f"BV={BV} is not allowed for the segmented recurrence: expected a divisor of K = {Kp}")
         dtype = self.inputs[0].dtype
         dummy = self.gl
-        _kda_infer_recur[(self.N * H * (Vp // BV),)](
-            self.w, self.u, self.qg, self.kd, self.Aqk, self.gl, self.h0 if self.h0 is not None else dummy, self.o,
-            self.hT if self.hT is not None else dummy, self.cu, self.coff,
+        _kda_infer_recur[(seqs * H * ((Vp + (Kp if aug else 0)) // BV),)](
+            self.w, self.u, self.qg, self.kd, self.Aqk, self.gl, h0 if h0 is not None else dummy,
+            o if o is not None else dummy, hT if hT is not None else dummy, cu, coff,
             T, self.NC, self.NS, H,
-            K=K, V=V, BK=Kp, BVF=Vp, BV=BV, C=CHUNK, VARLEN=self.varlen, HAS_H0=self.h0 is not None,
-            STORE_HT=self.hT is not None, DOT_BF16=_dot_bf16(dtype), IEEE=_ieee(dtype), num_warps=warps,
-            num_stages=stages,
+            K=K, V=V, BK=Kp, BVF=Vp, BV=BV, C=CHUNK, VARLEN=varlen, HAS_H0=h0 is not None,
+            STORE_HT=hT is not None, DOT_BF16=_dot_bf16(dtype), IEEE=_ieee(dtype), AUG=aug, STORE_O=o is not None,
+            num_warps=warps, num_stages=stages,
         )
