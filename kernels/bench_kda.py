@@ -22,6 +22,7 @@ B8 T4096 (torch.profiler; JSON key ``kernel_ms``).
     python kernels/bench_kda.py --part infer    # inference forward vs fla -> kernels/results/kda_infer_h200.json
     python kernels/bench_kda.py --part infer --smoke --out /tmp/kda_infer.json   # CPU interpreter
     python kernels/bench_kda.py --part infer --infer-sweep   # launch sweep of its two kernels first
+    python kernels/bench_kda.py --part infer --infer-shapes 3 --out /tmp/x.json   # B1 T32768 H16 only
 
 ``--part infer`` times forwards only (no grad), bf16, output and final state returned by every side:
 ``moelab_infer`` (``moelab.ops.kda.triton_infer.kda_infer``: chunk 16, gate, L2 norm and beta
@@ -29,7 +30,10 @@ sigmoid in its kernels) against ``fla_chunk_kda`` (the same in-kernel gate, L2 n
 and bound) and ``moelab_train_fwd`` (the training op's forward, fixed length only: it takes no
 ``cu_seqlens``), at fixed length and packed (``cu_seqlens``: each row's T tokens cut into 6
 uneven documents, all rows packed into one), with the relative difference of moelab's output and
-final state from fla's as a check. ``--infer-sweep`` first times each launch config of the inference
+final state from fla's as a check. Each ``moelab_infer`` row records which recurrence ran (``path``:
+plain, or segmented with its segment length and count); where it is segmented (B1 T32768 H16 fixed
+on an H200), a ``moelab_infer_plain`` row times the plain recurrence on the same inputs, and
+``diff_vs_plain`` compares the two. ``--infer-sweep`` first times each launch config of the inference
 forward's two kernels apart at the fixed-length shapes (``INFER_SWEEP_INTRA``, ``INFER_SWEEP_RECUR``;
 JSON key ``sweep``: ms, GB/s of the least bytes each kernel must move, error against the training
 forward), prints the fastest passing configs per shape, and adds a ``moelab_infer_tuned`` row per
@@ -226,7 +230,9 @@ def print_ratios(rows):
 # ---------------------------------------------------------------------------------------------
 INFER_SHAPES = [(1, 8192, 64, 128), (1, 8192, 96, 128), (8, 4096, 16, 128), (1, 32768, 16, 128)]
 INFER_DOCS = 6  # documents per row in the packed layout
-INFER_IMPLS = ["moelab_infer", "fla_chunk_kda", "moelab_train_fwd"]
+# moelab_infer_plain: moelab_infer on the plain recurrence (segment_chunks=0), timed only where the op
+# picks the segmented one (B1 T32768 H16 fixed on an H200), so one run measures both paths
+INFER_IMPLS = ["moelab_infer", "moelab_infer_plain", "fla_chunk_kda", "moelab_train_fwd"]
 
 
 def doc_offsets(B: int, T: int, n_docs: int = INFER_DOCS, seed: int = 0) -> list[int]:
@@ -264,16 +270,30 @@ def infer_inputs(B, T, H, D, dev, packed, beta_logits):
     return dict(q=q, k=k, v=v, z=z, beta=beta, A_log=A_log, dt_bias=dt_bias, cu=cu)
 
 
+def _infer_kw(x, beta_logits, impl) -> dict:
+    """Keywords of ``kda_infer`` (and ``InferPlan``) for a ``moelab_infer*`` impl on inputs ``x``."""
+    return dict(gate="bounded", A_log=x["A_log"], dt_bias=x["dt_bias"], g_min=G_MIN, l2norm_qk=True,
+                beta_sigmoid=beta_logits, output_final_state=True, cu_seqlens=x["cu"], validate=False,
+                segment_chunks=0 if impl == "moelab_infer_plain" else None)
+
+
+def infer_path(impl, x, beta_logits) -> dict:
+    """Which recurrence a ``moelab_infer*`` impl runs on ``x`` (``InferPlan.path``: segmented or not,
+    segments, launch configs); builds the plan's buffers, runs nothing."""
+    plan = triton_infer.InferPlan(*(x[n] for n in ("q", "k", "v", "z", "beta")), **_infer_kw(x, beta_logits, impl))
+    return plan.path()
+
+
 def infer_fn(impl, x, beta_logits, tuned=None):
     """A no-grad forward returning ``(o, final state)``; ``tuned``: (intra, recur) launch configs of
     ``moelab_infer_tuned``."""
     q, k, v, z, beta, A_log, dt_bias, cu = (x[n] for n in ("q", "k", "v", "z", "beta", "A_log", "dt_bias", "cu"))
     if impl.startswith("moelab_infer"):
+        kw = _infer_kw(x, beta_logits, impl)
+
         def infer():
-            return triton_infer.kda_infer(q, k, v, z, beta, gate="bounded", A_log=A_log, dt_bias=dt_bias, g_min=G_MIN,
-                                          l2norm_qk=True, beta_sigmoid=beta_logits, output_final_state=True,
-                                          cu_seqlens=cu, validate=False)
-        if impl == "moelab_infer":
+            return triton_infer.kda_infer(q, k, v, z, beta, **kw)
+        if impl in ("moelab_infer", "moelab_infer_plain"):
             return infer
         intra, recur = tuned  # moelab_infer_tuned: the sweep's fastest configs at this shape
 
@@ -329,7 +349,8 @@ def infer_sweep(shapes, dev, beta_logits, warmup, rep) -> dict:
         ins = sum(t.numel() * t.element_size() for t in plan.inputs)
         io = plan.o.numel() * plan.o.element_size() + plan.hT.numel() * 4
         default = dict(intra=plan.intra_launch(), recur=plan.recur_launch())
-        res: dict = dict(default=default, intra=[], recur=[], min_bytes=dict(intra=ins + inter, recur=inter + io))
+        res: dict = dict(default=default, path=plan.path(), intra=[], recur=[],
+                         min_bytes=dict(intra=ins + inter, recur=inter + io))
         recur = [c for c in INFER_SWEEP_RECUR if c[0] <= plan.dims[6]]  # V-blocks no wider than V (padded)
         for kernel, cands in (("intra", INFER_SWEEP_INTRA), ("recur", recur)):
             for cfg in cands:
@@ -394,6 +415,10 @@ def run_infer(args, dev) -> int:
                      "beta sigmoid (where fla takes beta logits) and the bound inside the ops; packed: each "
                      "row's T tokens cut into 6 uneven documents (doc_offsets), rows packed into one; "
                      "diff_vs_fla: relative RMS difference of moelab_infer's o and final state from fla's; "
+                     "path: the recurrence moelab_infer ran (InferPlan.path: segmented or plain, segment length "
+                     "in chunks, segments per sequence or document, launch configs); moelab_infer_plain: the plain "
+                     "recurrence forced (segment_chunks=0), only where moelab_infer is segmented, diff_vs_plain: "
+                     "the two paths' relative RMS difference; "
                      "moelab_infer_tuned (with --infer-sweep): moelab_infer at the sweep's fastest passing "
                      "launch configs of the fixed-length shape (packed rows too); sweep: per kernel and config, "
                      "ms, GB/s of the least bytes the kernel must move, error vs the training forward")
@@ -415,12 +440,15 @@ def run_infer(args, dev) -> int:
         for packed in (False, True):
             x = infer_inputs(B, T, H, D, dev, packed, beta_logits)
             results = {}
+            path = infer_path("moelab_infer", x, beta_logits)
             for impl in impls + (["moelab_infer_tuned"] if tuned else []):
-                if impl == "moelab_train_fwd" and packed:
+                if (impl == "moelab_train_fwd" and packed) or (impl == "moelab_infer_plain" and not path["segmented"]):
                     continue
                 row = dict(impl=impl, layout="packed" if packed else "fixed", B=B, T=T, H=H, D=D, fwd_ms=None)
                 if packed:
                     row["cu_seqlens"] = x["cu"].tolist()
+                if impl in ("moelab_infer", "moelab_infer_plain"):
+                    row["path"] = path if impl == "moelab_infer" else infer_path(impl, x, beta_logits)
                 try:
                     fn = infer_fn(impl, x, beta_logits, tuned)
                     results[impl] = fn()
@@ -436,8 +464,10 @@ def run_infer(args, dev) -> int:
                 rows.append(row)
                 write()
                 ms = f"{row['fwd_ms']:9.3f}" if row["fwd_ms"] is not None else "        -"
+                seg = row.get("path", {}).get("segment_chunks")
+                seg = f"  segments of {seg} chunks" if seg else ""
                 print(f"{impl:18s} {row['layout']:6s} B{B:<2d} T{T:<6d} H{H:<3d} D{D}  fwd {ms} ms  "
-                      f"{row.get('error', '')}", flush=True)
+                      f"{row.get('error', '')}{seg}", flush=True)
             if "moelab_infer" in results and "fla_chunk_kda" in results:
                 (o, S), (fo, fS) = results["moelab_infer"], results["fla_chunk_kda"]
                 diff = dict(o=rel_err(fo.float(), o.float()), final_state=rel_err(fS.float(), S.float()))
@@ -446,6 +476,12 @@ def run_infer(args, dev) -> int:
                         row["diff_vs_fla"] = diff
                         break
                 print(f"  moelab_infer vs fla: o {diff['o']:.2e}  final state {diff['final_state']:.2e}", flush=True)
+                write()
+            if "moelab_infer" in results and "moelab_infer_plain" in results:
+                (o, S), (po, pS) = results["moelab_infer"], results["moelab_infer_plain"]
+                diff = dict(o=rel_err(po.float(), o.float()), final_state=rel_err(pS, S))
+                next(r for r in rows[::-1] if r["impl"] == "moelab_infer")["diff_vs_plain"] = diff
+                print(f"  segmented vs plain: o {diff['o']:.2e}  final state {diff['final_state']:.2e}", flush=True)
                 write()
             del x, results
             if dev == "cuda":
@@ -462,7 +498,9 @@ def print_infer_ratios(rows) -> None:
         if not impl.startswith("moelab_infer") or ms is None:
             continue
         parts = []
-        for other in ("fla_chunk_kda", "moelab_train_fwd"):
+        for other in ("fla_chunk_kda", "moelab_train_fwd", "moelab_infer_plain"):
+            if other == impl:
+                continue
             o = by.get((other, layout, B, T, H))
             if o is not None:
                 parts.append(f"{other} / {impl} {o / ms:.2f}x")

@@ -41,6 +41,11 @@ Kernels (bases of exponentials are 2: G is kept in log2 units, ``exp2(G)`` is ``
   tiles (w^T, qg^T, kd, A_qk^T) are right operands, copied to shared memory two chunks ahead by the
   software pipeline. Output and state in one pass: the chunk states are never stored (at chunk
   16 they would be ``K V / 16`` values per token).
+* Segmented recurrence, for few sequences x heads and long sequences (``choose_segment_chunks``):
+  the same kernel on segments of the sequences, first for each segment's state transition
+  ``S_end = A S_start + B`` (identity V-blocks, no output), then ``_kda_infer_join`` chains the
+  transitions into each segment's start state, then the kernel again for the output
+  (``InferPlan``): a chain of ``n / P + P + n / P`` steps instead of ``n`` over P segments.
 
 Memory traffic and parallelism: kernels/README.md, "Inference forward".
 
@@ -101,7 +106,7 @@ _INTERP_BV = 16  # the interpreter: 16-wide V-blocks so that small test shapes t
 # Segmented recurrence (``InferPlan``). With few (sequence, head) pairs and long sequences the plain
 # recurrence is one long chain of chunk steps on a mostly idle GPU: in the first H200 sweep B1 T32768
 # H16 (128 programs) took 2.06 ms for 2048 chunks, ~1.0 us each, while B8 T4096 H16 (512 programs of
-# BV 32) ran its 256 chunks at ~1.4 us each, i.e. ~5x the work per microsecond. So: segment when the
+# BV 32) ran its 256 chunks in 0.36 ms, ~1.4 us each: ~6x the work per microsecond. So: segment when the
 # plain grid at its narrowest V-blocks (16) is under SEG_FEW_PROGRAMS per SM and the sequences are
 # longer than SEG_MIN_CHUNKS chunks; take P segments per sequence so that phase 3 at BV 32 has
 # SEG_PROGRAMS_PER_SM programs per SM (about the B8 T4096 H16 grid), each segment at least SEG_MIN_LEN
