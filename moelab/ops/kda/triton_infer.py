@@ -99,7 +99,8 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # sweep. Three stages: the pipeline then issues a chunk's copies two chunks ahead; with two it
 # issues them at the end of the chunk before, so each chunk waited out a full memory latency.
 # join (phase 2 of the segmented recurrence, below): (BV, num_warps); its products are exact fp32
-# (FMA, not tensor cores), one [BV, K] x [K, K] per segment: 16-wide blocks give 128 programs at B1 H16.
+# (FMA, not tensor cores), one [BV, K] x [K, K] per segment: 16-wide blocks give 128 programs at B1 H16,
+# 4 warps compile without spills at K = 128 (241 registers, sm_90a with Triton 3.9; 2 warps spill).
 LAUNCH: dict = {"intra": (2, 1), "recur": ((32, 2, 3), (16, 1, 3)), "join": (16, 4)}
 _INTERP_BV = 16  # the interpreter: 16-wide V-blocks so that small test shapes take several
 
@@ -395,14 +396,18 @@ def _kda_infer_recur(
 @triton.jit
 def _kda_infer_join(
     M, h0, S0, soff, H,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
+    HAS_H0: tl.constexpr,
 ):
     """Phase 2 of the segmented recurrence: the start states of the segments of one document and
     head (segments ``soff[n] .. soff[n + 1] - 1``), columns ``[i_v BV, (i_v + 1) BV)``:
     ``S_0 = h0`` (or 0), ``S_{s+1} = A_s S_s + B_s`` with ``[A_s | B_s]`` from phase 1 (``M``
     ``[segments, H, K, K + V]``), into ``S0`` ``[segments, H, K, V]``. Transposed like the
     recurrence, ``hv <- hv A_s^T + B_s^T``; exact fp32 products (one per segment: small next to
-    the recurrences, and the start states carry the whole history of the sequence)."""
+    the recurrences, and the start states carry the whole history of the sequence). The product
+    runs over K in slices of ``KC``, the state's slice read back from the ``S0`` just written: an
+    fp32 (FMA) product over all of K at once holds whole rows and columns of both operands in
+    registers per thread and spilled ~14 KB per thread (sm_90a compile, K = 128)."""
     NV: tl.constexpr = BVF // BV
     pid = tl.program_id(0)
     i_v = pid % NV
@@ -420,14 +425,21 @@ def _kda_infer_join(
         h = tl.load(h0 + i_nh.to(tl.int64) * (K * V) + ph, mask=hm, other=0.0).to(tl.float32)
     else:
         h = tl.zeros([BV, BK], dtype=tl.float32)
-    pa = dk[:, None] + dk[None, :] * (K + V)  # A^T: [c, d] <- A[d, c]
+    kc = tl.arange(0, KC)
     pb = K + cv[:, None] + dk[None, :] * (K + V)  # B^T: [v, d] <- B[d, v]
     js = (j0 * H + i_h).to(tl.int64)
     for _ in range(j1 - j0 - 1):  # the last segment's [A | B] is not needed
         tl.store(S0 + js * (K * V) + ph, h, mask=hm)
-        At = tl.load(M + js * (K * (K + V)) + pa, mask=km[:, None] & km[None, :], other=0.0)
-        Bt = tl.load(M + js * (K * (K + V)) + pb, mask=hm, other=0.0)
-        h = tl.dot(h, At, input_precision="ieee") + Bt
+        tl.debug_barrier()  # the slices are read back by other threads than wrote them
+        h = tl.load(M + js * (K * (K + V)) + pb, mask=hm, other=0.0)
+        for c0 in tl.static_range(0, BK, KC):
+            c = c0 + kc
+            hc = tl.load(S0 + js * (K * V) + cv[:, None] + c[None, :] * V,
+                         mask=(cv < V)[:, None] & (c < K)[None, :], other=0.0)
+            # A^T rows c: [c, d] <- A[d, c]
+            ac = tl.load(M + js * (K * (K + V)) + c[:, None] + dk[None, :] * (K + V),
+                         mask=(c < K)[:, None] & km[None, :], other=0.0)
+            h += tl.dot(hc, ac, input_precision="ieee")
         js += H
     tl.store(S0 + js * (K * V) + ph, h, mask=hm)
 
@@ -721,7 +733,7 @@ class InferPlan:
         jbv, jwarps = self._join_launch()
         _kda_infer_join[(self.N * H * (Vp // jbv),)](
             M, self.h0 if self.h0 is not None else M, S0, soff, H,
-            K=K, V=V, BK=Kp, BVF=Vp, BV=jbv, HAS_H0=self.h0 is not None, num_warps=jwarps, num_stages=1,
+            K=K, V=V, BK=Kp, BVF=Vp, BV=jbv, KC=16, HAS_H0=self.h0 is not None, num_warps=jwarps, num_stages=1,
         )
         Send = torch.empty_like(S0) if self.hT is not None else None
         self._recur(self.nseg, cu, coff, S0, self.o, Send, cfg or self.recur_launch(), varlen=True)
