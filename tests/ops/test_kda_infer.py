@@ -146,10 +146,11 @@ def test_packed_documents(dtype):
         assert_close(S, out[1][n:n + 1], TOL[dtype], f"state of document {n}")
 
 
-def test_packed_zero_state_int64_offsets_no_final_state():
+@pytest.mark.parametrize("seg", [0, 1], ids=["plain", "segmented"])
+def test_packed_zero_state_int64_offsets_no_final_state(seg):
     cu = [0, 17, 33, 34]
     x = _inputs(1, cu[-1], 1, 16, 16, torch.float32, seed=3, n_states=len(cu) - 1)
-    o, S = _run(x, None, cu, gate="bounded", output_final_state=False)
+    o, S = _run(x, None, cu, gate="bounded", output_final_state=False, segment_chunks=seg)
     assert S is None
     assert_close(_reference(x, None, cu, gate="bounded")[0], o, TOL[torch.float32], "o")
 
