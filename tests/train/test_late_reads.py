@@ -4,7 +4,10 @@ order, the last one at the end, and a non-finite step still stops the run before
 
 from __future__ import annotations
 
+import os
 import statistics
+import warnings
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -204,3 +207,36 @@ def test_monitor_records_the_unread_step_at_train_end(tmp_path: Path, running_ev
              "train/lr": 1e-3} for s in (1, 2)]
     assert monitor.history == rows and [list(r) for r in monitor.history] == [list(r) for r in rows]  # in order
     assert [s for s, _ in logged] == [1, 2] and monitor.shown == {"train/loss": 2.0}
+
+
+class SyncWatch(Callback):
+    """Reports the synchronizing CUDA calls (``torch.cuda.set_sync_debug_mode``) of optimizer steps ``first``
+    to ``last`` as warnings: from the start of the batch after ``first - 1`` steps to the end of step ``last``."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last = first, last
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.first - 1:
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.last:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_training_steps_make_the_host_wait_for_nothing_in_the_loop(tmp_path: Path) -> None:
+    """Steps 3-6 of a GPU run (no validation, no log window in them): no synchronizing call from moelab's
+    callbacks or from Lightning's metric conversion. Every other one is listed in the message."""
+    cfg = tiny_config(tmp_path / "ckpt", None, train__max_steps=8, train__val_every=8, train__log_every=8,
+                      model__moe__balancer="quantile_balancing")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fit(cfg, callbacks=[SyncWatch(3, 6)])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message))
+    loop = {k: n for k, n in syncs.items() if f"moelab{os.sep}train{os.sep}" in k or "apply_func.py" in k}
+    assert not loop, f"the loop waits for the GPU: {loop}; all synchronizing calls in steps 3-6: {dict(syncs)}"
