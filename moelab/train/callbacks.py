@@ -117,30 +117,32 @@ class LateReads(Generic[T]):
     wait until the GPU has run the whole step, and the GPU then idles while the host queues the next
     one. :meth:`push` instead starts a non-blocking copy into pinned host memory and records an event
     after it; :meth:`pop` hands back, oldest first, every entry but the newest (waiting for its event,
-    normally long complete) and the newest only if its event has already completed. On the CPU the
-    event is complete at once, so every entry comes back at the first ``pop`` after its ``push``.
+    normally long complete). The newest comes back too when its values were on the CPU and its event
+    has completed, which a :class:`HostEvent` has at once: on the CPU every entry comes back at the
+    first ``pop`` after its ``push``. A CUDA entry always waits for the next ``pop``, done or not, so
+    all data-parallel ranks record (and vote on) the same steps at the same point.
     ``pop(everything=True)`` waits for all (train end, before validation or a checkpoint).
     """
 
     def __init__(self) -> None:
-        self.pending: deque[tuple[T, torch.Tensor, Event]] = deque()
+        self.pending: deque[tuple[T, torch.Tensor, Event, bool]] = deque()  # (item, host values, event, on CUDA)
 
     def push(self, item: T, values: torch.Tensor) -> None:
         """Queue ``item`` with its device values ``[n]``; ``pop`` returns them as a list of n floats."""
-        host = values
-        if values.device.type == "cuda":
+        host, cuda = values, values.device.type == "cuda"
+        if cuda:
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             host.copy_(values, non_blocking=True)
         event = device_event(values.device)
         event.record()
-        self.pending.append((item, host, event))
+        self.pending.append((item, host, event, cuda))
 
     def pop(self, everything: bool = False) -> list[tuple[T, list[float]]]:
         """The entries that are ready (all with ``everything``), oldest first, each removed from the queue."""
         out = []
         while self.pending:
-            item, host, event = self.pending[0]
-            if not everything and len(self.pending) == 1 and not event.query():
+            item, host, event, cuda = self.pending[0]
+            if not everything and len(self.pending) == 1 and (cuda or not event.query()):
                 break
             event.synchronize()
             self.pending.popleft()

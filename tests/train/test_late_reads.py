@@ -240,3 +240,13 @@ def test_training_steps_make_the_host_wait_for_nothing_in_the_loop(tmp_path: Pat
     syncs = Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message))
     loop = {k: n for k, n in syncs.items() if f"moelab{os.sep}train{os.sep}" in k or "apply_func.py" in k}
     assert not loop, f"the loop waits for the GPU: {loop}; all synchronizing calls in steps 3-6: {dict(syncs)}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_entry_waits_for_the_next_pop_even_when_done() -> None:
+    reads: LateReads[int] = LateReads()
+    reads.push(1, torch.tensor([1.5, 2.5], device="cuda"))
+    torch.cuda.synchronize()  # done: still not returned, so that every rank records step 1 at the same point
+    assert reads.pop() == []
+    reads.push(2, torch.tensor([3.5], device="cuda"))
+    assert reads.pop() == [(1, [1.5, 2.5])] and reads.pop(everything=True) == [(2, [3.5])]
