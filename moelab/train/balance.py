@@ -17,7 +17,6 @@ artifacts. The trajectories travel in the checkpoint, so after a resume they cov
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from moelab.model.balance import (
     max_vio,
     qb_target,
 )
+from moelab.train.callbacks import Event, device_event
 from moelab.utils import atomic_path
 
 
@@ -111,6 +111,26 @@ def step_scalars(step: BalanceStep) -> dict[str, torch.Tensor]:
     return out
 
 
+class _Timing:
+    """One balancer update's events (CUDA or host clock), read once: ``(step, ms, share or None)``."""
+
+    def __init__(self, step: int, start: Event, end: Event, previous_end: Event | None) -> None:
+        self.step = step
+        self._events: tuple[Event, Event, Event | None] | None = (start, end, previous_end)
+        self._read: tuple[int, float, float | None] | None = None
+
+    def read(self) -> tuple[int, float, float | None]:
+        """Waits for the update's end if its GPU work has not run yet; then drops the events."""
+        if self._events is not None:
+            start, end, previous_end = self._events
+            end.synchronize()
+            ms = start.elapsed_time(end)
+            share = ms / previous_end.elapsed_time(end) if previous_end is not None else None
+            self._read, self._events = (self.step, ms, share), None
+        assert self._read is not None
+        return self._read
+
+
 class BalancerCallback(Callback):
     """Runs the balancer once per optimizer step and records what it did.
 
@@ -126,11 +146,11 @@ class BalancerCallback(Callback):
     ``val/maxvio_global`` (mean over layers) and ``val/maxvio_global/<layer>``.
 
     Timing: ``perf/balancer_ms`` is the wall time of the update (the collectives included) and
-    ``perf/balancer_share`` that time over the time since the previous update (one optimizer step;
-    left out on the first step after the start and after each validation). On a GPU the update is
-    bracketed by CUDA events and the host waits for the second one: one host sync per step (the
-    update itself makes none; ``StepMonitor`` makes one per step anyway). ``timings`` keeps
-    ``(step, ms, share or None)`` of every step.
+    ``perf/balancer_share`` that time over the time from the end of the previous update to the end of
+    this one (one optimizer step; left out on the first step after the start and after each
+    validation). On a GPU the update is bracketed by CUDA events, read a step later (at the next
+    update, or when ``StepMonitor`` records the step), so the host never waits for the update it has
+    just queued; on the CPU by the host clock. ``timings`` keeps ``(step, ms, share or None)`` of every step.
 
     At the end of a multi-rank fit, ``replicas`` says whether all ranks hold the same biases and
     weights (:func:`compare_replicas`; a warning when not); the run's summary records it.
@@ -146,9 +166,14 @@ class BalancerCallback(Callback):
         self.loads: list[torch.Tensor] = []
         self.biases: list[torch.Tensor] = []
         self.val_history: list[tuple[int, torch.Tensor]] = []
-        self.timings: list[tuple[int, float, float | None]] = []
+        self._timings: list[_Timing] = []
         self.replicas: dict[str, bool] | None = None  # compare_replicas at the end of a multi-rank fit
-        self._last_update: float | None = None
+        self._previous_end: Event | None = None  # the end of the previous update, if it counts for the share
+
+    @property
+    def timings(self) -> list[tuple[int, float, float | None]]:
+        """``(step, ms, share or None)`` of every update (waits for the newest update's GPU work)."""
+        return [t.read() for t in self._timings]
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.tokens_per_micro_batch is None:
@@ -166,41 +191,33 @@ class BalancerCallback(Callback):
                         f"{trainer.accumulate_grad_batches} accumulated x {trainer.world_size} ranks): {e}") from e
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._last_update = None
+        self._previous_end = None
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
-        device = pl_module.device
-        events = None
-        if device.type == "cuda":
-            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            events[0].record()
-        started = time.perf_counter()
+        start, end = device_event(pl_module.device, timing=True), device_event(pl_module.device, timing=True)
+        start.record()
         step = balance_step(pl_module, all_reduce_sum, all_gather_rows)
         if step is None:
             return
-        if events is not None:
-            events[1].record()
-            events[1].synchronize()
-            ms = events[0].elapsed_time(events[1])
-        else:
-            ms = (time.perf_counter() - started) * 1e3
-        now = time.perf_counter()
-        share = ms / ((now - self._last_update) * 1e3) if self._last_update is not None else None
-        self._last_update = now
+        end.record()
+        if self._timings:  # the previous update's, a step later: its GPU work has normally run by now
+            self._timings[-1].read()
+        done = trainer.global_step + 1  # the step being completed, as StepMonitor numbers it
+        timing = _Timing(done, start, end, self._previous_end)
+        self._previous_end = end
 
         self.layers = step.layers
-        done = trainer.global_step + 1  # the step being completed, as StepMonitor numbers it
         self.steps.append(done)
         self.loads.append(step.load)
         self.biases.append(step.bias)
-        self.timings.append((done, ms, share))
+        self._timings.append(timing)
         scalars = getattr(pl_module, "step_scalars", None)
         if isinstance(scalars, dict):
             scalars.update(step_scalars(step))
-            scalars["perf/balancer_ms"] = torch.tensor(ms, device=device)
-            if share is not None:
-                scalars["perf/balancer_share"] = torch.tensor(share, device=device)
+            # Host values, read when StepMonitor records the step; the share is left out when None.
+            scalars["perf/balancer_ms"] = lambda: timing.read()[1]
+            scalars["perf/balancer_share"] = lambda: timing.read()[2]
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.world_size < 2:
@@ -213,7 +230,7 @@ class BalancerCallback(Callback):
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         clear_eval_loads(pl_module)
-        self._last_update = None  # the next step's share must not count the validation
+        self._previous_end = None  # the next step's share must not count the validation
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:

@@ -1,6 +1,10 @@
 """Callbacks that watch a run: per-step scalars and the NaN guard, throughput/MFU, stopping, the last checkpoint,
 and the progress bar.
 
+A step's scalars are read on the host one step late (:class:`LateReads`), so the host never waits for
+the GPU work it has just queued: small models train host-bound, and a read right after a step would
+leave the GPU idle while the host queues the next one.
+
 Under DDP every decision that ends the loop (non-finite value, Ctrl-C, SIGTERM) is reduced over
 ranks first, so all ranks stop at the same step instead of one waiting forever in a collective.
 
@@ -11,14 +15,17 @@ logged together every ``log_every`` steps, ``val/*`` at each validation.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import lightning as L
 import torch
@@ -55,6 +62,95 @@ def first_non_finite(module: torch.nn.Module) -> str | None:
     if not params or torch.stack([torch.isfinite(p).all() for _, p in params]).all():
         return None
     return next(name for name, p in params if not torch.isfinite(p).all())
+
+
+class Event(Protocol):
+    """What :class:`LateReads` and the balancer's timing use of ``torch.cuda.Event``."""
+
+    def record(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+    def elapsed_time(self, end: Any) -> float: ...
+
+
+class HostEvent:
+    """``torch.cuda.Event`` for CPU work, which is done once it is queued: complete at once, timed by the host clock."""
+
+    def __init__(self) -> None:
+        self.time = 0.0
+
+    def record(self) -> None:
+        self.time = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        """Milliseconds from this event to ``end``."""
+        return (end.time - self.time) * 1e3
+
+
+def device_event(device: torch.device, timing: bool = False) -> Event:
+    """An event for work queued on ``device`` (its current stream): a CUDA event there, else a :class:`HostEvent`.
+
+    ``timing``: the event can measure ``elapsed_time`` (CUDA events without it are cheaper).
+    """
+    if device.type == "cuda":
+        return torch.cuda.Event(enable_timing=timing)
+    return HostEvent()
+
+
+T = TypeVar("T")
+
+
+class LateReads(Generic[T]):
+    """Reads device values on the host one step late, so the host never waits for the step it has just queued.
+
+    Why: a small model on a fast GPU trains host-bound (the host needs about a step's time to queue
+    a step's kernels). Reading a step's scalars right after queueing it (``.tolist()``) makes the host
+    wait until the GPU has run the whole step, and the GPU then idles while the host queues the next
+    one. :meth:`push` instead starts a non-blocking copy into pinned host memory and records an event
+    after it; :meth:`pop` hands back, oldest first, every entry but the newest (waiting for its event,
+    normally long complete). The newest comes back too when its values were on the CPU and its event
+    has completed, which a :class:`HostEvent` has at once: on the CPU every entry comes back at the
+    first ``pop`` after its ``push``. A CUDA entry always waits for the next ``pop``, done or not, so
+    all data-parallel ranks record (and vote on) the same steps at the same point.
+    ``pop(everything=True)`` waits for all (train end, before validation or a checkpoint).
+    """
+
+    def __init__(self) -> None:
+        self.pending: deque[tuple[T, torch.Tensor, Event, bool]] = deque()  # (item, host values, event, on CUDA)
+
+    def push(self, item: T, values: torch.Tensor) -> None:
+        """Queue ``item`` with its device values ``[n]``; ``pop`` returns them as a list of n floats."""
+        host, cuda = values, values.device.type == "cuda"
+        if cuda:
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+        event = device_event(values.device)
+        event.record()
+        self.pending.append((item, host, event, cuda))
+
+    def pop(self, everything: bool = False) -> list[tuple[T, list[float]]]:
+        """The entries that are ready (all with ``everything``), oldest first, each removed from the queue."""
+        out = []
+        while self.pending:
+            item, host, event, cuda = self.pending[0]
+            if not everything and len(self.pending) == 1 and (cuda or not event.query()):
+                break
+            event.synchronize()
+            self.pending.popleft()
+            out.append((item, host.tolist()))
+        return out
+
+    def clear(self) -> None:
+        self.pending.clear()
 
 
 class _PerStep(Callback):
@@ -120,16 +216,35 @@ class LastCheckpoint(Callback):
         self.good = (self.path, trainer.global_step, float(val) if val is not None else None)
 
 
+HostScalar = float | Callable[[], float | None]
+"""A step scalar the host holds: a float, or a function giving it (None: not recorded) once the step's GPU work ran."""
+
+
+@dataclass
+class _Step:
+    """What :class:`StepMonitor` keeps of a step until its device scalars reach the host."""
+
+    step: int
+    names: list[str]  # every scalar's name, in the order of ``step_scalars``
+    host: dict[str, HostScalar]  # those not on the device
+    lr: float
+
+
 class StepMonitor(_PerStep):
     """Records the scalars of every optimizer step (``history``), logs them, and stops on the first non-finite one.
 
     Reads ``LitMoELab.step_scalars`` (loss of the step's last micro-batch, its CE and aux parts,
-    the pre-clipping gradient norm) and the learning rate: one host sync per step, which the
-    progress bar pays anyway. Every ``log_every`` steps the row goes to ``sink`` (MLflow); after
+    the pre-clipping gradient norm; 0-dim device tensors, or :data:`HostScalar` values) and the
+    learning rate. The device values reach the host one step late, through :class:`LateReads`:
+    step ``s`` is recorded, checked and logged at the end of step ``s + 1`` (at once on the CPU), and
+    every pending step before validation, before any checkpoint is saved, at the end of training and
+    on an exception, so a non-finite step stops the run before a later step's checkpoint exists.
+    Every ``log_every`` steps the row goes to ``sink`` (MLflow); after
     each validation every ``val/*`` scalar logged in it (``val/loss``, the balancer's ``val/maxvio_global``)
     and ``val/best_loss`` do, the row gets those scalars and
     ``history_path`` (``history.csv``: ``prior`` rows from before a resume, then this run's) is
-    rewritten, so it always reaches as far as ``last.ckpt``.
+    rewritten, so it always reaches as far as ``last.ckpt``. ``shown`` holds the newest recorded
+    ``train/loss`` for the progress bar.
     """
 
     def __init__(self, checkpoints: LastCheckpoint, log_every: int, sink: MetricSink | None = None,
@@ -138,6 +253,8 @@ class StepMonitor(_PerStep):
         self.prior = prior or []
         self.history: list[dict[str, float]] = []
         self.val_history: list[tuple[int, float]] = []
+        self.shown: dict[str, float] = {}
+        self._reads: LateReads[_Step] = LateReads()
         vals = [r["val/loss"] for r in self.prior if math.isfinite(r.get("val/loss", math.nan))]
         self._best = min(vals) if vals else math.inf
 
@@ -147,19 +264,63 @@ class StepMonitor(_PerStep):
         return self.prior + self.history
 
     def on_step_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        names = list(pl_module.step_scalars)
-        values = torch.stack([pl_module.step_scalars[k].float() for k in names]).tolist()
-        row = {"step": float(trainer.global_step), **dict(zip(names, values)),
-               "train/lr": float(trainer.optimizers[0].param_groups[0]["lr"])}
-        bad = [(k, v) for k, v in zip(names, values) if not math.isfinite(v)]
-        if trainer.strategy.reduce_boolean_decision(bool(bad), all=False):
+        scalars = pl_module.step_scalars
+        host = {k: v for k, v in scalars.items() if not isinstance(v, torch.Tensor)}
+        values = torch.stack([v.float() for k, v in scalars.items() if k not in host])
+        lr = float(trainer.optimizers[0].param_groups[0]["lr"])
+        self._reads.push(_Step(trainer.global_step, list(scalars), host, lr), values)
+        self._record_ready(trainer)
+
+    def _record_ready(self, trainer: L.Trainer, everything: bool = False) -> None:
+        for step, values in self._reads.pop(everything):
+            self._record(trainer, step, values)
+
+    def _record(self, trainer: L.Trainer, step: _Step, values: list[float], vote: bool = True) -> bool:
+        """Append ``step``'s row and log it; a non-finite scalar on any rank raises :class:`NonFiniteLossError`.
+
+        ``vote=False`` (while an exception ends the run): this rank's scalars only, and a non-finite
+        one returns False instead of raising. Either way no later step is recorded after it.
+        """
+        device_values = iter(values)
+        row = {"step": float(step.step)}
+        for name in step.names:
+            value = step.host[name] if name in step.host else next(device_values)
+            value = value() if callable(value) else value
+            if value is not None:
+                row[name] = float(value)
+        bad = [(k, v) for k, v in row.items() if not math.isfinite(v)]
+        row["train/lr"] = step.lr
+        if trainer.strategy.reduce_boolean_decision(bool(bad), all=False) if vote else bad:
+            self._reads.clear()
+            if not vote:
+                return False
             metric, value = bad[0] if bad else ("train/loss", float("nan"))
             if not bad:
                 metric += " (on another rank)"
-            raise NonFiniteLossError(trainer.global_step, metric, value, *self.checkpoints.describe())
+            raise NonFiniteLossError(step.step, metric, value, *self.checkpoints.describe())
         self.history.append(row)
-        if self.sink is not None and trainer.global_step % self.log_every == 0:
-            self.sink({k: v for k, v in row.items() if k != "step"}, trainer.global_step)
+        if "train/loss" in row:
+            self.shown["train/loss"] = row["train/loss"]
+        if self.sink is not None and step.step % self.log_every == 0:
+            self.sink({k: v for k, v in row.items() if k != "step"}, step.step)
+        return True
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._record_ready(trainer, everything=True)  # the validation row and last.ckpt need the step's row
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._record_ready(trainer, everything=True)  # a non-finite step raises here, before the file is written
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._record_ready(trainer, everything=True)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # The run's history (written after the exception) reaches the last finite step, as when steps were
+        # read at once. No vote (another rank may not get here) and no second error over the one in flight.
+        with contextlib.suppress(RuntimeError):
+            for step, values in self._reads.pop(everything=True):
+                if not self._record(trainer, step, values, vote=False):
+                    break
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or "val/loss" not in trainer.callback_metrics:
@@ -218,6 +379,7 @@ class Throughput(_PerStep):
         self._step0 = 0
         self._peak: float | None = None
         self._world = 1
+        self.shown: dict[str, float] = {}  # the newest window's tokens/s, for the progress bar
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -250,7 +412,7 @@ class Throughput(_PerStep):
             metrics["perf/peak_mem_gb"] = torch.cuda.max_memory_allocated(pl_module.device) / 1e9
         if self.sink is not None:
             self.sink(metrics, step)
-        pl_module.log("tok/s", per_device * self._world, prog_bar=True, logger=False)
+        self.shown["tok/s"] = per_device * self._world
         self._t0 = None
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -299,7 +461,12 @@ class StopControl(_PerStep):
 class StepProgressBar(RichProgressBar):
     """Lightning's rich bar counting optimizer steps of the whole run (``train 30/60``, also after a resume),
     labelled ``train`` instead of ``Epoch 0/-2`` (a run here is one long epoch), without ``v_num``
-    (a logger version moelab does not use)."""
+    (a logger version moelab does not use).
+
+    It shows the ``shown`` values of :class:`StepMonitor` (``train/loss``, one step late) and
+    :class:`Throughput` (``tok/s``) beside Lightning's logged ones: a tensor logged for the bar with
+    ``self.log(..., prog_bar=True)`` is turned into a float after every batch, a host sync per step.
+    """
 
     @property
     def total_train_batches(self) -> int:
@@ -316,4 +483,7 @@ class StepProgressBar(RichProgressBar):
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)
+        for callback in trainer.callbacks:
+            if isinstance(callback, (StepMonitor, Throughput)):
+                items.update(callback.shown)
         return items

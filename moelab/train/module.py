@@ -19,6 +19,7 @@ import torch
 from moelab.config import RunConfig, to_dict
 from moelab.model import MoELab
 from moelab.train.balance import BalancerCallback
+from moelab.train.callbacks import HostScalar
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -38,9 +39,10 @@ class LitMoELab(L.LightningModule):
     """``MoELab(cfg.model)`` trained with AdamW + warmup/cosine on ``{"input_ids", "targets"}`` batches ``[B, T]``.
 
     Each optimizer step leaves its scalars in ``step_scalars`` (detached 0-dim tensors:
-    ``train/loss``, ``train/ce``, ``train/aux_loss``, ``train/grad_norm``, with a curriculum
-    ``train/seq_len``, and with MoE layers the balancer's ``balance/*`` per-layer metrics), which
-    :class:`moelab.train.callbacks.StepMonitor` turns into floats once per step.
+    ``train/loss``, ``train/ce``, ``train/aux_loss``, ``train/grad_norm``, and with MoE layers the
+    balancer's ``balance/*`` per-layer metrics; host values: with a curriculum ``train/seq_len``, with
+    MoE layers the balancer's time), which :class:`moelab.train.callbacks.StepMonitor` turns into
+    floats one step later, so reading them never makes the host wait for the step it has just queued.
     """
 
     def __init__(self, cfg: RunConfig) -> None:
@@ -49,7 +51,7 @@ class LitMoELab(L.LightningModule):
         self.model = MoELab(cfg.model)
         if cfg.train.compile:
             self.model.compile()
-        self.step_scalars: dict[str, torch.Tensor] = {}
+        self.step_scalars: dict[str, torch.Tensor | HostScalar] = {}
         self.mlflow_run_id: str | None = None  # stored in checkpoints so a resumed run can link back
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None):
@@ -72,9 +74,9 @@ class LitMoELab(L.LightningModule):
         self.step_scalars = {"train/loss": loss.detach(), "train/ce": out.loss.detach(),
                              "train/aux_loss": out.aux_loss.detach()}
         if self.cfg.data.curriculum:  # the stage's length, so tokens/s and loss can be read per stage
-            self.step_scalars["train/seq_len"] = loss.new_tensor(float(batch["input_ids"].shape[1]))
-        # For the progress bar only: StepMonitor logs every scalar of the step, at the step it completes.
-        self.log("train/loss", loss, prog_bar=True, logger=False)
+            self.step_scalars["train/seq_len"] = float(batch["input_ids"].shape[1])  # a device copy would sync
+        # No self.log here: a tensor logged for the progress bar becomes a float after every batch (a host
+        # sync per step); StepProgressBar shows StepMonitor's train/loss instead.
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -115,15 +115,15 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "nan-guard-loss-only",
         "the NaN guard checks train/loss only, not the gradient norm",
-        (Edit("moelab/train/callbacks.py", "bad = [(k, v) for k, v in zip(names, values) if not math.isfinite(v)]",
-              "bad = [(k, v) for k, v in zip(names, values) if k == 'train/loss' and not math.isfinite(v)]"),),
+        (Edit("moelab/train/callbacks.py", "bad = [(k, v) for k, v in row.items() if not math.isfinite(v)]",
+              "bad = [(k, v) for k, v in row.items() if k == 'train/loss' and not math.isfinite(v)]"),),
         ("tests/train/test_guard.py",),
     ),
     Mutation(
         "nan-guard-nan-only",
         "the NaN guard lets Inf through",
-        (Edit("moelab/train/callbacks.py", "bad = [(k, v) for k, v in zip(names, values) if not math.isfinite(v)]",
-              "bad = [(k, v) for k, v in zip(names, values) if math.isnan(v)]"),),
+        (Edit("moelab/train/callbacks.py", "bad = [(k, v) for k, v in row.items() if not math.isfinite(v)]",
+              "bad = [(k, v) for k, v in row.items() if math.isnan(v)]"),),
         ("tests/train/test_guard.py",),
     ),
     Mutation(
