@@ -321,7 +321,9 @@ def infer_fn(impl, x, beta_logits, tuned=None):
 
 
 # --infer-sweep: the inference forward's two kernels timed apart, one launch config at a time
-INFER_SWEEP_INTRA = [(1, 1), (2, 1), (2, 2), (4, 1)]  # (num_warps, num_stages); 8 warps: 2.3x slower
+# (num_warps, num_stages, per_program): first sweep, one slot per program, 2 warps fastest (8 warps 2.3x
+# slower); several slots per program pipelined over the stages (triton_infer.LAUNCH)
+INFER_SWEEP_INTRA = [(2, 1, 1), (1, 1, 1), (2, 2, 2), (2, 3, 2), (1, 2, 2), (2, 2, 4), (2, 3, 4), (4, 2, 4)]
 # (BV, num_warps, num_stages); 64/4 and 128/8 take warpgroup MMA at N = 16 (the config class Triton 3.6
 # miscompiled in the training op's state kernel: triton_infer.LAUNCH), so they are checked like the rest
 INFER_SWEEP_RECUR = [(16, 1, 2), (16, 1, 3), (16, 1, 4), (32, 2, 2), (32, 2, 3), (32, 2, 4), (64, 4, 3), (128, 8, 3)]

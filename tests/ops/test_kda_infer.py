@@ -8,6 +8,8 @@ only (the interpreter gets bf16 wrong); bf16 at real sizes is the ``gpu`` test a
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -117,11 +119,47 @@ def test_state_split_in_v_blocks(bv, monkeypatch):
 def test_launch_overrides_restore_and_check():
     saved = dict(triton_infer.LAUNCH)
     with triton_infer.launch_overrides(intra=(8, 1), recur=((16, 1, 2),)):
-        assert triton_infer.LAUNCH["intra"] == (8, 1) and triton_infer.LAUNCH["recur"] == ((16, 1, 2),)
+        assert triton_infer.LAUNCH["intra"] == (8, 1, 1) and triton_infer.LAUNCH["recur"] == ((16, 1, 2),)
+    with triton_infer.launch_overrides(intra=(2, 3, 4)):
+        assert triton_infer.LAUNCH["intra"] == (2, 3, 4)
     assert triton_infer.LAUNCH == saved
-    _err(lambda: triton_infer.launch_overrides(intra=(4,)).__enter__(), r"intra=\(4,\) is not allowed")
+    for bad in ((4,), (2, 1, 1, 1), (2, 0, 2), (2, 1, 0)):
+        _err(lambda bad=bad: triton_infer.launch_overrides(intra=bad).__enter__(),
+             re.escape(f"intra={bad!r} is not allowed"))
     _err(lambda: triton_infer.launch_overrides(recur=((16, 1),)).__enter__(), r"recur=.* is not allowed")
     assert triton_infer.LAUNCH == saved
+
+
+# Several chunk slots per program of the intra kernel. (B, T, K, V, cu_seqlens): B3 T37 is 9 slots of 3
+# per row, so PER = 2 and 4 leave a tail and their programs span rows; K = 20, V = 40 padded; PACKED
+# (below) uses 6 of its 10 slots (the grid's bound), so every PER has programs whose slots span
+# documents, an empty one among them, or lie past the last document's end.
+PER_CASES = [(3, 37, 20, 40, None), (1, 50, 32, 32, [0, 5, 21, 21, 48, 49, 50])]
+
+
+@pytest.mark.parametrize("per", [2, 3, 4])
+@pytest.mark.parametrize("case", PER_CASES, ids=["fixed", "packed"])
+def test_intra_slots_per_program_match_one(case, per):
+    """Every intermediate of the intra kernel at ``per`` slots per program equals the one-slot launch's
+    exactly (each slot computes the same), and slots past the last write nothing (the buffers start
+    from a sentinel that must stay where PER = 1 leaves it)."""
+    B, T, K, V, cu = case
+    x = _inputs(B, T, 2, K, V, torch.float32, seed=T + per, n_states=1)
+    plan = triton_infer.InferPlan(x["q"], x["k"], x["v"], x["z"], x["beta_logit"], gate="bounded", A_log=x["A_log"],
+                                  dt_bias=x["dt_bias"], l2norm_qk=True, silu_qk=True, beta_sigmoid=True,
+                                  cu_seqlens=torch.tensor(cu, device=DEV) if cu is not None else None)
+    bufs = (plan.w, plan.u, plan.qg, plan.kd, plan.Aqk, plan.gl)
+    outs = []
+    for cfg in ((1, 1, 1), (1, 2, per)):
+        for t in bufs:
+            t.fill_(123.0)
+        plan.intra(*cfg)
+        outs.append([t.clone() for t in bufs])
+    for name, one, many in zip(("w", "u", "qg", "kd", "Aqk", "gl"), *outs):
+        assert torch.equal(one, many), f"{name}: PER = {per} differs from PER = 1"
+    # gl's last row is the recurrence's read-ahead pad, written by no slot
+    assert bool((outs[0][5][:-1] == 123.0).any()) == (cu is not None), "only the packed grid has spare slots"
+    _err(lambda: plan.intra(1, 1, 0), "per=0 is not allowed")
 
 
 # document lengths 5, 16, 0 (empty), 27, 1, 1: chunk tails, a whole chunk, an empty document

@@ -21,9 +21,9 @@ independent of the state, so it runs token-parallel; only the state recurrence i
 
 Kernels (bases of exponentials are 2: G is kept in log2 units, ``exp2(G)`` is ``e^{G ln 2}``):
 
-* ``_kda_infer_intra``, grid ``[chunks, H]`` (token-parallel): loads the raw q, k, z, v, beta
-  of one 16-token chunk and one head (all five reads issued before any math, so their latencies
-  overlap); SiLU / L2 norm, gate, ``G``;
+* ``_kda_infer_intra``, grid ``[chunks / per_program, H]`` (token-parallel): loads the raw q, k, z,
+  v, beta of one 16-token chunk and one head (all five reads issued before any math, so their
+  latencies overlap; with several chunks per program, in a pipelined loop); SiLU / L2 norm, gate, ``G``;
   ``A_qk = scale lower(sum_d q_id k_jd e^{G_id - G_jd})``,
   ``L = strict_lower(beta_i sum_d k_id k_jd e^{G_id - G_jd})``,
   ``Ai = (I + L)^-1`` by block doubling (4 levels of two small products instead of a 15-step
@@ -54,7 +54,7 @@ contiguous block per chunk. Documents are padded to whole chunks inside the kern
 loads; padded rows have q = k = v = beta = 0 and g = 0, so they change nothing). Packed
 documents get consecutive chunk slots; ``coff[n]`` is the first slot of document n, and the
 intra kernel finds its document by a binary search in ``coff`` (no host sync: the grid is the
-upper bound ``cdiv(T, 16) + N`` slots and programs past the last slot return at once).
+upper bound ``cdiv(T, 16) + N`` slots, and slots past the last are masked out).
 
 Precision: fp32 inputs take exact fp32 products (``input_precision="ieee"``, the reference use);
 bf16 inputs store the intermediates in bf16 and take bf16 operands in the recurrence's products
@@ -86,8 +86,11 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Launch configs on the GPU. The H200 sweep ``kernels/bench_kda.py --part infer --infer-sweep``
 # times every candidate per kernel and shape and prints the fastest (the JSON records what ran,
 # ``meta.launch``); the first sweep (kernels/results/history/kda_infer_sweep_h200_1aca9ee.json).
-# intra: (num_warps, num_stages), all of K in one program: 2 warps was the fastest at all four
-# shapes, 0.51 ms against 0.72 (4 warps) and 1.16 (8 warps) at B1 T8192 H64.
+# intra: (num_warps, num_stages, per_program), all of K in one program: 2 warps was the fastest at all
+# four shapes, 0.51 ms against 0.72 (4 warps) and 1.16 (8 warps) at B1 T8192 H64 (1.108 GB moved at
+# least: 2.2 TB/s of the H200's ~4), so the wait is each program's memory latency, not bandwidth.
+# per_program > 1: one program takes that many consecutive chunk slots of a head in a loop pipelined
+# over num_stages, the next slot's loads in flight while one computes; left to the sweep.
 # recur: candidates (BV, num_warps, num_stages), widest V-block first; the op takes the first whose
 # grid (sequences x heads x V-blocks) reaches the SM count, else the last: narrow V-blocks where
 # there are few sequences and heads (B1 H16: 128 programs of one warp), wide ones where the grid is
@@ -101,7 +104,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # join (phase 2 of the segmented recurrence, below): (BV, num_warps); its products are exact fp32
 # (FMA, not tensor cores), one [BV, K] x [K, K] per segment: 16-wide blocks give 128 programs at B1 H16,
 # 4 warps compile without spills at K = 128 (241 registers, sm_90a with Triton 3.9; 2 warps spill).
-LAUNCH: dict = {"intra": (2, 1), "recur": ((32, 2, 3), (16, 1, 3)), "join": (16, 4)}
+LAUNCH: dict = {"intra": (2, 1, 1), "recur": ((32, 2, 3), (16, 1, 3)), "join": (16, 4)}
 _INTERP_BV = 16  # the interpreter: 16-wide V-blocks so that small test shapes take several
 
 # Segmented recurrence (``InferPlan``). With few (sequence, head) pairs and long sequences the plain
@@ -135,14 +138,16 @@ def choose_segment_chunks(seqs: int, H: int, chunks: int, V: int, sms: int) -> i
 
 
 @contextlib.contextmanager
-def launch_overrides(intra: tuple[int, int] | None = None, recur: tuple | None = None):
-    """Run the op with ``LAUNCH["intra"]`` = ``(num_warps, num_stages)`` and/or ``LAUNCH["recur"]`` =
+def launch_overrides(intra: tuple | None = None, recur: tuple | None = None):
+    """Run the op with ``LAUNCH["intra"]`` = ``(num_warps, num_stages, per_program)`` (or
+    ``(num_warps, num_stages)``: one chunk slot per program) and/or ``LAUNCH["recur"]`` =
     ``((BV, num_warps, num_stages), ...)`` replaced, restored on exit (launch sweeps, A/B runs)."""
     saved = dict(LAUNCH)
     if intra is not None:
-        if len(intra) != 2:
-            raise ValueError(f"intra={intra!r} is not allowed: expected (num_warps, num_stages)")
-        LAUNCH["intra"] = tuple(int(x) for x in intra)
+        if len(intra) not in (2, 3) or any(int(x) < 1 for x in intra):
+            raise ValueError(f"intra={intra!r} is not allowed: expected (num_warps, num_stages, per_program) "
+                             "or (num_warps, num_stages), each >= 1")
+        LAUNCH["intra"] = tuple(int(x) for x in intra) + (1,) * (3 - len(intra))
     if recur is not None:
         if not recur or any(len(c) != 3 for c in recur):
             raise ValueError(f"recur={recur!r} is not allowed: expected ((BV, num_warps, num_stages), ...)")
@@ -204,79 +209,94 @@ def _kda_infer_intra(
     scale, g_min, mid, eps, T, NC, NS, N, H,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, C: tl.constexpr,
     LOG_N: tl.constexpr, VARLEN: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IEEE: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IEEE: tl.constexpr, PER: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """One chunk slot ``i_s`` of one head (see the module docstring). ``mid`` is the reference
-    ``C/2 * g_min`` in log2 units; ``BK``, ``BVF`` are K, V padded to powers of two >= 16
-    (the intermediates' widths)."""
-    i_s = tl.program_id(0)
+    """Chunk slots ``[PER i, PER (i + 1))`` of one head, ``i`` = program 0 (see the module docstring).
+    ``mid`` is the reference ``C/2 * g_min`` in log2 units; ``BK``, ``BVF`` are K, V padded to powers of
+    two >= 16 (the intermediates' widths).
+
+    Several slots per program: the loop over them is software-pipelined (``STAGES``), so the next
+    slot's loads are in flight while this one computes; each slot computes exactly as with
+    ``PER = 1``. Slots past the last (the grid's tail, or past the last document's end) are masked
+    out of every load and store, not returned from: a return cannot leave a pipelined loop."""
     i_h = tl.program_id(1)
-    if VARLEN:
-        if i_s >= tl.load(coff + N):
-            return
-        n = _doc_of_slot(coff, i_s, N, LOG_N)
-        bos = tl.load(cu + n).to(tl.int64)
-        eos = tl.load(cu + n + 1).to(tl.int64)
-        c = i_s - tl.load(coff + n)
-    else:
-        n = i_s // NC
-        c = i_s % NC
-        bos = n.to(tl.int64) * T
-        eos = bos + T
-    t0 = bos + c * C  # first token of the chunk (int64: B*T*H*K may pass 2^31)
     r = tl.arange(0, C)
     ck = tl.arange(0, BK)
     cv = tl.arange(0, BVF)
-    rm = r < eos - t0
     km = ck < K
-    mk = rm[:, None] & km[None, :]
-    src = t0 * H + i_h
     pk = r[:, None] * (H * K) + ck[None, :]
-
-    # every load first, in the input dtype: the five reads are independent, and issued together
-    # they wait out one memory latency instead of five in a row (the kernel is bound by memory)
-    x = tl.load(z + src * K + pk, mask=mk, other=0.0)
-    kr = tl.load(k + src * K + pk, mask=mk, other=0.0)
-    qr = tl.load(q + src * K + pk, mask=mk, other=0.0)
-    vr = tl.load(v + src * V + r[:, None] * (H * V) + cv[None, :], mask=rm[:, None] & (cv < V)[None, :], other=0.0)
-    b = tl.load(beta + src + r * H, mask=rm, other=0.0).to(tl.float32)
-
-    x = x.to(tl.float32)
+    pw = r[:, None] * BK + ck[None, :]
+    if VARLEN:
+        last = tl.load(coff + N)  # slots in use
+    else:
+        last = NS
     if GATE != 0:
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         if HAS_BIAS:
-            x += tl.load(dt_bias + i_h * K + ck, mask=km, other=0.0).to(tl.float32)[None, :]
-        x = _gate(x, a, g_min, GATE)
-    # padded rows and channels: g = 0, so G stays flat there and G at the last row is G_last
-    G = tl.cumsum(tl.where(mk, x, 0.0) * 1.4426950408889634, axis=0)
-    Gl = tl.sum(tl.where(r[:, None] == C - 1, G, 0.0), axis=0)
-    if BETA_SIGMOID:
-        b = tl.where(rm, tl.sigmoid(b), 0.0)
-    hs = (i_h * NS + i_s).to(tl.int64)  # the slot's row block in the head-major intermediates
-    pw = r[:, None] * BK + ck[None, :]
-    tl.store(gl + hs * BK + ck, tl.exp2(Gl))
+            bias = tl.load(dt_bias + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
+    for j in tl.range(0, PER, num_stages=STAGES):
+        i_s = tl.program_id(0) * PER + j
+        live = i_s < last
+        if VARLEN:
+            n = _doc_of_slot(coff, i_s, N, LOG_N)
+            bos = tl.load(cu + n).to(tl.int64)
+            eos = tl.load(cu + n + 1).to(tl.int64)
+            c = i_s - tl.load(coff + n)
+        else:
+            n = i_s // NC
+            c = i_s % NC
+            bos = n.to(tl.int64) * T
+            eos = bos + T
+        t0 = bos + c * C  # first token of the chunk (int64: B*T*H*K may pass 2^31)
+        # a slot past the last reads no row and writes none (the interpreter cannot broadcast a scalar mask)
+        rm = r < tl.where(live, eos - t0, 0)
+        sm = r[:, None] < tl.where(live, C, 0)
+        mk = rm[:, None] & km[None, :]
+        src = t0 * H + i_h
 
-    # |G - mid| <= C/2 |g_min| for g in [g_min, 0]: both factors stay finite, and
-    # the entries above the diagonal (which may overflow) are dropped by selects, not products
-    up = tl.exp2(G - mid)
-    dn = tl.exp2(mid - G)
-    kn = _qk_fwd(kr.to(tl.float32), eps, SILU, L2NORM)
-    kdn = kn * dn
-    # e^{G_last - G} = e^{G_last - mid} e^{mid - G}: one exp of a K-vector instead of a tile
-    tl.store(kd + hs * (C * BK) + pw, (kdn * tl.exp2(Gl - mid)[None, :]).to(kd.dtype.element_ty))
-    kT = tl.trans(_cast(kdn, False))
-    sk = _dot(_cast(kn * up, False), kT, IEEE)
-    Ai = _unit_lower_inv(tl.where(r[:, None] > r[None, :], sk * b[:, None], 0.0), IEEE, C)
-    eG = tl.exp2(G)
-    tl.store(w + hs * (C * BK) + pw, _dot(Ai, kn * b[:, None] * eG, IEEE).to(w.dtype.element_ty))
+        # every load first, in the input dtype: the five reads are independent, and issued together
+        # they wait out one memory latency instead of five in a row (the kernel is bound by memory)
+        x = tl.load(z + src * K + pk, mask=mk, other=0.0)
+        kr = tl.load(k + src * K + pk, mask=mk, other=0.0)
+        qr = tl.load(q + src * K + pk, mask=mk, other=0.0)
+        vr = tl.load(v + src * V + r[:, None] * (H * V) + cv[None, :], mask=rm[:, None] & (cv < V)[None, :],
+                     other=0.0)
+        b = tl.load(beta + src + r * H, mask=rm, other=0.0).to(tl.float32)
 
-    qn = _qk_fwd(qr.to(tl.float32), eps, SILU, L2NORM)
-    tl.store(qg + hs * (C * BK) + pw, (qn * eG * scale).to(qg.dtype.element_ty))
-    sq = _dot(_cast(qn * up, False), kT, IEEE)
-    tl.store(Aqk + hs * (C * C) + r[:, None] * C + r[None, :],
-             tl.where(r[:, None] >= r[None, :], sq * scale, 0.0).to(Aqk.dtype.element_ty))
-    tl.store(u + hs * (C * BVF) + r[:, None] * BVF + cv[None, :],
-             _dot(Ai, vr.to(tl.float32) * b[:, None], IEEE).to(u.dtype.element_ty))
+        x = x.to(tl.float32)
+        if GATE != 0:
+            if HAS_BIAS:
+                x += bias[None, :]
+            x = _gate(x, a, g_min, GATE)
+        # padded rows and channels: g = 0, so G stays flat there and G at the last row is G_last
+        G = tl.cumsum(tl.where(mk, x, 0.0) * 1.4426950408889634, axis=0)
+        Gl = tl.sum(tl.where(r[:, None] == C - 1, G, 0.0), axis=0)
+        if BETA_SIGMOID:
+            b = tl.where(rm, tl.sigmoid(b), 0.0)
+        hs = (i_h * NS + i_s).to(tl.int64)  # the slot's row block in the head-major intermediates
+        tl.store(gl + hs * BK + ck, tl.exp2(Gl), mask=ck < tl.where(live, BK, 0))
+
+        # |G - mid| <= C/2 |g_min| for g in [g_min, 0]: both factors stay finite, and
+        # the entries above the diagonal (which may overflow) are dropped by selects, not products
+        up = tl.exp2(G - mid)
+        dn = tl.exp2(mid - G)
+        kn = _qk_fwd(kr.to(tl.float32), eps, SILU, L2NORM)
+        kdn = kn * dn
+        # e^{G_last - G} = e^{G_last - mid} e^{mid - G}: one exp of a K-vector instead of a tile
+        tl.store(kd + hs * (C * BK) + pw, (kdn * tl.exp2(Gl - mid)[None, :]).to(kd.dtype.element_ty), mask=sm)
+        kT = tl.trans(_cast(kdn, False))
+        sk = _dot(_cast(kn * up, False), kT, IEEE)
+        Ai = _unit_lower_inv(tl.where(r[:, None] > r[None, :], sk * b[:, None], 0.0), IEEE, C)
+        eG = tl.exp2(G)
+        tl.store(w + hs * (C * BK) + pw, _dot(Ai, kn * b[:, None] * eG, IEEE).to(w.dtype.element_ty), mask=sm)
+
+        qn = _qk_fwd(qr.to(tl.float32), eps, SILU, L2NORM)
+        tl.store(qg + hs * (C * BK) + pw, (qn * eG * scale).to(qg.dtype.element_ty), mask=sm)
+        sq = _dot(_cast(qn * up, False), kT, IEEE)
+        tl.store(Aqk + hs * (C * C) + r[:, None] * C + r[None, :],
+                 tl.where(r[:, None] >= r[None, :], sq * scale, 0.0).to(Aqk.dtype.element_ty), mask=sm)
+        tl.store(u + hs * (C * BVF) + r[:, None] * BVF + cv[None, :],
+                 _dot(Ai, vr.to(tl.float32) * b[:, None], IEEE).to(u.dtype.element_ty), mask=sm)
 
 
 @triton.jit
@@ -677,9 +697,9 @@ class InferPlan:
         self.flags = dict(SILU=bool(silu_qk), L2NORM=bool(l2norm_qk), BETA_SIGMOID=bool(beta_sigmoid))
         self.N, self.NC, self.NS, self.varlen, self.dims = N, NC, NS, varlen, (B, T, H, K, V, Kp, Vp)
 
-    def intra_launch(self) -> tuple[int, int]:
-        """(num_warps, num_stages) of the token-parallel kernel."""
-        return (1, 1) if _interpret() else LAUNCH["intra"]
+    def intra_launch(self) -> tuple[int, int, int]:
+        """(num_warps, num_stages, per_program) of the token-parallel kernel (see ``LAUNCH``)."""
+        return (1, 1, 1) if _interpret() else LAUNCH["intra"]
 
     def recur_launch(self) -> tuple[int, int, int]:
         """(BV, num_warps, num_stages) of the recurrence (see ``LAUNCH``); segmented: of phase 3."""
@@ -701,18 +721,21 @@ class InferPlan:
                     phase1=list(_recur_launch(self.nseg * H, Vp, self.o.device, Kp)),
                     join=list(self._join_launch()), recur=list(self.recur_launch()))
 
-    def intra(self, warps: int, stages: int) -> None:
-        """The token-parallel kernel: w, u, qg, kd, A_qk, gl from the inputs."""
+    def intra(self, warps: int, stages: int, per: int = 1) -> None:
+        """The token-parallel kernel: w, u, qg, kd, A_qk, gl from the inputs; ``per`` chunk slots per
+        program, their loop pipelined over ``stages``."""
+        if per < 1:
+            raise ValueError(f"per={per!r} is not allowed: expected chunk slots per program >= 1")
         B, T, H, K, V, Kp, Vp = self.dims
         dummy = self.gl
-        _kda_infer_intra[(self.NS, H)](
+        _kda_infer_intra[(triton.cdiv(self.NS, per), H)](
             *self.inputs, self.A_log if self.A_log is not None else dummy,
             self.dt_bias if self.dt_bias is not None else dummy, self.cu, self.coff,
             self.w, self.u, self.qg, self.kd, self.Aqk, self.gl,
             self.scale, self.g_min, (CHUNK / 2) * self.g_min * LOG2E, self.norm_eps, T, self.NC, self.NS, self.N, H,
             K=K, V=V, BK=Kp, BVF=Vp, C=CHUNK, LOG_N=max(1, self.N.bit_length()), VARLEN=self.varlen,
             GATE=_GATE_ID[self.gate], HAS_BIAS=self.dt_bias is not None, IEEE=_ieee(self.inputs[0].dtype),
-            **self.flags, num_warps=warps if Kp <= 128 else 2 * warps, num_stages=stages,
+            PER=per, STAGES=stages, **self.flags, num_warps=warps if Kp <= 128 else 2 * warps, num_stages=stages,
         )
 
     def recur(self, BV: int | None = None, warps: int | None = None, stages: int | None = None) -> None:
