@@ -90,7 +90,9 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # four shapes, 0.51 ms against 0.72 (4 warps) and 1.16 (8 warps) at B1 T8192 H64 (1.108 GB moved at
 # least: 2.2 TB/s of the H200's ~4), so the wait is each program's memory latency, not bandwidth.
 # per_program > 1: one program takes that many consecutive chunk slots of a head in a loop pipelined
-# over num_stages, the next slot's loads in flight while one computes; left to the sweep.
+# over num_stages, the next slot's loads in flight while one computes; left to the sweep. Registers at
+# D = 128 (sm_90a, Triton 3.9, ptxas -v): (2, 1, 1) 239, no spills; pipelined at 2 warps 255 with
+# 64-104 bytes spilled; at 1 warp ~1.1 KB (one slot) to ~1.5 KB (pipelined); (4, 2, 4) 253, no spills.
 # recur: candidates (BV, num_warps, num_stages), widest V-block first; the op takes the first whose
 # grid (sequences x heads x V-blocks) reaches the SM count, else the last: narrow V-blocks where
 # there are few sequences and heads (B1 H16: 128 programs of one warp), wide ones where the grid is
