@@ -284,12 +284,14 @@ def infer_path(impl, x, beta_logits) -> dict:
     return plan.path()
 
 
-def infer_fn(impl, x, beta_logits, tuned=None):
+def infer_fn(impl, x, beta_logits, tuned=None, segment_chunks=None):
     """A no-grad forward returning ``(o, final state)``; ``tuned``: (intra, recur) launch configs of
-    ``moelab_infer_tuned``."""
+    ``moelab_infer_tuned``; ``segment_chunks``: forces the recurrence's path (``kda_infer``'s keyword)."""
     q, k, v, z, beta, A_log, dt_bias, cu = (x[n] for n in ("q", "k", "v", "z", "beta", "A_log", "dt_bias", "cu"))
     if impl.startswith("moelab_infer"):
         kw = _infer_kw(x, beta_logits, impl)
+        if segment_chunks is not None:
+            kw["segment_chunks"] = segment_chunks
 
         def infer():
             return triton_infer.kda_infer(q, k, v, z, beta, **kw)
@@ -330,13 +332,18 @@ INFER_SWEEP_RECUR = [(16, 1, 2), (16, 1, 3), (16, 1, 4), (32, 2, 2), (32, 2, 3),
 # a config whose o or final state is further than this from the training forward's is wrong (both
 # sides are bf16 paths ~3e-3 from the fp32 recurrence; a miscompile is off by O(1))
 INFER_SWEEP_TOL = 2e-2
+# segment lengths in chunks (0: the plain recurrence) timed as the whole op at its default launches,
+# to set triton_infer.choose_segment_chunks' constants from measurements; lengths >= the chunks of a
+# sequence are skipped (one segment: the plain work plus phases 1 and 2)
+INFER_SWEEP_SEGMENTS = [0, 32, 64, 128, 256]
 
 
 def infer_sweep(shapes, dev, beta_logits, warmup, rep) -> dict:
     """Per fixed-length shape: every ``INFER_SWEEP_INTRA`` config of the token-parallel kernel (with
     the recurrence at its default) and every ``INFER_SWEEP_RECUR`` config of the recurrence (after the
     default intra launch) timed apart, each checked against the training forward's o and final state;
-    the fastest passing one of each, and the pair the op's defaults pick."""
+    the fastest passing one of each, and the pair the op's defaults pick; then the whole op at every
+    ``INFER_SWEEP_SEGMENTS`` length (plain or segmented recurrence)."""
     from tests.helpers import rel_err
 
     out = {}
@@ -378,9 +385,28 @@ def infer_sweep(shapes, dev, beta_logits, warmup, rep) -> dict:
                       f"{'' if row['ok'] else '  FAILED'}", flush=True)
             ok = [r for r in res[kernel] if r["ok"] and r["ms"] is not None]
             res["best_" + kernel] = min(ok, key=lambda r: r["ms"])["cfg"] if ok else None
+        res["segments"] = []
+        lengths = INFER_SWEEP_SEGMENTS if dev == "cuda" else [0, 2]  # CPU smoke: 4 chunks, 2 segments
+        for L in [L for L in lengths if L < plan.NC]:
+            row = dict(segment_chunks=L, ms=None)
+            op = infer_fn("moelab_infer", x, beta_logits, segment_chunks=L)
+            try:
+                o, S = op()
+                row.update(err_o=rel_err(ref_o.float(), o.float()), err_S=rel_err(ref_S.float(), S))
+                row["ok"] = bool(row["err_o"] <= INFER_SWEEP_TOL and row["err_S"] <= INFER_SWEEP_TOL)
+                row["ms"] = timed(op, dev, warmup, rep)
+            except Exception as exc:  # recorded, not fatal
+                row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+            res["segments"].append(row)
+            ms = f"{row['ms']:8.3f} ms (whole op)" if row["ms"] is not None else "       -"
+            print(f"  sweep B{B} T{T} H{H} segments of {L:3d} chunks {ms}  {row.get('error', '')}"
+                  f"{'' if row['ok'] else '  FAILED'}", flush=True)
+        ok = [r for r in res["segments"] if r["ok"] and r["ms"] is not None]
+        res["best_segments"] = min(ok, key=lambda r: r["ms"])["segment_chunks"] if ok else None
         out[f"B{B}_T{T}_H{H}"] = res
-        print(f"  sweep B{B} T{T} H{H}: default intra {default['intra']} recur {default['recur']}; fastest passing: "
-              f"intra {res['best_intra']} recur {res['best_recur']}", flush=True)
+        print(f"  sweep B{B} T{T} H{H}: default intra {default['intra']} recur {default['recur']} segments "
+              f"{res['path'].get('segment_chunks', 0)}; fastest passing: intra {res['best_intra']} recur "
+              f"{res['best_recur']} segments {res['best_segments']}", flush=True)
         del x, plan, ref_o, ref_S
         if dev == "cuda":
             torch.cuda.empty_cache()
