@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch.callbacks import Callback
 
 from moelab.config import RunConfig, load_config
@@ -30,3 +31,14 @@ class AtStep(Callback):
         if not self.done and trainer.global_step == self.step:
             self.done = True
             self.action(trainer, pl_module)
+
+
+class InfScalar(Callback):
+    """At the end of the step that makes ``step``: ``train/aux_loss`` becomes +Inf before StepMonitor reads it."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            pl_module.step_scalars["train/aux_loss"] = torch.tensor(float("inf"))

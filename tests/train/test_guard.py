@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 
 from moelab.train import NonFiniteLossError, fit
 from moelab.train.callbacks import Interrupted, LastCheckpoint, StepMonitor
-from tests.train.helpers import AtStep, tiny_config
+from tests.train.helpers import AtStep, InfScalar, tiny_config
 
 
 class InfGradient(Callback):
@@ -28,17 +28,6 @@ class InfGradient(Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if trainer.global_step + 1 == self.step:
             pl_module.model.lm_head.weight.grad[0, 0] = float("inf")
-
-
-class InfScalar(Callback):
-    """At the end of the step that makes ``step``: ``train/aux_loss`` becomes +Inf before the guard reads it."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            pl_module.step_scalars["train/aux_loss"] = torch.tensor(float("inf"))
 
 
 def test_infinite_gradient_norm_stops_the_run_at_its_step(tmp_path) -> None:

@@ -22,7 +22,7 @@ from moelab.train import NonFiniteLossError, fit
 from moelab.train.balance import BalancerCallback
 from moelab.train.callbacks import HostEvent, LastCheckpoint, LateReads, StepMonitor
 from tests.train.balance_probe import Probe, batches
-from tests.train.helpers import AtStep, tiny_config
+from tests.train.helpers import AtStep, InfScalar, tiny_config
 
 
 class RunningEvent(HostEvent):
@@ -124,17 +124,6 @@ def test_late_steps_are_recorded_once_in_order_as_at_once(tmp_path: Path, tracki
     assert logged_late["train/loss"] == logged_now["train/loss"]
     csv = (tmp_path / "late" / "history.csv").read_text().splitlines()
     assert csv[0] == (tmp_path / "now" / "history.csv").read_text().splitlines()[0] and len(csv) == 1 + 7
-
-
-class InfScalar(Callback):
-    """At the end of the step that makes ``step``: ``train/aux_loss`` becomes +Inf before StepMonitor reads it."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            pl_module.step_scalars["train/aux_loss"] = torch.tensor(float("inf"))
 
 
 @pytest.mark.parametrize("bad", [3, 4])
