@@ -87,7 +87,7 @@ kda-bench: $(SETUP) ## GPU: KDA op speed/memory, moelab vs fla vs SDPA -> kernel
 kda-aot: $(SETUP) ## any machine: compile the KDA kernels for sm_90 and print registers / spills
 	$(PYTHON) kernels/aot_kda.py
 
-model-bench: $(SETUP) ## GPU: whole-model tokens/s (fla shape vs fla, gpu-small residual modes, k3-mini vs balancer none; ARGS='--only k3-mini --rounds 8': interleaved rounds, paired ratios) -> studies/throughput_h200.json
+model-bench: $(SETUP) ## GPU: whole-model tokens/s (fla shape vs fla, gpu-small residual modes, k3-mini vs balancer none; ARGS='--only k3-mini --rounds 8': interleaved rounds, paired ratios; add '--budget-s 280' to stop rounds in time, and TRITON_CACHE_DIR=$PWD/.tcache to keep compiled kernels for the next call) -> studies/throughput_h200.json
 	$(PYTHON) kernels/bench_model.py --out studies/throughput_h200.json $(ARGS)
 
 ddp-check: $(SETUP) ## 2 GPUs: two DDP ranks train k3-mini (quantile balancing) 100 steps, biases and weights must end bitwise equal -> kernels/results/ddp_check_h200.json; ARGS='--commit SHA'

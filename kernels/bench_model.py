@@ -33,7 +33,10 @@ FLOPs per token (moelab accounting, activated parameters + attention/KDA terms) 
     python kernels/bench_model.py --out studies/throughput_h200.json [--steps 10] [--only fla|gpu-small|k3-mini]
     python kernels/bench_model.py --only fla --profile kernels/results/model_profile_h200.json
     python kernels/bench_model.py --only gpu-small --rounds 8 --steps 20 --out ...   # paired rounds, see below
+    TRITON_CACHE_DIR=$PWD/.tcache python kernels/bench_model.py --only gpu-small --rounds 8 --steps 20 \
+        --budget-s 280 --out ...   # as many rounds as end within 280 s of the start, kernels cached in .tcache/
     python kernels/bench_model.py --smoke --out /tmp/bench.json   # CPU: the k3-mini rows at toy sizes, fp32
+    python kernels/bench_model.py --smoke --only gpu-small --rounds 4 --out /tmp/b.json  # CPU: its 4 configs, toy
 
 ``--profile PATH`` also records the device time per kernel of one training step of each row
 (torch.profiler, after the timed steps) to PATH: ``{impl: {"step_ms": ..., "kernels": {name: ms}}}``,
@@ -49,13 +52,32 @@ each of N rounds times every config once, in the order of a Williams design (:fu
 every n rounds each config runs once in each position and once right after each other config; 2n rounds
 for an odd n; so 4 configs balance in multiples of 4 rounds, 2 in multiples of 2). A config's window is
 one untimed step of its own model, then the timed steps as above (mean of ``--steps`` synchronized steps,
-then the host issue time of one more). The rows are recorded after every round (a run cut short keeps the
-rounds it finished).
+then the host issue time of one more).
+
+After every round all rows of the group are written at once (one atomic write: the file never mixes rounds),
+over the rounds done so far: ``rounds_done`` of ``rounds_planned``, ``complete`` false until the last one, so a
+run killed by a time limit leaves rows that say so. ``--budget-s S`` starts no round that would end more than
+S seconds after the script's start (the estimate: the longest round so far; before the first, each config's
+mean warm-up step x (``--steps`` + 2); with ``--profile`` one more round's time is kept for the profiles), and
+then writes the rows again with ``stopped`` saying why. Fewer than 2 rounds give ratios without a spread, and
+a count that is not a multiple of the Williams period leaves the positions unbalanced: stderr says either.
+
+Progress goes to stderr, each line flushed and stamped with the seconds since the start: the Triton cache
+directory and its entry count (0: a cold start), then per config its set-up (model build; the gradient check,
+which is the first step and so includes every Triton compile that the cache lacks; the warm-up), then per
+round and config the window's step time, its wall time and the time the remaining rounds should take. Where
+the time goes: a round is (``--steps`` + 2) steps of every config; the set-up is a few seconds per config
+with a warm cache, but on a cold one the first step compiles every kernel it launches, and the AttnRes op
+compiles a variant per source count and per read's accumulate mask (full_attnres: one forward and one
+backward per count up to 2 x n_layers + 1), which takes minutes for gpu-small. Keep ``TRITON_CACHE_DIR`` in
+a directory that outlives the call (``.tcache/``, ignored by git) so the next run starts warm.
 
 Per row: ``step_ms`` = median of the rounds, ``tok_per_s`` = B x T / that median, ``host_ms`` and
 ``balancer_ms`` the medians (``balancer_share`` their quotient), ``peak_mem_gb`` the largest window's own
 peak (the memory the other models hold between their steps subtracted), ``loss`` the last window's; and
-``rounds``, ``rounds_step_ms`` / ``rounds_host_ms`` (in round order), ``step_ms_min`` / ``step_ms_max``.
+``rounds_done``, ``rounds_planned``, ``complete`` (and ``stopped``), ``rounds_step_ms`` / ``rounds_host_ms``
+(in round order), ``step_ms_min`` / ``step_ms_max``, and ``setup_s`` (seconds of build, gradient check and
+warm-up; the single-run rows have the first two).
 A compared row adds ``ratio_vs_prenorm`` or ``ratio_vs_balancer_none`` (from :func:`compare_rounds`):
 ``ratios``, per round the base row's step time over this row's (this row's tokens/s over the base's,
 paired by round so that drift between rounds cancels), their ``median``, ``min``, ``max``, the ``target``
@@ -73,18 +95,22 @@ alone) about 2.1 + 24.3 ~ 27 GB; the allocator's cache may hold up to the sum of
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import os
-import statistics
-import sys
 import time
-from dataclasses import dataclass
-from typing import Any
 
-import torch
-import yaml
+START = time.perf_counter()  # before torch is imported: --budget-s counts the whole process, as a time limit does
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import yaml  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -146,10 +172,13 @@ class Runner:
     def allocated(self) -> int:
         return torch.cuda.memory_allocated() if self.cuda else 0
 
-    def warm(self, steps: int) -> None:
+    def warm(self, steps: int) -> float:
+        """``steps`` untimed steps; returns their wall time in seconds."""
+        t = time.perf_counter()
         for _ in range(steps):
             self.step()
         self.sync()
+        return time.perf_counter() - t
 
     def window(self, steps: int) -> dict:
         """Mean time of ``steps`` steps (synchronized at both ends), then the host time to issue one more
@@ -223,6 +252,7 @@ class Bench:
 
 def build_moelab(impl: str, preset: str, overrides: dict, check_grads: bool, compile_model: bool = False,
                  device: str = "cuda") -> Bench:
+    t0 = time.perf_counter()
     cfg = load_config(preset, overrides)
     torch.manual_seed(0)
     model = MoELab(cfg.model).to(device)
@@ -236,7 +266,11 @@ def build_moelab(impl: str, preset: str, overrides: dict, check_grads: bool, com
            "params_activated": param_counts(cfg.model)["activated"], "B": B, "T": T}
     if balance:
         row["balancer"] = cfg.model.moe.balancer
+    # Where a run's setup time goes; the first step (the gradient check, else the first warm-up step) also
+    # compiles every Triton kernel that TRITON_CACHE_DIR does not hold yet.
+    row["setup_s"] = {"build": time.perf_counter() - t0}
     if check_grads:
+        t1 = time.perf_counter()
         x = torch.randint(0, cfg.model.vocab_size, (B, T), device=device)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
             out = model(x, x, return_logits=False)
@@ -248,6 +282,7 @@ def build_moelab(impl: str, preset: str, overrides: dict, check_grads: bool, com
         model.zero_grad(set_to_none=True)
         if balance:
             balance_step(model)  # the statistics of this forward must not enter the first timed update
+        row["setup_s"]["grad_check"] = time.perf_counter() - t1
 
     def loss_fn(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         # As LitMoELab.training_step: no id check, whose min/max reads wait on the GPU every step (the
@@ -269,16 +304,18 @@ def moelab_row(impl: str, preset: str, overrides: dict, warmup: int, steps: int,
     return row
 
 
-# --smoke: k3-mini's structure (3:1 KDA/MLA + final MLA, Block AttnRes, LatentMoE, QB histogram) at toy
-# sizes, so the CPU can run the rows in seconds; m k / n = 2 * 32 * 2 / 8 is an integer, as QB needs.
-SMOKE_K3_MINI = {
-    "model.vocab_size": 512, "data.vocab_size": 512, "model.d_model": 64, "model.n_layers": 5,
-    "model.dense_ffn_dim": 128, "model.max_seq_len": 32, "data.seq_len": 32, "train.batch_size": 2,
+# --smoke: each group's structure at toy sizes, so the CPU runs its rows in seconds. k3-mini: 3:1 KDA/MLA + final
+# MLA, Block AttnRes, LatentMoE, QB histogram (m k / n = 2 * 32 * 2 / 8 is an integer, as QB needs); gpu-small:
+# its 12 layers (24 sublayers: blocks of 6 and 8 divide them), so every residual mode reads what it reads on the GPU.
+SMOKE_GPU_SMALL = {
+    "model.vocab_size": 512, "data.vocab_size": 512, "model.d_model": 64, "model.dense_ffn_dim": 128,
+    "model.max_seq_len": 32, "data.seq_len": 32, "train.batch_size": 2,
     "model.kda.num_heads": 2, "model.kda.head_dim": 32, "model.kda.decay_rank": 8, "model.kda.chunk_size": 16,
     "model.mla.num_heads": 2, "model.mla.head_dim": 32, "model.mla.kv_latent_dim": 32,
-    "model.mla.q_latent_dim": 32, "model.moe.num_experts": 8, "model.moe.top_k": 2, "model.moe.latent_dim": 32,
-    "model.moe.expert_dim": 32, "model.moe.shared_dim": 32, "model.moe.quantile_balancing_bins": 64,
+    "model.moe.num_experts": 8, "model.moe.top_k": 2, "model.moe.latent_dim": 32, "model.moe.expert_dim": 32,
 }
+SMOKE_K3_MINI = {**SMOKE_GPU_SMALL, "model.n_layers": 5, "model.mla.q_latent_dim": 32, "model.moe.shared_dim": 32,
+                 "model.moe.quantile_balancing_bins": 64}
 
 
 PROFILE_OUT: str | None = None
@@ -399,14 +436,16 @@ def rounds_result(windows: list[dict], tokens: int) -> dict:
     if "balancer_ms" in windows[0]:
         out["balancer_ms"] = statistics.median(w["balancer_ms"] for w in windows)
         out["balancer_share"] = out["balancer_ms"] / step
-    out.update(rounds=len(windows), rounds_step_ms=ms, step_ms_min=min(ms), step_ms_max=max(ms),
+    out.update(rounds_done=len(windows), rounds_step_ms=ms, step_ms_min=min(ms), step_ms_max=max(ms),
                rounds_host_ms=[w["host_ms"] for w in windows])
     return out
 
 
-def paired_rows(benches: list[Bench], windows: list[list[dict]]) -> list[dict]:
-    """The rows of one ``--rounds`` group so far, each compared row with its paired ratios (``TARGETS``)."""
-    rows = [b.result(rounds_result(w, b.runner.tokens)) for b, w in zip(benches, windows)]
+def paired_rows(benches: list[Bench], windows: list[list[dict]], planned: int) -> list[dict]:
+    """The rows of one ``--rounds`` group so far, each compared row with its paired ratios (``TARGETS``), and
+    ``rounds_planned`` beside ``rounds_done``: ``complete`` is false until all ``planned`` rounds are in."""
+    rows = [b.result({**rounds_result(w, b.runner.tokens), "rounds_planned": planned, "complete": len(w) == planned})
+            for b, w in zip(benches, windows)]
     by = {r["impl"]: r for r in rows}
     for row in rows:
         if row["impl"] in TARGETS and TARGETS[row["impl"]][0] in by:
@@ -417,31 +456,100 @@ def paired_rows(benches: list[Bench], windows: list[list[dict]]) -> list[dict]:
     return rows
 
 
+def elapsed() -> float:
+    """Seconds since the script started (:data:`START`)."""
+    return time.perf_counter() - START
+
+
+def progress(msg: str) -> None:
+    """A progress line on stderr, flushed at once and stamped with :func:`elapsed`: a run cut by a time limit
+    still shows how far it got and what each phase took."""
+    print(f"[bench_model {elapsed():7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def budget_stop(budget_s: float | None, now_s: float, round_s: float | None, reserve_s: float = 0.0) -> str | None:
+    """Why the next round must not start, or None when it may: it would end (``now_s`` + its estimated
+    ``round_s``, then ``reserve_s`` for what runs after the rounds) past ``budget_s`` seconds from the start.
+    Without a budget or an estimate every round starts."""
+    if budget_s is None or round_s is None:
+        return None
+    end = now_s + round_s + reserve_s
+    if end <= budget_s:
+        return None
+    after = f" and {reserve_s:.1f} s of profiles after it" if reserve_s else ""
+    return f"--budget-s {budget_s:g}: the next round (about {round_s:.1f} s{after}) would end at {end:.1f} s"
+
+
 def run_rounds(specs: list[tuple[str, dict]], preset: str, warmup: int, steps: int, rounds: int, device: str,
-               record) -> list[dict]:
+               record, budget_s: float | None = None) -> list[dict]:
     """Build and warm every config of a group (all stay on the GPU), then time them in ``rounds`` interleaved
-    rounds (:func:`round_order`); ``record(rows)`` after every round, so a run cut short keeps what it has."""
-    benches = []
-    for impl, over in specs:
+    rounds (:func:`round_order`); ``record(rows)`` after every round with the rows so far, so a run cut short
+    keeps what it has (``complete`` false).
+
+    ``budget_s``: no round starts that would end later than this many seconds after the script's start; the
+    estimate is the longest round so far, before the first one the warm-up steps' mean time per config x
+    (``steps`` + 2); with ``--profile`` one more round's time is kept for the profiles (one step per config).
+    A stop is recorded in the rows (``stopped``). Progress, one line per set-up config and per window with
+    the time left, goes to stderr (:func:`progress`). Returns the last rows recorded, [] when no round fitted.
+    """
+    n = len(specs)
+    benches, warm_step_s = [], []
+    for k, (impl, over) in enumerate(specs):
         before = torch.cuda.memory_allocated() if device == "cuda" else 0
         bench = build_moelab(impl, preset, over, check_grads=True, device=device)
-        bench.runner.warm(warmup)
+        setup = bench.row["setup_s"]
+        setup["warmup"] = bench.runner.warm(warmup)
         bench.runner.held_bytes = bench.runner.allocated() - before
         benches.append(bench)
+        warm_step_s.append(setup["warmup"] / warmup if warmup else None)
+        progress(f"set up {k + 1}/{n} {impl}: model {setup['build']:.1f} s, gradient check (the first step: any "
+                 f"Triton compiles) {setup['grad_check']:.1f} s, {warmup} warm-up steps {setup['warmup']:.1f} s")
+
     windows: list[list[dict]] = [[] for _ in benches]
+    wall: list[list[float]] = [[] for _ in benches]  # per config, the wall seconds of its windows
+
+    def window_s(i: int) -> float:
+        """Config i's window time (one untimed step, ``steps`` timed, one host-timed): the mean so far, else
+        from its warm-up steps."""
+        return statistics.fmean(wall[i]) if wall[i] else (steps + 2) * (warm_step_s[i] or 0.0)
+
+    round_s: list[float] = []
+    rows: list[dict] = []
     for r in range(rounds):
-        order = round_order(len(benches), r)
-        for i in order:
+        est = max(round_s) if round_s else (None if None in warm_step_s else sum(map(window_s, range(n))))
+        stop = budget_stop(budget_s, elapsed(), est, est if PROFILE and est is not None else 0.0)
+        if stop:
+            period = n if n % 2 == 0 else 2 * n
+            progress(f"stopped before round {r + 1}/{rounds}: {stop}" + (
+                f"; the round count {r} is not a multiple of the Williams period {period}: positions not balanced"
+                if r % period else "") + ("; fewer than 2 rounds: the paired ratios have no spread" if r < 2 else ""))
+            if rows:
+                rows = [{**row, "stopped": stop} for row in rows]
+                record(rows)
+            break
+        t_round = time.perf_counter()
+        order = round_order(n, r)
+        for pos, i in enumerate(order):
+            t = time.perf_counter()
             # one untimed step first, so the window starts from this model's own step, not another model's
             benches[i].runner.warm(1)
             windows[i].append(benches[i].runner.window(steps))
-        rows = paired_rows(benches, windows)
+            wall[i].append(time.perf_counter() - t)
+            left = sum(map(window_s, order[pos + 1:])) + (rounds - r - 1) * sum(map(window_s, range(n)))
+            progress(f"round {r + 1}/{rounds}, config {pos + 1}/{n} {benches[i].row['impl']}: "
+                     f"{windows[i][-1]['step_ms']:.1f} ms/step, window {wall[i][-1]:.1f} s; rounds left about "
+                     f"{left:.0f} s (end at about {elapsed() + left:.0f} s)")
+        round_s.append(time.perf_counter() - t_round)
+        rows = paired_rows(benches, windows, rounds)
         record(rows)
         print(f"round {r + 1}/{rounds}: " + ", ".join(
             f"{benches[i].row['impl']} {windows[i][-1]['step_ms']:.1f}" for i in order) + " ms/step", flush=True)
-    if PROFILE:  # once, after the rounds
+        progress(f"round {r + 1}/{rounds} recorded ({round_s[-1]:.1f} s)")
+    if PROFILE:  # once, after the rounds (their budget kept time for it)
         for bench, row in zip(benches, rows):
+            t = time.perf_counter()
             _save_profile({**row, "_profile": bench.runner.profile()})
+            progress(f"profiled {row['impl']} ({time.perf_counter() - t:.1f} s)")
     return rows
 
 
@@ -454,8 +562,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="with --only gpu-small or k3-mini: time the group's configs in this many interleaved rounds "
                          "(all models on the GPU at once) and judge the ratios on the paired rounds; 1: one run each")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="with --rounds: start no round that would end later than this many seconds after the "
+                         "script's start (estimated from the rounds so far); the rows then hold the rounds done")
     ap.add_argument("--smoke", action="store_true",
-                    help="CPU check of the harness: the k3-mini rows at toy sizes, fp32, 1 warm-up + 2 timed steps")
+                    help="CPU check of the harness: a group's rows at toy sizes (k3-mini unless --only gpu-small), "
+                         "fp32, 1 warm-up + 2 timed steps")
     ap.add_argument("--profile", default=None, help="also write each row's per-kernel device time to this JSON")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides for the moelab_fla_shape rows (e.g. model.kda.chunk_size=32); "
@@ -467,14 +579,17 @@ def main() -> None:
     PROFILE, PROFILE_OUT = args.profile is not None, args.profile
     if args.rounds < 1:
         sys.exit(f"--rounds must be >= 1, got {args.rounds}")
-    if args.rounds > 1 and args.only not in ("gpu-small", "k3-mini") and not args.smoke:  # --smoke: k3-mini
+    if args.rounds > 1 and args.only not in ("gpu-small", "k3-mini") and not args.smoke:  # --smoke: a group
         sys.exit(f"--rounds {args.rounds} needs --only gpu-small or --only k3-mini (the groups compared as ratios), "
                  f"got --only {args.only}")
+    if args.budget_s is not None and (args.rounds < 2 or args.budget_s <= 0):
+        sys.exit(f"--budget-s needs --rounds >= 2 and a budget > 0 seconds, got --rounds {args.rounds}, "
+                 f"--budget-s {args.budget_s:g}")
     if args.smoke:
-        if args.only not in (None, "k3-mini") or args.profile or args.compile:
-            sys.exit(f"--smoke runs the k3-mini rows only (got --only {args.only}, --profile {args.profile}, "
-                     f"--compile {args.compile})")
-        args.only, args.warmup, args.steps = "k3-mini", 1, 2
+        if args.only not in (None, "k3-mini", "gpu-small") or args.profile or args.compile:
+            sys.exit(f"--smoke runs the k3-mini or gpu-small rows only (got --only {args.only}, --profile "
+                     f"{args.profile}, --compile {args.compile})")
+        args.only, args.warmup, args.steps = args.only or "k3-mini", 1, 2
     elif not torch.cuda.is_available():
         sys.exit("bench_model.py needs a CUDA device (or --smoke for the CPU check)")
     device = "cpu" if args.smoke else "cuda"
@@ -487,20 +602,27 @@ def main() -> None:
         if row is not None:
             record_throughput(args.out, row, command)
             print(json.dumps(row), flush=True)
+            progress(f"recorded {row['impl']}: {row['step_ms']:.1f} ms/step")
 
     def record(group: list[dict]) -> None:
-        for row in group:
-            record_throughput(args.out, row, command)
+        record_throughput(args.out, group, command)  # one write: the file never pairs rows of different rounds
 
-    groups = {"gpu-small": ("gpu-small", GPU_SMALL),
-              "k3-mini": ("k3-mini", k3_mini_specs(SMOKE_K3_MINI if args.smoke else {}))}
+    cache = triton.knobs.cache.dir
+    progress(f"Triton cache {cache}: {len(os.listdir(cache)) if os.path.isdir(cache) else 0} entries at the start "
+             "(a kernel missing there compiles at its first launch)")
+    smoke = {"gpu-small": SMOKE_GPU_SMALL, "k3-mini": SMOKE_K3_MINI} if args.smoke else {}
+    groups = {"gpu-small": ("gpu-small", [(impl, {**smoke.get("gpu-small", {}), **over}) for impl, over in GPU_SMALL]),
+              "k3-mini": ("k3-mini", k3_mini_specs(smoke.get("k3-mini", {})))}
     if args.rounds > 1:
         preset, specs = groups[args.only]
         try:
-            rows = run_rounds(specs, preset, args.warmup, args.steps, args.rounds, device, record)
+            rows = run_rounds(specs, preset, args.warmup, args.steps, args.rounds, device, record, args.budget_s)
         except torch.cuda.OutOfMemoryError as e:
             sys.exit(f"--rounds keeps all {len(specs)} models of {args.only} on the GPU at once and ran out of "
                      f"memory; run it with --rounds 1 (one model at a time): {e}")
+        if not rows:
+            sys.exit(f"--budget-s {args.budget_s:g} left no time for a round after the set-up ({elapsed():.0f} s, see "
+                     "the progress lines): nothing recorded")
         for row in rows:
             print(json.dumps(row), flush=True)
     else:
@@ -544,11 +666,13 @@ def report(rows: list[dict | None]) -> None:
             continue
         r, base = by[impl], by[base_impl]
         q = r.get(key) or compare_rounds([base["step_ms"]], [r["step_ms"]], target)
-        n = len(q["ratios"])
-        spread = f" [{q['min']:.3f}, {q['max']:.3f}] over {n} paired rounds" if n > 1 else " (one run each: no spread)"
+        n, planned = len(q["ratios"]), r.get("rounds_planned", 1)
+        of = f" of {planned} planned" if n < planned else ""
+        spread = (f" [{q['min']:.3f}, {q['max']:.3f}] over {n}{of} paired rounds" if n > 1
+                  else f" (one {'round' if of else 'run each'}{of}: no spread)")
         line = (f"{impl} / {base_impl}: tokens/s {q['median']:.3f}{spread} (target >= {target}): "
                 f"{q['verdict']}")
-        if impl.startswith("moelab_gpu_small_block"):
+        if impl.startswith("moelab_gpu_small_block") and base["peak_mem_gb"]:  # None on the CPU
             line += f"; peak memory {r['peak_mem_gb'] / base['peak_mem_gb']:.3f} (target <= 1.2)"
         print(line)
     if "balancer_cost" in by.get("moelab_k3_mini", {}):

@@ -7,6 +7,8 @@ import importlib
 import json
 import math
 import os
+import re
+import statistics
 import subprocess
 import sys
 import types
@@ -104,35 +106,87 @@ def test_bench_model_k3_mini_smoke(tmp_path):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU smoke runs; the GPU runs the real thing")
-def test_bench_model_rounds_smoke(tmp_path):
-    """``--rounds 2``: both k3-mini models built once, timed in two interleaved rounds; medians, paired ratios and
-    the verdict in the rows; bad --rounds values are refused up front."""
+def test_bench_model_rounds_budget_smoke(tmp_path, monkeypatch, capsys):
+    """``--rounds 1000 --budget-s 15``: both k3-mini models built once, timed in interleaved rounds until the next
+    round would end past 15 s; medians, paired ratios and the verdict over the rounds done, the rows marked as
+    stopped early; a budget that leaves no round records nothing; bad values are refused up front."""
+    import time
+
     bm = _kernel_script("bench_model")
     out = tmp_path / "rounds.json"
-    res = _run(["kernels/bench_model.py", "--smoke", "--rounds", "2", "--out", str(out)], tmp_path)
+    t = time.perf_counter()
+    res = _run(["kernels/bench_model.py", "--smoke", "--rounds", "1000", "--budget-s", "15", "--out", str(out)],
+               tmp_path)
+    wall = time.perf_counter() - t
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
     qb, none = rows["moelab_k3_mini"], rows["moelab_k3_mini_balancer_none"]
+    n = qb["rounds_done"]
+    assert 2 <= n < 1000 and wall < 15 + 5, (n, wall)  # stopped by the budget (5 s: interpreter start, exit)
     for r in (qb, none):
         ms = r["rounds_step_ms"]
-        assert r["rounds"] == 2 and len(ms) == len(r["rounds_host_ms"]) == 2 and all(t > 0 for t in ms)
-        assert r["step_ms"] == (ms[0] + ms[1]) / 2 and (r["step_ms_min"], r["step_ms_max"]) == (min(ms), max(ms))
+        assert (r["rounds_done"], r["rounds_planned"], r["complete"]) == (n, 1000, False)
+        assert r["stopped"].startswith("--budget-s 15: the next round (about ")
+        assert len(ms) == len(r["rounds_host_ms"]) == n and all(t > 0 for t in ms)
+        assert r["step_ms"] == statistics.median(ms) and (r["step_ms_min"], r["step_ms_max"]) == (min(ms), max(ms))
         assert r["tok_per_s"] == r["B"] * r["T"] / (r["step_ms"] / 1e3)
-        assert r["host_ms"] == sum(r["rounds_host_ms"]) / 2 and r["loss_finite"] and not r["nonfinite_grads"]
+        assert r["host_ms"] == statistics.median(r["rounds_host_ms"]) and r["loss_finite"] and not r["nonfinite_grads"]
         assert 0 < r["balancer_ms"] < r["step_ms"] and r["balancer_share"] == r["balancer_ms"] / r["step_ms"]
+        assert set(r["setup_s"]) == {"build", "grad_check", "warmup"} and all(v > 0 for v in r["setup_s"].values())
     q = qb["ratio_vs_balancer_none"]
     assert "ratio_vs_balancer_none" not in none and q["base"] == none["impl"] and q["target"] == 0.98
     assert q["ratios"] == [b / o for b, o in zip(none["rounds_step_ms"], qb["rounds_step_ms"])]
-    assert q["median"] == sum(q["ratios"]) / 2 and q["verdict"] == bm.verdict(q["ratios"], 0.98)
+    assert q["median"] == statistics.median(q["ratios"]) and q["verdict"] == bm.verdict(q["ratios"], 0.98)
     assert qb["balancer_cost"] == 1 - q["median"]
-    assert res.stdout.count("round 1/2:") == res.stdout.count("round 2/2:") == 1
-    # round 1 runs none then QB, round 2 the other way
-    assert "round 1/2: moelab_k3_mini_balancer_none " in res.stdout and "round 2/2: moelab_k3_mini " in res.stdout
-    assert f"over 2 paired rounds (target >= 0.98): {q['verdict']}" in res.stdout
-    for bad, msg in ((["--smoke", "--rounds", "0"], "--rounds must be >= 1, got 0"),
-                     (["--only", "fla", "--rounds", "3"], "--rounds 3 needs --only gpu-small or --only k3-mini")):
-        res = _run(["kernels/bench_model.py", *bad, "--out", str(tmp_path / "bad.json")], tmp_path)
-        assert res.returncode != 0 and msg in res.stderr
+    assert all(res.stdout.count(f"round {r}/1000:") == 1 for r in range(1, n + 1))
+    # odd rounds run none then QB, even rounds the other way
+    assert "round 1/1000: moelab_k3_mini_balancer_none " in res.stdout and "round 2/1000: moelab_k3_mini " in res.stdout
+    assert f"over {n} of 1000 planned paired rounds (target >= 0.98): {q['verdict']}" in res.stdout
+    assert f"stopped before round {n + 1}/1000: --budget-s 15: the next round" in res.stderr
+    # In this process (no interpreter start): a budget that the set-up alone passes, then bad values refused up front
+    zero = tmp_path / "zero.json"
+    for args, msg in ((["--smoke", "--rounds", "4", "--budget-s", "1e-3"], "--budget-s 0.001 left no time for a round"),
+                      (["--smoke", "--rounds", "0"], "--rounds must be >= 1, got 0"),
+                      (["--only", "fla", "--rounds", "3"], "--rounds 3 needs --only gpu-small or --only k3-mini"),
+                      (["--smoke", "--budget-s", "100"], "--budget-s needs --rounds >= 2 and a budget > 0")):
+        monkeypatch.setattr(sys, "argv", ["bench_model.py", *args, "--out", str(zero)])
+        with pytest.raises(SystemExit, match=re.escape(msg)):
+            bm.main()
+    assert "fewer than 2 rounds: the paired ratios have no spread" in capsys.readouterr().err and not zero.exists()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU smoke runs; the GPU runs the real thing")
+def test_bench_model_gpu_small_cut_short(tmp_path):
+    """The 4 gpu-small configs in rounds, the process killed after its second round: the file holds every row over
+    the same rounds, marked incomplete, and stderr shows each set-up and each window with the time left."""
+    out = tmp_path / "gpu_small.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    args = ["kernels/bench_model.py", "--smoke", "--only", "gpu-small", "--rounds", "20", "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in proc.stderr:  # written as they happen: each is flushed
+            lines.append(line)
+            if "round 2/20 recorded" in line:
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+    assert lines and "round 2/20 recorded" in lines[-1], "".join(lines)[-2000:]
+    rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {impl for impl, _ in _kernel_script("bench_model").GPU_SMALL}
+    n = rows["moelab_gpu_small_prenorm"]["rounds_done"]
+    assert 2 <= n < 20  # it may have finished another round before the kill
+    for impl, r in rows.items():
+        assert (r["rounds_done"], r["rounds_planned"], r["complete"]) == (n, 20, False) and "stopped" not in r
+        if impl != "moelab_gpu_small_prenorm":
+            assert len(r["ratio_vs_prenorm"]["ratios"]) == n
+    text = "".join(lines)
+    assert text.count("] set up ") == 4 and "set up 2/4 moelab_gpu_small_full_attnres: model " in text
+    windows = [ln for ln in lines if "config " in ln]
+    assert len(windows) == 8 and all("ms/step, window " in ln and "rounds left about " in ln for ln in windows)
+    assert [ln.split("] ")[1].split(",")[0] for ln in windows] == ["round 1/20"] * 4 + ["round 2/20"] * 4
 
 
 def test_bench_model_paired_verdict():
@@ -183,7 +237,7 @@ def test_bench_model_rounds_result():
         110.0, 110.0, 2.0, 17.5, 6.8)
     assert out["tok_per_s"] == 32768 / 0.11 and out["balancer_share"] == 2.0 / 110.0
     assert out["rounds_step_ms"] == [120.0, 100.0, 110.0] and out["rounds_host_ms"] == [110.0, 90.0, 130.0]
-    assert (out["rounds"], out["step_ms_min"], out["step_ms_max"]) == (3, 100.0, 120.0)
+    assert (out["rounds_done"], out["step_ms_min"], out["step_ms_max"]) == (3, 100.0, 120.0)
     cpu = rr([{k: v for k, v in x.items() if k != "balancer_ms"} | {"peak_mem_gb": None} for x in w], 64)
     assert cpu["peak_mem_gb"] is None and "balancer_ms" not in cpu and "balancer_share" not in cpu
 

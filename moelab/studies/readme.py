@@ -62,9 +62,20 @@ def _throughput_gpu_small() -> Row:
     return what, result, [_ref(f, "row `moelab_gpu_small`"), _ref(s_file)], (f, _needle(r["tok_per_s"]))
 
 
-def _paired(q: dict[str, Any]) -> str:
-    """A tokens/s ratio from ``bench_model.py --rounds``: the median of the paired rounds, their range, the verdict."""
-    return f"{q['median']:.2f}x ({q['min']:.2f}-{q['max']:.2f} in {len(q['ratios'])} paired rounds: {q['verdict']})"
+def _rounds(q: dict[str, Any], row: dict[str, Any]) -> str:
+    """How many paired rounds a ``bench_model.py --rounds`` ratio has: "N of M planned" for a run that stopped
+    early (``complete`` false: cut by a time limit or by ``--budget-s``)."""
+    n = len(q["ratios"])
+    if row.get("complete", True):
+        return f"{n} paired rounds"
+    return f"{n} of {row['rounds_planned']} planned paired rounds"
+
+
+def _paired(row: dict[str, Any], key: str) -> str:
+    """A row's tokens/s ratio ``row[key]`` from ``bench_model.py --rounds``: the median of the paired rounds, their
+    range, the verdict."""
+    q = row[key]
+    return f"{q['median']:.2f}x ({q['min']:.2f}-{q['max']:.2f} in {_rounds(q, row)}: {q['verdict']})"
 
 
 def _residual_modes() -> Row:
@@ -79,7 +90,7 @@ def _residual_modes() -> Row:
     base = next((r for r in rows if r["model.residual.mode"] == "prenorm"), None)
     ratios = "" if base is None else "; of prenorm's tokens/s: " + ", ".join(
         f"{r['impl'].removeprefix('moelab_gpu_small_')} "
-        + (_paired(r["ratio_vs_prenorm"]) if "ratio_vs_prenorm" in r else f"{r['tok_per_s'] / base['tok_per_s']:.2f}x")
+        + (_paired(r, "ratio_vs_prenorm") if "ratio_vs_prenorm" in r else f"{r['tok_per_s'] / base['tok_per_s']:.2f}x")
         for r in rows if r is not base) + " (issue 16's targets: block >= 0.9x, full >= 0.75x)"
     return ("gpu-small per residual mode, fwd+bwd+AdamW (`kernels/bench_model.py --only gpu-small`)",
             f"{', '.join(parts)} tokens/s{ratios}; loss and every gradient {'finite' if finite else 'NOT finite'}",
@@ -96,7 +107,7 @@ def _k3_mini() -> Row:
                 "host-bound step")
     else:
         cost = (f"{qb['balancer_cost']:.1%} of the tokens/s ({1 - q['max']:.1%} to {1 - q['min']:.1%} in "
-                f"{len(q['ratios'])} paired rounds; target <= 2%: {q['verdict']}; medians of a host-bound step")
+                f"{_rounds(q, qb)}; target <= 2%: {q['verdict']}; medians of a host-bound step")
     return (f"k3-mini ({qb['params'] / 1e6:.0f}M total / {qb['params_activated'] / 1e6:.0f}M activated, B={qb['B']}, "
             f"T={qb['T']}), {qb['balancer']} vs `balancer: none` (`kernels/bench_model.py --only k3-mini`)",
             f"{_k(qb['tok_per_s'])} vs {_k(none['tok_per_s'])} tokens/s, MFU {qb['mfu']:.1%} vs {none['mfu']:.1%}, "

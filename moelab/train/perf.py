@@ -58,8 +58,10 @@ def mfu(flops_per_token_fwd: float, tokens_per_s_per_device: float, peak: float 
     return 3.0 * flops_per_token_fwd * tokens_per_s_per_device / peak
 
 
-def record_throughput(path: str | os.PathLike, row: dict[str, Any], command: str | None = None) -> dict:
-    """Insert or replace ``row`` (keyed by ``row["impl"]``) in the throughput JSON at ``path``.
+def record_throughput(path: str | os.PathLike, row: dict[str, Any] | list[dict[str, Any]],
+                      command: str | None = None) -> dict:
+    """Insert or replace ``row`` (keyed by ``row["impl"]``; a list: each of its rows, in one write) in the
+    throughput JSON at ``path``.
 
     File layout: ``{"meta": {gpu, torch, triton, date, command}, "rows": [{"impl", ...}, ...]}``;
     other rows (other tools write theirs into the same file) are kept. Written atomically.
@@ -80,7 +82,9 @@ def record_throughput(path: str | os.PathLike, row: dict[str, Any], command: str
         "command": command or " ".join(sys.argv),
     }
     # Rows come from different tools and runs: each keeps its own command and date.
-    row = {**row, "command": data["meta"]["command"], "date": data["meta"]["date"]}
-    data["rows"] = [r for r in data.get("rows", []) if r.get("impl") != row["impl"]] + [row]
+    new = [{**r, "command": data["meta"]["command"], "date": data["meta"]["date"]}
+           for r in (row if isinstance(row, list) else [row])]
+    impls = {r["impl"] for r in new}
+    data["rows"] = [r for r in data.get("rows", []) if r.get("impl") not in impls] + new
     write_json(path, data)
     return data

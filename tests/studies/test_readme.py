@@ -69,6 +69,11 @@ def test_rows_show_paired_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "block_attnres_8 0.93x (0.88-0.95 in 3 paired rounds: within noise)" in result
     result = readme._k3_mini()[1]
     assert "costs 1.5% of the tokens/s (1.0% to 2.5% in 3 paired rounds; target <= 2%: within noise" in result
+    for r in rows[1], rows[3]:  # a run that stopped early says how many of its planned rounds it has
+        r.update(rounds_planned=8, complete=False)
+    result = readme._residual_modes()[1]
+    assert "block_attnres_8 0.93x (0.88-0.95 in 3 of 8 planned paired rounds: within noise)" in result
+    assert "(1.0% to 2.5% in 3 of 8 planned paired rounds; target <= 2%" in readme._k3_mini()[1]
     del rows[1]["ratio_vs_prenorm"], rows[3]["ratio_vs_balancer_none"]  # single runs: the plain ratio as before
     assert "block_attnres_8 1.00x (issue 16's" in readme._residual_modes()[1]
     assert "costs 0.0% of the tokens/s (target <= 2%; one run each" in readme._k3_mini()[1]
