@@ -32,8 +32,8 @@ Kernels (bases of exponentials are 2: G is kept in log2 units, ``exp2(G)`` is ``
   reads, so its loop carries no exp, cumsum or solve.
 * ``_kda_infer_recur``, grid ``[docs * H * V-blocks]`` (head x V-block parallel, sequential over
   chunks): the state's V columns evolve independently given the K-side tiles, so each program
-  owns ``BV`` of them (``LAUNCH`` picks BV so that the grid covers the GPU when there are few
-  sequences and heads). It holds that slice transposed, ``hv = h^T`` ``[BV, K]``, fp32 in
+  owns ``BV`` of them (``pick_recur``: 32, or 64 once the launch saturates the GPU). It holds
+  that slice transposed, ``hv = h^T`` ``[BV, K]``, fp32 in
   registers: ``U^T = u^T - hv w^T``, ``o^T = hv qg^T + U^T A_qk^T`` (written straight to the
   output), ``hv <- hv Diag(gl) + U^T kd``. Both quantities that the chunk loop carries from one
   product to the next (hv, U^T) are left operands, whose mma.sync layout is the accumulator's, so
@@ -41,13 +41,19 @@ Kernels (bases of exponentials are 2: G is kept in log2 units, ``exp2(G)`` is ``
   tiles (w^T, qg^T, kd, A_qk^T) are right operands, copied to shared memory two chunks ahead by the
   software pipeline. Output and state in one pass: the chunk states are never stored (at chunk
   16 they would be ``K V / 16`` values per token).
-* Segmented recurrence, for few sequences x heads and long sequences (``choose_segment_chunks``):
+* Segmented recurrence, for few sequences x heads and long sequences (``choose_segment_chunks``,
+  by a cost model of the recurrence in chunk steps and state columns per SM, ``recur_cost``):
   the same kernel on segments of the sequences, first for each segment's state transition
   ``S_end = A S_start + B`` (identity V-blocks, no output), then ``_kda_infer_join`` chains the
   transitions into each segment's start state, then the kernel again for the output
   (``InferPlan``): a chain of ``n / P + P + n / P`` steps instead of ``n`` over P segments.
+* Candidate paths, off by default until measured on the GPU (``FOLD_V``, ``PIECES``): ``fold_v``
+  stores ``Ab = (I + L)^-1 Diag(beta)`` instead of u and the recurrence forms ``u = Ab v`` from the
+  raw v (448 B fewer per token and head at K = V = 128); ``pieces`` overlaps the intra kernel and
+  the plain recurrence, piece by piece of every document, on two streams (``InferPlan._run_pieces``).
 
-Memory traffic and parallelism: kernels/README.md, "Inference forward".
+Bytes per token and head of each kernel and path, what the H200 measured against them, and the
+parallelism: kernels/README.md, "Inference forward".
 
 Intermediates are stored head-major (``[H, slots * 16, Kp]``) so that the recurrence reads one
 contiguous block per chunk. Documents are padded to whole chunks inside the kernels (masked
@@ -358,20 +364,17 @@ def _kda_infer_intra(
         sk = _dot(_cast(kn * up, False), kT, IEEE)
         Ai = _unit_lower_inv(tl.where(r[:, None] > r[None, :], sk * b[:, None], 0.0), IEEE, C)
         eG = tl.exp2(G)
-        if FOLD_V:
-            # beta folded into the inverse's columns: w = Ab (k e^G) and, in the recurrence, u = Ab v
-            Ab = Ai * b[None, :]
-            tl.store(ab + hs * (C * C) + r[:, None] * C + r[None, :], Ab.to(ab.dtype.element_ty), mask=sm)
-            tl.store(w + hs * (C * BK) + pw, _dot(Ab, kn * eG, IEEE).to(w.dtype.element_ty), mask=sm)
-        else:
-            tl.store(w + hs * (C * BK) + pw, _dot(Ai, kn * b[:, None] * eG, IEEE).to(w.dtype.element_ty), mask=sm)
+        tl.store(w + hs * (C * BK) + pw, _dot(Ai, kn * b[:, None] * eG, IEEE).to(w.dtype.element_ty), mask=sm)
 
         qn = _qk_fwd(qr.to(tl.float32), eps, SILU, L2NORM)
         tl.store(qg + hs * (C * BK) + pw, (qn * eG * scale).to(qg.dtype.element_ty), mask=sm)
         sq = _dot(_cast(qn * up, False), kT, IEEE)
         tl.store(Aqk + hs * (C * C) + r[:, None] * C + r[None, :],
                  tl.where(r[:, None] >= r[None, :], sq * scale, 0.0).to(Aqk.dtype.element_ty), mask=sm)
-        if not FOLD_V:
+        if FOLD_V:  # beta folded into the inverse's columns: the recurrence forms u = Ab v
+            tl.store(ab + hs * (C * C) + r[:, None] * C + r[None, :], (Ai * b[None, :]).to(ab.dtype.element_ty),
+                     mask=sm)
+        else:
             tl.store(u + hs * (C * BVF) + r[:, None] * BVF + cv[None, :],
                      _dot(Ai, vr.to(tl.float32) * b[:, None], IEEE).to(u.dtype.element_ty), mask=sm)
 
