@@ -21,8 +21,10 @@ B8 T4096 (torch.profiler; JSON key ``kernel_ms``).
     python kernels/bench_kda.py --smoke --out /tmp/kda_bench.json   # CPU interpreter, tiny shape
     python kernels/bench_kda.py --part infer    # inference forward vs fla -> kernels/results/kda_infer_h200.json
     python kernels/bench_kda.py --part infer --smoke --out /tmp/kda_infer.json   # CPU interpreter
-    python kernels/bench_kda.py --part infer --infer-sweep   # launch sweep of its two kernels first
+    python kernels/bench_kda.py --part infer --infer-sweep   # then a sweep of its launch configs and paths
     python kernels/bench_kda.py --part infer --infer-shapes 3 --out /tmp/x.json   # B1 T32768 H16 only
+    python kernels/bench_kda.py --part infer --infer-shapes 0 3 2 1 --infer-candidates --infer-sweep \
+        --sweep-shapes 0 2 3   # the candidate paths beside fla at every shape, then the sweep at three
 
 ``--part infer`` times forwards only (no grad), bf16, output and final state returned by every side:
 ``moelab_infer`` (``moelab.ops.kda.triton_infer.kda_infer``: chunk 16, gate, L2 norm and beta
@@ -33,11 +35,15 @@ uneven documents, all rows packed into one), with the relative difference of moe
 final state from fla's as a check. Each ``moelab_infer`` row records which recurrence ran (``path``:
 plain, or segmented with its segment length and count); where it is segmented (B1 T32768 H16 fixed
 on an H200), a ``moelab_infer_plain`` row times the plain recurrence on the same inputs, and
-``diff_vs_plain`` compares the two. ``--infer-sweep`` first times each launch config of the inference
-forward's two kernels apart at the fixed-length shapes (``INFER_SWEEP_INTRA``, ``INFER_SWEEP_RECUR``;
-JSON key ``sweep``: ms, GB/s of the least bytes each kernel must move, error against the training
-forward), prints the fastest passing configs per shape, and adds a ``moelab_infer_tuned`` row per
-shape and layout at those configs.
+``diff_vs_plain`` compares the two. ``--infer-candidates`` adds a ``moelab_infer[NAME]`` row per
+candidate path (``INFER_CANDIDATES``: ``kda_infer``'s ``fold_v`` / ``pieces``) other than the op's
+default. ``--infer-sweep`` then times, at the fixed-length sweep shapes (``--sweep-shapes``), each
+launch config of the inference forward's two kernels apart for the paths whose kernels differ
+(``INFER_SWEEP_INTRA``, ``INFER_SWEEP_RECUR``; JSON key ``sweep``: ms, GB/s of the least bytes each
+kernel must move, error against the training forward), the whole op per candidate path and, where
+the op segments, per segment length; and adds a ``moelab_infer_tuned`` row per shape and layout
+where the fastest passing configs differ from the defaults. The comparison rows come first, so a run
+cut short keeps them (the JSON is written after every row and sweep shape).
 """
 
 from __future__ import annotations
@@ -327,14 +333,15 @@ def infer_fn(impl, x, beta_logits, tuned=None, segment_chunks=None, cand=None):
 
 
 # --infer-sweep: the inference forward's two kernels timed apart, one launch config at a time, for the
-# paths that change them (INFER_KERNEL_PATHS), then the whole op per candidate path side by side.
-# (num_warps, num_stages, per_program): 2 warps, one slot per program was the fastest at every shape in
-# both sweeps (1 warp +80%, 4 warps +40%, 8 warps +125%, pipelined slots +20-25%); 4 warps stays for
-# fold_v, whose kernel holds fewer registers
-INFER_SWEEP_INTRA = [(2, 1, 1), (4, 1, 1)]
-# (BV, num_warps, num_stages): the three the op may pick (triton_infer.pick_recur); 2 or 4 stages were never
-# faster than 3, 128/8 was always the slowest (both sweeps)
-INFER_SWEEP_RECUR = [(16, 1, 3), (32, 2, 3), (64, 4, 3)]
+# candidate paths whose kernels differ (the keys of INFER_SWEEP_INTRA; pieces only overlap the base path's
+# kernels), then the whole op per candidate path side by side.
+# intra, per path, (num_warps, num_stages, per_program): 2 warps, one slot per program was the fastest at
+# every shape in both sweeps (1 warp +80%, 4 warps +40%, 8 warps +125%, pipelined slots +20-25%); fold_v's
+# kernel spills 36-48 B at 2 warps (255 registers, sm_90a compile with Triton 3.9) and none at 4, so both
+INFER_SWEEP_INTRA = {"base": [(2, 1, 1)], "fold_v": [(2, 1, 1), (4, 1, 1)]}
+# (BV, num_warps, num_stages): the two the op picks at D = 128 (triton_infer.pick_recur); 16/1 was never the
+# fastest, 2 or 4 stages never faster than 3, 128/8 always the slowest (both sweeps)
+INFER_SWEEP_RECUR = [(32, 2, 3), (64, 4, 3)]
 # a config whose o or final state is further than this from the training forward's is wrong (both
 # sides are bf16 paths ~3e-3 from the fp32 recurrence; a miscompile is off by O(1))
 INFER_SWEEP_TOL = 2e-2
@@ -346,7 +353,6 @@ INFER_SWEEP_SEGMENTS = [0, 64, 128, 256]
 INFER_CANDIDATES = {"base": dict(fold_v=False, pieces=1), "fold_v": dict(fold_v=True, pieces=1),
                     "pieces2": dict(fold_v=False, pieces=2), "pieces4": dict(fold_v=False, pieces=4),
                     "fold_v+pieces4": dict(fold_v=True, pieces=4)}
-INFER_KERNEL_PATHS = ("base", "fold_v")  # the candidates whose kernels differ (pieces only overlap them)
 
 
 def infer_bytes(plan) -> dict:
@@ -389,7 +395,7 @@ def _fmt_row(row) -> str:
 
 def infer_sweep(shapes, dev, beta_logits, warmup, rep) -> dict:
     """Per fixed-length shape, against the training forward's o and final state:
-    1. for each of INFER_KERNEL_PATHS, every ``INFER_SWEEP_INTRA`` config of the token-parallel kernel (the
+    1. for each path of INFER_SWEEP_INTRA, each of its configs of the token-parallel kernel (the
        recurrence at its default) and every ``INFER_SWEEP_RECUR`` config of the recurrence (after the
        default intra launch), timed apart, with GB/s of ``infer_bytes``; the fastest passing of each;
     2. the whole op at its default launches for every ``INFER_CANDIDATES`` path;
@@ -400,14 +406,14 @@ def infer_sweep(shapes, dev, beta_logits, warmup, rep) -> dict:
         ref_o, ref_S = infer_fn("moelab_train_fwd", x, beta_logits)()
         tag = f"B{B} T{T} H{H}"
         res: dict = dict(kernels={}, candidates=[], segments=[])
-        for name in INFER_KERNEL_PATHS:
+        for name in INFER_SWEEP_INTRA:
             plan = triton_infer.InferPlan(x["q"], x["k"], x["v"], x["z"], x["beta"], **_infer_kw(x, beta_logits,
                                           "moelab_infer"), **INFER_CANDIDATES[name])
             default = dict(intra=plan.intra_launch(), recur=plan.recur_launch())
             kres: dict = dict(default=default, path=plan.path(), min_bytes=infer_bytes(plan), intra=[], recur=[])
             recur = [c for c in INFER_SWEEP_RECUR if c[0] <= plan.dims[6]]  # V-blocks no wider than V (padded)
             outputs = lambda plan=plan: (plan.o, plan.hT)  # noqa: E731
-            for kernel, cands in (("intra", INFER_SWEEP_INTRA), ("recur", recur)):
+            for kernel, cands in (("intra", INFER_SWEEP_INTRA[name]), ("recur", recur)):
                 for cfg in cands:
                     run = functools.partial(getattr(plan, kernel), *cfg)
 
@@ -458,9 +464,10 @@ def infer_sweep(shapes, dev, beta_logits, warmup, rep) -> dict:
 
 
 def run_infer(args, dev) -> int:
-    """``--part infer``: time every impl at every shape, fixed and packed; JSON after every row."""
-    from tests.helpers import rel_err
-
+    """``--part infer``: every impl at every shape, fixed and packed (JSON after every row); with
+    ``--infer-sweep`` then the sweep at the sweep shapes (JSON after every shape) and a
+    ``moelab_infer_tuned`` row where its fastest launch configs differ from the op's defaults. The
+    comparison with fla comes first, so that a run cut short by a time limit keeps it."""
     if args.smoke or dev == "cpu":
         shapes, warmup, rep = [(1, 64, 2, 32)], 1, 1
     else:
@@ -487,18 +494,18 @@ def run_infer(args, dev) -> int:
                 note="forward only, no grad, output and final state from every impl; gate, L2 norm of q, k, "
                      "beta sigmoid (where fla takes beta logits) and the bound inside the ops; packed: each "
                      "row's T tokens cut into 6 uneven documents (doc_offsets), rows packed into one; "
-                     "diff_vs_fla: relative RMS difference of moelab_infer's o and final state from fla's; "
-                     "path: the recurrence moelab_infer ran (InferPlan.path: segmented or plain, segment length "
-                     "in chunks, segments per sequence or document, launch configs); moelab_infer_plain: the plain "
-                     "recurrence forced (segment_chunks=0), only where moelab_infer is segmented, diff_vs_plain: "
-                     "the two paths' relative RMS difference; "
-                     "moelab_infer_tuned (with --infer-sweep): moelab_infer at the sweep's fastest passing "
-                     "launch configs of the fixed-length shape (packed rows too); moelab_infer[NAME] (with "
-                     "--infer-candidates): moelab_infer on the candidate path NAME (candidates: kda_infer "
-                     "keywords), diff_vs_fla for every moelab_infer* row; sweep (fixed length): per path "
+                     "path: the path moelab_infer ran (InferPlan.path: segmented or plain, segment length "
+                     "in chunks, segments per sequence or document, launch configs, candidate path); "
+                     "moelab_infer_plain: the plain recurrence forced (segment_chunks=0), only where "
+                     "moelab_infer is segmented, diff_vs_plain: the two paths' relative RMS difference; "
+                     "moelab_infer[NAME] (with --infer-candidates): moelab_infer on the candidate path NAME "
+                     "(candidates: kda_infer keywords); diff_vs_fla: relative RMS difference of a moelab_infer* "
+                     "row's o and final state from fla's; sweep (with --infer-sweep, fixed length): per path "
                      "(kernels) and kernel and launch config, ms, GB/s of the least bytes the kernel must move "
                      "(min_bytes), error vs the training forward; candidates: the whole op per candidate path; "
-                     "segments: the whole op per segment length, where the op segments",
+                     "segments: the whole op per segment length, where the op segments; moelab_infer_tuned: "
+                     "moelab_infer at the sweep's fastest passing launch configs, where they differ from the "
+                     "defaults (packed rows too)",
                 candidates=INFER_CANDIDATES)
     rows: list[dict] = []
     sweep: dict = {}
@@ -508,73 +515,88 @@ def run_infer(args, dev) -> int:
         with open(out, "w") as f:
             json.dump(dict(meta=meta, rows=rows, **(dict(sweep=sweep) if sweep else {})), f, indent=1)
 
-    if args.infer_sweep:
-        sweep.update(infer_sweep(sweep_shapes, dev, beta_logits, *((1, 1) if dev == "cpu" else (10, 40))))
-        write()
     impls = [i for i in INFER_IMPLS if not (i.startswith("fla") and fla_chunk_kda is None)]
-    for (B, T, H, D) in shapes:
-        sw = sweep.get(f"B{B}_T{T}_H{H}", {})
-        tuned = (sw["best_intra"], sw["best_recur"]) if sw.get("best_intra") and sw.get("best_recur") else None
+    for shape in shapes:
         for packed in (False, True):
-            x = infer_inputs(B, T, H, D, dev, packed, beta_logits)
-            results = {}
-            path = infer_path("moelab_infer", x, beta_logits)
-            # candidate paths other than the op's default here; pieces need the plain recurrence
-            cands = [f"moelab_infer[{n}]" for n, kw in INFER_CANDIDATES.items() if args.infer_candidates
-                     and (kw["fold_v"], kw["pieces"]) != (path["fold_v"], path["pieces"])
-                     and not (kw["pieces"] > 1 and path["segmented"])]
-            for impl in impls + (["moelab_infer_tuned"] if tuned else []) + cands:
-                if (impl == "moelab_train_fwd" and packed) or (impl == "moelab_infer_plain" and not path["segmented"]):
-                    continue
-                row = dict(impl=impl, layout="packed" if packed else "fixed", B=B, T=T, H=H, D=D, fwd_ms=None)
-                if packed:
-                    row["cu_seqlens"] = x["cu"].tolist()
-                if impl != "moelab_infer_tuned" and impl.startswith("moelab_infer"):
-                    row["path"] = path if impl == "moelab_infer" else infer_path(impl, x, beta_logits)
-                try:
-                    fn = infer_fn(impl, x, beta_logits, tuned)
-                    results[impl] = fn()
-                    row["fwd_ms"] = timed(fn, dev, warmup, rep)
-                except torch.cuda.OutOfMemoryError:
-                    row["error"] = "OOM"
-                except Exception as exc:  # record and go on: one failing side must not hide the rest
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                if impl == "moelab_infer_tuned":
-                    row["launch"] = dict(intra=tuned[0], recur=tuned[1])
-                if impl.startswith("moelab_infer") and impl != "moelab_infer_plain" and "fla_chunk_kda" in impls:
-                    row["diff_vs_fla"] = None  # filled in once fla has run
-                rows.append(row)
-                write()
-                ms = f"{row['fwd_ms']:9.3f}" if row["fwd_ms"] is not None else "        -"
-                seg = row.get("path", {}).get("segment_chunks")
-                seg = f"  segments of {seg} chunks" if seg else ""
-                print(f"{impl:30s} {row['layout']:6s} B{B:<2d} T{T:<6d} H{H:<3d} D{D}  fwd {ms} ms  "
-                      f"{row.get('error', '')}{seg}", flush=True)
-            if "fla_chunk_kda" in results:
-                fo, fS = results["fla_chunk_kda"]
-                for row in rows[::-1]:
-                    if row["B"] != B or row["T"] != T or row["H"] != H or row["layout"] != ("packed" if packed
-                                                                                         else "fixed"):
-                        break
-                    if "diff_vs_fla" in row and row["impl"] in results:
-                        o, S = results[row["impl"]]
-                        row["diff_vs_fla"] = diff = dict(o=rel_err(fo.float(), o.float()),
-                                                         final_state=rel_err(fS.float(), S.float()))
-                        print(f"  {row['impl']} vs fla: o {diff['o']:.2e}  final state {diff['final_state']:.2e}",
-                              flush=True)
-                write()
-            if "moelab_infer" in results and "moelab_infer_plain" in results:
-                (o, S), (po, pS) = results["moelab_infer"], results["moelab_infer_plain"]
-                diff = dict(o=rel_err(po.float(), o.float()), final_state=rel_err(pS, S))
-                next(r for r in rows[::-1] if r["impl"] == "moelab_infer")["diff_vs_plain"] = diff
-                print(f"  segmented vs plain: o {diff['o']:.2e}  final state {diff['final_state']:.2e}", flush=True)
-                write()
-            del x, results
-            if dev == "cuda":
-                torch.cuda.empty_cache()
+            infer_rows(shape, packed, impls, args.infer_candidates, None, dev, beta_logits, warmup, rep, rows, write)
+    if args.infer_sweep:
+        for shape in sweep_shapes:
+            sweep.update(infer_sweep([shape], dev, beta_logits, *((1, 1) if dev == "cpu" else (10, 40))))
+            write()
+        for (B, T, H, D) in sweep_shapes:
+            sw = sweep[f"B{B}_T{T}_H{H}"]
+            base = sw["kernels"]["base"]
+            tuned = (sw["best_intra"], sw["best_recur"])
+            if None in tuned or (tuple(tuned[0]), tuple(tuned[1])) == (tuple(base["default"]["intra"]),
+                                                                       tuple(base["default"]["recur"])):
+                continue
+            for packed in (False, True):
+                infer_rows((B, T, H, D), packed, ["moelab_infer_tuned", "fla_chunk_kda"] if "fla_chunk_kda" in impls
+                           else ["moelab_infer_tuned"], False, tuned, dev, beta_logits, warmup, rep, rows, write)
     print_infer_ratios(rows)
     print(f"wrote {out}")
     return 0
+
+
+def infer_rows(shape, packed, impls, candidates, tuned, dev, beta_logits, warmup, rep, rows, write) -> None:
+    """Time ``impls`` (and, with ``candidates``, moelab_infer on every candidate path other than its
+    default) at one shape and layout; append a row each to ``rows`` and ``write()`` after each."""
+    from tests.helpers import rel_err
+
+    B, T, H, D = shape
+    x = infer_inputs(B, T, H, D, dev, packed, beta_logits)
+    layout = "packed" if packed else "fixed"
+    results = {}
+    path = infer_path("moelab_infer", x, beta_logits)
+    # candidate paths other than the op's default here; pieces need the plain recurrence
+    cands = [f"moelab_infer[{n}]" for n, kw in INFER_CANDIDATES.items() if candidates
+             and (kw["fold_v"], kw["pieces"]) != (path["fold_v"], path["pieces"])
+             and not (kw["pieces"] > 1 and path["segmented"])]
+    start = len(rows)
+    for impl in impls + cands:
+        if (impl == "moelab_train_fwd" and packed) or (impl == "moelab_infer_plain" and not path["segmented"]):
+            continue
+        row = dict(impl=impl, layout=layout, B=B, T=T, H=H, D=D, fwd_ms=None)
+        if packed:
+            row["cu_seqlens"] = x["cu"].tolist()
+        if impl != "moelab_infer_tuned" and impl.startswith("moelab_infer"):
+            row["path"] = path if impl == "moelab_infer" else infer_path(impl, x, beta_logits)
+        try:
+            fn = infer_fn(impl, x, beta_logits, tuned)
+            results[impl] = fn()
+            row["fwd_ms"] = timed(fn, dev, warmup, rep)
+        except torch.cuda.OutOfMemoryError:
+            row["error"] = "OOM"
+        except Exception as exc:  # record and go on: one failing side must not hide the rest
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        if impl == "moelab_infer_tuned":
+            row["launch"] = dict(intra=tuned[0], recur=tuned[1])
+        rows.append(row)
+        write()
+        ms = f"{row['fwd_ms']:9.3f}" if row["fwd_ms"] is not None else "        -"
+        seg = row.get("path", {}).get("segment_chunks")
+        seg = f"  segments of {seg} chunks" if seg else ""
+        print(f"{impl:30s} {layout:6s} B{B:<2d} T{T:<6d} H{H:<3d} D{D}  fwd {ms} ms  {row.get('error', '')}{seg}",
+              flush=True)
+    if "fla_chunk_kda" in results:
+        fo, fS = results["fla_chunk_kda"]
+        for row in rows[start:]:
+            impl = row["impl"]
+            if impl in results and impl.startswith("moelab_infer") and impl != "moelab_infer_plain":
+                o, S = results[impl]
+                row["diff_vs_fla"] = diff = dict(o=rel_err(fo.float(), o.float()),
+                                                 final_state=rel_err(fS.float(), S.float()))
+                print(f"  {row['impl']} vs fla: o {diff['o']:.2e}  final state {diff['final_state']:.2e}", flush=True)
+        write()
+    if "moelab_infer" in results and "moelab_infer_plain" in results:
+        (o, S), (po, pS) = results["moelab_infer"], results["moelab_infer_plain"]
+        diff = dict(o=rel_err(po.float(), o.float()), final_state=rel_err(pS, S))
+        next(r for r in rows[::-1] if r["impl"] == "moelab_infer")["diff_vs_plain"] = diff
+        print(f"  segmented vs plain: o {diff['o']:.2e}  final state {diff['final_state']:.2e}", flush=True)
+        write()
+    del x, results
+    if dev == "cuda":
+        torch.cuda.empty_cache()
 
 
 def print_infer_ratios(rows) -> None:

@@ -924,10 +924,13 @@ class InferPlan:
         cu, coff = self._docs()
         nc = (coff[1:] - coff[:-1]).to(torch.int64)
         ends = torch.arange(P + 1, device=dev)[:, None] * nc[None, :] // P  # [P + 1, N]: chunk bounds
-        pbase = ends[:-1].to(torch.int32)
-        psize = (ends[1:] - ends[:-1]).to(torch.int32)
-        poff = torch.zeros(P, N + 1, device=dev, dtype=torch.int32)
-        poff[:, 1:] = torch.cumsum(psize, 1)
+        # one row per piece, each row 16-byte aligned: Triton specializes a kernel on its pointers' alignment,
+        # so unaligned rows would compile every kernel twice
+        width = 4 * triton.cdiv(N + 1, 4)
+        pbase, psize, poff = (torch.zeros(P, width, device=dev, dtype=torch.int32) for _ in range(3))
+        pbase[:, :N] = ends[:-1]
+        psize[:, :N] = ends[1:] - ends[:-1]
+        poff[:, 1:N + 1] = torch.cumsum(psize[:, :N], 1)
         # slots of one piece: exact for fixed length, a bound for packed documents (sum_n cdiv(n_n, P))
         slots = B * triton.cdiv(self.NC, P) if not self.varlen else triton.cdiv(self.NS, P) + N
         states = [torch.empty(N, H, K, V, device=dev, dtype=torch.float32) for _ in range(min(2, P - 1))]
