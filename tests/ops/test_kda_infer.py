@@ -3,7 +3,9 @@
 The reference is the fp32 prep (``kda_prep_torch``: SiLU, L2 norm, gate) followed by
 ``naive_recurrent_kda`` run on each sequence or packed document on its own, on the same
 (dtype-rounded) inputs. On a CPU machine the kernels run in the Triton interpreter: fp32 and fp16
-only (the interpreter gets bf16 wrong); bf16 at real sizes is the ``gpu`` test at the end.
+only (the interpreter gets bf16 wrong); bf16 at real sizes is in the ``gpu`` tests at the end, which
+``pytest -m gpu`` runs at the launch configs the op picks at the benchmark shapes (few compiles on a
+fresh Triton cache); the other configs carry ``slow`` instead.
 """
 
 from __future__ import annotations
