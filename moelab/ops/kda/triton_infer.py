@@ -136,7 +136,9 @@ PIECES = 1
 # 0.56 ms predicted, 0.59 measured; H96 (0.97 sat) 0.64 / 0.64; B8 T4096 H16 (1.29 sat) 0.38 / 0.35;
 # segmented B1 T32768 H16 at 8 and 16 segments 1.10 / 1.23 each, at 32 1.19 / 1.37; segmented B1 T8192
 # H64 at 2 and 4 segments 1.07 and 1.03 / 1.18, against 0.56 / 0.59 plain. JOIN_STEPS: one step of the
-# join (a [K, K] product per segment, fp32 FMA, reading [A | B] from memory), fit to 32 and 64 segments;
+# join (a [K, K] product per segment, fp32 FMA, reading [A | B] from memory): with 6, 32 segments of B1
+# T32768 H16 model 1.19 ms against 1.37 measured and 64 segments 1.39 against 1.75 (optimistic for many
+# short segments, which the rule then avoids anyway);
 # SEG_FIXED_STEPS: the segmented path's fixed cost (two more launches, the segment offsets, the final
 # state's gather: ~20 us). SEG_MIN_LEN: no shorter segments (measured down to 32 chunks, slower there).
 # SEG_MIN_GAIN: the segmented recurrence must be predicted that much faster (the model is within ~15%).
