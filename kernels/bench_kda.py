@@ -21,8 +21,10 @@ B8 T4096 (torch.profiler; JSON key ``kernel_ms``).
     python kernels/bench_kda.py --smoke --out /tmp/kda_bench.json   # CPU interpreter, tiny shape
     python kernels/bench_kda.py --part infer    # inference forward vs fla -> kernels/results/kda_infer_h200.json
     python kernels/bench_kda.py --part infer --smoke --out /tmp/kda_infer.json   # CPU interpreter
-    python kernels/bench_kda.py --part infer --infer-sweep   # launch sweep of its two kernels first
+    python kernels/bench_kda.py --part infer --infer-sweep   # then a sweep of its launch configs and paths
     python kernels/bench_kda.py --part infer --infer-shapes 3 --out /tmp/x.json   # B1 T32768 H16 only
+    python kernels/bench_kda.py --part infer --infer-shapes 0 3 2 1 --infer-candidates --infer-sweep \
+        --sweep-shapes 0 2 3   # the candidate paths beside fla at every shape, then the sweep at three
 
 ``--part infer`` times forwards only (no grad), bf16, output and final state returned by every side:
 ``moelab_infer`` (``moelab.ops.kda.triton_infer.kda_infer``: chunk 16, gate, L2 norm and beta
@@ -33,11 +35,15 @@ uneven documents, all rows packed into one), with the relative difference of moe
 final state from fla's as a check. Each ``moelab_infer`` row records which recurrence ran (``path``:
 plain, or segmented with its segment length and count); where it is segmented (B1 T32768 H16 fixed
 on an H200), a ``moelab_infer_plain`` row times the plain recurrence on the same inputs, and
-``diff_vs_plain`` compares the two. ``--infer-sweep`` first times each launch config of the inference
-forward's two kernels apart at the fixed-length shapes (``INFER_SWEEP_INTRA``, ``INFER_SWEEP_RECUR``;
-JSON key ``sweep``: ms, GB/s of the least bytes each kernel must move, error against the training
-forward), prints the fastest passing configs per shape, and adds a ``moelab_infer_tuned`` row per
-shape and layout at those configs.
+``diff_vs_plain`` compares the two. ``--infer-candidates`` adds a ``moelab_infer[NAME]`` row per
+candidate path (``INFER_CANDIDATES``: ``kda_infer``'s ``fold_v`` / ``pieces``) other than the op's
+default. ``--infer-sweep`` then times, at the fixed-length sweep shapes (``--sweep-shapes``), each
+launch config of the inference forward's two kernels apart for the paths whose kernels differ
+(``INFER_SWEEP_INTRA``, ``INFER_SWEEP_RECUR``; JSON key ``sweep``: ms, GB/s of the least bytes each
+kernel must move, error against the training forward), the whole op per candidate path and, where
+the op segments, per segment length; and adds a ``moelab_infer_tuned`` row per shape and layout
+where the fastest passing configs differ from the defaults. The comparison rows come first, so a run
+cut short keeps them (the JSON is written after every row and sweep shape).
 """
 
 from __future__ import annotations
@@ -271,10 +277,12 @@ def infer_inputs(B, T, H, D, dev, packed, beta_logits):
 
 
 def _infer_kw(x, beta_logits, impl) -> dict:
-    """Keywords of ``kda_infer`` (and ``InferPlan``) for a ``moelab_infer*`` impl on inputs ``x``."""
+    """Keywords of ``kda_infer`` (and ``InferPlan``) for a ``moelab_infer*`` impl on inputs ``x``;
+    ``moelab_infer[NAME]``: at the ``INFER_CANDIDATES[NAME]`` path."""
+    cand = INFER_CANDIDATES[impl[impl.index("[") + 1:-1]] if impl.endswith("]") else {}
     return dict(gate="bounded", A_log=x["A_log"], dt_bias=x["dt_bias"], g_min=G_MIN, l2norm_qk=True,
                 beta_sigmoid=beta_logits, output_final_state=True, cu_seqlens=x["cu"], validate=False,
-                segment_chunks=0 if impl == "moelab_infer_plain" else None)
+                segment_chunks=0 if impl == "moelab_infer_plain" else None, **cand)
 
 
 def infer_path(impl, x, beta_logits) -> dict:
@@ -284,18 +292,20 @@ def infer_path(impl, x, beta_logits) -> dict:
     return plan.path()
 
 
-def infer_fn(impl, x, beta_logits, tuned=None, segment_chunks=None):
+def infer_fn(impl, x, beta_logits, tuned=None, segment_chunks=None, cand=None):
     """A no-grad forward returning ``(o, final state)``; ``tuned``: (intra, recur) launch configs of
-    ``moelab_infer_tuned``; ``segment_chunks``: forces the recurrence's path (``kda_infer``'s keyword)."""
+    ``moelab_infer_tuned``; ``segment_chunks``: forces the recurrence's path, ``cand``: the candidate path
+    (``kda_infer``'s keywords)."""
     q, k, v, z, beta, A_log, dt_bias, cu = (x[n] for n in ("q", "k", "v", "z", "beta", "A_log", "dt_bias", "cu"))
     if impl.startswith("moelab_infer"):
         kw = _infer_kw(x, beta_logits, impl)
         if segment_chunks is not None:
             kw["segment_chunks"] = segment_chunks
+        kw.update(cand or {})
 
         def infer():
             return triton_infer.kda_infer(q, k, v, z, beta, **kw)
-        if impl in ("moelab_infer", "moelab_infer_plain"):
+        if impl != "moelab_infer_tuned":
             return infer
         intra, recur = tuned  # moelab_infer_tuned: the sweep's fastest configs at this shape
 
@@ -322,107 +332,149 @@ def infer_fn(impl, x, beta_logits, tuned=None, segment_chunks=None):
     return train
 
 
-# --infer-sweep: the inference forward's two kernels timed apart, one launch config at a time
-# (num_warps, num_stages, per_program): first sweep, one slot per program, 2 warps fastest (8 warps 2.3x
-# slower); several slots per program pipelined over the stages (triton_infer.LAUNCH)
-INFER_SWEEP_INTRA = [(2, 1, 1), (1, 1, 1), (2, 2, 2), (2, 3, 2), (1, 2, 2), (2, 2, 4), (2, 3, 4), (4, 2, 4)]
-# (BV, num_warps, num_stages); 64/4 and 128/8 take warpgroup MMA at N = 16 (the config class Triton 3.6
-# miscompiled in the training op's state kernel: triton_infer.LAUNCH), so they are checked like the rest
-INFER_SWEEP_RECUR = [(16, 1, 2), (16, 1, 3), (16, 1, 4), (32, 2, 2), (32, 2, 3), (32, 2, 4), (64, 4, 3), (128, 8, 3)]
+# --infer-sweep: the inference forward's two kernels timed apart, one launch config at a time, for the
+# candidate paths whose kernels differ (the keys of INFER_SWEEP_INTRA; pieces only overlap the base path's
+# kernels), then the whole op per candidate path side by side.
+# intra, per path, (num_warps, num_stages, per_program): 2 warps, one slot per program was the fastest at
+# every shape in both sweeps (1 warp +80%, 4 warps +40%, 8 warps +125%, pipelined slots +20-25%); fold_v's
+# kernel spills 36-48 B at 2 warps (255 registers, sm_90a compile with Triton 3.9) and none at 4, so both
+INFER_SWEEP_INTRA = {"base": [(2, 1, 1)], "fold_v": [(2, 1, 1), (4, 1, 1)]}
+# (BV, num_warps, num_stages): the two the op picks at D = 128 (triton_infer.pick_recur); 16/1 was never the
+# fastest, 2 or 4 stages never faster than 3, 128/8 always the slowest (both sweeps)
+INFER_SWEEP_RECUR = [(32, 2, 3), (64, 4, 3)]
 # a config whose o or final state is further than this from the training forward's is wrong (both
 # sides are bf16 paths ~3e-3 from the fp32 recurrence; a miscompile is off by O(1))
 INFER_SWEEP_TOL = 2e-2
-# segment lengths in chunks (0: the plain recurrence) timed as the whole op at its default launches,
-# to set triton_infer.choose_segment_chunks' constants from measurements; lengths >= the chunks of a
-# sequence are skipped (one segment: the plain work plus phases 1 and 2)
-INFER_SWEEP_SEGMENTS = [0, 32, 64, 128, 256]
+# segment lengths in chunks (0: the plain recurrence), timed as the whole op at its default launches where
+# the op segments (triton_infer.choose_segment_chunks); lengths >= the chunks of a sequence are skipped
+INFER_SWEEP_SEGMENTS = [0, 64, 128, 256]
+# candidate paths: kda_infer's fold_v / pieces (triton_infer.FOLD_V, PIECES); "base" is u materialised, one
+# launch of each kernel. Pieces apply to the plain recurrence only: skipped where the op segments.
+INFER_CANDIDATES = {"base": dict(fold_v=False, pieces=1), "fold_v": dict(fold_v=True, pieces=1),
+                    "pieces2": dict(fold_v=False, pieces=2), "pieces4": dict(fold_v=False, pieces=4),
+                    "fold_v+pieces4": dict(fold_v=True, pieces=4)}
+
+
+def infer_bytes(plan) -> dict:
+    """Least bytes each kernel of ``plan`` moves: its inputs read once, its outputs written once (the
+    intermediates with their padding, the fp32 decay ``gl`` and the read-ahead row included)."""
+    inter = [t for t in (plan.w, plan.u, plan.ab, plan.qg, plan.kd, plan.Aqk, plan.gl) if t is not None]
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    q, k, v, z, beta = plan.inputs
+    state = plan.hT.numel() * 4 if plan.hT is not None else 0
+    if plan.fold_v:  # v is read by the recurrence, not by the intra kernel
+        return dict(intra=nbytes((q, k, z, beta)) + nbytes(inter), recur=nbytes(inter) + nbytes((v, plan.o)) + state)
+    return dict(intra=nbytes(plan.inputs) + nbytes(inter), recur=nbytes(inter) + nbytes((plan.o,)) + state)
+
+
+def _checked(row, fn, ref_o, ref_S, dev, warmup, rep, out=None, time_fn=None):
+    """Run ``fn`` (returning nothing if ``out`` gives the outputs, else ``(o, S)``), record its error
+    against the training forward (``ok`` within INFER_SWEEP_TOL), then the time of ``time_fn`` (default
+    ``fn``); a failure is recorded, not raised."""
+    from tests.helpers import rel_err
+
+    try:
+        res = fn()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        o, S = out() if out is not None else res
+        row.update(err_o=rel_err(ref_o.float(), o.float()), err_S=rel_err(ref_S.float(), S))
+        row["ok"] = bool(row["err_o"] <= INFER_SWEEP_TOL and row["err_S"] <= INFER_SWEEP_TOL)
+        row["ms"] = timed(time_fn or fn, dev, warmup, rep)
+    except Exception as exc:  # a config that fails to compile or run is recorded, not fatal
+        row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+    return row
+
+
+def _fmt_row(row) -> str:
+    ms = f"{row['ms']:8.3f} ms" if row.get("ms") is not None else "       -   "
+    gb = f" {row['gbps']:6.0f} GB/s" if row.get("gbps") else ""
+    err = f"  err o {row['err_o']:.1e} S {row['err_S']:.1e}" if "err_o" in row else "  " + row.get("error", "")
+    return f"{ms}{gb}{err}{'' if row.get('ok') else '  FAILED'}"
 
 
 def infer_sweep(shapes, dev, beta_logits, warmup, rep) -> dict:
-    """Per fixed-length shape: every ``INFER_SWEEP_INTRA`` config of the token-parallel kernel (with
-    the recurrence at its default) and every ``INFER_SWEEP_RECUR`` config of the recurrence (after the
-    default intra launch) timed apart, each checked against the training forward's o and final state;
-    the fastest passing one of each, and the pair the op's defaults pick; then the whole op at every
-    ``INFER_SWEEP_SEGMENTS`` length (plain or segmented recurrence)."""
-    from tests.helpers import rel_err
-
+    """Per fixed-length shape, against the training forward's o and final state:
+    1. for each path of INFER_SWEEP_INTRA, each of its configs of the token-parallel kernel (the
+       recurrence at its default) and every ``INFER_SWEEP_RECUR`` config of the recurrence (after the
+       default intra launch), timed apart, with GB/s of ``infer_bytes``; the fastest passing of each;
+    2. the whole op at its default launches for every ``INFER_CANDIDATES`` path;
+    3. where the op segments, the whole op at every ``INFER_SWEEP_SEGMENTS`` length."""
     out = {}
     for (B, T, H, D) in shapes:
         x = infer_inputs(B, T, H, D, dev, False, beta_logits)
         ref_o, ref_S = infer_fn("moelab_train_fwd", x, beta_logits)()
-        plan = triton_infer.InferPlan(x["q"], x["k"], x["v"], x["z"], x["beta"], gate="bounded", A_log=x["A_log"],
-                                      dt_bias=x["dt_bias"], g_min=G_MIN, l2norm_qk=True, beta_sigmoid=beta_logits,
-                                      output_final_state=True, validate=False)
-        # bytes each kernel must move at least: its inputs read once, its outputs written once
-        inter = sum(t.numel() * t.element_size() for t in (plan.w, plan.u, plan.qg, plan.kd, plan.Aqk, plan.gl))
-        ins = sum(t.numel() * t.element_size() for t in plan.inputs)
-        io = plan.o.numel() * plan.o.element_size() + plan.hT.numel() * 4
-        default = dict(intra=plan.intra_launch(), recur=plan.recur_launch())
-        res: dict = dict(default=default, path=plan.path(), intra=[], recur=[],
-                         min_bytes=dict(intra=ins + inter, recur=inter + io))
-        recur = [c for c in INFER_SWEEP_RECUR if c[0] <= plan.dims[6]]  # V-blocks no wider than V (padded)
-        for kernel, cands in (("intra", INFER_SWEEP_INTRA), ("recur", recur)):
-            for cfg in cands:
-                row = dict(cfg=list(cfg), ms=None)
-                run = functools.partial(getattr(plan, kernel), *cfg)
-                try:
-                    if kernel == "recur":
-                        plan.intra(*default["intra"])
-                    run()
-                    if kernel == "intra":
-                        plan.recur(*default["recur"])
-                    torch.cuda.synchronize() if dev == "cuda" else None
-                    row.update(err_o=rel_err(ref_o.float(), plan.o.float()), err_S=rel_err(ref_S.float(), plan.hT))
-                    row["ok"] = bool(row["err_o"] <= INFER_SWEEP_TOL and row["err_S"] <= INFER_SWEEP_TOL)
-                    row["ms"] = timed(run, dev, warmup, rep)
-                    row["gbps"] = res["min_bytes"][kernel] / row["ms"] / 1e6
-                except Exception as exc:  # a config that fails to compile or run is recorded, not fatal
-                    row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:200]}")
-                res[kernel].append(row)
-                ms = f"{row['ms']:8.3f} ms {row['gbps']:6.0f} GB/s" if row["ms"] is not None else "       -"
-                err = f"err o {row['err_o']:.1e} S {row['err_S']:.1e}" if "err_o" in row else row.get("error", "")
-                print(f"  sweep B{B} T{T} H{H} {kernel:5s} {str(tuple(cfg)):13s} {ms}  {err}"
-                      f"{'' if row['ok'] else '  FAILED'}", flush=True)
-            ok = [r for r in res[kernel] if r["ok"] and r["ms"] is not None]
-            res["best_" + kernel] = min(ok, key=lambda r: r["ms"])["cfg"] if ok else None
-        res["segments"] = []
-        lengths = INFER_SWEEP_SEGMENTS if dev == "cuda" else [0, 2]  # CPU smoke: 4 chunks, 2 segments
-        for L in [L for L in lengths if L < plan.NC]:
-            row = dict(segment_chunks=L, ms=None)
-            op = infer_fn("moelab_infer", x, beta_logits, segment_chunks=L)
-            try:
-                o, S = op()
-                row.update(err_o=rel_err(ref_o.float(), o.float()), err_S=rel_err(ref_S.float(), S))
-                row["ok"] = bool(row["err_o"] <= INFER_SWEEP_TOL and row["err_S"] <= INFER_SWEEP_TOL)
-                row["ms"] = timed(op, dev, warmup, rep)
-            except Exception as exc:  # recorded, not fatal
-                row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+        tag = f"B{B} T{T} H{H}"
+        res: dict = dict(kernels={}, candidates=[], segments=[])
+        for name in INFER_SWEEP_INTRA:
+            plan = triton_infer.InferPlan(x["q"], x["k"], x["v"], x["z"], x["beta"], **_infer_kw(x, beta_logits,
+                                          "moelab_infer"), **INFER_CANDIDATES[name])
+            default = dict(intra=plan.intra_launch(), recur=plan.recur_launch())
+            kres: dict = dict(default=default, path=plan.path(), min_bytes=infer_bytes(plan), intra=[], recur=[])
+            recur = [c for c in INFER_SWEEP_RECUR if c[0] <= plan.dims[6]]  # V-blocks no wider than V (padded)
+            outputs = lambda plan=plan: (plan.o, plan.hT)  # noqa: E731
+            for kernel, cands in (("intra", INFER_SWEEP_INTRA[name]), ("recur", recur)):
+                for cfg in cands:
+                    run = functools.partial(getattr(plan, kernel), *cfg)
+
+                    def first(run=run, kernel=kernel, plan=plan, default=default):  # the other kernel at its default
+                        if kernel == "recur":
+                            plan.intra(*default["intra"])
+                        run()
+                        if kernel == "intra":
+                            plan.recur(*default["recur"])
+                    row = _checked(dict(cfg=list(cfg), ms=None), first, ref_o, ref_S, dev, warmup, rep, outputs, run)
+                    if row.get("ms") is not None:
+                        row["gbps"] = kres["min_bytes"][kernel] / row["ms"] / 1e6
+                    kres[kernel].append(row)
+                    print(f"  sweep {tag} {name:7s} {kernel:5s} {str(tuple(cfg)):10s} {_fmt_row(row)}", flush=True)
+                ok = [r for r in kres[kernel] if r["ok"] and r["ms"] is not None]
+                kres["best_" + kernel] = min(ok, key=lambda r: r["ms"])["cfg"] if ok else None
+            res["kernels"][name] = kres
+        seg = res["kernels"]["base"]["path"]["segment_chunks"]
+        for name, kw in INFER_CANDIDATES.items():
+            row = dict(candidate=name, ms=None)
+            if kw["pieces"] > 1 and seg:
+                row.update(ok=False, error=f"not run: the op segments here (segment_chunks={seg}); pieces need "
+                                           "the plain recurrence")
+            else:
+                _checked(row, infer_fn("moelab_infer", x, beta_logits, cand=kw), ref_o, ref_S, dev, warmup, rep)
+            res["candidates"].append(row)
+            print(f"  sweep {tag} whole op {name:15s} {_fmt_row(row)}", flush=True)
+        ok = [r for r in res["candidates"] if r["ok"] and r["ms"] is not None]
+        res["best_candidate"] = min(ok, key=lambda r: r["ms"])["candidate"] if ok else None
+        nc = triton.cdiv(T, triton_infer.CHUNK)
+        for L in [L for L in (INFER_SWEEP_SEGMENTS if seg else []) if L < nc]:
+            row = _checked(dict(segment_chunks=L, ms=None), infer_fn("moelab_infer", x, beta_logits, segment_chunks=L),
+                           ref_o, ref_S, dev, warmup, rep)
             res["segments"].append(row)
-            ms = f"{row['ms']:8.3f} ms (whole op)" if row["ms"] is not None else "       -"
-            print(f"  sweep B{B} T{T} H{H} segments of {L:3d} chunks {ms}  {row.get('error', '')}"
-                  f"{'' if row['ok'] else '  FAILED'}", flush=True)
+            print(f"  sweep {tag} whole op, segments of {L:3d} chunks {_fmt_row(row)}", flush=True)
         ok = [r for r in res["segments"] if r["ok"] and r["ms"] is not None]
         res["best_segments"] = min(ok, key=lambda r: r["ms"])["segment_chunks"] if ok else None
+        base = res["kernels"]["base"]
+        res["best_intra"], res["best_recur"] = base["best_intra"], base["best_recur"]
         out[f"B{B}_T{T}_H{H}"] = res
-        print(f"  sweep B{B} T{T} H{H}: default intra {default['intra']} recur {default['recur']} segments "
-              f"{res['path'].get('segment_chunks', 0)}; fastest passing: intra {res['best_intra']} recur "
-              f"{res['best_recur']} segments {res['best_segments']}", flush=True)
-        del x, plan, ref_o, ref_S
+        print(f"  sweep {tag}: default {base['default']} segments {seg}; fastest passing: intra "
+              f"{base['best_intra']} recur {base['best_recur']} candidate {res['best_candidate']} segments "
+              f"{res['best_segments']}", flush=True)
+        del x, ref_o, ref_S
         if dev == "cuda":
             torch.cuda.empty_cache()
     return out
 
 
 def run_infer(args, dev) -> int:
-    """``--part infer``: time every impl at every shape, fixed and packed; JSON after every row."""
-    from tests.helpers import rel_err
-
+    """``--part infer``: every impl at every shape, fixed and packed (JSON after every row); with
+    ``--infer-sweep`` then the sweep at the sweep shapes (JSON after every shape) and a
+    ``moelab_infer_tuned`` row where its fastest launch configs differ from the op's defaults. The
+    comparison with fla comes first, so that a run cut short by a time limit keeps it."""
     if args.smoke or dev == "cpu":
         shapes, warmup, rep = [(1, 64, 2, 32)], 1, 1
     else:
         shapes, warmup, rep = (INFER_SHAPES[2:3] if args.quick else INFER_SHAPES), 25, 100
         if args.infer_shapes:
             shapes = [INFER_SHAPES[i] for i in args.infer_shapes]
+    sweep_shapes = [INFER_SHAPES[i] for i in args.sweep_shapes] if args.sweep_shapes and dev == "cuda" else shapes
     beta_logits = dev == "cpu" or _fla_takes_beta_logits()
     out = args.out if args.out != DEFAULT_OUT else "kernels/results/kda_infer_h200.json"
     try:
@@ -442,14 +494,19 @@ def run_infer(args, dev) -> int:
                 note="forward only, no grad, output and final state from every impl; gate, L2 norm of q, k, "
                      "beta sigmoid (where fla takes beta logits) and the bound inside the ops; packed: each "
                      "row's T tokens cut into 6 uneven documents (doc_offsets), rows packed into one; "
-                     "diff_vs_fla: relative RMS difference of moelab_infer's o and final state from fla's; "
-                     "path: the recurrence moelab_infer ran (InferPlan.path: segmented or plain, segment length "
-                     "in chunks, segments per sequence or document, launch configs); moelab_infer_plain: the plain "
-                     "recurrence forced (segment_chunks=0), only where moelab_infer is segmented, diff_vs_plain: "
-                     "the two paths' relative RMS difference; "
-                     "moelab_infer_tuned (with --infer-sweep): moelab_infer at the sweep's fastest passing "
-                     "launch configs of the fixed-length shape (packed rows too); sweep: per kernel and config, "
-                     "ms, GB/s of the least bytes the kernel must move, error vs the training forward")
+                     "path: the path moelab_infer ran (InferPlan.path: segmented or plain, segment length "
+                     "in chunks, segments per sequence or document, launch configs, candidate path); "
+                     "moelab_infer_plain: the plain recurrence forced (segment_chunks=0), only where "
+                     "moelab_infer is segmented, diff_vs_plain: the two paths' relative RMS difference; "
+                     "moelab_infer[NAME] (with --infer-candidates): moelab_infer on the candidate path NAME "
+                     "(candidates: kda_infer keywords); diff_vs_fla: relative RMS difference of a moelab_infer* "
+                     "row's o and final state from fla's; sweep (with --infer-sweep, fixed length): per path "
+                     "(kernels) and kernel and launch config, ms, GB/s of the least bytes the kernel must move "
+                     "(min_bytes), error vs the training forward; candidates: the whole op per candidate path; "
+                     "segments: the whole op per segment length, where the op segments; moelab_infer_tuned: "
+                     "moelab_infer at the sweep's fastest passing launch configs, where they differ from the "
+                     "defaults (packed rows too)",
+                candidates=INFER_CANDIDATES)
     rows: list[dict] = []
     sweep: dict = {}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -458,65 +515,88 @@ def run_infer(args, dev) -> int:
         with open(out, "w") as f:
             json.dump(dict(meta=meta, rows=rows, **(dict(sweep=sweep) if sweep else {})), f, indent=1)
 
-    if args.infer_sweep:
-        sweep.update(infer_sweep(shapes, dev, beta_logits, *((1, 1) if dev == "cpu" else (10, 40))))
-        write()
     impls = [i for i in INFER_IMPLS if not (i.startswith("fla") and fla_chunk_kda is None)]
-    for (B, T, H, D) in shapes:
-        sw = sweep.get(f"B{B}_T{T}_H{H}", {})
-        tuned = (sw["best_intra"], sw["best_recur"]) if sw.get("best_intra") and sw.get("best_recur") else None
+    for shape in shapes:
         for packed in (False, True):
-            x = infer_inputs(B, T, H, D, dev, packed, beta_logits)
-            results = {}
-            path = infer_path("moelab_infer", x, beta_logits)
-            for impl in impls + (["moelab_infer_tuned"] if tuned else []):
-                if (impl == "moelab_train_fwd" and packed) or (impl == "moelab_infer_plain" and not path["segmented"]):
-                    continue
-                row = dict(impl=impl, layout="packed" if packed else "fixed", B=B, T=T, H=H, D=D, fwd_ms=None)
-                if packed:
-                    row["cu_seqlens"] = x["cu"].tolist()
-                if impl in ("moelab_infer", "moelab_infer_plain"):
-                    row["path"] = path if impl == "moelab_infer" else infer_path(impl, x, beta_logits)
-                try:
-                    fn = infer_fn(impl, x, beta_logits, tuned)
-                    results[impl] = fn()
-                    row["fwd_ms"] = timed(fn, dev, warmup, rep)
-                except torch.cuda.OutOfMemoryError:
-                    row["error"] = "OOM"
-                except Exception as exc:  # record and go on: one failing side must not hide the rest
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                if impl == "moelab_infer_tuned":
-                    row["launch"] = dict(intra=tuned[0], recur=tuned[1])
-                if impl == "moelab_infer" and "fla_chunk_kda" in impls:
-                    row["diff_vs_fla"] = None  # filled in once fla has run
-                rows.append(row)
-                write()
-                ms = f"{row['fwd_ms']:9.3f}" if row["fwd_ms"] is not None else "        -"
-                seg = row.get("path", {}).get("segment_chunks")
-                seg = f"  segments of {seg} chunks" if seg else ""
-                print(f"{impl:18s} {row['layout']:6s} B{B:<2d} T{T:<6d} H{H:<3d} D{D}  fwd {ms} ms  "
-                      f"{row.get('error', '')}{seg}", flush=True)
-            if "moelab_infer" in results and "fla_chunk_kda" in results:
-                (o, S), (fo, fS) = results["moelab_infer"], results["fla_chunk_kda"]
-                diff = dict(o=rel_err(fo.float(), o.float()), final_state=rel_err(fS.float(), S.float()))
-                for row in rows[::-1]:
-                    if row["impl"] == "moelab_infer" and row["layout"] == ("packed" if packed else "fixed"):
-                        row["diff_vs_fla"] = diff
-                        break
-                print(f"  moelab_infer vs fla: o {diff['o']:.2e}  final state {diff['final_state']:.2e}", flush=True)
-                write()
-            if "moelab_infer" in results and "moelab_infer_plain" in results:
-                (o, S), (po, pS) = results["moelab_infer"], results["moelab_infer_plain"]
-                diff = dict(o=rel_err(po.float(), o.float()), final_state=rel_err(pS, S))
-                next(r for r in rows[::-1] if r["impl"] == "moelab_infer")["diff_vs_plain"] = diff
-                print(f"  segmented vs plain: o {diff['o']:.2e}  final state {diff['final_state']:.2e}", flush=True)
-                write()
-            del x, results
-            if dev == "cuda":
-                torch.cuda.empty_cache()
+            infer_rows(shape, packed, impls, args.infer_candidates, None, dev, beta_logits, warmup, rep, rows, write)
+    if args.infer_sweep:
+        for shape in sweep_shapes:
+            sweep.update(infer_sweep([shape], dev, beta_logits, *((1, 1) if dev == "cpu" else (10, 40))))
+            write()
+        for (B, T, H, D) in sweep_shapes:
+            sw = sweep[f"B{B}_T{T}_H{H}"]
+            base = sw["kernels"]["base"]
+            tuned = (sw["best_intra"], sw["best_recur"])
+            if None in tuned or (tuple(tuned[0]), tuple(tuned[1])) == (tuple(base["default"]["intra"]),
+                                                                       tuple(base["default"]["recur"])):
+                continue
+            for packed in (False, True):
+                infer_rows((B, T, H, D), packed, ["moelab_infer_tuned", "fla_chunk_kda"] if "fla_chunk_kda" in impls
+                           else ["moelab_infer_tuned"], False, tuned, dev, beta_logits, warmup, rep, rows, write)
     print_infer_ratios(rows)
     print(f"wrote {out}")
     return 0
+
+
+def infer_rows(shape, packed, impls, candidates, tuned, dev, beta_logits, warmup, rep, rows, write) -> None:
+    """Time ``impls`` (and, with ``candidates``, moelab_infer on every candidate path other than its
+    default) at one shape and layout; append a row each to ``rows`` and ``write()`` after each."""
+    from tests.helpers import rel_err
+
+    B, T, H, D = shape
+    x = infer_inputs(B, T, H, D, dev, packed, beta_logits)
+    layout = "packed" if packed else "fixed"
+    results = {}
+    path = infer_path("moelab_infer", x, beta_logits)
+    # candidate paths other than the op's default here; pieces need the plain recurrence
+    cands = [f"moelab_infer[{n}]" for n, kw in INFER_CANDIDATES.items() if candidates
+             and (kw["fold_v"], kw["pieces"]) != (path["fold_v"], path["pieces"])
+             and not (kw["pieces"] > 1 and path["segmented"])]
+    start = len(rows)
+    for impl in impls + cands:
+        if (impl == "moelab_train_fwd" and packed) or (impl == "moelab_infer_plain" and not path["segmented"]):
+            continue
+        row = dict(impl=impl, layout=layout, B=B, T=T, H=H, D=D, fwd_ms=None)
+        if packed:
+            row["cu_seqlens"] = x["cu"].tolist()
+        if impl != "moelab_infer_tuned" and impl.startswith("moelab_infer"):
+            row["path"] = path if impl == "moelab_infer" else infer_path(impl, x, beta_logits)
+        try:
+            fn = infer_fn(impl, x, beta_logits, tuned)
+            results[impl] = fn()
+            row["fwd_ms"] = timed(fn, dev, warmup, rep)
+        except torch.cuda.OutOfMemoryError:
+            row["error"] = "OOM"
+        except Exception as exc:  # record and go on: one failing side must not hide the rest
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        if impl == "moelab_infer_tuned":
+            row["launch"] = dict(intra=tuned[0], recur=tuned[1])
+        rows.append(row)
+        write()
+        ms = f"{row['fwd_ms']:9.3f}" if row["fwd_ms"] is not None else "        -"
+        seg = row.get("path", {}).get("segment_chunks")
+        seg = f"  segments of {seg} chunks" if seg else ""
+        print(f"{impl:30s} {layout:6s} B{B:<2d} T{T:<6d} H{H:<3d} D{D}  fwd {ms} ms  {row.get('error', '')}{seg}",
+              flush=True)
+    if "fla_chunk_kda" in results:
+        fo, fS = results["fla_chunk_kda"]
+        for row in rows[start:]:
+            impl = row["impl"]
+            if impl in results and impl.startswith("moelab_infer") and impl != "moelab_infer_plain":
+                o, S = results[impl]
+                row["diff_vs_fla"] = diff = dict(o=rel_err(fo.float(), o.float()),
+                                                 final_state=rel_err(fS.float(), S.float()))
+                print(f"  {row['impl']} vs fla: o {diff['o']:.2e}  final state {diff['final_state']:.2e}", flush=True)
+        write()
+    if "moelab_infer" in results and "moelab_infer_plain" in results:
+        (o, S), (po, pS) = results["moelab_infer"], results["moelab_infer_plain"]
+        diff = dict(o=rel_err(po.float(), o.float()), final_state=rel_err(pS, S))
+        next(r for r in rows[::-1] if r["impl"] == "moelab_infer")["diff_vs_plain"] = diff
+        print(f"  segmented vs plain: o {diff['o']:.2e}  final state {diff['final_state']:.2e}", flush=True)
+        write()
+    del x, results
+    if dev == "cuda":
+        torch.cuda.empty_cache()
 
 
 def print_infer_ratios(rows) -> None:
@@ -546,6 +626,11 @@ def main() -> int:
     ap.add_argument("--infer-shapes", nargs="*", type=int, choices=range(len(INFER_SHAPES)),
                     help=f"--part infer: only these indices of {INFER_SHAPES} (to split a run)")
     ap.add_argument("--commit", help="commit to record (--part infer; default: git rev-parse HEAD)")
+    ap.add_argument("--sweep-shapes", nargs="*", type=int, choices=range(len(INFER_SHAPES)),
+                    help="--infer-sweep: only these indices of INFER_SHAPES (default: the shapes of the run)")
+    ap.add_argument("--infer-candidates", action="store_true",
+                    help="--part infer: also time moelab_infer on every candidate path of INFER_CANDIDATES other "
+                         "than its default (rows moelab_infer[NAME]), fixed and packed")
     ap.add_argument("--infer-sweep", action="store_true",
                     help="--part infer: first time the inference kernels' launch configs apart at every shape "
                          "(JSON key sweep), then also time moelab_infer at the fastest (moelab_infer_tuned)")

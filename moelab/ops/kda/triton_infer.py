@@ -32,8 +32,8 @@ Kernels (bases of exponentials are 2: G is kept in log2 units, ``exp2(G)`` is ``
   reads, so its loop carries no exp, cumsum or solve.
 * ``_kda_infer_recur``, grid ``[docs * H * V-blocks]`` (head x V-block parallel, sequential over
   chunks): the state's V columns evolve independently given the K-side tiles, so each program
-  owns ``BV`` of them (``LAUNCH`` picks BV so that the grid covers the GPU when there are few
-  sequences and heads). It holds that slice transposed, ``hv = h^T`` ``[BV, K]``, fp32 in
+  owns ``BV`` of them (``pick_recur``: 32, or 64 once the launch saturates the GPU). It holds
+  that slice transposed, ``hv = h^T`` ``[BV, K]``, fp32 in
   registers: ``U^T = u^T - hv w^T``, ``o^T = hv qg^T + U^T A_qk^T`` (written straight to the
   output), ``hv <- hv Diag(gl) + U^T kd``. Both quantities that the chunk loop carries from one
   product to the next (hv, U^T) are left operands, whose mma.sync layout is the accumulator's, so
@@ -41,13 +41,19 @@ Kernels (bases of exponentials are 2: G is kept in log2 units, ``exp2(G)`` is ``
   tiles (w^T, qg^T, kd, A_qk^T) are right operands, copied to shared memory two chunks ahead by the
   software pipeline. Output and state in one pass: the chunk states are never stored (at chunk
   16 they would be ``K V / 16`` values per token).
-* Segmented recurrence, for few sequences x heads and long sequences (``choose_segment_chunks``):
+* Segmented recurrence, for few sequences x heads and long sequences (``choose_segment_chunks``,
+  by a cost model of the recurrence in chunk steps and state columns per SM, ``recur_cost``):
   the same kernel on segments of the sequences, first for each segment's state transition
   ``S_end = A S_start + B`` (identity V-blocks, no output), then ``_kda_infer_join`` chains the
   transitions into each segment's start state, then the kernel again for the output
   (``InferPlan``): a chain of ``n / P + P + n / P`` steps instead of ``n`` over P segments.
+* Candidate paths, off by default until measured on the GPU (``FOLD_V``, ``PIECES``): ``fold_v``
+  stores ``Ab = (I + L)^-1 Diag(beta)`` instead of u and the recurrence forms ``u = Ab v`` from the
+  raw v (448 B fewer per token and head at K = V = 128); ``pieces`` overlaps the intra kernel and
+  the plain recurrence, piece by piece of every document, on two streams (``InferPlan._run_pieces``).
 
-Memory traffic and parallelism: kernels/README.md, "Inference forward".
+Bytes per token and head of each kernel and path, what the H200 measured against them, and the
+parallelism: kernels/README.md, "Inference forward".
 
 Intermediates are stored head-major (``[H, slots * 16, Kp]``) so that the recurrence reads one
 contiguous block per chunk. Documents are padded to whole chunks inside the kernels (masked
@@ -85,65 +91,118 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Launch configs on the GPU. The H200 sweep ``kernels/bench_kda.py --part infer --infer-sweep``
 # times every candidate per kernel and shape and prints the fastest (the JSON records what ran,
-# ``meta.launch``); the first sweep (kernels/results/history/kda_infer_sweep_h200_1aca9ee.json).
+# ``meta.launch``); sweeps so far: kernels/results/history/kda_infer_sweep_h200_{1aca9ee,6d91d0b}.json.
 # intra: (num_warps, num_stages, per_program), all of K in one program: 2 warps was the fastest at all
-# four shapes, 0.51 ms against 0.72 (4 warps) and 1.16 (8 warps) at B1 T8192 H64 (1.108 GB moved at
-# least: 2.2 TB/s of the H200's ~4), so the wait is each program's memory latency, not bandwidth.
+# four shapes in both sweeps, 0.51-0.54 ms against 0.72 (4 warps), 0.97 (1 warp) and 1.16 (8 warps) at
+# B1 T8192 H64 (2.1 TB/s of the least bytes), so the wait is each program's memory latency, not bandwidth.
 # per_program > 1: one program takes that many consecutive chunk slots of a head in a loop pipelined
-# over num_stages, the next slot's loads in flight while one computes; left to the sweep. Registers at
-# D = 128 (sm_90a, Triton 3.9, ptxas -v): (2, 1, 1) 239, no spills; pipelined at 2 warps 255 with
-# 64-104 bytes spilled; at 1 warp ~1.1 KB (one slot) to ~1.5 KB (pipelined); (4, 2, 4) 253, no spills.
-# recur: candidates (BV, num_warps, num_stages), widest V-block first; the op takes the first whose
-# grid (sequences x heads x V-blocks) reaches the SM count, else the last: narrow V-blocks where
-# there are few sequences and heads (B1 H16: 128 programs of one warp), wide ones where the grid is
-# full anyway, since every V-block of a head reads the head's K-side tiles again (from L2).
-# BV = 16 x num_warps: each warp owns 16 rows of the transposed state, so products chain in
-# registers (``_kda_infer_recur``); wider per warp, the state and its bf16 copy spill (BV 64 at 2
-# warps: 255 registers); 4 or more warps take warpgroup MMA at N = 16, the config class Triton 3.6
-# miscompiled in the training op's state kernel (kernels/README.md, "Launch configs"), left to the
-# sweep. Three stages: the pipeline then issues a chunk's copies two chunks ahead; with two it
-# issues them at the end of the chunk before, so each chunk waited out a full memory latency.
+# over num_stages, the next slot's loads in flight while one computes: 20-25% slower in the second
+# sweep. Registers at D = 128 (sm_90a, Triton 3.9, ptxas -v): (2, 1, 1) 239, no spills.
+# recur: candidates (BV, num_warps, num_stages, columns per SM), widest V-block first; the op takes the
+# first whose BV fits the state and whose launch holds at least that many state columns per SM
+# (``pick_recur``). BV = 16 x num_warps: each warp owns 16 rows of the transposed state, so products
+# chain in registers (``_kda_infer_recur``); 2 warps on a 16-row block only duplicate the work (Triton
+# gives both warps the same 16 rows). Measured (ms, both sweeps): B1 T8192 H64 32/2/3 0.59, 64/4/3 0.60,
+# 16/1/3 0.61; H96 0.64 / 0.66 / 0.67; B8 T4096 H16 64/4/3 0.35, 32/2/3 0.36; plain B1 T32768 H16 32/2/3
+# 2.06, 16/1/3 2.12, 64/4/3 2.24; its segmented recurrence (9 segments) 64/4/3 1.20, 16/1/3 1.28, 32/2/3
+# 1.37. So 64-wide blocks (4 warps, warpgroup MMA) win once the GPU is saturated (``recur_cost``: 96
+# columns per SM, the B8 T4096 H16 grid has 124, the segmented one 140-280), where every V-block's
+# re-read of the head's K-side tiles costs throughput, and 32 below it. Three stages: the pipeline then
+# issues a chunk's copies two chunks ahead; with two it issues them at the end of the chunk before.
 # join (phase 2 of the segmented recurrence, below): (BV, num_warps); its products are exact fp32
-# (FMA, not tensor cores), one [BV, K] x [K, K] per segment: 16-wide blocks give 128 programs at B1 H16,
-# 4 warps compile without spills at K = 128 (241 registers, sm_90a with Triton 3.9; 2 warps spill).
-LAUNCH: dict = {"intra": (2, 1, 1), "recur": ((32, 2, 3), (16, 1, 3)), "join": (16, 4)}
+# (FMA, not tensor cores), one [BV, K] x [K, K] per segment: 16-wide blocks, 4 warps compile without
+# spills at K = 128 (241 registers, sm_90a with Triton 3.9; 2 warps spill).
+LAUNCH: dict = {"intra": (2, 1, 1), "recur": ((64, 4, 3, 96), (32, 2, 3, 0), (16, 1, 3, 0)), "join": (16, 4)}
 _INTERP_BV = 16  # the interpreter: 16-wide V-blocks so that small test shapes take several
 
-# Segmented recurrence (``InferPlan``). With few (sequence, head) pairs and long sequences the plain
-# recurrence is one long chain of chunk steps on a mostly idle GPU: in the first H200 sweep B1 T32768
-# H16 (128 programs) took 2.06 ms for 2048 chunks, ~1.0 us each, while B8 T4096 H16 (512 programs of
-# BV 32) ran its 256 chunks in 0.36 ms, ~1.4 us each: ~6x the work per microsecond. So: segment when the
-# plain grid at its narrowest V-blocks (16) is under SEG_FEW_PROGRAMS per SM and the sequences are
-# longer than SEG_MIN_CHUNKS chunks; take P segments per sequence so that phase 3 at BV 32 has
-# SEG_PROGRAMS_PER_SM programs per SM (about the B8 T4096 H16 grid), each segment at least SEG_MIN_LEN
-# chunks, since phase 1 does (K + V) / V times the plain work and phase 2 one K x K product per segment:
-# short segments would spend more there than the shorter chain saves. Packed documents: judged on the
-# mean document length (the lengths stay on the device), each document cut into pieces of that length.
-SEG_FEW_PROGRAMS = 2
-SEG_MIN_CHUNKS = 256
+# Candidate paths, off until the H200 sweep has measured them (kernels/README.md, "Inference forward"):
+# FOLD_V: the intra kernel stores (I + L)^-1 Diag(beta) (16 x 16 per chunk) instead of u = that times v
+# (16 x V), and the recurrence forms u from v itself (one small product per chunk, off its chain):
+# 448 B fewer per token and head at K = V = 128 (the intra kernel neither reads v nor writes u).
+# PIECES: the plain recurrence and the intra kernel overlapped in time: each document cut into that many
+# pieces; the intra kernel runs piece by piece on the current stream, the recurrence of piece p on a
+# high-priority stream as soon as the intra kernel has finished piece p (the recurrence holds a few
+# programs per SM; the intra kernel fills the rest of the GPU meanwhile).
+FOLD_V = False
+PIECES = 1
+
+# Recurrence cost model, for the choice between the plain and the segmented recurrence and of the
+# segment length, in units of one latency-bound chunk step (~1.0 us on the H200: plain B1 T32768 H16,
+# 2048 columns, 2.06 ms for 2048 chunks). A launch's state columns (sequences x heads x V, padded, plus K
+# identity columns per pair in phase 1) spread over the SMs in 16-row warps; below about SAT_COLS_PER_SM
+# columns per SM (3 programs of 32 columns) each chunk step costs that fixed latency, above it the GPU
+# is saturated and time grows with the columns: ``chain (1 + (cols / sat)^3)^(1/3)``, the larger of the
+# two bounds with a soft knee. Against the sweeps (at 1.0 us a step): plain B1 T8192 H64 (0.65 sat)
+# 0.56 ms predicted, 0.59 measured; H96 (0.97 sat) 0.64 / 0.64; B8 T4096 H16 (1.29 sat) 0.38 / 0.35;
+# segmented B1 T32768 H16 at 8 and 16 segments 1.10 / 1.23 each, at 32 1.19 / 1.37; segmented B1 T8192
+# H64 at 2 and 4 segments 1.07 and 1.03 / 1.18, against 0.56 / 0.59 plain. JOIN_STEPS: one step of the
+# join (a [K, K] product per segment, fp32 FMA, reading [A | B] from memory): with 6, 32 segments of B1
+# T32768 H16 model 1.19 ms against 1.37 measured and 64 segments 1.39 against 1.75 (optimistic for many
+# short segments, which the rule then avoids anyway);
+# SEG_FIXED_STEPS: the segmented path's fixed cost (two more launches, the segment offsets, the final
+# state's gather: ~20 us). SEG_MIN_LEN: no shorter segments (measured down to 32 chunks, slower there).
+# SEG_MIN_GAIN: the segmented recurrence must be predicted that much faster (the model is within ~15%).
+SAT_COLS_PER_SM = 96
+JOIN_STEPS = 6
+SEG_FIXED_STEPS = 20
 SEG_MIN_LEN = 64
-SEG_PROGRAMS_PER_SM = 4
+SEG_MIN_GAIN = 1.2
 
 
-def choose_segment_chunks(seqs: int, H: int, chunks: int, V: int, sms: int) -> int:
-    """Segment length in chunks for the segmented recurrence, or 0 for the plain one (see above).
+def recur_cost(cols: int, chain: int, sms: int) -> float:
+    """Modelled time of one recurrence launch in latency-bound chunk steps (see above): ``cols`` state
+    columns in flight over ``sms`` SMs, ``chain`` chunks per program."""
+    x = cols / (SAT_COLS_PER_SM * sms)
+    return chain * (1.0 + x**3) ** (1.0 / 3.0)
+
+
+def choose_segment_chunks(seqs: int, H: int, chunks: int, K: int, V: int, sms: int) -> int:
+    """Segment length in chunks for the segmented recurrence, or 0 for the plain one: the length of
+    least modelled cost (``recur_cost``) over 2, 4, 8, ... segments of at least SEG_MIN_LEN chunks,
+    taken if it beats the plain recurrence by SEG_MIN_GAIN. Plain costs ``chunks`` steps at
+    ``seqs H V`` columns; P segments of L chunks cost L steps at ``P seqs H (K + V)`` columns
+    (phase 1), ``P JOIN_STEPS`` (phase 2), L steps at ``P seqs H V`` columns (phase 3) and
+    ``SEG_FIXED_STEPS``. Throughput-bound, the segments cost ``(K + 2V) / V`` times the plain work, so
+    segmenting pays only where the plain launch holds under ``V / (K + 2V)`` of saturation. On 132 SMs:
+    B1 T32768 H16 (2048 chunks, 2048 columns: 0.16 of saturation) takes 16 segments of 128 chunks;
+    B1 T8192 H64 / H96, B8 T4096 H16 and packed documents at those sizes stay plain (their plain
+    launches are at 0.65-1.3 of saturation, so the segments' extra columns cost more than the shorter
+    chain saves).
 
     Args:
         seqs: sequences (B, or packed documents); H: heads; chunks: 16-token chunks per sequence (the
-            mean for packed documents); V: value head dim; sms: the GPU's SM count."""
+            mean for packed documents); K, V: head dims; sms: the GPU's SM count."""
+    Kp = max(16, triton.next_power_of_2(K))
     Vp = max(16, triton.next_power_of_2(V))
     pairs = seqs * H
-    if pairs * (Vp // 16) >= SEG_FEW_PROGRAMS * sms or chunks <= SEG_MIN_CHUNKS:
-        return 0
-    P = min(triton.cdiv(SEG_PROGRAMS_PER_SM * sms, pairs * max(1, Vp // 32)), chunks // SEG_MIN_LEN)
-    return triton.cdiv(chunks, P) if P >= 2 else 0
+    best, best_len = recur_cost(pairs * Vp, chunks, sms) / SEG_MIN_GAIN, 0
+    P = 2
+    while triton.cdiv(chunks, P) >= SEG_MIN_LEN:
+        L = triton.cdiv(chunks, P)
+        n = triton.cdiv(chunks, L)  # segments actually made
+        cost = (recur_cost(n * pairs * (Kp + Vp), L, sms) + n * JOIN_STEPS + SEG_FIXED_STEPS
+                + recur_cost(n * pairs * Vp, L, sms))
+        if cost < best:
+            best, best_len = cost, L
+        P *= 2
+    return best_len
+
+
+def pick_recur(cols: int, width: int, sms: int) -> tuple[int, int, int]:
+    """(BV, num_warps, num_stages) of a recurrence launch of ``cols`` state columns whose V-blocks must
+    divide ``width``: the first of ``LAUNCH["recur"]`` that fits and whose column floor per SM
+    ``cols`` reaches, else the narrowest."""
+    cands = [c for c in LAUNCH["recur"] if c[0] <= width] or [min(LAUNCH["recur"], key=lambda c: c[0])]
+    c = next((c for c in cands if cols >= c[3] * sms), cands[-1])
+    return c[0], c[1], c[2]
 
 
 @contextlib.contextmanager
 def launch_overrides(intra: tuple | None = None, recur: tuple | None = None):
     """Run the op with ``LAUNCH["intra"]`` = ``(num_warps, num_stages, per_program)`` (or
     ``(num_warps, num_stages)``: one chunk slot per program) and/or ``LAUNCH["recur"]`` =
-    ``((BV, num_warps, num_stages), ...)`` replaced, restored on exit (launch sweeps, A/B runs)."""
+    ``((BV, num_warps, num_stages[, columns per SM]), ...)`` replaced (a missing column floor is 0),
+    restored on exit (launch sweeps, A/B runs)."""
     saved = dict(LAUNCH)
     if intra is not None:
         if len(intra) not in (2, 3) or any(int(x) < 1 for x in intra):
@@ -151,9 +210,10 @@ def launch_overrides(intra: tuple | None = None, recur: tuple | None = None):
                              "or (num_warps, num_stages), each >= 1")
         LAUNCH["intra"] = tuple(int(x) for x in intra) + (1,) * (3 - len(intra))
     if recur is not None:
-        if not recur or any(len(c) != 3 for c in recur):
-            raise ValueError(f"recur={recur!r} is not allowed: expected ((BV, num_warps, num_stages), ...)")
-        LAUNCH["recur"] = tuple(tuple(int(x) for x in c) for c in recur)
+        if not recur or any(len(c) not in (3, 4) for c in recur):
+            raise ValueError(f"recur={recur!r} is not allowed: expected ((BV, num_warps, num_stages[, columns "
+                             "per SM]), ...)")
+        LAUNCH["recur"] = tuple(tuple(int(x) for x in c) + (0,) * (4 - len(c)) for c in recur)
     try:
         yield
     finally:
@@ -206,16 +266,23 @@ def _unit_lower_inv(L, IEEE: tl.constexpr, C: tl.constexpr):
 
 @triton.jit
 def _kda_infer_intra(
-    q, k, v, z, beta, A_log, dt_bias, cu, coff,
-    w, u, qg, kd, Aqk, gl,
+    q, k, v, z, beta, A_log, dt_bias, cu, coff, poff, pbase,
+    w, u, ab, qg, kd, Aqk, gl,
     scale, g_min, mid, eps, T, NC, NS, N, H,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, C: tl.constexpr,
     LOG_N: tl.constexpr, VARLEN: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IEEE: tl.constexpr, PER: tl.constexpr, STAGES: tl.constexpr,
+    FOLD_V: tl.constexpr, PIECE: tl.constexpr,
 ):
     """Chunk slots ``[PER i, PER (i + 1))`` of one head, ``i`` = program 0 (see the module docstring).
     ``mid`` is the reference ``C/2 * g_min`` in log2 units; ``BK``, ``BVF`` are K, V padded to powers of
     two >= 16 (the intermediates' widths).
+
+    ``FOLD_V``: no v read and no u written; ``ab`` gets ``(I + L)^-1 Diag(beta)`` ``[C, C]`` per slot
+    instead (the recurrence forms u from v). ``PIECE``: the slots of one piece of every document
+    (``InferPlan.run`` with pieces): this launch's i-th slot is chunk ``pbase[n] + i - poff[n]`` of
+    document n, the last n with ``poff[n] <= i`` (``cu``, ``coff`` describe the documents; fixed-length
+    rows come as documents of T tokens).
 
     Several slots per program: the loop over them is software-pipelined (``STAGES``), so the next
     slot's loads are in flight while this one computes; each slot computes exactly as with
@@ -228,7 +295,9 @@ def _kda_infer_intra(
     km = ck < K
     pk = r[:, None] * (H * K) + ck[None, :]
     pw = r[:, None] * BK + ck[None, :]
-    if VARLEN:
+    if PIECE:
+        last = tl.load(poff + N)  # slots of this piece
+    elif VARLEN:
         last = tl.load(coff + N)  # slots in use
     else:
         last = NS
@@ -239,7 +308,13 @@ def _kda_infer_intra(
     for j in tl.range(0, PER, num_stages=STAGES):
         i_s = tl.program_id(0) * PER + j
         live = i_s < last
-        if VARLEN:
+        if PIECE:
+            n = _doc_of_slot(poff, i_s, N, LOG_N)
+            bos = tl.load(cu + n).to(tl.int64)
+            eos = tl.load(cu + n + 1).to(tl.int64)
+            c = tl.load(pbase + n) + i_s - tl.load(poff + n)
+            i_s = tl.load(coff + n) + c  # the chunk's slot in the intermediates
+        elif VARLEN:
             n = _doc_of_slot(coff, i_s, N, LOG_N)
             bos = tl.load(cu + n).to(tl.int64)
             eos = tl.load(cu + n + 1).to(tl.int64)
@@ -261,8 +336,9 @@ def _kda_infer_intra(
         x = tl.load(z + src * K + pk, mask=mk, other=0.0)
         kr = tl.load(k + src * K + pk, mask=mk, other=0.0)
         qr = tl.load(q + src * K + pk, mask=mk, other=0.0)
-        vr = tl.load(v + src * V + r[:, None] * (H * V) + cv[None, :], mask=rm[:, None] & (cv < V)[None, :],
-                     other=0.0)
+        if not FOLD_V:
+            vr = tl.load(v + src * V + r[:, None] * (H * V) + cv[None, :], mask=rm[:, None] & (cv < V)[None, :],
+                         other=0.0)
         b = tl.load(beta + src + r * H, mask=rm, other=0.0).to(tl.float32)
 
         x = x.to(tl.float32)
@@ -297,17 +373,21 @@ def _kda_infer_intra(
         sq = _dot(_cast(qn * up, False), kT, IEEE)
         tl.store(Aqk + hs * (C * C) + r[:, None] * C + r[None, :],
                  tl.where(r[:, None] >= r[None, :], sq * scale, 0.0).to(Aqk.dtype.element_ty), mask=sm)
-        tl.store(u + hs * (C * BVF) + r[:, None] * BVF + cv[None, :],
-                 _dot(Ai, vr.to(tl.float32) * b[:, None], IEEE).to(u.dtype.element_ty), mask=sm)
+        if FOLD_V:  # beta folded into the inverse's columns: the recurrence forms u = Ab v
+            tl.store(ab + hs * (C * C) + r[:, None] * C + r[None, :], (Ai * b[None, :]).to(ab.dtype.element_ty),
+                     mask=sm)
+        else:
+            tl.store(u + hs * (C * BVF) + r[:, None] * BVF + cv[None, :],
+                     _dot(Ai, vr.to(tl.float32) * b[:, None], IEEE).to(u.dtype.element_ty), mask=sm)
 
 
 @triton.jit
 def _kda_infer_recur(
-    w, u, qg, kd, Aqk, gl, h0, o, hT, cu, coff,
+    w, u, v, ab, qg, kd, Aqk, gl, h0, o, hT, cu, coff, pbase, psize,
     T, NC, NS, H,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_BF16: tl.constexpr,
-    IEEE: tl.constexpr, AUG: tl.constexpr, STORE_O: tl.constexpr,
+    IEEE: tl.constexpr, AUG: tl.constexpr, STORE_O: tl.constexpr, FOLD_V: tl.constexpr, PIECE: tl.constexpr,
 ):
     """Columns ``[i_v BV, (i_v + 1) BV)`` of the state of one document and head, over its chunks,
     held transposed (``hv = h^T``, ``[BV, K]``): ``U^T = u^T - hv w^T``,
@@ -323,7 +403,13 @@ def _kda_infer_recur(
     in front, ``BK / BV`` V-blocks that start from the identity and read ``u = 0`` (nothing loaded),
     so the final state is ``[A | B]`` (``S_end = A S_start + B``), stored ``[K, K + V]`` per document
     and head; no initial state. ``STORE_O`` false: no output, and none of the loads and products
-    that only feed it."""
+    that only feed it.
+
+    ``FOLD_V``: u is not read but formed per chunk, ``u^T = v^T Ab^T`` from the raw v (``[B, T, H, V]``
+    or packed) and the intra kernel's ``Ab = (I + L)^-1 Diag(beta)``, in fp32 (TF32) products: off the
+    chain from one state to the next, and u is never rounded to the work dtype. ``PIECE`` (with
+    ``VARLEN``): only chunks ``[pbase[n], pbase[n] + psize[n])`` of document n, from ``h0`` to ``hT``
+    (``InferPlan.run`` with pieces)."""
     NI: tl.constexpr = BK // BV if AUG else 0  # identity V-blocks
     NV: tl.constexpr = BVF // BV + NI
     VS: tl.constexpr = K + V if AUG else V  # columns of the stored final state
@@ -337,6 +423,11 @@ def _kda_infer_recur(
         eos = tl.load(cu + n + 1).to(tl.int64)
         s0 = tl.load(coff + n)
         nc = tl.load(coff + n + 1) - s0
+        if PIECE:
+            first = tl.load(pbase + n)
+            s0 += first
+            nc = tl.load(psize + n)
+            bos += first.to(tl.int64) * C
     else:
         bos = n.to(tl.int64) * T
         eos = bos + T
@@ -365,9 +456,11 @@ def _kda_infer_recur(
     qg += hs * (C * BK)
     kd += hs * (C * BK)
     u += hs * (C * BVF)
+    ab += hs * (C * C)
     Aqk += hs * (C * C)
     gl += hs * BK
     o += (bos * H + i_h) * V
+    v += (bos * H + i_h) * V
     pkT = dk[:, None] + r[None, :] * BK  # [BK, C]: w^T and qg^T out of their [C, BK] chunk blocks
     pk = r[:, None] * BK + dk[None, :]
     paT = r[:, None] + r[None, :] * C  # A_qk^T: [j, i] <- A_qk[i, j]
@@ -376,6 +469,9 @@ def _kda_infer_recur(
     left = eos - bos  # tokens of the document not yet written
     if AUG:
         um = puT < tl.where(ident, 0, C * BVF)  # [BV, C]: u is read by the value blocks only
+        vrows = tl.where(ident, 0, C)  # v likewise (FOLD_V)
+    else:
+        vrows = C
     # the decay of the next chunk is loaded one chunk ahead by hand (gl has a spare slot at the
     # end): a vector operand of an element-wise product is not software-pipelined
     gn = tl.load(gl + dk)
@@ -388,7 +484,10 @@ def _kda_infer_recur(
         kt = _cast(tl.load(kd + pk), DOT_BF16)
         if STORE_O:
             aT = _cast(tl.load(Aqk + paT), DOT_BF16)
-        if AUG:  # the identity blocks' u is 0: masked off, not read
+        if FOLD_V:  # rows past the document's end: v masked to 0 (their Ab columns are 0 too: beta = 0)
+            vT = tl.load(v + po, mask=vm[:, None] & (r < tl.minimum(left, vrows))[None, :], other=0.0)
+            uT = _dot(vT.to(tl.float32), tl.load(ab + paT).to(tl.float32), IEEE)
+        elif AUG:  # the identity blocks' u is 0: masked off, not read
             uT = tl.load(u + puT, mask=um, other=0.0).to(tl.float32)
         else:
             uT = tl.load(u + puT).to(tl.float32)
@@ -406,10 +505,12 @@ def _kda_infer_recur(
             qg += C * BK
             Aqk += C * C
             o += C * H * V
-            left -= C
+        left -= C
         w += C * BK
         kd += C * BK
         u += C * BVF
+        ab += C * C
+        v += C * H * V
         gl += BK
     if STORE_HT:
         tl.store(hT + ph, h, mask=hm)
@@ -471,6 +572,22 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
+def _ab_dtype(dtype: torch.dtype, l2norm_qk: bool) -> torch.dtype:
+    """Storage dtype of ``(I + L)^-1 Diag(beta)`` (``FOLD_V``): fp16 for bf16 inputs with L2-normalized
+    keys, else fp32. With unit keys, beta <= 1 and decays <= 1 every ``|L_ij| <= 1``, so the entries of
+    the unit lower inverse are bounded by ``2^(i - j - 1) <= 2^14`` over 16 rows: inside fp16's range,
+    with 11 significant bits (bf16 has 8) where entries of both signs cancel in ``u = Ab v``. Without the
+    norm the keys' scale is unbounded: fp32."""
+    return torch.float16 if dtype == torch.bfloat16 and l2norm_qk else torch.float32
+
+
+@functools.cache
+def _high_priority_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream of the pieces' recurrence (``InferPlan._run_pieces``): high priority, so that its few
+    programs are placed as soon as the intra kernel's programs leave room on an SM."""
+    return torch.cuda.Stream(device=device, priority=-1)
+
+
 def _dot_bf16(dtype: torch.dtype) -> bool:
     """Whether the recurrence's product operands are bf16 (bf16 inputs) rather than fp32 / TF32."""
     return dtype == torch.bfloat16
@@ -482,13 +599,12 @@ def _ieee(dtype: torch.dtype) -> bool:
 
 
 def _recur_launch(pairs: int, Vp: int, device: torch.device, Kp: int = 0) -> tuple[int, int, int]:
-    """(BV, num_warps, num_stages) of the recurrence for ``pairs`` = sequences x heads (see ``LAUNCH``);
+    """(BV, num_warps, num_stages) of the recurrence for ``pairs`` = sequences x heads (``pick_recur``);
     ``Kp``: phase 1 of the segmented recurrence, with ``Kp`` identity columns beside the ``Vp``."""
     width = min(Vp, Kp) if Kp else Vp  # BV must divide both parts
     if _interpret():
         return min(_INTERP_BV, width), 1, 1
-    cands = [c for c in LAUNCH["recur"] if c[0] <= width] or [(16, 1, 3)]
-    return next((c for c in cands if pairs * ((Vp + Kp) // c[0]) >= _sms(device)), cands[-1])
+    return pick_recur(pairs * (Vp + Kp), width, _sms(device))
 
 
 def _sms(device: torch.device) -> int:
@@ -579,6 +695,8 @@ def kda_infer(
     norm_eps: float = 1e-6,
     cu_seqlens: torch.Tensor | None = None,
     segment_chunks: int | None = None,
+    fold_v: bool | None = None,
+    pieces: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA forward for inference (no autograd graph: the outputs carry no gradient).
 
@@ -616,6 +734,11 @@ def kda_infer(
             L > 0: the segmented one, every sequence or document cut into pieces of L chunks (16 L
             tokens), run in parallel and joined by their state transitions (``InferPlan``). The
             result is the same up to rounding.
+        fold_v: the recurrence forms u from v (``FOLD_V``, the default when None); same result up
+            to rounding.
+        pieces: overlap the intra kernel and the plain recurrence in that many pieces of every
+            sequence (``PIECES``, the default when None; 1: no overlap; > 1 only with the plain
+            recurrence). Same result bit for bit.
 
     Returns:
         ``o`` ``[B, T, H, V]`` in v's dtype and the final state ``[N, H, K, V]`` fp32 (or None).
@@ -623,18 +746,18 @@ def kda_infer(
     p = InferPlan(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   g_min=g_min, validate=validate, gate=gate, A_log=A_log, dt_bias=dt_bias, l2norm_qk=l2norm_qk,
                   silu_qk=silu_qk, beta_sigmoid=beta_sigmoid, norm_eps=norm_eps, cu_seqlens=cu_seqlens,
-                  segment_chunks=segment_chunks)
-    p.intra(*p.intra_launch())
-    p.recur()
+                  segment_chunks=segment_chunks, fold_v=fold_v, pieces=pieces)
+    p.run()
     return p.o, p.hT
 
 
 class InferPlan:
     """One call of ``kda_infer``: its checked inputs, intermediates and outputs, and its launches.
 
-    ``kda_infer`` runs ``intra`` then ``recur`` at the configs of ``LAUNCH``; the benchmark's launch
-    sweep (kernels/bench_kda.py --infer-sweep) times the two apart, at other configs. Arguments as for
-    ``kda_infer``; ``o`` and ``hT`` hold the outputs once both have run.
+    ``kda_infer`` calls ``run``: ``intra`` then ``recur`` at the configs of ``LAUNCH`` (with pieces, the two
+    overlapped piece by piece); the benchmark's launch sweep (kernels/bench_kda.py --infer-sweep) times
+    the two apart, at other configs. Arguments as for ``kda_infer``; ``o`` and ``hT`` hold the outputs
+    once both have run.
 
     The segmented recurrence (``seg`` = L > 0 chunks per segment). Each chunk maps the state affinely,
     ``S <- (Diag(gl) - kd^T w) S + kd^T u``, with the same K-side operator for every column of S
@@ -654,12 +777,16 @@ class InferPlan:
 
     def __init__(self, q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=True, g_min=-5.0,
                  validate=True, gate="none", A_log=None, dt_bias=None, l2norm_qk=False, silu_qk=False,
-                 beta_sigmoid=False, norm_eps=1e-6, cu_seqlens=None, segment_chunks=None):
+                 beta_sigmoid=False, norm_eps=1e-6, cu_seqlens=None, segment_chunks=None, fold_v=None, pieces=None):
         N = _check(q, k, v, g, beta, scale, initial_state, g_min, validate, gate, A_log, dt_bias, norm_eps,
                    cu_seqlens)
         if segment_chunks is not None and (isinstance(segment_chunks, bool) or not isinstance(segment_chunks, int)
                                            or segment_chunks < 0):
             raise ValueError(f"segment_chunks={segment_chunks!r} is not allowed: expected None or an int >= 0")
+        if fold_v is not None and not isinstance(fold_v, bool):
+            raise ValueError(f"fold_v={fold_v!r} is not allowed: expected None, True or False")
+        if pieces is not None and (isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1):
+            raise ValueError(f"pieces={pieces!r} is not allowed: expected None or an int >= 1")
         B, T, H, K = q.shape
         V = v.shape[-1]
         C = CHUNK
@@ -679,14 +806,20 @@ class InferPlan:
             NS = B * NC
         if segment_chunks is None:
             chunks = triton.cdiv(T, C * N) if varlen else NC
-            segment_chunks = 0 if _interpret() else choose_segment_chunks(N, H, chunks, V, _sms(dev))
+            segment_chunks = 0 if _interpret() else choose_segment_chunks(N, H, chunks, K, V, _sms(dev))
         self.seg = segment_chunks
+        if pieces is not None and pieces > 1 and self.seg:
+            raise ValueError(f"pieces={pieces} is not allowed with the segmented recurrence (segment_chunks="
+                             f"{self.seg}): pieces overlap the plain recurrence with the intra kernel")
+        self.pieces = pieces if pieces is not None else (1 if self.seg else PIECES)
+        self.fold_v = FOLD_V if fold_v is None else fold_v
         # segments: exact for fixed length, an upper bound for packed documents (sum_n max(1, cdiv(n_n, L))
         # <= N + sum_n n_n / L); the bound's spare segments are empty ones at the end
         self.nseg = (B * triton.cdiv(NC, self.seg) if not varlen else N + triton.cdiv(NS, self.seg)) if self.seg else 0
         wd = _work_dtype(q.dtype)
         self.w, self.qg, self.kd = (torch.empty(H, NS * C, Kp, device=dev, dtype=wd) for _ in range(3))
-        self.u = torch.empty(H, NS * C, Vp, device=dev, dtype=wd)
+        self.u = None if self.fold_v else torch.empty(H, NS * C, Vp, device=dev, dtype=wd)
+        self.ab = torch.empty(H, NS * C, C, device=dev, dtype=_ab_dtype(q.dtype, l2norm_qk)) if self.fold_v else None
         self.Aqk = torch.empty(H, NS * C, C, device=dev, dtype=wd)
         self.gl = torch.empty(H * NS + 1, Kp, device=dev, dtype=torch.float32)  # + 1: the recurrence reads ahead
         self.o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
@@ -711,8 +844,9 @@ class InferPlan:
         """Which recurrence runs, for benchmark records: ``segment_chunks`` (0: plain) and, segmented,
         the segments per sequence (fixed length) or per document (packed: reads ``cu_seqlens``, a host
         sync) and the launch config of each phase."""
+        cand = dict(fold_v=self.fold_v, pieces=self.pieces)
         if not self.seg:
-            return dict(segmented=False, segment_chunks=0, recur=list(self.recur_launch()))
+            return dict(segmented=False, segment_chunks=0, recur=list(self.recur_launch()), **cand)
         B, T, H, K, V, Kp, Vp = self.dims
         if self.varlen:
             per = [max(1, triton.cdiv(triton.cdiv(b - a, CHUNK), self.seg)) for a, b in
@@ -721,23 +855,38 @@ class InferPlan:
             per = triton.cdiv(self.NC, self.seg)
         return dict(segmented=True, segment_chunks=self.seg, segments=per,
                     phase1=list(_recur_launch(self.nseg * H, Vp, self.o.device, Kp)),
-                    join=list(self._join_launch()), recur=list(self.recur_launch()))
+                    join=list(self._join_launch()), recur=list(self.recur_launch()), **cand)
 
-    def intra(self, warps: int, stages: int, per: int = 1) -> None:
-        """The token-parallel kernel: w, u, qg, kd, A_qk, gl from the inputs; ``per`` chunk slots per
-        program, their loop pipelined over ``stages``."""
+    def run(self) -> None:
+        """Both kernels at the configs of ``LAUNCH``: ``intra``, then ``recur``; with ``pieces`` > 1 the
+        two overlapped (``_run_pieces``)."""
+        if self.pieces > 1:
+            self._run_pieces()
+            return
+        self.intra(*self.intra_launch())
+        self.recur()
+
+    def intra(self, warps: int, stages: int, per: int = 1, piece: tuple | None = None) -> None:
+        """The token-parallel kernel: w, u (or ab), qg, kd, A_qk, gl from the inputs; ``per`` chunk slots
+        per program, their loop pipelined over ``stages``. ``piece``: ``(poff, pbase, slots)`` of one
+        piece (``_run_pieces``): only its chunks, ``slots`` at most."""
         if per < 1:
             raise ValueError(f"per={per!r} is not allowed: expected chunk slots per program >= 1")
         B, T, H, K, V, Kp, Vp = self.dims
         dummy = self.gl
-        _kda_infer_intra[(triton.cdiv(self.NS, per), H)](
+        if piece is None:
+            cu, coff, poff, pbase, slots = self.cu, self.coff, dummy, dummy, self.NS
+        else:
+            (cu, coff), (poff, pbase, slots) = self._docs(), piece
+        _kda_infer_intra[(triton.cdiv(slots, per), H)](
             *self.inputs, self.A_log if self.A_log is not None else dummy,
-            self.dt_bias if self.dt_bias is not None else dummy, self.cu, self.coff,
-            self.w, self.u, self.qg, self.kd, self.Aqk, self.gl,
+            self.dt_bias if self.dt_bias is not None else dummy, cu, coff, poff, pbase,
+            self.w, _or(self.u, dummy), _or(self.ab, dummy), self.qg, self.kd, self.Aqk, self.gl,
             self.scale, self.g_min, (CHUNK / 2) * self.g_min * LOG2E, self.norm_eps, T, self.NC, self.NS, self.N, H,
             K=K, V=V, BK=Kp, BVF=Vp, C=CHUNK, LOG_N=max(1, self.N.bit_length()), VARLEN=self.varlen,
             GATE=_GATE_ID[self.gate], HAS_BIAS=self.dt_bias is not None, IEEE=_ieee(self.inputs[0].dtype),
-            PER=per, STAGES=stages, **self.flags, num_warps=warps if Kp <= 128 else 2 * warps, num_stages=stages,
+            PER=per, STAGES=stages, **self.flags, FOLD_V=self.fold_v, PIECE=piece is not None,
+            num_warps=warps if Kp <= 128 else 2 * warps, num_stages=stages,
         )
 
     def recur(self, BV: int | None = None, warps: int | None = None, stages: int | None = None) -> None:
@@ -765,6 +914,54 @@ class InferPlan:
         if self.hT is not None:
             torch.index_select(Send, 0, soff[1:] - 1, out=self.hT)
 
+    def _run_pieces(self) -> None:
+        """The intra kernel and the plain recurrence overlapped: every document cut into ``pieces`` runs of
+        whole chunks (piece p: chunks ``[p n // P, (p + 1) n // P)`` of a document of n), the intra kernel
+        run piece by piece on the current stream and the recurrence of piece p, from the state after
+        piece p - 1, on a high-priority stream once the intra kernel has finished piece p. The states
+        between pieces are fp32, as the recurrence keeps them, so the result equals ``intra`` + ``recur``
+        bit for bit. On the interpreter the launches run in order on one stream."""
+        B, T, H, K, V, Kp, Vp = self.dims
+        P, N, dev = self.pieces, self.N, self.o.device
+        cu, coff = self._docs()
+        nc = (coff[1:] - coff[:-1]).to(torch.int64)
+        ends = torch.arange(P + 1, device=dev)[:, None] * nc[None, :] // P  # [P + 1, N]: chunk bounds
+        # one row per piece, each row 16-byte aligned: Triton specializes a kernel on its pointers' alignment,
+        # so unaligned rows would compile every kernel twice
+        width = 4 * triton.cdiv(N + 1, 4)
+        pbase, psize, poff = (torch.zeros(P, width, device=dev, dtype=torch.int32) for _ in range(3))
+        pbase[:, :N] = ends[:-1]
+        psize[:, :N] = ends[1:] - ends[:-1]
+        poff[:, 1:N + 1] = torch.cumsum(psize[:, :N], 1)
+        # slots of one piece: exact for fixed length, a bound for packed documents (sum_n cdiv(n_n, P))
+        slots = B * triton.cdiv(self.NC, P) if not self.varlen else triton.cdiv(self.NS, P) + N
+        states = [torch.empty(N, H, K, V, device=dev, dtype=torch.float32) for _ in range(min(2, P - 1))]
+        intra_cfg, recur_cfg = self.intra_launch(), self.recur_launch()
+        side = _high_priority_stream(dev) if dev.type == "cuda" and not _interpret() else None
+        if side is not None:
+            cur = torch.cuda.current_stream(dev)
+            side.wait_stream(cur)
+        h = self.h0
+        for p in range(P):
+            self.intra(*intra_cfg, piece=(poff[p], pbase[p], slots))
+            hT = self.hT if p == P - 1 else states[p % 2]
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                if side is not None:
+                    side.wait_event(cur.record_event())
+                self._recur(N, cu, coff, h, self.o, hT, recur_cfg, varlen=True, piece=(pbase[p], psize[p]))
+            h = hT
+        if side is not None:
+            cur.wait_stream(side)
+
+    def _docs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token and chunk-slot offsets of the sequences (``[N + 1]`` each; fixed-length rows as documents
+        of T tokens), on the device."""
+        if self.varlen:
+            return self.cu, self.coff
+        B, T = self.dims[:2]
+        rows = torch.arange(B + 1, device=self.o.device, dtype=torch.int32)
+        return rows * T, rows * self.NC
+
     def _join_launch(self) -> tuple[int, int]:
         Vp = self.dims[6]
         return (min(_INTERP_BV, Vp), 1) if _interpret() else (min(LAUNCH["join"][0], Vp), LAUNCH["join"][1])
@@ -774,13 +971,8 @@ class InferPlan:
         offsets (``[nseg + 1]`` each, like ``cu`` and ``coff``: consecutive segments tile each
         document, consecutive documents follow each other, the bound's spare segments are empty at
         the end) and ``soff`` ``[N + 1]``, the first segment of each document."""
-        B, T, H, K, V, Kp, Vp = self.dims
         L, C, dev = self.seg, CHUNK, self.o.device
-        if self.varlen:
-            cu, coff = self.cu, self.coff
-        else:
-            cu = torch.arange(B + 1, device=dev, dtype=torch.int32) * T
-            coff = torch.arange(B + 1, device=dev, dtype=torch.int32) * self.NC
+        cu, coff = self._docs()
         soff = torch.zeros(self.N + 1, device=dev, dtype=torch.int64)
         soff[1:] = torch.cumsum(torch.div(coff[1:] - coff[:-1] + (L - 1), L, rounding_mode="floor").clamp_min(1), 0)
         j = torch.arange(self.nseg, device=dev)
@@ -790,20 +982,27 @@ class InferPlan:
         seg_coff = torch.cat([torch.minimum(coff[n] + s * L, coff[n + 1]), coff[-1:]]).to(torch.int32)
         return seg_cu, seg_coff, soff
 
-    def _recur(self, seqs, cu, coff, h0, o, hT, cfg, varlen, aug=False) -> None:
+    def _recur(self, seqs, cu, coff, h0, o, hT, cfg, varlen, aug=False, piece=None) -> None:
         """One launch of ``_kda_infer_recur`` over ``seqs`` documents (``cu``, ``coff``) or fixed-length rows;
-        ``o`` None: no output (phase 1); ``aug``: with the identity columns (phase 1)."""
+        ``o`` None: no output (phase 1); ``aug``: with the identity columns (phase 1); ``piece``:
+        ``(pbase, psize)``, only those chunks of each document (``_run_pieces``)."""
         B, T, H, K, V, Kp, Vp = self.dims
         BV, warps, stages = cfg
         if aug and Kp % BV:
             raise ValueError(f"BV={BV} is not allowed for the segmented recurrence: expected a divisor of K = {Kp}")
         dtype = self.inputs[0].dtype
         dummy = self.gl
+        pbase, psize = piece if piece is not None else (dummy, dummy)
         _kda_infer_recur[(seqs * H * ((Vp + (Kp if aug else 0)) // BV),)](
-            self.w, self.u, self.qg, self.kd, self.Aqk, self.gl, h0 if h0 is not None else dummy,
-            o if o is not None else dummy, hT if hT is not None else dummy, cu, coff,
+            self.w, _or(self.u, dummy), self.inputs[2], _or(self.ab, dummy), self.qg, self.kd, self.Aqk, self.gl,
+            _or(h0, dummy), _or(o, dummy), _or(hT, dummy), cu, coff, pbase, psize,
             T, self.NC, self.NS, H,
             K=K, V=V, BK=Kp, BVF=Vp, BV=BV, C=CHUNK, VARLEN=varlen, HAS_H0=h0 is not None,
             STORE_HT=hT is not None, DOT_BF16=_dot_bf16(dtype), IEEE=_ieee(dtype), AUG=aug, STORE_O=o is not None,
-            num_warps=warps, num_stages=stages,
+            FOLD_V=self.fold_v, PIECE=piece is not None, num_warps=warps, num_stages=stages,
         )
+
+
+def _or(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+    """A kernel's pointer argument: ``t``, or ``dummy`` where the kernel's flags leave it unread."""
+    return t if t is not None else dummy
