@@ -54,16 +54,24 @@ def test_bench_and_ab_smoke(tmp_path):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU smoke runs; the GPU runs the real thing")
 def test_bench_kda_infer_sweep_smoke(tmp_path):
-    """The inference sweep times every intra and recurrence config and the whole op at each segment
-    length, each checked against the training forward, and names the fastest passing ones."""
+    """The inference sweep times every intra and recurrence config of each candidate path, the whole op
+    per candidate and, where the op segments, per segment length, each checked against the training
+    forward, and names the fastest passing ones."""
     out = tmp_path / "infer.json"
     res = _run(["kernels/bench_kda.py", "--part", "infer", "--infer-sweep", "--smoke", "--out", str(out)], tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     (sweep,) = json.loads(out.read_text())["sweep"].values()
-    assert [r["segment_chunks"] for r in sweep["segments"]] == [0, 2]  # plain, then segmented
-    for kernel in ("intra", "recur", "segments"):
-        assert sweep[kernel] and all(r["ok"] and r["ms"] > 0 and r["err_o"] < 1e-4 for r in sweep[kernel]), kernel
-    assert sweep["best_segments"] in (0, 2) and sweep["best_intra"] and sweep["best_recur"]
+    for name, kres in sweep["kernels"].items():
+        for kernel in ("intra", "recur"):
+            rows = kres[kernel]
+            assert rows and all(r["ok"] and r["ms"] > 0 and r["err_o"] < 1e-4 for r in rows), (name, kernel)
+            assert kres["best_" + kernel] in [r["cfg"] for r in rows]
+    ran = [r for r in sweep["candidates"] if "error" not in r]
+    assert ran and all(r["ok"] and r["ms"] > 0 and r["err_o"] < 1e-4 for r in ran)
+    assert sweep["best_candidate"] in [r["candidate"] for r in ran]
+    segmented = sweep["kernels"]["base"]["path"]["segment_chunks"] > 0
+    assert bool(sweep["segments"]) == segmented  # segment lengths are swept only where the op segments
+    assert sweep["best_intra"] and sweep["best_recur"]
 
 
 def test_aot_report(tmp_path):
