@@ -419,10 +419,11 @@ def router_scores(rec: common.RunRecord, batches: int, seed: int = 0,
                   device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, Mapping[str, Any]]:
     """The router scores of the trained run ``rec`` (its last checkpoint) on ``batches`` fresh batches.
 
-    Batches: random windows of the validation split (never trained on), ``train.batch_size`` x
-    ``data.seq_len`` tokens like a training step. Eval-mode forwards (the bias frozen, nothing learns)
-    on ``device`` under the run's precision (bf16 autocast where it trained so). Returns (scores
-    ``[batches, L, m, n]`` fp32 on the CPU, the trained bias ``[L, n]`` fp32, the run's MoE config).
+    Batches: random windows of the training split, ``train.batch_size`` x ``data.seq_len`` tokens like a
+    training step, the distribution the run's own batches came from (drawn with their own generator;
+    runs of under one epoch saw few of these tokens). Eval-mode forwards (the bias frozen, nothing
+    learns) on ``device`` under the run's precision (bf16 autocast where it trained so). Returns
+    (scores ``[batches, L, m, n]`` fp32 on the CPU, the trained bias ``[L, n]`` fp32, the run's MoE config).
     """
     from moelab.config import from_dict
     from moelab.data import prepare
@@ -436,7 +437,7 @@ def router_scores(rec: common.RunRecord, batches: int, seed: int = 0,
     model = module.model.to(device).eval()
     corpus = prepare(cfg.data, progress=False)
     identity = torch.arange(corpus.vocab_size)
-    stream = permuted_batches(corpus.load_tokens("val"), identity, cfg.train.batch_size, cfg.data.seq_len, batches,
+    stream = permuted_batches(corpus.load_tokens("train"), identity, cfg.train.batch_size, cfg.data.seq_len, batches,
                               seed)
     bf16 = resolve_precision(cfg) == "bf16-mixed" and torch.device(device).type == "cuda"
     scores = []
@@ -680,10 +681,10 @@ def _limit_lines(lim: Mapping[str, Any]) -> list[str]:
     early, late, still = lim["train_persistence_early"], lim["train_persistence_tail"], lim["frozen_persistence"]
     lines = [
         f"- What limits QB, without training: the {lim['arm']} model of seed {lim['seed']}, frozen after training, "
-        f"with QB's update run over {lim['batches']} fresh validation batches of {lim['tokens_per_batch']:,} tokens, "
-        f"each routed with the bias fitted to the batch before, reaches MaxVio_batch {frozen:.3f} "
+        f"with QB's update run over {lim['batches']} fresh batches of {lim['tokens_per_batch']:,} tokens of training "
+        f"text, each routed with the bias fitted to the batch before, reaches MaxVio_batch {frozen:.3f} "
         f"({frozen / floor:.1f}x the random-routing floor {floor:.3f}); the same run ended training at {tail:.3f} "
-        f"(last {TAIL:.0%}), so frozen weights leave {share:.0%} of it"
+        f"(last {TAIL:.0%}), so frozen weights account for {share:.0%} of that"
         + ("." if share >= 0.8 else ", and the rest comes from the weights moving between optimizer steps."),
         f"- The same tokens dealt across the batches at random (each batch drawing from {lim['batches']}x as many "
         f"sequences): {shuffled:.3f} ({shuffled / floor:.1f}x the floor). "
@@ -697,11 +698,12 @@ def _limit_lines(lim: Mapping[str, Any]) -> list[str]:
                         "iterating on each batch would help, so the single all-experts-at-once step costs balance."),
         f"- Drift: the correlation over experts of consecutive steps' load deviations is {early:+.2f} in training's "
         f"first {lim['early_steps']} steps and {late:+.2f} in its last {TAIL:.0%}, against {still:+.2f} on the frozen "
-        "stream" + (": the same experts stay overloaded step after step, because the router's scores move between "
-                    "optimizer steps and each bias, fitted to the previous step's scores, trails them (the update "
-                    "is not rate-limited: it lands each step on the previous step's balance point)"
-                    if early > still + DRIFT else ": no trend beyond sampling early in training")
-        + ("; the trend persists to the end of training." if late > still + DRIFT else "; by the end it is gone."),
+        "stream" + (": early on the same experts stay overloaded step after step, because the router's scores move "
+                    "between optimizer steps and each bias, fitted to the previous step's scores, trails them (the "
+                    "update is not rate-limited: it lands each step on the previous step's balance point)"
+                    if early > still + DRIFT else ": early on no more than sampling")
+        + (f"; in the last {TAIL:.0%} the excess is still there." if late > still + DRIFT else
+           f"; in the last {TAIL:.0%} there is none beyond sampling."),
         f"- Router scores: {lim['saturated']:.2%} lie outside [0.01, 0.99]"
         + (", so sigmoid saturation does not limit the bias" if lim["saturated"] < 0.01 else
            ", so a saturated sigmoid may hide part of the bias's effect")

@@ -266,15 +266,15 @@ def test_findings_say_what_limits_qb():
     summary["qb_limits"] = _limits(frozen=0.15, early=0.7)
     text = study.findings(summary)
     assert "reaches MaxVio_batch 0.150 (3.0x the random-routing floor 0.050)" in text
-    assert "frozen weights leave 50% of it, and the rest comes from the weights moving" in text
+    assert "frozen weights account for 50% of that, and the rest comes from the weights moving" in text
     assert "The tokens of one sequence route alike" in text  # 0.15 vs 0.07 shuffled
     assert "(Jacobi) step is not what limits QB" in text
     assert "+0.70 in training's first 40 steps" in text and "the same experts stay overloaded" in text
-    assert "by the end it is gone" in text and "sigmoid saturation does not limit the bias" in text
+    assert "in the last 20% there is none beyond sampling" in text and "saturation does not limit the bias" in text
 
     summary["qb_limits"] = _limits(frozen=0.28, early=0.0, saturated=0.2)
     text = study.findings(summary)
-    assert "frozen weights leave 93% of it." in text and "no trend beyond sampling" in text
+    assert "frozen weights account for 93% of that." in text and "early on no more than sampling" in text
     assert "a saturated sigmoid may hide" in text
 
 
