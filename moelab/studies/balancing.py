@@ -343,7 +343,7 @@ CONVERGE_ITERS = 30  # QB steps on one batch that fit it exactly (tests/model/te
 def routed_load(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
     """Tokens per expert of TopK(s + b): scores ``[..., m, n]``, bias ``[..., n]`` -> ``[..., n]`` int64."""
     idx = torch.topk(scores.float() + bias.float()[..., None, :], top_k, dim=-1).indices.flatten(-2)
-    load = torch.zeros(*scores.shape[:-2], scores.shape[-1], dtype=torch.long)
+    load = torch.zeros(*scores.shape[:-2], scores.shape[-1], dtype=torch.long, device=scores.device)
     return load.scatter_add_(-1, idx, torch.ones_like(idx))
 
 
