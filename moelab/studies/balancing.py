@@ -2,7 +2,7 @@
 
 Every balancer of ``model.moe.balancer`` is one arm of the study harness
 (:func:`moelab.studies.common.run_grid`); the arms differ only in the balancer's config keys
-(:func:`arms_factor` checks it on the resolved configs). The notebook ``nbs/02_balancing.py``
+(:func:`arms_factor` checks it on the resolved configs). The notebook ``nbs/02_balancing.ipynb``
 calls, in order:
 
 1. :func:`train_balancers`: the grid (``PRESETS`` gives model, steps and seeds per preset);
@@ -12,7 +12,11 @@ calls, in order:
    (a fixed random permutation of the vocabulary applied to inputs and targets, so every token's
    embedding row, and with it the router's input distribution, changes at once) and the number
    of steps until MaxVio_batch settles again is counted;
-4. the figures, :func:`summarize` and :func:`findings` (computed sentences, anchored to the
+4. :func:`qb_limits`: what holds quantile balancing above the sampling floor, without training: its
+   update run over fresh batches of the frozen trained model (sampling and the update's own
+   error, with and without the tokens' sequence structure), set against the training run's load
+   persistence (:func:`load_persistence`: scores that trend between optimizer steps);
+5. the figures, :func:`summarize` and :func:`findings` (computed sentences, anchored to the
    loss-free paper's Table 2 and the report's "QB settles in a few steps").
 
 The settle threshold: a batch of m tokens has a MaxVio floor from sampling alone (each expert's
@@ -24,6 +28,7 @@ larger, which happens at CPU scale (512 tokens per step); see :func:`settle_thre
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moelab.model.balance import BIAS_BALANCERS, max_vio
+from moelab.model.balance import BIAS_BALANCERS, balanced_routers, max_vio, qb_exact, recentre, routing_margins, smooth
 from moelab.studies import common
 
 STUDY = "02_balancing"
@@ -193,7 +198,8 @@ def run_metrics(rec: common.RunRecord, traj: Mapping[str, Any], threshold: float
     ``maxvio_global``: the last validation's (loads summed over the validation set, mean over
     layers); ``dead_experts``: :func:`dead_experts`; ``settle_step``: :func:`steps_until` of
     MaxVio_batch; ``balancer_share``: the median share of the step the update took; ``max_abs_bias``:
-    the largest re-centred bias reached (0 for the balancers without a bias).
+    the largest re-centred bias reached (0 for the balancers without a bias); ``peak_maxvio`` and
+    ``peak_step``: the highest MaxVio_batch of the run and its step.
     """
     h = rec.history
     steps = [r["step"] for r in h]
@@ -211,7 +217,16 @@ def run_metrics(rec: common.RunRecord, traj: Mapping[str, Any], threshold: float
         "balancer_share": s.get("balancer_share"),
         "balancer_ms": s.get("balancer_ms"),
         "max_abs_bias": float((bias - bias.mean(-1, keepdim=True)).abs().max()) if bias.numel() else 0.0,
+        **_peak(steps, maxvio),
     }
+
+
+def _peak(steps: Sequence[float], values: Sequence[float]) -> dict[str, float | None]:
+    finite = [(v, s) for s, v in zip(steps, values) if math.isfinite(v)]
+    if not finite:
+        return {"peak_maxvio": None, "peak_step": None}
+    v, s = max(finite)
+    return {"peak_maxvio": v, "peak_step": s}
 
 
 TABLE_METRICS = ("final_val_loss", "maxvio_batch", "maxvio_global", "load_cv", "dead_experts", "settle_step",
@@ -318,6 +333,159 @@ def shift_rows(shifts: Sequence[Mapping[str, Any]], threshold: float,
                      "recover_step": steps_until(s["step"], s["maxvio_batch"], RECOVER * level),
                      "resettle_step": steps_until(s["step"], s["maxvio_batch"], threshold)})
     return rows
+
+
+# --- what limits quantile balancing: the update on a frozen model ---------------------------------------
+
+CONVERGE_ITERS = 30  # QB steps on one batch that fit it exactly (tests/model/test_balance.py: < 0.05 within 30)
+
+
+def routed_load(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Tokens per expert of TopK(s + b): scores ``[..., m, n]``, bias ``[..., n]`` -> ``[..., n]`` int64."""
+    idx = torch.topk(scores.float() + bias.float()[..., None, :], top_k, dim=-1).indices.flatten(-2)
+    load = torch.zeros(*scores.shape[:-2], scores.shape[-1], dtype=torch.long, device=scores.device)
+    return load.scatter_add_(-1, idx, torch.ones_like(idx))
+
+
+def load_persistence(load: torch.Tensor) -> list[float]:
+    """Whether the same experts stay over- and under-loaded from one step to the next: loads ``[S, L, n]``
+    -> S - 1 values, each the correlation over experts of consecutive steps' load deviations from
+    the mean, averaged over layers.
+
+    Batches of unchanging scores give about 0 or less: each batch's sampling error is new, and a bias
+    fitted to the previous batch carries that batch's error into the next with the opposite sign.
+    Scores that keep moving the same way give up to +1: the bias, fitted to the previous step, trails
+    them, and the same experts stay overloaded (tests/studies/test_balancing.py shows both).
+    """
+    d = load.double() - load.double().mean(-1, keepdim=True)
+    a, b = d[1:], d[:-1]
+    corr = (a * b).sum(-1) / ((a * a).sum(-1) * (b * b).sum(-1)).sqrt().clamp_min(1e-12)
+    return [float(v) for v in corr.mean(-1)]
+
+
+def qb_update(scores: torch.Tensor, bias: torch.Tensor, top_k: int, cutoff: str = "k_plus_1",
+              ema: float = 0.0) -> torch.Tensor:
+    """One quantile-balancing step of L routers on one batch, the training rule in exact mode:
+    scores ``[L, m, n]`` fp32, bias ``[L, n]`` -> the new bias ``[L, n]`` (re-centred)."""
+    margins = routing_margins(scores.float(), bias.float()[:, None, :], top_k, cutoff)
+    return smooth(bias.float(), qb_exact(margins.transpose(0, 1), top_k), ema)
+
+
+def qb_tracking(scores: torch.Tensor, bias: torch.Tensor, top_k: int, cutoff: str = "k_plus_1", ema: float = 0.0,
+                iters: int = CONVERGE_ITERS) -> dict[str, list[float]]:
+    """Quantile balancing run over a stream of batches whose router weights do not change.
+
+    scores ``[N, L, m, n]``: N batches of m tokens, L routers; bias ``[L, n]``: where the stream starts.
+    Batch i is routed with the bias the update computed from batch i - 1, as in training, but the
+    scores come from the same weights, so what is left is sampling and the update's own error.
+    Per batch (mean over routers): ``next`` its MaxVio so routed (batch 0: with the starting bias);
+    ``same`` the MaxVio of batch i under the bias of one update on batch i itself (the error of the
+    all-experts-at-once step alone); ``converged_next`` batch i under the bias of ``iters`` updates on
+    batch i - 1 (NaN for batch 0), which fits that batch exactly, so only the batches' difference
+    counts; ``persistence`` :func:`load_persistence` of batch i's and i - 1's loads (NaN for batch 0).
+    """
+    if scores.dim() != 4 or bias.shape != (scores.shape[1], scores.shape[3]):
+        raise ValueError(f"qb_tracking: scores {tuple(scores.shape)} and bias {tuple(bias.shape)}: expected "
+                         f"[N, L, m, n] and [L, n]")
+    b = recentre(bias.float())
+    out: dict[str, list[float]] = {"next": [], "same": [], "converged_next": []}
+    loads, fitted = [], None
+    for s in scores:
+        loads.append(routed_load(s, b, top_k))
+        out["next"].append(float(max_vio(loads[-1]).mean()))
+        out["converged_next"].append(math.nan if fitted is None else
+                                     float(max_vio(routed_load(s, fitted, top_k)).mean()))
+        b = qb_update(s, b, top_k, cutoff, ema)
+        out["same"].append(float(max_vio(routed_load(s, b, top_k)).mean()))
+        fitted = b
+        for _ in range(iters - 1):
+            fitted = qb_update(s, fitted, top_k, cutoff, ema)
+    out["persistence"] = [math.nan, *load_persistence(torch.stack(loads))]
+    return out
+
+
+def shuffle_tokens(scores: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """The same ``[N, L, m, n]`` tokens dealt into N new batches at random (one permutation for all
+    routers, so every token keeps its scores in every layer): batches of tokens from N times as many
+    sequences, without the correlation of the tokens of one sequence."""
+    N, L, m, n = scores.shape
+    perm = torch.randperm(N * m, generator=torch.Generator().manual_seed(seed))
+    pooled = scores.transpose(0, 1).reshape(L, N * m, n)[:, perm]
+    return pooled.reshape(L, N, m, n).transpose(0, 1)
+
+
+@torch.no_grad()
+def router_scores(rec: common.RunRecord, batches: int, seed: int = 0,
+                  device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, Mapping[str, Any]]:
+    """The router scores of the trained run ``rec`` (its last checkpoint) on ``batches`` fresh batches.
+
+    Batches: random windows of the training split, ``train.batch_size`` x ``data.seq_len`` tokens like a
+    training step, the distribution the run's own batches came from (drawn with their own generator;
+    runs of under one epoch saw few of these tokens). Eval-mode forwards (the bias frozen, nothing
+    learns) on ``device`` under the run's precision (bf16 autocast where it trained so). Returns
+    (scores ``[batches, L, m, n]`` fp32 on the CPU, the trained bias ``[L, n]`` fp32, the run's MoE config).
+    """
+    from moelab.config import from_dict
+    from moelab.data import prepare
+    from moelab.train.module import LitMoELab
+    from moelab.train.runner import load_checkpoint, resolve_precision
+
+    state = load_checkpoint(Path(rec.summary["last_checkpoint"]).parent / "last.ckpt")
+    cfg = from_dict(state["moelab"]["config"])
+    module = LitMoELab(cfg)
+    module.load_state_dict(state["state_dict"])
+    model = module.model.to(device).eval()
+    corpus = prepare(cfg.data, progress=False)
+    identity = torch.arange(corpus.vocab_size)
+    stream = permuted_batches(corpus.load_tokens("train"), identity, cfg.train.batch_size, cfg.data.seq_len, batches,
+                              seed)
+    bf16 = resolve_precision(cfg) == "bf16-mixed" and torch.device(device).type == "cuda"
+    scores = []
+    for batch in stream:
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+            out = model(batch["input_ids"].to(device), batch["targets"].to(device), return_logits=False,
+                        check_ids=False)
+        scores.append(torch.stack([st.scores.float().cpu() for st in out.router_stats]))
+    bias = torch.stack([r.bias.float().cpu() for _, r in balanced_routers(model)])
+    return torch.stack(scores), bias, cfg.model.moe
+
+
+def qb_limits(rec: common.RunRecord, traj: Mapping[str, Any], train_tail: float, floor: float, batches: int = 12,
+              seed: int = 0, device: str = "cpu") -> dict[str, Any]:
+    """What holds quantile balancing's MaxVio_batch above the floor: its update run on the frozen trained model.
+
+    ``rec``: a trained quantile-balancing run, ``traj`` its :func:`trajectories`; ``train_tail``
+    its MaxVio_batch over the last :data:`TAIL` of the training steps; ``floor``: random routing's.
+    No training: :func:`router_scores` on ``batches`` fresh batches, then :func:`qb_tracking` over
+    them in order and with their tokens dealt across the batches (:func:`shuffle_tokens`). Medians
+    leave out batch 0 (routed with the trained bias) and, for the persistence, the pair it is in.
+    Set against them, the :func:`load_persistence` of the training run's loads over its first
+    quarter and its last :data:`TAIL` of steps: above the frozen stream's, the experts' scores moved
+    the same way step after step and each bias, fitted to the previous step's scores, trailed them.
+    Also the scores' spread over tokens and over experts' means, their share outside [0.01, 0.99]
+    (saturation), and the trained bias's range (max - min, mean over layers).
+    """
+    scores, bias, moe = router_scores(rec, batches, seed, device)
+    k, cutoff, ema = moe.top_k, moe.quantile_balancing_cutoff, moe.quantile_balancing_ema
+    ordered = qb_tracking(scores, bias, k, cutoff, ema)
+    shuffled = qb_tracking(shuffle_tokens(scores, seed), bias, k, cutoff, ema)
+    persistence = load_persistence(traj["load"])
+    quarter, tail = max(1, len(persistence) // 4), max(1, math.ceil(TAIL * len(persistence)))
+    med = statistics.median
+    centred = recentre(bias)
+    return {
+        "arm": rec.arm, "seed": rec.seed, "batches": batches, "tokens_per_batch": scores.shape[2], "floor": floor,
+        "train_tail": train_tail, "ordered": ordered, "shuffled": shuffled, "first_batch": ordered["next"][0],
+        "frozen_next": med(ordered["next"][1:]), "shuffled_next": med(shuffled["next"][1:]),
+        "same_batch": med(ordered["same"][1:]), "converged_next": med(ordered["converged_next"][1:]),
+        "frozen_persistence": med(ordered["persistence"][2:]),
+        "train_persistence_early": med(persistence[:quarter]), "train_persistence_tail": med(persistence[-tail:]),
+        "early_steps": quarter + 1,
+        # Per router, then averaged: one expert's score spread over tokens, the spread of the experts' mean scores.
+        "token_spread": float(scores.std(2).mean()), "expert_spread": float(scores.mean(2).std(-1).mean()),
+        "saturated": float(((scores < 0.01) | (scores > 0.99)).double().mean()),
+        "bias_range": float((centred.amax(-1) - centred.amin(-1)).mean()),
+    }
 
 
 # --- figures ---------------------------------------------------------------------------------------
@@ -430,6 +598,30 @@ def shift_figure(shifts: Sequence[Mapping[str, Any]], threshold: float, floor: f
     return fig
 
 
+def limits_figure(lim: Mapping[str, Any]) -> Any:
+    """MaxVio_batch per batch of :func:`qb_limits`' frozen streams, beside training's tail and the floor."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.2, 4.2), dpi=100)
+    ax = fig.subplots()
+    batch = list(range(1, lim["batches"] + 1))
+    for values, label in ((lim["ordered"]["next"], "next batch, bias from the batch before"),
+                          (lim["shuffled"]["next"], "the same, tokens dealt across batches"),
+                          (lim["ordered"]["converged_next"], f"next batch, bias fitted in {CONVERGE_ITERS} steps"),
+                          (lim["ordered"]["same"], "the batch the one-step bias was fitted to")):
+        ax.plot(batch, values, marker=".", ms=4, lw=1.2, label=label)
+    tail = lim["train_tail"]
+    ax.axhline(tail, color="k", ls="--", lw=0.8, label=f"training, last {TAIL:.0%} of the steps ({tail:.2g})")
+    ax.axhline(lim["floor"], color="k", ls=":", lw=0.8, label=f"random-routing floor ({lim['floor']:.2g})")
+    ax.set_yscale("log")
+    ax.set_xlabel("fresh batch (frozen model; batch 1 is routed with the trained bias)")
+    ax.set_ylabel("MaxVio_batch (mean over MoE layers)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 # --- summary and findings -------------------------------------------------------------------------
 
 def _num(v: Any) -> float | None:
@@ -437,11 +629,12 @@ def _num(v: Any) -> float | None:
 
 
 def summarize(grid: common.Grid, rows: Any, shifts: Sequence[Mapping[str, Any]], preset: str,
-              settings: Mapping[str, Any]) -> dict[str, Any]:
+              settings: Mapping[str, Any], limits: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The study's ``summary.json``: the meta block, the settings, then per arm the numbers the findings use.
 
     rows: one :func:`run_metrics` row per run (DataFrame); shifts: :func:`shift_test` results;
-    settings: ``tokens_per_step``, ``num_experts``, ``top_k``, ``noise_floor``, ``threshold`` and the like.
+    settings: ``tokens_per_step``, ``num_experts``, ``top_k``, ``noise_floor``, ``threshold`` and the like;
+    limits: :func:`qb_limits` (its numbers go in as ``qb_limits``, the per-batch streams stay out).
     """
     agg = balance_table(rows)
     before = {(r.arm, r.seed): r.maxvio_batch for r in rows.itertuples()}
@@ -460,16 +653,64 @@ def summarize(grid: common.Grid, rows: Any, shifts: Sequence[Mapping[str, Any]],
             "settled_seeds": int(sel.settle_step.count()),
             "max_abs_bias": float(sel.max_abs_bias.max()),
             "balancer_ms_mean": _num(sel.balancer_ms.mean()),
+            "peak_maxvio_mean": _num(sel.peak_maxvio.mean()),
+            "peak_step_min": _num(sel.peak_step.min()), "peak_step_max": _num(sel.peak_step.max()),
             **{f"shift_{k}": sh.get(k) for k in ("maxvio_before", "maxvio_first", "maxvio_last", "disturbed",
                                                  "recover_step", "resettle_step")},
             "run_ids": list(table[table.arm == arm].run_id),
         }
-    return {
+    out = {
         "meta": common.study_meta(STUDY, preset, grid),
         "factor": {k: dict(v) for k, v in grid.factor.items()},
         "settings": dict(settings),
         "arms": arms,
     }
+    if limits is not None:
+        out["qb_limits"] = {k: v for k, v in limits.items() if k not in ("ordered", "shuffled")}
+    return out
+
+
+DRIFT = 0.3  # load persistence this far above the frozen stream's: the scores trend between steps
+
+
+def _limit_lines(lim: Mapping[str, Any]) -> list[str]:
+    """The findings of :func:`qb_limits`: what holds quantile balancing above the floor, from its numbers."""
+    floor, tail, frozen, shuffled = lim["floor"], lim["train_tail"], lim["frozen_next"], lim["shuffled_next"]
+    same, conv = lim["same_batch"], lim["converged_next"]
+    share = frozen / tail if tail > 0 else math.nan
+    early, late, still = lim["train_persistence_early"], lim["train_persistence_tail"], lim["frozen_persistence"]
+    lines = [
+        f"- What limits QB, without training: the {lim['arm']} model of seed {lim['seed']}, frozen after training, "
+        f"with QB's update run over {lim['batches']} fresh batches of {lim['tokens_per_batch']:,} tokens of training "
+        f"text, each routed with the bias fitted to the batch before, reaches MaxVio_batch {frozen:.3f} "
+        f"({frozen / floor:.1f}x the random-routing floor {floor:.3f}); the same run ended training at {tail:.3f} "
+        f"(last {TAIL:.0%}), so frozen weights account for {share:.0%} of that"
+        + ("." if share >= 0.8 else ", and the rest comes from the weights moving between optimizer steps."),
+        f"- The same tokens dealt across the batches at random (each batch drawing from {lim['batches']}x as many "
+        f"sequences): {shuffled:.3f} ({shuffled / floor:.1f}x the floor). "
+        + ("The tokens of one sequence route alike, so a batch samples the experts' loads more coarsely than its "
+           "token count suggests, and that noise is what the frozen stream measures."
+           if frozen > 1.5 * shuffled else "The batches' sequence structure adds little noise."),
+        f"- The update itself: one QB step judged on the batch it was computed from leaves {same:.3f}; fitting the "
+        f"batch before exactly ({CONVERGE_ITERS} steps) gives {conv:.3f} on the next batch against {frozen:.3f} after "
+        "one step: " + ("the one all-experts-at-once (Jacobi) step is not what limits QB, the difference between "
+                        "batches is." if conv >= 0.8 * frozen else
+                        "iterating on each batch would help, so the single all-experts-at-once step costs balance."),
+        f"- Drift: the correlation over experts of consecutive steps' load deviations is {early:+.2f} in training's "
+        f"first {lim['early_steps']} steps and {late:+.2f} in its last {TAIL:.0%}, against {still:+.2f} on the frozen "
+        "stream" + (": early on the same experts stay overloaded step after step, because the router's scores move "
+                    "between optimizer steps and each bias, fitted to the previous step's scores, trails them (the "
+                    "update is not rate-limited: it lands each step on the previous step's balance point)"
+                    if early > still + DRIFT else ": early on no more than sampling")
+        + (f"; in the last {TAIL:.0%} the excess is still there." if late > still + DRIFT else
+           f"; in the last {TAIL:.0%} there is none beyond sampling."),
+        f"- Router scores: {lim['saturated']:.2%} lie outside [0.01, 0.99]"
+        + (", so sigmoid saturation does not limit the bias" if lim["saturated"] < 0.01 else
+           ", so a saturated sigmoid may hide part of the bias's effect")
+        + f"; one expert's score varies over tokens by {lim['token_spread']:.3f} (std), the experts' mean scores "
+        f"spread by {lim['expert_spread']:.3f}, and the trained bias spans {lim['bias_range']:.3f}.",
+    ]
+    return lines
 
 
 def _fmt_steps(step: float | None, of: int) -> str:
@@ -496,6 +737,15 @@ def findings(summary: Mapping[str, Any]) -> str:
         lines.append(f"- Without a balancer MaxVio_batch ends at {g('none', 'maxvio_batch_mean'):.3f}, {share:.0%} of "
                      f"the {collapse:g} reached when every token picks the same {st['top_k']} experts"
                      + (": the router collapses." if share > 0.5 else "."))
+    peaks = [a for a in arms if g(a, "peak_maxvio_mean") is not None]
+    if peaks:
+        lo, hi = min(g(a, "peak_maxvio_mean") for a in peaks), max(g(a, "peak_maxvio_mean") for a in peaks)
+        first, last = min(g(a, "peak_step_min") for a in peaks), max(g(a, "peak_step_max") for a in peaks)
+        lines.append(f"- Peak MaxVio_batch (mean over seeds) {lo:.2f}-{hi:.2f} across the arms, reached between steps "
+                     f"{first:.0f} and {last:.0f}" + (
+                         f": every arm, the balancers and none alike, comes close to the collapse value {collapse:g} "
+                         "early in training, so the collapse comes from training itself and the arms differ in how "
+                         "fast they leave it." if lo > 0.5 * collapse else "."))
     ranked = sorted((a for a in arms if g(a, "maxvio_global_mean") is not None),
                     key=lambda a: g(a, "maxvio_global_mean"))
     if ranked:
@@ -565,6 +815,8 @@ def findings(summary: Mapping[str, Any]) -> str:
         lines.append(f"- The k+1 cutoff leaves MaxVio_batch at {a:.3f}, the excluding-self cutoff at {b:.3f} "
                      f"({a / b:.1f}x): " + ("the report's cutoff stalls on these scores." if a > 2 * b else
                                             "the two cutoffs balance alike here."))
+    if summary.get("qb_limits"):
+        lines.extend(_limit_lines(summary["qb_limits"]))
     dead = {a: g(a, "dead_experts_mean") for a in arms if (g(a, "dead_experts_mean") or 0) > 0}
     lines.append("- Dead experts (no token over the last 20% of the steps, all MoE layers): "
                  + (", ".join(f"{a} {v:.1f}" for a, v in sorted(dead.items(), key=lambda kv: -kv[1])) if dead

@@ -90,6 +90,40 @@ def test_qb_balances_skewed_scores_within_30_steps(mode: str, cutoff: str) -> No
     assert vio[-1] < 0.05, vio
 
 
+def test_qb_undoes_a_collapse_in_one_step_on_fresh_batches_of_fixed_scores() -> None:
+    """The whole path on a stream of FRESH batches from one fixed score distribution whose tokens all
+    prefer the same k experts (the collapse of study 2's early training, with no training here).
+
+    The update is not rate-limited: one step takes the next batch from the collapse value n/k - 1 to
+    within a small multiple of the sampling floor, and the stream stays there (each bias carries the
+    previous batch's sampling error, so about sqrt 2 times the floor). A rate-limited update (EMA
+    0.9) is still collapsed after one step. So the tens of steps study 2's QB needs in training come
+    from scores that move between optimizer steps, not from this update.
+    """
+    m, n, k, d = 4096, 64, 8, 16
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, d, generator=g) * 0.05  # a token spread much smaller than the experts' offsets
+    offset = torch.zeros(n)
+    offset[:k] = 1.0
+    batches = [torch.randn(m, d, generator=g) @ w.T + offset for _ in range(12)]
+    floor = float(torch.stack([max_vio(_loads(torch.rand(m, n, generator=g), torch.zeros(n), k))
+                               for _ in range(16)]).mean())
+    vio = _iterate_stream(_qb_layer(n, k), batches)
+    assert vio[0] > 0.95 * (n / k - 1)  # nearly every token picks the same k experts
+    assert max(vio[1:]) < 2.5 * floor and float(np.median(vio[1:])) < 1.75 * floor, (vio, floor)
+    smoothed = _iterate_stream(_qb_layer(n, k, quantile_balancing_ema=0.9), batches)
+    assert smoothed[1] > 0.9 * (n / k - 1), smoothed
+
+
+def _iterate_stream(layer: LatentMoE, batches: list[torch.Tensor]) -> list[float]:
+    """Route each batch of logits once, with a balancer step after each; MaxVio of each routing."""
+    vio = []
+    for logits in batches:
+        vio.append(max_vio(layer.router.route(logits).tokens_per_expert).item())
+        balance_step(layer)
+    return vio
+
+
 def test_qb_cutoff_on_correlated_scores() -> None:
     """Scores driven by one shared input direction: the report's cutoff stalls, the best response does not.
 
