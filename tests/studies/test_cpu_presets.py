@@ -56,6 +56,8 @@ def _balancing(s: Mapping[str, Any]) -> None:
         assert a["n_seeds"] >= MIN_SEEDS and isinstance(a["final_val_loss_std"], float), arm
         assert a["shift_maxvio_first"] is not None, f"{arm}: no shift test"
     assert s["settings"]["threshold"] > 0 and s["settings"]["noise_floor"] is not None
+    lim = s["qb_limits"]  # QB's update on the frozen trained model: next-batch MaxVio over a fresh-batch stream
+    assert lim["arm"] == "qb" and lim["frozen_next"] > 0 and lim["train_tail"] > 0 and 0 <= lim["saturated"] <= 1
 
 
 def _attnres_depth(s: Mapping[str, Any]) -> None:
