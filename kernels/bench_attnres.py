@@ -374,21 +374,35 @@ _DT = {torch.float32: "f", torch.bfloat16: "b", torch.float16: "h"}
 
 
 def _launch_record(grid, args, kw) -> dict:
-    """One launch of either AttnRes kernel (this op's or an older one's: both take the sources first,
-    h at 3 (forward) or the gradients, h and dh at 1, 4, 5 (backward)): its direction, L, grid and
-    tile, the sources' dtypes (f/b/h), the slots it adds into, whether every ``[N, D]`` tensor is
-    contiguous, and its ideal bytes (``_read_bytes``)."""
-    bwd = "ACC" in kw
-    srcs = args[0]
-    D = srcs[0].shape[-1]
-    N = srcs[0].numel() // D
-    h, dh = (args[4], args[5]) if bwd else (args[3], None)
-    acc = kw.get("ACC", 0)
-    tensors = [*srcs, h] + ([*args[1], dh] if bwd else [])
-    fwd_b, bwd_b = _read_bytes(N, D, [x.element_size() for x in srcs], h.element_size(),
+    """One launch of either AttnRes kernel: its direction, L, grid and tile, the sources' dtypes (f/b/h),
+    the slots it adds into, whether every ``[N, D]`` tensor it gets as an argument is contiguous, and its
+    ideal bytes (``_read_bytes``). This op's kernels take source 0 and the last one (L - 1) as pointers,
+    the others through an address table, L and the adding slots (``acc``: 1 source 0, 2 the last one,
+    4 every middle one) as integers; an older op's took a tuple of sources (and of gradients) and L and
+    the adding slots (bit i: source i) as constexprs."""
+    if isinstance(args[0], tuple):  # an older op: (srcs, [dsrcs,] q, w, h, [dh,] stats, ...)
+        bwd = "ACC" in kw
+        srcs, L, acc = args[0], kw["L"], kw.get("ACC", 0)
+        x0, h, dh = srcs[0], args[4] if bwd else args[3], args[5] if bwd else None
+        dtypes = [x.dtype for x in srcs]
+        tensors = [*srcs, h] + ([*args[1], dh] if bwd else [])
+    else:  # (x0, xl, tab, q, w, h, stats, N, D, eps, L) / (x0, xl, g0, gl, tab, gofs, q, w, h, dh, ..., L, acc)
+        bwd = "C_FROM_H" in kw
+        x0, xl = args[0], args[1]
+        L = args[15] if bwd else args[10]
+        flags = args[16] if bwd else 0
+        acc = (flags & 1) | ((flags >> 1 & 1) << (L - 1) if L > 1 else 0)
+        if flags & 4 and L > 2:
+            acc |= ((1 << (L - 2)) - 1) << 1
+        h, dh = (args[8], args[9]) if bwd else (args[5], None)
+        dtypes = [x0.dtype] + [xl.dtype] * (L - 1)
+        tensors = [x0, xl, h] + ([args[2], args[3], dh] if bwd else [])
+    D = x0.shape[-1]
+    N = x0.numel() // D
+    fwd_b, bwd_b = _read_bytes(N, D, [dt.itemsize for dt in dtypes], h.element_size(),
                                dh.element_size() if bwd else 0, acc, kw.get("C_FROM_H", True))
-    return dict(kind="bwd" if bwd else "fwd", L=kw["L"], grid=grid[0], rows=kw["BN"], warps=kw.get("num_warps"),
-                dtypes="".join(_DT[x.dtype] for x in srcs), h_dtype=_DT[h.dtype],
+    return dict(kind="bwd" if bwd else "fwd", L=L, grid=grid[0], rows=kw["BN"], warps=kw.get("num_warps"),
+                dtypes="".join(_DT[dt] for dt in dtypes), h_dtype=_DT[h.dtype],
                 dh_dtype=_DT[dh.dtype] if bwd else None,
                 acc_slots=bin(acc).count("1"), contiguous=all(x.is_contiguous() for x in tensors),
                 bytes=bwd_b if bwd else fwd_b)
