@@ -513,14 +513,6 @@ def _check_params(query: torch.Tensor, norm_weight: torch.Tensor, eps: float, D:
         raise ValueError(f"eps={eps!r} is not allowed: expected a positive number")
 
 
-def _rest_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype | None:
-    """The dtype of sources 1.. when they share one; None with fewer than two sources or mixed dtypes."""
-    if len(tensors) < 2:
-        return None
-    dt = tensors[1].dtype
-    return dt if all(x.dtype == dt for x in tensors[2:]) else None
-
-
 class Sources:
     """A growing list of sources that is read many times (a model's residual stream).
 
@@ -528,18 +520,21 @@ class Sources:
     dtype; kept contiguous), gets its own :class:`GradSlot`, and the promoted dtype of all of them
     is kept up to date, so that ``depth_attention(sources, ...)`` does no per-source work on the
     host. Full AttnRes reads source i in every later read: a check per source and read would be
-    O(L^2) Python per step. The fused op keeps the sources' addresses in a device table here
-    (made by the first read, grown by doubling): each read's kernel writes the address of the
-    newest source, the one that the next read finds among the middle ones (reads of one Sources
-    run on one CUDA stream, in order).
+    O(L^2) Python per step. The fused kernels read sources 1.. through one pointer type, so they are
+    stored in one dtype, their promoted one: a source of another dtype is stored converted (a model
+    whose attention outputs stay fp32 among bf16 ones, K3's ``fp32_output``), and when a new source
+    widens the dtype the ones before it are converted once (with fresh slots: a slot's buffer has its
+    source's dtype; autograd takes each gradient back through the conversion). The fused op keeps the
+    sources' addresses in a device table here (made by the first read, grown by doubling): each
+    read's kernel writes the address of the newest source, the one that the next read finds among
+    the middle ones (reads of one Sources run on one CUDA stream, in order).
 
     Attributes:
-        tensors: the sources ``[..., D]`` (tuple, in order).
-        slots: one GradSlot per source (a source added again, or put in place of the last one, gets a
-            fresh slot).
+        tensors: the sources ``[..., D]`` as the kernels read them (tuple, in order).
+        slots: one GradSlot per source (a source added again, put in place of the last one, or
+            converted, gets a fresh slot).
         dtype: the promoted dtype of the sources (h's dtype).
-        rest_dtype: the dtype of sources 1.. when they share one (the fused kernels read them through
-            one pointer type; a read converts them otherwise), None with one source or mixed dtypes.
+        rest_dtype: the dtype of sources 1.. (None while there is one source).
     """
 
     __slots__ = ("tensors", "slots", "dtype", "rest_dtype", "_tab", "_cap", "_synced", "_taken", "_misaligned")
@@ -550,7 +545,7 @@ class Sources:
 
     def _start(self, tensors: tuple[torch.Tensor, ...], slots: tuple[GradSlot, ...], dtype: torch.dtype) -> None:
         self.tensors, self.slots, self.dtype = tensors, slots, dtype
-        self.rest_dtype = _rest_dtype(tensors)
+        self.rest_dtype = tensors[-1].dtype if len(tensors) > 1 else None
         self._tab: torch.Tensor | None = None  # int64 [2 * cap]: the sources' addresses, then their gradients'
         self._cap = 0
         self._synced = 1  # sources 1.._synced-1 have their address in the table (or an enqueued kernel writes it)
@@ -559,11 +554,10 @@ class Sources:
 
     @classmethod
     def _of(cls, seq: Sequence[torch.Tensor], slots: Sequence[GradSlot] | None, dtype: torch.dtype) -> Sources:
-        """A Sources for one read of a checked list: every source contiguous, sources 1.. converted to one
-        dtype where theirs differ (autograd takes each gradient back to its source's dtype), and the given
-        GradSlot per source, or a fresh one where none is given or the source was converted (a slot's buffer
-        has its source's dtype in every read)."""
-        rest = _rest_dtype(seq) or functools.reduce(_promote, (x.dtype for x in seq[1:]), seq[-1].dtype)
+        """A Sources for one read of a checked list: every source contiguous, sources 1.. converted to their
+        promoted dtype where theirs differs (autograd takes each gradient back to its source's dtype), and the
+        given GradSlot per source, or a fresh one where none is given or the source was converted."""
+        rest = functools.reduce(_promote, (x.dtype for x in seq[1:]), seq[-1].dtype)
         tensors = tuple(x.contiguous() if i == 0 or x.dtype == rest else x.to(rest).contiguous()
                         for i, x in enumerate(seq))
         slots = tuple(GradSlot() if slots is None or (i and x.dtype != rest) else slots[i] for i, x in enumerate(seq))
@@ -579,32 +573,55 @@ class Sources:
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.tensors[i]
 
-    def _checked(self, x: torch.Tensor, i: int) -> torch.Tensor:
+    def _stored(self, x: torch.Tensor, i: int, rest: torch.dtype) -> torch.Tensor:
+        """Source i (>= 1) as the kernels read it: checked (raises before anything changes), in ``rest``,
+        contiguous."""
         x0 = self.tensors[0]
         _check_source(i, x, x0.shape, x0.device)
+        if x.dtype != rest:
+            x = x.to(rest)
         x = x if x.is_contiguous() else x.contiguous()
         self._misaligned |= x.data_ptr() & 15
         return x
 
+    def _widen(self, rest: torch.dtype, end: int) -> None:
+        """Store sources 1..end-1 in ``rest`` (a wider dtype came), with fresh slots and in a new address table:
+        the reads before keep theirs (their backward reads the old sources' addresses there)."""
+        self.tensors = self.tensors[:1] + tuple(x.to(rest) for x in self.tensors[1:end]) + self.tensors[end:]
+        self.slots = self.slots[:1] + tuple(GradSlot() for _ in range(1, end)) + self.slots[end:]
+        self._tab, self._cap, self._synced, self._taken = None, 0, 1, min(self._taken, 1)
+        for x in self.tensors[1:end]:
+            self._misaligned |= x.data_ptr() & 15
+
     def append(self, x: torch.Tensor) -> None:
         """Add source ``x`` ``[..., D]`` (the first source's shape and device)."""
-        x = self._checked(x, len(self.tensors))
-        self.rest_dtype = x.dtype if len(self.tensors) == 1 else (x.dtype if x.dtype == self.rest_dtype else None)
+        n = len(self.tensors)
+        rest = x.dtype if n == 1 else _promote(self.rest_dtype, x.dtype)
+        x = self._stored(x, n, rest)
+        if n > 1 and rest != self.rest_dtype:
+            self._widen(rest, n)
         self.tensors += (x,)
         self.slots += (GradSlot(),)
-        self.dtype = _promote(self.dtype, x.dtype)
+        self.rest_dtype = rest
+        self.dtype = _promote(self.dtype, rest)
 
     def replace_last(self, x: torch.Tensor) -> None:
         """Put ``x`` in place of the last source (the running sum of a block that is still open)."""
         n = len(self.tensors)
-        old = self.tensors[-1]
-        self.tensors = self.tensors[:-1] + (self._checked(x, n - 1),)
+        if n == 1:
+            _check_source(0, x, self.tensors[0].shape, self.tensors[0].device)
+            self.tensors, self.dtype = (x.contiguous(),), x.dtype
+        else:
+            rest = x.dtype if n == 2 else _promote(self.rest_dtype, x.dtype)
+            x = self._stored(x, n - 1, rest)
+            if n > 2 and rest != self.rest_dtype:
+                self._widen(rest, n - 1)
+            self.tensors = self.tensors[:-1] + (x,)
+            self.rest_dtype = rest
+            self.dtype = _promote(self.tensors[0].dtype, rest)
         self.slots = self.slots[:-1] + (GradSlot(),)
         self._synced = min(self._synced, n - 1)
         self._taken = min(self._taken, n - 1)
-        if x.dtype != old.dtype:
-            self.dtype = functools.reduce(_promote, (t.dtype for t in self.tensors))
-            self.rest_dtype = _rest_dtype(self.tensors)
 
     def _sync(self, L: int) -> torch.Tensor:
         """The address table, made (or grown) to hold L sources, with the addresses of sources 1..L-2 in it:
@@ -694,7 +711,7 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor] | Sources, qu
     if stacked:
         inputs = (sources.reshape(len(seq), -1, D).contiguous(),)
         src = Sources._of(inputs[0].unbind(0), None, out_dtype)
-    elif src is None or (src.rest_dtype is None and len(seq) > 1):  # a list, or a Sources of mixed dtypes
+    elif src is None:
         src = Sources._of(seq, slots, out_dtype)
         inputs = src.tensors
     else:
