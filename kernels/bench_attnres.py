@@ -9,6 +9,10 @@ forward+backward on one GPU, in one run: moelab's fused op, today's plain PyTorc
     python kernels/bench_attnres.py --replay full --replay block:8 [--replay-ops moelab,OLD_OP.py]
                                                     # GPU: a model step's AttnRes reads (below) ->
                                                     # kernels/results/attnres_replay_h200.json
+    python kernels/bench_attnres.py --compile [--compile-sublayers 24,8,16,32] [--replay-ops moelab,OLD_OP.py]
+                                                    # the kernel variants a model step compiles and their
+                                                    # time (GPU: -> kernels/results/attnres_compile_h200.json;
+                                                    # CPU: compiled for sm_90, printed or --out)
 
 Problem (issue 16): N = 32768 tokens, D = 2048, L = 4, 9, 17 sources of bf16 ``[N, D]``, fp32
 pseudo-query and key-norm weight (as trained), everything under bf16 autocast. Rows:
@@ -54,6 +58,17 @@ times beside it. ``--replay-configs`` lists launches of this op (``table`` = ``l
 (an older ``moelab/ops/attnres.py`` from ``git show``), replayed at their own launch;
 ``--replay-jobs K`` compiles the replays' kernels in K processes first (a Full stream has 50).
 ``--smoke``: CPU interpreter, 16 tokens, D = 72, 4 sublayers, one step.
+
+``--compile`` counts the AttnRes kernel variants that one training step compiles, for each
+``--replay`` spec (default full, block:6, block:8) at each depth of ``--compile-sublayers`` (default
+24, gpu-small's; study 3's gpu preset: 8,16,32; a block count that does not divide a depth is
+skipped), through the same replayed stream, per ``--replay-ops`` op; an op's variants accumulate
+over the rows, as in one process that runs them all. On a GPU, from an empty Triton cache: the
+seconds of each row's first step (it compiles) and of a second one, and the JIT caches' sizes. On
+a CPU the kernels do not run: each launch's specialization is computed as Triton's JIT binder does
+for an sm_90 target, and every new one is compiled for sm_90 (``triton.compile``, ptxas included;
+``--compile-count-only`` skips that) in a process without the interpreter, with the binder's
+microseconds per launch beside it.
 """
 
 from __future__ import annotations
