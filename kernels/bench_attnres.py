@@ -962,8 +962,8 @@ def main() -> int:
                     "in this many processes at once first")
     ap.add_argument("--compile", action="store_true", help="the AttnRes kernel variants one step of each --replay "
                     "spec (default full, block:6, block:8) compiles, and their time (see above)")
-    ap.add_argument("--compile-sublayers", default="24", help="--compile: comma-separated depths in sublayers "
-                    "(gpu-small: 24; study 3's gpu preset: 8,16,32)")
+    ap.add_argument("--compile-sublayers", default=None, help="--compile: comma-separated depths in sublayers "
+                    "(default 24, gpu-small's, or 4 with --smoke; study 3's gpu preset: 8,16,32)")
     ap.add_argument("--compile-count-only", action="store_true", help="--compile on a CPU: count the variants, "
                     "do not compile them")
     ap.add_argument("--compile-child", default=None, help=argparse.SUPPRESS)
@@ -1117,7 +1117,9 @@ def _compile_main(args, ap: argparse.ArgumentParser, cuda: bool) -> int:
     """``--compile``: the specs (default full, block:6, block:8), the depths, the rows, the JSON."""
     args.replay = args.replay or (["full", "block:2"] if args.smoke else ["full", "block:6", "block:8"])
     if args.smoke:
-        args.sweep_d_model, args.compile_sublayers = 72, "4"
+        args.sweep_d_model = 72
+    if args.compile_sublayers is None:
+        args.compile_sublayers = "4" if args.smoke else "24"
     if not cuda:
         args.tokens = 16  # the kernels do not run: only their specializations count, and N is not one of them
     try:

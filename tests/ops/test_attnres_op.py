@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -443,44 +442,22 @@ def test_alignment_hint_follows_the_addresses():
 
 
 @pytest.mark.slow
-def test_one_compiled_kernel_serves_every_L():
-    """A Full AttnRes stream of 69 sublayers (reads of 1 to 70 sources, past the table's first 64) launches
-    kernels that Triton's JIT compiles once per direction for L >= 2 and once for L = 1 (source 0 is then
-    also the last source, so the second pointer has its dtype): the specializations that the JIT's binder
-    computes for an sm_90 target, in a process without the interpreter (kernels/bench_attnres.py --compile's
-    machinery; the kernels themselves do not run here)."""
-    import kernels.bench_attnres as bench
-    import moelab.ops.attnres as ops
-
-    log: list = []
-    saved = {name: getattr(ops, name) for name in bench._KERNELS}
-    for name, k in saved.items():
-        setattr(ops, name, bench._SpecRecorder(k, log, run=False))
-    try:
-        D = 64
-        q, w = torch.zeros(D, device=DEV, requires_grad=True), torch.ones(D, device=DEV, requires_grad=True)
-        src = Sources(torch.randn(8, D, device=DEV, requires_grad=True))
-        with torch.autocast(DEV, dtype=BF):
-            for _ in range(69):
-                h, _ = depth_attention(src, q, w, backend="triton", weights=False)
-                src.append(h.to(BF))
-            h, _ = depth_attention(src, q, w, backend="triton", weights=False)
-        h.sum().backward()
-    finally:
-        for name, k in saved.items():
-            setattr(ops, name, k)
-    assert [n for n, _, _ in log].count(bench._KERNELS[0]) == 70 == [n for n, _, _ in log].count(bench._KERNELS[1])
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "launches.json")
-        with open(path, "w") as fh:
-            json.dump(dict(ops={"moelab": [dict(launches=log)]}, compile=False), fh)
-        env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=ROOT)
-        res = subprocess.run([sys.executable, "kernels/bench_attnres.py", "--compile-child", path], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=600)
-        assert res.returncode == 0, res.stderr[-3000:]
-        (spec,) = json.load(open(path))["moelab"]
-    variants = collections.Counter(v["kernel"] for v in spec["variants"])
-    assert variants == {name: 2 for name in bench._KERNELS}, spec["variants"]
+def test_one_compiled_kernel_serves_every_L(tmp_path):
+    """A model step's reads in Full AttnRes over 69 sublayers (1 to 70 sources, past the table's first 64) and in
+    Block AttnRes (3 blocks of 23) launch kernels that Triton's JIT compiles once per direction for L >= 2 and once
+    for L = 1 (source 0 is then also the last source, so the second pointer has its dtype): the
+    specializations that the JIT's binder computes for an sm_90 target (``kernels/bench_attnres.py --compile``
+    on the CPU: the model's residual stream replayed with stand-in sublayers, the kernels not run)."""
+    out = tmp_path / "compile.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, "kernels/bench_attnres.py", "--compile", "--smoke", "--compile-count-only",
+                          "--compile-sublayers", "69", "--replay", "full", "--replay", "block:3", "--out", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["spec"], r["sublayers"], r["max_sources"]) for r in rows] == [("full", 69, 70), ("block:3", 69, 4)]
+    assert all(r["launches"] == 2 * (r["sublayers"] + 1) for r in rows)
+    assert [r["variants_total"] for r in rows] == [{"_attnres_fwd_kernel": 2, "_attnres_bwd_kernel": 2}] * 2, rows
 
 
 # aten ops that copy between devices (a pointer table built on the host, a cast per source) or make the host
