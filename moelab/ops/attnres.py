@@ -22,17 +22,21 @@ dw (one torch sum over the programs gives both, in a fixed order, so the result 
 fp32 math throughout.
 
 The kernels loop over depth at run time: L and which gradients add into a slot (below) are plain
-integer arguments, so one compiled kernel serves every L (unrolling over a constexpr L made
-compile time grow with L and compiled one kernel per L and slot pattern: a Full AttnRes model of
-24 sublayers needed 50). Source 0 (in the model the fp32 embedding) and the last source (the
-newest) are pointer arguments; the sources between them are read through an int64 table of
-addresses, all with one dtype (the kernel's second pointer type; a list whose sources 1.. differ
-in dtype is converted to one first). The table belongs to a :class:`Sources`: the forward kernel
-writes its last source's address into it, so the next read, where that source is one of the
-middle ones, finds it there without any host work. Gradients: source 0's and the last's are
-pointer arguments too, the middle ones' addresses go into a second row of the table when a
-backward first meets them (in a model: the last read's backward, once per step), and three flag
-bits say whose gradient adds into what its slot holds.
+integer arguments, so one compiled kernel per direction serves every L (two with L = 1, where
+source 0 is also the last one). Unrolling over a constexpr L made compile time grow with L and
+compiled a kernel per L and slot pattern: 50 for a Full AttnRes step of 24 sublayers, 60 for
+gpu-small's Full and Block (6, 8) steps together, where this op compiles 4
+(``kernels/bench_attnres.py --compile``; kernels/results/attnres_compile_cpu_sm90.json). Source 0
+(in the model the fp32 embedding) and the last source (the newest) are pointer arguments; the
+sources between them are read through an int64 table of addresses, all in one dtype (the last
+source's; a list whose sources 1.. differ in dtype is converted to their promoted one, and a
+:class:`Sources` stores them so). The table belongs to a :class:`Sources`: the forward kernel writes
+its last source's address into it, so the next read, where that source is one of the middle ones,
+finds it there without host work. Gradients: source 0's and the last's are pointer arguments too,
+the middle ones' addresses go into a second row of the table when a backward first meets them (in
+a model: the last read's backward, once per step: one host-to-device copy from pinned memory), and
+three flag bits say whose gradient adds into what its slot holds. A list (one read) gets a table
+of its own per call, one such copy per direction.
 
 ``c = sum_j p_j dp_j`` in ``ds_i`` equals ``<dh, h>``. When h is fp32 (in the model: the fp32
 embedding is always a source) the forward saves h (the next RMSNorm keeps that same tensor
@@ -363,8 +367,11 @@ class _DepthAttentionFn(torch.autograd.Function):
     launch-bound): one Triton launch per direction, with the same few arguments at every L; forward
     two allocations (h, the row statistics), backward two plus one sum that gives dq and dw at once,
     plus one gradient buffer per slot that is still empty; no per-source host work in the forward
-    beyond the new slots a read takes, and in the backward one check per source that its gradient
-    buffer is in the table (see ``_table_grads`` for when it is not)."""
+    beyond the new slots a read takes, and in the backward one attribute check per source that its
+    gradient buffer is in the table (``_table_grads`` when it is not: once per step in a model).
+    ``ctx`` keeps the slots and the table, never the Sources: it holds later sources, whose graph
+    leads back to this node (a reference cycle through autograd's nodes would keep the step's
+    activations alive)."""
 
     @staticmethod
     def forward(ctx, query, norm_weight, eps, out_dtype, cfg, want_p, src, stacked, *inputs):
