@@ -9,6 +9,10 @@ forward+backward on one GPU, in one run: moelab's fused op, today's plain PyTorc
     python kernels/bench_attnres.py --replay full --replay block:8 [--replay-ops moelab,OLD_OP.py]
                                                     # GPU: a model step's AttnRes reads (below) ->
                                                     # kernels/results/attnres_replay_h200.json
+    python kernels/bench_attnres.py --compile [--compile-sublayers 24,8,16,32] [--replay-ops moelab,OLD_OP.py]
+                                                    # the kernel variants a model step compiles and their
+                                                    # time (GPU: -> kernels/results/attnres_compile_h200.json;
+                                                    # CPU: compiled for sm_90, printed or --out)
 
 Problem (issue 16): N = 32768 tokens, D = 2048, L = 4, 9, 17 sources of bf16 ``[N, D]``, fp32
 pseudo-query and key-norm weight (as trained), everything under bf16 autocast. Rows:
@@ -54,6 +58,17 @@ times beside it. ``--replay-configs`` lists launches of this op (``table`` = ``l
 (an older ``moelab/ops/attnres.py`` from ``git show``), replayed at their own launch;
 ``--replay-jobs K`` compiles the replays' kernels in K processes first (a Full stream has 50).
 ``--smoke``: CPU interpreter, 16 tokens, D = 72, 4 sublayers, one step.
+
+``--compile`` counts the AttnRes kernel variants that one training step compiles, for each
+``--replay`` spec (default full, block:6, block:8) at each depth of ``--compile-sublayers`` (default
+24, gpu-small's; study 3's gpu preset: 8,16,32; a block count that does not divide a depth is
+skipped), through the same replayed stream, per ``--replay-ops`` op; an op's variants accumulate
+over the rows, as in one process that runs them all. On a GPU, from an empty Triton cache: the
+seconds of each row's first step (it compiles) and of a second one, and the JIT caches' sizes. On
+a CPU the kernels do not run: each launch's specialization is computed as Triton's JIT binder does
+for an sm_90 target, and every new one is compiled for sm_90 (``triton.compile``, ptxas included;
+``--compile-count-only`` skips that) in a process without the interpreter, with the binder's
+microseconds per launch beside it.
 """
 
 from __future__ import annotations
@@ -63,11 +78,13 @@ import datetime
 import functools
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -374,21 +391,35 @@ _DT = {torch.float32: "f", torch.bfloat16: "b", torch.float16: "h"}
 
 
 def _launch_record(grid, args, kw) -> dict:
-    """One launch of either AttnRes kernel (this op's or an older one's: both take the sources first,
-    h at 3 (forward) or the gradients, h and dh at 1, 4, 5 (backward)): its direction, L, grid and
-    tile, the sources' dtypes (f/b/h), the slots it adds into, whether every ``[N, D]`` tensor is
-    contiguous, and its ideal bytes (``_read_bytes``)."""
-    bwd = "ACC" in kw
-    srcs = args[0]
-    D = srcs[0].shape[-1]
-    N = srcs[0].numel() // D
-    h, dh = (args[4], args[5]) if bwd else (args[3], None)
-    acc = kw.get("ACC", 0)
-    tensors = [*srcs, h] + ([*args[1], dh] if bwd else [])
-    fwd_b, bwd_b = _read_bytes(N, D, [x.element_size() for x in srcs], h.element_size(),
+    """One launch of either AttnRes kernel: its direction, L, grid and tile, the sources' dtypes (f/b/h),
+    the slots it adds into, whether every ``[N, D]`` tensor it gets as an argument is contiguous, and its
+    ideal bytes (``_read_bytes``). This op's kernels take source 0 and the last one (L - 1) as pointers,
+    the others through an address table, L and the adding slots (``acc``: 1 source 0, 2 the last one,
+    4 every middle one) as integers; an older op's took a tuple of sources (and of gradients) and L and
+    the adding slots (bit i: source i) as constexprs."""
+    if isinstance(args[0], tuple):  # an older op: (srcs, [dsrcs,] q, w, h, [dh,] stats, ...)
+        bwd = "ACC" in kw
+        srcs, L, acc = args[0], kw["L"], kw.get("ACC", 0)
+        x0, h, dh = srcs[0], args[4] if bwd else args[3], args[5] if bwd else None
+        dtypes = [x.dtype for x in srcs]
+        tensors = [*srcs, h] + ([*args[1], dh] if bwd else [])
+    else:  # (x0, xl, tab, q, w, h, stats, N, D, eps, L) / (x0, xl, g0, gl, tab, gofs, q, w, h, dh, ..., L, acc)
+        bwd = "C_FROM_H" in kw
+        x0, xl = args[0], args[1]
+        L = args[15] if bwd else args[10]
+        flags = args[16] if bwd else 0
+        acc = (flags & 1) | ((flags >> 1 & 1) << (L - 1) if L > 1 else 0)
+        if flags & 4 and L > 2:
+            acc |= ((1 << (L - 2)) - 1) << 1
+        h, dh = (args[8], args[9]) if bwd else (args[5], None)
+        dtypes = [x0.dtype] + [xl.dtype] * (L - 1)
+        tensors = [x0, xl, h] + ([args[2], args[3], dh] if bwd else [])
+    D = x0.shape[-1]
+    N = x0.numel() // D
+    fwd_b, bwd_b = _read_bytes(N, D, [dt.itemsize for dt in dtypes], h.element_size(),
                                dh.element_size() if bwd else 0, acc, kw.get("C_FROM_H", True))
-    return dict(kind="bwd" if bwd else "fwd", L=kw["L"], grid=grid[0], rows=kw["BN"], warps=kw.get("num_warps"),
-                dtypes="".join(_DT[x.dtype] for x in srcs), h_dtype=_DT[h.dtype],
+    return dict(kind="bwd" if bwd else "fwd", L=L, grid=grid[0], rows=kw["BN"], warps=kw.get("num_warps"),
+                dtypes="".join(_DT[dt] for dt in dtypes), h_dtype=_DT[h.dtype],
                 dh_dtype=_DT[dh.dtype] if bwd else None,
                 acc_slots=bin(acc).count("1"), contiguous=all(x.is_contiguous() for x in tensors),
                 bytes=bwd_b if bwd else fwd_b)
@@ -670,11 +701,11 @@ def _precompile(args, jobs: list[tuple[str, str, str]]) -> None:
     print(f"precompiled {len(jobs)} replays in {time.perf_counter() - t0:.0f} s ({args.replay_jobs} at a time)")
 
 
-def _replay_plan(args) -> tuple[dict, dict, dict]:
+def _replay_plan(args, validate: bool = True) -> tuple[dict, dict, dict]:
     """The parsed ``--replay`` specs, ``--replay-ops`` modules and ``--replay-configs`` launches (ValueError
-    naming a bad entry)."""
+    naming a bad entry; ``validate``: also a block count that does not divide ``--replay-sublayers``)."""
     specs = {s: _parse_spec(s) for s in args.replay}
-    for mode, blocks in specs.values():  # e.g. a block count that does not divide the sublayers
+    for mode, blocks in specs.values() if validate else ():
         ResidualConfig(mode=mode, num_blocks=blocks or 1).validate(args.replay_sublayers)
     ops = {name: (attnres_op if name == "moelab" else _load_op(name)) for name in args.replay_ops.split(",")}
     configs = {c: _parse_config(c) for c in args.replay_configs.split(",")}
@@ -723,6 +754,174 @@ def run_replay(args, plan: tuple[dict, dict, dict], cuda: bool, dev: str) -> lis
     return rows
 
 
+def _spec(a):
+    """A launch argument as Triton's JIT specializes on it, in JSON: a tensor's dtype and 16-byte alignment,
+    a tuple's items, a number as it is."""
+    if isinstance(a, torch.Tensor):
+        return {"dtype": str(a.dtype).removeprefix("torch."), "aligned": a.data_ptr() % 16 == 0}
+    if isinstance(a, (tuple, list)):
+        return {"tuple": [_spec(x) for x in a]}
+    return a
+
+
+def _unspec(s):
+    """A CPU stand-in for a ``_spec``: the JIT's binder specializes it the same way."""
+    if isinstance(s, dict) and "tuple" in s:
+        return tuple(_unspec(x) for x in s["tuple"])
+    if isinstance(s, dict):
+        t = torch.empty(16, dtype=getattr(torch, s["dtype"]))
+        return t if s["aligned"] else t[1:]
+    return s
+
+
+class _SpecRecorder:
+    """Stands in for a Triton kernel: logs each launch's ``(kernel name, argument specs, keyword specs)``,
+    then runs it (``run``) or skips it (the CPU: only the launches' specializations are wanted)."""
+
+    def __init__(self, kernel, log: list, run: bool) -> None:
+        self.kernel, self.log, self.run = kernel, log, run
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.log.append((self.kernel.fn.__name__ if hasattr(self.kernel, "fn") else self.kernel.__name__,
+                             [_spec(a) for a in args], {k: _spec(v) for k, v in kw.items()}))
+            return self.kernel[grid](*args, **kw) if self.run else None
+        return launch
+
+
+def _jit_variants(op, launches: list, compile_: bool) -> tuple[list[dict], list[float]]:
+    """The distinct compiled kernels that ``launches`` (``_SpecRecorder`` logs) need on an sm_90 GPU, in order
+    of first use: the key that Triton's JIT binder computes for each launch (dtypes, alignment and the values
+    it specializes on, constexprs, options) and, with ``compile_``, the seconds of ``triton.compile`` of each
+    new one for sm_90 (ptxas included; a CPU suffices). Also the binder's microseconds per launch (least of
+    20 calls): the part of a launch's host time that grows with the number of tensor arguments. Needs the
+    real JIT functions (no interpreter)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    binders, seen, out, bind_us = {}, set(), [], []
+    for i, (name, a, k) in enumerate(launches):
+        fn = getattr(op, name)
+        if name not in binders:
+            binders[name] = create_function_from_signature(fn.signature, fn.params, backend)
+        args, kw = [_unspec(x) for x in a], {key: _unspec(v) for key, v in k.items()}
+        best = float("inf")
+        for _ in range(20):
+            t0 = time.perf_counter()
+            bound, specialization, options = binders[name](*args, **kw)
+            best = min(best, time.perf_counter() - t0)
+        bind_us.append(best * 1e6)
+        key = (name, repr(specialization), repr(sorted(options.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        row = dict(kernel=name, launch=i, compile_s=None)
+        if compile_:
+            opts, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, specialization, options)
+            t0 = time.perf_counter()
+            triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=opts.__dict__)
+            row["compile_s"] = time.perf_counter() - t0
+        out.append(row)
+    return out, bind_us
+
+
+def _compile_child(path: str) -> int:
+    """``--compile-child FILE``: ``_jit_variants`` of the launches that ``run_compile`` wrote to FILE, for each op
+    and spec in order (an op's variants accumulate over its specs): per spec its new variants and the mean
+    binder microseconds per launch of each kernel; the result replaces the file's content."""
+    job = json.load(open(path))
+    res = {}
+    for op_name, specs in job["ops"].items():
+        op = attnres_op if op_name == "moelab" else _load_op(op_name)
+        launches = [x for spec in specs for x in spec["launches"]]
+        found, bind_us = _jit_variants(op, launches, job["compile"])
+        bounds = list(itertools.accumulate(len(spec["launches"]) for spec in specs))
+        res[op_name] = []
+        for lo, hi in zip([0] + bounds[:-1], bounds):
+            us = {name: [t for t, x in zip(bind_us[lo:hi], launches[lo:hi]) if x[0] == name] for name in _KERNELS}
+            res[op_name].append(dict(variants=[v for v in found if lo <= v["launch"] < hi],
+                                     bind_us={name: statistics.mean(t) for name, t in us.items() if t}))
+    with open(path, "w") as fh:
+        json.dump(res, fh)
+    return 0
+
+
+def run_compile(args, plan: tuple[dict, dict, dict], sublayers: list[int], cuda: bool) -> list[dict]:
+    """The AttnRes kernels that one training step of each ``--replay`` spec compiles, at each depth in
+    ``sublayers`` (see the module docstring). Rows in order, per op; an op's variants accumulate over the rows
+    (what one process running every spec compiles)."""
+    specs, ops, _ = plan
+    dev = "cuda" if cuda else "cpu"
+    combos = []
+    for n_sub in sublayers:
+        for spec, (mode, blocks) in specs.items():
+            try:
+                ResidualConfig(mode=mode, num_blocks=blocks or 1).validate(n_sub)
+            except ValueError as exc:
+                print(f"compile: skip {spec} at {n_sub} sublayers ({exc})")
+                continue
+            combos.append((spec, mode, blocks, n_sub))
+    rows, job = [], dict(ops={}, compile=not (cuda or args.compile_count_only))
+    for op_name, op in ops.items():
+        kernels = {name: getattr(op, name) for name in _KERNELS}
+        job["ops"][op_name] = []
+        try:
+            for spec, mode, blocks, n_sub in combos:
+                log: list = []
+                for name, k in kernels.items():
+                    setattr(op, name, _SpecRecorder(k, log, run=cuda))
+                sub_args = argparse.Namespace(**{**vars(args), "replay_sublayers": n_sub, "replay_steps": 0,
+                                                 "replay_warmup": 1})
+                times = []
+                for _ in range(2 if cuda else 1):  # GPU: the first step compiles, the second shows the rest
+                    if cuda:
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    _replay_one(mode, blocks, None, op, sub_args, cuda, dev)
+                    if cuda:
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                row = dict(op=op_name, spec=spec, sublayers=n_sub, launches=len(log) // len(times),
+                           max_sources=max(kw["L"] if "L" in kw else a[10]  # an older op's L was a constexpr
+                                           for name, a, kw in log if name == _KERNELS[0]))
+                if cuda:  # the JIT caches: every compiled variant of each kernel so far
+                    dev_index = torch.cuda.current_device()
+                    row.update(first_step_s=times[0], second_step_s=times[1],
+                               variants_total={name: len(k.device_caches[dev_index][0]) for name, k in kernels.items()})
+                rows.append(row)
+                job["ops"][op_name].append(dict(launches=log[:row["launches"]]))
+        finally:
+            for name, k in kernels.items():
+                setattr(op, name, k)
+    if not cuda:  # count (and compile) the variants for sm_90 in a process without the interpreter
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "launches.json")
+            with open(path, "w") as fh:
+                json.dump(job, fh)
+            env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=os.path.join(tmp, "cache"),
+                       PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+            res = subprocess.run([sys.executable, os.path.abspath(__file__), "--compile-child", path], cwd=ROOT,
+                                 env=env, capture_output=True, text=True)
+            if res.returncode:
+                raise RuntimeError(f"--compile-child failed:\n{res.stderr[-3000:]}")
+            found = json.load(open(path))
+        per_op = {name: iter(v) for name, v in found.items()}
+        totals: dict = {}
+        for row in rows:
+            got = next(per_op[row["op"]])
+            new = got["variants"]
+            acc = totals.setdefault(row["op"], {name: 0 for name in _KERNELS})
+            for v in new:
+                acc[v["kernel"]] += 1
+            row.update(new_variants={name: sum(v["kernel"] == name for v in new) for name in _KERNELS},
+                       variants_total=dict(acc), bind_us=got["bind_us"],
+                       compile_s=None if args.compile_count_only else sum(v["compile_s"] for v in new))
+    return rows
+
+
 def _commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -761,10 +960,21 @@ def main() -> int:
     ap.add_argument("--replay-warmup", type=int, default=2, help="--replay: untimed steps first (compiles)")
     ap.add_argument("--replay-jobs", type=int, default=1, help="--replay on a GPU: compile the replays' kernels "
                     "in this many processes at once first")
+    ap.add_argument("--compile", action="store_true", help="the AttnRes kernel variants one step of each --replay "
+                    "spec (default full, block:6, block:8) compiles, and their time (see above)")
+    ap.add_argument("--compile-sublayers", default=None, help="--compile: comma-separated depths in sublayers "
+                    "(default 24, gpu-small's, or 4 with --smoke; study 3's gpu preset: 8,16,32)")
+    ap.add_argument("--compile-count-only", action="store_true", help="--compile on a CPU: count the variants, "
+                    "do not compile them")
+    ap.add_argument("--compile-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.sweep = args.sweep or args.sweep_only
+    if args.compile_child:
+        return _compile_child(args.compile_child)
 
     cuda = torch.cuda.is_available() and not args.smoke
+    if args.compile:
+        return _compile_main(args, ap, cuda)
     if args.replay:
         return _replay_main(args, ap, cuda)
     if args.host:
@@ -881,14 +1091,12 @@ def _replay_main(args, ap: argparse.ArgumentParser, cuda: bool) -> int:
         return 0
     out = args.out or (None if args.smoke else os.path.join(ROOT, "kernels", "results", "attnres_replay_h200.json"))
     if out:
-        ops = {name: (name if name == "moelab" else dict(
-            file=name, sha1=hashlib.sha1(open(name, "rb").read()).hexdigest())) for name in args.replay_ops.split(",")}
         meta = dict(gpu=torch.cuda.get_device_name() if cuda else "cpu (smoke, Triton interpreter)",
                     torch=torch.__version__, triton=triton.__version__, commit=_commit(),
                     date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                     command=" ".join([os.path.basename(sys.executable)] + sys.argv), tokens=args.tokens,
                     d_model=args.sweep_d_model, sublayers=args.replay_sublayers, steps=args.replay_steps,
-                    warmup=args.replay_warmup, ops=ops, copy_tbps=args.copy_tbps, autocast="bf16",
+                    warmup=args.replay_warmup, ops=_ops_meta(args), copy_tbps=args.copy_tbps, autocast="bf16",
                     stand_ins="sublayer: RMSNorm + Linear(D, D) (bf16 out); loss: RMSNorm(final read) . fixed probe",
                     timing="per read: CUDA events around each launch, median over the steps; profiler: one step",
                     all_ok=all(r["ok"] for r in rows))
@@ -897,6 +1105,67 @@ def _replay_main(args, ap: argparse.ArgumentParser, cuda: bool) -> int:
             json.dump(dict(meta=meta, rows=rows), fh, indent=1)
         print(f"wrote {out}")
     return 0 if all(r["ok"] for r in rows) else 1
+
+
+def _ops_meta(args) -> dict:
+    """``--replay-ops`` for the JSON: ``moelab``, or a file with its SHA-1."""
+    return {name: name if name == "moelab" else dict(file=name, sha1=hashlib.sha1(open(name, "rb").read()).hexdigest())
+            for name in args.replay_ops.split(",")}
+
+
+def _compile_main(args, ap: argparse.ArgumentParser, cuda: bool) -> int:
+    """``--compile``: the specs (default full, block:6, block:8), the depths, the rows, the JSON."""
+    args.replay = args.replay or (["full", "block:2"] if args.smoke else ["full", "block:6", "block:8"])
+    if args.smoke:
+        args.sweep_d_model = 72
+    if args.compile_sublayers is None:
+        args.compile_sublayers = "4" if args.smoke else "24"
+    if not cuda:
+        args.tokens = 16  # the kernels do not run: only their specializations count, and N is not one of them
+    try:
+        sublayers = [int(x) for x in args.compile_sublayers.split(",")]
+        if min(sublayers) < 1:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--compile-sublayers={args.compile_sublayers!r} is not allowed: expected integers >= 1, "
+                 "e.g. 24 or 8,16,32")
+    try:
+        plan = _replay_plan(args, validate=False)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if cuda:
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnres_compile_")  # read at each compile
+        print(f"empty Triton cache: {os.environ['TRITON_CACHE_DIR']}")
+    t0 = time.perf_counter()
+    rows = run_compile(args, plan, sublayers, cuda)
+    wall = time.perf_counter() - t0
+    print(f"\n{'op':>12s} {'spec':>8s} {'subl':>4s} {'maxL':>4s} {'launch':>6s} {'fwd var':>7s} {'bwd var':>7s} "
+          + ("first step s  second step s" if cuda else "sm_90 compile s (new variants)  binder us fwd/bwd"))
+    for r in rows:
+        op = r["op"] if r["op"] == "moelab" else os.path.basename(r["op"])
+        v, new = r["variants_total"], r.get("new_variants", {})
+        tail = (f"{r['first_step_s']:12.1f} {r['second_step_s']:14.2f}" if cuda
+                else f"{r['compile_s'] or 0:14.1f} ({new[_KERNELS[0]]} + {new[_KERNELS[1]]})  "
+                     f"{r['bind_us'].get(_KERNELS[0], 0):8.1f} / {r['bind_us'].get(_KERNELS[1], 0):.1f}")
+        print(f"{op[-12:]:>12s} {r['spec']:>8s} {r['sublayers']:4d} {r['max_sources']:4d} {r['launches']:6d} "
+              f"{v[_KERNELS[0]]:7d} {v[_KERNELS[1]]:7d} {tail}")
+    out = args.out or (os.path.join(ROOT, "kernels", "results", "attnres_compile_h200.json") if cuda else None)
+    if out:
+        meta = dict(gpu=torch.cuda.get_device_name() if cuda else "cpu (kernels compiled for sm_90, not run)",
+                    torch=torch.__version__, triton=triton.__version__, commit=_commit(),
+                    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                    command=" ".join([os.path.basename(sys.executable)] + sys.argv), tokens=args.tokens,
+                    d_model=args.sweep_d_model, sublayers=sublayers, ops=_ops_meta(args), wall_s=wall,
+                    measure=("GPU: an empty Triton cache; each row one replayed step (forward + backward, the first "
+                             "compiles) and a second one; variants_total: the JIT caches' sizes after the row"
+                             if cuda else "CPU: each distinct JIT specialization of the row's launches (not seen "
+                             "in an earlier row of the op) compiled for sm_90 with triton.compile, one at a time; "
+                             "bind_us: the JIT binder's microseconds per launch (sm_90 target), mean over the row"))
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as fh:
+            json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+        print(f"wrote {out}")
+    return 0
 
 
 def _fla_version() -> str | None:

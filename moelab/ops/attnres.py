@@ -14,13 +14,29 @@ Gradients, with ``dp_i = <dh, v_i>`` and ``ds_i = p_i (dp_i - sum_j p_j dp_j)``:
     dq   = g * B,  dg = q * B,  B = sum_n sum_i ds_i r_i v_i
 
 The plain path stacks the L sources (one copy of all of them per read), materializes the
-normalized keys in fp32 and saves both for the backward. Here the sources are passed as L
-separate pointers (a tuple kernel argument, so no stack and mixed dtypes are fine), the forward
-reads each source once with an online softmax over depth and keeps only fp32 row statistics
-(r and s ``[L, N]``, the log-sum-exp ``[N]``). The backward recomputes p from them and writes
-every ``dv_i`` in its source's dtype; each program's row sums of B, times g and times q, go into
-fp32 partials of dq and dw (one torch sum over the programs gives both, in a fixed order, so the
-result is deterministic). fp32 math throughout.
+normalized keys in fp32 and saves both for the backward. Here the forward reads each source once
+with an online softmax over depth and keeps only fp32 row statistics (r and s ``[L, N]``, the
+log-sum-exp ``[N]``). The backward recomputes p from them and writes every ``dv_i`` in its
+source's dtype; each program's row sums of B, times g and times q, go into fp32 partials of dq and
+dw (one torch sum over the programs gives both, in a fixed order, so the result is deterministic).
+fp32 math throughout.
+
+The kernels loop over depth at run time: L and which gradients add into a slot (below) are plain
+integer arguments, so one compiled kernel per direction serves every L (two with L = 1, where
+source 0 is also the last one). Unrolling over a constexpr L made compile time grow with L and
+compiled a kernel per L and slot pattern: 50 for a Full AttnRes step of 24 sublayers, 60 for
+gpu-small's Full and Block (6, 8) steps together, where this op compiles 4
+(``kernels/bench_attnres.py --compile``; kernels/results/attnres_compile_cpu_sm90.json). Source 0
+(in the model the fp32 embedding) and the last source (the newest) are pointer arguments; the
+sources between them are read through an int64 table of addresses, all in one dtype (the last
+source's; a list whose sources 1.. differ in dtype is converted to their promoted one, and a
+:class:`Sources` stores them so). The table belongs to a :class:`Sources`: the forward kernel writes
+its last source's address into it, so the next read, where that source is one of the middle ones,
+finds it there without host work. Gradients: source 0's and the last's are pointer arguments too,
+the middle ones' addresses go into a second row of the table when a backward first meets them (in
+a model: the last read's backward, once per step: one host-to-device copy from pinned memory), and
+three flag bits say whose gradient adds into what its slot holds. A list (one read) gets a table
+of its own per call, one such copy per direction.
 
 ``c = sum_j p_j dp_j`` in ``ds_i`` equals ``<dh, h>``. When h is fp32 (in the model: the fp32
 embedding is always a source) the forward saves h (the next RMSNorm keeps that same tensor
@@ -35,8 +51,8 @@ would write a fresh ``dv_i`` per read and then add them up, a write plus an add 
 write) of ``[N, D]`` per source and read. With a :class:`GradSlot` per source the backward kernel
 sums ``dv_i`` in place into the slot's buffer instead (one read and one write), and only the read
 that saw the source first hands the sum to autograd (see ``GradSlot``). A :class:`Sources` holds
-such a growing list with its slots, each source checked once when added, so that a read does no
-per-source host work beyond the kernels' pointer tuples.
+such a growing list with its slots and its address table, each source checked once when added,
+so that a read does no per-source host work.
 
 ``depth_attention`` is the front door (either backend); ``depth_attention_torch`` the fp32
 PyTorch reference that defines the semantics.
@@ -136,97 +152,132 @@ def _tile(blk, N, D, cols, BN: tl.constexpr):
 
 
 @triton.jit
-def _attnres_fwd_kernel(srcs, q, w, h, stats, N, D, eps, L: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
-    """One ``[BN, D]`` tile of h; writes ``stats [2L + 1, N]`` (fp32: r, s ``[L, N]`` and lse ``[N]``)
-    for the backward.
+def _src(i, L, last, tab, ALIGNED: tl.constexpr):
+    """Pointer (of ``last``'s type) to source or gradient i of 1..L-1: ``last`` itself for i = L - 1,
+    entry i of the address table ``tab`` below it; null past L - 1 (every load from it is masked off).
+    ALIGNED: the host found every address in the table 16-byte aligned, so that the loads and stores
+    through it are 16-byte vectors as through a pointer argument (an address loaded from memory has
+    no known alignment otherwise)."""
+    p = tl.where(i == L - 1, last, tl.load(tab + i, mask=i < L - 1, other=0).to(last.dtype))
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
+    return p
 
-    Per-source statistics go straight to memory as they come: holding them in ``[BN, L]``
-    registers costs a layout conversion per source and spills at large L. The next source's load
-    is issued before this one's row sums, so its latency hides behind their barriers."""
+
+@triton.jit
+def _fwd_source(v, i, gq, r, s, rows, rm, m, den, acc, N, D, eps):
+    """Source i's statistics (stored as they come: held in ``[BN, L]`` registers they would cost a layout
+    conversion per source) and the online softmax's update of (running max, denominator, weighted sum)."""
+    ri = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
+    si = tl.sum(v * gq[None, :], axis=1) * ri
+    tl.store(r + i * N + rows, ri, mask=rm)
+    tl.store(s + i * N + rows, si, mask=rm)
+    m_new = tl.maximum(m, si)  # each source is read once: rescale what was summed when the max moves
+    alpha = tl.exp(m - m_new)
+    e = tl.exp(si - m_new)
+    return m_new, den * alpha + e, acc * alpha[:, None] + e[:, None] * v
+
+
+@triton.jit(do_not_specialize=["N", "L"])
+def _attnres_fwd_kernel(x0, xl, tab, q, w, h, stats, N, D, eps, L,
+                        BN: tl.constexpr, BD: tl.constexpr, ALIGNED: tl.constexpr):
+    """One ``[BN, D]`` tile of h from the L sources: ``x0`` (source 0), ``tab[1..L-2]`` (addresses,
+    of ``xl``'s dtype), ``xl`` (source L - 1); writes ``stats [2L + 1, N]`` (fp32: r, s ``[L, N]`` and
+    lse ``[N]``) for the backward, and ``tab[L - 1] = xl`` for the next read of the same sources.
+
+    The next source's load is issued before this one's row sums, so its latency hides behind their
+    barriers, and the address of the one after it a turn earlier still."""
     r, s, lse = stats, stats + L * N, stats + 2 * L * N
     cols = tl.arange(0, BD)
     cm = cols < D
     gq = tl.load(q + cols, mask=cm, other=0.0).to(tl.float32) * tl.load(w + cols, mask=cm, other=0.0).to(tl.float32)
     rows, rm, offs, mask = _tile(tl.program_id(0), N, D, cols, BN)
-    m = tl.full([BN], float("-inf"), tl.float32)
-    den = tl.zeros([BN], tl.float32)
-    acc = tl.zeros([BN, BD], tl.float32)
-    nxt = tl.load(srcs[0] + offs, mask=mask, other=0.0)
-    for i in tl.static_range(L):
+    if tl.program_id(0) == 0:
+        tl.store(tab + L - 1, xl.to(tl.int64))
+    v = tl.load(x0 + offs, mask=mask, other=0.0).to(tl.float32)
+    nxt = tl.load(_src(1, L, xl, tab, ALIGNED) + offs, mask=tl.where(L > 1, mask, False), other=0.0)
+    p = _src(2, L, xl, tab, ALIGNED)
+    m, den, acc = _fwd_source(v, 0, gq, r, s, rows, rm, tl.full([BN], float("-inf"), tl.float32),
+                              tl.zeros([BN], tl.float32), tl.zeros([BN, BD], tl.float32), N, D, eps)
+    for i in range(1, L):
         v = nxt.to(tl.float32)
-        if i + 1 < L:
-            nxt = tl.load(srcs[i + 1] + offs, mask=mask, other=0.0)
-        ri = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
-        si = tl.sum(v * gq[None, :], axis=1) * ri
-        tl.store(r + i * N + rows, ri, mask=rm)
-        tl.store(s + i * N + rows, si, mask=rm)
-        # online softmax: each source is read once; rescale what was summed when the max moves
-        m_new = tl.maximum(m, si)
-        alpha = tl.exp(m - m_new)
-        e = tl.exp(si - m_new)
-        acc = acc * alpha[:, None] + e[:, None] * v
-        den = den * alpha + e
-        m = m_new
+        nxt = tl.load(p + offs, mask=tl.where(i + 1 < L, mask, False), other=0.0)
+        p = _src(i + 2, L, xl, tab, ALIGNED)
+        m, den, acc = _fwd_source(v, i, gq, r, s, rows, rm, m, den, acc, N, D, eps)
     tl.store(h + offs, (acc / den[:, None]).to(h.dtype.element_ty), mask=mask)
     tl.store(lse + rows, m + tl.log(den), mask=rm)
 
 
 @triton.jit
-def _attnres_bwd_kernel(srcs, dsrcs, q, w, h, dh, stats, part, N, D, NPROG,
-                        L: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, C_FROM_H: tl.constexpr,
-                        ACC: tl.constexpr):
+def _bwd_source(v, prev, i, g, c, gq, r, s, lse_r, rows, rm, N, D):
+    """``dv_i + prev`` (prev: what source i's slot holds, or 0) and ``a = ds_i r_i [BN]`` (the weight of
+    g * q in dv_i and of v_i in B) of source i, from its fp32 tile v."""
+    si = tl.load(s + i * N + rows, mask=rm, other=0.0)
+    ri = tl.load(r + i * N + rows, mask=rm, other=0.0)
+    pi = tl.exp(si - lse_r)
+    a = pi * (tl.sum(v * g, axis=1) - c) * ri
+    return pi[:, None] * g + a[:, None] * gq[None, :] - (a * si * ri / D)[:, None] * v + prev, a
+
+
+@triton.jit(do_not_specialize=["gofs", "N", "NPROG", "L", "acc"])
+def _attnres_bwd_kernel(x0, xl, g0, gl, tab, gofs, q, w, h, dh, stats, part, N, D, NPROG, L, acc,
+                        BN: tl.constexpr, BD: tl.constexpr, C_FROM_H: tl.constexpr, ALIGNED: tl.constexpr):
     """dv_i for the tiles ``pid, pid + NPROG, ...`` and this program's partials of dq = g * B and
     dw = q * B (``part [NPROG, 2, D]``; their sum over the programs is the two gradients).
 
-    ``c = sum_j p_j dp_j``: with C_FROM_H (an fp32 h) it is ``<dh, h>`` and each source is read once;
-    otherwise a first pass over the sources sums it (h is not even saved then). Bit i of ACC: add
-    dv_i to what ``dsrcs[i]`` holds (a gradient slot's running sum) instead of overwriting it.
+    Sources as in the forward; gradients: ``g0`` (source 0's, its dtype), ``tab[gofs + 1..gofs + L - 2]``
+    and ``gl`` (source L - 1's), all of ``gl``'s dtype. Bits of ``acc``: 1: dv_0 adds to what ``g0``
+    holds (a gradient slot's running sum) instead of overwriting it, 2: dv_{L-1} adds, 4: every middle
+    source's dv adds. ``c = sum_j p_j dp_j``: with C_FROM_H (an fp32 h) it is ``<dh, h>`` and each
+    source is read once; otherwise a first pass over the sources sums it (h is not even saved then).
     B is summed over the rows of a ``[BN, BD]`` register tile and reduced across rows once per
     program (a reduction per source and tile costs a barrier each); the loads of source i + 1 (and of
     its slot) are issued before source i's row sums, as in the forward."""
     r, s, lse = stats, stats + L * N, stats + 2 * L * N
+    gtab = tab + gofs
+    add0, add_last, add_mid = (acc & 1) != 0, (acc & 2) != 0, (acc & 4) != 0
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
     cm = cols < D
-    qv = tl.load(q + cols, mask=cm, other=0.0).to(tl.float32)
-    wv = tl.load(w + cols, mask=cm, other=0.0).to(tl.float32)
-    gq = qv * wv
+    gq = tl.load(q + cols, mask=cm, other=0.0).to(tl.float32) * tl.load(w + cols, mask=cm, other=0.0).to(tl.float32)
     b_acc = tl.zeros([BN, BD], tl.float32)
     for blk in range(pid, tl.cdiv(N, BN), NPROG):
         rows, rm, offs, mask = _tile(blk, N, D, cols, BN)
-        nxt = tl.load(srcs[0] + offs, mask=mask, other=0.0)
-        if ACC & 1:
-            nxt_d = tl.load(dsrcs[0] + offs, mask=mask, other=0.0)
+        v = tl.load(x0 + offs, mask=mask, other=0.0).to(tl.float32)
+        prev = tl.load(g0 + offs, mask=tl.where(add0, mask, False), other=0.0).to(tl.float32)
         g = tl.load(dh + offs, mask=mask, other=0.0).to(tl.float32)
         lse_r = tl.load(lse + rows, mask=rm, other=0.0)
         if C_FROM_H:
             c = tl.sum(g * tl.load(h + offs, mask=mask, other=0.0), axis=1)
         else:
-            c = tl.zeros([BN], tl.float32)
-            for i in tl.static_range(L):
-                v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-                c += tl.exp(tl.load(s + i * N + rows, mask=rm, other=0.0) - lse_r) * tl.sum(v * g, axis=1)
-        for i in tl.static_range(L):
-            v = nxt.to(tl.float32)
-            if (ACC >> i) & 1:
-                prev = nxt_d.to(tl.float32)
-            if i + 1 < L:
-                nxt = tl.load(srcs[i + 1] + offs, mask=mask, other=0.0)
-                if (ACC >> (i + 1)) & 1:
-                    nxt_d = tl.load(dsrcs[i + 1] + offs, mask=mask, other=0.0)
-            si = tl.load(s + i * N + rows, mask=rm, other=0.0)
-            ri = tl.load(r + i * N + rows, mask=rm, other=0.0)
-            pi = tl.exp(si - lse_r)
-            a = pi * (tl.sum(v * g, axis=1) - c) * ri  # ds_i r_i: the weight of g * q in dv_i and of v_i in B
-            dv = pi[:, None] * g + a[:, None] * gq[None, :] - (a * si * ri / D)[:, None] * v
-            if (ACC >> i) & 1:
-                dv += prev
-            tl.store(dsrcs[i] + offs, dv.to(dsrcs[i].dtype.element_ty), mask=mask)
+            c = tl.exp(tl.load(s + rows, mask=rm, other=0.0) - lse_r) * tl.sum(v * g, axis=1)
+            for i in range(1, L):
+                vi = tl.load(_src(i, L, xl, tab, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
+                c += tl.exp(tl.load(s + i * N + rows, mask=rm, other=0.0) - lse_r) * tl.sum(vi * g, axis=1)
+        # source i + 1's tiles (and its gradient pointer d_cur) a turn ahead, the addresses of i + 2 two turns
+        d_cur = _src(1, L, gl, gtab, ALIGNED)
+        nxt = tl.load(_src(1, L, xl, tab, ALIGNED) + offs, mask=tl.where(L > 1, mask, False), other=0.0)
+        nxt_d = tl.load(d_cur + offs, mask=tl.where((L > 1) & tl.where(L == 2, add_last, add_mid), mask, False),
+                        other=0.0)
+        p_a, d_a = _src(2, L, xl, tab, ALIGNED), _src(2, L, gl, gtab, ALIGNED)
+        dv, a = _bwd_source(v, prev, 0, g, c, gq, r, s, lse_r, rows, rm, N, D)
+        tl.store(g0 + offs, dv.to(g0.dtype.element_ty), mask=mask)
+        b_acc += a[:, None] * v
+        for i in range(1, L):
+            v, prev, d_i = nxt.to(tl.float32), nxt_d.to(tl.float32), d_cur
+            nxt = tl.load(p_a + offs, mask=tl.where(i + 1 < L, mask, False), other=0.0)
+            adds = (i + 1 < L) & tl.where(i + 2 == L, add_last, add_mid)
+            nxt_d = tl.load(d_a + offs, mask=tl.where(adds, mask, False), other=0.0)
+            d_cur = d_a
+            p_a, d_a = _src(i + 2, L, xl, tab, ALIGNED), _src(i + 2, L, gl, gtab, ALIGNED)
+            dv, a = _bwd_source(v, prev, i, g, c, gq, r, s, lse_r, rows, rm, N, D)
+            tl.store(d_i + offs, dv.to(gl.dtype.element_ty), mask=mask)
             b_acc += a[:, None] * v
     b = tl.sum(b_acc, axis=0)
     dq_part = part + pid.to(tl.int64) * 2 * D
-    tl.store(dq_part + cols, b * wv, mask=cm)
-    tl.store(dq_part + D + cols, b * qv, mask=cm)
+    # q and w loaded again rather than held in registers through the loop (more resident programs per SM)
+    tl.store(dq_part + cols, b * tl.load(w + cols, mask=cm, other=0.0).to(tl.float32), mask=cm)
+    tl.store(dq_part + D + cols, b * tl.load(q + cols, mask=cm, other=0.0).to(tl.float32), mask=cm)
 
 
 _RESIDENT: dict[tuple, int] = {}  # backward launch signature -> its programs that fit on one SM at once
@@ -267,45 +318,86 @@ class GradSlot:
     the sum as the source's gradient and empties the slot (so a retained graph can run again). A
     model's residual stream keeps this order by construction: source i first appears in the read
     right after it is made, and every later read mixes a source that contains it.
+
+    ``table``: the address table whose gradient row holds ``grad``'s address at this source's
+    position (so that a backward finds it there), or None.
     """
 
-    __slots__ = ("grad", "taken")
+    __slots__ = ("grad", "taken", "table")
 
     def __init__(self) -> None:
         self.grad: torch.Tensor | None = None
         self.taken = False
+        self.table: torch.Tensor | None = None
+
+
+def _write_table(dst: torch.Tensor, values: list[int]) -> None:
+    """``dst[:] = values`` (int64 addresses), in stream order and without the host waiting for the device:
+    from pinned memory on CUDA (a copy from pageable memory would synchronize the stream, a stall that a
+    host-bound step cannot hide)."""
+    dst.copy_(torch.tensor(values, dtype=torch.int64, pin_memory=dst.is_cuda), non_blocking=True)
+
+
+def _table_grads(tab: torch.Tensor, slots: Sequence[GradSlot], srcs: Sequence[torch.Tensor],
+                 fresh: Sequence[torch.Tensor] | None) -> int:
+    """The backward's slow path: put the gradient buffers of the middle sources (1..L-2) into the table's
+    gradient row, making the missing ones (from ``fresh`` when given; zeroed when other middle slots hold
+    sums, so that one flag says that all of them add). Returns the kernel's middle flag (4: they add).
+    In a model this is the backward of the last read (every slot still empty), once per step: the reads
+    before it find the same buffers there."""
+    L = len(slots)
+    missing = [i for i in range(1, L - 1) if slots[i].grad is None]
+    for i in missing:
+        slots[i].grad = torch.empty_like(srcs[i]) if fresh is None else fresh[i]
+        if len(missing) < L - 2:
+            slots[i].grad.zero_()
+    for sl in slots[1:L - 1]:
+        sl.table = tab
+    cap = tab.shape[0] // 2
+    _write_table(tab[cap + 1:cap + L - 1], [sl.grad.data_ptr() for sl in slots[1:L - 1]])
+    return 0 if len(missing) == L - 2 else 4
 
 
 class _DepthAttentionFn(torch.autograd.Function):
-    """Inputs: query, norm_weight ``[D]``, then either one stacked ``[L, N, D]`` tensor
-    (``stacked=True``; its gradient is one ``[L, N, D]`` buffer) or L tensors ``[N, D]``, each with
-    an optional :class:`GradSlot` (``slots``, None: a fresh gradient per source).
+    """Inputs: query, norm_weight ``[D]``, a :class:`Sources` (the sources ``[N, D]``, their slots and
+    address table), then either the sources themselves or (``stacked=True``) the one ``[L, N, D]``
+    tensor they are views of (its gradient is one ``[L, N, D]`` buffer).
 
     Host time matters here (a model calls this about twice per sublayer and step, and its step is
-    launch-bound): one Triton launch per direction; forward two allocations (h, the row statistics),
-    backward two plus one sum that gives dq and dw at once; no per-source work beyond the tuples the
-    kernels take and the slots' bookkeeping."""
+    launch-bound): one Triton launch per direction, with the same few arguments at every L; forward
+    two allocations (h, the row statistics), backward two plus one sum that gives dq and dw at once,
+    plus one gradient buffer per slot that is still empty; no per-source host work in the forward
+    beyond the new slots a read takes, and in the backward one attribute check per source that its
+    gradient buffer is in the table (``_table_grads`` when it is not: once per step in a model).
+    ``ctx`` keeps the slots and the table, never the Sources: it holds later sources, whose graph
+    leads back to this node (a reference cycle through autograd's nodes would keep the step's
+    activations alive)."""
 
     @staticmethod
-    def forward(ctx, query, norm_weight, eps, out_dtype, stacked, cfg, want_p, slots, *inputs):
-        srcs = tuple(inputs[0].unbind(0)) if stacked else inputs
-        x0 = srcs[0]
+    def forward(ctx, query, norm_weight, eps, out_dtype, cfg, want_p, src, stacked, *inputs):
+        srcs, slots = src.tensors, src.slots
+        x0, xl = srcs[0], srcs[-1]
         D = x0.shape[-1]
         N, L = x0.numel() // D, len(srcs)
-        h = torch.empty(x0.shape, device=x0.device, dtype=out_dtype)  # list form: the sources' [..., D]
+        tab = src._tab
+        if src._synced < L - 1 or src._cap < L:
+            tab = src._sync(L)
+        src._synced = L  # the kernel writes the address of source L - 1
+        aligned = not src._misaligned
+        h = torch.empty(x0.shape, device=x0.device, dtype=out_dtype)  # the sources' [..., D]
         stats = torch.empty(2 * L + 1, N, device=x0.device, dtype=torch.float32)
         _attnres_fwd_kernel[(-(-N // cfg.rows),)](
-            srcs, query, norm_weight, h, stats, N, D, eps,
-            L=L, BN=cfg.rows, BD=_pow2(D), num_warps=cfg.warps)
+            x0, xl, tab, query, norm_weight, h, stats, N, D, eps, L,
+            BN=cfg.rows, BD=_pow2(D), ALIGNED=aligned, num_warps=cfg.warps)
         ctx.save_for_backward(query, norm_weight, h if out_dtype == torch.float32 else None, stats, *inputs)
-        ctx.stacked, ctx.cfg, ctx.slots = stacked, cfg, slots
-        if slots is not None:
-            owner = 0  # bit i: this read took slot i first
-            for i, sl in enumerate(slots):
-                if not sl.taken:
-                    owner |= 1 << i
-                    sl.taken = True
-            ctx.owner = owner
+        owned = []  # the slots this read took first; a Sources' slots before src._taken are all taken
+        for i in range(src._taken, L):
+            sl = slots[i]
+            if not sl.taken:
+                sl.taken = True
+                owned.append(i)
+        src._taken = L
+        ctx.stacked, ctx.cfg, ctx.slots, ctx.owned, ctx.tab, ctx.aligned = stacked, cfg, slots, owned, tab, aligned
         if not want_p:
             return h, None
         p = torch.exp(stats[L:2 * L] - stats[2 * L])
@@ -316,40 +408,49 @@ class _DepthAttentionFn(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dh, _dp):
         query, norm_weight, h, stats, *inputs = ctx.saved_tensors
-        cfg, slots = ctx.cfg, ctx.slots
-        acc = 0
+        cfg, slots, tab = ctx.cfg, ctx.slots, ctx.tab
+        L = len(slots)
         if ctx.stacked:
             dstack = torch.empty_like(inputs[0])
-            srcs, dsrcs = tuple(inputs[0].unbind(0)), tuple(dstack.unbind(0))
-        elif slots is None:
-            srcs, dsrcs = tuple(inputs), tuple(torch.empty_like(x) for x in inputs)
-        else:  # the owner of a slot hands its sum to autograd and empties it; the others leave it there
-            srcs, dsrcs, grads, owner = tuple(inputs), [], [], ctx.owner
-            for i, (x, sl) in enumerate(zip(srcs, slots)):
-                d = sl.grad
-                if d is None:
-                    d = torch.empty_like(x)
-                else:
-                    acc |= 1 << i
-                own = (owner >> i) & 1
-                sl.grad = None if own else d
-                grads.append(d if own else None)
-                dsrcs.append(d)
-            dsrcs = tuple(dsrcs)
-        x0 = srcs[0]
+            srcs, fresh = inputs[0].unbind(0), dstack.unbind(0)
+        else:
+            srcs, fresh = inputs, None
+        x0, xl = srcs[0], srcs[-1]
+        # each gradient buffer: the slot's running sum (it adds) or a fresh one; the owners hand theirs over below
+        acc = 0
+        s0 = slots[0]
+        g0 = s0.grad
+        if g0 is None:
+            g0 = s0.grad = torch.empty_like(x0) if fresh is None else fresh[0]
+        else:
+            acc = 1
+        gl = g0
+        if L > 1:
+            sl = slots[-1]
+            gl = sl.grad
+            if gl is None:
+                gl = sl.grad = torch.empty_like(xl) if fresh is None else fresh[-1]
+            else:
+                acc |= 2
+            if L > 2:  # the middle slots' sums are in the table, or the slow path puts them there
+                acc |= 4
+                for s in slots[1:-1]:
+                    if s.table is not tab:
+                        acc = acc & 3 | _table_grads(tab, slots, srcs, fresh)
+                        break
         D = x0.shape[-1]
-        N, L = x0.numel() // D, len(srcs)
+        N = x0.numel() // D
         rows, warps = cfg.bwd
         if not dh.is_contiguous():
             dh = dh.contiguous()
         # the grid is sized by the kernel's registers only when programs_per_sm is 0 (see _bwd_programs)
         key = None if cfg.programs_per_sm or _INTERPRET else (
-            dh.device.index, cfg, L, h is not None, acc, tuple([x.dtype for x in srcs]), dh.dtype)
+            dh.device.index, cfg, h is not None, x0.dtype, xl.dtype, dh.dtype, ctx.aligned)
         nprog = _bwd_programs(-(-N // rows), dh.device, cfg, key)
         part = torch.empty(nprog, 2, D, device=dh.device, dtype=torch.float32)
         kernel = _attnres_bwd_kernel[(nprog,)](
-            srcs, dsrcs, query, norm_weight, dh if h is None else h, dh, stats, part, N, D, nprog,
-            L=L, BN=rows, BD=_pow2(D), C_FROM_H=h is not None, ACC=acc, num_warps=warps)
+            x0, xl, g0, gl, tab, tab.shape[0] // 2, query, norm_weight, dh if h is None else h, dh, stats, part,
+            N, D, nprog, L, acc, BN=rows, BD=_pow2(D), C_FROM_H=h is not None, ALIGNED=ctx.aligned, num_warps=warps)
         if key is not None and key not in _RESIDENT:
             _note_resident(key, kernel, dh.device, warps)
         dq, dw = part.sum(0).unbind(0)
@@ -359,7 +460,11 @@ class _DepthAttentionFn(torch.autograd.Function):
             dw = dw.to(norm_weight.dtype)
         if ctx.stacked:
             return dq, dw, None, None, None, None, None, None, dstack
-        return dq, dw, None, None, None, None, None, None, *(dsrcs if slots is None else grads)
+        grads = [None] * L
+        for i in ctx.owned:
+            sl = slots[i]
+            grads[i], sl.grad, sl.table = sl.grad, None, None
+        return dq, dw, None, None, None, None, None, None, *grads
 
 
 def depth_attention_torch(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
@@ -421,23 +526,53 @@ class Sources:
     Each source is checked once, when it is added (the first one's shape and device, an allowed
     dtype; kept contiguous), gets its own :class:`GradSlot`, and the promoted dtype of all of them
     is kept up to date, so that ``depth_attention(sources, ...)`` does no per-source work on the
-    host beyond the tuples the kernels take. Full AttnRes reads source i in every later read: a
-    check per source and read would be O(L^2) Python per step.
+    host. Full AttnRes reads source i in every later read: a check per source and read would be
+    O(L^2) Python per step. The fused kernels read sources 1.. through one pointer type, so they are
+    stored in one dtype, their promoted one: a source of another dtype is stored converted (a model
+    whose attention outputs stay fp32 among bf16 ones, K3's ``fp32_output``), and when a new source
+    widens the dtype the ones before it are converted once (with fresh slots: a slot's buffer has its
+    source's dtype; autograd takes each gradient back through the conversion). The fused op keeps the
+    sources' addresses in a device table here (made by the first read, grown by doubling): each
+    read's kernel writes the address of the newest source, the one that the next read finds among
+    the middle ones (reads of one Sources run on one CUDA stream, in order).
 
     Attributes:
-        tensors: the sources ``[..., D]`` (tuple, in order).
-        slots: one GradSlot per source (a source added again, or put in place of the last one, gets a
-            fresh slot).
+        tensors: the sources ``[..., D]`` as the kernels read them (tuple, in order).
+        slots: one GradSlot per source (a source added again, put in place of the last one, or
+            converted, gets a fresh slot).
         dtype: the promoted dtype of the sources (h's dtype).
+        rest_dtype: the dtype of sources 1.. (None while there is one source).
     """
 
-    __slots__ = ("tensors", "slots", "dtype")
+    __slots__ = ("tensors", "slots", "dtype", "rest_dtype", "_tab", "_cap", "_synced", "_taken", "_misaligned")
 
     def __init__(self, first: torch.Tensor) -> None:
         _check_sources((first,))
-        self.tensors: tuple[torch.Tensor, ...] = (first.contiguous(),)
-        self.slots: tuple[GradSlot, ...] = (GradSlot(),)
-        self.dtype: torch.dtype = first.dtype
+        self._start((first.contiguous(),), (GradSlot(),), first.dtype)
+
+    def _start(self, tensors: tuple[torch.Tensor, ...], slots: tuple[GradSlot, ...], dtype: torch.dtype) -> None:
+        self.tensors, self.slots, self.dtype = tensors, slots, dtype
+        self.rest_dtype = tensors[-1].dtype if len(tensors) > 1 else None
+        self._tab: torch.Tensor | None = None  # int64 [2 * cap]: the sources' addresses, then their gradients'
+        self._cap = 0
+        self._synced = 1  # sources 1.._synced-1 have their address in the table (or an enqueued kernel writes it)
+        self._taken = 0  # every slot before this one was taken by a read
+        self._misaligned = 0  # OR of the low 4 bits of the addresses of sources 1..
+
+    @classmethod
+    def _of(cls, seq: Sequence[torch.Tensor], slots: Sequence[GradSlot] | None, dtype: torch.dtype) -> Sources:
+        """A Sources for one read of a checked list: every source contiguous, sources 1.. converted to their
+        promoted dtype where theirs differs (autograd takes each gradient back to its source's dtype), and the
+        given GradSlot per source, or a fresh one where none is given or the source was converted."""
+        rest = functools.reduce(_promote, (x.dtype for x in seq[1:]), seq[-1].dtype)
+        tensors = tuple(x.contiguous() if i == 0 or x.dtype == rest else x.to(rest).contiguous()
+                        for i, x in enumerate(seq))
+        slots = tuple(GradSlot() if slots is None or (i and x.dtype != rest) else slots[i] for i, x in enumerate(seq))
+        self = cls.__new__(cls)
+        self._start(tensors, slots, dtype)
+        for x in tensors[1:]:
+            self._misaligned |= x.data_ptr() & 15
+        return self
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -445,24 +580,70 @@ class Sources:
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.tensors[i]
 
-    def _checked(self, x: torch.Tensor, i: int) -> torch.Tensor:
+    def _stored(self, x: torch.Tensor, i: int, rest: torch.dtype) -> torch.Tensor:
+        """Source i (>= 1) as the kernels read it: checked (raises before anything changes), in ``rest``,
+        contiguous."""
         x0 = self.tensors[0]
         _check_source(i, x, x0.shape, x0.device)
-        return x if x.is_contiguous() else x.contiguous()
+        if x.dtype != rest:
+            x = x.to(rest)
+        x = x if x.is_contiguous() else x.contiguous()
+        self._misaligned |= x.data_ptr() & 15
+        return x
+
+    def _widen(self, rest: torch.dtype, end: int) -> None:
+        """Store sources 1..end-1 in ``rest`` (a wider dtype came), with fresh slots and in a new address table:
+        the reads before keep theirs (their backward reads the old sources' addresses there)."""
+        self.tensors = self.tensors[:1] + tuple(x.to(rest) for x in self.tensors[1:end]) + self.tensors[end:]
+        self.slots = self.slots[:1] + tuple(GradSlot() for _ in range(1, end)) + self.slots[end:]
+        self._tab, self._cap, self._synced, self._taken = None, 0, 1, min(self._taken, 1)
+        for x in self.tensors[1:end]:
+            self._misaligned |= x.data_ptr() & 15
 
     def append(self, x: torch.Tensor) -> None:
         """Add source ``x`` ``[..., D]`` (the first source's shape and device)."""
-        self.tensors += (self._checked(x, len(self.tensors)),)
+        n = len(self.tensors)
+        rest = x.dtype if n == 1 else _promote(self.rest_dtype, x.dtype)
+        x = self._stored(x, n, rest)
+        if n > 1 and rest != self.rest_dtype:
+            self._widen(rest, n)
+        self.tensors += (x,)
         self.slots += (GradSlot(),)
-        self.dtype = _promote(self.dtype, x.dtype)
+        self.rest_dtype = rest
+        self.dtype = _promote(self.dtype, rest)
 
     def replace_last(self, x: torch.Tensor) -> None:
         """Put ``x`` in place of the last source (the running sum of a block that is still open)."""
-        old = self.tensors[-1]
-        self.tensors = self.tensors[:-1] + (self._checked(x, len(self.tensors) - 1),)
+        n = len(self.tensors)
+        if n == 1:
+            _check_source(0, x, self.tensors[0].shape, self.tensors[0].device)
+            self.tensors, self.dtype = (x.contiguous(),), x.dtype
+        else:
+            rest = x.dtype if n == 2 else _promote(self.rest_dtype, x.dtype)
+            x = self._stored(x, n - 1, rest)
+            if n > 2 and rest != self.rest_dtype:
+                self._widen(rest, n - 1)
+            self.tensors = self.tensors[:-1] + (x,)
+            self.rest_dtype = rest
+            self.dtype = _promote(self.tensors[0].dtype, rest)
         self.slots = self.slots[:-1] + (GradSlot(),)
-        if x.dtype != old.dtype:
-            self.dtype = functools.reduce(_promote, (t.dtype for t in self.tensors))
+        self._synced = min(self._synced, n - 1)
+        self._taken = min(self._taken, n - 1)
+
+    def _sync(self, L: int) -> torch.Tensor:
+        """The address table, made (or grown) to hold L sources, with the addresses of sources 1..L-2 in it:
+        the forward's slow path (a Sources' first read, or one after two or more new sources)."""
+        tab, cap = self._tab, self._cap
+        if cap < L:
+            self._cap = max(64, 2 * L)
+            new = torch.empty(2 * self._cap, dtype=torch.int64, device=self.tensors[0].device)
+            if tab is not None:
+                new[:cap].copy_(tab[:cap])
+                new[self._cap:self._cap + cap].copy_(tab[cap:])
+            self._tab = tab = new
+        if self._synced < L - 1:
+            _write_table(tab[self._synced:L - 1], [x.data_ptr() for x in self.tensors[self._synced:L - 1]])
+        return tab
 
 
 @torch.compiler.disable  # a compiled model calls the op eagerly (its kernels launch themselves)
@@ -504,8 +685,9 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor] | Sources, qu
     if isinstance(sources, Sources):
         if slots is not None:
             raise ValueError("slots: a Sources carries one GradSlot per source, expected slots=None with it")
-        seq, slots, out_dtype = sources.tensors, sources.slots, sources.dtype
+        src, seq, slots, out_dtype = sources, sources.tensors, sources.slots, sources.dtype
     else:
+        src = None
         if stacked and sources.dim() < 2:
             raise ValueError(f"stacked sources must be [L, ..., D], got shape {tuple(sources.shape)}")
         seq = tuple(sources.unbind(0)) if stacked else tuple(sources)
@@ -535,15 +717,17 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor] | Sources, qu
         config.validate()
     if stacked:
         inputs = (sources.reshape(len(seq), -1, D).contiguous(),)
-    elif isinstance(sources, Sources) or all(x.is_contiguous() for x in seq):
-        inputs = seq  # the kernels index rows of D elements: any contiguous [..., D] goes in as it is
+        src = Sources._of(inputs[0].unbind(0), None, out_dtype)
+    elif src is None:
+        src = Sources._of(seq, slots, out_dtype)
+        inputs = src.tensors
     else:
-        inputs = tuple(x.contiguous() for x in seq)
+        inputs = seq
     if not query.is_contiguous():
         query = query.contiguous()
     if not norm_weight.is_contiguous():
         norm_weight = norm_weight.contiguous()
-    h, p = _DepthAttentionFn.apply(query, norm_weight, float(eps), out_dtype, stacked, config, weights, slots,
+    h, p = _DepthAttentionFn.apply(query, norm_weight, float(eps), out_dtype, config, weights, src, stacked,
                                    *inputs)
     if stacked:
         h = h.view(lead + (D,))
