@@ -75,7 +75,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "loss-free-sign-flipped",
         "the loss-free balancer raises the bias of overloaded experts",
-        (Edit("moelab/model/balance.py", "torch.sign(load.mean() - load)", "torch.sign(load - load.mean())"),),
+        (Edit("moelab/model/balance.py", "torch.sign(load.mean(-1, keepdim=True) - load)",
+              "torch.sign(load - load.mean(-1, keepdim=True))"),),
         ("tests/model/test_balance.py",),
     ),
     Mutation(
@@ -94,7 +95,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "qb-cutoff-kth",
         "the quantile-balancing cutoff is the k-th instead of the (k+1)-th largest biased score",
-        (Edit("moelab/model/balance.py", "after = top.values[:, k:]", "after = top.values[:, k - 1:k]"),),
+        (Edit("moelab/model/balance.py", "after = top.values[..., k:]", "after = top.values[..., k - 1:k]"),),
         ("tests/model/test_balance.py",),
     ),
     # ------------------------------------------------------------------ loss
@@ -157,8 +158,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "attnres-block-sum-dropped",
         "a block summary keeps only its last sublayer's output instead of their sum",
-        (Edit("moelab/model/attnres.py", "self.partial = out if self.partial is None else self.partial + out",
-              "self.partial = out"),),
+        (Edit("moelab/model/attnres.py", "self.sources.replace_last(self.sources[-1] + out)",
+              "self.sources.replace_last(out)"),),
         ("tests/model/test_attnres.py",),
     ),
 )

@@ -34,3 +34,20 @@ def test_caught_survived_and_stale_on_a_toy_repo(tmp_path, monkeypatch) -> None:
     (src / "test_toy.py").write_text(TOY_TEST.replace("== 5", "== 6"))
     (baseline,) = run(mutations[:1], src=src, timeout=120, baseline=True, echo=False)
     assert baseline.name == "(baseline)" and baseline.status == "error"
+
+
+def test_every_catalogue_edit_still_matches_the_tree() -> None:
+    """A refactor that removes a mutated snippet makes its mutation 'stale' (an error in `make mutate`, which
+    CI does not run): every edit's old text must occur in its file as often as the edit says."""
+    from pathlib import Path
+
+    from tests.mutation.mutations import MUTATIONS
+
+    root = Path(__file__).resolve().parents[2]
+    stale = []
+    for m in MUTATIONS:
+        for e in m.edits:
+            n = (root / e.path).read_text().count(e.old)
+            if n == 0 or (e.count is not None and n != e.count):
+                stale.append(f"{m.name}: {e.path} has {n} of {e.old!r}")
+    assert not stale, "\n".join(stale)
