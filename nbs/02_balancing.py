@@ -25,7 +25,8 @@
 # best response). Every balancer trains the same model on the same tokens and seeds; the arms differ only in
 # the balancer's config keys. Measured: validation loss, MaxVio (max load over mean load, minus 1) per batch and
 # over the validation set, load CV, dead experts, steps until MaxVio_batch settles, the balancer's time, and how
-# fast each re-balances after the data distribution changes. Anchors: the loss-free paper's Table 2 (sign rule
+# fast each re-balances after the data distribution changes; and, without training, what keeps Quantile
+# Balancing above the sampling floor. Anchors: the loss-free paper's Table 2 (sign rule
 # MaxVio_global 0.04 where the auxiliary loss stays at 0.5-0.7, at equal or better perplexity) and the report's
 # "QB settles in a few steps". The logic is in `moelab.studies.balancing`, the run grid in `moelab.studies.common`.
 
@@ -37,6 +38,7 @@ out_dir = "."
 from pathlib import Path
 
 import pandas as pd
+import torch
 from IPython.display import Markdown
 
 from moelab.model.accounting import param_counts
@@ -169,12 +171,48 @@ common.show(study.shift_figure(shifts, threshold, floor), out / "figures" / "shi
 # **Figure 5.** MaxVio_batch per step after the switch to the permuted stream (log scale, mean over MoE layers,
 # seed 0), one line per balancer; dashed: the settle threshold, dotted: the random-routing floor.
 
+# %% [markdown]
+# ## 4. What limits Quantile Balancing
+# QB's update is not rate-limited: every step it moves each bias to the balance point of that step's own scores
+# (EMA 0), so if the next step's scores resembled this step's, one step would balance. This section measures,
+# without training, what keeps it above the floor. The trained `qb` model of the first seed is frozen and routes
+# fresh batches of the training text, of the study's size; QB's update runs over them as in training, each batch
+# routed with the bias fitted to the batch before. What remains is the batches' sampling noise and the update's
+# own error. The same tokens dealt across the batches at random show what the sequence structure of a batch adds
+# (the tokens of one sequence route alike). Fitting each batch exactly (30 steps), and judging one step on the
+# batch it was fitted to, separate the error of the single all-experts-at-once step. Whatever training's tail adds beyond the frozen
+# stream comes from the weights moving between steps; as its sign, the correlation over experts of consecutive
+# steps' load deviations: about 0 or below for batches of unchanging scores, towards +1 when the same experts stay
+# overloaded because the bias, fitted to the previous step's scores, trails scores that keep moving. The forwards
+# run on the GPU when there is one; the balancing arithmetic runs on the CPU.
+
+# %%
+qb_run = next(r for r in grid.records if r.arm == "qb" and r.seed == p["seeds"][0])
+qb_tail = float(rows[(rows.arm == "qb") & (rows.seed == qb_run.seed)].maxvio_batch.iloc[0])
+limits = study.qb_limits(qb_run, trajs["qb", qb_run.seed], qb_tail, floor,
+                         device="cuda" if torch.cuda.is_available() else "cpu")
+pd.DataFrame([{"stream": name, "batch": i + 1, **{key: values[i] for key, values in limits[name].items()}}
+              for name in ("ordered", "shuffled") for i in range(limits["batches"])]).to_csv(
+    out / "results" / "qb_limits_stream.csv", index=False)
+pd.Series({k: v for k, v in limits.items() if k not in ("ordered", "shuffled")},
+          name="QB on the frozen model").to_frame()
+
+# %%
+common.show(study.limits_figure(limits), out / "figures" / "qb_limits.png")
+
+# %% [markdown]
+# **Figure 6.** QB's update over fresh batches of the frozen trained `qb` model (first seed), MaxVio_batch per
+# batch (log scale, mean over MoE layers): each batch routed with the bias of one update on the batch before (as in
+# training), the same with the tokens dealt across batches at random, with a bias fitted in 30 steps to the batch
+# before, and on the batch its one-step bias was computed from. Dashed: the same run's MaxVio_batch over the last
+# 20% of its training steps; dotted: the random-routing floor.
+
 # %%
 settings = {"steps": cfg.train.max_steps, "tokens_per_step": tokens_per_step, "num_experts": moe.num_experts,
             "top_k": moe.top_k, "moe_layers": moe_layers, "noise_floor": floor,
             "threshold": threshold, "hold": study.HOLD, "tail": study.TAIL, "shift_steps": p["shift_steps"],
             "loss_free_sign_rate": moe.loss_free_sign_rate, "device": common.device_name()}
-summary = study.summarize(grid, rows, shifts, preset, settings)
+summary = study.summarize(grid, rows, shifts, preset, settings, limits)
 write_json(out / "summary.json", summary)
 pd.Series({k: str(summary["meta"][k]) for k in ("commit", "dirty", "device", "torch", "triton", "command", "date",
                                                 "wall_s", "tokens_per_run", "epochs")}, name="run facts").to_frame()
