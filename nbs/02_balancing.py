@@ -173,18 +173,18 @@ common.show(study.shift_figure(shifts, threshold, floor), out / "figures" / "shi
 
 # %% [markdown]
 # ## 4. What limits Quantile Balancing
-# QB's update is not rate-limited: every step it moves each bias to the balance point of that step's own scores
-# (EMA 0), so if the next step's scores resembled this step's, one step would balance. This section measures,
-# without training, what keeps it above the floor. The trained `qb` model of the first seed is frozen and routes
-# fresh batches of the training text, of the study's size; QB's update runs over them as in training, each batch
-# routed with the bias fitted to the batch before. What remains is the batches' sampling noise and the update's
-# own error. The same tokens dealt across the batches at random show what the sequence structure of a batch adds
-# (the tokens of one sequence route alike). Fitting each batch exactly (30 steps), and judging one step on the
-# batch it was fitted to, separate the error of the single all-experts-at-once step. Whatever training's tail adds beyond the frozen
-# stream comes from the weights moving between steps; as its sign, the correlation over experts of consecutive
-# steps' load deviations: about 0 or below for batches of unchanging scores, towards +1 when the same experts stay
-# overloaded because the bias, fitted to the previous step's scores, trails scores that keep moving. The forwards
-# run on the GPU when there is one; the balancing arithmetic runs on the CPU.
+# QB's update is not rate-limited: every step it moves each bias to the balance point of that step's own scores (EMA 0),
+# so if the next step's scores resembled this step's, one step would balance. This section measures, without training,
+# what keeps it above the floor. The trained `qb` model of the first seed is frozen and routes fresh batches of the
+# training text, of the study's size; QB's update runs over them as in training, each batch routed with the bias fitted
+# to the batch before. What remains is the batches' sampling noise and the update's own error. The same tokens dealt
+# across the batches at random show what the sequence structure of a batch adds (the tokens of one sequence route
+# alike). Fitting each batch exactly (30 steps), and judging one step on the batch it was fitted to, separate the error
+# of the single all-experts-at-once step. Whatever training's tail adds beyond the frozen stream comes from the weights
+# moving between steps; as its sign, the correlation over experts of consecutive steps' load deviations: about 0 or
+# below for batches of unchanging scores, towards +1 when the same experts stay overloaded because the bias, fitted to
+# the previous step's scores, trails scores that keep moving. The forwards run on the GPU when there is one; the
+# balancing arithmetic runs on the CPU.
 
 # %%
 qb_run = next(r for r in grid.records if r.arm == "qb" and r.seed == p["seeds"][0])
