@@ -278,6 +278,11 @@ def _restructure() -> Row:
     mn = _row(_load(base + "model_gpu_small_1227ff2.json")["rows"], "moelab_gpu_small_prenorm")
     ms = _row(_load(base + "model_gpu_small_1227ff2_script9e7d213.json")["rows"], "moelab_gpu_small_prenorm")
     ao, an = _load(base + "ab_old.json"), _load(base + "ab_new.json")
+    ab = _load(base + "ab_compare.json")
+    by_round: dict[int, dict[str, float]] = {}
+    for r in ab["rounds"]:
+        by_round.setdefault(r["round"], {})[r["tree"]] = r["step_ms"]
+    paired = [100 * (t["new"] / t["old"] - 1) for t in by_round.values()]
     return ("Restructure check, one H200 run: code at 1227ff2 vs 9e7d213",
             f"KDA op bounded fwd+bwd (B8 T4096 / B1 T32768 / B2 T65536) {' / '.join(kda)} ms (same); gpu-small "
             f"prenorm step {mn['step_ms']:.1f} vs {mo['step_ms']:.1f} ms ({_k(mn['tok_per_s'])} vs "
@@ -286,10 +291,17 @@ def _restructure() -> Row:
             f"(`kernels/ab_model.py`, old then new tree): step {ao['step_ms']:.1f} vs {an['step_ms']:.1f} ms with the "
             f"id check, {ao['step_ms_nocheck']:.1f} vs {an['step_ms_nocheck']:.1f} ms without; host issue time "
             f"{ao['host_ms']:.1f} vs {an['host_ms']:.1f} ms; aten ops {ao['cpu_ops']} vs {an['cpu_ops']}, launches "
-            f"{ao['launches']} vs {an['launches']}: the step is host-bound and single runs vary by more than the gap, "
-            "so the comparison is not settled (needs repeated interleaved runs)",
+            f"{ao['launches']} vs {an['launches']}: the step is host-bound and single runs vary by more than the gap. "
+            f"**Settled by {ab['meta']['rounds']} interleaved rounds** (`ab_model.py --compare`, fresh process per "
+            f"tree and round, old/new/new/old) at {ab['meta']['commit']}: step median "
+            f"{ab['step_ms']['new']['median']:.1f} vs {ab['step_ms']['old']['median']:.1f} ms "
+            f"({ab['step_ms']['diff_pct']:+.1f}%), rounds spread "
+            f"{ab['step_ms']['noise_ms']:.0f} ms; per-round paired difference {min(paired):+.1f}% to "
+            f"{max(paired):+.1f}%: "
+            f"**{ab['verdict']}**",
             [_ref(base + "kda_1227ff2.json"), _ref(base + "model_gpu_small_1227ff2.json"),
-             _ref(base + "model_gpu_small_9e7d213.json"), _ref(base + "ab_old.json"), _ref(base + "ab_new.json")],
+             _ref(base + "model_gpu_small_9e7d213.json"), _ref(base + "ab_old.json"), _ref(base + "ab_new.json"),
+             _ref(base + "ab_compare.json")],
             (base + "kda_1227ff2.json", None))
 
 
