@@ -366,6 +366,11 @@ class Throughput(_PerStep):
     A window runs from the first batch after a log (or after validation) to the next log, so
     validation time is excluded and data loading included. ``summary()`` reports the median
     window after the first (the first holds compilation and allocator warm-up).
+
+    ``perf/peak_mem_gb`` is the window's own peak: the CUDA peak counter is reset when a window
+    starts, so a curriculum stage's windows show that stage's memory, and a run that follows another
+    in the same process (a study's notebook) does not inherit the earlier run's peak. ``summary()``'s
+    ``peak_mem_gb`` is the largest of the run's window peaks and of the counter since the last window began.
     """
 
     def __init__(self, tokens_per_device_step: int, flops_per_token_fwd: float, log_every: int,
@@ -379,12 +384,14 @@ class Throughput(_PerStep):
         self._step0 = 0
         self._peak: float | None = None
         self._world = 1
+        self._mem_peak = 0.0  # bytes, the largest window peak so far
         self.shown: dict[str, float] = {}  # the newest window's tokens/s, for the progress bar
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._peak = device_peak_flops(pl_module.device)
         self._world = trainer.world_size
+        self._mem_peak = 0.0
 
     def _sync(self, device: torch.device) -> None:
         if device.type == "cuda":
@@ -394,6 +401,8 @@ class Throughput(_PerStep):
                              batch_idx: int) -> None:
         if self._t0 is None:
             self._sync(pl_module.device)
+            if pl_module.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(pl_module.device)
             self._t0, self._step0 = time.perf_counter(), trainer.global_step
 
     def on_step_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -409,7 +418,9 @@ class Throughput(_PerStep):
         if self._peak:
             metrics["perf/mfu"] = util
         if pl_module.device.type == "cuda":
-            metrics["perf/peak_mem_gb"] = torch.cuda.max_memory_allocated(pl_module.device) / 1e9
+            window = float(torch.cuda.max_memory_allocated(pl_module.device))
+            self._mem_peak = max(self._mem_peak, window)
+            metrics["perf/peak_mem_gb"] = window / 1e9
         if self.sink is not None:
             self.sink(metrics, step)
         self.shown["tok/s"] = per_device * self._world
@@ -423,7 +434,9 @@ class Throughput(_PerStep):
         steady = self.windows[1:] or self.windows
         tps = statistics.median(w[0] for w in steady) if steady else None
         util = statistics.median(w[1] for w in steady) if steady and self._peak else None
-        mem = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+        mem = None
+        if device.type == "cuda":  # the counter since the last window started: steps after the last log count too
+            mem = max(self._mem_peak, float(torch.cuda.max_memory_allocated(device))) / 1e9
         return {"tok_per_s": tps, "mfu": util, "peak_mem_gb": mem}
 
 
