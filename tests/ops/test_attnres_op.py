@@ -603,8 +603,8 @@ def test_jit_cache_does_not_grow_with_L():
 
 # Compiles the backward kernel for sm_90 without a GPU (ptxas ships with the triton wheel) as a model read
 # at D = 512 calls it: source 0 fp32, the others bf16, fp32 h (and a bf16 one: c from a pass over the sources),
-# 16-byte aligned pointers and sizes as the JIT specializes them; prints, per (rows, warps, C_FROM_H), the
-# ``bar.sync`` count of the PTX inside each loop over the sources (LLVM marks them "Inner Loop Header": the
+# 16-byte aligned pointers and sizes as the JIT specializes them; prints, per (rows, warps, group, C_FROM_H),
+# the ``bar.sync`` count of the PTX inside each loop over the sources (LLVM marks them "Inner Loop Header": the
 # loops nested in the loop over tiles).
 _BARRIERS = """
 import json, os, re, sys
@@ -615,11 +615,11 @@ from triton.compiler import ASTSource
 from moelab.ops.attnres import _attnres_bwd_kernel as k
 ptrs = dict(x0="*fp32", xl="*bf16", g0="*fp32", gl="*bf16", tab="*i64")
 out = {}
-for rows, warps, c_from_h in json.loads(sys.argv[1]):
-    consts = dict(BN=rows, BD=512, C_FROM_H=c_from_h, ALIGNED=True)
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32" if n in ("gofs", "N", "D", "NPROG", "L", "acc")
+for rows, warps, group, c_from_h in json.loads(sys.argv[1]):
+    consts = dict(D=512, BN=rows, BD=512, C_FROM_H=c_from_h, ALIGNED=True, GROUP=group, STAGES=1)
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32" if n in ("gofs", "N", "NPROG", "L", "acc")
                                                       else "*fp32") for n in k.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names) if n == "D" or sig[n][0] == "*"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names) if sig[n][0] == "*"}
     lines = triton.compile(ASTSource(fn=k, signature=sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"].splitlines()
     loops = []
@@ -628,30 +628,33 @@ for rows, warps, c_from_h in json.loads(sys.argv[1]):
             head = next(lines[j].split(":")[0] for j in range(n, -1, -1) if lines[j].startswith("$L__"))
             end = max(j for j, x in enumerate(lines) if re.search(r"\\bbra(\\.uni)?\\s+" + re.escape(head) + ";", x))
             loops.append(sum(bool(re.search(r"\\bbar\\.sync\\b", x)) for x in lines[n:end + 1]))
-    out[f"{rows},{warps},{int(c_from_h)}"] = loops
+    out[f"{rows},{warps},{group},{int(c_from_h)}"] = loops
 print(json.dumps(out))
 """
 
 
 @pytest.mark.slow
 def test_backward_barriers_per_source():
-    """The backward's block-wide barriers per source are at most 3 (one compiled kernel for every L: the
-    sources are a loop at run time), at the D = 512 launch and at the default rule's tile (4 x 8), in the
-    main loop and in the first pass that sums c when h is 16-bit. The backward that the model profile at
-    fae1b98 timed (64 ms per step in Full AttnRes, 0.59 TB/s) reduced ``B`` over the tile's rows once per
-    source, a shared-memory round trip: 10 barriers per source in its sm_90 PTX, where the kernel that sums
-    ``B`` in a ``[rows, D]`` register tile has 2 (the row sum of ``v . dh``); each source's loads then wait
-    behind the previous source's barriers, and the few resident warps per SM keep too little in flight to
-    cover memory latency."""
-    tiles = sorted({launch_config(512).bwd, (4, 8)})
-    shapes = [(rows, warps, c_from_h) for rows, warps in tiles for c_from_h in (True, False)]
+    """The backward's block-wide barriers per group of sources are at most 3 in the main loop (one compiled
+    kernel for every L: the sources are a loop at run time) and none in the first pass that sums
+    ``sum_j p_j v_j`` when h is 16-bit (c is one row sum per tile after it), at the D = 512 launch and at the
+    default rule's tile (4 x 8), one source or 4 at a time. The backward that the model profile at fae1b98
+    timed (64 ms per step in Full AttnRes, 0.59 TB/s) reduced ``B`` over the tile's rows once per source, a
+    shared-memory round trip: 10 barriers per source in its sm_90 PTX, where the kernel that sums ``B`` in a
+    ``[rows, D]`` register tile has 2 (the row sum of ``v . dh``); each source's loads then wait behind the
+    previous source's barriers, and the few resident warps per SM keep too little in flight to cover memory
+    latency."""
+    tiles = sorted({launch_config(512).bwd[:3], (4, 8, 1), (4, 8, 4)})
+    shapes = [(rows, warps, group, c_from_h) for rows, warps, group in tiles for c_from_h in (True, False)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT
     res = subprocess.run([sys.executable, "-c", _BARRIERS, json.dumps(shapes)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     bars = json.loads(res.stdout.strip().splitlines()[-1])
-    for rows, warps, c_from_h in shapes:
-        loops = bars[f"{rows},{warps},{int(c_from_h)}"]
-        assert len(loops) == (1 if c_from_h else 2), f"rows={rows}, warps={warps}: loops over the sources {loops}"
-        assert max(loops) <= 3, f"backward at rows={rows}, warps={warps}: barriers per source {loops}"
+    for rows, warps, group, c_from_h in shapes:
+        loops = bars[f"{rows},{warps},{group},{int(c_from_h)}"]
+        where = f"backward at rows={rows}, warps={warps}, group={group}, C_FROM_H={c_from_h}"
+        assert len(loops) == (1 if c_from_h else 2), f"{where}: loops over the sources {loops}"
+        assert loops[-1] <= 3, f"{where}: barriers per group in the main loop {loops}"
+        assert c_from_h or loops[0] == 0, f"{where}: barriers per group in the pass that sums c {loops}"
