@@ -30,9 +30,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BF, HF, F32 = torch.bfloat16, torch.float16, torch.float32
 
-# (lead shape, D, source dtypes, launch config, query scale): L = 1, 2, 3, 4, 5; N not a multiple of the
+# (lead shape, D, source dtypes, launch config, query scale): L = 1, 2, 3, 4, 5, 6; N not a multiple of the
 # rows per tile; D not a power of two; mixed dtypes; a large query scale gives peaked softmaxes,
-# so the online softmax's running max moves between sources; one backward tile differs from the forward's.
+# so the online softmax's running max moves between sources; one backward tile differs from the forward's;
+# sources in groups (a last group that L - 1 does not fill, one that holds the last source among middle ones,
+# all-bf16 sources with the c pass, fp32 where the bound is tight) and software-pipelined loops.
 CASES = [
     ((7,), 24, (F32,), None, 1.0),
     ((2, 9), 40, (F32, F32), None, 1.0),
@@ -42,6 +44,10 @@ CASES = [
     ((3, 7), 33, (BF, HF, F32, BF, BF), LaunchConfig(rows=2, warps=1), 10.0),
     ((41,), 40, (F32, BF, BF, BF), LaunchConfig(rows=2, warps=1, bwd_rows=8, bwd_warps=2), 10.0),
     ((4, 10), 72, (HF, HF, HF), None, 10.0),
+    ((37,), 48, (F32,) * 6, LaunchConfig(rows=2, warps=1, group=4), 30.0),
+    ((3, 7), 33, (BF, HF, F32, BF, BF), LaunchConfig(rows=1, warps=1, group=4, stages=2), 10.0),
+    ((41,), 40, (F32, BF, BF, BF), LaunchConfig(rows=1, warps=2, group=2, bwd_group=4, bwd_stages=2), 10.0),
+    ((13,), 64, (BF,) * 6, LaunchConfig(rows=1, warps=2, group=4, bwd_rows=2, bwd_group=2), 10.0),
 ]
 
 
@@ -175,6 +181,10 @@ def test_bad_arguments_raise():
         depth_attention([x], q, w, backend="triton", config=LaunchConfig(rows=3))
     with pytest.raises(ValueError, match="LaunchConfig.bwd_warps=3"):
         depth_attention([x], q, w, backend="triton", config=LaunchConfig(bwd_warps=3))
+    with pytest.raises(ValueError, match="LaunchConfig.group=16"):
+        depth_attention([x], q, w, backend="triton", config=LaunchConfig(group=16))
+    with pytest.raises(ValueError, match=r"LaunchConfig.bwd_stages=5 is not allowed: expected 0 \(as the forward\)"):
+        depth_attention([x], q, w, backend="triton", config=LaunchConfig(bwd_stages=5))
     slot = GradSlot()
     with pytest.raises(ValueError, match="one GradSlot twice"):
         depth_attention([x, x], q, w, backend="triton", slots=[slot, slot])
@@ -184,7 +194,7 @@ def test_bad_arguments_raise():
                         backend="triton")
 
 
-def _chain(backend, leaves, dts, with_slots):
+def _chain(backend, leaves, dts, with_slots, config=None):
     """A residual stream in miniature: read i mixes the embedding and the outputs of the sublayers
     before it (``tanh(h @ W_i)``, so every later read depends on every earlier one), as Full AttnRes
     does; returns the last read."""
@@ -192,16 +202,22 @@ def _chain(backend, leaves, dts, with_slots):
     sources, slots = [emb], [GradSlot()]
     for w, dt in zip(ws, dts):
         h, p = depth_attention(sources, query, weight, backend=backend, weights=False,
-                               slots=slots if with_slots else None)
+                               slots=slots if with_slots else None, config=config)
         assert p is None
         sources.append(torch.tanh(h.float() @ w).to(dt))
         slots.append(GradSlot())
     return depth_attention(sources, query, weight, backend=backend, weights=False,
-                           slots=slots if with_slots else None)[0], slots
+                           slots=slots if with_slots else None, config=config)[0], slots
 
 
+# the default launch at these widths (one source at a time), and sources 4 at a time: a group that holds the
+# last source (whose slot may add) among middle ones (whose slots add or not together)
+SLOT_CONFIGS = [None, LaunchConfig(rows=1, warps=1, group=4)]
+
+
+@pytest.mark.parametrize("config", SLOT_CONFIGS, ids=["default", "group4"])
 @pytest.mark.parametrize("dts", [(F32,) * 4, (BF,) * 4], ids=["fp32", "bf16"])
-def test_grad_slots_sum_in_place_over_reads(dts):
+def test_grad_slots_sum_in_place_over_reads(dts, config):
     """Sources read by several reads with gradient slots (the backward sums each source's gradient in
     place, only its first read hands it over): the same gradients as autograd's own sum over the
     fp32 reference; a retained graph run twice gives the same gradients again (slots emptied)."""
@@ -214,7 +230,7 @@ def test_grad_slots_sum_in_place_over_reads(dts):
 
     def grads(backend, with_slots, dtypes, runs=1):
         xs = [x.clone().to(DEV).requires_grad_() for x in leaves]
-        h, slots = _chain(backend, xs, dtypes, with_slots)
+        h, slots = _chain(backend, xs, dtypes, with_slots, config if backend == "triton" else None)
         for _ in range(runs):
             for x in xs:
                 x.grad = None
@@ -385,7 +401,8 @@ def test_sources_of_mixed_dtypes(monkeypatch):
         assert_close(a, b, 2e-2, f"grad of leaf {i}")
 
 
-def test_middle_slots_partly_summed(monkeypatch):
+@pytest.mark.parametrize("config", SLOT_CONFIGS, ids=["default", "group4"])
+def test_middle_slots_partly_summed(monkeypatch, config):
     """A read whose middle slots a later read has partly filled (one it shares with that read, one only it
     takes): the missing buffer is made zeroed, so that one flag (all middle gradients add) is right for both;
     every gradient as the reference's."""
@@ -401,10 +418,11 @@ def test_middle_slots_partly_summed(monkeypatch):
         xs = [x.clone().to(DEV).requires_grad_() for x in leaves]
         *srcs, q, w, W = xs
         slots = [GradSlot() for _ in range(4)] if backend == "triton" else None
-        h_a, _ = depth_attention(srcs, q, w, backend=backend, slots=slots)
+        cfg = config if backend == "triton" else None
+        h_a, _ = depth_attention(srcs, q, w, backend=backend, slots=slots, config=cfg)
         y = torch.tanh(h_a @ W)  # the later read depends on the first, as the slot contract asks
         later = [slots[0], GradSlot(), slots[2], GradSlot()] if backend == "triton" else None
-        h_b, _ = depth_attention([srcs[0], srcs[1], srcs[2], y], q, w, backend=backend, slots=later)
+        h_b, _ = depth_attention([srcs[0], srcs[1], srcs[2], y], q, w, backend=backend, slots=later, config=cfg)
         (h_b * dh).sum().backward()
         return [x.grad for x in xs]
 
