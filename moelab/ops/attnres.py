@@ -134,10 +134,14 @@ class LaunchConfig:
             raise ValueError(f"LaunchConfig.programs_per_sm={self.programs_per_sm} is not allowed: expected >= 0")
 
     @property
-    def bwd(self) -> tuple[int, int, int, int]:
+    def bwd(self) -> tuple[int, int]:
+        """(rows, warps) of the backward."""
+        return self.bwd_rows or self.rows, self.bwd_warps or self.warps
+
+    @property
+    def bwd_launch(self) -> tuple[int, int, int, int]:
         """(rows, warps, group, stages) of the backward."""
-        return (self.bwd_rows or self.rows, self.bwd_warps or self.warps, self.bwd_group or self.group,
-                self.bwd_stages or self.stages)
+        return (*self.bwd, self.bwd_group or self.group, self.bwd_stages or self.stages)
 
 
 # Measured launches per width (kernels/bench_attnres.py --sweep-only on the H200, L = 4, 7, 13, 25 with an fp32
@@ -502,7 +506,7 @@ class _DepthAttentionFn(torch.autograd.Function):
                         break
         D = x0.shape[-1]
         N = x0.numel() // D
-        rows, warps, group, stages = cfg.bwd
+        rows, warps, group, stages = cfg.bwd_launch
         if not dh.is_contiguous():
             dh = dh.contiguous()
         # the grid is sized by the kernel's registers only when programs_per_sm is 0 (see _bwd_programs)

@@ -662,7 +662,7 @@ def test_backward_barriers_per_source():
     ``[rows, D]`` register tile has 2 (the row sum of ``v . dh``); each source's loads then wait behind the
     previous source's barriers, and the few resident warps per SM keep too little in flight to cover memory
     latency."""
-    tiles = sorted({launch_config(512).bwd[:3], (4, 8, 1), (4, 8, 4)})
+    tiles = sorted({launch_config(512).bwd_launch[:3], (4, 8, 1), (4, 8, 4)})
     shapes = [(rows, warps, group, c_from_h) for rows, warps, group in tiles for c_from_h in (True, False)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT
