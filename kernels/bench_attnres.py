@@ -9,6 +9,9 @@ forward+backward on one GPU, in one run: moelab's fused op, today's plain PyTorc
     python kernels/bench_attnres.py --replay full --replay block:8 [--replay-ops moelab,OLD_OP.py]
                                                     # GPU: a model step's AttnRes reads (below) ->
                                                     # kernels/results/attnres_replay_h200.json
+    python kernels/bench_attnres.py --occupancy --sweep-d-model 2048 --sweep-inputs bf16
+                                                    # registers and programs per SM of the sweep's launches,
+                                                    # compiled for sm_90 (no GPU needed)
     python kernels/bench_attnres.py --compile [--compile-sublayers 24,8,16,32] [--replay-ops moelab,OLD_OP.py]
                                                     # the kernel variants a model step compiles and their
                                                     # time (GPU: -> kernels/results/attnres_compile_h200.json;
@@ -617,10 +620,30 @@ def _config_text(cfg: LaunchConfig) -> str:
             f"{rows}x{warps}g{group}s{stages}")
 
 
-def _load_op(path: str):
-    """An AttnRes op module from a file (e.g. an older ``moelab/ops/attnres.py``, from ``git show``)."""
+def _op_file(entry: str) -> str:
+    """The file of an ``--replay-ops`` entry: the entry itself, or for ``COMMIT:PATH`` (not a file) that path at
+    that commit of this repository, written once to a temporary file named after it (Triton reads a kernel's
+    source from its file)."""
+    if os.path.isfile(entry) or ":" not in entry:
+        return entry
+    commit, _, rel = entry.partition(":")
+    path = os.path.join(tempfile.gettempdir(), "attnres_ops", f"{commit}_{rel.replace('/', '_')}")
     if not os.path.isfile(path):
-        raise ValueError(f"--replay-ops entry {path!r} is not allowed: expected 'moelab' or an existing file")
+        src = subprocess.run(["git", "show", entry], cwd=ROOT, capture_output=True, text=True)
+        if src.returncode:
+            return entry
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as fh:
+            fh.write(src.stdout)
+    return path
+
+
+def _load_op(entry: str):
+    """An AttnRes op module from a file, or from ``COMMIT:PATH`` (e.g. an older ``moelab/ops/attnres.py``)."""
+    path = _op_file(entry)
+    if not os.path.isfile(path):
+        raise ValueError(f"--replay-ops entry {entry!r} is not allowed: expected 'moelab', an existing file or "
+                         "COMMIT:PATH of this repository")
     spec = importlib.util.spec_from_file_location(f"attnres_op_{hashlib.sha1(path.encode()).hexdigest()[:8]}", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up there
@@ -781,7 +804,7 @@ def _precompile(args, jobs: list[tuple[str, str, str]]) -> None:
         while pending and len(running) < args.replay_jobs:
             spec, cfg, op = pending.pop(0)
             cmd = base + ["--replay", spec, "--replay-configs", cfg, "--replay-ops",
-                          op if op == "moelab" else os.path.abspath(op)]
+                          op if op == "moelab" or not os.path.isfile(op) else os.path.abspath(op)]
             running.append((cmd, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                   text=True)))
         cmd, proc = running.pop(0)
@@ -940,6 +963,103 @@ def _compile_child(path: str) -> int:
     return 0
 
 
+# sm_90 (H100 / H200) limits per SM that decide how many programs of a kernel are resident at once
+_SM90 = dict(regs=65536, warps=64, programs=32, shared=233472)
+
+
+def _occupancy_child(path: str) -> int:
+    """``--occupancy-child FILE``: compile every launch that ``run_occupancy`` wrote to FILE for sm_90 (Triton's
+    binder and ``triton.compile``, ptxas included; no GPU needed) and add each one's registers per thread,
+    local-memory stack bytes (spills) and shared memory, read from its cubin with the wheel's cuobjdump."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    job = json.load(open(path))
+    ops = {name: attnres_op if name == "moelab" else _load_op(name) for name in {rec["op"] for rec in job}}
+    for rec in job:
+        fn = getattr(ops[rec["op"]], rec["kernel"])
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        args, kw = [_unspec(x) for x in rec["args"]], {k: _unspec(v) for k, v in rec["kw"].items()}
+        bound, specialization, options = binder(*args, **kw)
+        opts, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, specialization, options)
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=opts.__dict__)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+            fh.write(compiled.asm["cubin"])
+            fh.flush()
+            usage = subprocess.run([tool, "-res-usage", fh.name], capture_output=True, text=True, check=True).stdout
+        rec.update(regs=int(re.search(r"REG:(\d+)", usage).group(1)),
+                   stack=int(re.search(r"STACK:(\d+)", usage).group(1)), shared=compiled.metadata.shared)
+        del rec["args"], rec["kw"]
+    with open(path, "w") as fh:
+        json.dump(job, fh)
+    return 0
+
+
+def run_occupancy(args, cuda: bool) -> list[dict]:
+    """``--occupancy``: for each sweep launch (``_sweep_launches`` at ``--sweep-d-model``, ``--sweep-inputs``)
+    and each ``--replay-ops`` op (an older op, without groups or stages, at each distinct rows x warps), the
+    forward and backward kernels as the op launches them, compiled for sm_90 in a process without the
+    interpreter: registers, spills, shared memory, the programs that fit on one SM (``_SM90``) and the source
+    tiles those programs load at once (programs x group x rows x D elements of the sources' dtype)."""
+    D, L = args.sweep_d_model, int(args.sweep_sources.split(",")[-1])
+    dev = "cuda" if cuda else "cpu"
+    srcs, q, w, dh = _sweep_inputs(args.sweep_inputs, L, 64, D, dev, seed=0)
+    job = []
+    for op_name in args.replay_ops.split(","):
+        op = attnres_op if op_name == "moelab" else _load_op(op_name)
+        launches = _sweep_launches(args, D)
+        if op is not attnres_op:
+            launches = list({(c.rows, c.warps): LaunchConfig(rows=c.rows, warps=c.warps) for c in launches}.values())
+        saved = {name: getattr(op, name) for name in _KERNELS}
+        try:
+            for cfg in launches:
+                log: list = []
+                for name, k in saved.items():
+                    setattr(op, name, _SpecRecorder(k, log, run=False))
+                leaves = [x.detach().clone().requires_grad_() for x in [*srcs, q, w]]
+                h, _ = op.depth_attention(leaves[:-2], leaves[-2], leaves[-1], backend="triton", config=cfg,
+                                          weights=False)
+                h.backward(dh)
+                for name, a, kw in log:
+                    tile = (cfg.rows, cfg.warps, cfg.group, cfg.stages) if name == _KERNELS[0] else cfg.bwd_launch
+                    job.append(dict(op=op_name, config=_config_text(cfg), kernel=name, rows=tile[0], warps=tile[1],
+                                    group=tile[2], stages=tile[3], args=a, kw=kw))
+        finally:
+            for name, k in saved.items():
+                setattr(op, name, k)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "launches.json")
+        with open(path, "w") as fh:
+            json.dump(job, fh)
+        env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=os.path.join(tmp, "cache"),
+                   PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        res = subprocess.run([sys.executable, os.path.abspath(__file__), "--occupancy-child", path], cwd=ROOT,
+                             env=env, capture_output=True, text=True)
+        if res.returncode:
+            raise RuntimeError(f"--occupancy-child failed:\n{res.stderr[-3000:]}")
+        rows = json.load(open(path))
+    src_bytes = srcs[-1].element_size()
+    print(f"{'op':>12s} {'kernel':>4s} {'launch':>10s} {'regs':>4s} {'stack':>5s} {'smem':>6s} {'prog/SM':>7s} "
+          f"{'KB at once/SM':>13s}")
+    for r in rows:
+        threads = 32 * r["warps"]
+        fit = [_SM90["regs"] // (-(-max(r["regs"], 8) // 8) * 8 * threads), _SM90["warps"] // r["warps"],
+               _SM90["programs"]]
+        if r["shared"]:
+            fit.append(_SM90["shared"] // r["shared"])
+        r["programs_per_sm"] = min(fit)
+        r["source_kb_at_once_per_sm"] = r["programs_per_sm"] * r["group"] * r["rows"] * D * src_bytes / 1024
+        op = r["op"] if r["op"] == "moelab" else os.path.basename(r["op"])
+        print(f"{op[-12:]:>12s} {'fwd' if r['kernel'] == _KERNELS[0] else 'bwd':>4s} "
+              f"{'{rows}x{warps}g{group}s{stages}'.format(**r):>10s} {r['regs']:4d} {r['stack']:5d} "
+              f"{r['shared']:6d} {r['programs_per_sm']:7d} {r['source_kb_at_once_per_sm']:13.0f}")
+    return rows
+
+
 def run_compile(args, plan: tuple[dict, dict, dict], sublayers: list[int], cuda: bool) -> list[dict]:
     """The AttnRes kernels that one training step of each ``--replay`` spec compiles, at each depth in
     ``sublayers`` (see the module docstring). Rows in order, per op; an op's variants accumulate over the rows
@@ -1072,14 +1192,21 @@ def main() -> int:
     ap.add_argument("--compile-count-only", action="store_true", help="--compile on a CPU: count the variants, "
                     "do not compile them")
     ap.add_argument("--compile-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--occupancy", action="store_true", help="registers, spills, shared memory and programs per "
+                    "SM of each --sweep launch's kernels, compiled for sm_90 (CPU or GPU; see above)")
+    ap.add_argument("--occupancy-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.sweep = args.sweep or args.sweep_only
     if args.compile_child:
         return _compile_child(args.compile_child)
+    if args.occupancy_child:
+        return _occupancy_child(args.occupancy_child)
 
     cuda = torch.cuda.is_available() and not args.smoke
     if args.compile:
         return _compile_main(args, ap, cuda)
+    if args.occupancy:
+        return _occupancy_main(args, ap, cuda)
     if args.replay:
         return _replay_main(args, ap, cuda)
     if args.host:
@@ -1216,9 +1343,30 @@ def _replay_main(args, ap: argparse.ArgumentParser, cuda: bool) -> int:
 
 
 def _ops_meta(args) -> dict:
-    """``--replay-ops`` for the JSON: ``moelab``, or a file with its SHA-1."""
-    return {name: name if name == "moelab" else dict(file=name, sha1=hashlib.sha1(open(name, "rb").read()).hexdigest())
-            for name in args.replay_ops.split(",")}
+    """``--replay-ops`` for the JSON: ``moelab``, or a file (or ``COMMIT:PATH``) with its SHA-1."""
+    return {name: name if name == "moelab" else dict(file=name, sha1=hashlib.sha1(open(_op_file(name), "rb").read())
+                                                     .hexdigest()) for name in args.replay_ops.split(",")}
+
+
+def _occupancy_main(args, ap: argparse.ArgumentParser, cuda: bool) -> int:
+    """``--occupancy``: the launches, the rows, the JSON (``--out``, default none)."""
+    try:
+        rows = run_occupancy(args, cuda)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.out:
+        meta = dict(gpu="none: kernels compiled for sm_90, not run", limits_per_sm=_SM90, triton=triton.__version__,
+                    torch=torch.__version__, commit=_commit(), command=" ".join(
+                        [os.path.basename(sys.executable)] + sys.argv),
+                    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                    d_model=args.sweep_d_model, sweep_inputs=args.sweep_inputs, ops=_ops_meta(args),
+                    source_kb_at_once_per_sm="programs per SM x group x rows x D x the sources' element size: "
+                    "what the resident programs load in one go (an older op also prefetched one source ahead)")
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+        print(f"wrote {args.out}")
+    return 0
 
 
 def _compile_main(args, ap: argparse.ArgumentParser, cuda: bool) -> int:

@@ -162,8 +162,10 @@ def _pow2(n: int) -> int:
 def launch_config(d: int) -> LaunchConfig:
     """Default launch for width ``d``: ``LAUNCH_TABLE[d]`` when measured, else tiles of at least 2048
     elements (several rows when d is small) at 8 elements per thread (one 16-byte load of bf16), at
-    most 16 warps; where a tile is one row (d > 1024), its sources 4 at a time (more tiles in flight
-    per SM than one at a time though fewer programs fit: ``kernels/bench_attnres.py --occupancy``)."""
+    most 16 warps; where a tile is one row (d > 1024), its sources 4 at a time: fewer programs fit on
+    an SM, but they load more at once (D = 2048, 8 warps, sm_90: forward 3 programs x 4 tiles against
+    6 x 1, backward 2 x 4 against 4 x 1; kernels/results/attnres_occupancy_d2048_cpu_sm90.json, from
+    ``kernels/bench_attnres.py --occupancy``)."""
     if d in LAUNCH_TABLE:
         LAUNCH_TABLE[d].validate()
         return LAUNCH_TABLE[d]
