@@ -676,3 +676,24 @@ def test_backward_barriers_per_source():
         assert len(loops) == (1 if c_from_h else 2), f"{where}: loops over the sources {loops}"
         assert loops[-1] <= 3, f"{where}: barriers per group in the main loop {loops}"
         assert c_from_h or loops[0] == 0, f"{where}: barriers per group in the pass that sums c {loops}"
+
+
+@pytest.mark.slow
+def test_groups_load_more_at_once_at_the_default_launch(tmp_path):
+    """The default launch at D = 2048 takes the sources 4 at a time because, compiled for sm_90
+    (``kernels/bench_attnres.py --occupancy``), its fewer resident programs still load more source tiles at
+    once than one source at a time does, forward and backward, spilling at most a few registers (Triton 3.6
+    spills none, 3.9 spills 8 bytes of the backward's)."""
+    out = tmp_path / "occupancy.json"
+    cfg = launch_config(2048)
+    assert (cfg.rows, cfg.group) == (1, 4)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, "kernels/bench_attnres.py", "--occupancy", "--sweep-d-model", "2048",
+                          "--sweep-inputs", "bf16", "--sweep-sources", "9", "--tiles", f"1x{cfg.warps}", "--groups",
+                          "1,4", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = {(r["kernel"], r["group"]): r for r in json.loads(out.read_text())["rows"]}
+    for kernel in ("_attnres_fwd_kernel", "_attnres_bwd_kernel"):
+        one, four = rows[(kernel, 1)], rows[(kernel, 4)]
+        assert max(one["stack"], four["stack"]) <= 16, (one, four)
+        assert four["programs_per_sm"] * 4 > one["programs_per_sm"], (one, four)
