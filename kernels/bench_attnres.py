@@ -9,6 +9,9 @@ forward+backward on one GPU, in one run: moelab's fused op, today's plain PyTorc
     python kernels/bench_attnres.py --replay full --replay block:8 [--replay-ops moelab,OLD_OP.py]
                                                     # GPU: a model step's AttnRes reads (below) ->
                                                     # kernels/results/attnres_replay_h200.json
+    python kernels/bench_attnres.py --occupancy --sweep-d-model 2048 --sweep-inputs bf16
+                                                    # registers and programs per SM of the sweep's launches,
+                                                    # compiled for sm_90 (no GPU needed)
     python kernels/bench_attnres.py --compile [--compile-sublayers 24,8,16,32] [--replay-ops moelab,OLD_OP.py]
                                                     # the kernel variants a model step compiles and their
                                                     # time (GPU: -> kernels/results/attnres_compile_h200.json;
@@ -29,15 +32,18 @@ extra_mem_gb (that peak minus what was allocated before the step), and the relat
 and of every gradient against the fp32 reference (``depth_attention_torch`` on the same values).
 
 ``--sweep`` (``--sweep-only``: without the rows above; defaults: D = 512, N = 32768, L = 4, 7, 13,
-25: gpu-small's reads) times the fused op as the model calls it: source 0 fp32 (the embedding), the
-others bf16, fp32 h, gradient slots (every source but the last adds into its slot, the last one is
-the owner). For each tile (rows, warps) it
-times the forward (no grad) and the backward alone (a retained graph), for the backward also under
+25: gpu-small's reads) times the fused op as the model calls it (``--sweep-inputs model``: source 0
+fp32, the embedding, the others bf16, fp32 h, gradient slots: every source but the last adds into
+its slot, the last one is the owner) or as the rows above do (``--sweep-inputs bf16``: every source
+bf16, no slots). For each launch (``--tiles`` x ``--groups`` x ``--stages``, or ``--sweep-configs``)
+it times the forward (no grad) and the backward alone (a retained graph), for the backward also under
 a few persistent grid sizes (programs per SM), checks h and every gradient against the fp32
 reference, and prints GB/s against the ideal traffic (every tensor read or written once). It ends
 with the best forward and backward launch summed over the L values, as a ``LAUNCH_TABLE`` entry
 for ``moelab/ops/attnres.py``; in the JSON as ``sweep`` and ``sweep_best`` (``--sweep-only`` GPU
-default: kernels/results/attnres_sweep_h200.json).
+default: kernels/results/attnres_sweep_h200.json). ``--sweep-jobs K`` compiles the launches in K
+processes first; ``--use-sweep-best`` (with ``--sweep-d-model`` = ``--d-model``) gives the rows above
+the best launch, ``--config`` a given one (recorded in the JSON's meta either way).
 
 ``--host`` times the host side of one read (forward + backward) of a 24-sublayer stream at a
 tiny N (the device never waits): ``AttnResidual`` in block (6) and full mode against prenorm, per
@@ -74,6 +80,7 @@ microseconds per launch beside it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import hashlib
@@ -81,6 +88,7 @@ import importlib.util
 import itertools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -114,12 +122,13 @@ OUT_TOL, GRAD_TOL = 5e-3, 1e-2
 ANCHORS_FWDBWD_MS = {"fla_fused_attnres": {4: 1.10, 9: 1.46, 17: 2.70}, "torch_plain": {4: 9.1, 9: 19.3, 17: 32.9}}
 
 
-def _bench(fn, grad_to_none: list[torch.Tensor], cuda: bool) -> float:
-    """Median milliseconds of ``fn``; triton's do_bench on CUDA, a wall-clock median of 2 on CPU."""
+def _bench(fn, grad_to_none: list[torch.Tensor], cuda: bool, rep_ms: int = 200) -> float:
+    """Median milliseconds of ``fn``; triton's do_bench on CUDA (``rep_ms`` of repeats), a wall-clock median
+    of 2 on CPU."""
     if cuda:
         from triton.testing import do_bench
 
-        return do_bench(fn, warmup=25, rep=200, grad_to_none=grad_to_none, return_mode="median")
+        return do_bench(fn, warmup=25, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median")
     fn()
     times = []
     for _ in range(2):
@@ -246,10 +255,13 @@ def _sweep_tiles(D: int) -> list[tuple[int, int]]:
             if (rows := ept * 32 * warps // bd) >= 1 and rows * bd == ept * 32 * warps and rows <= 64]
 
 
-def _model_like(L: int, N: int, D: int, dev: str, seed: int):
-    """Sources as a model's read sees them: source 0 fp32 (the embedding), the others bf16."""
-    srcs, q, w, dh = _make(L, N, D, True, dev, seed)
-    return [x.view(N, D) for x in srcs], q, w, dh.view(N, D)
+def _sweep_inputs(kind: str, L: int, N: int, D: int, dev: str, seed: int):
+    """Sources as the sweep times them. ``model``: as a model's read sees them (source 0 fp32, the embedding;
+    the others bf16; fp32 h and dh; every source but the last adds into its gradient slot). ``bf16``: the
+    issue's benchmark read (every source bf16, h and dh bf16, no slots: the backward sums c in a first pass)."""
+    srcs, q, w, dh = _make(L, N, D, kind == "model", dev, seed)
+    srcs, dh = [x.view(N, D) for x in srcs], dh.view(N, D)
+    return srcs, q, w, dh if kind == "model" else dh.bfloat16()
 
 
 def _read_bytes(N: int, D: int, sizes: list[int], h_size: int, dh_size: int, acc: int, c_from_h: bool
@@ -258,7 +270,8 @@ def _read_bytes(N: int, D: int, sizes: list[int], h_size: int, dh_size: int, acc
     once. ``sizes``: the sources' element sizes (their gradients have the same); ``acc``: bit i set
     when source i's gradient slot already holds a sum (the backward reads and writes it, else writes
     it). Forward: the sources, h (written) and the fp32 row statistics ``[2L + 1, N]``. Backward: dh,
-    h when c comes from it, the sources, the statistics and the gradients."""
+    h when c comes from it, the sources, the statistics and the gradients (without c from h the kernel
+    reads a tile's sources twice, the second time from L2: counted once)."""
     el, L = N * D, len(sizes)
     stats = (2 * L + 1) * N * 4
     src = sum(sizes) * el
@@ -266,40 +279,47 @@ def _read_bytes(N: int, D: int, sizes: list[int], h_size: int, dh_size: int, acc
     return src + h_size * el + stats, (dh_size + (h_size if c_from_h else 0)) * el + src + stats + grads
 
 
-def _ideal_bytes(srcs: list[torch.Tensor]) -> tuple[int, int]:
-    """``_read_bytes`` of a sweep read: fp32 h and dh, every source but the last adds into its slot."""
+def _sweep_bytes(kind: str, srcs: list[torch.Tensor]) -> tuple[int, int]:
+    """``_read_bytes`` of a sweep read (``_sweep_inputs``)."""
     N, D = srcs[0].shape
-    return _read_bytes(N, D, [x.element_size() for x in srcs], 4, 4, (1 << (len(srcs) - 1)) - 1, True)
+    model = kind == "model"
+    return _read_bytes(N, D, [x.element_size() for x in srcs], 4 if model else 2, 4 if model else 2,
+                       (1 << (len(srcs) - 1)) - 1 if model else 0, model)
 
 
-def _sweep_one(srcs, q, w, dh, ref, rows: int, warps: int, pps_list, cuda: bool) -> list[dict]:
-    """Rows of one tile: forward, then the backward under each programs-per-SM in ``pps_list``."""
-    fwd_bytes, bwd_bytes = _ideal_bytes(srcs)
+def _sweep_one(kind: str, srcs, q, w, dh, ref, base: LaunchConfig, pps_list, cuda: bool, rep_ms: int) -> list[dict]:
+    """Rows of one launch ``base`` (its programs_per_sm ignored): forward, then the backward under each
+    programs-per-SM in ``pps_list``."""
+    fwd_bytes, bwd_bytes = _sweep_bytes(kind, srcs)
     L = len(srcs)
     out = []
     for pps in pps_list:
-        cfg = LaunchConfig(rows=rows, warps=warps, programs_per_sm=pps)
+        cfg = dataclasses.replace(base, programs_per_sm=pps)
         leaves = [x.detach().clone().requires_grad_() for x in [*srcs, q, w]]
-        slots = [GradSlot() for _ in srcs]
-        for x, sl in zip(leaves[:L - 1], slots):
-            sl.taken, sl.grad = True, torch.zeros_like(x)
+        slots = None
+        if kind == "model":
+            slots = [GradSlot() for _ in srcs]
+            for x, sl in zip(leaves[:L - 1], slots):
+                sl.taken, sl.grad = True, torch.zeros_like(x)
         h, _ = depth_attention(leaves[:L], leaves[L], leaves[L + 1], backend="triton", config=cfg, weights=False,
                                slots=slots)
         h.backward(dh, retain_graph=True)
-        grads = [sl.grad.clone() for sl in slots[:L - 1]] + [leaves[L - 1].grad, leaves[L].grad, leaves[L + 1].grad]
-        row = dict(L=L, rows=rows, warps=warps, programs_per_sm=pps, **_errors(h.detach(), grads, ref))
+        grads = ([sl.grad.clone() for sl in slots[:L - 1]] if slots else [x.grad for x in leaves[:L - 1]])
+        grads += [leaves[L - 1].grad, leaves[L].grad, leaves[L + 1].grad]
+        row = dict(L=L, config=_config_text(cfg), rows=cfg.rows, warps=cfg.warps, group=cfg.group,
+                   stages=cfg.stages, programs_per_sm=pps, **_errors(h.detach(), grads, ref))
 
         def bwd(h=h):
             h.backward(dh, retain_graph=True)
 
-        row["bwd_ms"] = _bench(bwd, leaves, cuda)
+        row["bwd_ms"] = _bench(bwd, leaves, cuda, rep_ms)
         row["bwd_gbps"] = bwd_bytes / row["bwd_ms"] / 1e6
         if pps == pps_list[0]:
             def fwd(xs=leaves, cfg=cfg):
                 with torch.no_grad():
                     depth_attention(xs[:L], xs[L], xs[L + 1], backend="triton", config=cfg, weights=False)
 
-            row["fwd_ms"] = _bench(fwd, [], cuda)
+            row["fwd_ms"] = _bench(fwd, [], cuda, rep_ms)
             row["fwd_gbps"] = fwd_bytes / row["fwd_ms"] / 1e6
         out.append(row)
         print("sweep", json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
@@ -307,50 +327,112 @@ def _sweep_one(srcs, q, w, dh, ref, rows: int, warps: int, pps_list, cuda: bool)
     return out
 
 
-def run_sweep(args, cuda: bool, dev: str) -> tuple[list[dict], dict]:
+def _sweep_launches(args, D: int) -> list[LaunchConfig]:
+    """The sweep's launches: ``--sweep-configs``, else every ``--tiles`` x ``--groups`` x ``--stages``."""
+    if args.sweep_configs:
+        return [_parse_config(t) for t in args.sweep_configs.split(",")]
+    tiles = ([tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")] if args.tiles
+             else _sweep_tiles(D))
+    groups = [int(x) for x in args.groups.split(",")]
+    stages = [int(x) for x in args.stages.split(",")]
+    if args.smoke:
+        tiles, groups, stages = tiles[:1], groups[-1:], stages[-1:]
+    out = []
+    for (rows, warps), group, st in itertools.product(tiles, groups, stages):
+        cfg = LaunchConfig(rows=rows, warps=warps, group=group, stages=st)
+        cfg.validate()
+        out.append(cfg)
+    return out
+
+
+def _precompile_sweep(args, launches: list[LaunchConfig]) -> None:
+    """Fill Triton's on-disk cache with every sweep launch's kernels in ``--sweep-jobs`` processes at once
+    (each runs its share of the launches once at a few tokens, untimed), so that the timed sweep only
+    loads them."""
+    shares = [launches[i::args.sweep_jobs] for i in range(args.sweep_jobs)]
+    t0 = time.perf_counter()
+    procs = []
+    for share in shares:
+        if not share:
+            continue
+        cmd = [sys.executable, os.path.abspath(__file__), "--sweep-only", "--sweep-compile-only", "--tokens", "256",
+               "--sweep-d-model", str(args.sweep_d_model), "--sweep-sources", args.sweep_sources.split(",")[-1],
+               "--sweep-inputs", args.sweep_inputs, "--programs-per-sm", args.programs_per_sm.split(",")[0],
+               "--sweep-configs", ",".join(_config_text(c) for c in share)]
+        procs.append((cmd, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                            text=True)))
+    for cmd, proc in procs:
+        log = proc.communicate()[0]
+        if proc.returncode:
+            print(f"precompile failed ({' '.join(cmd[2:])}):\n{log[-2000:]}")
+    print(f"precompiled {len(launches)} sweep launches in {time.perf_counter() - t0:.0f} s "
+          f"({args.sweep_jobs} processes)")
+
+
+def run_sweep(args, cuda: bool, dev: str) -> tuple[list[dict], dict | None]:
     """The launch sweep (see the module docstring); returns its rows and the best launch."""
     N, D = args.tokens, args.sweep_d_model
     Ls = [int(x) for x in args.sweep_sources.split(",")]
-    tiles = ([tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")] if args.tiles
-             else _sweep_tiles(D))
+    launches = _sweep_launches(args, D)
     pps_list = [int(x) for x in args.programs_per_sm.split(",")]
     if args.smoke:
-        tiles, pps_list = tiles[:2], pps_list[:2]
+        pps_list = pps_list[:2]
+    if args.sweep_compile_only:
+        srcs, q, w, dh = _sweep_inputs(args.sweep_inputs, Ls[-1], N, D, dev, seed=0)
+        leaves = [x.detach().clone().requires_grad_() for x in [*srcs, q, w]]
+        for cfg in launches:
+            h, _ = depth_attention(leaves[:-2], leaves[-2], leaves[-1], backend="triton", weights=False,
+                                   config=dataclasses.replace(cfg, programs_per_sm=pps_list[0]))
+            h.backward(dh)
+        return [], None
+    if cuda and args.sweep_jobs > 1:
+        _precompile_sweep(args, launches)
     rows = []
     for L in Ls:
-        srcs, q, w, dh = _model_like(L, N, D, dev, seed=L)
+        srcs, q, w, dh = _sweep_inputs(args.sweep_inputs, L, N, D, dev, seed=L)
         ref = _reference(srcs, q, w, dh)
-        for r, wp in tiles:
-            rows += _sweep_one(srcs, q, w, dh, ref, r, wp, pps_list, cuda)
+        for cfg in launches:
+            rows += _sweep_one(args.sweep_inputs, srcs, q, w, dh, ref, cfg, pps_list, cuda, args.sweep_rep_ms)
         del srcs, ref
         if cuda:
             torch.cuda.empty_cache()
     ok = [r for r in rows if r["ok"]]
 
     def total(key: str, match) -> float:
-        picked = [r[key] for r in ok if match(r)]
+        picked = [r[key] for r in ok if match(r) and key in r]
         return sum(picked) if len(picked) == len(Ls) else float("inf")
 
-    fwd_best = min(tiles, key=lambda t: total("fwd_ms", lambda r: (r["rows"], r["warps"]) == t and "fwd_ms" in r))
-    bwd_best = min(((t, p) for t in tiles for p in pps_list),
-                   key=lambda tp: total("bwd_ms", lambda r: ((r["rows"], r["warps"]), r["programs_per_sm"]) == tp))
+    def fwd_key(r):
+        return r["rows"], r["warps"], r["group"], r["stages"]
+
+    fwd_keys = sorted({fwd_key(r) for r in rows})
+    bwd_keys = sorted({(fwd_key(r), r["programs_per_sm"]) for r in rows})
+    fwd_best = min(fwd_keys, key=lambda k: total("fwd_ms", lambda r: fwd_key(r) == k))
+    bwd_best = min(bwd_keys, key=lambda k: total("bwd_ms", lambda r: (fwd_key(r), r["programs_per_sm"]) == k))
+    cfg = LaunchConfig(rows=fwd_best[0], warps=fwd_best[1], group=fwd_best[2], stages=fwd_best[3],
+                       programs_per_sm=bwd_best[1], bwd_rows=bwd_best[0][0], bwd_warps=bwd_best[0][1],
+                       bwd_group=bwd_best[0][2], bwd_stages=bwd_best[0][3])
     cur = launch_config(D)
-    best = dict(rows=fwd_best[0], warps=fwd_best[1], programs_per_sm=bwd_best[1], bwd_rows=bwd_best[0][0],
-                bwd_warps=bwd_best[0][1],
-                fwd_ms_sum=total("fwd_ms", lambda r: (r["rows"], r["warps"]) == fwd_best and "fwd_ms" in r),
-                bwd_ms_sum=total("bwd_ms", lambda r: ((r["rows"], r["warps"]), r["programs_per_sm"]) == bwd_best),
-                current=dict(rows=cur.rows, warps=cur.warps, programs_per_sm=cur.programs_per_sm, bwd=cur.bwd),
+    best = dict(config=_config_text(cfg), launch=dataclasses.asdict(cfg),
+                fwd_ms_sum=total("fwd_ms", lambda r: fwd_key(r) == fwd_best),
+                bwd_ms_sum=total("bwd_ms", lambda r: (fwd_key(r), r["programs_per_sm"]) == bwd_best),
+                current=_config_text(cur), current_fwd_ms_sum=None, current_bwd_ms_sum=None,
                 all_ok=len(ok) == len(rows))
-    print(f"\n{'L':>3s} {'rows':>4s} {'warps':>5s} {'pps':>4s} {'fwd ms':>8s} {'fwd GB/s':>9s} {'bwd ms':>8s} "
-          f"{'bwd GB/s':>9s} ok")
+    cur_f = (cur.rows, cur.warps, cur.group, cur.stages)
+    if cur_f in fwd_keys:
+        best["current_fwd_ms_sum"] = total("fwd_ms", lambda r: fwd_key(r) == cur_f)
+    if (cur.bwd_launch, cur.programs_per_sm) in bwd_keys:
+        best["current_bwd_ms_sum"] = total("bwd_ms", lambda r: (fwd_key(r), r["programs_per_sm"]) == (
+            cur.bwd_launch, cur.programs_per_sm))
+    print(f"\n{'L':>3s} {'launch':>14s} {'pps':>4s} {'fwd ms':>8s} {'fwd GB/s':>9s} {'bwd ms':>8s} {'bwd GB/s':>9s} ok")
     for r in rows:
         f = f"{r['fwd_ms']:8.3f} {r['fwd_gbps']:9.0f}" if "fwd_ms" in r else f"{'':8s} {'':9s}"
-        print(f"{r['L']:3d} {r['rows']:4d} {r['warps']:5d} {r['programs_per_sm']:4d} {f} {r['bwd_ms']:8.3f} "
+        print(f"{r['L']:3d} {r['config'].split('/')[0]:>14s} {r['programs_per_sm']:4d} {f} {r['bwd_ms']:8.3f} "
               f"{r['bwd_gbps']:9.0f} {r['ok']}")
-    print(f"\nbest over L={Ls}: forward {fwd_best} ({best['fwd_ms_sum']:.3f} ms summed), backward {bwd_best[0]} "
-          f"at programs_per_sm={bwd_best[1]} ({best['bwd_ms_sum']:.3f} ms summed); current {best['current']}")
-    print(f"LAUNCH_TABLE entry: {D}: LaunchConfig(rows={best['rows']}, warps={best['warps']}, "
-          f"programs_per_sm={best['programs_per_sm']}, bwd_rows={best['bwd_rows']}, bwd_warps={best['bwd_warps']})")
+    print(f"\nbest over L={Ls} ({args.sweep_inputs} inputs): {best['config']} (forward {best['fwd_ms_sum']:.3f} ms, "
+          f"backward {best['bwd_ms_sum']:.3f} ms summed); current {best['current']} (forward "
+          f"{best['current_fwd_ms_sum']}, backward {best['current_bwd_ms_sum']})")
+    print(f"LAUNCH_TABLE entry: {D}: {cfg!r}")
     return rows, best
 
 
@@ -419,6 +501,7 @@ def _launch_record(grid, args, kw) -> dict:
     fwd_b, bwd_b = _read_bytes(N, D, [dt.itemsize for dt in dtypes], h.element_size(),
                                dh.element_size() if bwd else 0, acc, kw.get("C_FROM_H", True))
     return dict(kind="bwd" if bwd else "fwd", L=L, grid=grid[0], rows=kw["BN"], warps=kw.get("num_warps"),
+                group=kw.get("GROUP", 1), stages=kw.get("STAGES", 1),
                 dtypes="".join(_DT[dt] for dt in dtypes), h_dtype=_DT[h.dtype],
                 dh_dtype=_DT[dh.dtype] if bwd else None,
                 acc_slots=bin(acc).count("1"), contiguous=all(x.is_contiguous() for x in tensors),
@@ -507,30 +590,60 @@ def _parse_spec(spec: str) -> tuple[str, int | None]:
     raise ValueError(f"--replay {spec!r} is not allowed: expected {REPLAY_SPECS} (N >= 1 blocks)")
 
 
+_CONFIG_RE = re.compile(r"(\d+)x(\d+)(?:g(\d+))?(?:s(\d+))?(?:(?:x|p)(\d+))?")
+_CONFIG_FORMAT = "ROWSxWARPS[gGROUP][sSTAGES][pPROGRAMS_PER_SM][/ROWSxWARPS[gGROUP][sSTAGES]]"
+
+
 def _parse_config(text: str) -> LaunchConfig | None:
-    """``table``: the op's own launch (``launch_config``); ``RxW[xP][/BRxBW]``: the forward's rows x warps
-    (x backward programs per SM, default 0) and, after a slash, the backward's rows x warps."""
+    """``table``: the op's own launch (``launch_config``); else ``_CONFIG_FORMAT``: the forward's rows x warps,
+    group and stages (default 1 and 1) and the backward's programs per SM (default 0; ``xP`` is read as
+    ``pP``), then after a slash the backward's rows x warps, group and stages (default: the forward's)."""
     if text == "table":
         return None
     fwd, _, bwd = text.partition("/")
-    try:
-        f = [int(v) for v in fwd.split("x")]
-        b = [int(v) for v in bwd.split("x")] if bwd else [0, 0]
-    except ValueError:
-        f = b = []
-    if len(f) not in (2, 3) or len(b) != 2:
-        raise ValueError(f"--replay-configs entry {text!r} is not allowed: expected 'table' or "
-                         "ROWSxWARPS[xPROGRAMS_PER_SM][/BWD_ROWSxBWD_WARPS], e.g. 4x4x4/4x4")
-    cfg = LaunchConfig(rows=f[0], warps=f[1], programs_per_sm=f[2] if len(f) == 3 else 0, bwd_rows=b[0],
-                       bwd_warps=b[1])
+    f, b = _CONFIG_RE.fullmatch(fwd), _CONFIG_RE.fullmatch(bwd) if bwd else None
+    if f is None or (bwd and (b is None or b.group(5) is not None)):
+        raise ValueError(f"launch entry {text!r} is not allowed: expected 'table' or {_CONFIG_FORMAT}, "
+                         "e.g. 1x8g4s1p0/1x8g2")
+    val = [int(v) if v else 0 for v in f.groups()]
+    bval = [int(v) if v else 0 for v in b.groups()[:4]] if b else [0, 0, 0, 0]
+    cfg = LaunchConfig(rows=val[0], warps=val[1], group=val[2] or 1, stages=val[3] or 1, programs_per_sm=val[4],
+                       bwd_rows=bval[0], bwd_warps=bval[1], bwd_group=bval[2], bwd_stages=bval[3])
     cfg.validate()
     return cfg
 
 
-def _load_op(path: str):
-    """An AttnRes op module from a file (e.g. an older ``moelab/ops/attnres.py``, from ``git show``)."""
+def _config_text(cfg: LaunchConfig) -> str:
+    """``cfg`` in ``_parse_config``'s format (the backward's part in full)."""
+    rows, warps, group, stages = cfg.bwd_launch
+    return (f"{cfg.rows}x{cfg.warps}g{cfg.group}s{cfg.stages}p{cfg.programs_per_sm}/"
+            f"{rows}x{warps}g{group}s{stages}")
+
+
+def _op_file(entry: str) -> str:
+    """The file of an ``--replay-ops`` entry: the entry itself, or for ``COMMIT:PATH`` (not a file) that path at
+    that commit of this repository, written once to a temporary file named after it (Triton reads a kernel's
+    source from its file)."""
+    if os.path.isfile(entry) or ":" not in entry:
+        return entry
+    commit, _, rel = entry.partition(":")
+    path = os.path.join(tempfile.gettempdir(), "attnres_ops", f"{commit}_{rel.replace('/', '_')}")
     if not os.path.isfile(path):
-        raise ValueError(f"--replay-ops entry {path!r} is not allowed: expected 'moelab' or an existing file")
+        src = subprocess.run(["git", "show", entry], cwd=ROOT, capture_output=True, text=True)
+        if src.returncode:
+            return entry
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as fh:
+            fh.write(src.stdout)
+    return path
+
+
+def _load_op(entry: str):
+    """An AttnRes op module from a file, or from ``COMMIT:PATH`` (e.g. an older ``moelab/ops/attnres.py``)."""
+    path = _op_file(entry)
+    if not os.path.isfile(path):
+        raise ValueError(f"--replay-ops entry {entry!r} is not allowed: expected 'moelab', an existing file or "
+                         "COMMIT:PATH of this repository")
     spec = importlib.util.spec_from_file_location(f"attnres_op_{hashlib.sha1(path.encode()).hexdigest()[:8]}", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up there
@@ -645,8 +758,8 @@ def _replay_one(mode: str, blocks: int | None, cfg: LaunchConfig | None, op, arg
                 continue
             r = recs[0]
             ms = statistics.median(x["ms"] for x in recs)
-            row.update({f"{kind}_{k}": r[k] for k in ("L", "dtypes", "grid", "rows", "warps", "regs", "spills",
-                                                      "bytes", "contiguous")},
+            row.update({f"{kind}_{k}": r[k] for k in ("L", "dtypes", "grid", "rows", "warps", "group", "stages",
+                                                      "regs", "spills", "bytes", "contiguous")},
                        **{f"{kind}_ms": ms, f"{kind}_gbps": r["bytes"] / ms / 1e6})
             if kind == "bwd":
                 row.update(bwd_acc_slots=r["acc_slots"], bwd_h_dtype=r["h_dtype"], bwd_dh_dtype=r["dh_dtype"])
@@ -691,7 +804,7 @@ def _precompile(args, jobs: list[tuple[str, str, str]]) -> None:
         while pending and len(running) < args.replay_jobs:
             spec, cfg, op = pending.pop(0)
             cmd = base + ["--replay", spec, "--replay-configs", cfg, "--replay-ops",
-                          op if op == "moelab" else os.path.abspath(op)]
+                          op if op == "moelab" or not os.path.isfile(op) else os.path.abspath(op)]
             running.append((cmd, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                   text=True)))
         cmd, proc = running.pop(0)
@@ -743,11 +856,12 @@ def run_replay(args, plan: tuple[dict, dict, dict], cuda: bool, dev: str) -> lis
             print(f"  model profile ({ref['commit'][:7] if ref['commit'] else '?'}): fwd {ref['fwd_ms']:.2f} ms, "
                   f"bwd {ref['bwd_ms']:.2f} ms")
         print(f"  {'read':>4s} {'L':>3s} {'slots+':>6s} {'fwd ms':>7s} {'GB/s':>6s} {'bwd ms':>7s} {'GB/s':>6s} "
-              f"{'grid':>5s} {'tile':>5s} {'regs':>4s} {'spill':>5s}")
+              f"{'grid':>5s} {'bwd tile':>9s} {'regs':>4s} {'spill':>5s}")
         for r in row["reads"]:
+            tile = f"{r.get('bwd_rows', 0)}x{r.get('bwd_warps', 0)}g{r.get('bwd_group', 1)}"
             print(f"  {r['read']:4d} {r.get('fwd_L', 0):3d} {r.get('bwd_acc_slots', 0):6d} {r.get('fwd_ms', 0):7.3f} "
                   f"{r.get('fwd_gbps', 0):6.0f} {r.get('bwd_ms', 0):7.3f} {r.get('bwd_gbps', 0):6.0f} "
-                  f"{r.get('bwd_grid', 0):5d} {r.get('bwd_rows', 0)}x{r.get('bwd_warps', 0):<3} "
+                  f"{r.get('bwd_grid', 0):5d} {tile:>9s} "
                   f"{r.get('bwd_regs') or 0:4d} {r.get('bwd_spills') or 0:5d}")
         if cuda:
             torch.cuda.empty_cache()
@@ -849,6 +963,103 @@ def _compile_child(path: str) -> int:
     return 0
 
 
+# sm_90 (H100 / H200) limits per SM that decide how many programs of a kernel are resident at once
+_SM90 = dict(regs=65536, warps=64, programs=32, shared=233472)
+
+
+def _occupancy_child(path: str) -> int:
+    """``--occupancy-child FILE``: compile every launch that ``run_occupancy`` wrote to FILE for sm_90 (Triton's
+    binder and ``triton.compile``, ptxas included; no GPU needed) and add each one's registers per thread,
+    local-memory stack bytes (spills) and shared memory, read from its cubin with the wheel's cuobjdump."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    job = json.load(open(path))
+    ops = {name: attnres_op if name == "moelab" else _load_op(name) for name in {rec["op"] for rec in job}}
+    for rec in job:
+        fn = getattr(ops[rec["op"]], rec["kernel"])
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        args, kw = [_unspec(x) for x in rec["args"]], {k: _unspec(v) for k, v in rec["kw"].items()}
+        bound, specialization, options = binder(*args, **kw)
+        opts, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, specialization, options)
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=opts.__dict__)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+            fh.write(compiled.asm["cubin"])
+            fh.flush()
+            usage = subprocess.run([tool, "-res-usage", fh.name], capture_output=True, text=True, check=True).stdout
+        rec.update(regs=int(re.search(r"REG:(\d+)", usage).group(1)),
+                   stack=int(re.search(r"STACK:(\d+)", usage).group(1)), shared=compiled.metadata.shared)
+        del rec["args"], rec["kw"]
+    with open(path, "w") as fh:
+        json.dump(job, fh)
+    return 0
+
+
+def run_occupancy(args, cuda: bool) -> list[dict]:
+    """``--occupancy``: for each sweep launch (``_sweep_launches`` at ``--sweep-d-model``, ``--sweep-inputs``)
+    and each ``--replay-ops`` op (an older op, without groups or stages, at each distinct rows x warps), the
+    forward and backward kernels as the op launches them, compiled for sm_90 in a process without the
+    interpreter: registers, spills, shared memory, the programs that fit on one SM (``_SM90``) and the source
+    tiles those programs load at once (programs x group x rows x D elements of the sources' dtype)."""
+    D, L = args.sweep_d_model, int(args.sweep_sources.split(",")[-1])
+    dev = "cuda" if cuda else "cpu"
+    srcs, q, w, dh = _sweep_inputs(args.sweep_inputs, L, 64, D, dev, seed=0)
+    job = []
+    for op_name in args.replay_ops.split(","):
+        op = attnres_op if op_name == "moelab" else _load_op(op_name)
+        launches = _sweep_launches(args, D)
+        if op is not attnres_op:
+            launches = list({(c.rows, c.warps): LaunchConfig(rows=c.rows, warps=c.warps) for c in launches}.values())
+        saved = {name: getattr(op, name) for name in _KERNELS}
+        try:
+            for cfg in launches:
+                log: list = []
+                for name, k in saved.items():
+                    setattr(op, name, _SpecRecorder(k, log, run=False))
+                leaves = [x.detach().clone().requires_grad_() for x in [*srcs, q, w]]
+                h, _ = op.depth_attention(leaves[:-2], leaves[-2], leaves[-1], backend="triton", config=cfg,
+                                          weights=False)
+                h.backward(dh)
+                for name, a, kw in log:
+                    tile = (cfg.rows, cfg.warps, cfg.group, cfg.stages) if name == _KERNELS[0] else cfg.bwd_launch
+                    job.append(dict(op=op_name, config=_config_text(cfg), kernel=name, rows=tile[0], warps=tile[1],
+                                    group=tile[2], stages=tile[3], args=a, kw=kw))
+        finally:
+            for name, k in saved.items():
+                setattr(op, name, k)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "launches.json")
+        with open(path, "w") as fh:
+            json.dump(job, fh)
+        env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=os.path.join(tmp, "cache"),
+                   PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        res = subprocess.run([sys.executable, os.path.abspath(__file__), "--occupancy-child", path], cwd=ROOT,
+                             env=env, capture_output=True, text=True)
+        if res.returncode:
+            raise RuntimeError(f"--occupancy-child failed:\n{res.stderr[-3000:]}")
+        rows = json.load(open(path))
+    src_bytes = srcs[-1].element_size()
+    print(f"{'op':>12s} {'kernel':>4s} {'launch':>10s} {'regs':>4s} {'stack':>5s} {'smem':>6s} {'prog/SM':>7s} "
+          f"{'KB at once/SM':>13s}")
+    for r in rows:
+        threads = 32 * r["warps"]
+        fit = [_SM90["regs"] // (-(-max(r["regs"], 8) // 8) * 8 * threads), _SM90["warps"] // r["warps"],
+               _SM90["programs"]]
+        if r["shared"]:
+            fit.append(_SM90["shared"] // r["shared"])
+        r["programs_per_sm"] = min(fit)
+        r["source_kb_at_once_per_sm"] = r["programs_per_sm"] * r["group"] * r["rows"] * D * src_bytes / 1024
+        op = r["op"] if r["op"] == "moelab" else os.path.basename(r["op"])
+        print(f"{op[-12:]:>12s} {'fwd' if r['kernel'] == _KERNELS[0] else 'bwd':>4s} "
+              f"{'{rows}x{warps}g{group}s{stages}'.format(**r):>10s} {r['regs']:4d} {r['stack']:5d} "
+              f"{r['shared']:6d} {r['programs_per_sm']:7d} {r['source_kb_at_once_per_sm']:13.0f}")
+    return rows
+
+
 def run_compile(args, plan: tuple[dict, dict, dict], sublayers: list[int], cuda: bool) -> list[dict]:
     """The AttnRes kernels that one training step of each ``--replay`` spec compiles, at each depth in
     ``sublayers`` (see the module docstring). Rows in order, per op; an op's variants accumulate over the rows
@@ -942,17 +1153,33 @@ def main() -> int:
     ap.add_argument("--d-model", type=int, default=2048)
     ap.add_argument("--sources", default="4,9,17", help="comma-separated L values")
     ap.add_argument("--no-mixed", action="store_true", help="skip the rows with an fp32 source 0")
+    ap.add_argument("--impls", default=None, help="comma-separated rows to run (default all): moelab_fused, "
+                    "torch_plain, fla_fused_attnres, fla_fused_attnres_stacked (each with its _mixed row)")
     ap.add_argument("--sweep", action="store_true", help="also the launch-config sweep of the fused op (see above)")
     ap.add_argument("--sweep-only", action="store_true", help="the sweep without the comparison rows")
     ap.add_argument("--sweep-d-model", type=int, default=512, help="--sweep: width")
     ap.add_argument("--sweep-sources", default="4,7,13,25", help="--sweep: comma-separated L values")
     ap.add_argument("--tiles", default=None, help="--sweep: rowsxwarps list, e.g. 4x8,8x8 (default: a grid by D)")
+    ap.add_argument("--groups", default="1,2,4", help="--sweep: comma-separated LaunchConfig.group values")
+    ap.add_argument("--stages", default="1", help="--sweep: comma-separated LaunchConfig.stages values")
+    ap.add_argument("--sweep-configs", default=None, help="--sweep: comma-separated launches (format of "
+                    "--config; their programs per SM are replaced by --programs-per-sm) instead of the grid")
     ap.add_argument("--programs-per-sm", default="0,2,4", help="--sweep: backward grid sizes (0: all resident)")
+    ap.add_argument("--sweep-inputs", choices=("model", "bf16"), default="model", help="--sweep: 'model' (fp32 "
+                    "source 0, bf16 others, fp32 h, gradient slots) or 'bf16' (the comparison rows' all-bf16 read)")
+    ap.add_argument("--sweep-rep-ms", type=int, default=100, help="--sweep: do_bench repeat time per timing")
+    ap.add_argument("--sweep-jobs", type=int, default=1, help="--sweep on a GPU: compile the sweep's kernels in "
+                    "this many processes at once first")
+    ap.add_argument("--sweep-compile-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--config", default=None, help="the comparison rows' launch of the fused op (format "
+                    f"{_CONFIG_FORMAT}; default: launch_config(D))")
+    ap.add_argument("--use-sweep-best", action="store_true", help="with --sweep at --sweep-d-model = --d-model: "
+                    "the comparison rows take the sweep's best launch")
     ap.add_argument("--host", action="store_true", help="only the host time per call, at --sweep-d-model (see above)")
     ap.add_argument("--replay", action="append", default=[], metavar="SPEC",
                     help=f"replay a model's AttnRes reads ({REPLAY_SPECS}; repeatable; see above)")
     ap.add_argument("--replay-configs", default="table", help="--replay: comma-separated launches of this op: "
-                    "'table' (launch_config) or ROWSxWARPS[xPROGRAMS_PER_SM][/BWD_ROWSxBWD_WARPS]")
+                    f"'table' (launch_config) or {_CONFIG_FORMAT}")
     ap.add_argument("--replay-ops", default="moelab", help="--replay: comma-separated ops: 'moelab' (this tree's) "
                     "or the path of an AttnRes op module file, replayed at its own launch")
     ap.add_argument("--replay-sublayers", type=int, default=None, help="--replay: sublayers (default 24, smoke 4)")
@@ -967,14 +1194,21 @@ def main() -> int:
     ap.add_argument("--compile-count-only", action="store_true", help="--compile on a CPU: count the variants, "
                     "do not compile them")
     ap.add_argument("--compile-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--occupancy", action="store_true", help="registers, spills, shared memory and programs per "
+                    "SM of each --sweep launch's kernels, compiled for sm_90 (CPU or GPU; see above)")
+    ap.add_argument("--occupancy-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.sweep = args.sweep or args.sweep_only
     if args.compile_child:
         return _compile_child(args.compile_child)
+    if args.occupancy_child:
+        return _occupancy_child(args.occupancy_child)
 
     cuda = torch.cuda.is_available() and not args.smoke
     if args.compile:
         return _compile_main(args, ap, cuda)
+    if args.occupancy:
+        return _occupancy_main(args, ap, cuda)
     if args.replay:
         return _replay_main(args, ap, cuda)
     if args.host:
@@ -990,32 +1224,41 @@ def main() -> int:
     elif not cuda:
         ap.error("no CUDA device: use --smoke for the CPU run")
     dev = "cuda" if cuda else "cpu"
+    try:
+        row_cfg = _parse_config(args.config) if args.config else None
+        for text in args.sweep_configs.split(",") if args.sweep_configs else ():
+            _parse_config(text)
+    except ValueError as exc:
+        ap.error(str(exc))
+    known = ("moelab_fused", "torch_plain", "fla_fused_attnres", "fla_fused_attnres_stacked")
+    for name in args.impls.split(",") if args.impls else ():
+        if name not in known:
+            ap.error(f"--impls entry {name!r} is not allowed: expected some of {', '.join(known)}")
+    if args.use_sweep_best and not (args.sweep and not args.sweep_only and args.sweep_d_model == args.d_model):
+        ap.error("--use-sweep-best needs --sweep (not --sweep-only) with --sweep-d-model equal to --d-model")
     sweep, best = run_sweep(args, cuda, dev) if args.sweep else ([], None)
+    if args.sweep_compile_only:
+        return 0
+    sweep_inputs = {"model": "source 0 fp32, others bf16, fp32 q/w/h/dh; slots: all but the last source add",
+                    "bf16": "all sources bf16, bf16 h and dh, fp32 q/w; no slots (c from a first pass)"}
     sweep_meta = dict(sweep_d_model=args.sweep_d_model, sweep_sources=args.sweep_sources,
-                      sweep_inputs="source 0 fp32, others bf16, fp32 q/w/h/dh; slots: all but the last source add",
-                      sweep_timing="do_bench median; backward alone on a retained graph") if args.sweep else {}
-    if args.sweep_only:
-        out = args.out or (None if args.smoke else os.path.join(ROOT, "kernels", "results", "attnres_sweep_h200.json"))
-        if out:
-            meta = dict(gpu=torch.cuda.get_device_name() if cuda else "cpu (smoke, Triton interpreter)",
-                        torch=torch.__version__, triton=triton.__version__, commit=_commit(),
-                        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                        command=" ".join([os.path.basename(sys.executable)] + sys.argv), tokens=args.tokens,
-                        tolerances=dict(h=OUT_TOL, grads=GRAD_TOL), all_ok=best["all_ok"], **sweep_meta)
-            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-            with open(out, "w") as fh:
-                json.dump(dict(meta=meta, sweep=sweep, sweep_best=best), fh, indent=1)
-            print(f"wrote {out}")
-        return 0 if best["all_ok"] else 1
+                      sweep_inputs=sweep_inputs[args.sweep_inputs],
+                      sweep_timing=f"do_bench median, rep {args.sweep_rep_ms} ms; backward alone on a retained graph"
+                      ) if args.sweep else {}
+    if args.use_sweep_best:
+        row_cfg = _parse_config(best["config"])
     N, D = args.tokens, args.d_model
     Ls = [int(x) for x in args.sources.split(",")]
     fla_fn, fla_err = _fla() if cuda else (None, "not run on CPU")
+    impls = set(args.impls.split(",")) if args.impls else None
     rows = []
     for L in Ls:
         for mixed in (False, True) if not args.no_mixed else (False,):
             srcs, q, w, dh = _make(L, N, D, mixed, dev, seed=L)
             ref = _reference(srcs, q, w, dh)
-            for name, prepare in _impls(fla_fn, None).items():
+            for name, prepare in _impls(fla_fn, row_cfg).items():
+                if impls and name not in impls:
+                    continue
                 name = name + ("_mixed" if mixed else "")
                 try:
                     row = _run_impl(name, prepare, srcs, q, w, dh, ref, cuda)
@@ -1043,18 +1286,19 @@ def main() -> int:
                 line[f"fwd_speedup_vs_{other}"] = row["fwd_ms"] / ours["fwd_ms"]
         summary.append(line)
         print(json.dumps(line))
-    cfg = launch_config(D)
+    cfg = row_cfg or launch_config(D)
     meta = dict(gpu=torch.cuda.get_device_name() if cuda else "cpu (smoke, Triton interpreter)",
                 torch=torch.__version__, triton=triton.__version__, fla=_fla_version(),
                 fla_import_error=fla_err, date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 commit=_commit(), command=" ".join([os.path.basename(sys.executable)] + sys.argv),
                 tokens=N, d_model=D, sources=Ls, autocast="bf16", source_dtype="bf16 (source 0 fp32 in *_mixed)",
-                param_dtype="fp32", launch_config=dict(rows=cfg.rows, warps=cfg.warps,
-                                                       programs_per_sm=cfg.programs_per_sm, bwd=cfg.bwd),
+                param_dtype="fp32", launch_config=dataclasses.asdict(cfg), launch=_config_text(cfg),
+                launch_from="--config" if args.config and not args.use_sweep_best else
+                ("the sweep's best" if args.use_sweep_best else "launch_config(D)"),
                 timing="triton.testing.do_bench median, warmup 25 ms, rep 200 ms; grads set to None each step",
                 tolerances=dict(h=OUT_TOL, grads=GRAD_TOL), anchors_fwdbwd_ms=ANCHORS_FWDBWD_MS,
                 target="moelab_fused fwd+bwd >= 5x faster than torch_plain and at least the faster fla row's speed",
-                target_met=bool(summary) and all(
+                target_met=None if impls else bool(summary) and all(  # None: --impls left rows out
                     line.get("fwdbwd_speedup_vs_torch_plain", 0) >= 5
                     and line.get("fwdbwd_speedup_vs_fla_best", 1) >= 1 for line in summary),
                 all_ok=all(r.get("ok", False) for r in rows + sweep if r.get("impl", "moelab").startswith("moelab")),
@@ -1108,9 +1352,30 @@ def _replay_main(args, ap: argparse.ArgumentParser, cuda: bool) -> int:
 
 
 def _ops_meta(args) -> dict:
-    """``--replay-ops`` for the JSON: ``moelab``, or a file with its SHA-1."""
-    return {name: name if name == "moelab" else dict(file=name, sha1=hashlib.sha1(open(name, "rb").read()).hexdigest())
-            for name in args.replay_ops.split(",")}
+    """``--replay-ops`` for the JSON: ``moelab``, or a file (or ``COMMIT:PATH``) with its SHA-1."""
+    return {name: name if name == "moelab" else dict(file=name, sha1=hashlib.sha1(open(_op_file(name), "rb").read())
+                                                     .hexdigest()) for name in args.replay_ops.split(",")}
+
+
+def _occupancy_main(args, ap: argparse.ArgumentParser, cuda: bool) -> int:
+    """``--occupancy``: the launches, the rows, the JSON (``--out``, default none)."""
+    try:
+        rows = run_occupancy(args, cuda)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.out:
+        meta = dict(gpu="none: kernels compiled for sm_90, not run", limits_per_sm=_SM90, triton=triton.__version__,
+                    torch=torch.__version__, commit=_commit(), command=" ".join(
+                        [os.path.basename(sys.executable)] + sys.argv),
+                    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                    d_model=args.sweep_d_model, sweep_inputs=args.sweep_inputs, ops=_ops_meta(args),
+                    source_kb_at_once_per_sm="programs per SM x group x rows x D x the sources' element size: "
+                    "what the resident programs load in one go (an older op also prefetched one source ahead)")
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+        print(f"wrote {args.out}")
+    return 0
 
 
 def _compile_main(args, ap: argparse.ArgumentParser, cuda: bool) -> int:

@@ -41,10 +41,26 @@ of its own per call, one such copy per direction.
 ``c = sum_j p_j dp_j`` in ``ds_i`` equals ``<dh, h>``. When h is fp32 (in the model: the fp32
 embedding is always a source) the forward saves h (the next RMSNorm keeps that same tensor
 anyway) and the backward reads each source once. A 16-bit h would carry its rounding into c
-(about 4e-3 relative error in the gradients), so then h is not saved and the backward sums c in
-a first pass over the sources instead. Traffic per token and width element with bf16 sources:
-forward 2L + 2 bytes (+2 for an fp32 h); backward 4L + 8 with the fp32 h, 6L + 2 without. The
-plain path adds a stack copy of the sources, fp32 keys and their saved copies on top.
+(about 4e-3 relative error in the gradients), so then h is not saved and the backward first sums
+``sum_j p_j v_j`` over the tile's sources elementwise in fp32 (one row sum per tile, not one per
+source) and then reads the same sources again for the ``dv_i``: a program's tiles (L rows of D per
+token) are still in L2 by then. Traffic per token and width element with bf16 sources, from HBM:
+forward 2L + 2 bytes (+2 for an fp32 h); backward 4L + 8 with the fp32 h (and an fp32 dh), 4L + 2
+without (6L + 2 where the second read misses L2). The plain path adds a stack copy of the sources,
+fp32 keys and their saved copies on top; fla's ``fused_attnres`` (0.6.0, whose backward also reads
+the sources twice by default) adds an fp32 ``[N, D]`` of per-token dq partials, written and read
+back (8 bytes).
+
+Those bytes are not what limits the kernels: a program waits a memory latency for each load, so
+the bandwidth they reach is the bytes in flight per SM, and registers bound those (every source
+tile in flight is held in fp32, next to the program's fp32 dh, g * q and B tiles in the backward).
+Sources 1.. therefore come in groups (``LaunchConfig.group``): a group's tiles are loaded at once
+and its row sums share one round of barriers, so a program keeps ``group`` tiles in flight where
+one at a time kept one. ``LaunchConfig.stages`` lets Triton software-pipeline the loop over the
+groups instead or as well (the next groups' tiles copied into shared memory while this one is
+summed). Both are launch knobs measured per width (``kernels/bench_attnres.py --sweep``). D is a
+compile-time constant (one per model, like the tile shape it sets): a power-of-two D drops the
+column mask from every load and store.
 
 A model reads every source many times (Full AttnRes: source i in every later read), so autograd
 would write a fresh ``dv_i`` per read and then add them up, a write plus an add (two reads, one
@@ -83,24 +99,37 @@ class LaunchConfig:
 
     rows: tokens per forward tile (a power of two); each tile is ``[rows, next_pow2(D)]``.
     warps: warps per forward program.
+    group: sources 1.. whose tiles the forward loads at once (a power of two, at most 8): the loads in
+        flight per program, and one round of row-sum barriers per group.
+    stages: ``num_stages`` of the forward's loop over the groups (1: not software-pipelined; more:
+        Triton copies the next groups' tiles into shared memory while this one is summed).
     programs_per_sm: the backward's persistent grid is ``SMs * programs_per_sm`` programs (each
         writes one fp32 ``[D]`` partial of B); 0: as many as fit on an SM at once. The forward
         launches one program per tile.
-    bwd_rows, bwd_warps: the same for the backward; 0 takes the forward's value.
+    bwd_rows, bwd_warps, bwd_group, bwd_stages: the same for the backward; 0 takes the forward's value.
     """
 
     rows: int = 1
     warps: int = 8
+    group: int = 1
+    stages: int = 1
     programs_per_sm: int = 0
     bwd_rows: int = 0
     bwd_warps: int = 0
+    bwd_group: int = 0
+    bwd_stages: int = 0
 
     def validate(self) -> None:
         for name, value, lo, hi in (("rows", self.rows, 1, 64), ("warps", self.warps, 1, 16),
-                                    ("bwd_rows", self.bwd_rows, 0, 64), ("bwd_warps", self.bwd_warps, 0, 16)):
+                                    ("group", self.group, 1, 8), ("bwd_rows", self.bwd_rows, 0, 64),
+                                    ("bwd_warps", self.bwd_warps, 0, 16), ("bwd_group", self.bwd_group, 0, 8)):
             if value < lo or value > hi or value & (value - 1):
                 what = "0 (as the forward) or a power of two" if lo == 0 else "a power of two"
                 raise ValueError(f"LaunchConfig.{name}={value} is not allowed: expected {what} in {max(lo, 1)}..{hi}")
+        for name, value, lo in (("stages", self.stages, 1), ("bwd_stages", self.bwd_stages, 0)):
+            if not lo <= value <= 4:
+                what = "0 (as the forward) or " if lo == 0 else ""
+                raise ValueError(f"LaunchConfig.{name}={value} is not allowed: expected {what}1..4")
         if self.programs_per_sm < 0:
             raise ValueError(f"LaunchConfig.programs_per_sm={self.programs_per_sm} is not allowed: expected >= 0")
 
@@ -108,6 +137,12 @@ class LaunchConfig:
     def bwd(self) -> tuple[int, int]:
         """(rows, warps) of the backward."""
         return self.bwd_rows or self.rows, self.bwd_warps or self.warps
+
+    @property
+    def bwd_launch(self) -> tuple[int, int, int, int]:
+        """(rows, warps, group, stages) of the backward (not through ``bwd``: one Python call less per read)."""
+        return (self.bwd_rows or self.rows, self.bwd_warps or self.warps, self.bwd_group or self.group,
+                self.bwd_stages or self.stages)
 
 
 # Measured launches per width (kernels/bench_attnres.py --sweep-only on the H200, L = 4, 7, 13, 25 with an fp32
@@ -128,13 +163,16 @@ def _pow2(n: int) -> int:
 def launch_config(d: int) -> LaunchConfig:
     """Default launch for width ``d``: ``LAUNCH_TABLE[d]`` when measured, else tiles of at least 2048
     elements (several rows when d is small) at 8 elements per thread (one 16-byte load of bf16), at
-    most 16 warps."""
+    most 16 warps; where a tile is one row (d > 1024), its sources 4 at a time: fewer programs fit on
+    an SM, but they load more at once (D = 2048, 8 warps, sm_90: forward 3 programs x 4 tiles against
+    6 x 1, backward 2 x 4 against 4 x 1; kernels/results/attnres_occupancy_d2048_cpu_sm90.json, from
+    ``kernels/bench_attnres.py --occupancy``)."""
     if d in LAUNCH_TABLE:
         LAUNCH_TABLE[d].validate()
         return LAUNCH_TABLE[d]
     bd = _pow2(d)
     rows = max(1, 2048 // bd)
-    return LaunchConfig(rows=rows, warps=min(16, max(1, rows * bd // 256)))
+    return LaunchConfig(rows=rows, warps=min(16, max(1, rows * bd // 256)), group=4 if rows == 1 else 1)
 
 
 # Read once: Triton decides at each @triton.jit below whether the kernels run in its CPU interpreter, so
@@ -143,21 +181,32 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _tile(blk, N, D, cols, BN: tl.constexpr):
-    """Rows, row mask, element offsets and mask of the ``[BN, BD]`` tile ``blk``."""
-    rows = blk * BN + tl.arange(0, BN)
+def _tile(blk, N, D, BN: tl.constexpr, BD: tl.constexpr):
+    """Rows ``[1, BN]``, their mask, element offsets ``[1, BN, BD]`` and mask of tile ``blk``. Every tensor
+    in the kernels has a leading source axis (1, or S for a group of sources), so that Triton lays all of
+    them out alike: a ``[BN, BD]`` tile broadcast into ``[S, BN, BD]`` instead makes it compute the same
+    values in several layouts."""
+    rows = blk * BN + tl.arange(0, BN)[None, :]
     rm = rows < N
-    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-    return rows, rm, offs, rm[:, None] & (cols < D)[None, :]
+    cols = tl.arange(0, BD)[None, None, :]
+    return rows, rm, rows.to(tl.int64)[:, :, None] * D + cols, rm[:, :, None] & (cols < D)
+
+
+@triton.jit
+def _gq(q, w, D, BD: tl.constexpr):
+    """``g * q`` as ``[1, 1, BD]`` fp32."""
+    cols = tl.arange(0, BD)[None, None, :]
+    return (tl.load(q + cols, mask=cols < D, other=0.0).to(tl.float32)
+            * tl.load(w + cols, mask=cols < D, other=0.0).to(tl.float32))
 
 
 @triton.jit
 def _src(i, L, last, tab, ALIGNED: tl.constexpr):
-    """Pointer (of ``last``'s type) to source or gradient i of 1..L-1: ``last`` itself for i = L - 1,
-    entry i of the address table ``tab`` below it; null past L - 1 (every load from it is masked off).
-    ALIGNED: the host found every address in the table 16-byte aligned, so that the loads and stores
-    through it are 16-byte vectors as through a pointer argument (an address loaded from memory has
-    no known alignment otherwise)."""
+    """Pointers (of ``last``'s type) to the sources or gradients ``i [S]`` of 1..L-1: ``last`` itself for
+    i = L - 1, entry i of the address table ``tab`` below it; null past L - 1 (every load from it is masked
+    off). ALIGNED: the host found every address in the table 16-byte aligned, so that the loads and stores
+    through them are 16-byte vectors as through a pointer argument (an address loaded from memory has no
+    known alignment otherwise)."""
     p = tl.where(i == L - 1, last, tl.load(tab + i, mask=i < L - 1, other=0).to(last.dtype))
     if ALIGNED:
         p = tl.multiple_of(p, 16)
@@ -165,119 +214,139 @@ def _src(i, L, last, tab, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _fwd_source(v, i, gq, r, s, rows, rm, m, den, acc, N, D, eps):
-    """Source i's statistics (stored as they come: held in ``[BN, L]`` registers they would cost a layout
-    conversion per source) and the online softmax's update of (running max, denominator, weighted sum)."""
-    ri = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
-    si = tl.sum(v * gq[None, :], axis=1) * ri
-    tl.store(r + i * N + rows, ri, mask=rm)
-    tl.store(s + i * N + rows, si, mask=rm)
-    m_new = tl.maximum(m, si)  # each source is read once: rescale what was summed when the max moves
+def _group(i, L, last, tab, offs, mask, ALIGNED: tl.constexpr):
+    """Pointers ``[S, BN, BD]`` and mask of the tiles of the sources (or gradients) ``i [S]``, and which of
+    them exist (``i < L``)."""
+    ok = i < L
+    return _src(i, L, last, tab, ALIGNED)[:, None, None] + offs, ok[:, None, None] & mask, ok
+
+
+@triton.jit
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _fwd_group(v, i, ok, gq, r, s, rows, rm, m, den, acc, N, D, eps):
+    """The statistics of the sources ``i [S]`` from their fp32 tiles ``v [S, BN, BD]`` (zero where ``ok``
+    is False) and the online softmax's update of (running max, denominator, weighted sum) ``[1, BN]``,
+    ``[1, BN]``, ``[1, BN, BD]``. Both row sums of every source of the group go through one reduction: one
+    round of barriers per group."""
+    sq, dot = tl.reduce((v * v, v * gq), 2, _add2)
+    ri = tl.rsqrt(sq / D + eps)
+    si = dot * ri
+    at, sm = i[:, None] * N + rows, ok[:, None] & rm
+    tl.store(r + at, ri, mask=sm)
+    tl.store(s + at, si, mask=sm)
+    si = tl.where(ok[:, None], si, float("-inf"))
+    m_new = tl.maximum(m, tl.max(si, axis=0, keep_dims=True))  # rescale what was summed when the max moves
     alpha = tl.exp(m - m_new)
     e = tl.exp(si - m_new)
-    return m_new, den * alpha + e, acc * alpha[:, None] + e[:, None] * v
+    return (m_new, den * alpha + tl.sum(e, axis=0, keep_dims=True),
+            acc * alpha[:, :, None] + tl.sum(e[:, :, None] * v, axis=0, keep_dims=True))
 
 
 @triton.jit(do_not_specialize=["N", "L"])
-def _attnres_fwd_kernel(x0, xl, tab, q, w, h, stats, N, D, eps, L,
-                        BN: tl.constexpr, BD: tl.constexpr, ALIGNED: tl.constexpr):
+def _attnres_fwd_kernel(x0, xl, tab, q, w, h, stats, N, D: tl.constexpr, eps, L, BN: tl.constexpr,
+                        BD: tl.constexpr, ALIGNED: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr):
     """One ``[BN, D]`` tile of h from the L sources: ``x0`` (source 0), ``tab[1..L-2]`` (addresses,
     of ``xl``'s dtype), ``xl`` (source L - 1); writes ``stats [2L + 1, N]`` (fp32: r, s ``[L, N]`` and
     lse ``[N]``) for the backward, and ``tab[L - 1] = xl`` for the next read of the same sources.
 
-    The next source's load is issued before this one's row sums, so its latency hides behind their
-    barriers, and the address of the one after it a turn earlier still."""
+    Sources 1.. come in groups of GROUP, each group's tiles loaded at once (``[GROUP, BN, BD]``): that
+    many loads per program in flight, however long the row sums between them take. ``STAGES`` > 1 lets
+    Triton software-pipeline the loop over the groups (the next groups' loads as asynchronous copies into
+    shared memory)."""
     r, s, lse = stats, stats + L * N, stats + 2 * L * N
-    cols = tl.arange(0, BD)
-    cm = cols < D
-    gq = tl.load(q + cols, mask=cm, other=0.0).to(tl.float32) * tl.load(w + cols, mask=cm, other=0.0).to(tl.float32)
-    rows, rm, offs, mask = _tile(tl.program_id(0), N, D, cols, BN)
+    gq = _gq(q, w, D, BD)
+    rows, rm, offs, mask = _tile(tl.program_id(0), N, D, BN, BD)
     if tl.program_id(0) == 0:
         tl.store(tab + L - 1, xl.to(tl.int64))
-    v = tl.load(x0 + offs, mask=mask, other=0.0).to(tl.float32)
-    nxt = tl.load(_src(1, L, xl, tab, ALIGNED) + offs, mask=tl.where(L > 1, mask, False), other=0.0)
-    p = _src(2, L, xl, tab, ALIGNED)
-    m, den, acc = _fwd_source(v, 0, gq, r, s, rows, rm, tl.full([BN], float("-inf"), tl.float32),
-                              tl.zeros([BN], tl.float32), tl.zeros([BN, BD], tl.float32), N, D, eps)
-    for i in range(1, L):
-        v = nxt.to(tl.float32)
-        nxt = tl.load(p + offs, mask=tl.where(i + 1 < L, mask, False), other=0.0)
-        p = _src(i + 2, L, xl, tab, ALIGNED)
-        m, den, acc = _fwd_source(v, i, gq, r, s, rows, rm, m, den, acc, N, D, eps)
-    tl.store(h + offs, (acc / den[:, None]).to(h.dtype.element_ty), mask=mask)
+    first = tl.arange(0, 1)
+    m, den, acc = _fwd_group(tl.load(x0 + offs, mask=mask, other=0.0).to(tl.float32), first, first < L, gq, r, s,
+                             rows, rm, tl.full([1, BN], float("-inf"), tl.float32), tl.zeros([1, BN], tl.float32),
+                             tl.zeros([1, BN, BD], tl.float32), N, D, eps)
+    for i0 in tl.range(1, L, GROUP, num_stages=STAGES):
+        i = i0 + tl.arange(0, GROUP)
+        ptr, gm, ok = _group(i, L, xl, tab, offs, mask, ALIGNED)
+        m, den, acc = _fwd_group(tl.load(ptr, mask=gm, other=0.0).to(tl.float32), i, ok, gq, r, s, rows, rm, m, den,
+                                 acc, N, D, eps)
+    tl.store(h + offs, (acc / den[:, :, None]).to(h.dtype.element_ty), mask=mask)
     tl.store(lse + rows, m + tl.log(den), mask=rm)
 
 
 @triton.jit
-def _bwd_source(v, prev, i, g, c, gq, r, s, lse_r, rows, rm, N, D):
-    """``dv_i + prev`` (prev: what source i's slot holds, or 0) and ``a = ds_i r_i [BN]`` (the weight of
-    g * q in dv_i and of v_i in B) of source i, from its fp32 tile v."""
-    si = tl.load(s + i * N + rows, mask=rm, other=0.0)
-    ri = tl.load(r + i * N + rows, mask=rm, other=0.0)
+def _bwd_group(v, prev, i, ok, g, c, gq, r, s, lse_r, rows, rm, N, D):
+    """``dv + prev`` ``[S, BN, BD]`` (prev: what each source's slot holds, or 0) and ``a = ds r [S, BN]``
+    (the weight of g * q in dv and of v in B) of the sources ``i [S]``, from their fp32 tiles ``v``
+    (zero where ``ok`` is False: a is 0 there, and nothing is stored)."""
+    at, sm = i[:, None] * N + rows, ok[:, None] & rm
+    si = tl.load(s + at, mask=sm, other=0.0)
+    ri = tl.load(r + at, mask=sm, other=0.0)
     pi = tl.exp(si - lse_r)
-    a = pi * (tl.sum(v * g, axis=1) - c) * ri
-    return pi[:, None] * g + a[:, None] * gq[None, :] - (a * si * ri / D)[:, None] * v + prev, a
+    a = pi * (tl.sum(v * g, axis=2) - c) * ri
+    return pi[:, :, None] * g + a[:, :, None] * gq - (a * si * ri / D)[:, :, None] * v + prev, a
 
 
 @triton.jit(do_not_specialize=["gofs", "N", "NPROG", "L", "acc"])
-def _attnres_bwd_kernel(x0, xl, g0, gl, tab, gofs, q, w, h, dh, stats, part, N, D, NPROG, L, acc,
-                        BN: tl.constexpr, BD: tl.constexpr, C_FROM_H: tl.constexpr, ALIGNED: tl.constexpr):
+def _attnres_bwd_kernel(x0, xl, g0, gl, tab, gofs, q, w, h, dh, stats, part, N, D: tl.constexpr, NPROG, L,
+                        acc, BN: tl.constexpr, BD: tl.constexpr, C_FROM_H: tl.constexpr, ALIGNED: tl.constexpr,
+                        GROUP: tl.constexpr, STAGES: tl.constexpr):
     """dv_i for the tiles ``pid, pid + NPROG, ...`` and this program's partials of dq = g * B and
     dw = q * B (``part [NPROG, 2, D]``; their sum over the programs is the two gradients).
 
-    Sources as in the forward; gradients: ``g0`` (source 0's, its dtype), ``tab[gofs + 1..gofs + L - 2]``
-    and ``gl`` (source L - 1's), all of ``gl``'s dtype. Bits of ``acc``: 1: dv_0 adds to what ``g0``
-    holds (a gradient slot's running sum) instead of overwriting it, 2: dv_{L-1} adds, 4: every middle
-    source's dv adds. ``c = sum_j p_j dp_j``: with C_FROM_H (an fp32 h) it is ``<dh, h>`` and each
-    source is read once; otherwise a first pass over the sources sums it (h is not even saved then).
-    B is summed over the rows of a ``[BN, BD]`` register tile and reduced across rows once per
-    program (a reduction per source and tile costs a barrier each); the loads of source i + 1 (and of
-    its slot) are issued before source i's row sums, as in the forward."""
+    Sources as in the forward (groups of GROUP, STAGES); gradients: ``g0`` (source 0's, its dtype),
+    ``tab[gofs + 1..gofs + L - 2]`` and ``gl`` (source L - 1's), all of ``gl``'s dtype. Bits of ``acc``:
+    1: dv_0 adds to what ``g0`` holds (a gradient slot's running sum) instead of overwriting it, 2: dv_{L-1}
+    adds, 4: every middle source's dv adds. ``c = sum_j p_j dp_j = <dh, sum_j p_j v_j>``: with C_FROM_H
+    (an fp32 h) it is ``<dh, h>`` and each source is read once; otherwise a first pass over the tile's
+    sources sums ``sum_j p_j v_j`` elementwise in fp32 (one row sum per tile; h is not even saved then),
+    and the second pass finds those tiles in L2. B is summed in a ``[BN, BD]`` register tile and reduced
+    across rows once per program."""
     r, s, lse = stats, stats + L * N, stats + 2 * L * N
     gtab = tab + gofs
-    add0, add_last, add_mid = (acc & 1) != 0, (acc & 2) != 0, (acc & 4) != 0
+    add0 = (acc & 1) != 0
     pid = tl.program_id(0)
-    cols = tl.arange(0, BD)
-    cm = cols < D
-    gq = tl.load(q + cols, mask=cm, other=0.0).to(tl.float32) * tl.load(w + cols, mask=cm, other=0.0).to(tl.float32)
-    b_acc = tl.zeros([BN, BD], tl.float32)
+    gq = _gq(q, w, D, BD)
+    first = tl.arange(0, 1)
+    b_acc = tl.zeros([1, BN, BD], tl.float32)
     for blk in range(pid, tl.cdiv(N, BN), NPROG):
-        rows, rm, offs, mask = _tile(blk, N, D, cols, BN)
-        v = tl.load(x0 + offs, mask=mask, other=0.0).to(tl.float32)
-        prev = tl.load(g0 + offs, mask=tl.where(add0, mask, False), other=0.0).to(tl.float32)
+        rows, rm, offs, mask = _tile(blk, N, D, BN, BD)
         g = tl.load(dh + offs, mask=mask, other=0.0).to(tl.float32)
         lse_r = tl.load(lse + rows, mask=rm, other=0.0)
         if C_FROM_H:
-            c = tl.sum(g * tl.load(h + offs, mask=mask, other=0.0), axis=1)
+            c = tl.sum(g * tl.load(h + offs, mask=mask, other=0.0), axis=2)
         else:
-            c = tl.exp(tl.load(s + rows, mask=rm, other=0.0) - lse_r) * tl.sum(v * g, axis=1)
-            for i in range(1, L):
-                vi = tl.load(_src(i, L, xl, tab, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
-                c += tl.exp(tl.load(s + i * N + rows, mask=rm, other=0.0) - lse_r) * tl.sum(vi * g, axis=1)
-        # source i + 1's tiles (and its gradient pointer d_cur) a turn ahead, the addresses of i + 2 two turns
-        d_cur = _src(1, L, gl, gtab, ALIGNED)
-        nxt = tl.load(_src(1, L, xl, tab, ALIGNED) + offs, mask=tl.where(L > 1, mask, False), other=0.0)
-        nxt_d = tl.load(d_cur + offs, mask=tl.where((L > 1) & tl.where(L == 2, add_last, add_mid), mask, False),
-                        other=0.0)
-        p_a, d_a = _src(2, L, xl, tab, ALIGNED), _src(2, L, gl, gtab, ALIGNED)
-        dv, a = _bwd_source(v, prev, 0, g, c, gq, r, s, lse_r, rows, rm, N, D)
+            mix = tl.exp(tl.load(s + rows, mask=rm, other=0.0) - lse_r)[:, :, None] * tl.load(
+                x0 + offs, mask=mask, other=0.0).to(tl.float32)
+            for i0 in tl.range(1, L, GROUP, num_stages=STAGES):
+                i = i0 + tl.arange(0, GROUP)
+                ptr, gm, ok = _group(i, L, xl, tab, offs, mask, ALIGNED)
+                pi = tl.exp(tl.load(s + i[:, None] * N + rows, mask=ok[:, None] & rm, other=float("-inf")) - lse_r)
+                mix += tl.sum(pi[:, :, None] * tl.load(ptr, mask=gm, other=0.0).to(tl.float32), axis=0,
+                              keep_dims=True)
+            c = tl.sum(g * mix, axis=2)
+        v = tl.load(x0 + offs, mask=mask, other=0.0).to(tl.float32)
+        prev = tl.load(g0 + offs, mask=tl.where(add0, mask, False), other=0.0).to(tl.float32)
+        dv, a = _bwd_group(v, prev, first, first < L, g, c, gq, r, s, lse_r, rows, rm, N, D)
         tl.store(g0 + offs, dv.to(g0.dtype.element_ty), mask=mask)
-        b_acc += a[:, None] * v
-        for i in range(1, L):
-            v, prev, d_i = nxt.to(tl.float32), nxt_d.to(tl.float32), d_cur
-            nxt = tl.load(p_a + offs, mask=tl.where(i + 1 < L, mask, False), other=0.0)
-            adds = (i + 1 < L) & tl.where(i + 2 == L, add_last, add_mid)
-            nxt_d = tl.load(d_a + offs, mask=tl.where(adds, mask, False), other=0.0)
-            d_cur = d_a
-            p_a, d_a = _src(i + 2, L, xl, tab, ALIGNED), _src(i + 2, L, gl, gtab, ALIGNED)
-            dv, a = _bwd_source(v, prev, i, g, c, gq, r, s, lse_r, rows, rm, N, D)
-            tl.store(d_i + offs, dv.to(gl.dtype.element_ty), mask=mask)
-            b_acc += a[:, None] * v
-    b = tl.sum(b_acc, axis=0)
+        b_acc += a[:, :, None] * v
+        for i0 in tl.range(1, L, GROUP, num_stages=STAGES):
+            i = i0 + tl.arange(0, GROUP)
+            ptr, gm, ok = _group(i, L, xl, tab, offs, mask, ALIGNED)
+            vi = tl.load(ptr, mask=gm, other=0.0).to(tl.float32)
+            dptr, _, _ = _group(i, L, gl, gtab, offs, mask, ALIGNED)
+            adds = tl.where(i == L - 1, acc & 2, acc & 4) != 0
+            prev_i = tl.load(dptr, mask=gm & adds[:, None, None], other=0.0).to(tl.float32)
+            dv_i, a_i = _bwd_group(vi, prev_i, i, ok, g, c, gq, r, s, lse_r, rows, rm, N, D)
+            tl.store(dptr, dv_i.to(gl.dtype.element_ty), mask=gm)
+            b_acc += tl.sum(a_i[:, :, None] * vi, axis=0, keep_dims=True)
+    b = tl.sum(tl.sum(b_acc, axis=1), axis=0)
+    cols = tl.arange(0, BD)
     dq_part = part + pid.to(tl.int64) * 2 * D
     # q and w loaded again rather than held in registers through the loop (more resident programs per SM)
-    tl.store(dq_part + cols, b * tl.load(w + cols, mask=cm, other=0.0).to(tl.float32), mask=cm)
-    tl.store(dq_part + D + cols, b * tl.load(q + cols, mask=cm, other=0.0).to(tl.float32), mask=cm)
+    tl.store(dq_part + cols, b * tl.load(w + cols, mask=cols < D, other=0.0).to(tl.float32), mask=cols < D)
+    tl.store(dq_part + D + cols, b * tl.load(q + cols, mask=cols < D, other=0.0).to(tl.float32), mask=cols < D)
 
 
 _RESIDENT: dict[tuple, int] = {}  # backward launch signature -> its programs that fit on one SM at once
@@ -388,7 +457,7 @@ class _DepthAttentionFn(torch.autograd.Function):
         stats = torch.empty(2 * L + 1, N, device=x0.device, dtype=torch.float32)
         _attnres_fwd_kernel[(-(-N // cfg.rows),)](
             x0, xl, tab, query, norm_weight, h, stats, N, D, eps, L,
-            BN=cfg.rows, BD=_pow2(D), ALIGNED=aligned, num_warps=cfg.warps)
+            BN=cfg.rows, BD=_pow2(D), ALIGNED=aligned, GROUP=cfg.group, STAGES=cfg.stages, num_warps=cfg.warps)
         ctx.save_for_backward(query, norm_weight, h if out_dtype == torch.float32 else None, stats, *inputs)
         owned = []  # the slots this read took first; a Sources' slots before src._taken are all taken
         for i in range(src._taken, L):
@@ -440,7 +509,7 @@ class _DepthAttentionFn(torch.autograd.Function):
                         break
         D = x0.shape[-1]
         N = x0.numel() // D
-        rows, warps = cfg.bwd
+        rows, warps, group, stages = cfg.bwd_launch
         if not dh.is_contiguous():
             dh = dh.contiguous()
         # the grid is sized by the kernel's registers only when programs_per_sm is 0 (see _bwd_programs)
@@ -450,7 +519,8 @@ class _DepthAttentionFn(torch.autograd.Function):
         part = torch.empty(nprog, 2, D, device=dh.device, dtype=torch.float32)
         kernel = _attnres_bwd_kernel[(nprog,)](
             x0, xl, g0, gl, tab, tab.shape[0] // 2, query, norm_weight, dh if h is None else h, dh, stats, part,
-            N, D, nprog, L, acc, BN=rows, BD=_pow2(D), C_FROM_H=h is not None, ALIGNED=ctx.aligned, num_warps=warps)
+            N, D, nprog, L, acc, BN=rows, BD=_pow2(D), C_FROM_H=h is not None, ALIGNED=ctx.aligned, GROUP=group,
+            STAGES=stages, num_warps=warps)
         if key is not None and key not in _RESIDENT:
             _note_resident(key, kernel, dh.device, warps)
         dq, dw = part.sum(0).unbind(0)

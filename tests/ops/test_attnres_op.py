@@ -30,9 +30,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BF, HF, F32 = torch.bfloat16, torch.float16, torch.float32
 
-# (lead shape, D, source dtypes, launch config, query scale): L = 1, 2, 3, 4, 5; N not a multiple of the
+# (lead shape, D, source dtypes, launch config, query scale): L = 1, 2, 3, 4, 5, 6; N not a multiple of the
 # rows per tile; D not a power of two; mixed dtypes; a large query scale gives peaked softmaxes,
-# so the online softmax's running max moves between sources; one backward tile differs from the forward's.
+# so the online softmax's running max moves between sources; one backward tile differs from the forward's;
+# sources in groups (a last group that L - 1 does not fill, one that holds the last source among middle ones,
+# all-bf16 sources with the c pass, fp32 where the bound is tight) and software-pipelined loops.
 CASES = [
     ((7,), 24, (F32,), None, 1.0),
     ((2, 9), 40, (F32, F32), None, 1.0),
@@ -42,6 +44,10 @@ CASES = [
     ((3, 7), 33, (BF, HF, F32, BF, BF), LaunchConfig(rows=2, warps=1), 10.0),
     ((41,), 40, (F32, BF, BF, BF), LaunchConfig(rows=2, warps=1, bwd_rows=8, bwd_warps=2), 10.0),
     ((4, 10), 72, (HF, HF, HF), None, 10.0),
+    ((37,), 48, (F32,) * 6, LaunchConfig(rows=2, warps=1, group=4), 30.0),
+    ((3, 7), 33, (BF, HF, F32, BF, BF), LaunchConfig(rows=1, warps=1, group=4, stages=2), 10.0),
+    ((41,), 40, (F32, BF, BF, BF), LaunchConfig(rows=1, warps=2, group=2, bwd_group=4, bwd_stages=2), 10.0),
+    ((13,), 64, (BF,) * 6, LaunchConfig(rows=1, warps=2, group=4, bwd_rows=2, bwd_group=2), 10.0),
 ]
 
 
@@ -175,6 +181,10 @@ def test_bad_arguments_raise():
         depth_attention([x], q, w, backend="triton", config=LaunchConfig(rows=3))
     with pytest.raises(ValueError, match="LaunchConfig.bwd_warps=3"):
         depth_attention([x], q, w, backend="triton", config=LaunchConfig(bwd_warps=3))
+    with pytest.raises(ValueError, match="LaunchConfig.group=16"):
+        depth_attention([x], q, w, backend="triton", config=LaunchConfig(group=16))
+    with pytest.raises(ValueError, match=r"LaunchConfig.bwd_stages=5 is not allowed: expected 0 \(as the forward\)"):
+        depth_attention([x], q, w, backend="triton", config=LaunchConfig(bwd_stages=5))
     slot = GradSlot()
     with pytest.raises(ValueError, match="one GradSlot twice"):
         depth_attention([x, x], q, w, backend="triton", slots=[slot, slot])
@@ -184,7 +194,7 @@ def test_bad_arguments_raise():
                         backend="triton")
 
 
-def _chain(backend, leaves, dts, with_slots):
+def _chain(backend, leaves, dts, with_slots, config=None):
     """A residual stream in miniature: read i mixes the embedding and the outputs of the sublayers
     before it (``tanh(h @ W_i)``, so every later read depends on every earlier one), as Full AttnRes
     does; returns the last read."""
@@ -192,16 +202,22 @@ def _chain(backend, leaves, dts, with_slots):
     sources, slots = [emb], [GradSlot()]
     for w, dt in zip(ws, dts):
         h, p = depth_attention(sources, query, weight, backend=backend, weights=False,
-                               slots=slots if with_slots else None)
+                               slots=slots if with_slots else None, config=config)
         assert p is None
         sources.append(torch.tanh(h.float() @ w).to(dt))
         slots.append(GradSlot())
     return depth_attention(sources, query, weight, backend=backend, weights=False,
-                           slots=slots if with_slots else None)[0], slots
+                           slots=slots if with_slots else None, config=config)[0], slots
 
 
+# the default launch at these widths (one source at a time), and sources 4 at a time: a group that holds the
+# last source (whose slot may add) among middle ones (whose slots add or not together)
+SLOT_CONFIGS = [None, LaunchConfig(rows=1, warps=1, group=4)]
+
+
+@pytest.mark.parametrize("config", SLOT_CONFIGS, ids=["default", "group4"])
 @pytest.mark.parametrize("dts", [(F32,) * 4, (BF,) * 4], ids=["fp32", "bf16"])
-def test_grad_slots_sum_in_place_over_reads(dts):
+def test_grad_slots_sum_in_place_over_reads(dts, config):
     """Sources read by several reads with gradient slots (the backward sums each source's gradient in
     place, only its first read hands it over): the same gradients as autograd's own sum over the
     fp32 reference; a retained graph run twice gives the same gradients again (slots emptied)."""
@@ -214,7 +230,7 @@ def test_grad_slots_sum_in_place_over_reads(dts):
 
     def grads(backend, with_slots, dtypes, runs=1):
         xs = [x.clone().to(DEV).requires_grad_() for x in leaves]
-        h, slots = _chain(backend, xs, dtypes, with_slots)
+        h, slots = _chain(backend, xs, dtypes, with_slots, config if backend == "triton" else None)
         for _ in range(runs):
             for x in xs:
                 x.grad = None
@@ -385,7 +401,8 @@ def test_sources_of_mixed_dtypes(monkeypatch):
         assert_close(a, b, 2e-2, f"grad of leaf {i}")
 
 
-def test_middle_slots_partly_summed(monkeypatch):
+@pytest.mark.parametrize("config", SLOT_CONFIGS, ids=["default", "group4"])
+def test_middle_slots_partly_summed(monkeypatch, config):
     """A read whose middle slots a later read has partly filled (one it shares with that read, one only it
     takes): the missing buffer is made zeroed, so that one flag (all middle gradients add) is right for both;
     every gradient as the reference's."""
@@ -401,10 +418,11 @@ def test_middle_slots_partly_summed(monkeypatch):
         xs = [x.clone().to(DEV).requires_grad_() for x in leaves]
         *srcs, q, w, W = xs
         slots = [GradSlot() for _ in range(4)] if backend == "triton" else None
-        h_a, _ = depth_attention(srcs, q, w, backend=backend, slots=slots)
+        cfg = config if backend == "triton" else None
+        h_a, _ = depth_attention(srcs, q, w, backend=backend, slots=slots, config=cfg)
         y = torch.tanh(h_a @ W)  # the later read depends on the first, as the slot contract asks
         later = [slots[0], GradSlot(), slots[2], GradSlot()] if backend == "triton" else None
-        h_b, _ = depth_attention([srcs[0], srcs[1], srcs[2], y], q, w, backend=backend, slots=later)
+        h_b, _ = depth_attention([srcs[0], srcs[1], srcs[2], y], q, w, backend=backend, slots=later, config=cfg)
         (h_b * dh).sum().backward()
         return [x.grad for x in xs]
 
@@ -603,8 +621,8 @@ def test_jit_cache_does_not_grow_with_L():
 
 # Compiles the backward kernel for sm_90 without a GPU (ptxas ships with the triton wheel) as a model read
 # at D = 512 calls it: source 0 fp32, the others bf16, fp32 h (and a bf16 one: c from a pass over the sources),
-# 16-byte aligned pointers and sizes as the JIT specializes them; prints, per (rows, warps, C_FROM_H), the
-# ``bar.sync`` count of the PTX inside each loop over the sources (LLVM marks them "Inner Loop Header": the
+# 16-byte aligned pointers and sizes as the JIT specializes them; prints, per (rows, warps, group, C_FROM_H),
+# the ``bar.sync`` count of the PTX inside each loop over the sources (LLVM marks them "Inner Loop Header": the
 # loops nested in the loop over tiles).
 _BARRIERS = """
 import json, os, re, sys
@@ -615,11 +633,11 @@ from triton.compiler import ASTSource
 from moelab.ops.attnres import _attnres_bwd_kernel as k
 ptrs = dict(x0="*fp32", xl="*bf16", g0="*fp32", gl="*bf16", tab="*i64")
 out = {}
-for rows, warps, c_from_h in json.loads(sys.argv[1]):
-    consts = dict(BN=rows, BD=512, C_FROM_H=c_from_h, ALIGNED=True)
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32" if n in ("gofs", "N", "D", "NPROG", "L", "acc")
+for rows, warps, group, c_from_h in json.loads(sys.argv[1]):
+    consts = dict(D=512, BN=rows, BD=512, C_FROM_H=c_from_h, ALIGNED=True, GROUP=group, STAGES=1)
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32" if n in ("gofs", "N", "NPROG", "L", "acc")
                                                       else "*fp32") for n in k.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names) if n == "D" or sig[n][0] == "*"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names) if sig[n][0] == "*"}
     lines = triton.compile(ASTSource(fn=k, signature=sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"].splitlines()
     loops = []
@@ -628,30 +646,54 @@ for rows, warps, c_from_h in json.loads(sys.argv[1]):
             head = next(lines[j].split(":")[0] for j in range(n, -1, -1) if lines[j].startswith("$L__"))
             end = max(j for j, x in enumerate(lines) if re.search(r"\\bbra(\\.uni)?\\s+" + re.escape(head) + ";", x))
             loops.append(sum(bool(re.search(r"\\bbar\\.sync\\b", x)) for x in lines[n:end + 1]))
-    out[f"{rows},{warps},{int(c_from_h)}"] = loops
+    out[f"{rows},{warps},{group},{int(c_from_h)}"] = loops
 print(json.dumps(out))
 """
 
 
 @pytest.mark.slow
 def test_backward_barriers_per_source():
-    """The backward's block-wide barriers per source are at most 3 (one compiled kernel for every L: the
-    sources are a loop at run time), at the D = 512 launch and at the default rule's tile (4 x 8), in the
-    main loop and in the first pass that sums c when h is 16-bit. The backward that the model profile at
-    fae1b98 timed (64 ms per step in Full AttnRes, 0.59 TB/s) reduced ``B`` over the tile's rows once per
-    source, a shared-memory round trip: 10 barriers per source in its sm_90 PTX, where the kernel that sums
-    ``B`` in a ``[rows, D]`` register tile has 2 (the row sum of ``v . dh``); each source's loads then wait
-    behind the previous source's barriers, and the few resident warps per SM keep too little in flight to
-    cover memory latency."""
-    tiles = sorted({launch_config(512).bwd, (4, 8)})
-    shapes = [(rows, warps, c_from_h) for rows, warps in tiles for c_from_h in (True, False)]
+    """The backward's block-wide barriers per group of sources are at most 3 in the main loop (one compiled
+    kernel for every L: the sources are a loop at run time) and none in the first pass that sums
+    ``sum_j p_j v_j`` when h is 16-bit (c is one row sum per tile after it), at the D = 512 launch and at the
+    default rule's tile (4 x 8), one source or 4 at a time. The backward that the model profile at fae1b98
+    timed (64 ms per step in Full AttnRes, 0.59 TB/s) reduced ``B`` over the tile's rows once per source, a
+    shared-memory round trip: 10 barriers per source in its sm_90 PTX, where the kernel that sums ``B`` in a
+    ``[rows, D]`` register tile has 2 (the row sum of ``v . dh``); each source's loads then wait behind the
+    previous source's barriers, and the few resident warps per SM keep too little in flight to cover memory
+    latency."""
+    tiles = sorted({launch_config(512).bwd_launch[:3], (4, 8, 1), (4, 8, 4)})
+    shapes = [(rows, warps, group, c_from_h) for rows, warps, group in tiles for c_from_h in (True, False)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT
     res = subprocess.run([sys.executable, "-c", _BARRIERS, json.dumps(shapes)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     bars = json.loads(res.stdout.strip().splitlines()[-1])
-    for rows, warps, c_from_h in shapes:
-        loops = bars[f"{rows},{warps},{int(c_from_h)}"]
-        assert len(loops) == (1 if c_from_h else 2), f"rows={rows}, warps={warps}: loops over the sources {loops}"
-        assert max(loops) <= 3, f"backward at rows={rows}, warps={warps}: barriers per source {loops}"
+    for rows, warps, group, c_from_h in shapes:
+        loops = bars[f"{rows},{warps},{group},{int(c_from_h)}"]
+        where = f"backward at rows={rows}, warps={warps}, group={group}, C_FROM_H={c_from_h}"
+        assert len(loops) == (1 if c_from_h else 2), f"{where}: loops over the sources {loops}"
+        assert loops[-1] <= 3, f"{where}: barriers per group in the main loop {loops}"
+        assert c_from_h or loops[0] == 0, f"{where}: barriers per group in the pass that sums c {loops}"
+
+
+@pytest.mark.slow
+def test_groups_load_more_at_once_at_the_default_launch(tmp_path):
+    """The default launch at D = 2048 takes the sources 4 at a time because, compiled for sm_90
+    (``kernels/bench_attnres.py --occupancy``), its fewer resident programs still load more source tiles at
+    once than one source at a time does, forward and backward, spilling at most a few registers (Triton 3.6
+    spills none, 3.9 spills 8 bytes of the backward's)."""
+    out = tmp_path / "occupancy.json"
+    cfg = launch_config(2048)
+    assert (cfg.rows, cfg.group) == (1, 4)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, "kernels/bench_attnres.py", "--occupancy", "--sweep-d-model", "2048",
+                          "--sweep-inputs", "bf16", "--sweep-sources", "9", "--tiles", f"1x{cfg.warps}", "--groups",
+                          "1,4", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = {(r["kernel"], r["group"]): r for r in json.loads(out.read_text())["rows"]}
+    for kernel in ("_attnres_fwd_kernel", "_attnres_bwd_kernel"):
+        one, four = rows[(kernel, 1)], rows[(kernel, 4)]
+        assert max(one["stack"], four["stack"]) <= 16, (one, four)
+        assert four["programs_per_sm"] * 4 > one["programs_per_sm"], (one, four)
