@@ -126,17 +126,19 @@ common.show(study.position_figure(evals, preset), out / "figures" / "loss_by_pos
 # its context keeps the loss falling with position; a rise past a length is where it stops generalizing.
 
 # %% [markdown]
-# ## 4. Cost: tokens/s and memory per stage, wall-clock per schedule
+# ## 4. Cost: tokens/s and memory per stage, training time per schedule
 
 # %%
 perf = pd.DataFrame(summary["stage_perf"])
 perf.to_csv(out / "results" / "stage_perf.csv", index=False)
-common.show(study.perf_figure(summary["stage_perf"], rows, common.device_name()), out / "figures" / "cost.png")
+common.show(study.perf_figure(summary["stage_perf"], summary["rows"], common.device_name()), out / "figures" / "cost.png")
 
 # %% [markdown]
 # **Figure 5.** Left: training tokens/s per stage (median of the logging windows inside the stage, the run's first
 # window left out as it holds compilation; mean over seeds); middle: peak GPU memory per stage; right: training
-# wall-clock per schedule (bars: mean; dots: seeds). Tokens per step are the same in every stage, so tokens/s
+# time per schedule (bars: mean; dots: seeds): each stage's median step time x its steps, so the
+# compilation that a process's first run pays and validation are left out (the measured wall-clock where a stage
+# was too short to time). Tokens per step are the same in every stage, so tokens/s
 # differences are the cost of the sequence length. On a CPU shared with other jobs these numbers are not meaningful
 # (plain-PyTorch attention, other load) and memory is not recorded.
 

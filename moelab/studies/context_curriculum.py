@@ -376,6 +376,23 @@ def value_at_time(val_history: Sequence[Sequence[float]], times: np.ndarray, whe
     return float(np.interp(when, ts, vs))
 
 
+def stage_step_times(grid: common.Grid, preset: str,
+                     perf_rows: Sequence[Mapping[str, Any]]) -> dict[tuple[str, int], list[float | None]]:
+    """``{(schedule, seed): [median step time of each stage, None where untimed]}`` from :func:`stage_perf`'s rows."""
+    sched = schedules(plan(preset))
+    st = {(p["schedule"], p["seed"], p["stage"]): p["step_time_s"] for p in perf_rows}
+    return {(r.arm, r.seed): [st.get((r.arm, r.seed, k)) for k in range(len(sched[r.arm]))] for r in grid.records}
+
+
+def train_times(grid: common.Grid, preset: str,
+                perf_rows: Sequence[Mapping[str, Any]]) -> dict[tuple[str, int], tuple[float, str]]:
+    """``{(schedule, seed): (seconds, clock)}``: each run's :func:`train_clock`."""
+    sched = schedules(plan(preset))
+    per_stage = stage_step_times(grid, preset, perf_rows)
+    return {(r.arm, r.seed): train_clock(sched[r.arm], per_stage[(r.arm, r.seed)], r.summary["wall_s"])
+            for r in grid.records}
+
+
 def equal_time(grid: common.Grid, preset: str, perf_rows: Sequence[Mapping[str, Any]], a: str = "curriculum",
                b: str = "direct") -> dict[str, Any]:
     """Validation loss of ``a`` and ``b`` at the same wall-clock, seed by seed.
@@ -388,12 +405,12 @@ def equal_time(grid: common.Grid, preset: str, perf_rows: Sequence[Mapping[str, 
     """
     sched = schedules(plan(preset))
     recs = {(r.arm, r.seed): r for r in grid.records}
-    st = {(p["schedule"], p["seed"], p["stage"]): p["step_time_s"] for p in perf_rows}
+    step_s, clock_of = stage_step_times(grid, preset, perf_rows), train_times(grid, preset, perf_rows)
     values: dict[int, dict[str, Any]] = {}
     for seed in sorted({s for arm, s in recs if arm == a} & {s for arm, s in recs if arm == b}):
         ra, rb = recs[(a, seed)], recs[(b, seed)]
-        per_stage = {r.arm: [st.get((r.arm, seed, k)) for k in range(len(sched[r.arm]))] for r in (ra, rb)}
-        clocks = {r.arm: train_clock(sched[r.arm], per_stage[r.arm], r.summary["wall_s"]) for r in (ra, rb)}
+        per_stage = {r.arm: step_s[(r.arm, seed)] for r in (ra, rb)}
+        clocks = {r.arm: clock_of[(r.arm, seed)] for r in (ra, rb)}
         if {kind for _, kind in clocks.values()} != {"steady"}:  # compare like with like
             clocks = {r.arm: (float(r.summary["wall_s"]), "wall") for r in (ra, rb)}
         early, late = (ra, rb) if clocks[ra.arm][0] <= clocks[rb.arm][0] else (rb, ra)
@@ -486,6 +503,9 @@ def summarize(grid: common.Grid, rows: Sequence[Mapping[str, Any]], perf_rows: S
     on_gpu = torch.cuda.is_available()
     cmp_direct, cmp_short = compare(rows, "curriculum", "direct"), compare(rows, "curriculum", "short")
     at_time = equal_time(grid, preset, perf_rows)
+    clocks = train_times(grid, preset, perf_rows)
+    out_rows = [{**{k: r[k] for k in ROW_KEYS}, "train_s": clocks[(r["schedule"], r["seed"])][0],
+                 "train_clock": clocks[(r["schedule"], r["seed"])][1]} for r in rows]
     any_eval = next(iter(evals.values()))
     return {
         "meta": common.study_meta(STUDY, preset, grid, plan=p.notes, seeds=list(p.seeds), lengths=list(p.lengths),
@@ -496,9 +516,10 @@ def summarize(grid: common.Grid, rows: Sequence[Mapping[str, Any]], perf_rows: S
                            "sequence length per step (the schedule) differs",
                    "tokens_per_run": sorted({r["tokens"] for r in rows}), "steps": p.steps,
                    "synthetic_share": p.synthetic},
-        "rows": [{k: r[k] for k in ROW_KEYS} for r in rows],
+        "rows": out_rows,
         "stage_perf": list(perf_rows),
         "wall_s": {s: _mean_std([r["wall_s"] for r in rows if r["schedule"] == s]) for s in SCHEDULES},
+        "train_s": {s: _mean_std([r["train_s"] for r in out_rows if r["schedule"] == s]) for s in SCHEDULES},
         "curriculum_vs_direct": cmp_direct,
         "curriculum_vs_short": cmp_short,
         "equal_wall_clock": at_time,
@@ -525,6 +546,16 @@ def _mean_std(xs: Sequence[float | None]) -> dict[str, float | None]:
     return {"mean": float(np.mean(xs)) if xs else None, "std": float(np.std(xs, ddof=1)) if len(xs) > 1 else None}
 
 
+def _time_text(sel: Sequence[Mapping[str, Any]]) -> str:
+    """A schedule's training time: steady-state (:func:`train_clock`) beside the measured wall-clock, whose
+    spread holds the compilation that a process's first run pays."""
+    wall = f"{_ms([r['wall_s'] for r in sel], 1)} s"
+    if all(r.get("train_clock") == "steady" for r in sel):
+        steady = _ms([r["train_s"] for r in sel], 1)
+        return f"training time {steady} s (wall-clock with compilation and validation {wall})"
+    return f"wall-clock {wall}"
+
+
 def findings(summary: Mapping[str, Any]) -> str:
     """The conclusions as a Markdown list; every number and verdict comes from ``summary``."""
     meta, rows = summary["meta"], summary["rows"]
@@ -540,8 +571,8 @@ def findings(summary: Mapping[str, Any]) -> str:
             continue
         lines.append(f"- **{s}**: val loss {_ms([r['val_loss'] for r in sel], 4)}, effective context "
                      f"{_ms([r['effective_context'] for r in sel], 0)} tokens, MQAR accuracy at the longest "
-                     f"training length {_ms([r['mqar_acc'] for r in sel], 3)}, wall-clock "
-                     f"{_ms([r['wall_s'] for r in sel], 1)} s ({len(sel)} seed{'s' * (len(sel) > 1)}).")
+                     f"training length {_ms([r['mqar_acc'] for r in sel], 3)}, {_time_text(sel)} "
+                     f"({len(sel)} seed{'s' * (len(sel) > 1)}).")
     note = common.seed_note(len(meta.get("seeds") or []), "schedule")
     if note:
         lines.append(note)
@@ -713,7 +744,8 @@ def position_figure(evals: Mapping[str, Mapping[str, Any]], preset: str) -> Any:
 
 
 def perf_figure(perf_rows: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[str, Any]], device: str) -> Any:
-    """Left: training tokens/s per (schedule, stage); middle: peak memory per stage (GPU); right: wall-clock."""
+    """Left: training tokens/s per (schedule, stage); middle: peak memory per stage (GPU); right: each run's
+    training time (``train_s`` where every row has a steady clock, from :func:`summarize`'s rows; else wall-clock)."""
     import pandas as pd
     from matplotlib.figure import Figure
 
@@ -735,13 +767,15 @@ def perf_figure(perf_rows: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[s
     for ax in axes[:2]:
         ax.set_xticks(range(len(g)), labels, fontsize=7)
         ax.grid(alpha=0.3, axis="y")
+    steady = bool(rows) and all(r.get("train_clock") == "steady" for r in rows)
+    key = "train_s" if steady else "wall_s"
     for i, s in enumerate(SCHEDULES):
-        w = [r["wall_s"] for r in rows if r["schedule"] == s and r["wall_s"] is not None]
+        w = [r[key] for r in rows if r["schedule"] == s and r.get(key) is not None]
         if w:
             axes[2].bar(i, np.mean(w), yerr=np.std(w, ddof=1) if len(w) > 1 else 0, color=colors[s], capsize=3)
             axes[2].plot([i] * len(w), w, "k.", ms=4)
     axes[2].set_xticks(range(len(SCHEDULES)), SCHEDULES)
-    axes[2].set_ylabel("training wall-clock (s)")
+    axes[2].set_ylabel("training time (s): step time x steps" if steady else "training wall-clock (s)")
     axes[2].grid(alpha=0.3, axis="y")
     fig.suptitle(device, fontsize=9)
     fig.tight_layout()
@@ -782,6 +816,5 @@ def val_time_figure(grid: common.Grid, preset: str, perf_rows: Sequence[Mapping[
 __all__ = ["EvalPlan", "PRESETS", "Plan", "ROW_KEYS", "SCHEDULES", "STUDY", "accuracy_figure", "arms", "arms_factor",
            "by_seed", "chance_passkey", "compare", "equal_time", "eval_lengths", "eval_settings", "evaluate_runs",
            "findings", "paired", "passkey_figure", "perf_figure", "plan", "position_figure", "schedules",
-           "split_steps", "stage_of_window", "stage_perf", "stage_text", "step_times", "summarize", "summary_rows",
-           "train_clock",
-           "val_time_figure", "value_at_time", "verdict"]
+           "split_steps", "stage_of_window", "stage_perf", "stage_step_times", "stage_text", "step_times",
+           "summarize", "summary_rows", "train_clock", "train_times", "val_time_figure", "value_at_time", "verdict"]

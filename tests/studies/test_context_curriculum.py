@@ -103,6 +103,27 @@ def test_equal_time_compares_steady_state_time_not_the_first_runs_compilation() 
     assert v["curriculum"] == 5.0 and 4.0 < v["direct"] < 6.0 + 1e-9
 
 
+def test_train_times_per_run_and_the_findings_line_use_the_steady_clock() -> None:
+    """A compiling first run (wall-clock 1000 s) shows its steady training time in the findings, with the
+    wall-clock beside it; a run with an untimed stage falls back to its wall-clock."""
+    from types import SimpleNamespace
+
+    sched = cc.schedules(cc.plan("cpu"))
+    n_cur = sum(s["steps"] for s in sched["curriculum"])
+    grid = SimpleNamespace(records=[SimpleNamespace(arm="curriculum", seed=s, summary={"wall_s": w})
+                                    for s, w in ((0, 1000.0), (1, 100.0))])
+    perf = [{"schedule": "curriculum", "seed": s, "stage": k, "step_time_s": 0.5}
+            for s in (0, 1) for k in range(len(sched["curriculum"]))]
+    clocks = cc.train_times(grid, "cpu", perf)
+    assert clocks[("curriculum", 0)] == pytest.approx((0.5 * n_cur, "steady"))
+    assert clocks[("curriculum", 1)] == pytest.approx((0.5 * n_cur, "steady"))
+    assert cc.train_times(grid, "cpu", perf[1:])[("curriculum", 0)] == (1000.0, "wall")  # stage 0 untimed
+    rows = [{"wall_s": w, "train_s": 0.5 * n_cur, "train_clock": "steady"} for w in (1000.0, 100.0)]
+    text = cc._time_text(rows)
+    assert text.startswith(f"training time {0.5 * n_cur:.1f} ± 0.0 s") and "550.0" in text
+    assert cc._time_text([{**rows[0], "train_clock": "wall"}]).startswith("wall-clock 1000.0")
+
+
 def test_paired_and_verdicts() -> None:
     assert cc.paired({0: 1.0, 1: 2.0}, {0: 0.0, 1: 1.1})["verdict"] == "higher"  # diffs 1.0, 0.9: noise 0.14
     assert cc.paired({0: 1.0, 1: 2.0}, {0: 0.0, 1: 2.5})["verdict"] == "within noise"
