@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from moelab.model.config import ResidualConfig
 from moelab.model.norm import RMSNorm
-from moelab.ops.attnres import GradSlot, Sources, depth_attention
+from moelab.ops.attnres import GradSlot, Sources, depth_attention, read_sources
 
 
 class DepthAttention(nn.Module):
@@ -47,11 +47,16 @@ class DepthAttention(nn.Module):
                 slots: list[GradSlot] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Mix ``sources`` (``[S, B, T, D]``, S tensors ``[B, T, D]`` or a Sources); return ``h [B, T, D]``
         and the weights ``[S, B, T]`` (fp32; None when ``weights`` is False)."""
-        if self.backend == "triton" or (self.backend == "auto" and sources[0].is_cuda):
+        if isinstance(sources, Sources):
+            if self.backend == "triton" or (self.backend == "auto" and sources.tensors[0].is_cuda):
+                if torch.compiler.is_compiling():  # depth_attention is the op's graph break
+                    return depth_attention(sources, self.query, self.key_norm.weight, self.key_norm.eps,
+                                           backend="triton", weights=weights)
+                return read_sources(sources, self.query, self.key_norm.weight, self.key_norm.eps, weights)
+            sources = sources.tensors
+        elif self.backend == "triton" or (self.backend == "auto" and sources[0].is_cuda):
             return depth_attention(sources, self.query, self.key_norm.weight, self.key_norm.eps, backend="triton",
                                    weights=weights, slots=slots)
-        if isinstance(sources, Sources):
-            sources = sources.tensors
         if not isinstance(sources, torch.Tensor):
             sources = torch.stack(sources)
         logits = self.key_norm(sources).float() @ self.query.float()  # [S, B, T]
@@ -125,7 +130,7 @@ class ResidualStream:
             self.x = self.x + out
             return
         if self.open:
-            self.sources.replace_last(self.sources[-1] + out)
+            self.sources.replace_last(self.sources.tensors[-1] + out)
         else:
             self.sources.append(out)
         self.open = i + 1 not in self.m.block_ends

@@ -175,6 +175,14 @@ def launch_config(d: int) -> LaunchConfig:
     return LaunchConfig(rows=rows, warps=min(16, max(1, rows * bd // 256)), group=4 if rows == 1 else 1)
 
 
+@functools.cache
+def _launch_numbers(cfg: LaunchConfig, N: int, D: int) -> tuple[tuple[int], int, int, tuple[int, int, int, int]]:
+    """The forward's grid, ``BD`` (D's next power of two), the backward's tile count and (rows, warps, group,
+    stages): the same for every read of a step, so computed once per shape and config (host time per read)."""
+    bwd = cfg.bwd_launch
+    return (-(-N // cfg.rows),), _pow2(D), -(-N // bwd[0]), bwd
+
+
 # Read once: Triton decides at each @triton.jit below whether the kernels run in its CPU interpreter, so
 # the flag cannot change later (and an environment lookup per call is host time on the model's hot path).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -428,9 +436,18 @@ def _table_grads(tab: torch.Tensor, slots: Sequence[GradSlot], srcs: Sequence[to
 
 
 class _DepthAttentionFn(torch.autograd.Function):
-    """Inputs: query, norm_weight ``[D]``, a :class:`Sources` (the sources ``[N, D]``, their slots and
-    address table), then either the sources themselves or (``stacked=True``) the one ``[L, N, D]``
-    tensor they are views of (its gradient is one ``[L, N, D]`` buffer).
+    """Inputs: query, norm_weight ``[D]``, the read's plan ``(eps, out_dtype, cfg, want_p, src, stacked,
+    owned)`` with ``src`` a :class:`Sources` (the sources ``[N, D]``, their slots and address table), then
+    the sources whose slots this read owns (``owned``, the indices of the slots it took first) or, with
+    ``stacked=True``, the one ``[L, N, D]`` tensor the sources are views of (its gradient is one
+    ``[L, N, D]`` buffer).
+
+    Only the owned sources are autograd inputs: every other source's gradient goes into its slot, and the
+    slot's owner hands it over, so an input for it would only be an edge that gets None (autograd's work
+    per input and per edge, about 0.4 us each on the host, x L per read; Full AttnRes reads up to 25). The
+    order the slots need still holds with these edges alone: a later read depends on the owner of a source
+    it reads through that read's own outputs, and each step of that dependence goes through a source that
+    some read owns (``GradSlot``). In a model a read owns the newest source, made from the read before.
 
     Host time matters here (a model calls this about twice per sublayer and step, and its step is
     launch-bound): one Triton launch per direction, with the same few arguments at every L; forward
@@ -438,13 +455,14 @@ class _DepthAttentionFn(torch.autograd.Function):
     plus one gradient buffer per slot that is still empty; no per-source host work in the forward
     beyond the new slots a read takes, and in the backward one attribute check per source that its
     gradient buffer is in the table (``_table_grads`` when it is not: once per step in a model).
-    ``ctx`` keeps the slots and the table, never the Sources: it holds later sources, whose graph
-    leads back to this node (a reference cycle through autograd's nodes would keep the step's
-    activations alive)."""
+    ``ctx`` keeps the sources of the read, the slots and the table, never the Sources: it holds later
+    sources, whose graph leads back to this node (a reference cycle through autograd's nodes would keep
+    the step's activations alive)."""
 
     @staticmethod
-    def forward(ctx, query, norm_weight, eps, out_dtype, cfg, want_p, src, stacked, *inputs):
-        srcs, slots = src.tensors, src.slots
+    def forward(ctx, query, norm_weight, plan, *inputs):
+        eps, out_dtype, cfg, want_p, src, stacked, owned = plan
+        srcs = src.tensors
         x0, xl = srcs[0], srcs[-1]
         D = x0.shape[-1]
         N, L = x0.numel() // D, len(srcs)
@@ -454,36 +472,36 @@ class _DepthAttentionFn(torch.autograd.Function):
         src._synced = L  # the kernel writes the address of source L - 1
         aligned = not src._misaligned
         h = torch.empty(x0.shape, device=x0.device, dtype=out_dtype)  # the sources' [..., D]
-        stats = torch.empty(2 * L + 1, N, device=x0.device, dtype=torch.float32)
-        _attnres_fwd_kernel[(-(-N // cfg.rows),)](
+        stats = torch.empty((2 * L + 1, N), device=x0.device, dtype=torch.float32)
+        grid, BD, tiles, bwd = _launch_numbers(cfg, N, D)
+        _attnres_fwd_kernel[grid](
             x0, xl, tab, query, norm_weight, h, stats, N, D, eps, L,
-            BN=cfg.rows, BD=_pow2(D), ALIGNED=aligned, GROUP=cfg.group, STAGES=cfg.stages, num_warps=cfg.warps)
-        ctx.save_for_backward(query, norm_weight, h if out_dtype == torch.float32 else None, stats, *inputs)
-        owned = []  # the slots this read took first; a Sources' slots before src._taken are all taken
-        for i in range(src._taken, L):
-            sl = slots[i]
-            if not sl.taken:
-                sl.taken = True
-                owned.append(i)
-        src._taken = L
-        ctx.stacked, ctx.cfg, ctx.slots, ctx.owned, ctx.tab, ctx.aligned = stacked, cfg, slots, owned, tab, aligned
+            BN=cfg.rows, BD=BD, ALIGNED=aligned, GROUP=cfg.group, STAGES=cfg.stages, num_warps=cfg.warps)
+        ctx.save_for_backward(query, norm_weight, h if out_dtype is torch.float32 else None, *inputs)
+        # stats: made here, read only by the backward (a plain reference: no saved-tensor packing per read)
+        ctx.plan = (stacked, cfg, src.slots, owned, tab, aligned, None if stacked else srcs, stats, N, D, BD, tiles,
+                    bwd)
         if not want_p:
             return h, None
-        p = torch.exp(stats[L:2 * L] - stats[2 * L])
+        p = torch.exp(stats[L:2 * L] - stats[2 * L]).view((L,) + x0.shape[:-1])  # [L, ...]
         ctx.mark_non_differentiable(p)
         return h, p
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dh, _dp):
-        query, norm_weight, h, stats, *inputs = ctx.saved_tensors
-        cfg, slots, tab = ctx.cfg, ctx.slots, ctx.tab
+        """dq, dw, None for the plan, then the gradients of the inputs (the owned sources, or the stacked
+        tensor). once_differentiable only where a graph of the backward is asked for (its wrapper costs
+        host time at every read otherwise)."""
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative through this op raises
+            return _backward_once(ctx, dh, _dp)
+        query, norm_weight, h, *inputs = ctx.saved_tensors
+        stacked, cfg, slots, owned, tab, aligned, srcs, stats, N, D, BD, tiles, (rows, warps, group, stages) = ctx.plan
         L = len(slots)
-        if ctx.stacked:
+        if stacked:
             dstack = torch.empty_like(inputs[0])
             srcs, fresh = inputs[0].unbind(0), dstack.unbind(0)
         else:
-            srcs, fresh = inputs, None
+            fresh = None
         x0, xl = srcs[0], srcs[-1]
         # each gradient buffer: the slot's running sum (it adds) or a fresh one; the owners hand theirs over below
         acc = 0
@@ -507,19 +525,16 @@ class _DepthAttentionFn(torch.autograd.Function):
                     if s.table is not tab:
                         acc = acc & 3 | _table_grads(tab, slots, srcs, fresh)
                         break
-        D = x0.shape[-1]
-        N = x0.numel() // D
-        rows, warps, group, stages = cfg.bwd_launch
         if not dh.is_contiguous():
             dh = dh.contiguous()
         # the grid is sized by the kernel's registers only when programs_per_sm is 0 (see _bwd_programs)
         key = None if cfg.programs_per_sm or _INTERPRET else (
-            dh.device.index, cfg, h is not None, x0.dtype, xl.dtype, dh.dtype, ctx.aligned)
-        nprog = _bwd_programs(-(-N // rows), dh.device, cfg, key)
-        part = torch.empty(nprog, 2, D, device=dh.device, dtype=torch.float32)
+            dh.device.index, cfg, h is not None, x0.dtype, xl.dtype, dh.dtype, aligned)
+        nprog = _bwd_programs(tiles, dh.device, cfg, key)
+        part = torch.empty((nprog, 2, D), device=dh.device, dtype=torch.float32)
         kernel = _attnres_bwd_kernel[(nprog,)](
             x0, xl, g0, gl, tab, tab.shape[0] // 2, query, norm_weight, dh if h is None else h, dh, stats, part,
-            N, D, nprog, L, acc, BN=rows, BD=_pow2(D), C_FROM_H=h is not None, ALIGNED=ctx.aligned, GROUP=group,
+            N, D, nprog, L, acc, BN=rows, BD=BD, C_FROM_H=h is not None, ALIGNED=aligned, GROUP=group,
             STAGES=stages, num_warps=warps)
         if key is not None and key not in _RESIDENT:
             _note_resident(key, kernel, dh.device, warps)
@@ -528,13 +543,17 @@ class _DepthAttentionFn(torch.autograd.Function):
             dq = dq.to(query.dtype)
         if dw.dtype != norm_weight.dtype:
             dw = dw.to(norm_weight.dtype)
-        if ctx.stacked:
-            return dq, dw, None, None, None, None, None, None, dstack
-        grads = [None] * L
-        for i in ctx.owned:
+        if stacked:
+            return dq, dw, None, dstack
+        grads = []
+        for i in owned:
             sl = slots[i]
-            grads[i], sl.grad, sl.table = sl.grad, None, None
-        return dq, dw, None, None, None, None, None, None, *grads
+            grads.append(sl.grad)
+            sl.grad, sl.table = None, None
+        return dq, dw, None, *grads
+
+
+_backward_once = torch.autograd.function.once_differentiable(_DepthAttentionFn.backward)
 
 
 def depth_attention_torch(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
@@ -790,15 +809,39 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor] | Sources, qu
         src = Sources._of(inputs[0].unbind(0), None, out_dtype)
     elif src is None:
         src = Sources._of(seq, slots, out_dtype)
-        inputs = src.tensors
-    else:
-        inputs = seq
+    h, p = read_sources(src, query, norm_weight, eps, weights, config, inputs if stacked else None)
+    if stacked:
+        h = h.view(lead + (D,))
+    return h, (p.view((len(seq),) + lead) if weights else None)
+
+
+def read_sources(src: Sources, query: torch.Tensor, norm_weight: torch.Tensor, eps: float, weights: bool,
+                 config: LaunchConfig | None = None,
+                 stacked: tuple[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``depth_attention(src, query, norm_weight, eps, backend="triton", weights=weights)`` for a model's
+    residual stream, without the checks a Sources has made already (its sources, the backend) and without
+    ``torch.compiler.disable``'s wrapper (call ``depth_attention`` when compiling). ``config``: None takes
+    ``launch_config(D)``; ``stacked``: the one ``[L, N, D]`` tensor the sources are views of."""
+    x0 = src.tensors[0]
+    D = x0.shape[-1]
+    if (query.shape != (D,) or norm_weight.shape != (D,) or query.device != x0.device
+            or norm_weight.device != x0.device or not eps > 0 or not (x0.is_cuda or _INTERPRET) or D > MAX_D):
+        return depth_attention(src, query, norm_weight, eps, backend="triton", weights=weights)  # raises
     if not query.is_contiguous():
         query = query.contiguous()
     if not norm_weight.is_contiguous():
         norm_weight = norm_weight.contiguous()
-    h, p = _DepthAttentionFn.apply(query, norm_weight, float(eps), out_dtype, config, weights, src, stacked,
-                                   *inputs)
-    if stacked:
-        h = h.view(lead + (D,))
-    return h, (p.view((len(seq),) + lead) if weights else None)
+    slots, owned = src.slots, []  # the slots no read took before: this one takes them
+    for i in range(src._taken, len(slots)):  # a Sources' slots before src._taken are all taken
+        sl = slots[i]
+        if not sl.taken:
+            sl.taken = True
+            owned.append(i)
+    src._taken = len(slots)
+    if stacked is None:
+        srcs = src.tensors
+        inputs = [srcs[i] for i in owned]
+    else:
+        inputs = stacked
+    plan = (float(eps), src.dtype, config or launch_config(D), weights, src, stacked is not None, owned)
+    return _DepthAttentionFn.apply(query, norm_weight, plan, *inputs)
