@@ -158,7 +158,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "attnres-block-sum-dropped",
         "a block summary keeps only its last sublayer's output instead of their sum",
-        (Edit("moelab/model/attnres.py", "self.sources.replace_last(self.sources[-1] + out)",
+        (Edit("moelab/model/attnres.py", "self.sources.replace_last(self.sources.tensors[-1] + out)",
               "self.sources.replace_last(out)"),),
         ("tests/model/test_attnres.py",),
     ),
