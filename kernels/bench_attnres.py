@@ -701,7 +701,7 @@ def _replay_one(mode: str, blocks: int | None, cfg: LaunchConfig | None, op, arg
         loss.backward()
         return loss.detach()
 
-    call_op, model_op = op.depth_attention, model_attnres.depth_attention
+    call_op, model_op, model_read = op.depth_attention, model_attnres.depth_attention, model_attnres.read_sources
 
     def read(sources, query, norm_weight, eps, backend="auto", weights=True, slots=None):
         if op is not attnres_op:  # an older op: the list and the Sources' slots
@@ -709,9 +709,13 @@ def _replay_one(mode: str, blocks: int | None, cfg: LaunchConfig | None, op, arg
                            weights=weights, slots=sources.slots)
         return call_op(sources, query, norm_weight, eps, backend=backend, config=cfg, weights=weights, slots=slots)
 
+    def read_stream(sources, query, norm_weight, eps, weights, config=None, stacked=None):
+        return read(sources, query, norm_weight, eps, backend="triton", weights=weights)
+
     log: list[dict] = []
     kernels = {name: getattr(op, name) for name in _KERNELS}
-    model_attnres.depth_attention = read
+    # the model's two doors to the op: depth_attention (lists, compiling) and read_sources (its stream)
+    model_attnres.depth_attention, model_attnres.read_sources = read, read_stream
     for name, k in kernels.items():
         setattr(op, name, _LaunchCounter(k, True, log, cuda))
     try:
@@ -742,7 +746,7 @@ def _replay_one(mode: str, blocks: int | None, cfg: LaunchConfig | None, op, arg
                     for kind, name in zip(("fwd", "bwd"), _KERNELS)}
         grads_finite = all(torch.isfinite(x.grad).all() for x in params if x.grad is not None)
     finally:
-        model_attnres.depth_attention = model_op
+        model_attnres.depth_attention, model_attnres.read_sources = model_op, model_read
         for name, k in kernels.items():
             setattr(op, name, k)
 
