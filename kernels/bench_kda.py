@@ -345,8 +345,10 @@ INFER_SWEEP_RECUR = [(32, 2, 3), (64, 4, 3)]
 # a config whose o or final state is further than this from the training forward's is wrong (both
 # sides are bf16 paths ~3e-3 from the fp32 recurrence; a miscompile is off by O(1))
 INFER_SWEEP_TOL = 2e-2
-# segment lengths in chunks (0: the plain recurrence), timed as the whole op at its default launches where
-# the op segments (triton_infer.choose_segment_chunks); lengths >= the chunks of a sequence are skipped
+# segment lengths in chunks (0: the plain recurrence), timed as the whole op at its default launches at every
+# shape, so the cost model's choice (triton_infer.choose_segment_chunks) meets a measurement where it says plain
+# too (packed B1 T8192 H64 ran 11% faster than fixed at 6d91d0b: shorter chains); lengths >= the chunks of a
+# sequence are skipped
 INFER_SWEEP_SEGMENTS = [0, 64, 128, 256]
 # candidate paths: kda_infer's fold_v / pieces (triton_infer.FOLD_V, PIECES); "base" is u materialised, one
 # launch of each kernel. Pieces apply to the plain recurrence only: skipped where the op segments.
@@ -399,7 +401,7 @@ def infer_sweep(shapes, dev, beta_logits, warmup, rep) -> dict:
        recurrence at its default) and every ``INFER_SWEEP_RECUR`` config of the recurrence (after the
        default intra launch), timed apart, with GB/s of ``infer_bytes``; the fastest passing of each;
     2. the whole op at its default launches for every ``INFER_CANDIDATES`` path;
-    3. where the op segments, the whole op at every ``INFER_SWEEP_SEGMENTS`` length."""
+    3. the whole op at every ``INFER_SWEEP_SEGMENTS`` length (forced, whichever path the op picks)."""
     out = {}
     for (B, T, H, D) in shapes:
         x = infer_inputs(B, T, H, D, dev, False, beta_logits)
@@ -444,7 +446,7 @@ def infer_sweep(shapes, dev, beta_logits, warmup, rep) -> dict:
         ok = [r for r in res["candidates"] if r["ok"] and r["ms"] is not None]
         res["best_candidate"] = min(ok, key=lambda r: r["ms"])["candidate"] if ok else None
         nc = triton.cdiv(T, triton_infer.CHUNK)
-        for L in [L for L in (INFER_SWEEP_SEGMENTS if seg else []) if L < nc]:
+        for L in [L for L in INFER_SWEEP_SEGMENTS if L < nc]:
             row = _checked(dict(segment_chunks=L, ms=None), infer_fn("moelab_infer", x, beta_logits, segment_chunks=L),
                            ref_o, ref_S, dev, warmup, rep)
             res["segments"].append(row)
