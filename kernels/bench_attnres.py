@@ -1003,6 +1003,23 @@ def _occupancy_child(path: str) -> int:
     return 0
 
 
+def _child(flag: str, job: dict | list) -> dict | list:
+    """Run this script with ``flag`` on ``job`` (written to a JSON file) in a fresh process without the
+    Triton interpreter and with its own Triton cache; return what the child wrote back to that file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "launches.json")
+        with open(path, "w") as fh:
+            json.dump(job, fh)
+        env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=os.path.join(tmp, "cache"),
+                   PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        res = subprocess.run([sys.executable, os.path.abspath(__file__), flag, path], cwd=ROOT,
+                             env=env, capture_output=True, text=True)
+        if res.returncode:
+            raise RuntimeError(f"{flag} failed:\n{res.stderr[-3000:]}")
+        with open(path) as fh:
+            return json.load(fh)
+
+
 def run_occupancy(args, cuda: bool) -> list[dict]:
     """``--occupancy``: for each sweep launch (``_sweep_launches`` at ``--sweep-d-model``, ``--sweep-inputs``)
     and each ``--replay-ops`` op (an older op, without groups or stages, at each distinct rows x warps), the
@@ -1035,17 +1052,7 @@ def run_occupancy(args, cuda: bool) -> list[dict]:
         finally:
             for name, k in saved.items():
                 setattr(op, name, k)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "launches.json")
-        with open(path, "w") as fh:
-            json.dump(job, fh)
-        env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=os.path.join(tmp, "cache"),
-                   PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-        res = subprocess.run([sys.executable, os.path.abspath(__file__), "--occupancy-child", path], cwd=ROOT,
-                             env=env, capture_output=True, text=True)
-        if res.returncode:
-            raise RuntimeError(f"--occupancy-child failed:\n{res.stderr[-3000:]}")
-        rows = json.load(open(path))
+    rows = _child("--occupancy-child", job)
     src_bytes = srcs[-1].element_size()
     print(f"{'op':>12s} {'kernel':>4s} {'launch':>10s} {'regs':>4s} {'stack':>5s} {'smem':>6s} {'prog/SM':>7s} "
           f"{'KB at once/SM':>13s}")
@@ -1112,17 +1119,7 @@ def run_compile(args, plan: tuple[dict, dict, dict], sublayers: list[int], cuda:
             for name, k in kernels.items():
                 setattr(op, name, k)
     if not cuda:  # count (and compile) the variants for sm_90 in a process without the interpreter
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "launches.json")
-            with open(path, "w") as fh:
-                json.dump(job, fh)
-            env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=os.path.join(tmp, "cache"),
-                       PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-            res = subprocess.run([sys.executable, os.path.abspath(__file__), "--compile-child", path], cwd=ROOT,
-                                 env=env, capture_output=True, text=True)
-            if res.returncode:
-                raise RuntimeError(f"--compile-child failed:\n{res.stderr[-3000:]}")
-            found = json.load(open(path))
+        found = _child("--compile-child", job)
         per_op = {name: iter(v) for name, v in found.items()}
         totals: dict = {}
         for row in rows:
