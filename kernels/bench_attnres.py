@@ -1145,11 +1145,22 @@ def _commit() -> str:
         return "unknown (no git checkout)"
 
 
+def _write_json(path: str, data: dict) -> None:
+    """``data`` to ``path`` as indented JSON, through a temporary file (a reader never sees half a file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=1)
+    os.replace(tmp, path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny sizes, no JSON unless --out")
     ap.add_argument("--out", default=None, help="JSON path (GPU default: kernels/results/attnres_h200.json, "
                     "with --sweep-only kernels/results/attnres_sweep_h200.json)")
+    ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD; a copied "
+                    "tree without .git records 'unknown' unless given)")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--d-model", type=int, default=2048)
     ap.add_argument("--sources", default="4,9,17", help="comma-separated L values")
@@ -1249,9 +1260,15 @@ def main() -> int:
     if args.use_sweep_best:
         row_cfg = _parse_config(best["config"])
     N, D = args.tokens, args.d_model
-    Ls = [int(x) for x in args.sources.split(",")]
+    Ls = [] if args.sweep_only else [int(x) for x in args.sources.split(",")]
     fla_fn, fla_err = _fla() if cuda else (None, "not run on CPU")
     impls = set(args.impls.split(",")) if args.impls else None
+    commit = args.commit or _commit()
+    gpu = torch.cuda.get_device_name() if cuda else "cpu (smoke, Triton interpreter)"
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    command = " ".join([os.path.basename(sys.executable)] + sys.argv)
+    default_name = "attnres_sweep_h200.json" if args.sweep_only else "attnres_h200.json"
+    out = args.out or (None if args.smoke else os.path.join(ROOT, "kernels", "results", default_name))
     rows = []
     for L in Ls:
         for mixed in (False, True) if not args.no_mixed else (False,):
@@ -1267,6 +1284,9 @@ def main() -> int:
                     row = dict(impl=name, L=L, error=repr(exc)[:500])
                 rows.append(row)
                 print(json.dumps(row))
+                if out:  # a run cut short (a time limit) keeps the rows it measured, marked partial
+                    _write_json(out, dict(meta=dict(partial=True, commit=commit, gpu=gpu, date=started,
+                                                    command=command), rows=rows))
                 if cuda:
                     torch.cuda.empty_cache()
             del ref, srcs
@@ -1288,10 +1308,8 @@ def main() -> int:
         summary.append(line)
         print(json.dumps(line))
     cfg = row_cfg or launch_config(D)
-    meta = dict(gpu=torch.cuda.get_device_name() if cuda else "cpu (smoke, Triton interpreter)",
-                torch=torch.__version__, triton=triton.__version__, fla=_fla_version(),
-                fla_import_error=fla_err, date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                commit=_commit(), command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+    meta = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, fla=_fla_version(),
+                fla_import_error=fla_err, date=started, commit=commit, command=command,
                 tokens=N, d_model=D, sources=Ls, autocast="bf16", source_dtype="bf16 (source 0 fp32 in *_mixed)",
                 param_dtype="fp32", launch_config=dataclasses.asdict(cfg), launch=_config_text(cfg),
                 launch_from="--config" if args.config and not args.use_sweep_best else
@@ -1299,16 +1317,13 @@ def main() -> int:
                 timing="triton.testing.do_bench median, warmup 25 ms, rep 200 ms; grads set to None each step",
                 tolerances=dict(h=OUT_TOL, grads=GRAD_TOL), anchors_fwdbwd_ms=ANCHORS_FWDBWD_MS,
                 target="moelab_fused fwd+bwd >= 5x faster than torch_plain and at least the faster fla row's speed",
-                target_met=None if impls else bool(summary) and all(  # None: --impls left rows out
+                target_met=None if impls or args.sweep_only else bool(summary) and all(  # None: rows left out
                     line.get("fwdbwd_speedup_vs_torch_plain", 0) >= 5
                     and line.get("fwdbwd_speedup_vs_fla_best", 1) >= 1 for line in summary),
                 all_ok=all(r.get("ok", False) for r in rows + sweep if r.get("impl", "moelab").startswith("moelab")),
                 **sweep_meta)
-    out = args.out or (None if args.smoke else os.path.join(ROOT, "kernels", "results", "attnres_h200.json"))
     if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as fh:
-            json.dump(dict(meta=meta, rows=rows, summary=summary, sweep=sweep, sweep_best=best), fh, indent=1)
+        _write_json(out, dict(meta=meta, rows=rows, summary=summary, sweep=sweep, sweep_best=best))
         print(f"wrote {out}")
     return 0 if meta["all_ok"] else 1
 
