@@ -100,6 +100,23 @@ def test_failing_notebook_marks_parent_failed_and_keeps_the_executed_notebook(tm
     assert statuses == {"08_broken-cpu": "FAILED", "child-cpu": "FINISHED"}
 
 
+def test_missing_html_exporter_stops_the_study_before_it_runs(tmp_path, tracking_uri, monkeypatch) -> None:  # noqa: F811
+    """Without nbconvert the runner refuses at once, naming the module: no folder, no MLflow run, no training
+    (on a GPU machine whose wheels lacked it, study 4 trained for 8 minutes and then died at the HTML export)."""
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    nbs = tmp_path / "nbs"
+    _write_notebook(nbs, "08_needs", NOTEBOOK.replace("FAIL", "pass"))
+    monkeypatch.setitem(sys.modules, "nbconvert", None)  # import nbconvert -> ImportError
+    with pytest.raises(ModuleNotFoundError, match=r"needs nbconvert .*nothing was run"):
+        run_study(8, "cpu", nbs_dir=nbs, out_root=tmp_path / "studies", tracking_uri=tracking_uri,
+                  log_output=False)
+    assert not (tmp_path / "studies").exists()
+    assert MlflowClient(tracking_uri).get_experiment_by_name("study/08_needs") is None
+
+
 def test_notebook_lookup_errors_name_the_pattern(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match=r"03_\*\.ipynb"):
         find_notebook(3, tmp_path)

@@ -111,12 +111,12 @@ def run_study(
         papermill.PapermillExecutionError: a cell failed (the parent run is marked FAILED and the
         executed notebook, with the error, is still written).
     """
-    import papermill
-
     quiet_known_noise()
     preset = preset or default_preset()
     if preset not in PRESETS:
         raise ValueError(f"preset={preset!r} is not allowed: expected one of {PRESETS}")
+    _require_modules()
+    import papermill
     notebook = find_notebook(number, Path(nbs_dir) if nbs_dir else repo_root() / "nbs")
     out_dir = (Path(out_root) if out_root else repo_root() / "studies").resolve() / notebook.stem
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -156,6 +156,28 @@ def run_study(
             export_html(executed)
             _log_results(run, out_dir, executed)
     return out_dir
+
+
+# What a study needs after its notebook ran, imported before it runs: a missing one would otherwise end
+# an hour of training at the HTML export, with the parent run FAILED and nothing logged.
+REQUIRED_MODULES = ("papermill", "nbformat", "nbconvert")
+
+
+def _require_modules(names: tuple[str, ...] = REQUIRED_MODULES) -> None:
+    """Import each of ``names``; a missing one raises ModuleNotFoundError naming all that are missing."""
+    import importlib
+
+    missing = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise ModuleNotFoundError(
+            f"a study run needs {', '.join(missing)} (to execute the notebook and export it as HTML), which "
+            f"this interpreter cannot import: install moelab's dependencies (make setup) or "
+            f"pip install {' '.join(missing)}; nothing was run")
 
 
 def _relative_paths(executed: Path, notebook: Path) -> None:
