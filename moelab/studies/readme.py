@@ -110,7 +110,9 @@ def _k3_mini() -> Row:
                 f"{_rounds(q, qb)}; target <= 2%: {q['verdict']}; medians of a host-bound step")
     return (f"k3-mini ({qb['params'] / 1e6:.0f}M total / {qb['params_activated'] / 1e6:.0f}M activated, B={qb['B']}, "
             f"T={qb['T']}), {qb['balancer']} vs `balancer: none` (`kernels/bench_model.py --only k3-mini`)",
-            f"{_k(qb['tok_per_s'])} vs {_k(none['tok_per_s'])} tokens/s, MFU {qb['mfu']:.1%} vs {none['mfu']:.1%}, "
+            f"{_k(qb['tok_per_s'])} vs {_k(none['tok_per_s'])} tokens/s, MFU {qb['mfu_model_flops']:.1%} vs "
+            f"{none['mfu_model_flops']:.1%} (model FLOPs: activated parameters and attention; the anchor's "
+            f"all-parameter convention, which counts the idle routed experts, would say {qb['mfu']:.1%}), "
             f"peak {qb['peak_mem_gb']:.1f} vs {none['peak_mem_gb']:.1f} GB: the balancer costs {cost}, host "
             f"{qb['host_ms']:.0f} vs {none['host_ms']:.0f} ms); its own kernels take "
             f"{qb['balancer_ms']:.2f} ms of the {qb['step_ms']:.1f} ms step ({qb['balancer_share']:.2%})",
