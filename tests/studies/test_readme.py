@@ -56,7 +56,7 @@ def test_rows_show_paired_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
                 "target": target, "verdict": verdict}
 
     common = {"tok_per_s": 250e3, "loss_finite": True, "nonfinite_grads": [], "params": 173e6,
-              "params_activated": 57e6, "B": 8, "T": 4096, "mfu": 0.3, "peak_mem_gb": 24.0, "host_ms": 120.0,
+              "params_activated": 57e6, "B": 8, "T": 4096, "mfu": 0.3, "mfu_model_flops": 0.09, "peak_mem_gb": 24.0, "host_ms": 120.0,
               "step_ms": 131.0, "balancer_ms": 0.5, "balancer_share": 0.004}
     rows = [{**common, "impl": "moelab_gpu_small_prenorm", "model.residual.mode": "prenorm"},
             {**common, "impl": "moelab_gpu_small_block_attnres_8", "model.residual.mode": "block_attnres",
@@ -69,6 +69,7 @@ def test_rows_show_paired_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "block_attnres_8 0.93x (0.88-0.95 in 3 paired rounds: within noise)" in result
     result = readme._k3_mini()[1]
     assert "costs 1.5% of the tokens/s (1.0% to 2.5% in 3 paired rounds; target <= 2%: within noise" in result
+    assert "MFU 9.0% vs 9.0% (model FLOPs" in result and "would say 30.0%" in result  # a sparse model's MFU
     for r in rows[1], rows[3]:  # a run that stopped early says how many of its planned rounds it has
         r.update(rounds_planned=8, complete=False)
     result = readme._residual_modes()[1]
