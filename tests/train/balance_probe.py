@@ -76,15 +76,21 @@ def trainer(max_steps: int, callback: BalancerCallback, root: Path, **kwargs: An
                      callbacks=[callback], default_root_dir=str(root), **kwargs)
 
 
+# The DDP run trains (Adam at this rate), so "identical weights on both ranks" says something: the
+# weights move, and each rank's move must be the all-reduced one.
+DDP_LR = 1e-2
+
+
 def main(out_dir: str, devices: str) -> None:
     world, steps = int(devices), 3
     callback = BalancerCallback()
-    module = Probe(batches(steps, 2 * world), world)
+    module = Probe(batches(steps, 2 * world), world, lr=DDP_LR, adam=True)
+    init = {k: v.detach().clone() for k, v in module.state_dict().items()}
     t = trainer(steps, callback, Path(out_dir), devices=world, strategy="ddp")
     t.fit(module)
     weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    torch.save({"trajectories": callback.trajectories(), "state": weights, "replicas": callback.replicas},
-               Path(out_dir) / f"rank{t.global_rank}.pt")
+    torch.save({"trajectories": callback.trajectories(), "state": weights, "init": init,
+                "replicas": callback.replicas}, Path(out_dir) / f"rank{t.global_rank}.pt")
 
 
 if __name__ == "__main__":

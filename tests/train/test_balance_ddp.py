@@ -13,7 +13,7 @@ import torch
 
 from moelab.train.balance import BalancerCallback
 from tests.helpers import assert_close
-from tests.train.balance_probe import Probe, batches, trainer
+from tests.train.balance_probe import DDP_LR, Probe, batches, trainer
 
 
 @pytest.mark.slow  # two spawned ranks: ~15 s
@@ -32,11 +32,17 @@ def test_two_ranks_hold_the_bias_of_the_concatenated_batch(tmp_path: Path) -> No
     assert_close(t0["bias"], t1["bias"], 0.0, "bias on rank 0 vs rank 1")
     for k, v in r0["state"].items():
         assert_close(v.float(), r1["state"][k].float(), 0.0, k)
+    moved = [k for k, v in r0["state"].items() if not torch.equal(v, r0["init"][k])]
+    assert any(".router." in k for k in moved) and len(moved) > len(r0["state"]) // 2, moved  # it trained
     assert r0["replicas"] == r1["replicas"] == {"bias": True, "weights": True}  # the callback's own end check
 
     callback = BalancerCallback()
-    trainer(3, callback, tmp_path / "one").fit(Probe(batches(3, 4)))  # one process, all 4 rows per step
+    single = Probe(batches(3, 4), lr=DDP_LR, adam=True)
+    trainer(3, callback, tmp_path / "one").fit(single)  # one process, all 4 rows per step
     one = callback.trajectories()
     assert torch.equal(one["load"], t0["load"])
-    assert_close(one["bias"], t0["bias"], 1e-6, "bias of the concatenated batch")
-    assert one["bias"][-1].abs().amin(-1).gt(0).all()
+    # The same updates up to the order of fp32 sums (DDP averages the two ranks' mean gradients).
+    assert_close(one["bias"], t0["bias"], 1e-5, "bias of the concatenated batch")
+    for k, v in single.state_dict().items():
+        assert_close(v.float(), r0["state"][k].float(), 1e-4, f"{k} of the concatenated batch")
+    assert one["bias"][-1].abs().amax(-1).gt(0).all()  # every router's bias moved (a sign-rule entry may net 0)
