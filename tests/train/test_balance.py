@@ -4,6 +4,8 @@ resume of the bias trajectory, and LitMoELab wiring (metrics in the history, Max
 from __future__ import annotations
 
 import math
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -58,6 +60,35 @@ def test_resume_reproduces_the_bias_trajectory(tmp_path: Path) -> None:
     assert any(k.endswith("load_avg") for k in ref)  # quantile_load's moving average is checkpointed
     for k in ref:
         assert_close(ref[k].float(), out[k].float(), 0.0, k)
+
+
+@pytest.mark.slow  # three tiny fit() runs: ~15 s
+@pytest.mark.parametrize("balancer", ["quantile_balancing", "quantile_load"])
+def test_fit_resume_continues_the_bias_trajectory(tmp_path: Path, balancer: str) -> None:
+    """Through ``fit`` (LitMoELab adds its own BalancerCallback): a run stopped at step 4 and resumed
+    ends with the biases, balancer state and weights of the uninterrupted run, bitwise on CPU."""
+    from tests.train.helpers import AtStep
+
+    n = 8
+    base = {"train__max_steps": n, "train__val_every": n, "model__moe__balancer": balancer}
+    fit(tiny_config(tmp_path / "a", None, **base))
+    cfg = tiny_config(tmp_path / "b", None, **base)
+
+    def stop(trainer, module) -> None:  # Ctrl-C, as a user stops a run
+        os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt, match="resume from"):
+        fit(cfg, callbacks=[AtStep(n // 2 - 1, stop)])
+    half = torch.load(tmp_path / "b" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert half["global_step"] == n // 2
+    fit(cfg, resume=True)
+    a, b = (torch.load(tmp_path / x / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+            for x in ("a", "b"))
+    biases = [k for k in a if k.endswith("router.bias")]
+    assert biases and all(a[k].abs().amax() > 0 for k in biases), biases  # the balancer moved them
+    assert not any(torch.equal(half["state_dict"][k], a[k]) for k in biases)  # and kept moving after step 4
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
 
 
 def test_balancer_time_is_measured_per_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
