@@ -389,7 +389,8 @@ def shift_rows(shifts: Sequence[Mapping[str, Any]], threshold: float,
     Row: ``maxvio_before``; ``maxvio_first`` (the first shifted step, routed with the trained bias);
     ``maxvio_last`` (mean over the last :data:`TAIL` of the shifted steps); ``disturbed`` (the first
     step exceeds :data:`RECOVER` x the level before); ``recover_step`` (:func:`steps_until` back
-    under that level; 1 when not disturbed); ``resettle_step`` (:func:`steps_until` under ``threshold``).
+    under that level; 1 when the first :data:`HOLD` shifted steps are under it); ``resettle_step``
+    (:func:`steps_until` under ``threshold``).
     """
     rows = []
     for s in shifts:
@@ -876,9 +877,11 @@ def findings(summary: Mapping[str, Any]) -> str:
             return (f"{a} {g(a, 'shift_maxvio_before'):.2f} -> {g(a, 'shift_maxvio_first'):.2f}"
                     + ("" if last is None else f" -> {last:.2f}"))
 
-        def calm_end(a: str) -> str:
+        def calm_end(a: str) -> str:  # recover_step 1: within the level for the first HOLD steps (steps_until)
             r = g(a, "shift_recover_step")
-            return ", staying there" if r == 1 else f", back {_fmt_steps(r, st['shift_steps'])}"
+            if r is None:
+                return f", not within it for {st['hold']} steps in a row in {st['shift_steps']}"
+            return "" if r == 1 else f", within it again from step {r:.0f}"
 
         parts = [f"{levels(a)}, back {_fmt_steps(g(a, 'shift_recover_step'), st['shift_steps'])}" for a in moved]
         source = st.get("shift_source")

@@ -238,7 +238,11 @@ def test_findings_compare_against_the_anchors():
     assert "Shift test, 20 steps on gutenberg text with the trained optimizer state" in text
     assert "qb 0.50 -> 3.00 -> 0.40, back at step 3" in text
     assert "aux_1e-2 1.00 -> 3.00 -> 0.40, back never within 20 steps" in text
-    assert "(unaffected, or unbalanced already): none 7.00 -> 3.00 -> 0.40, back never within 20 steps." in text
+    calm = "(unaffected, or unbalanced already): none 7.00 -> 3.00 -> 0.40"
+    assert f"{calm}, not within it for 3 steps in a row in 20." in text
+    summary = _summary(free_global=0.04, aux_global=0.6, qb_settle=3)
+    summary["arms"]["none"]["shift_recover_step"] = 1  # within the level from the first shifted step
+    assert f"{calm}." in study.findings(summary)
 
     flipped = study.findings(_summary(free_global=0.9, aux_global=0.6, qb_settle=None))
     assert "so the ordering does not hold" in flipped
