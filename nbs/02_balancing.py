@@ -25,7 +25,7 @@
 # best response). Every balancer trains the same model on the same tokens and seeds; the arms differ only in
 # the balancer's config keys. Measured: validation loss, MaxVio (max load over mean load, minus 1) per batch and
 # over the validation set, load CV, dead experts, steps until MaxVio_batch settles, the balancer's time, and how
-# fast each re-balances after the data distribution changes; and, without training, what keeps Quantile
+# fast each re-balances when training continues on another corpus; and, without training, what keeps Quantile
 # Balancing above the sampling floor. Anchors: the loss-free paper's Table 2 (sign rule
 # MaxVio_global 0.04 where the auxiliary loss stays at 0.5-0.7, at equal or better perplexity) and the report's
 # "QB settles in a few steps". The logic is in `moelab.studies.balancing`, the run grid in `moelab.studies.common`.
@@ -146,13 +146,14 @@ common.show(study.heatmap_figure({a: trajs[a, p["seeds"][0]] for a in study.ARMS
 # under-used (dark blue: no token), red over-used (clipped at twice the mean).
 #
 # ## 3. Shift test: re-balancing after the data distribution changes
-# Each trained model (seed 0) continues training for a fixed number of steps on the validation text under a
-# random permutation of the vocabulary, applied to inputs and targets: the same language with every token's
-# embedding row swapped, so the router's input distribution changes at once. The balancer runs as in training,
-# starting from the trained bias; the optimizer is a fresh AdamW at the final learning rate of the schedule.
-# Step 1 is routed with the trained bias. Counted: the step from which MaxVio_batch stays (three steps) within
-# 10% of the arm's own level before the switch (mean over the last 20% of its training steps), and the step from
-# which it stays below the settle threshold.
+# Each trained model (seed 0) continues training for a fixed number of steps on text of the other committed
+# corpus: a run trained on Gutenberg prose continues on Shakespeare's plays, a run trained on Shakespeare on
+# Gutenberg prose, encoded with the run's own tokenizer (documents in a seeded order, random windows as in
+# training). Nothing else changes at the switch: the weights, the router bias, the balancer's state and AdamW's
+# moments come from the final checkpoint, and the learning rate stays at the schedule's final value. The
+# balancer runs as in training. Step 1 is routed with the trained bias. Counted: the step from which
+# MaxVio_batch stays (three steps) within 10% of the arm's own level before the switch (mean over the last 20%
+# of its training steps), and the step from which it stays below the settle threshold.
 
 # %%
 shifts = [study.shift_test(r, p["shift_steps"]) for r in grid.records if r.seed in p["shift_seeds"]]
@@ -168,7 +169,7 @@ pd.DataFrame(study.shift_rows(shifts, threshold, before)).set_index("arm").renam
 common.show(study.shift_figure(shifts, threshold, floor), out / "figures" / "shift_test.png")
 
 # %% [markdown]
-# **Figure 5.** MaxVio_batch per step after the switch to the permuted stream (log scale, mean over MoE layers,
+# **Figure 5.** MaxVio_batch per step after the switch to the other corpus (log scale, mean over MoE layers,
 # seed 0), one line per balancer; dashed: the settle threshold, dotted: the random-routing floor.
 
 # %% [markdown]
@@ -211,6 +212,7 @@ common.show(study.limits_figure(limits), out / "figures" / "qb_limits.png")
 settings = {"steps": cfg.train.max_steps, "tokens_per_step": tokens_per_step, "num_experts": moe.num_experts,
             "top_k": moe.top_k, "moe_layers": moe_layers, "noise_floor": floor,
             "threshold": threshold, "hold": study.HOLD, "tail": study.TAIL, "shift_steps": p["shift_steps"],
+            "shift_source": shifts[0]["source"] if shifts else None,
             "loss_free_sign_rate": moe.loss_free_sign_rate, "device": common.device_name()}
 summary = study.summarize(grid, rows, shifts, preset, settings, limits)
 write_json(out / "summary.json", summary)

@@ -14,6 +14,9 @@ Every reuse re-hashes the files against the manifest; a missing or corrupt cache
 stderr and rebuilt. A build happens in a temporary sibling directory that is renamed into place
 only when complete, so an interrupted build never leaves a half cache behind and concurrent
 builders (DDP ranks) cannot corrupt each other.
+
+:func:`archive_stream` encodes part of a committed corpus with a given tokenizer, uncached: text a
+run was not trained on, under the run's own tokenizer.
 """
 
 from __future__ import annotations
@@ -200,6 +203,36 @@ def _archive_documents(source: str) -> Documents:
     ids = [Path(m.name).stem if source == "shakespeare" else m.name.removesuffix(".txt") for m in members]
     return Documents(ids=ids, texts=lambda idx: (texts[i] for i in idx),
                      info={"archive": ARCHIVES[source][0], "archive_sha256": ARCHIVES[source][1]})
+
+
+def archive_stream(source: str, tokenizer: Tokenizer, min_tokens: int, seed: int = 0) -> tuple[np.ndarray, list[str]]:
+    """A committed corpus encoded with ``tokenizer``: whole documents in a seeded order until ``min_tokens``.
+
+    For text a model was not trained on under the tokenizer it was trained with (study 2's shift
+    test continues a ``gutenberg`` run on ``shakespeare`` and vice versa). The documents of the
+    archive ``source`` (a key of ``ARCHIVES``, both splits) are taken in a random order fixed by
+    ``seed`` and encoded one at a time, each followed by end-of-text as in the cached streams, until
+    the stream holds at least ``min_tokens`` ids; a corpus that runs out first gives all its documents.
+
+    Returns (ids ``[N]`` int32, every id below ``tokenizer.vocab_size``; the documents' ids in stream order).
+    """
+    if source not in ARCHIVES:
+        raise ValueError(f"source={source!r} is not allowed: expected one of the committed archives {tuple(ARCHIVES)}")
+    if min_tokens < 1:
+        raise ValueError(f"archive_stream: min_tokens must be >= 1, got {min_tokens}")
+    docs = _archive_documents(source)
+    order = np.random.default_rng(seed).permutation(len(docs.ids)).tolist()
+    parts: list[np.ndarray] = []
+    names: list[str] = []
+    n = 0
+    for i in order:
+        part, _ = _encode_stream(tokenizer, docs.texts([i]), np.int32)
+        parts.append(part)
+        names.append(docs.ids[i])
+        n += part.size
+        if n >= min_tokens:
+            break
+    return np.concatenate(parts), names
 
 
 def _match_files(patterns: Sequence[str]) -> list[Path]:
@@ -436,4 +469,5 @@ def _quiet_datasets() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
-__all__ = ["Documents", "PreparedCorpus", "cache_key_fields", "load_documents", "prepare", "split_documents"]
+__all__ = ["Documents", "PreparedCorpus", "archive_stream", "cache_key_fields", "load_documents", "prepare",
+           "split_documents"]

@@ -8,10 +8,10 @@ calls, in order:
 1. :func:`train_balancers`: the grid (``PRESETS`` gives model, steps and seeds per preset);
 2. :func:`run_metrics` per run: MaxVio_batch over the last 20% of steps, MaxVio_global, load CV,
    dead experts, steps until MaxVio_batch settles below a threshold, the balancer's time share;
-3. :func:`shift_test` per arm: the trained model continues training on a token-permuted stream
-   (a fixed random permutation of the vocabulary applied to inputs and targets, so every token's
-   embedding row, and with it the router's input distribution, changes at once) and the number
-   of steps until MaxVio_batch settles again is counted;
+3. :func:`shift_test` per arm: the trained model continues training, its optimizer state restored,
+   on text of the other committed corpus (a run on gutenberg continues on shakespeare and vice
+   versa, encoded with the run's own tokenizer: a domain shift, the only change at the switch), and
+   the number of steps until MaxVio_batch is back at its level before the switch is counted;
 4. :func:`qb_limits`: what holds quantile balancing above the sampling floor, without training: its
    update run over fresh batches of the frozen trained model (sampling and the update's own
    error, with and without the tokens' sequence structure), set against the training run's load
@@ -27,6 +27,7 @@ larger, which happens at CPU scale (512 tokens per step); see :func:`settle_thre
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -244,58 +245,123 @@ def balance_table(rows: Any) -> Any:
 
 # --- shift test ------------------------------------------------------------------------------------
 
-def permuted_batches(tokens: Any, perm: torch.Tensor, batch_size: int, seq_len: int, steps: int,
-                     seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    """``steps`` batches of random windows of ``tokens`` (1-D ids), every id mapped through ``perm``.
+def window_batches(tokens: Any, batch_size: int, seq_len: int, steps: int, seed: int = 0,
+                   vocab_size: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """``steps`` batches of random windows of ``tokens`` (1-D ids), uniform starts drawn with ``seed``.
 
-    Returns ``[{"input_ids": [B, T], "targets": [B, T]}]`` int64: the same text with a new
-    vocabulary, so the language's structure is kept and every token's embedding row changes.
+    Returns ``[{"input_ids": [B, T], "targets": [B, T]}]`` int64, ``targets`` the inputs shifted by one.
+    Raises ValueError when the stream cannot hold one window of ``seq_len + 1`` or, given
+    ``vocab_size``, holds an id outside ``0 .. vocab_size - 1``.
     """
     ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).reshape(-1)
     if ids.numel() < seq_len + 1:
-        raise ValueError(f"permuted_batches: {ids.numel()} tokens cannot hold one window of seq_len={seq_len} + 1")
-    if int(ids.max()) >= perm.numel():
-        raise ValueError(f"permuted_batches: token id {int(ids.max())} is outside the permutation of "
-                         f"{perm.numel()} ids")
+        raise ValueError(f"window_batches: {ids.numel()} tokens cannot hold one window of seq_len={seq_len} + 1")
+    if vocab_size is not None and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
+        raise ValueError(f"window_batches: token ids {int(ids.min())}..{int(ids.max())} are outside the model's "
+                         f"vocabulary of {vocab_size} ids")
     gen = torch.Generator().manual_seed(seed)
     offsets = torch.arange(seq_len + 1)
     out = []
     for _ in range(steps):
         starts = torch.randint(0, ids.numel() - seq_len, (batch_size,), generator=gen)
-        window = perm[ids[starts[:, None] + offsets]]
+        window = ids[starts[:, None] + offsets]
         out.append({"input_ids": window[:, :-1].contiguous(), "targets": window[:, 1:].contiguous()})
     return out
 
 
-def shift_test(rec: common.RunRecord, steps: int, seed: int = 0) -> dict[str, Any]:
-    """Continue the trained run ``rec`` for ``steps`` optimizer steps on a token-permuted stream.
+# The shift test's text: the other committed corpus (the cpu preset trains on shakespeare, the gpu preset on gutenberg).
+SHIFT_SOURCE = {"shakespeare": "gutenberg", "gutenberg": "shakespeare"}
+SHIFT_MARGIN = 2  # the shift stream holds at least this many times the tokens its windows read
 
-    The model, its router biases and balancer state come from the run's last checkpoint; the
-    optimizer is a fresh AdamW at the schedule's final learning rate (constant, no warm-up), and
-    the balancer runs as in training (``LitMoELab`` adds its ``BalancerCallback``). The stream is
-    the validation split under a random permutation of the vocabulary (``seed``). Lightning's
-    output goes to ``shift.log`` in the run folder.
 
-    Returns ``{"arm", "seed", "step": [steps] (1 = the first shifted step, routed with the trained
-    bias), "maxvio_batch": [steps] (mean over MoE layers)}``.
+@functools.lru_cache(maxsize=2)
+def _encoded(tokenizer_path: str, source: str, min_tokens: int, seed: int) -> tuple[np.ndarray, tuple[str, ...]]:
+    # One encoding per tokenizer for all the arms' shift tests (reading the gutenberg archive takes seconds).
+    from moelab.data.corpus import archive_stream
+    from moelab.data.tokenizer import load_tokenizer
+
+    ids, names = archive_stream(source, load_tokenizer(tokenizer_path), min_tokens, seed)
+    ids.flags.writeable = False
+    return ids, tuple(names)
+
+
+def shift_stream(cfg: Any, steps: int, seed: int = 0) -> dict[str, Any]:
+    """The shift test's text for a run of config ``cfg``: the other committed corpus under the run's tokenizer.
+
+    ``cfg.data.source`` must be a key of :data:`SHIFT_SOURCE`. Documents of the other corpus in an
+    order fixed by ``seed`` (:func:`moelab.data.corpus.archive_stream`), as many as give
+    :data:`SHIFT_MARGIN` x ``steps`` x ``batch_size`` x (``seq_len`` + 1) tokens. Returns
+    ``{"source": the corpus, "ids": [N] int32 (read-only; every id below the tokenizer's vocabulary),
+    "documents": its document ids in stream order}``.
+    """
+    from moelab.data import prepare
+
+    if cfg.data.source not in SHIFT_SOURCE:
+        raise ValueError(f"shift_stream: data.source={cfg.data.source!r} has no shift corpus: expected one of "
+                         f"{tuple(SHIFT_SOURCE)}")
+    source = SHIFT_SOURCE[cfg.data.source]
+    corpus = prepare(cfg.data, progress=False)
+    need = SHIFT_MARGIN * steps * cfg.train.batch_size * (cfg.data.seq_len + 1)
+    ids, names = _encoded(str(corpus.tokenizer_path), source, need, seed)
+    return {"source": source, "ids": ids, "documents": list(names)}
+
+
+def restore_optimizer(optimizer_state: Mapping[str, Any]) -> Any:
+    """A Lightning callback that loads ``optimizer_state`` (a checkpoint's ``optimizer_states[0]``) at train start.
+
+    Lightning restores an optimizer only from ``trainer.fit(ckpt_path=...)``, which also restores the
+    step count, the schedule and the data loader's position; the shift test wants the trained moments
+    only. ``on_train_start`` runs the callbacks' hooks before the module's, so the AdamW moments and
+    step counts come from the checkpoint, then :meth:`LitMoELab.on_train_start` sets the learning
+    rate, weight decay and betas of the config. The new optimizer's implementation flags (``foreach``,
+    ``fused``, ...) are kept.
+    """
+    import lightning as L
+
+    class RestoreOptimizer(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            optimizer = trainer.optimizers[0]
+            flags = [{k: g[k] for k in ("foreach", "fused", "capturable", "differentiable") if k in g}
+                     for g in optimizer.param_groups]
+            optimizer.load_state_dict(optimizer_state)
+            for group, kept in zip(optimizer.param_groups, flags):
+                group.update(kept)
+
+    return RestoreOptimizer()
+
+
+def shift_test(rec: common.RunRecord, steps: int, seed: int = 0, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+    """Continue the trained run ``rec`` for ``steps`` optimizer steps on text of the other corpus.
+
+    A domain shift with nothing else changed: the model, its router biases and balancer state, and
+    the AdamW moments (:func:`restore_optimizer`) come from the run's last checkpoint; the learning
+    rate stays constant at the schedule's final value (no warm-up); the balancer runs as in training
+    (``LitMoELab`` adds its ``BalancerCallback``). The batches are random windows
+    (:func:`window_batches`, ``seed``) of :func:`shift_stream`: the other committed corpus under the
+    run's own tokenizer, so every id is one the model has an embedding for. Lightning's output goes to
+    ``shift.log`` in the run folder. ``callbacks``: more Lightning callbacks for the continuation.
+
+    Returns ``{"arm", "seed", "source": the shift corpus, "step": [steps] (1 = the first shifted step,
+    routed with the trained bias), "maxvio_batch": [steps] (mean over MoE layers)}``.
     """
     import lightning as L
 
     from moelab.config import from_dict, with_overrides
-    from moelab.data import prepare
     from moelab.train.balance import BalancerCallback
     from moelab.train.module import LitMoELab
-    from moelab.train.runner import load_checkpoint, resolve_precision
+    from moelab.train.runner import CheckpointError, load_checkpoint, resolve_precision
 
     folder = Path(rec.summary["last_checkpoint"]).parent
     state = load_checkpoint(folder / "last.ckpt")
+    if not state.get("optimizer_states"):
+        raise CheckpointError(f"{folder / 'last.ckpt'} holds no optimizer state: the shift test continues training")
     trained = from_dict(state["moelab"]["config"])
     t = trained.train
     cfg = with_overrides(trained, {"train.max_steps": steps, "train.warmup_steps": 0,
                                    "train.lr": t.lr * t.min_lr_ratio, "train.min_lr_ratio": 1.0})
-    corpus = prepare(cfg.data, progress=False)
-    perm = torch.randperm(corpus.vocab_size, generator=torch.Generator().manual_seed(seed))
-    batches = permuted_batches(corpus.load_tokens("val"), perm, t.batch_size, cfg.data.seq_len, steps, seed)
+    stream = shift_stream(cfg, steps, seed)
+    batches = window_batches(stream["ids"], t.batch_size, cfg.data.seq_len, steps, seed,
+                             vocab_size=cfg.model.vocab_size)
     with common.output_to(folder / "shift.log"):
         module = LitMoELab(cfg)
         module.load_state_dict(state["state_dict"])
@@ -303,11 +369,12 @@ def shift_test(rec: common.RunRecord, steps: int, seed: int = 0) -> dict[str, An
                             gradient_clip_val=t.grad_clip or None, gradient_clip_algorithm="norm",
                             deterministic=t.deterministic, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                            num_sanity_val_steps=0, default_root_dir=str(folder))
+                            num_sanity_val_steps=0, default_root_dir=str(folder),
+                            callbacks=[restore_optimizer(state["optimizer_states"][0]), *callbacks])
         trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     balancer = next(c for c in trainer.callbacks if isinstance(c, BalancerCallback))
     traj = balancer.trajectories()
-    return {"arm": rec.arm, "seed": rec.seed, "step": [int(s) for s in traj["step"]],
+    return {"arm": rec.arm, "seed": rec.seed, "source": stream["source"], "step": [int(s) for s in traj["step"]],
             "maxvio_batch": [float(v) for v in max_vio(traj["load"]).mean(-1)]}
 
 
@@ -322,7 +389,8 @@ def shift_rows(shifts: Sequence[Mapping[str, Any]], threshold: float,
     Row: ``maxvio_before``; ``maxvio_first`` (the first shifted step, routed with the trained bias);
     ``maxvio_last`` (mean over the last :data:`TAIL` of the shifted steps); ``disturbed`` (the first
     step exceeds :data:`RECOVER` x the level before); ``recover_step`` (:func:`steps_until` back
-    under that level; 1 when not disturbed); ``resettle_step`` (:func:`steps_until` under ``threshold``).
+    under that level; 1 when the first :data:`HOLD` shifted steps are under it); ``resettle_step``
+    (:func:`steps_until` under ``threshold``).
     """
     rows = []
     for s in shifts:
@@ -436,9 +504,7 @@ def router_scores(rec: common.RunRecord, batches: int, seed: int = 0,
     module.load_state_dict(state["state_dict"])
     model = module.model.to(device).eval()
     corpus = prepare(cfg.data, progress=False)
-    identity = torch.arange(corpus.vocab_size)
-    stream = permuted_batches(corpus.load_tokens("train"), identity, cfg.train.batch_size, cfg.data.seq_len, batches,
-                              seed)
+    stream = window_batches(corpus.load_tokens("train"), cfg.train.batch_size, cfg.data.seq_len, batches, seed)
     bf16 = resolve_precision(cfg) == "bf16-mixed" and torch.device(device).type == "cuda"
     scores = []
     for batch in stream:
@@ -577,7 +643,7 @@ def heatmap_figure(trajs: Mapping[str, Mapping[str, Any]]) -> Any:
 
 
 def shift_figure(shifts: Sequence[Mapping[str, Any]], threshold: float, floor: float) -> Any:
-    """MaxVio_batch per step after the switch to the token-permuted stream, one line per arm (and seed)."""
+    """MaxVio_batch per step after the switch to the other corpus's text, one line per arm (and seed)."""
     from matplotlib.figure import Figure
 
     arms = list(dict.fromkeys(s["arm"] for s in shifts))
@@ -590,7 +656,8 @@ def shift_figure(shifts: Sequence[Mapping[str, Any]], threshold: float, floor: f
                 label=s["arm"] if first else None)
     _guides(ax, threshold, floor)
     ax.set_yscale("log")
-    ax.set_xlabel("optimizer step after the switch to the permuted stream")
+    source = next((s["source"] for s in shifts if s.get("source")), None)
+    ax.set_xlabel(f"optimizer step after the switch to {source or 'the other corpus'}")
     ax.set_ylabel("MaxVio_batch (mean over MoE layers)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, ncol=2)
@@ -804,12 +871,27 @@ def findings(summary: Mapping[str, Any]) -> str:
     if tested:
         moved = [a for a in tested if g(a, "shift_disturbed")]
         calm = [a for a in tested if not g(a, "shift_disturbed")]
-        parts = [f"{a} {g(a, 'shift_maxvio_before'):.2f} -> {g(a, 'shift_maxvio_first'):.2f}, back "
-                 + _fmt_steps(g(a, "shift_recover_step"), st["shift_steps"]) for a in moved]
-        lines.append("- Shift test (MaxVio_batch before -> at the switch to the permuted stream, and when it is back "
-                     f"within {RECOVER - 1:.0%} of the level before): " + ("; ".join(parts) if parts else "no arm")
+
+        def levels(a: str) -> str:
+            last = g(a, "shift_maxvio_last")
+            return (f"{a} {g(a, 'shift_maxvio_before'):.2f} -> {g(a, 'shift_maxvio_first'):.2f}"
+                    + ("" if last is None else f" -> {last:.2f}"))
+
+        def calm_end(a: str) -> str:  # recover_step 1: within the level for the first HOLD steps (steps_until)
+            r = g(a, "shift_recover_step")
+            if r is None:
+                return f", not within it for {st['hold']} steps in a row in {st['shift_steps']}"
+            return "" if r == 1 else f", within it again from step {r:.0f}"
+
+        parts = [f"{levels(a)}, back {_fmt_steps(g(a, 'shift_recover_step'), st['shift_steps'])}" for a in moved]
+        source = st.get("shift_source")
+        lines.append(f"- Shift test, {st['shift_steps']} steps on "
+                     + (f"{source} text" if source else "the other corpus's text")
+                     + " with the trained optimizer state (MaxVio_batch before -> at the first shifted step -> "
+                     f"over the last {TAIL:.0%} of the shifted steps, and when it is back within {RECOVER - 1:.0%} "
+                     "of the level before): " + ("; ".join(parts) if parts else "no arm disturbed")
                      + (f". At the switch within {RECOVER - 1:.0%} of the level before (unaffected, or unbalanced "
-                        f"already): {', '.join(calm)}." if calm else "."))
+                        f"already): {'; '.join(levels(a) + calm_end(a) for a in calm)}." if calm else "."))
     if "qb" in arms and "qb_excl_self" in arms:
         a, b = g("qb", "maxvio_batch_mean"), g("qb_excl_self", "maxvio_batch_mean")
         lines.append(f"- The k+1 cutoff leaves MaxVio_batch at {a:.3f}, the excluding-self cutoff at {b:.3f} "

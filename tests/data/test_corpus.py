@@ -192,3 +192,25 @@ def test_hf_source_with_local_text_dataset(tmp_path: Path, monkeypatch: pytest.M
     assert p.tokenizer().decode(p.load_tokens("val")) == "".join(texts[int(i)] + eot for i in ids["val"])
     with pytest.raises(ConfigError, match="data.text_field='story'"):
         prepare(DataConfig(**{**cfg.__dict__, "text_field": "story"}), progress=False)
+
+
+def test_archive_stream_encodes_whole_documents_in_a_seeded_order() -> None:
+    from moelab.data.corpus import _archive_documents, archive_stream
+    from moelab.data.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    docs = _archive_documents("shakespeare")
+    texts = dict(zip(docs.ids, docs.texts(range(len(docs.ids)))))
+    ids, names = archive_stream("shakespeare", tok, min_tokens=200_000, seed=3)
+    assert ids.dtype == np.int32 and int(ids.max()) < tok.vocab_size
+    # the named plays, each closed by end-of-text, and no more than min_tokens needs
+    assert tok.decode(ids.tolist()) == "".join(texts[n] + "\x00" for n in names)
+    sizes = [len(texts[n].encode("utf-8")) + 1 for n in names]
+    assert sum(sizes) >= 200_000 > sum(sizes[:-1]) and len(names) > 1
+    again, same = archive_stream("shakespeare", tok, 200_000, seed=3)
+    assert same == names and np.array_equal(again, ids)
+    assert archive_stream("shakespeare", tok, 200_000, seed=4)[1][0] != names[0]  # another seed, another order
+    everything, all_names = archive_stream("shakespeare", tok, 10**9)  # more than the corpus: all of it
+    assert sorted(all_names) == sorted(docs.ids) and everything.size == sum(len(t.encode()) + 1 for t in texts.values())
+    with pytest.raises(ValueError, match="committed archives"):
+        archive_stream("files", tok, 10)

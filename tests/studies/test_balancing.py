@@ -1,9 +1,11 @@
 """Study 2 logic: the arms differ only in the balancer; balance measures, shift stream and findings on
 tiny synthetic inputs."""
 
+import copy
 import math
 import statistics
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -106,21 +108,21 @@ def test_balance_table_counts_settled_seeds():
     assert agg.loc["qb", "maxvio_batch_mean"] == 2.0 and agg.loc["qb", "n_seeds"] == 2
 
 
-def test_permuted_batches_keep_the_text_under_a_new_vocabulary():
+def test_window_batches_are_shifted_windows_of_the_stream():
     tokens = torch.arange(50).numpy() % 7
-    perm = torch.randperm(7, generator=torch.Generator().manual_seed(0))
-    batches = study.permuted_batches(tokens, perm, batch_size=3, seq_len=5, steps=2, seed=1)
+    batches = study.window_batches(tokens, batch_size=3, seq_len=5, steps=2, seed=1, vocab_size=7)
     assert len(batches) == 2
-    inverse = torch.argsort(perm)
     for b in batches:
         assert b["input_ids"].shape == (3, 5) and b["input_ids"].dtype == torch.long
         assert torch.equal(b["input_ids"][:, 1:], b["targets"][:, :-1])
-        original = inverse[b["input_ids"]]
-        assert torch.equal((original[:, 1:] - original[:, :-1]) % 7, torch.ones(3, 4, dtype=torch.long))
-    with pytest.raises(ValueError, match="outside the permutation"):
-        study.permuted_batches(tokens, perm[:5], 1, 5, 1)
+        ids = torch.cat([b["input_ids"], b["targets"][:, -1:]], 1)
+        assert torch.equal((ids[:, 1:] - ids[:, :-1]) % 7, torch.ones(3, 5, dtype=torch.long))  # contiguous
+    again = study.window_batches(tokens, 3, 5, 2, seed=1)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches, again))
+    with pytest.raises(ValueError, match="outside the model's vocabulary of 5 ids"):
+        study.window_batches(tokens, 1, 5, 1, vocab_size=5)
     with pytest.raises(ValueError, match="seq_len=60"):
-        study.permuted_batches(tokens, perm, 1, 60, 1)
+        study.window_batches(tokens, 1, 60, 1)
 
 
 def test_shift_rows():
@@ -132,21 +134,93 @@ def test_shift_rows():
     assert none["disturbed"] is False and none["recover_step"] == 1 and none["resettle_step"] is None
 
 
+def test_each_preset_shifts_to_the_other_corpus():
+    assert study.base_config("cpu").data.source == "shakespeare" and study.base_config("gpu").data.source == "gutenberg"
+    assert study.SHIFT_SOURCE == {"shakespeare": "gutenberg", "gutenberg": "shakespeare"}
+
+
+def test_shift_stream_is_the_other_corpus_under_the_runs_tokenizer(tmp_path):
+    from moelab.data import prepare
+    from moelab.data.corpus import _archive_documents
+    from moelab.data.tokenizer import EOS_ID
+    from tests.train.helpers import tiny_config
+
+    cfg = tiny_config(tmp_path)  # trains on shakespeare: its shift text is gutenberg's
+    s = study.shift_stream(cfg, steps=3, seed=0)
+    ids, tok = s["ids"], prepare(cfg.data, progress=False).tokenizer()
+    assert s["source"] == "gutenberg" and ids.size >= study.SHIFT_MARGIN * 3 * 8 * 65
+    assert 0 <= int(ids.min()) and int(ids.max()) < tok.vocab_size <= cfg.model.vocab_size
+    # whole gutenberg documents in stream order, each closed by end-of-text, decoding to the archive's text
+    gutenberg = _archive_documents("gutenberg")
+    texts = dict(zip(gutenberg.ids, gutenberg.texts(range(len(gutenberg.ids)))))
+    ends = np.flatnonzero(ids == EOS_ID)
+    assert len(ends) == len(s["documents"]) and ends[-1] == ids.size - 1
+    assert tok.decode(ids[:ends[0]].tolist()) == texts[s["documents"][0]]
+    # not the training text: no shakespeare play holds the first document's opening
+    shakespeare = _archive_documents("shakespeare")
+    head = texts[s["documents"][0]][:300]
+    assert not any(head in t for t in shakespeare.texts(range(len(shakespeare.ids))))
+    assert study.shift_stream(cfg, steps=3, seed=0)["ids"] is ids  # encoded once per tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> common.RunRecord:
+    """A 4-step quantile-balancing run of the tiny preset (shakespeare) with its final checkpoint."""
+    from moelab.train import fit
+    from tests.train.helpers import tiny_config
+
+    cfg = tiny_config(tmp_path_factory.mktemp("run"), model__moe__balancer="quantile_balancing",
+                      train__max_steps=4, train__warmup_steps=1, train__val_every=4, train__val_batches=1,
+                      train__log_every=1, tracking__log_system_metrics=False)
+    res = fit(cfg, checkpoints="final")
+    return common.RunRecord(arm="qb", seed=0, summary=res.summary, history=res.history, val_history=[], tokens=0,
+                            epochs=0.0, train_val_gap=None, fingerprint="x")
+
+
+def test_shift_test_continues_from_the_trained_optimizer_state(tiny_run):
+    import lightning as L
+
+    from moelab.train.runner import load_checkpoint
+
+    ckpt = load_checkpoint(tiny_run.summary["last_checkpoint"])
+    seen = {}
+
+    class Probe(L.Callback):  # the state the first shifted step starts from
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 0:
+                seen["optimizer"] = copy.deepcopy(trainer.optimizers[0].state_dict())  # steps update in place
+                seen["weights"] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+    out = study.shift_test(tiny_run, steps=2, callbacks=[Probe()])
+    assert out["source"] == "gutenberg" and out["step"] == [1, 2] and len(out["maxvio_batch"]) == 2
+    trained, restored = ckpt["optimizer_states"][0], seen["optimizer"]
+    assert trained["state"].keys() == restored["state"].keys() and len(trained["state"]) > 10
+    for i, st in trained["state"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(restored["state"][i][key], st[key]), (i, key)
+    assert float(trained["state"][0]["step"]) == 4  # moments of 4 steps, not a fresh optimizer's
+    cfg = ckpt["moelab"]["config"]["train"]
+    for group in restored["param_groups"]:  # the schedule's final learning rate, constant
+        assert group["lr"] == pytest.approx(cfg["lr"] * cfg["min_lr_ratio"]) and group["initial_lr"] == group["lr"]
+    assert all(torch.equal(seen["weights"][k], v) for k, v in ckpt["state_dict"].items())
+
+
 def _summary(free_global: float, aux_global: float, qb_settle: float | None) -> dict:
     def arm(maxvio_global, settle=None, loss=5.0):
         return {"n_seeds": 2, "final_val_loss_mean": loss, "final_val_loss_std": 0.01,
                 "maxvio_global_mean": maxvio_global, "maxvio_batch_mean": maxvio_global, "dead_experts_mean": 0.0,
                 "settle_step_mean": settle,
                 "settled_seeds": 0 if settle is None else 2, "balancer_share_mean": 0.01, "max_abs_bias": 0.05,
-                "shift_maxvio_before": maxvio_global, "shift_maxvio_first": 3.0, "shift_disturbed": True,
-                "shift_recover_step": settle}
+                "shift_maxvio_before": maxvio_global, "shift_maxvio_first": 3.0, "shift_maxvio_last": 0.4,
+                "shift_disturbed": True, "shift_recover_step": settle}
 
     arms = {a: arm(1.0) for a in study.ARMS}
     arms.update({"loss_free_sign": arm(free_global, 30), "aux_1e-3": arm(aux_global, loss=5.1),
                  "qb": arm(0.5, qb_settle), "qb_excl_self": arm(0.1, 5), "none": arm(7.0)})
     arms["none"]["shift_disturbed"] = False
     settings = {"threshold": 0.1, "noise_floor": 0.04, "steps": 100, "tokens_per_step": 4096, "num_experts": 64,
-                "top_k": 8, "hold": 3, "shift_steps": 20, "loss_free_sign_rate": 1e-3, "device": "CPU"}
+                "top_k": 8, "hold": 3, "shift_steps": 20, "shift_source": "gutenberg", "loss_free_sign_rate": 1e-3,
+                "device": "CPU"}
     return {"meta": {"epochs": 0.5, "corpus_train_tokens": 1000}, "settings": settings, "arms": arms}
 
 
@@ -161,8 +235,14 @@ def test_findings_compare_against_the_anchors():
     assert "(taken as <= 10) holds here" in text
     assert "the report's cutoff stalls on these scores" in text  # 0.5 vs 0.1
     assert "-0.100 nats/token, outside twice the largest seed spread" in text  # sign rule vs aux loss
-    assert "qb 0.50 -> 3.00, back at step 3" in text and "aux_1e-2 1.00 -> 3.00, back never within 20 steps" in text
-    assert "(unaffected, or unbalanced already): none." in text
+    assert "Shift test, 20 steps on gutenberg text with the trained optimizer state" in text
+    assert "qb 0.50 -> 3.00 -> 0.40, back at step 3" in text
+    assert "aux_1e-2 1.00 -> 3.00 -> 0.40, back never within 20 steps" in text
+    calm = "(unaffected, or unbalanced already): none 7.00 -> 3.00 -> 0.40"
+    assert f"{calm}, not within it for 3 steps in a row in 20." in text
+    summary = _summary(free_global=0.04, aux_global=0.6, qb_settle=3)
+    summary["arms"]["none"]["shift_recover_step"] = 1  # within the level from the first shifted step
+    assert f"{calm}." in study.findings(summary)
 
     flipped = study.findings(_summary(free_global=0.9, aux_global=0.6, qb_settle=None))
     assert "so the ordering does not hold" in flipped
