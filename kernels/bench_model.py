@@ -104,6 +104,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
@@ -374,6 +375,19 @@ TARGETS = {
     "moelab_gpu_small_block_attnres_8": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.9),
     "moelab_k3_mini": ("moelab_k3_mini_balancer_none", "ratio_vs_balancer_none", 0.98),  # issue 15: cost <= 2%
 }
+# row -> the most peak memory it may take relative to prenorm's (issue 16: Block AttnRes <= 1.2x)
+MEM_TARGETS = {"moelab_gpu_small_block_attnres": 1.2, "moelab_gpu_small_block_attnres_8": 1.2}
+
+
+def mem_verdict(row: dict, base: dict) -> dict | None:
+    """``{"base", "ratio", "target", "verdict"}``: ``row``'s peak memory over ``base``'s against
+    :data:`MEM_TARGETS` ("met" when at most the target); None for a row without a target or without
+    measured memory (CPU)."""
+    target = MEM_TARGETS.get(row["impl"])
+    if target is None or not row.get("peak_mem_gb") or not base.get("peak_mem_gb"):
+        return None
+    ratio = row["peak_mem_gb"] / base["peak_mem_gb"]
+    return {"base": base["impl"], "ratio": ratio, "target": target, "verdict": "met" if ratio <= target else "not met"}
 
 
 def k3_mini_specs(base: dict) -> list[tuple[str, dict]]:
@@ -453,7 +467,24 @@ def paired_rows(benches: list[Bench], windows: list[list[dict]], planned: int) -
             row[key] = {"base": base, **compare_rounds(by[base]["rounds_step_ms"], row["rounds_step_ms"], target)}
             if key == "ratio_vs_balancer_none":
                 row["balancer_cost"] = 1.0 - row[key]["median"]
+            mem = mem_verdict(row, by[base])
+            if mem is not None:
+                row["mem_vs_prenorm"] = mem
     return rows
+
+
+def _git_commit() -> str | None:
+    """``git rev-parse --short HEAD`` of this checkout, "-dirty" appended when tracked files differ; None
+    outside a git checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("-dirty" if dirty else "")
 
 
 def elapsed() -> float:
@@ -556,6 +587,8 @@ def run_rounds(specs: list[tuple[str, dict]], preset: str, warmup: int, steps: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="studies/throughput_h200.json")
+    ap.add_argument("--commit", default=None, help="commit recorded in every row (default: git rev-parse --short "
+                    "HEAD; a copied tree without .git records none unless given)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--only", choices=["fla", "gpu-small", "k3-mini"], default=None, help="run one group of rows")
@@ -594,17 +627,21 @@ def main() -> None:
         sys.exit("bench_model.py needs a CUDA device (or --smoke for the CPU check)")
     device = "cpu" if args.smoke else "cuda"
     command = "python " + " ".join(sys.argv)
+    commit = args.commit or _git_commit()
     rows = []
 
     def add(row: dict | None) -> None:
         # recorded as soon as measured: a run cut by a time limit keeps the rows it finished
         rows.append(row)
         if row is not None:
+            row["commit"] = commit
             record_throughput(args.out, row, command)
             print(json.dumps(row), flush=True)
             progress(f"recorded {row['impl']}: {row['step_ms']:.1f} ms/step")
 
     def record(group: list[dict]) -> None:
+        for row in group:
+            row["commit"] = commit
         record_throughput(args.out, group, command)  # one write: the file never pairs rows of different rounds
 
     cache = triton.knobs.cache.dir
@@ -672,8 +709,9 @@ def report(rows: list[dict | None]) -> None:
                   else f" (one {'round' if of else 'run each'}{of}: no spread)")
         line = (f"{impl} / {base_impl}: tokens/s {q['median']:.3f}{spread} (target >= {target}): "
                 f"{q['verdict']}")
-        if impl.startswith("moelab_gpu_small_block") and base["peak_mem_gb"]:  # None on the CPU
-            line += f"; peak memory {r['peak_mem_gb'] / base['peak_mem_gb']:.3f} (target <= 1.2)"
+        mem = mem_verdict(r, base)  # None on the CPU
+        if mem is not None:
+            line += f"; peak memory {mem['ratio']:.3f} (target <= {mem['target']}): {mem['verdict']}"
         print(line)
     if "balancer_cost" in by.get("moelab_k3_mini", {}):
         q = by["moelab_k3_mini"].get("ratio_vs_balancer_none")

@@ -112,6 +112,7 @@ def test_bench_model_k3_mini_smoke(tmp_path):
         assert r["loss_finite"] and not r["nonfinite_grads"] and r["tok_per_s"] > 0
         assert 0 < r["balancer_ms"] < r["step_ms"] and r["balancer_share"] == r["balancer_ms"] / r["step_ms"]
     assert qb["balancer_cost"] == 1 - qb["tok_per_s"] / none["tok_per_s"]
+    assert qb["commit"] == none["commit"] and qb["commit"]  # which code the rows measured
     assert "k3-mini quantile_balancing vs none" in res.stdout
 
 
@@ -219,6 +220,19 @@ def test_bench_model_paired_verdict():
         bm.compare_rounds([100.0, 101.0], [100.0, 101.0, 102.0], 0.9)
     with pytest.raises(ValueError, match="at least one"):
         bm.verdict([], 0.9)
+
+
+def test_bench_model_memory_verdict():
+    """Block AttnRes rows get their peak memory over prenorm's against the issue's 1.2x; other rows and
+    rows without measured memory (CPU) get none."""
+    bm = _kernel_script("bench_model")
+    base = {"impl": "moelab_gpu_small_prenorm", "peak_mem_gb": 20.0}
+    row = {"impl": "moelab_gpu_small_block_attnres_8", "peak_mem_gb": 23.0}
+    assert bm.mem_verdict(row, base) == {"base": "moelab_gpu_small_prenorm", "ratio": 1.15, "target": 1.2,
+                                         "verdict": "met"}
+    assert bm.mem_verdict({**row, "peak_mem_gb": 24.5}, base)["verdict"] == "not met"
+    assert bm.mem_verdict({**row, "impl": "moelab_gpu_small_full_attnres"}, base) is None  # no memory target
+    assert bm.mem_verdict({**row, "peak_mem_gb": None}, base) is None
 
 
 def test_bench_model_round_order():
