@@ -233,7 +233,9 @@ def test_study4_summary_holds_its_schedules_and_verdicts() -> None:
 
     s = json.loads(STUDY4.read_text())
     rows = s["rows"]
-    assert rows and all(set(r) == set(ROW_KEYS) for r in rows)
+    # the row keys, and each run's training time with the clock it was read from (summarize)
+    assert rows and all(set(r) == {*ROW_KEYS, "train_s", "train_clock"} for r in rows)
+    assert all(r["train_clock"] in ("steady", "wall") and 0 < r["train_s"] <= r["wall_s"] for r in rows)
     for sched in SCHEDULES:
         seeds = {r["seed"] for r in rows if r["schedule"] == sched}
         assert len(seeds) >= 3, f"{sched} has seeds {seeds}: compared losses need three or more"

@@ -84,14 +84,15 @@ PRESETS = {
     # the MoE dispatch cost most of a CPU step), 80 steps of 2048 tokens, 9 runs. The shortest stage is 256
     # because a passkey sample needs 132 tokens with the 512-id tokenizer; 256 -> 1024 -> 2048 keeps the ratio
     # 1:4:8. The evaluation (passkey and MQAR up to 8192 tokens, plain-PyTorch attention, ~11K tokens/s) takes
-    # over half the time; retrieval stays at chance at this scale, so it runs 2 passkey samples per cell and 4
-    # MQAR samples per length (times 3 seeds). One thread (see study 3).
+    # half the time (114 of 241 s in CI at bece0e7, with 4 MQAR samples per length and 4 loss-by-position
+    # windows); retrieval stays at chance at this scale, so it runs 2 passkey samples per cell, 2 MQAR samples
+    # per length and 2 loss-by-position windows (times 3 seeds). One thread (see study 3).
     "cpu": Plan("tiny", {"model.pattern": "M", "model.dense_layers": 8, "model.max_seq_len": 2048,
                          "data.seq_len": 2048, "train.batch_size": 1, "train.max_steps": 80,
                          "train.warmup_steps": 8, "train.val_every": 20, "train.val_batches": 2,
                          "train.log_every": 5, "tracking.log_system_metrics": False},
                 (256, 1024, 2048), (0.5, 0.3, 0.2), 80, 0.1, (0, 1, 2),
-                EvalPlan(depths=(0.0, 0.5, 1.0), samples=2, mqar_pairs=8, mqar_samples=4, lbp_samples=4,
+                EvalPlan(depths=(0.0, 0.5, 1.0), samples=2, mqar_pairs=8, mqar_samples=2, lbp_samples=2,
                          batch_size=4),
                 threads=1, notes="all-MLA, d_model 64, 80 steps of 2048 tokens; stages 256 -> 1024 -> 2048"),
     # One H200, estimated ~6.5 minutes with compilation (not yet measured): gpu-small (3 KDA : 1 MLA, d_model 512,
