@@ -104,7 +104,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
@@ -119,6 +118,7 @@ from moelab.config import load_config  # noqa: E402
 from moelab.model import MoELab  # noqa: E402
 from moelab.model.accounting import flops_per_token, param_counts  # noqa: E402
 from moelab.model.balance import balance_step, balanced_routers  # noqa: E402
+from moelab.tracking import git_commit  # noqa: E402
 from moelab.train.perf import record_throughput  # noqa: E402
 
 ANCHOR_PEAK = 792e12  # measured bf16 8192^3 matmul on the H200 (anchors/h200.md)
@@ -473,20 +473,6 @@ def paired_rows(benches: list[Bench], windows: list[list[dict]], planned: int) -
     return rows
 
 
-def _git_commit() -> str | None:
-    """``git rev-parse --short HEAD`` of this checkout, "-dirty" appended when tracked files differ; None
-    outside a git checkout."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("-dirty" if dirty else "")
-
-
 def elapsed() -> float:
     """Seconds since the script started (:data:`START`)."""
     return time.perf_counter() - START
@@ -587,7 +573,7 @@ def run_rounds(specs: list[tuple[str, dict]], preset: str, warmup: int, steps: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="studies/throughput_h200.json")
-    ap.add_argument("--commit", default=None, help="commit recorded in every row (default: git rev-parse --short "
+    ap.add_argument("--commit", default=None, help="commit recorded in every row (default: git rev-parse "
                     "HEAD; a copied tree without .git records none unless given)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
@@ -627,7 +613,7 @@ def main() -> None:
         sys.exit("bench_model.py needs a CUDA device (or --smoke for the CPU check)")
     device = "cpu" if args.smoke else "cuda"
     command = "python " + " ".join(sys.argv)
-    commit = args.commit or _git_commit()
+    commit = args.commit or git_commit()
     rows = []
 
     def add(row: dict | None) -> None:
