@@ -377,6 +377,8 @@ def _bwd_programs(n_tiles: int, device: torch.device, cfg: LaunchConfig, key: tu
 def _note_resident(key: tuple, kernel, device: torch.device, warps: int) -> None:
     """Programs of a compiled kernel that fit on one SM: registers (allocated per thread in units
     of 8), shared memory, and 64 warps per SM."""
+    if getattr(kernel, "n_regs", None) is None:
+        return  # no compiled kernel came back (bench_attnres --occupancy records launches without running them)
     props = triton.runtime.driver.active.utils.get_device_properties(device.index)
     regs = -(-kernel.n_regs // 8) * 8
     fit = [props["max_num_regs"] // (max(regs, 8) * 32 * warps), 64 // warps]

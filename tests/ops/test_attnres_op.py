@@ -656,8 +656,10 @@ def test_backward_barriers_per_source():
     """The backward's block-wide barriers per group of sources are few in the main loop (one compiled
     kernel for every L: the sources are a loop at run time): at most 3 per group, or 2 per source in a group
     of several (Triton 3.9 compiles a group of 4 at the 4 x 8 tile with 2, Triton 3.6 with 6, measured on the
-    H200 at f5cf7b2), and none in the first pass that sums
-    ``sum_j p_j v_j`` when h is 16-bit (c is one row sum per tile after it), at the D = 512 launch and at the
+    H200 at f5cf7b2), and at most 3 in the first pass that sums
+    ``sum_j p_j v_j`` when h is 16-bit (c is one row sum per tile after it: Triton 3.9 compiles it with none,
+    Triton 3.6 with 3 at the 4 x 8 tile with 4 sources, measured on the H200 at fdd7e59,
+    ``kernels/results/attnres_pytest_h200_fdd7e59.log``), at the D = 512 launch and at the
     default rule's tile (4 x 8), one source or 4 at a time. The backward that the model profile at fae1b98
     timed (64 ms per step in Full AttnRes, 0.59 TB/s) reduced ``B`` over the tile's rows once per source, a
     shared-memory round trip: 10 barriers per source in its sm_90 PTX, where the kernel that sums ``B`` in a
@@ -677,7 +679,7 @@ def test_backward_barriers_per_source():
         where = f"backward at rows={rows}, warps={warps}, group={group}, C_FROM_H={c_from_h}"
         assert len(loops) == (1 if c_from_h else 2), f"{where}: loops over the sources {loops}"
         assert loops[-1] <= max(3, 2 * group), f"{where}: barriers per group in the main loop {loops}"
-        assert c_from_h or loops[0] == 0, f"{where}: barriers per group in the pass that sums c {loops}"
+        assert c_from_h or loops[0] <= 3, f"{where}: barriers per group in the pass that sums c {loops}"
 
 
 @pytest.mark.slow
@@ -699,3 +701,14 @@ def test_groups_load_more_at_once_at_the_default_launch(tmp_path):
         one, four = rows[(kernel, 1)], rows[(kernel, 4)]
         assert max(one["stack"], four["stack"]) <= 16, (one, four)
         assert four["programs_per_sm"] * 4 > one["programs_per_sm"], (one, four)
+
+
+def test_note_resident_skips_a_launch_without_a_compiled_kernel():
+    """``bench_attnres --occupancy`` swaps the kernels for recorders that return None; the backward's note of
+    how many programs fit on an SM must skip such a launch (on the H200 at fdd7e59 it raised AttributeError
+    on ``None.n_regs``) and leave nothing behind, so the next real launch still measures it."""
+    from moelab.ops import attnres
+
+    key = ("test-key-without-kernel",)
+    attnres._note_resident(key, None, torch.device("cpu"), 4)
+    assert key not in attnres._RESIDENT
