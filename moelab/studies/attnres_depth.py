@@ -69,7 +69,7 @@ PRESETS = {
                          "train.log_every": 5, "tracking.log_system_metrics": False},
                 (2, 4, 8), (0, 1, 2), (0,), (8,), threads=1,
                 notes="all-MLA mixers, d_model 64, 40 steps of 8 x 64 tokens"),
-    # One H200, estimated ~7 minutes with compilation (not yet measured): gpu-small's hybrid (3 KDA : 1 MLA,
+    # One H200: 504 s wall at fdd7e59 (estimated ~7 minutes beforehand; summary.json): gpu-small's hybrid (3 KDA : 1 MLA,
     # d_model 512) with dense FFNs, 80 steps of 16K tokens. Estimate: gpu-small's measured 121 ms per
     # 32K-token step over 12 layers is ~5 ms per layer per 16K-token step; Block and Full AttnRes cost ~1.9x
     # prenorm's step at 12 layers (kernels/results/restructure_h200/model_gpu_small_1227ff2.json; Full's extra

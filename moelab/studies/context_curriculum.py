@@ -95,8 +95,8 @@ PRESETS = {
                 EvalPlan(depths=(0.0, 0.5, 1.0), samples=2, mqar_pairs=8, mqar_samples=2, lbp_samples=2,
                          batch_size=4),
                 threads=1, notes="all-MLA, d_model 64, 80 steps of 2048 tokens; stages 256 -> 1024 -> 2048"),
-    # One H200, estimated ~6.5 minutes with compilation (not yet measured): gpu-small (3 KDA : 1 MLA, d_model 512,
-    # MoE) at 32K tokens per step, 1K -> 4K -> 16K (the report's 8K -> 64K -> 256K ratios 1:8:32, scaled to
+    # One H200: 479 s wall at f5cf7b2 (estimated ~6.5 minutes beforehand; summary.json): gpu-small (3 KDA : 1
+    # MLA, d_model 512, MoE) at 32K tokens per step, 1K -> 4K -> 16K (the report's 8K -> 64K -> 256K ratios 1:8:32, scaled to
     # 1:4:16). Estimate: gpu-small's measured 121 ms per 32K-token step (T = 4096; the three MLA layers' longer
     # attention adds a little at 16K), so ~15 s of steps and ~5 s of start, validation and checkpoints per run,
     # ~3 min for 3 schedules x 3 seeds; the evaluation forwards ~7M tokens per model (passkey and MQAR up to

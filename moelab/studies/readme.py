@@ -92,6 +92,11 @@ def _residual_modes() -> Row:
         f"{r['impl'].removeprefix('moelab_gpu_small_')} "
         + (_paired(r, "ratio_vs_prenorm") if "ratio_vs_prenorm" in r else f"{r['tok_per_s'] / base['tok_per_s']:.2f}x")
         for r in rows if r is not base) + " (issue 16's targets: block >= 0.9x, full >= 0.75x)"
+    mem = [r for r in rows if "mem_vs_prenorm" in r]
+    if mem:
+        ratios += "; peak memory of prenorm's: " + ", ".join(
+            f"{r['impl'].removeprefix('moelab_gpu_small_')} {r['mem_vs_prenorm']['ratio']:.2f}x "
+            f"({r['mem_vs_prenorm']['verdict']})" for r in mem) + " (target: block <= 1.2x)"
     return ("gpu-small per residual mode, fwd+bwd+AdamW (`kernels/bench_model.py --only gpu-small`)",
             f"{', '.join(parts)} tokens/s{ratios}; loss and every gradient {'finite' if finite else 'NOT finite'}",
             [_ref(f)], (f, _needle(rows[0]["tok_per_s"])))
