@@ -25,25 +25,29 @@ B8 T4096 (torch.profiler; JSON key ``kernel_ms``).
     python kernels/bench_kda.py --part infer --infer-shapes 3 --out /tmp/x.json   # B1 T32768 H16 only
     python kernels/bench_kda.py --part infer --infer-shapes 0 3 2 1 --infer-candidates --infer-sweep \
         --sweep-shapes 0 2 3   # the candidate paths beside fla at every shape, then the sweep at three
+    python kernels/bench_kda.py --part infer --infer-impls moelab_infer fla_chunk_kda \
+        --infer-candidates fold_v+longest_first   # fewer rows: one candidate, no training-forward rows
 
 ``--part infer`` times forwards only (no grad), bf16, output and final state returned by every side:
-``moelab_infer`` (``moelab.ops.kda.triton_infer.kda_infer``: chunk 16, gate, L2 norm and beta
-sigmoid in its kernels) against ``fla_chunk_kda`` (the same in-kernel gate, L2 norm, beta sigmoid
-and bound) and ``moelab_train_fwd`` (the training op's forward, fixed length only: it takes no
-``cu_seqlens``), at fixed length and packed (``cu_seqlens``: each row's T tokens cut into 6
-uneven documents, all rows packed into one), with the relative difference of moelab's output and
-final state from fla's as a check. Each ``moelab_infer`` row records which recurrence ran (``path``:
-plain, or segmented with its segment length and count); where it is segmented (B1 T32768 H16 fixed
-on an H200), a ``moelab_infer_plain`` row times the plain recurrence on the same inputs, and
-``diff_vs_plain`` compares the two. ``--infer-candidates`` adds a ``moelab_infer[NAME]`` row per
-candidate path (``INFER_CANDIDATES``: ``kda_infer``'s ``fold_v`` / ``pieces``) other than the op's
-default. ``--infer-sweep`` then times, at the fixed-length sweep shapes (``--sweep-shapes``), each
-launch config of the inference forward's two kernels apart for the paths whose kernels differ
-(``INFER_SWEEP_INTRA``, ``INFER_SWEEP_RECUR``; JSON key ``sweep``: ms, GB/s of the least bytes each
-kernel must move, error against the training forward), the whole op per candidate path and, where
-the op segments, per segment length; and adds a ``moelab_infer_tuned`` row per shape and layout
-where the fastest passing configs differ from the defaults. The comparison rows come first, so a run
-cut short keeps them (the JSON is written after every row and sweep shape).
+``moelab_infer`` (``moelab.ops.kda.triton_infer.kda_infer``: chunk 16, gate, L2 norm and beta sigmoid in its
+kernels) against ``fla_chunk_kda`` (the same in-kernel gate, L2 norm, beta sigmoid and bound) and
+``moelab_train_fwd`` (the training op's forward, fixed length only: it takes no ``cu_seqlens``), at fixed
+length and packed (``cu_seqlens``: each row's T tokens cut into 6 uneven documents, all rows packed into
+one), with the relative difference of moelab's output and final state from fla's as a check. Each
+``moelab_infer`` row records which recurrence ran (``path``: plain, or segmented with its segment length and
+count); where it is segmented (B1 T32768 H16 fixed on an H200), a ``moelab_infer_plain`` row times the plain
+recurrence on the same inputs, and ``diff_vs_plain`` compares the two. ``--infer-candidates [NAME ...]``
+adds a ``moelab_infer[NAME]`` row per candidate path (``INFER_CANDIDATES``: ``kda_infer``'s ``fold_v`` /
+``pieces`` / ``longest_first``; the named ones, or every one) that differs from the op's default there
+(``longest_first`` on packed rows only). ``--infer-impls`` keeps only some of the comparison rows. Each
+printed row ends with the seconds since its shape began (compilation and fla's autotuning show there).
+``--infer-sweep`` then times, at the fixed-length sweep shapes (``--sweep-shapes``), each launch config of
+the inference forward's two kernels apart for the paths whose kernels differ (``INFER_SWEEP_INTRA``,
+``INFER_SWEEP_RECUR``; JSON key ``sweep``: ms, GB/s of the least bytes each kernel must move, error against
+the training forward), the whole op per candidate path and, where the op segments, per segment length; and
+adds a ``moelab_infer_tuned`` row per shape and layout where the fastest passing configs differ from the
+defaults. The comparison rows come first, so a run cut short keeps them (the JSON is written after every row
+and sweep shape).
 """
 
 from __future__ import annotations
@@ -352,9 +356,14 @@ INFER_SWEEP_TOL = 2e-2
 INFER_SWEEP_SEGMENTS = [0, 64, 128, 256]
 # candidate paths: kda_infer's fold_v / pieces (triton_infer.FOLD_V, PIECES); "base" is u materialised, one
 # launch of each kernel. Pieces apply to the plain recurrence only: skipped where the op segments.
-INFER_CANDIDATES = {"base": dict(fold_v=False, pieces=1), "fold_v": dict(fold_v=True, pieces=1),
-                    "pieces2": dict(fold_v=False, pieces=2), "pieces4": dict(fold_v=False, pieces=4),
-                    "fold_v+pieces4": dict(fold_v=True, pieces=4)}
+INFER_CANDIDATES = {"base": dict(fold_v=False, pieces=1, longest_first=False),
+                    "fold_v": dict(fold_v=True, pieces=1, longest_first=False),
+                    "pieces2": dict(fold_v=False, pieces=2, longest_first=False),
+                    "pieces4": dict(fold_v=False, pieces=4, longest_first=False),
+                    "fold_v+pieces4": dict(fold_v=True, pieces=4, longest_first=False),
+                    "fold_v+longest_first": dict(fold_v=True, pieces=1, longest_first=True)}
+# candidates that change nothing on fixed-length rows (they order packed documents): timed on packed rows only
+PACKED_ONLY = ("longest_first",)
 
 
 def infer_bytes(plan) -> dict:
@@ -435,6 +444,8 @@ def infer_sweep(shapes, dev, beta_logits, warmup, rep) -> dict:
             res["kernels"][name] = kres
         seg = res["kernels"]["base"]["path"]["segment_chunks"]
         for name, kw in INFER_CANDIDATES.items():
+            if any(kw.get(key) for key in PACKED_ONLY):  # the sweep's rows are fixed length
+                continue
             row = dict(candidate=name, ms=None)
             if kw["pieces"] > 1 and seg:
                 row.update(ok=False, error=f"not run: the op segments here (segment_chunks={seg}); pieces need "
@@ -517,7 +528,7 @@ def run_infer(args, dev) -> int:
         with open(out, "w") as f:
             json.dump(dict(meta=meta, rows=rows, **(dict(sweep=sweep) if sweep else {})), f, indent=1)
 
-    impls = [i for i in INFER_IMPLS if not (i.startswith("fla") and fla_chunk_kda is None)]
+    impls = [i for i in (args.infer_impls or INFER_IMPLS) if not (i.startswith("fla") and fla_chunk_kda is None)]
     for shape in shapes:
         for packed in (False, True):
             infer_rows(shape, packed, impls, args.infer_candidates, None, dev, beta_logits, warmup, rep, rows, write)
@@ -551,10 +562,12 @@ def infer_rows(shape, packed, impls, candidates, tuned, dev, beta_logits, warmup
     results = {}
     path = infer_path("moelab_infer", x, beta_logits)
     # candidate paths other than the op's default here; pieces need the plain recurrence
-    cands = [f"moelab_infer[{n}]" for n, kw in INFER_CANDIDATES.items() if candidates
-             and (kw["fold_v"], kw["pieces"]) != (path["fold_v"], path["pieces"])
+    cands = [f"moelab_infer[{n}]" for n, kw in INFER_CANDIDATES.items() if candidates is not None
+             and (not candidates or n in candidates)
+             and any(kw[key] != path[key] for key in kw if packed or key not in PACKED_ONLY)
              and not (kw["pieces"] > 1 and path["segmented"])]
     start = len(rows)
+    t0 = time.perf_counter()
     for impl in impls + cands:
         if (impl == "moelab_train_fwd" and packed) or (impl == "moelab_infer_plain" and not path["segmented"]):
             continue
@@ -578,8 +591,8 @@ def infer_rows(shape, packed, impls, candidates, tuned, dev, beta_logits, warmup
         ms = f"{row['fwd_ms']:9.3f}" if row["fwd_ms"] is not None else "        -"
         seg = row.get("path", {}).get("segment_chunks")
         seg = f"  segments of {seg} chunks" if seg else ""
-        print(f"{impl:30s} {layout:6s} B{B:<2d} T{T:<6d} H{H:<3d} D{D}  fwd {ms} ms  {row.get('error', '')}{seg}",
-              flush=True)
+        print(f"{impl:30s} {layout:6s} B{B:<2d} T{T:<6d} H{H:<3d} D{D}  fwd {ms} ms  {row.get('error', '')}{seg}"
+              f"  [{time.perf_counter() - t0:.0f} s into the shape, compilation and autotuning included]", flush=True)
     if "fla_chunk_kda" in results:
         fo, fS = results["fla_chunk_kda"]
         for row in rows[start:]:
@@ -614,7 +627,7 @@ def print_infer_ratios(rows) -> None:
             o = by.get((other, layout, B, T, H))
             if o is not None:
                 parts.append(f"{other} / {impl} {o / ms:.2f}x")
-        print(f"  {layout:6s} B{B} T{T} H{H}: " + ("  ".join(parts) or "-"))
+        print(f"  {impl:30s} {layout:6s} B{B} T{T} H{H}: " + ("  ".join(parts) or "-"))
 
 
 
@@ -630,9 +643,12 @@ def main() -> int:
     ap.add_argument("--commit", help="commit to record (--part infer; default: git rev-parse HEAD)")
     ap.add_argument("--sweep-shapes", nargs="*", type=int, choices=range(len(INFER_SHAPES)),
                     help="--infer-sweep: only these indices of INFER_SHAPES (default: the shapes of the run)")
-    ap.add_argument("--infer-candidates", action="store_true",
-                    help="--part infer: also time moelab_infer on every candidate path of INFER_CANDIDATES other "
-                         "than its default (rows moelab_infer[NAME]), fixed and packed")
+    ap.add_argument("--infer-candidates", nargs="*", choices=tuple(INFER_CANDIDATES), default=None, metavar="NAME",
+                    help="--part infer: also time moelab_infer on these candidate paths of INFER_CANDIDATES "
+                         f"({', '.join(INFER_CANDIDATES)}; none named: every one) where they differ from its "
+                         "default (rows moelab_infer[NAME]), fixed and packed")
+    ap.add_argument("--infer-impls", nargs="*", choices=INFER_IMPLS, default=None, metavar="IMPL",
+                    help=f"--part infer: only these of {', '.join(INFER_IMPLS)} (default: all)")
     ap.add_argument("--infer-sweep", action="store_true",
                     help="--part infer: first time the inference kernels' launch configs apart at every shape "
                          "(JSON key sweep), then also time moelab_infer at the fastest (moelab_infer_tuned)")

@@ -76,6 +76,23 @@ def test_bench_kda_infer_sweep_smoke(tmp_path):
     assert sweep["best_intra"] and sweep["best_recur"]
 
 
+def test_bench_kda_infer_named_candidates(tmp_path):
+    """``--infer-candidates NAME ...`` times only the named candidate paths, and only where they differ from the
+    op's default (longest_first: packed rows only); ``--infer-impls`` keeps only the named comparison rows."""
+    out = tmp_path / "infer.json"
+    res = _run(["kernels/bench_kda.py", "--part", "infer", "--smoke", "--out", str(out), "--infer-impls",
+                "moelab_infer", "--infer-candidates", "base", "fold_v+longest_first"], tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    got = sorted((r["layout"], r["impl"]) for r in rows)
+    assert got == [("fixed", "moelab_infer"), ("fixed", "moelab_infer[base]"), ("packed", "moelab_infer"),
+                   ("packed", "moelab_infer[base]"), ("packed", "moelab_infer[fold_v+longest_first]")], got
+    assert all(r["fwd_ms"] > 0 for r in rows)
+    lf = next(r for r in rows if r["impl"].endswith("longest_first]"))
+    assert lf["path"]["longest_first"] and lf["path"]["fold_v"]
+    assert "s into the shape" in res.stdout
+
+
 def test_aot_report(tmp_path):
     """sm_90 compile of one kernel through ptxas (ships with the triton wheel)."""
     res = _run(["kernels/aot_kda.py", "--only", "dg"], tmp_path)

@@ -141,9 +141,10 @@ def test_launch_overrides_restore_and_check():
 PER_CASES = [(3, 37, 20, 40, None), (1, 50, 32, 32, [0, 5, 21, 21, 48, 49, 50])]
 
 
+@pytest.mark.parametrize("fold_v", [False, True], ids=["u", "fold_v"])
 @pytest.mark.parametrize("per", [2, 3, 4])
 @pytest.mark.parametrize("case", PER_CASES, ids=["fixed", "packed"])
-def test_intra_slots_per_program_match_one(case, per):
+def test_intra_slots_per_program_match_one(case, per, fold_v):
     """Every intermediate of the intra kernel at ``per`` slots per program equals the one-slot launch's
     exactly (each slot computes the same), and slots past the last write nothing (the buffers start
     from a sentinel that must stay where PER = 1 leaves it)."""
@@ -151,15 +152,16 @@ def test_intra_slots_per_program_match_one(case, per):
     x = _inputs(B, T, 2, K, V, torch.float32, seed=T + per, n_states=1)
     plan = triton_infer.InferPlan(x["q"], x["k"], x["v"], x["z"], x["beta_logit"], gate="bounded", A_log=x["A_log"],
                                   dt_bias=x["dt_bias"], l2norm_qk=True, silu_qk=True, beta_sigmoid=True,
-                                  cu_seqlens=torch.tensor(cu, device=DEV) if cu is not None else None)
-    bufs = (plan.w, plan.u, plan.qg, plan.kd, plan.Aqk, plan.gl)
+                                  cu_seqlens=torch.tensor(cu, device=DEV) if cu is not None else None,
+                                  fold_v=fold_v)
+    bufs = (plan.w, plan.ab if fold_v else plan.u, plan.qg, plan.kd, plan.Aqk, plan.gl)
     outs = []
     for cfg in ((1, 1, 1), (1, 2, per)):
         for t in bufs:
             t.fill_(123.0)
         plan.intra(*cfg)
         outs.append([t.clone() for t in bufs])
-    for name, one, many in zip(("w", "u", "qg", "kd", "Aqk", "gl"), *outs):
+    for name, one, many in zip(("w", "ab" if fold_v else "u", "qg", "kd", "Aqk", "gl"), *outs):
         assert torch.equal(one, many), f"{name}: PER = {per} differs from PER = 1"
     # gl's last row is the recurrence's read-ahead pad, written by no slot
     assert bool((outs[0][5][:-1] == 123.0).any()) == (cu is not None), "only the packed grid has spare slots"
@@ -369,11 +371,44 @@ def test_pieces_equal_one_launch_bit_for_bit(case, fold_v):
     assert_close(_reference(x, None, cu, gate="bounded")[0], o, TOL[torch.float32], "o, no initial or final state")
 
 
+# longest_first: packed documents of 1, 2, 0, 2, 1, 1 chunks (ties and an empty one), on the plain and the
+# segmented recurrence (the segments become the documents ordered) and in pieces (each piece's lengths).
+@pytest.mark.parametrize("fold_v", [False, True], ids=["u", "fold_v"])
+@pytest.mark.parametrize("case", [(PACKED, 0, 1), (SEG_PACKED, 3, 1), (PACKED, 0, 3)],
+                         ids=["plain", "segmented", "pieces"])
+def test_longest_first_equals_document_order_bit_for_bit(case, fold_v):
+    """The recurrence's programs taking the packed documents longest first give the same o and final states
+    bit for bit: every program computes what it computed in document order, only its place in the launch
+    changes; and the kernel does follow the order it is given (one that sends every program to document 0
+    leaves the other documents' outputs unwritten)."""
+    cu, seg, P = case
+    x = _inputs(1, cu[-1], 2, 32, 16, torch.float32, seed=len(cu) + seg + P, n_states=len(cu) - 1)
+    kw = dict(gate="bounded", fold_v=fold_v, segment_chunks=seg, pieces=P)
+    ordered = _run(x, x["s0"], cu, longest_first=True, **kw)
+    plain = _run(x, x["s0"], cu, longest_first=False, **kw)
+    assert torch.equal(ordered[0], plain[0]) and torch.equal(ordered[1], plain[1])
+    assert_close(_reference(x, x["s0"], cu, gate="bounded")[0], ordered[0], TOL[torch.float32], "o")
+    real = triton_infer._longest_first
+    try:
+        triton_infer._longest_first = lambda chunks: torch.zeros_like(real(chunks))
+        broken = _run(x, x["s0"], cu, longest_first=True, **kw)
+    finally:
+        triton_infer._longest_first = real
+    assert not torch.equal(broken[1], plain[1]), "the recurrence ignored its program order"
+
+
+def test_longest_first_order():
+    """Document indices by chunk count, longest first, ties (and empty documents) in index order."""
+    chunks = torch.tensor([1, 2, 0, 2, 1, 1])
+    assert triton_infer._longest_first(chunks).tolist() == [1, 3, 0, 4, 5, 2]
+
+
 def test_candidate_arguments_are_checked():
     x = _inputs(1, 40, 1, 16, 16, torch.float32, seed=2, n_states=1)
     for bad in (0, -1, 2.0, True):
         _err(lambda bad=bad: _run(x, None, None, gate="bounded", pieces=bad), f"pieces={bad!r} is not allowed")
     _err(lambda: _run(x, None, None, gate="bounded", fold_v=1), "fold_v=1 is not allowed")
+    _err(lambda: _run(x, None, None, gate="bounded", longest_first=0), "longest_first=0 is not allowed")
     _err(lambda: _run(x, None, None, gate="bounded", pieces=2, segment_chunks=1),
          "pieces=2 is not allowed with the segmented recurrence")
 

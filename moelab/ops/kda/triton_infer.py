@@ -47,10 +47,15 @@ Kernels (bases of exponentials are 2: G is kept in log2 units, ``exp2(G)`` is ``
   ``S_end = A S_start + B`` (identity V-blocks, no output), then ``_kda_infer_join`` chains the
   transitions into each segment's start state, then the kernel again for the output
   (``InferPlan``): a chain of ``n / P + P + n / P`` steps instead of ``n`` over P segments.
-* Candidate paths, off by default until measured on the GPU (``FOLD_V``, ``PIECES``): ``fold_v``
-  stores ``Ab = (I + L)^-1 Diag(beta)`` instead of u and the recurrence forms ``u = Ab v`` from the
-  raw v (448 B fewer per token and head at K = V = 128); ``pieces`` overlaps the intra kernel and
-  the plain recurrence, piece by piece of every document, on two streams (``InferPlan._run_pieces``).
+* ``fold_v`` (the default, ``FOLD_V``; measured on the H200 at fdd7e59): the intra kernel stores
+  ``Ab = (I + L)^-1 Diag(beta)`` instead of u and the recurrence forms ``u = Ab v`` from the raw v
+  (448 B fewer per token and head at K = V = 128): B1 T8192 H64 0.903 ms against 1.113 with u
+  materialised, in one run. ``fold_v=False`` runs the u path.
+* Candidates, off by default: ``pieces`` (``PIECES``) overlaps the intra kernel and the plain
+  recurrence, piece by piece of every document, on two streams (``InferPlan._run_pieces``); measured
+  at fdd7e59 it gains 2-4% on the u path and loses 28% with ``fold_v`` (1.153 ms at 4 pieces).
+  ``longest_first`` (``LONGEST_FIRST``, packed documents): the recurrence's programs take the
+  documents longest first (not yet measured).
 
 Bytes per token and head of each kernel and path, what the H200 measured against them, and the
 parallelism: kernels/README.md, "Inference forward".
@@ -115,16 +120,26 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LAUNCH: dict = {"intra": (2, 1, 1), "recur": ((64, 4, 3, 96), (32, 2, 3, 0), (16, 1, 3, 0)), "join": (16, 4)}
 _INTERP_BV = 16  # the interpreter: 16-wide V-blocks so that small test shapes take several
 
-# Candidate paths, off until the H200 sweep has measured them (kernels/README.md, "Inference forward"):
-# FOLD_V: the intra kernel stores (I + L)^-1 Diag(beta) (16 x 16 per chunk) instead of u = that times v
+# Paths measured on the H200 (kernels/README.md, "Inference forward"; kernels/results/history/
+# kda_infer_cand_h200_fdd7e59.json, kda_infer_foldv_h200_fdd7e59.json):
+# FOLD_V (on): the intra kernel stores (I + L)^-1 Diag(beta) (16 x 16 per chunk) instead of u = that times v
 # (16 x V), and the recurrence forms u from v itself (one small product per chunk, off its chain):
 # 448 B fewer per token and head at K = V = 128 (the intra kernel neither reads v nor writes u).
-# PIECES: the plain recurrence and the intra kernel overlapped in time: each document cut into that many
+# PIECES (1: off; 2 and 4 gained 2-4% on the u path, and 4 lost 28% with FOLD_V): the plain recurrence and
+# the intra kernel overlapped in time: each document cut into that many
 # pieces; the intra kernel runs piece by piece on the current stream, the recurrence of piece p on a
 # high-priority stream as soon as the intra kernel has finished piece p (the recurrence holds a few
 # programs per SM; the intra kernel fills the rest of the GPU meanwhile).
-FOLD_V = False
+FOLD_V = True
 PIECES = 1
+# LONGEST_FIRST (candidate, off until measured): packed documents' recurrence programs ordered by the
+# document's chunk count, longest first. A launch of more programs than fit on the GPU at once starts them
+# in about the order of their ids, so a long document whose programs start late sets the end of the launch;
+# longest first is the classic list-scheduling order against that tail. Expected gain, not measured: the
+# bench's packed B8 T4096 H16 row (0.958 ms against 0.782 fixed at fdd7e59, the same work) runs 1536
+# programs of 64 columns, several waves, over documents of 13-101 chunks (mean 43): a 101-chunk document
+# started in the last wave ends ~60 chunk steps (~70 us at ~1.15 us each) after the others.
+LONGEST_FIRST = False
 
 # Recurrence cost model, for the choice between the plain and the segmented recurrence and of the
 # segment length, in units of one latency-bound chunk step (~1.0 us on the H200: plain B1 T32768 H16,
@@ -383,11 +398,12 @@ def _kda_infer_intra(
 
 @triton.jit
 def _kda_infer_recur(
-    w, u, v, ab, qg, kd, Aqk, gl, h0, o, hT, cu, coff, pbase, psize,
+    w, u, v, ab, qg, kd, Aqk, gl, h0, o, hT, cu, coff, pbase, psize, order,
     T, NC, NS, H,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_BF16: tl.constexpr,
     IEEE: tl.constexpr, AUG: tl.constexpr, STORE_O: tl.constexpr, FOLD_V: tl.constexpr, PIECE: tl.constexpr,
+    ORDER: tl.constexpr,
 ):
     """Columns ``[i_v BV, (i_v + 1) BV)`` of the state of one document and head, over its chunks,
     held transposed (``hv = h^T``, ``[BV, K]``): ``U^T = u^T - hv w^T``,
@@ -409,7 +425,9 @@ def _kda_infer_recur(
     or packed) and the intra kernel's ``Ab = (I + L)^-1 Diag(beta)``, in fp32 (TF32) products: off the
     chain from one state to the next, and u is never rounded to the work dtype. ``PIECE`` (with
     ``VARLEN``): only chunks ``[pbase[n], pbase[n] + psize[n])`` of document n, from ``h0`` to ``hT``
-    (``InferPlan.run`` with pieces)."""
+    (``InferPlan.run`` with pieces). ``ORDER`` (with ``VARLEN``): the programs take the documents in the
+    order ``order[0], order[1], ...`` (``InferPlan``'s ``longest_first``: longest first), not 0, 1, ...;
+    what each program computes is unchanged."""
     NI: tl.constexpr = BK // BV if AUG else 0  # identity V-blocks
     NV: tl.constexpr = BVF // BV + NI
     VS: tl.constexpr = K + V if AUG else V  # columns of the stored final state
@@ -418,6 +436,9 @@ def _kda_infer_recur(
     i_nh = pid // NV
     n = i_nh // H
     i_h = i_nh % H
+    if ORDER:
+        n = tl.load(order + n)
+        i_nh = n * H + i_h
     if VARLEN:
         bos = tl.load(cu + n).to(tl.int64)
         eos = tl.load(cu + n + 1).to(tl.int64)
@@ -697,6 +718,7 @@ def kda_infer(
     segment_chunks: int | None = None,
     fold_v: bool | None = None,
     pieces: int | None = None,
+    longest_first: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA forward for inference (no autograd graph: the outputs carry no gradient).
 
@@ -739,6 +761,9 @@ def kda_infer(
         pieces: overlap the intra kernel and the plain recurrence in that many pieces of every
             sequence (``PIECES``, the default when None; 1: no overlap; > 1 only with the plain
             recurrence). Same result bit for bit.
+        longest_first: with ``cu_seqlens``, the recurrence's programs take the documents longest first
+            (``LONGEST_FIRST``, the default when None), so that the longest chains start in the first
+            wave of programs instead of wherever their documents lie. Same result bit for bit.
 
     Returns:
         ``o`` ``[B, T, H, V]`` in v's dtype and the final state ``[N, H, K, V]`` fp32 (or None).
@@ -746,7 +771,7 @@ def kda_infer(
     p = InferPlan(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   g_min=g_min, validate=validate, gate=gate, A_log=A_log, dt_bias=dt_bias, l2norm_qk=l2norm_qk,
                   silu_qk=silu_qk, beta_sigmoid=beta_sigmoid, norm_eps=norm_eps, cu_seqlens=cu_seqlens,
-                  segment_chunks=segment_chunks, fold_v=fold_v, pieces=pieces)
+                  segment_chunks=segment_chunks, fold_v=fold_v, pieces=pieces, longest_first=longest_first)
     p.run()
     return p.o, p.hT
 
@@ -777,7 +802,8 @@ class InferPlan:
 
     def __init__(self, q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=True, g_min=-5.0,
                  validate=True, gate="none", A_log=None, dt_bias=None, l2norm_qk=False, silu_qk=False,
-                 beta_sigmoid=False, norm_eps=1e-6, cu_seqlens=None, segment_chunks=None, fold_v=None, pieces=None):
+                 beta_sigmoid=False, norm_eps=1e-6, cu_seqlens=None, segment_chunks=None, fold_v=None, pieces=None,
+                 longest_first=None):
         N = _check(q, k, v, g, beta, scale, initial_state, g_min, validate, gate, A_log, dt_bias, norm_eps,
                    cu_seqlens)
         if segment_chunks is not None and (isinstance(segment_chunks, bool) or not isinstance(segment_chunks, int)
@@ -785,6 +811,8 @@ class InferPlan:
             raise ValueError(f"segment_chunks={segment_chunks!r} is not allowed: expected None or an int >= 0")
         if fold_v is not None and not isinstance(fold_v, bool):
             raise ValueError(f"fold_v={fold_v!r} is not allowed: expected None, True or False")
+        if longest_first is not None and not isinstance(longest_first, bool):
+            raise ValueError(f"longest_first={longest_first!r} is not allowed: expected None, True or False")
         if pieces is not None and (isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1):
             raise ValueError(f"pieces={pieces!r} is not allowed: expected None or an int >= 1")
         B, T, H, K = q.shape
@@ -813,6 +841,7 @@ class InferPlan:
                              f"{self.seg}): pieces overlap the plain recurrence with the intra kernel")
         self.pieces = pieces if pieces is not None else (1 if self.seg else PIECES)
         self.fold_v = FOLD_V if fold_v is None else fold_v
+        self.longest_first = LONGEST_FIRST if longest_first is None else longest_first
         # segments: exact for fixed length, an upper bound for packed documents (sum_n max(1, cdiv(n_n, L))
         # <= N + sum_n n_n / L); the bound's spare segments are empty ones at the end
         self.nseg = (B * triton.cdiv(NC, self.seg) if not varlen else N + triton.cdiv(NS, self.seg)) if self.seg else 0
@@ -844,7 +873,7 @@ class InferPlan:
         """Which recurrence runs, for benchmark records: ``segment_chunks`` (0: plain) and, segmented,
         the segments per sequence (fixed length) or per document (packed: reads ``cu_seqlens``, a host
         sync) and the launch config of each phase."""
-        cand = dict(fold_v=self.fold_v, pieces=self.pieces)
+        cand = dict(fold_v=self.fold_v, pieces=self.pieces, longest_first=self.longest_first)
         if not self.seg:
             return dict(segmented=False, segment_chunks=0, recur=list(self.recur_launch()), **cand)
         B, T, H, K, V, Kp, Vp = self.dims
@@ -993,14 +1022,24 @@ class InferPlan:
         dtype = self.inputs[0].dtype
         dummy = self.gl
         pbase, psize = piece if piece is not None else (dummy, dummy)
+        order = None
+        if self.longest_first and varlen and seqs > 1:
+            order = _longest_first(psize[:seqs] if piece is not None else coff[1:seqs + 1] - coff[:seqs])
         _kda_infer_recur[(seqs * H * ((Vp + (Kp if aug else 0)) // BV),)](
             self.w, _or(self.u, dummy), self.inputs[2], _or(self.ab, dummy), self.qg, self.kd, self.Aqk, self.gl,
-            _or(h0, dummy), _or(o, dummy), _or(hT, dummy), cu, coff, pbase, psize,
+            _or(h0, dummy), _or(o, dummy), _or(hT, dummy), cu, coff, pbase, psize, _or(order, dummy),
             T, self.NC, self.NS, H,
             K=K, V=V, BK=Kp, BVF=Vp, BV=BV, C=CHUNK, VARLEN=varlen, HAS_H0=h0 is not None,
             STORE_HT=hT is not None, DOT_BF16=_dot_bf16(dtype), IEEE=_ieee(dtype), AUG=aug, STORE_O=o is not None,
-            FOLD_V=self.fold_v, PIECE=piece is not None, num_warps=warps, num_stages=stages,
+            FOLD_V=self.fold_v, PIECE=piece is not None, ORDER=order is not None, num_warps=warps,
+            num_stages=stages,
         )
+
+
+def _longest_first(chunks: torch.Tensor) -> torch.Tensor:
+    """``[N]`` int32: the document indices by chunk count ``chunks`` ``[N]``, longest first (ties in index
+    order), on the device (no host sync)."""
+    return torch.argsort(chunks.to(torch.int32), descending=True, stable=True).to(torch.int32)
 
 
 def _or(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
