@@ -616,6 +616,44 @@ def _param_excess(rows: Sequence[Mapping[str, Any]]) -> float:
     return worst
 
 
+def _and(names: Sequence[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _depth_line(by_depth: Mapping[str, Any]) -> list[str]:
+    """One finding on what depth itself does to each mode's loss at this budget: the deepest depth's mean
+    validation loss against the shallowest's, a change counted when it exceeds twice the two depths' seed
+    standard deviations combined (a deeper model that ends higher is under-trained at this budget, so the
+    gains are measured where depth does not yet pay)."""
+    if len(by_depth) < 2:
+        return []
+    lo, hi = min(by_depth, key=int), max(by_depth, key=int)
+    parts: list[str] = []
+    moved: dict[str, list[str]] = {"higher": [], "lower": [], "within noise": []}
+    for mode in MODES:
+        a, b = by_depth[lo].get(mode), by_depth[hi].get(mode)
+        if not a or not b or a.get("mean") is None or b.get("mean") is None:
+            continue
+        d = b["mean"] - a["mean"]
+        if a.get("std") is None or b.get("std") is None:
+            parts.append(f"{mode} {a['mean']:.3f} -> {b['mean']:.3f} (one seed)")
+            continue
+        noise = 2 * math.hypot(a["std"], b["std"])
+        moved["higher" if d > noise else "lower" if d < -noise else "within noise"].append(mode)
+        parts.append(f"{mode} {a['mean']:.3f} -> {b['mean']:.3f} ({d:+.3f}, noise {noise:.3f})")
+    if not parts:
+        return []
+    said = [f"{_and(modes)} {'end' if len(modes) > 1 else 'ends'} {how}" if how != "within noise" else
+            f"{_and(modes)} {'stay' if len(modes) > 1 else 'stays'} within the noise"
+            for how, modes in moved.items() if modes]
+    tail = "; ".join(said) or "not judged (one seed)"
+    if moved["higher"]:
+        tail += (f": at this budget the deeper {_and(moved['higher'])} models are under-trained, so the gains "
+                 "above are measured where depth does not pay yet (the paper's models train on far more tokens)")
+    return [f"- Depth itself, {lo} -> {hi} layers (mean validation loss): {', '.join(parts)}; {tail}."]
+
+
 def findings(summary: Mapping[str, Any]) -> str:
     """The conclusions as a Markdown list; every number and verdict comes from ``summary``."""
     lines = []
@@ -635,6 +673,7 @@ def findings(summary: Mapping[str, Any]) -> str:
             f"full_attnres {_ms(v['full_attnres'])}. Block − PreNorm {bp['mean']:+.4f} ({_judge(bp)}), "
             f"Full − PreNorm {fp['mean']:+.4f} ({_judge(fp)}), Full − Block {fb['mean']:+.4f} ({_judge(fb)}): "
             f"Full ≤ Block < PreNorm: **{v['order']}**.")
+    lines.extend(_depth_line(summary["by_depth"]))
     for mode, t in summary["gain_trend"].items():
         gains = ", ".join(f"{L} layers {g['mean']:+.4f}" for L, g in t["gains"].items())
         if t["verdict"] == "one depth":

@@ -116,6 +116,14 @@ def test_findings_are_computed_from_the_summary() -> None:
     assert "the gain **grows** with depth" in text
     assert "prenorm-L8 6.0x" in text and "grows more under prenorm" in text
     assert "not meaningful here" in text and "rough estimate" in text
+    assert "- Depth itself, 2 -> 8 layers (mean validation loss): prenorm 2.010 -> 1.905 (-0.105, noise 0.032)" in text
+    assert "prenorm, block_attnres and full_attnres end lower." in text and "under-trained" not in text
+    # deeper and worse beyond the noise: called under-trained, by mode
+    deep = _rows({("prenorm", 2): [2.0, 2.01], ("block_attnres", 2): [1.9, 1.91], ("full_attnres", 2): [1.9, 1.92],
+                  ("prenorm", 8): [2.2, 2.21], ("block_attnres", 8): [1.9, 1.92], ("full_attnres", 8): [1.8, 1.81]})
+    line = study._depth_line(study.depth_verdicts(deep))[0]
+    assert "prenorm ends higher" in line and "full_attnres ends lower" in line
+    assert "block_attnres stays within the noise" in line and "the deeper prenorm models are under-trained" in line
     assert study.norm_growth(diag)["prenorm-L8"]["grad_first_over_last"] == pytest.approx(2.0)
 
 
