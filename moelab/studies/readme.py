@@ -276,6 +276,28 @@ def _kda_infer() -> Row:
             [_ref(f)], (f, None))
 
 
+def _kda_infer_vs_fla() -> Row:
+    files = ["kernels/results/history/kda_infer_cand_h200_fdd7e59.json",
+             "kernels/results/history/kda_infer_foldv_h200_fdd7e59.json"]
+    parts = []
+    for f in files:
+        rows = _load(f)["rows"]
+        for r in rows:
+            fla = next((t for t in rows if t["impl"] == "fla_chunk_kda" and all(t[k] == r[k] for k in
+                        ("layout", "B", "T", "H"))), None)
+            if not r["impl"].startswith("moelab_infer") or fla is None or r["fwd_ms"] is None:
+                continue
+            path = r.get("path", {})
+            name = ("fold_v" if path.get("fold_v") else "u path") + (
+                f" + {path['pieces']} pieces" if path.get("pieces", 1) > 1 else "")
+            parts.append(f"{r['layout']} B{r['B']} T{r['T']} H{r['H']} {name} {r['fwd_ms']:.3f} ms vs fla "
+                         f"{fla['fwd_ms']:.3f}: {fla['fwd_ms'] / r['fwd_ms']:.2f}x")
+    return ("KDA inference forward vs fla `chunk_kda` forward, each ratio from one run (two H200 calls, both cut "
+            "by their time limit; the second with `fold_v` on, now the default)",
+            "; ".join(parts) + " (targets: >= 1.85x fixed, >= 2x packed; B1 T32768 H16 and packed B1 T8192 H64 "
+            "with `fold_v` not measured yet)", [_ref(f) for f in files], (files[0], None))
+
+
 def _restructure() -> Row:
     base = "kernels/results/restructure_h200/"
     old, new = _load(base + "kda_9e7d213.json")["rows"], _load(base + "kda_1227ff2.json")["rows"]
@@ -362,7 +384,7 @@ def _study_4() -> Row:
 
 ROWS: list[Callable[[], Row]] = [_throughput_gpu_small, _residual_modes, _k3_mini, _moe, _kda_check, _kda_gate_check,
                                  _kda_speed,
-                                 _fla_shape, _attnres_op, _kda_infer, _restructure, _study_1,
+                                 _fla_shape, _attnres_op, _kda_infer, _kda_infer_vs_fla, _restructure, _study_1,
                                  _study_2, _study_3, _study_4]
 
 
