@@ -36,3 +36,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if not _HAS_CUDA and "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Lines a test asks to have in the run's summary (``record_property("summary_line", text)``): the
+# studies' wall times, which a CI log must show. Properties travel back from pytest-xdist's workers
+# with each report, where a worker's printing does not.
+SUMMARY_KEY = "summary_line"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    lines = [value for reports in terminalreporter.stats.values() for r in reports
+             if getattr(r, "when", None) == "call" for key, value in getattr(r, "user_properties", ())
+             if key == SUMMARY_KEY]
+    if lines:
+        terminalreporter.section("recorded by the tests")
+        for line in sorted(lines):
+            terminalreporter.write_line(line)
