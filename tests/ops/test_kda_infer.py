@@ -376,11 +376,11 @@ def test_pieces_equal_one_launch_bit_for_bit(case, fold_v):
 @pytest.mark.parametrize("fold_v", [False, True], ids=["u", "fold_v"])
 @pytest.mark.parametrize("case", [(PACKED, 0, 1), (SEG_PACKED, 3, 1), (PACKED, 0, 3)],
                          ids=["plain", "segmented", "pieces"])
-def test_longest_first_equals_document_order_bit_for_bit(case, fold_v):
+def test_longest_first_equals_document_order_bit_for_bit(case, fold_v, monkeypatch):
     """The recurrence's programs taking the packed documents longest first give the same o and final states
     bit for bit: every program computes what it computed in document order, only its place in the launch
     changes; and the kernel does follow the order it is given (one that sends every program to document 0
-    leaves the other documents' outputs unwritten)."""
+    leaves the other documents' outputs unwritten: o starts as NaN there and stays so)."""
     cu, seg, P = case
     x = _inputs(1, cu[-1], 2, 32, 16, torch.float32, seed=len(cu) + seg + P, n_states=len(cu) - 1)
     kw = dict(gate="bounded", fold_v=fold_v, segment_chunks=seg, pieces=P)
@@ -389,12 +389,14 @@ def test_longest_first_equals_document_order_bit_for_bit(case, fold_v):
     assert torch.equal(ordered[0], plain[0]) and torch.equal(ordered[1], plain[1])
     assert_close(_reference(x, x["s0"], cu, gate="bounded")[0], ordered[0], TOL[torch.float32], "o")
     real = triton_infer._longest_first
-    try:
-        triton_infer._longest_first = lambda chunks: torch.zeros_like(real(chunks))
-        broken = _run(x, x["s0"], cu, longest_first=True, **kw)
-    finally:
-        triton_infer._longest_first = real
-    assert not torch.equal(broken[1], plain[1]), "the recurrence ignored its program order"
+    monkeypatch.setattr(triton_infer, "_longest_first", lambda chunks: torch.zeros_like(real(chunks)))
+    plan = triton_infer.InferPlan(x["q"], x["k"], x["v"], x["z"], x["beta_logit"], initial_state=x["s0"],
+                                  A_log=x["A_log"], dt_bias=x["dt_bias"], l2norm_qk=True, beta_sigmoid=True,
+                                  cu_seqlens=torch.tensor(cu, device=DEV), longest_first=True, **kw)
+    plan.o.fill_(float("nan"))  # torch.empty could hold an earlier run's o, written or not
+    plan.run()
+    assert plan.o[:, :cu[1]].isfinite().all() and plan.o[:, cu[1]:].isnan().any(), \
+        "the recurrence ignored its program order"
 
 
 def test_longest_first_order():
