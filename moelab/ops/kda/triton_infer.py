@@ -923,15 +923,17 @@ class InferPlan:
         one launch config for every recurrence kernel (launch sweeps); None: ``LAUNCH``'s per phase."""
         cfg = None if BV is None else (BV, warps, stages)
         if not self.seg:
+            order = self._order(self.coff[1:] - self.coff[:-1]) if self.varlen else None
             self._recur(self.N, self.cu, self.coff, self.h0, self.o, self.hT, cfg or self.recur_launch(),
-                        varlen=self.varlen)
+                        varlen=self.varlen, order=order)
             return
         B, T, H, K, V, Kp, Vp = self.dims
         dev, f32 = self.o.device, torch.float32
         cu, coff, soff = self._segments()
+        order = self._order(coff[1:] - coff[:-1])  # the segments' order, for both phases
         M = torch.empty(self.nseg, H, K, K + V, device=dev, dtype=f32)
         self._recur(self.nseg, cu, coff, None, None, M, cfg or _recur_launch(self.nseg * H, Vp, dev, Kp),
-                    varlen=True, aug=True)
+                    varlen=True, aug=True, order=order)
         S0 = torch.empty(self.nseg, H, K, V, device=dev, dtype=f32)
         jbv, jwarps = self._join_launch()
         _kda_infer_join[(self.N * H * (Vp // jbv),)](
@@ -939,7 +941,7 @@ class InferPlan:
             K=K, V=V, BK=Kp, BVF=Vp, BV=jbv, KC=16, HAS_H0=self.h0 is not None, num_warps=jwarps, num_stages=1,
         )
         Send = torch.empty_like(S0) if self.hT is not None else None
-        self._recur(self.nseg, cu, coff, S0, self.o, Send, cfg or self.recur_launch(), varlen=True)
+        self._recur(self.nseg, cu, coff, S0, self.o, Send, cfg or self.recur_launch(), varlen=True, order=order)
         if self.hT is not None:
             torch.index_select(Send, 0, soff[1:] - 1, out=self.hT)
 
@@ -977,7 +979,8 @@ class InferPlan:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 if side is not None:
                     side.wait_event(cur.record_event())
-                self._recur(N, cu, coff, h, self.o, hT, recur_cfg, varlen=True, piece=(pbase[p], psize[p]))
+                self._recur(N, cu, coff, h, self.o, hT, recur_cfg, varlen=True, piece=(pbase[p], psize[p]),
+                            order=self._order(psize[p, :N]))
             h = hT
         if side is not None:
             cur.wait_stream(side)
@@ -1011,10 +1014,16 @@ class InferPlan:
         seg_coff = torch.cat([torch.minimum(coff[n] + s * L, coff[n + 1]), coff[-1:]]).to(torch.int32)
         return seg_cu, seg_coff, soff
 
-    def _recur(self, seqs, cu, coff, h0, o, hT, cfg, varlen, aug=False, piece=None) -> None:
+    def _order(self, chunks: torch.Tensor) -> torch.Tensor | None:
+        """The recurrence's document order for ``chunks`` ``[N]`` (chunks per document): longest first
+        with ``longest_first`` and several documents, else None (document order)."""
+        return _longest_first(chunks) if self.longest_first and chunks.numel() > 1 else None
+
+    def _recur(self, seqs, cu, coff, h0, o, hT, cfg, varlen, aug=False, piece=None, order=None) -> None:
         """One launch of ``_kda_infer_recur`` over ``seqs`` documents (``cu``, ``coff``) or fixed-length rows;
         ``o`` None: no output (phase 1); ``aug``: with the identity columns (phase 1); ``piece``:
-        ``(pbase, psize)``, only those chunks of each document (``_run_pieces``)."""
+        ``(pbase, psize)``, only those chunks of each document (``_run_pieces``); ``order``: ``[seqs]`` the
+        documents in the order the programs take them (``_order``), None: document order."""
         B, T, H, K, V, Kp, Vp = self.dims
         BV, warps, stages = cfg
         if aug and Kp % BV:
@@ -1022,9 +1031,6 @@ class InferPlan:
         dtype = self.inputs[0].dtype
         dummy = self.gl
         pbase, psize = piece if piece is not None else (dummy, dummy)
-        order = None
-        if self.longest_first and varlen and seqs > 1:
-            order = _longest_first(psize[:seqs] if piece is not None else coff[1:seqs + 1] - coff[:seqs])
         _kda_infer_recur[(seqs * H * ((Vp + (Kp if aug else 0)) // BV),)](
             self.w, _or(self.u, dummy), self.inputs[2], _or(self.ab, dummy), self.qg, self.kd, self.Aqk, self.gl,
             _or(h0, dummy), _or(o, dummy), _or(hT, dummy), cu, coff, pbase, psize, _or(order, dummy),
