@@ -294,8 +294,8 @@ def _kda_infer_vs_fla() -> Row:
                          f"{fla['fwd_ms']:.3f}: {fla['fwd_ms'] / r['fwd_ms']:.2f}x")
     return ("KDA inference forward vs fla `chunk_kda` forward, each ratio from one run (two H200 calls, both cut "
             "by their time limit; the second with `fold_v` on, now the default)",
-            "; ".join(parts) + " (targets: >= 1.85x fixed, >= 2x packed; B1 T32768 H16 and packed B1 T8192 H64 "
-            "with `fold_v` not measured yet)", [_ref(f) for f in files], (files[0], None))
+            "; ".join(parts) + " (targets: >= 1.85x fixed, >= 2x packed; not measured yet with `fold_v`: B1 T32768 "
+            "H16, packed B1 T8192 H64, and fla's packed B8 T4096 H16 row)", [_ref(f) for f in files], (files[0], None))
 
 
 def _restructure() -> Row:
