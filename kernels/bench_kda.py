@@ -339,10 +339,13 @@ def infer_fn(impl, x, beta_logits, tuned=None, segment_chunks=None, cand=None):
 # --infer-sweep: the inference forward's two kernels timed apart, one launch config at a time, for the
 # candidate paths whose kernels differ (the keys of INFER_SWEEP_INTRA; pieces only overlap the base path's
 # kernels), then the whole op per candidate path side by side.
-# intra, per path, (num_warps, num_stages, per_program): 2 warps, one slot per program was the fastest at
-# every shape in both sweeps (1 warp +80%, 4 warps +40%, 8 warps +125%, pipelined slots +20-25%); fold_v's
-# kernel spills 36-48 B at 2 warps (255 registers, sm_90a compile with Triton 3.9) and none at 4, so both
-INFER_SWEEP_INTRA = {"base": [(2, 1, 1)], "fold_v": [(2, 1, 1), (4, 1, 1)]}
+# intra, per path, (num_warps, num_stages, per_program[, maxnreg]): 2 warps, one slot per program was the
+# fastest at every shape in both u-path sweeps (1 warp +80%, 4 warps +40%, 8 warps +125%, pipelined slots
+# +20-25%). The fold_v kernel now keeps three [16, K] tiles live instead of six (sm_90a compile,
+# Triton 3.9: 204 registers at 2 warps, 168 at 4, no spills; before, 255 with 36 B spilled and 235): 5 programs
+# per SM at 2 warps, 3 at 4; register caps make room for more (2 warps at 168: 6 per SM, 16 B spilled; 4 warps
+# at 128: 4 per SM, 60 B spilled)
+INFER_SWEEP_INTRA = {"base": [(2, 1, 1)], "fold_v": [(2, 1, 1), (4, 1, 1), (2, 1, 1, 168), (4, 1, 1, 128)]}
 # (BV, num_warps, num_stages): the two the op picks at D = 128 (triton_infer.pick_recur); 16/1 was never the
 # fastest, 2 or 4 stages never faster than 3, 128/8 always the slowest (both sweeps)
 INFER_SWEEP_RECUR = [(32, 2, 3), (64, 4, 3)]

@@ -122,12 +122,14 @@ def test_state_split_in_v_blocks(bv, monkeypatch):
 def test_launch_overrides_restore_and_check():
     saved = dict(triton_infer.LAUNCH)
     with triton_infer.launch_overrides(intra=(8, 1), recur=((16, 1, 2), (64, 4, 3, 96))):
-        assert triton_infer.LAUNCH["intra"] == (8, 1, 1)
+        assert triton_infer.LAUNCH["intra"] == (8, 1, 1, 0)
         assert triton_infer.LAUNCH["recur"] == ((16, 1, 2, 0), (64, 4, 3, 96))
     with triton_infer.launch_overrides(intra=(2, 3, 4)):
-        assert triton_infer.LAUNCH["intra"] == (2, 3, 4)
+        assert triton_infer.LAUNCH["intra"] == (2, 3, 4, 0)
+    with triton_infer.launch_overrides(intra=(4, 1, 1, 128)):
+        assert triton_infer.LAUNCH["intra"] == (4, 1, 1, 128)
     assert triton_infer.LAUNCH == saved
-    for bad in ((4,), (2, 1, 1, 1), (2, 0, 2), (2, 1, 0)):
+    for bad in ((4,), (2, 1, 1, 1), (2, 1, 1, 256), (2, 1, 1, 0, 0), (2, 0, 2), (2, 1, 0)):
         _err(lambda bad=bad: triton_infer.launch_overrides(intra=bad).__enter__(),
              re.escape(f"intra={bad!r} is not allowed"))
     _err(lambda: triton_infer.launch_overrides(recur=((16, 1),)).__enter__(), r"recur=.* is not allowed")
@@ -166,6 +168,7 @@ def test_intra_slots_per_program_match_one(case, per, fold_v):
     # gl's last row is the recurrence's read-ahead pad, written by no slot
     assert bool((outs[0][5][:-1] == 123.0).any()) == (cu is not None), "only the packed grid has spare slots"
     _err(lambda: plan.intra(1, 1, 0), "per=0 is not allowed")
+    _err(lambda: plan.intra(1, 1, 1, 16), "maxnreg=16 is not allowed")
 
 
 # document lengths 5, 16, 0 (empty), 27, 1, 1: chunk tails, a whole chunk, an empty document

@@ -117,7 +117,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # join (phase 2 of the segmented recurrence, below): (BV, num_warps); its products are exact fp32
 # (FMA, not tensor cores), one [BV, K] x [K, K] per segment: 16-wide blocks, 4 warps compile without
 # spills at K = 128 (241 registers, sm_90a with Triton 3.9; 2 warps spill).
-LAUNCH: dict = {"intra": (2, 1, 1), "recur": ((64, 4, 3, 96), (32, 2, 3, 0), (16, 1, 3, 0)), "join": (16, 4)}
+LAUNCH: dict = {"intra": (2, 1, 1, 0), "recur": ((64, 4, 3, 96), (32, 2, 3, 0), (16, 1, 3, 0)), "join": (16, 4)}
 _INTERP_BV = 16  # the interpreter: 16-wide V-blocks so that small test shapes take several
 
 # Paths measured on the H200 (kernels/README.md, "Inference forward"; kernels/results/history/
@@ -214,16 +214,17 @@ def pick_recur(cols: int, width: int, sms: int) -> tuple[int, int, int]:
 
 @contextlib.contextmanager
 def launch_overrides(intra: tuple | None = None, recur: tuple | None = None):
-    """Run the op with ``LAUNCH["intra"]`` = ``(num_warps, num_stages, per_program)`` (or
-    ``(num_warps, num_stages)``: one chunk slot per program) and/or ``LAUNCH["recur"]`` =
+    """Run the op with ``LAUNCH["intra"]`` = ``(num_warps, num_stages, per_program, maxnreg)`` (or a
+    prefix of it: one chunk slot per program, no register cap) and/or ``LAUNCH["recur"]`` =
     ``((BV, num_warps, num_stages[, columns per SM]), ...)`` replaced (a missing column floor is 0),
     restored on exit (launch sweeps, A/B runs)."""
     saved = dict(LAUNCH)
     if intra is not None:
-        if len(intra) not in (2, 3) or any(int(x) < 1 for x in intra):
-            raise ValueError(f"intra={intra!r} is not allowed: expected (num_warps, num_stages, per_program) "
-                             "or (num_warps, num_stages), each >= 1")
-        LAUNCH["intra"] = tuple(int(x) for x in intra) + (1,) * (3 - len(intra))
+        if len(intra) not in (2, 3, 4) or any(int(x) < 1 for x in intra[:3]) or (
+                len(intra) == 4 and int(intra[3]) != 0 and not 32 <= int(intra[3]) <= 255):
+            raise ValueError(f"intra={intra!r} is not allowed: expected (num_warps, num_stages[, per_program[, "
+                             "maxnreg]]), each >= 1 (maxnreg: 0 for no cap, or 32..255)")
+        LAUNCH["intra"] = tuple(int(x) for x in intra) + (1, 0)[len(intra) - 2:]
     if recur is not None:
         if not recur or any(len(c) not in (3, 4) for c in recur):
             raise ValueError(f"recur={recur!r} is not allowed: expected ((BV, num_warps, num_stages[, columns "
@@ -370,24 +371,26 @@ def _kda_infer_intra(
         tl.store(gl + hs * BK + ck, tl.exp2(Gl), mask=ck < tl.where(live, BK, 0))
 
         # |G - mid| <= C/2 |g_min| for g in [g_min, 0]: both factors stay finite, and
-        # the entries above the diagonal (which may overflow) are dropped by selects, not products
+        # the entries above the diagonal (which may overflow) are dropped by selects, not products.
+        # Only three [C, K] tiles stay live after this block (k up, k down, q up): e^G = up 2^mid is a
+        # scalar multiple of up, so neither G nor the normalised k and q outlive it (register pressure
+        # sets how many programs share an SM, and the kernel waits on each program's memory latency)
         up = tl.exp2(G - mid)
-        dn = tl.exp2(mid - G)
         kn = _qk_fwd(kr.to(tl.float32), eps, SILU, L2NORM)
-        kdn = kn * dn
+        kup = kn * up
+        kdn = kn * tl.exp2(mid - G)
+        qup = _qk_fwd(qr.to(tl.float32), eps, SILU, L2NORM) * up
+        emid = tl.exp2(mid)
         # e^{G_last - G} = e^{G_last - mid} e^{mid - G}: one exp of a K-vector instead of a tile
         tl.store(kd + hs * (C * BK) + pw, (kdn * tl.exp2(Gl - mid)[None, :]).to(kd.dtype.element_ty), mask=sm)
+        tl.store(qg + hs * (C * BK) + pw, (qup * (scale * emid)).to(qg.dtype.element_ty), mask=sm)
         kT = tl.trans(_cast(kdn, False))
-        sk = _dot(_cast(kn * up, False), kT, IEEE)
-        Ai = _unit_lower_inv(tl.where(r[:, None] > r[None, :], sk * b[:, None], 0.0), IEEE, C)
-        eG = tl.exp2(G)
-        tl.store(w + hs * (C * BK) + pw, _dot(Ai, kn * b[:, None] * eG, IEEE).to(w.dtype.element_ty), mask=sm)
-
-        qn = _qk_fwd(qr.to(tl.float32), eps, SILU, L2NORM)
-        tl.store(qg + hs * (C * BK) + pw, (qn * eG * scale).to(qg.dtype.element_ty), mask=sm)
-        sq = _dot(_cast(qn * up, False), kT, IEEE)
+        sk = _dot(_cast(kup, False), kT, IEEE)
+        sq = _dot(_cast(qup, False), kT, IEEE)
         tl.store(Aqk + hs * (C * C) + r[:, None] * C + r[None, :],
                  tl.where(r[:, None] >= r[None, :], sq * scale, 0.0).to(Aqk.dtype.element_ty), mask=sm)
+        Ai = _unit_lower_inv(tl.where(r[:, None] > r[None, :], sk * b[:, None], 0.0), IEEE, C)
+        tl.store(w + hs * (C * BK) + pw, _dot(Ai, kup * (b * emid)[:, None], IEEE).to(w.dtype.element_ty), mask=sm)
         if FOLD_V:  # beta folded into the inverse's columns: the recurrence forms u = Ab v
             tl.store(ab + hs * (C * C) + r[:, None] * C + r[None, :], (Ai * b[None, :]).to(ab.dtype.element_ty),
                      mask=sm)
@@ -790,7 +793,8 @@ class InferPlan:
     B ``[K, V]``; both are the segment's final state when run from ``[I_K | 0]`` on ``[0 | v]``:
     1. every segment as a document of its own, K identity columns beside the V value columns
        (``AUG``: extra V-blocks that start from the identity and read no u, so nothing is
-       materialised) and no output: ``[A | B]``, fp32;
+       materialised) and no output: ``[A | B]``, fp32; a document's last segment runs no chunk here
+       (the join never reads its ``[A | B]``);
     2. per document, sequential over its segments: ``S_{s+1} = A_s S_s + B_s`` from the initial
        state (``_kda_infer_join``, fp32);
     3. every segment as a document again, from ``S_s``: the output, and the final state of each
@@ -861,9 +865,9 @@ class InferPlan:
         self.flags = dict(SILU=bool(silu_qk), L2NORM=bool(l2norm_qk), BETA_SIGMOID=bool(beta_sigmoid))
         self.N, self.NC, self.NS, self.varlen, self.dims = N, NC, NS, varlen, (B, T, H, K, V, Kp, Vp)
 
-    def intra_launch(self) -> tuple[int, int, int]:
-        """(num_warps, num_stages, per_program) of the token-parallel kernel (see ``LAUNCH``)."""
-        return (1, 1, 1) if _interpret() else LAUNCH["intra"]
+    def intra_launch(self) -> tuple[int, int, int, int]:
+        """(num_warps, num_stages, per_program, maxnreg) of the token-parallel kernel (see ``LAUNCH``)."""
+        return (1, 1, 1, 0) if _interpret() else LAUNCH["intra"]
 
     def recur_launch(self) -> tuple[int, int, int]:
         """(BV, num_warps, num_stages) of the recurrence (see ``LAUNCH``); segmented: of phase 3."""
@@ -895,12 +899,16 @@ class InferPlan:
         self.intra(*self.intra_launch())
         self.recur()
 
-    def intra(self, warps: int, stages: int, per: int = 1, piece: tuple | None = None) -> None:
+    def intra(self, warps: int, stages: int, per: int = 1, maxnreg: int = 0, piece: tuple | None = None) -> None:
         """The token-parallel kernel: w, u (or ab), qg, kd, A_qk, gl from the inputs; ``per`` chunk slots
-        per program, their loop pipelined over ``stages``. ``piece``: ``(poff, pbase, slots)`` of one
+        per program, their loop pipelined over ``stages``; ``maxnreg`` > 0: ptxas's register cap per
+        thread (more programs per SM, at the price of spills). ``piece``: ``(poff, pbase, slots)`` of one
         piece (``_run_pieces``): only its chunks, ``slots`` at most."""
         if per < 1:
             raise ValueError(f"per={per!r} is not allowed: expected chunk slots per program >= 1")
+        if maxnreg and not 32 <= maxnreg <= 255:
+            raise ValueError(f"maxnreg={maxnreg!r} is not allowed: expected 0 (no cap) or 32..255")
+        cap = {"maxnreg": maxnreg} if maxnreg and not _interpret() else {}
         B, T, H, K, V, Kp, Vp = self.dims
         dummy = self.gl
         if piece is None:
@@ -915,7 +923,7 @@ class InferPlan:
             K=K, V=V, BK=Kp, BVF=Vp, C=CHUNK, LOG_N=max(1, self.N.bit_length()), VARLEN=self.varlen,
             GATE=_GATE_ID[self.gate], HAS_BIAS=self.dt_bias is not None, IEEE=_ieee(self.inputs[0].dtype),
             PER=per, STAGES=stages, **self.flags, FOLD_V=self.fold_v, PIECE=piece is not None,
-            num_warps=warps if Kp <= 128 else 2 * warps, num_stages=stages,
+            num_warps=warps if Kp <= 128 else 2 * warps, num_stages=stages, **cap,
         )
 
     def recur(self, BV: int | None = None, warps: int | None = None, stages: int | None = None) -> None:
@@ -932,8 +940,12 @@ class InferPlan:
         cu, coff, soff = self._segments()
         order = self._order(coff[1:] - coff[:-1])  # the segments' order, for both phases
         M = torch.empty(self.nseg, H, K, K + V, device=dev, dtype=f32)
+        # the join never reads a document's last [A | B] (its end state is phase 3's): those segments run no
+        # chunk in phase 1 (a piece of 0 chunks from the segment's start; 1/P of phase 1's work at P segments)
+        run = coff[1:] - coff[:-1]
+        run[soff[1:] - 1] = 0
         self._recur(self.nseg, cu, coff, None, None, M, cfg or _recur_launch(self.nseg * H, Vp, dev, Kp),
-                    varlen=True, aug=True, order=order)
+                    varlen=True, aug=True, order=order, piece=(torch.zeros_like(run), run))
         S0 = torch.empty(self.nseg, H, K, V, device=dev, dtype=f32)
         jbv, jwarps = self._join_launch()
         _kda_infer_join[(self.N * H * (Vp // jbv),)](
