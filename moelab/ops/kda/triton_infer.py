@@ -54,8 +54,8 @@ Kernels (bases of exponentials are 2: G is kept in log2 units, ``exp2(G)`` is ``
 * Candidates, off by default: ``pieces`` (``PIECES``) overlaps the intra kernel and the plain
   recurrence, piece by piece of every document, on two streams (``InferPlan._run_pieces``); measured
   at fdd7e59 it gains 2-4% on the u path and loses 28% with ``fold_v`` (1.153 ms at 4 pieces).
-  ``longest_first`` (``LONGEST_FIRST``, packed documents): the recurrence's programs take the
-  documents longest first (not yet measured).
+* ``longest_first`` (the default, ``LONGEST_FIRST``, packed documents): the recurrence's programs take
+  the documents longest first (B1 T32768 H16 packed: 1.079 ms against 1.173 in document order).
 
 Bytes per token and head of each kernel and path, what the H200 measured against them, and the
 parallelism: kernels/README.md, "Inference forward".
@@ -132,14 +132,13 @@ _INTERP_BV = 16  # the interpreter: 16-wide V-blocks so that small test shapes t
 # programs per SM; the intra kernel fills the rest of the GPU meanwhile).
 FOLD_V = True
 PIECES = 1
-# LONGEST_FIRST (candidate, off until measured): packed documents' recurrence programs ordered by the
-# document's chunk count, longest first. A launch of more programs than fit on the GPU at once starts them
-# in about the order of their ids, so a long document whose programs start late sets the end of the launch;
-# longest first is the classic list-scheduling order against that tail. Expected gain, not measured: the
-# bench's packed B8 T4096 H16 row (0.958 ms against 0.782 fixed at fdd7e59, the same work) runs 1536
-# programs of 64 columns, several waves, over documents of 13-101 chunks (mean 43): a 101-chunk document
-# started in the last wave ends ~60 chunk steps (~70 us at ~1.15 us each) after the others.
-LONGEST_FIRST = False
+# LONGEST_FIRST (on since the H200 run at 9c4e7c3, kernels/results/kda_infer_h200.json; faster on every packed row
+# it ran: B1 T32768 H16 1.079 ms against 1.173 in document order, B1 T8192 H64 0.911 / 0.939, B8 T4096 H16
+# 0.945 / 0.953): packed documents' recurrence programs ordered by the document's chunk count, longest first. A
+# launch of more programs than fit on the GPU at once starts them in about the order of their ids, so a long
+# document whose programs start late sets the end of the launch; longest first is the classic list-scheduling
+# order against that tail.
+LONGEST_FIRST = True
 
 # Recurrence cost model, for the choice between the plain and the segmented recurrence and of the
 # segment length, in units of one latency-bound chunk step (~1.0 us on the H200: plain B1 T32768 H16,
