@@ -102,7 +102,9 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # B1 T8192 H64 (2.1 TB/s of the least bytes), so the wait is each program's memory latency, not bandwidth.
 # per_program > 1: one program takes that many consecutive chunk slots of a head in a loop pipelined
 # over num_stages, the next slot's loads in flight while one computes: 20-25% slower in the second
-# sweep. Registers at D = 128 (sm_90a, Triton 3.9, ptxas -v): (2, 1, 1) 239, no spills.
+# sweep. Registers at D = 128 (sm_90a, Triton 3.9, ptxas -v), fold_v kernel: (2, 1, 1) 204, no spills (255 and
+# 36 B spilled before it kept only three [16, K] tiles live). The fold_v sweep at 503d12f (B1 T8192 H64): 2 warps
+# 0.416 ms, 4 warps 0.621; a maxnreg cap (the optional 4th entry: 168 at 2 warps, 128 at 4) changed neither.
 # recur: candidates (BV, num_warps, num_stages, columns per SM), widest V-block first; the op takes the
 # first whose BV fits the state and whose launch holds at least that many state columns per SM
 # (``pick_recur``). BV = 16 x num_warps: each warp owns 16 rows of the transposed state, so products
