@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -271,21 +273,45 @@ def _kda_infer() -> Row:
             continue
         fla = next((t for t in rows if t["impl"] == "fla_chunk_kda" and t["fwd_ms"] is not None
                     and all(t[k] == r[k] for k in ("layout", "B", "T", "H"))), None)
-        name = r["impl"].replace("moelab_infer", "moelab") or "moelab"
+        name = "moelab"
+        if r["impl"] != "moelab_infer":  # a candidate path: named by what it changes from the op's default row
+            default = next((t for t in rows if t["impl"] == "moelab_infer" and all(t[k] == r[k] for k in
+                            ("layout", "B", "T", "H"))), {})
+            diff = [f"{k}={v}" for k, v in r.get("path", {}).items() if default.get("path", {}).get(k) != v]
+            name = f"moelab with {', '.join(diff) or r['impl']}"
         shape = f"{r['layout']} B{r['B']} T{r['T']} H{r['H']}"
         if fla is None:
             missing.append(shape)
             parts.append(f"{shape} {name} {r['fwd_ms']:.3f} ms (fla's row missing)")
             continue
         x = fla["fwd_ms"] / r["fwd_ms"]
-        verdicts.append(x >= targets[r["layout"]])
+        if r["impl"] == "moelab_infer":  # the targets are the op's, at its default path
+            verdicts.append(x >= targets[r["layout"]])
         parts.append(f"{shape} {name} {r['fwd_ms']:.3f} vs fla {fla['fwd_ms']:.3f} ms: **{x:.2f}x**")
     met = sum(verdicts)
+    ab = _seg_ab("kernels/results/kda_infer_seg_ab_h200_503d12f.log")
+    if d["meta"]["commit"] == "503d12f":  # that run's segmented row ran the phase-1 skip, reverted after its A/B
+        parts.append(f"the fixed B1 T32768 H16 row ran a phase-1 skip since reverted: in an A/B at that commit the "
+                     f"segmented path took {ab[True]:.2f} ms with it and {ab[False]:.2f} without (plain "
+                     f"{ab[None]:.2f}; medians of two runs, no fla in that run)")
     return (f"KDA inference forward (`moelab.ops.kda.triton_infer`, chunk 16, no grad) vs fla `chunk_kda` forward, "
             f"D=128, one run at {d['meta']['commit']}",
-            "; ".join(parts) + f" (targets >= 1.85x fixed, >= 2x packed: met in {met} of {len(verdicts)} rows"
+            "; ".join(parts) + f" (targets >= 1.85x fixed, >= 2x packed: the op's default path meets them in {met} "
+            f"of {len(verdicts)} rows"
             + (f"; no fla row for {', '.join(sorted(set(missing)))}: the run was cut by its time limit" if missing
-               else "") + ")", [_ref(f)], (f, None))
+               else "") + ")", [_ref(f)] + ([_ref("kernels/results/kda_infer_seg_ab_h200_503d12f.log")]
+                                           if d["meta"]["commit"] == "503d12f" else []), (f, None))
+
+
+def _seg_ab(f: str) -> dict:
+    """Medians (ms) of the segmented-path A/B log at B1 T32768 H16 in document order: {True: with the phase-1
+    skip, False: without, None: the plain recurrence}."""
+    got: dict = {True: [], False: [], None: []}
+    for line in (repo_root() / f).read_text().splitlines():
+        m = re.match(r"rep \d+ skip_last=(\w+) longest_first=False seg=(\d+): ([\d.]+) ms", line)
+        if m:
+            got[None if m[2] == "0" else m[1] == "True"].append(float(m[3]))
+    return {k: statistics.median(v) for k, v in got.items()}
 
 
 def _kda_infer_vs_fla() -> Row:
