@@ -449,6 +449,13 @@ def test_bad_inputs_name_the_value():
     for bad in (-1, 2.0, True):
         _err(lambda bad=bad: kda_infer(q, k, v, z, beta, gate="bounded", segment_chunks=bad, **A),
              f"segment_chunks={bad!r} is not allowed")
+    for bad in (-1, 16, 256, 168.0, True):
+        _err(lambda bad=bad: kda_infer(q, k, v, z, beta, gate="bounded", recur_maxnreg=bad, **A),
+             re.escape(f"recur_maxnreg={bad!r} is not allowed"))
+    plan = triton_infer.InferPlan(q, k, v, z, beta, gate="bounded", recur_maxnreg=168, **A)
+    assert plan.path()["recur_maxnreg"] == 168
+    _err(lambda: plan.recur(maxnreg=168), "maxnreg=168 is not allowed")
+    _err(lambda: plan.recur(16, 1, 1, 300), "maxnreg=300 is not allowed")
 
 
 # GPU: bf16 at D = 128. The launch configs the op picks at the benchmark shapes (pick_recur: 32-wide blocks
@@ -525,3 +532,16 @@ def test_bf16_candidates():
     one = _run(x, x["s0"], cu, gate="bounded", segment_chunks=0, fold_v=False, pieces=1)
     many = _run(x, x["s0"], cu, gate="bounded", segment_chunks=0, fold_v=False, pieces=4)
     assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seg", [0, 8], ids=["plain", "segmented"])
+def test_bf16_recur_register_cap_changes_nothing(seg):
+    """``recur_maxnreg`` (ptxas's register cap on the recurrence's launches) changes register allocation and
+    spills, never the arithmetic: o and the final state equal the uncapped run's bit for bit, packed, plain and
+    segmented, at the cap the benchmark tries (168) and at one that spills more (128)."""
+    x, cu = _gpu_inputs(True)
+    base = _run(x, x["s0"], cu, gate="bounded", segment_chunks=seg, recur_maxnreg=0)
+    for cap in (168, 128):
+        capped = _run(x, x["s0"], cu, gate="bounded", segment_chunks=seg, recur_maxnreg=cap)
+        assert torch.equal(base[0], capped[0]) and torch.equal(base[1], capped[1]), cap

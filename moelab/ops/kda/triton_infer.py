@@ -141,6 +141,14 @@ PIECES = 1
 # document whose programs start late sets the end of the launch; longest first is the classic list-scheduling
 # order against that tail.
 LONGEST_FIRST = True
+# RECUR_MAXNREG (candidate, 0: off until measured): ptxas's register cap on every recurrence launch. Where a launch
+# holds more programs than fit on the GPU at once (B8 T4096 H16 plain; the segmented path's phases), each SM runs
+# as many programs as its 64K registers allow, and each program's chain of small products waits on latency, so
+# more programs per SM may mean more throughput. sm_90a compile (Triton 3.9, bf16, K = V = 128, fold_v), registers
+# uncapped -> at 168: plain 64/4/3 174 -> 168 without spills (2 -> 3 programs per SM); phase 3 64/4/3 211 -> 168,
+# 12 B spilled (2 -> 3); phase 1 64/4/3 158 -> 145 (3 either way; 4 need 128, 120 B spilled); plain 32/2/3
+# 184 -> 168, 24 B spilled (5 -> 6).
+RECUR_MAXNREG = 0
 
 # Recurrence cost model, for the choice between the plain and the segmented recurrence and of the
 # segment length, in units of one latency-bound chunk step (~1.0 us on the H200: plain B1 T32768 H16,
@@ -723,6 +731,7 @@ def kda_infer(
     fold_v: bool | None = None,
     pieces: int | None = None,
     longest_first: bool | None = None,
+    recur_maxnreg: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA forward for inference (no autograd graph: the outputs carry no gradient).
 
@@ -768,6 +777,9 @@ def kda_infer(
         longest_first: with ``cu_seqlens``, the recurrence's programs take the documents longest first
             (``LONGEST_FIRST``, the default when None), so that the longest chains start in the first
             wave of programs instead of wherever their documents lie. Same result bit for bit.
+        recur_maxnreg: register cap (ptxas ``maxnreg``, 32..255) of the recurrence's launches, 0 for none
+            (``RECUR_MAXNREG``, the default when None): more programs per SM where a launch saturates the
+            GPU, at the price of spills. Same result bit for bit.
 
     Returns:
         ``o`` ``[B, T, H, V]`` in v's dtype and the final state ``[N, H, K, V]`` fp32 (or None).
@@ -775,7 +787,8 @@ def kda_infer(
     p = InferPlan(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   g_min=g_min, validate=validate, gate=gate, A_log=A_log, dt_bias=dt_bias, l2norm_qk=l2norm_qk,
                   silu_qk=silu_qk, beta_sigmoid=beta_sigmoid, norm_eps=norm_eps, cu_seqlens=cu_seqlens,
-                  segment_chunks=segment_chunks, fold_v=fold_v, pieces=pieces, longest_first=longest_first)
+                  segment_chunks=segment_chunks, fold_v=fold_v, pieces=pieces, longest_first=longest_first,
+                  recur_maxnreg=recur_maxnreg)
     p.run()
     return p.o, p.hT
 
@@ -807,7 +820,7 @@ class InferPlan:
     def __init__(self, q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=True, g_min=-5.0,
                  validate=True, gate="none", A_log=None, dt_bias=None, l2norm_qk=False, silu_qk=False,
                  beta_sigmoid=False, norm_eps=1e-6, cu_seqlens=None, segment_chunks=None, fold_v=None, pieces=None,
-                 longest_first=None):
+                 longest_first=None, recur_maxnreg=None):
         N = _check(q, k, v, g, beta, scale, initial_state, g_min, validate, gate, A_log, dt_bias, norm_eps,
                    cu_seqlens)
         if segment_chunks is not None and (isinstance(segment_chunks, bool) or not isinstance(segment_chunks, int)
@@ -819,6 +832,10 @@ class InferPlan:
             raise ValueError(f"longest_first={longest_first!r} is not allowed: expected None, True or False")
         if pieces is not None and (isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1):
             raise ValueError(f"pieces={pieces!r} is not allowed: expected None or an int >= 1")
+        if recur_maxnreg is not None and (isinstance(recur_maxnreg, bool) or not isinstance(recur_maxnreg, int)
+                                          or not (recur_maxnreg == 0 or 32 <= recur_maxnreg <= 255)):
+            raise ValueError(f"recur_maxnreg={recur_maxnreg!r} is not allowed: expected None, 0 (no cap) or an int "
+                             "in 32..255")
         B, T, H, K = q.shape
         V = v.shape[-1]
         C = CHUNK
@@ -846,6 +863,7 @@ class InferPlan:
         self.pieces = pieces if pieces is not None else (1 if self.seg else PIECES)
         self.fold_v = FOLD_V if fold_v is None else fold_v
         self.longest_first = LONGEST_FIRST if longest_first is None else longest_first
+        self.recur_maxnreg = RECUR_MAXNREG if recur_maxnreg is None else recur_maxnreg
         # segments: exact for fixed length, an upper bound for packed documents (sum_n max(1, cdiv(n_n, L))
         # <= N + sum_n n_n / L); the bound's spare segments are empty ones at the end
         self.nseg = (B * triton.cdiv(NC, self.seg) if not varlen else N + triton.cdiv(NS, self.seg)) if self.seg else 0
@@ -877,7 +895,8 @@ class InferPlan:
         """Which recurrence runs, for benchmark records: ``segment_chunks`` (0: plain) and, segmented,
         the segments per sequence (fixed length) or per document (packed: reads ``cu_seqlens``, a host
         sync) and the launch config of each phase."""
-        cand = dict(fold_v=self.fold_v, pieces=self.pieces, longest_first=self.longest_first)
+        cand = dict(fold_v=self.fold_v, pieces=self.pieces, longest_first=self.longest_first,
+                    recur_maxnreg=self.recur_maxnreg)
         if not self.seg:
             return dict(segmented=False, segment_chunks=0, recur=list(self.recur_launch()), **cand)
         B, T, H, K, V, Kp, Vp = self.dims
@@ -926,10 +945,15 @@ class InferPlan:
             num_warps=warps if Kp <= 128 else 2 * warps, num_stages=stages, **cap,
         )
 
-    def recur(self, BV: int | None = None, warps: int | None = None, stages: int | None = None) -> None:
+    def recur(self, BV: int | None = None, warps: int | None = None, stages: int | None = None,
+              maxnreg: int | None = None) -> None:
         """The recurrence over chunks (after ``intra``): o and the final state. ``(BV, warps, stages)``:
-        one launch config for every recurrence kernel (launch sweeps); None: ``LAUNCH``'s per phase."""
-        cfg = None if BV is None else (BV, warps, stages)
+        one launch config for every recurrence kernel (launch sweeps); None: ``LAUNCH``'s per phase.
+        ``maxnreg`` (with ``BV``): the register cap of every recurrence launch, 0 for none (None: the plan's
+        ``recur_maxnreg``)."""
+        if maxnreg is not None and (BV is None or not (maxnreg == 0 or 32 <= maxnreg <= 255)):
+            raise ValueError(f"maxnreg={maxnreg!r} is not allowed: expected None, or with BV 0 (no cap) or 32..255")
+        cfg = None if BV is None else (BV, warps, stages) + (() if maxnreg is None else (maxnreg,))
         if not self.seg:
             order = self._order(self.coff[1:] - self.coff[:-1]) if self.varlen else None
             self._recur(self.N, self.cu, self.coff, self.h0, self.o, self.hT, cfg or self.recur_launch(),
@@ -1038,7 +1062,9 @@ class InferPlan:
         ``(pbase, psize)``, only those chunks of each document (``_run_pieces``); ``order``: ``[seqs]`` the
         documents in the order the programs take them (``_order``), None: document order."""
         B, T, H, K, V, Kp, Vp = self.dims
-        BV, warps, stages = cfg
+        BV, warps, stages = cfg[:3]
+        maxnreg = cfg[3] if len(cfg) > 3 else self.recur_maxnreg
+        cap = {"maxnreg": maxnreg} if maxnreg and not _interpret() else {}
         if aug and Kp % BV:
             raise ValueError(f"BV={BV} is not allowed for the segmented recurrence: expected a divisor of K = {Kp}")
         dtype = self.inputs[0].dtype
@@ -1051,7 +1077,7 @@ class InferPlan:
             K=K, V=V, BK=Kp, BVF=Vp, BV=BV, C=CHUNK, VARLEN=varlen, HAS_H0=h0 is not None,
             STORE_HT=hT is not None, DOT_BF16=_dot_bf16(dtype), IEEE=_ieee(dtype), AUG=aug, STORE_O=o is not None,
             FOLD_V=self.fold_v, PIECE=piece is not None, ORDER=order is not None, num_warps=warps,
-            num_stages=stages,
+            num_stages=stages, **cap,
         )
 
 
