@@ -54,6 +54,8 @@ Kernels (bases of exponentials are 2: G is kept in log2 units, ``exp2(G)`` is ``
 * Candidates, off by default: ``pieces`` (``PIECES``) overlaps the intra kernel and the plain
   recurrence, piece by piece of every document, on two streams (``InferPlan._run_pieces``); measured
   at fdd7e59 it gains 2-4% on the u path and loses 28% with ``fold_v`` (1.153 ms at 4 pieces).
+  ``recur_maxnreg`` (``RECUR_MAXNREG``): a register cap on the recurrence's launches, for more programs per
+  SM where a launch saturates the GPU (not yet measured).
 * ``longest_first`` (the default, ``LONGEST_FIRST``, packed documents): the recurrence's programs take
   the documents longest first (B1 T32768 H16 packed: 1.079 ms against 1.173 in document order).
 
