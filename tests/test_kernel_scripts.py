@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moelab.ops.kda import triton_infer
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Kernel-script smokes in the interpreter: 3-70 s each.
@@ -78,18 +80,21 @@ def test_bench_kda_infer_sweep_smoke(tmp_path):
 
 def test_bench_kda_infer_named_candidates(tmp_path):
     """``--infer-candidates NAME ...`` times only the named candidate paths, and only where they differ from the
-    op's default (longest_first: packed rows only); ``--infer-impls`` keeps only the named comparison rows."""
+    op's default (``fold_v``, which orders packed documents as they come, differs from the default's longest
+    first on packed rows only); ``--infer-impls`` keeps only the named comparison rows."""
     out = tmp_path / "infer.json"
     res = _run(["kernels/bench_kda.py", "--part", "infer", "--smoke", "--out", str(out), "--infer-impls",
-                "moelab_infer", "--infer-candidates", "base", "fold_v+longest_first"], tmp_path)
+                "moelab_infer", "--infer-candidates", "base", "fold_v"], tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     got = sorted((r["layout"], r["impl"]) for r in rows)
     assert got == [("fixed", "moelab_infer"), ("fixed", "moelab_infer[base]"), ("packed", "moelab_infer"),
-                   ("packed", "moelab_infer[base]"), ("packed", "moelab_infer[fold_v+longest_first]")], got
+                   ("packed", "moelab_infer[base]"), ("packed", "moelab_infer[fold_v]")], got
     assert all(r["fwd_ms"] > 0 for r in rows)
-    lf = next(r for r in rows if r["impl"].endswith("longest_first]"))
-    assert lf["path"]["longest_first"] and lf["path"]["fold_v"]
+    doc_order = next(r for r in rows if r["impl"] == "moelab_infer[fold_v]")
+    assert not doc_order["path"]["longest_first"] and doc_order["path"]["fold_v"]
+    default = next(r for r in rows if r["impl"] == "moelab_infer" and r["layout"] == "packed")
+    assert default["path"]["longest_first"] == triton_infer.LONGEST_FIRST
     assert "s into the shape" in res.stdout
 
 
@@ -150,7 +155,9 @@ def test_bench_model_rounds_budget_smoke(tmp_path, monkeypatch, capsys):
     rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
     qb, none = rows["moelab_k3_mini"], rows["moelab_k3_mini_balancer_none"]
     n = qb["rounds_done"]
-    assert 2 <= n < 1000 and wall < 15 + 5, (n, wall)  # stopped by the budget (5 s: interpreter start, exit)
+    # stopped by the budget (its rule's own message is checked below); the slack covers the interpreter's start and
+    # exit, slow on a loaded machine (one failure at 15 + 5 s with four pytest workers on this suite)
+    assert 2 <= n < 1000 and wall < 15 + 15, (n, wall)
     for r in (qb, none):
         ms = r["rounds_step_ms"]
         assert (r["rounds_done"], r["rounds_planned"], r["complete"]) == (n, 1000, False)
