@@ -487,6 +487,9 @@ def run_infer(args, dev) -> int:
     ``--infer-sweep`` then the sweep at the sweep shapes (JSON after every shape) and a
     ``moelab_infer_tuned`` row where its fastest launch configs differ from the op's defaults. The
     comparison with fla comes first, so that a run cut short by a time limit keeps it."""
+    if args.infer_rounds is not None and args.infer_rounds < 1:
+        raise SystemExit(f"--infer-rounds must be >= 1, got {args.infer_rounds}")
+    rounds = args.infer_rounds or (1 if dev == "cpu" else 3)
     if args.smoke or dev == "cpu":
         shapes, warmup, rep = [(1, 64, 2, 32)], 1, 1
     else:
@@ -510,7 +513,10 @@ def run_infer(args, dev) -> int:
                                                                                      else torch.float32),
                 launch=triton_infer.LAUNCH, sm_count=torch.cuda.get_device_properties(0).multi_processor_count
                 if dev == "cuda" else None, beta_sigmoid_in_kernel=beta_logits, docs_per_row=INFER_DOCS, g_min=G_MIN,
+                rounds=rounds,
                 note="forward only, no grad, output and final state from every impl; gate, L2 norm of q, k, "
+                     "fwd_ms: the median over `rounds` timings of the row (fwd_ms_rounds, the rows of a shape and "
+                     "layout timed in turn), each a do_bench median; "
                      "beta sigmoid (where fla takes beta logits) and the bound inside the ops; packed: each "
                      "row's T tokens cut into 6 uneven documents (doc_offsets), rows packed into one; "
                      "path: the path moelab_infer ran (InferPlan.path: segmented or plain, segment length "
@@ -537,7 +543,8 @@ def run_infer(args, dev) -> int:
     impls = [i for i in (args.infer_impls or INFER_IMPLS) if not (i.startswith("fla") and fla_chunk_kda is None)]
     for shape in shapes:
         for packed in (False, True):
-            infer_rows(shape, packed, impls, args.infer_candidates, None, dev, beta_logits, warmup, rep, rows, write)
+            infer_rows(shape, packed, impls, args.infer_candidates, None, dev, beta_logits, warmup, rep, rows, write,
+                       rounds=rounds)
     if args.infer_sweep:
         for shape in sweep_shapes:
             sweep.update(infer_sweep([shape], dev, beta_logits, *((1, 1) if dev == "cpu" else (10, 40))))
@@ -557,9 +564,14 @@ def run_infer(args, dev) -> int:
     return 0
 
 
-def infer_rows(shape, packed, impls, candidates, tuned, dev, beta_logits, warmup, rep, rows, write) -> None:
+def infer_rows(shape, packed, impls, candidates, tuned, dev, beta_logits, warmup, rep, rows, write,
+               rounds: int = 1) -> None:
     """Time ``impls`` (and, with ``candidates``, moelab_infer on every candidate path other than its
-    default) at one shape and layout; append a row each to ``rows`` and ``write()`` after each."""
+    default) at one shape and layout; append a row each to ``rows`` and ``write()`` after each. With
+    ``rounds`` > 1 every row is timed again in ``rounds - 1`` more rounds, the rows in turn within each, and
+    its ``fwd_ms`` is the median over the rounds (``fwd_ms_rounds``: each round's): one timing of a row can sit
+    10-15% off a later one of the same code on the H200 (the B1 T32768 H16 segmented row at 503d12f: 1.607 ms in
+    the bench, 1.38 in an A/B on the next machine), and rounds taken in turn share whatever drifts."""
     from tests.helpers import rel_err
 
     B, T, H, D = shape
@@ -574,6 +586,7 @@ def infer_rows(shape, packed, impls, candidates, tuned, dev, beta_logits, warmup
              and not (kw["pieces"] > 1 and path["segmented"])]
     start = len(rows)
     t0 = time.perf_counter()
+    fns = {}
     for impl in impls + cands:
         if (impl == "moelab_train_fwd" and packed) or (impl == "moelab_infer_plain" and not path["segmented"]):
             continue
@@ -586,6 +599,7 @@ def infer_rows(shape, packed, impls, candidates, tuned, dev, beta_logits, warmup
             fn = infer_fn(impl, x, beta_logits, tuned)
             results[impl] = fn()
             row["fwd_ms"] = timed(fn, dev, warmup, rep)
+            fns[impl] = fn
         except torch.cuda.OutOfMemoryError:
             row["error"] = "OOM"
         except Exception as exc:  # record and go on: one failing side must not hide the rest
@@ -599,6 +613,20 @@ def infer_rows(shape, packed, impls, candidates, tuned, dev, beta_logits, warmup
         seg = f"  segments of {seg} chunks" if seg else ""
         print(f"{impl:30s} {layout:6s} B{B:<2d} T{T:<6d} H{H:<3d} D{D}  fwd {ms} ms  {row.get('error', '')}{seg}"
               f"  [{time.perf_counter() - t0:.0f} s into the shape, compilation and autotuning included]", flush=True)
+    timed_rows = [r for r in rows[start:] if r["impl"] in fns]
+    if rounds > 1 and timed_rows:
+        for r in timed_rows:
+            r["fwd_ms_rounds"] = [r["fwd_ms"]]
+        for _ in range(rounds - 1):
+            for r in timed_rows:
+                r["fwd_ms_rounds"].append(timed(fns[r["impl"]], dev, warmup, rep))
+        for r in timed_rows:
+            ms = r["fwd_ms_rounds"]
+            r["fwd_ms"] = statistics.median(ms)
+            print(f"  {r['impl']:30s} {layout:6s} over {rounds} rounds: median {r['fwd_ms']:.3f} ms "
+                  f"({min(ms):.3f}-{max(ms):.3f})", flush=True)
+        write()
+    del fns
     if "fla_chunk_kda" in results:
         fo, fS = results["fla_chunk_kda"]
         for row in rows[start:]:
@@ -655,6 +683,10 @@ def main() -> int:
                          "default (rows moelab_infer[NAME]), fixed and packed")
     ap.add_argument("--infer-impls", nargs="*", choices=INFER_IMPLS, default=None, metavar="IMPL",
                     help=f"--part infer: only these of {', '.join(INFER_IMPLS)} (default: all)")
+    ap.add_argument("--infer-rounds", type=int, default=None,
+                    help="--part infer: time every row this many times, the rows of a shape and layout in turn, and "
+                         "record the median (fwd_ms) beside each round's (fwd_ms_rounds); default 3 on the GPU, 1 "
+                         "on the CPU")
     ap.add_argument("--infer-sweep", action="store_true",
                     help="--part infer: first time the inference kernels' launch configs apart at every shape "
                          "(JSON key sweep), then also time moelab_infer at the fastest (moelab_infer_tuned)")

@@ -81,16 +81,19 @@ def test_bench_kda_infer_sweep_smoke(tmp_path):
 def test_bench_kda_infer_named_candidates(tmp_path):
     """``--infer-candidates NAME ...`` times only the named candidate paths, and only where they differ from the
     op's default (``fold_v``, which orders packed documents as they come, differs from the default's longest
-    first on packed rows only); ``--infer-impls`` keeps only the named comparison rows."""
+    first on packed rows only); ``--infer-impls`` keeps only the named comparison rows; ``--infer-rounds``
+    times each row that many times."""
     out = tmp_path / "infer.json"
     res = _run(["kernels/bench_kda.py", "--part", "infer", "--smoke", "--out", str(out), "--infer-impls",
-                "moelab_infer", "--infer-candidates", "base", "fold_v"], tmp_path)
+                "moelab_infer", "--infer-candidates", "base", "fold_v", "--infer-rounds", "2"], tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     got = sorted((r["layout"], r["impl"]) for r in rows)
     assert got == [("fixed", "moelab_infer"), ("fixed", "moelab_infer[base]"), ("packed", "moelab_infer"),
                    ("packed", "moelab_infer[base]"), ("packed", "moelab_infer[fold_v]")], got
     assert all(r["fwd_ms"] > 0 for r in rows)
+    # --infer-rounds 2: every row timed twice, its fwd_ms the median of the two
+    assert all(len(r["fwd_ms_rounds"]) == 2 and r["fwd_ms"] == statistics.median(r["fwd_ms_rounds"]) for r in rows)
     doc_order = next(r for r in rows if r["impl"] == "moelab_infer[fold_v]")
     assert not doc_order["path"]["longest_first"] and doc_order["path"]["fold_v"]
     default = next(r for r in rows if r["impl"] == "moelab_infer" and r["layout"] == "packed")
