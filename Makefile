@@ -89,8 +89,8 @@ kda-bench: $(SETUP) ## GPU: KDA op speed/memory, moelab vs fla vs SDPA -> kernel
 	$(PYTHON) kernels/bench_kda.py --part main --out kernels/results/kda_h200.json
 	$(PYTHON) kernels/bench_kda.py --part long --out kernels/results/kda_h200_long.json
 
-kda-aot: $(SETUP) ## any machine: compile the KDA kernels for sm_90 and print registers / spills
-	$(PYTHON) kernels/aot_kda.py
+kda-aot: $(SETUP) ## any machine: compile the KDA kernels for sm_90 and print registers / spills (ARGS='--infer --maxnreg 168': the inference forward's kernels, uncapped and capped)
+	$(PYTHON) kernels/aot_kda.py $(ARGS)
 
 model-bench: $(SETUP) ## GPU: whole-model tokens/s (fla shape vs fla, gpu-small residual modes, k3-mini vs balancer none; ARGS='--only k3-mini --rounds 8': interleaved rounds, paired ratios; add '--budget-s 280' to stop rounds in time, and TRITON_CACHE_DIR=$PWD/.tcache to keep compiled kernels for the next call) -> studies/throughput_h200.json
 	$(PYTHON) kernels/bench_model.py --out studies/throughput_h200.json $(ARGS)

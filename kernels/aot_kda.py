@@ -7,6 +7,8 @@ treat it as directional and time on the GPU).
 
     python kernels/aot_kda.py                       # every kernel at its LAUNCH config, bf16, D = 128
     python kernels/aot_kda.py --only dqkg wy --cfg dqkg=64,4,1
+    python kernels/aot_kda.py --infer --maxnreg 168  # the inference forward's kernels (triton_infer), uncapped
+                                                     # and at a register cap
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from moelab.ops.kda import triton_bwd as B  # noqa: E402
 from moelab.ops.kda import triton_chunk as tc  # noqa: E402
 from moelab.ops.kda import triton_fwd as F  # noqa: E402
+from moelab.ops.kda import triton_infer as I  # noqa: E402
 
 WORK = ["kd", "w", "u", "hbuf", "U", "qg", "Aqk", "o", "do", "dhbuf"]  # work dtype (bf16 for bf16 inputs)
 FP32 = ["gl", "h0", "hT", "dht", "dU", "dh0", "Gbuf", "Abuf", "dAs", "dkb", "dbv", "dbk", "dG", "dGl", "dbs"]
@@ -38,6 +41,10 @@ def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf1
     ptrs = {n: "*" + dtype for n in WORK + INPUT}
     ptrs.update({n: "*fp32" for n in FP32})
     ptrs["coff"] = "*i32"  # the packed documents' chunk offsets (state kernels)
+    # the inference forward's own names: its gate input z, fp16 (I + L)^-1 Diag(beta), the segmented path's fp32
+    # [A | B] and start states, int32 offsets and orders
+    ptrs.update(z="*" + dtype, ab="*fp16" if dtype == "bf16" else "*fp32", A_log="*fp32", dt_bias="*fp32",
+                M="*fp32", S0="*fp32", **{n: "*i32" for n in ("cu", "poff", "pbase", "psize", "order", "soff")})
     if consts.get("G_IN"):
         ptrs["g"] = "*fp32"  # g holds the chunk-local G the prep wrote (fp32)
     sig = {}
@@ -46,9 +53,9 @@ def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf1
             sig[n] = "constexpr"
         elif n in ptrs:
             sig[n] = ptrs[n]
-        elif n in ("T", "NBH"):
+        elif n in ("T", "NBH", "NC", "NS", "N", "H"):
             sig[n] = "i32"
-        elif n in ("scale", "mid"):
+        elif n in ("scale", "mid", "g_min", "eps"):
             sig[n] = "fp32"
         else:
             raise KeyError(f"no signature type for argument {n!r} of {kernel.__name__}")
@@ -76,7 +83,11 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", help="kernel names (LAUNCH keys)")
     ap.add_argument("--cfg", nargs="*", default=[], help="NAME=block,warps,stages overrides")
     ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--infer", action="store_true", help="the inference forward's kernels (triton_infer) instead")
+    ap.add_argument("--maxnreg", type=int, nargs="*", default=[], help="--infer: also compile at these register caps")
     args = ap.parse_args()
+    if args.infer:
+        return infer_main(args.K, args.maxnreg)
     cfgs = {}
     for item in args.cfg:
         name, val = item.split("=")
@@ -113,6 +124,35 @@ def main() -> int:
                 capped = f" maxnreg={cap}" if cap else ""
                 print(f"{name:11s}{tag:9s} {blk} warps={warps} stages={stages}{capped}: "
                       f"{compile_one(kernel, consts, warps, stages, maxnreg=cap)}", flush=True)
+    return 0
+
+
+def infer_main(K: int, caps: list[int]) -> int:
+    """The inference forward's kernels for bf16 inputs at head dim K, L2 norm, bounded gate and beta sigmoid in the
+    op: the intra kernel (fold_v and u path) at ``LAUNCH["intra"]``'s warps, and the recurrence at each
+    ``LAUNCH["recur"]`` block of 32 or more columns in its four uses (fixed-length rows, packed documents, the
+    segmented path's phase 1 and phase 3), uncapped and at each cap of ``caps``."""
+    Kp = max(16, triton.next_power_of_2(K))
+    dims = dict(K=K, V=K, BK=Kp, BVF=Kp, C=I.CHUNK)
+    intra = dict(dims, LOG_N=1, VARLEN=False, GATE=1, HAS_BIAS=True, SILU=False, L2NORM=True, BETA_SIGMOID=True,
+                 IEEE=False, PER=1, STAGES=1, PIECE=False)
+    recur = dict(dims, HAS_H0=False, STORE_HT=True, DOT_BF16=True, IEEE=False, FOLD_V=True, PIECE=False, ORDER=False,
+                 AUG=False, STORE_O=True, VARLEN=False)
+    uses = {"fixed": {}, "packed": dict(VARLEN=True, ORDER=True), "phase 1": dict(VARLEN=True, AUG=True, STORE_O=False),
+            "phase 3": dict(VARLEN=True, HAS_H0=True)}
+    warps = I.LAUNCH["intra"][0]
+    for cap in [None, *caps]:
+        capped = f" maxnreg={cap}" if cap else ""
+        for fold in (True, False):
+            print(f"infer intra {'fold_v' if fold else 'u path':7s} warps={warps}{capped}: "
+                  f"{compile_one(I._kda_infer_intra, dict(intra, FOLD_V=fold), warps, 1, maxnreg=cap)}", flush=True)
+        for BV, w, stages, _ in I.LAUNCH["recur"]:
+            if BV < 32 or BV > Kp:
+                continue
+            for use, extra in uses.items():
+                print(f"infer recur {use:8s} {BV}/{w}/{stages}{capped}: "
+                      f"{compile_one(I._kda_infer_recur, dict(recur, BV=BV, **extra), w, stages, maxnreg=cap)}",
+                      flush=True)
     return 0
 
 

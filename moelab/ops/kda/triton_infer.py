@@ -146,10 +146,10 @@ LONGEST_FIRST = True
 # RECUR_MAXNREG (candidate, 0: off until measured): ptxas's register cap on every recurrence launch. Where a launch
 # holds more programs than fit on the GPU at once (B8 T4096 H16 plain; the segmented path's phases), each SM runs
 # as many programs as its 64K registers allow, and each program's chain of small products waits on latency, so
-# more programs per SM may mean more throughput. sm_90a compile (Triton 3.9, bf16, K = V = 128, fold_v), registers
-# uncapped -> at 168: plain 64/4/3 174 -> 168 without spills (2 -> 3 programs per SM); phase 3 64/4/3 211 -> 168,
-# 12 B spilled (2 -> 3); phase 1 64/4/3 158 -> 145 (3 either way; 4 need 128, 120 B spilled); plain 32/2/3
-# 184 -> 168, 24 B spilled (5 -> 6).
+# more programs per SM may mean more throughput. sm_90a compile (``make kda-aot ARGS='--infer --maxnreg 168'``,
+# Triton 3.9, bf16, K = V = 128, fold_v), registers uncapped -> at 168, 64/4/3: packed documents 214 -> 168 and
+# fixed rows 174 -> 168 without spills (2 -> 3 programs per SM), phase 3 211 -> 168 with 12 B spilled (2 -> 3),
+# phase 1 158 -> 145 (3 either way; 4 need 128, 120 B spilled); 32/2/3: 184 -> 168, 24 B spilled (5 -> 6).
 RECUR_MAXNREG = 0
 
 # Recurrence cost model, for the choice between the plain and the segmented recurrence and of the
