@@ -272,11 +272,10 @@ def _kda_infer() -> Row:
         if not r["impl"].startswith("moelab_infer") or r["impl"] == "moelab_infer_plain" or r["fwd_ms"] is None:
             continue
         fla = next((t for t in rows if t["impl"] == "fla_chunk_kda" and t["fwd_ms"] is not None
-                    and all(t[k] == r[k] for k in ("layout", "B", "T", "H"))), None)
+                    and _same_shape(t, r)), None)
         name = "moelab"
         if r["impl"] != "moelab_infer":  # a candidate path: named by what it changes from the op's default row
-            default = next((t for t in rows if t["impl"] == "moelab_infer" and all(t[k] == r[k] for k in
-                            ("layout", "B", "T", "H"))), {})
+            default = next((t for t in rows if t["impl"] == "moelab_infer" and _same_shape(t, r)), {})
             diff = [f"{k}={v}" for k, v in r.get("path", {}).items() if default.get("path", {}).get(k) != v]
             name = f"moelab with {', '.join(diff) or r['impl']}"
         shape = f"{r['layout']} B{r['B']} T{r['T']} H{r['H']}"
@@ -289,8 +288,11 @@ def _kda_infer() -> Row:
             verdicts.append(x >= targets[r["layout"]])
         parts.append(f"{shape} {name} {r['fwd_ms']:.3f} vs fla {fla['fwd_ms']:.3f} ms: **{x:.2f}x**")
     met = sum(verdicts)
-    ab = _seg_ab("kernels/results/kda_infer_seg_ab_h200_503d12f.log")
+    refs = [_ref(f)]
     if d["meta"]["commit"] == "503d12f":  # that run's segmented row ran the phase-1 skip, reverted after its A/B
+        log = "kernels/results/kda_infer_seg_ab_h200_503d12f.log"
+        ab = _seg_ab(log)
+        refs.append(_ref(log))
         parts.append(f"the fixed B1 T32768 H16 row ran a phase-1 skip since reverted: in an A/B at that commit the "
                      f"segmented path took {ab[True]:.2f} ms with it and {ab[False]:.2f} without (plain "
                      f"{ab[None]:.2f}; medians of two runs, no fla in that run)")
@@ -299,8 +301,12 @@ def _kda_infer() -> Row:
             "; ".join(parts) + f" (targets >= 1.85x fixed, >= 2x packed: the op's default path meets them in {met} "
             f"of {len(verdicts)} rows"
             + (f"; no fla row for {', '.join(sorted(set(missing)))}: the run was cut by its time limit" if missing
-               else "") + ")", [_ref(f)] + ([_ref("kernels/results/kda_infer_seg_ab_h200_503d12f.log")]
-                                           if d["meta"]["commit"] == "503d12f" else []), (f, None))
+               else "") + ")", refs, (f, None))
+
+
+def _same_shape(a: dict, b: dict) -> bool:
+    """Whether two benchmark rows are at one shape and layout."""
+    return all(a[k] == b[k] for k in ("layout", "B", "T", "H"))
 
 
 def _seg_ab(f: str) -> dict:
@@ -321,8 +327,7 @@ def _kda_infer_vs_fla() -> Row:
     for f in files:
         rows = _load(f)["rows"]
         for r in rows:
-            fla = next((t for t in rows if t["impl"] == "fla_chunk_kda" and all(t[k] == r[k] for k in
-                        ("layout", "B", "T", "H"))), None)
+            fla = next((t for t in rows if t["impl"] == "fla_chunk_kda" and _same_shape(t, r)), None)
             if not r["impl"].startswith("moelab_infer") or fla is None or r["fwd_ms"] is None:
                 continue
             path = r.get("path", {})

@@ -232,7 +232,7 @@ def launch_overrides(intra: tuple | None = None, recur: tuple | None = None):
     saved = dict(LAUNCH)
     if intra is not None:
         if len(intra) not in (2, 3, 4) or any(int(x) < 1 for x in intra[:3]) or (
-                len(intra) == 4 and int(intra[3]) != 0 and not 32 <= int(intra[3]) <= 255):
+                len(intra) == 4 and not _maxnreg_ok(int(intra[3]))):
             raise ValueError(f"intra={intra!r} is not allowed: expected (num_warps, num_stages[, per_program[, "
                              "maxnreg]]), each >= 1 (maxnreg: 0 for no cap, or 32..255)")
         LAUNCH["intra"] = tuple(int(x) for x in intra) + (1, 0)[len(intra) - 2:]
@@ -246,6 +246,16 @@ def launch_overrides(intra: tuple | None = None, recur: tuple | None = None):
     finally:
         LAUNCH.clear()
         LAUNCH.update(saved)
+
+
+def _maxnreg_ok(maxnreg) -> bool:
+    """A register cap as the launches take it: 0 (none) or an int in ptxas's range 32..255."""
+    return isinstance(maxnreg, int) and not isinstance(maxnreg, bool) and (maxnreg == 0 or 32 <= maxnreg <= 255)
+
+
+def _cap(maxnreg: int) -> dict:
+    """Launch keywords for the register cap ``maxnreg`` (0: none; none in the interpreter either)."""
+    return {"maxnreg": maxnreg} if maxnreg and not _interpret() else {}
 
 
 @functools.cache
@@ -834,8 +844,7 @@ class InferPlan:
             raise ValueError(f"longest_first={longest_first!r} is not allowed: expected None, True or False")
         if pieces is not None and (isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1):
             raise ValueError(f"pieces={pieces!r} is not allowed: expected None or an int >= 1")
-        if recur_maxnreg is not None and (isinstance(recur_maxnreg, bool) or not isinstance(recur_maxnreg, int)
-                                          or not (recur_maxnreg == 0 or 32 <= recur_maxnreg <= 255)):
+        if recur_maxnreg is not None and not _maxnreg_ok(recur_maxnreg):
             raise ValueError(f"recur_maxnreg={recur_maxnreg!r} is not allowed: expected None, 0 (no cap) or an int "
                              "in 32..255")
         B, T, H, K = q.shape
@@ -927,9 +936,8 @@ class InferPlan:
         piece (``_run_pieces``): only its chunks, ``slots`` at most."""
         if per < 1:
             raise ValueError(f"per={per!r} is not allowed: expected chunk slots per program >= 1")
-        if maxnreg and not 32 <= maxnreg <= 255:
+        if not _maxnreg_ok(maxnreg):
             raise ValueError(f"maxnreg={maxnreg!r} is not allowed: expected 0 (no cap) or 32..255")
-        cap = {"maxnreg": maxnreg} if maxnreg and not _interpret() else {}
         B, T, H, K, V, Kp, Vp = self.dims
         dummy = self.gl
         if piece is None:
@@ -944,7 +952,7 @@ class InferPlan:
             K=K, V=V, BK=Kp, BVF=Vp, C=CHUNK, LOG_N=max(1, self.N.bit_length()), VARLEN=self.varlen,
             GATE=_GATE_ID[self.gate], HAS_BIAS=self.dt_bias is not None, IEEE=_ieee(self.inputs[0].dtype),
             PER=per, STAGES=stages, **self.flags, FOLD_V=self.fold_v, PIECE=piece is not None,
-            num_warps=warps if Kp <= 128 else 2 * warps, num_stages=stages, **cap,
+            num_warps=warps if Kp <= 128 else 2 * warps, num_stages=stages, **_cap(maxnreg),
         )
 
     def recur(self, BV: int | None = None, warps: int | None = None, stages: int | None = None,
@@ -953,7 +961,7 @@ class InferPlan:
         one launch config for every recurrence kernel (launch sweeps); None: ``LAUNCH``'s per phase.
         ``maxnreg`` (with ``BV``): the register cap of every recurrence launch, 0 for none (None: the plan's
         ``recur_maxnreg``)."""
-        if maxnreg is not None and (BV is None or not (maxnreg == 0 or 32 <= maxnreg <= 255)):
+        if maxnreg is not None and (BV is None or not _maxnreg_ok(maxnreg)):
             raise ValueError(f"maxnreg={maxnreg!r} is not allowed: expected None, or with BV 0 (no cap) or 32..255")
         cfg = None if BV is None else (BV, warps, stages) + (() if maxnreg is None else (maxnreg,))
         if not self.seg:
@@ -1066,7 +1074,6 @@ class InferPlan:
         B, T, H, K, V, Kp, Vp = self.dims
         BV, warps, stages = cfg[:3]
         maxnreg = cfg[3] if len(cfg) > 3 else self.recur_maxnreg
-        cap = {"maxnreg": maxnreg} if maxnreg and not _interpret() else {}
         if aug and Kp % BV:
             raise ValueError(f"BV={BV} is not allowed for the segmented recurrence: expected a divisor of K = {Kp}")
         dtype = self.inputs[0].dtype
@@ -1079,7 +1086,7 @@ class InferPlan:
             K=K, V=V, BK=Kp, BVF=Vp, BV=BV, C=CHUNK, VARLEN=varlen, HAS_H0=h0 is not None,
             STORE_HT=hT is not None, DOT_BF16=_dot_bf16(dtype), IEEE=_ieee(dtype), AUG=aug, STORE_O=o is not None,
             FOLD_V=self.fold_v, PIECE=piece is not None, ORDER=order is not None, num_warps=warps,
-            num_stages=stages, **cap,
+            num_stages=stages, **_cap(maxnreg),
         )
 
 
