@@ -348,7 +348,8 @@ def infer_fn(impl, x, beta_logits, tuned=None, segment_chunks=None, cand=None):
 INFER_SWEEP_INTRA = {"base": [(2, 1, 1)], "fold_v": [(2, 1, 1), (4, 1, 1), (2, 1, 1, 168), (4, 1, 1, 128)]}
 # (BV, num_warps, num_stages[, maxnreg]): the two the op picks at D = 128 (triton_infer.pick_recur); 16/1 was never
 # the fastest, 2 or 4 stages never faster than 3, 128/8 always the slowest (both sweeps); each also at a register
-# cap of 168 (triton_infer.RECUR_MAXNREG: more programs per SM)
+# cap of 168 (triton_infer.RECUR_MAXNREG, the default on 4-warp launches: more programs per SM; an entry without a
+# cap runs at the op's own rule)
 INFER_SWEEP_RECUR = [(32, 2, 3), (64, 4, 3), (32, 2, 3, 168), (64, 4, 3, 168)]
 # a config whose o or final state is further than this from the training forward's is wrong (both
 # sides are bf16 paths ~3e-3 from the fp32 recurrence; a miscompile is off by O(1))
@@ -357,7 +358,7 @@ INFER_SWEEP_TOL = 2e-2
 # shape, so the cost model's choice (triton_infer.choose_segment_chunks) meets a measurement where it says plain
 # too (packed B1 T8192 H64 ran 11% faster than fixed at 6d91d0b: shorter chains); lengths >= the chunks of a
 # sequence are skipped
-INFER_SWEEP_SEGMENTS = [0, 64, 128, 256]
+INFER_SWEEP_SEGMENTS = [0, 64, 128, 256, 512]
 # candidate paths: kda_infer's fold_v / pieces / longest_first / recur_maxnreg (triton_infer.FOLD_V, PIECES,
 # LONGEST_FIRST, RECUR_MAXNREG); "base" is u materialised, one
 # launch of each kernel. Pieces apply to the plain recurrence only: skipped where the op segments.
@@ -367,7 +368,7 @@ INFER_CANDIDATES = {"base": dict(fold_v=False, pieces=1, longest_first=False),
                     "pieces4": dict(fold_v=False, pieces=4, longest_first=False),
                     "fold_v+pieces4": dict(fold_v=True, pieces=4, longest_first=False),
                     "fold_v+longest_first": dict(fold_v=True, pieces=1, longest_first=True),
-                    "cap168": dict(fold_v=True, pieces=1, longest_first=True, recur_maxnreg=168)}
+                    "nocap": dict(fold_v=True, pieces=1, longest_first=True, recur_maxnreg=0)}
 # candidates that change nothing on fixed-length rows (they order packed documents): timed on packed rows only
 PACKED_ONLY = ("longest_first",)
 

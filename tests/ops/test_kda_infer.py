@@ -267,11 +267,12 @@ def test_segment_plan_counts():
 
 
 def test_segment_rule_at_the_measured_shapes():
-    """choose_segment_chunks on 132 SMs (H200) against the 6d91d0b sweep: B1 T32768 H16 fastest at 128- and
-    256-chunk segments (1.76 ms, plain 2.65), B1 T8192 H64 plain (1.13 ms, segmented 1.71); the other
-    benchmark shapes, fixed and packed (6 documents per row), plain."""
+    """choose_segment_chunks on 132 SMs (H200) against the measured sweeps: B1 T32768 H16 fastest at 256-chunk
+    segments (bfaed65: 1.13-1.18 ms, 128-chunk 1.25-1.28, 512-chunk 1.38, plain 1.69), B1 T8192 H64 plain
+    (6d91d0b: 1.13 ms, segmented 1.71); the other benchmark shapes, fixed and packed (6 documents per row),
+    plain."""
     pick = triton_infer.choose_segment_chunks
-    assert pick(1, 16, 2048, 128, 128, 132) == 128
+    assert pick(1, 16, 2048, 128, 128, 132) == 256
     for seqs, H, chunks in [(1, 64, 512), (1, 96, 512), (8, 16, 256), (6, 16, 2048 // 6), (6, 64, 512 // 6),
                             (6, 96, 512 // 6), (48, 16, 256 // 6)]:
         assert pick(seqs, H, chunks, 128, 128, 132) == 0, (seqs, H, chunks)
@@ -454,6 +455,11 @@ def test_bad_inputs_name_the_value():
              re.escape(f"recur_maxnreg={bad!r} is not allowed"))
     plan = triton_infer.InferPlan(q, k, v, z, beta, gate="bounded", recur_maxnreg=168, **A)
     assert plan.path()["recur_maxnreg"] == 168
+    # the cap applies to 4-warp launches only (the 2-warp ones measured slower capped)
+    assert [plan.recur_cap(w) for w in (1, 2, 4, 8)] == [0, 0, 168, 168]
+    default = triton_infer.InferPlan(q, k, v, z, beta, gate="bounded", **A)
+    assert default.recur_cap(4) == triton_infer.RECUR_MAXNREG and default.recur_cap(2) == 0
+    assert triton_infer.InferPlan(q, k, v, z, beta, gate="bounded", recur_maxnreg=0, **A).recur_cap(4) == 0
     _err(lambda: plan.recur(maxnreg=168), "maxnreg=168 is not allowed")
     _err(lambda: plan.recur(16, 1, 1, 300), "maxnreg=300 is not allowed")
 
@@ -537,11 +543,13 @@ def test_bf16_candidates():
 @pytest.mark.gpu
 @pytest.mark.parametrize("seg", [0, 8], ids=["plain", "segmented"])
 def test_bf16_recur_register_cap_changes_nothing(seg):
-    """``recur_maxnreg`` (ptxas's register cap on the recurrence's launches) changes register allocation and
-    spills, never the arithmetic: o and the final state equal the uncapped run's bit for bit, packed, plain and
-    segmented, at the cap the benchmark tries (168) and at one that spills more (128)."""
+    """``recur_maxnreg`` (ptxas's register cap on the recurrence's 4-warp launches) changes register allocation
+    and spills, never the arithmetic: o and the final state equal the uncapped run's bit for bit, packed, plain
+    and segmented, at the default cap (168) and at one that spills more (128). The recurrence runs at 64/4/3
+    (the launch the cap applies to) whatever these shapes would pick."""
     x, cu = _gpu_inputs(True)
-    base = _run(x, x["s0"], cu, gate="bounded", segment_chunks=seg, recur_maxnreg=0)
-    for cap in (168, 128):
-        capped = _run(x, x["s0"], cu, gate="bounded", segment_chunks=seg, recur_maxnreg=cap)
-        assert torch.equal(base[0], capped[0]) and torch.equal(base[1], capped[1]), cap
+    with triton_infer.launch_overrides(recur=((64, 4, 3),)):
+        base = _run(x, x["s0"], cu, gate="bounded", segment_chunks=seg, recur_maxnreg=0)
+        for cap in (168, 128):
+            capped = _run(x, x["s0"], cu, gate="bounded", segment_chunks=seg, recur_maxnreg=cap)
+            assert torch.equal(base[0], capped[0]) and torch.equal(base[1], capped[1]), cap

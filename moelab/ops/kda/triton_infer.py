@@ -54,8 +54,10 @@ Kernels (bases of exponentials are 2: G is kept in log2 units, ``exp2(G)`` is ``
 * Candidates, off by default: ``pieces`` (``PIECES``) overlaps the intra kernel and the plain
   recurrence, piece by piece of every document, on two streams (``InferPlan._run_pieces``); measured
   at fdd7e59 it gains 2-4% on the u path and loses 28% with ``fold_v`` (1.153 ms at 4 pieces).
-  ``recur_maxnreg`` (``RECUR_MAXNREG``): a register cap on the recurrence's launches, for more programs per
-  SM where a launch saturates the GPU (not yet measured).
+* ``recur_maxnreg`` (the default, ``RECUR_MAXNREG`` = 168): a register cap on the recurrence's 4-warp
+  launches, for a third program per SM where a launch saturates the GPU (bfaed65, every 4-warp row 1-6%
+  faster, e.g. packed B1 T8192 H96 1.104 ms against 1.168; the 2-warp launches, 6-15% slower capped,
+  stay uncapped). ``recur_maxnreg=0`` runs without it.
 * ``longest_first`` (the default, ``LONGEST_FIRST``, packed documents): the recurrence's programs take
   the documents longest first (B1 T32768 H16 packed: 1.079 ms against 1.173 in document order).
 
@@ -143,14 +145,19 @@ PIECES = 1
 # document whose programs start late sets the end of the launch; longest first is the classic list-scheduling
 # order against that tail.
 LONGEST_FIRST = True
-# RECUR_MAXNREG (candidate, 0: off until measured): ptxas's register cap on every recurrence launch. Where a launch
-# holds more programs than fit on the GPU at once (B8 T4096 H16 plain; the segmented path's phases), each SM runs
-# as many programs as its 64K registers allow, and each program's chain of small products waits on latency, so
-# more programs per SM may mean more throughput. sm_90a compile (``make kda-aot ARGS='--infer --maxnreg 168'``,
-# Triton 3.9, bf16, K = V = 128, fold_v), registers uncapped -> at 168, 64/4/3: packed documents 214 -> 168 and
-# fixed rows 174 -> 168 without spills (2 -> 3 programs per SM), phase 3 211 -> 168 with 12 B spilled (2 -> 3),
-# phase 1 158 -> 145 (3 either way; 4 need 128, 120 B spilled); 32/2/3: 184 -> 168, 24 B spilled (5 -> 6).
-RECUR_MAXNREG = 0
+# RECUR_MAXNREG (on since the H200 run at bfaed65, kernels/results/kda_infer_h200.json): ptxas's register cap on the
+# recurrence's launches of at least RECUR_CAP_MIN_WARPS warps. Where a launch holds more programs than fit on the GPU
+# at once, each SM runs as many programs as its 64K registers allow, and each program's chain of small products
+# waits on latency, so more programs per SM mean more throughput. sm_90a compile (``make kda-aot ARGS='--infer
+# --maxnreg 168'``, Triton 3.9, bf16, K = V = 128, fold_v), registers uncapped -> at 168, 64/4/3: packed documents
+# 214 -> 168 and fixed rows 174 -> 168 without spills (2 -> 3 programs per SM), phase 3 211 -> 168 with 12 B
+# spilled (2 -> 3), phase 1 158 -> 145 (3 either way); 32/2/3: 184 -> 168, 24 B spilled (5 -> 6).
+# Measured against no cap in that run: every 64/4/3 row faster (packed B1 T8192 H64 0.757 ms / 0.793, H96 1.104 /
+# 1.168, B8 T4096 H16 0.776 / 0.814, fixed B8 T4096 H16 0.653 / 0.662, segmented B1 T32768 H16 1.258 / 1.281),
+# every 32/2/3 row slower (fixed B1 T8192 H64 0.900 / 0.781, H96 1.155 / 1.086, packed B1 T32768 H16 1.071 /
+# 0.963): the 2-warp launches, whose programs already fill the SMs 5 at a time, stay uncapped.
+RECUR_MAXNREG = 168
+RECUR_CAP_MIN_WARPS = 4
 
 # Recurrence cost model, for the choice between the plain and the segmented recurrence and of the
 # segment length, in units of one latency-bound chunk step (~1.0 us on the H200: plain B1 T32768 H16,
@@ -162,14 +169,16 @@ RECUR_MAXNREG = 0
 # 0.56 ms predicted, 0.59 measured; H96 (0.97 sat) 0.64 / 0.64; B8 T4096 H16 (1.29 sat) 0.38 / 0.35;
 # segmented B1 T32768 H16 at 8 and 16 segments 1.10 / 1.23 each, at 32 1.19 / 1.37; segmented B1 T8192
 # H64 at 2 and 4 segments 1.07 and 1.03 / 1.18, against 0.56 / 0.59 plain. JOIN_STEPS: one step of the
-# join (a [K, K] product per segment, fp32 FMA, reading [A | B] from memory): with 6, 32 segments of B1
-# T32768 H16 model 1.19 ms against 1.37 measured and 64 segments 1.39 against 1.75 (optimistic for many
-# short segments, which the rule then avoids anyway);
+# join (a [K, K] product per segment, fp32 FMA, reading [A | B] from memory, one segment after another), fitted to
+# the segment sweep at bfaed65 (kernels/results/history/kda_infer_seg_sweep_h200_bfaed65.json, B1 T32768 H16, the
+# whole op, register cap on): with 12, 4 / 8 / 16 segments model 1.37 / 1.17 / 1.21 ms against 1.38 / 1.13-1.18 /
+# 1.25-1.28 measured, and 32 / 64 segments (6d91d0b sweep) 1.40 / 1.78 against 1.37 / 1.75. At 6 (until bfaed65)
+# the model put 8 and 16 segments level and took 16, the slower of the two by 0.1 ms;
 # SEG_FIXED_STEPS: the segmented path's fixed cost (two more launches, the segment offsets, the final
 # state's gather: ~20 us). SEG_MIN_LEN: no shorter segments (measured down to 32 chunks, slower there).
 # SEG_MIN_GAIN: the segmented recurrence must be predicted that much faster (the model is within ~15%).
 SAT_COLS_PER_SM = 96
-JOIN_STEPS = 6
+JOIN_STEPS = 12
 SEG_FIXED_STEPS = 20
 SEG_MIN_LEN = 64
 SEG_MIN_GAIN = 1.2
@@ -190,7 +199,7 @@ def choose_segment_chunks(seqs: int, H: int, chunks: int, K: int, V: int, sms: i
     (phase 1), ``P JOIN_STEPS`` (phase 2), L steps at ``P seqs H V`` columns (phase 3) and
     ``SEG_FIXED_STEPS``. Throughput-bound, the segments cost ``(K + 2V) / V`` times the plain work, so
     segmenting pays only where the plain launch holds under ``V / (K + 2V)`` of saturation. On 132 SMs:
-    B1 T32768 H16 (2048 chunks, 2048 columns: 0.16 of saturation) takes 16 segments of 128 chunks;
+    B1 T32768 H16 (2048 chunks, 2048 columns: 0.16 of saturation) takes 8 segments of 256 chunks;
     B1 T8192 H64 / H96, B8 T4096 H16 and packed documents at those sizes stay plain (their plain
     launches are at 0.65-1.3 of saturation, so the segments' extra columns cost more than the shorter
     chain saves).
@@ -789,9 +798,9 @@ def kda_infer(
         longest_first: with ``cu_seqlens``, the recurrence's programs take the documents longest first
             (``LONGEST_FIRST``, the default when None), so that the longest chains start in the first
             wave of programs instead of wherever their documents lie. Same result bit for bit.
-        recur_maxnreg: register cap (ptxas ``maxnreg``, 32..255) of the recurrence's launches, 0 for none
-            (``RECUR_MAXNREG``, the default when None): more programs per SM where a launch saturates the
-            GPU, at the price of spills. Same result bit for bit.
+        recur_maxnreg: register cap (ptxas ``maxnreg``, 32..255) of the recurrence's launches of at least
+            ``RECUR_CAP_MIN_WARPS`` warps, 0 for none (``RECUR_MAXNREG``, the default when None): more
+            programs per SM where a launch saturates the GPU, at the price of spills. Same result bit for bit.
 
     Returns:
         ``o`` ``[B, T, H, V]`` in v's dtype and the final state ``[N, H, K, V]`` fp32 (or None).
@@ -1061,6 +1070,11 @@ class InferPlan:
         seg_coff = torch.cat([torch.minimum(coff[n] + s * L, coff[n + 1]), coff[-1:]]).to(torch.int32)
         return seg_cu, seg_coff, soff
 
+    def recur_cap(self, warps: int) -> int:
+        """The register cap of a recurrence launch of ``warps`` warps at the plan's launch configs:
+        ``recur_maxnreg`` from ``RECUR_CAP_MIN_WARPS`` warps up, else 0 (none)."""
+        return self.recur_maxnreg if warps >= RECUR_CAP_MIN_WARPS else 0
+
     def _order(self, chunks: torch.Tensor) -> torch.Tensor | None:
         """The recurrence's document order for ``chunks`` ``[N]`` (chunks per document): longest first
         with ``longest_first`` and several documents, else None (document order)."""
@@ -1073,7 +1087,7 @@ class InferPlan:
         documents in the order the programs take them (``_order``), None: document order."""
         B, T, H, K, V, Kp, Vp = self.dims
         BV, warps, stages = cfg[:3]
-        maxnreg = cfg[3] if len(cfg) > 3 else self.recur_maxnreg
+        maxnreg = cfg[3] if len(cfg) > 3 else self.recur_cap(warps)
         if aug and Kp % BV:
             raise ValueError(f"BV={BV} is not allowed for the segmented recurrence: expected a divisor of K = {Kp}")
         dtype = self.inputs[0].dtype
