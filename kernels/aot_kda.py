@@ -44,7 +44,7 @@ def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf1
     # the inference forward's own names: its gate input z, fp16 (I + L)^-1 Diag(beta), the segmented path's fp32
     # [A | B] and start states, int32 offsets and orders
     ptrs.update(z="*" + dtype, ab="*fp16" if dtype == "bf16" else "*fp32", A_log="*fp32", dt_bias="*fp32",
-                M="*fp32", S0="*fp32", **{n: "*i32" for n in ("cu", "poff", "pbase", "psize", "order", "soff")})
+                M="*fp32", S0="*fp32", **{n: "*i32" for n in ("cu", "poff", "pbase", "psize", "order", "soff")}, t0s="*i64", ends="*i64")
     if consts.get("G_IN"):
         ptrs["g"] = "*fp32"  # g holds the chunk-local G the prep wrote (fp32)
     sig = {}
@@ -135,7 +135,7 @@ def infer_main(K: int, caps: list[int]) -> int:
     Kp = max(16, triton.next_power_of_2(K))
     dims = dict(K=K, V=K, BK=Kp, BVF=Kp, C=I.CHUNK)
     intra = dict(dims, LOG_N=1, VARLEN=False, GATE=1, HAS_BIAS=True, SILU=False, L2NORM=True, BETA_SIGMOID=True,
-                 IEEE=False, PER=1, STAGES=1, PIECE=False)
+                 IEEE=False, PER=1, STAGES=1, PIECE=False, TABLE=False, HEADS_INNER=True)
     recur = dict(dims, HAS_H0=False, STORE_HT=True, DOT_BF16=True, IEEE=False, FOLD_V=True, PIECE=False, ORDER=False,
                  AUG=False, STORE_O=True, VARLEN=False)
     uses = {"fixed": {}, "packed": dict(VARLEN=True, ORDER=True), "phase 1": dict(VARLEN=True, AUG=True, STORE_O=False),
@@ -144,8 +144,10 @@ def infer_main(K: int, caps: list[int]) -> int:
     for cap in [None, *caps]:
         capped = f" maxnreg={cap}" if cap else ""
         for fold in (True, False):
-            print(f"infer intra {'fold_v' if fold else 'u path':7s} warps={warps}{capped}: "
-                  f"{compile_one(I._kda_infer_intra, dict(intra, FOLD_V=fold), warps, 1, maxnreg=cap)}", flush=True)
+            for use, extra in (("fixed", {}), ("packed", dict(VARLEN=True, LOG_N=3))):
+                print(f"infer intra {'fold_v' if fold else 'u path':7s} {use:6s} warps={warps}{capped}: "
+                      f"{compile_one(I._kda_infer_intra, dict(intra, FOLD_V=fold, **extra), warps, 1, maxnreg=cap)}",
+                      flush=True)
         for BV, w, stages, _ in I.LAUNCH["recur"]:
             if BV < 32 or BV > Kp:
                 continue

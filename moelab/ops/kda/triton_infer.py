@@ -146,6 +146,10 @@ PIECES = 1
 # those dependent loads are on its critical path: packed B1 T32768 H16 took 0.500 ms in the intra kernel at
 # a5a5968 against 0.408 for the same tokens at fixed length (kernels/results/history/kda_infer_packed_h200_a5a5968.json).
 SLOT_TABLE = True
+# HEADS_INNER: the intra kernel's programs numbered head-fastest (one 1-D grid: the H programs of a chunk slot run
+# next to each other, reading the same 16 token rows of q, k, z side by side) instead of slot-fastest within
+# each head (a (slots, H) grid)
+HEADS_INNER = True
 # LONGEST_FIRST (on since the H200 run at 9c4e7c3, kernels/results/kda_infer_h200.json; faster on every packed row
 # it ran: B1 T32768 H16 1.079 ms against 1.173 in document order, B1 T8192 H64 0.911 / 0.939, B8 T4096 H16
 # 0.945 / 0.953): packed documents' recurrence programs ordered by the document's chunk count, longest first. A
@@ -339,7 +343,7 @@ def _kda_infer_intra(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, C: tl.constexpr,
     LOG_N: tl.constexpr, VARLEN: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IEEE: tl.constexpr, PER: tl.constexpr, STAGES: tl.constexpr,
-    FOLD_V: tl.constexpr, PIECE: tl.constexpr, TABLE: tl.constexpr,
+    FOLD_V: tl.constexpr, PIECE: tl.constexpr, TABLE: tl.constexpr, HEADS_INNER: tl.constexpr,
 ):
     """Chunk slots ``[PER i, PER (i + 1))`` of one head, ``i`` = program 0 (see the module docstring).
     ``mid`` is the reference ``C/2 * g_min`` in log2 units; ``BK``, ``BVF`` are K, V padded to powers of
@@ -356,7 +360,12 @@ def _kda_infer_intra(
     slot's loads are in flight while this one computes; each slot computes exactly as with
     ``PER = 1``. Slots past the last (the grid's tail, or past the last document's end) are masked
     out of every load and store, not returned from: a return cannot leave a pipelined loop."""
-    i_h = tl.program_id(1)
+    if HEADS_INNER:  # a 1-D grid of slot blocks x heads, heads fastest
+        i_h = tl.program_id(0) % H
+        i_p = tl.program_id(0) // H
+    else:
+        i_h = tl.program_id(1)
+        i_p = tl.program_id(0)
     r = tl.arange(0, C)
     ck = tl.arange(0, BK)
     cv = tl.arange(0, BVF)
@@ -374,7 +383,7 @@ def _kda_infer_intra(
         if HAS_BIAS:
             bias = tl.load(dt_bias + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
     for j in tl.range(0, PER, num_stages=STAGES):
-        i_s = tl.program_id(0) * PER + j
+        i_s = i_p * PER + j
         live = i_s < last
         if PIECE:
             n = _doc_of_slot(poff, i_s, N, LOG_N)
@@ -988,7 +997,8 @@ class InferPlan:
         if table:
             _kda_infer_slots[(triton.cdiv(self.NS, 256),)](cu, coff, self.t0s, self.ends, self.NS, self.N,
                                                          LOG_N=max(1, self.N.bit_length()), C=CHUNK, BLOCK=256)
-        _kda_infer_intra[(triton.cdiv(slots, per), H)](
+        grid = (triton.cdiv(slots, per) * H,) if HEADS_INNER else (triton.cdiv(slots, per), H)
+        _kda_infer_intra[grid](
             *self.inputs, self.A_log if self.A_log is not None else dummy,
             self.dt_bias if self.dt_bias is not None else dummy, cu, coff, poff, pbase,
             _or(self.t0s, dummy), _or(self.ends, dummy),
@@ -997,6 +1007,7 @@ class InferPlan:
             K=K, V=V, BK=Kp, BVF=Vp, C=CHUNK, LOG_N=max(1, self.N.bit_length()), VARLEN=self.varlen,
             GATE=_GATE_ID[self.gate], HAS_BIAS=self.dt_bias is not None, IEEE=_ieee(self.inputs[0].dtype),
             PER=per, STAGES=stages, **self.flags, FOLD_V=self.fold_v, PIECE=piece is not None, TABLE=table,
+            HEADS_INNER=HEADS_INNER,
             num_warps=warps if Kp <= 128 else 2 * warps, num_stages=stages, **_cap(maxnreg),
         )
 
