@@ -44,7 +44,7 @@ def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf1
     # the inference forward's own names: its gate input z, fp16 (I + L)^-1 Diag(beta), the segmented path's fp32
     # [A | B] and start states, int32 offsets and orders
     ptrs.update(z="*" + dtype, ab="*fp16" if dtype == "bf16" else "*fp32", A_log="*fp32", dt_bias="*fp32",
-                M="*fp32", S0="*fp32", **{n: "*i32" for n in ("cu", "poff", "pbase", "psize", "order", "soff")}, t0s="*i64", ends="*i64")
+                M="*fp32", S0="*fp32", **{n: "*i32" for n in ("cu", "poff", "pbase", "psize", "order", "soff")})
     if consts.get("G_IN"):
         ptrs["g"] = "*fp32"  # g holds the chunk-local G the prep wrote (fp32)
     sig = {}
@@ -129,13 +129,14 @@ def main() -> int:
 
 def infer_main(K: int, caps: list[int]) -> int:
     """The inference forward's kernels for bf16 inputs at head dim K, L2 norm, bounded gate and beta sigmoid in the
-    op: the intra kernel (fold_v and u path) at ``LAUNCH["intra"]``'s warps, and the recurrence at each
-    ``LAUNCH["recur"]`` block of 32 or more columns in its four uses (fixed-length rows, packed documents, the
-    segmented path's phase 1 and phase 3), uncapped and at each cap of ``caps``."""
+    op: the intra kernel (fold_v and u path, fixed-length rows and packed documents) at ``LAUNCH["intra"]``'s
+    warps, and the recurrence at each ``LAUNCH["recur"]`` block of 32 or more columns in its four uses
+    (fixed-length rows, packed documents, the segmented path's phase 1 and phase 3), uncapped and at each cap
+    of ``caps``."""
     Kp = max(16, triton.next_power_of_2(K))
     dims = dict(K=K, V=K, BK=Kp, BVF=Kp, C=I.CHUNK)
     intra = dict(dims, LOG_N=1, VARLEN=False, GATE=1, HAS_BIAS=True, SILU=False, L2NORM=True, BETA_SIGMOID=True,
-                 IEEE=False, PER=1, STAGES=1, PIECE=False, TABLE=False, HEADS_INNER=True)
+                 IEEE=False, PER=1, STAGES=1, PIECE=False)
     recur = dict(dims, HAS_H0=False, STORE_HT=True, DOT_BF16=True, IEEE=False, FOLD_V=True, PIECE=False, ORDER=False,
                  AUG=False, STORE_O=True, VARLEN=False)
     uses = {"fixed": {}, "packed": dict(VARLEN=True, ORDER=True), "phase 1": dict(VARLEN=True, AUG=True, STORE_O=False),

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -289,13 +287,6 @@ def _kda_infer() -> Row:
         parts.append(f"{shape} {name} {r['fwd_ms']:.3f} vs fla {fla['fwd_ms']:.3f} ms: **{x:.2f}x**")
     met = sum(verdicts)
     refs = [_ref(f)]
-    if d["meta"]["commit"] == "503d12f":  # that run's segmented row ran the phase-1 skip, reverted after its A/B
-        log = "kernels/results/kda_infer_seg_ab_h200_503d12f.log"
-        ab = _seg_ab(log)
-        refs.append(_ref(log))
-        parts.append(f"the fixed B1 T32768 H16 row ran a phase-1 skip since reverted: in an A/B at that commit the "
-                     f"segmented path took {ab[True]:.2f} ms with it and {ab[False]:.2f} without (plain "
-                     f"{ab[None]:.2f}; medians of two runs, no fla in that run)")
     return (f"KDA inference forward (`moelab.ops.kda.triton_infer`, chunk 16, no grad) vs fla `chunk_kda` forward, "
             f"D=128, one run at {d['meta']['commit']}",
             "; ".join(parts) + f" (targets >= 1.85x fixed, >= 2x packed: the op's default path meets them in {met} "
@@ -307,17 +298,6 @@ def _kda_infer() -> Row:
 def _same_shape(a: dict, b: dict) -> bool:
     """Whether two benchmark rows are at one shape and layout."""
     return all(a[k] == b[k] for k in ("layout", "B", "T", "H"))
-
-
-def _seg_ab(f: str) -> dict:
-    """Medians (ms) of the segmented-path A/B log at B1 T32768 H16 in document order: {True: with the phase-1
-    skip, False: without, None: the plain recurrence}."""
-    got: dict = {True: [], False: [], None: []}
-    for line in (repo_root() / f).read_text().splitlines():
-        m = re.match(r"rep \d+ skip_last=(\w+) longest_first=False seg=(\d+): ([\d.]+) ms", line)
-        if m:
-            got[None if m[2] == "0" else m[1] == "True"].append(float(m[3]))
-    return {k: statistics.median(v) for k, v in got.items()}
 
 
 def _kda_infer_vs_fla() -> Row:

@@ -403,26 +403,6 @@ def test_longest_first_equals_document_order_bit_for_bit(case, fold_v, monkeypat
         "the recurrence ignored its program order"
 
 
-@pytest.mark.parametrize("fold_v", [False, True], ids=["u", "fold_v"])
-def test_slot_table_equals_search_bit_for_bit(fold_v, monkeypatch):
-    """SLOT_TABLE: the intra kernel reading each slot's span from the table gives the same o and final states
-    bit for bit as finding its document by binary search (packed documents with chunk tails and an empty
-    one); the table holds every slot's first token and its document's end."""
-    cu = PACKED
-    x = _inputs(1, cu[-1], 2, 32, 16, torch.float32, seed=7, n_states=len(cu) - 1)
-    kw = dict(gate="bounded", fold_v=fold_v)
-    table = _run(x, x["s0"], cu, **kw)
-    monkeypatch.setattr(triton_infer, "SLOT_TABLE", False)
-    search = _run(x, x["s0"], cu, **kw)
-    assert torch.equal(table[0], search[0]) and torch.equal(table[1], search[1])
-    monkeypatch.setattr(triton_infer, "SLOT_TABLE", True)
-    plan = triton_infer.InferPlan(x["q"], x["k"], x["v"], x["z"], x["beta_logit"], A_log=x["A_log"],
-                                  dt_bias=x["dt_bias"], cu_seqlens=torch.tensor(cu, device=DEV), **kw)
-    plan.intra(*plan.intra_launch())
-    spans = [(a + 16 * c, b) for a, b in zip(cu, cu[1:]) for c in range(-(-(b - a) // 16))]
-    assert list(zip(plan.t0s.tolist(), plan.ends.tolist()))[:len(spans)] == spans
-
-
 def test_longest_first_order():
     """Document indices by chunk count, longest first, ties (and empty documents) in index order."""
     chunks = torch.tensor([1, 2, 0, 2, 1, 1])

@@ -68,9 +68,8 @@ Intermediates are stored head-major (``[H, slots * 16, Kp]``) so that the recurr
 contiguous block per chunk. Documents are padded to whole chunks inside the kernels (masked
 loads; padded rows have q = k = v = beta = 0 and g = 0, so they change nothing). Packed
 documents get consecutive chunk slots; ``coff[n]`` is the first slot of document n, and the
-intra kernel reads its slot's first token and document end from a table a small kernel writes
-first by a binary search in ``coff`` (``SLOT_TABLE``; no host sync: the grid is the upper bound
-``cdiv(T, 16) + N`` slots, and slots past the last are masked out).
+intra kernel finds its document by a binary search in ``coff`` (no host sync: the grid is the
+upper bound ``cdiv(T, 16) + N`` slots, and slots past the last are masked out).
 
 Precision: fp32 inputs take exact fp32 products (``input_precision="ieee"``, the reference use);
 bf16 inputs store the intermediates in bf16 and take bf16 operands in the recurrence's products
@@ -139,17 +138,14 @@ _INTERP_BV = 16  # the interpreter: 16-wide V-blocks so that small test shapes t
 # programs per SM; the intra kernel fills the rest of the GPU meanwhile).
 FOLD_V = True
 PIECES = 1
-# SLOT_TABLE (packed documents): a small kernel writes every chunk slot's first token and its document's end
-# ([slots] each) before the intra kernel, which then reads its slot's span with one load; without it, each
-# (slot, head) program of the intra kernel finds its document by a binary search in ``coff`` (log2 N dependent
-# loads, then three more), before any of its own loads can issue. The intra kernel waits on memory latency, so
-# those dependent loads are on its critical path: packed B1 T32768 H16 took 0.500 ms in the intra kernel at
-# a5a5968 against 0.408 for the same tokens at fixed length (kernels/results/history/kda_infer_packed_h200_a5a5968.json).
-SLOT_TABLE = True
-# HEADS_INNER: the intra kernel's programs numbered head-fastest (one 1-D grid: the H programs of a chunk slot run
-# next to each other, reading the same 16 token rows of q, k, z side by side) instead of slot-fastest within
-# each head (a (slots, H) grid)
-HEADS_INNER = True
+# Packed documents cost the intra kernel ~22% over fixed-length rows of the same tokens (H200, a5a5968-4f11d11:
+# 0.497-0.519 ms against 0.409-0.415 at 524,288 token-heads, B1 T32768 H16, B1 T8192 H64, B8 T4096 H16), with the
+# same registers (203 / 204) and vector loads in the sm_90a compile (``make kda-aot ARGS=--infer``). The one
+# difference in the code is the chunk slot's document: found by a binary search in ``coff``, so every load of
+# the program waits on that search. Tried and reverted (kernels/results/history/kda_infer_table_ab_h200_deb6edd.json,
+# kda_infer_intra_ab_h200_4f11d11.json): a table of slot spans written by a small kernel first (one dependent
+# load instead of four: 1-3% slower with its launch), the heads of a slot numbered next to each other (a 1-D grid,
+# +-1%), 2 or 4 slots per program pipelined over 2 stages (7-10% slower, also at fixed length).
 # LONGEST_FIRST (on since the H200 run at 9c4e7c3, kernels/results/kda_infer_h200.json; faster on every packed row
 # it ran: B1 T32768 H16 1.079 ms against 1.173 in document order, B1 T8192 H64 0.911 / 0.939, B8 T4096 H16
 # 0.945 / 0.953): packed documents' recurrence programs ordered by the document's chunk count, longest first. A
@@ -303,19 +299,6 @@ def _doc_of_slot(coff, i_s, N, LOG_N: tl.constexpr):
 
 
 @triton.jit
-def _kda_infer_slots(cu, coff, t0s, ends, NS, N, LOG_N: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
-    """Token span of every chunk slot of packed documents (``SLOT_TABLE``): ``t0s[i]`` the slot's first token,
-    ``ends[i]`` its document's end (one past its last token), for ``i`` in ``[0, NS)``; a slot past the last in
-    use gets a span past its (last) document's end, which the intra kernel masks out anyway."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = i < NS
-    n = _doc_of_slot(coff, i, N, LOG_N)
-    t0 = tl.load(cu + n).to(tl.int64) + (i - tl.load(coff + n)).to(tl.int64) * C
-    tl.store(t0s + i, t0, mask=m)
-    tl.store(ends + i, tl.load(cu + n + 1).to(tl.int64), mask=m)
-
-
-@triton.jit
 def _unit_lower_inv(L, IEEE: tl.constexpr, C: tl.constexpr):
     """``(I + L)^-1`` of a strictly lower ``[C, C]`` fp32 tile (C a power of two) by block doubling:
     with ``X`` the block-diagonal inverse at block size s, the inverse at 2s is ``X - X L_s X``,
@@ -337,13 +320,13 @@ def _unit_lower_inv(L, IEEE: tl.constexpr, C: tl.constexpr):
 
 @triton.jit
 def _kda_infer_intra(
-    q, k, v, z, beta, A_log, dt_bias, cu, coff, poff, pbase, t0s, ends,
+    q, k, v, z, beta, A_log, dt_bias, cu, coff, poff, pbase,
     w, u, ab, qg, kd, Aqk, gl,
     scale, g_min, mid, eps, T, NC, NS, N, H,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, C: tl.constexpr,
     LOG_N: tl.constexpr, VARLEN: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IEEE: tl.constexpr, PER: tl.constexpr, STAGES: tl.constexpr,
-    FOLD_V: tl.constexpr, PIECE: tl.constexpr, TABLE: tl.constexpr, HEADS_INNER: tl.constexpr,
+    FOLD_V: tl.constexpr, PIECE: tl.constexpr,
 ):
     """Chunk slots ``[PER i, PER (i + 1))`` of one head, ``i`` = program 0 (see the module docstring).
     ``mid`` is the reference ``C/2 * g_min`` in log2 units; ``BK``, ``BVF`` are K, V padded to powers of
@@ -353,19 +336,13 @@ def _kda_infer_intra(
     instead (the recurrence forms u from v). ``PIECE``: the slots of one piece of every document
     (``InferPlan.run`` with pieces): this launch's i-th slot is chunk ``pbase[n] + i - poff[n]`` of
     document n, the last n with ``poff[n] <= i`` (``cu``, ``coff`` describe the documents; fixed-length
-    rows come as documents of T tokens). ``TABLE`` (with ``VARLEN``, not ``PIECE``): each slot's first token
-    and document end read from ``t0s``, ``ends`` (``_kda_infer_slots``) instead of found in ``coff``.
+    rows come as documents of T tokens).
 
     Several slots per program: the loop over them is software-pipelined (``STAGES``), so the next
     slot's loads are in flight while this one computes; each slot computes exactly as with
     ``PER = 1``. Slots past the last (the grid's tail, or past the last document's end) are masked
     out of every load and store, not returned from: a return cannot leave a pipelined loop."""
-    if HEADS_INNER:  # a 1-D grid of slot blocks x heads, heads fastest
-        i_h = tl.program_id(0) % H
-        i_p = tl.program_id(0) // H
-    else:
-        i_h = tl.program_id(1)
-        i_p = tl.program_id(0)
+    i_h = tl.program_id(1)
     r = tl.arange(0, C)
     ck = tl.arange(0, BK)
     cv = tl.arange(0, BVF)
@@ -383,7 +360,7 @@ def _kda_infer_intra(
         if HAS_BIAS:
             bias = tl.load(dt_bias + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
     for j in tl.range(0, PER, num_stages=STAGES):
-        i_s = i_p * PER + j
+        i_s = tl.program_id(0) * PER + j
         live = i_s < last
         if PIECE:
             n = _doc_of_slot(poff, i_s, N, LOG_N)
@@ -391,23 +368,17 @@ def _kda_infer_intra(
             eos = tl.load(cu + n + 1).to(tl.int64)
             c = tl.load(pbase + n) + i_s - tl.load(poff + n)
             i_s = tl.load(coff + n) + c  # the chunk's slot in the intermediates
-            t0 = bos + c * C  # first token of the chunk (int64: B*T*H*K may pass 2^31)
         elif VARLEN:
-            if TABLE:
-                # masked by the table's size, not by ``live``: the loads issue beside the one of ``last``
-                t0 = tl.load(t0s + i_s, mask=i_s < NS, other=0)
-                eos = tl.load(ends + i_s, mask=i_s < NS, other=0)
-            else:
-                n = _doc_of_slot(coff, i_s, N, LOG_N)
-                bos = tl.load(cu + n).to(tl.int64)
-                eos = tl.load(cu + n + 1).to(tl.int64)
-                t0 = bos + (i_s - tl.load(coff + n)) * C
+            n = _doc_of_slot(coff, i_s, N, LOG_N)
+            bos = tl.load(cu + n).to(tl.int64)
+            eos = tl.load(cu + n + 1).to(tl.int64)
+            c = i_s - tl.load(coff + n)
         else:
             n = i_s // NC
             c = i_s % NC
             bos = n.to(tl.int64) * T
             eos = bos + T
-            t0 = bos + c * C
+        t0 = bos + c * C  # first token of the chunk (int64: B*T*H*K may pass 2^31)
         # a slot past the last reads no row and writes none (the interpreter cannot broadcast a scalar mask)
         rm = r < tl.where(live, eos - t0, 0)
         sm = r[:, None] < tl.where(live, C, 0)
@@ -932,9 +903,6 @@ class InferPlan:
         self.gl = torch.empty(H * NS + 1, Kp, device=dev, dtype=torch.float32)  # + 1: the recurrence reads ahead
         self.o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
         self.hT = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-        # SLOT_TABLE: each slot's first token and document end, written before the intra kernel
-        self.t0s, self.ends = ((torch.empty(NS, device=dev, dtype=torch.int64) for _ in range(2)) if varlen and SLOT_TABLE
-                               else (None, None))
         self.h0 = initial_state.contiguous() if initial_state is not None else None
         self.inputs = tuple(x.contiguous() for x in (q, k, v, g, beta))
         self.A_log, self.dt_bias, self.cu, self.coff = A_log, dt_bias, cu, coff
@@ -993,21 +961,14 @@ class InferPlan:
             cu, coff, poff, pbase, slots = self.cu, self.coff, dummy, dummy, self.NS
         else:
             (cu, coff), (poff, pbase, slots) = self._docs(), piece
-        table = self.t0s is not None and piece is None
-        if table:
-            _kda_infer_slots[(triton.cdiv(self.NS, 256),)](cu, coff, self.t0s, self.ends, self.NS, self.N,
-                                                         LOG_N=max(1, self.N.bit_length()), C=CHUNK, BLOCK=256)
-        grid = (triton.cdiv(slots, per) * H,) if HEADS_INNER else (triton.cdiv(slots, per), H)
-        _kda_infer_intra[grid](
+        _kda_infer_intra[(triton.cdiv(slots, per), H)](
             *self.inputs, self.A_log if self.A_log is not None else dummy,
             self.dt_bias if self.dt_bias is not None else dummy, cu, coff, poff, pbase,
-            _or(self.t0s, dummy), _or(self.ends, dummy),
             self.w, _or(self.u, dummy), _or(self.ab, dummy), self.qg, self.kd, self.Aqk, self.gl,
             self.scale, self.g_min, (CHUNK / 2) * self.g_min * LOG2E, self.norm_eps, T, self.NC, self.NS, self.N, H,
             K=K, V=V, BK=Kp, BVF=Vp, C=CHUNK, LOG_N=max(1, self.N.bit_length()), VARLEN=self.varlen,
             GATE=_GATE_ID[self.gate], HAS_BIAS=self.dt_bias is not None, IEEE=_ieee(self.inputs[0].dtype),
-            PER=per, STAGES=stages, **self.flags, FOLD_V=self.fold_v, PIECE=piece is not None, TABLE=table,
-            HEADS_INNER=HEADS_INNER,
+            PER=per, STAGES=stages, **self.flags, FOLD_V=self.fold_v, PIECE=piece is not None,
             num_warps=warps if Kp <= 128 else 2 * warps, num_stages=stages, **_cap(maxnreg),
         )
 
