@@ -146,6 +146,10 @@ PIECES = 1
 # kda_infer_intra_ab_h200_4f11d11.json): a table of slot spans written by a small kernel first (one dependent
 # load instead of four: 1-3% slower with its launch), the heads of a slot numbered next to each other (a 1-D grid,
 # +-1%), 2 or 4 slots per program pipelined over 2 stages (7-10% slower, also at fixed length).
+# VEC_DOC_MAX: up to this many documents, each intra program loads all of ``cu`` and ``coff`` at once (two
+# loads side by side, both arrays tiny and hot in L2) and picks its document by a vector compare, instead of
+# the binary search's log2 N loads in a row and the three after it; 0: always the search.
+VEC_DOC_MAX = 64
 # LONGEST_FIRST (on since the H200 run at 9c4e7c3, kernels/results/kda_infer_h200.json; faster on every packed row
 # it ran: B1 T32768 H16 1.079 ms against 1.173 in document order, B1 T8192 H64 0.911 / 0.939, B8 T4096 H16
 # 0.945 / 0.953): packed documents' recurrence programs ordered by the document's chunk count, longest first. A
@@ -326,7 +330,7 @@ def _kda_infer_intra(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, C: tl.constexpr,
     LOG_N: tl.constexpr, VARLEN: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IEEE: tl.constexpr, PER: tl.constexpr, STAGES: tl.constexpr,
-    FOLD_V: tl.constexpr, PIECE: tl.constexpr,
+    FOLD_V: tl.constexpr, PIECE: tl.constexpr, NB: tl.constexpr,
 ):
     """Chunk slots ``[PER i, PER (i + 1))`` of one head, ``i`` = program 0 (see the module docstring).
     ``mid`` is the reference ``C/2 * g_min`` in log2 units; ``BK``, ``BVF`` are K, V padded to powers of
@@ -336,7 +340,8 @@ def _kda_infer_intra(
     instead (the recurrence forms u from v). ``PIECE``: the slots of one piece of every document
     (``InferPlan.run`` with pieces): this launch's i-th slot is chunk ``pbase[n] + i - poff[n]`` of
     document n, the last n with ``poff[n] <= i`` (``cu``, ``coff`` describe the documents; fixed-length
-    rows come as documents of T tokens).
+    rows come as documents of T tokens). ``NB`` > 0 (``VARLEN``, not ``PIECE``; a power of two > N): the
+    slot's document picked from ``cu`` and ``coff`` loaded whole (``VEC_DOC_MAX``), not by binary search.
 
     Several slots per program: the loop over them is software-pipelined (``STAGES``), so the next
     slot's loads are in flight while this one computes; each slot computes exactly as with
@@ -352,7 +357,13 @@ def _kda_infer_intra(
     if PIECE:
         last = tl.load(poff + N)  # slots of this piece
     elif VARLEN:
-        last = tl.load(coff + N)  # slots in use
+        if NB > 0:  # the offsets loaded whole, side by side
+            jn = tl.arange(0, NB)
+            co_all = tl.load(coff + jn, mask=jn <= N, other=0)
+            cu_all = tl.load(cu + jn, mask=jn <= N, other=0).to(tl.int64)
+            last = tl.sum(tl.where(jn == N, co_all, 0))
+        else:
+            last = tl.load(coff + N)  # slots in use
     else:
         last = NS
     if GATE != 0:
@@ -368,6 +379,12 @@ def _kda_infer_intra(
             eos = tl.load(cu + n + 1).to(tl.int64)
             c = tl.load(pbase + n) + i_s - tl.load(poff + n)
             i_s = tl.load(coff + n) + c  # the chunk's slot in the intermediates
+        elif VARLEN and NB > 0:
+            # the last n < N with coff[n] <= i_s (of equal entries, an empty document's, the last)
+            n = tl.minimum(tl.sum(((co_all <= i_s) & (jn <= N)).to(tl.int32)) - 1, N - 1)
+            bos = tl.sum(tl.where(jn == n, cu_all, 0))
+            eos = tl.sum(tl.where(jn == n + 1, cu_all, 0))
+            c = i_s - tl.sum(tl.where(jn == n, co_all, 0))
         elif VARLEN:
             n = _doc_of_slot(coff, i_s, N, LOG_N)
             bos = tl.load(cu + n).to(tl.int64)
@@ -969,6 +986,7 @@ class InferPlan:
             K=K, V=V, BK=Kp, BVF=Vp, C=CHUNK, LOG_N=max(1, self.N.bit_length()), VARLEN=self.varlen,
             GATE=_GATE_ID[self.gate], HAS_BIAS=self.dt_bias is not None, IEEE=_ieee(self.inputs[0].dtype),
             PER=per, STAGES=stages, **self.flags, FOLD_V=self.fold_v, PIECE=piece is not None,
+            NB=triton.next_power_of_2(self.N + 1) if self.varlen and piece is None and self.N <= VEC_DOC_MAX else 0,
             num_warps=warps if Kp <= 128 else 2 * warps, num_stages=stages, **_cap(maxnreg),
         )
 
