@@ -136,7 +136,7 @@ def infer_main(K: int, caps: list[int]) -> int:
     Kp = max(16, triton.next_power_of_2(K))
     dims = dict(K=K, V=K, BK=Kp, BVF=Kp, C=I.CHUNK)
     intra = dict(dims, LOG_N=1, VARLEN=False, GATE=1, HAS_BIAS=True, SILU=False, L2NORM=True, BETA_SIGMOID=True,
-                 IEEE=False, PER=1, STAGES=1, PIECE=False, NB=0)
+                 IEEE=False, PER=1, STAGES=1, PIECE=False)
     recur = dict(dims, HAS_H0=False, STORE_HT=True, DOT_BF16=True, IEEE=False, FOLD_V=True, PIECE=False, ORDER=False,
                  AUG=False, STORE_O=True, VARLEN=False)
     uses = {"fixed": {}, "packed": dict(VARLEN=True, ORDER=True), "phase 1": dict(VARLEN=True, AUG=True, STORE_O=False),
@@ -145,7 +145,7 @@ def infer_main(K: int, caps: list[int]) -> int:
     for cap in [None, *caps]:
         capped = f" maxnreg={cap}" if cap else ""
         for fold in (True, False):
-            for use, extra in (("fixed", {}), ("packed", dict(VARLEN=True, NB=8))):
+            for use, extra in (("fixed", {}), ("packed", dict(VARLEN=True, LOG_N=3))):
                 print(f"infer intra {'fold_v' if fold else 'u path':7s} {use:6s} warps={warps}{capped}: "
                       f"{compile_one(I._kda_infer_intra, dict(intra, FOLD_V=fold, **extra), warps, 1, maxnreg=cap)}",
                       flush=True)

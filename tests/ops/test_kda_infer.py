@@ -129,7 +129,7 @@ def test_launch_overrides_restore_and_check():
     with triton_infer.launch_overrides(intra=(4, 1, 1, 128)):
         assert triton_infer.LAUNCH["intra"] == (4, 1, 1, 128)
     assert triton_infer.LAUNCH == saved
-    for bad in ((4,), (2, 1, 1, 1), (2, 1, 1, 256), (2, 1, 1, 0, 0), (2, 0, 2), (2, 1, 0)):
+    for bad in ((4,), (2, 1, 1, 1), (2, 1, 1, 256), (2, 1, 1, 0, 0), (2, 0, 2), (2, 1, 0), (2, 1, 3)):
         _err(lambda bad=bad: triton_infer.launch_overrides(intra=bad).__enter__(),
              re.escape(f"intra={bad!r} is not allowed"))
     _err(lambda: triton_infer.launch_overrides(recur=((16, 1),)).__enter__(), r"recur=.* is not allowed")
@@ -137,14 +137,14 @@ def test_launch_overrides_restore_and_check():
 
 
 # Several chunk slots per program of the intra kernel. (B, T, K, V, cu_seqlens): B3 T37 is 9 slots of 3
-# per row, so PER = 2 and 4 leave a tail and their programs span rows; K = 20, V = 40 padded; PACKED
+# per row, so PER = 2, 4 and 8 leave a tail and their programs span rows; K = 20, V = 40 padded; PACKED
 # (below) uses 6 of its 10 slots (the grid's bound), so every PER has programs whose slots span
 # documents, an empty one among them, or lie past the last document's end.
 PER_CASES = [(3, 37, 20, 40, None), (1, 50, 32, 32, [0, 5, 21, 21, 48, 49, 50])]
 
 
 @pytest.mark.parametrize("fold_v", [False, True], ids=["u", "fold_v"])
-@pytest.mark.parametrize("per", [2, 3, 4])
+@pytest.mark.parametrize("per", [2, 4, 8])
 @pytest.mark.parametrize("case", PER_CASES, ids=["fixed", "packed"])
 def test_intra_slots_per_program_match_one(case, per, fold_v):
     """Every intermediate of the intra kernel at ``per`` slots per program equals the one-slot launch's
@@ -168,6 +168,7 @@ def test_intra_slots_per_program_match_one(case, per, fold_v):
     # gl's last row is the recurrence's read-ahead pad, written by no slot
     assert bool((outs[0][5][:-1] == 123.0).any()) == (cu is not None), "only the packed grid has spare slots"
     _err(lambda: plan.intra(1, 1, 0), "per=0 is not allowed")
+    _err(lambda: plan.intra(1, 1, 3), "per=3 is not allowed: expected .* a power of two")
     _err(lambda: plan.intra(1, 1, 1, 16), "maxnreg=16 is not allowed")
 
 

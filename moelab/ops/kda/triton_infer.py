@@ -146,10 +146,6 @@ PIECES = 1
 # kda_infer_intra_ab_h200_4f11d11.json): a table of slot spans written by a small kernel first (one dependent
 # load instead of four: 1-3% slower with its launch), the heads of a slot numbered next to each other (a 1-D grid,
 # +-1%), 2 or 4 slots per program pipelined over 2 stages (7-10% slower, also at fixed length).
-# VEC_DOC_MAX: up to this many documents, each intra program loads all of ``cu`` and ``coff`` at once (two
-# loads side by side, both arrays tiny and hot in L2) and picks its document by a vector compare, instead of
-# the binary search's log2 N loads in a row and the three after it; 0: always the search.
-VEC_DOC_MAX = 64
 # LONGEST_FIRST (on since the H200 run at 9c4e7c3, kernels/results/kda_infer_h200.json; faster on every packed row
 # it ran: B1 T32768 H16 1.079 ms against 1.173 in document order, B1 T8192 H64 0.911 / 0.939, B8 T4096 H16
 # 0.945 / 0.953): packed documents' recurrence programs ordered by the document's chunk count, longest first. A
@@ -253,9 +249,10 @@ def launch_overrides(intra: tuple | None = None, recur: tuple | None = None):
     saved = dict(LAUNCH)
     if intra is not None:
         if len(intra) not in (2, 3, 4) or any(int(x) < 1 for x in intra[:3]) or (
+                len(intra) >= 3 and int(intra[2]) & (int(intra[2]) - 1)) or (
                 len(intra) == 4 and not _maxnreg_ok(int(intra[3]))):
             raise ValueError(f"intra={intra!r} is not allowed: expected (num_warps, num_stages[, per_program[, "
-                             "maxnreg]]), each >= 1 (maxnreg: 0 for no cap, or 32..255)")
+                             "maxnreg]]), each >= 1, per_program a power of two (maxnreg: 0 for no cap, or 32..255)")
         LAUNCH["intra"] = tuple(int(x) for x in intra) + (1, 0)[len(intra) - 2:]
     if recur is not None:
         if not recur or any(len(c) not in (3, 4) for c in recur):
@@ -330,7 +327,7 @@ def _kda_infer_intra(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, C: tl.constexpr,
     LOG_N: tl.constexpr, VARLEN: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IEEE: tl.constexpr, PER: tl.constexpr, STAGES: tl.constexpr,
-    FOLD_V: tl.constexpr, PIECE: tl.constexpr, NB: tl.constexpr,
+    FOLD_V: tl.constexpr, PIECE: tl.constexpr,
 ):
     """Chunk slots ``[PER i, PER (i + 1))`` of one head, ``i`` = program 0 (see the module docstring).
     ``mid`` is the reference ``C/2 * g_min`` in log2 units; ``BK``, ``BVF`` are K, V padded to powers of
@@ -340,8 +337,7 @@ def _kda_infer_intra(
     instead (the recurrence forms u from v). ``PIECE``: the slots of one piece of every document
     (``InferPlan.run`` with pieces): this launch's i-th slot is chunk ``pbase[n] + i - poff[n]`` of
     document n, the last n with ``poff[n] <= i`` (``cu``, ``coff`` describe the documents; fixed-length
-    rows come as documents of T tokens). ``NB`` > 0 (``VARLEN``, not ``PIECE``; a power of two > N): the
-    slot's document picked from ``cu`` and ``coff`` loaded whole (``VEC_DOC_MAX``), not by binary search.
+    rows come as documents of T tokens).
 
     Several slots per program: the loop over them is software-pipelined (``STAGES``), so the next
     slot's loads are in flight while this one computes; each slot computes exactly as with
@@ -357,19 +353,20 @@ def _kda_infer_intra(
     if PIECE:
         last = tl.load(poff + N)  # slots of this piece
     elif VARLEN:
-        if NB > 0:  # the offsets loaded whole, side by side
-            jn = tl.arange(0, NB)
-            co_all = tl.load(coff + jn, mask=jn <= N, other=0)
-            cu_all = tl.load(cu + jn, mask=jn <= N, other=0).to(tl.int64)
-            last = tl.sum(tl.where(jn == N, co_all, 0))
-        else:
-            last = tl.load(coff + N)  # slots in use
+        last = tl.load(coff + N)  # slots in use
     else:
         last = NS
     if GATE != 0:
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         if HAS_BIAS:
             bias = tl.load(dt_bias + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
+    if VARLEN and not PIECE:
+        # the documents of all PER slots found up front, side by side: every load of a slot waits on its
+        # document's lookup, so the program waits on the lookups once, not once per slot
+        js = tl.program_id(0) * PER + tl.arange(0, PER)
+        ns = _doc_of_slot(coff, js, N, LOG_N)
+        t0_all = tl.load(cu + ns).to(tl.int64) + (js - tl.load(coff + ns)).to(tl.int64) * C
+        eos_all = tl.load(cu + ns + 1).to(tl.int64)
     for j in tl.range(0, PER, num_stages=STAGES):
         i_s = tl.program_id(0) * PER + j
         live = i_s < last
@@ -379,23 +376,16 @@ def _kda_infer_intra(
             eos = tl.load(cu + n + 1).to(tl.int64)
             c = tl.load(pbase + n) + i_s - tl.load(poff + n)
             i_s = tl.load(coff + n) + c  # the chunk's slot in the intermediates
-        elif VARLEN and NB > 0:
-            # the last n < N with coff[n] <= i_s (of equal entries, an empty document's, the last)
-            n = tl.minimum(tl.sum(((co_all <= i_s) & (jn <= N)).to(tl.int32)) - 1, N - 1)
-            bos = tl.sum(tl.where(jn == n, cu_all, 0))
-            eos = tl.sum(tl.where(jn == n + 1, cu_all, 0))
-            c = i_s - tl.sum(tl.where(jn == n, co_all, 0))
+            t0 = bos + c * C  # first token of the chunk (int64: B*T*H*K may pass 2^31)
         elif VARLEN:
-            n = _doc_of_slot(coff, i_s, N, LOG_N)
-            bos = tl.load(cu + n).to(tl.int64)
-            eos = tl.load(cu + n + 1).to(tl.int64)
-            c = i_s - tl.load(coff + n)
+            t0 = tl.sum(tl.where(tl.arange(0, PER) == j, t0_all, 0))
+            eos = tl.sum(tl.where(tl.arange(0, PER) == j, eos_all, 0))
         else:
             n = i_s // NC
             c = i_s % NC
             bos = n.to(tl.int64) * T
             eos = bos + T
-        t0 = bos + c * C  # first token of the chunk (int64: B*T*H*K may pass 2^31)
+            t0 = bos + c * C
         # a slot past the last reads no row and writes none (the interpreter cannot broadcast a scalar mask)
         rm = r < tl.where(live, eos - t0, 0)
         sm = r[:, None] < tl.where(live, C, 0)
@@ -968,8 +958,8 @@ class InferPlan:
         per program, their loop pipelined over ``stages``; ``maxnreg`` > 0: ptxas's register cap per
         thread (more programs per SM, at the price of spills). ``piece``: ``(poff, pbase, slots)`` of one
         piece (``_run_pieces``): only its chunks, ``slots`` at most."""
-        if per < 1:
-            raise ValueError(f"per={per!r} is not allowed: expected chunk slots per program >= 1")
+        if per < 1 or per & (per - 1):
+            raise ValueError(f"per={per!r} is not allowed: expected chunk slots per program, a power of two >= 1")
         if not _maxnreg_ok(maxnreg):
             raise ValueError(f"maxnreg={maxnreg!r} is not allowed: expected 0 (no cap) or 32..255")
         B, T, H, K, V, Kp, Vp = self.dims
@@ -986,7 +976,6 @@ class InferPlan:
             K=K, V=V, BK=Kp, BVF=Vp, C=CHUNK, LOG_N=max(1, self.N.bit_length()), VARLEN=self.varlen,
             GATE=_GATE_ID[self.gate], HAS_BIAS=self.dt_bias is not None, IEEE=_ieee(self.inputs[0].dtype),
             PER=per, STAGES=stages, **self.flags, FOLD_V=self.fold_v, PIECE=piece is not None,
-            NB=triton.next_power_of_2(self.N + 1) if self.varlen and piece is None and self.N <= VEC_DOC_MAX else 0,
             num_warps=warps if Kp <= 128 else 2 * warps, num_stages=stages, **_cap(maxnreg),
         )
 
