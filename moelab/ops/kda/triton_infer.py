@@ -145,7 +145,10 @@ PIECES = 1
 # the program waits on that search. Tried and reverted (kernels/results/history/kda_infer_table_ab_h200_deb6edd.json,
 # kda_infer_intra_ab_h200_4f11d11.json): a table of slot spans written by a small kernel first (one dependent
 # load instead of four: 1-3% slower with its launch), the heads of a slot numbered next to each other (a 1-D grid,
-# +-1%), 2 or 4 slots per program pipelined over 2 stages (7-10% slower, also at fixed length).
+# +-1%), 2 or 4 slots per program pipelined over 2 stages (7-10% slower, also at fixed length), cu and coff
+# loaded whole with a vector compare for the document (kda_infer_vecdoc_ab_h200_bcb31d1.json: equal at 6
+# documents, 4% slower at 48). The same tokens as one packed document (N = 1, one step of search) take 0.490 ms
+# against 0.409 fixed: any load the program's addresses wait on costs the ~20%, not the search's length.
 # LONGEST_FIRST (on since the H200 run at 9c4e7c3, kernels/results/kda_infer_h200.json; faster on every packed row
 # it ran: B1 T32768 H16 1.079 ms against 1.173 in document order, B1 T8192 H64 0.911 / 0.939, B8 T4096 H16
 # 0.945 / 0.953): packed documents' recurrence programs ordered by the document's chunk count, longest first. A
