@@ -55,8 +55,6 @@ def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf1
             sig[n] = ptrs[n]
         elif n in ("T", "NBH", "NC", "NS", "N", "H"):
             sig[n] = "i32"
-        elif n.startswith("doc") or n == "used":
-            sig[n] = "i64" if n.startswith("doc") else "i32"
         elif n in ("scale", "mid", "g_min", "eps"):
             sig[n] = "fp32"
         else:
@@ -131,14 +129,14 @@ def main() -> int:
 
 def infer_main(K: int, caps: list[int]) -> int:
     """The inference forward's kernels for bf16 inputs at head dim K, L2 norm, bounded gate and beta sigmoid in the
-    op: the intra kernel (fold_v and u path, fixed-length rows, packed documents looked up and as kernel arguments) at ``LAUNCH["intra"]``'s
+    op: the intra kernel (fold_v and u path, fixed-length rows and packed documents) at ``LAUNCH["intra"]``'s
     warps, and the recurrence at each ``LAUNCH["recur"]`` block of 32 or more columns in its four uses
     (fixed-length rows, packed documents, the segmented path's phase 1 and phase 3), uncapped and at each cap
     of ``caps``."""
     Kp = max(16, triton.next_power_of_2(K))
     dims = dict(K=K, V=K, BK=Kp, BVF=Kp, C=I.CHUNK)
     intra = dict(dims, LOG_N=1, VARLEN=False, GATE=1, HAS_BIAS=True, SILU=False, L2NORM=True, BETA_SIGMOID=True,
-                 IEEE=False, PER=1, STAGES=1, PIECE=False, ARGD=0)
+                 IEEE=False, PER=1, STAGES=1, PIECE=False)
     recur = dict(dims, HAS_H0=False, STORE_HT=True, DOT_BF16=True, IEEE=False, FOLD_V=True, PIECE=False, ORDER=False,
                  AUG=False, STORE_O=True, VARLEN=False)
     uses = {"fixed": {}, "packed": dict(VARLEN=True, ORDER=True), "phase 1": dict(VARLEN=True, AUG=True, STORE_O=False),
@@ -147,8 +145,7 @@ def infer_main(K: int, caps: list[int]) -> int:
     for cap in [None, *caps]:
         capped = f" maxnreg={cap}" if cap else ""
         for fold in (True, False):
-            for use, extra in (("fixed", {}), ("packed", dict(VARLEN=True, LOG_N=3)),
-                               ("args", dict(VARLEN=True, LOG_N=3, ARGD=I.ARG_DOCS_MAX))):
+            for use, extra in (("fixed", {}), ("packed", dict(VARLEN=True, LOG_N=3))):
                 print(f"infer intra {'fold_v' if fold else 'u path':7s} {use:6s} warps={warps}{capped}: "
                       f"{compile_one(I._kda_infer_intra, dict(intra, FOLD_V=fold, **extra), warps, 1, maxnreg=cap)}",
                       flush=True)

@@ -359,8 +359,8 @@ INFER_SWEEP_TOL = 2e-2
 # too (packed B1 T8192 H64 ran 11% faster than fixed at 6d91d0b: shorter chains); lengths >= the chunks of a
 # sequence are skipped
 INFER_SWEEP_SEGMENTS = [0, 64, 128, 256, 512]
-# candidate paths: kda_infer's fold_v / pieces / longest_first / recur_maxnreg / arg_docs (triton_infer.FOLD_V, PIECES,
-# LONGEST_FIRST, RECUR_MAXNREG, ARG_DOCS); "base" is u materialised, one
+# candidate paths: kda_infer's fold_v / pieces / longest_first / recur_maxnreg (triton_infer.FOLD_V, PIECES,
+# LONGEST_FIRST, RECUR_MAXNREG); "base" is u materialised, one
 # launch of each kernel. Pieces apply to the plain recurrence only: skipped where the op segments.
 INFER_CANDIDATES = {"base": dict(fold_v=False, pieces=1, longest_first=False),
                     "fold_v": dict(fold_v=True, pieces=1, longest_first=False),
@@ -368,10 +368,9 @@ INFER_CANDIDATES = {"base": dict(fold_v=False, pieces=1, longest_first=False),
                     "pieces4": dict(fold_v=False, pieces=4, longest_first=False),
                     "fold_v+pieces4": dict(fold_v=True, pieces=4, longest_first=False),
                     "fold_v+longest_first": dict(fold_v=True, pieces=1, longest_first=True),
-                    "nocap": dict(fold_v=True, pieces=1, longest_first=True, recur_maxnreg=0),
-                    "noargs": dict(fold_v=True, pieces=1, longest_first=True, arg_docs=False)}
-# candidates that change nothing on fixed-length rows (they concern packed documents): timed on packed rows only
-PACKED_ONLY = ("longest_first", "arg_docs")
+                    "nocap": dict(fold_v=True, pieces=1, longest_first=True, recur_maxnreg=0)}
+# candidates that change nothing on fixed-length rows (they order packed documents): timed on packed rows only
+PACKED_ONLY = ("longest_first",)
 
 
 def infer_bytes(plan) -> dict:

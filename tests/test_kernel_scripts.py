@@ -109,15 +109,15 @@ def test_aot_report(tmp_path):
 
 
 def test_aot_report_infer(tmp_path):
-    """``--infer``: the inference forward's intra kernel (both paths; fixed-length, packed, packed as arguments) and its recurrence in
+    """``--infer``: the inference forward's intra kernel (both paths, fixed-length and packed) and its recurrence in
     each of its four uses at every launch block of 32 or more columns, each through ptxas, with its register
     count."""
     res = _run(["kernels/aot_kda.py", "--infer"], tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     lines = [line for line in res.stdout.splitlines() if line.startswith("infer ")]
     blocks = [c for c in triton_infer.LAUNCH["recur"] if 32 <= c[0] <= 128]
-    assert len(lines) == 6 + 4 * len(blocks) and all("registers" in line for line in lines), res.stdout
-    assert all(any(line.startswith(f"infer intra fold_v  {use}") for line in lines) for use in ("fixed", "packed", "args"))
+    assert len(lines) == 4 + 4 * len(blocks) and all("registers" in line for line in lines), res.stdout
+    assert all(any(line.startswith(f"infer intra fold_v  {use}") for line in lines) for use in ("fixed", "packed"))
     assert all(any(f"infer recur {use}" in line for line in lines) for use in ("fixed", "packed", "phase 1", "phase 3"))
 
 

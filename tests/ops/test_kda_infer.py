@@ -404,32 +404,6 @@ def test_longest_first_equals_document_order_bit_for_bit(case, fold_v, monkeypat
         "the recurrence ignored its program order"
 
 
-@pytest.mark.parametrize("cu", [[0, 5, 21, 21, 37, 40, 77], [0, 16, 32, 33, 48, 48, 64, 80, 81],
-                                [0, 3, 6, 9, 12, 15, 18, 21, 24, 40]], ids=["6 docs", "8 docs", "9 docs"])
-def test_arg_docs_equal_loaded_documents_bit_for_bit(cu):
-    """Packed documents as kernel arguments (``arg_docs``: first slot and end token per document, from a host copy
-    of cu_seqlens) give the same o and final states bit for bit as documents looked up in memory, with empty
-    documents, documents shorter than a chunk and ends on chunk boundaries; past ``ARG_DOCS_MAX`` documents the
-    plan falls back to the lookup."""
-    x = _inputs(1, cu[-1], 2, 32, 16, torch.float32, seed=len(cu), n_states=len(cu) - 1)
-    args = _run(x, x["s0"], cu, gate="bounded", arg_docs=True)
-    loads = _run(x, x["s0"], cu, gate="bounded", arg_docs=False)
-    assert torch.equal(args[0], loads[0]) and torch.equal(args[1], loads[1])
-    assert_close(_reference(x, x["s0"], cu, gate="bounded")[0], args[0], TOL[torch.float32], "o")
-    plan = triton_infer.InferPlan(x["q"], x["k"], x["v"], x["z"], x["beta_logit"], gate="bounded", A_log=x["A_log"],
-                                  cu_seqlens=torch.tensor(cu, device=DEV), arg_docs=True)
-    assert plan.arg_docs == (len(cu) - 1 <= triton_infer.ARG_DOCS_MAX)
-
-
-def test_host_offsets_follow_the_tensor():
-    """The host copy of cu_seqlens is taken once per tensor and again after the tensor is written in place."""
-    cu = torch.tensor([0, 4, 9])
-    assert triton_infer._host_offsets(cu) == [0, 4, 9]
-    cu[1] = 5
-    assert triton_infer._host_offsets(cu) == [0, 5, 9]
-    assert triton_infer._host_offsets(torch.tensor([0, 2, 9])) == [0, 2, 9]
-
-
 def test_longest_first_order():
     """Document indices by chunk count, longest first, ties (and empty documents) in index order."""
     chunks = torch.tensor([1, 2, 0, 2, 1, 1])
@@ -442,7 +416,6 @@ def test_candidate_arguments_are_checked():
         _err(lambda bad=bad: _run(x, None, None, gate="bounded", pieces=bad), f"pieces={bad!r} is not allowed")
     _err(lambda: _run(x, None, None, gate="bounded", fold_v=1), "fold_v=1 is not allowed")
     _err(lambda: _run(x, None, None, gate="bounded", longest_first=0), "longest_first=0 is not allowed")
-    _err(lambda: _run(x, None, None, gate="bounded", arg_docs=1), "arg_docs=1 is not allowed")
     _err(lambda: _run(x, None, None, gate="bounded", pieces=2, segment_chunks=1),
          "pieces=2 is not allowed with the segmented recurrence")
 

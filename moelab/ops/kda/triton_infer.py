@@ -83,7 +83,6 @@ import contextlib
 import functools
 import math
 import os
-import weakref
 
 import torch
 import triton
@@ -149,7 +148,16 @@ PIECES = 1
 # +-1%), 2 or 4 slots per program pipelined over 2 stages (7-10% slower, also at fixed length), cu and coff
 # loaded whole with a vector compare for the document (kda_infer_vecdoc_ab_h200_bcb31d1.json: equal at 6
 # documents, 4% slower at 48). The same tokens as one packed document (N = 1, one step of search) take 0.490 ms
-# against 0.409 fixed: any load the program's addresses wait on costs the ~20%, not the search's length.
+# against 0.409 fixed. The lookup is not the cause either (session 17, B1 T32768 H16, intra alone): the documents
+# passed as kernel arguments from a host copy of cu_seqlens, so that no load precedes the main loads, took 0.486-0.497
+# ms (kda_infer_argd_ab_h200_d022d02.json: the whole op 0.4-1% faster at the four packed shapes; reverted, not worth
+# a host sync and 17 kernel arguments); one document that way, with every int argument and the slot count as in the
+# fixed launch, 0.486 against 0.408 (kda_infer_ns_ab_h200_19f6724.json, kda_infer_sass_ab_h200_19f6724.json). The two
+# compiled kernels hold the same loads and stores (12 LDG.128, 8 LDG.U16, 12 STG.128; ptxas 202-204 registers) and
+# differ in the address arithmetic, the row masks' predicates and the schedule; the fixed kernel's own rows masked
+# as "every row of a live slot" instead of "rows before the end" (one predicate for all rows in both) take 0.46
+# (kda_infer_uniform_rows_ab_h200_19f6724.json). So the 0.41 of fixed rows is the compiler's schedule of that exact
+# code, and small changes of the index arithmetic move it by 10-20%.
 # LONGEST_FIRST (on since the H200 run at 9c4e7c3, kernels/results/kda_infer_h200.json; faster on every packed row
 # it ran: B1 T32768 H16 1.079 ms against 1.173 in document order, B1 T8192 H64 0.911 / 0.939, B8 T4096 H16
 # 0.945 / 0.953): packed documents' recurrence programs ordered by the document's chunk count, longest first. A
@@ -157,11 +165,6 @@ PIECES = 1
 # document whose programs start late sets the end of the launch; longest first is the classic list-scheduling
 # order against that tail.
 LONGEST_FIRST = True
-# ARG_DOCS (A/B): up to ARG_DOCS_MAX packed documents reach the intra kernel as kernel arguments (their first chunk
-# slot and end token), read from a host copy of cu_seqlens (taken once per cu_seqlens tensor, ``_host_offsets``:
-# a host sync the first time, as fla's chunk indices), so no load of the program precedes its main loads.
-ARG_DOCS = True
-ARG_DOCS_MAX = 8
 # RECUR_MAXNREG (on since the H200 run at bfaed65, kernels/results/kda_infer_h200.json): ptxas's register cap on the
 # recurrence's launches of at least RECUR_CAP_MIN_WARPS warps. Where a launch holds more programs than fit on the GPU
 # at once, each SM runs as many programs as its 64K registers allow, and each program's chain of small products
@@ -309,21 +312,6 @@ def _doc_of_slot(coff, i_s, N, LOG_N: tl.constexpr):
 
 
 @triton.jit
-def _arg_doc(i_s, prev, cur, t0, eos, C: tl.constexpr):
-    """Document j's claim on chunk slot ``i_s`` from kernel arguments: ``cur`` packs document j's first
-    slot and end token (``slot << 32 | end``), ``prev`` document j - 1's (its end is j's first token). If
-    j starts at or before ``i_s`` (the last such document owns the slot; an empty one starts where the
-    next does), the slot's first token and its document's end become j's."""
-    prev = prev.to(tl.int64)
-    cur = cur.to(tl.int64)
-    s = cur >> 32
-    take = s <= i_s
-    t0 = tl.where(take, (prev & 0xFFFFFFFF) + (i_s - s) * C, t0)
-    eos = tl.where(take, cur & 0xFFFFFFFF, eos)
-    return t0, eos
-
-
-@triton.jit
 def _unit_lower_inv(L, IEEE: tl.constexpr, C: tl.constexpr):
     """``(I + L)^-1`` of a strictly lower ``[C, C]`` fp32 tile (C a power of two) by block doubling:
     with ``X`` the block-diagonal inverse at block size s, the inverse at 2s is ``X - X L_s X``,
@@ -343,13 +331,12 @@ def _unit_lower_inv(L, IEEE: tl.constexpr, C: tl.constexpr):
     return X
 
 
-@triton.jit(do_not_specialize=[f"doc{j}" for j in range(ARG_DOCS_MAX)] + ["used"])
+@triton.jit
 def _kda_infer_intra(
     q, k, v, z, beta, A_log, dt_bias, cu, coff, poff, pbase,
     w, u, ab, qg, kd, Aqk, gl,
-    scale, g_min, mid, eps, T, NC, NS, N, H, doc0: tl.int64, doc1: tl.int64, doc2: tl.int64, doc3: tl.int64,
-    doc4: tl.int64, doc5: tl.int64, doc6: tl.int64, doc7: tl.int64, used: tl.int32,
-    ARGD: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, C: tl.constexpr,
+    scale, g_min, mid, eps, T, NC, NS, N, H,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, C: tl.constexpr,
     LOG_N: tl.constexpr, VARLEN: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IEEE: tl.constexpr, PER: tl.constexpr, STAGES: tl.constexpr,
     FOLD_V: tl.constexpr, PIECE: tl.constexpr,
@@ -364,10 +351,6 @@ def _kda_infer_intra(
     document n, the last n with ``poff[n] <= i`` (``cu``, ``coff`` describe the documents; fixed-length
     rows come as documents of T tokens).
 
-    ``ARGD`` > 0 (packed, at most ``ARG_DOCS_MAX`` documents): the documents come as kernel arguments
-    (``doc0 ..``: first slot << 32 | end token, ``used``: slots in use) instead of from ``cu`` and
-    ``coff`` in memory, so the addresses of the main loads wait on no load (``ARG_DOCS``).
-
     Several slots per program: the loop over them is software-pipelined (``STAGES``), so the next
     slot's loads are in flight while this one computes; each slot computes exactly as with
     ``PER = 1``. Slots past the last (the grid's tail, or past the last document's end) are masked
@@ -381,8 +364,6 @@ def _kda_infer_intra(
     pw = r[:, None] * BK + ck[None, :]
     if PIECE:
         last = tl.load(poff + N)  # slots of this piece
-    elif ARGD > 0:
-        last = used
     elif VARLEN:
         last = tl.load(coff + N)  # slots in use
     else:
@@ -391,7 +372,7 @@ def _kda_infer_intra(
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         if HAS_BIAS:
             bias = tl.load(dt_bias + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
-    if VARLEN and not PIECE and ARGD == 0:
+    if VARLEN and not PIECE:
         # the documents of all PER slots found up front, side by side: every load of a slot waits on its
         # document's lookup, so the program waits on the lookups once, not once per slot
         js = tl.program_id(0) * PER + tl.arange(0, PER)
@@ -408,23 +389,6 @@ def _kda_infer_intra(
             c = tl.load(pbase + n) + i_s - tl.load(poff + n)
             i_s = tl.load(coff + n) + c  # the chunk's slot in the intermediates
             t0 = bos + c * C  # first token of the chunk (int64: B*T*H*K may pass 2^31)
-        elif ARGD > 0:
-            t0 = i_s.to(tl.int64) * C
-            eos = doc0.to(tl.int64) & 0xFFFFFFFF
-            if ARGD > 1:
-                t0, eos = _arg_doc(i_s, doc0, doc1, t0, eos, C)
-            if ARGD > 2:
-                t0, eos = _arg_doc(i_s, doc1, doc2, t0, eos, C)
-            if ARGD > 3:
-                t0, eos = _arg_doc(i_s, doc2, doc3, t0, eos, C)
-            if ARGD > 4:
-                t0, eos = _arg_doc(i_s, doc3, doc4, t0, eos, C)
-            if ARGD > 5:
-                t0, eos = _arg_doc(i_s, doc4, doc5, t0, eos, C)
-            if ARGD > 6:
-                t0, eos = _arg_doc(i_s, doc5, doc6, t0, eos, C)
-            if ARGD > 7:
-                t0, eos = _arg_doc(i_s, doc6, doc7, t0, eos, C)
         elif VARLEN:
             t0 = tl.sum(tl.where(tl.arange(0, PER) == j, t0_all, 0))
             eos = tl.sum(tl.where(tl.arange(0, PER) == j, eos_all, 0))
@@ -777,7 +741,7 @@ def _check(q, k, v, g, beta, scale, initial_state, g_min, validate, gate, A_log,
                          f"{(tuple(initial_state.shape), initial_state.dtype, str(initial_state.device))}")
     if validate:  # one host sync each
         if cu_seqlens is not None:
-            cu = _host_offsets(cu_seqlens)
+            cu = cu_seqlens.tolist()
             if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
                 raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T = {T}, got "
                                  f"{cu if len(cu) <= 16 else cu[:8] + ['...'] + cu[-8:]}")
@@ -787,19 +751,6 @@ def _check(q, k, v, g, beta, scale, initial_state, g_min, validate, gate, A_log,
                 raise ValueError(f"g must be a log decay in [g_min, 0] = [{g_min}, 0], got "
                                  f"min(g)={gmin:.4g}, max(g)={gmax:.4g}")
     return N
-
-
-_HOST_CU: list = [None, -1, None]  # the last cu_seqlens seen (weak reference), its version, its host copy
-
-
-def _host_offsets(cu_seqlens: torch.Tensor) -> list[int]:
-    """``cu_seqlens.tolist()``, kept for the last tensor asked (while it lives and is not written in place):
-    one host sync per cu_seqlens tensor, not per call, as fla caches its chunk indices."""
-    ref, version, host = _HOST_CU
-    if ref is None or ref() is not cu_seqlens or version != cu_seqlens._version:
-        host = cu_seqlens.tolist()
-        _HOST_CU[:] = [weakref.ref(cu_seqlens), cu_seqlens._version, host]
-    return host
 
 
 @torch.compiler.disable  # a compiled model calls the op eagerly (its kernels launch themselves)
@@ -829,7 +780,6 @@ def kda_infer(
     pieces: int | None = None,
     longest_first: bool | None = None,
     recur_maxnreg: int | None = None,
-    arg_docs: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA forward for inference (no autograd graph: the outputs carry no gradient).
 
@@ -878,9 +828,6 @@ def kda_infer(
         recur_maxnreg: register cap (ptxas ``maxnreg``, 32..255) of the recurrence's launches of at least
             ``RECUR_CAP_MIN_WARPS`` warps, 0 for none (``RECUR_MAXNREG``, the default when None): more
             programs per SM where a launch saturates the GPU, at the price of spills. Same result bit for bit.
-        arg_docs: with ``cu_seqlens`` of at most ``ARG_DOCS_MAX`` documents, the intra kernel takes them as
-            kernel arguments from a host copy of ``cu_seqlens`` (``ARG_DOCS``, the default when None; one
-            host sync per ``cu_seqlens`` tensor). Same result bit for bit.
 
     Returns:
         ``o`` ``[B, T, H, V]`` in v's dtype and the final state ``[N, H, K, V]`` fp32 (or None).
@@ -889,7 +836,7 @@ def kda_infer(
                   g_min=g_min, validate=validate, gate=gate, A_log=A_log, dt_bias=dt_bias, l2norm_qk=l2norm_qk,
                   silu_qk=silu_qk, beta_sigmoid=beta_sigmoid, norm_eps=norm_eps, cu_seqlens=cu_seqlens,
                   segment_chunks=segment_chunks, fold_v=fold_v, pieces=pieces, longest_first=longest_first,
-                  recur_maxnreg=recur_maxnreg, arg_docs=arg_docs)
+                  recur_maxnreg=recur_maxnreg)
     p.run()
     return p.o, p.hT
 
@@ -921,7 +868,7 @@ class InferPlan:
     def __init__(self, q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=True, g_min=-5.0,
                  validate=True, gate="none", A_log=None, dt_bias=None, l2norm_qk=False, silu_qk=False,
                  beta_sigmoid=False, norm_eps=1e-6, cu_seqlens=None, segment_chunks=None, fold_v=None, pieces=None,
-                 longest_first=None, recur_maxnreg=None, arg_docs=None):
+                 longest_first=None, recur_maxnreg=None):
         N = _check(q, k, v, g, beta, scale, initial_state, g_min, validate, gate, A_log, dt_bias, norm_eps,
                    cu_seqlens)
         if segment_chunks is not None and (isinstance(segment_chunks, bool) or not isinstance(segment_chunks, int)
@@ -931,8 +878,6 @@ class InferPlan:
             raise ValueError(f"fold_v={fold_v!r} is not allowed: expected None, True or False")
         if longest_first is not None and not isinstance(longest_first, bool):
             raise ValueError(f"longest_first={longest_first!r} is not allowed: expected None, True or False")
-        if arg_docs is not None and not isinstance(arg_docs, bool):
-            raise ValueError(f"arg_docs={arg_docs!r} is not allowed: expected None, True or False")
         if pieces is not None and (isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1):
             raise ValueError(f"pieces={pieces!r} is not allowed: expected None or an int >= 1")
         if recur_maxnreg is not None and not _maxnreg_ok(recur_maxnreg):
@@ -966,15 +911,6 @@ class InferPlan:
         self.fold_v = FOLD_V if fold_v is None else fold_v
         self.longest_first = LONGEST_FIRST if longest_first is None else longest_first
         self.recur_maxnreg = RECUR_MAXNREG if recur_maxnreg is None else recur_maxnreg
-        self.arg_docs = (ARG_DOCS if arg_docs is None else arg_docs) and varlen and N <= ARG_DOCS_MAX
-        self.doc_args = [0] * (ARG_DOCS_MAX + 1)  # doc0 .., used (``_kda_infer_intra``)
-        if self.arg_docs:
-            hc = _host_offsets(cu_seqlens)
-            slot = 0
-            for n in range(N):
-                self.doc_args[n] = (slot << 32) | hc[n + 1]
-                slot += triton.cdiv(hc[n + 1] - hc[n], C)
-            self.doc_args[-1] = slot
         # segments: exact for fixed length, an upper bound for packed documents (sum_n max(1, cdiv(n_n, L))
         # <= N + sum_n n_n / L); the bound's spare segments are empty ones at the end
         self.nseg = (B * triton.cdiv(NC, self.seg) if not varlen else N + triton.cdiv(NS, self.seg)) if self.seg else 0
@@ -1007,7 +943,7 @@ class InferPlan:
         the segments per sequence (fixed length) or per document (packed: reads ``cu_seqlens``, a host
         sync) and the launch config of each phase."""
         cand = dict(fold_v=self.fold_v, pieces=self.pieces, longest_first=self.longest_first,
-                    recur_maxnreg=self.recur_maxnreg, arg_docs=self.arg_docs)
+                    recur_maxnreg=self.recur_maxnreg)
         if not self.seg:
             return dict(segmented=False, segment_chunks=0, recur=list(self.recur_launch()), **cand)
         B, T, H, K, V, Kp, Vp = self.dims
@@ -1049,7 +985,7 @@ class InferPlan:
             self.dt_bias if self.dt_bias is not None else dummy, cu, coff, poff, pbase,
             self.w, _or(self.u, dummy), _or(self.ab, dummy), self.qg, self.kd, self.Aqk, self.gl,
             self.scale, self.g_min, (CHUNK / 2) * self.g_min * LOG2E, self.norm_eps, T, self.NC, self.NS, self.N, H,
-            *self.doc_args, ARGD=self.N if self.arg_docs and piece is None else 0, K=K, V=V, BK=Kp, BVF=Vp, C=CHUNK, LOG_N=max(1, self.N.bit_length()), VARLEN=self.varlen,
+            K=K, V=V, BK=Kp, BVF=Vp, C=CHUNK, LOG_N=max(1, self.N.bit_length()), VARLEN=self.varlen,
             GATE=_GATE_ID[self.gate], HAS_BIAS=self.dt_bias is not None, IEEE=_ieee(self.inputs[0].dtype),
             PER=per, STAGES=stages, **self.flags, FOLD_V=self.fold_v, PIECE=piece is not None,
             num_warps=warps if Kp <= 128 else 2 * warps, num_stages=stages, **_cap(maxnreg),
