@@ -136,7 +136,7 @@ def infer_main(K: int, caps: list[int]) -> int:
     Kp = max(16, triton.next_power_of_2(K))
     dims = dict(K=K, V=K, BK=Kp, BVF=Kp, C=I.CHUNK)
     intra = dict(dims, LOG_N=1, VARLEN=False, GATE=1, HAS_BIAS=True, SILU=False, L2NORM=True, BETA_SIGMOID=True,
-                 IEEE=False, PER=1, STAGES=1, PIECE=False)
+                 IEEE=False, PER=1, STAGES=1, PIECE=False, WHOLE_BRANCH=I.WHOLE_CHUNK_BRANCH)
     recur = dict(dims, HAS_H0=False, STORE_HT=True, DOT_BF16=True, IEEE=False, FOLD_V=True, PIECE=False, ORDER=False,
                  AUG=False, STORE_O=True, VARLEN=False)
     uses = {"fixed": {}, "packed": dict(VARLEN=True, ORDER=True), "phase 1": dict(VARLEN=True, AUG=True, STORE_O=False),

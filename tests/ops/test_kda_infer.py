@@ -404,6 +404,24 @@ def test_longest_first_equals_document_order_bit_for_bit(case, fold_v, monkeypat
         "the recurrence ignored its program order"
 
 
+@pytest.mark.parametrize("cu", [[0, 5, 21, 21, 37, 40, 77], [0, 16, 32, 33, 48, 48, 64, 80, 81]], ids=["uneven", "aligned"])
+def test_whole_chunk_branch_equals_one_load_path(cu, monkeypatch):
+    """Packed whole chunks loading under one mask for all rows (``WHOLE_CHUNK_BRANCH``, a branch of their own)
+    give what the one load path gives, with empty documents, documents shorter than a chunk and ends on and off
+    chunk boundaries (bit for bit in the interpreter; compiled, the two branches may round differently); both
+    within the fp32 reference's tolerance."""
+    x = _inputs(1, cu[-1], 2, 32, 16, torch.float32, seed=len(cu), n_states=len(cu) - 1)
+    monkeypatch.setattr(triton_infer, "WHOLE_CHUNK_BRANCH", True)
+    branch = _run(x, x["s0"], cu, gate="bounded")
+    monkeypatch.setattr(triton_infer, "WHOLE_CHUNK_BRANCH", False)
+    one = _run(x, x["s0"], cu, gate="bounded")
+    ref_o, ref_S = _reference(x, x["s0"], cu, gate="bounded")
+    assert_close(ref_o, branch[0], TOL[torch.float32], "o")
+    assert_close(ref_S, branch[1], TOL[torch.float32], "final state")
+    if not torch.cuda.is_available():
+        assert torch.equal(branch[0], one[0]) and torch.equal(branch[1], one[1])
+
+
 def test_longest_first_order():
     """Document indices by chunk count, longest first, ties (and empty documents) in index order."""
     chunks = torch.tensor([1, 2, 0, 2, 1, 1])

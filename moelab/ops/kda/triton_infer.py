@@ -165,6 +165,15 @@ PIECES = 1
 # document whose programs start late sets the end of the launch; longest first is the classic list-scheduling
 # order against that tail.
 LONGEST_FIRST = True
+# WHOLE_CHUNK_BRANCH (on since session 17): in the packed intra kernel, a chunk whose 16 rows all lie in its document
+# (every chunk but a document's last) loads z, k and q in a branch of its own under one mask for all rows; the
+# document's last chunk takes the other branch, with rows past the document's end masked. H200, intra alone, packed
+# B1 T32768 H16: 0.448-0.451 ms against 0.497-0.500; the whole op 0.916 / 0.965-0.971 ms, B1 T8192 H64 0.702 /
+# 0.752-0.755, B8 T4096 H16 0.722 / 0.775-0.787, B1 T8192 H96 1.021 / 1.098-1.100 (kernels/results/history/
+# kda_infer_maskv_ab_h200_263a987.json, variant 3; two other formulations of the row mask, t0 + r < end and
+# r < min(end - t0, 16), changed nothing). On fixed-length rows the same branch cost 2% (0.418-0.423 / 0.408-0.410):
+# they keep the one load path.
+WHOLE_CHUNK_BRANCH = True
 # RECUR_MAXNREG (on since the H200 run at bfaed65, kernels/results/kda_infer_h200.json): ptxas's register cap on the
 # recurrence's launches of at least RECUR_CAP_MIN_WARPS warps. Where a launch holds more programs than fit on the GPU
 # at once, each SM runs as many programs as its 64K registers allow, and each program's chain of small products
@@ -312,6 +321,13 @@ def _doc_of_slot(coff, i_s, N, LOG_N: tl.constexpr):
 
 
 @triton.jit
+def _load_zkq(z, k, q, off, mask):
+    """The gate input, k and q tiles of one chunk at offsets ``off`` ``[C, BK]``, masked lanes 0."""
+    return (tl.load(z + off, mask=mask, other=0.0), tl.load(k + off, mask=mask, other=0.0),
+            tl.load(q + off, mask=mask, other=0.0))
+
+
+@triton.jit
 def _unit_lower_inv(L, IEEE: tl.constexpr, C: tl.constexpr):
     """``(I + L)^-1`` of a strictly lower ``[C, C]`` fp32 tile (C a power of two) by block doubling:
     with ``X`` the block-diagonal inverse at block size s, the inverse at 2s is ``X - X L_s X``,
@@ -339,7 +355,7 @@ def _kda_infer_intra(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, C: tl.constexpr,
     LOG_N: tl.constexpr, VARLEN: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IEEE: tl.constexpr, PER: tl.constexpr, STAGES: tl.constexpr,
-    FOLD_V: tl.constexpr, PIECE: tl.constexpr,
+    FOLD_V: tl.constexpr, PIECE: tl.constexpr, WHOLE_BRANCH: tl.constexpr,
 ):
     """Chunk slots ``[PER i, PER (i + 1))`` of one head, ``i`` = program 0 (see the module docstring).
     ``mid`` is the reference ``C/2 * g_min`` in log2 units; ``BK``, ``BVF`` are K, V padded to powers of
@@ -354,7 +370,10 @@ def _kda_infer_intra(
     Several slots per program: the loop over them is software-pipelined (``STAGES``), so the next
     slot's loads are in flight while this one computes; each slot computes exactly as with
     ``PER = 1``. Slots past the last (the grid's tail, or past the last document's end) are masked
-    out of every load and store, not returned from: a return cannot leave a pipelined loop."""
+    out of every load and store, not returned from: a return cannot leave a pipelined loop.
+
+    ``WHOLE_BRANCH`` (packed): a chunk with all its rows in its document loads under one mask for every
+    row, in a branch of its own (``WHOLE_CHUNK_BRANCH``)."""
     i_h = tl.program_id(1)
     r = tl.arange(0, C)
     ck = tl.arange(0, BK)
@@ -406,9 +425,13 @@ def _kda_infer_intra(
 
         # every load first, in the input dtype: the five reads are independent, and issued together
         # they wait out one memory latency instead of five in a row (the kernel is bound by memory)
-        x = tl.load(z + src * K + pk, mask=mk, other=0.0)
-        kr = tl.load(k + src * K + pk, mask=mk, other=0.0)
-        qr = tl.load(q + src * K + pk, mask=mk, other=0.0)
+        if VARLEN and WHOLE_BRANCH:
+            if eos - t0 >= C:  # a whole chunk: every row under one mask (``WHOLE_CHUNK_BRANCH``)
+                x, kr, qr = _load_zkq(z, k, q, src * K + pk, (r < tl.where(live, C, 0))[:, None] & km[None, :])
+            else:
+                x, kr, qr = _load_zkq(z, k, q, src * K + pk, mk)
+        else:
+            x, kr, qr = _load_zkq(z, k, q, src * K + pk, mk)
         if not FOLD_V:
             vr = tl.load(v + src * V + r[:, None] * (H * V) + cv[None, :], mask=rm[:, None] & (cv < V)[None, :],
                          other=0.0)
@@ -988,6 +1011,7 @@ class InferPlan:
             K=K, V=V, BK=Kp, BVF=Vp, C=CHUNK, LOG_N=max(1, self.N.bit_length()), VARLEN=self.varlen,
             GATE=_GATE_ID[self.gate], HAS_BIAS=self.dt_bias is not None, IEEE=_ieee(self.inputs[0].dtype),
             PER=per, STAGES=stages, **self.flags, FOLD_V=self.fold_v, PIECE=piece is not None,
+            WHOLE_BRANCH=WHOLE_CHUNK_BRANCH,
             num_warps=warps if Kp <= 128 else 2 * warps, num_stages=stages, **_cap(maxnreg),
         )
 
