@@ -158,7 +158,7 @@ PIECES = 1
 # as "every row of a live slot" instead of "rows before the end" (one predicate for all rows in both) take 0.46
 # (kda_infer_uniform_rows_ab_h200_19f6724.json). So the 0.41 of fixed rows is the compiler's schedule of that exact
 # code, and small changes of the index arithmetic move it by 10-20%.
-# LONGEST_FIRST (on since the H200 run at 9c4e7c3, kernels/results/kda_infer_h200.json; faster on every packed row
+# LONGEST_FIRST (on since the H200 run at 9c4e7c3, kernels/results/history/kda_infer_h200_9c4e7c3.json; faster on every packed row
 # it ran: B1 T32768 H16 1.079 ms against 1.173 in document order, B1 T8192 H64 0.911 / 0.939, B8 T4096 H16
 # 0.945 / 0.953): packed documents' recurrence programs ordered by the document's chunk count, longest first. A
 # launch of more programs than fit on the GPU at once starts them in about the order of their ids, so a long
@@ -174,7 +174,7 @@ LONGEST_FIRST = True
 # r < min(end - t0, 16), changed nothing). On fixed-length rows the same branch cost 2% (0.418-0.423 / 0.408-0.410):
 # they keep the one load path.
 WHOLE_CHUNK_BRANCH = True
-# RECUR_MAXNREG (on since the H200 run at bfaed65, kernels/results/kda_infer_h200.json): ptxas's register cap on the
+# RECUR_MAXNREG (on since the H200 run at bfaed65, kernels/results/history/kda_infer_cap_h200_bfaed65.json): ptxas's register cap on the
 # recurrence's launches of at least RECUR_CAP_MIN_WARPS warps. Where a launch holds more programs than fit on the GPU
 # at once, each SM runs as many programs as its 64K registers allow, and each program's chain of small products
 # waits on latency, so more programs per SM mean more throughput. sm_90a compile (``make kda-aot ARGS='--infer
