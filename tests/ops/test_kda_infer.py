@@ -404,7 +404,8 @@ def test_longest_first_equals_document_order_bit_for_bit(case, fold_v, monkeypat
         "the recurrence ignored its program order"
 
 
-@pytest.mark.parametrize("cu", [[0, 5, 21, 21, 37, 40, 77], [0, 16, 32, 33, 48, 48, 64, 80, 81]], ids=["uneven", "aligned"])
+@pytest.mark.parametrize("cu", [[0, 5, 21, 21, 37, 40, 77], [0, 16, 32, 33, 48, 48, 64, 80, 81]],
+                         ids=["uneven", "aligned"])
 def test_whole_chunk_branch_equals_one_load_path(cu, monkeypatch):
     """Packed whole chunks loading under one mask for all rows (``WHOLE_CHUNK_BRANCH``, a branch of their own)
     give what the one load path gives, with empty documents, documents shorter than a chunk and ends on and off

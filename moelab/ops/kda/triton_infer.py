@@ -158,12 +158,13 @@ PIECES = 1
 # as "every row of a live slot" instead of "rows before the end" (one predicate for all rows in both) take 0.46
 # (kda_infer_uniform_rows_ab_h200_19f6724.json). So the 0.41 of fixed rows is the compiler's schedule of that exact
 # code, and small changes of the index arithmetic move it by 10-20%.
-# LONGEST_FIRST (on since the H200 run at 9c4e7c3, kernels/results/history/kda_infer_h200_9c4e7c3.json; faster on every packed row
-# it ran: B1 T32768 H16 1.079 ms against 1.173 in document order, B1 T8192 H64 0.911 / 0.939, B8 T4096 H16
-# 0.945 / 0.953): packed documents' recurrence programs ordered by the document's chunk count, longest first. A
-# launch of more programs than fit on the GPU at once starts them in about the order of their ids, so a long
-# document whose programs start late sets the end of the launch; longest first is the classic list-scheduling
-# order against that tail.
+# (WHOLE_CHUNK_BRANCH, below, takes back about half of it.)
+# LONGEST_FIRST (on since the H200 run at 9c4e7c3, kernels/results/history/kda_infer_h200_9c4e7c3.json; faster on
+# every packed row it ran: B1 T32768 H16 1.079 ms against 1.173 in document order, B1 T8192 H64 0.911 / 0.939,
+# B8 T4096 H16 0.945 / 0.953): packed documents' recurrence programs ordered by the document's chunk count, longest
+# first. A launch of more programs than fit on the GPU at once starts them in about the order of their ids, so a long
+# document whose programs start late sets the end of the launch; longest first is the classic list-scheduling order
+# against that tail.
 LONGEST_FIRST = True
 # WHOLE_CHUNK_BRANCH (on since session 17): in the packed intra kernel, a chunk whose 16 rows all lie in its document
 # (every chunk but a document's last) loads z, k and q in a branch of its own under one mask for all rows; the
@@ -174,17 +175,17 @@ LONGEST_FIRST = True
 # r < min(end - t0, 16), changed nothing). On fixed-length rows the same branch cost 2% (0.418-0.423 / 0.408-0.410):
 # they keep the one load path.
 WHOLE_CHUNK_BRANCH = True
-# RECUR_MAXNREG (on since the H200 run at bfaed65, kernels/results/history/kda_infer_cap_h200_bfaed65.json): ptxas's register cap on the
-# recurrence's launches of at least RECUR_CAP_MIN_WARPS warps. Where a launch holds more programs than fit on the GPU
-# at once, each SM runs as many programs as its 64K registers allow, and each program's chain of small products
-# waits on latency, so more programs per SM mean more throughput. sm_90a compile (``make kda-aot ARGS='--infer
-# --maxnreg 168'``, Triton 3.9, bf16, K = V = 128, fold_v), registers uncapped -> at 168, 64/4/3: packed documents
-# 214 -> 168 and fixed rows 174 -> 168 without spills (2 -> 3 programs per SM), phase 3 211 -> 168 with 12 B
-# spilled (2 -> 3), phase 1 158 -> 145 (3 either way); 32/2/3: 184 -> 168, 24 B spilled (5 -> 6).
-# Measured against no cap in that run: every 64/4/3 row faster (packed B1 T8192 H64 0.757 ms / 0.793, H96 1.104 /
-# 1.168, B8 T4096 H16 0.776 / 0.814, fixed B8 T4096 H16 0.653 / 0.662, segmented B1 T32768 H16 1.258 / 1.281),
-# every 32/2/3 row slower (fixed B1 T8192 H64 0.900 / 0.781, H96 1.155 / 1.086, packed B1 T32768 H16 1.071 /
-# 0.963): the 2-warp launches, whose programs already fill the SMs 5 at a time, stay uncapped.
+# RECUR_MAXNREG (on since the H200 run at bfaed65, kernels/results/history/kda_infer_cap_h200_bfaed65.json): ptxas's
+# register cap on the recurrence's launches of at least RECUR_CAP_MIN_WARPS warps. Where a launch holds more programs
+# than fit on the GPU at once, each SM runs as many programs as its 64K registers allow, and each program's chain of
+# small products waits on latency, so more programs per SM mean more throughput. sm_90a compile (``make kda-aot
+# ARGS='--infer --maxnreg 168'``, Triton 3.9, bf16, K = V = 128, fold_v), registers uncapped -> at 168, 64/4/3: packed
+# documents 214 -> 168 and fixed rows 174 -> 168 without spills (2 -> 3 programs per SM), phase 3 211 -> 168 with 12 B
+# spilled (2 -> 3), phase 1 158 -> 145 (3 either way); 32/2/3: 184 -> 168, 24 B spilled (5 -> 6). Measured against no
+# cap in that run: every 64/4/3 row faster (packed B1 T8192 H64 0.757 ms / 0.793, H96 1.104 / 1.168, B8 T4096 H16 0.776
+# / 0.814, fixed B8 T4096 H16 0.653 / 0.662, segmented B1 T32768 H16 1.258 / 1.281), every 32/2/3 row slower (fixed B1
+# T8192 H64 0.900 / 0.781, H96 1.155 / 1.086, packed B1 T32768 H16 1.071 / 0.963): the 2-warp launches, whose programs
+# already fill the SMs 5 at a time, stay uncapped.
 RECUR_MAXNREG = 168
 RECUR_CAP_MIN_WARPS = 4
 
