@@ -517,7 +517,8 @@ def run_infer(args, dev) -> int:
                 rounds=rounds,
                 note="forward only, no grad, output and final state from every impl; gate, L2 norm of q, k, "
                      "fwd_ms: the median over `rounds` timings of the row (fwd_ms_rounds, the rows of a shape and "
-                     "layout timed in turn), each a do_bench median; "
+                     "layout timed in turn), each a do_bench median; host_ms (GPU runs): the host's time per call, "
+                     "calls issued back to back without a sync (near fwd_ms or above: host-bound, or a sync); "
                      "beta sigmoid (where fla takes beta logits) and the bound inside the ops; packed: each "
                      "row's T tokens cut into 6 uneven documents (doc_offsets), rows packed into one; "
                      "path: the path moelab_infer ran (InferPlan.path: segmented or plain, segment length "
@@ -572,7 +573,8 @@ def infer_rows(shape, packed, impls, candidates, tuned, dev, beta_logits, warmup
     ``rounds`` > 1 every row is timed again in ``rounds - 1`` more rounds, the rows in turn within each, and
     its ``fwd_ms`` is the median over the rounds (``fwd_ms_rounds``: each round's): one timing of a row can sit
     10-15% off a later one of the same code on the H200 (the B1 T32768 H16 segmented row at 503d12f: 1.607 ms in
-    the bench, 1.38 in an A/B on the next machine), and rounds taken in turn share whatever drifts."""
+    the bench, 1.38 in an A/B on the next machine), and rounds taken in turn share whatever drifts. On the GPU each
+    timed row also gets ``host_ms`` (``host_ms``): whether the host keeps ahead of the GPU."""
     from tests.helpers import rel_err
 
     B, T, H, D = shape
@@ -627,6 +629,12 @@ def infer_rows(shape, packed, impls, candidates, tuned, dev, beta_logits, warmup
             print(f"  {r['impl']:30s} {layout:6s} over {rounds} rounds: median {r['fwd_ms']:.3f} ms "
                   f"({min(ms):.3f}-{max(ms):.3f})", flush=True)
         write()
+    if dev == "cuda":
+        for r in timed_rows:
+            r["host_ms"] = host_ms(fns[r["impl"]])
+            print(f"  {r['impl']:30s} {layout:6s} host time per call {r['host_ms']:.3f} ms (GPU {r['fwd_ms']:.3f})",
+                  flush=True)
+        write()
     del fns
     if "fla_chunk_kda" in results:
         fo, fS = results["fla_chunk_kda"]
@@ -647,6 +655,21 @@ def infer_rows(shape, packed, impls, candidates, tuned, dev, beta_logits, warmup
     del x, results
     if dev == "cuda":
         torch.cuda.empty_cache()
+
+
+def host_ms(fn, calls: int = 20) -> float:
+    """Host time per call of ``fn`` in ms: ``calls`` calls issued back to back with no sync between them, the
+    median of three such bursts. Below the GPU time the host keeps ahead and the GPU never waits on it; near or
+    above it the call is host-bound, or syncs (the queue then drains every call)."""
+    out = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t) / calls * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(out)
 
 
 def print_infer_ratios(rows) -> None:
