@@ -574,7 +574,8 @@ def infer_rows(shape, packed, impls, candidates, tuned, dev, beta_logits, warmup
     its ``fwd_ms`` is the median over the rounds (``fwd_ms_rounds``: each round's): one timing of a row can sit
     10-15% off a later one of the same code on the H200 (the B1 T32768 H16 segmented row at 503d12f: 1.607 ms in
     the bench, 1.38 in an A/B on the next machine), and rounds taken in turn share whatever drifts. On the GPU each
-    timed row also gets ``host_ms`` (``host_ms``): whether the host keeps ahead of the GPU."""
+    timed row also gets ``host_ms`` (the host's time per call, ``host_ms()``): whether the host keeps ahead of
+    the GPU."""
     from tests.helpers import rel_err
 
     B, T, H, D = shape
