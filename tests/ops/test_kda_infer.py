@@ -267,6 +267,21 @@ def test_segment_plan_counts():
     assert plan.path()["segmented"] is False
 
 
+@pytest.mark.parametrize("B,T,L", [(1, 103, 3), (3, 100, 2), (2, 16, 4)])
+def test_fixed_length_segments_cached_equal_packed_rule(B, T, L):
+    """Fixed length, the segment offsets come from a per-shape cache (host time): they equal the packed
+    rule's on the same rows as documents, and a second plan of that shape reuses them."""
+    x = _inputs(B, T, 1, 16, 16, torch.float32, seed=1, n_states=B)
+    args = (x["q"], x["k"], x["v"], x["z"], x["beta_logit"].sigmoid())
+    plan = triton_infer.InferPlan(*args, gate="bounded", A_log=x["A_log"], segment_chunks=L)
+    cached = plan._segments()
+    cu, coff = plan._docs()
+    for got, want in zip(cached, triton_infer._segment_offsets(cu, coff, L, plan.nseg)):
+        assert torch.equal(got, want)
+    again = triton_infer.InferPlan(*args, gate="bounded", A_log=x["A_log"], segment_chunks=L)._segments()
+    assert all(a is b for a, b in zip(cached, again))
+
+
 def test_segment_rule_at_the_measured_shapes():
     """choose_segment_chunks on 132 SMs (H200) against the measured sweeps: B1 T32768 H16 fastest at 256-chunk
     segments (bfaed65: 1.13-1.18 ms, 128-chunk 1.25-1.28, 512-chunk 1.38, plain 1.69), B1 T8192 H64 plain

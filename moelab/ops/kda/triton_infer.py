@@ -1110,17 +1110,14 @@ class InferPlan:
         """Segments as documents, on the device (no host sync): their token offsets and chunk-slot
         offsets (``[nseg + 1]`` each, like ``cu`` and ``coff``: consecutive segments tile each
         document, consecutive documents follow each other, the bound's spare segments are empty at
-        the end) and ``soff`` ``[N + 1]``, the first segment of each document."""
-        L, C, dev = self.seg, CHUNK, self.o.device
+        the end) and ``soff`` ``[N + 1]``, the first segment of each document. Fixed length: they depend
+        on the shape only, so they are computed once per shape and device (``_fixed_segments``), which
+        takes the small launches of ``_segment_offsets`` off every call's host time."""
+        dev = self.o.device
+        if not self.varlen and not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return _fixed_segments(self.dims[0], self.dims[1], self.NC, self.seg, self.nseg, dev)
         cu, coff = self._docs()
-        soff = torch.zeros(self.N + 1, device=dev, dtype=torch.int64)
-        soff[1:] = torch.cumsum(torch.div(coff[1:] - coff[:-1] + (L - 1), L, rounding_mode="floor").clamp_min(1), 0)
-        j = torch.arange(self.nseg, device=dev)
-        n = torch.searchsorted(soff[1:], j, right=True).clamp_max(self.N - 1)  # spare segments: the last document
-        s = j - soff[n]
-        seg_cu = torch.cat([torch.minimum(cu[n] + s * (L * C), cu[n + 1]), cu[-1:]]).to(torch.int32)
-        seg_coff = torch.cat([torch.minimum(coff[n] + s * L, coff[n + 1]), coff[-1:]]).to(torch.int32)
-        return seg_cu, seg_coff, soff
+        return _segment_offsets(cu, coff, self.seg, self.nseg)
 
     def recur_cap(self, warps: int) -> int:
         """The register cap of a recurrence launch of ``warps`` warps at the plan's launch configs:
@@ -1154,6 +1151,28 @@ class InferPlan:
             FOLD_V=self.fold_v, PIECE=piece is not None, ORDER=order is not None, num_warps=warps,
             num_stages=stages, **_cap(maxnreg),
         )
+
+
+def _segment_offsets(cu: torch.Tensor, coff: torch.Tensor, L: int, nseg: int) -> tuple[torch.Tensor, ...]:
+    """``InferPlan._segments`` from the documents' token and chunk-slot offsets ``cu``, ``coff`` ``[N + 1]``
+    (on their device, no host sync): ``nseg`` segments of ``L`` chunks, the spare ones empty at the end."""
+    N, dev = cu.numel() - 1, cu.device
+    soff = torch.zeros(N + 1, device=dev, dtype=torch.int64)
+    soff[1:] = torch.cumsum(torch.div(coff[1:] - coff[:-1] + (L - 1), L, rounding_mode="floor").clamp_min(1), 0)
+    j = torch.arange(nseg, device=dev)
+    n = torch.searchsorted(soff[1:], j, right=True).clamp_max(N - 1)  # spare segments: the last document
+    s = j - soff[n]
+    seg_cu = torch.cat([torch.minimum(cu[n] + s * (L * CHUNK), cu[n + 1]), cu[-1:]]).to(torch.int32)
+    seg_coff = torch.cat([torch.minimum(coff[n] + s * L, coff[n + 1]), coff[-1:]]).to(torch.int32)
+    return seg_cu, seg_coff, soff
+
+
+@functools.lru_cache(maxsize=64)
+def _fixed_segments(B: int, T: int, NC: int, L: int, nseg: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``_segment_offsets`` of ``B`` fixed-length rows of ``T`` tokens (``NC`` chunks each), computed on the
+    host once per shape and copied to ``device``; the kernels only read them."""
+    rows = torch.arange(B + 1, dtype=torch.int32)
+    return tuple(x.to(device) for x in _segment_offsets(rows * T, rows * NC, L, nseg))
 
 
 def _longest_first(chunks: torch.Tensor) -> torch.Tensor:
