@@ -1111,8 +1111,9 @@ class InferPlan:
         offsets (``[nseg + 1]`` each, like ``cu`` and ``coff``: consecutive segments tile each
         document, consecutive documents follow each other, the bound's spare segments are empty at
         the end) and ``soff`` ``[N + 1]``, the first segment of each document. Fixed length: they depend
-        on the shape only, so they are computed once per shape and device (``_fixed_segments``), which
-        takes the small launches of ``_segment_offsets`` off every call's host time."""
+        on the shape only, so they are computed once per shape and device (``_fixed_segments``): that takes
+        ``_segment_offsets``'s 29 small launches off every call, on the host and on the GPU's stream (B1 T32768
+        H16 on an H200: 1.06 ms against 1.13, kernels/README.md)."""
         dev = self.o.device
         if not self.varlen and not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return _fixed_segments(self.dims[0], self.dims[1], self.NC, self.seg, self.nseg, dev)
