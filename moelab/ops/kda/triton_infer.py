@@ -1098,9 +1098,7 @@ class InferPlan:
         of T tokens), on the device."""
         if self.varlen:
             return self.cu, self.coff
-        B, T = self.dims[:2]
-        rows = torch.arange(B + 1, device=self.o.device, dtype=torch.int32)
-        return rows * T, rows * self.NC
+        return _row_offsets(self.dims[0], self.dims[1], self.NC, self.o.device)
 
     def _join_launch(self) -> tuple[int, int]:
         Vp = self.dims[6]
@@ -1172,8 +1170,15 @@ def _segment_offsets(cu: torch.Tensor, coff: torch.Tensor, L: int, nseg: int) ->
 def _fixed_segments(B: int, T: int, NC: int, L: int, nseg: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """``_segment_offsets`` of ``B`` fixed-length rows of ``T`` tokens (``NC`` chunks each), computed on the
     host once per shape and copied to ``device``; the kernels only read them."""
-    rows = torch.arange(B + 1, dtype=torch.int32)
-    return tuple(x.to(device) for x in _segment_offsets(rows * T, rows * NC, L, nseg))
+    cpu = torch.device("cpu")
+    return tuple(x.to(device) for x in _segment_offsets(*_row_offsets(B, T, NC, cpu), L, nseg))
+
+
+def _row_offsets(B: int, T: int, NC: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token and chunk-slot offsets (``[B + 1]`` int32 each) of ``B`` fixed-length rows of ``T`` tokens and ``NC``
+    chunks, as documents (``InferPlan._docs``)."""
+    rows = torch.arange(B + 1, device=device, dtype=torch.int32)
+    return rows * T, rows * NC
 
 
 def _longest_first(chunks: torch.Tensor) -> torch.Tensor:
