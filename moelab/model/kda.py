@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moelab.model.config import KDAConfig
+from moelab.model.documents import Documents, causal_conv_fix
 from moelab.model.norm import RMSNorm
 from moelab.ops.backend import use_triton
 from moelab.ops.kda import kda, naive_kda_gate
@@ -63,10 +64,16 @@ class ShortConv(nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
 
     def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None,
-                activation: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                activation: str | None = None, docs: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [B, T, C]`` -> ``(y [B, T, C], new_tail [B, size-1, C])``; ``activation``: None or
-        ``"silu"`` applied to y (the tail holds inputs, not outputs)."""
+        ``"silu"`` applied to y (the tail holds inputs, not outputs). ``docs``: packed documents
+        (``moelab.model.documents``; no tail then): no output reads an input of another document."""
         B, T, C = x.shape
+        if docs is not None:
+            if tail is not None:
+                raise ValueError("ShortConv: packed documents (docs) start from zeros: tail must be None")
+            y, new_tail = self.forward(x, None, activation)
+            return causal_conv_fix(y, x, self.weight[:, 0, :], docs, activation), new_tail
         if use_triton(self.backend, x) and tail is None and T > 0:
             from moelab.ops.short_conv import causal_conv1d
 
@@ -151,7 +158,8 @@ class KDALayer(nn.Module):
         return torch.stack([g.amin(), g.mean()])
 
     def forward(
-        self, x: torch.Tensor, state: KDAState | None = None, use_cache: bool = False
+        self, x: torch.Tensor, state: KDAState | None = None, use_cache: bool = False,
+        docs: Documents | None = None,
     ) -> tuple[torch.Tensor, KDAState | None]:
         """``x [B, T, D]`` -> ``(y [B, T, D], new state or None)``.
 
@@ -159,23 +167,34 @@ class KDALayer(nn.Module):
             x: input (already normalized by the caller).
             state: state after the previous tokens of the same sequences, or None (start).
             use_cache: return the state after the last token of ``x``.
+            docs: packed documents (``moelab.model.documents``): the convs and the recurrence
+                restart at each boundary (the op runs on the ``B*T`` tokens as one row with
+                ``docs.cu_seqlens``). Not with ``state`` or ``use_cache``.
         """
         B, T, _ = x.shape
         H, K, V = self.H, self.K, self.V
+        if docs is not None and (state is not None or use_cache):
+            raise ValueError("KDALayer: packed documents (docs) run without a decoding state: "
+                             "state must be None and use_cache False")
         tails = state.conv if state is not None else (None, None, None)
-        q, tq = self.q_conv(self.q_proj(x), tails[0])
-        k, tk = self.k_conv(self.k_proj(x), tails[1])
-        v, tv = self.v_conv(self.v_proj(x), tails[2], "silu")  # v = Swish(ShortConv(W_v x))
+        q, tq = self.q_conv(self.q_proj(x), tails[0], docs=docs)
+        k, tk = self.k_conv(self.k_proj(x), tails[1], docs=docs)
+        v, tv = self.v_conv(self.v_proj(x), tails[2], "silu", docs=docs)  # v = Swish(ShortConv(W_v x))
         beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
         z = self.f_up(self.f_down(x)).view(B, T, H, K)  # gate input
         # One decoding step is exactly one step of the recurrence: no chunk padding needed.
         backend = "recurrent" if T == 1 else self.cfg.backend
         # SiLU, L2 norm and the gate run inside the op (fused into the Triton kernels); the gate
         # bounds g by construction, so the op need not check its range (a host sync per layer).
-        o, S = kda(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V), z, beta,
+        # Packed documents: the B rows become one row of B*T tokens and N documents (cu_seqlens).
+        rows, cols = (1, B * T) if docs is not None else (B, T)
+        o, S = kda(q.reshape(rows, cols, H, K), k.reshape(rows, cols, H, K), v.reshape(rows, cols, H, V),
+                   z.reshape(rows, cols, H, K), beta.reshape(rows, cols, H),
                    initial_state=None if state is None else state.S, output_final_state=use_cache,
                    backend=backend, chunk_size=self.cfg.chunk_size, gate=self.cfg.gate, A_log=self.A_log,
-                   g_min=self.g_min, silu_qk=True, l2norm_qk=True, norm_eps=1e-6, validate=False)
+                   g_min=self.g_min, silu_qk=True, l2norm_qk=True, norm_eps=1e-6, validate=False,
+                   cu_seqlens=None if docs is None else docs.cu_seqlens)
+        o = o.view(B, T, H, V)
         o = self.o_norm(o)  # [B, T, H, V], normalized per head
         y = torch.sigmoid(self.g_proj(x)) * o.reshape(B, T, H * V)
         y = self.o_proj(y)

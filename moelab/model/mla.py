@@ -3,7 +3,8 @@
     c_kv = RMSNorm(W_dkv x)                      [B, T, kv_latent_dim]   (the only thing cached)
     k, v = W_uk c_kv, W_uv c_kv                  [B, T, H, d_head]
     q    = W_q x  or  W_uq RMSNorm(W_dq x)       full rank (q_latent_dim = 0) or low rank
-    o    = softmax(q k^T / sqrt(d_head) + causal) v      (NoPE: position comes from the KDA layers)
+    o    = softmax(q k^T / sqrt(d_head) + causal) v      (NoPE: position comes from the KDA layers;
+                                                        packed documents: causal within each document)
     y    = W_o [ Sigmoid(W_g x) * o ]            output gate (output_gate=True), else W_o o
 
 ``fp32_output`` keeps ``o`` in fp32 through the gate and the output projection (K3 does so in
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from moelab.model.attnres import RMSNorm
 from moelab.model.config import MLAConfig
+from moelab.model.documents import Documents
 
 
 class MLA(nn.Module):
@@ -47,7 +49,8 @@ class MLA(nn.Module):
         return self.q_proj(x)
 
     def forward(
-        self, x: torch.Tensor, cache: torch.Tensor | None = None, use_cache: bool = False
+        self, x: torch.Tensor, cache: torch.Tensor | None = None, use_cache: bool = False,
+        docs: Documents | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x [B, T, D]`` -> ``(y [B, T, D], latent cache [B, T_past + T, kv_latent_dim] or None)``.
 
@@ -55,9 +58,14 @@ class MLA(nn.Module):
             x: input (already normalized by the caller).
             cache: normalized latents ``c_kv`` of the previous tokens, ``[B, T_past, kv_latent_dim]``.
             use_cache: return the cache extended by this call's latents.
+            docs: packed documents (``moelab.model.documents``): each query attends to the earlier
+                keys of its own document only (a ``[B, 1, T, T]`` mask). Not with a cache.
         """
         B, T, _ = x.shape
         H, Dh = self.H, self.Dh
+        if docs is not None and (cache is not None or use_cache):
+            raise ValueError("MLA: packed documents (docs) run without a cache: cache must be None and "
+                             "use_cache False")
         c_kv = self.kv_norm(self.kv_down(x))
         if cache is not None:
             c_kv = torch.cat([cache.to(c_kv.dtype), c_kv], dim=1)
@@ -66,7 +74,9 @@ class MLA(nn.Module):
         k = self.k_up(c_kv).view(B, S, H, Dh).transpose(1, 2)  # [B, H, S, Dh]
         v = self.v_up(c_kv).view(B, S, H, Dh).transpose(1, 2)
         past = S - T
-        if past == 0:
+        if docs is not None:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=docs.attention_mask())
+        elif past == 0:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         elif T == 1:
             o = F.scaled_dot_product_attention(q, k, v)  # one new query sees every cached key

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from moelab.model.attnres import AttnResidual
 from moelab.model.config import ModelConfig
+from moelab.model.documents import Documents
 from moelab.model.ffn import GLUFFN
 from moelab.model.kda import KDALayer, KDAState
 from moelab.model.mla import MLA
@@ -205,6 +206,7 @@ class MoELab(nn.Module):
         return_diagnostics: bool = False,
         return_logits: bool = True,
         check_ids: bool = True,
+        segment_ids: torch.Tensor | None = None,
     ) -> ModelOutput:
         """Logits (and loss) for ``input_ids [B, T]`` long.
 
@@ -219,9 +221,24 @@ class MoELab(nn.Module):
                 chunk by chunk (``moelab.ops.linear_ce``; what training uses), and ``logits=None``.
             check_ids: check that every id is in ``[0, vocab_size)`` (a host sync; a training loop
                 that trusts its data passes False).
+            segment_ids: ``[B, T]`` integer, the document number of each token within its row, for
+                rows of packed documents (``moelab.model.documents``): every token mixer keeps the
+                documents apart, equal to running each document alone. None: each row is one
+                sequence. Not with ``state`` or ``use_cache``; one host sync (to count documents).
         """
         past = state.seq_len if state is not None else 0
         self._check(input_ids, targets, past, check_ids)
+        docs = None
+        if segment_ids is not None:
+            if segment_ids.shape != input_ids.shape:
+                raise ValueError(f"segment_ids shape {tuple(segment_ids.shape)} must equal input_ids shape "
+                                 f"{tuple(input_ids.shape)}")
+            if state is not None or use_cache:
+                raise ValueError("segment_ids (packed documents) is not allowed with state or use_cache: decode "
+                                 "or prefill one document per row")
+            docs = Documents.from_segment_ids(segment_ids)
+            if docs.one_per_row:
+                docs = None
         prev = state.layers if state is not None else [None] * len(self.layers)
         stream = self.residual.stream(self.embed(input_ids), diagnostics=return_diagnostics)
         decay: list[torch.Tensor] = []  # per KDA layer, with return_diagnostics: (min, mean) of the log decay
@@ -232,7 +249,7 @@ class MoELab(nn.Module):
             h = layer.mixer_norm(stream.read(2 * i))
             if return_diagnostics and layer.kind == "kda":
                 decay.append(layer.mixer.decay_stats(h))
-            out, st = layer.mixer(h, prev[i], use_cache)
+            out, st = layer.mixer(h, prev[i], use_cache, docs=docs)
             new_layers.append(st)
             stream.write(2 * i, out)
             h = layer.ffn_norm(stream.read(2 * i + 1))

@@ -1,0 +1,110 @@
+"""Packed documents: several documents in one row of a batch, kept apart by every token mixer.
+
+A long training sequence built by concatenating documents (``moelab.data.curriculum``) marks its
+boundaries with ``segment_ids [B, T]``: the document number of each token within its row. Passed to
+``MoELab.forward(..., segment_ids=)``, no token sees a token of another document:
+
+* **KDA**: the op runs on the ``B * T`` tokens flattened into one row with ``cu_seqlens`` (one
+  offset per document, :attr:`Documents.cu_seqlens`), so its recurrent state restarts at each
+  boundary: the Triton training op (forward and backward) and the inference forward take the
+  offsets in-kernel, the PyTorch backends run document by document (``moelab.ops.kda.kda``).
+* **ShortConv** (KDA's q, k, v): the first ``size - 1`` tokens of a document that starts inside a
+  row would read the previous document's last inputs; those few outputs are recomputed with the
+  other document's taps zeroed (:meth:`Documents.conv_fix`), whichever conv backend ran.
+* **MLA**: attention is causal within each document (:meth:`Documents.attention_mask`).
+* The FFN / MoE and the residual mixing over depth are per token already.
+
+Equal to running each document alone (tested: outputs and gradients). A row start always opens a
+document, and a document is a run of equal consecutive ids: ``[0, 0, 1, 1, 0]`` holds three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Documents:
+    """Where the documents of a packed ``[B, T]`` batch lie; built once per forward and shared by the layers.
+
+    Attributes:
+        doc: ``[B, T]`` long, the number of each token's document within its row (0, 1, ...).
+        pos: ``[B, T]`` long, each token's position within its document (0 at a document's start).
+        cu_seqlens: ``[N + 1]`` int32 offsets of the N documents in the flattened ``B * T`` order
+            (the layout ``cu_seqlens`` kernels take: document n is tokens ``[cu[n], cu[n + 1])``).
+        num_docs: N (a host int).
+    """
+
+    doc: torch.Tensor
+    pos: torch.Tensor
+    cu_seqlens: torch.Tensor
+    num_docs: int
+    _conv: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_segment_ids(cls, segment_ids: torch.Tensor) -> Documents:
+        """From ``segment_ids [B, T]`` (any integer dtype; one host sync, to count the documents)."""
+        if segment_ids.dim() != 2 or segment_ids.shape[1] < 1:
+            raise ValueError(f"segment_ids must be [B, T] with T >= 1, got shape {tuple(segment_ids.shape)}")
+        if segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool:
+            raise ValueError(f"segment_ids must be an integer tensor, got dtype {segment_ids.dtype}")
+        B, T = segment_ids.shape
+        starts = torch.ones_like(segment_ids, dtype=torch.bool)
+        starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+        doc = starts.long().cumsum(1) - 1
+        t = torch.arange(T, device=segment_ids.device).expand(B, T)
+        first = torch.where(starts, t, torch.zeros_like(t)).cummax(1).values  # start of each token's document
+        offsets = starts.flatten().nonzero().flatten()
+        cu = torch.cat([offsets, offsets.new_tensor([B * T])]).to(torch.int32)
+        return cls(doc=doc, pos=t - first, cu_seqlens=cu, num_docs=cu.numel() - 1)
+
+    @property
+    def one_per_row(self) -> bool:
+        """Every row is a single document: the layers can run as without ``segment_ids``."""
+        return self.num_docs == self.doc.shape[0]
+
+    def attention_mask(self) -> torch.Tensor:
+        """``[B, 1, T, T]`` bool, True where query t may attend key s: ``s <= t`` in the same document.
+
+        Built once per forward (``B T^2`` bytes) and shared by the MLA layers."""
+        if self._mask is None:
+            T = self.doc.shape[1]
+            causal = torch.ones(T, T, dtype=torch.bool, device=self.doc.device).tril()
+            self._mask = ((self.doc[:, :, None] == self.doc[:, None, :]) & causal)[:, None]
+        return self._mask
+
+    def conv_fix(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tokens a causal conv of kernel ``size`` would mix across a boundary: ``(rows, cols, pos)``,
+        each ``[M]`` long, every token within the first ``size - 1`` of a document that starts inside
+        its row (a row start is padded with zeros already). One host sync per kernel size."""
+        if size not in self._conv:
+            cols = torch.arange(self.pos.shape[1], device=self.pos.device)
+            bad = (self.pos < size - 1) & (self.pos < cols)
+            rows, where = bad.nonzero(as_tuple=True)
+            self._conv[size] = (rows, where, self.pos[rows, where])
+        return self._conv[size]
+
+
+def causal_conv_fix(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, docs: Documents,
+                    activation: str | None = None) -> torch.Tensor:
+    """``y [B, T, C]``, a causal depthwise conv of ``x [B, T, C]`` with ``weight [C, size]`` (``y[t] =
+    sum_i weight[:, i] x[t - size + 1 + i]``, then ``activation``), with the outputs that read across a
+    document boundary recomputed from their own document's inputs only. Differentiable; out of place."""
+    rows, cols, pos = docs.conv_fix(weight.shape[-1])
+    if rows.numel() == 0:
+        return y
+    size = weight.shape[-1]
+    back = torch.arange(size, device=x.device)  # tap j reads x[t - j] with weight[:, size - 1 - j]
+    src = cols[:, None] - back[None, :]  # [M, size]
+    keep = back[None, :] <= pos[:, None]  # within the token's own document
+    taps = x[rows[:, None], src.clamp(min=0)] * keep[..., None].to(x.dtype)  # [M, size, C]
+    fixed = (taps.float() * weight.float().flip(-1).t()[None]).sum(1)  # [M, C]
+    if activation == "silu":
+        fixed = torch.nn.functional.silu(fixed)
+    return y.index_put((rows, cols), fixed.to(y.dtype))
+
+
+__all__ = ["Documents", "causal_conv_fix"]

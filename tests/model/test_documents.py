@@ -1,0 +1,178 @@
+"""Packed documents (``MoELab.forward(..., segment_ids=)``) against each document run alone.
+
+Rows of several documents of uneven lengths (one token, fewer than the conv kernel, across the
+16-token chunks, a document opening at a row's second token) must give, token for token, the
+logits of each document fed on its own, and the same parameter gradients: no state, conv tap or
+attention weight crosses a boundary. fp32 on CPU through the PyTorch KDA backend and the Triton
+kernels in the interpreter: the training op (forward and backward) and the inference forward.
+The ``gpu`` test repeats it in bf16 with the real kernels.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from moelab.model.documents import Documents, causal_conv_fix
+from moelab.model.kda import ShortConv
+from moelab.model.transformer import MoELab
+from tests.helpers import assert_close
+from tests.model.tiny import tiny_config
+
+# Document lengths per row (each row sums to T = 40).
+LENGTHS = [[13, 1, 3, 23], [1, 39], [40]]
+T = 40
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def segments(lengths: list[list[int]]) -> torch.Tensor:
+    return torch.tensor([[n for n, size in enumerate(row) for _ in range(size)] for row in lengths])
+
+
+def pieces(lengths: list[list[int]]):
+    """``(row, start, end)`` of every document."""
+    for b, row in enumerate(lengths):
+        start = 0
+        for size in row:
+            yield b, start, start + size
+            start += size
+
+
+def build(kind: str, backend: str = "chunk", **kw) -> MoELab:
+    patterns = {"hybrid": dict(pattern="KKKM"), "all_kda": dict(pattern="K", final_mla=False),
+                "all_mla": dict(pattern="M")}
+    torch.manual_seed(0)
+    return MoELab(tiny_config(kda_backend=backend, **patterns[kind], **kw))
+
+
+def packed_vs_alone(m: MoELab, grad: bool, tol: float) -> None:
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 50, (len(LENGTHS), T), generator=gen)
+    weights = torch.randn(len(LENGTHS), T, 50, generator=gen)  # a fixed random linear objective of the logits
+    seg = segments(LENGTHS)
+    with torch.set_grad_enabled(grad):
+        packed = m(ids, segment_ids=seg).logits
+        if grad:
+            (packed * weights).sum().backward()
+            g_packed = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+            m.zero_grad()
+        alone = torch.zeros_like(packed)
+        total = 0.0
+        for b, s, e in pieces(LENGTHS):
+            out = m(ids[b:b + 1, s:e]).logits
+            alone[b, s:e] = out[0].detach()
+            total = total + (out[0] * weights[b, s:e]).sum()
+        if grad:
+            total.backward()
+            g_alone = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    assert_close(alone, packed.detach(), tol, "logits, packed vs each document alone")
+    if grad:
+        assert g_packed.keys() == g_alone.keys()
+        for name in g_alone:
+            assert_close(g_alone[name], g_packed[name], tol, f"grad {name}")
+
+
+@pytest.mark.parametrize("mode", ["prenorm", "block_attnres"])
+@pytest.mark.parametrize("kind", ["hybrid", "all_kda", "all_mla"])
+def test_packed_equals_alone_torch(kind: str, mode: str) -> None:
+    """PyTorch KDA backend, train mode (MoE routing is per token), outputs and every gradient."""
+    packed_vs_alone(build(kind, mode=mode).train(), grad=True, tol=1e-5)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="Triton interpreter on CPU tensors (the gpu test runs the kernels)")
+@pytest.mark.parametrize("grad", [True, False], ids=["training_op", "inference_forward"])
+def test_packed_equals_alone_triton_interpreter(grad: bool) -> None:
+    """Triton KDA kernels in the interpreter: with a graph the training op (cu_seqlens forward and
+    backward), without one the inference forward; conv backend torch (the Triton conv is GPU-only)."""
+    m = build("hybrid", backend="triton").train(grad)
+    packed_vs_alone(m, grad=grad, tol=1e-4)
+
+
+def test_one_document_per_row_is_the_plain_forward() -> None:
+    m = build("hybrid").eval()
+    ids = torch.randint(0, 50, (2, T))
+    with torch.no_grad():
+        plain = m(ids).logits
+        same = m(ids, segment_ids=torch.full((2, T), 7)).logits
+    assert torch.equal(plain, same)
+
+
+def test_documents_layout() -> None:
+    seg = torch.tensor([[0, 0, 0, 1, 1], [4, 4, 9, 4, 4]])
+    d = Documents.from_segment_ids(seg)
+    assert d.num_docs == 5 and not d.one_per_row
+    assert d.cu_seqlens.tolist() == [0, 3, 5, 7, 8, 10]
+    assert d.doc.tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 2, 2]]  # a repeated id after another is a new document
+    assert d.pos.tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 0, 1]]
+    mask = d.attention_mask()[1, 0]
+    assert mask[4].tolist() == [False, False, False, True, True] and mask[1].tolist() == [True, True, False, False,
+                                                                                           False]
+    rows, cols, pos = d.conv_fix(4)  # tokens < 3 into a document that opens inside its row
+    assert list(zip(rows.tolist(), cols.tolist(), pos.tolist())) == [(0, 3, 0), (0, 4, 1), (1, 2, 0), (1, 3, 0),
+                                                                     (1, 4, 1)]
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_conv_fix_equals_conv_per_document(activation: str | None) -> None:
+    conv = ShortConv(6, 4, backend="torch")
+    x = torch.randn(3, T, 6, requires_grad=True)
+    y, _ = conv(x, activation=activation, docs=Documents.from_segment_ids(segments(LENGTHS)))
+    w = torch.randn_like(y)
+    (y * w).sum().backward()
+    gx, gw = x.grad.clone(), conv.weight.grad.clone()
+    x.grad = None
+    conv.weight.grad = None
+    ref = torch.zeros_like(y)
+    total = 0.0
+    for b, s, e in pieces(LENGTHS):
+        out, _ = conv(x[b:b + 1, s:e], activation=activation)
+        ref[b, s:e] = out[0].detach()
+        total = total + (out[0] * w[b, s:e]).sum()
+    total.backward()
+    assert_close(ref, y.detach(), 1e-6, "conv output")
+    assert_close(x.grad, gx, 1e-6, "dx")
+    assert_close(conv.weight.grad, gw, 1e-6, "dweight")
+
+
+def test_conv_fix_no_boundary_returns_input() -> None:
+    y = torch.randn(2, 5, 3)
+    d = Documents.from_segment_ids(torch.zeros(2, 5, dtype=torch.long))
+    assert causal_conv_fix(y, y, torch.randn(3, 4), d) is y
+
+
+def test_bad_segment_ids_name_the_value() -> None:
+    m = build("hybrid").eval()
+    ids = torch.randint(0, 50, (2, 8))
+    with pytest.raises(ValueError, match=r"segment_ids shape \(2, 7\) must equal input_ids shape \(2, 8\)"):
+        m(ids, segment_ids=torch.zeros(2, 7, dtype=torch.long))
+    with pytest.raises(ValueError, match="integer tensor, got dtype torch.float32"):
+        m(ids, segment_ids=torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="not allowed with state or use_cache"):
+        m(ids, segment_ids=torch.zeros(2, 8, dtype=torch.long), use_cache=True)
+
+
+def gpu_model() -> MoELab:
+    cfg = tiny_config(kda_backend="auto", max_seq_len=4096)
+    cfg = replace(cfg, kda=replace(cfg.kda, num_heads=4, head_dim=128, chunk_size=64)).validate()
+    torch.manual_seed(0)
+    return MoELab(cfg).cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad", [True, False], ids=["training_op", "inference_forward"])
+def test_packed_equals_alone_bf16_gpu(grad: bool) -> None:
+    """bf16 autocast, real KDA head size, the Triton conv and kernels: 6 uneven documents in each of
+    2 rows of 1500 tokens against each document alone."""
+    m = gpu_model().train(grad)
+    lengths = [[700, 1, 3, 250, 400, 146], [64, 1000, 17, 2, 300, 117]]
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 50, (2, 1500), generator=gen).cuda()
+    seg = segments(lengths).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16), torch.set_grad_enabled(grad):
+        packed = m(ids, segment_ids=seg).logits.float()
+        alone = torch.cat([torch.cat([m(ids[b:b + 1, s:e]).logits.float() for _, s, e in
+                                      (p for p in pieces(lengths) if p[0] == b)], dim=1) for b in range(2)])
+    assert_close(alone.detach(), packed.detach(), 2e-2, "logits, bf16, packed vs alone")
