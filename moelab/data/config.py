@@ -90,6 +90,11 @@ class DataConfig:
     ``seq_len``: the window of validation, and of training without a curriculum.
     ``curriculum``: stages of training lengths (:class:`CurriculumStage`); empty: every step
     trains on random ``seq_len`` windows of the train stream.
+    ``document_mask``: with a curriculum, whose training sequences are documents packed with their
+    boundaries marked, keep the documents apart (``segment_ids`` reach the model: every token
+    mixer restarts at each boundary, ``moelab.model.documents``), and validate the same way (the
+    val windows' documents are cut at each end-of-text id). False: context runs across documents.
+    Runs without a curriculum read plain windows of the stream, never masked.
     """
 
     source: Source = "shakespeare"
@@ -106,6 +111,7 @@ class DataConfig:
     cache_dir: str = "data/cache"
     num_workers: int = 0
     curriculum: list[CurriculumStage] = field(default_factory=list)
+    document_mask: bool = True
 
     def validate(self) -> DataConfig:
         """Check every field; return self so calls chain. Raises ConfigError naming field and range."""
@@ -135,6 +141,7 @@ class DataConfig:
         _check(_is_int(self.num_workers) and self.num_workers >= 0, "data.num_workers", self.num_workers,
                "an integer >= 0")
         _check(isinstance(self.curriculum, list), "data.curriculum", self.curriculum, "a list of stages")
+        _check(isinstance(self.document_mask, bool), "data.document_mask", self.document_mask, "true or false")
         for i, stage in enumerate(self.curriculum):
             stage.validate(f"data.curriculum[{i}]")
             if i < len(self.curriculum) - 1:

@@ -38,7 +38,7 @@ from moelab.base import ConfigError, _check
 from moelab.data.config import DataConfig
 from moelab.data.corpus import PreparedCorpus, prepare
 from moelab.data.curriculum import CurriculumSampler, CurriculumSequences, StagePlan, plan
-from moelab.data.tokenizer import Tokenizer
+from moelab.data.tokenizer import EOS_ID, Tokenizer
 
 
 def window_offset(seed: int, index: int, n_starts: int) -> int:
@@ -83,17 +83,31 @@ class RandomWindows(Dataset):
 
 
 class FixedWindows(Dataset):
-    """Non-overlapping windows ``k * seq_len`` of ``tokens`` for the window numbers ``windows``."""
+    """Non-overlapping windows ``k * seq_len`` of ``tokens`` for the window numbers ``windows``.
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, windows: list[int]) -> None:
+    ``documents``: items also hold ``segment_ids`` ``[T]`` int32, each input token's document within
+    the window: a document ends with its end-of-text id (``eos_id``), as the curriculum's packs do."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, windows: list[int], documents: bool = False,
+                 eos_id: int = EOS_ID) -> None:
         self.tokens, self.seq_len, self.windows = tokens, seq_len, windows
+        self.documents, self.eos_id = documents, eos_id
 
     def __len__(self) -> int:
         return len(self.windows)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         o = self.windows[i] * self.seq_len
-        return _pair(self.tokens[o: o + self.seq_len + 1])
+        item = _pair(self.tokens[o: o + self.seq_len + 1])
+        if self.documents:
+            item["segment_ids"] = segments_from_eos(item["input_ids"], self.eos_id)
+        return item
+
+
+def segments_from_eos(ids: torch.Tensor, eos_id: int = EOS_ID) -> torch.Tensor:
+    """``[T]`` int32 document numbers of ``ids [T]``: a new document starts after each ``eos_id``."""
+    ends = (ids == eos_id).to(torch.int32)
+    return (ends.cumsum(0) - ends).to(torch.int32)
 
 
 class StepBatchSampler(Sampler[list[int]]):
@@ -234,7 +248,9 @@ class TextDataModule(L.LightningDataModule):
                           f"val_batches * batch_size = {self.val_batches * self.batch_size}; validating on all of them",
                           stacklevel=2)
         windows = val_windows(n_available, self.val_batches, self.batch_size, rank, world)
-        return self._loader(FixedWindows(tokens, self.cfg.seq_len, windows), batch_size=self.batch_size, shuffle=False)
+        documents = bool(self.cfg.curriculum) and self.cfg.document_mask  # validate as the run trains
+        return self._loader(FixedWindows(tokens, self.cfg.seq_len, windows, documents),
+                            batch_size=self.batch_size, shuffle=False)
 
     # ---------------------------------------------------------------- what the model needs
 

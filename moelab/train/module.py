@@ -57,6 +57,11 @@ class LitMoELab(L.LightningModule):
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None):
         return self.model(input_ids, targets)
 
+    def _segments(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The batch's document numbers ``[B, T]`` when ``data.document_mask`` keeps packed documents apart
+        (the data module adds them with a curriculum), else None."""
+        return batch.get("segment_ids") if self.cfg.data.document_mask else None
+
     def configure_callbacks(self) -> list[L.Callback]:
         # Every MoE model gets the balancer step (a no-op update for none / aux_loss) and its load metrics.
         m = self.cfg.model
@@ -69,7 +74,8 @@ class LitMoELab(L.LightningModule):
         # T4096 peaked at 33.0 instead of 42.6 GB on the H200, and stepped faster (README.md, "Measured so far").
         # check_ids=False: the data module's ids are checked against the vocabulary once, before
         # training; the per-batch range check would cost a host sync every step.
-        out = self.model(batch["input_ids"], batch["targets"], return_logits=False, check_ids=False)
+        out = self.model(batch["input_ids"], batch["targets"], return_logits=False, check_ids=False,
+                         segment_ids=self._segments(batch))
         loss = out.loss + out.aux_loss
         self.step_scalars = {"train/loss": loss.detach(), "train/ce": out.loss.detach(),
                              "train/aux_loss": out.aux_loss.detach()}
@@ -86,7 +92,8 @@ class LitMoELab(L.LightningModule):
         self.step_scalars["train/grad_norm"] = norm.detach()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        out = self.model(batch["input_ids"], batch["targets"], return_logits=False, check_ids=False)
+        out = self.model(batch["input_ids"], batch["targets"], return_logits=False, check_ids=False,
+                         segment_ids=self._segments(batch))
         # Every rank holds the same number of equal-size batches, so the mean of rank means is exact.
         self.log("val/loss", out.loss, prog_bar=True, sync_dist=True)
         return out.loss

@@ -171,3 +171,26 @@ def test_synthetic_share_and_tasks(tiny_cfg: DataConfig) -> None:
     only = [CurriculumStage(seq_len=16, synthetic=1.0, synthetic_tasks=["passkey"])]
     with pytest.raises(ConfigError, match=r"data.curriculum\[0\] \(seq_len=16\) cannot hold its passkey sub-task"):
         list(_module(tiny_cfg, stages=only, max_steps=2).train_dataloader())
+
+
+@pytest.mark.parametrize("document_mask", [True, False])
+def test_val_windows_carry_documents_when_the_run_masks_them(tiny_cfg: DataConfig, document_mask: bool) -> None:
+    """With a curriculum and ``data.document_mask`` the val windows carry ``segment_ids`` cut after each
+    end-of-text id (as the packs' documents end), so validation keeps documents apart as training does."""
+    dm = _module(dataclasses.replace(tiny_cfg, seq_len=700, document_mask=document_mask), trainer=_trainer())
+    batches = list(dm.val_dataloader())
+    if not document_mask:
+        assert all("segment_ids" not in b for b in batches)
+        return
+    seen_boundary = False
+    for b in batches:
+        ids, seg = b["input_ids"], b["segment_ids"]
+        assert seg.dtype == torch.int32 and seg.shape == ids.shape and (seg[:, 0] == 0).all()
+        step = torch.diff(seg, dim=1)
+        assert ((step == 0) | (step == 1)).all()
+        assert torch.equal(step == 1, ids[:, :-1] == EOS_ID)  # a new document right after each end-of-text
+        seen_boundary |= bool((step == 1).any())
+    assert seen_boundary  # documents here are ~1100 tokens: some 700-token window crosses one
+    plain = TextDataModule(tiny_cfg, batch_size=4, seed=5, max_steps=8)  # no curriculum: plain windows
+    plain.trainer = _trainer()
+    assert all("segment_ids" not in b for b in plain.val_dataloader())
