@@ -24,7 +24,10 @@
 #
 # Three schedules, same steps, same tokens per optimizer step (the micro-batch shrinks as the sequences grow), same
 # learning-rate schedule across stages, same data mix (document packs with a share of passkey / MQAR sub-tasks in
-# every stage). Validation reads windows of the longest length in every arm. Each trained model then runs the
+# every stage). The documents of a pack are kept apart (`data.document_mask`): the KDA state, its convolutions and
+# MLA attention restart at every boundary, through the packed-sequence (`cu_seqlens`) kernels, so a longer stage
+# gives longer documents room, never another document's text as context. Validation reads windows of the longest
+# length in every arm, documents kept apart the same way. Each trained model then runs the
 # evaluation suite: passkey over lengths × needle depths up to 4× the longest training length (beyond the window by
 # chunked prefill), multi-query associative recall (MQAR), loss by token position. The logic is in
 # `moelab.studies.context_curriculum`, the run grid in `moelab.studies.common`, the tasks in `moelab.eval`.
