@@ -40,7 +40,6 @@ from moelab.base import ConfigError, _check
 from moelab.data.config import CurriculumStage
 from moelab.data.synthetic import mqar, passkey
 from moelab.data.tokenizer import EOS_ID, Tokenizer
-from moelab.model.documents import Documents
 
 _STAGE_SHIFT = 64  # Philox counter of item i of stage k: (k << 64) | i, so no two items of a run share one
 
@@ -124,9 +123,15 @@ def cu_seqlens(segment_ids: torch.Tensor) -> torch.Tensor:
     :class:`CurriculumSequences` gives). Returns ``[N + 1]`` int32: document ``n`` spans tokens
     ``offsets[n] : offsets[n + 1]`` of ``input_ids.flatten()``, the layout varlen kernels
     (``cu_seqlens`` in flash-attention and fla) take; a row start always opens a document.
-    ``MoELab.forward(..., segment_ids=)`` builds the same offsets (``moelab.model.documents``).
+    ``MoELab.forward(..., segment_ids=)`` builds the same offsets (``moelab.model.documents``, which
+    the data floor may not import).
     """
-    return Documents.from_segment_ids(segment_ids).cu_seqlens
+    if segment_ids.dim() != 2 or segment_ids.shape[1] < 1:
+        raise ValueError(f"segment_ids must be [B, T] with T >= 1, got shape {tuple(segment_ids.shape)}")
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    offsets = starts.flatten().nonzero().flatten()
+    return torch.cat([offsets, offsets.new_tensor([segment_ids.numel()])]).to(torch.int32)
 
 
 class DocumentPacker:
