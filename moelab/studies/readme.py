@@ -154,6 +154,26 @@ def _kda_check() -> Row:
     return what, result, [_ref(f)], (f, None)
 
 
+def _kda_packed_check() -> Row:
+    f = "kernels/results/kda_check_packed_h200.json"
+    d = _load(f)
+    rows = d["packed_rows"]
+    o = max(max(r["errors"]["o"], r["errors"]["final_state"]) for r in rows)
+    grads = max(v for r in rows for k, v in r["errors"].items() if k.startswith("d"))
+    tol_o = max(r["tolerances"]["o"] for r in rows)
+    tol_g = max(v for r in rows for k, v in r["tolerances"].items() if k.startswith("d"))
+    modes: dict[tuple, list[str]] = {}
+    for r in rows:
+        modes.setdefault((tuple(r["lengths"]), r["gate"]), []).append(r["mode"])
+    cases = "; ".join(f"T={sum(lengths)} as documents {list(lengths)}, {gate} gate, modes {', '.join(m)}"
+                      for (lengths, gate), m in modes.items())
+    what = (f"Triton KDA training op on packed documents (`cu_seqlens`, forward and backward), bf16, vs each "
+            f"document's fp32 recurrence, H={rows[0]['H']}, D={rows[0]['D']}, an initial state per document ({cases})")
+    result = (f"o and final state <= {o:.1e}, every gradient <= {grads:.1e} (targets {tol_o:g} / {tol_g:g}); "
+              f"{'passed' if d['meta'].get('passed') else 'FAILED'}")
+    return what, result, [_ref(f)], (f, None)
+
+
 def _kda_gate_check() -> Row:
     f = "kernels/results/kda_check_gate_h200.json"
     d = _load(f)
@@ -405,7 +425,7 @@ def _study_4() -> Row:
             [_ref(f), _ref("studies/04_context_curriculum/04_context_curriculum.ipynb")], (f, None))
 
 
-ROWS: list[Callable[[], Row]] = [_throughput_gpu_small, _residual_modes, _k3_mini, _moe, _kda_check, _kda_gate_check,
+ROWS: list[Callable[[], Row]] = [_throughput_gpu_small, _residual_modes, _k3_mini, _moe, _kda_check, _kda_packed_check, _kda_gate_check,
                                  _kda_speed,
                                  _fla_shape, _attnres_op, _kda_infer, _kda_infer_vs_fla, _restructure, _study_1,
                                  _study_2, _study_3, _study_4]
