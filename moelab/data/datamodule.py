@@ -106,7 +106,7 @@ class FixedWindows(Dataset):
 
 def segments_from_eos(ids: torch.Tensor, eos_id: int = EOS_ID) -> torch.Tensor:
     """``[T]`` int32 document numbers of ``ids [T]``: a new document starts after each ``eos_id``."""
-    ends = (ids == eos_id).to(torch.int32)
+    ends = (ids == eos_id).long()
     return (ends.cumsum(0) - ends).to(torch.int32)
 
 

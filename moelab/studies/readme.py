@@ -136,14 +136,20 @@ def _moe() -> Row:
     return what, result, [_ref(f)], (f, None)
 
 
+def _error_bounds(rows: list[dict], outputs: tuple[str, ...]) -> tuple[float, float, float, float]:
+    """``(worst error of outputs, worst gradient error, o's target, gradients' target)`` over check rows."""
+    o = max(r["errors"][k] for r in rows for k in outputs)
+    grads = max(v for r in rows for k, v in r["errors"].items() if k.startswith("d"))
+    tol_o = max(r["tolerances"]["o"] for r in rows)
+    tol_g = max(v for r in rows for k, v in r["tolerances"].items() if k.startswith("d"))
+    return o, grads, tol_o, tol_g
+
+
 def _kda_check() -> Row:
     f = "kernels/results/kda_check_h200.json"
     d = _load(f)
     rows = d["rows"]
-    o = max(r["errors"]["o"] for r in rows)
-    grads = max(v for r in rows for k, v in r["errors"].items() if k.startswith("d"))
-    tol_o = max(r["tolerances"]["o"] for r in rows)
-    tol_g = max(v for r in rows for k, v in r["tolerances"].items() if k.startswith("d"))
+    o, grads, tol_o, tol_g = _error_bounds(rows, ("o",))
     Ts = " and ".join(str(t) for t in dict.fromkeys(r["T"] for r in rows))
     r0 = rows[0]
     modes = sorted({r["mode"] for r in rows})
@@ -158,10 +164,7 @@ def _kda_packed_check() -> Row:
     f = "kernels/results/kda_check_packed_h200.json"
     d = _load(f)
     rows = d["packed_rows"]
-    o = max(max(r["errors"]["o"], r["errors"]["final_state"]) for r in rows)
-    grads = max(v for r in rows for k, v in r["errors"].items() if k.startswith("d"))
-    tol_o = max(r["tolerances"]["o"] for r in rows)
-    tol_g = max(v for r in rows for k, v in r["tolerances"].items() if k.startswith("d"))
+    o, grads, tol_o, tol_g = _error_bounds(rows, ("o", "final_state"))
     modes: dict[tuple, list[str]] = {}
     for r in rows:
         modes.setdefault((tuple(r["lengths"]), r["gate"]), []).append(r["mode"])
@@ -425,8 +428,8 @@ def _study_4() -> Row:
             [_ref(f), _ref("studies/04_context_curriculum/04_context_curriculum.ipynb")], (f, None))
 
 
-ROWS: list[Callable[[], Row]] = [_throughput_gpu_small, _residual_modes, _k3_mini, _moe, _kda_check, _kda_packed_check, _kda_gate_check,
-                                 _kda_speed,
+ROWS: list[Callable[[], Row]] = [_throughput_gpu_small, _residual_modes, _k3_mini, _moe, _kda_check, _kda_packed_check,
+                                 _kda_gate_check, _kda_speed,
                                  _fla_shape, _attnres_op, _kda_infer, _kda_infer_vs_fla, _restructure, _study_1,
                                  _study_2, _study_3, _study_4]
 
