@@ -147,7 +147,7 @@ def worker(workdir: Path) -> None:
 
     from moelab.model.balance import balanced_routers
     from moelab.train import fit
-    from moelab.train.balance import BalancerCallback
+    from moelab.train.balancer import BalancerCallback
     from moelab.train.runner import resolve_precision
 
     class Keep(Callback):

@@ -29,7 +29,7 @@ computes the statistics (router entropy, and for quantile balancing the margins 
 histogram) for all routers in one batch of kernels, reduces them over micro-batches and ranks,
 writes the new biases and clears the accumulators, without a host sync. On a GPU the statistics,
 the metrics and the histogram quantile-balancing update are two fused Triton kernels for all
-routers (``moelab.ops.balance``; the functions here are their reference and the CPU's path). Every rank then holds
+routers (``moelab.ops.router_stats``; the functions here are their reference and the CPU's path). Every rank then holds
 the same bias. This module never imports ``torch.distributed``: callers pass the
 reductions. In eval mode the bias is frozen and only the loads are summed (MaxVio_global).
 """
@@ -47,7 +47,7 @@ import torch.nn as nn
 
 from moelab.model.config import MoEConfig
 from moelab.ops.backend import use_triton
-from moelab.ops.balance import finish_step, router_statistics
+from moelab.ops.router_stats import finish_step, router_statistics
 
 if TYPE_CHECKING:
     from moelab.model.moe import RouterStats
@@ -414,7 +414,7 @@ class _Group:
     the micro-batches' rows in order) into the all-gather.
 
     ``fused``: on a GPU (``MoEConfig.backend`` 'auto', or 'triton' anywhere) a step whose one
-    micro-batch nothing was folded into takes the two Triton kernels of ``moelab.ops.balance``
+    micro-batch nothing was folded into takes the two Triton kernels of ``moelab.ops.router_stats``
     (statistics, then metrics and the histogram QB update), a handful of launches for all layers
     instead of ~75 small ones; the loads and histograms are bitwise those of this module's torch
     functions, the bias equal within fp32 rounding. Steps with folded micro-batches (gradient
@@ -506,7 +506,7 @@ def balance_step(model: nn.Module, all_reduce: Collective = _identity,
     to 2^53, so the sums do not depend on order); exact quantile balancing adds one all-gather of
     every layer's margins side by side (all layers see the same tokens). The routers are batched
     (one set of kernels for all layers with the same config; on a GPU the fused kernels of
-    ``moelab.ops.balance``: 6 launches for ``none``, 9 for histogram QB) and nothing here waits for the device
+    ``moelab.ops.router_stats``: 6 launches for ``none``, 9 for histogram QB) and nothing here waits for the device
     (histogram QB checks its token count one step late on a GPU: :meth:`RouterBalance.check_tokens`).
     Returns None when no training forward ran since the last step.
     """

@@ -348,7 +348,7 @@ def shift_test(rec: common.RunRecord, steps: int, seed: int = 0, callbacks: Sequ
     import lightning as L
 
     from moelab.config import from_dict, with_overrides
-    from moelab.train.balance import BalancerCallback
+    from moelab.train.balancer import BalancerCallback
     from moelab.train.module import LitMoELab
     from moelab.train.runner import CheckpointError, load_checkpoint, resolve_precision
 

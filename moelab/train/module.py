@@ -5,7 +5,7 @@ stays in ``moelab.model``. The loss is ``ModelOutput.loss`` (mean next-token cro
 plus ``ModelOutput.aux_loss`` (the routers' loss terms from ``model.moe``: the aux-loss balancer,
 the z-loss; zero without them). The routing statistics of every training forward feed the
 balancer inside the model (``moelab.model.balance``); ``configure_callbacks`` adds the
-:class:`moelab.train.balance.BalancerCallback` that updates the biases once per optimizer step.
+:class:`moelab.train.balancer.BalancerCallback` that updates the biases once per optimizer step.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from moelab.config import RunConfig, to_dict
 from moelab.model import MoELab
-from moelab.train.balance import BalancerCallback
+from moelab.train.balancer import BalancerCallback
 from moelab.train.callbacks import HostScalar
 
 

@@ -15,7 +15,7 @@ What a run leaves behind, in ``cfg.ckpt_dir`` (``runs/<name>`` by default):
                     balancer's time per step and share of the step, the last MaxVio_global); also
                     written when training fails (status ``failed`` and the error)
     load_heatmap.png, balance_trajectories.pt
-                    MoE models: every step's per-layer expert loads and biases (moelab.train.balance)
+                    MoE models: every step's per-layer expert loads and biases (moelab.train.balancer)
     run.lock        held (flock) while a process trains here; names that process and its MLflow run
 
 and in MLflow (experiment ``train/<preset>``): the flattened config and the run's constants
@@ -67,7 +67,7 @@ from moelab.data.datamodule import TextDataModule
 from moelab.model.accounting import flops_per_token, param_counts
 from moelab.model.accounting import summary as model_summary
 from moelab.tracking import Run, end_stale_run, start_run
-from moelab.train.balance import BalancerCallback
+from moelab.train.balancer import BalancerCallback
 from moelab.train.callbacks import (
     Interrupted,
     LastCheckpoint,

@@ -496,7 +496,7 @@ def test_fused_step_does_not_grow_with_the_layers(balancer: str, monkeypatch: py
     """The model is host-bound at one-GPU scale, so every launch of the step costs wall time: the
     fused step issues the same ops for 2 layers as for 6 (no per-layer kernels), a handful in all
     (the Triton launches are not torch ops; the interpreter's own copies are kept out of the count)."""
-    import moelab.ops.balance as ops
+    import moelab.ops.router_stats as ops
 
     launched: list[str] = []
     for name in ("_stats_kernel", "_finish_kernel"):

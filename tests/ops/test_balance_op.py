@@ -1,4 +1,4 @@
-"""The balancer's fused Triton statistics and update (moelab.ops.balance) against the torch reference
+"""The balancer's fused Triton statistics and update (moelab.ops.router_stats) against the torch reference
 in moelab.model.balance: loads, histograms and quantile bins bitwise, entropy, metrics and bias
 within fp32 rounding."""
 
@@ -19,7 +19,7 @@ from moelab.model.balance import (
     token_entropy,
 )
 from moelab.ops.backend import HAS_TRITON
-from moelab.ops.balance import finish_step, parts_size, router_statistics
+from moelab.ops.router_stats import finish_step, parts_size, router_statistics
 from tests.helpers import assert_close
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")

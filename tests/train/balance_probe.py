@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from moelab.model import MoELab
-from moelab.train.balance import BalancerCallback
+from moelab.train.balancer import BalancerCallback
 from tests.model.tiny import tiny_config
 
 # (balancer, extra MoEConfig fields): every bias rule and both quantile-balancing modes.

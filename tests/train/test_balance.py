@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 
 from moelab.model.config import ConfigError
 from moelab.train import fit
-from moelab.train.balance import BalancerCallback, compare_replicas, load_heatmap
+from moelab.train.balancer import BalancerCallback, compare_replicas, load_heatmap
 from tests.helpers import assert_close
 from tests.train.balance_probe import Probe, batches, trainer
 from tests.train.helpers import tiny_config
@@ -92,7 +92,7 @@ def test_fit_resume_continues_the_bias_trajectory(tmp_path: Path, balancer: str)
 
 
 def test_balancer_time_is_measured_per_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import moelab.train.balance as train_balance
+    import moelab.train.balancer as train_balance
 
     update = train_balance.balance_step
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moelab.train.balance import BalancerCallback
+from moelab.train.balancer import BalancerCallback
 from tests.helpers import assert_close
 from tests.train.balance_probe import DDP_LR, Probe, batches, trainer
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-import moelab.train.balance as train_balance
+import moelab.train.balancer as train_balance
 import moelab.train.callbacks as callbacks
 from moelab.train import NonFiniteLossError, fit
-from moelab.train.balance import BalancerCallback
+from moelab.train.balancer import BalancerCallback
 from moelab.train.callbacks import HostEvent, LastCheckpoint, LateReads, StepMonitor
 from tests.train.balance_probe import Probe, batches
 from tests.train.helpers import AtStep, InfScalar, tiny_config
