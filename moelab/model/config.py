@@ -85,12 +85,18 @@ class MLAConfig:
     q_latent_dim: int = 0  # 0: full-rank query projection
     output_gate: bool = True  # y = W_o [sigmoid(W_g x) * o]
     fp32_output: bool = False  # keep the attention output in fp32 (K3 does in training)
+    # Packed documents (forward(segment_ids=)): "flex" = flex_attention with a block mask from the documents'
+    # block ranges (memory linear in T; compiled on a GPU), "dense" = SDPA with a [B, 1, T, T] bool mask
+    # (B T^2 bytes; leaves SDPA's flash kernel), "auto" = flex on a CUDA device (head_dim a power of two
+    # >= 16, as its kernel needs), dense elsewhere.
+    mask_backend: Literal["auto", "flex", "dense"] = "auto"
 
     def validate(self, prefix: str = "mla") -> None:
         _check(self.num_heads >= 1, f"{prefix}.num_heads", self.num_heads, "an integer >= 1")
         _check(1 <= self.head_dim <= 256, f"{prefix}.head_dim", self.head_dim, "1..256")
         _check(self.kv_latent_dim >= 1, f"{prefix}.kv_latent_dim", self.kv_latent_dim, "an integer >= 1")
         _check(self.q_latent_dim >= 0, f"{prefix}.q_latent_dim", self.q_latent_dim, "an integer >= 0")
+        _one_of(f"{prefix}.mask_backend", self.mask_backend, ("auto", "flex", "dense"))
 
 
 @dataclass

@@ -11,7 +11,10 @@ boundaries with ``segment_ids [B, T]``: the document number of each token within
 * **ShortConv** (KDA's q, k, v): the first ``size - 1`` tokens of a document that starts inside a
   row would read the previous document's last inputs; those few outputs are recomputed with the
   other document's taps zeroed (:meth:`Documents.conv_fix`), whichever conv backend ran.
-* **MLA**: attention is causal within each document (:meth:`Documents.attention_mask`).
+* **MLA**: attention is causal within each document: on a GPU through ``flex_attention`` with a block
+  mask built from the documents' block ranges (:meth:`Documents.block_mask`, ``[B, 1, T / 128, T / 128]``
+  block lists, no ``[T, T]`` tensor), elsewhere through SDPA with a dense mask
+  (:meth:`Documents.attention_mask`, ``B T^2`` bytes); ``model.mla.mask_backend`` picks.
 * The FFN / MoE and the residual mixing over depth are per token already.
 
 Equal to running each document alone (tested: outputs and gradients). A row start always opens a
@@ -23,6 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+# flex_attention's default tile (queries and keys) on a GPU.
+FLEX_BLOCK = 128
 
 
 @dataclass
@@ -43,6 +50,7 @@ class Documents:
     num_docs: int
     _conv: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     _mask: torch.Tensor | None = field(default=None, repr=False)
+    _blocks: dict[int, BlockMask] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_segment_ids(cls, segment_ids: torch.Tensor) -> Documents:
@@ -76,6 +84,42 @@ class Documents:
             self._mask = ((self.doc[:, :, None] == self.doc[:, None, :]) & causal)[:, None]
         return self._mask
 
+    def block_mask(self, block_size: int = FLEX_BLOCK) -> BlockMask:
+        """The document-causal mask as flex_attention's :class:`BlockMask`, from the documents' block ranges.
+
+        A row's document numbers never decrease, so a tile of ``block_size`` queries holds documents
+        ``doc[first] .. doc[last]`` of its first and last token, and so does a tile of keys. Key tile j
+        of query tile i (``j <= i``) is skipped when its last document ends before the query tile's first
+        (``kmax < qmin``), is full (no element masked: the kernel skips the mask function) when ``j < i``
+        and both tiles lie in one document, and is partial otherwise. Block lists
+        ``[B, 1, nb, nb]`` int32 (``nb = ceil(T / block_size)``) and no ``[T, T]`` tensor; no host sync. Its
+        ``mask_mod`` holds :meth:`attention_mask`'s predicate per element (the partial tiles).
+        Cached per ``block_size`` (built once per forward, shared by the MLA layers).
+        """
+        if block_size not in self._blocks:
+            B, T = self.doc.shape
+            nb = -(-T // block_size)
+            # Pad with each row's last document: rows stay non-decreasing, the tiles' ranges unchanged, and the
+            # kernel's reads of a last partial tile stay in bounds (it drops those positions itself).
+            doc = torch.cat([self.doc, self.doc[:, -1:].expand(B, nb * block_size - T)], dim=1)
+            tiles = doc.view(B, nb, block_size)
+            lo, hi = tiles[:, :, 0], tiles[:, :, -1]  # [B, nb] first and last document of each tile
+            i = torch.arange(nb, device=doc.device)
+            below = i[None, :, None] >= i[None, None, :]  # [1, nb(q), nb(kv)]: key tile j <= query tile i
+            reach = hi[:, None, :] >= lo[:, :, None]  # [B, nb, nb]: the key tile reaches the query's documents
+            live = below & reach
+            full = (i[None, :, None] > i[None, None, :]) & (lo[:, None, :] == hi[:, :, None]) & (
+                hi[:, None, :] == lo[:, :, None])  # [B, nb, nb]: key and query tiles in one document
+            partial = live & ~full
+
+            def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+                # What attention_mask holds: key kv <= query q, in the same document.
+                return (kv <= q) & (doc[b, q] == doc[b, kv])
+
+            self._blocks[block_size] = BlockMask.from_kv_blocks(
+                *_ordered(partial), *_ordered(full), BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(T, T))
+        return self._blocks[block_size]
+
     def conv_fix(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The tokens a causal conv of kernel ``size`` would mix across a boundary: ``(rows, cols, pos)``,
         each ``[M]`` long, every token within the first ``size - 1`` of a document that starts inside
@@ -86,6 +130,14 @@ class Documents:
             rows, where = bad.nonzero(as_tuple=True)
             self._conv[size] = (rows, where, self.pos[rows, where])
         return self._conv[size]
+
+
+def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tile mask ``[B, nq, nkv]`` bool -> (counts ``[B, 1, nq]`` int32, key tile indices ``[B, 1, nq, nkv]`` int32,
+    the kept tiles first in ascending order): the block lists flex_attention reads."""
+    counts = dense.sum(-1, dtype=torch.int32)
+    index = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts[:, None], index[:, None]
 
 
 def causal_conv_fix(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, docs: Documents,

@@ -4,7 +4,9 @@
     k, v = W_uk c_kv, W_uv c_kv                  [B, T, H, d_head]
     q    = W_q x  or  W_uq RMSNorm(W_dq x)       full rank (q_latent_dim = 0) or low rank
     o    = softmax(q k^T / sqrt(d_head) + causal) v      (NoPE: position comes from the KDA layers;
-                                                        packed documents: causal within each document)
+                                                        packed documents: causal within each document,
+                                                        through flex_attention or a dense SDPA mask:
+                                                        ``MLAConfig.mask_backend``)
     y    = W_o [ Sigmoid(W_g x) * o ]            output gate (output_gate=True), else W_o o
 
 ``fp32_output`` keeps ``o`` in fp32 through the gate and the output projection (K3 does so in
@@ -16,10 +18,50 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from moelab.model.attnres import RMSNorm
 from moelab.model.config import MLAConfig
 from moelab.model.documents import Documents
+
+_COMPILED_FLEX: list = []
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(Dh))`` over the keys ``block_mask`` keeps, times v: ``q, k, v [B, H, T, Dh]`` ->
+    ``[B, H, T, Dh]``. On a GPU flex_attention's fused kernel (compiled once per shape; inside a compiled
+    model dynamo traces it itself), which skips the masked tiles. On the CPU, where flex_attention has no
+    backward, the reference: SDPA with the mask the block lists and the mask function describe
+    (:func:`block_mask_reference`), so a CPU test checks the block mask itself."""
+    if q.is_cuda:
+        if torch.compiler.is_compiling():
+            return flex_attention(q, k, v, block_mask=block_mask)
+        if not _COMPILED_FLEX:
+            _COMPILED_FLEX.append(torch.compile(flex_attention, dynamic=False))
+        return _COMPILED_FLEX[0](q, k, v, block_mask=block_mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=block_mask_reference(block_mask))
+
+
+def block_mask_reference(block_mask: BlockMask) -> torch.Tensor:
+    """What flex_attention keeps under ``block_mask``, as a dense ``[B, 1, Q, KV]`` bool: every element of a full
+    tile, the elements of a partial tile where its mask function holds, nothing elsewhere (the kernel's rule)."""
+    B = block_mask.kv_num_blocks.shape[0]
+    Q, KV = block_mask.seq_lengths
+    bq, bkv = block_mask.BLOCK_SIZE
+
+    def tiles(num: torch.Tensor | None, idx: torch.Tensor | None) -> torch.Tensor:
+        if num is None:
+            return torch.zeros(B, 1, Q, KV, dtype=torch.bool, device=block_mask.kv_num_blocks.device)
+        t = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=(bq, bkv)).to_dense().bool()  # [B, 1, nq, nkv]
+        return t.repeat_interleave(bq, 2).repeat_interleave(bkv, 3)[:, :, :Q, :KV]
+
+    dev = block_mask.kv_num_blocks.device
+    b = torch.arange(B, device=dev)[:, None, None, None]
+    q = torch.arange(Q, device=dev)[None, None, :, None]
+    kv = torch.arange(KV, device=dev)[None, None, None, :]
+    keep = block_mask.mask_mod(b, torch.zeros_like(b), q, kv)
+    partial = tiles(block_mask.kv_num_blocks, block_mask.kv_indices)
+    return (partial & keep) | tiles(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
 
 
 class MLA(nn.Module):
@@ -42,6 +84,8 @@ class MLA(nn.Module):
         self.v_up = nn.Linear(cfg.kv_latent_dim, H * Dh, bias=False)
         self.g_proj = nn.Linear(d_model, H * Dh, bias=False) if cfg.output_gate else None
         self.o_proj = nn.Linear(H * Dh, d_model, bias=False)
+        # flex_attention's GPU kernel wants a power-of-two head size of at least 16 (tensor-core tiles).
+        self._flex_shape = Dh >= 16 and Dh & (Dh - 1) == 0
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.q_latent_dim > 0:
@@ -59,7 +103,8 @@ class MLA(nn.Module):
             cache: normalized latents ``c_kv`` of the previous tokens, ``[B, T_past, kv_latent_dim]``.
             use_cache: return the cache extended by this call's latents.
             docs: packed documents (``moelab.model.documents``): each query attends to the earlier
-                keys of its own document only (a ``[B, 1, T, T]`` mask). Not with a cache.
+                keys of its own document only (``MLAConfig.mask_backend``: flex_attention's block mask,
+                or SDPA with a ``[B, 1, T, T]`` mask). Not with a cache.
         """
         B, T, _ = x.shape
         H, Dh = self.H, self.Dh
@@ -75,7 +120,10 @@ class MLA(nn.Module):
         v = self.v_up(c_kv).view(B, S, H, Dh).transpose(1, 2)
         past = S - T
         if docs is not None:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=docs.attention_mask())
+            if self.cfg.mask_backend == "flex" or (self.cfg.mask_backend == "auto" and x.is_cuda and self._flex_shape):
+                o = document_attention(q, k, v, docs.block_mask())
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=docs.attention_mask())
         elif past == 0:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         elif T == 1:

@@ -42,11 +42,12 @@ def pieces(lengths: list[list[int]]):
             start += size
 
 
-def build(kind: str, backend: str = "chunk", **kw) -> MoELab:
+def build(kind: str, backend: str = "chunk", mask_backend: str = "auto", **kw) -> MoELab:
     patterns = {"hybrid": dict(pattern="KKKM"), "all_kda": dict(pattern="K", final_mla=False),
                 "all_mla": dict(pattern="M")}
     torch.manual_seed(0)
-    return MoELab(tiny_config(kda_backend=backend, **patterns[kind], **kw))
+    cfg = tiny_config(kda_backend=backend, **patterns[kind], **kw)
+    return MoELab(replace(cfg, mla=replace(cfg.mla, mask_backend=mask_backend)).validate())
 
 
 def packed_vs_alone(m: MoELab, grad: bool, tol: float) -> None:
@@ -81,6 +82,71 @@ def packed_vs_alone(m: MoELab, grad: bool, tol: float) -> None:
 def test_packed_equals_alone_torch(kind: str, mode: str) -> None:
     """PyTorch KDA backend, train mode (MoE routing is per token), outputs and every gradient."""
     packed_vs_alone(build(kind, mode=mode).train(), grad=True, tol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "all_mla"])
+def test_packed_equals_alone_flex(kind: str) -> None:
+    """MLA through flex_attention's block mask (its eager reference on the CPU): outputs and every gradient."""
+    packed_vs_alone(build(kind, mask_backend="flex").train(), grad=True, tol=1e-5)
+
+
+def test_flex_equals_dense_mask() -> None:
+    """The two MLA paths of packed documents agree, forward and every gradient (fp32, CPU)."""
+    seg = segments(LENGTHS)
+    ids = torch.randint(0, 50, (len(LENGTHS), T), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for mask in ("dense", "flex"):
+        m = build("all_mla", mask_backend=mask).train()
+        logits = m(ids, segment_ids=seg).logits
+        logits.square().mean().backward()
+        out[mask] = logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+    assert_close(out["dense"][0], out["flex"][0], 1e-6, "logits, flex vs dense")
+    assert out["dense"][1].keys() == out["flex"][1].keys()
+    for name, g in out["dense"][1].items():
+        assert_close(g, out["flex"][1][name], 1e-5, f"grad {name}")
+
+
+def test_flex_attention_kernel_keeps_the_block_mask() -> None:
+    """torch's flex_attention (its eager forward: no CPU backward) under Documents.block_mask equals the reference
+    document_attention uses on the CPU (SDPA with block_mask_reference), and the dense document mask."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from moelab.model.mla import block_mask_reference, document_attention
+
+    d = Documents.from_segment_ids(segments(LENGTHS))
+    q, k, v = torch.randn(3, len(LENGTHS), 2, T, 8, generator=torch.Generator().manual_seed(4)).unbind(0)
+    bm = d.block_mask(16)
+    assert torch.equal(block_mask_reference(bm), d.attention_mask())
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=d.attention_mask())
+    assert_close(ref, flex_attention(q, k, v, block_mask=bm), 1e-6, "flex_attention")
+    assert_close(ref, document_attention(q, k, v, bm), 1e-6, "document_attention")
+
+
+@pytest.mark.parametrize("lengths,block", [(LENGTHS, 16), (LENGTHS, 8), ([[32, 32], [5, 59], [64]], 16),
+                                           ([[16, 16, 16, 16], [1, 63], [48, 16]], 16)],
+                         ids=["uneven16", "uneven8", "aligned", "tile_edges"])
+def test_block_mask_tiles(lengths: list[list[int]], block: int) -> None:
+    """Documents.block_mask's tile lists against torch's create_block_mask of the dense predicate: the same
+    tiles kept; a tile marked full holds no masked element; with T a multiple of the tile, the same full tiles."""
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    seg = segments(lengths)
+    d = Documents.from_segment_ids(seg)
+    dense = d.attention_mask()[:, 0]  # [B, T, T]
+    B, n = seg.shape
+    mine = d.block_mask(block)
+    ref = create_block_mask(lambda b, h, q, kv: dense[b, q, kv], B, 1, n, n, device="cpu", BLOCK_SIZE=block)
+    assert torch.equal(mine.to_dense(), ref.to_dense())  # partial and full tiles together
+    full = BlockMask.from_kv_blocks(mine.full_kv_num_blocks, mine.full_kv_indices, BLOCK_SIZE=block).to_dense()
+    nb = full.shape[-1]
+    padded = torch.ones(B, nb * block, nb * block, dtype=torch.bool)  # positions past T: the kernel drops them
+    padded[:, :n, :n] = dense
+    every = padded.view(B, nb, block, nb, block).all(dim=(2, 4))  # [B, nb, nb] tiles with no masked element
+    assert not (full[:, 0].bool() & ~every).any(), "a full tile holds a masked element"
+    assert full.sum() > 0 or every.tril(-1).sum() == 0
+    if n % block == 0:
+        ref_full = BlockMask.from_kv_blocks(ref.full_kv_num_blocks, ref.full_kv_indices, BLOCK_SIZE=block)
+        assert torch.equal(full, ref_full.to_dense())
 
 
 @pytest.mark.skipif(not INTERPRET, reason="Triton interpreter on CPU tensors (the gpu test runs the kernels)")
@@ -156,9 +222,10 @@ def test_bad_segment_ids_name_the_value() -> None:
         m(ids, segment_ids=torch.zeros(2, 8, dtype=torch.long), use_cache=True)
 
 
-def gpu_model() -> MoELab:
+def gpu_model(mask_backend: str = "auto") -> MoELab:
     cfg = tiny_config(kda_backend="auto", max_seq_len=4096)
-    cfg = replace(cfg, kda=replace(cfg.kda, num_heads=4, head_dim=128, chunk_size=64)).validate()
+    cfg = replace(cfg, kda=replace(cfg.kda, num_heads=4, head_dim=128, chunk_size=64),
+                  mla=replace(cfg.mla, num_heads=2, head_dim=64, mask_backend=mask_backend)).validate()
     torch.manual_seed(0)
     return MoELab(cfg).cuda()
 
@@ -178,3 +245,23 @@ def test_packed_equals_alone_bf16_gpu(grad: bool) -> None:
         alone = torch.cat([torch.cat([m(ids[b:b + 1, s:e]).logits.float() for _, s, e in
                                       (p for p in pieces(lengths) if p[0] == b)], dim=1) for b in range(2)])
     assert_close(alone.detach(), packed.detach(), 2e-2, "logits, bf16, packed vs alone")
+
+
+@pytest.mark.gpu
+def test_flex_equals_dense_bf16_gpu() -> None:
+    """On a GPU the MLA layers of packed documents take compiled flex_attention: equal to the dense SDPA mask
+    in bf16 (logits and every gradient), 6 uneven documents per row of 1500 tokens (a partial last tile)."""
+    lengths = [[700, 1, 3, 250, 400, 146], [64, 1000, 17, 2, 300, 117]]
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 50, (2, 1500), generator=gen).cuda()
+    seg = segments(lengths).cuda()
+    out = {}
+    for mask in ("dense", "flex"):
+        m = gpu_model(mask).train()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = m(ids, segment_ids=seg).logits.float()
+        logits.square().mean().backward()
+        out[mask] = logits.detach(), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
+    assert_close(out["dense"][0], out["flex"][0], 2e-2, "logits, flex vs dense, bf16")
+    for name, g in out["dense"][1].items():
+        assert_close(g, out["flex"][1][name], 5e-2, f"grad {name}, bf16")
