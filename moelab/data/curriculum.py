@@ -21,8 +21,8 @@ Each training sequence of a stage (:class:`CurriculumSequences`) is, by a seeded
 either a **document pack**, the corpus documents concatenated in random order (the report
 synthesizes long data by permuting and concatenating documents) with their boundaries kept (each
 document ends with the end-of-text id, and ``segment_ids`` numbers the documents of the sample,
-from which :func:`cu_seqlens` gives the offsets a packed-sequence kernel takes), or, with
-probability ``synthetic``, a retrieval sub-task (passkey or MQAR from :mod:`moelab.data.synthetic`)
+from which ``moelab.ops.varlen.cu_seqlens`` gives the offsets a packed-sequence kernel takes), or,
+with probability ``synthetic``, a retrieval sub-task (passkey or MQAR from :mod:`moelab.data.synthetic`)
 whose loss is on its answers only: the passkey's filler is corpus text the document packs already
 train on, and MQAR's random pairs are unpredictable before they are asked for.
 """
@@ -114,24 +114,6 @@ def stage_at(stages: Sequence[StagePlan], step: int) -> StagePlan:
         if stage.start_step <= step < stage.end_step:
             return stage
     raise ValueError(f"step={step} is not allowed: expected 0..{stages[-1].end_step - 1}")
-
-
-def cu_seqlens(segment_ids: torch.Tensor) -> torch.Tensor:
-    """Offsets of the documents of a packed batch in its flattened ``[B * T]`` token order.
-
-    ``segment_ids``: ``[B, T]`` integer, the document number of each token within its row (as
-    :class:`CurriculumSequences` gives). Returns ``[N + 1]`` int32: document ``n`` spans tokens
-    ``offsets[n] : offsets[n + 1]`` of ``input_ids.flatten()``, the layout varlen kernels
-    (``cu_seqlens`` in flash-attention and fla) take; a row start always opens a document.
-    ``MoELab.forward(..., segment_ids=)`` builds the same offsets (``moelab.model.documents``, which
-    the data floor may not import).
-    """
-    if segment_ids.dim() != 2 or segment_ids.shape[1] < 1:
-        raise ValueError(f"segment_ids must be [B, T] with T >= 1, got shape {tuple(segment_ids.shape)}")
-    starts = torch.ones_like(segment_ids, dtype=torch.bool)
-    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-    offsets = starts.flatten().nonzero().flatten()
-    return torch.cat([offsets, offsets.new_tensor([segment_ids.numel()])]).to(torch.int32)
 
 
 class DocumentPacker:
@@ -263,5 +245,5 @@ class CurriculumSampler(Sampler[list[tuple[int, int]]]):
             yield [(stage.index, base + j) for j in range(B)]
 
 
-__all__ = ["CurriculumSampler", "CurriculumSequences", "DocumentPacker", "StagePlan", "cu_seqlens", "plan",
+__all__ = ["CurriculumSampler", "CurriculumSequences", "DocumentPacker", "StagePlan", "plan",
            "stage_at"]

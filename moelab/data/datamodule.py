@@ -39,6 +39,7 @@ from moelab.data.config import DataConfig
 from moelab.data.corpus import PreparedCorpus, prepare
 from moelab.data.curriculum import CurriculumSampler, CurriculumSequences, StagePlan, plan
 from moelab.data.tokenizer import EOS_ID, Tokenizer
+from moelab.ops.varlen import segments_from_eos
 
 
 def window_offset(seed: int, index: int, n_starts: int) -> int:
@@ -102,12 +103,6 @@ class FixedWindows(Dataset):
         if self.documents:
             item["segment_ids"] = segments_from_eos(item["input_ids"], self.eos_id)
         return item
-
-
-def segments_from_eos(ids: torch.Tensor, eos_id: int = EOS_ID) -> torch.Tensor:
-    """``[T]`` int32 document numbers of ``ids [T]``: a new document starts after each ``eos_id``."""
-    ends = (ids == eos_id).long()
-    return (ends.cumsum(0) - ends).to(torch.int32)
 
 
 class StepBatchSampler(Sampler[list[int]]):

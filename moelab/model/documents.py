@@ -5,9 +5,10 @@ boundaries with ``segment_ids [B, T]``: the document number of each token within
 ``MoELab.forward(..., segment_ids=)``, no token sees a token of another document:
 
 * **KDA**: the op runs on the ``B * T`` tokens flattened into one row with ``cu_seqlens`` (one
-  offset per document, :attr:`Documents.cu_seqlens`), so its recurrent state restarts at each
-  boundary: the Triton training op (forward and backward) and the inference forward take the
-  offsets in-kernel, the PyTorch backends run document by document (``moelab.ops.kda.kda``).
+  offset per document, :attr:`Documents.cu_seqlens`, from ``moelab.ops.varlen``), so its
+  recurrent state restarts at each boundary: the Triton training op (forward and backward) and
+  the inference forward take the offsets in-kernel, the PyTorch backends run document by
+  document (``moelab.ops.kda.kda``).
 * **ShortConv** (KDA's q, k, v): the first ``size - 1`` tokens of a document that starts inside a
   row would read the previous document's last inputs; those few outputs are recomputed with the
   other document's taps zeroed (:meth:`Documents.conv_fix`), whichever conv backend ran.
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
+
+from moelab.ops.varlen import cu_seqlens_from_starts, document_starts
 
 # flex_attention's default tile (queries and keys) on a GPU.
 FLEX_BLOCK = 128
@@ -55,18 +58,12 @@ class Documents:
     @classmethod
     def from_segment_ids(cls, segment_ids: torch.Tensor) -> Documents:
         """From ``segment_ids [B, T]`` (any integer dtype; one host sync, to count the documents)."""
-        if segment_ids.dim() != 2 or segment_ids.shape[1] < 1:
-            raise ValueError(f"segment_ids must be [B, T] with T >= 1, got shape {tuple(segment_ids.shape)}")
-        if segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool:
-            raise ValueError(f"segment_ids must be an integer tensor, got dtype {segment_ids.dtype}")
+        starts = document_starts(segment_ids)
         B, T = segment_ids.shape
-        starts = torch.ones_like(segment_ids, dtype=torch.bool)
-        starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
         doc = starts.long().cumsum(1) - 1
         t = torch.arange(T, device=segment_ids.device).expand(B, T)
         first = torch.where(starts, t, torch.zeros_like(t)).cummax(1).values  # start of each token's document
-        offsets = starts.flatten().nonzero().flatten()
-        cu = torch.cat([offsets, offsets.new_tensor([B * T])]).to(torch.int32)
+        cu = cu_seqlens_from_starts(starts)
         return cls(doc=doc, pos=t - first, cu_seqlens=cu, num_docs=cu.numel() - 1)
 
     @property

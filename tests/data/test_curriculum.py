@@ -13,7 +13,7 @@ import torch
 from moelab.base import ConfigError
 from moelab.config import load_config
 from moelab.data.config import CurriculumStage, DataConfig
-from moelab.data.curriculum import CurriculumSampler, DocumentPacker, cu_seqlens, plan, stage_at
+from moelab.data.curriculum import CurriculumSampler, DocumentPacker, plan, stage_at
 from moelab.data.datamodule import TextDataModule
 from moelab.data.synthetic import IGNORE
 from moelab.data.tokenizer import EOS_ID
@@ -140,14 +140,6 @@ def test_document_packs_keep_document_boundaries(tiny_cfg: DataConfig) -> None:
     again = packer.pack(3000, np.random.Philox(key=1, counter=3))
     assert np.array_equal(again[0], packer.pack(3000, np.random.Philox(key=1, counter=3))[0])
     assert not np.array_equal(again[0], packer.pack(3000, np.random.Philox(key=1, counter=4))[0])
-
-
-def test_cu_seqlens_gives_document_offsets_in_the_flattened_batch() -> None:
-    seg = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 1, 1]], dtype=torch.int32)
-    assert cu_seqlens(seg).tolist() == [0, 2, 5, 6, 10, 12]
-    assert cu_seqlens(torch.zeros(3, 4, dtype=torch.int32)).tolist() == [0, 4, 8, 12]
-    with pytest.raises(ValueError, match=r"\[B, T\]"):
-        cu_seqlens(torch.zeros(4, dtype=torch.int32))
 
 
 def test_synthetic_share_and_tasks(tiny_cfg: DataConfig) -> None:

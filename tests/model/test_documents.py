@@ -16,7 +16,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moelab.data.curriculum import cu_seqlens
 from moelab.model.documents import Documents, causal_conv_fix
 from moelab.model.kda import ShortConv
 from moelab.model.transformer import MoELab
@@ -177,7 +176,6 @@ def test_documents_layout() -> None:
     mask = d.attention_mask()[1, 0]
     assert mask[4].tolist() == [False, False, False, True, True] and mask[1].tolist() == [True, True, False, False,
                                                                                            False]
-    assert d.cu_seqlens.tolist() == cu_seqlens(seg).tolist()  # the data side's offsets (kept there by the floors)
     rows, cols, pos = d.conv_fix(4)  # tokens < 3 into a document that opens inside its row
     assert list(zip(rows.tolist(), cols.tolist(), pos.tolist())) == [(0, 3, 0), (0, 4, 1), (1, 2, 0), (1, 3, 0),
                                                                      (1, 4, 1)]

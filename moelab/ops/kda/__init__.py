@@ -26,6 +26,7 @@ from moelab.ops.kda.bounds import max_safe_g_min
 from moelab.ops.kda.chunk import chunk_kda_torch
 from moelab.ops.kda.gate import GATES, naive_kda_gate, naive_qk_prep
 from moelab.ops.kda.naive import naive_recurrent_kda
+from moelab.ops.varlen import check_cu_seqlens
 
 BACKENDS = ("auto", "triton", "chunk", "recurrent")
 PATHS = ("infer", "train", "chunk", "recurrent")
@@ -63,24 +64,6 @@ def kda_path(backend: str, q: torch.Tensor, *, gate: str = "none", g_min: float 
     on_device = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
     bounded = gate in ("bounded", "none") and g_min is not None and INFER_G_MIN_FLOOR <= g_min < 0
     return "infer" if on_device and bounded and not needs_grad else "train"
-
-
-def check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int, read: bool = True) -> list[int] | None:
-    """Raise ValueError unless ``cu_seqlens`` is a 1-D int32/int64 ``[N + 1]`` tensor for B = 1;
-    with ``read``, also check its values (0 first, non-decreasing, T last: one host sync) and
-    return them as a list."""
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor of N + 1 >= 2 offsets, got "
-                         f"{(tuple(cu_seqlens.shape), cu_seqlens.dtype)}")
-    if B != 1:
-        raise ValueError(f"with cu_seqlens the documents are packed in one row: expected B = 1, got B = {B}")
-    if not read:
-        return None
-    cu = cu_seqlens.tolist()
-    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
-        shown = cu if len(cu) <= 16 else cu[:8] + ["..."] + cu[-8:]
-        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T = {T}, got {shown}")
-    return cu
 
 
 def _per_document(run, q, k, v, g, beta, initial_state, output_final_state, cu: list[int]):

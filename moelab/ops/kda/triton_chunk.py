@@ -33,13 +33,13 @@ import os
 import torch
 import triton
 
-from moelab.ops.kda import check_cu_seqlens
 from moelab.ops.kda.bounds import G_MIN_FLOOR, SUBTILE
 from moelab.ops.kda.gate import check_op_shapes
 from moelab.ops.kda.triton_bwd import _kda_bwd_dg, _kda_bwd_dh, _kda_bwd_dqkg, _kda_bwd_sterm, _kda_bwd_wy
 from moelab.ops.kda.triton_common import LOG2E
 from moelab.ops.kda.triton_fwd import _kda_fwd_kkt_row, _kda_fwd_merge, _kda_fwd_out, _kda_fwd_state, _kda_fwd_wu
 from moelab.ops.kda.triton_prep import prep_bwd, prep_fwd, prep_fwd_chunked
+from moelab.ops.varlen import check_cu_seqlens
 
 MODES = ("bounded", "general")
 GATES = ("none", "bounded", "softplus")
