@@ -1,4 +1,5 @@
-"""Expert load balancing: the rules as pure functions, the per-router statistics, the balance metrics.
+"""Expert load balancing: what a router call decided (:class:`RouterStats`), the rules as pure
+functions, the per-router statistics, the balance metrics.
 
 Notation: m tokens, n routed experts, k active per token,
 sigmoid scores s ``[m, n]``, a per-expert bias b ``[n]`` used for selection only (TopK(s + b)),
@@ -40,7 +41,6 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -48,9 +48,6 @@ import torch.nn as nn
 from moelab.model.config import MoEConfig
 from moelab.ops.backend import use_triton
 from moelab.ops.router_stats import finish_step, router_statistics
-
-if TYPE_CHECKING:
-    from moelab.model.moe import RouterStats
 
 BIAS_BALANCERS = ("loss_free_sign", "quantile_load", "quantile_balancing")
 TINY = torch.finfo(torch.float32).tiny
@@ -60,6 +57,26 @@ Collective = Callable[[torch.Tensor], torch.Tensor]
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+@dataclass
+class RouterStats:
+    """What one router call decided; balancers and metrics read it.
+
+    aux_loss: scalar, zero unless ``Router.aux_loss_fn`` is set (then its value, with grad).
+    tokens_per_expert: ``[E]`` long, assignments per expert in this call (sums to N * k).
+    scores: ``[N, E]`` fp32 sigmoid scores s (with grad).
+    topk_idx: ``[N, k]`` long, experts chosen by TopK(s + bias).
+    topk_weight: ``[N, k]`` fp32, p = s[idx] / sum s[idx] (with grad).
+    logits: ``[N, E]`` fp32 router logits, s = sigmoid(logits) (with grad; the z-loss reads them).
+    """
+
+    aux_loss: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    scores: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weight: torch.Tensor
+    logits: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------------------------

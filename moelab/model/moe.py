@@ -18,14 +18,13 @@ per-expert loop for the experts.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from moelab.base import ConfigError
-from moelab.model.balance import RouterBalance, router_loss_fn
+from moelab.model.balance import RouterBalance, RouterStats, router_loss_fn
 from moelab.model.config import MoEConfig
 from moelab.model.ffn import GLUFFN
 from moelab.model.norm import RMSNorm
@@ -42,26 +41,6 @@ from moelab.ops.moe import (
     project_input,
     select_experts,
 )
-
-
-@dataclass
-class RouterStats:
-    """What one router call decided; balancers and metrics read it.
-
-    aux_loss: scalar, zero unless ``Router.aux_loss_fn`` is set (then its value, with grad).
-    tokens_per_expert: ``[E]`` long, assignments per expert in this call (sums to N * k).
-    scores: ``[N, E]`` fp32 sigmoid scores s (with grad).
-    topk_idx: ``[N, k]`` long, experts chosen by TopK(s + bias).
-    topk_weight: ``[N, k]`` fp32, p = s[idx] / sum s[idx] (with grad).
-    logits: ``[N, E]`` fp32 router logits, s = sigmoid(logits) (with grad; the z-loss reads them).
-    """
-
-    aux_loss: torch.Tensor
-    tokens_per_expert: torch.Tensor
-    scores: torch.Tensor
-    topk_idx: torch.Tensor
-    topk_weight: torch.Tensor
-    logits: torch.Tensor | None = None
 
 
 class Router(nn.Module):
