@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("number", type=int, help="study number (1-4)")
     p.add_argument("--preset", choices=("cpu", "gpu"), default=None,
                    help="scale of the study (default: gpu when CUDA is available, else cpu)")
+    p.add_argument("--from-results", action="store_true",
+                   help="train nothing: render the report from the results already in studies/NN_name/results")
 
     p = sub.add_parser("eval", help="long-context evaluation of a checkpoint (JSON + MLflow eval/<preset>)")
     p.add_argument("--ckpt", required=True, metavar="PATH", help="a moelab checkpoint (.ckpt)")
@@ -155,7 +157,8 @@ def _data(args: argparse.Namespace) -> int:
 def _study(args: argparse.Namespace) -> int:
     from moelab.studies.runner import run_study
 
-    out = run_study(args.number, args.preset)
+    out = run_study(args.number, args.preset,
+                    parameters={"from_results": True} if getattr(args, "from_results", False) else None)
     print(f"study {args.number}: results in {out}")
     return 0
 
