@@ -26,13 +26,17 @@
 # differ only in the gate (bounded at $-5$, $-2$, $-1$; softplus), several seeds each: loss, how close the decay
 # comes to the bound, the cumulative decay per sub-tile, and loss past the training length (NoPE extrapolation);
 # (3) a task that needs fast forgetting; (4) kernel speed. Logic: `moelab.studies.decay_bound`; run grid:
-# `moelab.studies.common`.
+# `moelab.studies.common`; intervals and wording: `moelab.studies.report`. With `from_results = True` the notebook
+# trains nothing: it renders the report from the raw results a run committed in `results/` (figures that need the
+# trained models are shown as that run drew them).
 
 # %% tags=["parameters"]
 preset = "cpu"  # "cpu": minutes on 2 cores; "gpu": the gpu-small model on one GPU
 out_dir = "."
+from_results = False  # True: render from the committed results/ instead of training and measuring again
 
 # %%
+import json
 import os
 
 import torch
@@ -47,6 +51,7 @@ from IPython.display import Markdown  # noqa: E402
 
 from moelab.studies import common  # noqa: E402
 from moelab.studies import decay_bound as study  # noqa: E402
+from moelab.studies import report  # noqa: E402
 from moelab.utils import write_json  # noqa: E402
 
 common.quiet_known_noise()  # log noise filtered at its source, before anything imports Lightning
@@ -68,10 +73,13 @@ P = study.PRESETS[preset]
 # in bounded mode on the same cases, against the fp32 token recurrence.
 
 # %%
-overflow = pd.DataFrame(study.tile_overflow_table())
-overflow.to_csv(out / "results" / "tile_overflow.csv", index=False)
-kernel_rows = study.kernel_overflow_rows(P["overflow_g_mins"], P["overflow_shape"])
-pd.DataFrame(kernel_rows).to_csv(out / "results" / "kernel_overflow.csv", index=False)
+overflow = report.result_table(out / "results" / "tile_overflow.csv", study.tile_overflow_table, from_results)
+if from_results:  # the op's rows as the run wrote them: synthetic decays, then the trained softplus decays
+    saved_kernel_rows = pd.read_csv(out / "results" / "kernel_overflow.csv").to_dict("records")
+    kernel_rows = [r for r in saved_kernel_rows if r["source"].startswith("synthetic")]
+else:
+    kernel_rows = study.kernel_overflow_rows(P["overflow_g_mins"], P["overflow_shape"])
+    pd.DataFrame(kernel_rows).to_csv(out / "results" / "kernel_overflow.csv", index=False)
 common.show(study.overflow_figure(overflow.to_dict("records"), kernel_rows), out / "figures" / "tile_overflow.png")
 
 # %% [markdown]
@@ -114,25 +122,29 @@ pd.DataFrame({arm: {"non-gate parameters bitwise equal to softplus's": same[arm]
               for arm, g in g0.items()}).T
 
 # %%
-grid = study.train_gates(preset, out)
-runs = grid.table()
-runs.to_csv(out / "results" / "runs.csv", index=False)
-grid.histories().to_csv(out / "results" / "loss_histories.csv", index=False)
+grid = None if from_results else study.train_gates(preset, out)
+runs = report.result_table(out / "results" / "runs.csv", lambda: grid.table(), from_results)
+histories = report.result_table(out / "results" / "loss_histories.csv", lambda: grid.histories(), from_results)
 common.aggregate(runs)[list(common.STUDY_METRICS) + ["n_seeds"]]
 
 # %%
-common.show(common.loss_curves(grid, f"{grid.base}: bounded (g_min -5, -2, -1) vs softplus gate"),
+common.show(report.difference_figure(histories, "softplus", f"{P['base']}: training loss minus softplus's"),
             out / "figures" / "training_loss.png")
 
 # %% [markdown]
-# **Figure 2.** Training loss per optimizer step (thin: each seed; bold: mean over seeds) and validation loss
-# (dots: each seed; diamonds: mean) of each arm, in nats per token. Same model, initial decay, data order and
-# schedule; only the gate differs.
+# **Figure 2.** Each bounded arm's training loss minus the softplus arm's, seed by seed (same seed: same
+# initialization and data order), smoothed over 5 steps; line: mean over seeds, band: its 95% t interval;
+# diamonds: the validation loss differences with their intervals. Below 0: lower loss than softplus. Only the gate
+# differs. The y axis spans the 2-98% range of the bands after the first quarter of the steps (the arms part and
+# meet again within a few steps near step 20; that spike is cut).
 
 # %%
-decay_list, pooled = study.gate_decay_rows(grid)
-decay = pd.DataFrame(decay_list)
-decay.to_csv(out / "results" / "trained_decay_stats.csv", index=False)
+if from_results:
+    decay, pooled = pd.read_csv(out / "results" / "trained_decay_stats.csv"), None
+else:
+    decay_list, pooled = study.gate_decay_rows(grid)
+    decay = pd.DataFrame(decay_list)
+    decay.to_csv(out / "results" / "trained_decay_stats.csv", index=False)
 decay.groupby("arm", sort=False)[["bound", "g_min", "frac_channels_near_bound", "frac_entries_near_bound",
                                   "tile_decay_q50", "tile_decay_q99", "tile_decay_max", "max_factor_exponent"]].agg(
     {"bound": "first", "g_min": "min", "frac_channels_near_bound": "mean", "frac_entries_near_bound": "mean",
@@ -148,7 +160,11 @@ decay.groupby("arm", sort=False)[["bound", "g_min", "frac_channels_near_bound", 
 # value, `study.EXP_LIMIT["fp32"]`).
 
 # %%
-common.show(study.tile_decay_figure(pooled["tile_decay"]), out / "figures" / "tile_decay.png")
+if pooled is None:  # the pooled tile decays live in the trained runs, not in results/
+    figure = report.committed_figure(out / "figures" / "tile_decay.png")
+else:
+    figure = common.show(study.tile_decay_figure(pooled["tile_decay"]), out / "figures" / "tile_decay.png")
+figure
 
 # %% [markdown]
 # **Figure 3.** Distribution of the cumulative decay over one 16-token sub-tile, $-\sum_{t \in tile} g_t$, per
@@ -160,7 +176,10 @@ common.show(study.tile_decay_figure(pooled["tile_decay"]), out / "figures" / "ti
 # each layer) fed to the Triton op in bounded mode (check off), with random unit q, k, values and beta:
 
 # %%
-real_rows = study.real_g_kernel_rows(pooled["real_g"], max_tokens=P["overflow_shape"][1])
+if from_results:
+    real_rows = [r for r in saved_kernel_rows if not r["source"].startswith("synthetic")]
+else:
+    real_rows = study.real_g_kernel_rows(pooled["real_g"], max_tokens=P["overflow_shape"][1])
 kernel_rows += real_rows
 pd.DataFrame(kernel_rows).to_csv(out / "results" / "kernel_overflow.csv", index=False)
 pd.DataFrame(real_rows)[["source", "g_min", "nonfinite", "rel_err", "rel_err_general", "dtype"]]
@@ -172,10 +191,11 @@ pd.DataFrame(real_rows)[["source", "g_min", "nonfinite", "rel_err", "rel_err_gen
 # $-0.05$ on the rest; a student learns one gate bias per channel from $g = -0.05$, with each gate.
 
 # %%
-forgetting = pd.DataFrame(study.fast_forgetting({arm: (ov["model.kda.g_min"] if ov["model.kda.gate"] == "bounded"
-                                                       else None) for arm, ov in study.ARMS.items()},
-                                                steps=P["forget_steps"], seeds=P["forget_seeds"]))
-forgetting.to_csv(out / "results" / "fast_forgetting.csv", index=False)
+forgetting = report.result_table(
+    out / "results" / "fast_forgetting.csv",
+    lambda: study.fast_forgetting({arm: (ov["model.kda.g_min"] if ov["model.kda.gate"] == "bounded" else None)
+                                   for arm, ov in study.ARMS.items()}, steps=P["forget_steps"], seeds=P["forget_seeds"]),
+    from_results)
 forgetting.groupby("arm", sort=False)[["bound", "g_fast_min", "g_fast_mean", "g_slow_mean", "frac_fast_near_bound",
                                        "first_loss", "final_loss"]].agg(["mean", "std"])
 
@@ -187,15 +207,15 @@ forgetting.groupby("arm", sort=False)[["bound", "g_fast_min", "g_fast_mean", "g_
 # 2x evaluations are the first quarter and half of the same windows.
 
 # %%
-extra = pd.DataFrame(study.extrapolation_rows(grid))
-extra.to_csv(out / "results" / "extrapolation.csv", index=False)
-extra_summary = study.extrapolation_summary(extra)
-extra_summary.to_csv(out / "results" / "extrapolation_summary.csv", index=False)
+extra = report.result_table(out / "results" / "extrapolation.csv", lambda: study.extrapolation_rows(grid), from_results)
+extra_summary = report.result_table(out / "results" / "extrapolation_summary.csv",
+                                    lambda: study.extrapolation_summary(extra), from_results)
 common.show(study.extrapolation_figure(extra), out / "figures" / "extrapolation.png")
 
 # %% [markdown]
 # **Figure 4.** Validation loss by position (16 bins over 4x the training context; x: position over the training
-# length), mean over seeds, band: min-max over seeds. Vertical lines: 1x and 2x the training context.
+# length) of each bounded arm minus softplus's, paired by seed: mean over seeds and its 95% t band. Dotted lines: 1x
+# and 2x the training context.
 
 # %%
 extra_summary.groupby("arm", sort=False)[["loss_1x", "loss_1_2x", "loss_2_4x", "d_2x", "d_4x"]].agg(["mean", "std"])
@@ -205,7 +225,11 @@ extra_summary.groupby("arm", sort=False)[["loss_1x", "loss_1_2x", "loss_2_4x", "
 # Read from the committed H200 benchmarks (`make kda-bench` writes them); the study does not re-run them.
 
 # %%
-speed_rows, speed_source = study.kernel_speed()
+if from_results:  # the benchmark rows the run read, and their source as its summary recorded it
+    speed_rows = pd.read_csv(out / "results" / "kernel_speed.csv").to_dict("records")
+    speed_source = json.loads((out / "summary.json").read_text())["meta"]["kernel_results"]
+else:
+    speed_rows, speed_source = study.kernel_speed()
 print(study.describe_source(speed_source))
 ratios = study.speed_ratios(speed_rows)
 pd.DataFrame(speed_rows).to_csv(out / "results" / "kernel_speed.csv", index=False)
@@ -219,13 +243,22 @@ common.show(study.speed_figure(ratios, speed_source, crossover), out / "figures"
 # right axis; the red line: where it becomes slower than bounded KDA, interpolated linearly in T).
 
 # %%
-summary = study.summarize(overflow, kernel_rows, grid, decay, extra_summary, forgetting, ratios, speed_source, preset)
+if from_results:
+    summary = json.loads((out / "summary.json").read_text())
+else:
+    summary = study.summarize(overflow, kernel_rows, grid, decay, extra_summary, forgetting, ratios, speed_source,
+                              preset)
+findings = study.study_report(summary, runs, decay, extra_summary, forgetting)
+summary = report.attach(summary, findings, from_results)
 write_json(out / "summary.json", summary)
 pd.Series({k: str(summary["meta"][k]) for k in ("commit", "dirty", "device", "torch", "triton", "command", "date",
                                                 "wall_s", "tokens_per_run", "epochs")}, name="run facts").to_frame()
 
 # %% [markdown]
 # ## Findings
+# Each line: the question, the answer, the number with its 95% interval over paired seeds, and the one wording of
+# `moelab.studies.report` (better / worse only when the interval excludes 0; "not tested" when the precondition
+# failed). The table and the details follow.
 
 # %%
-Markdown(study.findings(summary))
+Markdown(study.findings(findings))

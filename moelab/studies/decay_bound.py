@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from moelab.ops.kda.bounds import EXP_LIMIT, G_MIN_FLOOR, SUBTILE
-from moelab.studies import common
+from moelab.studies import common, report
 
 # input dtype -> operand precision of the diagonal sub-tile's products: the forward (``triton_fwd._diag``)
 # casts its factors to fp32 whatever the input dtype, so the products are exact fp32 for fp32 inputs
@@ -827,10 +827,11 @@ def tile_decay_figure(tile_decay: Mapping[str, torch.Tensor]) -> Any:
     Drawn through 2000 evenly spaced ranks of each arm's sorted values, the largest included (a line
     through every one of the ~10^5-10^6 values per arm looks the same and takes seconds to draw)."""
     fig, (ax,) = _figure(6.4, 4)
+    colors = report.palette(list(ARMS))
     for arm, td in tile_decay.items():
         x = td.sort().values.clamp(min=1e-6)
         rank = torch.linspace(0, len(x) - 1, min(len(x), 2000)).round().long()
-        ax.loglog(x[rank].numpy(), (1 - rank / len(x)).numpy() + 1e-9, label=arm)
+        ax.loglog(x[rank].numpy(), (1 - rank / len(x)).numpy() + 1e-9, label=arm, color=colors.get(arm))
     ax.axvline(EXP_LIMIT["fp32"] * 2, color="k", lw=0.8, alpha=0.5)
     ax.set(xlabel="cumulative decay over a 16-token sub-tile, -sum g (nats)", ylabel="share of tiles above",
            title="trained models, validation windows")
@@ -840,16 +841,20 @@ def tile_decay_figure(tile_decay: Mapping[str, torch.Tensor]) -> Any:
     return fig
 
 
-def extrapolation_figure(extra: Any) -> Any:
-    """Loss by position (x: position / training length) per arm, mean over seeds with min-max band."""
+def extrapolation_figure(extra: Any, reference: str = "softplus") -> Any:
+    """Loss by position (x: position / training length) of each arm minus ``reference``, paired by seed:
+    mean over seeds and its 95% t band (``report.step_differences`` over position bins)."""
     fig, (ax,) = _figure(6.4, 4)
-    for arm, sel in extra.groupby("arm", sort=False):
-        agg = sel.groupby("rel_pos").loss.agg(["mean", "min", "max"])
-        ax.plot(agg.index, agg["mean"], marker="o", ms=3, label=arm)
-        ax.fill_between(agg.index, agg["min"], agg["max"], alpha=0.15)
+    colors = report.palette(list(ARMS))
+    diffs = report.step_differences(extra.rename(columns={"rel_pos": "step"}), reference, "loss")
+    for arm, d in diffs.items():
+        ax.plot(d["step"], d["mean"], marker="o", ms=3, color=colors[arm], label=f"{arm} ({d['n']} seeds)")
+        ax.fill_between(d["step"], d["low"], d["high"], color=colors[arm], alpha=0.18, lw=0)
+    ax.axhline(0.0, color="k", lw=0.8)
     for x in (1, 2):
-        ax.axvline(x, color="k", lw=0.8, alpha=0.5)
-    ax.set(xlabel="position / training context", ylabel="loss (nats/token)", title="NoPE length extrapolation")
+        ax.axvline(x, color="k", lw=0.8, alpha=0.5, ls=":")
+    ax.set(xlabel="position / training context", ylabel=f"loss minus {reference} (nats/token)",
+           title=f"NoPE length extrapolation: each arm minus {reference}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -954,87 +959,101 @@ def summarize(overflow: Any, kernel_rows: list[dict], grid: common.Grid, decay: 
     }
 
 
-def _pm(x: Mapping[str, Any], fmt: str = ".3f") -> str:
-    if x["mean"] is None:
-        return "n/a"
-    return f"{x['mean']:{fmt}} ± {x['std']:{fmt}}" if x["std"] is not None else f"{x['mean']:{fmt}} (one seed)"
+NEAR = 0.05  # a channel is "near" its bound when its most negative g is within 5% of it (decay_stats)
 
 
-def _diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[float, float | None]:
-    """Difference of two seed means and its standard error (None with one seed)."""
-    d = a["mean"] - b["mean"]
-    if a["std"] is None or b["std"] is None:
-        return d, None
-    return d, math.sqrt(a["std"] ** 2 / a["n"] + b["std"] ** 2 / b["n"])
+def bound_binds(decay: Any) -> dict[str, Any]:
+    """Study 1's precondition: does any trained model's decay come near its bound?
+
+    ``decay``: :func:`gate_decay_rows`'s table (arm, seed, layer, ``frac_channels_near_bound``, ``g_min``).
+    Returns ``{"binds", "share" (largest per-arm mean over seeds of the largest per-layer share),
+    "g_min" ({arm: per-seed most negative g}), "reason"}``.
+    """
+    per_model = decay.groupby(["arm", "seed"], sort=False).agg(
+        near=("frac_channels_near_bound", "max"), g_min=("g_min", "min")).reset_index()
+    share = per_model.groupby("arm", sort=False).near.mean()
+    binds = bool((share > 0).any())
+    deepest = per_model.loc[per_model.g_min.idxmin()]
+    tightest = max(float(ARMS[a]["model.kda.g_min"]) for a in ARMS if ARMS[a]["model.kda.gate"] == "bounded")
+    reason = None if binds else (
+        f"the bound never binds: no trained channel came within {NEAR:.0%} of its bound, the most negative "
+        f"trained g is {deepest.g_min:.2f} ({deepest.arm}) against a tightest bound of {tightest:g}")
+    return {"binds": binds, "share": float(share.max()), "per_model": per_model, "reason": reason}
 
 
-def _judge(d: float, se: float | None) -> str:
-    if se is None:
-        return "from one seed, so not weighed against seed noise"
-    return (f"{abs(d) / se:.1f} standard errors: {'distinguishable from' if abs(d) > 2 * se else 'within'} "
-            "the seed spread")
+def study_report(summary: Mapping[str, Any], runs: Any, decay: Any, extra_summary: Any, forgetting: Any,
+                 reference: str = "softplus", main: str = "bounded-5") -> report.Report:
+    """The findings as rules (``moelab.studies.report``): what the bound costs (only where it binds), whether
+    it binds, what it buys (overflow, speed), fast forgetting and extrapolation; intervals over paired seeds.
 
-
-def findings(summary: Mapping[str, Any]) -> str:
-    """The study's conclusions as a Markdown list, every number computed from ``summary``."""
-    lines = []
-    ko, tile = summary["kernel_overflow"], summary["modelled_tile"]
+    ``runs``, ``decay``, ``extra_summary``, ``forgetting``: the per-seed tables the notebook writes to
+    ``results/`` (runs.csv, trained_decay_stats.csv, extrapolation_summary.csv, fast_forgetting.csv).
+    """
+    bind = bound_binds(decay)
+    ko = summary["kernel_overflow"]
     real = ko["real_softplus"]
-    nan = float("nan")
-
-    def swept(x: float | None) -> str:
-        return "none swept" if x is None else f"{x:g}"
-
-    lines.append(
-        f"- **bf16 overflow removed**: the bounded forward shifts a diagonal sub-tile's factors by 8 times the g_min "
-        f"it is told, not by the data. Told g_min = {ko['told']:g} (check off), a constant decay g puts "
-        f"e^(16|g| - 8|g_min|) in a factor, which overflows fp32 below g = {ko['predicted_constant']:.2f}: the "
-        f"modelled sub-tile (bf16 inputs) stays finite within 1% down to g = {tile.get('bf16_constant', nan):g} and "
-        f"is first non-finite at {tile.get('bf16_constant_first_nonfinite', nan):g}, the real op in bounded mode "
-        f"({ko['dtype']}) first at g = {swept(ko['first_nonfinite_bound'])}. Told each decay's own g_min, the "
-        f"factors hold e^(8|g|), which overflows below {ko['predicted_constant_told_bound']:.2f}: modelled first "
-        f"non-finite at {tile.get('bf16_constant_told_bound_first_nonfinite', nan):g}, real op at "
-        f"{swept(ko['first_nonfinite_bound_told_bound'])}; the op's floor g_min >= {ko['op_floor']:.2f} keeps "
-        f"{ko['predicted_constant_told_bound'] / ko['op_floor']:.1f}x of margin. The op gives at most "
-        f"{ko['worst_finite_rel_err_at_or_above_-5']:.1e} relative error for decays inside -5; on the "
-        f"{real['layers']} trained softplus layers (min g {real['g_min']:.2f}) bounded mode is non-finite in "
-        f"{real['layers_nonfinite']} and off by > 1% in {real['layers_rel_err_over_1pct']}, while the general mode "
-        f"stays within {real['worst_rel_err_general']:.1e}.")
+    arms = [a for a in dict.fromkeys(runs.arm)]
+    val = {a: report.by_seed(runs, a, "best_val_loss") for a in arms}
+    cost = report.compare(f"What does the bound cost in validation loss ({main} minus {reference})", val[main],
+                          val[reference], unit="nats", precondition=bind["reason"])
+    g_deep = bind["per_model"]
+    deepest = {a: g_deep[g_deep.arm == a].g_min.tolist() for a in arms}
+    tightest = max((a for a in arms if a != reference), key=lambda a: summary["arms"][a]["bound"])
+    reach = report.measured(
+        "Does the trained decay reach its bound",
+        deepest[tightest], answer=(f"{'reached' if bind['binds'] else 'never reached'}: largest share of channels within "
+                                   f"{NEAR:.0%} of the bound {bind['share']:.1%}; most negative g of {tightest} "
+                                   f"(bound {summary['arms'][tightest]['bound']:g})"), digits=2)
+    overflow = report.Finding(
+        "Does the bound keep the bf16 kernel finite", "measured",
+        answer=(f"for decays inside -5 the op's error is at most {ko['worst_finite_rel_err_at_or_above_-5']:.1e}; "
+                f"told g_min = {ko['told']:g}, it is first non-finite at g = {ko['first_nonfinite_bound']} "
+                f"(predicted {ko['predicted_constant']:.2f}); the {real['layers']} trained softplus layers (min g "
+                f"{real['g_min']:.2f}) run non-finite in {real['layers_nonfinite']}"))
     ratios = summary["speed"]["general_over_bounded"]
-    if ratios:
-        cross = summary["speed"]["crossover_T_sdpa_flash"]
-        src = summary["meta"]["kernel_results"]
-        lines.append(
-            f"- **Kernel speed-up**: the general path takes {min(ratios):.2f}-{max(ratios):.2f}x the bounded path's "
-            f"forward+backward time over {len(ratios)} lengths (one timing each, median of repeats; "
-            f"{src.get('gpu')}, code at {src.get('commit')})"
-            + (f"; bounded KDA overtakes flash attention at T = {cross:,.0f} (interpolated)." if cross else "."))
-    arms = summary["arms"]
-    soft = arms.get("softplus")
-    if soft:
-        parts = []
-        for arm, a in arms.items():
-            if a["gate"] != "bounded":
-                continue
-            d, se = _diff(a["best_val_loss"], soft["best_val_loss"])
-            parts.append(f"{arm} {d:+.3f} ({_judge(d, se)}; {_pm(a['frac_channels_near_bound'], '.1%')} of channels "
-                         "within 5% of the bound)")
-        lines.append(f"- **Quality cost** (best validation loss minus softplus's {_pm(soft['best_val_loss'])} "
-                     f"nats/token, {soft['best_val_loss']['n']} seeds): " + "; ".join(parts) + ".")
-        fparts = [f"{arm} g = {_pm(a['forgetting_g_fast_min'], '.2f')}, loss {_pm(a['forgetting_final_loss'], '.2e')}"
-                  for arm, a in arms.items()]
-        lines.append("- **Fast forgetting** (targets decaying at g = -8 on half the channels; learned decay of those "
-                     "channels): " + "; ".join(fparts) + ".")
-        xparts = [f"{arm} {_pm(a['extrapolation_d_4x'])}" for arm, a in arms.items()]
-        d, se = _diff(arms[next(iter(arms))]["extrapolation_d_4x"], soft["extrapolation_d_4x"])
-        lines.append("- **NoPE extrapolation** (loss at 2-4x the training context minus loss over the second half of "
-                     "it, nats/token): " + "; ".join(xparts)
-                     + f"; {next(iter(arms))} minus softplus {d:+.3f}, {_judge(d, se)}.")
+    src = summary["meta"].get("kernel_results", {})
+    speed = report.Finding(
+        "What does the bound buy in kernel speed", "measured",
+        answer=(f"the general path takes {min(ratios):.2f}-{max(ratios):.2f}x the bounded path's forward+backward "
+                f"time over {len(ratios)} lengths ({src.get('gpu')}, one timing each: no seed interval)")
+        if ratios else "no committed kernel benchmark")
+    fast = {a: {s: math.log10(v) for s, v in report.by_seed(forgetting, a, "final_loss").items()} for a in arms}
+    tight_fast = report.compare(f"Does a tight bound hurt a task that needs fast forgetting ({tightest} minus "
+                                f"{reference}, log10 final loss)", fast[tightest], fast[reference], unit="log10",
+                                digits=2)
+    d4 = {a: report.by_seed(extra_summary, a, "d_4x") for a in arms}
+    extra = report.compare(f"Does the bound change NoPE extrapolation ({main} minus {reference}, loss increase "
+                           f"at 2-4x the training context)", d4[main], d4[reference], unit="nats")
+    rows = {}
+    for a in arms:
+        rows[a] = {"bound": summary["arms"][a]["bound"] if a != reference else "none (measured against -5)",
+                   "val loss": report.cell(report.mean_interval(list(val[a].values())), 3, signed=False),
+                   f"minus {reference}": "" if a == reference else report.cell(report.paired(val[a], val[reference])),
+                   "share near bound": f"{g_deep[g_deep.arm == a].near.mean():.1%}",
+                   "min g": report.cell(report.mean_interval(deepest[a]), 2),
+                   "4x loss increase": report.cell(report.mean_interval(list(d4[a].values())))}
+    import pandas as pd
+    table = pd.DataFrame(rows).T
+    table.index.name = "arm"
     meta = summary["meta"]
+    details = [
+        f"Overflow (modelled sub-tile, bf16 inputs): finite within 1% down to g = "
+        f"{summary['modelled_tile'].get('bf16_constant', float('nan')):g}; told each decay's own g_min the factors "
+        f"hold e^(8|g|), which overflows below {ko['predicted_constant_told_bound']:.2f}; the op's floor g_min >= "
+        f"{ko['op_floor']:.2f} keeps {ko['predicted_constant_told_bound'] / ko['op_floor']:.1f}x of margin.",
+        f"Fast forgetting (targets at g = -8 on half the channels): learned fast-channel g per arm "
+        + "; ".join(f"{a} {report.cell(report.mean_interval(forgetting[forgetting.arm == a].g_fast_min), 2)}"
+                    for a in arms) + ".",
+    ]
+    if ratios and summary["speed"].get("crossover_T_sdpa_flash"):
+        details.append(f"Bounded KDA overtakes flash attention (SDPA) at T = "
+                       f"{summary['speed']['crossover_T_sdpa_flash']:,.0f} (interpolated; code at {src.get('commit')}).")
     if meta.get("epochs") is not None:
-        gaps = meta.get("train_val_gap", {})
-        lines.append(f"- **Data**: each run trained on {meta['tokens_per_run']:,} tokens, {meta['epochs']:.2f} epochs "
-                     f"of the {meta['corpus_train_tokens']:,}-token training split; validation minus training loss "
-                     f"{min(gaps.values()):+.3f} to {max(gaps.values()):+.3f} nats/token over the arms"
-                     + (" (over one epoch: partly memorization)." if meta["epochs"] > 1 else "."))
-    return "\n".join(lines)
+        details.append(f"Data: {meta['tokens_per_run']:,} tokens per run, {meta['epochs']:.2f} epochs of the "
+                       f"{meta['corpus_train_tokens']:,}-token training split, {runs.steps.max()} steps.")
+    return report.Report([cost, reach, overflow, speed, tight_fast, extra], table, details)
+
+
+def findings(rep: report.Report) -> str:
+    """The findings section (markdown) of :func:`study_report`."""
+    return rep.markdown()

@@ -199,6 +199,7 @@ class Finding:
     unit: str = ""
     reason: str | None = None
     digits: int = 3
+    signed: bool = True
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -215,7 +216,8 @@ class Finding:
 
     def line(self) -> str:
         """``**question?** answer: number [low, high]; wording``."""
-        parts = [p for p in (self.answer, self.number.text(self.digits, self.unit) if self.number else "") if p]
+        num = self.number.text(self.digits, self.unit, self.signed) if self.number else ""
+        parts = [p for p in (self.answer, num) if p]
         body = ": ".join(parts) if parts else ""
         verdict = status_text(self.status, self.reason)
         if self.status == "not tested":
@@ -246,10 +248,10 @@ def compare(question: str, a: Mapping[Any, float], b: Mapping[Any, float], *, an
 
 
 def measured(question: str, values: Sequence[float] | Interval | None, answer: str = "", unit: str = "",
-             digits: int = 3) -> Finding:
+             digits: int = 3, signed: bool = False) -> Finding:
     """A fact the study measured (mean over seeds with its t interval), no comparison."""
     iv = values if isinstance(values, Interval) or values is None else mean_interval(values)
-    return Finding(question, "measured", iv, answer, unit, None, digits)
+    return Finding(question, "measured", iv, answer, unit, None, digits, signed)
 
 
 def not_tested(question: str, reason: str, number: Interval | None = None, answer: str = "",
@@ -324,9 +326,9 @@ def markdown_table(df: Any, digits: int = 4) -> str:
     return "\n".join(rows)
 
 
-def cell(iv: Interval, digits: int = 3) -> str:
-    """A table cell: ``+0.015 [-0.050, +0.080]``."""
-    return iv.text(digits)
+def cell(iv: Interval, digits: int = 3, signed: bool = True) -> str:
+    """A table cell: ``+0.015 [-0.050, +0.080]`` (``signed=False`` for a value rather than a difference)."""
+    return iv.text(digits, signed=signed)
 
 
 # --------------------------------------------------------------------------------------- figures
@@ -391,13 +393,13 @@ def step_differences(histories: Any, reference: str, metric: str = "train/loss",
 
 
 def difference_figure(histories: Any, reference: str, title: str = "", metric: str = "train/loss",
-                      window: int | None = None, skip: float = 0.1, colors: Mapping[str, str] | None = None,
+                      window: int | None = None, skip: float = 0.25, colors: Mapping[str, str] | None = None,
                       ax: Any = None) -> Any:
     """Each arm minus ``reference`` per optimizer step: mean over seeds (line) and its 95% band.
 
     The training loss is smoothed per seed (trailing mean over ``window`` steps, default 1/20 of the
-    run) before differencing; the y axis is zoomed to the bands after the first ``skip`` share of
-    steps (the first steps, where every arm is far from the others, would flatten the rest).
+    run) before differencing; the y axis is zoomed to the 2-98% range of the bands after the first
+    ``skip`` share of steps (the early steps, where arms part and meet again fast, would flatten the rest).
     Validation differences (paired by seed) are drawn as markers with their intervals.
     Returns a matplotlib Figure (or draws into ``ax`` and returns its figure).
     """
@@ -430,8 +432,8 @@ def difference_figure(histories: Any, reference: str, title: str = "", metric: s
             lows.extend(v["low"][np.isfinite(v["low"])].tolist())
             highs.extend(v["high"][np.isfinite(v["high"])].tolist())
     ax.axhline(0.0, color="black", lw=0.8)
-    if lows and highs:
-        lo, hi = min(min(lows), 0.0), max(max(highs), 0.0)
+    if lows and highs:  # the 2-98% range of the bands: one early spike does not flatten the rest
+        lo, hi = min(float(np.quantile(lows, 0.02)), 0.0), max(float(np.quantile(highs, 0.98)), 0.0)
         pad = 0.08 * (hi - lo or 1e-3)
         ax.set_ylim(lo - pad, hi + pad)
     ax.set_xlabel("optimizer step")
@@ -450,7 +452,89 @@ def caption_difference(reference: str, window: int | None, steps: float) -> str:
     return (f"Training loss of each arm minus {reference}, seed by seed (each curve smoothed over {w} steps "
             f"first), mean over seeds (line) and its 95% t interval (band); diamonds: validation loss "
             f"differences with their intervals. Below 0: lower loss than {reference}. The y axis is zoomed "
-            f"to the differences after the first 10% of steps.")
+            f"to the 2-98% range of the bands after the first quarter of the steps.")
+
+
+def by_seed(df: Any, arm: str, column: str, arm_column: str = "arm") -> dict[int, float]:
+    """``{seed: value}`` of ``column`` for one arm of a per-run table (NaN and missing values left out)."""
+    sel = df[df[arm_column] == arm]
+    return {int(s): float(v) for s, v in zip(sel.seed, sel[column]) if v is not None and math.isfinite(float(v))}
+
+
+def add_intervals(obj: Any, level: float = LEVEL) -> Any:
+    """Add ``low``/``high`` (the t interval of the mean) beside every ``{"mean", "std", "n"}`` in ``obj``.
+
+    Walks dicts and lists in place and returns ``obj``; with one seed (no std) the bounds are None.
+    """
+    from scipy import stats
+
+    if isinstance(obj, dict):
+        if {"mean", "std", "n"} <= obj.keys() and not isinstance(obj["mean"], (dict, list)):
+            m, sd, n = obj["mean"], obj["std"], obj["n"]
+            if m is not None and sd is not None and n and n > 1:
+                half = float(stats.t.ppf(0.5 + level / 2, n - 1) * sd / math.sqrt(n))
+                obj["low"], obj["high"] = m - half, m + half
+            else:
+                obj["low"] = obj["high"] = None
+        for v in obj.values():
+            add_intervals(v, level)
+    elif isinstance(obj, list):
+        for v in obj:
+            add_intervals(v, level)
+    return obj
+
+
+def result_table(path: Any, compute: Any, from_results: bool) -> Any:
+    """A study's raw table: read from ``path`` (CSV) when ``from_results``, else ``compute()`` it and write it there.
+
+    ``compute``: ``() -> DataFrame | list[dict]``. Lets a notebook render its report from the committed
+    raw results without training again (papermill parameter ``from_results = True``).
+    """
+    import pandas as pd
+    from pathlib import Path
+
+    path = Path(path)
+    if from_results:
+        if not path.exists():
+            raise FileNotFoundError(f"from_results=True but {path} does not exist: run the study first")
+        return pd.read_csv(path)
+    df = compute()
+    df = df if isinstance(df, pd.DataFrame) else pd.DataFrame(df)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(path, index=False)
+    return df
+
+
+def committed_figure(path: Any) -> Any:
+    """The figure a study's training run drew (``figures/*.png``), shown as it is.
+
+    For figures that need the trained models (not kept in the committed raw results) when a report is
+    rendered from the committed results.
+    """
+    from pathlib import Path
+
+    from IPython.display import Image
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: it is drawn by the study's training run (from_results=False)")
+    return Image(data=path.read_bytes(), format="png")
+
+
+def attach(summary: dict[str, Any], rep: Report, from_results: bool) -> dict[str, Any]:
+    """``summary`` with the report: ``headline``, ``verdicts``, ``compared`` (each with its interval) first
+    after ``meta``, a ``low``/``high`` t interval beside every ``{"mean", "std", "n"}``, and
+    ``meta.report`` (rendered from the committed results or by the run itself, code state, date)."""
+    from datetime import UTC, datetime
+
+    from moelab.studies.common import git_state
+
+    git = git_state(exclude=("studies",))
+    meta = dict(summary.get("meta", {}))
+    meta["report"] = {"from_results": bool(from_results), "commit": git["commit"], "dirty": git["dirty"],
+                      "date": datetime.now(UTC).isoformat(timespec="seconds")}
+    rest = {k: v for k, v in summary.items() if k not in ("meta", "headline", "verdicts", "compared")}
+    return add_intervals({"meta": meta, **rep.summary(), **rest})
 
 
 @dataclass
@@ -469,6 +553,6 @@ class Report:
 
 
 __all__ = ["CLAIMS", "Finding", "Interval", "LEVEL", "MAX_LEAD", "Report", "bootstrap", "caption_difference",
-           "cell", "compare", "difference_figure", "headline", "judge", "markdown_table", "mean_interval",
-           "measured", "not_tested", "paired", "palette", "render", "smooth", "status_text", "step_differences",
+           "add_intervals", "attach", "by_seed", "cell", "committed_figure", "compare", "difference_figure", "headline", "judge", "markdown_table", "mean_interval",
+           "measured", "not_tested", "paired", "palette", "render", "result_table", "smooth", "status_text", "step_differences",
            "summary_block", "welch"]

@@ -208,24 +208,38 @@ def _summary():
     }
 
 
-def test_findings_are_computed_from_the_summary() -> None:
-    text = study.findings(_summary())
-    lines = text.splitlines()
-    assert all(ln.startswith("- ") for ln in lines) and len(lines) == 6
-    assert "Told g_min = -5 (check off)" in lines[0] and "overflows fp32 below g = -8.04" in lines[0]
-    assert "first non-finite at -8.1, the real op in bounded mode (bfloat16) first at g = -8.1." in lines[0]
-    assert "overflows below -11.09: modelled first non-finite at -11.1, real op at none swept" in lines[0]
-    assert "2.0x of margin" in lines[0] and "non-finite in 2" in lines[0]
-    assert "1.25-1.36x" in lines[1] and "T = 4,440" in lines[1] and "code at 730381e" in lines[1]
-    # 0.1 nats over a standard error sqrt(0.01^2/3 + 0.02^2/3) = 0.0129: 7.7 standard errors
-    assert "bounded-5 +0.100 (7.7 standard errors: distinguishable from the seed spread" in lines[2]
-    assert "softplus g = -7.90 ± 0.10" in lines[3]
-    assert "bounded-5 minus softplus -0.250" in lines[4]
-    assert "400,000 tokens, 0.40 epochs of the 1,000,000-token" in lines[5] and "memorization" not in lines[5]
+def _tables(near: float = 0.0):
+    import pandas as pd
 
-    close = _summary()
-    close["arms"]["bounded-5"]["best_val_loss"] = _ms(5.61, 0.02)
-    assert "within the seed spread" in study.findings(close)
+    seeds = (0, 1, 2)
+    runs = pd.DataFrame([{"arm": a, "seed": s, "steps": 100, "best_val_loss": v + 0.01 * s}
+                         for a, v in (("bounded-5", 5.70), ("softplus", 5.60)) for s in seeds])
+    decay = pd.DataFrame([{"arm": a, "seed": s, "layer": "l0", "g_min": -0.2 - 0.01 * s,
+                           "frac_channels_near_bound": near if a == "bounded-5" else 0.0}
+                          for a in ("bounded-5", "softplus") for s in seeds])
+    extra = pd.DataFrame([{"arm": a, "seed": s, "d_4x": 0.05 + 0.01 * (s % 2) * (a == "softplus")}
+                          for a in ("bounded-5", "softplus") for s in seeds])
+    forget = pd.DataFrame([{"arm": a, "seed": s, "final_loss": f * (1 + 0.01 * s), "g_fast_min": -1.0}
+                           for a, f in (("bounded-5", 1e-3), ("softplus", 1e-6)) for s in seeds])
+    return runs, decay, extra, forget
+
+
+def test_findings_are_rules_with_intervals_and_the_precondition_first() -> None:
+    summary = _summary()
+    summary["arms"]["bounded-5"]["bound"], summary["arms"]["softplus"]["bound"] = -5.0, -5.0
+    rep = study.study_report(summary, *_tables(near=0.0))
+    lines = rep.markdown().splitlines()
+    # the bound never binds: the cost is "not tested", the reason leads, the number follows for the record
+    assert lines[0].startswith("- **What does the bound cost in validation loss (bounded-5 minus softplus)?** "
+                               "not tested at this scale (the bound never binds")
+    assert "measured +0.100 nats [+0.100, +0.100]" in lines[0]
+    assert "never reached" in lines[1] and "0.0%" in lines[1]
+    # fast forgetting: log10(1e-3) - log10(1e-6) = 3 in every seed
+    assert "+3.00 log10 [+3.00, +3.00]; worse (interval excludes 0)" in rep.markdown()
+    assert "inside the noise (interval includes 0)" in rep.markdown()  # extrapolation: diffs 0, -0.01, 0
+    assert rep.markdown().index("| arm |") < rep.markdown().index("### Details")
+    binds = study.study_report(summary, *_tables(near=0.2))
+    assert binds.findings[0].status == "worse" and "reached: largest share" in binds.findings[1].plain()
 
 
 def test_kernel_rows_of_a_batch_are_those_of_each_decay_alone():

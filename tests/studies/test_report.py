@@ -79,7 +79,7 @@ def test_render_leads_with_the_verdicts_then_table_then_details():
           report.not_tested("does it transfer", "retrieval never learned")]
     md = report.render(fs, pd.DataFrame({"x": [1.0]}, index=pd.Index(["a"], name="arm")), ["a detail"])
     lines = md.splitlines()
-    assert lines[0].startswith("- **how large?** +2.000 nats [")
+    assert lines[0].startswith("- **how large?** 2.000 nats [")
     assert lines[1] == "- **does it transfer?** not tested at this scale (retrieval never learned)"
     assert md.index("| arm | x |") < md.index("### Details") < md.index("- a detail")
     block = report.summary_block(fs)
