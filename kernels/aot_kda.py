@@ -7,8 +7,8 @@ treat it as directional and time on the GPU).
 
     python kernels/aot_kda.py                       # every kernel at its LAUNCH config, bf16, D = 128
     python kernels/aot_kda.py --only dqkg wy --cfg dqkg=64,4,1
-    python kernels/aot_kda.py --infer --maxnreg 168  # the inference forward's kernels (triton_infer), uncapped
-                                                     # and at a register cap
+    python kernels/aot_kda.py --infer --maxnreg 128  # the inference forward's kernels (triton_infer) at their
+                                                     # launches, then at a register cap
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from moelab.ops.kda import infer_plan as P  # noqa: E402
 from moelab.ops.kda import triton_bwd as B  # noqa: E402
 from moelab.ops.kda import triton_chunk as tc  # noqa: E402
 from moelab.ops.kda import triton_fwd as F  # noqa: E402
@@ -44,7 +45,7 @@ def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf1
     # the inference forward's own names: its gate input z, fp16 (I + L)^-1 Diag(beta), the segmented path's fp32
     # [A | B] and start states, int32 offsets and orders
     ptrs.update(z="*" + dtype, ab="*fp16" if dtype == "bf16" else "*fp32", A_log="*fp32", dt_bias="*fp32",
-                M="*fp32", S0="*fp32", **{n: "*i32" for n in ("cu", "poff", "pbase", "psize", "order", "soff")})
+                M="*fp32", S0="*fp32", **{n: "*i32" for n in ("cu", "order", "soff")})
     if consts.get("G_IN"):
         ptrs["g"] = "*fp32"  # g holds the chunk-local G the prep wrote (fp32)
     sig = {}
@@ -84,7 +85,8 @@ def main() -> int:
     ap.add_argument("--cfg", nargs="*", default=[], help="NAME=block,warps,stages overrides")
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--infer", action="store_true", help="the inference forward's kernels (triton_infer) instead")
-    ap.add_argument("--maxnreg", type=int, nargs="*", default=[], help="--infer: also compile at these register caps")
+    ap.add_argument("--maxnreg", type=int, nargs="*", default=[],
+                    help="--infer: also compile every kernel at these register caps (0: uncapped)")
     args = ap.parse_args()
     if args.infer:
         return infer_main(args.K, args.maxnreg)
@@ -129,32 +131,30 @@ def main() -> int:
 
 def infer_main(K: int, caps: list[int]) -> int:
     """The inference forward's kernels for bf16 inputs at head dim K, L2 norm, bounded gate and beta sigmoid in the
-    op: the intra kernel (fold_v and u path, fixed-length rows and packed documents) at ``LAUNCH["intra"]``'s
-    warps, and the recurrence at each ``LAUNCH["recur"]`` block of 32 or more columns in its four uses
-    (fixed-length rows, packed documents, the segmented path's phase 1 and phase 3), uncapped and at each cap
-    of ``caps``."""
+    op: the intra kernel (fixed-length rows and packed documents) at ``infer_plan.LAUNCH["intra"]``, and the
+    recurrence at each ``LAUNCH["recur"]`` block of 32 or more columns in its four uses (fixed-length rows, packed
+    documents, the segmented path's phase 1 and phase 3), each at its launch's register cap; then everything again
+    at each cap of ``caps`` (0: uncapped)."""
     Kp = max(16, triton.next_power_of_2(K))
-    dims = dict(K=K, V=K, BK=Kp, BVF=Kp, C=I.CHUNK)
-    intra = dict(dims, LOG_N=1, VARLEN=False, GATE=1, HAS_BIAS=True, SILU=False, L2NORM=True, BETA_SIGMOID=True,
-                 IEEE=False, PER=1, STAGES=1, PIECE=False, WHOLE_BRANCH=I.WHOLE_CHUNK_BRANCH)
-    recur = dict(dims, HAS_H0=False, STORE_HT=True, DOT_BF16=True, IEEE=False, FOLD_V=True, PIECE=False, ORDER=False,
-                 AUG=False, STORE_O=True, VARLEN=False)
+    intra = dict(K=K, BK=Kp, C=P.CHUNK, LOG_N=1, VARLEN=False, GATE=1, HAS_BIAS=True, SILU=False, L2NORM=True,
+                 BETA_SIGMOID=True, IEEE=False)
+    recur = dict(K=K, V=K, BK=Kp, BVF=Kp, C=P.CHUNK, HAS_H0=False, STORE_HT=True, DOT_BF16=True, IEEE=False,
+                 ORDER=False, AUG=False, STORE_O=True, VARLEN=False)
     uses = {"fixed": {}, "packed": dict(VARLEN=True, ORDER=True), "phase 1": dict(VARLEN=True, AUG=True, STORE_O=False),
             "phase 3": dict(VARLEN=True, HAS_H0=True)}
-    warps = I.LAUNCH["intra"][0]
-    for cap in [None, *caps]:
-        capped = f" maxnreg={cap}" if cap else ""
-        for fold in (True, False):
-            for use, extra in (("fixed", {}), ("packed", dict(VARLEN=True, LOG_N=3))):
-                print(f"infer intra {'fold_v' if fold else 'u path':7s} {use:6s} warps={warps}{capped}: "
-                      f"{compile_one(I._kda_infer_intra, dict(intra, FOLD_V=fold, **extra), warps, 1, maxnreg=cap)}",
-                      flush=True)
-        for BV, w, stages, _ in I.LAUNCH["recur"]:
+    warps, stages = P.LAUNCH["intra"]
+    for cap in [None, *caps]:  # None: each launch's own cap
+        capped = "" if cap is None else f" maxnreg={cap or 'none'}"
+        for use, extra in (("fixed", {}), ("packed", dict(VARLEN=True, LOG_N=3))):
+            print(f"infer intra {use:6s} warps={warps}{capped}: "
+                  f"{compile_one(I._kda_infer_intra, dict(intra, **extra), warps, stages, maxnreg=cap)}", flush=True)
+        for BV, w, st, _, own in P.LAUNCH["recur"]:
             if BV < 32 or BV > Kp:
                 continue
+            reg = own if cap is None else cap
             for use, extra in uses.items():
-                print(f"infer recur {use:8s} {BV}/{w}/{stages}{capped}: "
-                      f"{compile_one(I._kda_infer_recur, dict(recur, BV=BV, **extra), w, stages, maxnreg=cap)}",
+                print(f"infer recur {use:8s} {BV}/{w}/{st}{f' maxnreg={reg}' if reg else ''}: "
+                      f"{compile_one(I._kda_infer_recur, dict(recur, BV=BV, **extra), w, st, maxnreg=reg)}",
                       flush=True)
     return 0
 

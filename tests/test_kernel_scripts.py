@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelab.ops.kda import triton_infer
+from moelab.ops.kda import infer_plan, triton_infer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -109,15 +109,17 @@ def test_aot_report(tmp_path):
 
 
 def test_aot_report_infer(tmp_path):
-    """``--infer``: the inference forward's intra kernel (both paths, fixed-length and packed) and its recurrence in
-    each of its four uses at every launch block of 32 or more columns, each through ptxas, with its register
-    count."""
+    """``--infer``: the inference forward's intra kernel (fixed-length and packed) and its recurrence in each of its
+    four uses at every launch block of 32 or more columns, each through ptxas at its launch's register cap, with
+    its register count."""
     res = _run(["kernels/aot_kda.py", "--infer"], tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     lines = [line for line in res.stdout.splitlines() if line.startswith("infer ")]
-    blocks = [c for c in triton_infer.LAUNCH["recur"] if 32 <= c[0] <= 128]
-    assert len(lines) == 4 + 4 * len(blocks) and all("registers" in line for line in lines), res.stdout
-    assert all(any(line.startswith(f"infer intra fold_v  {use}") for line in lines) for use in ("fixed", "packed"))
+    blocks = [c for c in infer_plan.LAUNCH["recur"] if 32 <= c[0] <= 128]
+    assert len(lines) == 2 + 4 * len(blocks) and all("registers" in line for line in lines), res.stdout
+    assert all(any(line.startswith(f"infer intra {use}") for line in lines) for use in ("fixed", "packed"))
+    capped = [c for c in blocks if c[4]]  # a capped launch compiles at its cap
+    assert capped and all(any(f"{c[0]}/{c[1]}/{c[2]} maxnreg={c[4]}:" in line for line in lines) for c in capped)
     assert all(any(f"infer recur {use}" in line for line in lines) for use in ("fixed", "packed", "phase 1", "phase 3"))
 
 

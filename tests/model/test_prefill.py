@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from moelab.model.transformer import MoELab
-from moelab.ops.kda import triton_infer
+from moelab.ops.kda import infer_plan
 from tests.helpers import assert_close
 from tests.model.tiny import tiny_config
 
@@ -42,13 +42,13 @@ def data(B: int, T: int, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
 def infer_calls(monkeypatch: pytest.MonkeyPatch) -> list:
     """Counts the calls of the KDA inference forward (the op imports it at call time)."""
     calls = []
-    real = triton_infer.kda_infer
+    real = infer_plan.kda_infer
 
     def spy(*args, **kw):
         calls.append(args[0].shape)
         return real(*args, **kw)
 
-    monkeypatch.setattr(triton_infer, "kda_infer", spy)
+    monkeypatch.setattr(infer_plan, "kda_infer", spy)
     return calls
 
 

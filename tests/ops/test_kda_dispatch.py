@@ -1,6 +1,6 @@
 """The KDA front door (``moelab.ops.kda.kda``): which path runs, packed documents, errors.
 
-The inference forward (``triton_infer.kda_infer``) must run exactly when no gradient is needed
+The inference forward (``infer_plan.kda_infer``) must run exactly when no gradient is needed
 and g is bounded, and give the training path's outputs; ``cu_seqlens`` through every backend must
 equal running each document on its own with the fp32 token recurrence. On a CPU machine the
 Triton kernels run in the interpreter (tests/conftest.py), fp32 at small shapes; bf16 at real
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moelab.ops.kda import INFER_G_MIN_FLOOR, kda, kda_path, triton_infer
+from moelab.ops.kda import INFER_G_MIN_FLOOR, infer_plan, kda, kda_path
 from tests.helpers import assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,13 +46,13 @@ def _op(x: dict, backend: str, **kw) -> tuple[torch.Tensor, torch.Tensor]:
 def infer_calls(monkeypatch: pytest.MonkeyPatch) -> list:
     """Records each call of the inference forward (the dispatcher imports it at call time)."""
     calls = []
-    real = triton_infer.kda_infer
+    real = infer_plan.kda_infer
 
     def spy(*args, **kw):
         calls.append(kw)
         return real(*args, **kw)
 
-    monkeypatch.setattr(triton_infer, "kda_infer", spy)
+    monkeypatch.setattr(infer_plan, "kda_infer", spy)
     return calls
 
 

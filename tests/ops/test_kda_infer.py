@@ -1,4 +1,4 @@
-"""KDA inference forward (moelab/ops/kda/triton_infer.py) against the fp32 token recurrence.
+"""KDA inference forward (moelab/ops/kda/infer_plan.py, kernels in triton_infer.py) against the fp32 token recurrence.
 
 The reference is the fp32 prep (``kda_prep_torch``: SiLU, L2 norm, gate) followed by
 ``naive_recurrent_kda`` run on each sequence or packed document on its own, on the same
@@ -11,16 +11,15 @@ fresh Triton cache); the other configs carry ``slow`` instead.
 from __future__ import annotations
 
 import functools
-import re
 
 import pytest
 import torch
 
-from moelab.ops.kda import triton_infer
+from moelab.ops.kda import INFER_CHUNK, INFER_G_MIN_FLOOR, infer_plan
 from moelab.ops.kda.bounds import max_safe_g_min
 from moelab.ops.kda.gate import kda_prep_torch
+from moelab.ops.kda.infer_plan import kda_infer
 from moelab.ops.kda.naive import naive_recurrent_kda
-from moelab.ops.kda.triton_infer import kda_infer
 from tests.helpers import assert_close, rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -114,66 +113,38 @@ def test_bounded_gate_matches_reference(case):
 def test_state_split_in_v_blocks(bv, monkeypatch):
     """The recurrence's V-blocks at other widths than the interpreter's 16 (the GPU takes 16 or 32):
     each owns BV columns of the state, so the split must not change o or the final state."""
-    monkeypatch.setattr(triton_infer, "_INTERP_BV", bv)
+    monkeypatch.setattr(infer_plan, "_INTERP_BV", bv)
     x = _inputs(2, 37, 2, 32, 64, torch.float32, seed=13, n_states=2)
     _check(_reference(x, x["s0"], None, gate="bounded"), _run(x, x["s0"], None, gate="bounded"), torch.float32)
 
 
-def test_launch_overrides_restore_and_check():
-    saved = dict(triton_infer.LAUNCH)
-    with triton_infer.launch_overrides(intra=(8, 1), recur=((16, 1, 2), (64, 4, 3, 96))):
-        assert triton_infer.LAUNCH["intra"] == (8, 1, 1, 0)
-        assert triton_infer.LAUNCH["recur"] == ((16, 1, 2, 0), (64, 4, 3, 96))
-    with triton_infer.launch_overrides(intra=(2, 3, 4)):
-        assert triton_infer.LAUNCH["intra"] == (2, 3, 4, 0)
-    with triton_infer.launch_overrides(intra=(4, 1, 1, 128)):
-        assert triton_infer.LAUNCH["intra"] == (4, 1, 1, 128)
-    assert triton_infer.LAUNCH == saved
-    for bad in ((4,), (2, 1, 1, 1), (2, 1, 1, 256), (2, 1, 1, 0, 0), (2, 0, 2), (2, 1, 0), (2, 1, 3)):
-        _err(lambda bad=bad: triton_infer.launch_overrides(intra=bad).__enter__(),
-             re.escape(f"intra={bad!r} is not allowed"))
-    _err(lambda: triton_infer.launch_overrides(recur=((16, 1),)).__enter__(), r"recur=.* is not allowed")
-    assert triton_infer.LAUNCH == saved
-
-
-# Several chunk slots per program of the intra kernel. (B, T, K, V, cu_seqlens): B3 T37 is 9 slots of 3
-# per row, so PER = 2, 4 and 8 leave a tail and their programs span rows; K = 20, V = 40 padded; PACKED
-# (below) uses 6 of its 10 slots (the grid's bound), so every PER has programs whose slots span
-# documents, an empty one among them, or lie past the last document's end.
-PER_CASES = [(3, 37, 20, 40, None), (1, 50, 32, 32, [0, 5, 21, 21, 48, 49, 50])]
-
-
-@pytest.mark.parametrize("fold_v", [False, True], ids=["u", "fold_v"])
-@pytest.mark.parametrize("per", [2, 4, 8])
-@pytest.mark.parametrize("case", PER_CASES, ids=["fixed", "packed"])
-def test_intra_slots_per_program_match_one(case, per, fold_v):
-    """Every intermediate of the intra kernel at ``per`` slots per program equals the one-slot launch's
-    exactly (each slot computes the same), and slots past the last write nothing (the buffers start
-    from a sentinel that must stay where PER = 1 leaves it)."""
-    B, T, K, V, cu = case
-    x = _inputs(B, T, 2, K, V, torch.float32, seed=T + per, n_states=1)
-    plan = triton_infer.InferPlan(x["q"], x["k"], x["v"], x["z"], x["beta_logit"], gate="bounded", A_log=x["A_log"],
-                                  dt_bias=x["dt_bias"], l2norm_qk=True, silu_qk=True, beta_sigmoid=True,
-                                  cu_seqlens=torch.tensor(cu, device=DEV) if cu is not None else None,
-                                  fold_v=fold_v)
-    bufs = (plan.w, plan.ab if fold_v else plan.u, plan.qg, plan.kd, plan.Aqk, plan.gl)
-    outs = []
-    for cfg in ((1, 1, 1), (1, 2, per)):
-        for t in bufs:
-            t.fill_(123.0)
-        plan.intra(*cfg)
-        outs.append([t.clone() for t in bufs])
-    for name, one, many in zip(("w", "ab" if fold_v else "u", "qg", "kd", "Aqk", "gl"), *outs):
-        assert torch.equal(one, many), f"{name}: PER = {per} differs from PER = 1"
-    # gl's last row is the recurrence's read-ahead pad, written by no slot
-    assert bool((outs[0][5][:-1] == 123.0).any()) == (cu is not None), "only the packed grid has spare slots"
-    _err(lambda: plan.intra(1, 1, 0), "per=0 is not allowed")
-    _err(lambda: plan.intra(1, 1, 3), "per=3 is not allowed: expected .* a power of two")
-    _err(lambda: plan.intra(1, 1, 1, 16), "maxnreg=16 is not allowed")
-
-
 # document lengths 5, 16, 0 (empty), 27, 1, 1: chunk tails, a whole chunk, an empty document
 PACKED = [0, 5, 21, 21, 48, 49, 50]
+
+
+@pytest.mark.parametrize("case", [(3, 37, 20, None), (1, PACKED[-1], 32, PACKED)], ids=["fixed", "packed"])
+def test_intra_writes_every_slot_in_use_and_no_other(case):
+    """The intra kernel writes every row of every chunk slot in use (all of K padded, in every intermediate),
+    and nothing else: packed, its grid is the bound ``cdiv(T, 16) + N`` slots, and the slots past the
+    ``coff[N]`` in use must leave the buffers as they were (they start from a sentinel here). Fixed length
+    (B3 T37: 3 slots per row, K = 20 padded to 32) uses every slot."""
+    B, T, K, cu = case
+    x = _inputs(B, T, 2, K, 16, torch.float32, seed=T + K, n_states=1)
+    plan = infer_plan.InferPlan(x["q"], x["k"], x["v"], x["z"], x["beta_logit"], gate="bounded", A_log=x["A_log"],
+                                dt_bias=x["dt_bias"], l2norm_qk=True, silu_qk=True, beta_sigmoid=True,
+                                cu_seqlens=torch.tensor(cu, device=DEV) if cu is not None else None)
+    C, H, NS = infer_plan.CHUNK, 2, plan.NS
+    used = int(plan.coff[-1]) if cu is not None else NS
+    assert (used, NS) == ((6, 10) if cu is not None else (9, 9))
+    bufs = dict(w=plan.w, ab=plan.ab, qg=plan.qg, kd=plan.kd, Aqk=plan.Aqk)
+    for t in (*bufs.values(), plan.gl):
+        t.fill_(123.0)
+    plan.intra()
+    for name, t in bufs.items():  # [H, slots * C, width]
+        assert not (t[:, :used * C] == 123.0).any(), f"{name}: a row of a slot in use was not written"
+        assert (t[:, used * C:] == 123.0).all(), f"{name}: a spare slot was written"
+    gl = plan.gl[:-1].view(H, NS, -1)  # [H * slots + 1, Kp]: the last row is the recurrence's read-ahead pad
+    assert not (gl[:, :used] == 123.0).any() and (gl[:, used:] == 123.0).all() and (plan.gl[-1] == 123.0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -258,12 +229,12 @@ def test_segment_plan_counts():
     """The segments the plan records: per document max(1, cdiv(chunks, L)), within the grid's bound."""
     x = _inputs(1, SEG_PACKED[-1], 1, 16, 16, torch.float32, seed=0, n_states=1)
     args = (x["q"], x["k"], x["v"], x["z"], x["beta_logit"].sigmoid())
-    plan = triton_infer.InferPlan(*args, gate="bounded", A_log=x["A_log"], segment_chunks=2,
+    plan = infer_plan.InferPlan(*args, gate="bounded", A_log=x["A_log"], segment_chunks=2,
                                   cu_seqlens=torch.tensor(SEG_PACKED, device=DEV))
     path = plan.path()
     assert path["segmented"] and path["segment_chunks"] == 2 and path["segments"] == [1, 3, 1, 1, 2, 1]
     assert plan.nseg >= sum(path["segments"])
-    plan = triton_infer.InferPlan(*args, gate="bounded", A_log=x["A_log"], segment_chunks=0)
+    plan = infer_plan.InferPlan(*args, gate="bounded", A_log=x["A_log"], segment_chunks=0)
     assert plan.path()["segmented"] is False
 
 
@@ -273,21 +244,20 @@ def test_fixed_length_segments_cached_equal_packed_rule(B, T, L):
     rule's on the same rows as documents, and a second plan of that shape reuses them."""
     x = _inputs(B, T, 1, 16, 16, torch.float32, seed=1, n_states=B)
     args = (x["q"], x["k"], x["v"], x["z"], x["beta_logit"].sigmoid())
-    plan = triton_infer.InferPlan(*args, gate="bounded", A_log=x["A_log"], segment_chunks=L)
+    plan = infer_plan.InferPlan(*args, gate="bounded", A_log=x["A_log"], segment_chunks=L)
     cached = plan._segments()
     cu, coff = plan._docs()
-    for got, want in zip(cached, triton_infer._segment_offsets(cu, coff, L, plan.nseg)):
+    for got, want in zip(cached, infer_plan._segment_offsets(cu, coff, L, plan.nseg)):
         assert torch.equal(got, want)
-    again = triton_infer.InferPlan(*args, gate="bounded", A_log=x["A_log"], segment_chunks=L)._segments()
+    again = infer_plan.InferPlan(*args, gate="bounded", A_log=x["A_log"], segment_chunks=L)._segments()
     assert all(a is b for a, b in zip(cached, again))
 
 
 def test_segment_rule_at_the_measured_shapes():
-    """choose_segment_chunks on 132 SMs (H200) against the measured sweeps: B1 T32768 H16 fastest at 256-chunk
-    segments (bfaed65: 1.13-1.18 ms, 128-chunk 1.25-1.28, 512-chunk 1.38, plain 1.69), B1 T8192 H64 plain
-    (6d91d0b: 1.13 ms, segmented 1.71); the other benchmark shapes, fixed and packed (6 documents per row),
-    plain."""
-    pick = triton_infer.choose_segment_chunks
+    """choose_segment_chunks on 132 SMs (H200) at the benchmark shapes, as the H200 segment-length sweeps
+    found them fastest: B1 T32768 H16 in 256-chunk segments; B1 T8192 H64 and the other shapes, fixed and
+    packed (6 documents per row), plain."""
+    pick = infer_plan.choose_segment_chunks
     assert pick(1, 16, 2048, 128, 128, 132) == 256
     for seqs, H, chunks in [(1, 64, 512), (1, 96, 512), (8, 16, 256), (6, 16, 2048 // 6), (6, 64, 512 // 6),
                             (6, 96, 512 // 6), (48, 16, 256 // 6)]:
@@ -299,120 +269,77 @@ def test_segment_rule_follows_programs_per_sm():
     ``V / (K + 2V)`` of saturation (SAT_COLS_PER_SM columns, 3 programs of 32 columns, per SM) and the
     sequences are long enough for at least two segments of SEG_MIN_LEN chunks; the same grid on twice
     the SMs is further from saturation, on half of them nearer."""
-    pick, sat = triton_infer.choose_segment_chunks, triton_infer.SAT_COLS_PER_SM
+    pick, sat = infer_plan.choose_segment_chunks, infer_plan.SAT_COLS_PER_SM
     # 16 heads at K = V = 128: 2048 columns; saturation at 96 per SM
     assert pick(1, 16, 2048, 128, 128, 132) > 0  # 15.5 columns per SM
     assert pick(1, 16, 2048, 128, 128, 264) > 0
     assert pick(1, 16, 2048, 128, 128, 2048 * 3 // sat) == 0  # exactly at V / (K + 2V) of saturation
-    assert pick(1, 16, 2 * triton_infer.SEG_MIN_LEN - 1, 128, 128, 132) == 0  # no room for two segments
+    assert pick(1, 16, 2 * infer_plan.SEG_MIN_LEN - 1, 128, 128, 132) == 0  # no room for two segments
     # longer sequences never go back to plain, and the segments stay at least SEG_MIN_LEN long
     lens = [pick(1, 16, n, 128, 128, 132) for n in (512, 1024, 2048, 4096, 8192)]
-    assert all(L >= triton_infer.SEG_MIN_LEN for L in lens), lens
+    assert all(L >= infer_plan.SEG_MIN_LEN for L in lens), lens
     # the model: chain steps below saturation, columns / saturation times the chain well above it
-    cost = triton_infer.recur_cost
+    cost = infer_plan.recur_cost
     assert cost(sat, 100, 1) == pytest.approx(100 * 2 ** (1 / 3))
     assert cost(1, 100, 1) == pytest.approx(100, rel=1e-4) and cost(10 * sat, 100, 1) == pytest.approx(1000, rel=1e-3)
 
 
-def test_recurrence_block_width_follows_programs_per_sm():
-    """pick_recur on 132 SMs at the measured launches: 64-wide blocks once the launch holds at least 96
-    columns per SM (B8 T4096 H16: 124, the segmented B1 T32768 H16: 140 and more), 32 below (B1 T8192
-    H64 / H96, plain B1 T32768 H16); blocks never wider than the state."""
-    pick = triton_infer.pick_recur
+def test_recurrence_launch_follows_programs_per_sm():
+    """pick_recur on 132 SMs at the benchmark launches: 64-wide blocks at 4 warps, capped at 168 registers,
+    once the launch holds at least 96 columns per SM (B8 T4096 H16: 124, the segmented B1 T32768 H16: 140
+    and more), 32-wide at 2 warps, uncapped, below (B1 T8192 H64 / H96, plain B1 T32768 H16); blocks never
+    wider than the state."""
+    pick = infer_plan.pick_recur
     for cols, bv in [(64 * 128, 32), (96 * 128, 32), (16 * 128, 32), (128 * 128, 64), (9 * 16 * 128, 64),
                      (16 * 16 * 256, 64)]:
         assert pick(cols, 128, 132)[0] == bv, (cols, pick(cols, 128, 132))
-    assert pick(10**6, 32, 132)[0] == 32 and pick(10**6, 16, 132)[0] == 16
+    assert pick(128 * 128, 128, 132) == (64, 4, 3, 168) and pick(64 * 128, 128, 132) == (32, 2, 3, 0)
+    assert pick(10**6, 32, 132)[0] == 32 and pick(10**6, 16, 132) == (16, 1, 3, 0)
 
 
-# Candidate paths (triton_infer.FOLD_V, PIECES), checked here whatever their defaults. fold_v: (B, T, H, K, V,
-# dtype, initial state, hard, cu_seqlens, segment_chunks): T = 1; T not a multiple of 16 with padded K != V;
-# fp16; correlated keys (large inverse entries, u formed from them); packed with an empty document; the
-# segmented recurrence (phase 1 forms u in its value blocks only).
-FOLD_CASES = [
-    (1, 1, 1, 16, 16, torch.float32, True, False, None, 0),
-    (1, 70, 1, 20, 40, torch.float32, False, False, None, 0),
-    (2, 37, 2, 32, 16, torch.float16, True, False, None, 0),
-    (1, 48, 2, 32, 32, torch.float32, True, True, None, 0),
-    (1, PACKED[-1], 2, 32, 32, torch.float32, True, False, PACKED, 0),
-    (1, SEG_PACKED[-1], 2, 16, 32, torch.float32, True, False, SEG_PACKED, 3),
-]
-
-
-@pytest.mark.parametrize("case", FOLD_CASES, ids=lambda c: f"T{c[1]}K{c[3]}V{c[4]}-{str(c[5])[6:]}-h0{int(c[6])}"
-                         f"{'-hard' if c[7] else ''}{'-packed' if c[8] else ''}-L{c[9]}")
-def test_fold_v_matches_reference(case):
-    """u formed in the recurrence from v and ``(I + L)^-1 Diag(beta)`` (fold_v) against the fp32 recurrence."""
-    B, T, H, K, V, dtype, h0, hard, cu, seg = case
-    x = _inputs(B, T, H, K, V, dtype, seed=T + K + 5, n_states=B if cu is None else len(cu) - 1, hard=hard)
-    s0 = x["s0"] if h0 else None
-    out = _run(x, s0, cu, gate="bounded", fold_v=True, segment_chunks=seg)
-    _check(_reference(x, s0, cu, gate="bounded"), out, dtype)
-
-
-def test_fold_v_fp16_inverse_storage(monkeypatch):
-    """The bf16 path stores ``(I + L)^-1 Diag(beta)`` in fp16 (``_ab_dtype``; the interpreter gets bf16 inputs
-    wrong, so forced here on fp32 inputs): within fp16 rounding of the reference on correlated keys, whose
-    inverse has the largest entries."""
-    monkeypatch.setattr(triton_infer, "_ab_dtype", lambda dtype, l2norm_qk: torch.float16)
+def test_fp16_inverse_storage(monkeypatch):
+    """The bf16 path stores ``Ab = (I + L)^-1 Diag(beta)`` in fp16 (``_ab_dtype``; the interpreter gets bf16
+    inputs wrong, so forced here on fp32 inputs): within fp16 rounding of the reference on correlated keys,
+    whose inverse has the largest entries."""
+    monkeypatch.setattr(infer_plan, "_ab_dtype", lambda dtype, l2norm_qk: torch.float16)
     x = _inputs(1, 48, 2, 32, 32, torch.float32, seed=9, n_states=1, hard=True)
-    plan = triton_infer.InferPlan(x["q"], x["k"], x["v"], x["z"], x["beta_logit"], gate="bounded", A_log=x["A_log"],
-                                  dt_bias=x["dt_bias"], l2norm_qk=True, beta_sigmoid=True, fold_v=True,
-                                  initial_state=x["s0"])
-    assert plan.ab.dtype == torch.float16 and plan.u is None
+    plan = infer_plan.InferPlan(x["q"], x["k"], x["v"], x["z"], x["beta_logit"], gate="bounded", A_log=x["A_log"],
+                                dt_bias=x["dt_bias"], l2norm_qk=True, beta_sigmoid=True, initial_state=x["s0"])
+    assert plan.ab.dtype == torch.float16
     plan.run()
     ref = _reference(x, x["s0"], None, gate="bounded")
     assert_close(ref[0], plan.o, 2e-3, "o")
     assert_close(ref[1], plan.hT, 2e-3, "final state")
 
 
-def test_fold_v_inverse_dtype_rule():
+def test_inverse_dtype_rule():
     """fp16 only where its range is guaranteed (L2-normalized keys) and the work dtype is bf16 anyway."""
-    f = triton_infer._ab_dtype
+    f = infer_plan._ab_dtype
     assert f(torch.bfloat16, True) == torch.float16
     assert f(torch.bfloat16, False) == f(torch.float16, True) == f(torch.float32, True) == torch.float32
 
 
-# pieces: fixed rows of 7 chunks in 3 pieces (2 + 2 + 3 chunks); packed documents of 1, 2, 0, 2, 1, 1 chunks
-# in 4 pieces, so most pieces of a document are empty; 1 piece per chunk of the longest document.
-@pytest.mark.parametrize("fold_v", [False, True], ids=["u", "fold_v"])
-@pytest.mark.parametrize("case", [(2, 103, 3, None), (1, PACKED[-1], 4, PACKED), (1, 40, 3, None)],
-                         ids=["fixed", "packed", "pieces_eq_chunks"])
-def test_pieces_equal_one_launch_bit_for_bit(case, fold_v):
-    """The intra kernel and the recurrence run piece by piece (pieces > 1) give the one-launch result bit
-    for bit: the same per-chunk arithmetic, the state handed between pieces in fp32."""
-    B, T, P, cu = case
-    x = _inputs(B, T, 2, 32, 16, torch.float32, seed=T + P, n_states=B if cu is None else len(cu) - 1)
-    one = _run(x, x["s0"], cu, gate="bounded", fold_v=fold_v, pieces=1)
-    many = _run(x, x["s0"], cu, gate="bounded", fold_v=fold_v, pieces=P)
-    assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
-    o, S = _run(x, None, cu, gate="bounded", fold_v=fold_v, pieces=P, output_final_state=False)
-    assert S is None
-    assert_close(_reference(x, None, cu, gate="bounded")[0], o, TOL[torch.float32], "o, no initial or final state")
-
-
-# longest_first: packed documents of 1, 2, 0, 2, 1, 1 chunks (ties and an empty one), on the plain and the
-# segmented recurrence (the segments become the documents ordered) and in pieces (each piece's lengths).
-@pytest.mark.parametrize("fold_v", [False, True], ids=["u", "fold_v"])
-@pytest.mark.parametrize("case", [(PACKED, 0, 1), (SEG_PACKED, 3, 1), (PACKED, 0, 3)],
-                         ids=["plain", "segmented", "pieces"])
-def test_longest_first_equals_document_order_bit_for_bit(case, fold_v, monkeypatch):
+# longest first: packed documents of 1, 2, 0, 2, 1, 1 chunks (ties and an empty one), on the plain and the
+# segmented recurrence (the segments become the documents ordered).
+@pytest.mark.parametrize("case", [(PACKED, 0), (SEG_PACKED, 3)], ids=["plain", "segmented"])
+def test_longest_first_equals_document_order_bit_for_bit(case, monkeypatch):
     """The recurrence's programs taking the packed documents longest first give the same o and final states
-    bit for bit: every program computes what it computed in document order, only its place in the launch
-    changes; and the kernel does follow the order it is given (one that sends every program to document 0
-    leaves the other documents' outputs unwritten: o starts as NaN there and stays so)."""
-    cu, seg, P = case
-    x = _inputs(1, cu[-1], 2, 32, 16, torch.float32, seed=len(cu) + seg + P, n_states=len(cu) - 1)
-    kw = dict(gate="bounded", fold_v=fold_v, segment_chunks=seg, pieces=P)
-    ordered = _run(x, x["s0"], cu, longest_first=True, **kw)
-    plain = _run(x, x["s0"], cu, longest_first=False, **kw)
-    assert torch.equal(ordered[0], plain[0]) and torch.equal(ordered[1], plain[1])
+    as document order bit for bit: every program computes what it computed in document order, only its place
+    in the launch changes; and the kernel does follow the order it is given (one that sends every program to
+    document 0 leaves the other documents' outputs unwritten: o starts as NaN there and stays so)."""
+    cu, seg = case
+    x = _inputs(1, cu[-1], 2, 32, 16, torch.float32, seed=len(cu) + seg, n_states=len(cu) - 1)
+    ordered = _run(x, x["s0"], cu, gate="bounded", segment_chunks=seg)
     assert_close(_reference(x, x["s0"], cu, gate="bounded")[0], ordered[0], TOL[torch.float32], "o")
-    real = triton_infer._longest_first
-    monkeypatch.setattr(triton_infer, "_longest_first", lambda chunks: torch.zeros_like(real(chunks)))
-    plan = triton_infer.InferPlan(x["q"], x["k"], x["v"], x["z"], x["beta_logit"], initial_state=x["s0"],
-                                  A_log=x["A_log"], dt_bias=x["dt_bias"], l2norm_qk=True, beta_sigmoid=True,
-                                  cu_seqlens=torch.tensor(cu, device=DEV), longest_first=True, **kw)
+    with monkeypatch.context() as m:
+        m.setattr(infer_plan.InferPlan, "_order", lambda self, chunks: None)  # document order, no ORDER launch
+        plain = _run(x, x["s0"], cu, gate="bounded", segment_chunks=seg)
+    assert torch.equal(ordered[0], plain[0]) and torch.equal(ordered[1], plain[1])
+    real = infer_plan._longest_first
+    monkeypatch.setattr(infer_plan, "_longest_first", lambda chunks: torch.zeros_like(real(chunks)))
+    plan = infer_plan.InferPlan(x["q"], x["k"], x["v"], x["z"], x["beta_logit"], initial_state=x["s0"],
+                                A_log=x["A_log"], dt_bias=x["dt_bias"], l2norm_qk=True, beta_sigmoid=True,
+                                cu_seqlens=torch.tensor(cu, device=DEV), gate="bounded", segment_chunks=seg)
     plan.o.fill_(float("nan"))  # torch.empty could hold an earlier run's o, written or not
     plan.run()
     assert plan.o[:, :cu[1]].isfinite().all() and plan.o[:, cu[1]:].isnan().any(), \
@@ -421,37 +348,27 @@ def test_longest_first_equals_document_order_bit_for_bit(case, fold_v, monkeypat
 
 @pytest.mark.parametrize("cu", [[0, 5, 21, 21, 37, 40, 77], [0, 16, 32, 33, 48, 48, 64, 80, 81]],
                          ids=["uneven", "aligned"])
-def test_whole_chunk_branch_equals_one_load_path(cu, monkeypatch):
-    """Packed whole chunks loading under one mask for all rows (``WHOLE_CHUNK_BRANCH``, a branch of their own)
-    give what the one load path gives, with empty documents, documents shorter than a chunk and ends on and off
-    chunk boundaries (bit for bit in the interpreter; compiled, the two branches may round differently); both
-    within the fp32 reference's tolerance."""
+def test_packed_whole_and_partial_chunks(cu):
+    """Packed, a chunk whose 16 rows all lie in its document loads in a branch of its own (one mask for all
+    rows), a document's last chunk with the rows past its end masked: with empty documents, documents shorter
+    than a chunk and ends on and off chunk boundaries, both within the fp32 reference's tolerance."""
     x = _inputs(1, cu[-1], 2, 32, 16, torch.float32, seed=len(cu), n_states=len(cu) - 1)
-    monkeypatch.setattr(triton_infer, "WHOLE_CHUNK_BRANCH", True)
-    branch = _run(x, x["s0"], cu, gate="bounded")
+    o, S = _run(x, x["s0"], cu, gate="bounded")
     ref_o, ref_S = _reference(x, x["s0"], cu, gate="bounded")
-    assert_close(ref_o, branch[0], TOL[torch.float32], "o")
-    assert_close(ref_S, branch[1], TOL[torch.float32], "final state")
-    if not torch.cuda.is_available():
-        monkeypatch.setattr(triton_infer, "WHOLE_CHUNK_BRANCH", False)
-        one = _run(x, x["s0"], cu, gate="bounded")
-        assert torch.equal(branch[0], one[0]) and torch.equal(branch[1], one[1])
+    assert_close(ref_o, o, TOL[torch.float32], "o")
+    assert_close(ref_S, S, TOL[torch.float32], "final state")
 
 
 def test_longest_first_order():
     """Document indices by chunk count, longest first, ties (and empty documents) in index order."""
     chunks = torch.tensor([1, 2, 0, 2, 1, 1])
-    assert triton_infer._longest_first(chunks).tolist() == [1, 3, 0, 4, 5, 2]
+    assert infer_plan._longest_first(chunks).tolist() == [1, 3, 0, 4, 5, 2]
 
 
-def test_candidate_arguments_are_checked():
-    x = _inputs(1, 40, 1, 16, 16, torch.float32, seed=2, n_states=1)
-    for bad in (0, -1, 2.0, True):
-        _err(lambda bad=bad: _run(x, None, None, gate="bounded", pieces=bad), f"pieces={bad!r} is not allowed")
-    _err(lambda: _run(x, None, None, gate="bounded", fold_v=1), "fold_v=1 is not allowed")
-    _err(lambda: _run(x, None, None, gate="bounded", longest_first=0), "longest_first=0 is not allowed")
-    _err(lambda: _run(x, None, None, gate="bounded", pieces=2, segment_chunks=1),
-         "pieces=2 is not allowed with the segmented recurrence")
+def test_dispatcher_constants_match_the_op():
+    """``moelab.ops.kda`` keeps the chunk and its g_min floor without importing Triton: they must be the op's."""
+    assert INFER_CHUNK == infer_plan.CHUNK == 16
+    assert INFER_G_MIN_FLOOR == max_safe_g_min("fp32", infer_plan.CHUNK)
 
 
 def test_no_autograd_graph():
@@ -485,28 +402,15 @@ def test_bad_inputs_name_the_value():
     for bad in (-1, 2.0, True):
         _err(lambda bad=bad: kda_infer(q, k, v, z, beta, gate="bounded", segment_chunks=bad, **A),
              f"segment_chunks={bad!r} is not allowed")
-    for bad in (-1, 16, 256, 168.0, True):
-        _err(lambda bad=bad: kda_infer(q, k, v, z, beta, gate="bounded", recur_maxnreg=bad, **A),
-             re.escape(f"recur_maxnreg={bad!r} is not allowed"))
-    plan = triton_infer.InferPlan(q, k, v, z, beta, gate="bounded", recur_maxnreg=168, **A)
-    assert plan.path()["recur_maxnreg"] == 168
-    # the cap applies to 4-warp launches only (the 2-warp ones measured slower capped)
-    assert [plan.recur_cap(w) for w in (1, 2, 4, 8)] == [0, 0, 168, 168]
-    default = triton_infer.InferPlan(q, k, v, z, beta, gate="bounded", **A)
-    assert default.recur_cap(4) == triton_infer.RECUR_MAXNREG and default.recur_cap(2) == 0
-    assert triton_infer.InferPlan(q, k, v, z, beta, gate="bounded", recur_maxnreg=0, **A).recur_cap(4) == 0
-    _err(lambda: plan.recur(maxnreg=168), "maxnreg=168 is not allowed")
-    _err(lambda: plan.recur(16, 1, 1, 300), "maxnreg=300 is not allowed")
 
 
 # GPU: bf16 at D = 128. The launch configs the op picks at the benchmark shapes (pick_recur: 32-wide blocks
 # below saturation, 64-wide above) run with ``-m gpu``; the rest of LAUNCH["recur"] (16-wide: only for V <= 16)
-# are marked slow, not gpu, so that ``pytest -m gpu`` compiles few kernels on a fresh Triton cache (the
-# benchmark's --infer-sweep checks every config's error at full size).
+# are marked slow, not gpu, so that ``pytest -m gpu`` compiles few kernels on a fresh Triton cache.
 _REP_RECUR = {32, 64}
 _needs_cuda = pytest.mark.skipif(DEV != "cuda", reason="needs a CUDA device")
 RECUR_PARAMS = [pytest.param(c, marks=pytest.mark.gpu if c[0] in _REP_RECUR else [pytest.mark.slow, _needs_cuda],
-                             id="recur{}-{}-{}".format(*c)) for c in triton_infer.LAUNCH["recur"]]
+                             id="recur{}-{}-{}".format(*c)) for c in infer_plan.LAUNCH["recur"]]
 
 
 def _gpu_inputs(packed):
@@ -558,33 +462,22 @@ def test_bf16_real_size_vs_reference_and_fla(packed, recur, seg, monkeypatch):
     """bf16 at D = 128, a recurrence launch config the op may pick, plain and segmented (8-chunk segments,
     every phase at that config): error vs the fp32 recurrence within the training op's 5e-3, and (where
     fla is importable) at most twice fla's ``chunk_kda`` error on the same inputs."""
-    monkeypatch.setitem(triton_infer.LAUNCH, "recur", (recur,))
+    monkeypatch.setitem(infer_plan.LAUNCH, "recur", (recur,))
     x, cu = _gpu_inputs(packed)
     _check_gpu(packed, _run(x, x["s0"], cu, gate="bounded", segment_chunks=seg))
 
 
 @pytest.mark.gpu
-def test_bf16_candidates():
-    """The candidate paths on the GPU in bf16, packed (document tails, an empty piece of a 1-token document):
-    fold_v (its inverse stored in fp16) within the same bounds as the default path; pieces (the recurrence
-    on a second stream, waiting on the intra kernel's pieces) equal to one launch bit for bit."""
-    x, cu = _gpu_inputs(True)
-    _check_gpu(True, _run(x, x["s0"], cu, gate="bounded", segment_chunks=0, fold_v=True, pieces=1))
-    one = _run(x, x["s0"], cu, gate="bounded", segment_chunks=0, fold_v=False, pieces=1)
-    many = _run(x, x["s0"], cu, gate="bounded", segment_chunks=0, fold_v=False, pieces=4)
-    assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("seg", [0, 8], ids=["plain", "segmented"])
-def test_bf16_recur_register_cap_changes_nothing(seg):
-    """``recur_maxnreg`` (ptxas's register cap on the recurrence's 4-warp launches) changes register allocation
-    and spills, never the arithmetic: o and the final state equal the uncapped run's bit for bit, packed, plain
-    and segmented, at the default cap (168) and at one that spills more (128). The recurrence runs at 64/4/3
-    (the launch the cap applies to) whatever these shapes would pick."""
+def test_bf16_recur_register_cap_changes_nothing(seg, monkeypatch):
+    """The register cap of the 4-warp recurrence launch (``LAUNCH["recur"]``'s maxnreg, 168) changes register
+    allocation and spills, never the arithmetic: o and the final state equal the uncapped run's bit for bit,
+    packed, plain and segmented, at that cap and at one that spills more (128). The recurrence runs at 64/4/3
+    whatever these shapes would pick."""
     x, cu = _gpu_inputs(True)
-    with triton_infer.launch_overrides(recur=((64, 4, 3),)):
-        base = _run(x, x["s0"], cu, gate="bounded", segment_chunks=seg, recur_maxnreg=0)
-        for cap in (168, 128):
-            capped = _run(x, x["s0"], cu, gate="bounded", segment_chunks=seg, recur_maxnreg=cap)
-            assert torch.equal(base[0], capped[0]) and torch.equal(base[1], capped[1]), cap
+    runs = {}
+    for cap in (0, 168, 128):
+        monkeypatch.setitem(infer_plan.LAUNCH, "recur", ((64, 4, 3, 0, cap),))
+        runs[cap] = _run(x, x["s0"], cu, gate="bounded", segment_chunks=seg)
+    for cap in (168, 128):
+        assert torch.equal(runs[0][0], runs[cap][0]) and torch.equal(runs[0][1], runs[cap][1]), cap

@@ -8,7 +8,7 @@ backend a config field names, so layers and studies switch implementations witho
 - ``chunk``: :func:`chunk_kda_torch`, chunkwise WY form in PyTorch (CPU-friendly, any g).
 - ``triton``: the Triton kernels (GPU, or CPU under ``TRITON_INTERPRET=1``; imported on first
   use), with the prep and gate fused into them. Two paths, picked per call (:func:`kda_path`):
-  the inference forward ``triton_infer.kda_infer`` (chunk 16, no autograd graph) when no
+  the inference forward ``infer_plan.kda_infer`` (chunk 16, no autograd graph) when no
   gradient is needed and g is bounded, else the training op ``triton_chunk.chunk_kda``.
 - ``auto``: ``triton`` when q is on a CUDA device, else ``chunk``.
 
@@ -30,7 +30,7 @@ from moelab.ops.varlen import check_cu_seqlens
 
 BACKENDS = ("auto", "triton", "chunk", "recurrent")
 PATHS = ("infer", "train", "chunk", "recurrent")
-INFER_CHUNK = 16  # the inference forward's chunk (triton_infer.CHUNK; kept here to avoid importing triton)
+INFER_CHUNK = 16  # the inference forward's chunk (infer_plan.CHUNK; kept here to avoid importing triton)
 INFER_G_MIN_FLOOR = max_safe_g_min("fp32", INFER_CHUNK)  # the lowest g_min the inference forward takes
 
 
@@ -42,7 +42,7 @@ def kda_path(backend: str, q: torch.Tensor, *, gate: str = "none", g_min: float 
              needs_grad: bool = False) -> str:
     """Which implementation ``kda(...)`` runs, one of :data:`PATHS`.
 
-    - ``"infer"``: ``triton_infer.kda_infer``, when the backend resolves to ``triton``, q is on a
+    - ``"infer"``: ``infer_plan.kda_infer``, when the backend resolves to ``triton``, q is on a
       CUDA device (or ``TRITON_INTERPRET=1``), no gradient is needed, and g is bounded: ``gate=
       "bounded"``, or ``gate="none"`` with a ``g_min``, where ``INFER_G_MIN_FLOOR <= g_min < 0``.
     - ``"train"``: ``triton_chunk.chunk_kda`` (forward + backward), the other ``triton`` calls.
@@ -115,7 +115,7 @@ def kda(
 
     Which path runs (:func:`kda_path`): with ``backend="triton"`` (or ``"auto"`` on a CUDA
     tensor), a call that needs no gradient (``torch.no_grad()`` / ``inference_mode()``, or no
-    input requiring grad) with a bounded g runs the inference forward ``triton_infer.kda_infer``
+    input requiring grad) with a bounded g runs the inference forward ``infer_plan.kda_infer``
     (chunk 16, no autograd graph; ``chunk_size`` is not used); any other Triton call runs the
     training op ``triton_chunk.chunk_kda``. ``chunk`` / ``recurrent`` (and ``auto`` on CPU) run
     the PyTorch code. All paths compute the same function.
@@ -154,7 +154,7 @@ def kda(
     path = kda_path(backend, q, gate=gate, g_min=g_min,
                     needs_grad=_needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias))
     if path == "infer":
-        from moelab.ops.kda.triton_infer import kda_infer
+        from moelab.ops.kda.infer_plan import kda_infer
 
         return kda_infer(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, g_min=g_min, validate=validate, gate=gate,
