@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -13,31 +14,91 @@ from moelab.studies import readme
 ROOT = Path(__file__).resolve().parents[2]
 # Paths of one machine or of the workspace around the repository: a clone has none of them.
 OUTSIDE = re.compile(r"(?<![\w.~-])/(?:work|home|root|Users)/|\.\./shared/|\bshared/(?:anchors|research|device)/")
+# The READMEs whose tables a reader scans: no cell longer than readme.MAX_CELL characters.
+READMES = ["README.md", "kernels/README.md", "studies/README.md", "tests/README.md", "nbs/README.md"]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
-def test_measured_table_matches_the_result_files() -> None:
-    text = (ROOT / "README.md").read_text()
-    stale = "README.md's 'Measured so far' table is stale: run `python -m moelab.studies.readme`"
-    assert readme.render(text) == text, stale
+def _cells(line: str) -> list[str]:
+    """The cells of a Markdown table row (``\\|`` inside a cell is not a separator)."""
+    return [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
 
 
-def test_every_row_names_its_files_and_a_commit() -> None:
-    rows = [ln for ln in readme.table().splitlines() if ln.startswith("| ") and not ln.startswith("| what")]
-    assert len(rows) == len(readme.ROWS)
+def _table_rows(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.startswith("|") and not re.fullmatch(r"\|[-|: ]+\|", ln.strip())]
+
+
+@pytest.mark.parametrize("doc", list(readme.BLOCKS))
+def test_measured_table_matches_the_result_files(doc: str) -> None:
+    text = (ROOT / doc).read_text()
+    assert readme.render(text, doc) == text, f"{doc}'s measured table is stale: run `python -m moelab.studies.readme`"
+
+
+@pytest.mark.parametrize("doc", list(readme.BLOCKS))
+def test_every_row_links_its_files_and_names_a_commit(doc: str) -> None:
+    rows = _table_rows(readme.table(doc))[1:]  # without the header
+    assert len(rows) >= {"kernels/README.md": len(readme.KERNEL_ROWS)}.get(doc, len(readme.STUDIES))
+    here = (ROOT / doc).parent
     for row in rows:
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        files = re.findall(r"`([^`\s]+\.(?:json|ipynb|log))`", cells[2])
-        assert files and all((ROOT / f).is_file() for f in files), row
-        assert re.fullmatch(r"`[0-9a-f]{7}`", cells[3]), row
+        cells = _cells(row)
+        files = [f for f in LINK.findall(cells[-2 if doc != "README.md" else -1]) if f.endswith(".json")]
+        assert files and all((here / f).is_file() for f in files), row
+        if doc != "README.md":
+            assert re.fullmatch(r"`[0-9a-f]{7}`", cells[-1]), row
+
+
+@pytest.mark.parametrize("doc", READMES)
+def test_no_readme_table_cell_is_over_the_limit(doc: str) -> None:
+    long = [f"{doc}: {len(c)} characters: {c[:80]}..." for row in _table_rows((ROOT / doc).read_text())
+            for c in _cells(row) if len(c) > readme.MAX_CELL]
+    assert not long, "\n".join(long)
+
+
+def test_front_readme_stays_a_front_door() -> None:
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 160
 
 
 def test_render_replaces_only_the_marked_block() -> None:
     doc = f"intro\n{readme.BEGIN}\nold rows\n{readme.END}\noutro\n"
-    out = readme.render(doc)
+    out = readme.render(doc, "studies/README.md")
     assert out.startswith("intro\n" + readme.BEGIN) and out.endswith(readme.END + "\noutro\n")
-    assert "old rows" not in out and readme.HEADER in out
-    with pytest.raises(ValueError, match="no generated table"):
-        readme.render("no markers here")
+    assert "old rows" not in out and "| study | question | answer | raw output | code |" in out
+    with pytest.raises(ValueError, match="kernels/README.md has no generated table"):
+        readme.render("no markers here", "kernels/README.md")
+
+
+def test_links_are_relative_to_the_readme() -> None:
+    assert readme._links(["kernels/results/moe_h200.json"], "kernels/README.md") == \
+        "[`results/moe_h200.json`](results/moe_h200.json)"
+    assert readme._links(["studies/a.json"], "kernels/README.md") == "[`../studies/a.json`](../studies/a.json)"
+    assert readme._links(["studies/a.json"], "README.md") == "[`studies/a.json`](studies/a.json)"
+    assert os.path.normpath(os.path.join("kernels", "../studies/a.json")) == os.path.normpath("studies/a.json")
+
+
+def test_study_rows_prefer_the_summary_s_own_headline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A summary with ``headline`` and ``verdicts`` is rendered from them (the front README shows the headline,
+    studies/README.md every verdict once); without them, the study's numbers as the fallback reads them."""
+    meta = {"preset": "cpu", "device": "cpu", "runs": 6, "tokens_per_run": 1234567, "commit": "abcdef1"}
+    by_depth = {"4": {"prenorm": {"mean": 6.0, "n": 3}, "block_attnres": {"mean": 5.9}, "full_attnres": {"mean": 5.8},
+                      "blocks": 4, "order": "holds"},
+                "16": {"prenorm": {"mean": 6.2, "n": 3}, "block_attnres": {"mean": 5.7},
+                       "full_attnres": {"mean": 5.9}, "blocks": 8, "order": "does not hold"}}
+    summary = {"meta": meta, "by_depth": by_depth}
+    monkeypatch.setattr(readme, "_load", lambda rel: summary)
+    st = readme.STUDIES[2]()
+    assert st.setup == "`cpu` preset (cpu), 6 runs of 1,234,567 tokens"
+    assert st.headline == ("Full <= Block < PreNorm in mean val loss holds at 4 layers, not at 16 (16 layers: "
+                           "prenorm 6.200, block (8) 5.700, full 5.900)")
+    assert st.lines[1].startswith("16 layers, mean val loss: prenorm 6.200")
+    summary.update(headline="Q? A +0.1 [-0.1, +0.3]", verdicts=["Q? A +0.1 [-0.1, +0.3]", "Q2? B"])
+    st = readme.STUDIES[2]()
+    assert (st.headline, st.lines) == ("Q? A +0.1 [-0.1, +0.3]", ["Q? A +0.1 [-0.1, +0.3]", "Q2? B"])
+    monkeypatch.setattr(readme, "STUDIES", [readme.STUDIES[2]])
+    monkeypatch.setattr(readme, "measured_commit", lambda path, needle=None: {"commit": "abcdef1234"})
+    front, full = readme.table("README.md"), readme.table("studies/README.md")
+    assert "| Q? | A +0.1 [-0.1, +0.3] | [`studies/03_attnres_depth/summary.json`]" in front and "Q2?" not in front
+    assert full.count("A +0.1") == 1 and "|  | Q2? | B | [`03_attnres_depth/summary.json`]" in full
+    assert readme._question("no question here? ") == ("", "no question here? ")
 
 
 def test_no_path_outside_the_repository_is_cited() -> None:
@@ -56,8 +117,8 @@ def test_rows_show_paired_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
                 "target": target, "verdict": verdict}
 
     common = {"tok_per_s": 250e3, "loss_finite": True, "nonfinite_grads": [], "params": 173e6,
-              "params_activated": 57e6, "B": 8, "T": 4096, "mfu": 0.3, "mfu_model_flops": 0.09, "peak_mem_gb": 24.0, "host_ms": 120.0,
-              "step_ms": 131.0, "balancer_ms": 0.5, "balancer_share": 0.004}
+              "params_activated": 57e6, "B": 8, "T": 4096, "mfu": 0.3, "mfu_model_flops": 0.09, "peak_mem_gb": 24.0,
+              "host_ms": 120.0, "step_ms": 131.0, "balancer_ms": 0.5, "balancer_share": 0.004}
     rows = [{**common, "impl": "moelab_gpu_small_prenorm", "model.residual.mode": "prenorm"},
             {**common, "impl": "moelab_gpu_small_block_attnres_8", "model.residual.mode": "block_attnres",
              "model.residual.num_blocks": "8", "ratio_vs_prenorm": q([0.88, 0.93, 0.95], 0.9, "within noise")},
@@ -65,16 +126,16 @@ def test_rows_show_paired_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
             {**common, "impl": "moelab_k3_mini", "balancer": "quantile_balancing", "balancer_cost": 0.015,
              "ratio_vs_balancer_none": q([0.975, 0.985, 0.99], 0.98, "within noise")}]
     monkeypatch.setattr(readme, "_load", lambda rel: {"rows": rows})
-    result = readme._residual_modes()[1]
+    result = readme._residual_modes().result
     assert "block_attnres_8 0.93x (0.88-0.95 in 3 paired rounds: within noise)" in result
-    result = readme._k3_mini()[1]
-    assert "costs 1.5% of the tokens/s (1.0% to 2.5% in 3 paired rounds; target <= 2%: within noise" in result
-    assert "MFU 9.0% vs 9.0% (model FLOPs" in result and "would say 30.0%" in result  # a sparse model's MFU
+    result = readme._k3_mini().result
+    assert "costs 1.5% (1.0% to 2.5% in 3 paired rounds: within noise" in result
+    assert "MFU 9.0% vs 9.0% (activated)" in result  # a sparse model's MFU counts the activated FLOPs
     for r in rows[1], rows[3]:  # a run that stopped early says how many of its planned rounds it has
         r.update(rounds_planned=8, complete=False)
-    result = readme._residual_modes()[1]
+    result = readme._residual_modes().result
     assert "block_attnres_8 0.93x (0.88-0.95 in 3 of 8 planned paired rounds: within noise)" in result
-    assert "(1.0% to 2.5% in 3 of 8 planned paired rounds; target <= 2%" in readme._k3_mini()[1]
+    assert "(1.0% to 2.5% in 3 of 8 planned paired rounds: within noise" in readme._k3_mini().result
     del rows[1]["ratio_vs_prenorm"], rows[3]["ratio_vs_balancer_none"]  # single runs: the plain ratio as before
-    assert "block_attnres_8 1.00x (issue 16's" in readme._residual_modes()[1]
-    assert "costs 0.0% of the tokens/s (target <= 2%; one run each" in readme._k3_mini()[1]
+    assert "block_attnres_8 1.00x" in readme._residual_modes().result
+    assert "costs 0.0% (one run each" in readme._k3_mini().result
