@@ -256,9 +256,6 @@ pd.Series({k: str(summary["meta"][k]) for k in ("commit", "dirty", "device", "to
 
 # %% [markdown]
 # ## Findings
-# Each line: the question, the answer, the number with its 95% interval over paired seeds, and the one wording of
-# `moelab.studies.report` (better / worse only when the interval excludes 0; "not tested" when the precondition
-# failed). The table and the details follow.
 
 # %%
 Markdown(study.findings(findings))

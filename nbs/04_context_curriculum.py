@@ -30,13 +30,18 @@
 # length in every arm, documents kept apart the same way. Each trained model then runs the
 # evaluation suite: passkey over lengths × needle depths up to 4× the longest training length (beyond the window by
 # chunked prefill), multi-query associative recall (MQAR), loss by token position. The logic is in
-# `moelab.studies.context_curriculum`, the run grid in `moelab.studies.common`, the tasks in `moelab.eval`.
+# `moelab.studies.context_curriculum`, the run grid in `moelab.studies.common`, the tasks in `moelab.eval`, the
+# intervals and their wording in `moelab.studies.report`. With `from_results = True` the notebook trains nothing: it
+# renders the report from the raw results a run committed in `results/` and `summary.json` (the one figure that
+# needs the training runs themselves, validation loss against wall-clock, is shown as that run drew it).
 
 # %% tags=["parameters"]
 preset = "cpu"  # "cpu": minutes on 2 cores (all-MLA, width 64, 256 -> 2048); "gpu": gpu-small, 1K -> 16K, one H200
 out_dir = "."
+from_results = False  # True: render from the committed results/ and summary.json instead of training again
 
 # %%
+import json
 from pathlib import Path
 
 import pandas as pd
@@ -44,6 +49,7 @@ from IPython.display import Markdown
 
 from moelab.studies import common
 from moelab.studies import context_curriculum as study
+from moelab.studies import report
 from moelab.utils import write_json
 
 common.quiet_known_noise()  # log noise filtered at its source, before anything imports Lightning
@@ -72,15 +78,17 @@ study.arms_factor(preset).keys()
 # One line per finished run; each run's training output goes to `checkpoints/<schedule>-s<seed>/train.log`.
 
 # %%
-grid = study.train(preset, out)
-grid.histories().to_csv(out / "results" / "loss_histories.csv", index=False)
-common.show(common.loss_curves(grid, f"{grid.base}: schedules at equal tokens"), out / "figures" / "training_loss.png")
+grid = None if from_results else study.train(preset, out)
+histories = report.result_table(out / "results" / "loss_histories.csv", lambda: grid.histories(), from_results)
+common.show(report.difference_figure(histories, "direct", f"{plan.base}: validation loss minus direct's, equal tokens",
+                                     metric="val/loss", window=1, skip=0.0),
+            out / "figures" / "training_loss.png")
 
 # %% [markdown]
-# **Figure 1.** Training loss per optimizer step (thin: each seed; bold: mean over seeds) and validation loss (dots:
-# each seed; diamonds: mean), nats per token. Training losses are on each schedule's own sequence length, so they
-# are not comparable across schedules (a short window has less context to predict from, and the share of sub-task
-# answer tokens differs); the validation loss is on windows of the longest length for every schedule.
+# **Figure 1.** Validation loss (windows of the longest length, the same for every schedule) of each schedule minus
+# direct's, seed by seed (same seed: same initialization and data order); line: mean over seeds, band: its 95% t
+# interval. Below 0: lower loss than direct at the same step, hence the same tokens. Training losses are not
+# compared: each is on its schedule's own sequence length.
 
 # %% [markdown]
 # ## 3. Evaluation: passkey, MQAR, loss by position
@@ -88,11 +96,16 @@ common.show(common.loss_curves(grid, f"{grid.base}: schedules at equal tokens"),
 # window, carrying the KDA state and the MLA latent cache). One line per run.
 
 # %%
-evals = study.evaluate_runs(grid, preset)
-write_json(out / "results" / "eval.json", evals)
-rows = study.summary_rows(grid, preset, evals)
+if from_results:
+    evals = json.loads((out / "results" / "eval.json").read_text())
+    committed = study.refresh_comparisons(json.loads((out / "summary.json").read_text()))
+    rows = committed["rows"]
+else:
+    evals = study.evaluate_runs(grid, preset)
+    write_json(out / "results" / "eval.json", evals)
+    rows = study.summary_rows(grid, preset, evals)
+    pd.DataFrame(rows).to_csv(out / "results" / "runs.csv", index=False)
 table = pd.DataFrame(rows)
-table.to_csv(out / "results" / "runs.csv", index=False)
 table[["schedule", "seed", "stages", "tokens", "wall_s", "val_loss", "effective_context", "mqar_acc"]]
 
 # %%
@@ -112,7 +125,7 @@ common.show(study.passkey_figure(evals, preset), out / "figures" / "passkey_heat
 # accuracy averaged over depths.
 
 # %%
-summary = study.summarize(grid, rows, study.stage_perf(grid, preset), evals, preset)
+summary = committed if from_results else study.summarize(grid, rows, study.stage_perf(grid, preset), evals, preset)
 common.show(study.accuracy_figure(rows, preset, summary["chance"]), out / "figures" / "retrieval_by_length.png")
 
 # %% [markdown]
@@ -125,8 +138,8 @@ common.show(study.position_figure(evals, preset), out / "figures" / "loss_by_pos
 
 # %% [markdown]
 # **Figure 4.** Held-out next-token loss by position in windows of 4× the longest training length (log-spaced
-# position bins; thin: each seed; bold: mean), per schedule. Dotted lines: the stage lengths. A model that uses
-# its context keeps the loss falling with position; a rise past a length is where it stops generalizing.
+# position bins) of each schedule minus direct's, paired by seed: mean over seeds and its 95% t band. Dotted lines:
+# the stage lengths. Below 0: the schedule predicts tokens at that position better than direct training.
 
 # %% [markdown]
 # ## 4. Cost: tokens/s and memory per stage, training time per schedule
@@ -134,7 +147,8 @@ common.show(study.position_figure(evals, preset), out / "figures" / "loss_by_pos
 # %%
 perf = pd.DataFrame(summary["stage_perf"])
 perf.to_csv(out / "results" / "stage_perf.csv", index=False)
-common.show(study.perf_figure(summary["stage_perf"], summary["rows"], common.device_name()), out / "figures" / "cost.png")
+common.show(study.perf_figure(summary["stage_perf"], summary["rows"], summary["meta"]["device"]),
+            out / "figures" / "cost.png")
 
 # %% [markdown]
 # **Figure 5.** Left: training tokens/s per stage (median of the logging windows inside the stage, the run's first
@@ -146,7 +160,11 @@ common.show(study.perf_figure(summary["stage_perf"], summary["rows"], common.dev
 # (plain-PyTorch attention, other load) and memory is not recorded.
 
 # %%
-common.show(study.val_time_figure(grid, preset, summary["stage_perf"]), out / "figures" / "val_vs_wall_clock.png")
+if from_results:  # needs the runs' validation curves placed in time, which live in the training runs
+    figure = report.committed_figure(out / "figures" / "val_vs_wall_clock.png")
+else:
+    figure = common.show(study.val_time_figure(grid, preset, summary["stage_perf"]), out / "figures" / "val_vs_wall_clock.png")
+figure
 
 # %% [markdown]
 # **Figure 6.** Validation loss (longest-length windows) against estimated training wall-clock, every run: each
@@ -156,10 +174,13 @@ common.show(study.val_time_figure(grid, preset, summary["stage_perf"]), out / "f
 
 # %% [markdown]
 # ## 5. Summary
-# Comparisons are paired by seed (same seed: same initialization and data order); a difference counts when it
-# exceeds twice the seed standard deviation of the per-seed differences, and is called inside the noise otherwise.
+# Comparisons are paired by seed (same seed: same initialization and data order), each with the 95% Student t
+# interval of the per-seed differences; a difference is called better or worse only when its interval excludes 0,
+# inside the noise otherwise, and "not tested" where the study's precondition (retrieval learned) failed.
 
 # %%
+findings = study.study_report(summary)
+summary = report.attach(summary, findings, from_results)
 write_json(out / "summary.json", summary)
 pd.Series({k: str(summary["meta"][k]) for k in ("commit", "dirty", "device", "torch", "triton", "command", "date",
                                                 "wall_s", "tokens_per_run", "epochs", "runs", "runs_skipped")},
@@ -169,4 +190,4 @@ pd.Series({k: str(summary["meta"][k]) for k in ("commit", "dirty", "device", "to
 # ## Findings
 
 # %%
-Markdown(study.findings(summary))
+Markdown(study.findings(findings))

@@ -243,6 +243,6 @@ def test_study4_summary_holds_its_schedules_and_verdicts() -> None:
     longest = max(s["meta"]["lengths"])
     assert all(max(int(n) for n in r["passkey"]) >= 4 * longest for r in rows)
     assert set(s["factor"]) == {"data.curriculum"}
-    assert set(s["verdict"]) == {"equal_tokens", "equal_wall_clock"} and all(s["verdict"].values())
+    assert set(s["verdict"]) == {"equal_tokens", "equal_wall_clock", "effective_context"} and all(s["verdict"].values())
     if s["meta"]["preset"] == "cpu":
         assert s["meta"]["wall_s"] <= 240, f"PRESET=cpu took {s['meta']['wall_s']} s: the rule is 4 minutes"

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moelab.studies import common
+from moelab.studies import common, report
 
 STUDY = "04_context_curriculum"
 SCHEDULES = ("curriculum", "direct", "short")
@@ -430,22 +430,26 @@ def equal_time(grid: common.Grid, preset: str, perf_rows: Sequence[Mapping[str, 
 
 
 def paired(a: Mapping[int, float], b: Mapping[int, float]) -> dict[str, Any]:
-    """``a - b`` seed by seed (same seed = same initialization and data order), judged against the seed noise.
+    """``a - b`` seed by seed (same seed = same initialization and data order) with its 95% t interval.
 
-    ``{"mean", "std", "n", "values", "noise", "verdict"}``: noise = twice the std (ddof=1) of the per-seed
-    differences; verdict ``lower`` / ``higher`` beyond it, ``within noise`` (also when every difference
-    is 0), or ``one seed``.
+    ``{"mean", "std", "n", "low", "high", "values", "verdict"}`` (``report.paired``): verdict ``lower`` /
+    ``higher`` when the interval excludes 0, ``within noise`` when it includes 0 (also when every
+    difference is 0), ``one seed`` without an interval.
     """
-    seeds = sorted(set(a) & set(b))
-    values = [a[s] - b[s] for s in seeds if a[s] is not None and b[s] is not None]
+    seeds = sorted(s for s in set(a) & set(b) if a[s] is not None and b[s] is not None)
+    values = [a[s] - b[s] for s in seeds]
     n = len(values)
-    mean = float(np.mean(values)) if n else None
     std = float(np.std(values, ddof=1)) if n > 1 else None
+    if n == 0:
+        return {"mean": None, "std": None, "n": 0, "low": None, "high": None, "values": [], "verdict": "one seed"}
+    iv = report.paired({s: a[s] for s in seeds}, {s: b[s] for s in seeds})
     if n < 2:
-        return {"mean": mean, "std": std, "n": n, "values": values, "noise": None, "verdict": "one seed"}
-    noise = 2 * std
-    verdict = "within noise" if abs(mean) <= noise else ("lower" if mean < 0 else "higher")
-    return {"mean": mean, "std": std, "n": n, "values": values, "noise": noise, "verdict": verdict}
+        return {**iv.to_dict(), "std": std, "values": values, "verdict": "one seed"}
+    if iv.low == iv.high == 0.0:  # every difference 0: nothing to tell apart
+        verdict = "within noise"
+    else:
+        verdict = "within noise" if iv.includes_zero else ("lower" if iv.mean < 0 else "higher")
+    return {**iv.to_dict(), "std": std, "values": values, "verdict": verdict}
 
 
 def by_seed(rows: Sequence[Mapping[str, Any]], schedule: str, key: str) -> dict[int, float]:
@@ -477,24 +481,50 @@ def _judgement(d: Mapping[str, Any], sign: int) -> str:
     return "better" if (d["verdict"] == "higher") == (sign > 0) else "worse"
 
 
-def verdict(cmp: Mapping[str, Mapping[str, Any]], at_time: Mapping[str, Any]) -> dict[str, str]:
-    """Does the curriculum beat direct long training? ``equal_tokens``: from the validation loss and the passkey /
-    MQAR numbers; ``equal_wall_clock``: from the validation losses at the same wall-clock."""
-    judged = [cmp[m]["judgement"] for m in METRICS]
-    if "one seed" in judged:
-        tokens = "not judged (one seed)"
-    elif "better" in judged and "worse" not in judged:
-        tokens = "yes"
-    elif "worse" in judged and "better" not in judged:
-        tokens = "no: direct is better"
-    elif "better" in judged:
-        tokens = "mixed"
-    else:
-        tokens = "no difference beyond the noise"
-    j = _judgement(at_time["diff"], -1)
-    clock = {"better": "yes", "worse": "no: direct is better", "tie": "no difference beyond the noise",
-             "one seed": "not judged (fewer than two seeds with a reading)"}[j]
-    return {"equal_tokens": tokens, "equal_wall_clock": clock}
+PASSKEY_LEARNED = 0.5  # retrieval counts as learned where some run reaches this passkey accuracy at some length
+
+
+def retrieval_learned(rows: Sequence[Mapping[str, Any]]) -> tuple[bool, str | None]:
+    """Study 4's precondition: did any run learn retrieval (passkey accuracy >= PASSKEY_LEARNED at some length)?
+
+    Returns ``(learned, reason)``; the reason (for "not tested") names the best accuracy reached and chance.
+    """
+    best = max((max(r["passkey"].values()) for r in rows if r["passkey"]), default=0.0)
+    if best >= PASSKEY_LEARNED:
+        return True, None
+    return False, (f"retrieval never learned: the best passkey accuracy of any run at any length is {best:.2f} "
+                   f"(chance {chance_passkey():.1e}), so effective context is 0 in every arm")
+
+
+def _wording(d: Mapping[str, Any], lower_is_better: bool) -> str:
+    iv = report.Interval(d["mean"], *(math.nan if d.get(k) is None else d[k] for k in ("low", "high")),
+                         d["n"], "paired t")
+    return report.status_text(report.judge(iv, lower_is_better))
+
+
+def verdict(cmp: Mapping[str, Mapping[str, Any]], at_time: Mapping[str, Any],
+            learned: tuple[bool, str | None] = (True, None)) -> dict[str, str]:
+    """Curriculum against direct long training, in the one wording of ``moelab.studies.report``:
+    ``equal_tokens`` (validation loss at the longest length), ``equal_wall_clock`` (validation loss when the
+    faster run finished), ``effective_context`` ("not tested" unless retrieval was learned)."""
+    out = {"equal_tokens": _wording(cmp["val_loss"], True) if cmp["val_loss"]["n"] else "not compared",
+           "equal_wall_clock": (_wording(at_time["diff"], True) if at_time["diff"]["n"]
+                                else "not compared (no seed has a reading at equal wall-clock)")}
+    out["effective_context"] = (_wording(cmp["effective_context"], False) if learned[0]
+                                else report.status_text("not tested", learned[1]))
+    return out
+
+
+def refresh_comparisons(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """``summary`` with its comparisons and verdict recomputed from its per-seed ``rows`` and equal-wall-clock
+    readings (a summary written by an earlier version of the rules reads with the current ones)."""
+    rows = summary["rows"]
+    et = summary["equal_wall_clock"]["values"]
+    cmp_direct, cmp_short = compare(rows, "curriculum", "direct"), compare(rows, "curriculum", "short")
+    at_time = {"values": et, "diff": paired({int(k): v["curriculum"] for k, v in et.items()},
+                                            {int(k): v["direct"] for k, v in et.items()})}
+    return {**summary, "curriculum_vs_direct": cmp_direct, "curriculum_vs_short": cmp_short,
+            "equal_wall_clock": at_time, "verdict": verdict(cmp_direct, at_time, retrieval_learned(rows))}
 
 
 def summarize(grid: common.Grid, rows: Sequence[Mapping[str, Any]], perf_rows: Sequence[Mapping[str, Any]],
@@ -524,7 +554,7 @@ def summarize(grid: common.Grid, rows: Sequence[Mapping[str, Any]], perf_rows: S
         "curriculum_vs_direct": cmp_direct,
         "curriculum_vs_short": cmp_short,
         "equal_wall_clock": at_time,
-        "verdict": verdict(cmp_direct, at_time),
+        "verdict": verdict(cmp_direct, at_time, retrieval_learned(rows)),
         "chance": {"passkey": chance_passkey(), "mqar": 1 / max(2, _mqar_values(preset))},
     }
 
@@ -557,73 +587,79 @@ def _time_text(sel: Sequence[Mapping[str, Any]]) -> str:
     return f"wall-clock {wall}"
 
 
-def findings(summary: Mapping[str, Any]) -> str:
-    """The conclusions as a Markdown list; every number and verdict comes from ``summary``."""
+def study_report(summary: Mapping[str, Any]) -> report.Report:
+    """The findings as rules (``moelab.studies.report``), from ``summary`` alone (its ``rows`` are per seed):
+    effective context first ("not tested" unless retrieval was learned), then validation loss against
+    direct and short training at equal tokens, at equal wall-clock, and the training time."""
     meta, rows = summary["meta"], summary["rows"]
-    lines = []
+    learned, why = retrieval_learned(rows)
+
+    def seeds(schedule: str, key: str) -> dict[int, float]:
+        return {int(k): v for k, v in by_seed(rows, schedule, key).items()}
+
+    eff = report.compare("Does the curriculum reach a longer effective context than direct training (tokens)",
+                         seeds("curriculum", "effective_context"), seeds("direct", "effective_context"),
+                         answer="curriculum minus direct", lower_is_better=False, unit="tokens", digits=0,
+                         precondition=why)
+    best = max((max(r["passkey"].values()) for r in rows if r["passkey"]), default=0.0)
+    ret = report.measured("Is retrieval learned at this scale", None,
+                          answer=(f"best passkey accuracy of any run at any length {best:.2f} (chance "
+                                  f"{summary['chance']['passkey']:.1e}); mean MQAR accuracy "
+                                  f"{np.mean([r['mqar_acc'] for r in rows]):.3f} (chance "
+                                  f"{summary['chance']['mqar']:.1e})"))
+    direct = report.compare("Validation loss at equal tokens, curriculum minus direct", seeds("curriculum", "val_loss"),
+                            seeds("direct", "val_loss"), unit="nats")
+    short = report.compare("Validation loss at equal tokens, curriculum minus short", seeds("curriculum", "val_loss"),
+                           seeds("short", "val_loss"), unit="nats")
+    et = summary["equal_wall_clock"]["values"]
+    clock = (report.compare("Validation loss at equal wall-clock, curriculum minus direct",
+                            {int(k): v["curriculum"] for k, v in et.items()},
+                            {int(k): v["direct"] for k, v in et.items()}, unit="nats")
+             if et else report.not_tested("Validation loss at equal wall-clock, curriculum minus direct",
+                                          "no seed has a validation of the slower run before the faster one ended"))
+    tkey = "train_s" if all(r.get("train_clock") == "steady" for r in rows) else "wall_s"
+    tcost = report.compare(f"Training time, curriculum minus direct ({'steady step time x steps' if tkey == 'train_s' else 'wall-clock'})",
+                           seeds("curriculum", tkey), seeds("direct", tkey), unit="s", digits=1)
+    if not meta.get("perf_meaningful"):
+        tcost = report.not_tested(tcost.question, "timed on a shared CPU", tcost.number, unit="s", digits=1)
+    import pandas as pd
+
+    table = pd.DataFrame({s: {"stages (length x steps)": next(r["stages"] for r in rows if r["schedule"] == s),
+                              "val loss": report.cell(report.mean_interval(list(seeds(s, "val_loss").values())), 3,
+                                                      signed=False),
+                              "minus direct": "" if s == "direct" else report.cell(
+                                  report.paired(seeds(s, "val_loss"), seeds("direct", "val_loss"))),
+                              "effective context": f"{max(seeds(s, 'effective_context').values()):.0f}",
+                              "MQAR accuracy": f"{np.mean(list(seeds(s, 'mqar_acc').values())):.3f}",
+                              f"{tkey} (s)": report.cell(report.mean_interval(list(seeds(s, tkey).values())), 1,
+                                                          signed=False)}
+                          for s in SCHEDULES if any(r["schedule"] == s for r in rows)}).T
+    table.index.name = "schedule"
     b = summary["budget"]
-    stages = {r["schedule"]: r["stages"] for r in rows}
-    lines.append(f"- Budget: every run trained {', '.join(f'{t:,}' for t in b['tokens_per_run'])} tokens in "
-                 f"{b['steps']} steps ({b['synthetic_share']:.0%} retrieval sub-tasks in every stage); schedules "
-                 + "; ".join(f"{s} {stages[s]}" for s in SCHEDULES if s in stages) + " (length x steps).")
-    for s in SCHEDULES:
-        sel = [r for r in rows if r["schedule"] == s]
-        if not sel:
-            continue
-        lines.append(f"- **{s}**: val loss {_ms([r['val_loss'] for r in sel], 4)}, effective context "
-                     f"{_ms([r['effective_context'] for r in sel], 0)} tokens, MQAR accuracy at the longest "
-                     f"training length {_ms([r['mqar_acc'] for r in sel], 3)}, {_time_text(sel)} "
-                     f"({len(sel)} seed{'s' * (len(sel) > 1)}).")
-    note = common.seed_note(len(meta.get("seeds") or []), "schedule")
-    if note:
-        lines.append(note)
-    for other, key in (("direct", "curriculum_vs_direct"), ("short", "curriculum_vs_short")):
-        c = summary[key]
-        parts = [f"{NAMES[m]} {c[m]['mean']:+.4g} ({_judge(c[m])})" for m in METRICS if c[m]["mean"] is not None]
-        lines.append(f"- Curriculum − {other}, paired by seed: " + "; ".join(parts) + ".")
-    et = summary["equal_wall_clock"]
-    if et["values"]:
-        reads = "; ".join(f"seed {s}: at {v['time_s']:.1f} s, curriculum {v['curriculum']:.4f} vs direct "
-                          f"{v['direct']:.4f} ({v['read']} read mid-run)" for s, v in et["values"].items())
-        d = et["diff"]
-        caveat = "" if meta.get("perf_meaningful") else (" On a shared CPU the wall-clock, hence this comparison, "
-                                                          "is dominated by other load.")
-        steady = all(v.get("clock") == "steady" for v in et["values"].values())
-        clock = ("training time: each stage's median step time x its steps, so compilation (paid once per "
-                 "process, by its first run) and validation are left out" if steady else "measured wall-clock")
-        lines.append(f"- Equal wall-clock ({clock}; validation loss when the faster run finished): {reads}; mean "
-                     f"difference {d['mean']:+.4f} ({_judge(d)}).{caveat}")
-    else:
-        lines.append("- Equal wall-clock: no seed has a validation of the slower run before the faster one ended; "
-                     "not compared.")
-    v = summary["verdict"]
-    lines.append(f"- **Verdict: does the curriculum beat direct long training at equal tokens? {v['equal_tokens']}. "
-                 f"At equal wall-clock? {v['equal_wall_clock']}.**")
-    ch = summary["chance"]
-    best = max((max(r["passkey"].values()) for r in rows), default=0.0)
-    if best < 0.5:
-        lines.append(f"- Scale: the best passkey accuracy of any run at any length is {best:.2f} (chance "
-                     f"{ch['passkey']:.1e}); MQAR chance is {ch['mqar']:.1e}. At this scale retrieval has not been "
-                     "learned, so effective context and the passkey heatmaps say nothing about long-context "
-                     "ability: only the validation loss and loss-by-position comparisons carry signal here.")
+    details = [f"Budget: every run trained {', '.join(f'{t:,}' for t in b['tokens_per_run'])} tokens in {b['steps']} "
+               f"steps, {b['synthetic_share']:.0%} retrieval sub-tasks in every stage; only the sequence length per "
+               "step differs."]
+    if et:
+        details.append("Equal wall-clock readings: " + "; ".join(
+            f"seed {k}: at {v['time_s']:.1f} s, curriculum {v['curriculum']:.4f} vs direct {v['direct']:.4f} "
+            f"({v['read']} read mid-run)" for k, v in et.items()) + ".")
     if meta.get("perf_meaningful"):
-        perf = [p for p in summary["stage_perf"] if p["tok_per_s"] is not None]
-        parts = [f"{p['schedule']} stage {p['stage']} ({p['seq_len']}) {p['tok_per_s']:,.0f} tok/s"
-                 + (f", {p['peak_mem_gb']:.1f} GB" if p["peak_mem_gb"] is not None else "")
-                 for p in perf if p["seed"] == min(meta["seeds"])]
-        lines.append(f"- Speed and memory per stage on {meta['device']} (seed {min(meta['seeds'])}): "
-                     + "; ".join(parts) + ".")
-    else:
-        lines.append(f"- Speed and memory: measured on {meta['device']}, a shared CPU where tokens/s per stage and "
-                     "wall-clock mostly reflect other load and plain-PyTorch attention; memory is not recorded. Not "
-                     "meaningful here: the GPU preset measures them.")
+        perf = [p for p in summary["stage_perf"] if p["tok_per_s"] is not None and p["seed"] == min(meta["seeds"])]
+        details.append(f"Speed and memory per stage on {meta['device']} (seed {min(meta['seeds'])}): " + "; ".join(
+            f"{p['schedule']} stage {p['stage']} ({p['seq_len']}) {p['tok_per_s']:,.0f} tok/s"
+            + (f", {p['peak_mem_gb']:.1f} GB" if p["peak_mem_gb"] is not None else "") for p in perf) + ".")
     if meta.get("state_bytes_per_token") is not None:
-        lines.append(f"- Evaluation memory: the chunked-prefill state grows by {meta['state_bytes_per_token']:,.0f} "
-                     "bytes per token of context per sequence (the MLA latent cache; the KDA state is fixed-size).")
+        details.append(f"Evaluation memory: the chunked-prefill state grows by {meta['state_bytes_per_token']:,.0f} "
+                       "bytes per token of context per sequence (the MLA latent cache; the KDA state is fixed-size).")
     if meta.get("epochs") is not None:
-        lines.append(f"- Data: each run saw {meta['epochs']:.3g} epochs of the {meta['corpus_train_tokens']:,}-token "
-                     "training split.")
-    return "\n".join(lines)
+        details.append(f"Data: each run saw {meta['epochs']:.3g} epochs of the {meta['corpus_train_tokens']:,}-token "
+                       "training split.")
+    return report.Report([eff, ret, direct, clock, short, tcost], table, details)
+
+
+def findings(rep: report.Report) -> str:
+    """The findings section (markdown) of :func:`study_report`."""
+    return rep.markdown()
 
 
 NAMES = {"val_loss": "val loss", "effective_context": "effective context", "passkey_mean": "mean passkey accuracy",
@@ -639,22 +675,11 @@ def _ms(xs: Sequence[float | None], digits: int) -> str:
     return f"{np.mean(xs):.{digits}f} ± {np.std(xs, ddof=1):.{digits}f}"
 
 
-def _judge(d: Mapping[str, Any]) -> str:
-    if d["verdict"] == "one seed":
-        return "one seed: noise not measured"
-    if d["verdict"] == "within noise":
-        return f"inside the noise {d['noise']:.3g}"
-    return f"beyond the noise {d['noise']:.3g}"
-
-
 # ------------------------------------------------------------------------------------------ figures
 
 
 def _colors() -> dict[str, str]:
-    import matplotlib
-
-    cycle = [c["color"] for c in matplotlib.rcParams["axes.prop_cycle"]]
-    return {s: cycle[i] for i, s in enumerate(SCHEDULES)}
+    return report.palette(SCHEDULES)
 
 
 def passkey_figure(evals: Mapping[str, Mapping[str, Any]], preset: str) -> Any:
@@ -684,6 +709,10 @@ def passkey_figure(evals: Mapping[str, Mapping[str, Any]], preset: str) -> Any:
         ax.set_ylabel("needle depth")
     if im is not None:
         fig.colorbar(im, ax=list(axes), shrink=0.8, label="passkey accuracy")
+    cells = [np.asarray(ev["passkey"]["accuracy"]) for ev in evals.values()]
+    if cells and max(float(c.max()) for c in cells) == 0.0:
+        fig.suptitle(f"every cell of every run is 0: retrieval not learned at this scale (chance "
+                     f"{chance_passkey():.0e}); the heatmaps carry no signal", fontsize=9, color="firebrick")
     return fig
 
 
@@ -700,6 +729,7 @@ def accuracy_figure(rows: Sequence[Mapping[str, Any]], preset: str, chance: Mapp
             sel = [r[key] for r in rows if r["schedule"] == s]
             if not sel:
                 continue
+            sel = [{int(k): v for k, v in d.items()} for d in sel]  # JSON keeps the lengths as strings
             xs = sorted(sel[0])
             ys = np.array([[d[x] for x in xs] for d in sel])
             ax.errorbar(xs, ys.mean(0), yerr=ys.std(0, ddof=1) if len(sel) > 1 else None, marker="o", capsize=3,
@@ -711,33 +741,40 @@ def accuracy_figure(rows: Sequence[Mapping[str, Any]], preset: str, chance: Mapp
         ax.set_ylim(-0.03, 1.03)
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel(f"{title} accuracy")
+        if all(max(r[key].values()) == 0.0 for r in rows if r[key]):
+            ax.set_title(f"{title}: 0 in every run and length (chance {chance[key]:.0e}): not learned",
+                         fontsize=9, color="firebrick")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
 
-def position_figure(evals: Mapping[str, Mapping[str, Any]], preset: str) -> Any:
-    """Held-out loss by token position (log-spaced bins, mean over seeds) per schedule."""
+def position_figure(evals: Mapping[str, Mapping[str, Any]], preset: str, reference: str = "direct") -> Any:
+    """Held-out loss by token position (log-spaced bins) of each schedule minus ``reference``, paired by seed:
+    mean over seeds and its 95% t band (``report.step_differences`` over the position bins)."""
+    import pandas as pd
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6.4, 4.2), dpi=100)
     ax = fig.subplots()
     colors = _colors()
-    for s in SCHEDULES:
-        curves = [ev["loss_by_position"]["curves"][0] for k, ev in evals.items() if k.rsplit("-s", 1)[0] == s]
-        if not curves:
-            continue
-        mid = [math.sqrt(max(a, 1) * b) for a, b in zip(curves[0]["bin_start"], curves[0]["bin_end"])]
-        ys = np.array([c["loss"] for c in curves])
-        for y in ys:
-            ax.plot(mid, y, color=colors[s], lw=0.6, alpha=0.4)
-        ax.plot(mid, ys.mean(0), color=colors[s], lw=2, label=f"{s} ({len(curves)} seeds)")
+    long = []
+    for k, ev in evals.items():
+        arm, seed = k.rsplit("-s", 1)
+        c = ev["loss_by_position"]["curves"][0]
+        long += [{"arm": arm, "seed": int(seed), "step": math.sqrt(max(a, 1) * b), "loss": y}
+                 for a, b, y in zip(c["bin_start"], c["bin_end"], c["loss"])]
+    for s, d in report.step_differences(pd.DataFrame(long), reference, "loss").items():
+        ax.plot(d["step"], d["mean"], color=colors[s], lw=1.6, marker="o", ms=3, label=f"{s} ({d['n']} seeds)")
+        ax.fill_between(d["step"], d["low"], d["high"], color=colors[s], alpha=0.18, lw=0)
+    ax.axhline(0.0, color="k", lw=0.8)
     for L in plan(preset).lengths:
         ax.axvline(L, color="grey", ls=":", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("token position")
-    ax.set_ylabel("loss (nats/token)")
+    ax.set_ylabel(f"loss minus {reference} (nats/token)")
+    ax.set_title(f"loss by position: each schedule minus {reference}, 95% band over seeds", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -816,6 +853,6 @@ def val_time_figure(grid: common.Grid, preset: str, perf_rows: Sequence[Mapping[
 
 __all__ = ["EvalPlan", "PRESETS", "Plan", "ROW_KEYS", "SCHEDULES", "STUDY", "accuracy_figure", "arms", "arms_factor",
            "by_seed", "chance_passkey", "compare", "equal_time", "eval_lengths", "eval_settings", "evaluate_runs",
-           "findings", "paired", "passkey_figure", "perf_figure", "plan", "position_figure", "schedules",
-           "split_steps", "stage_of_window", "stage_perf", "stage_step_times", "stage_text", "step_times",
+           "findings", "paired", "refresh_comparisons", "retrieval_learned", "passkey_figure", "perf_figure", "plan", "position_figure", "schedules",
+           "split_steps", "stage_of_window", "stage_perf", "stage_step_times", "stage_text", "step_times", "study_report",
            "summarize", "summary_rows", "train_clock", "train_times", "val_time_figure", "value_at_time", "verdict"]

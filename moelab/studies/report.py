@@ -408,7 +408,8 @@ def difference_figure(histories: Any, reference: str, title: str = "", metric: s
     last = float(histories.step.max())
     window = window or max(1, int(round(last / 20)))
     diffs = step_differences(histories, reference, metric, window)
-    val = step_differences(histories, reference, "val/loss") if "val/loss" in histories else {}
+    val = (step_differences(histories, reference, "val/loss")
+           if "val/loss" in histories and metric != "val/loss" else {})
     colors = dict(colors or palette(list(dict.fromkeys(histories.arm))))
     if ax is None:
         fig = Figure(figsize=(6.8, 4.2), dpi=100)

@@ -141,8 +141,35 @@ def test_paired_and_verdicts() -> None:
     assert cmp["effective_context"]["judgement"] == "better"  # +256 at both seeds: zero spread
     tie_clock = {"diff": cc.paired({0: 3.0, 1: 3.2}, {0: 3.1, 1: 3.0})}
     v = cc.verdict(cmp, tie_clock)
-    assert v == {"equal_tokens": "yes", "equal_wall_clock": "no difference beyond the noise"}
+    assert v == {"equal_tokens": "better (interval excludes 0)",
+                 "equal_wall_clock": "inside the noise (interval includes 0)",
+                 "effective_context": "better (interval excludes 0)"}
     worse = cc.compare([{**r, "val_loss": -r["val_loss"]} if r["schedule"] == "direct" else r for r in rows],
                        "curriculum", "direct")
     assert worse["val_loss"]["judgement"] == "worse"
-    assert cc.verdict(worse, tie_clock)["equal_tokens"] == "mixed"
+    assert cc.verdict(worse, tie_clock)["equal_tokens"] == "worse (interval excludes 0)"
+    learned = cc.retrieval_learned(rows)
+    assert learned == (True, None)
+    unlearned = cc.retrieval_learned([{**r, "passkey": {256: 0.0}} for r in rows])
+    assert not unlearned[0] and "retrieval never learned" in unlearned[1]
+    assert cc.verdict(cmp, tie_clock, unlearned)["effective_context"].startswith(
+        "not tested at this scale (retrieval never learned")
+
+
+def test_paired_uses_the_t_interval() -> None:
+    # diffs 1, 2, 3: mean 2, sd 1, t(0.975, 2) = 4.3027: [-0.484, 4.484] includes 0, where 2 sd (= 2) said "higher"
+    d = cc.paired({0: 1.0, 1: 2.0, 2: 3.0}, {0: 0.0, 1: 0.0, 2: 0.0})
+    assert d["verdict"] == "within noise" and d["low"] == pytest.approx(2 - 4.302652729911275 / 3 ** 0.5)
+
+
+def test_findings_lead_with_the_precondition_and_carry_intervals() -> None:
+    import json
+
+    from moelab.base import repo_root
+
+    summary = json.loads((repo_root() / "studies/04_context_curriculum/summary.json").read_text())
+    rep = cc.study_report(cc.refresh_comparisons(summary))
+    lines = rep.markdown().splitlines()
+    assert lines[0].startswith("- **Does the curriculum reach a longer effective context than direct training")
+    assert "not tested at this scale (retrieval never learned" in lines[0]
+    assert all("[" in ln for ln in lines[2:6])  # every comparison with its interval

@@ -72,7 +72,7 @@ def _attnres_depth(s: Mapping[str, Any]) -> None:
 
 
 def _context_curriculum(s: Mapping[str, Any]) -> None:
-    assert set(s["verdict"]) == {"equal_tokens", "equal_wall_clock"}
+    assert set(s["verdict"]) == {"equal_tokens", "equal_wall_clock", "effective_context"}
     assert not any(v.startswith("not judged") for v in s["verdict"].values()), s["verdict"]
     for key in ("curriculum_vs_direct", "curriculum_vs_short"):
         for metric, d in s[key].items():
