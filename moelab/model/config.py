@@ -26,8 +26,8 @@ Dispatch = Literal["auto", "grouped", "loop"]
 # under TRITON_INTERPRET=1); "torch": plain PyTorch. KDA names its two PyTorch algorithms instead
 # of "torch": "chunk" (chunkwise) and "recurrent" (token by token, the reference).
 Backend = Literal["auto", "triton", "torch"]
-KDABackend = Literal["auto", "triton", "chunk", "recurrent"]
-KDA_BACKENDS = ("auto", "triton", "chunk", "recurrent")
+KDABackend = Literal["auto", "triton", "chunk", "recurrent", "cudnn"]  # cudnn: moelab.ops.kda.cudnn (forward)
+KDA_BACKENDS = ("auto", "triton", "chunk", "recurrent", "cudnn")
 Balancer = Literal["none", "aux_loss", "loss_free_sign", "quantile_load", "quantile_balancing"]
 BALANCERS = ("none", "aux_loss", "loss_free_sign", "quantile_load", "quantile_balancing")
 
@@ -60,12 +60,12 @@ class KDAConfig:
         _one_of(f"{prefix}.gate", self.gate, ("bounded", "softplus"))
         _one_of(f"{prefix}.backend", self.backend, KDA_BACKENDS)
         _check(self.chunk_size in (16, 32, 64, 128), f"{prefix}.chunk_size", self.chunk_size, "16, 32, 64 or 128")
-        if self.backend in ("auto", "triton"):  # auto takes the Triton op on a GPU
+        if self.backend in ("auto", "triton", "cudnn"):  # auto takes the Triton op on a GPU, cudnn trains with it
             _check(self.chunk_size <= 64, f"{prefix}.chunk_size", self.chunk_size,
                    f"16, 32 or 64 with backend={self.backend!r} (the Triton op's chunks; 128 needs backend='chunk')")
         if self.gate == "bounded":
             _check(self.g_min < 0, f"{prefix}.g_min", self.g_min, "a negative number")
-            if self.backend in ("auto", "triton"):
+            if self.backend in ("auto", "triton", "cudnn"):
                 _check(self.g_min >= G_MIN_FLOOR, f"{prefix}.g_min", self.g_min,
                        f">= {G_MIN_FLOOR:.2f}: the bounded fast path computes exp(-G) over {SUBTILE}-token "
                        f"tiles and would overflow below that (use gate='softplus' or backend='chunk')")

@@ -10,7 +10,11 @@ backend a config field names, so layers and studies switch implementations witho
   use), with the prep and gate fused into them. Two paths, picked per call (:func:`kda_path`):
   the inference forward ``infer_plan.kda_infer`` (chunk 16, no autograd graph) when no
   gradient is needed and g is bounded, else the training op ``triton_chunk.chunk_kda``.
-- ``auto``: ``triton`` when q is on a CUDA device, else ``chunk``.
+- ``cudnn``: cuDNN's Hopper engine (``moelab.ops.kda.cudnn``, the extra ``moelab[cudnn]``) after
+  the fused Triton prep, for a call that needs no gradient on an sm90 GPU with K = V = 128 in bf16;
+  any other call (training included) falls back to ``triton``, the reason logged once.
+- ``auto``: ``triton`` when q is on a CUDA device, else ``chunk``; on a CUDA device a call that
+  needs no gradient runs ``cudnn`` where the engine takes it (never on CPU or without the extra).
 
 The PyTorch backends take the prep and gate from ``moelab.ops.kda.gate``, the one PyTorch copy of
 those formulas (the Triton kernels are tested against it).
@@ -28,8 +32,8 @@ from moelab.ops.kda.gate import GATES, naive_kda_gate, naive_qk_prep
 from moelab.ops.kda.naive import naive_recurrent_kda
 from moelab.ops.varlen import check_cu_seqlens
 
-BACKENDS = ("auto", "triton", "chunk", "recurrent")
-PATHS = ("infer", "train", "chunk", "recurrent")
+BACKENDS = ("auto", "triton", "chunk", "recurrent", "cudnn")
+PATHS = ("infer", "train", "chunk", "recurrent", "cudnn")
 INFER_CHUNK = 16  # the inference forward's chunk (infer_plan.CHUNK; kept here to avoid importing triton)
 INFER_G_MIN_FLOOR = max_safe_g_min("fp32", INFER_CHUNK)  # the lowest g_min the inference forward takes
 
@@ -39,9 +43,12 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
 
 
 def kda_path(backend: str, q: torch.Tensor, *, gate: str = "none", g_min: float | None = None,
-             needs_grad: bool = False) -> str:
+             needs_grad: bool = False, v: torch.Tensor | None = None, scale: float | None = None) -> str:
     """Which implementation ``kda(...)`` runs, one of :data:`PATHS`.
 
+    - ``"cudnn"``: ``cudnn.cudnn_kda``, for ``backend="cudnn"``, or ``"auto"`` on a CUDA device
+      without a gradient, when ``cudnn.unavailable_reason`` finds nothing against the call;
+      ``"cudnn"`` otherwise resolves as ``"triton"`` (the reason logged once).
     - ``"infer"``: ``infer_plan.kda_infer``, when the backend resolves to ``triton``, q is on a
       CUDA device (or ``TRITON_INTERPRET=1``), no gradient is needed, and g is bounded: ``gate=
       "bounded"``, or ``gate="none"`` with a ``g_min``, where ``INFER_G_MIN_FLOOR <= g_min < 0``.
@@ -54,9 +61,19 @@ def kda_path(backend: str, q: torch.Tensor, *, gate: str = "none", g_min: float 
         gate, g_min: as for :func:`kda`.
         needs_grad: whether autograd must reach any input (``kda`` passes
             ``torch.is_grad_enabled()`` and any input's ``requires_grad``).
+        v, scale: the op's v and scale, for the cuDNN engine's checks (v None: not checked).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not allowed: expected one of {', '.join(map(repr, BACKENDS))}")
+    if backend == "cudnn" or (backend == "auto" and not needs_grad and q.is_cuda):
+        from moelab.ops.kda import cudnn
+
+        reason = cudnn.unavailable_reason(q, v, needs_grad=needs_grad, scale=scale)
+        if reason is None:
+            cudnn.note(f"kda: backend={backend!r} runs the cuDNN engine (forward)")
+            return "cudnn"
+        cudnn.note(f"kda: backend={backend!r} does not run the cuDNN engine: {reason}")
+        backend = "triton" if backend == "cudnn" else backend
     if backend == "auto":
         backend = "triton" if q.is_cuda else "chunk"
     if backend != "triton":
@@ -128,7 +145,7 @@ def kda(
         initial_state: ``[N, H, K, V]`` fp32 state before the first token of each sequence
             (N = B, or the number of documents with ``cu_seqlens``), or None (zeros).
         output_final_state: also return the state after the last token, ``[N, H, K, V]`` fp32.
-        backend: ``auto | triton | chunk | recurrent``.
+        backend: ``auto | triton | chunk | recurrent | cudnn``.
         chunk_size: tokens per chunk for ``chunk`` and the Triton training op.
         gate: ``none | bounded | softplus``; A_log ``[H]`` and dt_bias ``[H*K]`` (or None) are its
             parameters.
@@ -151,8 +168,19 @@ def kda(
     """
     if gate not in GATES:
         raise ValueError(f"gate={gate!r} is not allowed: expected one of {', '.join(map(repr, GATES))}")
-    path = kda_path(backend, q, gate=gate, g_min=g_min,
+    path = kda_path(backend, q, gate=gate, g_min=g_min, v=v, scale=scale,
                     needs_grad=_needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias))
+    if path == "cudnn":
+        from moelab.ops.kda import cudnn
+
+        try:
+            return cudnn.cudnn_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                   output_final_state=output_final_state, gate=gate, A_log=A_log, dt_bias=dt_bias,
+                                   g_min=g_min, silu_qk=silu_qk, l2norm_qk=l2norm_qk, norm_eps=norm_eps,
+                                   validate=validate, cu_seqlens=cu_seqlens)
+        except cudnn.EngineDeclined as exc:
+            cudnn.note(f"kda: falls back to triton: {exc}")
+            path = kda_path("triton", q, gate=gate, g_min=g_min)
     if path == "infer":
         from moelab.ops.kda.infer_plan import kda_infer
 
