@@ -38,11 +38,11 @@ GATES = ("none", "bounded")
 _GATE_ID = {"none": 0, "bounded": 1}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Launch configs on the GPU, fixed (not autotuned), each the fastest of the H200 launch sweeps of
-# kernels/bench_kda.py at D = 128 (kernels/README.md, "Inference forward"):
+# Launch configs on the GPU, fixed (not autotuned), each the fastest passing one of the H200 launch sweeps at
+# D = 128 (kernels/README.md, "Inference forward"); registers: ``make kda-aot ARGS=--infer`` (sm_90a, no GPU):
 # intra: (num_warps, num_stages), one chunk slot and all of K per program. The kernel waits on each
-#   program's memory latency, not on bandwidth, so registers (programs per SM) matter: 2 warps keep
-#   it at 204 registers without spills (sm_90a, kernels/aot_kda.py --infer).
+#   program's memory latency, not on bandwidth, so registers (programs per SM) matter: at 2 warps it
+#   takes 204 without spills.
 # recur: candidates (BV, num_warps, num_stages, columns per SM, maxnreg), widest V-block first; the op
 #   takes the first whose BV fits the state and whose launch holds at least that many state columns
 #   per SM (``pick_recur``). BV = 16 x num_warps: each warp owns 16 rows of the transposed state, so

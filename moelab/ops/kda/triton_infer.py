@@ -12,13 +12,14 @@ Why chunk 16: a decay bounded by ``g_min`` keeps ``G``, the chunk-local cumsum o
 ``[16 g_min, 0]``, so around the fixed reference ``8 g_min`` both ``e^{G - ref}`` and ``e^{ref - G}``
 stay below ``e^{8 |g_min|}``: finite in fp32 down to ``max_safe_g_min("fp32", 16)`` (about -5.55).
 Each gated score matrix is then one ``[16, K] x [K, 16]`` product and ``(I + L)^-1`` one 16 x 16
-inverse (``_unit_lower_inv``); 64-token chunks (the training op) need per-pair exponentials and a
-blockwise solve. All of that is per chunk and independent of the state, so it runs token-parallel
+inverse (``_unit_lower_inv``). Over the training op's 64-token chunks ``e^G`` spans ``e^{-320}`` at
+g = -5: the scores take one product per 16-token sub-tile pair, the inverse a blockwise solve and a
+merge. All of this is per chunk and independent of the state, so it runs token-parallel
 (``_kda_infer_intra``); only the state recurrence is sequential (``_kda_infer_recur``; long
 sequences in segments chained by ``_kda_infer_join``).
 
 Precision: fp32 inputs take exact fp32 products (``input_precision="ieee"``, the reference use).
-bf16 inputs store the intermediates in bf16 (``Ab`` in fp16, see ``infer_plan._ab_dtype``) and the
+bf16 inputs store the intermediates in bf16 (``Ab`` in fp16 with L2-normalized keys: ``infer_plan._ab_dtype``) and the
 recurrence takes bf16 operands, its state kept in fp32 between products; the intra kernel's
 products take fp32 (TF32) operands. fp16 inputs keep fp32 intermediates and TF32 products. The
 state, the chunk decays ``gl`` and the segment transitions are fp32 everywhere.
