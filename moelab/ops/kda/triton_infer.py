@@ -118,6 +118,8 @@ def _kda_infer_intra(
         if HAS_BIAS:
             bias = tl.load(dt_bias + i_h * K + ck, mask=km, other=0.0).to(tl.float32)
     i_s = tl.program_id(0)
+    # false past the slots in use (packed: the grid is their bound); fixed length, always true, but the masks
+    # keep one form in both layouts: the fixed kernel's compiled schedule, as timed, depends on it
     live = i_s < last
     if VARLEN:
         n = _doc_of_slot(coff, i_s, N, LOG_N)
