@@ -111,7 +111,7 @@ def test_bounded_gate_matches_reference(case):
 
 @pytest.mark.parametrize("bv", [32, 64], ids=["BV32", "BV64"])
 def test_state_split_in_v_blocks(bv, monkeypatch):
-    """The recurrence's V-blocks at other widths than the interpreter's 16 (the GPU takes 16 or 32):
+    """The recurrence's V-blocks at other widths than the interpreter's 16 (the GPU takes 16, 32 or 64):
     each owns BV columns of the state, so the split must not change o or the final state."""
     monkeypatch.setattr(infer_plan, "_INTERP_BV", bv)
     x = _inputs(2, 37, 2, 32, 64, torch.float32, seed=13, n_states=2)
