@@ -43,6 +43,8 @@ from moelab.utils import flatten_dict
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 
 Precision = Literal["auto", "bf16-mixed", "32-true"]
+Compile = Literal["none", "default", "graphs"]
+COMPILE_MODES: tuple[str, ...] = typing.get_args(Compile)
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true")
 
@@ -75,7 +77,10 @@ class TrainConfig:
     # an op has no deterministic implementation (MoE scatter on CUDA), so GPU runs keep going.
     deterministic: bool | Literal["warn"] = True
     accumulate_grad_batches: int = 1
-    compile: bool = False  # torch.compile the model's forward
+    # none: eager; default: torch.compile of the model (dynamo + inductor; the fused Triton ops run eagerly
+    # between the compiled pieces); graphs: the same with its compiled pieces run as CUDA graphs (forward and
+    # backward; mode="reduce-overhead"; a CUDA device only). moelab.train.module.compile_model applies it.
+    compile: Compile = "none"
 
     def validate(self) -> TrainConfig:
         _check(self.max_steps >= 1, "train.max_steps", self.max_steps, "an integer >= 1")
@@ -96,6 +101,7 @@ class TrainConfig:
         _check(self.log_every >= 1, "train.log_every", self.log_every, "an integer >= 1")
         _check(self.accumulate_grad_batches >= 1, "train.accumulate_grad_batches", self.accumulate_grad_batches,
                "an integer >= 1")
+        _one_of("train.compile", self.compile, COMPILE_MODES)
         return self
 
 

@@ -371,6 +371,10 @@ class RouterBalance(nn.Module):
         if not m.is_cuda:
             qb_target(int(m), self.top_k, self.num_experts)
             return
+        if torch.cuda.is_current_stream_capturing():
+            # A captured step (moelab.train.module.CapturedStep) replays one shape, whose count its eager
+            # warm-up steps have checked; a host copy recorded into a graph would never be read again.
+            return
         if self.pending_tokens is not None:
             host, arrived = self.pending_tokens
             arrived.synchronize()

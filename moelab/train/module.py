@@ -11,15 +11,134 @@ balancer inside the model (``moelab.model.balance``); ``configure_callbacks`` ad
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 import torch
 
-from moelab.config import RunConfig, to_dict
+from moelab.base import ConfigError
+from moelab.config import COMPILE_MODES, RunConfig, to_dict
 from moelab.model import MoELab
 from moelab.train.balancer import BalancerCallback
 from moelab.train.callbacks import HostScalar
+
+# A compiled model recompiles per new input shape (a curriculum's stages, the last short batch of a validation);
+# past this many versions of one frame dynamo raises instead of falling back to eager without a word.
+RECOMPILE_LIMIT = 8
+
+
+def compile_model(model: torch.nn.Module, mode: str, device: torch.device, backend: str = "inductor") -> None:
+    """Apply ``train.compile`` to ``model`` in place (``nn.Module.compile``: the state-dict keys stay the same).
+
+    ``none``: nothing. ``default``: torch.compile (dynamo + inductor); the fused Triton ops
+    (``torch.compiler.disable``) run eagerly between the compiled pieces. ``graphs``: the same with
+    ``mode="reduce-overhead"``: each compiled piece's forward and backward replay as CUDA graphs. Both
+    compiled modes fail loudly rather than slow down silently: a frame recompiled more than
+    ``RECOMPILE_LIMIT`` times raises (``fail_on_recompile_limit_hit``), and with ``graphs`` a compiled piece
+    that cannot be captured raises an error naming why (inductor's ``cudagraph_or_error``; otherwise it
+    would run uncaptured). Raises ConfigError for an unknown mode or ``graphs`` without CUDA. ``backend``:
+    torch.compile's (tests pass ``"eager"`` to trace without generating code).
+    """
+    if mode not in COMPILE_MODES:
+        raise ConfigError(f"train.compile={mode!r} is not allowed: expected one of "
+                          f"{', '.join(map(repr, COMPILE_MODES))}")
+    if mode == "none":
+        return
+    if mode == "graphs" and device.type != "cuda":
+        raise ConfigError(f"train.compile='graphs' needs a CUDA device (CUDA graphs); this run trains on "
+                          f"{device.type}: use train.compile='default' or 'none'")
+    torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    if mode == "graphs":
+        torch._inductor.config.triton.cudagraph_or_error = True
+    model.compile(mode="reduce-overhead" if mode == "graphs" else None, backend=backend)
+
+
+def train_step_fn(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
+                  dtype: torch.dtype | None) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """The step :class:`LitMoELab` trains with under Lightning, as one function (benchmarks, :class:`CapturedStep`).
+
+    ``step({"input_ids", "targets"[, "segment_ids"]} [B, T])``: the forward under autocast to ``dtype`` (None: none;
+    ``cache_enabled=False``, as a captured step needs), ``loss + aux_loss`` backward, the gradient norm, the
+    balancer's update (``moelab.model.balance.balance_step``, as ``BalancerCallback`` runs it), clipping to
+    ``grad_clip`` (0: none), the optimizer step and ``zero_grad``. Returns ``loss``, ``ce``, ``aux_loss`` and
+    ``grad_norm`` (0-dim tensors on the device; no host sync anywhere).
+    """
+    from moelab.model.balance import balance_step
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    device_type = params[0].device.type
+
+    def step(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        with torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None,
+                            cache_enabled=False):
+            out = model(batch["input_ids"], batch["targets"], return_logits=False, check_ids=False,
+                        segment_ids=batch.get("segment_ids"))
+        loss = out.loss + out.aux_loss
+        loss.backward()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+        balance_step(model)
+        if grad_clip:
+            torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss.detach(), "ce": out.loss.detach(), "aux_loss": out.aux_loss.detach(), "grad_norm": norm}
+
+    return step
+
+
+class CapturedStep:
+    """A whole training step as one CUDA graph: ``step(batch) -> {name: 0-dim tensor}`` (forward, backward, the
+    balancer's update, clipping, the optimizer: whatever ``step`` runs), replayed on static input buffers.
+
+    The first ``warmup`` calls run ``step`` eagerly on a side stream (real steps: they fill the Triton and
+    grouped-GEMM caches, the optimizer state and the gradients); the next call captures it and replays the
+    graph, and every later call copies its batch into the static buffers and replays. Each call returns
+    copies of the step's outputs (the graph's own are overwritten by the next replay). What ``step`` needs:
+    no host sync (``moelab.train.perf.HostSyncs``), no new shapes (a batch of another shape raises
+    ValueError), and an optimizer that runs in a graph (AdamW with ``capturable=True`` or ``fused=True``, a
+    tensor ``lr`` to change the rate between replays); autocast with ``cache_enabled=False`` inside ``step``
+    (a cast cached outside the graph would be captured as a stale constant).
+    """
+
+    def __init__(self, step: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], warmup: int = 3) -> None:
+        if not torch.cuda.is_available():
+            raise ConfigError("CapturedStep needs a CUDA device (CUDA graphs)")
+        self.step, self.warmup = step, warmup
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static: dict[str, torch.Tensor] | None = None
+        self.out: dict[str, torch.Tensor] = {}
+
+    def _load(self, batch: dict[str, torch.Tensor]) -> None:
+        if self.static is None:
+            self.static = {k: v.clone() for k, v in batch.items()}
+            return
+        for k, v in batch.items():
+            if k not in self.static or self.static[k].shape != v.shape:
+                got = tuple(v.shape)
+                want = tuple(self.static[k].shape) if k in self.static else None
+                raise ValueError(f"CapturedStep: batch[{k!r}] has shape {got}, the captured step takes {want}")
+            self.static[k].copy_(v, non_blocking=True)
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self._load(batch)
+        self.calls += 1
+        if self.graph is None and self.calls <= self.warmup:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = self.step(self.static)
+            torch.cuda.current_stream().wait_stream(side)
+            return {k: v.detach().clone() for k, v in out.items()}
+        if self.graph is None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.out = self.step(self.static)
+            self.graph = graph
+        self.graph.replay()
+        return {k: v.detach().clone() for k, v in self.out.items()}
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -49,10 +168,20 @@ class LitMoELab(L.LightningModule):
         super().__init__()
         self.cfg = cfg
         self.model = MoELab(cfg.model)
-        if cfg.train.compile:
-            self.model.compile()
+        self._compiled = False  # train.compile is applied in setup(), once the device is known
         self.step_scalars: dict[str, torch.Tensor | HostScalar] = {}
         self.mlflow_run_id: str | None = None  # stored in checkpoints so a resumed run can link back
+
+    def setup(self, stage: str) -> None:
+        if not self._compiled:
+            compile_model(self.model, self.cfg.train.compile, self.trainer.strategy.root_device)
+            self._compiled = True
+
+    def _step_begin(self) -> None:
+        # CUDA graphs (train.compile='graphs') reuse their output memory: a new step tells them the outputs
+        # of the previous one are no longer read (StepMonitor reads copies: see training_step).
+        if self.cfg.train.compile == "graphs":
+            torch.compiler.cudagraph_mark_step_begin()
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None):
         return self.model(input_ids, targets)
@@ -74,11 +203,14 @@ class LitMoELab(L.LightningModule):
         # T4096 peaked at 33.0 instead of 42.6 GB on the H200, and stepped faster (README.md, "Measured so far").
         # check_ids=False: the data module's ids are checked against the vocabulary once, before
         # training; the per-batch range check would cost a host sync every step.
+        self._step_begin()
         out = self.model(batch["input_ids"], batch["targets"], return_logits=False, check_ids=False,
                          segment_ids=self._segments(batch))
         loss = out.loss + out.aux_loss
-        self.step_scalars = {"train/loss": loss.detach(), "train/ce": out.loss.detach(),
-                             "train/aux_loss": out.aux_loss.detach()}
+        # With graphs, copies: a CUDA graph's outputs are overwritten by its next replay, and StepMonitor reads
+        # these a step later.
+        keep = (lambda t: t.detach().clone()) if self.cfg.train.compile == "graphs" else torch.Tensor.detach
+        self.step_scalars = {"train/loss": keep(loss), "train/ce": keep(out.loss), "train/aux_loss": keep(out.aux_loss)}
         if self.cfg.data.curriculum:  # the stage's length, so tokens/s and loss can be read per stage
             self.step_scalars["train/seq_len"] = float(batch["input_ids"].shape[1])  # a device copy would sync
         # No self.log here: a tensor logged for the progress bar becomes a float after every batch (a host
@@ -92,6 +224,7 @@ class LitMoELab(L.LightningModule):
         self.step_scalars["train/grad_norm"] = norm.detach()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self._step_begin()
         out = self.model(batch["input_ids"], batch["targets"], return_logits=False, check_ids=False,
                          segment_ids=self._segments(batch))
         # Every rank holds the same number of equal-size batches, so the mean of rank means is exact.

@@ -147,3 +147,311 @@ def _moelab_frame() -> str:
     parts = Path(frame.filename).parts
     short = "/".join(parts[parts.index("torch"):] if "torch" in parts else parts[-2:])
     return f"{short}:{frame.lineno} {frame.name}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Eager vs compiled vs captured training steps (issue 36), one GPU
+
+ANCHOR_PEAK = 792e12  # measured bf16 8192^3 matmul on the H200: the "all parameters" MFU convention's peak
+DATASHEET_PEAK = 989e12  # H200 dense bf16: the "activated parameters" (model FLOPs) convention's peak
+CAPTURE_MODES = ("eager", "default", "graphs", "step_graph")
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated() if device.type == "cuda" else 0
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+
+
+class _Arm:
+    """One model and its training step in one mode, kept on the device between its timing windows."""
+
+    def __init__(self, preset: str, overrides: dict[str, Any], mode: str, data: list[dict[str, torch.Tensor]],
+                 warm: int, lr: float) -> None:
+        import time
+
+        from moelab.config import load_config
+        from moelab.model import MoELab
+        from moelab.train.module import CapturedStep, compile_model, train_step_fn
+
+        self.mode, self.data, self.next, self.losses = mode, data, 0, []
+        dev = self.device = data[0]["input_ids"].device
+        cuda = dev.type == "cuda"
+        before = _allocated(dev)
+        _reset_peak(dev)
+        t0 = time.perf_counter()
+        self.cfg = load_config(preset, overrides)
+        torch.manual_seed(0)
+        self.model = MoELab(self.cfg.model).to(dev)
+        if mode in ("default", "graphs"):
+            compile_model(self.model, mode, dev)
+        opt = torch.optim.AdamW(self.model.parameters(), lr=torch.tensor(lr, device=dev) if cuda else lr,
+                                fused=cuda or None, capturable=cuda, betas=self.cfg.train.betas, weight_decay=0.0)
+        step = train_step_fn(self.model, opt, self.cfg.train.grad_clip, torch.bfloat16 if cuda else None)
+        if mode == "step_graph":
+            step = CapturedStep(step, warmup=warm - 1)
+        self.step = step
+        for _ in range(warm):  # untimed: compilation, autotuning, the capture (step_graph: the last of them)
+            self.run()
+        _sync(dev)
+        self.setup_s = time.perf_counter() - t0
+        self.held = _allocated(dev) - before  # parameters, AdamW state, graph outputs
+        self.peak = _peak(dev) - before
+
+    def run(self) -> None:
+        if self.mode == "graphs":
+            torch.compiler.cudagraph_mark_step_begin()
+        out = self.step(self.data[self.next % len(self.data)])
+        self.next += 1
+        self.losses.append(out["loss"] if self.mode != "graphs" else out["loss"].clone())
+
+    def window(self, steps: int) -> dict[str, float]:
+        """``steps`` steps between two synchronizations, then the host time to issue one more from an idle GPU."""
+        import time
+
+        dev = self.device
+        _sync(dev)
+        others = _allocated(dev) - self.held
+        _reset_peak(dev)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.run()
+        _sync(dev)
+        dt = (time.perf_counter() - t0) / steps
+        t1 = time.perf_counter()
+        self.run()
+        host = time.perf_counter() - t1
+        _sync(dev)
+        self.peak = max(self.peak, _peak(dev) - others)
+        return {"step_ms": 1e3 * dt, "host_ms": 1e3 * host}
+
+
+def _rounds(arms: dict[str, _Arm], rounds: int, window: int, deadline: float, log: Any,
+            errors: dict[str, str]) -> dict[str, list[dict]]:
+    """Interleaved rounds: each round times every arm once, the order rotated round by round (each arm runs
+    first once every len(arms) rounds), so drift between rounds cancels in the paired ratios. An arm that
+    fails leaves the rounds (its error in ``errors``); the others go on."""
+    import time
+
+    names = list(arms)
+    out: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(rounds):
+        if time.perf_counter() > deadline:
+            log(f"  budget: stopped after {r} rounds")
+            break
+        for j in range(len(names)):
+            name = names[(r + j) % len(names)]
+            if name in errors:
+                continue
+            try:
+                out[name].append(arms[name].window(window))
+            except Exception as e:  # noqa: BLE001 - recorded: which mode broke and why is the measurement
+                errors[name] = f"round {r + 1}: {type(e).__name__}: {e}"[:2000]
+                log(f"  {name} failed: {errors[name][:300]}")
+        log(f"  round {r + 1}: " + ", ".join(f"{n} {out[n][-1]['step_ms']:.1f} ms" for n in names if out[n]))
+    return out
+
+
+def _row(arm: _Arm, windows: list[dict], base: list[dict] | None, base_losses: list[float] | None) -> dict[str, Any]:
+    from moelab.model.accounting import flops_per_token, param_counts
+
+    B, T = arm.data[0]["input_ids"].shape
+    step_ms = [w["step_ms"] for w in windows]
+    med = _median(step_ms)
+    tok = B * T / (med / 1e3)
+    counts = param_counts(arm.cfg.model)
+    losses = [float(x) for x in arm.losses]
+    row = {"mode": arm.mode, "B": B, "T": T, "params": counts["total"], "params_activated": counts["activated"],
+           "rounds": len(windows), "steps": len(losses), "step_ms": med, "step_ms_min": min(step_ms),
+           "step_ms_max": max(step_ms), "tok_per_s": tok, "rounds_step_ms": step_ms,
+           "host_ms": _median([w["host_ms"] for w in windows]), "rounds_host_ms": [w["host_ms"] for w in windows],
+           "mfu_all_params": 6 * counts["total"] * tok / ANCHOR_PEAK,
+           "mfu_activated": 3 * flops_per_token(arm.cfg.model, T) * tok / DATASHEET_PEAK,
+           "peak_mem_gb": arm.peak / 2**30, "setup_s": arm.setup_s, "losses": losses}
+    if base is not None:
+        ratios = [b["step_ms"] / w["step_ms"] for b, w in zip(base, windows)]
+        row["speedup_vs_eager"] = {"median": _median(ratios), "min": min(ratios), "max": max(ratios),
+                                   "ratios": ratios}
+    if base_losses is not None:
+        n = min(len(base_losses), len(losses))
+        row["loss_max_abs_diff_vs_eager"] = max(abs(a - b) for a, b in zip(base_losses[:n], losses[:n]))
+        row["loss_last_vs_eager"] = [base_losses[n - 1], losses[n - 1]]
+    return row
+
+
+def _random_batches(vocab: int, B: int, T: int, n: int, seed: int = 0, doc_lengths: tuple[int, int] | None = None,
+                    device: torch.device | str = "cuda") -> list[dict[str, torch.Tensor]]:
+    """``n`` batches of random ids on ``device`` (the same for every mode); ``doc_lengths=(lo, hi)``: packed
+    documents of lengths uniform in [lo, hi], cut at the row's end (``segment_ids``)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (B, T + 1), generator=gen)
+        batch = {"input_ids": ids[:, :-1].contiguous().to(device), "targets": ids[:, 1:].contiguous().to(device)}
+        if doc_lengths is not None:
+            seg = torch.empty(B, T, dtype=torch.int32)
+            for b in range(B):
+                t, d = 0, 0
+                while t < T:
+                    size = int(torch.randint(doc_lengths[0], doc_lengths[1] + 1, (1,), generator=gen))
+                    seg[b, t:t + size] = d
+                    t, d = t + size, d + 1
+            batch["segment_ids"] = seg.to(device)
+        out.append(batch)
+    return out
+
+
+def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tuple[str, ...] = CAPTURE_MODES,
+                  steps: int = 100, window: int = 10, warm: int = 4, docs: bool = True, budget_s: float = 450.0,
+                  out: str | os.PathLike | None = None, log: Any = print, device: str = "cuda",
+                  overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Training steps per second of each preset in each ``train.compile`` mode on one GPU, in one process.
+
+    Modes: ``eager``, ``default`` and ``graphs`` (``moelab.train.module.compile_model``), and
+    ``step_graph`` (the whole step as one CUDA graph: ``CapturedStep``). Every mode trains its own copy of
+    the same initial model (seed 0) on the same ``steps`` batches of random ids (B, T of the preset, bf16
+    autocast, fused capturable AdamW at a constant lr 3e-4, clipping as the preset): ``warm`` untimed steps
+    (compilation, capture), then interleaved rounds of ``window`` timed steps plus one host-timed step per mode.
+    Per row: median step time / tokens/s over rounds, the paired speed-up over eager (per round, median /
+    min / max), host ms, MFU in both conventions, peak memory, setup seconds, every step's loss and the
+    largest loss difference from eager. ``docs``: gpu-small's 16K stage of study 4 (B 2 x T 16384) eager,
+    without documents, with packed documents through flex_attention, and through the dense mask.
+    A mode that fails is recorded with its error. Written to ``out`` after each part (atomic).
+    ``device="cpu"`` with ``overrides`` (toy sizes) runs the same code without the GPU (tests; no memory,
+    modes eager and default only).
+    """
+    import time
+
+    from moelab.tracking import git_commit
+
+    start = time.perf_counter()
+    deadline = start + budget_s
+    dev = torch.device(device)
+    over = dict(overrides or {})
+    result: dict[str, Any] = {"meta": {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                                       "torch": torch.__version__,
+                                       "commit": git_commit(), "command": " ".join(sys.argv), "steps": steps,
+                                       "window": window, "warm": warm, "budget_s": budget_s,
+                                       "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")},
+                              "rows": [], "docs16k": []}
+
+    def save() -> None:
+        result["meta"]["elapsed_s"] = time.perf_counter() - start
+        if out is not None:
+            write_json(Path(out), result)
+
+    rounds = max(1, (steps - warm) // (window + 1))
+    for preset in presets:
+        if time.perf_counter() > deadline:
+            result["rows"].append({"preset": preset, "skipped": "budget"})
+            continue
+        from moelab.config import load_config
+
+        cfg = load_config(preset, over)
+        n = warm + rounds * (window + 1)
+        data = _random_batches(cfg.model.vocab_size, cfg.train.batch_size, cfg.data.seq_len, n, device=dev)
+        arms: dict[str, _Arm] = {}
+        errors: dict[str, str] = {}
+        for mode in modes:
+            log(f"{preset} {mode}: set-up ({time.perf_counter() - start:.0f} s)")
+            try:
+                arms[mode] = _Arm(preset, over, mode, data, warm, 3e-4)
+                log(f"  {arms[mode].setup_s:.1f} s")
+            except Exception as e:  # noqa: BLE001 - recorded: which mode broke and why is the measurement
+                errors[mode] = f"set-up: {type(e).__name__}: {e}"[:2000]
+                log(f"  failed: {errors[mode][:300]}")
+        windows = _rounds(arms, rounds, window, deadline, log, errors)
+        base = windows.get("eager") if "eager" not in errors else None
+        base_losses = [float(x) for x in arms["eager"].losses] if base else None
+        for mode in modes:
+            if mode in arms and mode not in errors and windows.get(mode):
+                row = _row(arms[mode], windows[mode], base if mode != "eager" else None,
+                           base_losses if mode != "eager" else None)
+            else:
+                row = {"mode": mode, "error": errors.get(mode, "no rounds")}
+            result["rows"].append({"preset": preset, **row})
+        del arms
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        save()
+
+    if docs and time.perf_counter() < deadline:
+        T = 16384 if dev.type == "cuda" else 64
+        stage = {**over, "model.max_seq_len": T, "data.seq_len": T, "train.batch_size": 2}
+        cfg = load_config("gpu-small", stage)
+        d_rounds, d_window = (4, 5) if dev.type == "cuda" else (2, 1)
+        n = 3 + d_rounds * (d_window + 1)
+        lengths = (256, 6144) if dev.type == "cuda" else (4, 24)
+        plain = _random_batches(cfg.model.vocab_size, 2, T, n, seed=1, device=dev)
+        packed = _random_batches(cfg.model.vocab_size, 2, T, n, seed=1, doc_lengths=lengths, device=dev)
+        result["meta"]["docs16k_doc_lengths"] = list(lengths)
+        specs = {"unmasked": (stage, plain), "masked_flex": ({**stage, "model.mla.mask_backend": "flex"}, packed),
+                 "masked_dense": ({**stage, "model.mla.mask_backend": "dense"}, packed)}
+        arms = {}
+        errors = {}
+        for name, (o, d) in specs.items():
+            log(f"docs16k {name}: set-up ({time.perf_counter() - start:.0f} s)")
+            try:
+                arms[name] = _Arm("gpu-small", o, "eager", d, 3, 3e-4)
+            except Exception as e:  # noqa: BLE001
+                errors[name] = f"set-up: {type(e).__name__}: {e}"[:2000]
+        windows = _rounds(arms, d_rounds, d_window, deadline + 60, log, errors)
+        base = windows.get("unmasked") if "unmasked" not in errors else None
+        for name in specs:
+            arm = arms.get(name)
+            if arm is None or name in errors or not windows.get(name):
+                result["docs16k"].append({"arm": name, "error": errors.get(name, "no rounds")})
+                continue
+            row = _row(arm, windows[name], base if name != "unmasked" else None, None)
+            row.pop("losses")
+            row["docs_per_row"] = (float(sum(int(b["segment_ids"][r].max()) + 1 for b in arm.data for r in range(2)))
+                                   / (2 * len(arm.data)) if "segment_ids" in arm.data[0] else 1.0)
+            result["docs16k"].append({"arm": name, **row})
+        del arms
+    save()
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m moelab.train.perf --out FILE [--only k3-mini] [--modes eager,step_graph] [--no-docs]``"""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=capture_bench.__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only", action="append", help="a preset (repeatable); default k3-mini and gpu-small")
+    ap.add_argument("--modes", default=",".join(CAPTURE_MODES))
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--window", type=int, default=10)
+    ap.add_argument("--no-docs", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=450.0)
+    a = ap.parse_args(argv)
+    res = capture_bench(tuple(a.only or ("k3-mini", "gpu-small")), tuple(a.modes.split(",")), a.steps, a.window,
+                        docs=not a.no_docs, budget_s=a.budget_s, out=a.out,
+                        log=lambda m: print(m, file=sys.stderr, flush=True))
+    for r in res["rows"] + res["docs16k"]:
+        keys = ("preset", "arm", "mode", "tok_per_s", "step_ms", "host_ms", "mfu_activated", "peak_mem_gb",
+                "loss_max_abs_diff_vs_eager", "error")
+        print({k: r[k] for k in keys if k in r} | ({"speedup": r["speedup_vs_eager"]["median"]}
+                                                   if "speedup_vs_eager" in r else {}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,13 +1,48 @@
-"""``train.compile=true`` (``model.compile()``): dynamo traces the model with graph breaks at the
-parts that run eagerly (the fused KDA op, the grouped-GEMM experts) and computes the same loss and
-gradients as the eager model. The ``eager`` backend checks the tracing without a C++/Triton compile."""
+"""``train.compile``: none | default | graphs (``moelab.train.module.compile_model``), and the whole-step CUDA
+graph (``CapturedStep``).
+
+``default`` (``model.compile()``): dynamo traces the model with graph breaks at the parts that run
+eagerly (the fused KDA op, the grouped-GEMM experts) and computes the same loss and gradients as the
+eager model; the ``eager`` backend checks the tracing without a C++/Triton compile, the ``slow`` test
+trains through inductor. ``graphs`` and ``CapturedStep`` need CUDA: on the CPU a clear error, on a GPU
+(``gpu`` tests) the same losses as the eager steps.
+"""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 
+from moelab.base import ConfigError
 from moelab.config import load_config
 from moelab.model import MoELab
+from moelab.train.module import CapturedStep, LitMoELab, compile_model, train_step_fn
+
+
+@pytest.fixture(autouse=True)
+def _restore_dynamo_config():
+    """compile_model sets process-wide dynamo/inductor flags: put them back after each test."""
+    dyn, ind = torch._dynamo.config, torch._inductor.config.triton
+    saved = dyn.recompile_limit, dyn.fail_on_recompile_limit_hit, ind.cudagraph_or_error
+    yield
+    dyn.recompile_limit, dyn.fail_on_recompile_limit_hit, ind.cudagraph_or_error = saved
+
+
+def tiny_lit(**overrides) -> LitMoELab:
+    cfg = load_config("tiny", {"tracking.enabled": False, **overrides})
+    torch.manual_seed(0)
+    return LitMoELab(cfg)
+
+
+def batches(vocab: int, n: int, B: int = 2, T: int = 32, device: str = "cpu") -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (B, T + 1), generator=gen).to(device)
+        out.append({"input_ids": ids[:, :-1].contiguous(), "targets": ids[:, 1:].contiguous()})
+    return out
 
 
 def test_compiled_model_matches_eager():
@@ -19,7 +54,7 @@ def test_compiled_model_matches_eager():
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    model.compile(backend="eager")
+    compile_model(model, "default", torch.device("cpu"), backend="eager")
     loss_c = model(x, x).loss
     loss_c.backward()
     assert torch.allclose(loss_c, loss, rtol=1e-6, atol=1e-6)
@@ -28,3 +63,115 @@ def test_compiled_model_matches_eager():
         gc = dict(model.named_parameters())[n].grad
         assert gc is not None, n
         torch.testing.assert_close(gc, g, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_compile_modes() -> None:
+    """none leaves the model eager; default compiles it and makes a recompile loop an error; bad modes name
+    the allowed ones."""
+    model = MoELab(load_config("tiny", {}).model)
+    compile_model(model, "none", torch.device("cpu"))
+    assert model._compiled_call_impl is None
+    compile_model(model, "default", torch.device("cpu"), backend="eager")
+    assert model._compiled_call_impl is not None
+    assert torch._dynamo.config.fail_on_recompile_limit_hit
+    with pytest.raises(ConfigError, match=r"train.compile='fast' is not allowed: expected one of 'none', "
+                                          r"'default', 'graphs'"):
+        compile_model(model, "fast", torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"train.compile=True is not allowed: expected one of 'none', "
+                                          r"'default', 'graphs'"):
+        load_config("tiny", {"train.compile": True})
+
+
+def test_graphs_needs_cuda() -> None:
+    """On the CPU train.compile='graphs' fails when the trainer sets the module up, naming the device."""
+    lit = tiny_lit(**{"train.compile": "graphs"})
+    lit._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    with pytest.raises(ConfigError, match=r"train.compile='graphs' needs a CUDA device .* trains on cpu"):
+        lit.setup("fit")
+    assert lit.model._compiled_call_impl is None
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CapturedStep needs a CUDA device"):
+            CapturedStep(lambda batch: {})
+
+
+def test_setup_compiles_once() -> None:
+    lit = tiny_lit(**{"train.compile": "default"})
+    lit._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    lit.setup("fit")
+    first = lit.model._compiled_call_impl
+    assert first is not None
+    lit.setup("validate")
+    assert lit.model._compiled_call_impl is first
+
+
+def run_steps(lit: LitMoELab, mode: str, data: list[dict[str, torch.Tensor]], dtype: torch.dtype | None = None,
+              captured: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+    device = data[0]["input_ids"].device
+    compile_model(lit.model, mode, device)
+    cuda = device.type == "cuda"
+    opt = torch.optim.AdamW(lit.parameters(), lr=torch.tensor(1e-3, device=device) if cuda else 1e-3,
+                            fused=cuda or None, capturable=cuda)
+    step = train_step_fn(lit.model, opt, lit.cfg.train.grad_clip, dtype)
+    if captured:
+        step = CapturedStep(step, warmup=2)
+    losses = [float(step(b)["loss"]) for b in data]
+    return losses, {n: p.detach().float().clone() for n, p in lit.named_parameters()}
+
+
+@pytest.mark.slow
+def test_default_compile_trains_as_eager() -> None:
+    """Three optimizer steps through inductor on the CPU (~90 s of compilation on 2 cores): the losses and the
+    parameters after them equal the eager steps' within fp32 rounding."""
+    data = batches(load_config("tiny", {}).model.vocab_size, 3)
+    eager = run_steps(tiny_lit(), "none", data)
+    compiled = run_steps(tiny_lit(), "default", data)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-5)
+    for n, p in eager[1].items():
+        torch.testing.assert_close(compiled[1][n], p, rtol=1e-4, atol=1e-5, msg=n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("balancer", ["quantile_balancing", "loss_free_sign"])
+def test_captured_step_trains_as_eager_gpu(balancer: str) -> None:
+    """CapturedStep (2 eager warm-up steps, then the whole step as one CUDA graph) against the eager step on
+    the same 8 batches, bf16: every loss within bf16 noise, and the steps past the warm-up really replayed."""
+    over = {"model.moe.balancer": balancer, "model.moe.quantile_balancing_mode": "histogram"}
+    data = batches(load_config("tiny", {}).model.vocab_size, 8, device="cuda")
+    eager = run_steps(tiny_lit(**over).cuda(), "none", data, torch.bfloat16)
+    lit = tiny_lit(**over).cuda()
+    captured = run_steps(lit, "none", data, torch.bfloat16, captured=True)
+    torch.testing.assert_close(captured[0], eager[0], rtol=2e-2, atol=2e-2)
+    assert eager[0][-1] < eager[0][0]  # it trains
+    for n, p in eager[1].items():
+        torch.testing.assert_close(captured[1][n], p, rtol=5e-2, atol=5e-3, msg=n)
+
+
+# gpu-small's structure at toy sizes (as kernels/bench_model.py --smoke): the benchmark's code runs on the CPU.
+TOY = {"model.vocab_size": 512, "data.vocab_size": 512, "model.d_model": 64, "model.dense_ffn_dim": 128,
+       "model.max_seq_len": 32, "data.seq_len": 32, "train.batch_size": 2, "model.kda.num_heads": 2,
+       "model.kda.head_dim": 32, "model.kda.decay_rank": 8, "model.kda.chunk_size": 16, "model.mla.num_heads": 2,
+       "model.mla.head_dim": 32, "model.mla.kv_latent_dim": 32, "model.moe.num_experts": 8, "model.moe.top_k": 2,
+       "model.moe.latent_dim": 32, "model.moe.expert_dim": 32}
+
+
+def test_capture_bench_runs_on_cpu(tmp_path) -> None:
+    """moelab.train.perf.capture_bench at toy sizes on the CPU: eager rows with every field, the CUDA-only modes
+    recorded with their error (not raised), the packed-document arms, the JSON written."""
+    import json
+
+    from moelab.train.perf import capture_bench
+
+    out = tmp_path / "capture.json"
+    res = capture_bench(("gpu-small",), ("eager", "graphs", "step_graph"), steps=8, window=2, warm=2, docs=True,
+                        budget_s=600, out=out, log=lambda m: None, device="cpu", overrides=TOY)
+    rows = {r["mode"]: r for r in res["rows"]}
+    eager = rows["eager"]
+    assert eager["rounds"] == 2 and eager["steps"] == 2 + 2 * 3 and len(eager["losses"]) == 8
+    assert eager["tok_per_s"] > 0 and eager["host_ms"] > 0 and eager["mfu_activated"] > 0
+    assert all(torch.isfinite(torch.tensor(eager["losses"])))
+    assert "needs a CUDA device" in rows["graphs"]["error"] and "needs a CUDA device" in rows["step_graph"]["error"]
+    arms = {r["arm"]: r for r in res["docs16k"]}
+    assert set(arms) == {"unmasked", "masked_flex", "masked_dense"}
+    assert arms["masked_flex"]["docs_per_row"] > 1 and arms["unmasked"]["docs_per_row"] == 1
+    assert "speedup_vs_eager" in arms["masked_flex"] and "error" not in arms["masked_dense"]
+    assert json.loads(out.read_text())["rows"][0]["mode"] == "eager"
