@@ -29,20 +29,23 @@
 # depth-attention weights, (4) each mode's cost in tokens/s and memory. **Budget rule: same tokens and same width
 # for every run, depth varied; at one depth the modes have the same parameters** (up to the AttnRes pseudo-queries
 # and key norms, reported below). The logic is in `moelab.studies.attnres_depth`, the run grid in
-# `moelab.studies.common`.
+# `moelab.studies.common`, the intervals and their wording in `moelab.studies.report`. With `from_results = True` the
+# notebook trains nothing: it renders the report from the raw results a run committed in `results/`.
 
 # %% tags=["parameters"]
 preset = "cpu"  # "cpu": minutes on 2 cores (all-MLA, width 64); "gpu": gpu-small's hybrid with dense FFNs, one GPU
 out_dir = "."
+from_results = False  # True: render from the committed results/ and summary.json instead of training again
 
 # %%
+import json
 from pathlib import Path
 
 import pandas as pd
 from IPython.display import Markdown
 
 from moelab.studies import attnres_depth as study
-from moelab.studies import common
+from moelab.studies import common, report
 from moelab.utils import write_json
 
 common.quiet_known_noise()  # log noise filtered at its source, before anything imports Lightning
@@ -69,11 +72,10 @@ pd.DataFrame(study.arms_factor(preset))
 # One line per finished run; each run's training output goes to `checkpoints/<arm>-s<seed>/train.log`.
 
 # %%
-grid = study.train(preset, out)
-rows = study.summary_rows(grid, preset)
-table = pd.DataFrame(rows)
-table.to_csv(out / "results" / "runs.csv", index=False)
-grid.histories().to_csv(out / "results" / "loss_histories.csv", index=False)
+grid = None if from_results else study.train(preset, out)
+table = report.result_table(out / "results" / "runs.csv", lambda: study.summary_rows(grid, preset), from_results)
+rows = study.rows_from_table(table)
+histories = report.result_table(out / "results" / "loss_histories.csv", lambda: grid.histories(), from_results)
 (table.groupby(["n_layers", "residual", "blocks"], dropna=False, sort=True)
  .agg(val_loss=("val_loss", "mean"), val_loss_std=("val_loss", "std"), seeds=("seed", "nunique"),
       params=("params", "first"), tokens=("tokens", "first"), tok_per_s=("tok_per_s", "mean"),
@@ -81,39 +83,45 @@ grid.histories().to_csv(out / "results" / "loss_histories.csv", index=False)
 
 # %%
 deepest = max(plan.depths)
-deep = common.Grid(grid.study, grid.base, [r for r in grid.records if r.arm.endswith(f"-L{deepest}")], grid.factor,
-                   grid.corpus_tokens)
-common.show(common.loss_curves(deep, f"{grid.base}, {deepest} layers: residual modes"),
-            out / "figures" / "training_loss.png")
+deep = histories[histories.arm.str.endswith(f"-L{deepest}")]
+common.show(report.difference_figure(deep, f"prenorm-L{deepest}", f"{plan.base}, {deepest} layers: training loss "
+                                     "minus prenorm's"), out / "figures" / "training_loss.png")
 
 # %% [markdown]
-# **Figure 1.** Training loss per optimizer step at the deepest depth (thin: each seed; bold: mean over seeds) and
-# validation loss (dots: each seed; diamonds: mean), in nats per token, one colour per arm (`prenorm-L*`,
-# `blockN-L*` = Block AttnRes with N blocks, `full-L*`). Same data order per seed and the same schedule.
+# **Figure 1.** At the deepest depth, each AttnRes arm's training loss minus prenorm's, seed by seed (same seed:
+# same initialization of the shared parts and the same data order), smoothed over 4 steps; line: mean over seeds,
+# band: its 95% t interval; diamonds: the validation loss differences with their intervals (`blockN-L*` = Block
+# AttnRes with N blocks, `full-L*` = Full AttnRes; the extra block counts ran one seed: no band). Below 0: lower
+# loss than prenorm. The y axis spans the 2-98% range of the bands after the first quarter of the steps.
 
 # %% [markdown]
 # ## 3. Validation loss vs depth
 # The verdicts in the findings compare arms seed by seed (the same seed gives the same data order, so what a seed
-# does to every arm alike drops out): a gap counts when it exceeds twice the seed standard deviation of the
-# per-seed differences; smaller gaps are called inside the noise.
+# does to every arm alike drops out), each difference with the 95% Student t interval of the per-seed differences:
+# better or worse only when that interval excludes 0, inside the noise otherwise.
 
 # %%
 common.show(study.loss_vs_depth_figure(rows), out / "figures" / "loss_vs_depth.png")
 
 # %% [markdown]
-# **Figure 2.** Left: final validation loss (nats/token) vs number of layers (log scale), mean over seeds with the
-# seed standard deviation as error bars and each seed as a dot, for prenorm, Block AttnRes with the main block
+# **Figure 2.** Left: final validation loss (nats/token) vs number of layers (log scale), mean over seeds with its
+# 95% t interval as error bars and each seed as a dot, for prenorm, Block AttnRes with the main block
 # count and Full AttnRes; open squares: Block AttnRes with other block counts (one seed). Right: the gain over
-# prenorm, `val_loss(prenorm) − val_loss(mode)` computed seed by seed (same seed = same data order), mean ± std.
+# prenorm, `val_loss(prenorm) − val_loss(mode)` computed seed by seed (same seed = same data order), mean and its
+# 95% t interval.
 
 # %% [markdown]
 # ## 4. Hidden-state and gradient norms by layer, learned depth attention
 # For the first seed of every arm: one forward and backward pass of the trained model on validation windows.
 
 # %%
-diag_rows, weights = study.collect_diagnostics(grid, preset)
-pd.DataFrame(diag_rows).to_csv(out / "results" / "layer_diagnostics.csv", index=False)
-write_json(out / "results" / "depth_weights.json", {arm: w.tolist() for arm, w in weights.items()})
+if from_results:
+    diag_rows = study.rows_from_table(pd.read_csv(out / "results" / "layer_diagnostics.csv"))
+    weights = study.weights_from_json(json.loads((out / "results" / "depth_weights.json").read_text()))
+else:
+    diag_rows, weights = study.collect_diagnostics(grid, preset)
+    pd.DataFrame(diag_rows).to_csv(out / "results" / "layer_diagnostics.csv", index=False)
+    write_json(out / "results" / "depth_weights.json", {arm: w.tolist() for arm, w in weights.items()})
 common.show(study.norms_figure(diag_rows, deepest), out / "figures" / "norms_by_layer.png")
 
 # %% [markdown]
@@ -139,8 +147,10 @@ common.show(study.depth_weights_figure({a: w for a, w in weights.items() if a.en
 # ## 5. Overhead: tokens/s and peak memory relative to prenorm
 
 # %%
+committed = json.loads((out / "summary.json").read_text()) if from_results else None
+device = committed["meta"]["device"] if from_results else common.device_name()
 over = study.overhead(rows)
-common.show(study.overhead_figure(over, common.device_name()), out / "figures" / "overhead.png")
+common.show(study.overhead_figure(over, device), out / "figures" / "overhead.png")
 
 # %% [markdown]
 # **Figure 5.** Training throughput (median tokens/s over the logging windows after the first, which holds the
@@ -149,7 +159,9 @@ common.show(study.overhead_figure(over, common.device_name()), out / "figures" /
 # say what the fused op costs on a GPU.
 
 # %%
-summary = study.summarize(grid, rows, diag_rows, preset)
+summary = study.refresh_verdicts(committed, rows) if from_results else study.summarize(grid, rows, diag_rows, preset)
+findings = study.study_report(summary, rows)
+summary = report.attach(summary, findings, from_results)
 write_json(out / "summary.json", summary)
 pd.Series({k: str(summary["meta"][k]) for k in ("commit", "dirty", "device", "torch", "triton", "command", "date",
                                                 "wall_s", "tokens_per_run", "epochs", "runs", "runs_skipped")},
@@ -159,4 +171,4 @@ pd.Series({k: str(summary["meta"][k]) for k in ("commit", "dirty", "device", "to
 # ## Findings
 
 # %%
-Markdown(study.findings(summary))
+Markdown(study.findings(findings))

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from moelab.studies import common
+from moelab.studies import common, report
 
 STUDY = "03_attnres_depth"
 MODES = ("prenorm", "block_attnres", "full_attnres")
@@ -230,23 +230,35 @@ def seed_values(rows: Sequence[Mapping[str, Any]], residual: str, blocks: int | 
 
 
 def paired_diff(a: Mapping[int, float], b: Mapping[int, float]) -> dict[str, Any]:
-    """``a - b`` seed by seed over the seeds both arms ran, judged against the seed noise.
+    """``a - b`` seed by seed over the seeds both arms ran, with its 95% t interval (``report.paired``).
 
     Seeds pair the arms: the same seed gives the same data order, so the per-seed difference leaves
-    out what the seed does to every arm alike. Returns ``{"mean", "std", "n", "values", "noise",
-    "verdict"}``: mean and std (ddof=1) of the differences; noise = twice that std (the rule of every
-    study here: twice the seed spread of the compared quantity), which needs two seeds; verdict
-    ``lower`` / ``higher`` (a below / above b beyond the noise), ``within noise`` or ``one seed``.
+    out what the seed does to every arm alike. Returns ``{"mean", "std", "n", "low", "high", "values",
+    "verdict"}``: verdict ``lower`` / ``higher`` (a below / above b, the interval excludes 0),
+    ``within noise`` (it includes 0) or ``one seed`` (no interval).
     """
-    values = [a[s] - b[s] for s in sorted(set(a) & set(b))]
+    seeds = sorted(set(a) & set(b))
+    values = [a[s] - b[s] for s in seeds]
     n = len(values)
-    mean = sum(values) / n if n else None
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else None
+    if n == 0:
+        return {"mean": None, "std": None, "n": 0, "low": None, "high": None, "values": [], "verdict": "one seed"}
+    iv = report.paired({s: a[s] for s in seeds}, {s: b[s] for s in seeds})
+    std = math.sqrt(sum((v - iv.mean) ** 2 for v in values) / (n - 1)) if n > 1 else None
     if n < 2:
-        return {"mean": mean, "std": std, "n": n, "values": values, "noise": None, "verdict": "one seed"}
-    noise = 2 * std
-    verdict = "within noise" if abs(mean) <= noise else ("lower" if mean < 0 else "higher")
-    return {"mean": mean, "std": std, "n": n, "values": values, "noise": noise, "verdict": verdict}
+        verdict = "one seed"
+    elif iv.low == iv.high == 0.0:
+        verdict = "within noise"
+    else:
+        verdict = "within noise" if iv.includes_zero else ("lower" if iv.mean < 0 else "higher")
+    return {**iv.to_dict(), "std": std, "values": values, "verdict": verdict}
+
+
+def _status(d: Mapping[str, Any], lower_is_better: bool = True) -> str:
+    """The one wording of ``moelab.studies.report`` for a :func:`paired_diff` result."""
+    if d["verdict"] == "one seed":
+        return "one seed: no interval"
+    iv = report.Interval(d["mean"], d["low"], d["high"], d["n"], "paired t")
+    return report.status_text(report.judge(iv, lower_is_better))
 
 
 def paired_gain(rows: Sequence[Mapping[str, Any]], residual: str, blocks: int | None, n_layers: int) -> dict[str, Any]:
@@ -259,10 +271,9 @@ def depth_verdicts(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any
     """Per depth (key: n_layers as text), the three main modes compared.
 
     ``block_vs_prenorm``, ``full_vs_prenorm``, ``full_vs_block``: :func:`paired_diff` results (first
-    minus second); ``order``: whether Full <= Block < PreNorm holds: ``holds`` (Block below PreNorm
-    beyond the noise and Full not above Block beyond it), ``does not hold`` (Block above PreNorm or
-    Full above Block beyond the noise), ``inside the noise, means in that order`` /
-    ``inside the noise, means not in that order`` (no gap beyond the noise either way), ``one seed``.
+    minus second); ``order``: the paper's Full <= Block < PreNorm read gap by gap in the one wording
+    (``Block - PreNorm better (interval excludes 0); Full - Block inside the noise (interval includes 0)``),
+    or ``one seed``.
     """
     s = stats(rows)
     out = {}
@@ -274,13 +285,8 @@ def depth_verdicts(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any
         bp, fp, fb = paired_diff(blk, pre), paired_diff(full, pre), paired_diff(full, blk)
         if "one seed" in (bp["verdict"], fb["verdict"]):
             order = "one seed"
-        elif "higher" in (bp["verdict"], fb["verdict"]):
-            order = "does not hold"
-        elif bp["verdict"] == "lower":
-            order = "holds"
         else:
-            in_order = bp["mean"] < 0 and fb["mean"] <= 0
-            order = f"inside the noise, means {'in that order' if in_order else 'not in that order'}"
+            order = f"Block - PreNorm {_status(bp)}; Full - Block {_status(fb)}"
         means = {mode: _mean_std(s[(mode, blocks, L)]) for mode, blocks in keys.items()}
         out[str(L)] = {"blocks": main_blocks(L), **means, "block_vs_prenorm": bp, "full_vs_prenorm": fp,
                        "full_vs_block": fb, "order": order}
@@ -296,9 +302,9 @@ def gain_trend(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
 
     ``gains``: ``{n_layers: paired_gain}``; ``slope_per_doubling``: least-squares slope of the mean
     gain against ``log2(n_layers)`` (nats/token per doubling of depth); ``deep_minus_shallow``:
-    gain at the deepest minus the shallowest depth with noise = twice the larger seed std of the two
-    gains; ``verdict``: ``grows`` / ``shrinks`` (beyond that noise), ``no trend beyond the noise``,
-    ``one seed`` or ``one depth``.
+    gain at the deepest minus the shallowest depth, seed by seed (same seed, same data order), with its
+    95% t interval (``interval``); ``verdict``: ``grows`` / ``shrinks`` (the interval excludes 0),
+    ``no trend beyond the noise`` (it includes 0), ``one seed`` or ``one depth``.
     """
     depths = sorted({r["n_layers"] for r in rows})
     out = {}
@@ -314,14 +320,17 @@ def gain_trend(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
         ys = [g["mean"] for g in gains.values()]
         xm, ym = sum(xs) / len(xs), sum(ys) / len(ys)
         slope = sum((x - xm) * (y - ym) for x, y in zip(xs, ys)) / sum((x - xm) ** 2 for x in xs)
-        lo, hi = gains[min(gains)], gains[max(gains)]
-        delta = hi["mean"] - lo["mean"]
-        if lo["n"] < 2 or hi["n"] < 2:
-            noise, verdict = None, "one seed"
+        lo, hi = min(gains), max(gains)
+        blocks = {L: main_blocks(L) if mode == "block_attnres" else 2 * L for L in (lo, hi)}
+        per_seed = {L: {s: pre - v for s, pre in seed_values(rows, "prenorm", None, L).items()
+                        if (v := seed_values(rows, mode, blocks[L], L).get(s)) is not None} for L in (lo, hi)}
+        d = paired_diff(per_seed[hi], per_seed[lo])
+        if d["verdict"] == "one seed":
+            verdict = "one seed"
         else:
-            noise = 2 * max(lo["std"], hi["std"])
-            verdict = "no trend beyond the noise" if abs(delta) <= noise else ("grows" if delta > 0 else "shrinks")
-        res.update(slope_per_doubling=slope, deep_minus_shallow=delta, noise=noise, verdict=verdict)
+            verdict = {"within noise": "no trend beyond the noise", "higher": "grows", "lower": "shrinks"}[d["verdict"]]
+        res.update(slope_per_doubling=slope, deep_minus_shallow=d["mean"],
+                   interval={k: d[k] for k in ("mean", "low", "high", "n")}, verdict=verdict)
         out[mode] = res
     return out
 
@@ -453,12 +462,13 @@ def norm_growth(diag_rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, f
 
 # ------------------------------------------------------------------------------------------ figures
 
-COLORS = {"prenorm": "C0", "block_attnres": "C1", "full_attnres": "C2"}
+_PAL = report.palette(["prenorm", "block_attnres", "full_attnres", "block2", "block4", "other"])
+COLORS = {m: _PAL[m] for m in MODES}
 
 
 def _color(residual: str, blocks: int | None, n_layers: int) -> str:
     if residual == "block_attnres" and blocks != main_blocks(n_layers):
-        return {2: "C4", 4: "C5"}.get(blocks, "C6")
+        return {2: _PAL["block2"], 4: _PAL["block4"]}.get(blocks, _PAL["other"])
     return COLORS[residual]
 
 
@@ -476,14 +486,16 @@ def loss_vs_depth_figure(rows: Sequence[Mapping[str, Any]]) -> Any:
                 for L in depths]
         keys = [k for k in keys if k in s]
         xs = [k[2] for k in keys]
-        ax.errorbar(xs, [s[k]["mean"] for k in keys], yerr=[s[k]["std"] or 0 for k in keys], color=COLORS[mode],
+        half = [_half(s[k]["values"]) for k in keys]
+        ax.errorbar(xs, [s[k]["mean"] for k in keys], yerr=half, color=COLORS[mode],
                     marker="o", capsize=3, label=f"{mode}{' (main N)' if mode == 'block_attnres' else ''}")
         for k in keys:
             ax.plot([k[2]] * len(s[k]["values"]), s[k]["values"], ".", color=COLORS[mode], alpha=0.4)
         if mode != "prenorm":
             g = [(L, paired_gain(rows, mode, k[1], L)) for k, L in zip(keys, xs)]
             g = [(L, v) for L, v in g if v["n"]]
-            ax2.errorbar([L for L, _ in g], [v["mean"] for _, v in g], yerr=[v["std"] or 0 for _, v in g],
+            ax2.errorbar([L for L, _ in g], [v["mean"] for _, v in g],
+                         yerr=[0 if v["high"] is None else v["high"] - v["mean"] for _, v in g],
                          color=COLORS[mode], marker="o", capsize=3, label=mode)
     for (mode, blocks, L), v in s.items():
         if mode == "block_attnres" and blocks != main_blocks(L):
@@ -498,13 +510,19 @@ def loss_vs_depth_figure(rows: Sequence[Mapping[str, Any]]) -> Any:
         a.set_xlabel("layers (n_layers; 2 sublayers each)")
         a.grid(alpha=0.3)
     ax.set_ylabel("final validation loss (nats/token)")
-    ax.set_title("validation loss vs depth (mean ± seed std)")
+    ax.set_title("validation loss vs depth (mean, 95% t interval)")
     ax2.axhline(0, color="k", lw=0.8)
     ax2.set_ylabel("prenorm − mode (nats/token; > 0: better)")
-    ax2.set_title("gain over prenorm, paired by seed")
+    ax2.set_title("gain over prenorm, paired by seed (95% t interval)")
     ax2.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def _half(values: Sequence[float]) -> float:
+    """Half width of the 95% t interval of the mean of ``values`` (0 for one value)."""
+    iv = report.mean_interval(values)
+    return iv.high - iv.mean if iv.known else 0.0
 
 
 def norms_figure(diag_rows: Sequence[Mapping[str, Any]], n_layers: int) -> Any:
@@ -616,112 +634,125 @@ def _param_excess(rows: Sequence[Mapping[str, Any]]) -> float:
     return worst
 
 
-def _and(names: Sequence[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``."""
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+def rows_from_table(df: Any) -> list[dict[str, Any]]:
+    """``results/runs.csv`` read back as :func:`summary_rows` gives them (no block count: None, not NaN)."""
+    def clean(v: Any) -> Any:
+        return None if isinstance(v, float) and math.isnan(v) else v
+    rows = []
+    for r in df.to_dict("records"):
+        r = {key: clean(v) for key, v in r.items()}
+        r["blocks"] = None if r["blocks"] is None else int(r["blocks"])
+        r["n_layers"], r["seed"] = int(r["n_layers"]), int(r["seed"])
+        rows.append(r)
+    return rows
 
 
-def _depth_line(by_depth: Mapping[str, Any]) -> list[str]:
-    """One finding on what depth itself does to each mode's loss at this budget: the deepest depth's mean
-    validation loss against the shallowest's, a change counted when it exceeds twice the two depths' seed
-    standard deviations combined (a deeper model that ends higher is under-trained at this budget, so the
-    gains are measured where depth does not yet pay)."""
-    if len(by_depth) < 2:
-        return []
-    lo, hi = min(by_depth, key=int), max(by_depth, key=int)
-    parts: list[str] = []
-    moved: dict[str, list[str]] = {"higher": [], "lower": [], "within noise": []}
-    for mode in MODES:
-        a, b = by_depth[lo].get(mode), by_depth[hi].get(mode)
-        if not a or not b or a.get("mean") is None or b.get("mean") is None:
-            continue
-        d = b["mean"] - a["mean"]
-        if a.get("std") is None or b.get("std") is None:
-            parts.append(f"{mode} {a['mean']:.3f} -> {b['mean']:.3f} (one seed)")
-            continue
-        noise = 2 * math.hypot(a["std"], b["std"])
-        moved["higher" if d > noise else "lower" if d < -noise else "within noise"].append(mode)
-        parts.append(f"{mode} {a['mean']:.3f} -> {b['mean']:.3f} ({d:+.3f}, noise {noise:.3f})")
-    if not parts:
-        return []
-    said = [f"{_and(modes)} {'end' if len(modes) > 1 else 'ends'} {how}" if how != "within noise" else
-            f"{_and(modes)} {'stay' if len(modes) > 1 else 'stays'} within the noise"
-            for how, modes in moved.items() if modes]
-    tail = "; ".join(said) or "not judged (one seed)"
-    if moved["higher"]:
-        tail += (f": at this budget the deeper {_and(moved['higher'])} models are under-trained, so the gains "
-                 "above are measured where depth does not pay yet (the paper's models train on far more tokens)")
-    return [f"- Depth itself, {lo} -> {hi} layers (mean validation loss): {', '.join(parts)}; {tail}."]
+def weights_from_json(saved: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """``results/depth_weights.json`` read back as ``{arm: weight_matrix}`` (JSON nulls, the sources that do not
+    exist yet at a read, back to NaN)."""
+    return {arm: torch.tensor([[math.nan if v is None else v for v in row] for row in w]) for arm, w in saved.items()}
 
 
-def findings(summary: Mapping[str, Any]) -> str:
-    """The conclusions as a Markdown list; every number and verdict comes from ``summary``."""
-    lines = []
-    budget = summary["budget"]
-    toks = budget["tokens_per_run"]
-    lines.append(f"- Budget: every run saw {', '.join(f'{t:,}' for t in toks)} tokens; at one depth the modes' "
-                 f"parameter counts differ by at most {budget['max_param_excess_at_a_depth']:.2%} (the AttnRes "
-                 "queries and key norms), so the comparison at each depth is at equal tokens and parameters.")
-    note = common.seed_note(len(summary["meta"].get("seeds") or []), "main arm")
-    if note:
-        lines.append(note)
-    for L, v in summary["by_depth"].items():
-        bp, fp, fb = v["block_vs_prenorm"], v["full_vs_prenorm"], v["full_vs_block"]
-        lines.append(
-            f"- **{L} layers**: prenorm {_ms(v['prenorm'])}, "
-            f"block_attnres (N={v['blocks']}) {_ms(v['block_attnres'])}, "
-            f"full_attnres {_ms(v['full_attnres'])}. Block − PreNorm {bp['mean']:+.4f} ({_judge(bp)}), "
-            f"Full − PreNorm {fp['mean']:+.4f} ({_judge(fp)}), Full − Block {fb['mean']:+.4f} ({_judge(fb)}): "
-            f"Full ≤ Block < PreNorm: **{v['order']}**.")
-    lines.extend(_depth_line(summary["by_depth"]))
-    for mode, t in summary["gain_trend"].items():
-        gains = ", ".join(f"{L} layers {g['mean']:+.4f}" for L, g in t["gains"].items())
-        if t["verdict"] == "one depth":
-            lines.append(f"- Gain of {mode} over prenorm: {gains}; one depth, so no trend.")
-            continue
-        noise = f", noise {t['noise']:.4f}" if t["noise"] is not None else ""
-        lines.append(f"- Gain of {mode} over prenorm (paired by seed): {gains}; deepest minus shallowest "
-                     f"{t['deep_minus_shallow']:+.4f}{noise}, slope {t['slope_per_doubling']:+.4f} per doubling of "
-                     f"depth: the gain {TREND_TEXT[t['verdict']]}.")
-    growth = summary["norm_growth"]
-    if growth:
-        deepest = max(int(L) for L in summary["by_depth"]) if summary["by_depth"] else None
-        sel = {a: g for a, g in growth.items() if deepest is not None and a.endswith(f"-L{deepest}")}
-        parts = [f"{a} {g['hidden_last_over_first']:.1f}x" for a, g in sel.items()]
-        gparts = [f"{a} {g['grad_first_over_last']:.2f}" for a, g in sel.items() if g["grad_first_over_last"]]
-        pre = sel.get(f"prenorm-L{deepest}")
-        others = [g["hidden_last_over_first"] for a, g in sel.items() if not a.startswith("prenorm")]
-        if pre and others:
-            verdict = ("grows more under prenorm than under every AttnRes arm" if
-                       pre["hidden_last_over_first"] > max(others) else
-                       "does not grow more under prenorm than under every AttnRes arm")
-        else:
-            verdict = "is not compared (an arm is missing)"
-        lines.append(f"- Hidden-state RMS, last read over first, at {deepest} layers: {', '.join(parts)}; the stream "
-                     f"{verdict}. Gradient norm of the first sublayer over the last: {', '.join(gparts)}.")
-    over = summary["overhead"]
+def refresh_verdicts(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``summary`` with ``by_depth``, ``gain_trend`` and ``overhead`` recomputed from ``rows`` by the current rules."""
+    return {**summary, "by_depth": depth_verdicts(rows), "gain_trend": gain_trend(rows), "overhead": overhead(rows)}
+
+
+def depth_pays(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Study 3's precondition: is the training past the early phase, where depth pays?
+
+    PreNorm's validation loss at the deepest depth minus at the shallowest, paired by seed. Depth pays
+    when that interval lies below 0; otherwise the deeper models are under-trained at this budget and
+    whether AttnRes's gain grows with depth is not tested. Returns ``{"diff", "pays", "reason"}``.
+    """
+    depths = sorted({r["n_layers"] for r in rows})
+    lo, hi = depths[0], depths[-1]
+    d = paired_diff(seed_values(rows, "prenorm", None, hi), seed_values(rows, "prenorm", None, lo))
+    pays = d["verdict"] == "lower"
+    reason = None if pays else (
+        f"under-trained: depth does not pay yet, PreNorm at {hi} layers minus {lo} layers is "
+        f"{d['mean']:+.3f} nats [{d['low']:+.3f}, {d['high']:+.3f}]")
+    return {"diff": d, "pays": pays, "reason": reason, "shallow": lo, "deep": hi}
+
+
+def study_report(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> report.Report:
+    """The findings as rules (``moelab.studies.report``): whether the gain grows with depth (only where depth pays),
+    whether depth pays, Block and Full against PreNorm and each other at the deepest depth, the overhead."""
+    pre = depth_pays(rows)
+    lo, hi = pre["shallow"], pre["deep"]
+    bh, bl = main_blocks(hi), main_blocks(lo)
+    gain = {L: {sd: p - v for sd, p in seed_values(rows, "prenorm", None, L).items()
+                if (v := seed_values(rows, "block_attnres", b, L).get(sd)) is not None} for L, b in ((lo, bl), (hi, bh))}
+    grows = report.compare(f"Does Block AttnRes's gain over PreNorm grow with depth (gain at {hi} minus at {lo} "
+                           "layers)", gain[hi], gain[lo], unit="nats", lower_is_better=False, precondition=pre["reason"])
+    d = pre["diff"]
+    answer = {"lower": "depth pays", "higher": "no: the deeper model ends higher",
+              "within noise": "inside the noise", "one seed": "one seed"}[d["verdict"]]
+    pays = report.measured(f"Does depth pay at this budget (PreNorm, {hi} minus {lo} layers)",
+                           report.Interval(d["mean"], d["low"], d["high"], d["n"], "paired t"), answer=answer,
+                           unit="nats", signed=True)
+    vals = {m: seed_values(rows, m, b, hi) for m, b in (("prenorm", None), ("block_attnres", bh),
+                                                          ("full_attnres", 2 * hi))}
+    block = report.compare(f"Block AttnRes (N={bh}) minus PreNorm at {hi} layers", vals["block_attnres"],
+                           vals["prenorm"], unit="nats")
+    full_block = report.compare(f"Full minus Block AttnRes at {hi} layers (the paper: Full <= Block)",
+                                vals["full_attnres"], vals["block_attnres"], unit="nats")
+    shallow = report.compare(f"Block AttnRes (N={bl}) minus PreNorm at {lo} layers",
+                             seed_values(rows, "block_attnres", bl, lo), seed_values(rows, "prenorm", None, lo),
+                             unit="nats")
     meta = summary["meta"]
-    if over:
-        deepest = max(over, key=int)
-        tps = ", ".join(f"{lab} {v['tok_per_s_ratio']:.2f}x" for lab, v in over[deepest].items()
-                        if v["tok_per_s_ratio"] is not None)
-        mem = ", ".join(f"{lab} {v['peak_mem_ratio']:.2f}x" for lab, v in over[deepest].items()
-                        if v["peak_mem_ratio"] is not None)
-        if meta.get("overhead_meaningful"):
-            lines.append(f"- Overhead at {deepest} layers on {meta['device']}: tokens/s relative to prenorm {tps}; "
-                         f"peak memory {mem or 'not recorded'}.")
-        else:
-            lines.append(f"- Overhead: measured on {meta['device']}, where tokens/s ratios ({tps} at {deepest} layers) "
-                         "reflect the plain PyTorch depth softmax on a CPU, not the fused GPU op, and peak memory "
-                         "is not recorded: not meaningful here; the GPU preset measures it.")
-    epochs = meta.get("epochs")
-    if epochs is not None:
-        gaps = meta.get("train_val_gap", {})
-        worst = max((g for g in gaps.values() if g is not None), default=None)
-        gap = f"; validation minus training loss is at most {worst:+.3f} nats/token" if worst is not None else ""
-        lines.append(f"- Data: each run saw {epochs:.3g} epochs of the {meta['corpus_train_tokens']:,}-token "
-                     f"training split{gap}.")
-    return "\n".join(lines)
+    tps = {m: {r["seed"]: r["tok_per_s"] for r in rows if r["residual"] == m and r["n_layers"] == hi
+               and r["blocks"] == b and r["tok_per_s"]} for m, b in (("prenorm", None), ("block_attnres", bh))}
+    ratio = [tps["block_attnres"][sd] / tps["prenorm"][sd] for sd in tps["prenorm"] if sd in tps["block_attnres"]]
+    question = f"What does Block AttnRes cost in training speed at {hi} layers (tokens/s over PreNorm's)"
+    cost = (report.measured(question, ratio, unit="times", digits=2) if meta.get("overhead_meaningful")
+            else report.not_tested(question, "timed on a CPU, where the depth softmax is plain PyTorch",
+                                   report.mean_interval(ratio), unit="times", digits=2))
+    import pandas as pd
+
+    table = {}
+    for L in sorted({r["n_layers"] for r in rows}):
+        b = main_blocks(L)
+        v = {m: seed_values(rows, m, bb, L) for m, bb in (("prenorm", None), ("block_attnres", b),
+                                                            ("full_attnres", 2 * L))}
+        if not all(v.values()):
+            continue
+        table[f"{L} layers (block N={b})"] = {
+            **{m: report.cell(report.mean_interval(list(x.values())), 3, signed=False) for m, x in v.items()},
+            "block - prenorm": report.cell(report.paired(v["block_attnres"], v["prenorm"])),
+            "full - block": report.cell(report.paired(v["full_attnres"], v["block_attnres"]))}
+    table = pd.DataFrame(table).T
+    table.index.name = "depth"
+    budget = summary["budget"]
+    details = [f"Budget: every run saw {', '.join(f'{t:,}' for t in budget['tokens_per_run'])} tokens; at one depth "
+               f"the modes' parameter counts differ by at most {budget['max_param_excess_at_a_depth']:.2%}."]
+    for mode, t in summary["gain_trend"].items():
+        iv = t.get("interval")
+        if iv and iv.get("low") is not None:
+            details.append(f"Gain of {mode} over prenorm by depth: " + ", ".join(
+                f"{L} layers {g['mean']:+.4f}" for L, g in t["gains"].items()) + f"; deepest minus shallowest "
+                f"{iv['mean']:+.4f} [{iv['low']:+.4f}, {iv['high']:+.4f}], slope {t['slope_per_doubling']:+.4f} "
+                "per doubling of depth.")
+    growth = summary.get("norm_growth") or {}
+    sel = {a: g for a, g in growth.items() if a.endswith(f"-L{hi}")}
+    if sel:
+        details.append(f"Hidden-state RMS, last read over first, at {hi} layers (first seed): " + ", ".join(
+            f"{a} {g['hidden_last_over_first']:.1f}x" for a, g in sel.items()) + "; gradient norm of the first "
+            "sublayer over the last: " + ", ".join(f"{a} {g['grad_first_over_last']:.2f}" for a, g in sel.items()
+                                                   if g["grad_first_over_last"]) + ".")
+    over = summary.get("overhead") or {}
+    if over.get(str(hi)) and meta.get("overhead_meaningful"):
+        details.append(f"Peak memory relative to prenorm at {hi} layers on {meta['device']}: " + ", ".join(
+            f"{lab} {v['peak_mem_ratio']:.2f}x" for lab, v in over[str(hi)].items() if v["peak_mem_ratio"]) + ".")
+    if meta.get("epochs") is not None:
+        details.append(f"Data: each run saw {meta['epochs']:.3g} epochs of the {meta['corpus_train_tokens']:,}-token "
+                       "training split.")
+    return report.Report([grows, pays, block, full_block, shallow, cost], table, details)
+
+
+def findings(rep: report.Report) -> str:
+    """The findings section (markdown) of :func:`study_report`."""
+    return rep.markdown()
 
 
 TREND_TEXT = {"grows": "**grows** with depth", "shrinks": "**shrinks** with depth",
@@ -729,13 +760,3 @@ TREND_TEXT = {"grows": "**grows** with depth", "shrinks": "**shrinks** with dept
               "one seed": "has one seed at an end of the sweep: **trend not judged**"}
 
 
-def _ms(g: Mapping[str, Any]) -> str:
-    return f"{g['mean']:.4f} ± {g['std']:.4f}" if g["std"] is not None else f"{g['mean']:.4f}"
-
-
-def _judge(c: Mapping[str, Any]) -> str:
-    if c["verdict"] == "one seed":
-        return "one seed: noise not measured"
-    if c["verdict"] == "within noise":
-        return f"inside the noise {c['noise']:.4f}"
-    return f"beyond the noise {c['noise']:.4f}"

@@ -62,37 +62,42 @@ def _rows(losses: dict[tuple[str, int], list[float]]) -> list[dict]:
     return rows
 
 
-# 2 layers: every paired gap inside the noise; 8 layers: Full < Block < PreNorm beyond it.
+# 2 layers: every paired gap inside the noise; 8 layers: Full < Block < PreNorm, each interval excluding 0.
 KNOWN = {("prenorm", 2): [2.00, 2.02], ("block_attnres", 2): [1.99, 2.02], ("full_attnres", 2): [2.01, 2.02],
          ("prenorm", 8): [1.90, 1.91], ("block_attnres", 8): [1.80, 1.81], ("full_attnres", 8): [1.78, 1.79]}
 
 
-def test_paired_diff_against_the_seed_noise() -> None:
+def test_paired_diff_with_its_t_interval() -> None:
     a, b = {0: 1.00, 1: 1.10, 2: 1.20}, {0: 1.10, 1: 1.21, 2: 1.29}
     d = study.paired_diff(a, b)  # differences -0.10, -0.11, -0.09: a seed offset shared by both arms drops out
     assert d["mean"] == pytest.approx(-0.1) and d["std"] == pytest.approx(0.01) and d["n"] == 3
-    assert d["noise"] == pytest.approx(0.02) and d["verdict"] == "lower"
+    half = 4.302652729911275 * 0.01 / 3 ** 0.5  # t(0.975, 2 dof) * sd / sqrt(n)
+    assert (d["low"], d["high"]) == (pytest.approx(-0.1 - half), pytest.approx(-0.1 + half))
+    assert d["verdict"] == "lower"
     assert study.paired_diff(b, a)["verdict"] == "higher"
     assert study.paired_diff({0: 1.0, 1: 1.2}, {0: 1.05, 1: 1.1})["verdict"] == "within noise"
     one = study.paired_diff({0: 1.0, 1: 1.2}, {0: 1.05})  # only seed 0 pairs up
-    assert one["verdict"] == "one seed" and one["noise"] is None and one["mean"] == pytest.approx(-0.05)
+    assert one["verdict"] == "one seed" and one["low"] is None and one["mean"] == pytest.approx(-0.05)
 
 
 def test_verdicts_on_known_rows() -> None:
     rows = _rows(KNOWN)
     v = study.depth_verdicts(rows)
-    assert v["2"]["order"] == "inside the noise, means not in that order"
-    assert v["8"]["order"] == "holds" and v["8"]["blocks"] == 8
+    assert v["2"]["order"] == ("Block - PreNorm inside the noise (interval includes 0); "
+                               "Full - Block inside the noise (interval includes 0)")
+    assert v["8"]["order"] == ("Block - PreNorm better (interval excludes 0); "
+                               "Full - Block better (interval excludes 0)") and v["8"]["blocks"] == 8
     assert v["8"]["block_vs_prenorm"]["mean"] == pytest.approx(-0.1)
     g = study.paired_gain(rows, "full_attnres", 16, 8)
     assert g["values"] == pytest.approx([0.12, 0.12]) and g["n"] == 2
     t = study.gain_trend(rows)
-    assert t["block_attnres"]["verdict"] == "grows"
+    assert t["block_attnres"]["verdict"] == "grows"  # per-seed gain 0.01 -> 0.1 and 0 -> 0.1: [+0.03, +0.16]
     assert t["block_attnres"]["deep_minus_shallow"] == pytest.approx(0.1 - 0.005)
+    assert t["block_attnres"]["interval"]["low"] > 0
     assert t["block_attnres"]["slope_per_doubling"] == pytest.approx((0.1 - 0.005) / 2)  # log2 8 - log2 2 = 2
-    # Full above Block beyond the noise breaks the order.
+    # Full above Block, the interval excluding 0: said so, gap by gap, never "holds"
     worse = _rows({("prenorm", 4): [2.0, 2.0], ("block_attnres", 4): [1.8, 1.8], ("full_attnres", 4): [1.9, 1.9]})
-    assert study.depth_verdicts(worse)["4"]["order"] == "does not hold"
+    assert study.depth_verdicts(worse)["4"]["order"].endswith("Full - Block worse (interval excludes 0)")
     one = _rows({("prenorm", 4): [2.0], ("block_attnres", 4): [1.8], ("full_attnres", 4): [1.7]})
     assert study.depth_verdicts(one)["4"]["order"] == "one seed"
     assert study.gain_trend(one)["full_attnres"]["verdict"] == "one depth"
@@ -101,29 +106,35 @@ def test_verdicts_on_known_rows() -> None:
     assert over["8"]["block8"]["tok_per_s_ratio"] == pytest.approx(0.9)
 
 
-def test_findings_are_computed_from_the_summary() -> None:
-    rows = _rows(KNOWN)
+def _summary_of(rows: list[dict]) -> dict:
     diag = [{"arm": a, "sublayer": s, "hidden_rms": h, "grad_norm": g}
             for a, hs in (("prenorm-L8", (1.0, 2.0, 6.0)), ("full-L8", (1.0, 1.1, 1.2)))
             for s, (h, g) in enumerate(zip(hs, (2.0, 1.0, None)))]
-    summary = {"budget": {"tokens_per_run": [512], "max_param_excess_at_a_depth": study._param_excess(rows)},
-               "by_depth": study.depth_verdicts(rows), "gain_trend": study.gain_trend(rows),
-               "norm_growth": study.norm_growth(diag), "overhead": study.overhead(rows),
-               "meta": {"device": "CPU: test", "overhead_meaningful": False, "epochs": None, "seeds": [0, 1]}}
-    text = study.findings(summary)
-    assert text.startswith("- ")
-    assert "**8 layers**" in text and "Full ≤ Block < PreNorm: **holds**" in text
-    assert "the gain **grows** with depth" in text
-    assert "prenorm-L8 6.0x" in text and "grows more under prenorm" in text
-    assert "not meaningful here" in text and "rough estimate" in text
-    assert "- Depth itself, 2 -> 8 layers (mean validation loss): prenorm 2.010 -> 1.905 (-0.105, noise 0.032)" in text
-    assert "prenorm, block_attnres and full_attnres end lower." in text and "under-trained" not in text
-    # deeper and worse beyond the noise: called under-trained, by mode
+    return {"budget": {"tokens_per_run": [512], "max_param_excess_at_a_depth": study._param_excess(rows)},
+            "gain_trend": study.gain_trend(rows), "norm_growth": study.norm_growth(diag),
+            "overhead": study.overhead(rows),
+            "meta": {"device": "CPU: test", "overhead_meaningful": False, "epochs": None, "seeds": [0, 1]}}
+
+
+def test_findings_are_rules_with_the_precondition_first() -> None:
+    rows = _rows(KNOWN)  # depth pays: prenorm 8 - 2 layers = -0.105 [-0.169, -0.041]
+    rep = study.study_report(_summary_of(rows), rows)
+    lines = rep.markdown().splitlines()
+    assert lines[0].startswith("- **Does Block AttnRes's gain over PreNorm grow with depth (gain at 8 minus at 2 "
+                               "layers)?** +0.095 nats [") and lines[0].endswith("better (interval excludes 0)")
+    assert "depth pays: -0.105 nats" in lines[1]
+    assert "inside the noise (interval includes 0)" in lines[4]  # Block - PreNorm at 2 layers
+    assert "not tested at this scale (timed on a CPU" in lines[5]
+    assert "prenorm-L8 6.0x" in rep.markdown().split("### Details")[1]
+    # deeper and worse (under-trained): the depth question is "not tested", the reason first
     deep = _rows({("prenorm", 2): [2.0, 2.01], ("block_attnres", 2): [1.9, 1.91], ("full_attnres", 2): [1.9, 1.92],
                   ("prenorm", 8): [2.2, 2.21], ("block_attnres", 8): [1.9, 1.92], ("full_attnres", 8): [1.8, 1.81]})
-    line = study._depth_line(study.depth_verdicts(deep))[0]
-    assert "prenorm ends higher" in line and "full_attnres ends lower" in line
-    assert "block_attnres stays within the noise" in line and "the deeper prenorm models are under-trained" in line
+    first = study.study_report(_summary_of(deep), deep).findings[0]
+    assert first.status == "not tested" and first.plain().split("?")[1].startswith(
+        " not tested at this scale (under-trained: depth does not pay yet, PreNorm at 8 layers minus 2 layers is "
+        "+0.200 nats")
+    diag = [{"arm": "prenorm-L8", "sublayer": 0, "hidden_rms": 1.0, "grad_norm": 2.0},
+            {"arm": "prenorm-L8", "sublayer": 1, "hidden_rms": 2.0, "grad_norm": 1.0}]
     assert study.norm_growth(diag)["prenorm-L8"]["grad_first_over_last"] == pytest.approx(2.0)
 
 
