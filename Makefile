@@ -14,6 +14,8 @@ EXTRAS ?= dev
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PRESET ?=
+RUNS ?=
+SHARD ?=
 PORT ?= 5000
 ARGS ?=
 STAMP := $(VENV)/.moelab-setup
@@ -28,7 +30,7 @@ endif
 .PHONY: help setup test test-fast mutate lint data train info study-1 study-2 study-3 study-4 throughput kda-check kda-bench kda-aot model-bench ddp-check mlflow-ui lab sync-nbs
 
 help: ## list the targets
-	@echo "usage: make TARGET [PRESET=...] [PYTHON=python3] [ARGS='--set key=value ...']"
+	@echo "usage: make TARGET [PRESET=...] [RUNS=arm:seed,...] [PYTHON=python3] [ARGS='--set key=value ...']"
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_% -]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 setup: ## create .venv and install moelab (editable, [dev]); no-op while pyproject.toml is unchanged
@@ -46,6 +48,9 @@ setup: ## create .venv and install moelab (editable, [dev]); no-op while pyproje
 # are small, and on a 2-core machine that is busy with anything else two threads keep waiting on
 # each other (measured on a shared 2-core machine: the whole suite in 8 min with 2 threads, 2 min with 1).
 TEST_ENV := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}
+# Training and studies too: on a busy machine the default thread count spins against the other processes
+# (issue 38: study 1's cpu preset many times slower); OMP_NUM_THREADS=N make ... gives more.
+RUN_ENV := $(TEST_ENV)
 # ... and one such process per core (pytest-xdist, `-n auto`): the 2-core CI machine ran the suite in 36 min
 # as one process and in 19 min as two (6bc93f0). TEST_WORKERS=0: one process; an interpreter without
 # pytest-xdist (e.g. PYTHON=python3 on a GPU machine) runs one process too.
@@ -70,13 +75,13 @@ data: $(SETUP) ## prepare the corpus of PRESET (default cpu): tokenizer + verifi
 	$(PYTHON) -m moelab data --config $(or $(PRESET),cpu) $(ARGS)
 
 train: $(SETUP) ## train PRESET (default cpu); ARGS="--set train.max_steps=100 --resume"
-	$(PYTHON) -m moelab train --config $(or $(PRESET),cpu) $(ARGS)
+	$(RUN_ENV) $(PYTHON) -m moelab train --config $(or $(PRESET),cpu) $(ARGS)
 
 info: $(SETUP) ## parameter counts and FLOPs of PRESET (default k3)
 	$(PYTHON) -m moelab info --config $(or $(PRESET),k3) $(ARGS)
 
-study-1 study-2 study-3 study-4: study-%: $(SETUP) ## study-N: run study N's notebook into studies/NN_name/ (PRESET=cpu|gpu; default: gpu if present)
-	$(PYTHON) -m moelab study $* $(if $(PRESET),--preset $(PRESET)) $(ARGS)
+study-1 study-2 study-3 study-4: study-%: $(SETUP) ## study-N: run study N's notebook (PRESET=gpu: the report in studies/NN_name/; cpu: runs/studies/NN_name/); RUNS=arm:seed,... or SHARD=i/n: a split call
+	$(RUN_ENV) $(PYTHON) -m moelab study $* $(if $(PRESET),--preset $(PRESET)) $(if $(RUNS),--runs $(RUNS)) $(if $(SHARD),--shard $(SHARD)) $(ARGS)
 
 throughput: $(SETUP) ## train PRESET (default gpu-small) and record tokens/s + MFU in studies/throughput_h200.json
 	$(PYTHON) -m moelab train --config $(or $(PRESET),gpu-small) --throughput studies/throughput_h200.json $(ARGS)

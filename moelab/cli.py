@@ -3,14 +3,15 @@
     python -m moelab train --config tiny --set train.max_steps=20 [--resume [CKPT]] [--throughput FILE]
     python -m moelab info  --config k3
     python -m moelab data  --config cpu [--force]
-    python -m moelab study 1 [--preset cpu|gpu]
+    python -m moelab study 1 [--preset cpu|gpu] [--runs ARM:SEED,... | --shard I/N]
     python -m moelab eval  --ckpt runs/tiny/last.ckpt --task passkey|mqar|loss_by_position [--lengths ...]
 
 ``--config`` takes a preset name (``moelab/presets/<name>.yaml``) or a YAML path; ``--set KEY=VALUE``
 (repeatable) overrides any field, the value parsed as YAML. Exit codes: 0 done, 1 failed (the
 message says why: a NaN, a tracking store that cannot be reached), 2 bad configuration or arguments
 (including a damaged checkpoint, a resume that changes the model, a run folder another run owns),
-130 stopped by Ctrl-C, 143 stopped by SIGTERM (after either, last.ckpt and summary.json are saved).
+130 stopped by Ctrl-C, 143 stopped by SIGTERM (after either, last.ckpt and summary.json are saved; a
+study's next call resumes). A study whose notebook cell raises exits 1 with one line naming the cell.
 User errors print one ``error:`` line, never a traceback, and stop before an MLflow run is opened.
 """
 
@@ -53,10 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--force", action="store_true", help="rebuild the cache even if it verifies")
 
-    p = sub.add_parser("study", help="run study N's notebook with papermill into studies/NN_name/")
+    p = sub.add_parser("study", help="run study N's notebook with papermill (gpu: into studies/NN_name/, "
+                                     "other presets: into runs/studies/NN_name/)")
     p.add_argument("number", type=int, help="study number (1-4)")
     p.add_argument("--preset", choices=("cpu", "gpu"), default=None,
-                   help="scale of the study (default: gpu when CUDA is available, else cpu)")
+                   help="scale of the study (default: gpu when CUDA is available, else cpu); only gpu writes the "
+                        "committed report in studies/")
+    split = p.add_mutually_exclusive_group()
+    split.add_argument("--runs", metavar="ARM:SEED,...", default=None,
+                       help="a split call: train only these runs and record them (studies/README.md has the recipe)")
+    split.add_argument("--shard", metavar="I/N", default=None,
+                       help="a split call: train runs I, I+N, ... of each grid and record them")
     p.add_argument("--from-results", action="store_true",
                    help="train nothing: render the report from the results already in studies/NN_name/results")
 

@@ -11,6 +11,7 @@ import nbformat
 import pytest
 
 from moelab.studies import STUDIES, default_preset, find_notebook, run_study
+from moelab.studies.runner import StudyFailed, export_html, math_to_mathml, results_root
 from tests.train.mlflow_fixtures import mlflow_template_db, tracking_uri  # noqa: F401
 
 NOTEBOOK = '''# %% tags=["parameters"]
@@ -73,31 +74,67 @@ def test_runner_executes_notebook_under_a_parent_run(tmp_path, tracking_uri) -> 
     assert parent.info.status == child.info.status == "FINISHED"
     assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id == summary["parent"]
     assert parent.data.params == {"study": "07_demo", "preset": "cpu", "notebook": "07_demo.ipynb"}
-    assert parent.data.metrics["summary/scores.a"] == 1.5
-    # Run facts and per-arm numbers are not parent metrics (the children carry per-arm metrics).
-    assert not any(k.startswith(("summary/meta.", "summary/arms.", "summary/factor.")) for k in parent.data.metrics)
-    # Numbers keyed by an arm name (from arms or factor) anywhere else are per-arm too.
-    assert {k for k in parent.data.metrics if k.startswith("summary/growth.")} == {"summary/growth.mean"}
+    # The summary is one table artifact, not a single-value chart per number.
+    assert not any(k.startswith("summary/") for k in parent.data.metrics)
+    table = json.loads((Path(client.download_artifacts(parent.info.run_id, "summary_table.json"))).read_text())
+    rows = dict(zip(*[[r[i] for r in table["data"]] for i in (0, 1)]))
+    assert rows["scores.a"] == 1.5 and rows["preset"] == "cpu" and rows["growth.y-2.ratio"] == 1.2
     assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", parent.data.tags["moelab.code"])
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
-    assert {"07_demo.ipynb", "07_demo.html", "summary.json", "figures"} <= artifacts
+    assert {"07_demo.ipynb", "07_demo.html", "summary.json", "summary_table.json", "figures"} <= artifacts
+    assert not list(out.glob(".*.tmp.ipynb"))
 
 
 def test_failing_notebook_marks_parent_failed_and_keeps_the_executed_notebook(tmp_path, tracking_uri) -> None:  # noqa: F811
-    import papermill
     from mlflow.tracking import MlflowClient
 
     nbs = tmp_path / "nbs"
     _write_notebook(nbs, "08_broken", NOTEBOOK.replace("FAIL", "raise ValueError('study failed here')"))
-    with pytest.raises(papermill.PapermillExecutionError, match="study failed here"):
+    # One line: which cell (counted in the executed notebook, its injected parameters included), what it
+    # raised, where the notebook with the traceback is.
+    with pytest.raises(StudyFailed, match=r"^study 8: cell 3 \('import json'\) raised ValueError: study failed "
+                                          r"here; the executed notebook with the traceback: .*08_broken/08_broken"
+                                          r".ipynb") as e:
         run_study(8, "cpu", nbs_dir=nbs, out_root=tmp_path / "studies", tracking_uri=tracking_uri,
                   log_output=False)
+    assert "\n" not in str(e.value)
     executed = tmp_path / "studies" / "08_broken" / "08_broken.ipynb"
     assert "study failed here" in executed.read_text()
+    assert (tmp_path / "studies" / "08_broken" / "summary.json").exists()  # what the notebook wrote is kept
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name("study/08_broken")
     statuses = {r.info.run_name: r.info.status for r in client.search_runs([exp.experiment_id])}
     assert statuses == {"08_broken-cpu": "FAILED", "child-cpu": "FINISHED"}
+
+
+def test_only_a_record_preset_writes_the_committed_report() -> None:
+    root = Path(__file__).resolve().parents[1]
+    assert results_root("gpu") == root / "studies"
+    assert results_root("cpu") == root / "runs" / "studies"
+    assert "/runs/" in (root / ".gitignore").read_text().split()
+
+
+def test_html_export_renders_formulas_offline(tmp_path) -> None:
+    """Formulas become MathML (rendered by the browser, no script); no script is loaded from the network."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("Decay $g = g_{min}\\,\\sigma(z)$ see `$x$`.\n\n"
+                                              "$$e^{G_i - G_j} \\le 1$$"),
+                nbformat.v4.new_code_cell("1", outputs=[nbformat.v4.new_output(
+                    "display_data", data={"text/markdown": "- bound $\\alpha^2$ holds"})])]
+    path = tmp_path / "n.ipynb"
+    nbformat.write(nb, path)
+    html = export_html(path).read_text()
+    assert html.count("<math") == 3 and 'display="block"' in html
+    assert "<msub><mi>g</mi>" in html and "<mi>σ</mi>" in html and "<mi>α</mi>" in html
+    assert "<code>$x$</code>" in html  # code left alone
+    assert not re.search(r"<script[^>]*src=\"(https?:)?//", html), "a script from the network"
+    assert "mathjax" not in html.lower()
+
+
+def test_math_to_mathml_leaves_text_and_code_alone() -> None:
+    assert math_to_mathml("a $5 and $6 b") == "a $5 and $6 b"
+    assert math_to_mathml("`$x$` and ``$y$``") == "`$x$` and ``$y$``"
+    assert math_to_mathml("$x$").startswith("<math") and 'display="inline"' in math_to_mathml("$x$")
 
 
 def test_missing_html_exporter_stops_the_study_before_it_runs(tmp_path, tracking_uri, monkeypatch) -> None:  # noqa: F811

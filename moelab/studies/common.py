@@ -1,4 +1,4 @@
-"""The study harness: a grid of arms x seeds from one preset, tracked, resumable, summarized one way.
+"""The study harness: a grid of arms x seeds from one preset, tracked, resumable, splittable, summarized one way.
 
 A study names a base preset and its arms, each a dict of ``--set``-style overrides
 (``{"bounded": {"model.kda.gate": "bounded"}, "softplus": {"model.kda.gate": "softplus"}}``), and
@@ -6,19 +6,26 @@ calls :func:`run_grid`. For every (arm, seed) it
 
 * checks first that the arms differ only in their override keys (:func:`check_arms_differ_only`);
 * trains ``load_config(base, {**common, **arm, "seed": seed})`` with ``moelab.train.fit`` as a
-  nested MLflow run of the study's parent run, named ``<study>-<arm>-s<seed>``, with ``study.arm``
+  nested MLflow run of the study's parent run, named ``<arm>/s<seed>``, with ``study.arm``
   and ``study.seed`` as params and ``moelab.arm`` / ``moelab.seed`` as tags, and the same
   ``study/*`` metric names for every arm;
 * sends the training's console output (progress, Lightning and data messages) to
   ``<out_dir>/checkpoints/<arm>-s<seed>/train.log`` and prints one line when the run ends (arm,
-  seed, steps, val loss, time, ETA of the study);
+  seed, steps, val loss, time, ETA of the study), also to the runner's terminal;
 * with ``evaluate``, measures the trained model inside the training process, when training ends
-  (no checkpoint is read back, no model rebuilt), and keeps the result in ``evals.pt``
-  (:attr:`RunRecord.evals`);
-* writes ``record.json`` beside the checkpoints; a rerun at the same code and config finds it and
-  skips the run, so an interrupted study resumes where it stopped (the run it was in when
-  interrupted trains again from the start). Since a run is restarted rather than resumed,
-  ``checkpoints="final"`` writes one checkpoint per run, at its end.
+  (no checkpoint is read back, no model rebuilt);
+* leaves the finished run as a small portable **record** (:data:`RECORD_FORMAT`):
+  ``<records>/<arm>_s<seed>.json`` (config, code state, summary, curves, timings, machine, GPU
+  minutes; no checkpoint) and, with ``evaluate``, ``<arm>_s<seed>.evals.pt`` beside it. A rerun with
+  the same config and source code (:func:`source_sha256`, not the commit: records made at an earlier
+  commit of the same code still count) reads the record instead of training, wherever the record was
+  made; a record made elsewhere is logged into this MLflow experiment once, with its original timings
+  and machine. A run stopped by Ctrl-C / SIGTERM resumes from its ``last.ckpt`` on the next call.
+
+A study can be split across processes and machines (``make study-N RUNS=arm:seed,...`` or
+``SHARD=i/n``, which set :data:`RUNS_ENV` / :data:`SHARD_ENV`): each split call trains only its runs,
+writes their records and stops the notebook at the first grid that is still incomplete
+(:class:`GridIncomplete`); the final call without a split finds every record and trains only what is missing.
 
 Results come back as a :class:`Grid`: one row per run (:meth:`Grid.table`), mean +- spread over seeds
 (:func:`aggregate`), one loss-curve style (:func:`loss_curves`), and :func:`study_meta` for the
@@ -55,6 +62,13 @@ from moelab.utils import atomic_path, write_json
 COMMAND_ENV = "MOELAB_STUDY_COMMAND"
 STARTED_ENV = "MOELAB_STUDY_STARTED"
 GIT_ENV = "MOELAB_STUDY_GIT"
+RECORDS_ENV = "MOELAB_STUDY_RECORDS"  # the folder of the portable run records
+RUNS_ENV = "MOELAB_STUDY_RUNS"  # "arm:seed,arm:seed": a split call trains only these runs
+SHARD_ENV = "MOELAB_STUDY_SHARD"  # "i/n": a split call trains runs i, i + n, ... (1-based) of each grid
+PROGRESS_ENV = "MOELAB_STUDY_PROGRESS"  # a file whose lines the runner echoes to its terminal
+# Outputs of studies and benchmarks: their changes do not make the code state dirty.
+OUTPUTS = ("studies", "kernels/results")
+RECORD_FORMAT = 1  # version of the record files' layout
 
 # Console lines that carry no information for a study reader. Filtered where they are emitted
 # (quiet_known_noise) and looked for in executed notebooks by the tests.
@@ -130,7 +144,7 @@ def output_to(path: str | os.PathLike) -> Iterator[None]:
         for h, _ in moved:
             h.stream = f
         try:
-            with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f), _not_in_jupyter():
+            with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f), _plain_rich(f):
                 yield
         finally:
             for h, old in moved:
@@ -141,23 +155,28 @@ def output_to(path: str | os.PathLike) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _not_in_jupyter() -> Iterator[None]:
-    """Make rich (Lightning's progress bar) write text to the redirected stream.
+def _plain_rich(stream: Any) -> Iterator[None]:
+    """Make rich (Lightning's progress bar) write plain text to ``stream``: no widget, no cursor codes.
 
-    Inside a Jupyter kernel rich draws its live display as a widget in the running cell instead
-    of writing to ``sys.stdout``, which would put an empty progress widget into the notebook.
+    Inside a Jupyter kernel rich draws its live display as a widget in the running cell, and on a
+    terminal it redraws with cursor movements: in a log file either is noise. rich's global console
+    (what Lightning's bar uses) is replaced for the block by one that is neither a terminal nor Jupyter
+    nor interactive, so the bar writes its final state once.
     """
     try:
+        import rich
         import rich.console
     except ImportError:
         yield
         return
-    saved = rich.console._is_jupyter
+    saved, saved_console = rich.console._is_jupyter, rich._console
     rich.console._is_jupyter = lambda: False
+    rich._console = rich.console.Console(file=stream, force_terminal=False, force_jupyter=False,
+                                         force_interactive=False, no_color=True, width=120)
     try:
         yield
     finally:
-        rich.console._is_jupyter = saved
+        rich.console._is_jupyter, rich._console = saved, saved_console
 
 
 def _stream_handlers() -> list[logging.StreamHandler]:
@@ -173,8 +192,9 @@ def _stream_handlers() -> list[logging.StreamHandler]:
 # ---------------------------------------------------------------------------------- code and host
 
 
-def git_state(exclude: Sequence[str] = ()) -> dict[str, Any]:
-    """``{"commit", "dirty", "diff_sha256"}`` of the checkout; tracked files only, ``exclude`` paths left out.
+def git_state(exclude: Sequence[str] = OUTPUTS) -> dict[str, Any]:
+    """``{"commit", "dirty", "diff_sha256"}`` of the checkout; tracked files only, ``exclude`` paths left out
+    (default :data:`OUTPUTS`: what studies and benchmarks write does not make the code dirty).
 
     ``diff_sha256`` hashes ``git diff HEAD``, so two dirty trees with different edits differ.
     Outside a git checkout every value is None.
@@ -193,6 +213,21 @@ def git_state(exclude: Sequence[str] = ()) -> dict[str, Any]:
         return {"commit": None, "dirty": None, "diff_sha256": None}
     return {"commit": commit, "dirty": bool(diff),
             "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else None}
+
+
+def source_sha256() -> str:
+    """16 hex digits hashing the moelab package's source (every ``.py`` and ``.yaml`` under it, by path).
+
+    The code part of a run's fingerprint: unlike the commit it stays the same across commits that
+    change only outputs, docs or records, and it needs no ``.git`` (a copied tree on a GPU machine).
+    """
+    import moelab
+
+    pkg = Path(moelab.__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(p for p in pkg.rglob("*") if p.suffix in (".py", ".yaml") and "__pycache__" not in p.parts):
+        h.update(path.relative_to(pkg).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def device_name() -> str:
@@ -225,7 +260,7 @@ def _versions() -> dict[str, str | None]:
 
 def study_context(study: str) -> dict[str, Any]:
     """Command, start time and code state of the running study: from the runner, else from here and now."""
-    git = json.loads(os.environ[GIT_ENV]) if os.environ.get(GIT_ENV) else git_state(exclude=("studies",))
+    git = json.loads(os.environ[GIT_ENV]) if os.environ.get(GIT_ENV) else git_state()
     return {"command": os.environ.get(COMMAND_ENV) or "interactive (notebook run by hand)",
             "started": float(os.environ.get(STARTED_ENV) or _IMPORTED_AT), "git": git}
 
@@ -312,11 +347,16 @@ def check_arms_differ_only(base: str, arms: Mapping[str, Mapping[str, Any]],
 
 @dataclass
 class RunRecord:
-    """One finished (arm, seed) training of a grid, as ``record.json`` keeps it.
+    """One finished (arm, seed) training of a grid, as its record file keeps it.
 
     history: ``[{"step", "train/loss", ...}]`` per optimizer step; val_history: ``[[step, val/loss]]``.
-    evals: what ``run_grid``'s ``evaluate`` returned for the trained model (kept in ``evals.pt``,
-    not in ``record.json``); None without ``evaluate``.
+    evals: what ``run_grid``'s ``evaluate`` returned for the trained model (kept in
+    ``<arm>_s<seed>.evals.pt`` beside the record); None without ``evaluate``.
+    timing: ``{"started", "ended"}`` (UTC, ISO), ``wall_s``, ``gpus`` (CUDA devices trained on, 0 on a
+    CPU) and ``gpu_minutes`` (wall time x gpus / 60). machine: the device and library versions it
+    trained on. code: ``commit``, ``dirty``, ``diff_sha256`` and ``source_sha256`` when it trained.
+    mlflow: ``{"run_id", "experiment"}`` of its training's run in the store it trained against.
+    skipped: read from its record rather than trained by this call.
     """
 
     arm: str
@@ -330,6 +370,10 @@ class RunRecord:
     fingerprint: str
     skipped: bool = False
     evals: dict[str, Any] | None = None
+    timing: dict[str, Any] = field(default_factory=dict)
+    machine: dict[str, Any] = field(default_factory=dict)
+    code: dict[str, Any] = field(default_factory=dict)
+    mlflow: dict[str, Any] = field(default_factory=dict)
 
     def row(self) -> dict[str, Any]:
         s = self.summary
@@ -337,21 +381,26 @@ class RunRecord:
                 "best_val_loss": s.get("best_val_loss"), "final_val_loss": s.get("final_val_loss"),
                 "final_train_loss": s.get("final_train_loss"), "train_val_gap": self.train_val_gap,
                 "tokens": self.tokens, "epochs": self.epochs, "tok_per_s": s.get("tok_per_s"),
-                "wall_s": s.get("wall_s"), "run_id": s.get("run_id")}
+                "wall_s": s.get("wall_s"), "gpu_minutes": self.timing.get("gpu_minutes"), "run_id": s.get("run_id")}
 
 
 @dataclass
 class Grid:
-    """What :func:`run_grid` returns: the records in grid order and the arms' differing config keys."""
+    """What :func:`run_grid` returns: the records in grid order and the arms' differing config keys.
+
+    complete: False when a split call (``RUNS=`` / ``SHARD=``) left runs of this grid untrained.
+    """
 
     study: str
     base: str
     records: list[RunRecord]
     factor: dict[str, dict[str, Any]] = field(default_factory=dict)
     corpus_tokens: int = 0
+    complete: bool = True
 
     def table(self) -> Any:
-        """One row per run (pandas DataFrame): arm, seed, steps, losses, gap, tokens, epochs, speed, run id."""
+        """One row per run (pandas DataFrame): arm, seed, steps, losses, gap, tokens, epochs, speed, GPU minutes,
+        run id."""
         import pandas as pd
 
         return pd.DataFrame([r.row() for r in self.records])
@@ -371,11 +420,23 @@ class Grid:
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
-def _fingerprint(cfg: Any, git: Mapping[str, Any]) -> str:
+# Config keys that say where a run lives or is tracked, not what it computes: left out of its fingerprint and
+# record, so a record made on another machine (another checkout path, another store) still counts.
+_PLACE_KEYS = ("tracking.", "train.ckpt_dir")
+
+
+def _run_config(cfg: Any) -> dict[str, Any]:
     from moelab.config import flatten
 
-    cfg_flat = {k: v for k, v in flatten(cfg).items() if not k.startswith("tracking.")}
-    payload = {"config": cfg_flat, "commit": git.get("commit"), "diff": git.get("diff_sha256")}
+    return {k: v for k, v in flatten(cfg).items() if not k.startswith(_PLACE_KEYS)}
+
+
+def _fingerprint(cfg: Any, code: Mapping[str, Any]) -> str:
+    """16 hex digits over the run's config (places left out) and its code: ``code["source_sha256"]``
+    (:func:`source_sha256`) where given, else the commit and the diff of a :func:`git_state`."""
+    what = ({"source": code["source_sha256"]} if code.get("source_sha256")
+            else {"commit": code.get("commit"), "diff": code.get("diff_sha256")})
+    payload = {"config": _run_config(cfg), **what}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -385,7 +446,28 @@ def _tail_train_loss(history: Sequence[Mapping[str, float]], window: int) -> flo
     return sum(tail) / len(tail) if tail else None
 
 
-EVALS = "evals.pt"  # beside record.json: run_grid's evaluate result
+def record_path(records_dir: str | os.PathLike, arm: str, seed: int) -> Path:
+    """``<records_dir>/<arm>_s<seed>.json`` (characters other than letters, digits, ``.``, ``-`` as ``_``)."""
+    return Path(records_dir) / f"{re.sub(r'[^A-Za-z0-9.-]', '_', arm)}_s{seed}.json"
+
+
+def _evals_path(record: Path) -> Path:
+    return record.with_suffix(".evals.pt")
+
+
+def _portable(value: Any) -> Any:
+    """``value`` with absolute paths inside the repository made relative to it (no machine path in a record)."""
+    if isinstance(value, dict):
+        return {k: _portable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_portable(v) for v in value]
+    if isinstance(value, str) and value.startswith("/"):
+        path = Path(value)
+        return path.relative_to(repo_root()).as_posix() if path.is_relative_to(repo_root()) else path.name
+    return value
+
+
+_PATH_KEYS = ("last_checkpoint", "best_checkpoint")  # summary entries that are paths
 
 
 def _load_record(path: Path, fingerprint: str, evals: bool = False) -> RunRecord | None:
@@ -394,7 +476,8 @@ def _load_record(path: Path, fingerprint: str, evals: bool = False) -> RunRecord
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    if data.get("fingerprint") != fingerprint or data.get("summary", {}).get("status") != "finished":
+    if (data.get("format") != RECORD_FORMAT or data.get("fingerprint") != fingerprint
+            or data.get("summary", {}).get("status") != "finished"):
         return None
     found = None
     if evals:
@@ -403,10 +486,31 @@ def _load_record(path: Path, fingerprint: str, evals: bool = False) -> RunRecord
         import torch
 
         try:
-            found = torch.load(path.parent / EVALS, weights_only=True)
+            found = torch.load(_evals_path(path), weights_only=True)
         except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
             return None
-    return RunRecord(**{**data, "skipped": True, "evals": found})
+    keep = {f for f in RunRecord.__dataclass_fields__ if f not in ("skipped", "evals")}
+    rec = RunRecord(**{k: v for k, v in data.items() if k in keep}, skipped=True, evals=found)
+    for key in _PATH_KEYS:  # a record keeps repository paths relative: this checkout's path again
+        value = rec.summary.get(key)
+        if value and not Path(value).is_absolute():
+            rec.summary[key] = str(repo_root() / value)
+    return rec
+
+
+def _write_record(path: Path, rec: RunRecord, cfg: Any, study: str, run_id: str | None) -> None:
+    """The portable record of a finished run: ``evals.pt`` first, then the JSON (whose presence marks it complete)."""
+    if rec.evals is not None:
+        import torch
+
+        with atomic_path(_evals_path(path)) as tmp:
+            torch.save(rec.evals, tmp)
+    rec.mlflow = {"run_id": run_id, "experiment": cfg.experiment}
+    body = {"format": RECORD_FORMAT, "study": study,
+            **{k: v for k, v in rec.__dict__.items() if k not in ("skipped", "evals")},
+            "config": _run_config(cfg), "command": study_context(study)["command"]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, _portable(body))
 
 
 def _evaluation_callback(evaluate: Evaluate) -> Any:
@@ -440,6 +544,75 @@ def _fmt_s(s: float) -> str:
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
+class GridIncomplete(Exception):
+    """A split call (``RUNS=`` / ``SHARD=``) trained its runs and stopped the study: runs are still missing.
+
+    ``trained``: the ``arm:seed`` runs this call trained; ``missing``: those of the stopped grid without a record.
+    """
+
+    def __init__(self, message: str, trained: Sequence[str] = (), missing: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.trained, self.missing = list(trained), list(missing)
+
+
+@dataclass(frozen=True)
+class Split:
+    """Which runs a split call trains: named ``runs`` (``{(arm, seed)}``) or the ``shard`` ``(i, n)``."""
+
+    runs: frozenset[tuple[str, int]] | None = None
+    shard: tuple[int, int] | None = None
+
+    def wants(self, index: int, arm: str, seed: int) -> bool:
+        """Whether run ``index`` (0-based, grid order) of a grid, ``(arm, seed)``, is this call's to train."""
+        if self.runs is not None:
+            return (arm, seed) in self.runs
+        i, n = self.shard  # type: ignore[misc]
+        return index % n == i - 1
+
+
+def parse_runs(text: str) -> frozenset[tuple[str, int]]:
+    """``"bounded:0,softplus:1"`` -> ``{("bounded", 0), ("softplus", 1)}``; ValueError naming a bad item."""
+    out = set()
+    for item in (t.strip() for t in text.split(",")):
+        arm, _, seed = item.rpartition(":")
+        if not arm or not seed.strip().lstrip("-").isdigit():
+            raise ValueError(f"RUNS item {item!r} is not allowed: expected arm:seed (e.g. bounded:0), "
+                             f"comma-separated")
+        out.add((arm.strip(), int(seed)))
+    return frozenset(out)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"2/3"`` -> ``(2, 3)``; ValueError unless ``1 <= i <= n``."""
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise ValueError(f"SHARD={text!r} is not allowed: expected i/n with 1 <= i <= n (e.g. 1/3)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def split_from_env() -> Split | None:
+    """The split this process was started with (:data:`RUNS_ENV` or :data:`SHARD_ENV`), else None."""
+    runs, shard = os.environ.get(RUNS_ENV, "").strip(), os.environ.get(SHARD_ENV, "").strip()
+    if runs and shard:
+        raise ValueError(f"RUNS={runs!r} and SHARD={shard!r}: give one of them")
+    if runs:
+        return Split(runs=parse_runs(runs))
+    return Split(shard=parse_shard(shard)) if shard else None
+
+
+CURVE_POINTS = 25  # MLflow points per run and metric that run_grid asks for at least (train.log_every)
+_SPLIT_SEEN: dict[Split, set[tuple[str, int]]] = {}  # named runs met in this process's grids, per split
+
+
+def progress(line: str, echo: Callable[[str], None] = print) -> None:
+    """``echo(line)``, and append it to the runner's progress file (:data:`PROGRESS_ENV`) so it reaches the terminal."""
+    echo(line)
+    path = os.environ.get(PROGRESS_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
 def run_grid(
     study: str,
     base: str,
@@ -451,119 +624,223 @@ def run_grid(
     echo: Callable[[str], None] = print,
     evaluate: Evaluate | None = None,
     checkpoints: str = "every_validation",
+    records_dir: str | os.PathLike | None = None,
+    split: Split | None = None,
 ) -> Grid:
-    """Train every (arm, seed) of the grid (skipping those already finished); return the :class:`Grid`.
+    """Train every (arm, seed) of the grid that has no record yet; return the :class:`Grid`.
 
     Args:
-        study: the study's name (``01_decay_bound``): run names, tags, the code-state exclusion.
+        study: the study's name (``01_decay_bound``): tags, the experiment of imported records.
         base: preset name or YAML path every run starts from.
         arms: ``{arm: {"section.key": value}}``; arms may differ only in the keys every arm sets.
         seeds: ``cfg.seed`` values (initialization and data order); every arm runs every seed.
-        out_dir: the study's folder; runs live under ``<out_dir>/checkpoints/<arm>-s<seed>/``.
+        out_dir: the study's working folder; runs train in ``<out_dir>/checkpoints/<arm>-s<seed>/``.
         common: overrides applied to every arm first (scale of the preset: steps, batch size).
-        echo: where the one-line progress per run goes.
+        echo: where the one-line progress per run goes (also to :data:`PROGRESS_ENV`'s file).
         evaluate: ``(trained MoELab, RunConfig) -> dict`` (tensors, lists, numbers, strings), called in
             the training process when a run reaches ``max_steps``, model in eval mode on its device
-            under ``torch.no_grad``; kept in ``<run dir>/evals.pt`` and returned as ``RunRecord.evals``
-            (a finished run without it trains again).
+            under ``torch.no_grad``; kept beside the record and returned as ``RunRecord.evals``
+            (a record without it trains again).
         checkpoints: ``moelab.train.fit``'s policy: ``"every_validation"`` (last and best after each
-            validation) or ``"final"`` (one ``last.ckpt``, when the run ends).
+            validation) or ``"final"`` (one ``last.ckpt``, when the run ends or is stopped).
+        records_dir: where the run records live; default ``$MOELAB_STUDY_RECORDS``, else ``<out_dir>/records``.
+        split: train only these runs (default: :func:`split_from_env`); when the grid is then still
+            incomplete, raises :class:`GridIncomplete` once every named run has been met (a ``SHARD``: at once).
     """
     if not seeds:
         raise ValueError("seeds is empty: a study needs at least one seed")
     quiet_known_noise()
+    split = split if split is not None else split_from_env()
     factor = check_arms_differ_only(base, arms, common)
     ctx = study_context(study)
+    code = {**ctx["git"], "source_sha256": source_sha256()}
     root = Path(out_dir).resolve() / "checkpoints"  # train.ckpt_dir: relative paths start at the repo root
+    records_dir = Path(records_dir or os.environ.get(RECORDS_ENV) or Path(out_dir) / "records").resolve()
     grid = [(arm, seed) for arm in arms for seed in seeds]
     records: list[RunRecord] = []
-    trained_s: list[float] = []
+    trained, missing, trained_s = [], [], []
     corpus_tokens = 0
     for i, (arm, seed) in enumerate(grid):
-        name = f"{arm}-s{seed}"
-        run_dir = root / name
-        cfg = resolve_arms(base, {arm: arms[arm]}, {**(common or {}), "name": f"{study}-{name}",
+        run_dir = root / f"{arm}-s{seed}"
+        cfg = resolve_arms(base, {arm: arms[arm]}, {**(common or {}), "name": f"{study}-{arm}-s{seed}",
                                                      "train.ckpt_dir": str(run_dir),
-                                                     "tracking.run_name": f"{study}-{name}"}, seed)[arm]
-        fp = _fingerprint(cfg, ctx["git"])
-        rec = _load_record(run_dir / "record.json", fp, evals=evaluate is not None)
-        if rec is None:
+                                                     "tracking.run_name": f"{arm}/s{seed}"}, seed)[arm]
+        # Curves on the dashboard: at least ~CURVE_POINTS logged steps per run (a CPU run has 30 steps).
+        cfg.train.log_every = min(cfg.train.log_every, max(1, cfg.train.max_steps // CURVE_POINTS))
+        fp = _fingerprint(cfg, code)
+        path = record_path(records_dir, arm, seed)
+        rec = _load_record(path, fp, evals=evaluate is not None)
+        if rec is not None:
+            _log_record_made_elsewhere(study, cfg, rec)
+        elif split is not None and not split.wants(i, arm, seed):
+            missing.append(f"{arm}:{seed}")
+            continue
+        else:
             t0 = time.perf_counter()
-            rec = _train(study, arm, seed, cfg, run_dir, fp, evaluate, checkpoints)
+            rec = _train(study, arm, seed, cfg, run_dir, fp, code, path, evaluate, checkpoints)
             trained_s.append(time.perf_counter() - t0)
+            trained.append(f"{arm}:{seed}")
+        if split is not None and split.runs is not None:
+            _SPLIT_SEEN.setdefault(split, set()).add((arm, seed))
         if rec.epochs:
             corpus_tokens = round(rec.tokens / rec.epochs)
         records.append(rec)
-        left = len(grid) - i - 1
+        left = sum(1 for j, (a, s) in enumerate(grid[i + 1:], i + 1)
+                   if split is None or split.wants(j, a, s))
         if not left:
-            eta = "study done"
+            eta = "grid done" if split is None else "this call's runs of the grid done"
         elif trained_s:
-            eta = f"study ETA {_fmt_s(left * sum(trained_s) / len(trained_s))}"
+            eta = f"grid ETA {_fmt_s(left * sum(trained_s) / len(trained_s))}"
         else:
-            eta = "study ETA after the first trained run"
+            eta = "grid ETA after the first trained run"
         val = rec.summary.get("best_val_loss")
-        echo(f"[{i + 1}/{len(grid)}] arm={arm} seed={seed} steps={rec.summary.get('steps')} "
-             f"val_loss={'n/a' if val is None else f'{val:.4f}'} "
-             f"({'found finished, skipped' if rec.skipped else _fmt_s(trained_s[-1])}); {eta}")
-    return Grid(study=study, base=base, records=records, factor=factor, corpus_tokens=corpus_tokens)
+        progress(f"[{i + 1}/{len(grid)}] arm={arm} seed={seed} steps={rec.summary.get('steps')} "
+                 f"val_loss={'n/a' if val is None else f'{val:.4f}'} "
+                 f"({'recorded, not retrained' if rec.skipped else _fmt_s(trained_s[-1])}); {eta}", echo)
+    out = Grid(study=study, base=base, records=records, factor=factor, corpus_tokens=corpus_tokens,
+               complete=not missing)
+    if missing:
+        unmet = sorted(f"{a}:{s}" for a, s in (split.runs or set()) - _SPLIT_SEEN.get(split, set()))
+        if not unmet:
+            raise GridIncomplete(f"trained {', '.join(trained) or 'nothing'}; records in {_shown(records_dir)}; "
+                                 f"{len(missing)} run(s) of this grid still to train: {', '.join(missing)}",
+                                 trained, missing)
+        progress(f"grid of {list(arms)} incomplete; RUNS still to meet in a later grid: {', '.join(unmet)}", echo)
+    return out
 
 
-def _train(study: str, arm: str, seed: int, cfg: Any, run_dir: Path, fingerprint: str,
-           evaluate: Evaluate | None = None, checkpoints: str = "every_validation") -> RunRecord:
-    """Train (and evaluate) one run of the grid from scratch with its output in ``train.log``; write and
-    return its record (``evals.pt`` first: ``record.json`` marks a complete run).
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when inside it (no machine path in a notebook's output)."""
+    return path.relative_to(repo_root()).as_posix() if path.is_relative_to(repo_root()) else path.name
 
-    Whatever an unfinished earlier attempt left in ``run_dir`` is removed first: a run's curves,
-    record and MLflow run then always cover the whole training (runs of a study are minutes long).
+
+def _train(study: str, arm: str, seed: int, cfg: Any, run_dir: Path, fingerprint: str, code: Mapping[str, Any],
+           record: Path, evaluate: Evaluate | None = None, checkpoints: str = "every_validation") -> RunRecord:
+    """Train (and evaluate) one run of the grid with its output in ``train.log``; write and return its record.
+
+    A ``last.ckpt`` that an earlier call of the same run (same fingerprint) left when it was stopped is
+    resumed; anything else in ``run_dir`` is removed first, so a run's curves, record and MLflow run cover
+    its whole training.
     """
     from moelab.data import prepare
     from moelab.tracking import client
     from moelab.train import fit
 
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
+    marker = run_dir / "fingerprint"
+    resume = ((run_dir / "last.ckpt").is_file() and marker.is_file() and marker.read_text().strip() == fingerprint
+              and _status(run_dir / "summary.json") != "finished")
+    if not resume:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        marker.write_text(fingerprint + "\n")
     at_end = _evaluation_callback(evaluate) if evaluate is not None else None
+    started, t0 = datetime.now(UTC), time.perf_counter()
     with output_to(run_dir / "train.log"):
         corpus = prepare(cfg.data)  # its size gives the epochs; a first build logs its progress here
-        res = fit(cfg, callbacks=[at_end] if at_end else (), checkpoints=checkpoints)
+        res = fit(cfg, callbacks=[at_end] if at_end else (), checkpoints=checkpoints, resume=True if resume else None)
+    wall = time.perf_counter() - t0
     s = res.summary
     tokens = int(s["steps"] * s["B"] * s["T"] * cfg.train.accumulate_grad_batches * s.get("world_size", 1))
     tail = _tail_train_loss(res.history, cfg.train.val_every)
     val = s.get("final_val_loss")
+    gpus = _gpus(cfg, s)
     rec = RunRecord(arm=arm, seed=seed, summary=s, history=res.history,
                     val_history=[list(v) for v in res.val_history], tokens=tokens,
                     epochs=tokens / corpus.n_train_tokens,
                     train_val_gap=(val - tail) if val is not None and tail is not None else None,
-                    fingerprint=fingerprint, evals=at_end.result if at_end else None)
-    if at_end is not None:
-        import torch
-
-        if at_end.result is None:
-            raise RuntimeError(f"{run_dir.name}: training ended at step {s['steps']} before max_steps="
-                               f"{cfg.train.max_steps}, so the run was not evaluated")
-        with atomic_path(run_dir / EVALS) as tmp:
-            torch.save(at_end.result, tmp)
-    write_json(run_dir / "record.json", {k: v for k, v in rec.__dict__.items() if k not in ("skipped", "evals")})
+                    fingerprint=fingerprint, evals=at_end.result if at_end else None,
+                    timing={"started": started.isoformat(timespec="seconds"),
+                            "ended": datetime.now(UTC).isoformat(timespec="seconds"), "wall_s": round(wall, 1),
+                            "gpus": gpus, "gpu_minutes": round(wall * gpus / 60, 3), "resumed": resume},
+                    machine={"device": device_name(), **_versions()}, code=dict(code))
+    if at_end is not None and at_end.result is None:
+        raise RuntimeError(f"{run_dir.name}: training ended at step {s['steps']} before max_steps="
+                           f"{cfg.train.max_steps}, so the run was not evaluated")
+    _write_record(record, rec, cfg, study, res.run_id)
     if res.run_id:
         _tag_child(client(cfg.tracking.tracking_uri), res.run_id, study, rec)
     return rec
 
 
+def _status(summary: Path) -> str | None:
+    """``status`` of a run folder's ``summary.json`` (None when missing or unreadable)."""
+    try:
+        return json.loads(summary.read_text()).get("status")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+
+
+def _gpus(cfg: Any, summary: Mapping[str, Any]) -> int:
+    """CUDA devices the run trained on (0 on a CPU)."""
+    import torch
+
+    if not torch.cuda.is_available() or str(cfg.train.accelerator) == "cpu":
+        return 0
+    return int(summary.get("world_size") or 1)
+
+
+def _record_params(rec: RunRecord) -> dict[str, str]:
+    """Where and how long a run trained, as MLflow params (its original timings and machine)."""
+    t, m = rec.timing, rec.machine
+    return {"study.arm": rec.arm, "study.seed": str(rec.seed), "study.tokens": str(rec.tokens),
+            **{f"record.{k}": str(t[k]) for k in ("started", "wall_s", "gpus", "gpu_minutes") if k in t},
+            **{f"record.{k}": str(v) for k, v in m.items() if v is not None}}
+
+
+def _study_metrics(rec: RunRecord) -> dict[str, float]:
+    values = {"epochs": rec.epochs, "train_val_gap": rec.train_val_gap,
+              "best_val_loss": rec.summary.get("best_val_loss"), "gpu_minutes": rec.timing.get("gpu_minutes")}
+    return {f"study/{k}": float(v) for k, v in values.items() if v is not None}
+
+
 def _tag_child(mlflow_client: Any, run_id: str, study: str, rec: RunRecord) -> None:
-    """Arm and seed as params and tags, and the study's per-run metrics, on the training's MLflow run."""
+    """Arm, seed, timings and machine as params and tags, and the study's per-run metrics, on the training's run."""
     from mlflow.entities import Metric, Param, RunTag
 
     now = int(time.time() * 1000)
-    metrics = {"epochs": rec.epochs, "train_val_gap": rec.train_val_gap,
-               "best_val_loss": rec.summary.get("best_val_loss")}
     mlflow_client.log_batch(
         run_id,
-        params=[Param("study.arm", rec.arm), Param("study.seed", str(rec.seed)),
-                Param("study.tokens", str(rec.tokens))],
+        params=[Param(k, v) for k, v in _record_params(rec).items()],
         tags=[RunTag("moelab.study", study), RunTag("moelab.arm", rec.arm), RunTag("moelab.seed", str(rec.seed))],
         # One value per run at step 0: MLflow charts a metric whose values all sit at step 0 as a bar
         # per run (or per arm when grouped); at step >= 1 it draws a line chart of lone dots.
-        metrics=[Metric(f"study/{k}", float(v), now, 0) for k, v in metrics.items() if v is not None])
+        metrics=[Metric(k, v, now, 0) for k, v in _study_metrics(rec).items()])
+
+
+IMPORTED_TAG = "moelab.record_run_id"  # on a run logged from a record: the run id it had where it trained
+
+
+def _log_record_made_elsewhere(study: str, cfg: Any, rec: RunRecord) -> None:
+    """Log a record whose MLflow run is not in this store (it trained elsewhere) into it, once.
+
+    The new run nests under the study's parent run (``arm/s<seed>``), with the record's config as
+    params, its original timings and machine as ``record.*`` params, its curves as metrics at their
+    steps, and :data:`IMPORTED_TAG` so a later call finds it instead of logging it again.
+    """
+    if not cfg.tracking.enabled:
+        return
+    from moelab.tracking import client, current_parent_run_id, experiment_id, start_run
+
+    origin = rec.mlflow.get("run_id") or f"record-{rec.fingerprint}"
+    mc = client(cfg.tracking.tracking_uri)
+    try:
+        mc.get_run(origin)
+        return  # trained against this store
+    except Exception:  # noqa: BLE001 (MLflow raises its own errors for an unknown id)
+        pass
+    parent = current_parent_run_id()
+    exp = mc.get_run(parent).info.experiment_id if parent else experiment_id(mc, cfg.experiment)
+    if mc.search_runs([exp], filter_string=f"tags.`{IMPORTED_TAG}` = '{origin}'", max_results=1):
+        return
+    tags = {"moelab.study": study, "moelab.arm": rec.arm, "moelab.seed": str(rec.seed), IMPORTED_TAG: origin,
+            "moelab.code": f"{rec.code.get('commit')}{'-dirty' if rec.code.get('dirty') else ''}",
+            "moelab.machine": str(rec.machine.get("device"))}
+    with start_run(cfg.experiment, cfg.tracking.run_name, tracking_uri=cfg.tracking.tracking_uri,
+                   params={**_run_config(cfg), **_record_params(rec)}, tags=tags, log_system_metrics=False) as run:
+        for row in rec.history:
+            run.log_metrics({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
+        run.log_metrics(_study_metrics(rec), step=0)
+        rec.summary = {**rec.summary, "run_id": run.run_id}
 
 
 # ------------------------------------------------------------------------------------ summarizing
@@ -700,6 +977,7 @@ def study_meta(study: str, preset: str, grid: Grid | None = None, **extra: Any) 
     return meta
 
 
-__all__ = ["Grid", "KNOWN_NOISE", "MACHINE_PATH", "RunRecord", "aggregate", "check_arms_differ_only", "device_name",
-           "git_state", "loss_curves", "measured_commit", "output_to", "quiet_known_noise", "resolve_arms",
-           "run_grid", "seed_note", "show", "study_context", "study_meta"]
+__all__ = ["Grid", "GridIncomplete", "KNOWN_NOISE", "MACHINE_PATH", "RunRecord", "Split", "aggregate",
+           "check_arms_differ_only", "device_name", "git_state", "loss_curves", "measured_commit", "output_to",
+           "parse_runs", "parse_shard", "progress", "quiet_known_noise", "record_path", "resolve_arms", "run_grid",
+           "seed_note", "show", "source_sha256", "split_from_env", "study_context", "study_meta"]

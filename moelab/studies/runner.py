@@ -1,48 +1,89 @@
-"""Run a study notebook end to end: ``python -m moelab study N [--preset cpu|gpu]`` (``make study-N``).
+"""Run a study notebook end to end: ``python -m moelab study N [--preset cpu|gpu] [--runs A:S,...|--shard i/n]``
+(``make study-N``).
 
 For study ``N`` the runner
 
 1. finds ``nbs/NN_*.ipynb`` (the paired, executable copy of ``nbs/NN_*.py``);
-2. creates ``studies/NN_name/`` (papermill does not create folders);
+2. picks the results folder: ``studies/NN_name/`` (the committed report) only for a preset of
+   :data:`RECORD_PRESETS` (``gpu``); any other preset (``cpu``) writes to the ignored
+   ``runs/studies/NN_name/``, so a quick run never overwrites the record; it says where;
 3. opens one MLflow parent run (experiment ``study/NN_name``, run ``NN_name-<preset>``) and exports
    ``MOELAB_PARENT_RUN_ID`` / ``MLFLOW_TRACKING_URI`` so that the kernel's training runs nest
-   under it, and what the kernel cannot know itself: the command, the start time and the code
-   state before the study wrote anything (``moelab.studies.common.study_context``);
-4. executes the notebook with papermill (cell progress on stderr), injecting ``preset`` and
-   ``out_dir = "."`` into its ``parameters`` cell, with the results folder as the working
-   directory (so no machine path enters the notebook), into ``studies/NN_name/NN_name.ipynb``
-   (kept even when a cell fails: it shows the error);
-5. exports the executed notebook as ``NN_name.html`` beside it, and logs both, ``summary.json``
-   (its study-level numbers as ``summary/*`` metrics; per-arm numbers, including any keyed by an
-   arm name of ``arms`` or ``factor``, live on the child runs and in ``summary.json``) and
-   the figures and results the notebook wrote as artifacts of the parent run.
+   under it, and what the kernel cannot know itself: the command, the start time, the code
+   state before the study wrote anything (``moelab.studies.common.study_context``), the records
+   folder, the split, a progress file whose lines (one per trained run) it echoes to the terminal,
+   and ``OMP_NUM_THREADS`` (1 unless set: on a busy machine more threads spin against each other);
+4. executes the notebook with papermill, injecting ``preset`` and ``out_dir = "."`` into its
+   ``parameters`` cell, with the results folder as the working directory (so no machine path
+   enters the notebook), into ``NN_name.ipynb`` there (kept even when a cell fails: it shows the error);
+5. exports the executed notebook as ``NN_name.html`` beside it (formulas as MathML: it renders
+   offline; not committed), and logs the notebook, the HTML, ``summary.json`` (as a table artifact,
+   ``summary_table.json``) and the figures and results the notebook wrote as artifacts of the parent run.
 
-The notebook itself writes its figures, raw results and ``summary.json`` into ``out_dir``.
+A **split** call (``runs="arm:seed,..."`` or ``shard="i/n"``) trains only those runs of the grid, leaves
+their records in the study's ``records/`` folder and stops the notebook at the first incomplete grid;
+its notebook runs in ``runs/studies/NN_name/split/`` (nothing of the report is touched). The final
+call without a split reads every record and trains only what is missing (studies/README.md has the recipe).
+
+Ctrl-C or SIGTERM stops the run in progress cleanly (it saves ``last.ckpt``; its MLflow run and the
+parent run end KILLED), removes the temporary notebook and raises :class:`StudyStopped`; the next call
+resumes: finished runs are kept, the stopped one continues from its checkpoint, and runs a ``kill -9``
+left RUNNING are closed. A cell that raises ends in :class:`StudyFailed`, one line naming the cell.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import sys
+import threading
 import time
+import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 from moelab.base import repo_root
-from moelab.studies.common import COMMAND_ENV, GIT_ENV, STARTED_ENV, git_state, quiet_known_noise
-from moelab.tracking import PARENT_ENV, Run, experiment_name, start_run
-from moelab.utils import atomic_path, flatten_dict
+from moelab.studies.common import (
+    COMMAND_ENV,
+    GIT_ENV,
+    PROGRESS_ENV,
+    RECORDS_ENV,
+    RUNS_ENV,
+    SHARD_ENV,
+    STARTED_ENV,
+    git_state,
+    parse_runs,
+    parse_shard,
+    quiet_known_noise,
+)
+from moelab.tracking import PARENT_ENV, Run, end_stale_run, experiment_name, start_run
+from moelab.utils import atomic_path, flatten_dict, write_json
 
 STUDIES = {1: "01_decay_bound", 2: "02_balancing", 3: "03_attnres_depth", 4: "04_context_curriculum"}
 PRESETS = ("cpu", "gpu")
+# Presets whose results are the committed report in studies/NN_name/; every other preset writes to RUNS_ROOT.
+RECORD_PRESETS = ("gpu", "research")
+RUNS_ROOT = Path("runs") / "studies"  # under the repository; ignored by git
 ARTIFACT_SUFFIXES = {".png", ".svg", ".pdf", ".json", ".csv", ".md", ".txt", ".html"}
 ARTIFACT_DIRS = ("figures", "results")
-# summary.json sections not logged as parent metrics: run facts (meta) and per-arm numbers, which
-# the child runs carry under one metric name per quantity so MLflow can chart arms side by side.
-NOT_PARENT_METRICS = ("meta", "arms", "factor")
+STATE_FILE = "parent_run.json"  # beside the run folders: the last call's parent run (closed if left RUNNING)
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class StudyStopped(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped the study; ``signum`` is the signal, the message says how to resume."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+class StudyFailed(RuntimeError):
+    """A cell of the study notebook raised; the message names the cell, the error and where the notebook is."""
 
 
 def default_preset() -> str:
@@ -50,6 +91,11 @@ def default_preset() -> str:
     import torch
 
     return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def results_root(preset: str) -> Path:
+    """Where ``preset``'s results go: ``<repo>/studies`` for :data:`RECORD_PRESETS`, else ``<repo>/runs/studies``."""
+    return repo_root() / ("studies" if preset in RECORD_PRESETS else RUNS_ROOT)
 
 
 def find_notebook(number: int, nbs_dir: Path) -> Path:
@@ -91,71 +137,248 @@ def run_study(
     number: int,
     preset: str | None = None,
     *,
+    runs: str | None = None,
+    shard: str | None = None,
     nbs_dir: str | os.PathLike | None = None,
     out_root: str | os.PathLike | None = None,
     tracking_uri: str = "",
     parameters: Mapping[str, Any] | None = None,
     kernel_name: str | None = None,
     log_output: bool = True,
+    echo: Any = None,
 ) -> Path:
     """Execute study ``number``'s notebook; return its results folder ``<out_root>/NN_name``.
 
     Args:
         preset: ``cpu`` (minutes on 2 cores) or ``gpu``; None: :func:`default_preset`.
-        nbs_dir, out_root: default ``<repo>/nbs`` and ``<repo>/studies``.
+        runs: ``"arm:seed,arm:seed"``: a split call that trains only these runs (see the module docstring).
+        shard: ``"i/n"``: a split call that trains runs i, i + n, ... of each grid.
+        nbs_dir: default ``<repo>/nbs``. out_root: default :func:`results_root` of the preset.
         parameters: extra papermill parameters (after ``preset`` and ``out_dir``).
         kernel_name: Jupyter kernel; None: the notebook's own (``python3`` = this interpreter).
         log_output: stream the cells' output to this process's stdout/stderr.
+        echo: where the progress lines go (default: stderr).
 
     Raises:
-        papermill.PapermillExecutionError: a cell failed (the parent run is marked FAILED and the
-        executed notebook, with the error, is still written).
+        StudyFailed: a cell raised (the parent run is marked FAILED; the executed notebook, with the
+            error, and the partial results are kept).
+        StudyStopped: Ctrl-C / SIGTERM (parent and current training run KILLED; the next call resumes).
     """
     quiet_known_noise()
     preset = preset or default_preset()
     if preset not in PRESETS:
         raise ValueError(f"preset={preset!r} is not allowed: expected one of {PRESETS}")
+    if runs and shard:
+        raise ValueError(f"runs={runs!r} and shard={shard!r}: give one of them")
+    if runs:
+        parse_runs(runs)
+    if shard:
+        parse_shard(shard)
+    split = bool(runs or shard)
+    say = echo or (lambda line: print(line, file=sys.stderr, flush=True))
     _require_modules()
     import papermill
+
     notebook = find_notebook(number, Path(nbs_dir) if nbs_dir else repo_root() / "nbs")
-    out_dir = (Path(out_root) if out_root else repo_root() / "studies").resolve() / notebook.stem
-    out_dir.mkdir(parents=True, exist_ok=True)
-    executed = out_dir / notebook.name
+    out_dir = (Path(out_root) if out_root else results_root(preset)).resolve() / notebook.stem
+    # A split call's notebook runs apart from the report; its runs' records go to the report's records/.
+    # The runner's own files (the progress lines, the last parent run) stay out of the report's folder.
+    state = (Path(out_root).resolve() if out_root else repo_root() / RUNS_ROOT) / notebook.stem
+    work = state / "split" if split else out_dir
+    state.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    executed = work / notebook.name
+    for stale in work.glob(f".{notebook.stem}.*.tmp.ipynb"):  # left by a process that was killed
+        stale.unlink(missing_ok=True)
     params = {"preset": preset, "out_dir": ".", **(parameters or {})}
-    # The code state leaves out every study's results (their folder): one study's fresh outputs do not
+    # The code state leaves out the outputs of studies and benchmarks: one study's fresh outputs do not
     # make the next study's code "dirty".
     # A machine whose checkout has no usable .git (a copied tree) passes the state in MOELAB_STUDY_GIT.
-    results = out_dir.parent
-    if os.environ.get(GIT_ENV):
-        code = json.loads(os.environ[GIT_ENV])
-    else:
-        code = git_state(exclude=(results.relative_to(repo_root()).as_posix(),)
-                         if results.is_relative_to(repo_root()) else ())
+    code = json.loads(os.environ[GIT_ENV]) if os.environ.get(GIT_ENV) else git_state()
+    command = f"make study-{number} PRESET={preset}" + (f" RUNS={runs}" if runs else f" SHARD={shard}" if shard else "")
+    where = _shown(out_dir)
+    if preset not in RECORD_PRESETS:
+        say(f"study {number} ({notebook.stem}), preset {preset}: results go to {where}/ (not the committed report "
+            f"in studies/, which only PRESET={'|'.join(RECORD_PRESETS[:1])} writes)")
+    _close_stale(state / STATE_FILE, tracking_uri, say)
+    progress = state / ("progress-split.log" if split else "progress.log")
+    progress.write_text("")
 
-    with start_run(experiment_name("study", notebook.stem), f"{notebook.stem}-{preset}",
+    stopper = _Stopper()
+    with start_run(experiment_name("study", notebook.stem), f"{notebook.stem}-{preset}" + ("-split" if split else ""),
                    tracking_uri=tracking_uri, parent_run_id="",
-                   params={"study": notebook.stem, "preset": preset, "notebook": notebook.name},
+                   params={"study": notebook.stem, "preset": preset, "notebook": notebook.name,
+                           **({"split": runs or f"shard {shard}"} if split else {})},
                    tags={"moelab.study": notebook.stem,
                          "moelab.code": f"{code['commit']}{'-dirty' if code['dirty'] else ''}"}) as run:
+        write_json(state / STATE_FILE, {"run_id": run.run_id, "tracking_uri": run.tracking_uri})
         env = {
             PARENT_ENV: run.run_id,
             "MLFLOW_TRACKING_URI": run.tracking_uri,
             # The kernel imports moelab from this checkout even where it is not pip-installed.
             "PYTHONPATH": os.pathsep.join(p for p in (str(repo_root()), os.environ.get("PYTHONPATH", "")) if p),
-            COMMAND_ENV: f"make study-{number} PRESET={preset}",
+            COMMAND_ENV: command,
             STARTED_ENV: repr(time.time()),
             GIT_ENV: json.dumps(code),
+            RECORDS_ENV: str(out_dir / "records"),
+            RUNS_ENV: runs or "",
+            SHARD_ENV: shard or "",
+            PROGRESS_ENV: str(progress),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or "1",
             "MLFLOW_LOGGING_LEVEL": "WARNING",
         }
+        tmp = executed.with_name(f".{executed.stem}.{uuid.uuid4().hex[:12]}.tmp{executed.suffix}")
+        failure = None
         try:
-            with _environ(env), atomic_path(executed, keep_on_error=True) as tmp:
-                papermill.execute_notebook(str(notebook), str(tmp), parameters=params, cwd=str(out_dir),
-                                           kernel_name=kernel_name, progress_bar=True, log_output=log_output)
+            with _environ(env), stopper, _echo_lines(progress, say):
+                try:
+                    papermill.execute_notebook(str(notebook), str(tmp), parameters=params, cwd=str(work),
+                                               kernel_name=kernel_name, progress_bar=False, log_output=log_output)
+                except papermill.PapermillExecutionError as e:
+                    failure = e
+            if stopper.signum is None and tmp.exists() and tmp.stat().st_size > 0:
+                os.replace(tmp, executed)  # also a failed run's notebook: the record of the failure
         finally:
-            _relative_paths(executed, notebook)
-            export_html(executed)
-            _log_results(run, out_dir, executed)
+            tmp.unlink(missing_ok=True)
+        if stopper.signum is not None:
+            name = signal.Signals(stopper.signum).name
+            raise StudyStopped(f"study {number} stopped by {name}: finished runs are recorded in "
+                               f"{_shown(out_dir / 'records')}/ and the stopped run saved its checkpoint; "
+                               f"`{command}` resumes", stopper.signum)
+        _relative_paths(executed, notebook)
+        if failure is not None and failure.ename == "GridIncomplete":
+            say(f"study {number}, split call: {failure.evalue}; when every run is recorded, `make study-{number} "
+                f"PRESET={preset}` trains what is missing and writes the report")
+            _log_results(run, work, executed)
+            return out_dir
+        export_html(executed)
+        _log_results(run, work, executed)
+        if failure is not None:
+            raise StudyFailed(_failure_line(number, failure, executed))
+    say(f"dashboard: make mlflow-ui, then http://127.0.0.1:5000/#/experiments/{run.experiment_id}/runs/{run.run_id}")
     return out_dir
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when inside it."""
+    path = path.resolve()
+    return path.relative_to(repo_root()).as_posix() if path.is_relative_to(repo_root()) else str(path)
+
+
+def _failure_line(number: int, e: Any, executed: Path) -> str:
+    """One line for a failed cell: which cell (1-based, with its first source line), the error, where to look."""
+    first = next((ln.strip() for ln in (e.source or "").splitlines() if ln.strip() and not ln.startswith("#")), "")
+    cell = f"cell {e.cell_index + 1}" if e.cell_index is not None else "a cell"
+    error = str(e.evalue).splitlines()[0][:200] if e.evalue else ""
+    return (f"study {number}: {cell} ({first[:60]!r}) raised {e.ename}: {error}; the executed notebook with "
+            f"the traceback: {_shown(executed)} (results so far kept beside it)")
+
+
+def _close_stale(state: Path, tracking_uri: str, say: Any) -> None:
+    """Close the previous call's parent run and its children if a ``kill -9`` left them RUNNING."""
+    data = _read_json(state)
+    if not isinstance(data, dict) or not data.get("run_id"):
+        return
+    uri = tracking_uri or data.get("tracking_uri") or ""
+    try:
+        from moelab.tracking import client
+
+        mc = client(uri)
+        parent = mc.get_run(data["run_id"])
+        if parent.info.status != "RUNNING":
+            return
+        children = mc.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}' "
+                                                "and attributes.status = 'RUNNING'")
+    except Exception:  # noqa: BLE001 (a store that is gone leaves nothing to close)
+        return
+    closed = [r.info.run_id for r in children if end_stale_run(r.info.run_id, uri)]
+    if end_stale_run(parent.info.run_id, uri):
+        closed.append(parent.info.run_id)
+    if closed:
+        say(f"closed {len(closed)} MLflow run(s) left RUNNING by a process that was killed (now KILLED)")
+
+
+class _Stopper:
+    """While entered, Ctrl-C and SIGTERM are passed on to the notebook's kernel as Ctrl-C (training there
+    stops cleanly at the end of its step and saves), and remembered in ``signum``. A third signal stops
+    this process at once (KeyboardInterrupt)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.count = 0
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Stopper:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+            for s in self._previous:
+                signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = self.signum or signum
+        self.count += 1
+        if self.count >= 3:
+            raise KeyboardInterrupt
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        again = "again to stop at once" if self.count == 1 else "once more to abandon it"
+        print(f"\n{what}: stopping the run in progress after its step (it saves a checkpoint); {again}",
+              file=sys.stderr, flush=True)
+        for pid in _kernel_pids():
+            try:
+                os.kill(pid, signal.SIGINT)
+            except OSError:
+                pass
+
+
+def _kernel_pids() -> list[int]:
+    """Process ids of this process's Jupyter kernels (its children running ``ipykernel``)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if any("ipykernel" in part for part in child.cmdline()):
+                found.append(child.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+@contextmanager
+def _echo_lines(path: Path, say: Any, every_s: float = 0.5) -> Iterator[None]:
+    """Echo the lines appended to ``path`` (the kernel's progress lines) through ``say`` while the block runs."""
+    done = threading.Event()
+
+    def follow() -> None:
+        pos = 0
+        while True:
+            stop = done.wait(every_s)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(pos)
+                    chunk = f.read()
+            except OSError:
+                chunk = b""
+            complete = chunk[:chunk.rfind(b"\n") + 1]
+            pos += len(complete)
+            for line in complete.decode("utf-8", "replace").splitlines():
+                say(line)
+            if stop:
+                return
+
+    thread = threading.Thread(target=follow, name="study-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=5)
 
 
 # What a study needs after its notebook ran, imported before it runs: a missing one would otherwise end
@@ -200,20 +423,79 @@ def _relative_paths(executed: Path, notebook: Path) -> None:
 
 
 def export_html(notebook: Path) -> Path | None:
-    """Write ``notebook`` as a standalone HTML page beside it (figures embedded); None if it does not exist."""
+    """Write ``notebook`` as a standalone HTML page beside it (figures embedded); None if it does not exist.
+
+    Formulas (``$...$``, ``$$...$$`` in Markdown cells and Markdown outputs) become MathML, which browsers
+    render without any script, and every script the template loads from the network (MathJax, require.js)
+    is left out: the page renders offline.
+    """
     if not notebook.exists():
         return None
     import nbformat
     from nbconvert import HTMLExporter
 
+    nb = nbformat.read(notebook, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = math_to_mathml(cell.source)
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if "text/markdown" in data:
+                text = data["text/markdown"]
+                data["text/markdown"] = math_to_mathml("".join(text) if isinstance(text, list) else text)
     extra = os.pathsep.join(_jupyter_data_dirs())
     path = os.pathsep.join(p for p in (extra, os.environ.get("JUPYTER_PATH", "")) if p)
     with _environ({"JUPYTER_PATH": path} if extra else {}):
-        body, _ = HTMLExporter().from_notebook_node(nbformat.read(notebook, as_version=4))
+        body, _ = HTMLExporter().from_notebook_node(nb)
     out = notebook.with_suffix(".html")
     with atomic_path(out) as tmp:
-        tmp.write_text(body, encoding="utf-8")
+        tmp.write_text(strip_remote_scripts(body), encoding="utf-8")
     return out
+
+
+_DISPLAY_MATH = re.compile(r"\$\$(.+?)\$\$", re.S)
+_INLINE_MATH = re.compile(r"(?<![\\$\w])\$(?=\S)([^$\n]+?)(?<=\S)\$(?![\w$])")
+_CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.S)
+# A script tag that loads anything from the network: by its src, or by an import inside (mermaid's loader).
+_REMOTE_SCRIPT = re.compile(r"<script\b[^>]*\bsrc=\"(?:https?:)?//[^\"]*\"[^>]*>\s*</script>"
+                            r"|<script\b[^>]*>(?:(?!</script>).)*?import\(\"https?://(?:(?!</script>).)*?</script>",
+                            re.S | re.I)
+_MATHJAX_CONFIG = re.compile(r"<script type=\"text/x-mathjax-config\">.*?</script>|<!--[^>]*mathjax[^>]*-->",
+                             re.S | re.I)
+
+
+def math_to_mathml(markdown: str) -> str:
+    """Markdown with its TeX formulas as MathML (``<math>``; ``display="block"`` for ``$$...$$``).
+
+    Code spans are left alone; a formula latex2mathml cannot read stays as ``<code>`` with its TeX.
+    """
+    try:
+        from latex2mathml.converter import convert
+    except ImportError as e:
+        raise ModuleNotFoundError("the HTML export needs latex2mathml (formulas that render offline): install "
+                                  "the lab extra, pip install 'moelab[lab]' (make setup)") from e
+
+    def mathml(tex: str, display: str) -> str:
+        try:
+            return convert(tex.strip(), display=display).replace("\n", "")
+        except Exception:  # noqa: BLE001 (the converter raises many kinds of errors on TeX it does not know)
+            return f"<code>{tex.strip()}</code>"
+
+    def math(text: str) -> str:
+        text = _DISPLAY_MATH.sub(lambda m: "\n\n" + mathml(m.group(1), "block") + "\n\n", text)
+        return _INLINE_MATH.sub(lambda m: mathml(m.group(1), "inline"), text)
+
+    parts, last = [], 0
+    for m in _CODE_SPAN.finditer(markdown):
+        parts += [math(markdown[last:m.start()]), m.group(0)]
+        last = m.end()
+    return "".join(parts) + math(markdown[last:])
+
+
+def strip_remote_scripts(html: str) -> str:
+    """``html`` without scripts that load from the network (``src="http..."`` or an import from a CDN inside)
+    and without MathJax's configuration block."""
+    return _MATHJAX_CONFIG.sub("", _REMOTE_SCRIPT.sub("", html))
 
 
 def _jupyter_data_dirs() -> list[str]:
@@ -229,37 +511,36 @@ def _jupyter_data_dirs() -> list[str]:
 
 
 def _log_results(run: Run, out_dir: Path, executed: Path) -> None:
+    """The executed notebook, its HTML, the summary as one table artifact (``summary_table.json``: ``key``,
+    ``value``) and the figures and results, as artifacts of the parent run; the study's GPU minutes as a metric."""
     if executed.exists():
         run.log_artifact(executed)
     summary = _read_json(out_dir / "summary.json")
     if isinstance(summary, dict):
-        study_level = {k: v for k, v in summary.items() if k not in NOT_PARENT_METRICS}
-        arms = _arm_names(summary)
-        run.log_metrics({f"summary/{k}": v for k, v in flatten_dict(study_level).items()
-                         if isinstance(v, (int, float)) and not isinstance(v, bool)
-                         and not any(f".{arm}." in f".{k}." for arm in arms)})
+        flat = flatten_dict(summary)
+        rows = {"key": list(flat), "value": [v if isinstance(v, (int, float, str, bool)) or v is None else json.dumps(v)
+                                             for v in flat.values()]}
+        run.attempt("uploading summary_table.json", run.log_table, rows, "summary_table.json")
+    gpu_minutes = _gpu_minutes(out_dir / "records")
+    if gpu_minutes is not None:
+        run.log_metrics({"study/gpu_minutes": gpu_minutes}, step=0)
     for path in sorted(out_dir.iterdir()):
-        if path.is_file() and path.suffix in ARTIFACT_SUFFIXES:
+        if path.is_file() and path.suffix in ARTIFACT_SUFFIXES and not path.name.startswith(".") \
+                and path.name != STATE_FILE:
             run.log_artifact(path)
         elif path.is_dir() and path.name in ARTIFACT_DIRS:
             run.log_artifact(path, path.name)
 
 
-
-def _arm_names(summary: Mapping[str, Any]) -> set[str]:
-    """The arms a summary names: keys of ``arms`` and of each ``factor`` entry (``{key: {arm: value}}``).
-
-    A number keyed by arm elsewhere in the summary (``norm_growth.<arm>.x``) is per-arm: as a parent
-    metric it would be one single-bar chart per arm, named by arm, which MLflow cannot compare.
-    """
-    arms = summary.get("arms")
-    names = set(arms) if isinstance(arms, dict) else set()
-    factor = summary.get("factor")
-    if isinstance(factor, dict):
-        for by_arm in factor.values():
-            if isinstance(by_arm, dict):
-                names.update(by_arm)
-    return names
+def _gpu_minutes(records: Path) -> float | None:
+    """GPU minutes summed over the run records in ``records`` (None when there are none)."""
+    total, found = 0.0, False
+    for path in records.glob("*.json") if records.is_dir() else ():
+        data = _read_json(path)
+        if isinstance(data, dict):
+            total += float(data.get("timing", {}).get("gpu_minutes") or 0.0)
+            found = True
+    return round(total, 3) if found else None
 
 
 def _read_json(path: Path) -> Any:

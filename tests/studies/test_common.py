@@ -67,8 +67,8 @@ def test_grid_runs_nested_tagged_and_resumes(tmp_path, tracking_uri) -> None:  #
         try:
             grid = common.run_grid("99_grid", "tiny", GATES, [0], tmp_path, common=TINY, echo=lines.append)
             again = common.run_grid("99_grid", "tiny", GATES, [0], tmp_path, common=TINY, echo=lines.append)
-            # A run cut off before its record trains again from scratch; the finished one is kept.
-            (tmp_path / "checkpoints" / "softplus-s0" / "record.json").unlink()
+            # A run without its record trains again from scratch; the finished one is kept.
+            common.record_path(tmp_path / "records", "softplus", 0).unlink()
             (tmp_path / "checkpoints" / "softplus-s0" / "stale.txt").write_text("left by the interrupted attempt")
             resumed = common.run_grid("99_grid", "tiny", GATES, [0], tmp_path, common=TINY, echo=lines.append)
         finally:
@@ -77,19 +77,30 @@ def test_grid_runs_nested_tagged_and_resumes(tmp_path, tracking_uri) -> None:  #
     assert [(r.arm, r.seed, r.skipped) for r in grid.records] == [("bounded", 0, False), ("softplus", 0, False)]
     assert [r.skipped for r in again.records] == [True, True]
     assert again.table().equals(grid.table())
-    assert [r.skipped for r in resumed.records] == [True, False] and "skipped" not in lines[5]
+    assert [r.skipped for r in resumed.records] == [True, False] and "recorded" not in lines[5]
     assert not (tmp_path / "checkpoints" / "softplus-s0" / "stale.txt").exists()
     assert resumed.records[1].summary["steps"] == 4 and len(resumed.records[1].history) == 4
     assert len(lines) == 6 and lines[0].startswith("[1/2] arm=bounded seed=0 steps=4 val_loss=")
-    assert "ETA" in lines[0] and "study done" in lines[1] and "skipped" in lines[2]
+    assert "ETA" in lines[0] and "grid done" in lines[1] and "recorded, not retrained" in lines[2]
     table = grid.table()
-    assert set(table.columns) >= {"arm", "seed", "steps", "best_val_loss", "train_val_gap", "tokens", "epochs"}
+    assert set(table.columns) >= {"arm", "seed", "steps", "best_val_loss", "train_val_gap", "tokens", "epochs",
+                                  "gpu_minutes"}
     assert (table.tokens == 4 * 8 * 64).all()  # steps x batch 8 x seq_len 64 (tiny)
     assert (table.epochs > 0).all() and grid.corpus_tokens > 0
+    assert (table.gpu_minutes == 0).all()  # trained on the CPU
     assert set(grid.histories().arm) == {"bounded", "softplus"}
 
     log = (tmp_path / "checkpoints" / "bounded-s0" / "train.log").read_text()
     assert log and not any(noise in log for noise in ("GPU available", "litlogger", "INFO mlflow"))
+    assert "\x1b[" not in log  # no cursor movements or colours from rich's live progress bar
+
+    # The portable record: config, code state, curves, timings, machine; no machine path.
+    record = json.loads(common.record_path(tmp_path / "records", "bounded", 0).read_text())
+    assert record["config"]["model.kda.gate"] == "bounded" and "train.ckpt_dir" not in record["config"]
+    assert record["code"]["commit"] == "abc" and len(record["code"]["source_sha256"]) == 16
+    assert len(record["history"]) == 4 and record["timing"]["gpus"] == 0 and record["timing"]["wall_s"] > 0
+    assert record["machine"]["device"].startswith("CPU") and record["mlflow"]["run_id"]
+    assert not common.MACHINE_PATH.search(json.dumps(record)), "a machine path in the record"
 
     client = MlflowClient(tracking_uri)
     children = client.search_runs([parent.experiment_id], f"tags.mlflow.parentRunId = '{parent.run_id}'")
@@ -97,10 +108,13 @@ def test_grid_runs_nested_tagged_and_resumes(tmp_path, tracking_uri) -> None:  #
     assert sorted(c.data.params["study.arm"] for c in children) == ["bounded", "softplus", "softplus"]
     for c in children:
         assert c.data.tags["moelab.arm"] == c.data.params["study.arm"] and c.data.params["study.seed"] == "0"
-        assert {"study/epochs", "study/train_val_gap", "study/best_val_loss"} <= set(c.data.metrics)
+        assert {"study/epochs", "study/train_val_gap", "study/best_val_loss",
+                "study/gpu_minutes"} <= set(c.data.metrics)
+        assert c.data.params["record.gpus"] == "0" and c.data.params["record.device"].startswith("CPU")
         # All at step 0: MLflow then charts them as bars per run (or per arm), not as lone dots on a line chart.
         assert {m.step for m in client.get_metric_history(c.info.run_id, "study/best_val_loss")} == {0}
-    assert {c.info.run_name for c in children} == {"99_grid-bounded-s0", "99_grid-softplus-s0"}
+        assert len(client.get_metric_history(c.info.run_id, "train/loss")) == 4  # a curve: every step of 4
+    assert {c.info.run_name for c in children} == {"bounded/s0", "softplus/s0"}
 
     meta = common.study_meta("99_grid", "cpu", grid)
     assert meta["tokens_per_run"] == 2048 and set(meta["train_val_gap"]) == {"bounded", "softplus"}
@@ -147,7 +161,9 @@ def test_grid_evaluates_in_the_training_process_and_checkpoints_once(tmp_path, m
     again = grid().records[0]
     assert again.skipped and len(saves) == 1 and len(modes) == 1
     assert again.evals["name"] == first.evals["name"] and torch.equal(again.evals["sum"], first.evals["sum"])
-    (run_dir / common.EVALS).unlink()  # a record without its evaluation is not a finished run
+    evals = common.record_path(tmp_path / "records", "bounded", 0).with_suffix(".evals.pt")
+    assert evals.is_file()
+    evals.unlink()  # a record without its evaluation is not a finished run
     assert not grid().records[0].skipped and len(modes) == 2
     with pytest.raises(ValueError, match="checkpoints='best'"):
         from moelab.config import load_config
@@ -165,8 +181,107 @@ def test_a_changed_code_state_reruns(tmp_path, monkeypatch) -> None:
     assert a != common._fingerprint(cfg, {"commit": "abd", "diff_sha256": None})
     assert a != common._fingerprint(cfg, {"commit": "abc", "diff_sha256": "0123"})
     assert a != common._fingerprint(load_config("tiny", {"train.lr": 1e-2}), {"commit": "abc", "diff_sha256": None})
-    (tmp_path / "record.json").write_text(json.dumps({"fingerprint": a, "summary": {"status": "interrupted"}}))
-    assert common._load_record(tmp_path / "record.json", a) is None  # only finished runs are reused
+    # With the source hash, the commit does not count (a record made before its own commit still matches),
+    # nor where the run lives (another checkout, another store); the source and the config do.
+    src = {"commit": "abc", "diff_sha256": None, "source_sha256": "1" * 16}
+    b = common._fingerprint(cfg, src)
+    assert b == common._fingerprint(cfg, {**src, "commit": "abd", "diff_sha256": "0123"})
+    assert b == common._fingerprint(load_config("tiny", {"train.ckpt_dir": "/elsewhere/run",
+                                                         "tracking.tracking_uri": "sqlite:///other.db"}), src)
+    assert b != common._fingerprint(cfg, {**src, "source_sha256": "2" * 16})
+    assert b != common._fingerprint(load_config("tiny", {"seed": 1}), src)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"format": common.RECORD_FORMAT, "fingerprint": a,
+                                "summary": {"status": "interrupted"}}))
+    assert common._load_record(path, a) is None  # only finished runs are reused
+
+
+def test_source_hash_follows_the_package_source(tmp_path, monkeypatch) -> None:
+    import moelab
+
+    pkg = tmp_path / "moelab"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("x = 1\n")
+    (pkg / "sub" / "m.py").write_text("y = 2\n")
+    monkeypatch.setattr(moelab, "__file__", str(pkg / "__init__.py"))
+    first = common.source_sha256()
+    (pkg / "notes.txt").write_text("not code")
+    assert common.source_sha256() == first
+    (pkg / "sub" / "m.py").write_text("y = 3\n")
+    assert common.source_sha256() != first
+
+
+def test_split_selection_parses_and_picks() -> None:
+    assert common.parse_runs("bounded:0, softplus:12") == {("bounded", 0), ("softplus", 12)}
+    assert common.parse_runs("a:b:1") == {("a:b", 1)}  # the seed follows the last colon
+    for bad in ("bounded", "bounded:", ":1", "bounded:x"):
+        with pytest.raises(ValueError, match="expected arm:seed"):
+            common.parse_runs(bad)
+    assert common.parse_shard("2/3") == (2, 3)
+    for bad in ("0/3", "4/3", "1", "a/b"):
+        with pytest.raises(ValueError, match="1 <= i <= n"):
+            common.parse_shard(bad)
+    shard = common.Split(shard=(2, 3))
+    assert [i for i in range(7) if shard.wants(i, "a", 0)] == [1, 4]
+    named = common.Split(runs=frozenset({("a", 1)}))
+    assert named.wants(5, "a", 1) and not named.wants(0, "a", 0) and not named.wants(0, "b", 1)
+
+
+def test_split_calls_train_only_their_runs_and_stop_at_the_incomplete_grid(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(common.GIT_ENV, json.dumps({"commit": "abc", "dirty": False, "diff_sha256": None}))
+    lines: list[str] = []
+
+    def grid(split=None):
+        return common.run_grid("99_grid", "tiny", GATES, [0, 1], tmp_path, echo=lines.append, split=split,
+                               common={**TINY, "tracking.enabled": False, "train.max_steps": 2})
+
+    with pytest.raises(common.GridIncomplete, match=r"trained softplus:1; .*3 run\(s\) of this grid still to train: "
+                                                    r"bounded:0, bounded:1, softplus:0") as stop:
+        grid(common.Split(runs=common.parse_runs("softplus:1")))
+    assert stop.value.trained == ["softplus:1"] and len(stop.value.missing) == 3
+    assert [p.name for p in sorted((tmp_path / "records").glob("*.json"))] == ["softplus_s1.json"]
+    # A named run that is not in this grid: the grid returns (incomplete) for a later grid to meet it.
+    partial = grid(common.Split(runs=common.parse_runs("bounded:0,other:3")))
+    assert not partial.complete and [(r.arm, r.seed, r.skipped) for r in partial.records] == [
+        ("bounded", 0, False), ("softplus", 1, True)]
+    assert "other:3" in lines[-1]
+    with pytest.raises(common.GridIncomplete, match=r"trained bounded:1; .*still to train: softplus:0"):
+        grid(common.Split(shard=(2, 2)))  # runs 2 and 4 of the grid: bounded:1 (new), softplus:1 (recorded)
+    whole = grid()
+    assert whole.complete and [r.skipped for r in whole.records] == [True, True, False, True]
+
+
+def test_a_stopped_run_resumes_from_its_checkpoint(tmp_path, monkeypatch) -> None:
+    """SIGINT in the middle of a run: last.ckpt and an interrupted summary stay; the next call resumes from
+    there (the steps before the stop are not trained again) and the record covers the whole run."""
+    import signal
+
+    from moelab.train.callbacks import Interrupted, StopControl
+
+    monkeypatch.setenv(common.GIT_ENV, json.dumps({"commit": "abc", "dirty": False, "diff_sha256": None}))
+    start = StopControl.on_train_start
+
+    def stop_at_step_2(self, trainer, pl_module):
+        start(self, trainer, pl_module)
+        if trainer.global_step == 0:
+            self.on_step_end = lambda trainer, pl_module: (  # type: ignore[method-assign]
+                self.request_stop(signal.SIGINT) if trainer.global_step == 2 else None,
+                StopControl.on_step_end(self, trainer, pl_module))
+
+    def grid():
+        return common.run_grid("99_grid", "tiny", {"bounded": GATES["bounded"]}, [0], tmp_path,
+                               echo=lambda line: None, checkpoints="final",
+                               common={**TINY, "tracking.enabled": False})
+
+    monkeypatch.setattr(StopControl, "on_train_start", stop_at_step_2)
+    with pytest.raises(Interrupted):
+        grid()
+    run_dir = tmp_path / "checkpoints" / "bounded-s0"
+    assert (run_dir / "last.ckpt").is_file() and not (tmp_path / "records").exists()
+    monkeypatch.setattr(StopControl, "on_train_start", start)
+    rec = grid().records[0]
+    assert rec.timing["resumed"] and rec.summary["steps"] == 4
+    assert [r["step"] for r in rec.history] == [1, 2, 3, 4]  # the whole run: before the stop, then after
 
 
 def test_quiet_known_noise_drops_only_the_noise(capsys) -> None:
@@ -310,7 +425,8 @@ def test_git_state_leaves_out_the_excluded_results(tmp_path, monkeypatch) -> Non
     monkeypatch.setattr(common, "repo_root", lambda: tmp_path)
     (tmp_path / "studies" / "summary.json").write_text('{"new": 1}')
     assert common.git_state(exclude=("studies",))["dirty"] is False
-    assert common.git_state()["dirty"] is True
+    assert common.git_state()["dirty"] is False  # the outputs of studies and benchmarks by default
+    assert common.git_state(exclude=())["dirty"] is True
     (tmp_path / "code.py").write_text("x = 2\n")
     state = common.git_state(exclude=("studies",))
     assert state["dirty"] is True and state["diff_sha256"]
