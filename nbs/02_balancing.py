@@ -28,13 +28,18 @@
 # fast each re-balances when training continues on another corpus; and, without training, what keeps Quantile
 # Balancing above the sampling floor. Anchors: the loss-free paper's Table 2 (sign rule
 # MaxVio_global 0.04 where the auxiliary loss stays at 0.5-0.7, at equal or better perplexity) and the report's
-# "QB settles in a few steps". The logic is in `moelab.studies.balancing`, the run grid in `moelab.studies.common`.
+# "QB settles in a few steps". The logic is in `moelab.studies.balancing`, the run grid in `moelab.studies.common`,
+# the intervals and their wording in `moelab.studies.report`. With `from_results = True` the notebook trains nothing:
+# it renders the report from the raw results a run committed in `results/` and `summary.json` (the figures drawn from
+# the runs' per-step router statistics, which `results/` does not keep, are shown as that run drew them).
 
 # %% tags=["parameters"]
 preset = "cpu"  # "cpu": minutes on 2 cores; "gpu": a gpu-small-width model on one GPU
 out_dir = "."
+from_results = False  # True: render from the committed results/ and summary.json instead of training again
 
 # %%
+import json
 from pathlib import Path
 
 import pandas as pd
@@ -43,7 +48,7 @@ from IPython.display import Markdown
 
 from moelab.model.accounting import param_counts
 from moelab.studies import balancing as study
-from moelab.studies import common
+from moelab.studies import common, report
 from moelab.utils import write_json
 
 common.quiet_known_noise()  # log noise filtered at its source, before anything imports Lightning
@@ -89,15 +94,16 @@ pd.DataFrame(study.arms_factor(preset))
 # One line per finished run; each run's training output goes to `checkpoints/<arm>-s<seed>/train.log`.
 
 # %%
-grid = study.train_balancers(preset, out)
-runs = grid.table()
-runs.to_csv(out / "results" / "runs.csv", index=False)
-grid.histories().to_csv(out / "results" / "loss_histories.csv", index=False)
-trajs = {(r.arm, r.seed): study.trajectories(r) for r in grid.records}
-rows = pd.DataFrame([study.run_metrics(r, trajs[r.arm, r.seed], threshold) for r in grid.records])
-rows.to_csv(out / "results" / "balance_runs.csv", index=False)
+grid = None if from_results else study.train_balancers(preset, out)
+runs = report.result_table(out / "results" / "runs.csv", lambda: grid.table(), from_results)
+histories = report.result_table(out / "results" / "loss_histories.csv", lambda: grid.histories(), from_results)
+trajs = {} if from_results else {(r.arm, r.seed): study.trajectories(r) for r in grid.records}
+rows = report.result_table(out / "results" / "balance_runs.csv",
+                           lambda: [study.run_metrics(r, trajs[r.arm, r.seed], threshold) for r in grid.records],
+                           from_results)
 table = study.balance_table(rows)
-table.to_csv(out / "results" / "balance_table.csv")
+if not from_results:
+    table.to_csv(out / "results" / "balance_table.csv")
 table[list(study.TABLE_METRICS) + ["settled", "n_seeds"]].rename(columns={
     "final_val_loss": "val loss", "maxvio_batch": "MaxVio_batch (last 20%)", "maxvio_global": "MaxVio_global",
     "load_cv": "load CV (last 20%)", "dead_experts": f"dead experts (of {moe_layers * moe.num_experts})",
@@ -111,15 +117,22 @@ table[list(study.TABLE_METRICS) + ["settled", "n_seeds"]].rename(columns={
 # share of a training step (its statistics and update, the collectives included).
 
 # %%
-common.show(common.loss_curves(grid, f"{grid.base}-based, {moe.num_experts} experts top-{moe.top_k}: balancers"),
+common.show(report.difference_figure(histories, "none", f"{p['base']}-based, {moe.num_experts} experts top-{moe.top_k}: "
+                                     "training loss minus no balancer's", colors=study._colors(list(study.ARMS))),
             out / "figures" / "training_loss.png")
 
 # %% [markdown]
-# **Figure 1.** Training loss per optimizer step (thin: each seed; bold: mean over seeds) and validation loss
-# (dots: each seed; diamonds: mean), in nats per token, for every balancer.
+# **Figure 1.** Each balancer's training loss minus the unbalanced (`none`) arm's, seed by seed (same seed: same
+# initialization and data order), smoothed over 8 steps; line: mean over seeds, band: its 95% t interval; diamonds:
+# the validation loss differences with their intervals. Below 0: lower loss than training without a balancer. The y
+# axis spans the 2-98% range of the bands after the first quarter of the steps.
 
 # %%
-common.show(study.maxvio_figure(grid, threshold, floor), out / "figures" / "maxvio_batch.png")
+if from_results:  # drawn from the runs' per-step router loads, which results/ does not keep
+    figure = report.committed_figure(out / "figures" / "maxvio_batch.png")
+else:
+    figure = common.show(study.maxvio_figure(grid, threshold, floor), out / "figures" / "maxvio_batch.png")
+figure
 
 # %% [markdown]
 # **Figure 2.** MaxVio_batch per optimizer step (log scale, mean over MoE layers): the seed mean per balancer,
@@ -128,8 +141,12 @@ common.show(study.maxvio_figure(grid, threshold, floor), out / "figures" / "maxv
 
 # %%
 bias_arms = [a for a in study.ARMS if study.ARMS[a]["model.moe.balancer"] in study.BIAS_BALANCERS]
-common.show(study.bias_figure({a: trajs[a, p["seeds"][0]] for a in bias_arms}),
-            out / "figures" / "bias_trajectories.png")
+if from_results:  # the per-step biases live in the runs, not in results/
+    figure = report.committed_figure(out / "figures" / "bias_trajectories.png")
+else:
+    figure = common.show(study.bias_figure({a: trajs[a, p["seeds"][0]] for a in bias_arms}),
+                         out / "figures" / "bias_trajectories.png")
+figure
 
 # %% [markdown]
 # **Figure 3.** Router bias of each of the last MoE layer's experts per step (one thin line per expert, seed
@@ -137,8 +154,12 @@ common.show(study.bias_figure({a: trajs[a, p["seeds"][0]] for a in bias_arms}),
 # a zero bias and are left out.
 
 # %%
-common.show(study.heatmap_figure({a: trajs[a, p["seeds"][0]] for a in study.ARMS}),
-            out / "figures" / "load_heatmaps.png")
+if from_results:  # the per-step expert loads live in the runs, not in results/
+    figure = report.committed_figure(out / "figures" / "load_heatmaps.png")
+else:
+    figure = common.show(study.heatmap_figure({a: trajs[a, p["seeds"][0]] for a in study.ARMS}),
+                         out / "figures" / "load_heatmaps.png")
+figure
 
 # %% [markdown]
 # **Figure 4.** Expert load over training, seed 0: one row per balancer, one column per MoE layer, experts on
@@ -156,9 +177,15 @@ common.show(study.heatmap_figure({a: trajs[a, p["seeds"][0]] for a in study.ARMS
 # of its training steps), and the step from which it stays below the settle threshold.
 
 # %%
-shifts = [study.shift_test(r, p["shift_steps"]) for r in grid.records if r.seed in p["shift_seeds"]]
-pd.DataFrame([{"arm": s["arm"], "seed": s["seed"], "step": st, "maxvio_batch": v} for s in shifts
-              for st, v in zip(s["step"], s["maxvio_batch"])]).to_csv(out / "results" / "shift_maxvio.csv", index=False)
+committed = json.loads((out / "summary.json").read_text()) if from_results else None
+if from_results:
+    shifts = study.shifts_from_table(pd.read_csv(out / "results" / "shift_maxvio.csv"),
+                                     committed["settings"]["shift_source"])
+else:
+    shifts = [study.shift_test(r, p["shift_steps"]) for r in grid.records if r.seed in p["shift_seeds"]]
+    pd.DataFrame([{"arm": s["arm"], "seed": s["seed"], "step": st, "maxvio_batch": v} for s in shifts
+                  for st, v in zip(s["step"], s["maxvio_batch"])]).to_csv(out / "results" / "shift_maxvio.csv",
+                                                                          index=False)
 before = {(r.arm, r.seed): r.maxvio_batch for r in rows.itertuples()}
 pd.DataFrame(study.shift_rows(shifts, threshold, before)).set_index("arm").rename(columns={
     "maxvio_before": "MaxVio_batch before (last 20%)", "maxvio_first": "at the first shifted step",
@@ -188,13 +215,16 @@ common.show(study.shift_figure(shifts, threshold, floor), out / "figures" / "shi
 # balancing arithmetic runs on the CPU.
 
 # %%
-qb_run = next(r for r in grid.records if r.arm == "qb" and r.seed == p["seeds"][0])
-qb_tail = float(rows[(rows.arm == "qb") & (rows.seed == qb_run.seed)].maxvio_batch.iloc[0])
-limits = study.qb_limits(qb_run, trajs["qb", qb_run.seed], qb_tail, floor,
-                         device="cuda" if torch.cuda.is_available() else "cpu")
-pd.DataFrame([{"stream": name, "batch": i + 1, **{key: values[i] for key, values in limits[name].items()}}
-              for name in ("ordered", "shuffled") for i in range(limits["batches"])]).to_csv(
-    out / "results" / "qb_limits_stream.csv", index=False)
+if from_results:
+    limits = study.limits_from_table(committed["qb_limits"], pd.read_csv(out / "results" / "qb_limits_stream.csv"))
+else:
+    qb_run = next(r for r in grid.records if r.arm == "qb" and r.seed == p["seeds"][0])
+    qb_tail = float(rows[(rows.arm == "qb") & (rows.seed == qb_run.seed)].maxvio_batch.iloc[0])
+    limits = study.qb_limits(qb_run, trajs["qb", qb_run.seed], qb_tail, floor,
+                             device="cuda" if torch.cuda.is_available() else "cpu")
+    pd.DataFrame([{"stream": name, "batch": i + 1, **{key: values[i] for key, values in limits[name].items()}}
+                  for name in ("ordered", "shuffled") for i in range(limits["batches"])]).to_csv(
+        out / "results" / "qb_limits_stream.csv", index=False)
 pd.Series({k: v for k, v in limits.items() if k not in ("ordered", "shuffled")},
           name="QB on the frozen model").to_frame()
 
@@ -209,12 +239,17 @@ common.show(study.limits_figure(limits), out / "figures" / "qb_limits.png")
 # 20% of its training steps; dotted: the random-routing floor.
 
 # %%
-settings = {"steps": cfg.train.max_steps, "tokens_per_step": tokens_per_step, "num_experts": moe.num_experts,
-            "top_k": moe.top_k, "moe_layers": moe_layers, "noise_floor": floor,
-            "threshold": threshold, "hold": study.HOLD, "tail": study.TAIL, "shift_steps": p["shift_steps"],
-            "shift_source": shifts[0]["source"] if shifts else None,
-            "loss_free_sign_rate": moe.loss_free_sign_rate, "device": common.device_name()}
-summary = study.summarize(grid, rows, shifts, preset, settings, limits)
+if from_results:
+    summary = committed
+else:
+    settings = {"steps": cfg.train.max_steps, "tokens_per_step": tokens_per_step, "num_experts": moe.num_experts,
+                "top_k": moe.top_k, "moe_layers": moe_layers, "noise_floor": floor,
+                "threshold": threshold, "hold": study.HOLD, "tail": study.TAIL, "shift_steps": p["shift_steps"],
+                "shift_source": shifts[0]["source"] if shifts else None,
+                "loss_free_sign_rate": moe.loss_free_sign_rate, "device": common.device_name()}
+    summary = study.summarize(grid, rows, shifts, preset, settings, limits)
+findings = study.study_report(summary, rows)
+summary = report.attach(study.add_arm_intervals(summary), findings, from_results)
 write_json(out / "summary.json", summary)
 pd.Series({k: str(summary["meta"][k]) for k in ("commit", "dirty", "device", "torch", "triton", "command", "date",
                                                 "wall_s", "tokens_per_run", "epochs")}, name="run facts").to_frame()
@@ -223,4 +258,4 @@ pd.Series({k: str(summary["meta"][k]) for k in ("commit", "dirty", "device", "to
 # ## Findings
 
 # %%
-Markdown(study.findings(summary))
+Markdown(study.findings(findings))

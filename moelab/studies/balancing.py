@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from moelab.model.balance import BIAS_BALANCERS, balanced_routers, max_vio, qb_exact, recentre, routing_margins, smooth
-from moelab.studies import common
+from moelab.studies import common, report
 
 STUDY = "02_balancing"
 _KEYS = ("model.moe.balancer", "model.moe.aux_loss_alpha", "model.moe.quantile_balancing_cutoff")
@@ -558,10 +558,8 @@ def qb_limits(rec: common.RunRecord, traj: Mapping[str, Any], train_tail: float,
 # --- figures ---------------------------------------------------------------------------------------
 
 def _colors(arms: Sequence[str]) -> dict[str, str]:
-    import matplotlib
-
-    cycle = [c["color"] for c in matplotlib.rcParams["axes.prop_cycle"]]
-    return {arm: cycle[i % len(cycle)] for i, arm in enumerate(arms)}
+    """One distinct colour per balancer, the same in every figure (``report.palette`` over ``ARMS``)."""
+    return report.palette([*ARMS, *(a for a in arms if a not in ARMS)])
 
 
 def _guides(ax: Any, threshold: float, floor: float) -> None:
@@ -664,6 +662,21 @@ def shift_figure(shifts: Sequence[Mapping[str, Any]], threshold: float, floor: f
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     return fig
+
+
+def shifts_from_table(df: Any, source: str | None) -> list[dict[str, Any]]:
+    """``results/shift_maxvio.csv`` read back as :func:`shift_test`'s results (one per arm and seed)."""
+    return [{"arm": arm, "seed": int(seed), "source": source, "step": [int(x) for x in g.step],
+             "maxvio_batch": [float(x) for x in g.maxvio_batch]}
+            for (arm, seed), g in df.groupby(["arm", "seed"], sort=False)]
+
+
+def limits_from_table(lim: Mapping[str, Any], df: Any) -> dict[str, Any]:
+    """:func:`qb_limits`' result from its numbers (``summary.json``'s ``qb_limits``) and its per-batch streams
+    (``results/qb_limits_stream.csv``)."""
+    streams = {name: {col: [None if v != v else float(v) for v in g[col]] for col in g.columns
+                      if col not in ("stream", "batch")} for name, g in df.groupby("stream", sort=False)}
+    return {**lim, **streams}
 
 
 def limits_figure(lim: Mapping[str, Any]) -> Any:
@@ -781,151 +794,95 @@ def _limit_lines(lim: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _fmt_steps(step: float | None, of: int) -> str:
-    """``at step 12``, or ``never within 80 steps``."""
-    return f"never within {of} steps" if step is None else f"at step {step:.0f}"
+def add_arm_intervals(summary: dict[str, Any]) -> dict[str, Any]:
+    """``summary`` with ``<metric>_low`` / ``<metric>_high`` (95% t interval of the seed mean) beside every
+    ``<metric>_mean`` / ``<metric>_std`` of each arm (``n_seeds`` seeds); None with one seed."""
+    for a in summary["arms"].values():
+        n = a.get("n_seeds", 0)
+        for key in [k for k in a if k.endswith("_mean")]:
+            m, sd = a[key], a.get(key[:-5] + "_std")
+            lo = hi = None
+            if m is not None and sd is not None and n > 1:
+                from scipy import stats
+
+                half = float(stats.t.ppf(0.5 + report.LEVEL / 2, n - 1) * sd / math.sqrt(n))
+                lo, hi = m - half, m + half
+            a[key[:-5] + "_low"], a[key[:-5] + "_high"] = lo, hi
+    return summary
 
 
-def findings(summary: Mapping[str, Any]) -> str:
-    """The study's conclusions as a Markdown list, every sentence computed from ``summary`` (no typed numbers)."""
+def study_report(summary: Mapping[str, Any], rows: Any) -> report.Report:
+    """The findings as rules (``moelab.studies.report``), from ``summary`` and the per-run balance table ``rows``
+    (``results/balance_runs.csv``): whether QB settles (only where the threshold is above the floor the batches
+    allow), where balance is measured, QB against the sign rule and the auxiliary loss, and what balancing costs
+    in validation loss."""
     st, arms = summary["settings"], summary["arms"]
-    thr, floor, steps = st["threshold"], st["noise_floor"], st["steps"]
-    lines = [f"- Sampling floor: with {st['tokens_per_step']:,} tokens per step, {st['num_experts']} experts and "
-             f"top-{st['top_k']}, uniform random routing has MaxVio_batch {floor:.3f} on average, so \"balanced\" "
-             f"here means MaxVio_batch < {thr:.3g} for {st['hold']} consecutive steps"
-             + (f" (twice the floor: the issue's {TARGET} is below what any balancer can reach at this batch)."
-                if thr > TARGET else f" (the issue's {TARGET}).")]
+    thr = st["threshold"]
+    lim = summary.get("qb_limits") or {}
+    floor = lim.get("frozen_next")
 
-    def g(arm: str, key: str) -> float | None:
-        return arms.get(arm, {}).get(key)
+    def seeds(arm: str, col: str) -> dict[int, float]:
+        return report.by_seed(rows, arm, col)
 
-    collapse = st["num_experts"] / st["top_k"] - 1  # MaxVio when every token picks the same k experts
-    if g("none", "maxvio_batch_mean") is not None:
-        share = g("none", "maxvio_batch_mean") / collapse
-        lines.append(f"- Without a balancer MaxVio_batch ends at {g('none', 'maxvio_batch_mean'):.3f}, {share:.0%} of "
-                     f"the {collapse:g} reached when every token picks the same {st['top_k']} experts"
-                     + (": the router collapses." if share > 0.5 else "."))
-    peaks = [a for a in arms if g(a, "peak_maxvio_mean") is not None]
-    if peaks:
-        lo, hi = min(g(a, "peak_maxvio_mean") for a in peaks), max(g(a, "peak_maxvio_mean") for a in peaks)
-        first, last = min(g(a, "peak_step_min") for a in peaks), max(g(a, "peak_step_max") for a in peaks)
-        lines.append(f"- Peak MaxVio_batch (mean over seeds) {lo:.2f}-{hi:.2f} across the arms, reached between steps "
-                     f"{first:.0f} and {last:.0f}" + (
-                         f": every arm, the balancers and none alike, comes close to the collapse value {collapse:g} "
-                         "early in training, so the collapse comes from training itself and the arms differ in how "
-                         "fast they leave it." if lo > 0.5 * collapse else "."))
-    ranked = sorted((a for a in arms if g(a, "maxvio_global_mean") is not None),
-                    key=lambda a: g(a, "maxvio_global_mean"))
-    if ranked:
-        lines.append("- MaxVio_global at the last validation, lowest first: "
-                     + ", ".join(f"{a} {g(a, 'maxvio_global_mean'):.3f}" for a in ranked) + ".")
-    noise = 2 * max((g(a, "final_val_loss_std") or 0.0) for a in arms)
+    why = None
+    if floor is not None and floor > thr:
+        why = (f"the {thr:.2g} threshold is below the balance floor of this batch layout: QB on the frozen trained "
+               f"model reaches MaxVio_batch {floor:.2f} over fresh batches of {st['tokens_per_step']:,} tokens")
+    settled = int(rows[rows.arm == "qb"].settle_step.notna().sum())
+    q_settle = f"Does Quantile Balancing settle in a few steps (MaxVio_batch below {thr:.2g})"
+    qb_tail = report.mean_interval(list(seeds("qb", "maxvio_batch").values()))
+    settle = (report.not_tested(q_settle, why, qb_tail, answer="qb's MaxVio_batch over the last 20%")
+              if why else report.measured(q_settle, qb_tail, answer=f"{settled} of {int((rows.arm == 'qb').sum())} "
+                                          "seeds settle; MaxVio_batch over the last 20%"))
+    peaks = rows.peak_step
+    tail_from = int(round((1 - TAIL) * st["steps"]))
+    collapse = report.measured(
+        "Is the router past its early collapse where balance is measured", None,
+        answer=(f"every run peaks at MaxVio_batch {rows.peak_maxvio.min():.1f}-{rows.peak_maxvio.max():.1f} at steps "
+                f"{peaks.min():.0f}-{peaks.max():.0f}; balance is read over steps {tail_from}-{st['steps']}"))
+    vs_sign = report.compare("MaxVio_batch over the last 20%, qb minus loss_free_sign", seeds("qb", "maxvio_batch"),
+                             seeds("loss_free_sign", "maxvio_batch"), digits=3)
+    vs_aux = report.compare("MaxVio_batch over the last 20%, qb minus aux_1e-2", seeds("qb", "maxvio_batch"),
+                            seeds("aux_1e-2", "maxvio_batch"), digits=3)
+    cost = report.compare("Does balancing cost validation loss (qb minus none)", seeds("qb", "final_val_loss"),
+                          seeds("none", "final_val_loss"), unit="nats")
+    cost_aux = report.compare("Validation loss, qb minus aux_1e-2", seeds("qb", "final_val_loss"),
+                              seeds("aux_1e-2", "final_val_loss"), unit="nats")
+    import pandas as pd
 
-    def loss_cmp(a: str, b: str) -> str:
-        d = g(a, "final_val_loss_mean") - g(b, "final_val_loss_mean")
-        if noise == 0:
-            return f"{d:+.3f} nats/token (one seed: seed noise not measured)"
-        return (f"{d:+.3f} nats/token, {'within' if abs(d) <= noise else 'outside'} twice the largest seed "
-                f"spread ({noise:.3f})")
+    def iv(arm: str, col: str, digits: int = 3) -> str:
+        return report.cell(report.mean_interval(list(seeds(arm, col).values())), digits, signed=False)
 
-    table2 = ANCHORS["loss_free_table2"]
-    paper_free = max(r["free_maxvio_global"] for r in table2)
-    paper_aux = (min(r["aux_maxvio_global"] for r in table2), max(r["aux_maxvio_global"] for r in table2))
-    free, aux = "loss_free_sign", "aux_1e-3"
-    if g(free, "maxvio_global_mean") is not None and g(aux, "maxvio_global_mean") is not None:
-        f, x = g(free, "maxvio_global_mean"), g(aux, "maxvio_global_mean")
-        order = "holds" if f < x else "does not hold"
-        lines.append(
-            f"- Loss-free paper, Table 2 (sign rule MaxVio_global {paper_free:g} vs aux loss "
-            f"{paper_aux[0]:g}-{paper_aux[1]:g}, at equal or better perplexity): here the sign rule reaches "
-            f"{f:.3f} ({f / paper_free:.1f}x the paper's) against {x:.3f} for the aux loss at alpha 1e-3, so the "
-            f"ordering {order}; validation loss sign rule minus aux: {loss_cmp(free, aux)}.")
-        rate = st.get("loss_free_sign_rate")
-        if rate is not None and g(free, "max_abs_bias") is not None:
-            lines.append(f"- The sign rule moves each bias by u = {rate:g} per step, at most {rate * steps:.3g} in "
-                         f"{steps} steps; its largest re-centred bias reached {g(free, 'max_abs_bias'):.3g}. "
-                         + ("It had no time to balance: the paper's runs take tens of thousands of steps."
-                            if g(free, "settled_seeds") == 0 else "That was enough to balance."))
-    bias_arms = [a for a in ranked if ARMS[a]["model.moe.balancer"] in BIAS_BALANCERS]
-    aux_arms = [a for a in ranked if ARMS[a]["model.moe.balancer"] == "aux_loss"]
-    if bias_arms and aux_arms:
-        best_bias, best_aux = bias_arms[0], aux_arms[0]
-        better = g(best_bias, "maxvio_global_mean") < g(best_aux, "maxvio_global_mean")
-        lines.append(f"- Best bias balancer {best_bias} ({g(best_bias, 'maxvio_global_mean'):.3f}) vs best aux loss "
-                     f"{best_aux} ({g(best_aux, 'maxvio_global_mean'):.3f}): the paper's claim that bias balancing "
-                     f"balances better {'holds' if better else 'does not hold'} "
-                     f"at this scale; validation loss {best_bias} minus {best_aux}: {loss_cmp(best_bias, best_aux)}.")
-    few = ANCHORS["qb_few_steps"]
-    for arm in ("qb", "qb_excl_self"):
-        if arm not in arms:
-            continue
-        s, r = g(arm, "settle_step_mean"), g(arm, "shift_recover_step")
-        ok = s is not None and s <= few and g(arm, "settled_seeds") == g(arm, "n_seeds")
-        after = ""
-        if g(arm, "shift_disturbed"):
-            back = r is not None and r <= few
-            after = (f" After the shift it is back within {RECOVER - 1:.0%} of its earlier level "
-                     f"{_fmt_steps(r, st['shift_steps'])}: re-balancing after a change of data "
-                     f"{'takes' if back else 'does not take'} a few steps (<= {few}) here.")
-        elif g(arm, "shift_disturbed") is not None:
-            after = " The shift did not move it by more than 10%."
-        settle = (f"never settles below {thr:.3g} within {steps} steps" if s is None
-                  else f"settles below {thr:.3g} at step {s:.0f}")
-        lines.append(f"- **{arm}** (cutoff {ARMS[arm]['model.moe.quantile_balancing_cutoff']}): MaxVio_batch "
-                     f"{settle} in training ({g(arm, 'settled_seeds')}/"
-                     f"{g(arm, 'n_seeds')} seeds) and ends at {g(arm, 'maxvio_batch_mean'):.3f} over the last "
-                     f"{TAIL:.0%} of the steps: the report's \"settles in a few steps\" from the start (taken as "
-                     f"below {thr:.3g} within {few} steps) {'holds' if ok else 'does not hold'} here.{after}")
-    tested = [a for a in arms if g(a, "shift_disturbed") is not None]
-    if tested:
-        moved = [a for a in tested if g(a, "shift_disturbed")]
-        calm = [a for a in tested if not g(a, "shift_disturbed")]
+    table = pd.DataFrame({arm: {
+        "val loss": iv(arm, "final_val_loss"),
+        "minus none": "" if arm == "none" else report.cell(report.paired(seeds(arm, "final_val_loss"),
+                                                                           seeds("none", "final_val_loss"))),
+        "MaxVio_batch (last 20%)": iv(arm, "maxvio_batch"), "MaxVio_global": iv(arm, "maxvio_global"),
+        "dead experts": f"{rows[rows.arm == arm].dead_experts.mean():.1f}",
+        "balancer share of step": iv(arm, "balancer_share"),
+        "after the shift (seed 0): steps back to its level": "never" if arms[arm].get("shift_recover_step") is None
+        else f"{arms[arm]['shift_recover_step']:.0f}",
+    } for arm in dict.fromkeys(rows.arm)}).T
+    table.index.name = "balancer"
+    details = [f"Random-routing floor at {st['tokens_per_step']:,} tokens per step, {st['num_experts']} experts, "
+               f"top-{st['top_k']}: MaxVio_batch {st['noise_floor']:.3f}; a run counts as settled below {thr:.3g} "
+               f"for {st['hold']} consecutive steps ({settled} qb seeds did)."]
+    t2 = ANCHORS["loss_free_table2"]
+    details.append("Anchor (loss-free paper, Table 2, 1B-3B models after 100-200B tokens): sign rule MaxVio_global "
+                   f"{t2[0]['free_maxvio_global']:.2f} against {t2[1]['aux_maxvio_global']:.2f}-"
+                   f"{t2[0]['aux_maxvio_global']:.2f} for the auxiliary loss; here, after {st['steps']} steps, "
+                   f"loss_free_sign {arms['loss_free_sign']['maxvio_global_mean']:.2f} and aux_1e-2 "
+                   f"{arms['aux_1e-2']['maxvio_global_mean']:.2f} (the sign rule moves each bias by "
+                   f"{st['loss_free_sign_rate']:g} per step).")
+    back = {a: "never" if v.get("shift_recover_step") is None else f"{v['shift_recover_step']:.0f}"
+            for a, v in arms.items()}
+    details.append(f"Shift test (seed 0 only, no interval): {st['shift_steps']} steps on the other corpus; steps back "
+                   "to each arm's own pre-shift level: " + ", ".join(f"{a} {b}" for a, b in back.items()) + ".")
+    if lim:
+        details += [line[2:] for line in _limit_lines(lim)]
+    return report.Report([settle, collapse, vs_sign, vs_aux, cost, cost_aux], table, details)
 
-        def levels(a: str) -> str:
-            last = g(a, "shift_maxvio_last")
-            return (f"{a} {g(a, 'shift_maxvio_before'):.2f} -> {g(a, 'shift_maxvio_first'):.2f}"
-                    + ("" if last is None else f" -> {last:.2f}"))
 
-        def calm_end(a: str) -> str:  # recover_step 1: within the level for the first HOLD steps (steps_until)
-            r = g(a, "shift_recover_step")
-            if r is None:
-                return f", not within it for {st['hold']} steps in a row in {st['shift_steps']}"
-            return "" if r == 1 else f", within it again from step {r:.0f}"
-
-        parts = [f"{levels(a)}, back {_fmt_steps(g(a, 'shift_recover_step'), st['shift_steps'])}" for a in moved]
-        source = st.get("shift_source")
-        lines.append(f"- Shift test, {st['shift_steps']} steps on "
-                     + (f"{source} text" if source else "the other corpus's text")
-                     + " with the trained optimizer state (MaxVio_batch before -> at the first shifted step -> "
-                     f"over the last {TAIL:.0%} of the shifted steps, and when it is back within {RECOVER - 1:.0%} "
-                     "of the level before): " + ("; ".join(parts) if parts else "no arm disturbed")
-                     + (f". At the switch within {RECOVER - 1:.0%} of the level before (unaffected, or unbalanced "
-                        f"already): {'; '.join(levels(a) + calm_end(a) for a in calm)}." if calm else "."))
-    if "qb" in arms and "qb_excl_self" in arms:
-        a, b = g("qb", "maxvio_batch_mean"), g("qb_excl_self", "maxvio_batch_mean")
-        lines.append(f"- The k+1 cutoff leaves MaxVio_batch at {a:.3f}, the excluding-self cutoff at {b:.3f} "
-                     f"({a / b:.1f}x): " + ("the report's cutoff stalls on these scores." if a > 2 * b else
-                                            "the two cutoffs balance alike here."))
-    if summary.get("qb_limits"):
-        lines.extend(_limit_lines(summary["qb_limits"]))
-    dead = {a: g(a, "dead_experts_mean") for a in arms if (g(a, "dead_experts_mean") or 0) > 0}
-    lines.append("- Dead experts (no token over the last 20% of the steps, all MoE layers): "
-                 + (", ".join(f"{a} {v:.1f}" for a, v in sorted(dead.items(), key=lambda kv: -kv[1])) if dead
-                    else "none in any arm") + ".")
-    losses = [(a, g(a, "final_val_loss_mean")) for a in arms if g(a, "final_val_loss_mean") is not None]
-    if losses:
-        lo, hi = min(losses, key=lambda kv: kv[1]), max(losses, key=lambda kv: kv[1])
-        lines.append(f"- Validation loss ranges from {lo[1]:.3f} ({lo[0]}) to {hi[1]:.3f} ({hi[0]}): a spread of "
-                     f"{hi[1] - lo[1]:.3f} nats/token against twice the largest seed spread {noise:.3f}, so "
-                     + ("the balancers' losses are not distinguishable at these seeds." if hi[1] - lo[1] <= noise
-                        else "the loss does depend on the balancer here."))
-    shares = {a: g(a, "balancer_share_mean") for a in arms if g(a, "balancer_share_mean") is not None}
-    if shares:
-        top = max(shares, key=shares.get)
-        lines.append(f"- Balancer time (statistics and update, median share of a step): at most {shares[top]:.1%} "
-                     f"({top}); {st['device']}.")
-    meta = summary["meta"]
-    if meta.get("epochs") is not None:
-        lines.append(f"- Data: each run saw {meta['epochs']:.2f} epochs of the {meta['corpus_train_tokens']:,}-token "
-                     f"training split" + (" (over one epoch: partly memorization)." if meta["epochs"] > 1 else "."))
-    return "\n".join(lines)
+def findings(rep: report.Report) -> str:
+    """The findings section (markdown) of :func:`study_report`."""
+    return rep.markdown()
