@@ -11,7 +11,8 @@ packed documents (``cu_seqlens``, B = 1, uneven lengths including an empty and a
 document, an initial state per document) against each document's own recurrence, same targets.
 Prints tables (each row with its wall time and the time since the start, so a run cut short still
 shows how far it got), writes JSON to ``--out`` after every row and exits 1 on any failure (or
-non-finite value). ``--part`` runs one of the three parts alone.
+non-finite value). ``--part`` runs one of the three parts alone. ``--part backends`` (not in ``all``;
+``kernels/kda_backends.py``) checks and times every KDA backend (triton, cudnn, fla) side by side.
 
     python kernels/check_kda_gpu.py --out kernels/results/kda_check_h200.json
     python kernels/check_kda_gpu.py --part gate --commit <sha> --out kernels/results/kda_check_gate_h200.json
@@ -458,9 +459,10 @@ def check_gate_grads(chunk_kda, cases, dtype, dev, emulate, rows, save, fla=None
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="kernels/results/kda_check.json", help="JSON output path")
-    ap.add_argument("--part", choices=("all",) + PARTS, default="all",
+    ap.add_argument("--part", choices=("all",) + PARTS + ("backends",), default="all",
                     help="main: fixed-length o/state/gradients; gate: gate-parameter gradients beside fla's; "
-                         "packed: cu_seqlens documents; all: the three in that order")
+                         "packed: cu_seqlens documents; all: the three in that order; backends: every KDA "
+                         "backend (triton, cudnn, fla) against the reference and timed (kernels/kda_backends.py)")
     ap.add_argument("--commit", default=git_commit(),
                     help="the moelab commit being checked, for the JSON (default: git rev-parse HEAD here)")
     ap.add_argument("--fla-full-autotune", action="store_true",
@@ -479,7 +481,7 @@ def main() -> int:
     torch.backends.cudnn.allow_tf32 = False
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     fla_autotune = None
-    if fla_chunk_kda is not None and dev == "cuda" and "gate" in parts:
+    if fla_chunk_kda is not None and dev == "cuda" and ("gate" in parts or "backends" in parts):
         if args.fla_full_autotune:
             fla_autotune = "full (fla's own search over all configs)"
         else:
@@ -506,6 +508,9 @@ def main() -> int:
         # 6 uneven documents per row, one empty and one of a single token
         packed_cases = [([3000, 0, 1, 64, 1777, 3350], 16, 128, "bounded"),
                         ([1000, 1, 2047, 0, 63, 985], 16, 128, "softplus")]
+    # backends: issue 37's accuracy shapes, then its timing shapes
+    backend_cases = ([(1, 40, 2, 32)], [(1, 64, 2, 32)]) if args.smoke or args.emulate_bf16 else (
+        [(1, 2048, 4, 128), (2, 1024, 8, 128)], [(8, 4096, 16, 128), (1, 32768, 16, 128), (2, 65536, 16, 128)])
     ref_err = self_check(dev)
     print(f"reference adjoint vs autograd: max rel_err {ref_err:.2e} {stamp()}", flush=True)
     if ref_err > 1e-5:
@@ -518,7 +523,7 @@ def main() -> int:
                 date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 command=" ".join(sys.argv), reference_self_check=ref_err, gate_rule=GATE_RULE,
                 complete=False, passed=None)
-    result = dict(meta=meta, rows=[], gate_rows=[], packed_rows=[])
+    result = dict(meta=meta, rows=[], gate_rows=[], packed_rows=[], backend_rows=[])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
     def save():  # after every row: a run cut short by a time limit keeps what it measured
@@ -527,8 +532,18 @@ def main() -> int:
 
     # fla's kernels need a GPU: on CPU the gate rows are held to GATE_TOL
     gate_check = functools.partial(check_gate_grads, fla=fla_chunk_kda if dev == "cuda" else None)
+    def backends_check(chunk_kda, part_cases, dtype, dev, emulate, rows, save) -> bool:
+        import kda_backends  # kernels/ is the script's directory
+
+        fla = fla_chunk_kda if dev == "cuda" else None
+        ok = kda_backends.check_accuracy(part_cases[0], dtype, dev, rows, save, fla=fla,
+                                         recurrent_reference=recurrent_reference, rel_err=rel_err)
+        kda_backends.check_timing(part_cases[1], dtype, dev, rows, save, fla=fla)
+        return ok
+
     checks = dict(main=(check_main, cases, "rows"), gate=(gate_check, gate_cases, "gate_rows"),
-                  packed=(check_packed, packed_cases, "packed_rows"))
+                  packed=(check_packed, packed_cases, "packed_rows"),
+                  backends=(backends_check, backend_cases, "backend_rows"))
     ok = True
     for part in parts:
         check, part_cases, key = checks[part]

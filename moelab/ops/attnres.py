@@ -58,7 +58,9 @@ Sources 1.. therefore come in groups (``LaunchConfig.group``): a group's tiles a
 and its row sums share one round of barriers, so a program keeps ``group`` tiles in flight where
 one at a time kept one. ``LaunchConfig.stages`` lets Triton software-pipeline the loop over the
 groups instead or as well (the next groups' tiles copied into shared memory while this one is
-summed). Both are launch knobs measured per width (``kernels/bench_attnres.py --sweep``). D is a
+summed). ``launch_config`` sets both by rule from D (and L, N where one read is all there is), within
+register and shared-memory estimates fitted to what the kernels compile to (``kernels/bench_attnres.py
+--occupancy``; ``--sweep`` measures launches against it). D is a
 compile-time constant (one per model, like the tile shape it sets): a power-of-two D drops the
 column mask from every load and store.
 
@@ -78,16 +80,16 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-BACKENDS = ("auto", "torch", "triton")
+from moelab.ops.backend import BACKENDS
+
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_D = 16384  # one program holds a whole row (next power of two) of a few [rows, D] fp32 tiles
 _INTERP_PROGRAMS = 3  # interpreter: a few programs, so the persistent loop takes several turns
@@ -145,34 +147,87 @@ class LaunchConfig:
                 self.bwd_stages or self.stages)
 
 
-# Measured launches per width (kernels/bench_attnres.py --sweep-only on the H200, L = 4, 7, 13, 25 with an fp32
-# source 0 and gradient slots as in gpu-small; kernels/results/attnres_sweep_h200.json); other widths take the
-# rule in ``launch_config``.
-LAUNCH_TABLE: Mapping[int, LaunchConfig] = MappingProxyType({
-    512: LaunchConfig(rows=4, warps=4, programs_per_sm=4, bwd_rows=4, bwd_warps=4),
-})
-
-
 def _pow2(n: int) -> int:
     """Next power of two (plain Python: ``triton.next_power_of_2`` is a constexpr function now,
     about 3 us a call from host code, and the old wrapper made five calls per read)."""
     return 1 << (n - 1).bit_length()
 
 
+# The launch rule's constants (``launch_config``). Hopper (H100 / H200): 132 SMs, a 64K-register file per SM,
+# at most 255 registers per thread, 227 KB of shared memory per program.
+SMS = 132
+REGS_PER_SM = 65536
+MAX_REGS = 255
+MAX_SHARED = 227 * 1024
+TILE_ELEMS = 2048  # a tile holds at least this many elements (several rows when D is small)
+IN_FLIGHT = 32  # fp32 source elements per thread that a group of one-row tiles loads at once
+REG_MARGIN = 16  # registers the rule keeps free beyond its estimate before it loads sources in groups
+
+
+def estimate_regs(per_thread: int, group: int, backward: bool) -> int:
+    """Registers per thread of a launch whose tile gives each thread ``per_thread`` fp32 elements, ``group``
+    source tiles at once: forward ``32 + e (1.5 group + 1)``, backward ``44 + e (2.5 group + 2.5)``, least-
+    squares fits to what the kernels compile to for sm_90 (``bench_attnres.py --occupancy``, one stage:
+    kernels/results/attnres_occupancy_d512_cpu_sm90.json and attnres_occupancy_d2048_cpu_sm90.json, one-row
+    tiles and several-row tiles of one source at a time; tests/ops/test_attnres_op.py checks how far off)."""
+    if backward:
+        return round(44 + per_thread * (2.5 * group + 2.5))
+    return round(32 + per_thread * (1.5 * group + 1))
+
+
+def reg_budget(warps: int) -> int:
+    """Registers a thread may hold when one program of ``warps`` warps is to fit on an SM (past it, the
+    compiler spills: 128 at 16 warps)."""
+    return min(MAX_REGS, REGS_PER_SM // (32 * warps))
+
+
+def estimate_shared(cfg: LaunchConfig, d: int) -> int:
+    """Bytes of shared memory a program of ``cfg`` may take at most: the row reductions over a group's fp32
+    tiles, times the stages a pipelined loop keeps (the occupancy files above stay under it)."""
+    rows, _, group, stages = cfg.bwd_launch
+    return max(cfg.rows * cfg.group * cfg.stages, rows * group * stages) * _pow2(d) * 4
+
+
 @functools.cache
-def launch_config(d: int) -> LaunchConfig:
-    """Default launch for width ``d``: ``LAUNCH_TABLE[d]`` when measured, else tiles of at least 2048
-    elements (several rows when d is small) at 8 elements per thread (one 16-byte load of bf16), at
-    most 16 warps; where a tile is one row (d > 1024), its sources 4 at a time: fewer programs fit on
-    an SM, but they load more at once (D = 2048, 8 warps, sm_90: forward 3 programs x 4 tiles against
-    6 x 1, backward 2 x 4 against 4 x 1; kernels/results/attnres_occupancy_d2048_cpu_sm90.json, from
-    ``kernels/bench_attnres.py --occupancy``)."""
-    if d in LAUNCH_TABLE:
-        LAUNCH_TABLE[d].validate()
-        return LAUNCH_TABLE[d]
+def launch_config(d: int, L: int | None = None, n: int | None = None) -> LaunchConfig:
+    """The launch of width ``d`` (``L`` sources of ``n`` tokens, where known) by rule, for every shape:
+
+    - tiles of at least ``TILE_ELEMS`` elements (``rows = 2048 // next_pow2(d)``, one row from d = 2048),
+      halved while there would be fewer than 4 forward programs per SM (small n only);
+    - threads of 16 elements per tile where a tile holds several rows, of 8 (one 16-byte bf16 load) where it
+      holds one; 1..16 warps, so a width past 4096 gives each thread more (16 at 7168);
+    - one-row tiles load their sources ``IN_FLIGHT // e`` at once, at most the L - 1 sources after the
+      first, and fewer while the backward's ``estimate_regs`` (plus ``REG_MARGIN``) passes
+      ``reg_budget(warps)``, the registers a thread has when one program fits on an SM: 4 at D 2048
+      (8 warps), 2 at 4096 (16 warps: 128 registers a thread), 1 at 7168; several-row tiles one at a time;
+    - one stage (a software-pipelined loop compiled to more registers and half the resident programs per
+      SM at D 2048, forward and backward: kernels/results/attnres_occupancy_d2048_cpu_sm90.json);
+    - the backward at the forward's tile, on ``4 * SMs`` programs where tiles hold several rows, else on as
+      many as fit (``programs_per_sm = 0``).
+
+    A row of D stays in one program (its RMS and score are row sums); D is not split across programs, so
+    past D = 8192 the backward's estimate exceeds ``reg_budget(16)`` whatever the rule picks (it spills; a
+    split of D with a cross-program row sum would be the fix).
+    At D 512 this is the sweep's best launch (kernels/results/attnres_sweep_h200.json: 4 x 4, 4 programs
+    per SM); at D 2048 the launch whose occupancy the slow test checks (1 x 8, 4 at once). A model passes
+    neither L nor n, so that one compiled kernel per direction serves every read of its residual stream.
+    """
     bd = _pow2(d)
-    rows = max(1, 2048 // bd)
-    return LaunchConfig(rows=rows, warps=min(16, max(1, rows * bd // 256)), group=4 if rows == 1 else 1)
+    rows = max(1, TILE_ELEMS // bd)
+    if n is not None:
+        while rows > 1 and -(-n // rows) < 4 * SMS:
+            rows //= 2
+    per_thread = 16 if rows > 1 else 8
+    warps = min(16, max(1, rows * bd // (32 * per_thread)))
+    per_thread = max(1, rows * bd // (32 * warps))
+    group = 1
+    if rows == 1:
+        group = max(1, min(8, IN_FLIGHT // per_thread))
+        if L is not None:
+            group = min(group, _pow2(max(1, L - 1)))
+        while group > 1 and estimate_regs(per_thread, group, backward=True) + REG_MARGIN > reg_budget(warps):
+            group //= 2
+    return LaunchConfig(rows=rows, warps=warps, group=group, stages=1, programs_per_sm=4 if rows > 1 else 0)
 
 
 @functools.cache
@@ -755,7 +810,8 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor] | Sources, qu
         eps: the RMSNorm epsilon (> 0).
         backend: ``"triton"`` (CUDA tensors, or any under ``TRITON_INTERPRET=1``), ``"torch"``
             (``depth_attention_torch``), or ``"auto"``: triton on CUDA tensors, else torch.
-        config: Triton launch parameters; None takes ``launch_config(D)``.
+        config: Triton launch parameters; None takes ``launch_config(D, L, N)`` (``launch_config(D)``
+            with a Sources or slots: a model's reads).
         weights: also return the depth weights p (False: None in their place, and the Triton
             path skips the two kernels that make them).
         slots: one :class:`GradSlot` per source (list form, Triton path): the sources' gradients
@@ -802,8 +858,9 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor] | Sources, qu
         raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {x0.device}")
     if D > MAX_D:
         raise ValueError(f"D={D} is not allowed with backend='triton': expected 1..{MAX_D} (use backend='torch')")
-    if config is None:
-        config = launch_config(D)
+    if config is None:  # a model's reads (a Sources, or slots) share one launch: one compiled kernel for all L
+        model = src is not None or slots is not None
+        config = launch_config(D) if model else launch_config(D, len(seq), x0.numel() // D)
     else:
         config.validate()
     if stacked:

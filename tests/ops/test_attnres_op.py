@@ -14,15 +14,20 @@ import torch
 
 from moelab.ops.attnres import (
     DTYPES,
-    LAUNCH_TABLE,
     MAX_D,
+    MAX_SHARED,
+    SMS,
+    TILE_ELEMS,
     GradSlot,
     LaunchConfig,
     Sources,
     _promote,
     depth_attention,
     depth_attention_torch,
+    estimate_regs,
+    estimate_shared,
     launch_config,
+    reg_budget,
 )
 from tests.helpers import assert_close
 
@@ -529,12 +534,76 @@ def test_read_ops_do_not_grow_with_sources():
     assert not bad, f"host-bound ops in a read: {bad}"
 
 
-def test_launch_table_entries_are_valid():
-    """Every measured entry passes LaunchConfig.validate and is what launch_config returns."""
-    assert LAUNCH_TABLE, "no measured launch"
-    for d, cfg in LAUNCH_TABLE.items():
-        cfg.validate()
-        assert launch_config(d) is cfg
+GRID_D, GRID_L, GRID_N = (512, 1024, 2048, 4096, 7168), (3, 9, 17, 33), (8192, 32768)
+
+
+def _pow2(x: int) -> bool:
+    return x >= 1 and x & (x - 1) == 0
+
+
+@pytest.mark.parametrize("D", GRID_D)
+def test_launch_rule_on_the_grid(D):
+    """At every point of issue 37's grid the rule gives a valid launch: power-of-two tiles, warps and groups,
+    whole 16-byte loads per thread, enough programs, and register and shared-memory estimates within an
+    H100 / H200 SM (a program must fit: ``reg_budget``)."""
+    BD = 1 << (D - 1).bit_length()
+    for L in GRID_L:
+        for N in GRID_N:
+            cfg = launch_config(D, L, N)
+            cfg.validate()
+            where = f"D={D} L={L} N={N}: {cfg}"
+            assert all(_pow2(x) for x in (cfg.rows, cfg.warps, cfg.group)), where
+            assert cfg.bwd_launch == (cfg.rows, cfg.warps, cfg.group, cfg.stages), where
+            assert cfg.rows * BD >= TILE_ELEMS and -(-N // cfg.rows) >= 4 * SMS, where
+            per_thread, rem = divmod(cfg.rows * BD, 32 * cfg.warps)
+            assert rem == 0 and per_thread >= 8, where  # at least one 16-byte bf16 load per thread
+            assert cfg.group < 2 * max(1, L - 1), where  # a group is at most the next power of two of L - 1
+            for backward in (False, True):
+                assert estimate_regs(per_thread, cfg.group, backward) <= reg_budget(cfg.warps), where
+            assert estimate_shared(cfg, D) <= MAX_SHARED, where
+    # a model's reads (no L, no N) share one launch per width: the rule's model launch is the one at large L
+    assert launch_config(D) == launch_config(D, 33, 32768)
+
+
+def test_launch_rule_keeps_the_measured_launches():
+    """Where launches were measured the rule gives them: D 512 the sweep's best (4 x 4, 4 programs per SM,
+    kernels/results/attnres_sweep_h200.json), D 2048 one-row tiles of 8 warps, 4 sources at once."""
+    cfg = launch_config(512)
+    assert (cfg.rows, cfg.warps, cfg.group, cfg.programs_per_sm, cfg.bwd_launch) == (4, 4, 1, 4, (4, 4, 1, 1))
+    cfg = launch_config(2048)
+    assert (cfg.rows, cfg.warps, cfg.group, cfg.stages) == (1, 8, 4, 1)
+    assert launch_config(2048, 3).group == 2  # two sources after the first
+    assert launch_config(4096).group == 2  # 16 warps: 128 registers a thread, four tiles at once would spill
+    assert launch_config(512, 9, 64).rows == 1  # few tokens: smaller tiles, more programs
+
+
+def test_register_estimate_fits_the_compiled_kernels():
+    """``estimate_regs`` against the registers of the compiled kernels in the committed occupancy files
+    (sm_90, one stage, the launches the rule can pick): within 24 below and 40 above each."""
+    for name, D in (("attnres_occupancy_d512_cpu_sm90.json", 512), ("attnres_occupancy_d2048_cpu_sm90.json", 2048)):
+        rows = json.loads(open(os.path.join(ROOT, "kernels", "results", name)).read())["rows"]
+        seen = 0
+        for r in rows:
+            if r["op"] != "moelab" or r["stages"] != 1 or (r["rows"] > 1 and r["group"] > 1):
+                continue
+            per_thread = r["rows"] * D // (32 * r["warps"])
+            est = estimate_regs(per_thread, r["group"], backward="bwd" in r["kernel"])
+            assert -24 <= r["regs"] - est <= 40, (name, r, est)
+            seen += 1
+        assert seen >= 10, name
+
+
+@pytest.mark.parametrize(("D", "L", "N"), [(2048, 5, 6), (4096, 3, 4), (96, 4, 37)])
+def test_rule_launch_matches_reference(D, L, N):
+    """The rule's launch (groups of sources at the wide widths, several rows at a small one) in the
+    interpreter, against the fp32 reference."""
+    cfg = launch_config(D, L, N)
+    dtypes = (F32,) + (BF,) * (L - 1)
+    sources, query, weight, dh = _inputs((N,), D, dtypes, 3.0, seed=D)
+    ref = _reference(sources, query, weight, dh)
+    out = _run(lambda s, q, w: depth_attention(s, q, w, 1e-6, backend="triton"), sources, query, weight, dh)
+    _compare(ref, out, dtypes, 5e-3, 1e-2)
+    assert cfg.group > 1 or D < 2048
 
 
 @pytest.mark.parametrize("mode, num_blocks", [("full_attnres", 1), ("block_attnres", 4)])
