@@ -9,16 +9,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from moelab.base import ConfigError, _check, _one_of, repo_root
 
 Source = Literal["shakespeare", "gutenberg", "files", "hf"]
 TokenizerKind = Literal["bpe", "byte"]
 
-SOURCES = ("shakespeare", "gutenberg", "files", "hf")
+SOURCES: tuple[Source, ...] = get_args(Source)
 SYNTHETIC_TASKS = ("passkey", "mqar")
-TOKENIZERS = ("bpe", "byte")
+TOKENIZERS: tuple[TokenizerKind, ...] = get_args(TokenizerKind)
 BYTE_VOCAB = 256
 # A byte-level BPE needs its 256-byte alphabet plus the end-of-text token before any merge.
 MIN_BPE_VOCAB = BYTE_VOCAB + 1

@@ -9,27 +9,33 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from moelab.base import ConfigError, _check, _one_of
-from moelab.ops.backend import BACKENDS
+from moelab.ops.backend import BACKENDS, Backend
+from moelab.ops.glu import ACTIVATIONS, Activation
+from moelab.ops.kda import BACKENDS as KDA_BACKENDS
+from moelab.ops.kda import KDABackend
 from moelab.ops.kda.bounds import G_MIN_FLOOR, SUBTILE
+from moelab.ops.router_stats import CUTOFFS, Cutoff
 
 __all__ = ["ConfigError", "KDAConfig", "MLAConfig", "ModelConfig", "MoEConfig", "ResidualConfig"]
 
+# Each choice is a Literal type (what the YAML loader checks) and the tuple of its values (what
+# validate() checks), derived from it. Which implementation runs a piece is a ``*backend`` field:
+# ``Backend`` (moelab.ops.backend) for every op, KDA's own ``KDABackend`` (moelab.ops.kda).
 KDAGate = Literal["bounded", "softplus"]
 ResidualMode = Literal["prenorm", "full_attnres", "block_attnres"]
-Activation = Literal["situ_glu", "swiglu"]
 Dispatch = Literal["auto", "grouped", "loop"]
-# Which implementation runs a piece: every such choice is a ``*backend`` field with this vocabulary.
-# "auto": Triton on a CUDA tensor, PyTorch otherwise; "triton": the Triton kernels (also on CPU
-# under TRITON_INTERPRET=1); "torch": plain PyTorch. KDA names its two PyTorch algorithms instead
-# of "torch": "chunk" (chunkwise) and "recurrent" (token by token, the reference).
-Backend = Literal["auto", "triton", "torch"]
-KDABackend = Literal["auto", "triton", "chunk", "recurrent", "cudnn"]  # cudnn: moelab.ops.kda.cudnn (forward)
-KDA_BACKENDS = ("auto", "triton", "chunk", "recurrent", "cudnn")
+MaskBackend = Literal["auto", "flex", "dense"]
 Balancer = Literal["none", "aux_loss", "loss_free_sign", "quantile_load", "quantile_balancing"]
-BALANCERS = ("none", "aux_loss", "loss_free_sign", "quantile_load", "quantile_balancing")
+QuantileMode = Literal["exact", "histogram"]
+KDA_GATES: tuple[KDAGate, ...] = get_args(KDAGate)
+RESIDUAL_MODES: tuple[ResidualMode, ...] = get_args(ResidualMode)
+DISPATCHES: tuple[Dispatch, ...] = get_args(Dispatch)
+MASK_BACKENDS: tuple[MaskBackend, ...] = get_args(MaskBackend)
+BALANCERS: tuple[Balancer, ...] = get_args(Balancer)
+QUANTILE_MODES: tuple[QuantileMode, ...] = get_args(QuantileMode)
 
 
 @dataclass
@@ -57,7 +63,7 @@ class KDAConfig:
         _check(self.conv_size >= 1, f"{prefix}.conv_size", self.conv_size, "an integer >= 1")
         _one_of(f"{prefix}.conv_backend", self.conv_backend, BACKENDS)
         _check(self.decay_rank >= 1, f"{prefix}.decay_rank", self.decay_rank, "an integer >= 1")
-        _one_of(f"{prefix}.gate", self.gate, ("bounded", "softplus"))
+        _one_of(f"{prefix}.gate", self.gate, KDA_GATES)
         _one_of(f"{prefix}.backend", self.backend, KDA_BACKENDS)
         _check(self.chunk_size in (16, 32, 64, 128), f"{prefix}.chunk_size", self.chunk_size, "16, 32, 64 or 128")
         if self.backend in ("auto", "triton", "cudnn"):  # auto takes the Triton op on a GPU, cudnn trains with it
@@ -89,14 +95,14 @@ class MLAConfig:
     # block ranges (memory linear in T; compiled on a GPU), "dense" = SDPA with a [B, 1, T, T] bool mask
     # (B T^2 bytes; leaves SDPA's flash kernel), "auto" = flex on a CUDA device (head_dim a power of two
     # >= 16, as its kernel needs), dense elsewhere.
-    mask_backend: Literal["auto", "flex", "dense"] = "auto"
+    mask_backend: MaskBackend = "auto"
 
     def validate(self, prefix: str = "mla") -> None:
         _check(self.num_heads >= 1, f"{prefix}.num_heads", self.num_heads, "an integer >= 1")
         _check(1 <= self.head_dim <= 256, f"{prefix}.head_dim", self.head_dim, "1..256")
         _check(self.kv_latent_dim >= 1, f"{prefix}.kv_latent_dim", self.kv_latent_dim, "an integer >= 1")
         _check(self.q_latent_dim >= 0, f"{prefix}.q_latent_dim", self.q_latent_dim, "an integer >= 0")
-        _one_of(f"{prefix}.mask_backend", self.mask_backend, ("auto", "flex", "dense"))
+        _one_of(f"{prefix}.mask_backend", self.mask_backend, MASK_BACKENDS)
 
 
 @dataclass
@@ -129,11 +135,11 @@ class MoEConfig:
     quantile_load_rate: float = 1e-2  # eta, per unit of mean-normalized load
     quantile_load_decay: float = 0.9  # moving average of the normalized loads
     quantile_load_q: float = 0.75  # the quantile of the averaged loads the biases aim at
-    quantile_balancing_mode: Literal["exact", "histogram"] = "exact"  # histogram: one all-reduce, error <= 1 bin
+    quantile_balancing_mode: QuantileMode = "exact"  # histogram: one all-reduce, error <= 1 bin
     quantile_balancing_bins: int = 1000
     quantile_balancing_ema: float = 0.0  # b <- ema b_old + (1 - ema) b_new; 0: no smoothing
     # k_plus_1: the report's per-token cutoff; excluding_self: each expert's exact best response
-    quantile_balancing_cutoff: Literal["k_plus_1", "excluding_self"] = "k_plus_1"
+    quantile_balancing_cutoff: Cutoff = "k_plus_1"
     router_z_loss: float = 0.0  # ST-MoE z-loss coefficient; with any balancer
 
     def validate(self, prefix: str = "moe") -> None:
@@ -144,8 +150,8 @@ class MoEConfig:
         _check(self.latent_dim >= 0, f"{prefix}.latent_dim", self.latent_dim, "an integer >= 0")
         _check(self.expert_dim >= 1, f"{prefix}.expert_dim", self.expert_dim, "an integer >= 1")
         _check(self.shared_dim >= 0, f"{prefix}.shared_dim", self.shared_dim, "an integer >= 0")
-        _one_of(f"{prefix}.activation", self.activation, ("situ_glu", "swiglu"))
-        _one_of(f"{prefix}.dispatch", self.dispatch, ("auto", "grouped", "loop"))
+        _one_of(f"{prefix}.activation", self.activation, ACTIVATIONS)
+        _one_of(f"{prefix}.dispatch", self.dispatch, DISPATCHES)
         _one_of(f"{prefix}.backend", self.backend, BACKENDS)
         _check(self.situ_beta1 > 0, f"{prefix}.situ_beta1", self.situ_beta1, "a positive number")
         _check(self.situ_beta2 > 0, f"{prefix}.situ_beta2", self.situ_beta2, "a positive number")
@@ -156,12 +162,12 @@ class MoEConfig:
                "a number in [0, 1)")
         _check(0.0 < self.quantile_load_q < 1.0, f"{prefix}.quantile_load_q", self.quantile_load_q,
                "a number in (0, 1)")
-        _one_of(f"{prefix}.quantile_balancing_mode", self.quantile_balancing_mode, ("exact", "histogram"))
+        _one_of(f"{prefix}.quantile_balancing_mode", self.quantile_balancing_mode, QUANTILE_MODES)
         _check(self.quantile_balancing_bins >= 2, f"{prefix}.quantile_balancing_bins", self.quantile_balancing_bins,
                "an integer >= 2")
         _check(0.0 <= self.quantile_balancing_ema < 1.0, f"{prefix}.quantile_balancing_ema",
                self.quantile_balancing_ema, "a number in [0, 1)")
-        _one_of(f"{prefix}.quantile_balancing_cutoff", self.quantile_balancing_cutoff, ("k_plus_1", "excluding_self"))
+        _one_of(f"{prefix}.quantile_balancing_cutoff", self.quantile_balancing_cutoff, CUTOFFS)
         if self.balancer == "quantile_balancing":
             # The per-token cutoff is the (k+1)-th largest score: there must be a (k+1)-th expert.
             _check(self.top_k < self.num_experts, f"{prefix}.top_k", self.top_k,
@@ -183,11 +189,11 @@ class ResidualConfig:
     uneven_blocks: bool = False
     # the depth softmax of the AttnRes modes: triton = moelab.ops.attnres (fused, no stack of the
     # sources); torch = the plain path; auto = triton on CUDA tensors, else torch
-    backend: Literal["auto", "torch", "triton"] = "auto"
+    backend: Backend = "auto"
 
     def validate(self, n_sublayers: int, prefix: str = "residual") -> None:
-        _one_of(f"{prefix}.mode", self.mode, ("prenorm", "full_attnres", "block_attnres"))
-        _one_of(f"{prefix}.backend", self.backend, ("auto", "torch", "triton"))
+        _one_of(f"{prefix}.mode", self.mode, RESIDUAL_MODES)
+        _one_of(f"{prefix}.backend", self.backend, BACKENDS)
         if self.mode == "block_attnres":
             if self.uneven_blocks:
                 _check(1 <= self.num_blocks <= n_sublayers, f"{prefix}.num_blocks", self.num_blocks,
@@ -257,7 +263,7 @@ class ModelConfig:
                "a non-empty string of 'K' (KDA) and 'M' (MLA)")
         _check(self.dense_layers >= 0, "model.dense_layers", self.dense_layers, "an integer >= 0")
         _check(self.dense_ffn_dim >= 0, "model.dense_ffn_dim", self.dense_ffn_dim, "an integer >= 0")
-        _one_of("model.dense_activation", self.dense_activation, ("situ_glu", "swiglu"))
+        _one_of("model.dense_activation", self.dense_activation, ACTIVATIONS)
         _check(self.max_seq_len >= 1, "model.max_seq_len", self.max_seq_len, "an integer >= 1")
         _check(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "a positive number")
         _check(self.init_std > 0, "model.init_std", self.init_std, "a positive number (0 trains a dead model)")

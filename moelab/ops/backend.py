@@ -7,12 +7,16 @@ side has two algorithms, named "chunk" and "recurrent", see ``moelab.ops.kda``).
 from __future__ import annotations
 
 import importlib.util
+from typing import Literal, get_args
 
 import torch
 
 from moelab.base import ConfigError
 
-BACKENDS = ("auto", "triton", "torch")
+# "auto": Triton on a CUDA tensor, PyTorch otherwise; "triton": the Triton kernels (also on CPU under
+# TRITON_INTERPRET=1); "torch": plain PyTorch.
+Backend = Literal["auto", "triton", "torch"]
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 

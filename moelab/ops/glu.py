@@ -16,6 +16,8 @@ Two implementations of the same function:
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 import torch.nn.functional as F
 
@@ -26,7 +28,8 @@ if HAS_TRITON:  # Triton is optional on CPU-only installs; the fused path is the
     import triton
     import triton.language as tl
 
-ACTIVATIONS = ("situ_glu", "swiglu")
+Activation = Literal["situ_glu", "swiglu"]
+ACTIVATIONS: tuple[Activation, ...] = get_args(Activation)
 
 
 def check_activation(name: str) -> str:

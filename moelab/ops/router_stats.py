@@ -25,6 +25,8 @@ ulp of the bias's magnitude; tests/ops/test_balance_op.py bounds it).
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
 from moelab.ops.backend import HAS_TRITON
@@ -34,7 +36,9 @@ if HAS_TRITON:
     import triton.language as tl
 
 TINY = torch.finfo(torch.float32).tiny
-CUTOFFS = ("k_plus_1", "excluding_self")
+# k_plus_1: the per-token cutoff is the (k+1)-th largest score; excluding_self: each expert's exact best response
+Cutoff = Literal["k_plus_1", "excluding_self"]
+CUTOFFS: tuple[Cutoff, ...] = get_args(Cutoff)
 
 
 def parts_size(layers: int, n: int, bins: int) -> int:

@@ -23,6 +23,7 @@ those formulas (the Triton kernels are tested against it).
 from __future__ import annotations
 
 import os
+from typing import Literal, get_args
 
 import torch
 
@@ -32,7 +33,10 @@ from moelab.ops.kda.gate import GATES, naive_kda_gate, naive_qk_prep
 from moelab.ops.kda.naive import naive_recurrent_kda
 from moelab.ops.varlen import check_cu_seqlens
 
-BACKENDS = ("auto", "triton", "chunk", "recurrent", "cudnn")
+# KDA names its two PyTorch algorithms instead of "torch": "chunk" (chunkwise) and "recurrent" (the
+# reference); "cudnn": moelab.ops.kda.cudnn (forward).
+KDABackend = Literal["auto", "triton", "chunk", "recurrent", "cudnn"]
+BACKENDS: tuple[KDABackend, ...] = get_args(KDABackend)
 PATHS = ("infer", "train", "chunk", "recurrent", "cudnn")
 INFER_CHUNK = 16  # the inference forward's chunk (infer_plan.CHUNK; kept here to avoid importing triton)
 INFER_G_MIN_FLOOR = max_safe_g_min("fp32", INFER_CHUNK)  # the lowest g_min the inference forward takes
