@@ -27,7 +27,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -35,7 +35,7 @@ LEVEL = 0.95
 MAX_LEAD = 6
 
 Status = Literal["better", "worse", "noise", "not tested", "measured"]
-STATUSES: tuple[str, ...] = ("better", "worse", "noise", "not tested", "measured")
+STATUSES: tuple[Status, ...] = get_args(Status)
 # Words a verdict may not use unless its interval excludes 0.
 CLAIMS = re.compile(r"\b(holds|yes|better|worse|faster|slower|beats|wins)\b", re.IGNORECASE)
 
