@@ -9,7 +9,9 @@ One H200 run, bf16, the layer's op: L2 norm of q and k and the bounded gate
   backward for the fwd+bwd rows (the training path the backend does not take: its dg); the forward
   rows call ``kda(backend="cudnn")`` itself, and the JSON records the path ``kda_path`` chose;
 * ``fla``: ``chunk_kda(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, safe_gate=True,
-  lower_bound=-5)``.
+  lower_bound=-5)``;
+* ``cudnn_inkernel`` (forward only, a measurement): the engine with its own in-kernel L2 norm and bounded
+  gate on the raw inputs, no prep pass (``cudnn_inkernel_forward``).
 
 Accuracy (issue 37's shapes, B1 T2048 H4 and B2 T1024 H8, D 128): o, the final state and the gradients
 of q, k, v, z, beta, A_log and dt_bias against the fp32 reference on the same bf16-rounded inputs (the
@@ -64,6 +66,22 @@ def cudnn_op(q, k, v, z, beta, A_log, dt_bias):
     o, S = kimi_delta_attention(thd(qn), thd(kn), thd(v), thd(g), thd(beta.float()),
                                 cudnn_backend.fixed_cu_seqlens(B, T, q.device), output_final_state=True)
     return o.view(B, T, H, -1), _ContiguousGrad.apply(S).transpose(-1, -2)
+
+
+def cudnn_inkernel_forward(q, k, v, z, beta, A_log, dt_bias):
+    """cuDNN's forward with nothing run before it: raw q, k and z into the engine, which L2-normalizes q, k
+    and applies the bounded gate (its ``safe_gate``) in-kernel, forward only (its backward takes neither).
+    What the backend could run for inference once the layer's SiLU of q, k moves into their ShortConv."""
+    from cudnn.linear_attention import kimi_delta_attention
+
+    B, T, H, K = q.shape
+    thd = cudnn_backend.to_thd
+    with torch.no_grad():
+        o, S = kimi_delta_attention(thd(q), thd(k), thd(v), thd(z), thd(beta.float()),
+                                    cudnn_backend.fixed_cu_seqlens(B, T, q.device), output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True, safe_gate=True, gate_lower_bound=G_MIN,
+                                    a_log=A_log.float(), dt_bias=dt_bias.float().view(H, K))
+    return o.view(B, T, H, -1), S.transpose(-1, -2)
 
 
 def _ops(fla) -> dict[str, Callable]:
@@ -160,12 +178,20 @@ def check_accuracy(cases, dtype, dev, rows, save, *, fla, recurrent_reference, r
                     o, S = kda(q, k, v, z, beta, backend="cudnn", gate="bounded", A_log=A_log, dt_bias=dt_bias,
                                g_min=G_MIN, l2norm_qk=True, output_final_state=True, validate=False)
                 row["forward_errors"] = dict(o=rel_err(ref[0], o.float()), final_state=rel_err(ref[1], S.float()))
+                try:
+                    o, S = cudnn_inkernel_forward(*ins)
+                    row["inkernel_forward_errors"] = dict(o=rel_err(ref[0], o.float()),
+                                                          final_state=rel_err(ref[1], S.float()))
+                except Exception as exc:  # recorded: the in-kernel options are a measurement, not the backend
+                    row["inkernel_forward_failed"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             ok &= passed or backend != "triton"
             rows.append(dict(row, errors=errs, passed=passed, seconds=time.perf_counter() - t0))
             print(f"{case:20s} {backend:8s} " + " ".join(f"{errs[n]:11.2e}" for n in NAMES)
-                  + ("  ok" if passed else "  MISS") + (f"  (kda path: {row['kda_path']}, forward o "
-                                                        f"{row['forward_errors']['o']:.2e})" if "kda_path" in row
-                                                        else ""), flush=True)
+                  + ("  ok" if passed else "  MISS"), flush=True)
+            if "kda_path" in row:
+                inkernel = row.get("inkernel_forward_errors", row.get("inkernel_forward_failed"))
+                print(f"{'':20s} cudnn    kda path: {row['kda_path']}, its forward: {row['forward_errors']}; "
+                      f"in-kernel prep forward: {inkernel}", flush=True)
             save()
             del out
         del ref
@@ -218,13 +244,19 @@ def check_timing(shapes, dtype, dev, rows, save, *, fla) -> None:
             del leaves
             if dev == "cuda":
                 torch.cuda.empty_cache()
+        if "cudnn" in row["fwd_ms"]:
+            try:
+                row["fwd_ms"]["cudnn_inkernel"] = _bench(lambda ins=ins: cudnn_inkernel_forward(*ins), dev)
+            except Exception as exc:  # recorded: a measurement, not the backend
+                row["skipped"]["cudnn_inkernel"] = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
         for key in ("fwd_bwd_ms", "fwd_ms"):
             t = row[key]
             if "cudnn" in t:
-                row[key.replace("_ms", "_speedup")] = {f"cudnn_over_{b}": t[b] / t["cudnn"] for b in t if b != "cudnn"}
+                row[key.replace("_ms", "_speedup")] = {f"cudnn_over_{b}": t[b] / t["cudnn"] for b in ("triton", "fla")
+                                                       if b in t}
         rows.append(row)
         cells = " ".join(f"{b}: {row['fwd_bwd_ms'].get(b, float('nan')):.2f} | {row['fwd_ms'].get(b, float('nan')):.2f}"
-                         for b in BACKENDS)
+                         for b in BACKENDS + ("cudnn_inkernel",))
         print(f"{case:20s} {cells}  speedups {row.get('fwd_bwd_speedup')} | {row.get('fwd_speedup')}"
               f"{'  skipped ' + str(row['skipped']) if row['skipped'] else ''}", flush=True)
         save()
