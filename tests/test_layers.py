@@ -1,5 +1,5 @@
 """The package's floors: a module imports only from its own unit or from a lower floor, and no
-module-level imports go round in a circle.
+module-level imports go round in a circle; a choice tuple is derived from its ``Literal`` type.
 
 Parses every ``import`` of ``moelab/`` (function-level ones too) and fails on one that runs up a
 floor or sideways into another unit of the same floor, e.g. ``moelab.ops`` importing
@@ -239,3 +239,42 @@ def test_circle_check_on_a_small_package(tmp_path: Path) -> None:
     (tmp_path / "pkg" / "a.py").write_text("X = 1\n")
     (tmp_path / "pkg" / "x.py").write_text("def k():\n    from pkg import y\n")
     assert import_cycles(import_graph(_package_sources(tmp_path / "pkg"), package="pkg")) == []
+
+
+def repeated_literals(sources: dict[str, str]) -> list[str]:
+    """Every tuple of two or more strings that spells out the values of a ``Literal[...]`` of the package, in its
+    order, as ``path:line: (values) repeats Literal at path:line``: derive it with ``typing.get_args`` instead."""
+    literals: dict[tuple[str, ...], str] = {}
+    tuples: list[tuple[str, int, tuple[str, ...]]] = []
+
+    def strings(node: ast.expr) -> tuple[str, ...] | None:
+        elts = node.elts if isinstance(node, ast.Tuple) else [node]
+        ok = len(elts) >= 2 and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in elts)
+        return tuple(e.value for e in elts) if ok else None
+
+    for rel, text in sorted(sources.items()):
+        inside: set[int] = set()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Subscript) and isinstance(node.value, (ast.Name, ast.Attribute)) \
+                    and (getattr(node.value, "id", None) or getattr(node.value, "attr", None)) == "Literal":
+                inside.add(id(node.slice))
+                values = strings(node.slice)
+                if values:
+                    literals.setdefault(values, f"moelab/{rel}:{node.lineno}")
+            elif isinstance(node, ast.Tuple) and id(node) not in inside and strings(node):
+                tuples.append((f"moelab/{rel}", node.lineno, strings(node)))
+    return [f"{path}:{line}: {values} repeats the Literal at {literals[values]}"
+            for path, line, values in tuples if values in literals]
+
+
+def test_choice_tuples_come_from_their_literal() -> None:
+    assert repeated_literals(_package_sources()) == []
+
+
+def test_repeated_literal_check_finds_a_copy() -> None:
+    """Self-check: a copied tuple is found whether the Literal sits in the same module or another one."""
+    sources = {"a.py": "from typing import Literal\nMode = Literal['x', 'y']\nMODES = typing.get_args(Mode)\n",
+               "b.py": "def f(m):\n    _one_of('m', m, ('x', 'y'))\n    return m in ('y', 'x')\n"}
+    assert repeated_literals(sources) == ["moelab/b.py:2: ('x', 'y') repeats the Literal at moelab/a.py:2"]
+    sources["a.py"] += "KINDS = ('x', 'y')\n"
+    assert len(repeated_literals(sources)) == 2
