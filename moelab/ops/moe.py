@@ -144,7 +144,7 @@ def project_input(x: torch.Tensor, router_weight: torch.Tensor, weights: list[to
     """
     if use_triton(backend, x):
         logits, *outs = _InputProjection.apply(x, router_weight, cdt, *weights)
-        return logits, outs
+        return logits, list(outs)  # a list, as the caller pops from it (dynamo's unpacking gives a tuple)
     with torch.autocast(device_type=x.device.type, enabled=False):
         logits = F.linear(x.float(), router_weight.float())
         xc = x.to(cdt)

@@ -50,7 +50,7 @@ def compile_model(model: torch.nn.Module, mode: str, device: torch.device, backe
                           f"{device.type}: use train.compile='default' or 'none'")
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    if mode == "graphs":
+    if mode == "graphs" and hasattr(torch._inductor.config.triton, "cudagraph_or_error"):  # torch >= 2.12
         torch._inductor.config.triton.cudagraph_or_error = True
     model.compile(mode="reduce-overhead" if mode == "graphs" else None, backend=backend)
 

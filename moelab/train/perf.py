@@ -332,14 +332,15 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
     (compilation, capture), then interleaved rounds of ``window`` timed steps plus one host-timed step per mode.
     Per row: median step time / tokens/s over rounds, the paired speed-up over eager (per round, median /
     min / max), host ms, MFU in both conventions, peak memory, setup seconds, every step's loss and the
-    largest loss difference from eager. ``docs``: gpu-small's 16K stage of study 4 (B 2 x T 16384) eager,
-    without documents, with packed documents through flex_attention, and through the dense mask.
+    largest loss difference from eager. ``docs`` (first): gpu-small's 16K stage of study 4 (B 2 x T 16384)
+    eager, without documents, with packed documents through flex_attention, and through the dense mask.
     A mode that fails is recorded with its error. Written to ``out`` after each part (atomic).
     ``device="cpu"`` with ``overrides`` (toy sizes) runs the same code without the GPU (tests; no memory,
     modes eager and default only).
     """
     import time
 
+    from moelab.config import load_config
     from moelab.tracking import git_commit
 
     start = time.perf_counter()
@@ -358,13 +359,48 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
         if out is not None:
             write_json(Path(out), result)
 
+    if docs and time.perf_counter() < deadline:
+        T = 16384 if dev.type == "cuda" else 64
+        stage = {**over, "model.max_seq_len": T, "data.seq_len": T, "train.batch_size": 2}
+        cfg = load_config("gpu-small", stage)
+        d_rounds, d_window = (4, 5) if dev.type == "cuda" else (2, 1)
+        n = 3 + d_rounds * (d_window + 1)
+        lengths = (256, 6144) if dev.type == "cuda" else (4, 24)
+        plain = _random_batches(cfg.model.vocab_size, 2, T, n, seed=1, device=dev)
+        packed = _random_batches(cfg.model.vocab_size, 2, T, n, seed=1, doc_lengths=lengths, device=dev)
+        result["meta"]["docs16k_doc_lengths"] = list(lengths)
+        specs = {"unmasked": (stage, plain), "masked_flex": ({**stage, "model.mla.mask_backend": "flex"}, packed),
+                 "masked_dense": ({**stage, "model.mla.mask_backend": "dense"}, packed)}
+        arms = {}
+        errors = {}
+        for name, (o, d) in specs.items():
+            log(f"docs16k {name}: set-up ({time.perf_counter() - start:.0f} s)")
+            try:
+                arms[name] = _Arm("gpu-small", o, "eager", d, 3, 3e-4)
+            except Exception as e:  # noqa: BLE001
+                errors[name] = f"set-up: {type(e).__name__}: {e}"[:2000]
+        windows = _rounds(arms, d_rounds, d_window, deadline, log, errors)
+        base = windows.get("unmasked") if "unmasked" not in errors else None
+        for name in specs:
+            arm = arms.get(name)
+            if arm is None or name in errors or not windows.get(name):
+                result["docs16k"].append({"arm": name, "error": errors.get(name, "no rounds")})
+                continue
+            row = _row(arm, windows[name], base if name != "unmasked" else None, None)
+            row.pop("losses")
+            row["docs_per_row"] = (float(sum(int(b["segment_ids"][r].max()) + 1 for b in arm.data for r in range(2)))
+                                   / (2 * len(arm.data)) if "segment_ids" in arm.data[0] else 1.0)
+            result["docs16k"].append({"arm": name, **row})
+        del arms
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        save()
+
     rounds = max(1, (steps - warm) // (window + 1))
     for preset in presets:
         if time.perf_counter() > deadline:
             result["rows"].append({"preset": preset, "skipped": "budget"})
             continue
-        from moelab.config import load_config
-
         cfg = load_config(preset, over)
         n = warm + rounds * (window + 1)
         data = _random_batches(cfg.model.vocab_size, cfg.train.batch_size, cfg.data.seq_len, n, device=dev)
@@ -393,39 +429,6 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
             torch.cuda.empty_cache()
         save()
 
-    if docs and time.perf_counter() < deadline:
-        T = 16384 if dev.type == "cuda" else 64
-        stage = {**over, "model.max_seq_len": T, "data.seq_len": T, "train.batch_size": 2}
-        cfg = load_config("gpu-small", stage)
-        d_rounds, d_window = (4, 5) if dev.type == "cuda" else (2, 1)
-        n = 3 + d_rounds * (d_window + 1)
-        lengths = (256, 6144) if dev.type == "cuda" else (4, 24)
-        plain = _random_batches(cfg.model.vocab_size, 2, T, n, seed=1, device=dev)
-        packed = _random_batches(cfg.model.vocab_size, 2, T, n, seed=1, doc_lengths=lengths, device=dev)
-        result["meta"]["docs16k_doc_lengths"] = list(lengths)
-        specs = {"unmasked": (stage, plain), "masked_flex": ({**stage, "model.mla.mask_backend": "flex"}, packed),
-                 "masked_dense": ({**stage, "model.mla.mask_backend": "dense"}, packed)}
-        arms = {}
-        errors = {}
-        for name, (o, d) in specs.items():
-            log(f"docs16k {name}: set-up ({time.perf_counter() - start:.0f} s)")
-            try:
-                arms[name] = _Arm("gpu-small", o, "eager", d, 3, 3e-4)
-            except Exception as e:  # noqa: BLE001
-                errors[name] = f"set-up: {type(e).__name__}: {e}"[:2000]
-        windows = _rounds(arms, d_rounds, d_window, deadline + 60, log, errors)
-        base = windows.get("unmasked") if "unmasked" not in errors else None
-        for name in specs:
-            arm = arms.get(name)
-            if arm is None or name in errors or not windows.get(name):
-                result["docs16k"].append({"arm": name, "error": errors.get(name, "no rounds")})
-                continue
-            row = _row(arm, windows[name], base if name != "unmasked" else None, None)
-            row.pop("losses")
-            row["docs_per_row"] = (float(sum(int(b["segment_ids"][r].max()) + 1 for b in arm.data for r in range(2)))
-                                   / (2 * len(arm.data)) if "segment_ids" in arm.data[0] else 1.0)
-            result["docs16k"].append({"arm": name, **row})
-        del arms
     save()
     return result
 
@@ -436,14 +439,16 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(description=capture_bench.__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--only", action="append", help="a preset (repeatable); default k3-mini and gpu-small")
+    ap.add_argument("--only", action="append", help="a preset (repeatable; 'none': only the packed-document stage); "
+                                                    "default k3-mini and gpu-small")
     ap.add_argument("--modes", default=",".join(CAPTURE_MODES))
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--window", type=int, default=10)
     ap.add_argument("--no-docs", action="store_true")
     ap.add_argument("--budget-s", type=float, default=450.0)
     a = ap.parse_args(argv)
-    res = capture_bench(tuple(a.only or ("k3-mini", "gpu-small")), tuple(a.modes.split(",")), a.steps, a.window,
+    presets = tuple(p for p in a.only if p != "none") if a.only else ("k3-mini", "gpu-small")
+    res = capture_bench(presets, tuple(a.modes.split(",")), a.steps, a.window,
                         docs=not a.no_docs, budget_s=a.budget_s, out=a.out,
                         log=lambda m: print(m, file=sys.stderr, flush=True))
     for r in res["rows"] + res["docs16k"]:
