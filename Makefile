@@ -7,7 +7,7 @@
 PYTHON ?= .venv/bin/python
 VENV := .venv
 BOOTSTRAP_PYTHON ?= python3
-EXTRAS ?= dev
+EXTRAS ?= lab,dev
 # Installed before moelab on machines without an NVIDIA driver, so pip keeps this CPU build
 # instead of resolving torch to a multi-GB CUDA build. Elsewhere, add e.g.
 # TORCH_INDEX=https://download.pytorch.org/whl/cpu to fetch the CPU build from PyTorch's index.
@@ -33,7 +33,7 @@ help: ## list the targets
 	@echo "usage: make TARGET [PRESET=...] [RUNS=arm:seed,...] [PYTHON=python3] [ARGS='--set key=value ...']"
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_% -]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-setup: ## create .venv and install moelab (editable, [dev]); no-op while pyproject.toml is unchanged
+setup: ## create .venv and install moelab (editable, with the lab and dev extras: EXTRAS=lab,dev); no-op while pyproject.toml is unchanged
 	@set -e; hash=$$(sha256sum pyproject.toml | cut -c1-16); \
 	if [ -f $(STAMP) ] && [ "$$(cat $(STAMP))" = "$$hash" ] && [ -x $(VENV)/bin/python ]; then \
 		echo "setup: $(VENV) is up to date with pyproject.toml"; exit 0; fi; \

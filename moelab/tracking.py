@@ -115,13 +115,28 @@ def _probe_server(uri: str) -> None:
                             f"or set tracking.enabled=false") from e
 
 
+LAB_EXTRA_HINT = "install the lab extra, pip install 'moelab[lab]' (make setup installs it)"
+
+
+def installed() -> bool:
+    """Whether MLflow can be imported (it comes with the ``lab`` extra, not with ``pip install moelab``)."""
+    try:
+        import mlflow  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def client(uri: str = ""):
     """An ``MlflowClient`` for :func:`resolve_tracking_uri` ``(uri)``, checked to be usable.
 
     sqlite: creates the folder, and creates or migrates the schema under an exclusive lock on the
     database file (MLflow's migrations are not safe against a second process doing the same).
-    HTTP: fails fast with :class:`TrackingError` when the server does not answer.
+    HTTP: fails fast with :class:`TrackingError` when the server does not answer; without MLflow
+    installed (``pip install moelab`` has no lab), :class:`TrackingError` names the extra.
     """
+    if not installed():
+        raise TrackingError(f"MLflow is not installed: {LAB_EXTRA_HINT}, or set tracking.enabled=false")
     from mlflow.tracking import MlflowClient
 
     uri = resolve_tracking_uri(uri)
@@ -183,12 +198,15 @@ def end_stale_run(run_id: str, tracking_uri: str = "") -> bool:
 
 
 def git_commit() -> str | None:
-    """HEAD of the repository moelab runs from, with ``-dirty`` if tracked files changed; None outside git."""
+    """HEAD of the repository moelab runs from, with ``-dirty`` if tracked files outside the outputs of
+    studies and benchmarks changed; None outside git."""
     try:
         root = repo_root()
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        # What studies and benchmarks write (studies/, kernels/results/) does not make the code dirty.
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)studies", ":(exclude)kernels/results"], cwd=root,
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None

@@ -60,7 +60,7 @@ from moelab.studies.common import (
     parse_shard,
     quiet_known_noise,
 )
-from moelab.tracking import PARENT_ENV, Run, end_stale_run, experiment_name, start_run
+from moelab.tracking import LAB_EXTRA_HINT, PARENT_ENV, Run, end_stale_run, experiment_name, start_run
 from moelab.utils import atomic_path, flatten_dict, write_json
 
 STUDIES = {1: "01_decay_bound", 2: "02_balancing", 3: "03_attnres_depth", 4: "04_context_curriculum"}
@@ -383,7 +383,7 @@ def _echo_lines(path: Path, say: Any, every_s: float = 0.5) -> Iterator[None]:
 
 # What a study needs after its notebook ran, imported before it runs: a missing one would otherwise end
 # an hour of training at the HTML export, with the parent run FAILED and nothing logged.
-REQUIRED_MODULES = ("papermill", "nbformat", "nbconvert")
+REQUIRED_MODULES = ("papermill", "nbformat", "nbconvert", "latex2mathml", "mlflow", "psutil")
 
 
 def _require_modules(names: tuple[str, ...] = REQUIRED_MODULES) -> None:
@@ -399,8 +399,7 @@ def _require_modules(names: tuple[str, ...] = REQUIRED_MODULES) -> None:
     if missing:
         raise ModuleNotFoundError(
             f"a study run needs {', '.join(missing)} (to execute the notebook and export it as HTML), which "
-            f"this interpreter cannot import: install moelab's dependencies (make setup) or "
-            f"pip install {' '.join(missing)}; nothing was run")
+            f"this interpreter cannot import: {LAB_EXTRA_HINT}; nothing was run")
 
 
 def _relative_paths(executed: Path, notebook: Path) -> None:

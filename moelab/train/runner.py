@@ -66,7 +66,8 @@ from moelab.data import prepare
 from moelab.data.datamodule import TextDataModule
 from moelab.model.accounting import flops_per_token, param_counts
 from moelab.model.accounting import summary as model_summary
-from moelab.tracking import Run, end_stale_run, start_run
+from moelab.tracking import LAB_EXTRA_HINT, Run, end_stale_run, start_run
+from moelab.tracking import installed as tracking_installed
 from moelab.train.balancer import BalancerCallback
 from moelab.train.callbacks import (
     Interrupted,
@@ -418,7 +419,9 @@ def _fit(cfg: RunConfig, resumed: Resumed | None, folder: RunFolder, callbacks: 
     summary_path = ckpt_dir / "summary.json"
     try:
         with ExitStack() as stack:
-            if cfg.tracking.enabled and rank_zero_only.rank == 0:
+            if cfg.tracking.enabled and not tracking_installed() and rank_zero_only.rank == 0:
+                rank_zero_info(f"MLflow is not installed: this run is not tracked ({LAB_EXTRA_HINT})")
+            elif cfg.tracking.enabled and rank_zero_only.rank == 0:
                 stale = folder.previous.get("run_id")
                 if stale and end_stale_run(stale, folder.previous.get("tracking_uri") or cfg.tracking.tracking_uri):
                     rank_zero_info(f"closed MLflow run {stale} (KILLED): its process ended without closing it")

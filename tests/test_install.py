@@ -1,0 +1,57 @@
+"""``pip install moelab`` is the library (model, ops, training), not the lab: the split of pyproject.toml's
+dependencies, and training without the lab's packages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+# What the lab brings (tracking, notebooks, studies' statistics): never a dependency of the library.
+LAB = ("mlflow", "jupyterlab", "ipykernel", "ipywidgets", "papermill", "jupytext", "nbformat", "nbconvert",
+       "scipy", "latex2mathml", "psutil", "nvidia-ml-py")
+
+
+def _names(requirements: list[str]) -> set[str]:
+    import re
+
+    return {re.split(r"[<>=!;\[ ~]", r, maxsplit=1)[0].strip().lower() for r in requirements}
+
+
+def test_the_library_does_not_depend_on_the_lab() -> None:
+    core = _names(PYPROJECT["project"]["dependencies"])
+    assert {"torch", "lightning", "numpy", "pyyaml"} <= core
+    assert not core & set(LAB), f"lab packages in the library's dependencies: {sorted(core & set(LAB))}"
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert set(LAB) <= _names(extras["lab"])
+    # make setup (EXTRAS) and CI install dev, which must bring the lab: the tests need it.
+    assert "moelab[lab]" in extras["dev"]
+
+
+def test_training_works_without_the_lab(tmp_path) -> None:
+    """The tiny preset trains from Python when the lab's modules cannot be imported: untracked, with one line."""
+    script = f"""
+import sys
+for name in ("mlflow", "papermill", "nbformat", "nbconvert", "jupytext", "latex2mathml", "psutil"):
+    sys.modules[name] = None  # as after `pip install moelab`
+import moelab, moelab.studies  # noqa: E401
+from moelab.config import load_config
+from moelab.train import fit
+res = fit(load_config("tiny", {{"train.max_steps": 6, "train.val_every": 3, "train.ckpt_dir": {str(tmp_path)!r}}}))
+print("trained", res.summary["steps"], res.run_id)
+try:
+    from moelab.studies.runner import run_study
+    run_study(1, "cpu")
+except ModuleNotFoundError as e:
+    print("study:", e)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "trained 6 None" in out.stdout
+    assert "MLflow is not installed: this run is not tracked (install the lab extra, pip install 'moelab[lab]'" in text
+    assert "study: a study run needs papermill, nbformat, nbconvert, latex2mathml, mlflow, psutil" in out.stdout
+    assert "pip install 'moelab[lab]'" in out.stdout.split("study:")[1]
