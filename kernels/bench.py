@@ -1,0 +1,1464 @@
+"""One benchmark runner for moelab's ops and model on one GPU, over a small registry of entries.
+
+    python kernels/bench.py --list                              # the entries, their shapes and output files
+    python kernels/bench.py --entry kda                         # -> kernels/results/kda_h200.json
+    python kernels/bench.py --entry kda_infer --shapes B1-T32768-H16
+    python kernels/bench.py --entry model --shapes k3-mini --rounds 8 --budget-s 280
+    python kernels/bench.py --entry kda --base HEAD~3           # A/B: that commit beside this tree, with ratios
+    python kernels/bench.py --entry moe --smoke --out /tmp/moe.json   # CPU: tiny shapes (Triton interpreter)
+
+Entries (``ENTRIES``; each row says what ran, with the times in ms and peak memory):
+
+* ``kda``: the KDA training op, forward and forward + backward, bf16, L2 norm of q, k and the bounded gate
+  inside the op on every KDA side: ``moelab_bounded`` / ``moelab_general`` (``triton_chunk.chunk_kda``),
+  ``fla_safe_gate`` / ``fla_softplus`` (fla ``chunk_kda``), ``sdpa_flash`` (causal SDPA, the flash backend).
+* ``kda_long``: the same op at T = 128K..512K, B = 1, moelab only (time and memory at length).
+* ``kda_infer``: the inference forward (``triton_infer.kda_infer``, chunk 16, no grad) against fla
+  ``chunk_kda``'s forward and the training op's forward, at fixed length and packed (``cu_seqlens``: each
+  row's T tokens cut into 6 uneven documents); the rows of a shape are timed in turn ``--rounds`` times.
+* ``attnres``: the fused AttnRes depth aggregation (``moelab.ops.attnres``) against plain PyTorch and fla
+  ``fused_attnres``, N = 32768, D = 2048, bf16 sources (``_mixed``: source 0 fp32), errors vs fp32.
+* ``moe``: the LatentMoE layer against dense matmul chains of the same FLOPs (``extra.ratios``).
+* ``model``: whole-model training steps (fwd + bwd + balancer + fused AdamW): the fla-anchor shape beside
+  fla's ``KDAForCausalLM``, gpu-small per residual mode, k3-mini with quantile balancing vs ``balancer:
+  none``. Every config of a group stays on the GPU and is timed in ``--rounds`` interleaved rounds (a
+  Williams design), so the compared rows are paired by round; tokens/s, MFU, host ms, peak memory, and
+  the host work of one step (aten ops, Triton launches, autograd Functions; ``count_step``).
+
+Timing (:func:`time_ms`): CUDA events around back-to-back calls, after warm-up; the median over rounds.
+Provenance: ``moelab/provenance.py`` (the same block the study harness writes). ``--base REV`` checks REV
+out in a temporary ``git worktree``, runs the same entry there (this file, that tree's moelab), then here,
+and prints both side by side: speedup = base time / this time (> 1: this tree is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import cProfile
+import importlib.util
+import json
+import math
+import os
+import pstats
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+START = time.perf_counter()  # --budget-s counts from here, as a time limit on the whole process does
+ROOT = Path(__file__).resolve().parents[1]
+# The tree whose moelab is measured: this checkout, or a worktree of another commit (--base).
+CODE = Path(os.environ.get("MOELAB_BENCH_CODE") or ROOT).resolve()
+if str(CODE) not in sys.path:
+    sys.path.insert(0, str(CODE))
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+
+def _load_provenance():
+    """``moelab/provenance.py`` of this file's tree, also when ``CODE`` is an older commit without it."""
+    spec = importlib.util.spec_from_file_location("_bench_provenance", ROOT / "moelab" / "provenance.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+provenance = _load_provenance().provenance
+G_MIN = -5.0  # the bounded gate's floor on every KDA side (fla calls it lower_bound)
+
+
+# ------------------------------------------------------------------------------------------- timing
+
+
+@dataclass(frozen=True)
+class Timing:
+    """``ms``: the median of ``rounds_ms``, each round's mean time per call of ``reps`` back-to-back calls."""
+
+    ms: float
+    rounds_ms: list[float]
+    reps: int
+
+
+def time_ms(fn: Callable[[], Any], *, warmup: int = 3, rounds: int = 15, min_round_ms: float = 5.0,
+            before: Callable[[], None] | None = None, cuda: bool | None = None,
+            clock: Callable[[], float] = time.perf_counter) -> Timing:
+    """Time ``fn``: ``warmup`` calls, then ``rounds`` rounds of ``reps`` back-to-back calls each.
+
+    ``reps`` is chosen from one more timed call so that a round lasts about ``min_round_ms`` (a single short
+    kernel is below the events' resolution). ``before`` runs before every call, inside the round (e.g. resetting
+    ``.grad``, host work only). On CUDA (default: when available) each round is timed with CUDA events
+    recorded on the current stream; on the CPU with ``clock`` (seconds). Returns the median over the rounds.
+    """
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"time_ms needs rounds >= 1 and warmup >= 0, got rounds={rounds}, warmup={warmup}")
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+
+    def call() -> None:
+        if before is not None:
+            before()
+        fn()
+
+    def timed(n: int) -> float:
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(n):
+                call()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / n
+        t = clock()
+        for _ in range(n):
+            call()
+        return (clock() - t) * 1e3 / n
+
+    for _ in range(warmup):
+        call()
+    if cuda:
+        torch.cuda.synchronize()
+    one = timed(1)
+    reps = max(1, math.ceil(min_round_ms / one)) if one > 0 else 1
+    samples = [timed(reps) for _ in range(rounds)]
+    return Timing(statistics.median(samples), samples, reps)
+
+
+def peak_bytes(fn: Callable[[], Any]) -> tuple[int, int]:
+    """``(peak, before)``: the most bytes allocated while ``fn`` ran (everything already held included) and
+    what was allocated before it; (0, 0) without CUDA."""
+    if not torch.cuda.is_available():
+        fn()
+        return 0, 0
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated(), before
+
+
+def host_ms(fn: Callable[[], Any], calls: int = 20) -> float:
+    """Host time per call (ms) of ``calls`` calls issued back to back without a sync, median of 3 bursts: below
+    the GPU time the host keeps ahead; near or above it the call is host-bound or synchronizes."""
+    out = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t) / calls * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """RMS(ref - out) / RMS(ref) in fp64 (the tests' measure; this file must not need the tests of ``CODE``)."""
+    ref, out = ref.double(), out.double()
+    denom = ref.pow(2).mean().sqrt().item()
+    num = (ref - out).pow(2).mean().sqrt().item()
+    return num / denom if denom > 0 else num
+
+
+def _fla_import(what: str):
+    """An fla object (``"fla.ops.kda:chunk_kda"``), or None with the reason printed: fla is optional."""
+    os.environ.setdefault("FLA_FLASH_KDA", "0")  # fla 0.6 hands no-grad chunk_kda to FlashKDA when installed
+    module, name = what.split(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception as exc:  # not installed, or failing at import: the rows say it was skipped
+        print(f"fla: {what} not importable ({type(exc).__name__}: {str(exc)[:200]}); its rows are skipped",
+              flush=True)
+        return None
+
+
+# ---------------------------------------------------------------------------------------- registry
+
+
+@dataclass
+class Ctx:
+    """What an entry's ``run`` gets: the shapes to run, the device, the timing knobs, and ``save`` (write what
+    is measured so far: a run cut short by a time limit keeps its rows)."""
+
+    shapes: list[str]
+    cuda: bool
+    rounds: int
+    budget_s: float | None
+    save: Callable[[dict[str, Any]], None]
+    dtype: torch.dtype = field(init=False)
+    timing: dict[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32  # the interpreter gets bf16 wrong
+        # the CPU check runs kernels in the interpreter (seconds per call): one warm-up, two single-call rounds
+        self.timing = dict(cuda=True) if self.cuda else dict(cuda=False, warmup=1, rounds=2, min_round_ms=0.0)
+
+    @property
+    def dev(self) -> str:
+        return "cuda" if self.cuda else "cpu"
+
+    def free(self) -> None:
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A benchmark: named ``shapes`` (``default`` ones run unless ``--shapes`` says), a CPU ``smoke`` shape for
+    tests, ``run(ctx) -> {"rows": [...], ...}``, the row fields that identify a row (``keys``, for ``--base``),
+    and whether its rows are merged into the existing file by ``impl`` (``merge``: the model file)."""
+
+    name: str
+    summary: str
+    shapes: dict[str, Any]
+    default: tuple[str, ...]
+    smoke: str
+    run: Callable[[Ctx], dict[str, Any]]
+    keys: tuple[str, ...]
+    merge: bool = False
+    rounds: int = 1
+
+    def out(self, gpu: str) -> str:
+        """The ledger file: ``kernels/results/<entry>_<gpu>.json`` (gpu: ``NVIDIA H200`` -> ``h200``)."""
+        short = gpu.lower().replace("nvidia", "").replace("geforce", "").strip().split()[0] if gpu else "cpu"
+        return f"kernels/results/{self.name}_{short.replace('-', '')}.json"
+
+
+# ---------------------------------------------------------------------------------- kda, kda_long
+
+KDA_IMPLS = ("moelab_bounded", "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash")
+
+
+def _shape_name(B: int, T: int, H: int | None = None) -> str:
+    return f"B{B}-T{T}" + (f"-H{H}" if H is not None else "")
+
+
+KDA_SHAPES = {_shape_name(B, T): (B, T, 16, 128) for B, T in ((8, 4096), (1, 32768), (2, 65536))}
+KDA_SHAPES["smoke"] = (1, 128, 2, 32)
+KDA_LONG_SHAPES = {_shape_name(1, T): (1, T, 16, 128) for T in (131072, 262144, 524288)}
+KDA_LONG_SHAPES["smoke"] = (1, 256, 2, 32)
+
+
+def _kda_case(impl: str, B: int, T: int, H: int, D: int, ctx: Ctx, fla_chunk_kda) -> tuple[list, Callable]:
+    """Leaves and a forward returning the output ``[B, T, H, D]`` (SDPA: ``[B, H, T, D]``) of one impl."""
+    from moelab.ops.kda import triton_chunk
+
+    req = dict(device=ctx.dev, dtype=ctx.dtype, requires_grad=True)
+    q, k, v, x = (torch.randn(B, T, H, D, **req) for _ in range(4))
+    beta = torch.randn(B, T, H, device=ctx.dev, dtype=ctx.dtype).sigmoid().requires_grad_()
+    A_log = torch.log(torch.empty(H, device=ctx.dev).uniform_(1, 16)).requires_grad_()  # fla's benchmark setup
+    dt_bias = torch.zeros(H * D, device=ctx.dev, requires_grad=True)
+    if impl == "sdpa_flash":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qs, ks, vs = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+
+        def sdpa():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        return [qs, ks, vs], sdpa
+    leaves = [q, k, v, x, beta, A_log, dt_bias]
+    if impl.startswith("moelab"):
+        mode = impl.split("_")[1]
+        return leaves, lambda: triton_chunk.chunk_kda(q, k, v, x, beta, mode=mode, g_min=G_MIN, gate="bounded",
+                                                      A_log=A_log, dt_bias=dt_bias, l2norm_qk=True)[0]
+    kw = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True)
+    if impl == "fla_safe_gate":
+        kw.update(safe_gate=True, lower_bound=G_MIN)
+    return leaves, lambda: fla_chunk_kda(q, k, v, x, beta, **kw)[0]
+
+
+def _kda_time(leaves: list[torch.Tensor], fn: Callable[[], torch.Tensor], ctx: Ctx) -> dict[str, Any]:
+    """Forward (no grad) and forward + backward (a fixed random output gradient) times of ``fn``, and the peak
+    memory of one forward + backward (inputs, gradients and everything the step allocates)."""
+    do = torch.randn_like(fn().detach())
+
+    def fwd():
+        with torch.no_grad():
+            return fn()
+
+    def step():
+        fn().backward(do)
+
+    def clear():
+        for t in leaves:
+            t.grad = None
+
+    out = {"fwd_ms": time_ms(fwd, **ctx.timing).ms, "fwdbwd_ms": time_ms(step, before=clear, **ctx.timing).ms}
+    clear()
+    peak, _ = peak_bytes(step)
+    out["peak_mem_gb"] = peak / 1e9 if ctx.cuda else None
+    return out
+
+
+def _kda_rows(ctx: Ctx, table: dict[str, tuple], impls: tuple[str, ...]) -> dict[str, Any]:
+    fla_chunk_kda = _fla_import("fla.ops.kda:chunk_kda") if ctx.cuda else None
+    rows: list[dict] = []
+    for name in ctx.shapes:
+        B, T, H, D = table[name]
+        for impl in impls:
+            if (impl.startswith("fla") and fla_chunk_kda is None) or (not ctx.cuda and impl == "sdpa_flash"):
+                continue
+            row: dict[str, Any] = dict(impl=impl, B=B, T=T, H=H, D=D, fwd_ms=None, fwdbwd_ms=None, peak_mem_gb=None)
+            try:
+                row.update(_kda_time(*_kda_case(impl, B, T, H, D, ctx, fla_chunk_kda), ctx))
+            except torch.cuda.OutOfMemoryError:
+                row["error"] = "OOM"
+            except Exception as exc:  # one failing baseline must not hide the rest: recorded in its row
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            rows.append(row)
+            ctx.save({"rows": rows})
+            _print_row(row, ("fwd_ms", "fwdbwd_ms", "peak_mem_gb"))
+            ctx.free()
+    return {"rows": rows, "note": "both KDA sides: L2 norm of q, k and the bounded gate (with dt_bias) inside the op"}
+
+
+def run_kda(ctx: Ctx) -> dict[str, Any]:
+    impls = KDA_IMPLS if ctx.cuda else ("moelab_bounded", "moelab_general")
+    return _kda_rows(ctx, KDA_SHAPES, impls)
+
+
+def run_kda_long(ctx: Ctx) -> dict[str, Any]:
+    return _kda_rows(ctx, KDA_LONG_SHAPES, ("moelab_bounded", "moelab_general"))
+
+
+# ------------------------------------------------------------------------------------------ kda_infer
+
+INFER_SHAPES = {_shape_name(B, T, H): (B, T, H, 128) for B, T, H in ((1, 8192, 64), (1, 8192, 96), (8, 4096, 16),
+                                                                     (1, 32768, 16))}
+INFER_SHAPES["smoke"] = (1, 64, 2, 32)
+INFER_DOCS = 6  # documents per row in the packed layout
+
+
+def doc_offsets(B: int, T: int, n_docs: int = INFER_DOCS, seed: int = 0) -> list[int]:
+    """``cu_seqlens`` of B rows of T tokens, each cut into ``n_docs`` documents of uneven (seeded) length, all
+    packed into one row of B*T tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    cu = [0]
+    for _ in range(B):
+        w = torch.rand(n_docs, generator=gen) + 0.15
+        lens = (w / w.sum() * T).floor().long()
+        lens[-1] += T - lens.sum()
+        for n in lens.tolist():
+            cu.append(cu[-1] + n)
+    return cu
+
+
+def _infer_fns(B: int, T: int, H: int, D: int, packed: bool, ctx: Ctx, fla_chunk_kda) -> dict[str, Callable]:
+    """No-grad forwards returning ``(o [rows, cols, H, D], final state [N, H, D, D])`` per impl, on one input set
+    (bf16 on the GPU; beta as logits, the sigmoid inside every op; packed: one row of B*T tokens)."""
+    from moelab.ops.kda import triton_chunk
+
+    infer = _infer_module()
+    rows, cols = (1, B * T) if packed else (B, T)
+    q, k, v, z = (torch.randn(rows, cols, H, D, device=ctx.dev, dtype=ctx.dtype) for _ in range(4))
+    beta = torch.randn(rows, cols, H, device=ctx.dev, dtype=ctx.dtype)
+    A_log = torch.log(torch.empty(H, device=ctx.dev).uniform_(1, 16))
+    dt_bias = torch.zeros(H * D, device=ctx.dev)
+    cu = torch.tensor(doc_offsets(B, T), device=ctx.dev, dtype=torch.int64) if packed else None
+    fns: dict[str, Callable] = {
+        "moelab_infer": lambda: infer.kda_infer(
+            q, k, v, z, beta, gate="bounded", A_log=A_log, dt_bias=dt_bias, g_min=G_MIN, l2norm_qk=True,
+            beta_sigmoid=True, output_final_state=True, cu_seqlens=cu, validate=False)}
+    if fla_chunk_kda is not None:
+        def fla():
+            with torch.no_grad():
+                return fla_chunk_kda(q, k, v, z, beta, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
+                                     use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=G_MIN,
+                                     use_beta_sigmoid_in_kernel=True, output_final_state=True, cu_seqlens=cu)
+        fns["fla_chunk_kda"] = fla
+    if not packed:  # the training op takes no cu_seqlens, and beta in (0, 1): its sigmoid is outside the call
+        b = beta.sigmoid()
+
+        def train():
+            with torch.no_grad():
+                return triton_chunk.chunk_kda(q, k, v, z, b, mode="bounded", g_min=G_MIN, gate="bounded",
+                                              A_log=A_log, dt_bias=dt_bias, l2norm_qk=True,
+                                              output_final_state=True)
+        fns["moelab_train_fwd"] = train
+    fns["_plan"] = lambda: _infer_path(infer, (q, k, v, z, beta), dict(
+        gate="bounded", A_log=A_log, dt_bias=dt_bias, g_min=G_MIN, l2norm_qk=True, beta_sigmoid=True,
+        output_final_state=True, cu_seqlens=cu, validate=False))
+    return fns
+
+
+def _infer_module():
+    """The module with ``kda_infer`` and ``InferPlan``: ``infer_plan`` (host planning beside the kernels), or
+    ``triton_infer`` in trees before that split (a ``--base`` run)."""
+    try:
+        from moelab.ops.kda import infer_plan
+    except ImportError:
+        from moelab.ops.kda import triton_infer as infer_plan
+    return infer_plan
+
+
+def _infer_path(module, tensors: tuple, kw: dict) -> dict | None:
+    """Which recurrence the op runs (``InferPlan.path()``), where this tree's op describes it."""
+    plan = getattr(module, "InferPlan", None)
+    try:
+        return plan(*tensors, **kw).path() if plan is not None else None
+    except Exception as exc:  # the description is a diagnostic: never lose a timing to it
+        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+
+def run_kda_infer(ctx: Ctx) -> dict[str, Any]:
+    fla_chunk_kda = _fla_import("fla.ops.kda:chunk_kda") if ctx.cuda else None
+    passes = ctx.rounds
+    rows: list[dict] = []
+    for name in ctx.shapes:
+        B, T, H, D = INFER_SHAPES[name]
+        for packed in (False, True):
+            layout = "packed" if packed else "fixed"
+            shape_rows: dict[str, dict] = {}
+            try:
+                fns = _infer_fns(B, T, H, D, packed, ctx, fla_chunk_kda)
+                path = fns.pop("_plan")()
+                outs = {impl: fn() for impl, fn in fns.items()}
+                # the rows of a shape and layout timed in turn, `passes` times: they share whatever drifts
+                for impl in fns:
+                    shape_rows[impl] = dict(impl=impl, layout=layout, B=B, T=T, H=H, D=D, fwd_ms=None,
+                                            fwd_ms_rounds=[])
+                    if packed:
+                        shape_rows[impl]["cu_seqlens"] = doc_offsets(B, T)
+                for _ in range(passes):
+                    for impl, fn in fns.items():
+                        shape_rows[impl]["fwd_ms_rounds"].append(time_ms(fn, **ctx.timing).ms)
+                for impl, row in shape_rows.items():
+                    row["fwd_ms"] = statistics.median(row["fwd_ms_rounds"])
+                    if ctx.cuda:
+                        row["host_ms"] = host_ms(fns[impl])
+                if path is not None:
+                    shape_rows["moelab_infer"]["path"] = path
+                if "fla_chunk_kda" in outs:
+                    fo, fS = outs["fla_chunk_kda"]
+                    o, S = outs["moelab_infer"]
+                    shape_rows["moelab_infer"]["diff_vs_fla"] = dict(o=rel_err(fo.float(), o.float()),
+                                                                     final_state=rel_err(fS.float(), S.float()))
+                del fns, outs
+            except torch.cuda.OutOfMemoryError:
+                shape_rows = {"moelab_infer": dict(impl="moelab_infer", layout=layout, B=B, T=T, H=H, D=D,
+                                                   fwd_ms=None, error="OOM")}
+            rows.extend(shape_rows.values())
+            ctx.save({"rows": rows})
+            for row in shape_rows.values():
+                _print_row(row, ("fwd_ms", "host_ms"), ("layout",))
+            ctx.free()
+    return {"rows": rows, "docs_per_row": INFER_DOCS, "g_min": G_MIN,
+            "note": "forward only, no grad, output and final state from every impl; gate, L2 norm of q, k, beta "
+                    "sigmoid and the bound inside the ops; fwd_ms: the median of fwd_ms_rounds (the rows of a "
+                    "shape and layout timed in turn); host_ms: host time per call issued back to back; "
+                    "diff_vs_fla: relative RMS difference of moelab's o and final state from fla's"}
+
+
+# -------------------------------------------------------------------------------------------- attnres
+
+ATTNRES_SHAPES = {f"L{L}": (L, 32768, 2048) for L in (4, 9, 17)}
+ATTNRES_SHAPES["smoke"] = (3, 37, 72)
+ATTNRES_TOL = {"h": 5e-3, "grads": 1e-2}
+
+
+def _attnres_inputs(L: int, N: int, D: int, mixed: bool, dev: str, seed: int) -> tuple:
+    """L sources ``[1, N, D]`` (bf16; source 0 fp32 when ``mixed``), an fp32 query and norm weight ``[D]``,
+    an output gradient ``[1, N, D]``."""
+    gen = torch.Generator().manual_seed(seed)
+    srcs = [(torch.randn(1, N, D, generator=gen) * (0.5 + 0.25 * i)).to(dev) for i in range(L)]
+    srcs = [x if (mixed and i == 0) else x.bfloat16() for i, x in enumerate(srcs)]
+    query = (torch.randn(D, generator=gen) * 3 / D ** 0.5).to(dev)
+    weight = (torch.rand(D, generator=gen) + 0.5).to(dev)
+    return srcs, query, weight, torch.randn(1, N, D, generator=gen).to(dev)
+
+
+def _attnres_impls(fla_fn) -> dict[str, Callable]:
+    """name -> prepare(srcs, q, w) -> (leaves, forward() -> h, grads() -> [*source grads, dq, dw])."""
+    from moelab.model.attnres import DepthAttention
+    from moelab.ops.attnres import depth_attention
+
+    def leaves_of(srcs, q, w):
+        return [x.detach().clone().requires_grad_() for x in [*srcs, q, w]]
+
+    def moelab(srcs, q, w):
+        lv = leaves_of(srcs, q, w)
+        return lv, lambda: depth_attention(lv[:-2], lv[-2], lv[-1], backend="triton")[0], lambda: [x.grad for x in lv]
+
+    def plain(srcs, q, w):
+        att = DepthAttention(q.numel(), backend="torch").to(q.device)
+        with torch.no_grad():
+            att.query.copy_(q)
+            att.key_norm.weight.copy_(w)
+        lv = [x.detach().clone().requires_grad_() for x in srcs] + [att.query, att.key_norm.weight]
+        return lv, lambda: att(lv[:-2])[0], lambda: [x.grad for x in lv]
+
+    def fla(srcs, q, w):
+        lv = leaves_of(srcs, q, w)
+        return lv, lambda: fla_fn(lv[-2], lv[:-2], lv[-1], rms_eps=1e-6), lambda: [x.grad for x in lv]
+
+    def fla_stacked(srcs, q, w):
+        stacked = torch.stack(srcs).requires_grad_()  # the stack is not timed
+        lv = [stacked, q.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()]
+        return (lv, lambda: fla_fn(lv[1], lv[0], lv[2], rms_eps=1e-6),
+                lambda: [*stacked.grad.unbind(0), lv[1].grad, lv[2].grad])
+
+    impls = {"moelab_fused": moelab, "torch_plain": plain}
+    if fla_fn is not None:
+        impls.update(fla_fused_attnres=fla, fla_fused_attnres_stacked=fla_stacked)
+    return impls
+
+
+def _attnres_row(name: str, prepare, srcs, q, w, dh, ctx: Ctx) -> dict[str, Any]:
+    from moelab.ops.attnres import depth_attention_torch
+
+    ref_leaves = [x.detach().to(torch.float32, copy=True).requires_grad_() for x in [*srcs, q, w]]
+    ref_h, _ = depth_attention_torch(ref_leaves[:-2], ref_leaves[-2], ref_leaves[-1], 1e-6, torch.float32)
+    ref_h.backward(dh)
+    leaves, forward, grads = prepare(srcs, q, w)
+    with torch.autocast(ctx.dev, dtype=torch.bfloat16):
+        h = forward()
+    g_out = dh.to(h.dtype)
+    h.backward(g_out)
+    got = grads()
+    row: dict[str, Any] = dict(impl=name, L=len(srcs), out_dtype=str(h.dtype).removeprefix("torch."),
+                               h_err=rel_err(ref_h, h.detach().float()),
+                               dsrc_err=max(rel_err(r.grad, g.float()) for r, g in zip(ref_leaves[:-2], got[:-2])),
+                               dquery_err=rel_err(ref_leaves[-2].grad, got[-2].float()),
+                               dnorm_weight_err=rel_err(ref_leaves[-1].grad, got[-1].float()))
+    row["ok"] = row["h_err"] <= ATTNRES_TOL["h"] and max(row["dsrc_err"], row["dquery_err"],
+                                                         row["dnorm_weight_err"]) <= ATTNRES_TOL["grads"]
+    del h, ref_h, ref_leaves
+
+    def fwd():
+        with torch.no_grad(), torch.autocast(ctx.dev, dtype=torch.bfloat16):
+            forward()
+
+    def step():
+        with torch.autocast(ctx.dev, dtype=torch.bfloat16):
+            out = forward()
+        out.backward(g_out)
+
+    def clear():
+        for t in leaves:
+            t.grad = None
+
+    row["fwdbwd_ms"] = time_ms(step, before=clear, **ctx.timing).ms
+    row["fwd_ms"] = time_ms(fwd, **ctx.timing).ms
+    clear()
+    peak, before = peak_bytes(step)
+    row.update(peak_mem_gb=peak / 1e9 if ctx.cuda else None, extra_mem_gb=(peak - before) / 1e9 if ctx.cuda else None)
+    return row
+
+
+def run_attnres(ctx: Ctx) -> dict[str, Any]:
+    fla_fn = _fla_import("fla.ops.attnres:fused_attnres") if ctx.cuda else None
+    impls = _attnres_impls(fla_fn)
+    rows: list[dict] = []
+    Ls = []
+    for name in ctx.shapes:
+        L, N, D = ATTNRES_SHAPES[name]
+        Ls.append(L)
+        for mixed in (False, True):
+            srcs, q, w, dh = _attnres_inputs(L, N, D, mixed, ctx.dev, seed=L)
+            for impl, prepare in impls.items():
+                label = impl + ("_mixed" if mixed else "")
+                try:
+                    row = _attnres_row(label, prepare, srcs, q, w, dh, ctx)
+                except Exception as exc:  # fla under autocast with mixed dtypes may fail to compile: recorded
+                    row = dict(impl=label, L=L, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+                rows.append(row)
+                ctx.save({"rows": rows})
+                _print_row(row, ("fwd_ms", "fwdbwd_ms", "peak_mem_gb"), ("L",))
+                ctx.free()
+    by = {(r["impl"], r["L"]): r for r in rows if "fwdbwd_ms" in r}
+    summary = []
+    for L in Ls:
+        ours = by.get(("moelab_fused", L))
+        fla_rows = [by[(n, L)] for n in ("fla_fused_attnres", "fla_fused_attnres_stacked") if (n, L) in by]
+        others = {"torch_plain": by.get(("torch_plain", L)),
+                  "fla_best": min(fla_rows, key=lambda r: r["fwdbwd_ms"]) if fla_rows else None}
+        line: dict[str, Any] = {"L": L}
+        for other, row in others.items():
+            if ours and row:
+                line[f"fwdbwd_speedup_vs_{other}"] = row["fwdbwd_ms"] / ours["fwdbwd_ms"]
+                line[f"fwd_speedup_vs_{other}"] = row["fwd_ms"] / ours["fwd_ms"]
+        summary.append(line)
+    return {"rows": rows, "summary": summary, "tolerances": ATTNRES_TOL,
+            "all_ok": all(r.get("ok", False) for r in rows if r["impl"].startswith("moelab")),
+            "note": "bf16 autocast, fp32 query and norm weight; *_mixed: source 0 fp32 (the embedding); errors "
+                    "against the fp32 reference (depth_attention_torch); summary: the others' time over moelab's"}
+
+
+# ------------------------------------------------------------------------------------------------ moe
+
+MOE_SHAPES = {"N32768": dict(tokens=32768, d_model=1024, experts=64, top_k=8, latent=512, expert_dim=512,
+                             num_shared=2),
+              "smoke": dict(tokens=512, d_model=64, experts=8, top_k=2, latent=32, expert_dim=32, num_shared=2)}
+MOE_TARGET = 0.70  # moelab_moe TFLOP/s over dense_equal_flops'
+
+
+def _dense_chain(links: list[tuple], dev: str, dtype: torch.dtype, activation: str | None, act_args: tuple):
+    """Leaves, forward and forward FLOPs of independent dense chains: ``(M, K, N)`` one matmul, ``(M, K, 2F, F,
+    N)`` matmul -> GLU (``activation``; None: a second independent ``[M, F] x [F, N]`` matmul) -> matmul."""
+    from moelab.ops.glu import glu
+
+    leaves, chains, flops = [], [], 0
+    for link in links:
+        m, k, n = link[:3]
+        a = torch.randn(m, k, device=dev, dtype=dtype, requires_grad=True)
+        w = (torch.randn(k, n, device=dev, dtype=dtype) / k ** 0.5).requires_grad_()
+        leaves += [a, w]
+        flops += 2 * m * k * n
+        if len(link) == 3:
+            chains.append((a, w, None, None))
+            continue
+        f, n2 = link[3], link[4]
+        w2 = (torch.randn(f, n2, device=dev, dtype=dtype) / f ** 0.5).requires_grad_()
+        mid = None if activation else torch.randn(m, f, device=dev, dtype=dtype, requires_grad=True)
+        leaves += [w2] + ([mid] if mid is not None else [])
+        chains.append((a, w, w2, mid))
+        flops += 2 * m * f * n2
+
+    def forward():
+        outs = []
+        for a, w, w2, mid in chains:
+            h = a @ w
+            if w2 is None:
+                outs.append(h)
+            elif mid is None:
+                outs.append(glu(h, activation, *act_args) @ w2)
+            else:
+                outs += [h, mid @ w2]
+        return outs
+
+    return leaves, forward, flops
+
+
+def _fb_times(forward: Callable[[], list[torch.Tensor]], leaves: list[torch.Tensor],
+              timing: dict) -> tuple[float, float]:
+    """(fwd+bwd ms, fwd ms) of ``forward() -> outputs``, the backward with fixed random output gradients."""
+    with torch.no_grad():
+        grads = [torch.randn_like(o) for o in forward()]
+
+    def step():
+        torch.autograd.backward(forward(), grads)
+
+    def fwd():
+        with torch.no_grad():
+            forward()
+
+    def clear():
+        for t in leaves:
+            t.grad = None
+
+    return time_ms(step, before=clear, **timing).ms, time_ms(fwd, **timing).ms
+
+
+def run_moe(ctx: Ctx) -> dict[str, Any]:
+    from moelab.model.config import MoEConfig
+    from moelab.model.moe import LatentMoE
+    from moelab.ops.moe import experts_grouped, make_plan
+
+    if len(ctx.shapes) != 1:
+        raise SystemExit(f"entry moe runs one shape at a time, got --shapes {' '.join(ctx.shapes)}")
+    s = MOE_SHAPES[ctx.shapes[0]]
+    dev, dtype, activation = ctx.dev, ctx.dtype, "situ_glu"
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=s["experts"], top_k=s["top_k"], num_shared=s["num_shared"], latent_dim=s["latent"],
+                    expert_dim=s["expert_dim"], activation=activation, dispatch="grouped" if ctx.cuda else "auto")
+    moe = LatentMoE(s["d_model"], cfg, norm_eps=1e-6).to(dev, dtype)
+    n, d, f, k, e = s["tokens"], s["d_model"], s["expert_dim"], s["top_k"], s["experts"]
+    r = moe.routed_dim
+    act_args = (cfg.situ_beta1, cfg.situ_beta2, cfg.backend)
+    x = torch.randn(1, n, d, device=dev, dtype=dtype, requires_grad=True)
+    flops = moe.matmul_flops(n)
+    with torch.no_grad():
+        stats = moe(x)[1]
+    load = stats.tokens_per_expert.float()
+    grouped = moe.use_grouped(torch.device(dev), dtype)
+    common = dict(tokens=n, experts=e, top_k=k, d_model=d, latent_dim=s["latent"], expert_dim=f,
+                  num_shared=s["num_shared"], shared_dim=moe.shared_width if s["num_shared"] else 0)
+    rows: list[dict] = []
+
+    def add(impl: str, fl: int, times: tuple[float, float], **kw: Any) -> None:
+        ms_fb, ms_f = times
+        rows.append(dict(impl=impl, **common, gflop_fwd=fl / 1e9, fwdbwd_ms=ms_fb, tflops=3 * fl / ms_fb / 1e9,
+                         fwd_ms=ms_f, fwd_tflops=fl / ms_f / 1e9, **kw))
+        ctx.save({"rows": rows})
+        _print_row(rows[-1], ("fwd_ms", "fwdbwd_ms", "tflops"))
+
+    add("moelab_moe", flops, _fb_times(lambda: [moe(x)[0]], [x, *moe.parameters()], ctx.timing),
+        dispatch=cfg.dispatch, grouped_gemm=grouped, activation=activation)
+    if ctx.cuda:  # as trained: fp32 parameters and input, bf16 autocast
+        moe32 = LatentMoE(d, cfg, norm_eps=1e-6).to(dev)
+        x32 = x.detach().float().requires_grad_()
+
+        def forward32():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return [moe32(x32)[0]]
+        add("moelab_moe_fp32_params_autocast", flops, _fb_times(forward32, [x32, *moe32.parameters()], ctx.timing),
+            note="fp32 master weights under bf16 autocast (not a target row)")
+    links: list[tuple] = [(n, d, e)]
+    if moe.latent:
+        links += [(n, d, r), (n, r, d)]
+    links.append((n * k, r, 2 * f, f, r))
+    if moe.shared is not None:
+        sh = moe.shared.d_hidden
+        links.append((n, d, 2 * sh, sh, d))
+    for impl, act in (("dense_equal_flops", activation), ("dense_bare_matmuls", None)):
+        leaves, forward, fl = _dense_chain(links, dev, dtype, act, act_args)
+        add(impl, fl, _fb_times(forward, leaves, ctx.timing), activation=act or "none",
+            gemm_links=[list(lk) for lk in links])
+    plan = make_plan(stats.topk_idx, stats.tokens_per_expert)
+    xs = torch.randn(n * k, r, device=dev, dtype=dtype, requires_grad=True)
+    w_in, w_out = (p.detach().clone().requires_grad_() for p in (moe.w_in, moe.w_out))
+    if grouped:
+        add("experts_grouped_only", 2 * n * k * 3 * r * f, _fb_times(
+            lambda: [experts_grouped(xs, w_in, w_out, plan.offs, activation, *act_args)], [xs, w_in, w_out],
+            ctx.timing),
+            activation=activation)
+    leaves, forward, fl = _dense_chain([(n * k, r, 2 * f, f, r)], dev, dtype, activation, act_args)
+    add("experts_dense_only", fl, _fb_times(forward, leaves, ctx.timing), activation=activation)
+    by = {row["impl"]: row for row in rows}
+    ratios = {f"ratio_vs_{name}": by["moelab_moe"]["tflops"] / row["tflops"] for name, row in by.items()
+              if not name.startswith("moelab_moe")}
+    if "experts_grouped_only" in by:
+        ratios["experts_grouped_over_experts_dense"] = by["experts_grouped_only"]["tflops"] / by[
+            "experts_dense_only"]["tflops"]
+    print("; ".join(f"{key} = {val:.1%}" for key, val in ratios.items()), flush=True)
+    max_vio = ((load.max() - load.mean()) / load.mean()).item()
+    return {"rows": rows, "extra": {"ratios": ratios, "routing_max_vio": max_vio},
+            "target": f"moelab_moe TFLOP/s >= {MOE_TARGET:.0%} of dense_equal_flops'",
+            "target_met": ratios.get("ratio_vs_dense_equal_flops", 0.0) >= MOE_TARGET,
+            "flops": "matmul FLOPs only; fwd+bwd = 3 x fwd"}
+
+
+# ------------------------------------------------------------------------------------- host work of a step
+
+
+class CountOps(TorchDispatchMode):
+    """Counts every aten op that reaches the dispatcher's Python mode, by overload packet, except while
+    ``paused`` (the Triton interpreter running a kernel: on a GPU that is one launch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Hooks:
+    """Counters of Triton launches (by kernel) and autograd Function applications (by class), patched at the
+    classes so that every kernel and Function of the process is seen. While a kernel runs (in the interpreter),
+    ``ops`` stops counting and ``prof`` is off: the launch counts, not the interpreter's work."""
+
+    def __init__(self, ops: CountOps | None = None, prof: cProfile.Profile | None = None) -> None:
+        self.ops, self.prof = ops, prof
+        self.launches: collections.Counter = collections.Counter()
+        self.applies: collections.Counter = collections.Counter()
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[Hooks]:
+        import triton.runtime.jit as jit
+        from triton.runtime.interpreter import InterpretedFunction
+
+        saved = [(cls, cls.run) for cls in (jit.JITFunction, InterpretedFunction)]
+        apply = torch.autograd.Function.apply.__func__
+        hooks = self
+
+        def counted_run(orig):
+            def run(self, *args, **kwargs):
+                if not kwargs.get("warmup", False):
+                    hooks.launches[self.fn.__name__] += 1
+                if hooks.prof is not None:
+                    hooks.prof.disable()
+                if hooks.ops is not None:
+                    hooks.ops.paused = True
+                try:
+                    return orig(self, *args, **kwargs)
+                finally:
+                    if hooks.ops is not None:
+                        hooks.ops.paused = False
+                    if hooks.prof is not None:
+                        hooks.prof.enable()
+            return run
+
+        def counted_apply(cls, *args, **kwargs):
+            hooks.applies[cls.__name__] += 1
+            return apply(cls, *args, **kwargs)
+
+        for cls, orig in saved:
+            cls.run = counted_run(orig)
+        torch.autograd.Function.apply = classmethod(counted_apply)
+        try:
+            yield self
+        finally:
+            for cls, orig in saved:
+                cls.run = orig
+            torch.autograd.Function.apply = classmethod(apply)
+
+
+def graph_nodes(root: torch.Tensor) -> collections.Counter:
+    """Autograd nodes reachable from ``root.grad_fn`` (what its backward runs), by node type."""
+    counts: collections.Counter = collections.Counter()
+    seen, todo = set(), [root.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        counts[type(node).__name__] += 1
+        todo.extend(nxt for nxt, _ in node.next_functions)
+    return counts
+
+
+def train_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What training minimizes (``LitMoELab.training_step``): loss + aux loss under bf16 autocast, no id check
+    (its min/max reads would make the host wait on the GPU every step). ``x``: token ids ``[B, T]``."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        out = model(x, x, return_logits=False, check_ids=False)
+    return out.loss + out.aux_loss
+
+
+def train_update(loss: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+ATTNRES_FILES = (os.path.join("model", "attnres.py"), os.path.join("ops", "attnres.py"))
+
+
+def count_step(model: torch.nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer,
+               loss_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = train_loss,
+               python_calls: bool = True) -> dict[str, Any]:
+    """The host work of one training step (forward, backward, optimizer; the caller warms up first).
+
+    Totals and ``by`` key of: ``aten_ops`` (``_fwd``, ``_bwd``, ``_opt``), ``triton_launches``, ``fn_applies``
+    (autograd Functions), ``graph_nodes`` (what the backward runs); with ``python_calls`` also ``py_calls``
+    and ``attnres_py_calls`` (cProfile over a second step; calls into ``model/attnres.py``, ``ops/attnres.py``).
+    """
+    ops = CountOps()
+    hooks = Hooks(ops=ops)
+    with hooks.installed(), ops:
+        loss = loss_fn(model, x)
+        fwd = collections.Counter(ops.counts)
+        nodes = graph_nodes(loss)
+        loss.backward()
+        bwd = collections.Counter(ops.counts) - fwd
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        opt_ops = collections.Counter(ops.counts) - fwd - bwd
+    out: dict[str, Any] = {
+        "aten_ops": sum(ops.counts.values()), "aten_ops_fwd": sum(fwd.values()), "aten_ops_bwd": sum(bwd.values()),
+        "aten_ops_opt": sum(opt_ops.values()), "triton_launches": sum(hooks.launches.values()),
+        "fn_applies": sum(hooks.applies.values()), "graph_nodes": sum(nodes.values()),
+        "by": {"aten_ops_fwd": dict(fwd), "aten_ops_bwd": dict(bwd), "aten_ops_opt": dict(opt_ops),
+               "triton_launches": dict(hooks.launches), "fn_applies": dict(hooks.applies),
+               "graph_nodes": dict(nodes)}}
+    if python_calls:
+        prof = cProfile.Profile()
+        with Hooks(prof=prof).installed():
+            prof.enable()
+            train_update(loss_fn(model, x), opt)
+            prof.disable()
+        stats = pstats.Stats(prof).stats  # key (file, line, name) -> (primitive calls, total calls, ...)
+        py_calls: collections.Counter = collections.Counter()
+        attnres: dict[str, int] = {}
+        for (path, line, name), v in stats.items():
+            py_calls[f"{os.path.basename(path)}:{name}"] += v[1]
+            if path.endswith(ATTNRES_FILES):
+                attnres[f"{os.path.basename(path)}:{name}:{line}"] = v[1]
+        out.update(py_calls=sum(py_calls.values()), attnres_py_calls=sum(attnres.values()))
+        out["by"].update(py_calls=dict(py_calls), attnres_py_calls=attnres)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+ANCHOR_PEAK = 792e12  # measured bf16 8192^3 matmul on the H200: the anchor's MFU convention (all parameters)
+DATASHEET_PEAK = 989e12
+MFU_CONVENTION = "6 x all params x tok/s / 792e12 (anchor convention)"
+# group -> (preset, [(row, config overrides)]); "fla": the fla-anchor shape beside fla's own model
+MODEL_GROUPS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
+    "fla": ("fla-shape", [("moelab_fla_shape", {}), ("fla_kda", {})]),
+    "gpu-small": ("gpu-small", [
+        ("moelab_gpu_small_prenorm", {"model.residual.mode": "prenorm"}),
+        ("moelab_gpu_small_full_attnres", {"model.residual.mode": "full_attnres"}),
+        ("moelab_gpu_small_block_attnres", {"model.residual.mode": "block_attnres", "model.residual.num_blocks": 6}),
+        ("moelab_gpu_small_block_attnres_8", {"model.residual.mode": "block_attnres",
+                                              "model.residual.num_blocks": 8})]),
+    "k3-mini": ("k3-mini", [("moelab_k3_mini_balancer_none", {"model.moe.balancer": "none"}),
+                            ("moelab_k3_mini", {})]),
+}
+# row -> (the row it is compared with, the field holding the paired tokens/s ratios, the least ratio allowed)
+MODEL_TARGETS = {
+    "fla_kda": ("moelab_fla_shape", "ratio_vs_moelab", None),
+    "moelab_gpu_small_full_attnres": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.75),  # issue 16
+    "moelab_gpu_small_block_attnres": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.9),
+    "moelab_gpu_small_block_attnres_8": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.9),
+    "moelab_k3_mini": ("moelab_k3_mini_balancer_none", "ratio_vs_balancer_none", 0.98),  # issue 15: cost <= 2%
+}
+MEM_TARGETS = {"moelab_gpu_small_block_attnres": 1.2, "moelab_gpu_small_block_attnres_8": 1.2}  # of prenorm's
+# --smoke: each group's structure at toy sizes (gpu-small's 12 layers kept: every residual mode reads as on the GPU)
+SMOKE_MODEL = {
+    "model.vocab_size": 512, "data.vocab_size": 512, "model.d_model": 64, "model.dense_ffn_dim": 128,
+    "model.max_seq_len": 32, "data.seq_len": 32, "train.batch_size": 2,
+    "model.kda.num_heads": 2, "model.kda.head_dim": 32, "model.kda.decay_rank": 8, "model.kda.chunk_size": 16,
+    "model.mla.num_heads": 2, "model.mla.head_dim": 32, "model.mla.kv_latent_dim": 32,
+    "model.moe.num_experts": 8, "model.moe.top_k": 2, "model.moe.latent_dim": 32, "model.moe.expert_dim": 32,
+}
+SMOKE_K3_MINI = {**SMOKE_MODEL, "model.n_layers": 5, "model.mla.q_latent_dim": 32, "model.moe.shared_dim": 32,
+                 "model.moe.quantile_balancing_bins": 64}
+
+
+class Runner:
+    """One model's training step with its optimizer and batch, kept between timing windows so that several
+    models are timed in turn. CUDA: bf16 autocast, fused AdamW, the balancer timed with CUDA events."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable, B: int, T: int, vocab: int, balance: bool,
+                 device: str) -> None:
+        self.model, self.loss_fn, self.balance = model, loss_fn, balance
+        self.cuda = device == "cuda"
+        self.tokens = B * T
+        self.opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=self.cuda or None)
+        self.x = torch.randint(0, vocab, (B, T), device=device)  # [B, T] token ids
+        self.held_bytes: int | None = None  # what this model keeps allocated between its steps
+
+    def step(self, spans: list | None = None) -> torch.Tensor:
+        """One training step (as ``BalancerCallback``: the balancer after the backward, before the optimizer)."""
+        from moelab.model.balance import balance_step
+
+        loss = self.loss_fn(self.model, self.x)
+        loss.backward()
+        if self.balance:
+            if self.cuda:
+                span = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                span[0].record()
+                balance_step(self.model)
+                span[1].record()
+            else:
+                t = time.perf_counter()
+                balance_step(self.model)
+                span = time.perf_counter() - t
+            if spans is not None:
+                spans.append(span)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def warm(self, steps: int) -> float:
+        """``steps`` untimed steps; their wall seconds."""
+        t = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        self.sync()
+        return time.perf_counter() - t
+
+    def window(self, steps: int) -> dict[str, Any]:
+        """Mean time of ``steps`` synchronized steps, then the host time to issue one more from an idle GPU, the
+        window's own peak memory (GiB; what the other models hold subtracted), the balancer's mean time."""
+        self.sync()
+        others = 0 if self.held_bytes is None or not self.cuda else torch.cuda.memory_allocated() - self.held_bytes
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        spans: list = []
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss = self.step(spans)
+        self.sync()
+        dt = (time.perf_counter() - t0) / steps
+        t1 = time.perf_counter()
+        self.step()
+        host = time.perf_counter() - t1
+        self.sync()
+        out = {"step_ms": dt * 1e3, "tok_per_s": self.tokens / dt, "host_ms": host * 1e3,
+               "peak_mem_gb": (torch.cuda.max_memory_allocated() - others) / 2**30 if self.cuda else None,
+               "loss": float(loss.detach())}
+        if self.balance:
+            ms = [a.elapsed_time(b) for a, b in spans] if self.cuda else [1e3 * t for t in spans]
+            out["balancer_ms"] = sum(ms) / len(ms)
+            out["balancer_share"] = out["balancer_ms"] / out["step_ms"]
+        return out
+
+
+@dataclass
+class Built:
+    """A built config of a group: its row's fixed fields, its runner, its model config (None: fla's model)."""
+
+    row: dict[str, Any]
+    runner: Runner
+    model_cfg: Any = None
+
+
+def build_moelab(impl: str, preset: str, overrides: dict, device: str) -> Built:
+    """The model of ``preset`` with ``overrides``, its row's fixed fields and one checked training step (loss and
+    every gradient finite; the first step also compiles every Triton kernel the cache lacks)."""
+    from moelab.config import load_config
+    from moelab.model import MoELab
+    from moelab.model.accounting import param_counts
+    from moelab.model.balance import balance_step, balanced_routers
+
+    t0 = time.perf_counter()
+    cfg = load_config(preset, overrides)
+    torch.manual_seed(0)
+    model = MoELab(cfg.model).to(device)
+    B, T = cfg.train.batch_size, cfg.data.seq_len
+    balance = bool(balanced_routers(model))
+    row: dict[str, Any] = {"impl": impl, "preset": preset, **{k: str(v) for k, v in overrides.items()
+                                                              if k not in SMOKE_K3_MINI},
+                           "params": sum(p.numel() for p in model.parameters()),
+                           "params_activated": param_counts(cfg.model)["activated"], "B": B, "T": T}
+    if balance:
+        row["balancer"] = cfg.model.moe.balancer
+    row["setup_s"] = {"build": time.perf_counter() - t0}
+    t1 = time.perf_counter()
+    x = torch.randint(0, cfg.model.vocab_size, (B, T), device=device)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        out = model(x, x, return_logits=False)
+    (out.loss + out.aux_loss).backward()
+    row.update(first_loss=float(out.loss.detach()), loss_finite=bool(torch.isfinite(out.loss)),
+               nonfinite_grads=[n for n, p in model.named_parameters()
+                                if p.grad is not None and not torch.isfinite(p.grad).all()],
+               params_without_grad=[n for n, p in model.named_parameters() if p.requires_grad and p.grad is None])
+    model.zero_grad(set_to_none=True)
+    if balance:
+        balance_step(model)  # this forward's statistics must not enter the first timed update
+    row["setup_s"]["grad_check"] = time.perf_counter() - t1
+
+    def loss_fn(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            o = m(ids, ids, return_logits=False, check_ids=False)
+        return o.loss + o.aux_loss
+
+    return Built(row, Runner(model, loss_fn, B, T, cfg.model.vocab_size, balance, device), cfg.model)
+
+
+def build_fla() -> Built | None:
+    """fla's ``KDAForCausalLM`` at the anchor shape (hidden 1024, 12 layers, 8 heads x 128, vocab 32000, B8
+    T4096, safe gate at -5), or None without flash-linear-attention."""
+    try:
+        from fla.models import KDAConfig, KDAForCausalLM
+    except ImportError as exc:
+        print(f"fla_kda: skipped (flash-linear-attention not importable: {exc})", flush=True)
+        return None
+    B, T, V = 8, 4096, 32000
+    cfg = KDAConfig(hidden_size=1024, num_hidden_layers=12, num_heads=8, head_dim=128, vocab_size=V,
+                    fuse_cross_entropy=True, safe_gate=True, lower_bound=G_MIN)
+    torch.manual_seed(0)
+    model = KDAForCausalLM(cfg).cuda()
+
+    def loss_fn(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return m(input_ids=ids, labels=ids).loss
+
+    return Built({"impl": "fla_kda", "params": sum(p.numel() for p in model.parameters()), "B": B, "T": T},
+                 Runner(model, loss_fn, B, T, V, False, "cuda"))
+
+
+def round_order(n: int, r: int) -> list[int]:
+    """Order of ``n`` configs in round ``r``: a Williams design (a balanced Latin square; odd ``n``: the square and
+    its mirror, 2n rounds). Over every period each config runs once in each position and right after each other
+    config equally often, so drift and carry-over from the previous model cancel in the paired ratios."""
+    first, lo, hi = [0], 1, n - 1
+    while lo <= hi:
+        first.append(lo)
+        lo += 1
+        if lo <= hi:
+            first.append(hi)
+            hi -= 1
+    order = [(c + r) % n for c in first]
+    return order[::-1] if n % 2 and (r // n) % 2 else order
+
+
+def verdict(ratios: list[float], target: float) -> str:
+    """``"met"`` when every paired ratio reaches ``target``, ``"not met"`` when none does, else ``"within
+    noise"``. [min, max] of n independent rounds holds their median with probability 1 - 2^(1-n)."""
+    if not ratios:
+        raise ValueError("verdict needs at least one paired ratio, got none")
+    if min(ratios) >= target:
+        return "met"
+    if max(ratios) < target:
+        return "not met"
+    return "within noise"
+
+
+def compare_rounds(base_ms: list[float], other_ms: list[float], target: float | None) -> dict[str, Any]:
+    """Per-round step times of a row and of its base, paired by round: the tokens/s ratios other / base
+    (= base_ms / other_ms), their median, min, max, and the verdict against ``target`` (None: no target)."""
+    if len(base_ms) != len(other_ms) or not base_ms:
+        raise ValueError(f"need the same number (>= 1) of rounds on both sides, got base={len(base_ms)}, "
+                         f"other={len(other_ms)}")
+    ratios = [b / o for b, o in zip(base_ms, other_ms)]
+    out = {"base_median_ms": statistics.median(base_ms), "median_ms": statistics.median(other_ms), "ratios": ratios,
+           "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "target": target}
+    if target is not None:
+        out["verdict"] = verdict(ratios, target)
+    return out
+
+
+def rounds_result(windows: list[dict], tokens: int) -> dict[str, Any]:
+    """One row's measured fields from its per-round windows (:meth:`Runner.window`, in round order): medians of
+    step, host and balancer time, tokens/s from the median step, the largest peak, the last loss."""
+    ms = [w["step_ms"] for w in windows]
+    step = statistics.median(ms)
+    out = {"step_ms": step, "tok_per_s": tokens / (step / 1e3),
+           "host_ms": statistics.median(w["host_ms"] for w in windows),
+           "peak_mem_gb": None if windows[0]["peak_mem_gb"] is None else max(w["peak_mem_gb"] for w in windows),
+           "loss": windows[-1]["loss"]}
+    if "balancer_ms" in windows[0]:
+        out["balancer_ms"] = statistics.median(w["balancer_ms"] for w in windows)
+        out["balancer_share"] = out["balancer_ms"] / step
+    out.update(rounds_done=len(windows), rounds_step_ms=ms, step_ms_min=min(ms), step_ms_max=max(ms),
+               rounds_host_ms=[w["host_ms"] for w in windows])
+    return out
+
+
+def model_rows(built: list[Built], windows: list[list[dict]], planned: int) -> list[dict[str, Any]]:
+    """A group's rows so far: measured fields, MFU, the paired ratios of ``MODEL_TARGETS``, memory verdicts."""
+    from moelab.model.accounting import flops_per_token
+
+    rows = []
+    for b, w in zip(built, windows):
+        row = {**b.row, **rounds_result(w, b.runner.tokens), "rounds_planned": planned, "complete": len(w) == planned}
+        cuda = b.runner.cuda
+        row["mfu"] = 6 * row["params"] * row["tok_per_s"] / ANCHOR_PEAK if cuda else None
+        row["mfu_convention"] = MFU_CONVENTION
+        if b.model_cfg is not None:
+            row["mfu_model_flops"] = (3 * flops_per_token(b.model_cfg, row["T"]) * row["tok_per_s"] / DATASHEET_PEAK
+                                      if cuda else None)
+        rows.append(row)
+    by = {r["impl"]: r for r in rows}
+    for row in rows:
+        if row["impl"] in MODEL_TARGETS and MODEL_TARGETS[row["impl"]][0] in by:
+            base_impl, key, target = MODEL_TARGETS[row["impl"]]
+            base = by[base_impl]
+            row[key] = {"base": base_impl, **compare_rounds(base["rounds_step_ms"], row["rounds_step_ms"], target)}
+            if key == "ratio_vs_balancer_none":
+                row["balancer_cost"] = 1.0 - row[key]["median"]
+            limit = MEM_TARGETS.get(row["impl"])
+            if limit and row.get("peak_mem_gb") and base.get("peak_mem_gb"):
+                ratio = row["peak_mem_gb"] / base["peak_mem_gb"]
+                row["mem_vs_prenorm"] = {"base": base_impl, "ratio": ratio, "target": limit,
+                                         "verdict": "met" if ratio <= limit else "not met"}
+    return rows
+
+
+def elapsed() -> float:
+    return time.perf_counter() - START
+
+
+def budget_stop(budget_s: float | None, now_s: float, round_s: float | None) -> str | None:
+    """Why the next round must not start (it would end, ``now_s`` + ``round_s``, past ``budget_s`` seconds from
+    the start), or None when it may; without a budget or an estimate every round starts."""
+    if budget_s is None or round_s is None or now_s + round_s <= budget_s:
+        return None
+    return f"--budget-s {budget_s:g}: the next round (about {round_s:.1f} s) would end at {now_s + round_s:.1f} s"
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench {elapsed():7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def run_group(group: str, ctx: Ctx, warmup: int, steps: int, record: Callable[[list[dict]], None]) -> list[dict]:
+    """Build every config of ``group`` (all stay on the device), time them in ``ctx.rounds`` interleaved rounds
+    (:func:`round_order`), ``record`` the rows after every round (``complete`` false until the last), then count
+    one step's host work per config (:func:`count_step`, without Python calls)."""
+    preset, specs = MODEL_GROUPS[group]
+    smoke = {} if ctx.cuda else (SMOKE_K3_MINI if group == "k3-mini" else SMOKE_MODEL)
+    built: list[Built] = []
+    warm_s: list[float] = []
+    for impl, over in specs:
+        before = torch.cuda.memory_allocated() if ctx.cuda else 0
+        b = build_fla() if impl == "fla_kda" else build_moelab(impl, preset, {**smoke, **over}, ctx.dev)
+        if b is None:
+            continue
+        t = b.runner.warm(warmup)
+        b.row.setdefault("setup_s", {})["warmup"] = t
+        b.runner.held_bytes = (torch.cuda.memory_allocated() if ctx.cuda else 0) - before
+        built.append(b)
+        warm_s.append(t / max(warmup, 1))
+        _progress(f"set up {impl}: {b.row['setup_s']}")
+    n = len(built)
+    windows: list[list[dict]] = [[] for _ in built]
+    round_s: list[float] = []
+    rows: list[dict] = []
+    for r in range(ctx.rounds):
+        est = max(round_s) if round_s else sum(warm_s) * (steps + 2)
+        stop = budget_stop(ctx.budget_s, elapsed(), est)
+        if stop:
+            _progress(f"stopped before round {r + 1}/{ctx.rounds}: {stop}")
+            rows = [{**row, "stopped": stop} for row in rows]
+            if rows:
+                record(rows)
+            break
+        t_round = time.perf_counter()
+        for i in round_order(n, r):
+            built[i].runner.warm(1)  # the window starts from this model's own step, not another model's
+            windows[i].append(built[i].runner.window(steps))
+        round_s.append(time.perf_counter() - t_round)
+        rows = model_rows(built, windows, ctx.rounds)
+        record(rows)
+        _progress(f"round {r + 1}/{ctx.rounds}: " + ", ".join(
+            f"{b.row['impl']} {w[-1]['step_ms']:.1f}" for b, w in zip(built, windows)) + " ms/step")
+    if rows:
+        for b, row in zip(built, rows):
+            counts = count_step(b.runner.model, b.runner.x, b.runner.opt, b.runner.loss_fn, python_calls=False)
+            row["step_ops"] = {k: v for k, v in counts.items() if k != "by"}
+            row["step_ops"]["launches_by_kernel"] = counts["by"]["triton_launches"]
+        record(rows)
+    return rows
+
+
+def run_model(ctx: Ctx) -> dict[str, Any]:
+    warmup, steps = (5, 10) if ctx.cuda else (1, 2)
+    rows: list[dict] = []
+
+    def record(group_rows: list[dict]) -> None:
+        done = {r["impl"] for r in group_rows}
+        rows[:] = [r for r in rows if r["impl"] not in done] + group_rows
+        ctx.save({"rows": rows})
+
+    for group in ctx.shapes:
+        if group == "fla" and not ctx.cuda:
+            raise SystemExit("entry model, shape fla: fla's model runs on CUDA only (--smoke takes gpu-small or "
+                             "k3-mini)")
+        try:
+            run_group(group, ctx, warmup, steps, record)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise SystemExit(f"entry model, shape {group}: all its configs stay on the GPU at once and ran out of "
+                             f"memory: {exc}") from None
+        ctx.free()
+    for row in rows:
+        extra = "".join(f"  {k} {row[k]['median']:.3f} ({row[k]['min']:.3f}-{row[k]['max']:.3f})"
+                        f" {row[k].get('verdict', '')}" for k in row if k.startswith("ratio_vs_"))
+        print(f"{row['impl']:34s} {row['step_ms']:8.1f} ms/step {row['tok_per_s'] / 1e3:8.1f}K tok/s  host "
+              f"{row['host_ms']:6.1f} ms  launches {row.get('step_ops', {}).get('triton_launches', '-')}{extra}",
+              flush=True)
+    bad = [r["impl"] for r in rows if r.get("loss_finite") is False or r.get("nonfinite_grads")]
+    if bad:
+        raise SystemExit(f"entry model: non-finite loss or gradients in {', '.join(bad)}")
+    return {"rows": rows}
+
+
+# ---------------------------------------------------------------------------------------------- runner
+
+ENTRIES: dict[str, Entry] = {e.name: e for e in (
+    Entry("kda", "KDA training op fwd / fwd+bwd: moelab bounded, general vs fla (safe gate, softplus) vs SDPA",
+          KDA_SHAPES, ("B8-T4096", "B1-T32768", "B2-T65536"), "smoke", run_kda, ("impl", "B", "T", "H", "D")),
+    Entry("kda_long", "KDA training op at T = 128K-512K, B = 1: moelab only (time and peak memory)",
+          KDA_LONG_SHAPES, tuple(s for s in KDA_LONG_SHAPES if s != "smoke"), "smoke", run_kda_long,
+          ("impl", "B", "T", "H", "D")),
+    Entry("kda_infer", "KDA inference forward (chunk 16, no grad) vs fla chunk_kda and the training forward, "
+          "fixed and packed", INFER_SHAPES, tuple(s for s in INFER_SHAPES if s != "smoke"), "smoke", run_kda_infer,
+          ("impl", "layout", "B", "T", "H", "D"), rounds=3),
+    Entry("attnres", "fused AttnRes depth aggregation fwd / fwd+bwd vs plain PyTorch and fla fused_attnres",
+          ATTNRES_SHAPES, ("L4", "L9", "L17"), "smoke", run_attnres, ("impl", "L")),
+    Entry("moe", "LatentMoE layer fwd+bwd vs dense matmul chains of equal FLOPs", MOE_SHAPES, ("N32768",), "smoke",
+          run_moe, ("impl",)),
+    Entry("model", "whole-model training step: fla shape vs fla, gpu-small residual modes, k3-mini balancer cost",
+          {g: MODEL_GROUPS[g][0] for g in MODEL_GROUPS}, tuple(MODEL_GROUPS), "k3-mini", run_model, ("impl",),
+          merge=True, rounds=4),
+)}
+
+
+def _print_row(row: dict[str, Any], metrics: tuple[str, ...], extra: tuple[str, ...] = ()) -> None:
+    shape = " ".join(f"{k}{row[k]}" for k in ("B", "T", "H", "D", "L") if k in row)
+    vals = "  ".join(f"{m} {row[m]:.3f}" if isinstance(row.get(m), float) else f"{m} -" for m in metrics)
+    print(f"{row['impl']:32s} {' '.join(str(row[k]) for k in extra)} {shape}  {vals}  {row.get('error', '')}",
+          flush=True)
+
+
+def write_json(path: str | os.PathLike, data: dict[str, Any], indent: int) -> None:
+    """``data`` to ``path`` through a temporary file beside it (a reader never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=indent) + "\n")
+    os.replace(tmp, path)
+
+
+def make_saver(entry: Entry, out: str | None, meta: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    """``save(result)``: the entry's file with ``meta`` and ``result``. ``merge`` entries (the model file) replace
+    their rows by ``impl`` among the file's others; each row carries its own commit and date, and the file's
+    meta names no commit (its rows come from different runs)."""
+    def save(result: dict[str, Any]) -> None:
+        if out is None:
+            return
+        if not entry.merge:
+            write_json(out, {"meta": meta, **result}, indent=1)
+            return
+        old = json.loads(Path(out).read_text()) if Path(out).exists() else {"rows": []}
+        stamp = {k: meta[k] for k in ("commit", "dirty", "command", "date")}
+        new = [{**r, **stamp} for r in result["rows"]]
+        impls = {r["impl"] for r in new}
+        file_meta = {k: v for k, v in meta.items() if k not in ("commit", "dirty", "diff_sha256")}
+        write_json(out, {"meta": file_meta, "rows": [r for r in old.get("rows", []) if r["impl"] not in impls] + new},
+                   indent=2)
+    return save
+
+
+def run_entry(entry: Entry, shapes: list[str], out: str | None, cuda: bool, rounds: int | None,
+              budget_s: float | None) -> dict[str, Any]:
+    """Run ``entry`` at ``shapes``, writing ``out`` as it goes; returns ``{"meta", **result}``."""
+    meta = provenance(root=CODE)
+    meta.update(entry=entry.name, shapes=shapes, device="cuda" if cuda else "cpu (Triton interpreter)",
+                timing="CUDA events around back-to-back calls after warm-up; median over rounds (kernels/bench.py "
+                       "time_ms)" if entry.name != "model" else "mean of synchronized steps per window; median over "
+                       "interleaved rounds")
+    ctx = Ctx(shapes, cuda, rounds or (entry.rounds if cuda else 1), budget_s, make_saver(entry, out, meta))
+    result = entry.run(ctx)
+    ctx.save(result)
+    return {"meta": meta, **result}
+
+
+def row_key(entry: Entry, row: dict[str, Any]) -> tuple:
+    return tuple(row.get(k) for k in entry.keys)
+
+
+def compare(entry: Entry, base: list[dict], new: list[dict]) -> list[dict[str, Any]]:
+    """Rows present on both sides (matched by ``entry.keys``), per time field (``*_ms``) and ``tok_per_s``: both
+    values and the speedup of this tree over the base (base time / this time; this tokens/s / base's)."""
+    by = {row_key(entry, r): r for r in base}
+    out = []
+    for r in new:
+        b = by.get(row_key(entry, r))
+        if b is None:
+            continue
+        for metric, value in r.items():
+            if not (metric.endswith("_ms") or metric == "tok_per_s"):
+                continue
+            old = b.get(metric)
+            if not isinstance(value, (int, float)) or not isinstance(old, (int, float)) or not value or not old:
+                continue
+            speedup = value / old if metric == "tok_per_s" else old / value
+            out.append({"key": dict(zip(entry.keys, row_key(entry, r))), "metric": metric, "base": old, "new": value,
+                        "speedup": speedup})
+    return out
+
+
+def run_base(rev: str, argv: list[str], repo: Path = ROOT) -> dict[str, Any]:
+    """Run this file with ``argv`` on commit ``rev`` of ``repo``: a temporary ``git worktree`` (detached), its
+    moelab first on the path (``MOELAB_BENCH_CODE``), the result read back; the worktree is removed after."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=repo,
+                             capture_output=True, text=True, check=True).stdout.strip()
+    except subprocess.CalledProcessError:
+        raise SystemExit(f"--base {rev}: not a commit of {repo}") from None
+    tmp = Path(tempfile.mkdtemp(prefix="moelab-base-"))
+    tree, out = tmp / "tree", tmp / "base.json"
+    try:
+        subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(tree), sha], cwd=repo, check=True,
+                       capture_output=True, text=True)
+        env = {**os.environ, "MOELAB_BENCH_CODE": str(tree), "MOELAB_ROOT": str(tree),
+               "PYTHONPATH": os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        print(f"--base {rev}: running on {sha[:12]} in {tree}", flush=True)
+        res = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--out", str(out)], env=env,
+                             cwd=tree)
+        if res.returncode != 0:
+            raise SystemExit(f"--base {rev}: the run on {sha[:12]} failed (exit {res.returncode}; its output above)")
+        return json.loads(out.read_text())
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=repo, capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def print_compare(rows: list[dict[str, Any]], base_meta: dict, new_meta: dict) -> None:
+    print(f"\nbase {str(base_meta.get('commit'))[:12]} vs this tree {str(new_meta.get('commit'))[:12]}"
+          f"{' (dirty)' if new_meta.get('dirty') else ''}; speedup > 1: this tree is faster")
+    for c in rows:
+        key = " ".join(f"{k}={v}" for k, v in c["key"].items())
+        print(f"  {key:48s} {c['metric']:12s} {c['base']:12.4g} {c['new']:12.4g}  {c['speedup']:.3f}x")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="kernels/bench.py", description=__doc__.split("\n\n")[0],
+                                 epilog="entries: " + ", ".join(ENTRIES) + " (--list for their shapes)")
+    ap.add_argument("--list", action="store_true", help="list the entries, their shapes and default output files")
+    ap.add_argument("--entry", choices=tuple(ENTRIES), help="the benchmark to run")
+    ap.add_argument("--shapes", nargs="+", metavar="NAME", help="run only these shapes of the entry (--list)")
+    ap.add_argument("--out", help="JSON to write (default kernels/results/<entry>_<gpu>.json; with --base or --smoke "
+                                  "nothing unless given)")
+    ap.add_argument("--rounds", type=int, help="kda_infer: timing passes over a shape's rows (default 3); model: "
+                                               "interleaved rounds per group (default 4)")
+    ap.add_argument("--budget-s", type=float, help="model: start no round that would end later than this many "
+                                                   "seconds after the start")
+    ap.add_argument("--base", metavar="REV", help="also run the entry on commit REV (a temporary git worktree) and "
+                                                  "print both with speedups")
+    ap.add_argument("--smoke", action="store_true", help="CPU (Triton interpreter), the entry's tiny shape: a check "
+                                                         "that the harness runs, not a measurement")
+    args = ap.parse_args(argv)
+    if args.list:
+        return args
+    if args.entry is None:
+        ap.error("--entry NAME is required (or --list); entries: " + ", ".join(ENTRIES))
+    entry = ENTRIES[args.entry]
+    if args.shapes:
+        bad = [s for s in args.shapes if s not in entry.shapes]
+        if bad:
+            ap.error(f"--shapes {' '.join(bad)}: not a shape of entry {entry.name}; allowed: "
+                     + ", ".join(entry.shapes))
+    if args.rounds is not None and args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.budget_s is not None and (args.budget_s <= 0 or entry.name != "model"):
+        ap.error(f"--budget-s needs entry model and a budget > 0 seconds, got entry {entry.name}, "
+                 f"--budget-s {args.budget_s:g}")
+    return args
+
+
+def base_argv(args: argparse.Namespace, shapes: list[str]) -> list[str]:
+    """The arguments that rerun this call's entry on the base commit (its output file comes from ``run_base``)."""
+    out = ["--entry", args.entry, "--shapes", *shapes]
+    if args.rounds is not None:
+        out += ["--rounds", str(args.rounds)]
+    if args.budget_s is not None:
+        out += ["--budget-s", f"{args.budget_s:g}"]
+    return out + (["--smoke"] if args.smoke else [])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.list:
+        for e in ENTRIES.values():
+            print(f"{e.name:10s} {e.summary}\n{'':10s} shapes: {', '.join(e.shapes)} (default: "
+                  f"{', '.join(e.default)}); writes {e.out('NVIDIA H200')} on an H200")
+        return 0
+    entry = ENTRIES[args.entry]
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        raise SystemExit(f"kernels/bench.py: no CUDA device: entry {entry.name} measures GPU kernels (--smoke runs "
+                         "its tiny CPU check)")
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first @triton.jit of moelab's kernels is made
+    shapes = args.shapes or ([entry.smoke] if args.smoke else list(entry.default))
+    out = args.out
+    if out is None and not args.smoke and not args.base:
+        out = str(ROOT / entry.out(torch.cuda.get_device_name()))
+    base = None
+    if args.base:
+        base = run_base(args.base, base_argv(args, shapes))
+    result = run_entry(entry, shapes, out, cuda, args.rounds, args.budget_s)
+    if base is not None:
+        rows = compare(entry, base["rows"], result["rows"])
+        print_compare(rows, base["meta"], result["meta"])
+        if out:
+            write_json(out, {**result, "base": base, "compare": rows}, indent=1)
+    if out:
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

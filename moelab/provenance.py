@@ -1,0 +1,117 @@
+"""Where a measurement came from: the one ``meta`` block that benchmarks and studies write beside their numbers.
+
+    from moelab.provenance import provenance
+    meta = provenance()          # {"gpu", "python", "torch", "triton", "fla", "commit", "dirty", ...}
+
+:func:`provenance` names the device, the library versions, the code (commit, and whether tracked files
+differ from it, outputs left out), the command line and the UTC time. :func:`git_state` is its code part
+alone. Nothing here imports torch at module import: ``kernels/bench.py --help`` runs anywhere.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+# Paths whose changes do not make a measurement's code dirty: what studies and benchmarks write.
+OUTPUTS = ("studies", "kernels/results")
+
+
+def git_state(root: str | os.PathLike | None = None, exclude: Sequence[str] = OUTPUTS) -> dict[str, Any]:
+    """``{"commit", "dirty", "diff_sha256"}`` of the checkout at ``root`` (default: the one moelab runs from).
+
+    Tracked files only; changes under ``exclude`` (paths relative to ``root``) do not count. ``diff_sha256``
+    hashes ``git diff HEAD`` (16 hex digits), so two dirty trees with different edits differ. Outside a git
+    checkout every value is None.
+    """
+    if root is None:
+        from moelab.base import repo_root
+
+        root = repo_root()
+    spec = ["--", ".", *(f":(exclude){p}" for p in exclude)]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30,
+                              check=True).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        diff = git("diff", "HEAD", *spec)
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None, "diff_sha256": None}
+    return {"commit": commit, "dirty": bool(diff),
+            "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else None}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    """Python, torch, triton and fla versions (None where a package is not installed; fla: fla-core)."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+    except ImportError:
+        out["torch"] = None
+    out["triton"] = _version("triton")
+    out["fla"] = _version("fla-core") or _version("flash-linear-attention")
+    return out
+
+
+def device() -> str:
+    """The CUDA device's name, else ``"cpu: <model> (<n> cores)"``."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu: {model} ({os.cpu_count()} cores)"
+
+
+def provenance(command: Sequence[str] | None = None, root: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The ``meta`` block of a result file.
+
+    Args:
+        command: the command line that produced the result (default ``sys.argv`` after the interpreter);
+            stored as one shell-quoted string.
+        root: the checkout whose code ran (default: the one moelab runs from; a ``git worktree`` of another
+            commit for an A/B run).
+
+    Returns:
+        ``{"gpu", "python", "torch", "triton", "fla", "commit", "dirty", "diff_sha256", "command", "date"}``:
+        ``gpu`` the CUDA device's name (``"cpu: ..."`` without one), ``commit`` the full hash or None outside
+        git, ``dirty`` whether tracked files differ from it (outputs under ``studies/`` and
+        ``kernels/results/`` left out), ``date`` UTC in ISO 8601 to the second.
+    """
+    argv = list(command) if command is not None else [os.path.basename(sys.executable), *sys.argv]
+    return {"gpu": device(), **versions(), **git_state(root),
+            "command": shlex.join(argv),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+
+
+__all__ = ["OUTPUTS", "device", "git_state", "provenance", "versions"]
