@@ -49,9 +49,11 @@ from pathlib import Path  # noqa: E402
 import pandas as pd  # noqa: E402
 from IPython.display import Markdown  # noqa: E402
 
-from moelab.studies import common  # noqa: E402
+from moelab.studies import (
+    common,  # noqa: E402
+    report,  # noqa: E402
+)
 from moelab.studies import decay_bound as study  # noqa: E402
-from moelab.studies import report  # noqa: E402
 from moelab.utils import write_json  # noqa: E402
 
 common.quiet_known_noise()  # log noise filtered at its source, before anything imports Lightning
@@ -194,7 +196,8 @@ pd.DataFrame(real_rows)[["source", "g_min", "nonfinite", "rel_err", "rel_err_gen
 forgetting = report.result_table(
     out / "results" / "fast_forgetting.csv",
     lambda: study.fast_forgetting({arm: (ov["model.kda.g_min"] if ov["model.kda.gate"] == "bounded" else None)
-                                   for arm, ov in study.ARMS.items()}, steps=P["forget_steps"], seeds=P["forget_seeds"]),
+                                   for arm, ov in study.ARMS.items()},
+                                  steps=P["forget_steps"], seeds=P["forget_seeds"]),
     from_results)
 forgetting.groupby("arm", sort=False)[["bound", "g_fast_min", "g_fast_mean", "g_slow_mean", "frac_fast_near_bound",
                                        "first_loss", "final_loss"]].agg(["mean", "std"])

@@ -117,8 +117,8 @@ table[list(study.TABLE_METRICS) + ["settled", "n_seeds"]].rename(columns={
 # share of a training step (its statistics and update, the collectives included).
 
 # %%
-common.show(report.difference_figure(histories, "none", f"{p['base']}-based, {moe.num_experts} experts top-{moe.top_k}: "
-                                     "training loss minus no balancer's", colors=study._colors(list(study.ARMS))),
+title = f"{p['base']}-based, {moe.num_experts} experts top-{moe.top_k}: training loss minus no balancer's"
+common.show(report.difference_figure(histories, "none", title, colors=study._colors(list(study.ARMS))),
             out / "figures" / "training_loss.png")
 
 # %% [markdown]

@@ -47,9 +47,8 @@ from pathlib import Path
 import pandas as pd
 from IPython.display import Markdown
 
-from moelab.studies import common
+from moelab.studies import common, report
 from moelab.studies import context_curriculum as study
-from moelab.studies import report
 from moelab.utils import write_json
 
 common.quiet_known_noise()  # log noise filtered at its source, before anything imports Lightning
@@ -163,7 +162,8 @@ common.show(study.perf_figure(summary["stage_perf"], summary["rows"], summary["m
 if from_results:  # needs the runs' validation curves placed in time, which live in the training runs
     figure = report.committed_figure(out / "figures" / "val_vs_wall_clock.png")
 else:
-    figure = common.show(study.val_time_figure(grid, preset, summary["stage_perf"]), out / "figures" / "val_vs_wall_clock.png")
+    figure = common.show(study.val_time_figure(grid, preset, summary["stage_perf"]),
+                         out / "figures" / "val_vs_wall_clock.png")
 figure
 
 # %% [markdown]

@@ -69,8 +69,8 @@ PRESETS = {
                          "train.log_every": 5, "tracking.log_system_metrics": False},
                 (2, 4, 8), (0, 1, 2), (0,), (8,), threads=1,
                 notes="all-MLA mixers, d_model 64, 40 steps of 8 x 64 tokens"),
-    # One H200: 504 s wall at fdd7e59 (estimated ~7 minutes beforehand; summary.json): gpu-small's hybrid (3 KDA : 1 MLA,
-    # d_model 512) with dense FFNs, 80 steps of 16K tokens. Estimate: gpu-small's measured 121 ms per
+    # One H200: 504 s wall at fdd7e59 (estimated ~7 minutes beforehand; summary.json): gpu-small's hybrid
+    # (3 KDA : 1 MLA, d_model 512) with dense FFNs, 80 steps of 16K tokens. Estimate: gpu-small's measured 121 ms per
     # 32K-token step over 12 layers is ~5 ms per layer per 16K-token step; Block and Full AttnRes cost ~1.9x
     # prenorm's step at 12 layers (kernels/results/restructure_h200/model_gpu_small_1227ff2.json; Full's extra
     # grows with depth), so the three main modes at 4 + 8 + 16 layers take ~53 s per seed, ~160 s for three
@@ -682,9 +682,11 @@ def study_report(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) 
     lo, hi = pre["shallow"], pre["deep"]
     bh, bl = main_blocks(hi), main_blocks(lo)
     gain = {L: {sd: p - v for sd, p in seed_values(rows, "prenorm", None, L).items()
-                if (v := seed_values(rows, "block_attnres", b, L).get(sd)) is not None} for L, b in ((lo, bl), (hi, bh))}
+                if (v := seed_values(rows, "block_attnres", b, L).get(sd)) is not None}
+            for L, b in ((lo, bl), (hi, bh))}
     grows = report.compare(f"Does Block AttnRes's gain over PreNorm grow with depth (gain at {hi} minus at {lo} "
-                           "layers)", gain[hi], gain[lo], unit="nats", lower_is_better=False, precondition=pre["reason"])
+                           "layers)", gain[hi], gain[lo], unit="nats", lower_is_better=False,
+                           precondition=pre["reason"])
     d = pre["diff"]
     answer = {"lower": "depth pays", "higher": "no: the deeper model ends higher",
               "within noise": "inside the noise", "one seed": "one seed"}[d["verdict"]]

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moelab.model.balance import BIAS_BALANCERS, balanced_routers, max_vio, qb_exact, recentre, routing_margins, smooth
+from moelab.model.balance import balanced_routers, max_vio, qb_exact, recentre, routing_margins, smooth
 from moelab.studies import common, report
 
 STUDY = "02_balancing"

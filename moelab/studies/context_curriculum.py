@@ -96,9 +96,9 @@ PRESETS = {
                          batch_size=4),
                 threads=1, notes="all-MLA, d_model 64, 80 steps of 2048 tokens; stages 256 -> 1024 -> 2048"),
     # One H200: 479 s wall at f5cf7b2 (estimated ~6.5 minutes beforehand; summary.json): gpu-small (3 KDA : 1
-    # MLA, d_model 512, MoE) at 32K tokens per step, 1K -> 4K -> 16K (the report's 8K -> 64K -> 256K ratios 1:8:32, scaled to
-    # 1:4:16). Estimate: gpu-small's measured 121 ms per 32K-token step (T = 4096; the three MLA layers' longer
-    # attention adds a little at 16K), so ~15 s of steps and ~5 s of start, validation and checkpoints per run,
+    # MLA, d_model 512, MoE) at 32K tokens per step, 1K -> 4K -> 16K (the report's 8K -> 64K -> 256K ratios 1:8:32,
+    # scaled to 1:4:16). Estimate: gpu-small's measured 121 ms per 32K-token step (T = 4096; the three MLA layers'
+    # longer attention adds a little at 16K), so ~15 s of steps and ~5 s of start, validation and checkpoints per run,
     # ~3 min for 3 schedules x 3 seeds; the evaluation forwards ~7M tokens per model (passkey and MQAR up to
     # 64K), ~10 s each, ~1.5 min; ~1.5 min of kernel compilation over the lengths.
     "gpu": Plan("gpu-small", {"model.max_seq_len": 16384, "data.seq_len": 16384, "train.batch_size": 2,
@@ -618,7 +618,8 @@ def study_report(summary: Mapping[str, Any]) -> report.Report:
              if et else report.not_tested("Validation loss at equal wall-clock, curriculum minus direct",
                                           "no seed has a validation of the slower run before the faster one ended"))
     tkey = "train_s" if all(r.get("train_clock") == "steady" for r in rows) else "wall_s"
-    tcost = report.compare(f"Training time, curriculum minus direct ({'steady step time x steps' if tkey == 'train_s' else 'wall-clock'})",
+    kind = "steady step time x steps" if tkey == "train_s" else "wall-clock"
+    tcost = report.compare(f"Training time, curriculum minus direct ({kind})",
                            seeds("curriculum", tkey), seeds("direct", tkey), unit="s", digits=1)
     if not meta.get("perf_meaningful"):
         tcost = report.not_tested(tcost.question, "timed on a shared CPU", tcost.number, unit="s", digits=1)
@@ -853,6 +854,7 @@ def val_time_figure(grid: common.Grid, preset: str, perf_rows: Sequence[Mapping[
 
 __all__ = ["EvalPlan", "PRESETS", "Plan", "ROW_KEYS", "SCHEDULES", "STUDY", "accuracy_figure", "arms", "arms_factor",
            "by_seed", "chance_passkey", "compare", "equal_time", "eval_lengths", "eval_settings", "evaluate_runs",
-           "findings", "paired", "refresh_comparisons", "retrieval_learned", "passkey_figure", "perf_figure", "plan", "position_figure", "schedules",
-           "split_steps", "stage_of_window", "stage_perf", "stage_step_times", "stage_text", "step_times", "study_report",
-           "summarize", "summary_rows", "train_clock", "train_times", "val_time_figure", "value_at_time", "verdict"]
+           "findings", "paired", "passkey_figure", "perf_figure", "plan", "position_figure", "refresh_comparisons",
+           "retrieval_learned", "schedules", "split_steps", "stage_of_window", "stage_perf", "stage_step_times",
+           "stage_text", "step_times", "study_report", "summarize", "summary_rows", "train_clock", "train_times",
+           "val_time_figure", "value_at_time", "verdict"]

@@ -1001,7 +1001,8 @@ def study_report(summary: Mapping[str, Any], runs: Any, decay: Any, extra_summar
     tightest = max((a for a in arms if a != reference), key=lambda a: summary["arms"][a]["bound"])
     reach = report.measured(
         "Does the trained decay reach its bound",
-        deepest[tightest], answer=(f"{'reached' if bind['binds'] else 'never reached'}: largest share of channels within "
+        deepest[tightest], answer=(f"{'reached' if bind['binds'] else 'never reached'}: largest share of channels "
+                                   f"within "
                                    f"{NEAR:.0%} of the bound {bind['share']:.1%}; most negative g of {tightest} "
                                    f"(bound {summary['arms'][tightest]['bound']:g})"), digits=2)
     overflow = report.Finding(
@@ -1041,13 +1042,14 @@ def study_report(summary: Mapping[str, Any], runs: Any, decay: Any, extra_summar
         f"{summary['modelled_tile'].get('bf16_constant', float('nan')):g}; told each decay's own g_min the factors "
         f"hold e^(8|g|), which overflows below {ko['predicted_constant_told_bound']:.2f}; the op's floor g_min >= "
         f"{ko['op_floor']:.2f} keeps {ko['predicted_constant_told_bound'] / ko['op_floor']:.1f}x of margin.",
-        f"Fast forgetting (targets at g = -8 on half the channels): learned fast-channel g per arm "
+        "Fast forgetting (targets at g = -8 on half the channels): learned fast-channel g per arm "
         + "; ".join(f"{a} {report.cell(report.mean_interval(forgetting[forgetting.arm == a].g_fast_min), 2)}"
                     for a in arms) + ".",
     ]
     if ratios and summary["speed"].get("crossover_T_sdpa_flash"):
         details.append(f"Bounded KDA overtakes flash attention (SDPA) at T = "
-                       f"{summary['speed']['crossover_T_sdpa_flash']:,.0f} (interpolated; code at {src.get('commit')}).")
+                       f"{summary['speed']['crossover_T_sdpa_flash']:,.0f} (interpolated; code at "
+                       f"{src.get('commit')}).")
     if meta.get("epochs") is not None:
         details.append(f"Data: {meta['tokens_per_run']:,} tokens per run, {meta['epochs']:.2f} epochs of the "
                        f"{meta['corpus_train_tokens']:,}-token training split, {runs.steps.max()} steps.")

@@ -491,8 +491,9 @@ def result_table(path: Any, compute: Any, from_results: bool) -> Any:
     ``compute``: ``() -> DataFrame | list[dict]``. Lets a notebook render its report from the committed
     raw results without training again (papermill parameter ``from_results = True``).
     """
-    import pandas as pd
     from pathlib import Path
+
+    import pandas as pd
 
     path = Path(path)
     if from_results:
@@ -553,7 +554,7 @@ class Report:
         return summary_block(self.findings)
 
 
-__all__ = ["CLAIMS", "Finding", "Interval", "LEVEL", "MAX_LEAD", "Report", "bootstrap", "caption_difference",
-           "add_intervals", "attach", "by_seed", "cell", "committed_figure", "compare", "difference_figure", "headline", "judge", "markdown_table", "mean_interval",
-           "measured", "not_tested", "paired", "palette", "render", "result_table", "smooth", "status_text", "step_differences",
-           "summary_block", "welch"]
+__all__ = ["CLAIMS", "Finding", "Interval", "LEVEL", "MAX_LEAD", "Report", "add_intervals", "attach", "bootstrap",
+           "by_seed", "caption_difference", "cell", "committed_figure", "compare", "difference_figure", "headline",
+           "judge", "markdown_table", "mean_interval", "measured", "not_tested", "paired", "palette", "render",
+           "result_table", "smooth", "status_text", "step_differences", "summary_block", "welch"]

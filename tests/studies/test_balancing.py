@@ -230,7 +230,8 @@ def _rows(qb_maxvio: tuple[float, ...] = (0.30, 0.32, 0.34), qb_settle: float | 
     out = []
     for arm in study.ARMS:
         for seed in range(3):
-            mv = {"qb": qb_maxvio[seed], "loss_free_sign": 2.0 + 0.1 * seed, "aux_1e-2": 0.5 + 0.01 * seed}.get(arm, 1.0)
+            mv = {"qb": qb_maxvio[seed], "loss_free_sign": 2.0 + 0.1 * seed,
+                  "aux_1e-2": 0.5 + 0.01 * seed}.get(arm, 1.0)
             out.append({"arm": arm, "seed": seed, "final_val_loss": 5.0 + 0.01 * seed - 0.03 * (arm == "qb"),
                         "maxvio_batch": mv, "maxvio_global": mv, "dead_experts": 0, "balancer_share": 0.02,
                         "settle_step": qb_settle if arm == "qb" else None, "peak_maxvio": 6.5 + 0.1 * seed,
@@ -267,7 +268,8 @@ def test_arm_intervals_beside_every_mean():
                                "settle_step_mean": None, "settle_step_std": None}}}
     a = study.add_arm_intervals(summary)["arms"]["qb"]
     half = 4.302652729911275 * 0.1 / 3 ** 0.5
-    assert a["final_val_loss_low"] == pytest.approx(5.0 - half) and a["final_val_loss_high"] == pytest.approx(5.0 + half)
+    assert a["final_val_loss_low"] == pytest.approx(5.0 - half)
+    assert a["final_val_loss_high"] == pytest.approx(5.0 + half)
     assert a["settle_step_low"] is None
 
 
