@@ -444,7 +444,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "overflow_g_mins": (-5, -8, -8.1, -10, -11, -11.1, -12, -16, -24), "forget_steps": 300,
             "forget_seeds": (0, 1, 2)},
 }
-KERNEL_RESULTS = ("kernels/results/kda_h200.json", "kernels/results/kda_h200_long.json")
+KERNEL_RESULTS = ("kernels/results/kda_h200.json", "kernels/results/kda_long_h200.json")
 
 
 def _preset(preset: str) -> dict[str, Any]:
