@@ -153,15 +153,14 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-# The launch rule's constants (``launch_config``). Hopper (H100 / H200): 132 SMs, a 64K-register file per SM,
-# at most 255 registers per thread, 227 KB of shared memory per program.
+# The launch rule's constants (``launch_config``). Hopper (H100 / H200): 132 SMs, at most 255 registers per
+# thread, 227 KB of shared memory per program.
 SMS = 132
-REGS_PER_SM = 65536
 MAX_REGS = 255
 MAX_SHARED = 227 * 1024
 TILE_ELEMS = 2048  # a tile holds at least this many elements (several rows when D is small)
 IN_FLIGHT = 32  # fp32 source elements per thread that a group of one-row tiles loads at once
-REG_MARGIN = 16  # registers the rule keeps free beyond its estimate before it loads sources in groups
+REG_MARGIN = 16  # registers the rule keeps free below MAX_REGS beyond its estimate
 
 
 def estimate_regs(per_thread: int, group: int, backward: bool) -> int:
@@ -169,16 +168,13 @@ def estimate_regs(per_thread: int, group: int, backward: bool) -> int:
     source tiles at once: forward ``32 + e (1.5 group + 1)``, backward ``44 + e (2.5 group + 2.5)``, least-
     squares fits to what the kernels compile to for sm_90 (``bench_attnres.py --occupancy``, one stage:
     kernels/results/attnres_occupancy_d512_cpu_sm90.json and attnres_occupancy_d2048_cpu_sm90.json, one-row
-    tiles and several-row tiles of one source at a time; tests/ops/test_attnres_op.py checks how far off)."""
+    tiles and several-row tiles of one source at a time; tests/ops/test_attnres_op.py checks how far off).
+    At 16 warps the compiler holds a thread to 128 registers (one program per SM) and fits what it can:
+    the rule's launches at D 4096 and 7168 compile with at most 8 bytes of spill
+    (attnres_occupancy_d4096_cpu_sm90.json, attnres_occupancy_d7168_cpu_sm90.json)."""
     if backward:
         return round(44 + per_thread * (2.5 * group + 2.5))
     return round(32 + per_thread * (1.5 * group + 1))
-
-
-def reg_budget(warps: int) -> int:
-    """Registers a thread may hold when one program of ``warps`` warps is to fit on an SM (past it, the
-    compiler spills: 128 at 16 warps)."""
-    return min(MAX_REGS, REGS_PER_SM // (32 * warps))
 
 
 def estimate_shared(cfg: LaunchConfig, d: int) -> int:
@@ -196,18 +192,17 @@ def launch_config(d: int, L: int | None = None, n: int | None = None) -> LaunchC
       halved while there would be fewer than 4 forward programs per SM (small n only);
     - threads of 16 elements per tile where a tile holds several rows, of 8 (one 16-byte bf16 load) where it
       holds one; 1..16 warps, so a width past 4096 gives each thread more (16 at 7168);
-    - one-row tiles load their sources ``IN_FLIGHT // e`` at once, at most the L - 1 sources after the
-      first, and fewer while the backward's ``estimate_regs`` (plus ``REG_MARGIN``) passes
-      ``reg_budget(warps)``, the registers a thread has when one program fits on an SM: 4 at D 2048
-      (8 warps), 2 at 4096 (16 warps: 128 registers a thread), 1 at 7168; several-row tiles one at a time;
+    - one-row tiles load their sources ``IN_FLIGHT // e`` at once (4 at D 2048 and 4096, 2 at 7168), at
+      most the L - 1 sources after the first, and fewer while the backward's ``estimate_regs`` (plus
+      ``REG_MARGIN``) passes ``MAX_REGS``; several-row tiles one at a time;
     - one stage (a software-pipelined loop compiled to more registers and half the resident programs per
       SM at D 2048, forward and backward: kernels/results/attnres_occupancy_d2048_cpu_sm90.json);
     - the backward at the forward's tile, on ``4 * SMs`` programs where tiles hold several rows, else on as
       many as fit (``programs_per_sm = 0``).
 
     A row of D stays in one program (its RMS and score are row sums); D is not split across programs, so
-    past D = 8192 the backward's estimate exceeds ``reg_budget(16)`` whatever the rule picks (it spills; a
-    split of D with a cross-program row sum would be the fix).
+    past D = 8192 a thread holds 32 elements of each tile, more than 16 warps' 128 registers a thread can
+    keep (it spills; a split of D with a cross-program row sum would be the fix).
     At D 512 this is the sweep's best launch (kernels/results/attnres_sweep_h200.json: 4 x 4, 4 programs
     per SM); at D 2048 the launch whose occupancy the slow test checks (1 x 8, 4 at once). A model passes
     neither L nor n, so that one compiled kernel per direction serves every read of its residual stream.
@@ -225,7 +220,7 @@ def launch_config(d: int, L: int | None = None, n: int | None = None) -> LaunchC
         group = max(1, min(8, IN_FLIGHT // per_thread))
         if L is not None:
             group = min(group, _pow2(max(1, L - 1)))
-        while group > 1 and estimate_regs(per_thread, group, backward=True) + REG_MARGIN > reg_budget(warps):
+        while group > 1 and estimate_regs(per_thread, group, backward=True) + REG_MARGIN > MAX_REGS:
             group //= 2
     return LaunchConfig(rows=rows, warps=warps, group=group, stages=1, programs_per_sm=4 if rows > 1 else 0)
 

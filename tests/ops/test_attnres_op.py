@@ -15,6 +15,7 @@ import torch
 from moelab.ops.attnres import (
     DTYPES,
     MAX_D,
+    MAX_REGS,
     MAX_SHARED,
     SMS,
     TILE_ELEMS,
@@ -27,7 +28,6 @@ from moelab.ops.attnres import (
     estimate_regs,
     estimate_shared,
     launch_config,
-    reg_budget,
 )
 from tests.helpers import assert_close
 
@@ -439,6 +439,7 @@ def test_alignment_hint_follows_the_addresses():
     """The kernels take the table's addresses as 16-byte aligned (vector loads) only when they are: a middle
     source at an odd offset turns the hint off in both directions, and the results stay those of the reference."""
     import kernels.bench_attnres as bench
+
     import moelab.ops.attnres as ops
 
     sources, query, weight, dh = _inputs((5,), 32, (F32,) * 4, 3.0, seed=8)
@@ -545,7 +546,7 @@ def _pow2(x: int) -> bool:
 def test_launch_rule_on_the_grid(D):
     """At every point of issue 37's grid the rule gives a valid launch: power-of-two tiles, warps and groups,
     whole 16-byte loads per thread, enough programs, and register and shared-memory estimates within an
-    H100 / H200 SM (a program must fit: ``reg_budget``)."""
+    H100 / H200 SM (what the compiled kernels spill at 16 warps: the next test)."""
     BD = 1 << (D - 1).bit_length()
     for L in GRID_L:
         for N in GRID_N:
@@ -559,7 +560,7 @@ def test_launch_rule_on_the_grid(D):
             assert rem == 0 and per_thread >= 8, where  # at least one 16-byte bf16 load per thread
             assert cfg.group < 2 * max(1, L - 1), where  # a group is at most the next power of two of L - 1
             for backward in (False, True):
-                assert estimate_regs(per_thread, cfg.group, backward) <= reg_budget(cfg.warps), where
+                assert estimate_regs(per_thread, cfg.group, backward) <= MAX_REGS, where
             assert estimate_shared(cfg, D) <= MAX_SHARED, where
     # a model's reads (no L, no N) share one launch per width: the rule's model launch is the one at large L
     assert launch_config(D) == launch_config(D, 33, 32768)
@@ -573,18 +574,41 @@ def test_launch_rule_keeps_the_measured_launches():
     cfg = launch_config(2048)
     assert (cfg.rows, cfg.warps, cfg.group, cfg.stages) == (1, 8, 4, 1)
     assert launch_config(2048, 3).group == 2  # two sources after the first
-    assert launch_config(4096).group == 2  # 16 warps: 128 registers a thread, four tiles at once would spill
     assert launch_config(512, 9, 64).rows == 1  # few tokens: smaller tiles, more programs
+
+
+OCCUPANCY = {512: "attnres_occupancy_d512_cpu_sm90.json", 2048: "attnres_occupancy_d2048_cpu_sm90.json",
+             4096: "attnres_occupancy_d4096_cpu_sm90.json", 7168: "attnres_occupancy_d7168_cpu_sm90.json"}
+
+
+def _occupancy(D: int) -> list[dict]:
+    with open(os.path.join(ROOT, "kernels", "results", OCCUPANCY[D])) as f:
+        return [r for r in json.load(f)["rows"] if r["op"] == "moelab"]
+
+
+@pytest.mark.parametrize("D", sorted(OCCUPANCY))
+def test_rule_launches_compile_without_spilling(D):
+    """The rule's launch at each width whose kernels were compiled for sm_90 (``bench_attnres.py
+    --occupancy``, committed): both directions there, spilling at most 16 bytes (D 7168's backward: 8), and
+    loading no fewer bytes at once per SM than one source at a time would."""
+    cfg = launch_config(D)
+    rows = {(r["kernel"], r["rows"], r["warps"], r["group"], r["stages"]): r for r in _occupancy(D)}
+    for kernel, (tile_rows, warps, group, stages) in (("_attnres_fwd_kernel", (cfg.rows, cfg.warps, cfg.group,
+                                                                               cfg.stages)),
+                                                      ("_attnres_bwd_kernel", cfg.bwd_launch)):
+        r = rows[(kernel, tile_rows, warps, group, stages)]
+        assert r["stack"] <= 16, r
+        one = rows.get((kernel, tile_rows, warps, 1, stages))
+        assert one is None or r["source_kb_at_once_per_sm"] >= one["source_kb_at_once_per_sm"], (r, one)
 
 
 def test_register_estimate_fits_the_compiled_kernels():
     """``estimate_regs`` against the registers of the compiled kernels in the committed occupancy files
     (sm_90, one stage, the launches the rule can pick): within 24 below and 40 above each."""
-    for name, D in (("attnres_occupancy_d512_cpu_sm90.json", 512), ("attnres_occupancy_d2048_cpu_sm90.json", 2048)):
-        rows = json.loads(open(os.path.join(ROOT, "kernels", "results", name)).read())["rows"]
-        seen = 0
-        for r in rows:
-            if r["op"] != "moelab" or r["stages"] != 1 or (r["rows"] > 1 and r["group"] > 1):
+    for D in (512, 2048):  # the fit's data (at 16 warps the compiler caps registers: the test above)
+        name, seen = OCCUPANCY[D], 0
+        for r in _occupancy(D):
+            if r["stages"] != 1 or (r["rows"] > 1 and r["group"] > 1):
                 continue
             per_thread = r["rows"] * D // (32 * r["warps"])
             est = estimate_regs(per_thread, r["group"], backward="bwd" in r["kernel"])

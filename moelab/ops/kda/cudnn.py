@@ -10,13 +10,14 @@ logged once):
 
 - an sm90 GPU (Hopper; the engine's CUDA is compiled for it at run time with NVRTC);
 - head dims ``K = V = 128``; q, k, v in bf16; the default scale ``K ** -0.5``;
-- q, k already normalized, the log decay g in fp32 and beta after its sigmoid: the engine's
-  backward takes none of the in-kernel options (L2 norm, ``safe_gate`` with ``A_log`` /
-  ``dt_bias``, beta sigmoid), and our layer's SiLU has no in-kernel form at all. So one fused
-  Triton pass (``triton_prep.prep_fwd``: SiLU + L2 norm of q and k, the bounded or softplus gate,
-  in fp32, writing bf16 qn, kn and fp32 g) runs first; prep + engine is the op that is timed.
-  beta arrives post-sigmoid in fp32 from the layer (``[B, T, H]``, 1/K of q's bytes): nothing to
-  fuse.
+- q, k as the op uses them, the log decay g in fp32 and beta after its sigmoid. The engine's
+  forward could L2-normalize q, k and apply the bounded gate itself, but not the layer's SiLU of
+  q, k that comes first, and its backward takes none of that. So one fused Triton pass
+  (``triton_prep.prep_fwd``: SiLU + L2 norm of q and k, the bounded or softplus gate, in fp32,
+  writing bf16 qn, kn and fp32 g) runs first; prep + engine is the op that is timed. beta arrives
+  post-sigmoid in fp32 from the layer (``[B, T, H]``, 1/K of q's bytes): nothing to fuse.
+  (``check_kda_gpu.py --part backends`` also times the engine with its in-kernel L2 norm and gate
+  and no prep pass: what inference could run once the SiLU of q, k moves into their ShortConv.)
 
 Layouts, converted once per call: our ``[B, T, H, D]`` rows are the engine's THD
 ``[B*T, H, D]`` as they are (a view) with ``cu_seqlens = [0, T, 2T, ..., B*T]``; packed documents
@@ -38,8 +39,8 @@ before it through the reverse cumsum over the whole sequence, growing with its l
 hands out dq, dk, dv in bf16, and with bf16 terms the identity misses 1e-2 by far at a few hundred
 tokens (``tests/ops/test_kda_cudnn.py::test_dg_identity_exact_but_not_from_bf16`` shows both).
 Our backward avoids that by forming dg chunk by chunk from the chunk states and their gradients
-(``triton_bwd``), which the engine does not return; recomputing them is most of our own backward,
-so a cuDNN training path with an accurate dg would not be faster than ours.
+(``triton_bwd``), which the engine does not return; recomputing them is most of our own backward's
+work, so a cuDNN training path with an accurate dg would run that work on top of the engine's.
 Training calls with ``backend="cudnn"`` therefore run our Triton training op (reason logged once),
 and ``auto`` never picks the engine for training.
 """
