@@ -217,7 +217,8 @@ def check_timing(shapes, dtype, dev, rows, save, *, fla) -> None:
         case = f"B{B} T{T} H{H} D{D}"
         ins, _, _ = make_inputs(B, T, H, D, dtype, dev, seed=7)
         do = torch.randn(B, T, H, D, device=dev, dtype=dtype)
-        row = dict(kind="timing", case=case, B=B, T=T, H=H, D=D, fwd_bwd_ms={}, fwd_ms={}, skipped={})
+        row = dict(kind="timing", case=case, B=B, T=T, H=H, D=D, fwd_bwd_ms={}, fwd_ms={}, skipped={},
+                   cudnn_forward_path=kda_path("cudnn", ins[0], gate="bounded", g_min=G_MIN, v=ins[2]))
         for backend in BACKENDS:
             reason = unavailable(backend, fla, dev)
             if reason is not None:
