@@ -670,7 +670,7 @@ def depth_pays(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     d = paired_diff(seed_values(rows, "prenorm", None, hi), seed_values(rows, "prenorm", None, lo))
     pays = d["verdict"] == "lower"
     reason = None if pays else (
-        f"under-trained: depth does not pay yet, PreNorm at {hi} layers minus {lo} layers is "
+        f"under-trained: depth does not pay yet, PreNorm {hi} minus {lo} layers "
         f"{d['mean']:+.3f} nats [{d['low']:+.3f}, {d['high']:+.3f}]")
     return {"diff": d, "pays": pays, "reason": reason, "shallow": lo, "deep": hi}
 
@@ -684,8 +684,8 @@ def study_report(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) 
     gain = {L: {sd: p - v for sd, p in seed_values(rows, "prenorm", None, L).items()
                 if (v := seed_values(rows, "block_attnres", b, L).get(sd)) is not None}
             for L, b in ((lo, bl), (hi, bh))}
-    grows = report.compare(f"Does Block AttnRes's gain over PreNorm grow with depth (gain at {hi} minus at {lo} "
-                           "layers)", gain[hi], gain[lo], unit="nats", lower_is_better=False,
+    grows = report.compare(f"Does Block AttnRes's gain over PreNorm grow with depth ({hi} vs {lo} layers)",
+                           gain[hi], gain[lo], unit="nats", lower_is_better=False,
                            precondition=pre["reason"])
     d = pre["diff"]
     answer = {"lower": "depth pays", "higher": "no: the deeper model ends higher",

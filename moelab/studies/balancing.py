@@ -826,12 +826,12 @@ def study_report(summary: Mapping[str, Any], rows: Any) -> report.Report:
 
     why = None
     if floor is not None and floor > thr:
-        why = (f"the {thr:.2g} threshold is below the balance floor of this batch layout: QB on the frozen trained "
-               f"model reaches MaxVio_batch {floor:.2f} over fresh batches of {st['tokens_per_step']:,} tokens")
+        why = (f"the {thr:.2g} threshold is below this batch layout's floor: {floor:.2f} for QB on the frozen "
+               "trained model")
     settled = int(rows[rows.arm == "qb"].settle_step.notna().sum())
-    q_settle = f"Does Quantile Balancing settle in a few steps (MaxVio_batch below {thr:.2g})"
+    q_settle = f"Does QB settle in a few steps (MaxVio_batch < {thr:.2g})"
     qb_tail = report.mean_interval(list(seeds("qb", "maxvio_batch").values()))
-    settle = (report.not_tested(q_settle, why, qb_tail, answer="qb's MaxVio_batch over the last 20%")
+    settle = (report.not_tested(q_settle, why, qb_tail, answer="qb, last 20%", signed=False)
               if why else report.measured(q_settle, qb_tail, answer=f"{settled} of {int((rows.arm == 'qb').sum())} "
                                           "seeds settle; MaxVio_batch over the last 20%"))
     peaks = rows.peak_step

@@ -492,8 +492,8 @@ def retrieval_learned(rows: Sequence[Mapping[str, Any]]) -> tuple[bool, str | No
     best = max((max(r["passkey"].values()) for r in rows if r["passkey"]), default=0.0)
     if best >= PASSKEY_LEARNED:
         return True, None
-    return False, (f"retrieval never learned: the best passkey accuracy of any run at any length is {best:.2f} "
-                   f"(chance {chance_passkey():.1e}), so effective context is 0 in every arm")
+    return False, (f"retrieval never learned: best passkey accuracy {best:.2f} at any length (chance "
+                   f"{chance_passkey():.0e}), effective context 0 in every arm")
 
 
 def _wording(d: Mapping[str, Any], lower_is_better: bool) -> str:
@@ -597,10 +597,9 @@ def study_report(summary: Mapping[str, Any]) -> report.Report:
     def seeds(schedule: str, key: str) -> dict[int, float]:
         return {int(k): v for k, v in by_seed(rows, schedule, key).items()}
 
-    eff = report.compare("Does the curriculum reach a longer effective context than direct training (tokens)",
+    eff = report.compare("Does the curriculum reach a longer effective context than direct training",
                          seeds("curriculum", "effective_context"), seeds("direct", "effective_context"),
-                         answer="curriculum minus direct", lower_is_better=False, unit="tokens", digits=0,
-                         precondition=why)
+                         lower_is_better=False, unit="tokens", digits=0, precondition=why)
     best = max((max(r["passkey"].values()) for r in rows if r["passkey"]), default=0.0)
     ret = report.measured("Is retrieval learned at this scale", None,
                           answer=(f"best passkey accuracy of any run at any length {best:.2f} (chance "

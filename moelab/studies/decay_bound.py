@@ -976,8 +976,8 @@ def bound_binds(decay: Any) -> dict[str, Any]:
     deepest = per_model.loc[per_model.g_min.idxmin()]
     tightest = max(float(ARMS[a]["model.kda.g_min"]) for a in ARMS if ARMS[a]["model.kda.gate"] == "bounded")
     reason = None if binds else (
-        f"the bound never binds: no trained channel came within {NEAR:.0%} of its bound, the most negative "
-        f"trained g is {deepest.g_min:.2f} ({deepest.arm}) against a tightest bound of {tightest:g}")
+        f"the bound never binds: no trained channel came within {NEAR:.0%} of its bound (most negative g "
+        f"{deepest.g_min:.2f}, tightest bound {tightest:g})")
     return {"binds": binds, "share": float(share.max()), "per_model": per_model, "reason": reason}
 
 
@@ -994,7 +994,7 @@ def study_report(summary: Mapping[str, Any], runs: Any, decay: Any, extra_summar
     real = ko["real_softplus"]
     arms = [a for a in dict.fromkeys(runs.arm)]
     val = {a: report.by_seed(runs, a, "best_val_loss") for a in arms}
-    cost = report.compare(f"What does the bound cost in validation loss ({main} minus {reference})", val[main],
+    cost = report.compare(f"What does the bound cost in val loss ({main} minus {reference})", val[main],
                           val[reference], unit="nats", precondition=bind["reason"])
     g_deep = bind["per_model"]
     deepest = {a: g_deep[g_deep.arm == a].g_min.tolist() for a in arms}

@@ -255,9 +255,9 @@ def measured(question: str, values: Sequence[float] | Interval | None, answer: s
 
 
 def not_tested(question: str, reason: str, number: Interval | None = None, answer: str = "",
-               unit: str = "", digits: int = 3) -> Finding:
+               unit: str = "", digits: int = 3, signed: bool = True) -> Finding:
     """A question the study could not answer because ``reason`` (its precondition failed)."""
-    return Finding(question, "not tested", number, answer, unit, reason, digits)
+    return Finding(question, "not tested", number, answer, unit, reason, digits, signed)
 
 
 # ------------------------------------------------------------------------------------- rendering
@@ -306,10 +306,12 @@ def render(findings: Sequence[Finding], table: Any = None, details: Sequence[str
 def interval_note(findings: Sequence[Finding]) -> str:
     """What the brackets mean: level, method and seed count of the lead lines' intervals."""
     ivs = [f.number for f in findings if f.number is not None]
-    methods = sorted({iv.method for iv in ivs})
+    names = {"paired t": "Student t on the per-seed differences", "t": "Student t on a mean over seeds",
+             "Welch t": "Welch's t, unpaired", "bootstrap": "bootstrap over seeds"}
+    methods = [names.get(m, m) for m in sorted({iv.method for iv in ivs})]
     ns = sorted({iv.n for iv in ivs})
     seeds = "/".join(str(n) for n in ns) or "n/a"
-    return (f"Brackets: {int(LEVEL * 100)}% interval ({', '.join(methods) or 'n/a'}) over {seeds} seeds; "
+    return (f"Brackets: {int(LEVEL * 100)}% interval ({'; '.join(methods) or 'n/a'}) over {seeds} seeds; "
             f"an effect is called better or worse only when its interval excludes 0.")
 
 
@@ -447,15 +449,6 @@ def difference_figure(histories: Any, reference: str, title: str = "", metric: s
     return fig
 
 
-def caption_difference(reference: str, window: int | None, steps: float) -> str:
-    """The caption of :func:`difference_figure`."""
-    w = window or max(1, int(round(steps / 20)))
-    return (f"Training loss of each arm minus {reference}, seed by seed (each curve smoothed over {w} steps "
-            f"first), mean over seeds (line) and its 95% t interval (band); diamonds: validation loss "
-            f"differences with their intervals. Below 0: lower loss than {reference}. The y axis is zoomed "
-            f"to the 2-98% range of the bands after the first quarter of the steps.")
-
-
 def by_seed(df: Any, arm: str, column: str, arm_column: str = "arm") -> dict[int, float]:
     """``{seed: value}`` of ``column`` for one arm of a per-run table (NaN and missing values left out)."""
     sel = df[df[arm_column] == arm]
@@ -555,6 +548,6 @@ class Report:
 
 
 __all__ = ["CLAIMS", "Finding", "Interval", "LEVEL", "MAX_LEAD", "Report", "add_intervals", "attach", "bootstrap",
-           "by_seed", "caption_difference", "cell", "committed_figure", "compare", "difference_figure", "headline",
+           "by_seed", "cell", "committed_figure", "compare", "difference_figure", "headline",
            "judge", "markdown_table", "mean_interval", "measured", "not_tested", "paired", "palette", "render",
            "result_table", "smooth", "status_text", "step_differences", "summary_block", "welch"]

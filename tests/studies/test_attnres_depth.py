@@ -120,8 +120,8 @@ def test_findings_are_rules_with_the_precondition_first() -> None:
     rows = _rows(KNOWN)  # depth pays: prenorm 8 - 2 layers = -0.105 [-0.169, -0.041]
     rep = study.study_report(_summary_of(rows), rows)
     lines = rep.markdown().splitlines()
-    assert lines[0].startswith("- **Does Block AttnRes's gain over PreNorm grow with depth (gain at 8 minus at 2 "
-                               "layers)?** +0.095 nats [") and lines[0].endswith("better (interval excludes 0)")
+    assert lines[0].startswith("- **Does Block AttnRes's gain over PreNorm grow with depth (8 vs 2 layers)?** "
+                               "+0.095 nats [") and lines[0].endswith("better (interval excludes 0)")
     assert "depth pays: -0.105 nats" in lines[1]
     assert "inside the noise (interval includes 0)" in lines[4]  # Block - PreNorm at 2 layers
     assert "not tested at this scale (timed on a CPU" in lines[5]
@@ -131,8 +131,7 @@ def test_findings_are_rules_with_the_precondition_first() -> None:
                   ("prenorm", 8): [2.2, 2.21], ("block_attnres", 8): [1.9, 1.92], ("full_attnres", 8): [1.8, 1.81]})
     first = study.study_report(_summary_of(deep), deep).findings[0]
     assert first.status == "not tested" and first.plain().split("?")[1].startswith(
-        " not tested at this scale (under-trained: depth does not pay yet, PreNorm at 8 layers minus 2 layers is "
-        "+0.200 nats")
+        " not tested at this scale (under-trained: depth does not pay yet, PreNorm 8 minus 2 layers +0.200 nats")
     diag = [{"arm": "prenorm-L8", "sublayer": 0, "hidden_rms": 1.0, "grad_norm": 2.0},
             {"arm": "prenorm-L8", "sublayer": 1, "hidden_rms": 2.0, "grad_norm": 1.0}]
     assert study.norm_growth(diag)["prenorm-L8"]["grad_first_over_last"] == pytest.approx(2.0)

@@ -230,7 +230,7 @@ def test_findings_are_rules_with_intervals_and_the_precondition_first() -> None:
     rep = study.study_report(summary, *_tables(near=0.0))
     lines = rep.markdown().splitlines()
     # the bound never binds: the cost is "not tested", the reason leads, the number follows for the record
-    assert lines[0].startswith("- **What does the bound cost in validation loss (bounded-5 minus softplus)?** "
+    assert lines[0].startswith("- **What does the bound cost in val loss (bounded-5 minus softplus)?** "
                                "not tested at this scale (the bound never binds")
     assert "measured +0.100 nats [+0.100, +0.100]" in lines[0]
     assert "never reached" in lines[1] and "0.0%" in lines[1]
