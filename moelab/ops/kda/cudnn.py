@@ -164,6 +164,7 @@ def _engine_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     return o, (final if output_final_state else None)
 
 
+@torch.compiler.disable  # a compiled model calls the op eagerly, like the Triton paths
 def cudnn_kda(
     q: torch.Tensor,
     k: torch.Tensor,
