@@ -286,7 +286,8 @@ def measured_commit(path: str | os.PathLike, needle: str | None = None) -> dict[
     try:
         rel = path.resolve().relative_to(repo_root()).as_posix()
         pick = [f"-S{needle}"] if needle else []  # the latest commit that changed its count: the one that added it
-        line = subprocess.run(["git", "log", "-1", *pick, "--format=%h %s", "--", rel], cwd=repo_root(),
+        # --follow: a file moved by a pure rename keeps the commits that measured it
+        line = subprocess.run(["git", "log", "-1", "--follow", *pick, "--format=%h %s", "--", rel], cwd=repo_root(),
                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
     except (OSError, ValueError, subprocess.SubprocessError):
         return {"commit": None, "how": "not in git"}
@@ -653,7 +654,7 @@ def run_grid(
     split = split if split is not None else split_from_env()
     factor = check_arms_differ_only(base, arms, common)
     ctx = study_context(study)
-    code = {**ctx["git"], "source_sha256": source_sha256()}
+    code = {**ctx["git"], "source_sha256": ctx["git"].get("source_sha256") or source_sha256()}
     root = Path(out_dir).resolve() / "checkpoints"  # train.ckpt_dir: relative paths start at the repo root
     records_dir = Path(records_dir or os.environ.get(RECORDS_ENV) or Path(out_dir) / "records").resolve()
     grid = [(arm, seed) for arm in arms for seed in seeds]

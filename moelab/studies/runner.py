@@ -59,6 +59,7 @@ from moelab.studies.common import (
     parse_runs,
     parse_shard,
     quiet_known_noise,
+    source_sha256,
 )
 from moelab.tracking import LAB_EXTRA_HINT, PARENT_ENV, Run, end_stale_run, experiment_name, start_run
 from moelab.utils import atomic_path, flatten_dict, write_json
@@ -195,6 +196,7 @@ def run_study(
     # make the next study's code "dirty".
     # A machine whose checkout has no usable .git (a copied tree) passes the state in MOELAB_STUDY_GIT.
     code = json.loads(os.environ[GIT_ENV]) if os.environ.get(GIT_ENV) else git_state()
+    code.setdefault("source_sha256", source_sha256())  # taken once: every run of this call shares it
     command = f"make study-{number} PRESET={preset}" + (f" RUNS={runs}" if runs else f" SHARD={shard}" if shard else "")
     where = _shown(out_dir)
     if preset not in RECORD_PRESETS:

@@ -1,0 +1,189 @@
+"""A study split across calls (``make study-N RUNS=arm:seed,...``) equals the study run in one go, and a study
+stopped by a signal (or killed) resumes: through the runner, on the ``tiny`` preset."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jupytext
+import nbformat
+import pandas as pd
+import pytest
+
+from moelab.studies import common
+from moelab.studies.runner import run_study
+from tests.train.mlflow_fixtures import mlflow_template_db, tracking_uri  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[2]
+GRID = '''# %% tags=["parameters"]
+preset = "cpu"
+out_dir = "."
+
+# %%
+import json
+
+from moelab.studies import common
+
+grid = common.run_grid("{name}", "tiny", {{"bounded": {{"model.kda.gate": "bounded"}},
+                                          "softplus": {{"model.kda.gate": "softplus"}}}}, {seeds}, out_dir,
+                       common={{"train.max_steps": {steps}, "train.warmup_steps": 1, "train.val_every": {val},
+                               "train.val_batches": 1, "tracking.log_system_metrics": False}}, checkpoints="final")
+grid.table().to_csv("runs.csv", index=False)
+json.dump({{"meta": common.study_meta("{name}", preset, grid), "runs": len(grid.records)}}, open("summary.json", "w"))
+'''
+LOSSES = ["arm", "seed", "steps", "best_val_loss", "final_val_loss", "final_train_loss", "train_val_gap", "tokens"]
+
+
+def _notebook(folder: Path, name: str, seeds: list[int], steps: int = 4, val: int = 2) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    nb = jupytext.reads(GRID.format(name=name, seeds=seeds, steps=steps, val=val), fmt="py:percent")
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, folder / f"{name}.ipynb")
+    return folder
+
+
+def _store(tmp_path: Path, template: Path, name: str) -> str:
+    db = tmp_path / f"{name}.db"
+    shutil.copy(template, db)
+    return f"sqlite:///{db}"
+
+
+# The code state every call shares: other work in the checkout between calls must not count as a code change.
+CODE = json.dumps({"commit": "abc", "dirty": False, "diff_sha256": None, "source_sha256": "5" * 16})
+
+
+def test_three_split_calls_and_a_final_one_equal_one_go(tmp_path, tracking_uri, mlflow_template_db,  # noqa: F811
+                                                         monkeypatch) -> None:
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv(common.GIT_ENV, CODE)
+
+    nbs = _notebook(tmp_path / "nbs", "07_split", [0, 1])
+    one_go = run_study(7, "cpu", nbs_dir=nbs, out_root=tmp_path / "one", log_output=False,
+                       tracking_uri=_store(tmp_path, mlflow_template_db, "one"))
+    lines: list[str] = []
+    # Three calls "on other machines" (each its own MLflow store, as on a GPU machine), then the final call here.
+    for i, runs in enumerate(("bounded:0", "softplus:1", "bounded:1")):
+        out = run_study(7, "cpu", runs=runs, nbs_dir=nbs, out_root=tmp_path / "split", log_output=False,
+                        tracking_uri=_store(tmp_path, mlflow_template_db, f"machine{i}"), echo=lines.append)
+        records = sorted(p.name for p in (out / "records").glob("*.json"))
+        assert len(records) == i + 1 and f"{runs.replace(':', '_s')}.json" in records
+        assert lines[-1].startswith(f"study 7, split call: trained {runs}; records in ")
+        assert not (out / "07_split.ipynb").exists()  # the report's folder holds no notebook of a split call
+    final = run_study(7, "cpu", nbs_dir=nbs, out_root=tmp_path / "split", tracking_uri=tracking_uri, log_output=False,
+                      echo=lines.append)
+    trained = [ln for ln in lines[-5:] if ln.startswith("[")]
+    assert [("recorded" in ln) for ln in trained] == [True, True, False, True]  # only softplus:0 trained here
+
+    table = pd.read_csv(final / "runs.csv")
+    pd.testing.assert_frame_equal(table[LOSSES], pd.read_csv(one_go / "runs.csv")[LOSSES])
+    assert json.loads((final / "summary.json").read_text())["runs"] == 4
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name("study/07_split")
+    parent = [r for r in client.search_runs([exp.experiment_id]) if r.info.run_name == "07_split-cpu"]
+    assert len(parent) == 1 and parent[0].info.status == "FINISHED"
+    children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent[0].info.run_id}'")
+    assert sorted(c.info.run_name for c in children) == ["bounded/s0", "bounded/s1", "softplus/s0", "softplus/s1"]
+    imported = {c.info.run_name: c for c in children if common.IMPORTED_TAG in c.data.tags}
+    assert sorted(imported) == ["bounded/s0", "bounded/s1", "softplus/s1"]
+    for name, c in imported.items():
+        assert c.info.status == "FINISHED" and c.data.params["record.device"].startswith("CPU")
+        assert float(c.data.params["record.wall_s"]) > 0 and c.data.params["record.gpu_minutes"] == "0.0"
+        assert c.data.params["model.kda.gate"] == name.split("/")[0]
+        assert len(client.get_metric_history(c.info.run_id, "train/loss")) == 4
+    # A second final call logs nothing again and trains nothing.
+    run_study(7, "cpu", nbs_dir=nbs, out_root=tmp_path / "split", tracking_uri=tracking_uri, log_output=False,
+              echo=lines.append)
+    assert len(client.search_runs([exp.experiment_id], f"tags.`{common.IMPORTED_TAG}` != ''")) == 3
+    assert all("recorded" in ln for ln in lines[-5:] if ln.startswith("["))
+
+
+def test_a_bad_split_is_refused_before_anything_runs(tmp_path) -> None:
+    with pytest.raises(ValueError, match="expected arm:seed"):
+        run_study(7, "cpu", runs="bounded", nbs_dir=tmp_path)
+    with pytest.raises(ValueError, match="1 <= i <= n"):
+        run_study(7, "cpu", shard="3/2", nbs_dir=tmp_path)
+    with pytest.raises(ValueError, match="give one of them"):
+        run_study(7, "cpu", runs="a:1", shard="1/2", nbs_dir=tmp_path)
+
+
+DRIVER = """
+import sys
+from pathlib import Path
+from moelab.studies.runner import StudyStopped, run_study
+try:
+    run_study(8, "cpu", nbs_dir=Path({nbs!r}), out_root=Path({out!r}), tracking_uri={uri!r}, log_output=False)
+except StudyStopped as e:
+    print(f"stopped: {{e}}", file=sys.stderr)
+    sys.exit(128 + e.signum)
+print("done")
+"""
+
+
+def _start(nbs: Path, out: Path, uri: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), common.GIT_ENV: CODE}
+    return subprocess.Popen([sys.executable, "-c", DRIVER.format(nbs=str(nbs), out=str(out), uri=uri)], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    end = time.time() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None, f"the study ended early: {proc.communicate()}"
+        assert time.time() < end, f"{path} never appeared"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_and_a_rerun_resumes_also_after_kill_9(tmp_path, tracking_uri) -> None:  # noqa: F811
+    from mlflow.tracking import MlflowClient
+
+    nbs = _notebook(tmp_path / "nbs", "08_stop", [0], steps=300, val=100)
+    out = tmp_path / "out"
+    study = out / "08_stop"
+    proc = _start(nbs, out, tracking_uri)
+    _wait_for(study / "checkpoints" / "softplus-s0" / "train.log", proc)  # the first run is recorded, the second runs
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("stopped: study 8 stopped by SIGTERM: finished runs are recorded in ") and "resumes" in last
+    assert "Traceback" not in stderr
+    assert not list(study.glob(".*.tmp.ipynb")) and not (study / "08_stop.ipynb").exists()
+    assert (study / "checkpoints" / "softplus-s0" / "last.ckpt").is_file()
+    assert [p.name for p in (study / "records").glob("*.json")] == ["bounded_s0.json"]
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name("study/08_stop")
+    status = {r.info.run_name: r.info.status for r in client.search_runs([exp.experiment_id])}
+    assert status == {"08_stop-cpu": "KILLED", "bounded/s0": "FINISHED", "softplus/s0": "KILLED"}
+
+    # kill -9 of the rerun while it trains: its runs stay RUNNING until the next call closes them.
+    proc = _start(nbs, out, tracking_uri)
+    end = time.time() + 300
+    while not any(r.info.status == "RUNNING" and r.info.run_name == "softplus/s0"
+                  for r in client.search_runs([exp.experiment_id])):
+        assert proc.poll() is None and time.time() < end, proc.communicate()
+        time.sleep(0.5)
+    proc.kill()
+    proc.communicate(timeout=60)
+    time.sleep(3)  # the kernel notices that its parent is gone and exits
+
+    proc = _start(nbs, out, tracking_uri)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "done" in stdout, stderr[-3000:]
+    assert "closed 2 MLflow run(s) left RUNNING by a process that was killed" in stderr
+    statuses = [r.info.status for r in client.search_runs([exp.experiment_id])]
+    assert "RUNNING" not in statuses
+    record = json.loads((study / "records" / "softplus_s0.json").read_text())
+    assert record["summary"]["steps"] == 300 and [h["step"] for h in record["history"]] == list(range(1, 301))
+    table = pd.read_csv(study / "runs.csv")
+    assert list(table.arm) == ["bounded", "softplus"] and (table.steps == 300).all()
