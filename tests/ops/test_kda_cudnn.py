@@ -300,3 +300,83 @@ def test_dg_identity_exact_but_not_from_bf16() -> None:
     assert _dg_by_identity(64, 32, torch.float64, torch.float64) < 1e-12
     assert _dg_by_identity(128, 64, torch.float32, torch.float32) < 1e-3
     assert _dg_by_identity(128, 64, torch.float32, torch.bfloat16) > 5e-2
+
+
+# ---- the GPU check's harness, with a stand-in engine -------------------------------------------
+
+
+def _standin_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cudnn.linear_attention.kimi_delta_attention`` as a differentiable PyTorch stand-in (THD, states
+    ``[N, H, V, K]``, the in-kernel L2 norm and bounded gate of its forward), installed in sys.modules."""
+    import sys
+    import types
+
+    def kimi_delta_attention(q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
+                             use_qk_l2norm_in_kernel=False, safe_gate=False, gate_lower_bound=None, a_log=None,
+                             dt_bias=None):
+        assert g.dtype == torch.float32 or safe_gate, g.dtype
+        if use_qk_l2norm_in_kernel:
+            q, k = (torch.nn.functional.normalize(x.float(), dim=-1, eps=1e-6) for x in (q, k))
+        if safe_gate:
+            g = gate_lower_bound * torch.sigmoid(a_log.exp()[:, None] * (g.float() + dt_bias))
+        outs, states = [], []
+        cu = cu_seqlens.tolist()
+        for a, b in zip(cu, cu[1:]):
+            o, S = naive_recurrent_kda(q[None, a:b], k[None, a:b], v[None, a:b], g[None, a:b], beta[None, a:b],
+                                       scale=scale, output_final_state=True)
+            outs.append(o[0])
+            states.append(S.transpose(-1, -2))
+        return torch.cat(outs), (torch.cat(states) if output_final_state else q.new_empty(0))
+
+    la = types.ModuleType("cudnn.linear_attention")
+    la.kimi_delta_attention = kimi_delta_attention
+    for name, mod in (("cudnn", types.ModuleType("cudnn")), ("cudnn.linear_attention", la),
+                      ("cudnn.linear_attention.ops", types.ModuleType("cudnn.linear_attention.ops")),
+                      ("cudnn.linear_attention.ops.kda", types.ModuleType("cudnn.linear_attention.ops.kda"))):
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+def _autograd_reference(q, k, v, g, beta, s0, do, dS):
+    """``[o, S, dq, dk, dv, dg, dbeta]`` of <o, do> + <S, dS> by autograd through the fp32 recurrence."""
+    leaves = [x.detach().float().requires_grad_() for x in (q, k, v, g, beta)]
+    with torch.enable_grad():
+        o, S = naive_recurrent_kda(*leaves, initial_state=s0, output_final_state=True)
+        grads = torch.autograd.grad((o * do).sum() + (S * dS).sum(), leaves)
+    return [o.detach(), S.detach(), *grads]
+
+
+def test_backends_check_runs_with_a_standin_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``check_kda_gpu.py --part backends`` (kernels/kda_backends.py) end to end on CPU with the stand-in
+    package: every row it fills on the GPU is filled here (errors of triton and cudnn, the path
+    ``kda(backend='cudnn')`` took, the in-kernel variant, timings and speedups), so a GPU run does not find
+    the harness broken."""
+    import os
+
+    from tests.helpers import rel_err
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "..", "kernels"))
+    import kda_backends
+
+    _standin_package(monkeypatch)
+    monkeypatch.setattr(cudnn, "_import_reason", lambda: None)
+    monkeypatch.setattr(cudnn, "unavailable_reason", lambda q, v=None, needs_grad=False, scale=None:
+                        cudnn.TRAINING_REASON if needs_grad else None)
+    monkeypatch.setattr(kda_backends, "unavailable", lambda backend, fla, dev: "no fla" if backend == "fla" else None)
+    rows: list = []
+    ok = kda_backends.check_accuracy([(1, 24, 2, 16)], torch.float32, "cpu", rows, lambda: None, fla=None,
+                                     recurrent_reference=_autograd_reference, rel_err=rel_err)
+    assert ok
+    by = {r["backend"]: r for r in rows}
+    assert by["fla"]["skipped"] == "no fla"
+    for backend in ("triton", "cudnn"):
+        assert by[backend]["passed"] and set(by[backend]["errors"]) == set(kda_backends.NAMES)
+        assert max(by[backend]["errors"].values()) < 1e-4, by[backend]
+    assert by["cudnn"]["kda_path"] == "cudnn"
+    assert max(by["cudnn"]["forward_errors"].values()) < 1e-4
+    assert max(by["cudnn"]["inkernel_forward_errors"].values()) < 1e-4
+    rows.clear()
+    kda_backends.check_timing([(1, 16, 1, 16)], torch.float32, "cpu", rows, lambda: None, fla=None)
+    (row,) = rows
+    assert row["cudnn_forward_path"] == "cudnn" and row["skipped"] == {"fla": "no fla"}
+    assert set(row["fwd_bwd_ms"]) == {"triton", "cudnn"} and set(row["fwd_ms"]) == {"triton", "cudnn", "cudnn_inkernel"}
+    assert set(row["fwd_bwd_speedup"]) == set(row["fwd_speedup"]) == {"cudnn_over_triton"}
