@@ -23,8 +23,10 @@ from moelab.model import MoELab
 from moelab.train.balancer import BalancerCallback
 from moelab.train.callbacks import HostScalar
 
-# A compiled model recompiles per new input shape (a curriculum's stages, the last short batch of a validation);
-# past this many versions of one frame dynamo raises instead of falling back to eager without a word.
+# A compiled model recompiles per new input shape (a curriculum's stages, the last short batch of a validation),
+# and AttnRes's depth aggregation once per number of sources it reads (up to two per layer: 26 for k3-mini's Block
+# AttnRes on the H200, where dynamo's default limit of 8 made every later depth run eagerly). Past
+# RECOMPILE_LIMIT + 2 x layers versions of one frame dynamo raises instead of falling back to eager without a word.
 RECOMPILE_LIMIT = 8
 
 
@@ -35,7 +37,8 @@ def compile_model(model: torch.nn.Module, mode: str, device: torch.device, backe
     (``torch.compiler.disable``) run eagerly between the compiled pieces. ``graphs``: the same with
     ``mode="reduce-overhead"``: each compiled piece's forward and backward replay as CUDA graphs. Both
     compiled modes fail loudly rather than slow down silently: a frame recompiled more than
-    ``RECOMPILE_LIMIT`` times raises (``fail_on_recompile_limit_hit``), and with ``graphs`` a compiled piece
+    ``RECOMPILE_LIMIT + 2 x layers`` times raises (``fail_on_recompile_limit_hit``; dynamo's warning above the
+    error names the frame and the guard that failed), and with ``graphs`` a compiled piece
     that cannot be captured raises an error naming why (inductor's ``cudagraph_or_error``; otherwise it
     would run uncaptured). Raises ConfigError for an unknown mode or ``graphs`` without CUDA. ``backend``:
     torch.compile's (tests pass ``"eager"`` to trace without generating code).
@@ -48,7 +51,9 @@ def compile_model(model: torch.nn.Module, mode: str, device: torch.device, backe
     if mode == "graphs" and device.type != "cuda":
         raise ConfigError(f"train.compile='graphs' needs a CUDA device (CUDA graphs); this run trains on "
                           f"{device.type}: use train.compile='default' or 'none'")
-    torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    layers = getattr(model, "layers", ())
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               RECOMPILE_LIMIT + 2 * len(layers))
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     if mode == "graphs" and hasattr(torch._inductor.config.triton, "cudagraph_or_error"):  # torch >= 2.12
         torch._inductor.config.triton.cudagraph_or_error = True

@@ -85,6 +85,35 @@ def test_compile_modes() -> None:
         load_config("tiny", {"train.compile": True})
 
 
+def test_per_depth_specializations_fit_but_a_recompile_loop_raises() -> None:
+    """Block AttnRes at k3-mini's depth (13 layers) recompiles its depth aggregation once per source count: that
+    must fit under the limit (dynamo's default 8 made the H200's compiled k3-mini fail); a frame that recompiles
+    on every call must raise, not run on eagerly."""
+    over = {**TOY, "model.n_layers": 13, "model.mla.q_latent_dim": 32, "model.moe.shared_dim": 32,
+            "model.moe.quantile_balancing_bins": 64}
+    model = MoELab(load_config("k3-mini", over).model)
+    compile_model(model, "default", torch.device("cpu"), backend="eager")
+    x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    out = model(x, x, return_logits=False, check_ids=False)
+    (out.loss + out.aux_loss).backward()
+    assert torch.isfinite(out.loss)
+
+    class Loop(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[int] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen.append(0)
+            return x * len(self.seen)  # a new constant every call: a recompile every call
+
+    loop = Loop()
+    compile_model(loop, "default", torch.device("cpu"), backend="eager")
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        for _ in range(64):
+            loop(torch.ones(2))
+
+
 def test_graphs_needs_cuda() -> None:
     """On the CPU train.compile='graphs' fails when the trainer sets the module up, naming the device."""
     lit = tiny_lit(**{"train.compile": "graphs"})
