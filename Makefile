@@ -27,7 +27,7 @@ SETUP :=
 endif
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast mutate lint data train info study-1 study-2 study-3 study-4 throughput kda-check kda-bench kda-aot model-bench ddp-check mlflow-ui lab sync-nbs
+.PHONY: help setup test test-fast mutate lint data train info study-1 study-2 study-3 study-4 throughput bench kda-check kda-bench kda-aot model-bench ddp-check mlflow-ui lab sync-nbs
 
 help: ## list the targets
 	@echo "usage: make TARGET [PRESET=...] [RUNS=arm:seed,...] [PYTHON=python3] [ARGS='--set key=value ...']"
@@ -83,22 +83,27 @@ info: $(SETUP) ## parameter counts and FLOPs of PRESET (default k3)
 study-1 study-2 study-3 study-4: study-%: $(SETUP) ## study-N: run study N's notebook (PRESET=gpu: the report in studies/NN_name/; cpu: runs/studies/NN_name/); RUNS=arm:seed,... or SHARD=i/n: a split call
 	$(RUN_ENV) $(PYTHON) -m moelab study $* $(if $(PRESET),--preset $(PRESET)) $(if $(RUNS),--runs $(RUNS)) $(if $(SHARD),--shard $(SHARD)) $(ARGS)
 
-throughput: $(SETUP) ## train PRESET (default gpu-small) and record tokens/s + MFU in studies/throughput_h200.json
-	$(PYTHON) -m moelab train --config $(or $(PRESET),gpu-small) --throughput studies/throughput_h200.json $(ARGS)
+throughput: $(SETUP) ## train PRESET (default gpu-small) and record tokens/s + MFU in kernels/results/model_h200.json
+	$(PYTHON) -m moelab train --config $(or $(PRESET),gpu-small) --throughput kernels/results/model_h200.json $(ARGS)
+
+ENTRY ?=
+bench: $(SETUP) ## GPU: one benchmark entry (ENTRY=kda|kda_long|kda_infer|attnres|moe|model; ARGS='--shapes ... --base REV --rounds N'; `$(PYTHON) kernels/bench.py --list`) -> kernels/results/<entry>_<gpu>.json
+	@[ -n "$(ENTRY)" ] || { echo "make bench: ENTRY=NAME is required; the entries:" >&2; $(PYTHON) kernels/bench.py --list >&2; exit 2; }
+	$(PYTHON) kernels/bench.py --entry $(ENTRY) $(ARGS)
 
 # Job execution (GenAI evaluation workers, ~8 processes) is off unless you set it: browsing runs needs none.
 kda-check: $(SETUP) ## GPU: bf16 correctness of the Triton KDA op vs the fp32 recurrence, gate gradients beside fla's -> kernels/results/kda_check_h200.json; ARGS='--commit SHA --part gate'
 	$(PYTHON) kernels/check_kda_gpu.py --out kernels/results/kda_check_h200.json $(ARGS)
 
-kda-bench: $(SETUP) ## GPU: KDA op speed/memory, moelab vs fla vs SDPA -> kernels/results/kda_h200{,_long}.json
-	$(PYTHON) kernels/bench_kda.py --part main --out kernels/results/kda_h200.json
-	$(PYTHON) kernels/bench_kda.py --part long --out kernels/results/kda_h200_long.json
+kda-bench: $(SETUP) ## GPU: make bench ENTRY=kda, then ENTRY=kda_long (KDA op speed/memory, moelab vs fla vs SDPA)
+	$(PYTHON) kernels/bench.py --entry kda $(ARGS)
+	$(PYTHON) kernels/bench.py --entry kda_long $(ARGS)
 
 kda-aot: $(SETUP) ## any machine: compile the KDA kernels for sm_90 and print registers / spills (ARGS='--infer --maxnreg 168': the inference forward's kernels, uncapped and capped)
 	$(PYTHON) kernels/aot_kda.py $(ARGS)
 
-model-bench: $(SETUP) ## GPU: whole-model tokens/s (fla shape vs fla, gpu-small residual modes, k3-mini vs balancer none; ARGS='--only k3-mini --rounds 8': interleaved rounds, paired ratios; add '--budget-s 280' to stop rounds in time, and TRITON_CACHE_DIR=$PWD/.tcache to keep compiled kernels for the next call) -> studies/throughput_h200.json
-	$(PYTHON) kernels/bench_model.py --out studies/throughput_h200.json $(ARGS)
+model-bench: $(SETUP) ## GPU: make bench ENTRY=model (ARGS='--shapes k3-mini --rounds 8 --budget-s 280'; TRITON_CACHE_DIR=$PWD/.tcache keeps compiled kernels)
+	$(PYTHON) kernels/bench.py --entry model $(ARGS)
 
 ddp-check: $(SETUP) ## 2 GPUs: two DDP ranks train k3-mini (quantile balancing) 100 steps, biases and weights must end bitwise equal -> kernels/results/ddp_check_h200.json; ARGS='--commit SHA'
 	$(PYTHON) kernels/check_ddp.py --out kernels/results/ddp_check_h200.json $(ARGS)

@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "kernels"))
 
-from bench_model import SMOKE_K3_MINI  # noqa: E402
+from bench import SMOKE_K3_MINI  # noqa: E402
 
 from moelab.base import ConfigError  # noqa: E402
 from moelab.config import RunConfig, load_config, to_yaml, with_overrides  # noqa: E402
@@ -71,7 +71,7 @@ RUN_SUMMARY_KEYS = ("status", "steps", "tok_per_s", "peak_mem_gb", "balancer_ms"
                     "replicas_identical", "tokens_per_step", "wall_s")
 GPU_SIZE = {"data.seq_len": 1024, "train.batch_size": 4}  # per rank: 4096 tokens, m k / n = 2 * 4096 * 8 / 64
 SMOKE_STEPS = 4
-# bench_model's toy k3-mini, with the preset's 1000 histogram bins: at the toy's 64 (bins 1/32 wide) the
+# bench.py's toy k3-mini, with the preset's 1000 histogram bins: at the toy's 64 (bins 1/32 wide) the
 # toy router's margins mostly share a bin (every bias stayed 0 over the 4 smoke steps), and equal zeros
 # would prove nothing.
 SMOKE_TOY = {k: v for k, v in SMOKE_K3_MINI.items() if k != "model.moe.quantile_balancing_bins"}

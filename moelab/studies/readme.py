@@ -70,18 +70,23 @@ class Row:
 # Kernel and whole-model rows (kernels/README.md): one function per row.
 # ----------------------------------------------------------------------------------------------
 
+MODEL_FILE = "kernels/results/model_h200.json"  # kernels/bench.py --entry model; rows carry their own commit
+
 def _throughput_gpu_small() -> Row:
-    f, s_file = "studies/throughput_h200.json", "studies/logs/train_gpu_small_h200_summary.json"
-    r, s = _row(_load(f)["rows"], "moelab_gpu_small"), _load(s_file)
-    what = (f"`make throughput PRESET=gpu-small` ({s['params_total'] / 1e6:.0f}M total / "
-            f"{s['params_activated'] / 1e6:.0f}M activated, B={s['B']}, T={s['T']}, {s['precision']})")
-    result = (f"{s['steps']} steps ({s['status']}); train loss {s['final_train_loss']:.2f}, val "
-              f"{s['final_val_loss']:.2f}; {_k(r['tok_per_s'])} tokens/s; {r['peak_mem_gb']:.1f} GB peak")
-    return Row(what, result, [f, s_file], (f, _needle(r["tok_per_s"])))
+    f = MODEL_FILE
+    r = _row(_load(f)["rows"], "moelab_gpu_small")
+    s = r.get("train")  # the training run's summary, where the row carries it
+    what = f"`make throughput PRESET=gpu-small` (B={r['B']}, T={r['T']}" + (
+        f", {s['params_total'] / 1e6:.0f}M total / {s['params_activated'] / 1e6:.0f}M activated, {s['precision']})"
+        if s else ")")
+    result = ((f"{s['steps']} steps ({s['status']}); train loss {s['final_train_loss']:.2f}, val "
+               f"{s['final_val_loss']:.2f}; " if s else "")
+              + f"{_k(r['tok_per_s'])} tokens/s; {r['peak_mem_gb']:.1f} GB peak")
+    return Row(what, result, [f], (f, _needle(r["tok_per_s"])))
 
 
 def _rounds(q: dict[str, Any], row: dict[str, Any]) -> str:
-    """How many paired rounds a ``bench_model.py --rounds`` ratio has: "N of M planned" for a run that stopped
+    """How many paired rounds a ``kernels/bench.py --entry model`` ratio has: "N of M planned" for a run that stopped
     early (``complete`` false: cut by a time limit or by ``--budget-s``)."""
     n = len(q["ratios"])
     if row.get("complete", True):
@@ -90,8 +95,8 @@ def _rounds(q: dict[str, Any], row: dict[str, Any]) -> str:
 
 
 def _paired(row: dict[str, Any], key: str) -> str:
-    """A row's tokens/s ratio ``row[key]`` from ``bench_model.py --rounds``: the median of the paired rounds, their
-    range, the verdict."""
+    """A row's tokens/s ratio ``row[key]`` from ``kernels/bench.py --entry model``: the median of the paired rounds,
+    their range, the verdict."""
     q = row[key]
     return f"{q['median']:.2f}x ({q['min']:.2f}-{q['max']:.2f} in {_rounds(q, row)}: {q['verdict']})"
 
@@ -101,7 +106,7 @@ def _mode_name(r: dict[str, Any]) -> str:
 
 
 def _residual_modes() -> Row:
-    f = "studies/throughput_h200.json"
+    f = MODEL_FILE
     rows = [r for r in _load(f)["rows"] if str(r.get("impl", "")).startswith("moelab_gpu_small_")]
     base = next((r for r in rows if r["model.residual.mode"] == "prenorm"), None)
     finite = all(r.get("loss_finite") and not r.get("nonfinite_grads") for r in rows)
@@ -119,13 +124,13 @@ def _residual_modes() -> Row:
     if mem:
         ratios += "; peak memory " + ", ".join(
             f"{_mode_name(r)} {r['mem_vs_prenorm']['ratio']:.2f}x ({r['mem_vs_prenorm']['verdict']})" for r in mem)
-    return Row("gpu-small per residual mode, fwd+bwd+AdamW (`bench_model.py --only gpu-small`; targets: block >= 0.9x, "
-               "full >= 0.75x of prenorm's tokens/s, block memory <= 1.2x)",
+    return Row("gpu-small per residual mode, fwd+bwd+AdamW (`bench.py --entry model --shapes gpu-small`; targets: "
+               "block >= 0.9x, full >= 0.75x of prenorm's tokens/s, block memory <= 1.2x)",
                f"{ratios}; {'finite' if finite else 'NOT finite'}", [f], (f, _needle(rows[0]["tok_per_s"])))
 
 
 def _k3_mini() -> Row:
-    f = "studies/throughput_h200.json"
+    f = MODEL_FILE
     rows = _load(f)["rows"]
     qb, none = _row(rows, "moelab_k3_mini"), _row(rows, "moelab_k3_mini_balancer_none")
     q = qb.get("ratio_vs_balancer_none")
@@ -135,8 +140,8 @@ def _k3_mini() -> Row:
         cost = (f"{qb['balancer_cost']:.1%} ({1 - q['max']:.1%} to {1 - q['min']:.1%} in {_rounds(q, qb)}: "
                 f"{q['verdict']}")
     return Row(f"k3-mini ({qb['params'] / 1e6:.0f}M total / {qb['params_activated'] / 1e6:.0f}M activated, "
-               f"B={qb['B']}, T={qb['T']}), {qb['balancer']} vs `balancer: none` (`bench_model.py --only k3-mini`; "
-               "target: the balancer costs <= 2% of the tokens/s)",
+               f"B={qb['B']}, T={qb['T']}), {qb['balancer']} vs `balancer: none` "
+               "(`bench.py --entry model --shapes k3-mini`; target: the balancer costs <= 2% of the tokens/s)",
                f"{_k(qb['tok_per_s'])} vs {_k(none['tok_per_s'])} tokens/s: the balancer costs {cost}; host-bound "
                f"step, host {qb['host_ms']:.0f} vs {none['host_ms']:.0f} ms); its kernels {qb['balancer_ms']:.2f} ms "
                f"of {qb['step_ms']:.1f} ms; MFU {qb['mfu_model_flops']:.1%} vs {none['mfu_model_flops']:.1%} "
@@ -212,7 +217,7 @@ def _kda_gate_check() -> Row:
 
 
 def _kda_speed() -> Row:
-    f, f_long = "kernels/results/kda_h200.json", "kernels/results/kda_h200_long.json"
+    f, f_long = "kernels/results/kda_h200.json", "kernels/results/kda_long_h200.json"
     rows, long_rows = _load(f)["rows"], _load(f_long)["rows"]
     by = {(r["impl"], r["B"], r["T"]): r for r in rows}
     shapes = list(dict.fromkeys((r["B"], r["T"]) for r in rows if r["impl"] == "moelab_bounded"))
@@ -238,11 +243,11 @@ def _kda_speed() -> Row:
 
 
 def _fla_shape() -> Row:
-    f = "studies/throughput_h200.json"
+    f = MODEL_FILE
     rows = _load(f)["rows"]
     m, fla = _row(rows, "moelab_fla_shape"), _row(rows, "fla_kda")
     what = (f"fla-anchor-shaped model (all-KDA, {m['params'] / 1e6:.0f}M params, B={m['B']}, T={m['T']}, bf16, "
-            "`bench_model.py --only fla`), moelab and fla's `KDAForCausalLM` in the same run")
+            "`bench.py --entry model --shapes fla`), moelab and fla's `KDAForCausalLM` in the same run")
     result = (f"moelab {_k(m['tok_per_s'])} tokens/s, {m['mfu']:.1%} MFU (anchor convention), "
               f"{m['peak_mem_gb']:.1f} GB peak; fla {_k(fla['tok_per_s'])} tokens/s, {fla['mfu']:.1%}, "
               f"{fla['peak_mem_gb']:.1f} GB: **{m['tok_per_s'] / fla['tok_per_s']:.2f}x fla's tokens/s**")
@@ -302,7 +307,7 @@ def _kda_infer() -> Row:
         by_shape.setdefault(shape, {})[r["layout"]] = f"{x:.2f}x"
     parts = "; ".join(f"{shape} " + " / ".join(v.get(lay, "-") for lay in targets) for shape, v in by_shape.items())
     return Row(f"KDA inference forward (`moelab.ops.kda.triton_infer`, chunk 16, no grad), D=128, one run at "
-               f"{d['meta']['commit']}: fla `chunk_kda` forward time over moelab's, fixed / packed "
+               f"{d['meta']['commit'][:7]}: fla `chunk_kda` forward time over moelab's, fixed / packed "
                f"(targets >= {targets['fixed']}x / >= {targets['packed']:g}x)",
                f"{parts}; targets met in {met} of {total}"
                + (f"; no fla row for {', '.join(missing)}" if missing else ""), [f], (f, None))

@@ -1,0 +1,222 @@
+"""kernels/bench.py, the one benchmark runner, on the CPU: its registry and arguments, the timing helper's median,
+the provenance block, the model file's merge, the --base worktree plumbing; and the kernels/ layout (issue 35)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moelab.provenance import git_state, provenance
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "kernels" / "bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return importlib.import_module("kernels.bench")  # kernels/ is a folder of scripts: a namespace package here
+
+
+def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH), *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def test_list_and_help_run_anywhere():
+    res = _run("--list")
+    assert res.returncode == 0, res.stderr
+    for name in ("kda", "kda_long", "kda_infer", "attnres", "moe", "model"):
+        assert f"kernels/results/{name}_h200.json" in res.stdout
+    assert "B1-T32768-H16" in res.stdout and "k3-mini" in res.stdout
+    res = _run("--help")
+    assert res.returncode == 0 and "--base REV" in res.stdout and "--entry" in res.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    ((), "--entry NAME is required"),
+    (("--entry", "kda", "--shapes", "B9-T1"), "--shapes B9-T1: not a shape of entry kda; allowed: B8-T4096"),
+    (("--entry", "nope"), "invalid choice: 'nope'"),
+    (("--entry", "kda_infer", "--rounds", "0"), "--rounds must be >= 1, got 0"),
+    (("--entry", "kda", "--budget-s", "60"), "--budget-s needs entry model"),
+])
+def test_argument_errors_name_the_bad_value(bench, args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(list(args))
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_no_cuda_fails_with_one_clear_line():
+    res = _run("--entry", "kda_infer")
+    assert res.returncode == 1
+    assert res.stderr.strip().splitlines() == [
+        "kernels/bench.py: no CUDA device: entry kda_infer measures GPU kernels (--smoke runs its tiny CPU check)"]
+
+
+def test_time_ms_is_the_median_of_rounds(bench):
+    """Each round times ``reps`` calls on the clock (reps from one call to fill min_round_ms); the result is the
+    median of the rounds' per-call means, warm-up calls and ``before`` untimed by themselves."""
+    now = [0.0]
+    durations = iter([9.0, 9.0,                      # warm-up: not counted
+                      2e-3,                          # the estimate: 2 ms -> 3 reps fill 5 ms
+                      1e-3, 1e-3, 1e-3,              # round 1: 1 ms per call
+                      4e-3, 4e-3, 4e-3,              # round 2: 4 ms
+                      2e-3, 2e-3, 5e-3])             # round 3: 3 ms
+    calls = []
+
+    def fn():
+        now[0] += next(durations)
+
+    t = bench.time_ms(fn, warmup=2, rounds=3, min_round_ms=5.0, before=lambda: calls.append(1), cuda=False,
+                      clock=lambda: now[0])
+    assert t.reps == 3 and t.rounds_ms == pytest.approx([1.0, 4.0, 3.0]) and t.ms == pytest.approx(3.0)
+    assert len(calls) == 2 + 1 + 9  # before() ran before every call
+    even = bench.time_ms(lambda: None, rounds=4, warmup=0, cuda=False, clock=iter(
+        [0, 1e-3, 0, 1e-3, 0, 2e-3, 0, 6e-3, 0, 9e-3]).__next__, min_round_ms=0.0)
+    assert even.rounds_ms == pytest.approx([1.0, 2.0, 6.0, 9.0]) and even.ms == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        bench.time_ms(lambda: None, rounds=0, cuda=False)
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True,
+                          env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+                               "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}).stdout.strip()
+
+
+def test_provenance_fields_and_the_dirty_flag(tmp_path):
+    meta = provenance(["python", "kernels/bench.py", "--entry", "kda"])
+    assert set(meta) == {"gpu", "python", "torch", "triton", "fla", "commit", "dirty", "diff_sha256", "command",
+                         "date"}
+    assert meta["command"] == "python kernels/bench.py --entry kda" and meta["date"].endswith("+00:00")
+    assert meta["torch"] == torch.__version__ and len(meta["commit"]) == 40
+    repo = tmp_path / "repo"
+    (repo / "moelab").mkdir(parents=True)
+    (repo / "kernels" / "results").mkdir(parents=True)
+    (repo / "moelab" / "x.py").write_text("a = 1\n")
+    (repo / "kernels" / "results" / "r.json").write_text("{}\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "init")
+    assert git_state(repo) == {"commit": _git(repo, "rev-parse", "HEAD"), "dirty": False, "diff_sha256": None}
+    (repo / "kernels" / "results" / "r.json").write_text('{"new": 1}\n')  # an output: not dirty
+    assert git_state(repo)["dirty"] is False
+    (repo / "moelab" / "x.py").write_text("a = 2\n")
+    state = git_state(repo)
+    assert state["dirty"] is True and len(state["diff_sha256"]) == 16
+    assert git_state(tmp_path / "not_a_repo_dir_but_missing")["commit"] is None
+
+
+def test_compare_speedups_point_one_way(bench):
+    entry = bench.ENTRIES["kda"]
+    base = [dict(impl="moelab_bounded", B=8, T=4096, H=16, D=128, fwd_ms=2.0, fwdbwd_ms=8.0, peak_mem_gb=3.0),
+            dict(impl="fla_safe_gate", B=8, T=4096, H=16, D=128, fwd_ms=1.0, fwdbwd_ms=None)]
+    new = [dict(impl="moelab_bounded", B=8, T=4096, H=16, D=128, fwd_ms=1.0, fwdbwd_ms=10.0, peak_mem_gb=9.0),
+           dict(impl="moelab_bounded", B=1, T=32768, H=16, D=128, fwd_ms=1.0)]  # no base row: left out
+    rows = bench.compare(entry, base, new)
+    assert [(c["metric"], c["speedup"]) for c in rows] == [("fwd_ms", 2.0), ("fwdbwd_ms", 0.8)]
+    assert rows[0]["key"] == {"impl": "moelab_bounded", "B": 8, "T": 4096, "H": 16, "D": 128}
+    model = bench.compare(bench.ENTRIES["model"], [{"impl": "m", "tok_per_s": 100.0, "step_ms": 50.0}],
+                          [{"impl": "m", "tok_per_s": 125.0, "step_ms": 40.0}])
+    assert {c["metric"]: c["speedup"] for c in model} == {"tok_per_s": 1.25, "step_ms": 1.25}
+
+
+def test_model_file_merges_rows_and_keeps_their_commits(bench, tmp_path):
+    out = tmp_path / "model_h200.json"
+    old = {"meta": {"gpu": "x"}, "rows": [{"impl": "fla_kda", "tok_per_s": 1.0, "commit": "aaa"},
+                                          {"impl": "moelab_k3_mini", "tok_per_s": 2.0, "commit": "aaa"}]}
+    out.write_text(json.dumps(old))
+    meta = {"gpu": "NVIDIA H200", "commit": "b" * 40, "dirty": False, "diff_sha256": None, "command": "c",
+            "date": "d"}
+    bench.make_saver(bench.ENTRIES["model"], str(out), meta)({"rows": [{"impl": "moelab_k3_mini", "tok_per_s": 3.0}]})
+    data = json.loads(out.read_text())
+    assert "commit" not in data["meta"] and data["meta"]["gpu"] == "NVIDIA H200"  # rows come from several runs
+    assert [(r["impl"], r["tok_per_s"], r["commit"]) for r in data["rows"]] == [("fla_kda", 1.0, "aaa"),
+                                                                                ("moelab_k3_mini", 3.0, "b" * 40)]
+    other = tmp_path / "kda.json"
+    bench.make_saver(bench.ENTRIES["kda"], str(other), meta)({"rows": [{"impl": "x"}]})
+    assert json.loads(other.read_text()) == {"meta": meta, "rows": [{"impl": "x"}]}
+
+
+def test_round_order_is_balanced_and_verdicts(bench):
+    for n in (2, 3, 4):
+        period = n if n % 2 == 0 else 2 * n
+        orders = [bench.round_order(n, r) for r in range(period)]
+        assert all(sorted(o) == list(range(n)) for o in orders)
+        for pos in range(n):  # every config once in each position per half-period
+            assert sorted(o[pos] for o in orders[:n]) == list(range(n))
+        follows = [(o[i], o[i + 1]) for o in orders for i in range(n - 1)]
+        assert len(set(follows)) == n * (n - 1) and all(follows.count(p) == follows.count(follows[0])
+                                                        for p in follows)
+    q = bench.compare_rounds([100.0, 110.0, 90.0], [100.0, 100.0, 100.0], 0.98)
+    assert q["ratios"] == pytest.approx([1.0, 1.1, 0.9]) and q["verdict"] == "within noise"
+    assert bench.verdict([0.99, 1.0], 0.98) == "met" and bench.verdict([0.9, 0.97], 0.98) == "not met"
+    with pytest.raises(ValueError, match="same number"):
+        bench.compare_rounds([1.0], [1.0, 2.0], 0.9)
+
+
+@pytest.mark.slow
+def test_base_runs_the_entry_on_another_commit(bench, tmp_path, capfd):
+    """--base: a worktree of the commit, this file run there on that tree's moelab, the result read back and the
+    worktree gone; a name that is not a commit is refused."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "moelab", repo / "moelab", ignore=shutil.ignore_patterns("__pycache__"))
+    moe = repo / "moelab" / "model" / "moe.py"
+    moe.write_text(moe.read_text() + "\nprint('moe.py of the throwaway commit')\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "throwaway")
+    sha = _git(repo, "rev-parse", "HEAD")
+    res = bench.run_base("HEAD", ["--entry", "moe", "--shapes", "smoke", "--smoke"], repo=repo)
+    assert res["meta"]["commit"] == sha and res["meta"]["entry"] == "moe"
+    assert {r["impl"] for r in res["rows"]} >= {"moelab_moe", "dense_equal_flops"}
+    assert "moe.py of the throwaway commit" in capfd.readouterr().out
+    assert _git(repo, "worktree", "list").count("\n") == 0  # only the main tree is left
+    with pytest.raises(SystemExit, match="--base nope: not a commit"):
+        bench.run_base("nope", [], repo=repo)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU smoke; a GPU runs the real thing")
+def test_model_smoke_rows_as_the_readme_reads_them(tmp_path):
+    """The k3-mini group at toy sizes: both rows paired over 2 rounds, the balancer's cost and time, one step's host
+    work, the provenance on every row."""
+    out = tmp_path / "model.json"
+    res = _run("--entry", "model", "--smoke", "--rounds", "2", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"moelab_k3_mini", "moelab_k3_mini_balancer_none"}
+    qb = rows["moelab_k3_mini"]
+    q = qb["ratio_vs_balancer_none"]
+    assert len(q["ratios"]) == 2 and qb["balancer_cost"] == pytest.approx(1 - q["median"])
+    assert qb["complete"] and qb["rounds_planned"] == 2 and qb["balancer"] == "quantile_balancing"
+    assert 0 < qb["balancer_ms"] < qb["step_ms"] and qb["loss_finite"] and not qb["nonfinite_grads"]
+    assert qb["step_ops"]["aten_ops"] > 100 and qb["step_ops"]["fn_applies"] >= 1
+    assert all(len(r["commit"]) == 40 and r["command"].endswith(str(out)) for r in rows.values())
+
+
+def test_kernels_folder_is_small_and_results_are_a_ledger():
+    """Issue 35: kernels/ holds at most 6 Python files of at most 3,000 lines, each run by a make target;
+    kernels/results/ at most 20 files, no history/, no console logs, no autotune caches."""
+    scripts = sorted((ROOT / "kernels").glob("*.py"))
+    lines = sum(len(p.read_text().splitlines()) for p in scripts)
+    assert len(scripts) <= 6 and lines <= 3000, (len(scripts), lines)
+    makefile = (ROOT / "Makefile").read_text()
+    reached = {p.name for p in scripts if f"kernels/{p.name}" in makefile}
+    helpers = {p.name for p in scripts if p.name not in reached
+               and any(f"import {p.stem}" in q.read_text() or f"from {p.stem} import" in q.read_text()
+                       for q in scripts if q.name in reached)}
+    assert reached | helpers == {p.name for p in scripts}, "not reachable from a make target"
+    results = [p for p in (ROOT / "kernels" / "results").rglob("*") if p.is_file()]
+    assert len(results) <= 20, sorted(p.name for p in results)
+    assert not any(p.is_dir() for p in (ROOT / "kernels" / "results").iterdir())
+    assert not [p.name for p in results if p.suffix in (".log", ".tgz", ".gz")]
