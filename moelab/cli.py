@@ -163,10 +163,22 @@ def _data(args: argparse.Namespace) -> int:
 
 
 def _study(args: argparse.Namespace) -> int:
-    from moelab.studies.runner import run_study
+    from moelab.base import repo_root
+    from moelab.studies.runner import StudyFailed, StudyStopped, run_study
 
-    out = run_study(args.number, args.preset,
-                    parameters={"from_results": True} if getattr(args, "from_results", False) else None)
+    # Rendering from the committed results re-renders the committed report, so it goes where they are.
+    render = {"parameters": {"from_results": True}, "out_root": repo_root() / "studies"} if args.from_results else {}
+    try:
+        out = run_study(args.number, args.preset, runs=args.runs, shard=args.shard, **render)
+    except StudyStopped as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return 128 + e.signum
+    except StudyFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:  # a bad --runs / --shard
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"study {args.number}: results in {out}")
     return 0
 

@@ -72,6 +72,42 @@ def test_parser_knows_every_command() -> None:
         parser.parse_args(["study", "1", "--preset", "tpu"])
 
 
+def test_study_split_arguments() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["study", "1", "--preset", "gpu", "--runs", "bounded:0,softplus:1"])
+    assert (args.runs, args.shard) == ("bounded:0,softplus:1", None)
+    assert parser.parse_args(["study", "1", "--shard", "2/3"]).shard == "2/3"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["study", "1", "--runs", "a:0", "--shard", "1/2"])
+    assert parser.parse_args(["study", "1", "--from-results"]).from_results
+
+
+@pytest.mark.parametrize(("raised", "code", "line"), [
+    ("stopped", 143, "stopped: study 1 stopped by SIGTERM: ... `make study-1 PRESET=cpu` resumes"),
+    ("stopped-int", 130, "stopped: study 1 stopped by SIGINT: ... `make study-1 PRESET=cpu` resumes"),
+    ("failed", 1, "error: study 1: cell 3 ('x') raised ValueError: bad; the executed notebook with the traceback: s"),
+    ("bad-split", 2, "error: RUNS item 'bounded' is not allowed: expected arm:seed (e.g. bounded:0), comma-separated"),
+])
+def test_study_outcomes_are_one_line_and_an_exit_code(raised, code, line, monkeypatch, capsys) -> None:
+    """A stopped study exits 128 + the signal, a failed cell 1, a bad split 2: each with one line, no traceback."""
+    from moelab.studies import common, runner
+
+    def fake(number, preset, runs=None, shard=None, **render):
+        if raised.startswith("stopped"):
+            signum = signal.SIGINT if raised == "stopped-int" else signal.SIGTERM
+            raise runner.StudyStopped(f"study 1 stopped by {signal.Signals(signum).name}: ... "
+                                      f"`make study-1 PRESET=cpu` resumes", signum)
+        if raised == "failed":
+            raise runner.StudyFailed("study 1: cell 3 ('x') raised ValueError: bad; the executed notebook with the "
+                                     "traceback: s")
+        common.parse_runs(runs)
+
+    monkeypatch.setattr(runner, "run_study", fake)
+    assert main(["study", "1", "--runs", "bounded"]) == code
+    err = capsys.readouterr().err
+    assert err.strip() == line
+
+
 def test_data_prepares_the_default_corpus(capsys) -> None:
     assert main(["data", "--config", "tiny"]) == 0
     out = capsys.readouterr().out

@@ -59,6 +59,7 @@ def _store(tmp_path: Path, template: Path, name: str) -> str:
 CODE = json.dumps({"commit": "abc", "dirty": False, "diff_sha256": None, "source_sha256": "5" * 16})
 
 
+@pytest.mark.slow
 def test_three_split_calls_and_a_final_one_equal_one_go(tmp_path, tracking_uri, mlflow_template_db,  # noqa: F811
                                                          monkeypatch) -> None:
     from mlflow.tracking import MlflowClient
