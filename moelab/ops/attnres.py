@@ -26,7 +26,7 @@ integer arguments, so one compiled kernel per direction serves every L (two with
 source 0 is also the last one). Unrolling over a constexpr L made compile time grow with L and
 compiled a kernel per L and slot pattern: 50 for a Full AttnRes step of 24 sublayers, 60 for
 gpu-small's Full and Block (6, 8) steps together, where this op compiles 4
-(``kernels/bench_attnres.py --compile``; kernels/results/attnres_compile_cpu_sm90.json). Source 0
+(kernels/results/attnres_compile_cpu_sm90.json, from the retired ``bench_attnres.py --compile``). Source 0
 (in the model the fp32 embedding) and the last source (the newest) are pointer arguments; the
 sources between them are read through an int64 table of addresses, all in one dtype (the last
 source's; a list whose sources 1.. differ in dtype is converted to their promoted one, and a
@@ -59,8 +59,8 @@ and its row sums share one round of barriers, so a program keeps ``group`` tiles
 one at a time kept one. ``LaunchConfig.stages`` lets Triton software-pipeline the loop over the
 groups instead or as well (the next groups' tiles copied into shared memory while this one is
 summed). ``launch_config`` sets both by rule from D (and L, N where one read is all there is), within
-register and shared-memory estimates fitted to what the kernels compile to (``kernels/bench_attnres.py
---occupancy``; ``--sweep`` measures launches against it). D is a
+register and shared-memory estimates fitted to what the kernels compile to (the committed
+``kernels/results/attnres_occupancy_*_cpu_sm90.json``; ``attnres_sweep_h200.json`` measured launches against it). D is a
 compile-time constant (one per model, like the tile shape it sets): a power-of-two D drops the
 column mask from every load and store.
 
@@ -166,7 +166,7 @@ REG_MARGIN = 16  # registers the rule keeps free below MAX_REGS beyond its estim
 def estimate_regs(per_thread: int, group: int, backward: bool) -> int:
     """Registers per thread of a launch whose tile gives each thread ``per_thread`` fp32 elements, ``group``
     source tiles at once: forward ``32 + e (1.5 group + 1)``, backward ``44 + e (2.5 group + 2.5)``, least-
-    squares fits to what the kernels compile to for sm_90 (``bench_attnres.py --occupancy``, one stage:
+    squares fits to what the kernels compile to for sm_90 (the retired ``bench_attnres.py --occupancy``, one stage:
     kernels/results/attnres_occupancy_d512_cpu_sm90.json and attnres_occupancy_d2048_cpu_sm90.json, one-row
     tiles and several-row tiles of one source at a time; tests/ops/test_attnres_op.py checks how far off).
     At 16 warps the compiler holds a thread to 128 registers (one program per SM) and fits what it can:
@@ -428,7 +428,7 @@ def _note_resident(key: tuple, kernel, device: torch.device, warps: int) -> None
     """Programs of a compiled kernel that fit on one SM: registers (allocated per thread in units
     of 8), shared memory, and 64 warps per SM."""
     if getattr(kernel, "n_regs", None) is None:
-        return  # no compiled kernel came back (bench_attnres --occupancy records launches without running them)
+        return  # no compiled kernel came back (a recorder stood in for the kernel: nothing was compiled)
     props = triton.runtime.driver.active.utils.get_device_properties(device.index)
     regs = -(-kernel.n_regs // 8) * 8
     fit = [props["max_num_regs"] // (max(regs, 8) * 32 * warps), 64 // warps]

@@ -72,7 +72,7 @@ PRESETS = {
     # One H200: 504 s wall at fdd7e59 (estimated ~7 minutes beforehand; summary.json): gpu-small's hybrid
     # (3 KDA : 1 MLA, d_model 512) with dense FFNs, 80 steps of 16K tokens. Estimate: gpu-small's measured 121 ms per
     # 32K-token step over 12 layers is ~5 ms per layer per 16K-token step; Block and Full AttnRes cost ~1.9x
-    # prenorm's step at 12 layers (kernels/results/restructure_h200/model_gpu_small_1227ff2.json; Full's extra
+    # prenorm's step at 12 layers (kernels/results/restructure_h200/model_gpu_small_1227ff2.json, in git; Full's extra
     # grows with depth), so the three main modes at 4 + 8 + 16 layers take ~53 s per seed, ~160 s for three
     # seeds, plus ~25 s for the other block counts at 16 layers (seed 0): ~3 min of steps, ~2.5 min of start,
     # validation and checkpoints over 29 runs (~5 s each), ~1 min of kernel compilation. Three seeds at depths

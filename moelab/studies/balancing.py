@@ -68,7 +68,7 @@ _MOE = {"model.moe.num_experts": 64, "model.moe.top_k": 8, "model.moe.num_shared
 # 2-core machine that other jobs share stretches by their load).
 # gpu: gpu-small's width, KDA/MLA mix and corpus at 4 layers (3 MoE layers), 16K tokens per step; 21 runs
 # of 160 steps. Estimate for one H200 from gpu-small's measured ~150-200 ms per 32K-token step over 12
-# layers (studies/throughput_h200.json): ~50 ms per step here, ~8 s per run plus ~6 s of start, validation
+# layers (kernels/results/model_h200.json): ~50 ms per step here, ~8 s per run plus ~6 s of start, validation
 # and checkpoints, so ~5 minutes of training, ~1 minute of kernel compilation, under a minute of shift test.
 # Measured: 328 s wall at fdd7e59 (summary.json).
 PRESETS: dict[str, dict[str, Any]] = {

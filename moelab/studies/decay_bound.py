@@ -13,7 +13,8 @@ The measurements the notebook ``nbs/01_decay_bound.py`` calls, in its order:
    training length (:func:`extrapolation_rows`).
 3. :func:`fast_forgetting`: a task that needs fast forgetting, where an unbounded gate shows how
    far it goes and a bounded one stops at its bound.
-4. Kernel speed, read from the committed ``kernels/results/kda_h200*.json`` (``make kda-bench``).
+4. Kernel speed, read from the committed ``kernels/results/kda_h200.json`` and ``kda_long_h200.json``
+   (``make kda-bench``).
 """
 
 from __future__ import annotations
@@ -417,7 +418,7 @@ EXTRAPOLATE = 4  # evaluate at up to 4x the training context (max_seq_len is rai
 # cpu: a narrower cpu model, seconds per run on 2 shared cores. gpu: gpu-small at 8 x 4096 tokens per
 # step; 4 arms x 3 seeds x 100 steps = 39M tokens. Time on one fresh H200 (Triton cache empty), per
 # notebook phase, estimated from the cell times of the run at 0d87287 (killed at 549 s, ~11.5 min in
-# all) and a gpu-small run (studies/logs/train_gpu_small_h200_summary.json: 200 steps in 40 s):
+# all) and a gpu-small run (kernels/results/model_h200.json, moelab_gpu_small's train: 200 steps in 40 s):
 #   imports 5 s; §1 modelled tile + the op on synthetic decays, mostly compilation: 15 s (was 20 s: one
 #   batched call instead of 16, each with a 1024-step token-by-token reference); init check of the 4
 #   arms: 16 s;

@@ -179,7 +179,7 @@ def test_captured_step_trains_as_eager_gpu(balancer: str) -> None:
         torch.testing.assert_close(captured[1][n], p, rtol=5e-2, atol=5e-3, msg=n)
 
 
-# gpu-small's structure at toy sizes (as kernels/bench_model.py --smoke): the benchmark's code runs on the CPU.
+# gpu-small's structure at toy sizes (as kernels/bench.py --entry model --smoke): the benchmark's code runs on the CPU.
 TOY = {"model.vocab_size": 512, "data.vocab_size": 512, "model.d_model": 64, "model.dense_ffn_dim": 128,
        "model.max_seq_len": 32, "data.seq_len": 32, "train.batch_size": 2, "model.kda.num_heads": 2,
        "model.kda.head_dim": 32, "model.kda.decay_rank": 8, "model.kda.chunk_size": 16, "model.mla.num_heads": 2,

@@ -111,7 +111,7 @@ def test_no_path_outside_the_repository_is_cited() -> None:
 
 
 def test_rows_show_paired_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows from ``bench_model.py --rounds`` show the median paired ratio, its range and the verdict."""
+    """Rows from ``kernels/bench.py --entry model`` show the median paired ratio, its range and the verdict."""
     def q(ratios: list[float], target: float, verdict: str) -> dict:
         return {"ratios": ratios, "median": sorted(ratios)[1], "min": min(ratios), "max": max(ratios),
                 "target": target, "verdict": verdict}

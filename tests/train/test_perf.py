@@ -37,7 +37,7 @@ def test_record_throughput_upserts_rows_and_keeps_others(tmp_path) -> None:
 
 
 def test_record_throughput_writes_a_list_of_rows_at_once(tmp_path) -> None:
-    """A group of rows (``bench_model.py --rounds``) replaces its old rows in one write and keeps the others."""
+    """A group of rows (``kernels/bench.py --entry model``) replaces its old rows in one write and keeps the others."""
     path = tmp_path / "throughput.json"
     record_throughput(path, [{"impl": "a", "tok_per_s": 1.0}, {"impl": "other", "tok_per_s": 9.0}], command="one")
     data = record_throughput(path, [{"impl": "a", "tok_per_s": 2.0}, {"impl": "b", "tok_per_s": 3.0}], command="two")

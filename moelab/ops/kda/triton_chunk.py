@@ -87,7 +87,7 @@ MAXNREG: dict[str, int] = {"kktr": 168}
 @contextlib.contextmanager
 def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None):
     """Run the op with some ``LAUNCH`` / ``MAXNREG`` entries replaced, restored on exit (A/B runs
-    and launch-config sweeps, e.g. kernels/ab_kda.py).
+    and launch-config sweeps, e.g. ``kernels/bench.py --entry kda --base REV``).
 
     Args:
         launch: ``{kernel: (block, num_warps, num_stages)}`` for kernels named in ``LAUNCH``.
