@@ -118,7 +118,7 @@ table[list(study.TABLE_METRICS) + ["settled", "n_seeds"]].rename(columns={
 
 # %%
 title = f"{p['base']}-based, {moe.num_experts} experts top-{moe.top_k}: training loss minus no balancer's"
-common.show(report.difference_figure(histories, "none", title, colors=study._colors(list(study.ARMS))),
+common.show(report.difference_figure(histories, "none", title),
             out / "figures" / "training_loss.png")
 
 # %% [markdown]
@@ -140,7 +140,7 @@ figure
 # routing at this batch size. A value of $n/k - 1$ means every token picks the same $k$ experts.
 
 # %%
-bias_arms = [a for a in study.ARMS if study.ARMS[a]["model.moe.balancer"] in study.BIAS_BALANCERS]
+bias_arms = study.bias_arms()
 if from_results:  # the per-step biases live in the runs, not in results/
     figure = report.committed_figure(out / "figures" / "bias_trajectories.png")
 else:

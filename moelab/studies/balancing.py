@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moelab.model.balance import balanced_routers, max_vio, qb_exact, recentre, routing_margins, smooth
+from moelab.model.balance import BIAS_BALANCERS, balanced_routers, max_vio, qb_exact, recentre, routing_margins, smooth
 from moelab.studies import common, report
 
 STUDY = "02_balancing"
@@ -556,6 +556,11 @@ def qb_limits(rec: common.RunRecord, traj: Mapping[str, Any], train_tail: float,
 
 
 # --- figures ---------------------------------------------------------------------------------------
+
+def bias_arms() -> list[str]:
+    """The arms whose balancer moves the router bias (the auxiliary-loss and ``none`` arms keep it at zero)."""
+    return [a for a in ARMS if ARMS[a]["model.moe.balancer"] in BIAS_BALANCERS]
+
 
 def _colors(arms: Sequence[str]) -> dict[str, str]:
     """One distinct colour per balancer, the same in every figure (``report.palette`` over ``ARMS``)."""
