@@ -107,6 +107,12 @@ def test_failing_notebook_marks_parent_failed_and_keeps_the_executed_notebook(tm
     assert statuses == {"08_broken-cpu": "FAILED", "child-cpu": "FINISHED"}
 
 
+def test_dashboard_link_opens_the_training_view() -> None:
+    from moelab.studies.runner import dashboard_link
+
+    assert dashboard_link("7") == "http://127.0.0.1:5000/#/experiments/7/runs?workflowType=machine_learning"
+
+
 def test_only_a_record_preset_writes_the_committed_report() -> None:
     root = Path(__file__).resolve().parents[1]
     assert results_root("gpu") == root / "studies"

@@ -257,8 +257,14 @@ def run_study(
         _log_results(run, work, executed)
         if failure is not None:
             raise StudyFailed(_failure_line(number, failure, executed))
-    say(f"dashboard: make mlflow-ui, then http://127.0.0.1:5000/#/experiments/{run.experiment_id}/runs/{run.run_id}")
+    say(f"dashboard: {dashboard_link(run.experiment_id)} (after make mlflow-ui)")
     return out_dir
+
+
+def dashboard_link(experiment_id: str, port: int = 5000) -> str:
+    """The MLflow UI's runs table of an experiment in its training view (MLflow 3.17 opens its GenAI view
+    on a link without ``workflowType``)."""
+    return f"http://127.0.0.1:{port}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
 
 
 def _shown(path: Path) -> str:
