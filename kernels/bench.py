@@ -38,6 +38,7 @@ import collections
 import contextlib
 import cProfile
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -368,11 +369,15 @@ def _infer_fns(B: int, T: int, H: int, D: int, packed: bool, ctx: Ctx, fla_chunk
             q, k, v, z, beta, gate="bounded", A_log=A_log, dt_bias=dt_bias, g_min=G_MIN, l2norm_qk=True,
             beta_sigmoid=True, output_final_state=True, cu_seqlens=cu, validate=False)}
     if fla_chunk_kda is not None:
+        # fla versions without the in-kernel beta sigmoid get beta after its sigmoid (outside the timed call)
+        in_kernel = "use_beta_sigmoid_in_kernel" in inspect.signature(fla_chunk_kda).parameters
+        fla_beta, fla_kw = (beta, dict(use_beta_sigmoid_in_kernel=True)) if in_kernel else (beta.sigmoid(), {})
+
         def fla():
             with torch.no_grad():
-                return fla_chunk_kda(q, k, v, z, beta, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
+                return fla_chunk_kda(q, k, v, z, fla_beta, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
                                      use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=G_MIN,
-                                     use_beta_sigmoid_in_kernel=True, output_final_state=True, cu_seqlens=cu)
+                                     output_final_state=True, cu_seqlens=cu, **fla_kw)
         fns["fla_chunk_kda"] = fla
     if not packed:  # the training op takes no cu_seqlens, and beta in (0, 1): its sigmoid is outside the call
         b = beta.sigmoid()
@@ -442,9 +447,10 @@ def run_kda_infer(ctx: Ctx) -> dict[str, Any]:
                     shape_rows["moelab_infer"]["diff_vs_fla"] = dict(o=rel_err(fo.float(), o.float()),
                                                                      final_state=rel_err(fS.float(), S.float()))
                 del fns, outs
-            except torch.cuda.OutOfMemoryError:
+            except Exception as exc:  # OOM or a failing side: recorded, and the next shape still runs
+                error = "OOM" if isinstance(exc, torch.cuda.OutOfMemoryError) else f"{type(exc).__name__}: {exc}"
                 shape_rows = {"moelab_infer": dict(impl="moelab_infer", layout=layout, B=B, T=T, H=H, D=D,
-                                                   fwd_ms=None, error="OOM")}
+                                                   fwd_ms=None, error=error[:300])}
             rows.extend(shape_rows.values())
             ctx.save({"rows": rows})
             for row in shape_rows.values():
