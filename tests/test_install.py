@@ -55,3 +55,28 @@ except ModuleNotFoundError as e:
     assert "MLflow is not installed: this run is not tracked (install the lab extra, pip install 'moelab[lab]'" in text
     assert "study: a study run needs papermill, nbformat, nbconvert, latex2mathml, mlflow, psutil" in out.stdout
     assert "pip install 'moelab[lab]'" in out.stdout.split("study:")[1]
+
+
+def test_the_token_cache_is_written_and_read_without_datasets(tmp_path) -> None:
+    """The cache's Arrow splits are written and read with pyarrow alone, in the layout datasets.load_from_disk
+    reads too (caches built earlier by datasets stay valid)."""
+    import datasets
+    import numpy as np
+
+    from moelab.data.corpus import PreparedCorpus, _save_stream
+
+    for dtype in (np.uint16, np.int32):
+        x = (np.arange(2500) * 7919 % 60000).astype(dtype)
+        _save_stream(x, tmp_path / dtype.__name__ / "train")
+        back = datasets.load_from_disk(str(tmp_path / dtype.__name__ / "train")).data.column("ids").to_numpy()
+        assert back.dtype == dtype and np.array_equal(back, x)
+        corpus = PreparedCorpus.__new__(PreparedCorpus)
+        object.__setattr__(corpus, "cache_dir", tmp_path / dtype.__name__)
+        ours = corpus.load_tokens("train")
+        assert ours.dtype == dtype and np.array_equal(ours, x)
+    # and a split that datasets itself wrote reads back the same
+    y = np.arange(3000, dtype=np.uint16)
+    datasets.Dataset.from_dict({"ids": y}).save_to_disk(str(tmp_path / "by_datasets" / "val"), num_shards=1)
+    corpus = PreparedCorpus.__new__(PreparedCorpus)
+    object.__setattr__(corpus, "cache_dir", tmp_path / "by_datasets")
+    assert np.array_equal(corpus.load_tokens("val"), y)

@@ -7,8 +7,10 @@ field that changes its content (source and its content hash, tokenizer, vocab si
         manifest.json     config, counts, versions, sha256 of every other file
         tokenizer.json    the trained BPE (tokenizers JSON) or the byte tokenizer's stub
         split.json        document ids of each split
-        train/, val/      datasets.save_to_disk: one Arrow column "ids", one token per row,
-                          uint16 (vocab <= 65536) or int32; documents joined by end-of-text (id 0)
+        train/, val/      the layout of datasets.save_to_disk (Arrow stream data-00000-of-00001.arrow,
+                          state.json, dataset_info.json), written and read with pyarrow alone: one
+                          column "ids", one token per row, uint16 (vocab <= 65536) or int32;
+                          documents joined by end-of-text (id 0)
 
 Every reuse re-hashes the files against the manifest; a missing or corrupt cache is reported on
 stderr and rebuilt. A build happens in a temporary sibling directory that is renamed into place
@@ -21,7 +23,6 @@ run was not trained on, under the run's own tokenizer.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import lzma
@@ -85,10 +86,10 @@ class PreparedCorpus:
         """The ``split`` ("train" | "val") token stream, ``[N]`` uint16 or int32, documents joined by id 0."""
         if split not in SPLITS:
             raise ValueError(f"split={split!r} is not allowed: expected one of {SPLITS}")
-        import datasets
+        import pyarrow as pa
 
-        ds = datasets.load_from_disk(str(self.cache_dir / split))
-        return ds.data.column("ids").to_numpy()
+        with pa.memory_map(str(self.cache_dir / split / ARROW_FILE)) as source:
+            return pa.ipc.open_stream(source).read_all().column("ids").to_numpy()
 
     def tokenizer(self) -> Tokenizer:
         """The tokenizer the streams were encoded with."""
@@ -269,7 +270,11 @@ def _file_documents(patterns: Sequence[str]) -> Documents:
 
 
 def _hf_documents(cfg: DataConfig) -> Documents:
-    import datasets
+    try:
+        import datasets
+    except ImportError as e:
+        raise ConfigError(f"data.source={cfg.source!r} reads a Hugging Face hub dataset, which needs the datasets "
+                          f"package: pip install datasets (or the lab extra, pip install 'moelab[lab]')") from e
 
     ds = datasets.load_dataset(cfg.hf_name, cfg.hf_config or None, split=cfg.hf_split)
     if cfg.text_field not in ds.column_names:
@@ -357,15 +362,30 @@ def _encode_stream(tok: Tokenizer, texts: Iterator[str], dtype: type) -> tuple[n
     return (np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)), n_chars
 
 
+ARROW_FILE = "data-00000-of-00001.arrow"  # datasets' name for a one-shard split
+_ARROW_BATCH = 1000  # rows per record batch, as datasets writes them
+
+
 def _save_stream(stream: np.ndarray, path: Path) -> None:
-    import datasets
+    """``stream`` in the layout of ``datasets.save_to_disk`` (``datasets.load_from_disk`` reads it), with pyarrow:
+    ``pip install moelab`` trains without the datasets package."""
     import pyarrow as pa
 
+    features = {"ids": {"dtype": np.dtype(stream.dtype).name, "_type": "Value"}}
+    schema = pa.schema([("ids", pa.from_numpy_dtype(stream.dtype))],
+                       metadata={"huggingface": json.dumps({"info": {"features": features}})})
+    path.mkdir(parents=True, exist_ok=True)
+    table = pa.table({"ids": pa.array(stream)}, schema=schema)
+    with pa.OSFile(str(path / ARROW_FILE), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for batch in table.to_batches(max_chunksize=_ARROW_BATCH):
+            writer.write_batch(batch)
     # A fingerprint derived from the content keeps state.json (and so the manifest) reproducible.
     fingerprint = hashlib.sha256(stream.tobytes()).hexdigest()[:16]
-    ds = datasets.Dataset(pa.table({"ids": pa.array(stream)}), fingerprint=fingerprint)
-    with _quiet_datasets():
-        ds.save_to_disk(str(path), num_shards=1)
+    write_json(path / "state.json", {"_data_files": [{"filename": ARROW_FILE}], "_fingerprint": fingerprint,
+                                     "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
+                                     "_output_all_columns": False, "_split": None})
+    write_json(path / "dataset_info.json", {"citation": "", "description": "", "features": features,
+                                            "homepage": "", "license": ""})
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -437,14 +457,13 @@ def _sha256_json(obj: object) -> str:
 
 
 def _versions() -> dict:
-    import datasets
     import pyarrow
     import tokenizers
 
     import moelab
 
     return {"moelab": moelab.__version__, "python": platform.python_version(), "numpy": np.__version__,
-            "datasets": datasets.__version__, "tokenizers": tokenizers.__version__, "pyarrow": pyarrow.__version__}
+            "tokenizers": tokenizers.__version__, "pyarrow": pyarrow.__version__}
 
 
 def _warn(msg: str) -> None:
@@ -453,20 +472,6 @@ def _warn(msg: str) -> None:
 
 def _logger(progress: bool) -> Callable[[str], None]:
     return _warn if progress else (lambda msg: None)
-
-
-@contextlib.contextmanager
-def _quiet_datasets() -> Iterator[None]:
-    """Silence datasets' per-save progress bars, restoring the caller's setting afterwards."""
-    import datasets
-
-    was_disabled = datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if not was_disabled:
-            datasets.enable_progress_bars()
 
 
 __all__ = ["Documents", "PreparedCorpus", "archive_stream", "cache_key_fields", "load_documents", "prepare",

@@ -47,7 +47,7 @@ def test_shakespeare_default(shakespeare_cfg: DataConfig, shakespeare: PreparedC
     assert int(train.max()) < p.vocab_size
     assert set(m["files"]) >= {"tokenizer.json", "split.json", "train/data-00000-of-00001.arrow",
                                "val/data-00000-of-00001.arrow"}
-    assert m["versions"]["datasets"] and m["config"]["source"] == "shakespeare"
+    assert m["versions"]["pyarrow"] and "datasets" not in m["versions"] and m["config"]["source"] == "shakespeare"
 
 
 def test_shakespeare_split_and_round_trip(shakespeare_cfg: DataConfig, shakespeare: PreparedCorpus) -> None:
