@@ -279,8 +279,9 @@ class BalancerCallback(Callback):
         self.val_history = [(int(s), v) for s, v in state["val_history"]]
 
     def save(self, folder: Path) -> list[Path]:
-        """Write ``load_heatmap.png`` and ``balance_trajectories.pt`` (:meth:`trajectories` plus
-        ``val_history``) into ``folder``; returns the paths written (none before the first step)."""
+        """Write ``load_heatmap.png`` (where matplotlib is installed) and ``balance_trajectories.pt``
+        (:meth:`trajectories` plus ``val_history``) into ``folder``; returns the paths written (none before the
+        first step)."""
         traj = self.trajectories()
         if traj["load"] is None:
             return []
@@ -288,6 +289,10 @@ class BalancerCallback(Callback):
         with atomic_path(folder / "balance_trajectories.pt") as tmp:
             torch.save({**traj, "val_history": self.val_history}, tmp)
         written.append(folder / "balance_trajectories.pt")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:  # `pip install moelab` has no matplotlib (the lab has): the trajectories, no figure
+            return written
         with atomic_path(folder / "load_heatmap.png") as tmp:
             load_heatmap(traj["step"], traj["load"], traj["layers"]).savefig(tmp, format="png")
         written.append(folder / "load_heatmap.png")

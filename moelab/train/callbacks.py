@@ -340,23 +340,30 @@ class StepMonitor(_PerStep):
 
 
 def write_history(path: Path, rows: list[dict[str, float]]) -> None:
-    """``history.csv``: one row per optimizer step, ``val/loss`` filled in at validation steps."""
-    import pandas as pd
+    """``history.csv``: one row per optimizer step, ``val/loss`` filled in at validation steps (else empty).
 
+    The csv module rather than pandas: training needs no pandas (``pip install moelab`` has none);
+    ``repr`` of a float reads back exactly.
+    """
+    import csv
+
+    columns = list(dict.fromkeys(k for r in rows for k in r))
     with atomic_write(path) as f:
-        pd.DataFrame(rows).to_csv(f, index=False)
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(columns)
+        writer.writerows([["" if r.get(k) is None else repr(float(r[k])) for k in columns] for r in rows])
 
 
 def read_history(path: Path, up_to_step: int) -> list[dict[str, float]]:
     """The rows of ``history.csv`` with ``step <= up_to_step`` (what a checkpoint at that step had seen)."""
-    import pandas as pd
+    import csv
 
     if not path.is_file():
         return []
-    frame = pd.read_csv(path)
-    rows = frame[frame["step"] <= up_to_step].to_dict("records")
-    # Empty cells (no validation at that step) come back as NaN: leave them out, as they were written.
-    return [{k: float(v) for k, v in r.items() if not (isinstance(v, float) and math.isnan(v))} for r in rows]
+    with open(path, newline="", encoding="utf-8") as f:
+        # Empty cells (no validation at that step) are left out, as they were written.
+        rows = [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in csv.DictReader(f)]
+    return [r for r in rows if r.get("step", math.inf) <= up_to_step]
 
 
 class Throughput(_PerStep):
@@ -469,6 +476,18 @@ class StopControl(_PerStep):
             trainer.should_stop = True
         elif trainer.global_step >= trainer.max_steps:
             trainer.should_stop = True
+
+
+def progress_bar() -> L.Callback:
+    """:class:`StepProgressBar` where rich is installed, else Lightning's tqdm bar (rich is not a dependency of
+    ``pip install moelab``)."""
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        from lightning.pytorch.callbacks import TQDMProgressBar
+
+        return TQDMProgressBar()
+    return StepProgressBar()
 
 
 class StepProgressBar(RichProgressBar):

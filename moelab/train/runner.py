@@ -73,9 +73,9 @@ from moelab.train.callbacks import (
     Interrupted,
     LastCheckpoint,
     StepMonitor,
-    StepProgressBar,
     StopControl,
     Throughput,
+    progress_bar,
     read_history,
     write_history,
 )
@@ -479,7 +479,7 @@ def _train(cfg: RunConfig, run: Run | None, resumed: Resumed | None, module: Lit
         num_sanity_val_steps=0,
         deterministic=t.deterministic,
         use_distributed_sampler=False,  # TextDataModule splits the data over ranks itself
-        callbacks=[*callbacks, monitor, throughput, stop, last_ckpt, *([best] if best else []), StepProgressBar()],
+        callbacks=[*callbacks, monitor, throughput, stop, last_ckpt, *([best] if best else []), progress_bar()],
         logger=False,  # moelab's callbacks log to MLflow themselves, at the step they describe
         default_root_dir=str(ckpt_dir),
         plugins=[AtomicCheckpointIO()],
