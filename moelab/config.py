@@ -78,8 +78,8 @@ class TrainConfig:
     deterministic: bool | Literal["warn"] = True
     accumulate_grad_batches: int = 1
     # none: eager; default: torch.compile of the model (dynamo + inductor; the fused Triton ops run eagerly
-    # between the compiled pieces); graphs: the same with its compiled pieces run as CUDA graphs (forward and
-    # backward; mode="reduce-overhead"; a CUDA device only). moelab.train.module.compile_model applies it.
+    # between the compiled pieces); graphs: the whole step (forward, backward, balancer, clipping, AdamW) as one
+    # CUDA graph (one CUDA device, one micro-batch per step, fixed shapes). moelab.train.module applies it.
     compile: Compile = "none"
 
     def validate(self) -> TrainConfig:
@@ -102,6 +102,9 @@ class TrainConfig:
         _check(self.accumulate_grad_batches >= 1, "train.accumulate_grad_batches", self.accumulate_grad_batches,
                "an integer >= 1")
         _one_of("train.compile", self.compile, COMPILE_MODES)
+        if self.compile == "graphs":
+            _check(self.accumulate_grad_batches == 1, "train.accumulate_grad_batches", self.accumulate_grad_batches,
+                   "1 with train.compile='graphs' (one captured step per optimizer step)")
         return self
 
 
@@ -152,6 +155,10 @@ class RunConfig:
         for i, stage in enumerate(self.data.curriculum):
             _check(stage.seq_len <= self.model.max_seq_len, f"data.curriculum[{i}].seq_len", stage.seq_len,
                    f"<= model.max_seq_len ({self.model.max_seq_len})")
+        if self.data.curriculum and self.train.compile == "graphs":
+            raise ConfigError("train.compile='graphs' is not allowed with data.curriculum: a captured step replays one "
+                              "batch shape, and packed documents count their documents on the host (a sync); use "
+                              "train.compile='default' or 'none'")
         if self.data.curriculum:
             plan(self.data.curriculum, self.train.batch_size, self.data.seq_len, self.train.accumulate_grad_batches,
                  self.train.max_steps)

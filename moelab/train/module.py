@@ -10,6 +10,7 @@ balancer inside the model (``moelab.model.balance``); ``configure_callbacks`` ad
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 from moelab.base import ConfigError
 from moelab.config import COMPILE_MODES, RunConfig, to_dict
 from moelab.model import MoELab
+from moelab.model.balance import BalanceStep
 from moelab.train.balancer import BalancerCallback
 from moelab.train.callbacks import HostScalar
 
@@ -34,30 +36,26 @@ def compile_model(model: torch.nn.Module, mode: str, device: torch.device, backe
     """Apply ``train.compile`` to ``model`` in place (``nn.Module.compile``: the state-dict keys stay the same).
 
     ``none``: nothing. ``default``: torch.compile (dynamo + inductor); the fused Triton ops
-    (``torch.compiler.disable``) run eagerly between the compiled pieces. ``graphs``: the same with
-    ``mode="reduce-overhead"``: each compiled piece's forward and backward replay as CUDA graphs. Both
-    compiled modes fail loudly rather than slow down silently: a frame recompiled more than
+    (``torch.compiler.disable``) run eagerly between the compiled pieces. A frame recompiled more than
     ``RECOMPILE_LIMIT + 2 x layers`` times raises (``fail_on_recompile_limit_hit``; dynamo's warning above the
-    error names the frame and the guard that failed), and with ``graphs`` a compiled piece
-    that cannot be captured raises an error naming why (inductor's ``cudagraph_or_error``; otherwise it
-    would run uncaptured). Raises ConfigError for an unknown mode or ``graphs`` without CUDA. ``backend``:
-    torch.compile's (tests pass ``"eager"`` to trace without generating code).
+    error names the frame and the guard that failed) instead of running on eagerly without a word.
+    ``graphs``: the model stays as it is (:class:`LitMoELab` captures the whole step: :class:`CapturedStep`);
+    only the device is checked. Raises ConfigError for an unknown mode or ``graphs`` without CUDA.
+    ``backend``: torch.compile's (tests pass ``"eager"`` to trace without generating code).
     """
     if mode not in COMPILE_MODES:
         raise ConfigError(f"train.compile={mode!r} is not allowed: expected one of "
                           f"{', '.join(map(repr, COMPILE_MODES))}")
-    if mode == "none":
-        return
     if mode == "graphs" and device.type != "cuda":
         raise ConfigError(f"train.compile='graphs' needs a CUDA device (CUDA graphs); this run trains on "
                           f"{device.type}: use train.compile='default' or 'none'")
+    if mode != "default":
+        return
     layers = getattr(model, "layers", ())
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                RECOMPILE_LIMIT + 2 * len(layers))
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    if mode == "graphs" and hasattr(torch._inductor.config.triton, "cudagraph_or_error"):  # torch >= 2.12
-        torch._inductor.config.triton.cudagraph_or_error = True
-    model.compile(mode="reduce-overhead" if mode == "graphs" else None, backend=backend)
+    model.compile(backend=backend)
 
 
 def train_step_fn(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
@@ -68,7 +66,9 @@ def train_step_fn(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad
     ``cache_enabled=False``, as a captured step needs), ``loss + aux_loss`` backward, the gradient norm, the
     balancer's update (``moelab.model.balance.balance_step``, as ``BalancerCallback`` runs it), clipping to
     ``grad_clip`` (0: none), the optimizer step and ``zero_grad``. Returns ``loss``, ``ce``, ``aux_loss`` and
-    ``grad_norm`` (0-dim tensors on the device; no host sync anywhere).
+    ``grad_norm`` (0-dim tensors on the device; no host sync anywhere) and, with MoE layers, what the balancer
+    did: ``balance/load`` ``[L, n]``, ``balance/bias`` ``[L, n]`` and ``balance/<metric>`` ``[L]``, for the layers
+    named in ``step.balance_layers`` (set by the first call).
     """
     from moelab.model.balance import balance_step
 
@@ -83,14 +83,33 @@ def train_step_fn(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad
         loss = out.loss + out.aux_loss
         loss.backward()
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
-        balance_step(model)
+        balanced = balance_step(model)
         if grad_clip:
             torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss.detach(), "ce": out.loss.detach(), "aux_loss": out.aux_loss.detach(), "grad_norm": norm}
+        res = {"loss": loss.detach(), "ce": out.loss.detach(), "aux_loss": out.aux_loss.detach(), "grad_norm": norm}
+        if balanced is not None:
+            step.balance_layers = balanced.layers
+            res.update({"balance/load": balanced.load, "balance/bias": balanced.bias},
+                       **{f"balance/{k}": v for k, v in balanced.metrics.items()})
+        return res
 
+    step.balance_layers = []
     return step
+
+
+class CaptureError(RuntimeError):
+    """A training step that cannot run as one CUDA graph (``train.compile='graphs'``); the message names the pieces."""
+
+
+def _blockers(calls: list[tuple[str, str]]) -> str:
+    seen: dict[str, int] = {}
+    for op, where in calls:
+        seen[f"{op} at {where}"] = seen.get(f"{op} at {where}", 0) + 1
+    pieces = "; ".join(f"{k}" + (f" (x{n})" if n > 1 else "") for k, n in seen.items())
+    return (f"train.compile='graphs' cannot capture this step: it waits for the GPU (a host sync) in {pieces}; "
+            f"use train.compile='default' or 'none', or take the sync out of the step")
 
 
 class CapturedStep:
@@ -101,15 +120,20 @@ class CapturedStep:
     grouped-GEMM caches, the optimizer state and the gradients); the next call captures it and replays the
     graph, and every later call copies its batch into the static buffers and replays. Each call returns
     copies of the step's outputs (the graph's own are overwritten by the next replay). What ``step`` needs:
-    no host sync (``moelab.train.perf.HostSyncs``), no new shapes (a batch of another shape raises
-    ValueError), and an optimizer that runs in a graph (AdamW with ``capturable=True`` or ``fused=True``, a
-    tensor ``lr`` to change the rate between replays); autocast with ``cache_enabled=False`` inside ``step``
+    no host sync (the last warm-up step runs under ``moelab.train.perf.HostSyncs``: a sync on a CUDA tensor
+    raises :class:`CaptureError` naming the op and the moelab function, as does a capture that CUDA
+    refuses), no new shapes (a batch of another shape raises ValueError), and an optimizer that runs in a
+    graph (AdamW with ``capturable=True`` or ``fused=True``, a tensor ``lr`` to change the rate between
+    replays); autocast with ``cache_enabled=False`` inside ``step``
     (a cast cached outside the graph would be captured as a stale constant).
     """
 
     def __init__(self, step: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], warmup: int = 3) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("CapturedStep needs a CUDA device (CUDA graphs)")
+        if warmup < 1:
+            raise ValueError(f"CapturedStep: warmup={warmup} is not allowed: expected >= 1 eager step before the "
+                             f"capture (caches, optimizer state, the host-sync check)")
         self.step, self.warmup = step, warmup
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -128,19 +152,28 @@ class CapturedStep:
             self.static[k].copy_(v, non_blocking=True)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from moelab.train.perf import HostSyncs
+
         self._load(batch)
         self.calls += 1
         if self.graph is None and self.calls <= self.warmup:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            # The last warm-up step (the first ones fill caches, which may read values once) must not sync.
+            seen = HostSyncs(devices=("cuda",)) if self.calls == self.warmup else contextlib.nullcontext(None)
+            with torch.cuda.stream(side), seen:
                 out = self.step(self.static)
             torch.cuda.current_stream().wait_stream(side)
+            if isinstance(seen, HostSyncs) and seen.calls:
+                raise CaptureError(_blockers(seen.calls))
             return {k: v.detach().clone() for k, v in out.items()}
         if self.graph is None:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.out = self.step(self.static)
+            try:
+                with torch.cuda.graph(graph):
+                    self.out = self.step(self.static)
+            except RuntimeError as e:
+                raise CaptureError(f"the step could not be captured as a CUDA graph: {e}") from e
             self.graph = graph
         self.graph.replay()
         return {k: v.detach().clone() for k, v in self.out.items()}
@@ -167,6 +200,12 @@ class LitMoELab(L.LightningModule):
     balancer's ``balance/*`` per-layer metrics; host values: with a curriculum ``train/seq_len``, with
     MoE layers the balancer's time), which :class:`moelab.train.callbacks.StepMonitor` turns into
     floats one step later, so reading them never makes the host wait for the step it has just queued.
+
+    ``train.compile='graphs'``: the whole step (forward, backward, the balancer's update, clipping, AdamW)
+    replays as one CUDA graph (:class:`CapturedStep` around :func:`train_step_fn`) under Lightning's manual
+    optimization; the module steps the schedule, counts the step for the trainer, and hands the balancer's
+    result to :class:`BalancerCallback` itself (no ``perf/balancer_ms``: a graph has no events to read).
+    One device, one micro-batch per step, fixed shapes (``moelab.config`` refuses the rest).
     """
 
     def __init__(self, cfg: RunConfig) -> None:
@@ -174,19 +213,18 @@ class LitMoELab(L.LightningModule):
         self.cfg = cfg
         self.model = MoELab(cfg.model)
         self._compiled = False  # train.compile is applied in setup(), once the device is known
+        self.automatic_optimization = cfg.train.compile != "graphs"
+        self._captured: CapturedStep | None = None
         self.step_scalars: dict[str, torch.Tensor | HostScalar] = {}
         self.mlflow_run_id: str | None = None  # stored in checkpoints so a resumed run can link back
 
     def setup(self, stage: str) -> None:
         if not self._compiled:
             compile_model(self.model, self.cfg.train.compile, self.trainer.strategy.root_device)
+            if self.cfg.train.compile == "graphs" and self.trainer.world_size > 1:
+                raise ConfigError(f"train.compile='graphs' runs on one device; this run has "
+                                  f"{self.trainer.world_size} ranks: use train.compile='default' or 'none'")
             self._compiled = True
-
-    def _step_begin(self) -> None:
-        # CUDA graphs (train.compile='graphs') reuse their output memory: a new step tells them the outputs
-        # of the previous one are no longer read (StepMonitor reads copies: see training_step).
-        if self.cfg.train.compile == "graphs":
-            torch.compiler.cudagraph_mark_step_begin()
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None):
         return self.model(input_ids, targets)
@@ -208,19 +246,44 @@ class LitMoELab(L.LightningModule):
         # T4096 peaked at 33.0 instead of 42.6 GB on the H200, and stepped faster (README.md, "Measured so far").
         # check_ids=False: the data module's ids are checked against the vocabulary once, before
         # training; the per-batch range check would cost a host sync every step.
-        self._step_begin()
+        if not self.automatic_optimization:
+            return self._captured_step(batch)
         out = self.model(batch["input_ids"], batch["targets"], return_logits=False, check_ids=False,
                          segment_ids=self._segments(batch))
         loss = out.loss + out.aux_loss
-        # With graphs, copies: a CUDA graph's outputs are overwritten by its next replay, and StepMonitor reads
-        # these a step later.
-        keep = (lambda t: t.detach().clone()) if self.cfg.train.compile == "graphs" else torch.Tensor.detach
-        self.step_scalars = {"train/loss": keep(loss), "train/ce": keep(out.loss), "train/aux_loss": keep(out.aux_loss)}
+        self.step_scalars = {"train/loss": loss.detach(), "train/ce": out.loss.detach(),
+                             "train/aux_loss": out.aux_loss.detach()}
         if self.cfg.data.curriculum:  # the stage's length, so tokens/s and loss can be read per stage
             self.step_scalars["train/seq_len"] = float(batch["input_ids"].shape[1])  # a device copy would sync
         # No self.log here: a tensor logged for the progress bar becomes a float after every batch (a host
         # sync per step); StepProgressBar shows StepMonitor's train/loss instead.
         return loss
+
+    def _captured_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """train.compile='graphs': one optimizer step as a CUDA graph replay (the first steps eager, then the
+        capture: :class:`CapturedStep`), then what Lightning's automatic loop would have done around it."""
+        if self._captured is None:
+            optimizer = self.optimizers().optimizer
+            dtype = torch.bfloat16 if str(self.trainer.precision).startswith("bf16") else None
+            self._train_step = train_step_fn(self.model, optimizer, self.cfg.train.grad_clip, dtype)
+            self._captured = CapturedStep(self._train_step)
+        out = self._captured({"input_ids": batch["input_ids"], "targets": batch["targets"]})
+        self.step_scalars = {"train/loss": out["loss"], "train/ce": out["ce"], "train/aux_loss": out["aux_loss"],
+                             "train/grad_norm": out["grad_norm"]}
+        if "balance/load" in out:
+            metrics = {k.removeprefix("balance/"): v for k, v in out.items()
+                       if k.startswith("balance/") and k not in ("balance/load", "balance/bias")}
+            step = BalanceStep(list(self._train_step.balance_layers), out["balance/load"], out["balance/bias"],
+                               metrics)
+            for callback in self.trainer.callbacks:
+                if isinstance(callback, BalancerCallback):
+                    callback.record(self.trainer, self, step)
+        self.lr_schedulers().step()
+        # Manual optimization counts optimizer steps through LightningOptimizer.step, which the graph bypasses.
+        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        progress.increment_ready()
+        progress.increment_completed()
+        return out["loss"]
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Before clipping: the norm the raw gradient had (what blows up first when training diverges).
@@ -229,7 +292,6 @@ class LitMoELab(L.LightningModule):
         self.step_scalars["train/grad_norm"] = norm.detach()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        self._step_begin()
         out = self.model(batch["input_ids"], batch["targets"], return_logits=False, check_ids=False,
                          segment_ids=self._segments(batch))
         # Every rank holds the same number of equal-size batches, so the mean of rank means is exact.
@@ -244,8 +306,14 @@ class LitMoELab(L.LightningModule):
         groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         # Lightning refuses gradient clipping with fused AdamW under mixed precision (it unscales
         # internally), so the fused kernel is used only when clipping is off; foreach otherwise.
-        fused = not t.grad_clip and torch.cuda.is_available() and all(p.is_cuda for p in self.parameters())
-        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, fused=fused or None)
+        on_gpu = torch.cuda.is_available() and all(p.is_cuda for p in self.parameters())
+        if not self.automatic_optimization and on_gpu:
+            # graphs: the captured step clips itself; the kernel runs in the graph and reads the rate from a
+            # device tensor that the schedule fills between replays (a float would be baked into the graph).
+            optimizer = torch.optim.AdamW(groups, lr=torch.tensor(t.lr, device=self.device), betas=t.betas,
+                                          fused=True, capturable=True)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, fused=(not t.grad_clip and on_gpu) or None)
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_factor(step, t.warmup_steps, t.max_steps, t.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -260,7 +328,11 @@ class LitMoELab(L.LightningModule):
         schedule.base_lrs = [t.lr] * len(optimizer.param_groups)
         factor = lr_factor(schedule.last_epoch, t.warmup_steps, t.max_steps, t.min_lr_ratio)
         for group, decay in zip(optimizer.param_groups, (t.weight_decay, 0.0)):
-            group.update(initial_lr=t.lr, lr=t.lr * factor, weight_decay=decay, betas=t.betas)
+            group.update(initial_lr=t.lr, weight_decay=decay, betas=t.betas)
+            if isinstance(group["lr"], torch.Tensor):  # graphs: the captured step reads this tensor
+                group["lr"].fill_(t.lr * factor)
+            else:
+                group["lr"] = t.lr * factor
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Self-describing checkpoints (load_model needs no preset) and exact resume of any RNG use.

@@ -109,16 +109,27 @@ class HostSyncs(TorchFunctionMode):
     On any device (a CPU step shows the syncs it would make on a GPU; ``torch.cuda.set_sync_debug_mode``
     sees only CUDA ones, and only where they happen). Catches :data:`SYNC_OPS`, boolean-mask indexing and
     ``repeat_interleave`` without ``output_size``; not reads that bypass torch's function dispatch (C++).
+    ``devices=("cuda",)``: only calls on a CUDA tensor (a CPU tensor's read does not wait for the GPU).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, devices: tuple[str, ...] | None = None) -> None:
         super().__init__()
+        self.devices = devices  # record only calls on a tensor of these device types (None: any tensor)
         self.calls: list[tuple[str, str]] = []
+
+    def _on_device(self, args: tuple, kwargs: dict) -> bool:
+        if self.devices is None:
+            return True
+        items = [*args, *kwargs.values()]
+        items += [i for a in args if isinstance(a, tuple) for i in a]
+        return any(isinstance(a, torch.Tensor) and a.device.type in self.devices for a in items)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
-        if name in SYNC_OPS:
+        if not self._on_device(args, kwargs):
+            pass
+        elif name in SYNC_OPS:
             self.calls.append((name, _moelab_frame()))
         elif name in ("__getitem__", "__setitem__") and len(args) > 1 and _has_mask(args[1]):
             self.calls.append((f"{name}[bool mask]", _moelab_frame()))
@@ -154,7 +165,7 @@ def _moelab_frame() -> str:
 
 ANCHOR_PEAK = 792e12  # measured bf16 8192^3 matmul on the H200: the "all parameters" MFU convention's peak
 DATASHEET_PEAK = 989e12  # H200 dense bf16: the "activated parameters" (model FLOPs) convention's peak
-CAPTURE_MODES = ("eager", "default", "graphs", "step_graph")
+CAPTURE_MODES = ("eager", "default", "graphs")  # train.compile's none, default, graphs
 
 
 def _median(xs: list[float]) -> float:
@@ -201,15 +212,14 @@ class _Arm:
         self.cfg = load_config(preset, overrides)
         torch.manual_seed(0)
         self.model = MoELab(self.cfg.model).to(dev)
-        if mode in ("default", "graphs"):
-            compile_model(self.model, mode, dev)
+        compile_model(self.model, "none" if mode == "eager" else mode, dev)
         opt = torch.optim.AdamW(self.model.parameters(), lr=torch.tensor(lr, device=dev) if cuda else lr,
                                 fused=cuda or None, capturable=cuda, betas=self.cfg.train.betas, weight_decay=0.0)
         step = train_step_fn(self.model, opt, self.cfg.train.grad_clip, torch.bfloat16 if cuda else None)
-        if mode == "step_graph":
+        if mode == "graphs":
             step = CapturedStep(step, warmup=warm - 1)
         self.step = step
-        for _ in range(warm):  # untimed: compilation, autotuning, the capture (step_graph: the last of them)
+        for _ in range(warm):  # untimed: compilation, autotuning, the capture (graphs: the last of them)
             self.run()
         _sync(dev)
         self.setup_s = time.perf_counter() - t0
@@ -217,11 +227,9 @@ class _Arm:
         self.peak = _peak(dev) - before
 
     def run(self) -> None:
-        if self.mode == "graphs":
-            torch.compiler.cudagraph_mark_step_begin()
         out = self.step(self.data[self.next % len(self.data)])
         self.next += 1
-        self.losses.append(out["loss"] if self.mode != "graphs" else out["loss"].clone())
+        self.losses.append(out["loss"])
 
     def window(self, steps: int) -> dict[str, float]:
         """``steps`` steps between two synchronizations, then the host time to issue one more from an idle GPU."""
@@ -325,8 +333,9 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
                   overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Training steps per second of each preset in each ``train.compile`` mode on one GPU, in one process.
 
-    Modes: ``eager``, ``default`` and ``graphs`` (``moelab.train.module.compile_model``), and
-    ``step_graph`` (the whole step as one CUDA graph: ``CapturedStep``). Every mode trains its own copy of
+    Modes as ``train.compile`` runs them: ``eager`` (none), ``default`` (torch.compile of the model:
+    ``moelab.train.module.compile_model``) and ``graphs`` (the whole step as one CUDA graph:
+    ``CapturedStep``). Every mode trains its own copy of
     the same initial model (seed 0) on the same ``steps`` batches of random ids (B, T of the preset, bf16
     autocast, fused capturable AdamW at a constant lr 3e-4, clipping as the preset): ``warm`` untimed steps
     (compilation, capture), then interleaved rounds of ``window`` timed steps plus one host-timed step per mode.
@@ -434,7 +443,7 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m moelab.train.perf --out FILE [--only k3-mini] [--modes eager,step_graph] [--no-docs]``"""
+    """``python -m moelab.train.perf --out FILE [--only k3-mini] [--modes eager,graphs] [--no-docs]``"""
     import argparse
 
     ap = argparse.ArgumentParser(description=capture_bench.__doc__.split("\n")[0])

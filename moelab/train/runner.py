@@ -469,7 +469,7 @@ def _train(cfg: RunConfig, run: Run | None, resumed: Resumed | None, module: Lit
         devices=t.devices,
         strategy=t.strategy,
         precision=resolve_precision(cfg),
-        gradient_clip_val=t.grad_clip or None,
+        gradient_clip_val=(t.grad_clip or None) if t.compile != "graphs" else None,  # graphs: the step clips
         gradient_clip_algorithm="norm",
         accumulate_grad_batches=t.accumulate_grad_batches,
         # Validation every val_every optimizer steps, counted across the (single, long) epoch.

@@ -1,17 +1,19 @@
-"""``train.compile``: none | default | graphs (``moelab.train.module.compile_model``), and the whole-step CUDA
-graph (``CapturedStep``).
+"""``train.compile``: none | default | graphs (``moelab.train.module``).
 
 ``default`` (``model.compile()``): dynamo traces the model with graph breaks at the parts that run
 eagerly (the fused KDA op, the grouped-GEMM experts) and computes the same loss and gradients as the
 eager model; the ``eager`` backend checks the tracing without a C++/Triton compile, the ``slow`` test
-trains through inductor. ``graphs`` and ``CapturedStep`` need CUDA: on the CPU a clear error, on a GPU
-(``gpu`` tests) the same losses as the eager steps.
+trains through inductor. ``graphs`` (the whole step as one CUDA graph, ``CapturedStep``) needs CUDA: on
+the CPU a clear error; its Lightning wiring (manual optimization, schedule, step count, balancer records)
+runs on the CPU with the capture left out and trains as the automatic loop does; on a GPU (``gpu`` tests)
+the captured steps give the eager steps' losses.
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
 
@@ -23,14 +25,11 @@ from moelab.train.module import CapturedStep, LitMoELab, compile_model, train_st
 
 @pytest.fixture(autouse=True)
 def _restore_dynamo_config():
-    """compile_model sets process-wide dynamo/inductor flags: put them back after each test."""
-    dyn, ind = torch._dynamo.config, torch._inductor.config.triton
+    """compile_model sets process-wide dynamo flags: put them back after each test."""
+    dyn = torch._dynamo.config
     saved = dyn.recompile_limit, dyn.fail_on_recompile_limit_hit
-    graphs = getattr(ind, "cudagraph_or_error", None)
     yield
     dyn.recompile_limit, dyn.fail_on_recompile_limit_hit = saved
-    if graphs is not None:
-        ind.cudagraph_or_error = graphs
 
 
 def tiny_lit(**overrides) -> LitMoELab:
@@ -69,10 +68,12 @@ def test_compiled_model_matches_eager():
 
 
 def test_compile_modes() -> None:
-    """none leaves the model eager; default compiles it and makes a recompile loop an error; bad modes name
-    the allowed ones."""
+    """none leaves the model eager, and graphs too (it captures the step, not the model) where CUDA is; default
+    compiles it and makes a recompile loop an error; bad modes and combinations name what is allowed."""
     model = MoELab(load_config("tiny", {}).model)
     compile_model(model, "none", torch.device("cpu"))
+    assert model._compiled_call_impl is None
+    compile_model(model, "graphs", torch.device("cuda"))
     assert model._compiled_call_impl is None
     compile_model(model, "default", torch.device("cpu"), backend="eager")
     assert model._compiled_call_impl is not None
@@ -83,6 +84,12 @@ def test_compile_modes() -> None:
     with pytest.raises(ConfigError, match=r"train.compile=True is not allowed: expected one of 'none', "
                                           r"'default', 'graphs'"):
         load_config("tiny", {"train.compile": True})
+    with pytest.raises(ConfigError, match=r"train.accumulate_grad_batches=2 is not allowed: expected 1 with "
+                                          r"train.compile='graphs'"):
+        load_config("tiny", {"train.compile": "graphs", "train.accumulate_grad_batches": 2})
+    stages = [{"seq_len": 16, "steps": 5}, {"seq_len": 32, "steps": 15}]
+    with pytest.raises(ConfigError, match=r"train.compile='graphs' is not allowed with data.curriculum"):
+        load_config("tiny", {"train.compile": "graphs", "data.curriculum": stages})
 
 
 def test_per_depth_specializations_fit_but_a_recompile_loop_raises() -> None:
@@ -195,16 +202,83 @@ def test_capture_bench_runs_on_cpu(tmp_path) -> None:
     from moelab.train.perf import capture_bench
 
     out = tmp_path / "capture.json"
-    res = capture_bench(("gpu-small",), ("eager", "graphs", "step_graph"), steps=8, window=2, warm=2, docs=True,
+    res = capture_bench(("gpu-small",), ("eager", "graphs"), steps=8, window=2, warm=2, docs=True,
                         budget_s=600, out=out, log=lambda m: None, device="cpu", overrides=TOY)
     rows = {r["mode"]: r for r in res["rows"]}
     eager = rows["eager"]
     assert eager["rounds"] == 2 and eager["steps"] == 2 + 2 * 3 and len(eager["losses"]) == 8
     assert eager["tok_per_s"] > 0 and eager["host_ms"] > 0 and eager["mfu_activated"] > 0
     assert all(torch.isfinite(torch.tensor(eager["losses"])))
-    assert "needs a CUDA device" in rows["graphs"]["error"] and "needs a CUDA device" in rows["step_graph"]["error"]
+    assert "needs a CUDA device" in rows["graphs"]["error"]
     arms = {r["arm"]: r for r in res["docs16k"]}
     assert set(arms) == {"unmasked", "masked_flex", "masked_dense"}
     assert arms["masked_flex"]["docs_per_row"] > 1 and arms["unmasked"]["docs_per_row"] == 1
     assert "speedup_vs_eager" in arms["masked_flex"] and "error" not in arms["masked_dense"]
     assert json.loads(out.read_text())["rows"][0]["mode"] == "eager"
+
+
+class _EagerStep:
+    """CapturedStep's interface with the capture left out (the CPU has no CUDA graphs): the same step and copies."""
+
+    def __init__(self, step, warmup: int = 3) -> None:
+        self.step = step
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.step(batch).items()}
+
+
+def fit(mode: str, steps: int = 6, device: str = "cpu") -> tuple[LitMoELab, L.Trainer]:
+    lit = tiny_lit(**{"train.compile": mode, "train.max_steps": steps, "train.warmup_steps": 2,
+                      "model.moe.balancer": "quantile_load"})
+    data = batches(lit.cfg.model.vocab_size, steps + 2)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu" if device == "cpu" else "gpu", devices=1,
+                        precision="32-true" if device == "cpu" else "bf16-mixed", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        gradient_clip_val=None if mode == "graphs" else lit.cfg.train.grad_clip,
+                        val_check_interval=3, check_val_every_n_epoch=None, limit_val_batches=1,
+                        num_sanity_val_steps=0)
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    trainer.fit(lit, loader, torch.utils.data.DataLoader(data[:1], batch_size=None))
+    return lit, trainer
+
+
+def test_graphs_wiring_trains_as_the_automatic_loop(monkeypatch) -> None:
+    """train.compile='graphs' under Lightning (capture left out: the CPU): manual optimization with the step's
+    own clipping, schedule and step count, the balancer's records handed to BalancerCallback, a validation in
+    between. Six steps end where the automatic loop's six steps end: the same weights, router biases and
+    expert loads, the same learning rate, the same step numbers."""
+    from moelab.train.balancer import BalancerCallback
+
+    eager, t_eager = fit("none")
+    monkeypatch.setattr("moelab.train.module.CapturedStep", _EagerStep)
+    monkeypatch.setattr("moelab.train.module.compile_model", lambda *a, **k: None)
+    graphs, t_graphs = fit("graphs")
+    assert not graphs.automatic_optimization and t_graphs.global_step == t_eager.global_step == 6
+    weights = dict(eager.named_parameters())
+    for name, p in graphs.named_parameters():
+        torch.testing.assert_close(p, weights[name], rtol=1e-4, atol=1e-6, msg=name)
+    for (name, b), (_, e) in zip(graphs.model.named_buffers(), eager.model.named_buffers()):
+        torch.testing.assert_close(b, e, rtol=1e-4, atol=1e-6, msg=name)
+    assert t_graphs.optimizers[0].param_groups[0]["lr"] == pytest.approx(t_eager.optimizers[0].param_groups[0]["lr"])
+    cb = {name: next(c for c in t.callbacks if isinstance(c, BalancerCallback))
+          for name, t in (("eager", t_eager), ("graphs", t_graphs))}
+    assert cb["graphs"].steps == cb["eager"].steps == [1, 2, 3, 4, 5, 6]
+    assert torch.equal(torch.stack(cb["graphs"].loads), torch.stack(cb["eager"].loads))
+    assert cb["graphs"].timings == [] and len(cb["eager"].timings) == 6
+    assert {"train/grad_norm", "balance/maxvio_batch"} <= graphs.step_scalars.keys()
+
+
+@pytest.mark.gpu
+def test_graphs_trains_as_the_automatic_loop_gpu() -> None:
+    """The same on a GPU with the capture: 12 steps of train.compile='graphs' (3 eager, the capture, 8 replays)
+    against the automatic loop, bf16: the weights, the biases and the step numbers."""
+    from moelab.train.balancer import BalancerCallback
+
+    eager, t_eager = fit("none", steps=12, device="cuda")
+    graphs, t_graphs = fit("graphs", steps=12, device="cuda")
+    assert graphs._captured is not None and graphs._captured.graph is not None and t_graphs.global_step == 12
+    weights = dict(eager.named_parameters())
+    for name, p in graphs.named_parameters():
+        torch.testing.assert_close(p, weights[name], rtol=5e-2, atol=5e-3, msg=name)
+    cb = next(c for c in t_graphs.callbacks if isinstance(c, BalancerCallback))
+    assert cb.steps == list(range(1, 13))
