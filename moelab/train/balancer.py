@@ -201,23 +201,34 @@ class BalancerCallback(Callback):
         if step is None:
             return
         end.record()
-        if self._timings:  # the previous update's, a step later: its GPU work has normally run by now
-            self._timings[-1].read()
+        self.record(trainer, pl_module, step, (start, end))
+
+    def record(self, trainer: L.Trainer, pl_module: L.LightningModule, step: BalanceStep,
+               events: tuple[Event, Event] | None = None) -> None:
+        """Record one update ``step`` (its trajectories, its metrics in ``pl_module.step_scalars``); ``events``:
+        its (start, end), for ``perf/balancer_ms``. Called by :meth:`on_before_optimizer_step`, and by a module
+        that runs the update inside its own step (``train.compile='graphs'``: no events, no timing), before the
+        trainer counts that step."""
         done = trainer.global_step + 1  # the step being completed, as StepMonitor numbers it
-        timing = _Timing(done, start, end, self._previous_end)
-        self._previous_end = end
+        timing = None
+        if events is not None:
+            if self._timings:  # the previous update's, a step later: its GPU work has normally run by now
+                self._timings[-1].read()
+            timing = _Timing(done, events[0], events[1], self._previous_end)
+            self._previous_end = events[1]
+            self._timings.append(timing)
 
         self.layers = step.layers
         self.steps.append(done)
         self.loads.append(step.load)
         self.biases.append(step.bias)
-        self._timings.append(timing)
         scalars = getattr(pl_module, "step_scalars", None)
         if isinstance(scalars, dict):
             scalars.update(step_scalars(step))
-            # Host values, read when StepMonitor records the step; the share is left out when None.
-            scalars["perf/balancer_ms"] = lambda: timing.read()[1]
-            scalars["perf/balancer_share"] = lambda: timing.read()[2]
+            if timing is not None:
+                # Host values, read when StepMonitor records the step; the share is left out when None.
+                scalars["perf/balancer_ms"] = lambda: timing.read()[1]
+                scalars["perf/balancer_share"] = lambda: timing.read()[2]
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.world_size < 2:
