@@ -54,6 +54,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from moelab import provenance
 from moelab.base import repo_root
 from moelab.utils import atomic_path, write_json
 
@@ -66,8 +67,7 @@ RECORDS_ENV = "MOELAB_STUDY_RECORDS"  # the folder of the portable run records
 RUNS_ENV = "MOELAB_STUDY_RUNS"  # "arm:seed,arm:seed": a split call trains only these runs
 SHARD_ENV = "MOELAB_STUDY_SHARD"  # "i/n": a split call trains runs i, i + n, ... (1-based) of each grid
 PROGRESS_ENV = "MOELAB_STUDY_PROGRESS"  # a file whose lines the runner echoes to its terminal
-# Outputs of studies and benchmarks: their changes do not make the code state dirty.
-OUTPUTS = ("studies", "kernels/results")
+OUTPUTS = provenance.OUTPUTS  # what studies and benchmarks write: its changes do not make the code dirty
 RECORD_FORMAT = 1  # version of the record files' layout
 
 # Console lines that carry no information for a study reader. Filtered where they are emitted
@@ -196,23 +196,9 @@ def git_state(exclude: Sequence[str] = OUTPUTS) -> dict[str, Any]:
     """``{"commit", "dirty", "diff_sha256"}`` of the checkout; tracked files only, ``exclude`` paths left out
     (default :data:`OUTPUTS`: what studies and benchmarks write does not make the code dirty).
 
-    ``diff_sha256`` hashes ``git diff HEAD``, so two dirty trees with different edits differ.
-    Outside a git checkout every value is None.
+    ``moelab.provenance.git_state`` (the one code-state helper of benchmarks and studies) on this checkout.
     """
-    root = repo_root()
-    spec = ["--", ".", *(f":(exclude){p}" for p in exclude)]
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30,
-                              check=True).stdout
-
-    try:
-        commit = git("rev-parse", "HEAD").strip()
-        diff = git("diff", "HEAD", *spec)
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None, "diff_sha256": None}
-    return {"commit": commit, "dirty": bool(diff),
-            "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else None}
+    return provenance.git_state(repo_root(), exclude)
 
 
 def source_sha256() -> str:
