@@ -54,6 +54,7 @@ class Documents:
     _conv: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     _mask: torch.Tensor | None = field(default=None, repr=False)
     _blocks: dict[int, BlockMask] = field(default_factory=dict, repr=False)
+    _taps: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_segment_ids(cls, segment_ids: torch.Tensor) -> Documents:
@@ -128,6 +129,19 @@ class Documents:
             self._conv[size] = (rows, where, self.pos[rows, where])
         return self._conv[size]
 
+    def conv_taps(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For :meth:`conv_fix`'s M tokens, what their outputs read: ``(rows [M, 1], src [M, size], keep [M, size,
+        1] bool)``: tap i reads ``x[rows, src[:, i]]`` (token ``t - size + 1 + i``, clamped to the row) and counts
+        where ``keep`` (within the token's own document). Cached per size: the ShortConvs of every KDA layer
+        (q, k and v) share it, so each fix is a gather, a masked product and a scatter."""
+        if size not in self._taps:
+            rows, cols, pos = self.conv_fix(size)
+            i = torch.arange(size, device=cols.device)
+            src = (cols[:, None] - (size - 1) + i[None, :]).clamp(min=0)
+            keep = (i[None, :] >= size - 1 - pos[:, None])[..., None]
+            self._taps[size] = (rows[:, None], src, keep)
+        return self._taps[size]
+
 
 def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A tile mask ``[B, nq, nkv]`` bool -> (counts ``[B, 1, nq]`` int32, key tile indices ``[B, 1, nq, nkv]`` int32,
@@ -142,15 +156,13 @@ def causal_conv_fix(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, docs
     """``y [B, T, C]``, a causal depthwise conv of ``x [B, T, C]`` with ``weight [C, size]`` (``y[t] =
     sum_i weight[:, i] x[t - size + 1 + i]``, then ``activation``), with the outputs that read across a
     document boundary recomputed from their own document's inputs only. Differentiable; out of place."""
-    rows, cols, pos = docs.conv_fix(weight.shape[-1])
+    rows, cols, _ = docs.conv_fix(weight.shape[-1])
     if rows.numel() == 0:
         return y
-    size = weight.shape[-1]
-    back = torch.arange(size, device=x.device)  # tap j reads x[t - j] with weight[:, size - 1 - j]
-    src = cols[:, None] - back[None, :]  # [M, size]
-    keep = back[None, :] <= pos[:, None]  # within the token's own document
-    taps = x[rows[:, None], src.clamp(min=0)] * keep[..., None].to(x.dtype)  # [M, size, C]
-    fixed = (taps.float() * weight.float().flip(-1).t()[None]).sum(1)  # [M, C]
+    at, src, keep = docs.conv_taps(weight.shape[-1])
+    taps = torch.where(keep, x[at, src], 0)  # [M, size, C]
+    with torch.autocast(x.device.type, enabled=False):  # fp32, as the conv kernels accumulate (autocast: bf16)
+        fixed = torch.einsum("msc,cs->mc", taps.float(), weight.float())  # [M, C]
     if activation == "silu":
         fixed = torch.nn.functional.silu(fixed)
     return y.index_put((rows, cols), fixed.to(y.dtype))

@@ -203,6 +203,18 @@ def test_conv_fix_equals_conv_per_document(activation: str | None) -> None:
     assert_close(conv.weight.grad, gw, 1e-6, "dweight")
 
 
+def test_conv_fix_sums_in_fp32_under_autocast() -> None:
+    """The recomputed boundary outputs are summed in fp32 under bf16 autocast too (einsum would run in bf16)."""
+    d = Documents.from_segment_ids(segments(LENGTHS))
+    gen = torch.Generator().manual_seed(6)
+    x, y, w = torch.randn(3, T, 6, generator=gen), torch.randn(3, T, 6, generator=gen), torch.randn(6, 4, generator=gen)
+    plain = causal_conv_fix(y, x, w, d)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = causal_conv_fix(y, x, w, d)
+    assert under.dtype == torch.float32 and torch.equal(under, plain)
+    assert not torch.equal(plain, y)  # the boundary tokens were recomputed
+
+
 def test_conv_fix_no_boundary_returns_input() -> None:
     y = torch.randn(2, 5, 3)
     d = Documents.from_segment_ids(torch.zeros(2, 5, dtype=torch.long))
