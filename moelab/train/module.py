@@ -170,7 +170,8 @@ class CapturedStep:
         if self.graph is None:
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph):
+                # thread_local: a data loader's pin-memory thread may call CUDA while this thread captures.
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     self.out = self.step(self.static)
             except RuntimeError as e:
                 raise CaptureError(f"the step could not be captured as a CUDA graph: {e}") from e
