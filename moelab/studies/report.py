@@ -19,6 +19,12 @@ while its interval includes 0: :class:`Finding` refuses to be built that way.
 Figures: :func:`palette` (one distinct colour per arm, the same arm the same colour in every
 figure of a study) and :func:`difference_figure` (each arm minus a reference arm per step, mean over
 seeds with its 95% band, the axis zoomed to the differences).
+
+Summaries and re-rendering: :func:`attach` writes the lead lines into a study's ``summary.json`` and a
+``low``/``high`` interval beside every mean over seeds (:func:`add_intervals`); with the notebooks'
+``from_results = True`` (``make study-N PRESET=gpu ARGS=--from-results``), :func:`result_table` reads each
+raw table from ``results/`` instead of computing it and :func:`committed_figure` shows the figures that
+need the trained models as the training run drew them.
 """
 
 from __future__ import annotations
@@ -340,7 +346,7 @@ _PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#
 
 
 def palette(names: Sequence[str]) -> dict[str, str]:
-    """One distinct colour per name, in order (up to 12; beyond that colours repeat with a warning-free cycle)."""
+    """One distinct colour per name, in order (12 colours; a 13th name reuses the first)."""
     return {n: _PALETTE[i % len(_PALETTE)] for i, n in enumerate(dict.fromkeys(names))}
 
 
