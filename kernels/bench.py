@@ -1258,6 +1258,25 @@ def run_model(ctx: Ctx) -> dict[str, Any]:
     return {"rows": rows}
 
 
+def run_model_capture(ctx: Ctx) -> dict[str, Any]:
+    """train.compile's modes (eager, default = torch.compile, graphs = the whole step as one CUDA graph) of the
+    presets in ``ctx.shapes``, interleaved rounds, and with ``docs16k`` study 4's 16K packed-document stage
+    unmasked / flex_attention / dense mask: ``moelab.train.perf.capture_bench`` (issue 36)."""
+    from moelab.train.perf import capture_bench
+
+    def save(result: dict[str, Any]) -> None:
+        ctx.save({k: result[k] for k in ("rows", "docs16k")} | {"capture": result["meta"]})
+
+    presets = tuple(s for s in ctx.shapes if s not in ("docs16k", "smoke"))
+    if ctx.cuda:
+        res = capture_bench(presets, docs="docs16k" in ctx.shapes, budget_s=450.0, on_save=save,
+                            log=lambda m: print(m, file=sys.stderr, flush=True))
+    else:  # gpu-small's structure at toy sizes, 8 steps; graphs needs CUDA: its row holds that error
+        res = capture_bench(("gpu-small",), ("eager", "graphs"), steps=8, window=2, warm=2, docs=True,
+                            device="cpu", overrides=SMOKE_MODEL, on_save=save, log=lambda m: None)
+    return {k: res[k] for k in ("rows", "docs16k")} | {"capture": res["meta"]}
+
+
 # ---------------------------------------------------------------------------------------------- runner
 
 ENTRIES: dict[str, Entry] = {e.name: e for e in (
@@ -1276,6 +1295,9 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
     Entry("model", "whole-model training step: fla shape vs fla, gpu-small residual modes, k3-mini balancer cost",
           {g: MODEL_GROUPS[g][0] for g in MODEL_GROUPS}, tuple(MODEL_GROUPS), "k3-mini", run_model, ("impl",),
           merge=True, rounds=4),
+    Entry("model_capture", "train.compile none / default / graphs for k3-mini and gpu-small, 16K packed documents "
+          "unmasked vs flex vs dense mask", {s: s for s in ("k3-mini", "gpu-small", "docs16k", "smoke")},
+          ("docs16k", "k3-mini", "gpu-small"), "smoke", run_model_capture, ("preset", "mode")),
 )}
 
 

@@ -330,7 +330,8 @@ def _random_batches(vocab: int, B: int, T: int, n: int, seed: int = 0, doc_lengt
 def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tuple[str, ...] = CAPTURE_MODES,
                   steps: int = 100, window: int = 10, warm: int = 4, docs: bool = True, budget_s: float = 450.0,
                   out: str | os.PathLike | None = None, log: Any = print, device: str = "cuda",
-                  overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+                  overrides: dict[str, Any] | None = None,
+                  on_save: Any = None) -> dict[str, Any]:
     """Training steps per second of each preset in each ``train.compile`` mode on one GPU, in one process.
 
     Modes as ``train.compile`` runs them: ``eager`` (none), ``default`` (torch.compile of the model:
@@ -345,7 +346,8 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
     eager, without documents, with packed documents through flex_attention, and through the dense mask.
     A mode that fails is recorded with its error. Written to ``out`` after each part (atomic).
     ``device="cpu"`` with ``overrides`` (toy sizes) runs the same code without the GPU (tests; no memory,
-    modes eager and default only).
+    modes eager and default only). ``on_save(result)`` is called at each write too (``kernels/bench.py``'s
+    ``model_capture`` entry saves through it).
     """
     import time
 
@@ -367,6 +369,8 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
         result["meta"]["elapsed_s"] = time.perf_counter() - start
         if out is not None:
             write_json(Path(out), result)
+        if on_save is not None:
+            on_save(result)
 
     if docs and time.perf_counter() < deadline:
         T = 16384 if dev.type == "cuda" else 64
