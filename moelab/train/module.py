@@ -26,8 +26,8 @@ from moelab.train.balancer import BalancerCallback
 from moelab.train.callbacks import HostScalar
 
 # A compiled model recompiles per new input shape (a curriculum's stages, the last short batch of a validation),
-# and AttnRes's depth aggregation once per number of sources it reads (up to two per layer: 26 for k3-mini's Block
-# AttnRes on the H200, where dynamo's default limit of 8 made every later depth run eagerly). Past
+# and AttnRes's depth aggregation once per number of sources it reads (up to two per layer: k3-mini's 13 layers
+# exceeded dynamo's default limit of 8 on the H200, kernels/results/model_capture_h200.json). Past
 # RECOMPILE_LIMIT + 2 x layers versions of one frame dynamo raises instead of falling back to eager without a word.
 RECOMPILE_LIMIT = 8
 
