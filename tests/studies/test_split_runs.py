@@ -143,6 +143,19 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 300) -> Non
         time.sleep(0.2)
 
 
+def _wait_training(client, experiment: str, run_name: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    """Until ``run_name`` of ``experiment`` has logged a training loss (its training steps, signal handler set)."""
+    end = time.time() + timeout_s
+    while True:
+        exp = client.get_experiment_by_name(experiment)
+        runs = [r for r in client.search_runs([exp.experiment_id]) if r.info.run_name == run_name] if exp else []
+        if any(client.get_metric_history(r.info.run_id, "train/loss") for r in runs if r.info.status == "RUNNING"):
+            return
+        assert proc.poll() is None, f"the study ended early: {proc.communicate()}"
+        assert time.time() < end, f"{run_name} never trained"
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 def test_sigterm_stops_cleanly_and_a_rerun_resumes_also_after_kill_9(tmp_path, tracking_uri) -> None:  # noqa: F811
     from mlflow.tracking import MlflowClient
@@ -150,9 +163,10 @@ def test_sigterm_stops_cleanly_and_a_rerun_resumes_also_after_kill_9(tmp_path, t
     nbs = _notebook(tmp_path / "nbs", "08_stop", [0], steps=300, val=100)
     out = tmp_path / "out"
     study = out / "08_stop"
+    client = MlflowClient(tracking_uri)
     proc = _start(nbs, out, tracking_uri)
     _wait_for(study / "checkpoints" / "softplus-s0" / "train.log", proc)  # the first run is recorded, the second runs
-    time.sleep(3)
+    _wait_training(client, "study/08_stop", "softplus/s0", proc)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr[-3000:]
@@ -162,7 +176,6 @@ def test_sigterm_stops_cleanly_and_a_rerun_resumes_also_after_kill_9(tmp_path, t
     assert not list(study.glob(".*.tmp.ipynb")) and not (study / "08_stop.ipynb").exists()
     assert (study / "checkpoints" / "softplus-s0" / "last.ckpt").is_file()
     assert [p.name for p in (study / "records").glob("*.json")] == ["bounded_s0.json"]
-    client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name("study/08_stop")
     status = {r.info.run_name: r.info.status for r in client.search_runs([exp.experiment_id])}
     assert status == {"08_stop-cpu": "KILLED", "bounded/s0": "FINISHED", "softplus/s0": "KILLED"}
@@ -174,9 +187,13 @@ def test_sigterm_stops_cleanly_and_a_rerun_resumes_also_after_kill_9(tmp_path, t
                   for r in client.search_runs([exp.experiment_id])):
         assert proc.poll() is None and time.time() < end, proc.communicate()
         time.sleep(0.5)
+    import psutil
+
+    kernels = psutil.Process(proc.pid).children(recursive=True)
     proc.kill()
     proc.communicate(timeout=60)
-    time.sleep(3)  # the kernel notices that its parent is gone and exits
+    _, alive = psutil.wait_procs(kernels, timeout=60)  # the kernel notices that its parent is gone and exits
+    assert not alive, alive
 
     proc = _start(nbs, out, tracking_uri)
     stdout, stderr = proc.communicate(timeout=600)
