@@ -938,7 +938,8 @@ def study_meta(study: str, preset: str, grid: Grid | None = None, **extra: Any) 
     device, python/torch/triton versions, command, UTC date, wall time since the study began, and
     from ``grid``: tokens per run, epochs over the corpus's training split and the train/val gap
     (final validation loss minus the mean training loss of the last validation interval; per
-    arm, mean over seeds). ``extra`` entries are added as they are.
+    arm, mean over seeds), and the GPU minutes of its runs (wherever each trained). ``extra`` entries are added
+    as they are.
     """
     ctx = study_context(study)
     meta: dict[str, Any] = {
@@ -959,6 +960,7 @@ def study_meta(study: str, preset: str, grid: Grid | None = None, **extra: Any) 
             "train_val_gap": {arm: float(v)
                               for arm, v in table.groupby("arm", sort=False).train_val_gap.mean().items()},
             "runs": len(table), "runs_skipped": sum(r.skipped for r in grid.records),
+            "gpu_minutes": round(sum(r.timing.get("gpu_minutes") or 0.0 for r in grid.records), 3),
         })
     meta.update(extra)
     return meta

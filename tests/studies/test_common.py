@@ -119,6 +119,7 @@ def test_grid_runs_nested_tagged_and_resumes(tmp_path, tracking_uri) -> None:  #
     meta = common.study_meta("99_grid", "cpu", grid)
     assert meta["tokens_per_run"] == 2048 and set(meta["train_val_gap"]) == {"bounded", "softplus"}
     assert meta["runs"] == 2 and meta["runs_skipped"] == 0 and "commit" in meta and "device" in meta
+    assert meta["gpu_minutes"] == 0.0  # trained on the CPU
 
 
 def test_grid_evaluates_in_the_training_process_and_checkpoints_once(tmp_path, monkeypatch) -> None:
