@@ -235,7 +235,9 @@ def run_study(
             with _environ(env), stopper, _echo_lines(progress, say):
                 try:
                     papermill.execute_notebook(str(notebook), str(tmp), parameters=params, cwd=str(work),
-                                               kernel_name=kernel_name, progress_bar=False, log_output=log_output)
+                                               kernel_name=kernel_name, progress_bar=False, log_output=log_output,
+                                               # ipykernel warns on every start that its local TCP is unencrypted
+                                               extra_arguments=["--IPKernelApp.log_level=ERROR"])
                 except papermill.PapermillExecutionError as e:
                     failure = e
             if stopper.signum is None and tmp.exists() and tmp.stat().st_size > 0:
