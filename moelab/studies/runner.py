@@ -259,6 +259,9 @@ def run_study(
         _log_results(run, work, executed)
         if failure is not None:
             raise StudyFailed(_failure_line(number, failure, executed))
+        if split:
+            say(f"study {number}, split call: every run of the study is recorded in {_shown(out_dir / 'records')}/; "
+                f"`make study-{number} PRESET={preset}` writes the report")
     say(f"dashboard: {dashboard_link(run.experiment_id)} (after make mlflow-ui)")
     return out_dir
 
