@@ -12,6 +12,7 @@ the time: a shared machine's load decides it. Nothing is written into the reposi
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -104,7 +105,11 @@ def test_cpu_preset_end_to_end(number: int, tmp_path: Path, tracking_uri: str,  
     executed = out / f"{STUDIES[number]}.ipynb"
     problems = report_problems(nbformat.read(executed, as_version=4))
     assert not problems, f"{executed.name}:\n" + "\n".join(problems)
-    assert executed.with_suffix(".html").exists()
+    html = executed.with_suffix(".html").read_text()
+    # Offline: formulas as MathML, no script from the network (MathJax, require.js, mermaid).
+    assert not re.search(r"<script[^>]*src=\"(https?:)?//|import\(\"https?://", html) and "mathjax" not in html.lower()
+    if number == 1:
+        assert html.count("<math") > 10
     summary = json.loads((out / "summary.json").read_text())
     assert summary["meta"]["preset"] == "cpu" and summary["meta"]["study"] == STUDIES[number]
     VERDICTS[number](summary)
