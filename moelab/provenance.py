@@ -24,6 +24,8 @@ from typing import Any
 
 # Paths whose changes do not make a measurement's code dirty: what studies and benchmarks write.
 OUTPUTS = ("studies", "kernels/results")
+# A copied tree whose .git is not its own (the GPU machine's copy keeps an old .git) names its commit here.
+COMMIT_ENV = "MOELAB_COMMIT"
 
 
 def git_state(root: str | os.PathLike | None = None, exclude: Sequence[str] = OUTPUTS) -> dict[str, Any]:
@@ -31,8 +33,11 @@ def git_state(root: str | os.PathLike | None = None, exclude: Sequence[str] = OU
 
     Tracked files only; changes under ``exclude`` (paths relative to ``root``) do not count. ``diff_sha256``
     hashes ``git diff HEAD`` (16 hex digits), so two dirty trees with different edits differ. Outside a git
-    checkout every value is None.
+    checkout every value is None. With ``MOELAB_COMMIT`` set (and ``root`` not given), that is the commit and
+    ``dirty`` is None: the copy's own git cannot say.
     """
+    if root is None and os.environ.get(COMMIT_ENV):
+        return {"commit": os.environ[COMMIT_ENV], "dirty": None, "diff_sha256": None}
     if root is None:
         from moelab.base import repo_root
 
@@ -114,4 +119,4 @@ def provenance(command: Sequence[str] | None = None, root: str | os.PathLike | N
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 
 
-__all__ = ["OUTPUTS", "device", "git_state", "provenance", "versions"]
+__all__ = ["COMMIT_ENV", "OUTPUTS", "device", "git_state", "provenance", "versions"]

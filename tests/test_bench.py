@@ -116,6 +116,15 @@ def test_provenance_fields_and_the_dirty_flag(tmp_path):
     assert git_state(tmp_path / "not_a_repo_dir_but_missing")["commit"] is None
 
 
+def test_provenance_commit_from_the_environment(monkeypatch):
+    """A copied tree whose .git is stale (the GPU machine's) names its commit in MOELAB_COMMIT; dirty is then unknown,
+    and an explicit root (a --base worktree) still reads its own git."""
+    monkeypatch.setenv("MOELAB_COMMIT", "0cfa430")
+    assert git_state() == {"commit": "0cfa430", "dirty": None, "diff_sha256": None}
+    assert provenance(["x"])["commit"] == "0cfa430"
+    assert len(git_state(ROOT)["commit"]) == 40
+
+
 def test_compare_speedups_point_one_way(bench):
     entry = bench.ENTRIES["kda"]
     base = [dict(impl="moelab_bounded", B=8, T=4096, H=16, D=128, fwd_ms=2.0, fwdbwd_ms=8.0, peak_mem_gb=3.0),

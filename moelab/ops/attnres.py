@@ -60,7 +60,7 @@ one at a time kept one. ``LaunchConfig.stages`` lets Triton software-pipeline th
 groups instead or as well (the next groups' tiles copied into shared memory while this one is
 summed). ``launch_config`` sets both by rule from D (and L, N where one read is all there is), within
 register and shared-memory estimates fitted to what the kernels compile to (the committed
-``kernels/results/attnres_occupancy_*_cpu_sm90.json``; ``attnres_sweep_h200.json`` measured launches against it). D is a
+``kernels/results/attnres_occupancy_cpu_sm90.json``; ``attnres_sweep_h200.json`` measured launches against it). D is a
 compile-time constant (one per model, like the tile shape it sets): a power-of-two D drops the
 column mask from every load and store.
 
@@ -167,11 +167,11 @@ def estimate_regs(per_thread: int, group: int, backward: bool) -> int:
     """Registers per thread of a launch whose tile gives each thread ``per_thread`` fp32 elements, ``group``
     source tiles at once: forward ``32 + e (1.5 group + 1)``, backward ``44 + e (2.5 group + 2.5)``, least-
     squares fits to what the kernels compile to for sm_90 (the retired ``bench_attnres.py --occupancy``, one stage:
-    kernels/results/attnres_occupancy_d512_cpu_sm90.json and attnres_occupancy_d2048_cpu_sm90.json, one-row
+    kernels/results/attnres_occupancy_cpu_sm90.json, D 512 and D 2048, one-row
     tiles and several-row tiles of one source at a time; tests/ops/test_attnres_op.py checks how far off).
     At 16 warps the compiler holds a thread to 128 registers (one program per SM) and fits what it can:
     the rule's launches at D 4096 and 7168 compile with at most 8 bytes of spill
-    (attnres_occupancy_d4096_cpu_sm90.json, attnres_occupancy_d7168_cpu_sm90.json)."""
+    (the same file, D 4096 and D 7168)."""
     if backward:
         return round(44 + per_thread * (2.5 * group + 2.5))
     return round(32 + per_thread * (1.5 * group + 1))
@@ -196,7 +196,7 @@ def launch_config(d: int, L: int | None = None, n: int | None = None) -> LaunchC
       most the L - 1 sources after the first, and fewer while the backward's ``estimate_regs`` (plus
       ``REG_MARGIN``) passes ``MAX_REGS``; several-row tiles one at a time;
     - one stage (a software-pipelined loop compiled to more registers and half the resident programs per
-      SM at D 2048, forward and backward: kernels/results/attnres_occupancy_d2048_cpu_sm90.json);
+      SM at D 2048, forward and backward: kernels/results/attnres_occupancy_cpu_sm90.json, D 2048);
     - the backward at the forward's tile, on ``4 * SMs`` programs where tiles hold several rows, else on as
       many as fit (``programs_per_sm = 0``).
 

@@ -13,8 +13,9 @@ backend a config field names, so layers and studies switch implementations witho
 - ``cudnn``: cuDNN's Hopper engine (``moelab.ops.kda.cudnn``, the extra ``moelab[cudnn]``) after
   the fused Triton prep, for a call that needs no gradient on an sm90 GPU with K = V = 128 in bf16;
   any other call (training included) falls back to ``triton``, the reason logged once.
-- ``auto``: ``triton`` when q is on a CUDA device, else ``chunk``; on a CUDA device a call that
-  needs no gradient runs ``cudnn`` where the engine takes it (never on CPU or without the extra).
+- ``auto``: ``triton`` when q is on a CUDA device, else ``chunk``. It never picks ``cudnn``: on the
+  H200, prep + engine ran the no-grad forward 0.19-0.62x as fast as our inference forward
+  (``kernels/results/kda_backends_h200.json``), and its gate gradients miss the training targets.
 
 The PyTorch backends take the prep and gate from ``moelab.ops.kda.gate``, the one PyTorch copy of
 those formulas (the Triton kernels are tested against it).
@@ -50,9 +51,8 @@ def kda_path(backend: str, q: torch.Tensor, *, gate: str = "none", g_min: float 
              needs_grad: bool = False, v: torch.Tensor | None = None, scale: float | None = None) -> str:
     """Which implementation ``kda(...)`` runs, one of :data:`PATHS`.
 
-    - ``"cudnn"``: ``cudnn.cudnn_kda``, for ``backend="cudnn"``, or ``"auto"`` on a CUDA device
-      without a gradient, when ``cudnn.unavailable_reason`` finds nothing against the call;
-      ``"cudnn"`` otherwise resolves as ``"triton"`` (the reason logged once).
+    - ``"cudnn"``: ``cudnn.cudnn_kda``, for ``backend="cudnn"`` when ``cudnn.unavailable_reason``
+      finds nothing against the call; otherwise it resolves as ``"triton"`` (the reason logged once).
     - ``"infer"``: ``infer_plan.kda_infer``, when the backend resolves to ``triton``, q is on a
       CUDA device (or ``TRITON_INTERPRET=1``), no gradient is needed, and g is bounded: ``gate=
       "bounded"``, or ``gate="none"`` with a ``g_min``, where ``INFER_G_MIN_FLOOR <= g_min < 0``.
@@ -69,7 +69,7 @@ def kda_path(backend: str, q: torch.Tensor, *, gate: str = "none", g_min: float 
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not allowed: expected one of {', '.join(map(repr, BACKENDS))}")
-    if backend == "cudnn" or (backend == "auto" and not needs_grad and q.is_cuda):
+    if backend == "cudnn":
         from moelab.ops.kda import cudnn
 
         reason = cudnn.unavailable_reason(q, v, needs_grad=needs_grad, scale=scale)
@@ -77,7 +77,7 @@ def kda_path(backend: str, q: torch.Tensor, *, gate: str = "none", g_min: float 
             cudnn.note(f"kda: backend={backend!r} runs the cuDNN engine (forward)")
             return "cudnn"
         cudnn.note(f"kda: backend={backend!r} does not run the cuDNN engine: {reason}")
-        backend = "triton" if backend == "cudnn" else backend
+        backend = "triton"
     if backend == "auto":
         backend = "triton" if q.is_cuda else "chunk"
     if backend != "triton":

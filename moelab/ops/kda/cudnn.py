@@ -1,10 +1,11 @@
 """cuDNN's Hopper KDA engine as a backend of ``kda(...)``: the forward (no-grad calls) only.
 
-``backend="cudnn"`` (and ``"auto"`` for a call that needs no gradient, on a GPU where the engine
-takes it) runs ``cudnn.linear_attention.kimi_delta_attention`` from the optional package
-``nvidia-cudnn-frontend`` (``pip install 'moelab[cudnn]'``). Its sm90 engine is hand-written CUDA
-whose forward issue 37 measured ahead of our inference forward at every shape it tried
-(``kernels/check_kda_gpu.py --part backends`` times prep + engine beside ours). What it takes, and so
+``backend="cudnn"`` runs ``cudnn.linear_attention.kimi_delta_attention`` from the optional package
+``nvidia-cudnn-frontend`` (``pip install 'moelab[cudnn]'``), a hand-written sm90 CUDA engine. Measured
+through this backend on the H200 (``kernels/check_kda_gpu.py --part backends`` ->
+``kernels/results/kda_backends_h200.json``), prep + engine ran the no-grad forward at 0.19-0.62x our
+inference forward (B8 T4096 to B2 T65536, H16), so ``auto`` never picks it; its fwd+bwd was 1.16-1.65x
+our training op, with gate gradients beyond the targets (below). What it takes, and so
 what :func:`unavailable_reason` checks (anything else falls back to our Triton op, the reason
 logged once):
 
@@ -42,7 +43,7 @@ Our backward avoids that by forming dg chunk by chunk from the chunk states and 
 (``triton_bwd``), which the engine does not return; recomputing them is most of our own backward's
 work, so a cuDNN training path with an accurate dg would run that work on top of the engine's.
 Training calls with ``backend="cudnn"`` therefore run our Triton training op (reason logged once),
-and ``auto`` never picks the engine for training.
+and ``auto`` never picks the engine.
 """
 
 from __future__ import annotations
