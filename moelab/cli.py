@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from CKPT, or from <ckpt_dir>/last.ckpt when no path is given")
     p.add_argument("--throughput", metavar="FILE",
                    help="also record tokens/s, MFU and peak memory as a row of this JSON file "
-                        "(e.g. studies/throughput_h200.json)")
+                        "(e.g. kernels/results/model_h200.json)")
 
     p = sub.add_parser("info", help="parameter counts and FLOPs of a config (no model is built)")
     _config_args(p)
