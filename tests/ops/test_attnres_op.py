@@ -596,7 +596,7 @@ def test_register_estimate_fits_the_compiled_kernels():
     """``estimate_regs`` against the registers of the compiled kernels in the committed occupancy files
     (sm_90, one stage, the launches the rule can pick): within 24 below and 40 above each."""
     for D in (512, 2048):  # the fit's data (at 16 warps the compiler caps registers: the test above)
-        name, seen = OCCUPANCY[D], 0
+        name, seen = f"D={D}", 0
         for r in _occupancy(D):
             if r["stages"] != 1 or (r["rows"] > 1 and r["group"] > 1):
                 continue
