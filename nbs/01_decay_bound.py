@@ -175,7 +175,8 @@ figure
 # 88.7 nats on either side of row 7.
 #
 # **The trained softplus decays on the real kernel.** Each softplus model's log decays (one validation window,
-# each layer) fed to the Triton op in bounded mode (check off), with random unit q, k, values and beta:
+# each layer; a run's record keeps its first `REAL_G_TOKENS` tokens in bf16, 1024 fp32 tokens before the split
+# records) fed to the Triton op in bounded mode (check off), with random unit q, k, values and beta:
 
 # %%
 if from_results:

@@ -519,6 +519,11 @@ def _val_windows(cfg: Any, length: int, n: int) -> torch.Tensor:
 
 
 TILE_SAMPLE = 20000  # sub-tile decays kept per model and layer for the distribution figure
+REAL_G_TOKENS = 128  # most tokens of a softplus layer's log decay a record keeps for the kernel check
+# Kept in bf16: on gpu-small (9 KDA layers, H=4, K=128) a layer's [1, 128, 4, 128] bf16 is 1/16 of the fp32
+# [1, 1024, 4, 128] it replaces, and a softplus record's evals.pt ~1.8 MiB (real_g 1.1 MiB, the tile-decay
+# samples 0.7 MiB) instead of ~18 MiB. 128 tokens are two of the op's 64-token chunks, so the check still
+# crosses a chunk boundary.
 
 
 def evaluate_run(model: torch.nn.Module, cfg: Any, eval_windows: int, real_g_tokens: int, decay_windows: int = 2,
@@ -532,14 +537,17 @@ def evaluate_run(model: torch.nn.Module, cfg: Any, eval_windows: int, real_g_tok
     Args:
         model: the trained ``MoELab`` (eval mode). cfg: its RunConfig.
         eval_windows: validation windows for the loss by position (:func:`loss_by_position`).
-        real_g_tokens: tokens of the first decay window a softplus model keeps for the kernel check.
+        real_g_tokens: tokens of the first decay window a softplus model keeps for the kernel check
+            (at most ``REAL_G_TOKENS``, so a run's record stays small enough to carry back from a GPU call).
         decay_windows: validation windows of the training length for the decay statistics.
 
     Returns:
         ``decay``: per KDA layer ``{"layer", "bound", **decay_stats}`` against the arm's bound (its
         g_min; ``REFERENCE_BOUND`` for softplus); ``tile_decay``: per layer ``TILE_SAMPLE`` of its
         16-token sub-tile decays (seeded sample); ``real_g``: softplus only, per layer the log decay
-        ``[1, real_g_tokens, H, K]`` of the first window; ``extrapolation``: :func:`loss_by_position`.
+        ``[1, min(real_g_tokens, REAL_G_TOKENS), H, K]`` of the first window, rounded to bf16 (the
+        kernel check runs the op on these values, so its errors are those of the op on bf16-exact
+        decays); ``extrapolation``: :func:`loss_by_position`.
     """
     dev = next(model.parameters()).device
     kda = cfg.model.kda
@@ -554,7 +562,7 @@ def evaluate_run(model: torch.nn.Module, cfg: Any, eval_windows: int, real_g_tok
         td = tile_decays(g)
         out["tile_decay"][layer] = td[torch.randperm(td.numel(), generator=gen)[:TILE_SAMPLE]].clone()
         if kda.gate == "softplus":
-            out["real_g"][layer] = g[:1, :real_g_tokens].clone()
+            out["real_g"][layer] = g[:1, :min(real_g_tokens, REAL_G_TOKENS)].to(torch.bfloat16)
     out["extrapolation"] = loss_by_position(model, cfg, eval_windows, factor, bins)
     return out
 
@@ -581,8 +589,9 @@ def gate_decay_rows(grid: common.Grid) -> tuple[list[dict], dict[str, Any]]:
 
 def real_g_kernel_rows(real_g: Mapping[str, torch.Tensor], max_tokens: int = 256) -> list[dict]:
     """:func:`bounded_kernel_rows` on trained softplus models' log decays (the first ``max_tokens``
-    tokens of the first window), one row per model and layer, all in one call of the op."""
-    gs = [g[:1, :max_tokens].contiguous() for g in real_g.values()]
+    tokens of the first window, as many as the records keep: see :func:`evaluate_run`), one row per
+    model and layer, all in one call of the op (in fp32)."""
+    gs = [g[:1, :max_tokens].float().contiguous() for g in real_g.values()]
     return [{"source": name, "pattern": "trained softplus", "bound": REFERENCE_BOUND, **row}
             for name, row in zip(real_g, bounded_kernel_rows(gs) if gs else [])]
 

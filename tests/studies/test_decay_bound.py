@@ -270,7 +270,7 @@ def test_fast_forgetting_runs_together_as_each_run_alone():
 
 
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
-def test_evaluate_run_measures_the_model_it_is_given(gate):
+def test_evaluate_run_measures_the_model_it_is_given(gate, monkeypatch):
     from moelab.config import load_config
 
     cfg = load_config("tiny", {"model.kda.gate": gate, "model.max_seq_len": 64 * study.EXTRAPOLATE})
@@ -287,7 +287,11 @@ def test_evaluate_run_measures_the_model_it_is_given(gate):
     assert torch.isin(sample, study.tile_decays(g)).all()
     assert list(ev["real_g"]) == ([layer] if gate == "softplus" else [])
     if gate == "softplus":
-        assert torch.equal(ev["real_g"][layer], g[:1, :32])
+        assert ev["real_g"][layer].dtype == torch.bfloat16
+        assert torch.equal(ev["real_g"][layer], g[:1, :32].to(torch.bfloat16))
+        monkeypatch.setattr(study, "REAL_G_TOKENS", 16)  # a record keeps at most REAL_G_TOKENS tokens
+        capped = study.evaluate_run(model, cfg, eval_windows=1, real_g_tokens=32)
+        assert torch.equal(capped["real_g"][layer], g[:1, :16].to(torch.bfloat16))
     # 16 bins over 4x the training length; the first quarter is a plain forward over the training length
     rows = ev["extrapolation"]
     assert len(rows) == 16 and rows[-1]["pos_hi"] == 4 * 64 and rows[0]["rel_pos"] == pytest.approx(8 / 64)
@@ -295,3 +299,21 @@ def test_evaluate_run_measures_the_model_it_is_given(gate):
     with torch.no_grad():
         first = model(data[:, :64], data[:, 1:65]).loss.item()
     assert sum(r["loss"] for r in rows[:4]) / 4 == pytest.approx(first, rel=1e-4)
+
+
+def test_a_gpu_small_softplus_record_stays_under_two_mib(tmp_path, monkeypatch):
+    """What ``evaluate_run`` keeps for a gpu-small softplus run (9 KDA layers of ``[2, 4096, 4, 128]`` log
+    decays: the "gpu" preset's two decay windows) saves to at most 2 MiB, so a split GPU call can carry
+    its record back (16 MiB a file) and it can be committed; fp32 real_g of 1024 tokens came to ~18 MiB."""
+    from moelab.config import load_config
+
+    cfg = load_config("tiny", {"model.kda.gate": "softplus", "model.max_seq_len": 64 * study.EXTRAPOLATE})
+    gen = torch.Generator().manual_seed(0)
+    decays = {f"layers.{i}.mixer": -torch.rand(2, 4096, 4, 128, generator=gen) * 3 for i in range(9)}
+    monkeypatch.setattr(study, "collect_log_decay", lambda model, ids: decays)
+    monkeypatch.setattr(study, "loss_by_position", lambda *a, **k: [])
+    model = MoELab(cfg.model).eval()
+    ev = study.evaluate_run(model, cfg, eval_windows=1, real_g_tokens=study.PRESETS["gpu"]["overflow_shape"][1])
+    assert {g.shape for g in ev["real_g"].values()} == {(1, study.REAL_G_TOKENS, 4, 128)}
+    torch.save(ev, tmp_path / "r.evals.pt")
+    assert (tmp_path / "r.evals.pt").stat().st_size <= 2 * 2 ** 20
