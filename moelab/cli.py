@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     split.add_argument("--shard", metavar="I/N", default=None,
                        help="a split call: train runs I, I+N, ... of each grid and record them")
     p.add_argument("--from-results", action="store_true",
-                   help="train nothing: render the report from the results already in studies/NN_name/results")
+                   help="train nothing: render the committed report (preset gpu) from studies/NN_name/results")
 
     p = sub.add_parser("eval", help="long-context evaluation of a checkpoint (JSON + MLflow eval/<preset>)")
     p.add_argument("--ckpt", required=True, metavar="PATH", help="a moelab checkpoint (.ckpt)")
@@ -166,10 +166,18 @@ def _study(args: argparse.Namespace) -> int:
     from moelab.base import repo_root
     from moelab.studies.runner import StudyFailed, StudyStopped, run_study
 
-    # Rendering from the committed results re-renders the committed report, so it goes where they are.
+    # Rendering from the committed results re-renders the committed report, so it goes where they are, at the
+    # preset that made it: a cpu render would write cpu-scale tables over the gpu report.
     render = {"parameters": {"from_results": True}, "out_root": repo_root() / "studies"} if args.from_results else {}
+    preset = args.preset
+    if args.from_results:
+        if preset not in (None, "gpu") or args.runs or args.shard:
+            print(f"error: --from-results renders the committed report, made at preset gpu; got --preset {preset}"
+                  + (" with a split call" if args.runs or args.shard else ""), file=sys.stderr)
+            return 2
+        preset = "gpu"
     try:
-        out = run_study(args.number, args.preset, runs=args.runs, shard=args.shard, **render)
+        out = run_study(args.number, preset, runs=args.runs, shard=args.shard, **render)
     except StudyStopped as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 128 + e.signum

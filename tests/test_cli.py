@@ -108,6 +108,21 @@ def test_study_outcomes_are_one_line_and_an_exit_code(raised, code, line, monkey
     assert err.strip() == line
 
 
+def test_from_results_renders_at_the_committed_preset(monkeypatch, capsys) -> None:
+    """--from-results re-renders the committed (gpu) report: it runs at preset gpu on any machine, and refuses a cpu
+    preset or a split call (either would write other tables over the committed report)."""
+    from moelab.studies import runner
+
+    seen = []
+    monkeypatch.setattr(runner, "run_study", lambda number, preset, **kw: seen.append((preset, kw)) or "out")
+    assert main(["study", "1", "--from-results"]) == 0
+    assert seen[0][0] == "gpu" and seen[0][1]["parameters"] == {"from_results": True}
+    for extra in (["--preset", "cpu"], ["--runs", "bounded-5:0"]):
+        assert main(["study", "1", "--from-results", *extra]) == 2
+        assert "--from-results renders the committed report" in capsys.readouterr().err
+    assert len(seen) == 1
+
+
 def test_data_prepares_the_default_corpus(capsys) -> None:
     assert main(["data", "--config", "tiny"]) == 0
     out = capsys.readouterr().out
