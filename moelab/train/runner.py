@@ -37,6 +37,7 @@ of a process that was killed in this folder (KILLED).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
@@ -300,9 +301,15 @@ class RunFolder:
         self._file.flush()
 
     def release(self) -> None:
+        """Drop the lock. A folder that holds no run (no config.yaml, summary or checkpoint: it failed before
+        its first step) loses its lock file too, and is removed when nothing else is left in it."""
         if self._file is not None:
             self._file.close()  # closing the descriptor drops the flock
             self._file = None
+            if not (self.folder / "config.yaml").exists() and self.describe_run() is None:
+                (self.folder / LOCK).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    self.folder.rmdir()  # only when empty
 
 
 # ---------------------------------------------------------------------------------------------
@@ -504,6 +511,11 @@ def _train(cfg: RunConfig, run: Run | None, resumed: Resumed | None, module: Lit
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
             trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
     except BaseException as e:
+        if trainer.is_global_zero and resumed is None and trainer.global_step == 0 and not any(ckpt_dir.glob("*.ckpt")):
+            # Failed before its first step (a data check, say): nothing to resume, so the folder keeps no
+            # record that would hold the name; RunFolder.release removes the emptied folder.
+            (ckpt_dir / "config.yaml").unlink(missing_ok=True)
+            raise
         if trainer.is_global_zero:
             out = result("failed")
             out.summary = {**_summarize(cfg, trainer, out, throughput, time.perf_counter() - started),
