@@ -162,4 +162,53 @@ MUTATIONS: tuple[Mutation, ...] = (
               "self.sources.replace_last(out)"),),
         ("tests/model/test_attnres.py",),
     ),
+    # ------------------------------------------------------------------ packed documents, eval, studies, resume
+    Mutation(
+        "segments-eos-starts-document",
+        "segments_from_eos puts each end-of-text token into the next document instead of the one it ends",
+        (Edit("moelab/ops/varlen.py", "return (ends.cumsum(-1) - ends).to(torch.int32)",
+              "return ends.cumsum(-1).to(torch.int32)"),),
+        ("tests/data/test_document_boundaries.py::test_fixed_windows_segments_follow_the_stream_eos_positions",),
+    ),
+    Mutation(
+        "packer-drops-eos",
+        "the curriculum's document packer cuts each piece before its end-of-text token",
+        (Edit("moelab/data/curriculum.py", "end = int(self.ends[self._document(pos)]) + 1",
+              "end = int(self.ends[self._document(pos)])"),),
+        ("tests/data/test_document_boundaries.py::test_packed_documents_start_only_after_an_eos",),
+    ),
+    Mutation(
+        "qb-histogram-qth",
+        "histogram quantile balancing takes the bin of the q-th instead of the (q+1)-th largest margin",
+        (Edit("moelab/model/balance.py", "top_bin = (at_or_above > q).sum(-1) - 1",
+              "top_bin = (at_or_above >= q).sum(-1) - 1"),),
+        ("tests/train/test_qb_order_statistic.py",),
+    ),
+    Mutation(
+        "passkey-token-accuracy",
+        "passkey accuracy counts answer tokens instead of whole keys",
+        (Edit("moelab/eval/tasks.py", "acc_row.append(score.correct.float().mean().item())",
+              "acc_row.append((score.n_correct.sum() / score.n_tokens.sum()).item())"),),
+        ("tests/eval/test_grid_scores.py::test_passkey_grid_scores_known_partial_answers",),
+    ),
+    Mutation(
+        "arms-neighbours-only",
+        "the arm check compares each arm with the next one only (first and last arms may be the same config)",
+        (Edit("moelab/studies/common.py", "for b in names[i + 1:]:", "for b in names[i + 1:i + 2]:"),),
+        ("tests/studies/test_arm_confounds.py::test_first_and_last_arm_resolve_to_the_same_config",),
+    ),
+    Mutation(
+        "resume-keeps-old-betas",
+        "a resume keeps the checkpoint's Adam betas instead of the config's",
+        (Edit("moelab/train/module.py", "group.update(initial_lr=t.lr, weight_decay=decay, betas=t.betas)",
+              "group.update(initial_lr=t.lr, weight_decay=decay)"),),
+        ("tests/train/test_resume_groups.py",),
+    ),
+    Mutation(
+        "failed-start-keeps-folder",
+        "a run that fails before its first step keeps its folder (the name is then refused)",
+        (Edit("moelab/train/runner.py",
+              'if not (self.folder / "config.yaml").exists() and self.describe_run() is None:', "if False:"),),
+        ("tests/train/test_data_check_failure.py::test_data_check_failure_leaves_no_folder_and_a_failed_run",),
+    ),
 )
