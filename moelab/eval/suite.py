@@ -82,19 +82,49 @@ def evaluate(
     step = int(state.get("global_step", 0))
     source_run = state["moelab"].get("mlflow_run_id")
     trained = from_dict(state["moelab"]["config"])
-    window = training_window(trained)
-    lengths = list(lengths) if lengths else [window, 2 * window, 4 * window]
-    depths = list(depths) if depths is not None else list(DEFAULT_DEPTHS)
-    chunk = window if chunk_size is None else (chunk_size or None)
-    _check(all(isinstance(n, int) and n >= 2 for n in lengths), "lengths", lengths, "integers >= 2")
-    _check(len(depths) > 0 and all(0.0 <= d <= 1.0 for d in depths), "depths", depths, "numbers in [0, 1]")
-    _check(samples >= 1, "samples", samples, "an integer >= 1")
-    _check(batch_size >= 1, "batch_size", batch_size, "an integer >= 1")
-    _check(chunk is None or chunk >= 1, "chunk_size", chunk_size, "an integer >= 1, or 0 for one full forward")
+    lengths, depths, _ = _settings(trained, lengths, depths, samples, chunk_size, batch_size)
     dev = _device(device)
 
     model, cfg = model_from_checkpoint(state, dev, max_seq_len=max(max(lengths), trained.model.max_seq_len))
     del state
+    results = evaluate_model(model, cfg, task, device=dev, lengths=lengths, depths=depths, samples=samples,
+                             mqar_pairs=mqar_pairs, chunk_size=chunk_size, batch_size=batch_size, seed=seed)
+    report = {"checkpoint": str(ckpt.resolve()), "step": step, **results}
+
+    path = Path(out) if out else ckpt.parent / "eval" / f"{task}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, report)
+    report["json"] = str(path)
+    if tracking:
+        report["run_id"] = _record(cfg, report, source_run, tracking_uri)
+    return report
+
+
+def evaluate_model(
+    model: torch.nn.Module,
+    cfg: RunConfig,
+    task: str,
+    *,
+    device: str | torch.device = "auto",
+    lengths: list[int] | None = None,
+    depths: list[float] | None = None,
+    samples: int = 16,
+    mqar_pairs: int = 16,
+    chunk_size: int | None = None,
+    batch_size: int = 8,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run ``task`` on a model in memory (in eval mode, on ``device``, accepting the longest length).
+
+    ``cfg``: the run's config (its corpus, tokenizer, vocabulary and training window); the settings
+    as for :func:`evaluate`, which loads a checkpoint and calls this. Returns the report without the
+    checkpoint's path and step: ``config``, ``preset``, ``settings``, ``wall_s`` and the task's results.
+    """
+    _check(task in TASKS, "task", task, "one of " + ", ".join(map(repr, TASKS)))
+    window = training_window(cfg)
+    lengths, depths, chunk = _settings(cfg, lengths, depths, samples, chunk_size, batch_size)
+    dev = device if isinstance(device, torch.device) else _device(device)
+
     settings = {"task": task, "lengths": lengths, "samples": samples, "chunk_size": chunk, "batch_size": batch_size,
                 "seed": seed, "device": str(dev), "training_window": window}
     if task == "passkey":
@@ -116,16 +146,23 @@ def evaluate(
             results = passkey_grid(model, tokenizer, lengths, depths, samples, chunk, batch_size, seed, filler=val)
         else:
             results = loss_by_position(model, val, lengths, samples, chunk, batch_size)
-    report = {"checkpoint": str(ckpt.resolve()), "step": step, "config": cfg.name, "preset": cfg.preset,
-              "settings": settings, "wall_s": time.perf_counter() - started, **results}
+    return {"config": cfg.name, "preset": cfg.preset, "settings": settings, "wall_s": time.perf_counter() - started,
+            **results}
 
-    path = Path(out) if out else ckpt.parent / "eval" / f"{task}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, report)
-    report["json"] = str(path)
-    if tracking:
-        report["run_id"] = _record(cfg, report, source_run, tracking_uri)
-    return report
+
+def _settings(cfg: RunConfig, lengths: list[int] | None, depths: list[float] | None, samples: int,
+              chunk_size: int | None, batch_size: int) -> tuple[list[int], list[float], int | None]:
+    """``(lengths, depths, chunk)`` with their defaults for the run ``cfg``; ConfigError for a bad setting."""
+    window = training_window(cfg)
+    lengths = list(lengths) if lengths else [window, 2 * window, 4 * window]
+    depths = list(depths) if depths is not None else list(DEFAULT_DEPTHS)
+    chunk = window if chunk_size is None else (chunk_size or None)
+    _check(all(isinstance(n, int) and n >= 2 for n in lengths), "lengths", lengths, "integers >= 2")
+    _check(len(depths) > 0 and all(0.0 <= d <= 1.0 for d in depths), "depths", depths, "numbers in [0, 1]")
+    _check(samples >= 1, "samples", samples, "an integer >= 1")
+    _check(batch_size >= 1, "batch_size", batch_size, "an integer >= 1")
+    _check(chunk is None or chunk >= 1, "chunk_size", chunk_size, "an integer >= 1, or 0 for one full forward")
+    return lengths, depths, chunk
 
 
 def _check_lengths(task: str, shortest: int, longest: int, tokenizer: Tokenizer | None, vocab_size: int,
@@ -192,4 +229,4 @@ def _record(cfg: RunConfig, report: dict[str, Any], source_run: str | None, trac
         return run.run_id
 
 
-__all__ = ["DEFAULT_DEPTHS", "TASKS", "evaluate", "training_window"]
+__all__ = ["DEFAULT_DEPTHS", "TASKS", "evaluate", "evaluate_model", "training_window"]

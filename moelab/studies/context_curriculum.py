@@ -23,6 +23,8 @@ The notebook ``nbs/04_context_curriculum.py`` calls, in order: :func:`arms_facto
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -177,9 +179,11 @@ def train(preset: str, out_dir: str | Path, extra_overrides: Mapping[str, Any] |
     p = plan(preset)
     if p.threads:
         torch.set_num_threads(p.threads)
-    # One checkpoint per run, at its end: the evaluation suite reads only last.ckpt.
+    # One checkpoint per run, at its end; the evaluation runs on the trained model in its training process
+    # and travels in the run's record (a run trained in another call needs no checkpoint here).
     return common.run_grid(STUDY, p.base, arms(preset), p.seeds, out_dir,
-                           common={**p.common, **(extra_overrides or {})}, checkpoints="final")
+                           common={**p.common, **(extra_overrides or {})}, checkpoints="final",
+                           evaluate=functools.partial(evaluate_trained, preset=preset))
 
 
 # ------------------------------------------------------------------------------------------- eval
@@ -209,24 +213,55 @@ def eval_settings(preset: str) -> dict[str, dict[str, Any]]:
     }
 
 
+def evaluate_trained(model: torch.nn.Module, cfg: Any, preset: str) -> dict[str, dict[str, Any]]:
+    """``{task: report}`` of :func:`eval_settings`'s tasks on the trained ``model`` (run_grid's ``evaluate``).
+
+    The reports are :func:`moelab.eval.suite.evaluate`'s on the run's checkpoint, without its paths:
+    the same numbers. As ``model_from_checkpoint`` does, the evaluation runs on an eager copy of the
+    trained weights whose limit on input length is raised to the longest evaluated length (no
+    positions: the limit only guards inputs); the trained model and the run's config stay as trained.
+    """
+    from moelab.eval.suite import evaluate_model
+    from moelab.model import MoELab
+
+    settings = eval_settings(preset)
+    device = torch.device(next(model.parameters()).device.type)
+    longest = max(n for kwargs in settings.values() for n in kwargs["lengths"])
+    with torch.random.fork_rng(devices=[]):  # the copy's initialization leaves the run's random state alone
+        copy = MoELab(dataclasses.replace(model.cfg, max_seq_len=max(longest, model.cfg.max_seq_len)))
+    copy.load_state_dict(model.state_dict())
+    copy = copy.to(device).eval()
+    return {task: {"step": cfg.train.max_steps, **evaluate_model(copy, cfg, task, device=device, **kwargs)}
+            for task, kwargs in settings.items()}
+
+
 def _same_settings(found: Mapping[str, Any], kwargs: Mapping[str, Any]) -> bool:
     s = found.get("settings", {})
     return all(s.get(k) == v for k, v in kwargs.items() if k in ("lengths", "depths", "samples", "mqar_pairs"))
 
 
 def evaluate_runs(grid: common.Grid, preset: str, echo: Any = print) -> dict[str, dict[str, Any]]:
-    """Run the evaluation suite on the last checkpoint of every run; ``{"<arm>-s<seed>": {task: report}}``
-    (the reports of :func:`moelab.eval.suite.evaluate` without their file paths).
+    """The evaluation suite's reports of every run; ``{"<arm>-s<seed>": {task: report}}`` (the reports of
+    :func:`moelab.eval.suite.evaluate` without their file paths).
 
-    Reports are written beside the checkpoint (``eval/<task>.json``), which a retrained run's fresh
-    folder drops, so a rerun reuses a report only for the same trained model and settings. The main
-    numbers go onto the run's MLflow run as ``study/*`` metrics.
+    A run's record carries them (:func:`evaluate_trained` at the end of its training: ``rec.evals``),
+    so a run trained in another call (``RUNS=``) needs no checkpoint here. A record without them (or
+    with other settings) is evaluated from its last checkpoint: reports are written beside it
+    (``eval/<task>.json``), which a retrained run's fresh folder drops, so a rerun reuses a report only
+    for the same trained model and settings. The main numbers go onto the run's MLflow run as ``study/*`` metrics.
     """
     from moelab.eval.suite import evaluate
 
     settings = eval_settings(preset)
     out: dict[str, dict[str, Any]] = {}
     for rec in grid.records:
+        if rec.evals is not None and all(task in rec.evals and _same_settings(rec.evals[task], kwargs)
+                                         for task, kwargs in settings.items()):
+            reports = {task: dict(rec.evals[task]) for task in settings}
+            out[f"{rec.arm}-s{rec.seed}"] = reports
+            _echo_eval(rec, reports, echo)
+            _log_eval(rec, reports)
+            continue
         ckpt = Path(rec.summary.get("last_checkpoint") or rec.summary["best_checkpoint"])
         reports = {}
         for task, kwargs in settings.items():
@@ -238,12 +273,16 @@ def evaluate_runs(grid: common.Grid, preset: str, echo: Any = print) -> dict[str
             # where this machine keeps the checkpoint says nothing in a committed report
             reports[task] = {k: v for k, v in found.items() if k not in ("checkpoint", "json")}
         out[f"{rec.arm}-s{rec.seed}"] = reports
-        pk = reports["passkey"]
-        echo(f"eval {rec.arm} seed {rec.seed}: passkey by length "
-             f"{dict(zip(pk['lengths'], (round(a, 2) for a in pk['accuracy_by_length'])))}, effective context "
-             f"{pk['effective_context']}, mqar {[round(a, 3) for a in reports['mqar']['accuracy']]}")
+        _echo_eval(rec, reports, echo)
         _log_eval(rec, reports)
     return out
+
+
+def _echo_eval(rec: common.RunRecord, reports: Mapping[str, Mapping[str, Any]], echo: Any) -> None:
+    pk = reports["passkey"]
+    echo(f"eval {rec.arm} seed {rec.seed}: passkey by length "
+         f"{dict(zip(pk['lengths'], (round(a, 2) for a in pk['accuracy_by_length'])))}, effective context "
+         f"{pk['effective_context']}, mqar {[round(a, 3) for a in reports['mqar']['accuracy']]}")
 
 
 def _log_eval(rec: common.RunRecord, reports: Mapping[str, Mapping[str, Any]]) -> None:
@@ -853,7 +892,7 @@ def val_time_figure(grid: common.Grid, preset: str, perf_rows: Sequence[Mapping[
 
 __all__ = ["EvalPlan", "PRESETS", "Plan", "ROW_KEYS", "SCHEDULES", "STUDY", "accuracy_figure", "arms", "arms_factor",
            "by_seed", "chance_passkey", "compare", "equal_time", "eval_lengths", "eval_settings", "evaluate_runs",
-           "findings", "paired", "passkey_figure", "perf_figure", "plan", "position_figure", "refresh_comparisons",
-           "retrieval_learned", "schedules", "split_steps", "stage_of_window", "stage_perf", "stage_step_times",
-           "stage_text", "step_times", "study_report", "summarize", "summary_rows", "train_clock", "train_times",
-           "val_time_figure", "value_at_time", "verdict"]
+           "evaluate_trained", "findings", "paired", "passkey_figure", "perf_figure", "plan", "position_figure",
+           "refresh_comparisons", "retrieval_learned", "schedules", "split_steps", "stage_of_window", "stage_perf",
+           "stage_step_times", "stage_text", "step_times", "study_report", "summarize", "summary_rows", "train_clock",
+           "train_times", "val_time_figure", "value_at_time", "verdict"]
