@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from moelab.tracking import TrackingError
+    from moelab.tracking import StorageError
 
     args = build_parser().parse_args(argv)
     try:
@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except TrackingError as e:
+    except StorageError as e:  # a tracking store or disk fault: the message is the one line (TrackingError, ...)
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:

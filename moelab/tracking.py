@@ -30,6 +30,7 @@ Everything goes through an explicit ``MlflowClient`` and run id, never MLflow's 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -56,8 +57,46 @@ MAX_BATCH_METRICS = 1000  # MLflow's log_batch limit
 PROBE_TIMEOUT_S = 5.0
 
 
-class TrackingError(RuntimeError):
+class StorageError(RuntimeError):
+    """A storage or tracking fault the user can act on; the message is the whole report, one line: what failed,
+    what is intact, what to do. ``python -m moelab`` prints it without a traceback and exits 1."""
+
+
+class TrackingError(StorageError):
     """The tracking store cannot be used at the start of a run; the message names the URI and what to do."""
+
+
+@contextmanager
+def _quiet_store_errors() -> Iterator[None]:
+    """Hide MLflow's own log of a failing SQL statement (the error and a traceback, before it raises it): at the
+    start of a run the raised error becomes one :class:`TrackingError` line."""
+    import logging
+
+    log = logging.getLogger("mlflow.store")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _store_fault(where: object, e: BaseException) -> str | None:
+    """The one line for a sqlite store that is locked or read-only (``where``: the database file), else None."""
+    text = _describe(e)
+    low = text.lower()
+    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        low += " read-only"  # the file or its folder cannot be written (chmod a-w, a read-only mount)
+    if "database is locked" in low or "database table is locked" in low:
+        return (f"the MLflow database {where} is locked by another process ({text}); nothing was trained or "
+                f"written: let that process finish or end it (a sqlite3 shell or script holding a transaction), "
+                f"point tracking.tracking_uri / $MLFLOW_TRACKING_URI at another database, or set "
+                f"tracking.enabled=false")
+    if "readonly" in low or "read-only" in low or "read only" in low:
+        return (f"the MLflow database {where} is read-only ({text}); nothing was trained or written: make it and "
+                f"its folder writable (chmod u+w), point tracking.tracking_uri / $MLFLOW_TRACKING_URI at another "
+                f"database, or set tracking.enabled=false")
+    return None
 
 
 def default_tracking_uri() -> str:
@@ -89,7 +128,9 @@ def _sqlite_path(uri: str) -> Path | None:
     prefix = "sqlite:///"
     if not uri.startswith(prefix):
         return None
-    path = uri[len(prefix):].split("?", 1)[0]
+    path, _, query = uri[len(prefix):].partition("?")
+    if path.startswith("file:") and "uri=true" in query:  # sqlite's URI form, e.g. file:/x/mlflow.db?mode=ro&uri=true
+        path = path[len("file:"):]
     if path in ("", ":memory:"):
         return None
     return Path(os.path.abspath(path))
@@ -152,12 +193,17 @@ def client(uri: str = ""):
             # The client builds (and migrates) the store when it is constructed, once per process.
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
-                return MlflowClient(tracking_uri=uri)
+                with _quiet_store_errors():
+                    return MlflowClient(tracking_uri=uri)
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
     except OSError as e:
-        raise TrackingError(f"the MLflow database {db} cannot be opened ({e}): check its folder's "
-                            f"permissions, or set tracking.tracking_uri / $MLFLOW_TRACKING_URI") from e
+        raise TrackingError(_store_fault(db, e) or f"the MLflow database {db} cannot be opened ({e}): check its "
+                            f"folder's permissions, or set tracking.tracking_uri / $MLFLOW_TRACKING_URI") from e
+    except Exception as e:  # sqlalchemy's OperationalError: a locked or read-only file, a damaged database
+        raise TrackingError(_store_fault(db, e) or f"the MLflow database {db} cannot be used ({_describe(e)}); "
+                            f"nothing was trained: point tracking.tracking_uri / $MLFLOW_TRACKING_URI at another "
+                            f"database, or set tracking.enabled=false") from e
 
 
 def experiment_id(mlflow_client, name: str) -> str:
@@ -436,21 +482,22 @@ def start_run(
     uri = mlflow_client.tracking_uri
     parent = parent_run_id if parent_run_id is not None else current_parent_run_id()
     try:
-        if parent:
-            exp_id = mlflow_client.get_run(parent).info.experiment_id
-        else:
-            exp_id = experiment_id(mlflow_client, experiment)
-        all_tags = {MLFLOW_SOURCE_NAME: " ".join(sys.argv) or "python"}
-        commit = git_commit()
-        if commit:
-            all_tags[MLFLOW_GIT_COMMIT] = commit
-        if parent:
-            all_tags[PARENT_TAG] = parent
-        all_tags.update({str(k): str(v) for k, v in (tags or {}).items()})
-        info = mlflow_client.create_run(exp_id, tags=all_tags, run_name=run_name).info
+        with _quiet_store_errors():
+            if parent:
+                exp_id = mlflow_client.get_run(parent).info.experiment_id
+            else:
+                exp_id = experiment_id(mlflow_client, experiment)
+            all_tags = {MLFLOW_SOURCE_NAME: " ".join(sys.argv) or "python"}
+            commit = git_commit()
+            if commit:
+                all_tags[MLFLOW_GIT_COMMIT] = commit
+            if parent:
+                all_tags[PARENT_TAG] = parent
+            all_tags.update({str(k): str(v) for k, v in (tags or {}).items()})
+            info = mlflow_client.create_run(exp_id, tags=all_tags, run_name=run_name).info
     except Exception as e:
-        raise TrackingError(f"cannot open an MLflow run in {uri} ({_describe(e)}); set tracking.enabled=false "
-                            f"to train without tracking") from e
+        raise TrackingError(_store_fault(_sqlite_path(uri) or uri, e) or f"cannot open an MLflow run in {uri} "
+                            f"({_describe(e)}); set tracking.enabled=false to train without tracking") from e
     run = Run(mlflow_client, info.run_id, exp_id, uri)
     monitor = None
     status = "FAILED"

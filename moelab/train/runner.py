@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
@@ -67,7 +68,7 @@ from moelab.data import prepare
 from moelab.data.datamodule import TextDataModule
 from moelab.model.accounting import flops_per_token, param_counts
 from moelab.model.accounting import summary as model_summary
-from moelab.tracking import LAB_EXTRA_HINT, Run, end_stale_run, start_run
+from moelab.tracking import LAB_EXTRA_HINT, Run, StorageError, end_stale_run, start_run
 from moelab.tracking import installed as tracking_installed
 from moelab.train.balancer import BalancerCallback
 from moelab.train.callbacks import (
@@ -97,6 +98,64 @@ class CheckpointError(ConfigError):
 
 class RunFolderError(ConfigError):
     """The run folder belongs to another run (live, finished or interrupted); the message says which."""
+
+
+# The OS errors of a full or closed storage, and what to do about each.
+STORAGE_ERRNOS = {
+    errno.ENOSPC: ("no space left on the device", "free space on it"),
+    errno.EFBIG: ("the file-size limit was reached", "raise the file-size limit (ulimit -f)"),
+    errno.EDQUOT: ("the disk quota is exceeded", "free space within the quota"),
+    errno.EROFS: ("the file system is read-only", "make it writable"),
+}
+
+
+def storage_os_error(e: BaseException | None) -> OSError | None:
+    """The OSError of a full or closed storage (:data:`STORAGE_ERRNOS`) in ``e``'s chain, else None.
+
+    ``torch.save`` reports a failed write as ``RuntimeError: [enforce fail at inline_container.cc]`` raised
+    while handling the ``OSError``, so the cause is looked for along ``__cause__`` and ``__context__``.
+    """
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+class CheckpointSaveError(StorageError):
+    """A checkpoint (or another file of the run folder) could not be written: disk full, file-size limit, quota,
+    read-only file system.
+
+    Raised by :class:`AtomicCheckpointIO` with the file and the OS error; ``fit`` raises it again with the
+    whole line: what failed, that the previous checkpoint is intact, what to do.
+    """
+
+    def __init__(self, path: Path, os_error: OSError, message: str = "", what: str = "checkpoint ") -> None:
+        self.path, self.os_error, self.what = path, os_error, what
+        reason, _ = STORAGE_ERRNOS[os_error.errno]
+        super().__init__(message or f"cannot save {what}{path}: {reason} "
+                                    f"({errno.errorcode.get(os_error.errno, os_error.errno)})")
+
+    def explained(self, step: int, last_good: Path | None, detail: str, folder: Path, unsaved: str = "",
+                  tracked: bool = False) -> CheckpointSaveError:
+        """The same fault with the one line a user reads: ``last_good``/``detail``: the checkpoint still intact;
+        ``folder``: the run folder; ``unsaved``: what else could not be written; ``tracked``: an MLflow run was
+        open (it ends FAILED)."""
+        reason, todo = STORAGE_ERRNOS[self.os_error.errno]
+        code = errno.errorcode.get(self.os_error.errno, str(self.os_error.errno))
+        if last_good is not None:
+            intact = f"the previous checkpoint {last_good}{detail} is intact"
+            then = f"resume with --resume {last_good}"
+        else:
+            intact = "no earlier checkpoint exists"
+            then = f"delete {folder} (it holds no checkpoint) and train again"
+        failed = "; the MLflow run is marked FAILED" if tracked else ""
+        return CheckpointSaveError(
+            self.path, self.os_error,
+            f"cannot save {self.what}{self.path} at step {step}: {reason} ({code}); training stopped, {intact} "
+            f"and no partial file was left{unsaved}{failed}: {todo}, then {then}", self.what)
 
 
 @dataclass
@@ -140,13 +199,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         path = Path(path)
-        with atomic_path(path) as tmp:
-            with open(tmp, "xb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            with atomic_write(checksum_path(path)) as f:
-                f.write(f"{sha256_file(tmp)}  {path.name}\n")
+        try:
+            with atomic_path(path) as tmp:
+                with open(tmp, "xb") as f:
+                    torch.save(checkpoint, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                with atomic_write(checksum_path(path)) as f:
+                    f.write(f"{sha256_file(tmp)}  {path.name}\n")
+        except Exception as e:
+            cause = storage_os_error(e)
+            if cause is None:
+                raise
+            raise CheckpointSaveError(path, cause) from e
 
     def remove_checkpoint(self, path: Any) -> None:
         super().remove_checkpoint(path)
@@ -379,6 +444,8 @@ def fit(
             and RunFolderError (the folder belongs to another run).
         moelab.tracking.TrackingError: the tracking store cannot be reached or opened.
         NonFiniteLossError: a NaN/Inf training scalar or weight (names the step and the last good checkpoint).
+        CheckpointSaveError: a checkpoint could not be written (disk full, file-size limit, quota, read-only
+            file system); the message names the file, the previous checkpoint left intact and what to do.
         Interrupted: after Ctrl-C or SIGTERM, once ``last.ckpt`` and ``summary.json`` are saved.
     """
     if checkpoints not in CHECKPOINT_POLICIES:
@@ -516,12 +583,25 @@ def _train(cfg: RunConfig, run: Run | None, resumed: Resumed | None, module: Lit
             # record that would hold the name; RunFolder.release removes the emptied folder.
             (ckpt_dir / "config.yaml").unlink(missing_ok=True)
             raise
+        save_error = e if isinstance(e, CheckpointSaveError) else None
+        if save_error is None and (cause := storage_os_error(e)) is not None:  # history.csv at a validation, say
+            save_error = CheckpointSaveError(Path(cause.filename) if cause.filename else ckpt_dir, cause,
+                                             what="" if cause.filename else "into ")
+        unsaved = ""
         if trainer.is_global_zero:
             out = result("failed")
             out.summary = {**_summarize(cfg, trainer, out, throughput, time.perf_counter() - started),
                            "error": f"{type(e).__name__}: {e}"}
-            write_history(ckpt_dir / "history.csv", out.history)
-            write_json(ckpt_dir / "summary.json", out.summary)
+            try:
+                write_history(ckpt_dir / "history.csv", out.history)
+                write_json(ckpt_dir / "summary.json", out.summary)
+            except OSError as also:
+                if save_error is None or storage_os_error(also) is None:
+                    raise
+                unsaved = " (history.csv and summary.json could not be updated either)"
+        if save_error is not None:
+            raise save_error.explained(trainer.global_step, *last_ckpt.describe(), ckpt_dir, unsaved,
+                                       run is not None) from e
         raise
 
     signum = stop.requested if stop.interrupted_at is not None else None
