@@ -2,6 +2,7 @@
 
     python tests/mutation/mutate.py                 # every mutation of tests/mutation/mutations.py
     python tests/mutation/mutate.py gate-exp ...    # only these (names as listed by --list)
+    python tests/mutation/mutate.py --jobs 2        # two at a time, each in its own copy
     python tests/mutation/mutate.py --list
 
 A mutation is *caught* when its tests fail (pytest exit status 1), *survived* when they pass, and
@@ -15,8 +16,10 @@ linked in so the tests find the prepared corpus.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -139,27 +142,39 @@ def check(mutation: Mutation, root: Path, timeout: float) -> Outcome:
 
 
 def run(mutations: Sequence[Mutation], src: Path = ROOT, timeout: float = 900.0, baseline: bool = True,
-        echo: bool = True) -> list[Outcome]:
-    """Check ``mutations`` in one temporary copy of ``src``; with ``baseline``, first run all their tests unmutated
-    (a failing baseline makes every "caught" meaningless, so then nothing else runs)."""
-    outcomes = []
+        echo: bool = True, jobs: int = 1) -> list[Outcome]:
+    """Check ``mutations`` in temporary copies of ``src`` (one per job: ``jobs`` mutations at a time); with
+    ``baseline``, first run all their tests unmutated (a failing baseline makes every "caught" meaningless, so
+    then nothing else runs). Outcomes come back in the order of ``mutations``; lines print as they finish."""
+    jobs = max(1, min(jobs, len(mutations) or 1))
     with tempfile.TemporaryDirectory(prefix="moelab-mutate-") as tmp:
-        root = Path(tmp) / "repo"
-        copy_repo(src, root)
+        roots = [Path(tmp) / f"repo{i}" for i in range(jobs)]
+        for root in roots:
+            copy_repo(src, root)
         if baseline:
             tests = sorted({t for m in mutations for t in m.tests})
-            code, tail = run_tests(root, tests, timeout)
+            code, tail = run_tests(roots[0], tests, timeout)
             if code != 0:
                 out = Outcome("(baseline)", "error", 0.0, f"the unmutated tests do not pass (exit {code}): {tail}")
                 if echo:
-                    print(f"{out.name:<24} {out.status:<9} {out.detail}", flush=True)
+                    print(f"{out.name:<34} {out.status:<9} {out.detail}", flush=True)
                 return [out]
-        for m in mutations:
-            out = check(m, root, timeout)
-            outcomes.append(out)
+        free: queue.Queue[Path] = queue.Queue()
+        for root in roots:
+            free.put(root)
+
+        def one(m: Mutation) -> Outcome:
+            root = free.get()  # a copy no other job is mutating now
+            try:
+                out = check(m, root, timeout)
+            finally:
+                free.put(root)
             if echo:
-                print(f"{out.name:<24} {out.status:<9} {out.seconds:6.1f} s  {out.detail}", flush=True)
-    return outcomes
+                print(f"{out.name:<34} {out.status:<9} {out.seconds:6.1f} s  {out.detail}", flush=True)
+            return out
+
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            return list(pool.map(one, mutations))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -170,6 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list the mutations and the tests that must catch them")
     p.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the tests")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per pytest run (default 900)")
+    p.add_argument("--jobs", "-j", type=int, default=1,
+                   help="mutations checked at a time, each in its own copy of the repository (default 1)")
     args = p.parse_args(argv)
     by_name = {m.name: m for m in MUTATIONS}
     unknown = [n for n in args.names if n not in by_name]
@@ -178,9 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [by_name[n] for n in args.names] if args.names else list(MUTATIONS)
     if args.list:
         for m in chosen:
-            print(f"{m.name:<24} {m.why}\n{'':<24} caught by: {' '.join(m.tests)}")
+            print(f"{m.name:<34} {m.why}\n{'':<34} caught by: {' '.join(m.tests)}")
         return 0
-    outcomes = run(chosen, timeout=args.timeout, baseline=not args.no_baseline)
+    outcomes = run(chosen, timeout=args.timeout, baseline=not args.no_baseline, jobs=args.jobs)
     counts = {s: sum(o.status == s for o in outcomes) for s in ("caught", "survived", "error")}
     print(f"mutations: {counts['caught']} caught, {counts['survived']} survived, {counts['error']} errors "
           f"(of {len(chosen)})")
