@@ -151,9 +151,12 @@ def run(mutations: Sequence[Mutation], src: Path = ROOT, timeout: float = 900.0,
         roots = [Path(tmp) / f"repo{i}" for i in range(jobs)]
         for root in roots:
             copy_repo(src, root)
-        if baseline:
+        if baseline:  # the tests split over the jobs' copies, run side by side
             tests = sorted({t for m in mutations for t in m.tests})
-            code, tail = run_tests(roots[0], tests, timeout)
+            parts = [tests[i::jobs] for i in range(jobs) if tests[i::jobs]]
+            with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+                results = list(pool.map(lambda rp: run_tests(rp[0], rp[1], timeout), zip(roots, parts)))
+            code, tail = next(((c, t) for c, t in results if c != 0), results[0])
             if code != 0:
                 out = Outcome("(baseline)", "error", 0.0, f"the unmutated tests do not pass (exit {code}): {tail}")
                 if echo:

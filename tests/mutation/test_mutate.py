@@ -34,6 +34,8 @@ def test_caught_survived_and_stale_on_a_toy_repo(tmp_path, monkeypatch) -> None:
     (src / "test_toy.py").write_text(TOY_TEST.replace("== 5", "== 6"))
     (baseline,) = run(mutations[:1], src=src, timeout=120, baseline=True, echo=False)
     assert baseline.name == "(baseline)" and baseline.status == "error"
+    (baseline,) = run(mutations[:2], src=src, timeout=120, baseline=True, echo=False, jobs=2)
+    assert baseline.name == "(baseline)" and baseline.status == "error"
     (src / "test_toy.py").write_text(TOY_TEST)
     # Two at a time, each job in its own copy: the same outcomes, in the order asked.
     parallel = run(mutations, src=src, timeout=120, baseline=False, echo=False, jobs=2)
