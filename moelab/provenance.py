@@ -79,7 +79,7 @@ def versions() -> dict[str, str | None]:
 
 
 def device() -> str:
-    """The CUDA device's name, else ``"cpu: <model> (<n> cores)"``."""
+    """The CUDA device's name, else ``"CPU: <model> (<n> cores)"``."""
     try:
         import torch
 
@@ -95,7 +95,7 @@ def device() -> str:
                 break
     except OSError:
         pass
-    return f"cpu: {model} ({os.cpu_count()} cores)"
+    return f"CPU: {model} ({os.cpu_count()} cores)"
 
 
 def provenance(command: Sequence[str] | None = None, root: str | os.PathLike | None = None) -> dict[str, Any]:
@@ -109,7 +109,7 @@ def provenance(command: Sequence[str] | None = None, root: str | os.PathLike | N
 
     Returns:
         ``{"gpu", "python", "torch", "triton", "fla", "commit", "dirty", "diff_sha256", "command", "date"}``:
-        ``gpu`` the CUDA device's name (``"cpu: ..."`` without one), ``commit`` the full hash or None outside
+        ``gpu`` the CUDA device's name (``"CPU: ..."`` without one), ``commit`` the full hash or None outside
         git, ``dirty`` whether tracked files differ from it (outputs under ``studies/`` and
         ``kernels/results/`` left out), ``date`` UTC in ISO 8601 to the second.
     """

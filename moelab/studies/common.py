@@ -217,20 +217,10 @@ def source_sha256() -> str:
 
 
 def device_name() -> str:
-    """The CUDA device's name, else the CPU model and its core count."""
-    import torch
+    """The CUDA device's name, else the CPU model and its core count (:func:`moelab.provenance.device`)."""
+    from moelab.provenance import device
 
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"CPU: {model} ({os.cpu_count()} cores)"
+    return device()
 
 
 def _versions() -> dict[str, str | None]:
