@@ -54,19 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--force", action="store_true", help="rebuild the cache even if it verifies")
 
-    p = sub.add_parser("study", help="run study N's notebook with papermill (gpu: into studies/NN_name/, "
-                                     "other presets: into runs/studies/NN_name/)")
+    p = sub.add_parser("study", help="run study N's notebook with papermill (research, or gpu while no research "
+                                     "report is committed: into studies/NN_name/; otherwise into runs/studies/NN_name/)")
     p.add_argument("number", type=int, help="study number (1-4)")
-    p.add_argument("--preset", choices=("cpu", "gpu"), default=None,
-                   help="scale of the study (default: gpu when CUDA is available, else cpu); only gpu writes the "
-                        "committed report in studies/")
+    p.add_argument("--preset", choices=("cpu", "gpu", "research"), default=None,
+                   help="scale of the study (default: gpu when CUDA is available, else cpu): cpu a smoke run, gpu the "
+                        "quick look, research the tier that answers the question (split calls; studies/README.md)")
     split = p.add_mutually_exclusive_group()
     split.add_argument("--runs", metavar="ARM:SEED,...", default=None,
                        help="a split call: train only these runs and record them (studies/README.md has the recipe)")
     split.add_argument("--shard", metavar="I/N", default=None,
                        help="a split call: train runs I, I+N, ... of each grid and record them")
     p.add_argument("--from-results", action="store_true",
-                   help="train nothing: render the committed report (preset gpu) from studies/NN_name/results")
+                   help="train nothing: render the committed report, at the preset that made it, from studies/NN_name/")
 
     p = sub.add_parser("eval", help="long-context evaluation of a checkpoint (JSON + MLflow eval/<preset>)")
     p.add_argument("--ckpt", required=True, metavar="PATH", help="a moelab checkpoint (.ckpt)")
@@ -164,18 +164,19 @@ def _data(args: argparse.Namespace) -> int:
 
 def _study(args: argparse.Namespace) -> int:
     from moelab.base import repo_root
-    from moelab.studies.runner import StudyFailed, StudyStopped, run_study
+    from moelab.studies.runner import STUDIES, StudyFailed, StudyStopped, committed_preset, run_study
 
     # Rendering from the committed results re-renders the committed report, so it goes where they are, at the
     # preset that made it: a cpu render would write cpu-scale tables over the gpu report.
     render = {"parameters": {"from_results": True}, "out_root": repo_root() / "studies"} if args.from_results else {}
     preset = args.preset
     if args.from_results:
-        if preset not in (None, "gpu") or args.runs or args.shard:
-            print(f"error: --from-results renders the committed report, made at preset gpu; got --preset {preset}"
+        made = committed_preset(STUDIES.get(args.number, "")) or "gpu"
+        if preset not in (None, made) or args.runs or args.shard:
+            print(f"error: --from-results renders the committed report, made at preset {made}; got --preset {preset}"
                   + (" with a split call" if args.runs or args.shard else ""), file=sys.stderr)
             return 2
-        preset = "gpu"
+        preset = made
     try:
         out = run_study(args.number, preset, runs=args.runs, shard=args.shard, **render)
     except StudyStopped as e:

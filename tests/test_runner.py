@@ -120,6 +120,23 @@ def test_only_a_record_preset_writes_the_committed_report() -> None:
     assert "/runs/" in (root / ".gitignore").read_text().split()
 
 
+def test_a_gpu_run_never_overwrites_a_research_report(tmp_path, monkeypatch) -> None:
+    from moelab.studies import runner
+
+    monkeypatch.setattr(runner, "repo_root", lambda: tmp_path)
+    study = tmp_path / "studies" / "01_x"
+    study.mkdir(parents=True)
+    assert runner.results_root("gpu", "01_x") == tmp_path / "studies"  # no report yet
+    (study / "summary.json").write_text(json.dumps({"meta": {"preset": "gpu"}}))
+    assert runner.committed_preset("01_x") == "gpu"
+    assert runner.results_root("gpu", "01_x") == runner.results_root("research", "01_x") == tmp_path / "studies"
+    (study / "summary.json").write_text(json.dumps({"meta": {"preset": "research"}}))
+    assert runner.results_root("gpu", "01_x") == tmp_path / "runs" / "studies"
+    assert runner.results_root("research", "01_x") == tmp_path / "studies"
+    assert runner.results_root("cpu", "01_x") == tmp_path / "runs" / "studies"
+    assert runner.records_dir(study, "research") == study / "records" / "research"
+
+
 def test_html_export_renders_formulas_offline(tmp_path) -> None:
     """Formulas become MathML (rendered by the browser, no script); no script is loaded from the network."""
     nb = nbformat.v4.new_notebook()

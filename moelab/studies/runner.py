@@ -1,12 +1,15 @@
-"""Run a study notebook end to end: ``python -m moelab study N [--preset cpu|gpu] [--runs A:S,...|--shard i/n]``
+"""Run a study notebook end to end: ``python -m moelab study N [--preset cpu|gpu|research] [--runs A:S,...|--shard i/n]``
 (``make study-N``).
 
 For study ``N`` the runner
 
 1. finds ``nbs/NN_*.ipynb`` (the paired, executable copy of ``nbs/NN_*.py``);
-2. picks the results folder: ``studies/NN_name/`` (the committed report) only for a preset of
-   :data:`RECORD_PRESETS` (``gpu``); any other preset (``cpu``) writes to the ignored
-   ``runs/studies/NN_name/``, so a quick run never overwrites the record; it says where;
+2. picks the results folder (:func:`results_root`): ``studies/NN_name/`` (the committed report) for
+   ``research`` (the tier that answers the study's question, run as split calls), and for ``gpu``
+   (the quick look) while no research report is committed there; any other preset (``cpu``, or
+   ``gpu`` once ``research`` wrote the report) writes to the ignored ``runs/studies/NN_name/``, so a
+   quick run never overwrites the record; it says where. Run records live in
+   ``<results>/records/<preset>/`` (:func:`records_dir`): tiers never share a record;
 3. opens one MLflow parent run (experiment ``study/NN_name``, run ``NN_name-<preset>``) and exports
    ``MOELAB_PARENT_RUN_ID`` / ``MLFLOW_TRACKING_URI`` so that the kernel's training runs nest
    under it, and what the kernel cannot know itself: the command, the start time, the code
@@ -21,7 +24,7 @@ For study ``N`` the runner
    ``summary_table.json``) and the figures and results the notebook wrote as artifacts of the parent run.
 
 A **split** call (``runs="arm:seed,..."`` or ``shard="i/n"``) trains only those runs of the grid, leaves
-their records in the study's ``records/`` folder and stops the notebook at the first incomplete grid;
+their records in the study's ``records/<preset>/`` folder and stops the notebook at the first incomplete grid;
 its notebook runs in ``runs/studies/NN_name/split/`` (nothing of the report is touched). The final
 call without a split reads every record and trains only what is missing (studies/README.md has the recipe).
 
@@ -65,9 +68,10 @@ from moelab.tracking import LAB_EXTRA_HINT, PARENT_ENV, Run, end_stale_run, expe
 from moelab.utils import atomic_path, flatten_dict, write_json
 
 STUDIES = {1: "01_decay_bound", 2: "02_balancing", 3: "03_attnres_depth", 4: "04_context_curriculum"}
-PRESETS = ("cpu", "gpu")
-# Presets whose results are the committed report in studies/NN_name/; every other preset writes to RUNS_ROOT.
-RECORD_PRESETS = ("gpu", "research")
+PRESETS = ("cpu", "gpu", "research")
+# Presets whose results can be the committed report in studies/NN_name/, highest tier first: a research
+# report is never overwritten by a gpu run. Every other preset writes to RUNS_ROOT.
+RECORD_PRESETS = ("research", "gpu")
 RUNS_ROOT = Path("runs") / "studies"  # under the repository; ignored by git
 ARTIFACT_SUFFIXES = {".png", ".svg", ".pdf", ".json", ".csv", ".md", ".txt", ".html"}
 ARTIFACT_DIRS = ("figures", "results")
@@ -94,9 +98,30 @@ def default_preset() -> str:
     return "gpu" if torch.cuda.is_available() else "cpu"
 
 
-def results_root(preset: str) -> Path:
-    """Where ``preset``'s results go: ``<repo>/studies`` for :data:`RECORD_PRESETS`, else ``<repo>/runs/studies``."""
-    return repo_root() / ("studies" if preset in RECORD_PRESETS else RUNS_ROOT)
+def committed_preset(stem: str) -> str | None:
+    """The preset of the committed report ``studies/<stem>/summary.json`` (its ``meta.preset``); None without one."""
+    summary = _read_json(repo_root() / "studies" / stem / "summary.json")
+    meta = summary.get("meta") if isinstance(summary, dict) else None
+    return meta.get("preset") if isinstance(meta, dict) else None
+
+
+def results_root(preset: str, stem: str | None = None) -> Path:
+    """Where ``preset``'s results go: ``<repo>/studies`` for :data:`RECORD_PRESETS`, else ``<repo>/runs/studies``.
+
+    With ``stem`` (``01_decay_bound``), a preset below the tier of the committed report there (``gpu`` where
+    ``research`` wrote it) also goes to ``<repo>/runs/studies``.
+    """
+    if preset not in RECORD_PRESETS:
+        return repo_root() / RUNS_ROOT
+    have = committed_preset(stem) if stem else None
+    if have in RECORD_PRESETS and RECORD_PRESETS.index(have) < RECORD_PRESETS.index(preset):
+        return repo_root() / RUNS_ROOT
+    return repo_root() / "studies"
+
+
+def records_dir(out_dir: Path, preset: str) -> Path:
+    """The run records of ``preset`` in the results folder ``out_dir``: ``<out_dir>/records/<preset>``."""
+    return out_dir / "records" / preset
 
 
 def find_notebook(number: int, nbs_dir: Path) -> Path:
@@ -151,7 +176,9 @@ def run_study(
     """Execute study ``number``'s notebook; return its results folder ``<out_root>/NN_name``.
 
     Args:
-        preset: ``cpu`` (minutes on 2 cores) or ``gpu``; None: :func:`default_preset`.
+        preset: ``cpu`` (minutes on 2 cores), ``gpu`` (the quick look, minutes on one H200) or
+            ``research`` (the tier that answers the question: split calls over several GPU sessions);
+            None: :func:`default_preset`.
         runs: ``"arm:seed,arm:seed"``: a split call that trains only these runs (see the module docstring).
         shard: ``"i/n"``: a split call that trains runs i, i + n, ... of each grid.
         nbs_dir: default ``<repo>/nbs``. out_root: default :func:`results_root` of the preset.
@@ -181,7 +208,8 @@ def run_study(
     import papermill
 
     notebook = find_notebook(number, Path(nbs_dir) if nbs_dir else repo_root() / "nbs")
-    out_dir = (Path(out_root) if out_root else results_root(preset)).resolve() / notebook.stem
+    out_dir = (Path(out_root) if out_root else results_root(preset, notebook.stem)).resolve() / notebook.stem
+    records = records_dir(out_dir, preset)
     # A split call's notebook runs apart from the report; its runs' records go to the report's records/.
     # The runner's own files (the progress lines, the last parent run) stay out of the report's folder.
     state = (Path(out_root).resolve() if out_root else repo_root() / RUNS_ROOT) / notebook.stem
@@ -199,9 +227,11 @@ def run_study(
     code.setdefault("source_sha256", source_sha256())  # taken once: every run of this call shares it
     command = f"make study-{number} PRESET={preset}" + (f" RUNS={runs}" if runs else f" SHARD={shard}" if shard else "")
     where = _shown(out_dir)
-    if preset not in RECORD_PRESETS:
+    if out_dir.parent != repo_root() / "studies" and out_root is None:
+        have = committed_preset(notebook.stem)
         say(f"study {number} ({notebook.stem}), preset {preset}: results go to {where}/ (not the committed report "
-            f"in studies/, which only PRESET={'|'.join(RECORD_PRESETS[:1])} writes)")
+            f"in studies/, which " + (f"holds the {have} tier)" if have in RECORD_PRESETS and preset in RECORD_PRESETS
+                                      else f"only PRESET={'|'.join(RECORD_PRESETS)} writes)"))
     _close_stale(state / STATE_FILE, tracking_uri, say)
     progress = state / ("progress-split.log" if split else "progress.log")
     progress.write_text("")
@@ -222,7 +252,7 @@ def run_study(
             COMMAND_ENV: command,
             STARTED_ENV: repr(time.time()),
             GIT_ENV: json.dumps(code),
-            RECORDS_ENV: str(out_dir / "records"),
+            RECORDS_ENV: str(records),
             RUNS_ENV: runs or "",
             SHARD_ENV: shard or "",
             PROGRESS_ENV: str(progress),
@@ -247,20 +277,20 @@ def run_study(
         if stopper.signum is not None:
             name = signal.Signals(stopper.signum).name
             raise StudyStopped(f"study {number} stopped by {name}: finished runs are recorded in "
-                               f"{_shown(out_dir / 'records')}/ and the stopped run saved its checkpoint; "
+                               f"{_shown(records)}/ and the stopped run saved its checkpoint; "
                                f"`{command}` resumes", stopper.signum)
         _relative_paths(executed, notebook)
         if failure is not None and failure.ename == "GridIncomplete":
             say(f"study {number}, split call: {failure.evalue}; when every run is recorded, `make study-{number} "
                 f"PRESET={preset}` trains what is missing and writes the report")
-            _log_results(run, work, executed)
+            _log_results(run, work, executed, records)
             return out_dir
         export_html(executed)
-        _log_results(run, work, executed)
+        _log_results(run, work, executed, records)
         if failure is not None:
             raise StudyFailed(_failure_line(number, failure, executed))
         if split:
-            say(f"study {number}, split call: every run of the study is recorded in {_shown(out_dir / 'records')}/; "
+            say(f"study {number}, split call: every run of the study is recorded in {_shown(records)}/; "
                 f"`make study-{number} PRESET={preset}` writes the report")
     say(f"dashboard: {dashboard_link(run.experiment_id)} (after make mlflow-ui)")
     return out_dir
@@ -522,7 +552,7 @@ def _jupyter_data_dirs() -> list[str]:
     return found
 
 
-def _log_results(run: Run, out_dir: Path, executed: Path) -> None:
+def _log_results(run: Run, out_dir: Path, executed: Path, records: Path) -> None:
     """The executed notebook, its HTML, the summary as one table artifact (``summary_table.json``: ``key``,
     ``value``) and the figures and results, as artifacts of the parent run; the study's GPU minutes as a metric."""
     if executed.exists():
@@ -533,7 +563,7 @@ def _log_results(run: Run, out_dir: Path, executed: Path) -> None:
         rows = {"key": list(flat), "value": [v if isinstance(v, (int, float, str, bool)) or v is None else json.dumps(v)
                                              for v in flat.values()]}
         run.attempt("uploading summary_table.json", run.log_table, rows, "summary_table.json")
-    gpu_minutes = _gpu_minutes(out_dir / "records")
+    gpu_minutes = _gpu_minutes(records)
     if gpu_minutes is not None:
         run.log_metrics({"study/gpu_minutes": gpu_minutes}, step=0)
     for path in sorted(out_dir.iterdir()):

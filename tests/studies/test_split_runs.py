@@ -74,7 +74,7 @@ def test_three_split_calls_and_a_final_one_equal_one_go(tmp_path, tracking_uri, 
     for i, runs in enumerate(("bounded:0", "softplus:1", "bounded:1")):
         out = run_study(7, "cpu", runs=runs, nbs_dir=nbs, out_root=tmp_path / "split", log_output=False,
                         tracking_uri=_store(tmp_path, mlflow_template_db, f"machine{i}"), echo=lines.append)
-        records = sorted(p.name for p in (out / "records").glob("*.json"))
+        records = sorted(p.name for p in (out / "records" / "cpu").glob("*.json"))
         assert len(records) == i + 1 and f"{runs.replace(':', '_s')}.json" in records
         assert lines[-1].startswith(f"study 7, split call: trained {runs}; records in ")
         assert not (out / "07_split.ipynb").exists()  # the report's folder holds no notebook of a split call
@@ -175,7 +175,7 @@ def test_sigterm_stops_cleanly_and_a_rerun_resumes_also_after_kill_9(tmp_path, t
     assert "Traceback" not in stderr
     assert not list(study.glob(".*.tmp.ipynb")) and not (study / "08_stop.ipynb").exists()
     assert (study / "checkpoints" / "softplus-s0" / "last.ckpt").is_file()
-    assert [p.name for p in (study / "records").glob("*.json")] == ["bounded_s0.json"]
+    assert [p.name for p in (study / "records" / "cpu").glob("*.json")] == ["bounded_s0.json"]
     exp = client.get_experiment_by_name("study/08_stop")
     status = {r.info.run_name: r.info.status for r in client.search_runs([exp.experiment_id])}
     assert status == {"08_stop-cpu": "KILLED", "bounded/s0": "FINISHED", "softplus/s0": "KILLED"}
@@ -201,7 +201,7 @@ def test_sigterm_stops_cleanly_and_a_rerun_resumes_also_after_kill_9(tmp_path, t
     assert "closed 2 MLflow run(s) left RUNNING by a process that was killed" in stderr
     statuses = [r.info.status for r in client.search_runs([exp.experiment_id])]
     assert "RUNNING" not in statuses
-    record = json.loads((study / "records" / "softplus_s0.json").read_text())
+    record = json.loads((study / "records" / "cpu" / "softplus_s0.json").read_text())
     assert record["summary"]["steps"] == 300 and [h["step"] for h in record["history"]] == list(range(1, 301))
     table = pd.read_csv(study / "runs.csv")
     assert list(table.arm) == ["bounded", "softplus"] and (table.steps == 300).all()
