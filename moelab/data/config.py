@@ -45,6 +45,11 @@ class CurriculumStage:
     retrieval sub-tasks (``synthetic_tasks``, drawn uniformly), the rest are corpus documents
     permuted and concatenated (``moelab.data.curriculum``). ``mqar_pairs``: key-value pairs per
     MQAR sequence.
+    ``synthetic_batch_share`` (instead of ``synthetic``, which draws each sequence independently): a
+    fixed share of *every* micro-batch's sequences, hence of its tokens (all have the stage's length),
+    are retrieval sub-tasks, the tasks taking turns; the stage's micro-batch times the share must be a
+    whole number (checked by ``moelab.data.curriculum.plan``), so every optimizer step of every stage
+    carries the same share and never a step of retrieval samples only.
     """
 
     seq_len: int = 0  # required: 0 is refused
@@ -53,6 +58,7 @@ class CurriculumStage:
     synthetic: float = 0.0
     synthetic_tasks: list[str] = field(default_factory=lambda: list(SYNTHETIC_TASKS))
     mqar_pairs: int = 8
+    synthetic_batch_share: float = 0.0
 
     def validate(self, name: str = "data.curriculum[0]") -> CurriculumStage:
         """Check the fields that need no other section (``name`` prefixes the messages); return self."""
@@ -63,12 +69,18 @@ class CurriculumStage:
                f"0 when {name}.steps is given ({self.steps}): a stage's length is steps or tokens, not both")
         _check(isinstance(self.synthetic, (int, float)) and 0.0 <= self.synthetic <= 1.0, f"{name}.synthetic",
                self.synthetic, "a share in [0, 1]")
+        _check(isinstance(self.synthetic_batch_share, (int, float)) and not isinstance(self.synthetic_batch_share, bool)
+               and 0.0 <= self.synthetic_batch_share <= 1.0, f"{name}.synthetic_batch_share",
+               self.synthetic_batch_share, "a share in [0, 1]")
+        _check(not (self.synthetic and self.synthetic_batch_share), f"{name}.synthetic_batch_share",
+               self.synthetic_batch_share, f"0 when {name}.synthetic is given ({self.synthetic}): the retrieval "
+               "share is drawn per sequence (synthetic) or fixed per micro-batch (synthetic_batch_share), not both")
         _check(len(self.synthetic_tasks) > 0 and all(t in SYNTHETIC_TASKS for t in self.synthetic_tasks)
                and len(set(self.synthetic_tasks)) == len(self.synthetic_tasks), f"{name}.synthetic_tasks",
                self.synthetic_tasks, f"a non-empty list of distinct names from {SYNTHETIC_TASKS}")
         _check(_is_int(self.mqar_pairs) and self.mqar_pairs >= 1, f"{name}.mqar_pairs", self.mqar_pairs,
                "an integer >= 1")
-        if self.synthetic > 0 and "mqar" in self.synthetic_tasks:
+        if (self.synthetic > 0 or self.synthetic_batch_share > 0) and "mqar" in self.synthetic_tasks:
             need = 4 * self.mqar_pairs - 1  # the pairs, then every key asked once with its value
             _check(self.seq_len >= need, f"{name}.seq_len", self.seq_len,
                    f">= {need} for MQAR with mqar_pairs={self.mqar_pairs}")

@@ -23,7 +23,9 @@ synthesizes long data by permuting and concatenating documents) with their bound
 document ends with the end-of-text id, and ``segment_ids`` numbers the documents of the sample,
 from which ``moelab.ops.varlen.cu_seqlens`` gives the offsets a packed-sequence kernel takes), or,
 with probability ``synthetic``, a retrieval sub-task (passkey or MQAR from :mod:`moelab.data.synthetic`)
-whose loss is on its answers only: the passkey's filler is corpus text the document packs already
+whose loss is on its answers only. With ``synthetic_batch_share`` instead, the first
+``batch_size_k * synthetic_batch_share`` sequences of every micro-batch are the sub-tasks (taking turns
+across the run's retrieval slots), so every step of every stage holds the same share of retrieval tokens: the passkey's filler is corpus text the document packs already
 train on, and MQAR's random pairs are unpredictable before they are asked for.
 """
 
@@ -57,6 +59,7 @@ class StagePlan:
     synthetic: float
     synthetic_tasks: tuple[str, ...]
     mqar_pairs: int
+    synthetic_per_batch: int = 0  # retrieval sequences at the head of every micro-batch (synthetic_batch_share)
 
     @property
     def end_step(self) -> int:
@@ -98,8 +101,13 @@ def plan(stages: Sequence[CurriculumStage], batch_size: int, seq_len: int, accum
             steps = max_steps - start
             _check(steps >= 1, "train.max_steps", max_steps,
                    f"> {start}, the steps of the stages before the open-ended last one")
-        out.append(StagePlan(i, stage.seq_len, micro_tokens // stage.seq_len, start, steps, float(stage.synthetic),
-                             tuple(stage.synthetic_tasks), stage.mqar_pairs))
+        batch = micro_tokens // stage.seq_len
+        per_batch = batch * float(stage.synthetic_batch_share)
+        _check(abs(per_batch - round(per_batch)) < 1e-9, f"{name}.synthetic_batch_share", stage.synthetic_batch_share,
+               f"a multiple of 1/{batch}: the stage's micro-batch of {batch} sequences of {stage.seq_len} tokens "
+               f"must hold a whole number of retrieval sequences (now {per_batch:g})")
+        out.append(StagePlan(i, stage.seq_len, batch, start, steps, float(stage.synthetic),
+                             tuple(stage.synthetic_tasks), stage.mqar_pairs, int(round(per_batch))))
         start += steps
     if out and start != max_steps:
         raise ConfigError(f"train.max_steps={max_steps} is not allowed: expected the sum of the curriculum's stages, "
@@ -164,7 +172,8 @@ class CurriculumSequences(Dataset):
 
     Items are ``{"input_ids": [T] int64, "targets": [T] int64, "segment_ids": [T] int32}`` with
     ``T = stages[k].seq_len``: a document pack (targets = next tokens) or, with the stage's
-    ``synthetic`` probability, a passkey / MQAR sample (targets -100 except at its answers,
+    ``synthetic`` probability (or at the first ``synthetic_per_batch`` positions of each micro-batch:
+    item ``i`` sits at position ``i % batch_size`` of micro-batch ``i // batch_size``), a passkey / MQAR sample (targets -100 except at its answers,
     ``segment_ids`` 0). Every draw comes from Philox(key=seed, counter=(k << 64) | i), so any item
     is computed without the ones before it, in any worker. ``vocab_size``: ids MQAR may use.
     """
@@ -183,12 +192,20 @@ class CurriculumSequences(Dataset):
         stage = self.stages[k]
         T = stage.seq_len
         bitgen = np.random.Philox(key=self.seed, counter=(k << _STAGE_SHIFT) | i)
-        synthetic = stage.synthetic > 0 and int(bitgen.random_raw()) < stage.synthetic * 2.0**64
+        if stage.synthetic_per_batch:
+            slot = i % stage.batch_size
+            synthetic = slot < stage.synthetic_per_batch
+        else:
+            synthetic = stage.synthetic > 0 and int(bitgen.random_raw()) < stage.synthetic * 2.0**64
         if not synthetic:
             ids, segments = self.packer.pack(T + 1, bitgen)
             return {"input_ids": torch.from_numpy(ids[:-1]), "targets": torch.from_numpy(ids[1:]),
                     "segment_ids": torch.from_numpy(segments[:-1])}
-        task = stage.synthetic_tasks[int(bitgen.random_raw()) % len(stage.synthetic_tasks)]
+        if stage.synthetic_per_batch:  # the tasks take turns over the run's retrieval slots: equal shares
+            turn = (i // stage.batch_size) * stage.synthetic_per_batch + slot
+            task = stage.synthetic_tasks[turn % len(stage.synthetic_tasks)]
+        else:
+            task = stage.synthetic_tasks[int(bitgen.random_raw()) % len(stage.synthetic_tasks)]
         seed = int(bitgen.random_raw())
         if task == "passkey":
             filler, _ = self.packer.pack(T, bitgen)
@@ -202,7 +219,7 @@ class CurriculumSequences(Dataset):
         """Build one sample of every synthetic task of every stage: a stage too short for its task fails
         here, before training, with the stage named (ConfigError)."""
         for stage in self.stages:
-            if stage.synthetic == 0:
+            if stage.synthetic == 0 and stage.synthetic_per_batch == 0:
                 continue
             for task in stage.synthetic_tasks:
                 try:

@@ -186,3 +186,39 @@ def test_val_windows_carry_documents_when_the_run_masks_them(tiny_cfg: DataConfi
     plain = TextDataModule(tiny_cfg, batch_size=4, seed=5, max_steps=8)  # no curriculum: plain windows
     plain.trainer = _trainer()
     assert all("segment_ids" not in b for b in plain.val_dataloader())
+
+
+def test_synthetic_batch_share_is_the_same_in_every_micro_batch(tiny_cfg: DataConfig) -> None:
+    """``synthetic_batch_share``: every micro-batch of every stage opens with batch_k x share retrieval sequences
+    (tasks taking turns), the rest document packs, so each step holds the same share of retrieval tokens."""
+    stages = [CurriculumStage(seq_len=256, steps=3, synthetic_batch_share=0.25, mqar_pairs=4),
+              CurriculumStage(seq_len=512, synthetic_batch_share=0.25, mqar_pairs=4)]
+    dm = _module(dataclasses.replace(tiny_cfg, seq_len=512), stages=stages, max_steps=6,
+                 trainer=_trainer(accum=2, max_steps=6), batch_size=4)
+    batches = list(dm.train_dataloader())  # 2 micro-batches per step of 8 x 256 or 4 x 512 tokens
+    assert len(batches) == 12
+    tok, kinds = dm.tokenizer, []
+    for b in batches:
+        y = b["targets"]
+        retrieval = (y == IGNORE).any(dim=1)  # a document pack scores every token; a sub-task its answers only
+        B, T = y.shape
+        assert retrieval[: B // 4].all() and not retrieval[B // 4:].any()
+        assert retrieval.sum().item() * T / y.numel() == 0.25 and B * T == 2048
+        kinds += ["passkey" if "pass key" in tok.decode(x.tolist()) else "mqar" for x in b["input_ids"][retrieval]]
+    assert kinds.count("passkey") == kinds.count("mqar") == 9  # 3 x 2 x 2 + 3 x 2 x 1 slots, taking turns
+    with pytest.raises(ConfigError, match=r"data.curriculum\[1\].synthetic_batch_share=0.3 is not allowed: "
+                                          r"expected a multiple of 1/4"):
+        plan([CurriculumStage(seq_len=4, steps=1), CurriculumStage(seq_len=4, synthetic_batch_share=0.3)],
+             batch_size=1, seq_len=16, accumulate=1, max_steps=2)
+
+
+def test_synthetic_batch_share_validation_names_value_and_range() -> None:
+    with pytest.raises(ConfigError, match=r"data.curriculum\[0\].synthetic_batch_share=1.5 is not allowed: "
+                                          r"expected a share in \[0, 1\]"):
+        CurriculumStage(seq_len=64, synthetic_batch_share=1.5).validate()
+    with pytest.raises(ConfigError, match=r"synthetic_batch_share=0.25 is not allowed: expected 0 when "
+                                          r"data.curriculum\[0\].synthetic is given \(0.1\)"):
+        CurriculumStage(seq_len=64, synthetic=0.1, synthetic_batch_share=0.25).validate()
+    assert CurriculumStage(seq_len=64).synthetic_batch_share == 0.0  # default: the per-sequence draw, as before
+    cfg = load_config("tiny", {"data.curriculum": [{"seq_len": 64, "synthetic_batch_share": 0.5}]})
+    assert cfg.data.curriculum[0].synthetic_batch_share == 0.5
