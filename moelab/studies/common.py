@@ -14,6 +14,9 @@ calls :func:`run_grid`. For every (arm, seed) it
   seed, steps, val loss, time, ETA of the study), also to the runner's terminal;
 * with ``evaluate``, measures the trained model inside the training process, when training ends
   (no checkpoint is read back, no model rebuilt);
+* with ``monitor=(n, fn)``, measures the model being trained every ``n`` optimizer steps, in the training
+  process (``fn(model, cfg) -> dict`` under ``torch.no_grad`` in eval mode, train mode restored after):
+  the run's **trajectory** (``RunRecord.trajectory``, :meth:`Grid.trajectories`), kept in its record;
 * leaves the finished run as a small portable **record** (:data:`RECORD_FORMAT`):
   ``<records>/<arm>_s<seed>.json`` (config, code state, summary, curves, timings, machine, GPU
   minutes; no checkpoint) and, with ``evaluate``, ``<arm>_s<seed>.evals.pt`` beside it. A rerun with
@@ -90,6 +93,8 @@ MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|home|tmp|root|Users|mnt|opt|usr
 
 # run_grid's evaluate: (the trained MoELab, its RunConfig) -> results kept beside the run's record
 Evaluate = Callable[[Any, Any], dict[str, Any]]
+# run_grid's monitor: (every n optimizer steps, fn(the MoELab being trained, its RunConfig) -> JSON-able dict)
+Monitor = tuple[int, Callable[[Any, Any], dict[str, Any]]]
 
 STUDY_METRICS = ("best_val_loss", "final_val_loss", "final_train_loss", "train_val_gap", "epochs")
 
@@ -333,6 +338,8 @@ class RunRecord:
     CPU) and ``gpu_minutes`` (wall time x gpus / 60). machine: the device and library versions it
     trained on. code: ``commit``, ``dirty``, ``diff_sha256`` and ``source_sha256`` when it trained.
     mlflow: ``{"run_id", "experiment"}`` of its training's run in the store it trained against.
+    trajectory: with ``run_grid``'s ``monitor``, ``[{"step", **fn(model, cfg)}]`` at steps 0, n, 2n, ... and
+    the last step (in the record's JSON); None without it.
     skipped: read from its record rather than trained by this call.
     """
 
@@ -351,6 +358,7 @@ class RunRecord:
     machine: dict[str, Any] = field(default_factory=dict)
     code: dict[str, Any] = field(default_factory=dict)
     mlflow: dict[str, Any] = field(default_factory=dict)
+    trajectory: list[dict[str, Any]] | None = None
 
     def row(self) -> dict[str, Any]:
         s = self.summary
@@ -395,6 +403,15 @@ class Grid:
             df.insert(0, "arm", r.arm)
             frames.append(df)
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def trajectories(self) -> Any:
+        """Every run's monitor trajectory (``run_grid``'s ``monitor``) as one long table: arm, seed, step and
+        the monitor's scalar values (its lists and dicts left out: read them from ``RunRecord.trajectory``)."""
+        import pandas as pd
+
+        rows = [{"arm": r.arm, "seed": r.seed, **{k: v for k, v in point.items() if not isinstance(v, (list, dict))}}
+                for r in self.records for point in (r.trajectory or [])]
+        return pd.DataFrame(rows)
 
 
 # Config keys that say where a run lives or is tracked, not what it computes: left out of its fingerprint and
@@ -447,14 +464,15 @@ def _portable(value: Any) -> Any:
 _PATH_KEYS = ("last_checkpoint", "best_checkpoint")  # summary entries that are paths
 
 
-def _load_record(path: Path, fingerprint: str, evals: bool = False) -> RunRecord | None:
-    """The finished run recorded at ``path`` with this fingerprint (and, if ``evals``, its evaluation), else None."""
+def _load_record(path: Path, fingerprint: str, evals: bool = False, trajectory: bool = False) -> RunRecord | None:
+    """The finished run recorded at ``path`` with this fingerprint (and, if ``evals``, its evaluation; if
+    ``trajectory``, its monitor trajectory), else None."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
     if (data.get("format") != RECORD_FORMAT or data.get("fingerprint") != fingerprint
-            or data.get("summary", {}).get("status") != "finished"):
+            or data.get("summary", {}).get("status") != "finished" or (trajectory and not data.get("trajectory"))):
         return None
     found = None
     if evals:
@@ -514,6 +532,73 @@ def _evaluation_callback(evaluate: Evaluate) -> Any:
                 model.train(was_training)
 
     return EvaluateAtEnd()
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` with tensors and numpy values as Python numbers and lists (a trajectory lives in the record's JSON)."""
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "tolist"):  # torch.Tensor, numpy array or scalar
+        return _jsonable(value.tolist())
+    return value
+
+
+def _monitor_callback(monitor: Monitor) -> Any:
+    """A Lightning callback that calls ``fn(model, cfg)`` every ``n`` optimizer steps (``monitor = (n, fn)``).
+
+    Measured at step 0 (before the first step), at every multiple of ``n`` and at ``max_steps``, each step
+    once (gradient accumulation calls the batch hook per micro-batch). The model is the ``MoELab`` being
+    trained, on its device, in eval mode under ``torch.no_grad``; its mode is restored afterwards, so the
+    next step trains as it would have. ``fn``'s dict (tensors become lists) goes into ``trajectory`` as
+    ``{"step", **result}``; the trajectory is saved in the run's checkpoints (callback state), so a resumed
+    run keeps the points measured before it stopped.
+
+    With ``train.compile='graphs'`` ``fn`` runs eagerly between two replays of the captured step, as
+    validation does: it reads the weights the graph updates in place and allocates outside the graph's pool.
+    """
+    import lightning as L
+    import torch
+
+    every, fn = monitor
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"monitor every={every!r} is not allowed: expected an int >= 1 (optimizer steps)")
+
+    class MonitorEvery(L.Callback):
+        def __init__(self) -> None:
+            self.trajectory: list[dict[str, Any]] = []
+
+        def _measure(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            step = int(trainer.global_step)
+            if self.trajectory and self.trajectory[-1]["step"] >= step:
+                return
+            model, was_training = pl_module.model, pl_module.model.training
+            model.eval()
+            try:
+                with torch.no_grad():
+                    result = fn(model, pl_module.cfg)
+            finally:
+                model.train(was_training)
+            self.trajectory.append({"step": step, **_jsonable(result)})
+
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            if trainer.global_step % every == 0:
+                self._measure(trainer, pl_module)
+
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
+            step = trainer.global_step
+            if step % every == 0 or step >= trainer.max_steps:
+                self._measure(trainer, pl_module)
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"trajectory": list(self.trajectory)}
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            self.trajectory = list(state_dict.get("trajectory", []))
+
+    return MonitorEvery()
 
 
 def _fmt_s(s: float) -> str:
@@ -603,6 +688,7 @@ def run_grid(
     checkpoints: str = "every_validation",
     records_dir: str | os.PathLike | None = None,
     split: Split | None = None,
+    monitor: Monitor | None = None,
 ) -> Grid:
     """Train every (arm, seed) of the grid that has no record yet; return the :class:`Grid`.
 
@@ -623,11 +709,17 @@ def run_grid(
         records_dir: where the run records live; default ``$MOELAB_STUDY_RECORDS``, else ``<out_dir>/records``.
         split: train only these runs (default: :func:`split_from_env`); when the grid is then still
             incomplete, raises :class:`GridIncomplete` once every named run has been met (a ``SHARD``: at once).
+        monitor: ``(n, fn)``: ``fn(model being trained, RunConfig) -> dict`` every ``n`` optimizer steps (and at
+            step 0 and the last step) in the training process, model in eval mode under ``torch.no_grad`` (train
+            mode restored); the points are the run's ``trajectory`` (:meth:`Grid.trajectories`), kept in its
+            record (a record without one trains again). Keep ``fn`` cheap: it runs inside the training time.
     """
     if not seeds:
         raise ValueError("seeds is empty: a study needs at least one seed")
     quiet_known_noise()
     split = split if split is not None else split_from_env()
+    if monitor is not None and (not isinstance(monitor[0], int) or monitor[0] < 1 or not callable(monitor[1])):
+        raise ValueError(f"monitor={monitor!r} is not allowed: expected (every n >= 1 optimizer steps, fn(model, cfg))")
     factor = check_arms_differ_only(base, arms, common)
     ctx = study_context(study)
     code = {**ctx["git"], "source_sha256": ctx["git"].get("source_sha256") or source_sha256()}
@@ -646,7 +738,7 @@ def run_grid(
         cfg.train.log_every = min(cfg.train.log_every, max(1, cfg.train.max_steps // CURVE_POINTS))
         fp = _fingerprint(cfg, code)
         path = record_path(records_dir, arm, seed)
-        rec = _load_record(path, fp, evals=evaluate is not None)
+        rec = _load_record(path, fp, evals=evaluate is not None, trajectory=monitor is not None)
         if rec is not None:
             _log_record_made_elsewhere(study, cfg, rec)
         elif split is not None and not split.wants(i, arm, seed):
@@ -654,7 +746,7 @@ def run_grid(
             continue
         else:
             t0 = time.perf_counter()
-            rec = _train(study, arm, seed, cfg, run_dir, fp, code, path, evaluate, checkpoints)
+            rec = _train(study, arm, seed, cfg, run_dir, fp, code, path, evaluate, checkpoints, monitor)
             trained_s.append(time.perf_counter() - t0)
             trained.append(f"{arm}:{seed}")
         if split is not None and split.runs is not None:
@@ -692,7 +784,8 @@ def _shown(path: Path) -> str:
 
 
 def _train(study: str, arm: str, seed: int, cfg: Any, run_dir: Path, fingerprint: str, code: Mapping[str, Any],
-           record: Path, evaluate: Evaluate | None = None, checkpoints: str = "every_validation") -> RunRecord:
+           record: Path, evaluate: Evaluate | None = None, checkpoints: str = "every_validation",
+           monitor: Monitor | None = None) -> RunRecord:
     """Train (and evaluate) one run of the grid with its output in ``train.log``; write and return its record.
 
     A ``last.ckpt`` that an earlier call of the same run (same fingerprint) left when it was stopped is
@@ -711,10 +804,12 @@ def _train(study: str, arm: str, seed: int, cfg: Any, run_dir: Path, fingerprint
         run_dir.mkdir(parents=True)
         marker.write_text(fingerprint + "\n")
     at_end = _evaluation_callback(evaluate) if evaluate is not None else None
+    watch = _monitor_callback(monitor) if monitor is not None else None
     started, t0 = datetime.now(UTC), time.perf_counter()
     with output_to(run_dir / "train.log"):
         corpus = prepare(cfg.data)  # its size gives the epochs; a first build logs its progress here
-        res = fit(cfg, callbacks=[at_end] if at_end else (), checkpoints=checkpoints, resume=True if resume else None)
+        res = fit(cfg, callbacks=[c for c in (at_end, watch) if c is not None], checkpoints=checkpoints,
+                  resume=True if resume else None)
     wall = time.perf_counter() - t0
     s = res.summary
     tokens = int(s["steps"] * s["B"] * s["T"] * cfg.train.accumulate_grad_batches * s.get("world_size", 1))
@@ -729,7 +824,8 @@ def _train(study: str, arm: str, seed: int, cfg: Any, run_dir: Path, fingerprint
                     timing={"started": started.isoformat(timespec="seconds"),
                             "ended": datetime.now(UTC).isoformat(timespec="seconds"), "wall_s": round(wall, 1),
                             "gpus": gpus, "gpu_minutes": round(wall * gpus / 60, 3), "resumed": resume},
-                    machine={"device": device_name(), **_versions()}, code=dict(code))
+                    machine={"device": device_name(), **_versions()}, code=dict(code),
+                    trajectory=watch.trajectory if watch is not None else None)
     if at_end is not None and at_end.result is None:
         raise RuntimeError(f"{run_dir.name}: training ended at step {s['steps']} before max_steps="
                            f"{cfg.train.max_steps}, so the run was not evaluated")
@@ -956,7 +1052,7 @@ def study_meta(study: str, preset: str, grid: Grid | None = None, **extra: Any) 
     return meta
 
 
-__all__ = ["Grid", "GridIncomplete", "KNOWN_NOISE", "MACHINE_PATH", "RunRecord", "Split", "aggregate",
+__all__ = ["Grid", "GridIncomplete", "KNOWN_NOISE", "MACHINE_PATH", "Monitor", "RunRecord", "Split", "aggregate",
            "check_arms_differ_only", "device_name", "git_state", "loss_curves", "measured_commit", "output_to",
            "parse_runs", "parse_shard", "progress", "quiet_known_noise", "record_path", "resolve_arms", "run_grid",
            "seed_note", "show", "source_sha256", "split_from_env", "study_context", "study_meta"]

@@ -431,3 +431,41 @@ def test_git_state_leaves_out_the_excluded_results(tmp_path, monkeypatch) -> Non
     (tmp_path / "code.py").write_text("x = 2\n")
     state = common.git_state(exclude=("studies",))
     assert state["dirty"] is True and state["diff_sha256"]
+
+
+def test_monitor_records_a_trajectory_without_changing_the_training(tmp_path, monkeypatch) -> None:
+    """run_grid's monitor: points at steps 0, n, 2n and the last, measured in eval mode without autograd on the
+    weights of that step; the training it watches is bitwise the one without it; the points live in the record."""
+    import torch
+
+    from moelab.train.runner import load_checkpoint
+
+    monkeypatch.setenv(common.GIT_ENV, json.dumps({"commit": "abc", "dirty": False, "diff_sha256": None}))
+    modes: list[tuple[bool, bool]] = []
+
+    def fn(model, cfg):
+        modes.append((model.training, torch.is_grad_enabled()))
+        name, p = next(model.named_parameters())
+        return {"name": name, "sum": p.detach().double().sum(), "hist": torch.tensor([1, 2])}
+
+    def grid(folder, monitor):
+        return common.run_grid("99_grid", "tiny", {"bounded": GATES["bounded"]}, [0], tmp_path / folder,
+                               common={**TINY, "train.max_steps": 5, "tracking.enabled": False},
+                               echo=lambda line: None, checkpoints="final", monitor=monitor)
+
+    watched = grid("watched", (2, fn)).records[0]
+    plain = grid("plain", None).records[0]
+    assert [p["step"] for p in watched.trajectory] == [0, 2, 4, 5]  # every 2 steps, and the last (5)
+    assert modes == [(False, False)] * 4
+    assert [h["train/loss"] for h in watched.history] == [h["train/loss"] for h in plain.history]
+    assert plain.trajectory is None
+    state = load_checkpoint(tmp_path / "watched" / "checkpoints" / "bounded-s0" / "last.ckpt")["state_dict"]
+    name = watched.trajectory[-1]["name"]
+    assert watched.trajectory[-1]["sum"] == state[f"model.{name}"].double().sum().item()
+    assert watched.trajectory[0]["sum"] != watched.trajectory[-1]["sum"] and watched.trajectory[0]["hist"] == [1, 2]
+    again = grid("watched", (2, fn)).records[0]  # read back from the record's JSON, not retrained
+    assert again.skipped and len(modes) == 4 and again.trajectory == watched.trajectory
+    table = common.Grid("99_grid", "tiny", [watched]).trajectories()
+    assert list(table.columns) == ["arm", "seed", "step", "name", "sum"] and table.step.tolist() == [0, 2, 4, 5]
+    with pytest.raises(ValueError, match="monitor="):
+        grid("bad", (0, fn))
