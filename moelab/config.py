@@ -81,6 +81,11 @@ class TrainConfig:
     # between the compiled pieces); graphs: the whole step (forward, backward, balancer, clipping, AdamW) as one
     # CUDA graph (one CUDA device, one micro-batch per step, fixed shapes). moelab.train.module applies it.
     compile: Compile = "none"
+    # Optimizer steps trained with the MoE balancer off before it switches on (a warm start): during the first
+    # balancer_start_step steps the router bias stays zero (the update's result is discarded, its loads still
+    # recorded) and the auxiliary loss is not added; from the next step on the balancer runs as configured,
+    # starting from zero bias. 0: on from the first step. moelab.train.balancer and .module apply it (eager only).
+    balancer_start_step: int = 0
 
     def validate(self) -> TrainConfig:
         _check(self.max_steps >= 1, "train.max_steps", self.max_steps, "an integer >= 1")
@@ -102,7 +107,11 @@ class TrainConfig:
         _check(self.accumulate_grad_batches >= 1, "train.accumulate_grad_batches", self.accumulate_grad_batches,
                "an integer >= 1")
         _one_of("train.compile", self.compile, COMPILE_MODES)
+        _check(0 <= self.balancer_start_step < self.max_steps, "train.balancer_start_step", self.balancer_start_step,
+               f"an integer in 0..max_steps - 1 ({self.max_steps - 1}): the balancer must act on at least one step")
         if self.compile == "graphs":
+            _check(self.balancer_start_step == 0, "train.balancer_start_step", self.balancer_start_step,
+                   "0 with train.compile='graphs' (the captured step cannot switch the balancer on mid-run)")
             _check(self.accumulate_grad_batches == 1, "train.accumulate_grad_batches", self.accumulate_grad_batches,
                    "1 with train.compile='graphs' (one captured step per optimizer step)")
         return self

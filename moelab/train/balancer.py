@@ -131,6 +131,26 @@ class _Timing:
         return self._read
 
 
+def _start_step(pl_module: L.LightningModule) -> int:
+    """``train.balancer_start_step`` of the module's config (0 for a module without one)."""
+    cfg = getattr(pl_module, "cfg", None)
+    return int(getattr(getattr(cfg, "train", None), "balancer_start_step", 0) or 0)
+
+
+@torch.no_grad()
+def hold_off(model: torch.nn.Module, step: BalanceStep) -> None:
+    """Undo one balancer update before ``train.balancer_start_step``: every router's bias back to zero
+    (and ``quantile_load``'s averaged loads back to their start, 1), and the recorded ``step.bias``
+    ``[L, n]`` zeroed too, so the trajectories show what routed. The step's loads and metrics stay:
+    MaxVio is measured with the balancer off as with it on."""
+    for _, router in balanced_routers(model):
+        router.bias.zero_()
+        load_avg = getattr(router.balance, "load_avg", None)
+        if load_avg is not None:
+            load_avg.fill_(1.0)
+    step.bias.zero_()
+
+
 class BalancerCallback(Callback):
     """Runs the balancer once per optimizer step and records what it did.
 
@@ -200,6 +220,8 @@ class BalancerCallback(Callback):
         step = balance_step(pl_module, all_reduce_sum, all_gather_rows)
         if step is None:
             return
+        if trainer.global_step < _start_step(pl_module):
+            hold_off(pl_module, step)
         end.record()
         self.record(trainer, pl_module, step, (start, end))
 

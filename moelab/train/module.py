@@ -251,9 +251,12 @@ class LitMoELab(L.LightningModule):
             return self._captured_step(batch)
         out = self.model(batch["input_ids"], batch["targets"], return_logits=False, check_ids=False,
                          segment_ids=self._segments(batch))
-        loss = out.loss + out.aux_loss
+        aux = out.aux_loss
+        if self.global_step < self.cfg.train.balancer_start_step:  # warm start: the balancer is still off
+            aux = torch.zeros_like(aux)
+        loss = out.loss + aux
         self.step_scalars = {"train/loss": loss.detach(), "train/ce": out.loss.detach(),
-                             "train/aux_loss": out.aux_loss.detach()}
+                             "train/aux_loss": aux.detach()}
         if self.cfg.data.curriculum:  # the stage's length, so tokens/s and loss can be read per stage
             self.step_scalars["train/seq_len"] = float(batch["input_ids"].shape[1])  # a device copy would sync
         # No self.log here: a tensor logged for the progress bar becomes a float after every batch (a host
