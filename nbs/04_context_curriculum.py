@@ -36,7 +36,8 @@
 # needs the training runs themselves, validation loss against wall-clock, is shown as that run drew it).
 
 # %% tags=["parameters"]
-preset = "cpu"  # "cpu": minutes on 2 cores (all-MLA, width 64, 256 -> 2048); "gpu": gpu-small, 1K -> 16K, one H200
+preset = "cpu"  # "cpu": minutes on 2 cores (all-MLA, width 64, 256 -> 2048); "gpu": gpu-small, 1K -> 16K, one H200;
+# "research": gpu-small, 131K tokens per step in every arm, 25% retrieval per step, pilot first (split calls, RUNS=)
 out_dir = "."
 from_results = False  # True: render from the committed results/ and summary.json instead of training again
 
@@ -58,7 +59,8 @@ out = Path(out_dir)
 (out / "results").mkdir(parents=True, exist_ok=True)
 plan = study.plan(preset)
 print(f"preset {preset}: base {plan.base} ({plan.notes}); seeds {plan.seeds}; "
-      f"{plan.synthetic:.0%} retrieval sub-tasks in every stage")
+      + (f"{plan.synthetic_batch_share:.0%} of every micro-batch's sequences are retrieval sub-tasks"
+         if plan.synthetic_batch_share else f"{plan.synthetic:.0%} retrieval sub-tasks in every stage (drawn per sequence)"))
 
 # %% [markdown]
 # ## 1. The arms
@@ -71,6 +73,21 @@ pd.DataFrame([{"schedule": s, "stages (length x steps)": study.stage_text(st)}
 
 # %%
 study.arms_factor(preset).keys()
+
+# %%
+pd.DataFrame([{"schedule": a, "length": st["seq_len"], "tokens per step": st["tokens_per_step"],
+               "sequences per step": st["sequences_per_step"],
+               "retrieval sequences per step": st["retrieval_sequences_per_step"],
+               "retrieval share of the tokens": st["retrieval_share"]}
+              for a, v in study.retrieval_budget(preset).items() for st in v["stages"]])
+
+# %% [markdown]
+# ### Pilot (research preset): is retrieval learnable at this size?
+# The short schedule (seed 0) trained for fewer steps, each evaluated at its own length in its training process;
+# the grid's short runs are the full-budget point. Trained first, so a split call can run it alone (`RUNS=pilot96:0,...`).
+
+# %%
+pilot_grids = [] if from_results or not plan.pilot_steps else study.train_pilot(preset, out)
 
 # %% [markdown]
 # ## 2. Training
@@ -91,8 +108,9 @@ common.show(report.difference_figure(histories, "direct", f"{plan.base}: validat
 
 # %% [markdown]
 # ## 3. Evaluation: passkey, MQAR, loss by position
-# The last checkpoint of every run, evaluated by `moelab.eval` (lengths beyond the training window in pieces of the
-# window, carrying the KDA state and the MLA latent cache). One line per run.
+# Every run's final model, evaluated by `moelab.eval` in its training process when training ends (the reports travel
+# in the run's record; lengths beyond the training window in pieces of the window, carrying the KDA state and the
+# MLA latent cache). One line per run.
 
 # %%
 if from_results:
@@ -124,12 +142,28 @@ common.show(study.passkey_figure(evals, preset), out / "figures" / "passkey_heat
 # accuracy averaged over depths.
 
 # %%
-summary = committed if from_results else study.summarize(grid, rows, study.stage_perf(grid, preset), evals, preset)
+if from_results:
+    pilot = committed.get("pilot")
+else:
+    pilot = study.pilot_rows(pilot_grids, rows, preset) if plan.pilot_steps else None
+if pilot is not None:
+    common.show(study.pilot_figure(pilot, plan.lengths[0], {"passkey": study.chance_passkey(),
+                                                           "mqar": 1 / max(2, study._mqar_values(preset))}),
+                out / "figures" / "pilot.png")
+
+# %% [markdown]
+# **Figure 2b** (research preset). Pilot: passkey (left) and MQAR (right) accuracy at the short schedule's own
+# length against training tokens; blue: pilot runs, green: the grid's short runs (full budget, one dot per seed);
+# dashed red: the 0.9 the pilot asks for. Below it at every budget, the effective-context comparisons are "not tested".
+
+# %%
+summary = committed if from_results else study.summarize(grid, rows, study.stage_perf(grid, preset), evals, preset,
+                                                         pilot=pilot)
 common.show(study.accuracy_figure(rows, preset, summary["chance"]), out / "figures" / "retrieval_by_length.png")
 
 # %% [markdown]
 # **Figure 3.** Left: passkey accuracy by context length, averaged over depths; right: MQAR accuracy (share of
-# queries whose value is the argmax) by length; mean over seeds with the seed standard deviation as error bars.
+# queries whose value is the argmax) by length; mean over seeds with its 95% t interval as error bars.
 # Dotted lines: the curriculum's stage lengths; dashed: chance.
 
 # %%

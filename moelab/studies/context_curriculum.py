@@ -66,7 +66,11 @@ class Plan:
     base: training preset; common: overrides for every arm (scale); lengths: the curriculum's stage
     lengths, shortest first (direct trains at the last, short at the first); shares: each stage's
     share of the steps; steps: optimizer steps of every run; synthetic: share of retrieval
-    sub-tasks (passkey, MQAR) in every stage of every arm; seeds; threads: torch intra-op threads.
+    sub-tasks (passkey, MQAR) in every stage of every arm, drawn per sequence; seeds; threads: torch intra-op
+    threads. synthetic_batch_share (instead of synthetic): the share of every micro-batch's sequences that are
+    retrieval sub-tasks (``data.curriculum[].synthetic_batch_share``), the same in every step of every arm.
+    pilot_steps: budgets (optimizer steps, seed 0) of the pilot runs of the short arm, trained before the grid
+    to show that retrieval is learnable at this size (:func:`train_pilot`); the grid's short runs are its last point.
     """
 
     base: str
@@ -79,6 +83,8 @@ class Plan:
     eval: EvalPlan
     threads: int | None = None
     notes: str = ""
+    synthetic_batch_share: float = 0.0
+    pilot_steps: tuple[int, ...] = ()
 
 
 PRESETS = {
@@ -110,11 +116,29 @@ PRESETS = {
                 EvalPlan(depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=8, mqar_pairs=16, mqar_samples=16,
                          lbp_samples=4, batch_size=8),
                 notes="gpu-small, 120 steps of 2 x 16384 tokens; stages 1K -> 4K -> 16K"),
+    # The tier that answers the question (issue 40), split calls on one H200, ~86 GPU-minutes in all. Every step
+    # trains 131,072 tokens in every arm (2 micro-batches of 4 x 16K, 16 x 4K or 64 x 1K: direct sees 8 sequences
+    # per step) and a quarter of every micro-batch's sequences are retrieval sub-tasks (passkey and MQAR taking
+    # turns), so the arms see the same retrieval tokens per step. 384 steps = 50.3M tokens per run (2.2 epochs of
+    # the 22.6M-token Gutenberg split), ~200 s at gpu-small's ~250K tokens/s eager (2 x 16K, gpu preset), plus start,
+    # compilation and the evaluation (~5M tokens of passkey up to 64K), so that one run fits one <= 9-minute call.
+    # Pilot: the short arm at 96 and 192 steps (12.6M and 25.2M tokens, one call); with the grid's short runs at
+    # 384 steps (3 seeds) it gives passkey at 1K against tokens.
+    "research": Plan("gpu-small", {"model.max_seq_len": 16384, "data.seq_len": 16384, "train.batch_size": 4,
+                                   "train.accumulate_grad_batches": 2, "train.max_steps": 384,
+                                   "train.warmup_steps": 38, "train.val_every": 48, "train.val_batches": 2,
+                                   "train.log_every": 8},
+                     (1024, 4096, 16384), (0.5, 0.3, 0.2), 384, 0.0, (0, 1, 2),
+                     EvalPlan(depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=8, mqar_pairs=16, mqar_samples=16,
+                              lbp_samples=4, batch_size=8),
+                     notes="gpu-small, 384 steps of 131,072 tokens (8 x 16K .. 128 x 1K), 25% retrieval sequences "
+                           "in every micro-batch; stages 1K -> 4K -> 16K",
+                     synthetic_batch_share=0.25, pilot_steps=(96, 192)),
 }
 
 
 def plan(preset: str) -> Plan:
-    """The :class:`Plan` of ``preset`` (``cpu`` or ``gpu``)."""
+    """The :class:`Plan` of ``preset`` (``cpu``, ``gpu`` or ``research``)."""
     if preset not in PRESETS:
         raise ValueError(f"preset={preset!r} is not allowed: expected one of {tuple(PRESETS)}")
     return PRESETS[preset]
@@ -151,6 +175,9 @@ def schedules(p: Plan) -> dict[str, list[dict[str, Any]]]:
         raise ValueError(f"shares={p.shares} is not allowed: expected one share per length ({len(p.lengths)})")
 
     def stage(seq_len: int, steps: int) -> dict[str, Any]:
+        if p.synthetic_batch_share:
+            return {"seq_len": seq_len, "steps": steps, "synthetic_batch_share": p.synthetic_batch_share,
+                    "mqar_pairs": p.eval.mqar_pairs}
         return {"seq_len": seq_len, "steps": steps, "synthetic": p.synthetic, "mqar_pairs": p.eval.mqar_pairs}
 
     return {"curriculum": [stage(L, n) for L, n in zip(p.lengths, split_steps(p.steps, p.shares))],
@@ -172,6 +199,101 @@ def arms_factor(preset: str) -> dict[str, dict[str, Any]]:
 def stage_text(stages: Sequence[Mapping[str, Any]]) -> str:
     """``256x30 -> 512x18 -> 1024x12`` (length x steps per stage)."""
     return " -> ".join(f"{s['seq_len']}x{s['steps']}" for s in stages)
+
+
+def retrieval_budget(preset: str) -> dict[str, dict[str, Any]]:
+    """Per schedule and stage, from the resolved configs (:func:`moelab.data.curriculum.plan`): ``tokens_per_step``,
+    ``sequences_per_step`` and ``retrieval_sequences_per_step`` / ``retrieval_share`` (of the step's tokens, for
+    ``synthetic_batch_share``; the expected share for a per-sequence ``synthetic``)."""
+    from moelab.data.curriculum import plan as stage_plan
+
+    p = plan(preset)
+    cfgs = common.resolve_arms(p.base, arms(preset), p.common)
+    out = {}
+    for name, cfg in cfgs.items():
+        acc = cfg.train.accumulate_grad_batches
+        stages = stage_plan(cfg.data.curriculum, cfg.train.batch_size, cfg.data.seq_len, acc, cfg.train.max_steps)
+        out[name] = {"stages": [{"seq_len": s.seq_len, "tokens_per_step": s.batch_size * s.seq_len * acc,
+                                 "sequences_per_step": s.batch_size * acc,
+                                 "retrieval_sequences_per_step": (s.synthetic_per_batch * acc if s.synthetic_per_batch
+                                                                  else s.synthetic * s.batch_size * acc),
+                                 "retrieval_share": (s.synthetic_per_batch / s.batch_size if s.synthetic_per_batch
+                                                     else s.synthetic)} for s in stages]}
+    return out
+
+
+def pilot_arms(preset: str) -> dict[str, dict[str, Any]]:
+    """``{"pilot<steps>": overrides}``: the short schedule trained for each of the plan's ``pilot_steps``."""
+    p = plan(preset)
+    short = schedules(p)["short"][0]
+    return {f"pilot{n}": {"data.curriculum": [{**short, "steps": n}], "train.max_steps": n} for n in p.pilot_steps}
+
+
+def pilot_eval_settings(preset: str) -> dict[str, dict[str, Any]]:
+    """The pilot's evaluation: passkey and MQAR at the short arm's own length only (more passkey samples)."""
+    p = plan(preset)
+    e = p.eval
+    return {"passkey": {"lengths": [p.lengths[0]], "depths": list(e.depths), "samples": 2 * e.samples,
+                        "batch_size": e.batch_size},
+            "mqar": {"lengths": [p.lengths[0]], "samples": e.mqar_samples, "mqar_pairs": e.mqar_pairs,
+                     "batch_size": e.batch_size}}
+
+
+def train_pilot(preset: str, out_dir: str | Path) -> list[common.Grid]:
+    """Train the pilot runs (seed 0 of the short schedule at each of ``pilot_steps``), one grid per budget
+    (they differ in steps, which a grid's arms may not); finished runs are reused. A split call (``RUNS=``)
+    that names no pilot run leaves them for a later call (their grids come back incomplete)."""
+    p = plan(preset)
+    grids = []
+    for name, overrides in pilot_arms(preset).items():
+        grids.append(common.run_grid(STUDY, p.base, {name: overrides}, (0,), out_dir, common=dict(p.common),
+                                     checkpoints="final",
+                                     evaluate=functools.partial(evaluate_trained, preset=preset,
+                                                                settings=pilot_eval_settings(preset))))
+    return grids
+
+
+PILOT_PASSKEY = 0.9  # the pilot shows retrieval learnable where passkey at the short arm's own length reaches this
+
+
+def pilot_rows(pilot_grids: Sequence[common.Grid], rows: Sequence[Mapping[str, Any]], preset: str
+               ) -> list[dict[str, Any]]:
+    """Passkey (and MQAR) accuracy at the shortest length against training tokens: one row per pilot run
+    (``source`` ``pilot``) and per run of the grid's short schedule (``short``, the full budget)."""
+    L = plan(preset).lengths[0]
+    out = []
+    for g in pilot_grids:
+        for r in g.records:
+            if r.evals is None:
+                continue
+            out.append({"source": "pilot", "seed": r.seed, "steps": r.summary.get("steps"), "tokens": r.tokens,
+                        "passkey": float(r.evals["passkey"]["accuracy_by_length"][0]),
+                        "mqar": float(r.evals["mqar"]["accuracy"][0])})
+    for r in rows:
+        if r["schedule"] == "short":
+            out.append({"source": "short", "seed": r["seed"], "steps": plan(preset).steps, "tokens": r["tokens"],
+                        "passkey": float({int(k): v for k, v in r["passkey"].items()}[L]),
+                        "mqar": float({int(k): v for k, v in r["mqar"].items()}[L])})
+    return sorted(out, key=lambda d: (d["tokens"], d["seed"]))
+
+
+def pilot_finding(pilot: Sequence[Mapping[str, Any]], length: int) -> report.Finding:
+    """Is retrieval learnable at this size: the fewest tokens at which passkey at ``length`` reached
+    :data:`PILOT_PASSKEY` (the mean over the runs at that budget), or "not tested" with the best reached."""
+    q = f"Is passkey retrieval learnable at this size (short arm, accuracy >= {PILOT_PASSKEY} at {length:,} tokens)"
+    if not pilot:
+        return report.not_tested(q, "no pilot run recorded")
+    budgets: dict[int, list[float]] = {}
+    for d in pilot:
+        budgets.setdefault(int(d["tokens"]), []).append(d["passkey"])
+    curve = "; ".join(f"{t / 1e6:.1f}M tokens: {np.mean(v):.2f}" + (f" ({len(v)} seeds)" if len(v) > 1 else "")
+                      for t, v in sorted(budgets.items()))
+    reached = [t for t, v in sorted(budgets.items()) if np.mean(v) >= PILOT_PASSKEY]
+    last = budgets[max(budgets)]
+    iv = report.mean_interval(last) if len(last) > 1 else None
+    if reached:
+        return report.measured(q, iv, answer=f"yes: first at {reached[0] / 1e6:.1f}M tokens (passkey by budget: {curve})")
+    return report.not_tested(q, f"not learned within {max(budgets) / 1e6:.1f}M tokens: passkey by budget {curve}", iv)
 
 
 def train(preset: str, out_dir: str | Path, extra_overrides: Mapping[str, Any] | None = None) -> common.Grid:
@@ -213,18 +335,20 @@ def eval_settings(preset: str) -> dict[str, dict[str, Any]]:
     }
 
 
-def evaluate_trained(model: torch.nn.Module, cfg: Any, preset: str) -> dict[str, dict[str, Any]]:
+def evaluate_trained(model: torch.nn.Module, cfg: Any, preset: str,
+                     settings: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
     """``{task: report}`` of :func:`eval_settings`'s tasks on the trained ``model`` (run_grid's ``evaluate``).
 
     The reports are :func:`moelab.eval.suite.evaluate`'s on the run's checkpoint, without its paths:
     the same numbers. As ``model_from_checkpoint`` does, the evaluation runs on an eager copy of the
     trained weights whose limit on input length is raised to the longest evaluated length (no
     positions: the limit only guards inputs); the trained model and the run's config stay as trained.
+    ``settings``: other tasks and settings (the pilot's, :func:`pilot_eval_settings`); default :func:`eval_settings`.
     """
     from moelab.eval.suite import evaluate_model
     from moelab.model import MoELab
 
-    settings = eval_settings(preset)
+    settings = eval_settings(preset) if settings is None else settings
     device = torch.device(next(model.parameters()).device.type)
     longest = max(n for kwargs in settings.values() for n in kwargs["lengths"])
     with torch.random.fork_rng(devices=[]):  # the copy's initialization leaves the run's random state alone
@@ -314,7 +438,8 @@ ROW_KEYS = ("schedule", "seed", "stages", "tokens", "wall_s", "val_loss", "effec
 def summary_rows(grid: common.Grid, preset: str, evals: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One row per run: schedule, seed, stages (``len x steps`` text), tokens, wall_s (training), val_loss
     (final, on longest-length windows), effective_context, passkey ``{length: accuracy}``, mqar_acc (at the
-    longest training length) and mqar ``{length: accuracy}``."""
+    longest training length), mqar ``{length: accuracy}`` and loss_beyond (held-out loss averaged over the
+    loss-by-position bins that start at or past the longest training length)."""
     longest = plan(preset).lengths[-1]
     sched = schedules(plan(preset))
     rows = []
@@ -326,8 +451,17 @@ def summary_rows(grid: common.Grid, preset: str, evals: Mapping[str, Mapping[str
                      "wall_s": r.summary.get("wall_s"), "val_loss": r.summary.get("final_val_loss"),
                      "effective_context": int(pk["effective_context"]),
                      "passkey": {int(n): float(a) for n, a in zip(pk["lengths"], pk["accuracy_by_length"])},
-                     "mqar_acc": mqar.get(longest), "mqar": mqar})
+                     "mqar_acc": mqar.get(longest), "mqar": mqar,
+                     "loss_beyond": loss_beyond(ev["loss_by_position"], longest)})
     return rows
+
+
+def loss_beyond(lbp: Mapping[str, Any], length: int) -> float | None:
+    """Mean held-out loss over the loss-by-position bins (first curve) that start at or past ``length``; None
+    when no bin does."""
+    c = lbp["curves"][0]
+    ys = [y for a, y in zip(c["bin_start"], c["loss"]) if a >= length and y is not None]
+    return float(np.mean(ys)) if ys else None
 
 
 def stage_of_window(stages: Sequence[Mapping[str, Any]], start: int, end: int) -> int | None:
@@ -567,14 +701,17 @@ def refresh_comparisons(summary: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def summarize(grid: common.Grid, rows: Sequence[Mapping[str, Any]], perf_rows: Sequence[Mapping[str, Any]],
-              evals: Mapping[str, Mapping[str, Any]], preset: str) -> dict[str, Any]:
-    """The study's ``summary.json``: meta, factor, budget, rows, per-stage perf, comparisons and verdicts."""
+              evals: Mapping[str, Mapping[str, Any]], preset: str,
+              pilot: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """The study's ``summary.json``: meta, factor, budget, rows, per-stage perf, comparisons and verdicts;
+    ``pilot``: :func:`pilot_rows` (research), kept as ``summary["pilot"]``."""
     p = plan(preset)
     on_gpu = torch.cuda.is_available()
     cmp_direct, cmp_short = compare(rows, "curriculum", "direct"), compare(rows, "curriculum", "short")
     at_time = equal_time(grid, preset, perf_rows)
     clocks = train_times(grid, preset, perf_rows)
-    out_rows = [{**{k: r[k] for k in ROW_KEYS}, "train_s": clocks[(r["schedule"], r["seed"])][0],
+    out_rows = [{**{k: r[k] for k in ROW_KEYS}, **({"loss_beyond": r["loss_beyond"]} if "loss_beyond" in r else {}),
+                 "train_s": clocks[(r["schedule"], r["seed"])][0],
                  "train_clock": clocks[(r["schedule"], r["seed"])][1]} for r in rows]
     any_eval = next(iter(evals.values()))
     return {
@@ -585,7 +722,9 @@ def summarize(grid: common.Grid, rows: Sequence[Mapping[str, Any]], perf_rows: S
         "budget": {"rule": "same optimizer steps, tokens per step, data mix and learning-rate schedule; only the "
                            "sequence length per step (the schedule) differs",
                    "tokens_per_run": sorted({r["tokens"] for r in rows}), "steps": p.steps,
-                   "synthetic_share": p.synthetic},
+                   "synthetic_share": p.synthetic_batch_share or p.synthetic,
+                   "synthetic_fixed_per_step": bool(p.synthetic_batch_share),
+                   "per_step": retrieval_budget(preset)},
         "rows": out_rows,
         "stage_perf": list(perf_rows),
         "wall_s": {s: _mean_std([r["wall_s"] for r in rows if r["schedule"] == s]) for s in SCHEDULES},
@@ -595,6 +734,7 @@ def summarize(grid: common.Grid, rows: Sequence[Mapping[str, Any]], perf_rows: S
         "equal_wall_clock": at_time,
         "verdict": verdict(cmp_direct, at_time, retrieval_learned(rows)),
         "chance": {"passkey": chance_passkey(), "mqar": 1 / max(2, _mqar_values(preset))},
+        **({"pilot": list(pilot), "pilot_length": p.lengths[0]} if pilot is not None else {}),
     }
 
 
@@ -668,7 +808,8 @@ def study_report(summary: Mapping[str, Any]) -> report.Report:
                                                       signed=False),
                               "minus direct": "" if s == "direct" else report.cell(
                                   report.paired(seeds(s, "val_loss"), seeds("direct", "val_loss"))),
-                              "effective context": f"{max(seeds(s, 'effective_context').values()):.0f}",
+                              "effective context": report.cell(report.mean_interval(
+                                  list(seeds(s, 'effective_context').values())), 0, signed=False),
                               "MQAR accuracy": f"{np.mean(list(seeds(s, 'mqar_acc').values())):.3f}",
                               f"{tkey} (s)": report.cell(report.mean_interval(list(seeds(s, tkey).values())), 1,
                                                           signed=False)}
@@ -693,7 +834,33 @@ def study_report(summary: Mapping[str, Any]) -> report.Report:
     if meta.get("epochs") is not None:
         details.append(f"Data: each run saw {meta['epochs']:.3g} epochs of the {meta['corpus_train_tokens']:,}-token "
                        "training split.")
-    return report.Report([eff, ret, direct, clock, short, tcost], table, details)
+    found = [eff, ret, direct, clock, short, tcost]
+    if "pilot" in summary:
+        found.insert(0, pilot_finding(summary["pilot"], summary["pilot_length"]))
+    if rows and all(r.get("loss_beyond") is not None for r in rows):  # research: beyond the training length
+        longest = max(meta["lengths"])
+        found.insert(2, report.compare("Does the curriculum reach a longer effective context than short training",
+                                       seeds("curriculum", "effective_context"), seeds("short", "effective_context"),
+                                       lower_is_better=False, unit="tokens", digits=0, precondition=why))
+        for n in sorted({int(k) for r in rows for k in r["passkey"] if int(k) > longest}):
+            found.insert(3, report.compare(f"Passkey accuracy at {n:,} tokens ({n // longest}x the longest training "
+                                           "length), curriculum minus direct",
+                                           {s: {int(k): v for k, v in r["passkey"].items()}[n]
+                                            for s, r in ((r["seed"], r) for r in rows if r["schedule"] == "curriculum")},
+                                           {s: {int(k): v for k, v in r["passkey"].items()}[n]
+                                            for s, r in ((r["seed"], r) for r in rows if r["schedule"] == "direct")},
+                                           lower_is_better=False, digits=2, precondition=why))
+        found.insert(3, report.compare(f"Held-out loss past {longest:,} tokens (loss by position), curriculum minus "
+                                       "direct", seeds("curriculum", "loss_beyond"), seeds("direct", "loss_beyond"),
+                                       unit="nats"))
+    if b.get("synthetic_fixed_per_step"):
+        details[0] = (f"Budget: every run trained {', '.join(f'{t:,}' for t in b['tokens_per_run'])} tokens in "
+                      f"{b['steps']} steps; in every step of every arm {b['synthetic_share']:.0%} of the sequences "
+                      "(and tokens) are retrieval sub-tasks: " + "; ".join(
+                          f"{a} " + " -> ".join(f"{st['sequences_per_step']} x {st['seq_len']:,} "
+                                                f"({st['retrieval_sequences_per_step']:g} retrieval)"
+                                                for st in v["stages"]) for a, v in b["per_step"].items()) + ".")
+    return report.Report(found, table, details)
 
 
 def findings(rep: report.Report) -> str:
@@ -771,8 +938,9 @@ def accuracy_figure(rows: Sequence[Mapping[str, Any]], preset: str, chance: Mapp
             sel = [{int(k): v for k, v in d.items()} for d in sel]  # JSON keeps the lengths as strings
             xs = sorted(sel[0])
             ys = np.array([[d[x] for x in xs] for d in sel])
-            ax.errorbar(xs, ys.mean(0), yerr=ys.std(0, ddof=1) if len(sel) > 1 else None, marker="o", capsize=3,
-                        color=colors[s], label=s)
+            half = ([report.mean_interval(list(ys[:, j])).high - ys[:, j].mean() for j in range(len(xs))]
+                    if len(sel) > 1 else None)  # 95% t interval over seeds
+            ax.errorbar(xs, ys.mean(0), yerr=half, marker="o", capsize=3, color=colors[s], label=s)
         for L in lengths:
             ax.axvline(L, color="grey", ls=":", lw=0.8)
         ax.axhline(chance[key], color="k", ls="--", lw=0.8, label="chance")
@@ -859,6 +1027,35 @@ def perf_figure(perf_rows: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[s
     return fig
 
 
+def pilot_figure(pilot: Sequence[Mapping[str, Any]], length: int, chance: Mapping[str, float]) -> Any:
+    """Passkey (left) and MQAR (right) accuracy at ``length`` against training tokens: the pilot runs and the grid's
+    short runs (dots: runs; line: mean per budget); dashed: :data:`PILOT_PASSKEY` and chance."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 3.8), dpi=100)
+    axes = fig.subplots(1, 2)
+    for ax, key, title in ((axes[0], "passkey", "passkey"), (axes[1], "mqar", "MQAR")):
+        budgets: dict[int, list[float]] = {}
+        for d in pilot:
+            budgets.setdefault(int(d["tokens"]), []).append(d[key])
+            ax.plot(d["tokens"] / 1e6, d[key], "o", color="tab:blue" if d["source"] == "pilot" else "tab:green",
+                    ms=5, alpha=0.8)
+        if budgets:
+            ts = sorted(budgets)
+            ax.plot([t / 1e6 for t in ts], [np.mean(budgets[t]) for t in ts], "-", color="k", lw=1.2)
+        if key == "passkey":
+            ax.axhline(PILOT_PASSKEY, color="firebrick", ls="--", lw=0.8, label=f"learned ({PILOT_PASSKEY})")
+        ax.axhline(chance[key], color="grey", ls=":", lw=0.8, label="chance")
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_xlabel("training tokens (millions)")
+        ax.set_ylabel(f"{title} accuracy at {length:,} tokens")
+        ax.set_title(f"{title}: pilot (blue) and the grid's short runs (green)", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def val_time_figure(grid: common.Grid, preset: str, perf_rows: Sequence[Mapping[str, Any]]) -> Any:
     """Validation loss (longest-length windows) against training time (:func:`train_clock`), every run."""
     from matplotlib.figure import Figure
@@ -890,7 +1087,9 @@ def val_time_figure(grid: common.Grid, preset: str, perf_rows: Sequence[Mapping[
     return fig
 
 
-__all__ = ["EvalPlan", "PRESETS", "Plan", "ROW_KEYS", "SCHEDULES", "STUDY", "accuracy_figure", "arms", "arms_factor",
+__all__ = ["EvalPlan", "PILOT_PASSKEY", "PRESETS", "Plan", "ROW_KEYS", "SCHEDULES", "STUDY", "accuracy_figure", "arms",
+           "arms_factor", "loss_beyond", "pilot_arms", "pilot_eval_settings", "pilot_figure", "pilot_finding",
+           "pilot_rows", "retrieval_budget", "train_pilot",
            "by_seed", "chance_passkey", "compare", "equal_time", "eval_lengths", "eval_settings", "evaluate_runs",
            "evaluate_trained", "findings", "paired", "passkey_figure", "perf_figure", "plan", "position_figure",
            "refresh_comparisons", "retrieval_learned", "schedules", "split_steps", "stage_of_window", "stage_perf",

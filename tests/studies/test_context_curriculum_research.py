@@ -1,0 +1,109 @@
+"""Study 4, research preset: equal tokens and a fixed retrieval share per step in every arm (resolved configs and
+real batches), >= 8 sequences per step at the longest length, the pilot and the research findings' rules."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from moelab.base import repo_root
+from moelab.config import load_config
+from moelab.data.curriculum import plan as stage_plan
+from moelab.data.datamodule import TextDataModule
+from moelab.data.synthetic import IGNORE
+from moelab.studies import common
+from moelab.studies import context_curriculum as cc
+
+
+def test_research_arms_train_equal_tokens_and_retrieval_per_step() -> None:
+    p = cc.plan("research")
+    assert set(cc.arms_factor("research")) == {"data.curriculum"}  # common.check_arms_differ_only
+    budget = cc.retrieval_budget("research")
+    stages = [st for v in budget.values() for st in v["stages"]]
+    assert {st["tokens_per_step"] for st in stages} == {131072}
+    assert {st["retrieval_share"] for st in stages} == {0.25}
+    assert budget["direct"]["stages"][0]["sequences_per_step"] == 8  # >= 8 sequences at the longest length
+    assert budget["direct"]["stages"][0]["retrieval_sequences_per_step"] == 2
+    assert budget["short"]["stages"][0]["sequences_per_step"] == 128
+    assert [st["seq_len"] for st in budget["curriculum"]["stages"]] == list(p.lengths)
+    for name, ov in cc.pilot_arms("research").items():  # the pilot: the short schedule, fewer steps
+        cfg = load_config(p.base, {**p.common, **ov})
+        (st,) = stage_plan(cfg.data.curriculum, cfg.train.batch_size, cfg.data.seq_len,
+                           cfg.train.accumulate_grad_batches, cfg.train.max_steps)
+        assert name == f"pilot{st.steps}" and st.seq_len == p.lengths[0] and st.synthetic_per_batch == 16
+    assert sorted(cc.pilot_arms("research")) == ["pilot192", "pilot96"]
+    assert cc.pilot_eval_settings("research")["passkey"]["lengths"] == [1024]
+    # the other presets keep the per-sequence draw, as their committed reports trained
+    assert cc.retrieval_budget("gpu")["direct"]["stages"][0]["retrieval_share"] == 0.1
+
+
+def test_retrieval_share_holds_in_real_batches_of_every_arm() -> None:
+    """The research plan's schedules on the tiny preset (256 -> 512 -> 1024, 2 micro-batches of 4096 tokens per
+    step): every step of every arm is 8,192 tokens of which exactly 25% are retrieval sequences."""
+    p = dataclasses.replace(cc.plan("research"), lengths=(256, 512, 1024), shares=(0.5, 0.25, 0.25), steps=4)
+    tiny = {"model.max_seq_len": 1024, "data.seq_len": 1024, "train.batch_size": 4,
+            "train.accumulate_grad_batches": 2, "train.max_steps": 4, "train.warmup_steps": 1}
+    arms = {name: {"data.curriculum": st} for name, st in cc.schedules(p).items()}
+    cfgs = common.resolve_arms("tiny", arms, tiny)
+    seen = {}
+    for name, cfg in cfgs.items():
+        dm = TextDataModule(cfg.data, batch_size=cfg.train.batch_size, seed=0, max_steps=cfg.train.max_steps)
+        dm.trainer = SimpleNamespace(global_step=0, global_rank=0, world_size=1, accumulate_grad_batches=2,
+                                     max_steps=4, _accelerator_connector=SimpleNamespace(use_distributed_sampler=False))
+        batches = list(dm.train_dataloader())
+        assert len(batches) == 8
+        for step in range(4):
+            micro = batches[2 * step: 2 * step + 2]
+            tokens = sum(b["targets"].numel() for b in micro)
+            retrieval = sum(int((b["targets"] == IGNORE).any(dim=1).sum()) * b["targets"].shape[1] for b in micro)
+            assert tokens == 8192 and retrieval / tokens == 0.25, (name, step, retrieval)
+        seen[name] = sorted({b["targets"].shape[1] for b in batches})
+    assert seen == {"curriculum": [256, 512, 1024], "direct": [1024], "short": [256]}
+
+
+def _research_summary(pilot_passkey: tuple[float, ...], learned: bool) -> dict:
+    """The committed gpu summary with research fields: loss_beyond per row, a pilot and (if ``learned``) passkey."""
+    s = copy.deepcopy(json.loads((repo_root() / "studies/04_context_curriculum/summary.json").read_text()))
+    for r in s["rows"]:
+        off = {"curriculum": 0.0, "direct": 0.2, "short": 0.5}[r["schedule"]] + 0.01 * r["seed"]
+        r["loss_beyond"] = 4.0 + off
+        if learned:
+            r["passkey"] = {k: (1.0 if int(k) <= 16384 else 0.6 - off) for k in r["passkey"]}
+            r["effective_context"] = 16384 if r["schedule"] != "short" else 1024
+    s["pilot"] = [{"source": "pilot", "seed": 0, "steps": 96, "tokens": 12_582_912, "passkey": pilot_passkey[0],
+                   "mqar": 0.1},
+                  *({"source": "short", "seed": k, "steps": 384, "tokens": 50_331_648, "passkey": v, "mqar": 0.5}
+                    for k, v in enumerate(pilot_passkey[1:]))]
+    s["pilot_length"] = 1024
+    return s
+
+
+def test_pilot_finding_rules() -> None:
+    yes = cc.pilot_finding(_research_summary((0.3, 0.92, 0.95, 0.9), True)["pilot"], 1024)
+    assert yes.status == "measured" and "first at 50.3M tokens" in yes.answer and "12.6M tokens: 0.30" in yes.answer
+    no = cc.pilot_finding(_research_summary((0.1, 0.5, 0.6, 0.4), False)["pilot"], 1024)
+    assert no.status == "not tested" and "not learned within 50.3M tokens" in no.reason
+    assert cc.pilot_finding([], 1024).status == "not tested"
+
+
+@pytest.mark.parametrize("learned", [True, False])
+def test_research_findings_on_synthetic_records(learned: bool) -> None:
+    s = cc.refresh_comparisons(_research_summary((0.3, 0.95, 0.95, 0.95) if learned else (0.0, 0.1, 0.0, 0.1),
+                                                 learned))
+    rep = cc.study_report(s)
+    by_q = {f.question: f for f in rep.findings}
+    assert rep.findings[0].question.startswith("Is passkey retrieval learnable")
+    loss = by_q["Held-out loss past 16,384 tokens (loss by position), curriculum minus direct"]
+    assert loss.status == "better" and loss.number.mean == pytest.approx(-0.2) and loss.number.high < 0
+    eff_short = by_q["Does the curriculum reach a longer effective context than short training"]
+    far = by_q["Passkey accuracy at 65,536 tokens (4x the longest training length), curriculum minus direct"]
+    if learned:
+        assert eff_short.status == "better" and eff_short.number.mean == pytest.approx(15360)
+        assert far.status == "better" and far.number.mean == pytest.approx(0.2)
+    else:
+        assert eff_short.status == far.status == "not tested"
+        assert "retrieval never learned" in eff_short.reason
