@@ -31,7 +31,7 @@
 # trained models are shown as that run drew them).
 
 # %% tags=["parameters"]
-preset = "cpu"  # "cpu": minutes on 2 cores; "gpu": the gpu-small model on one GPU
+preset = "cpu"  # "cpu": minutes on 2 cores; "gpu": the gpu-small model on one GPU; "research": split GPU calls
 out_dir = "."
 from_results = False  # True: render from the committed results/ instead of training and measuring again
 
@@ -196,9 +196,7 @@ pd.DataFrame(real_rows)[["source", "g_min", "nonfinite", "rel_err", "rel_err_gen
 # %%
 forgetting = report.result_table(
     out / "results" / "fast_forgetting.csv",
-    lambda: study.fast_forgetting({arm: (ov["model.kda.g_min"] if ov["model.kda.gate"] == "bounded" else None)
-                                   for arm, ov in study.ARMS.items()},
-                                  steps=P["forget_steps"], seeds=P["forget_seeds"]),
+    lambda: study.fast_forgetting(study.forgetting_bounds(preset), steps=P["forget_steps"], seeds=P["forget_seeds"]),
     from_results)
 forgetting.groupby("arm", sort=False)[["bound", "g_fast_min", "g_fast_mean", "g_slow_mean", "frac_fast_near_bound",
                                        "first_loss", "final_loss"]].agg(["mean", "std"])

@@ -39,6 +39,7 @@ OPERANDS = {"bf16": "tf32", "fp16": "tf32", "fp32": "fp32"}
 REFERENCE_BOUND = -5.0  # K3's bound: the line the softplus arm is measured against
 INPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 REF_ROW = SUBTILE // 2 - 1  # the row whose G the backward's diagonal sub-tile shifts by (triton_bwd._kda_bwd_dqkg)
+NEAR = 0.05  # a channel is "near" its bound when its most negative g is within 5% of it (decay_stats)
 
 
 def _tf32(x: torch.Tensor) -> torch.Tensor:
@@ -333,8 +334,10 @@ def kernel_overflow_rows(g_mins: Iterable[float], shape: tuple[int, int, int, in
 
 
 @torch.no_grad()
-def collect_log_decay(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Log decays ``g [B, T, H, K]`` (fp32, CPU) of every KDA layer for one forward of ``input_ids``.
+def collect_log_decay(model: torch.nn.Module, input_ids: torch.Tensor, on_device: bool = False
+                      ) -> dict[str, torch.Tensor]:
+    """Log decays ``g [B, T, H, K]`` (fp32, CPU; ``on_device``: where the model computed them) of every KDA
+    layer for one forward of ``input_ids``.
 
     Uses forward pre-hooks on the layers (the model is left unchanged); works on any module that
     contains ``moelab.model.kda.KDALayer`` instances.
@@ -346,7 +349,8 @@ def collect_log_decay(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[s
     for name, mod in model.named_modules():
         if isinstance(mod, KDALayer):
             def hook(m, args, name=name):
-                found[name] = m.log_decay(args[0]).float().cpu()
+                g = m.log_decay(args[0]).float()
+                found[name] = g if on_device else g.cpu()
             hooks.append(mod.register_forward_pre_hook(hook))
     if not hooks:
         raise ValueError("collect_log_decay: the model has no KDA layer (model.pattern has no 'K')")
@@ -413,6 +417,13 @@ ARMS = {
     "bounded-1": {"model.kda.gate": "bounded", "model.kda.g_min": -1.0},
     "softplus": {"model.kda.gate": "softplus", "model.kda.g_min": -5.0},
 }
+# The research tier's dose-response: bounds from K3's -5 down to -0.25, tight enough that the trained decay
+# reaches them within one epoch (the gpu look's decays stopped near -0.2 to -0.3 after 3.3M tokens).
+RESEARCH_ARMS = {
+    **{f"bounded{b:g}": {"model.kda.gate": "bounded", "model.kda.g_min": float(b)} for b in (-0.25, -0.5, -1, -5)},
+    "softplus": {"model.kda.gate": "softplus", "model.kda.g_min": -5.0},
+}
+ARM_OVERRIDES = {**ARMS, **RESEARCH_ARMS}  # every arm name of every preset (one name: one override set)
 EXTRAPOLATE = 4  # evaluate at up to 4x the training context (max_seq_len is raised for it in every arm)
 # preset -> (training preset, overrides for every arm, seeds, evaluation sizes).
 # cpu: a narrower cpu model, seconds per run on 2 shared cores. gpu: gpu-small at 8 x 4096 tokens per
@@ -444,6 +455,19 @@ PRESETS: dict[str, dict[str, Any]] = {
             "eval_windows": 4, "overflow_shape": (2, 1024, 4, 128),
             "overflow_g_mins": (-5, -8, -8.1, -10, -11, -11.1, -12, -16, -24), "forget_steps": 300,
             "forget_seeds": (0, 1, 2)},
+    # research: >= 1 epoch of the 22,646,121-token GPU corpus at 8 x 4096 tokens per step (692 steps), eager
+    # (train.compile='none': the softplus arm's general-mode step has never been captured as a CUDA graph, so
+    # 'graphs' is not yet known to work for every arm), the decay monitored every 100 steps on a fixed batch.
+    # On one H200 (gpu-small eager ~310K tokens/s, kernels/results/model_capture_h200.json): ~74 s of training
+    # per run, + ~5 s start, ~4 s of validation (4 x 16 batches), 8 monitor points (< 1 s each), ~2 s of
+    # evaluation: ~85-90 s per run, 15 runs ~22 min; the first run of a call compiles Triton (~60 s).
+    "research": {"base": "gpu-small", "seeds": (0, 1, 2), "arms": RESEARCH_ARMS,
+                 "overrides": {"train.max_steps": 700, "train.val_every": 175, "train.val_batches": 16,
+                               "train.compile": "none", "model.max_seq_len": 4096 * EXTRAPOLATE},
+                 "monitor_every": 100, "monitor_windows": 2,
+                 "eval_windows": 4, "overflow_shape": (2, 1024, 4, 128),
+                 "overflow_g_mins": (*[-5 - 0.25 * i for i in range(29)], -8.05, -8.1, -11.05, -11.1),
+                 "forget_steps": 3000, "forget_seeds": (0, 1, 2)},
 }
 KERNEL_RESULTS = ("kernels/results/kda_h200.json", "kernels/results/kda_long_h200.json")
 
@@ -454,10 +478,21 @@ def _preset(preset: str) -> dict[str, Any]:
     return PRESETS[preset]
 
 
+def arms_of(preset: str) -> dict[str, dict[str, Any]]:
+    """The arms ``preset`` trains: ``RESEARCH_ARMS`` for ``research``, else ``ARMS``."""
+    return _preset(preset).get("arms", ARMS)
+
+
 def arms_factor(preset: str) -> dict[str, dict[str, Any]]:
     """``{config key: {arm: value}}``: what differs between the arms (raises if anything but the gate does)."""
     p = _preset(preset)
-    return common.check_arms_differ_only(p["base"], ARMS, p["overrides"])
+    return common.check_arms_differ_only(p["base"], arms_of(preset), p["overrides"])
+
+
+def forgetting_bounds(preset: str) -> dict[str, float | None]:
+    """``{arm: g_min}`` of ``preset``'s arms for :func:`fast_forgetting` (None: the softplus gate)."""
+    return {arm: (ov["model.kda.g_min"] if ov["model.kda.gate"] == "bounded" else None)
+            for arm, ov in arms_of(preset).items()}
 
 
 def build_arm_models(preset: str, seed: int = 0) -> dict[str, torch.nn.Module]:
@@ -468,7 +503,7 @@ def build_arm_models(preset: str, seed: int = 0) -> dict[str, torch.nn.Module]:
 
     p = _preset(preset)
     models = {}
-    for arm, cfg in common.resolve_arms(p["base"], ARMS, p["overrides"], seed).items():
+    for arm, cfg in common.resolve_arms(p["base"], arms_of(preset), p["overrides"], seed).items():
         L.seed_everything(seed, verbose=False)
         models[arm] = MoELab(cfg.model)
     return models
@@ -486,7 +521,9 @@ def train_gates(preset: str, out_dir: str | Path, extra: Mapping[str, Any] | Non
     """Train every arm at every seed of ``preset`` (finished runs are reused); see ``PRESETS``.
 
     Each run is measured by :func:`evaluate_run` in its training process when it ends (the
-    records' ``evals``), and writes one checkpoint, at its end.
+    records' ``evals``), and writes one checkpoint, at its end. With a preset's ``monitor_every``
+    (research), :func:`decay_monitor` measures the decay every that many steps during training
+    (the records' ``trajectory``).
 
     Args:
         out_dir: the study folder; runs go to ``<out_dir>/checkpoints/<arm>-s<seed>``.
@@ -494,14 +531,16 @@ def train_gates(preset: str, out_dir: str | Path, extra: Mapping[str, Any] | Non
     """
     p = _preset(preset)
     evaluate = functools.partial(evaluate_run, eval_windows=p["eval_windows"], real_g_tokens=p["overflow_shape"][1])
-    return common.run_grid(STUDY, p["base"], ARMS, p["seeds"], out_dir, common={**p["overrides"], **(extra or {})},
-                           evaluate=evaluate, checkpoints="final")
+    monitor = (p["monitor_every"], decay_monitor(p["monitor_windows"])) if p.get("monitor_every") else None
+    return common.run_grid(STUDY, p["base"], arms_of(preset), p["seeds"], out_dir,
+                           common={**p["overrides"], **(extra or {})}, evaluate=evaluate, checkpoints="final",
+                           monitor=monitor)
 
 
 def arm_bound(grid: common.Grid, arm: str) -> float:
     """The bound an arm's decay is measured against: its g_min (bounded) or ``REFERENCE_BOUND`` (softplus)."""
-    gate = grid.factor.get("model.kda.gate", {}).get(arm, ARMS[arm]["model.kda.gate"])
-    return float(ARMS[arm]["model.kda.g_min"]) if gate == "bounded" else REFERENCE_BOUND
+    gate = grid.factor.get("model.kda.gate", {}).get(arm, ARM_OVERRIDES[arm]["model.kda.gate"])
+    return float(ARM_OVERRIDES[arm]["model.kda.g_min"]) if gate == "bounded" else REFERENCE_BOUND
 
 
 def _val_windows(cfg: Any, length: int, n: int) -> torch.Tensor:
@@ -565,6 +604,73 @@ def evaluate_run(model: torch.nn.Module, cfg: Any, eval_windows: int, real_g_tok
             out["real_g"][layer] = g[:1, :min(real_g_tokens, REAL_G_TOKENS)].to(torch.bfloat16)
     out["extrapolation"] = loss_by_position(model, cfg, eval_windows, factor, bins)
     return out
+
+
+# |g| edges of the monitor's decay histogram (natural log per token), the same for every arm: from no decay to
+# past K3's bound; the last bin holds everything below -5
+DECAY_EDGES = (0.0, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+
+
+def monitor_stats(decays: Mapping[str, torch.Tensor], bound: float, near: float = NEAR) -> dict[str, Any]:
+    """The decay against ``bound`` during training, from one forward's log decays (any device).
+
+    Args:
+        decays: ``{layer: g [B, T, H, K]}`` (natural log, <= 0), as :func:`collect_log_decay` returns them.
+        bound: the arm's bound (< 0; softplus: ``REFERENCE_BOUND``).
+
+    Returns:
+        ``bound``, ``g_min`` (over layers), ``frac_channels_near_bound`` (largest share over layers of the
+        H*K channels whose most negative g is within ``near`` of the bound: :func:`bound_binds`'s measure),
+        ``frac_channels_near_bound_all`` (the share over every layer's channels), ``frac_entries_near_bound``
+        (share of all entries), ``g_mean``, ``hist``: share of entries with ``|g|`` in each bin of
+        ``DECAY_EDGES`` (one more bin past the last edge), and ``layers``: per layer ``g_min`` and the channel share.
+    """
+    if not bound < 0:
+        raise ValueError(f"monitor_stats: bound={bound} is not allowed: expected a number < 0")
+    if not decays:
+        raise ValueError("monitor_stats: no log decay given (the model has no KDA layer)")
+    line = (1 - near) * bound
+    edges = None
+    layers, counts, entries, near_entries, near_channels, channels, total = [], 0, 0, 0, 0, 0, 0.0
+    for name, g in decays.items():
+        g = g.float()
+        if edges is None:
+            edges = torch.tensor(DECAY_EDGES, device=g.device)
+        ch = g.amin((0, 1)) <= line  # [H, K]
+        layers.append({"layer": name, "g_min": g.min().item(), "frac_channels_near_bound": ch.float().mean().item()})
+        counts = counts + torch.bincount(torch.bucketize(-g.flatten(), edges, right=True) - 1,
+                                         minlength=len(DECAY_EDGES))
+        entries += g.numel()
+        near_entries += int((g <= line).sum().item())
+        near_channels += int(ch.sum().item())
+        channels += ch.numel()
+        total += g.double().sum().item()
+    counts = counts.double().cpu()
+    return {"bound": float(bound), "g_min": min(r["g_min"] for r in layers),
+            "frac_channels_near_bound": max(r["frac_channels_near_bound"] for r in layers),
+            "frac_channels_near_bound_all": near_channels / channels, "frac_entries_near_bound": near_entries / entries,
+            "g_mean": total / entries, "hist": (counts / counts.sum()).tolist(), "layers": layers}
+
+
+def decay_monitor(windows: int = 2) -> Any:
+    """``fn(model, cfg) -> dict`` for ``run_grid``'s ``monitor``: :func:`monitor_stats` of the model being trained
+    on one fixed batch (the first ``windows`` evenly spaced validation windows of the training length, read once
+    per process and the same for every arm and step), under the training's autocast (bf16 on a GPU), against
+    the arm's bound (softplus: ``REFERENCE_BOUND``)."""
+    batch: dict[tuple, torch.Tensor] = {}
+
+    def measure(model: torch.nn.Module, cfg: Any) -> dict[str, Any]:
+        dev = next(model.parameters()).device
+        key = (cfg.data.source, cfg.data.seq_len, windows)
+        if key not in batch:
+            batch[key] = _val_windows(cfg, cfg.data.seq_len, windows)[:, :-1]
+        kda = cfg.model.kda
+        bound = float(kda.g_min) if kda.gate == "bounded" else REFERENCE_BOUND
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            decays = collect_log_decay(model, batch[key].to(dev), on_device=True)
+        return monitor_stats(decays, bound)
+
+    return measure
 
 
 def _evals(rec: common.RunRecord) -> dict[str, Any]:
@@ -837,7 +943,7 @@ def tile_decay_figure(tile_decay: Mapping[str, torch.Tensor]) -> Any:
     Drawn through 2000 evenly spaced ranks of each arm's sorted values, the largest included (a line
     through every one of the ~10^5-10^6 values per arm looks the same and takes seconds to draw)."""
     fig, (ax,) = _figure(6.4, 4)
-    colors = report.palette(list(ARMS))
+    colors = report.palette(list(ARM_OVERRIDES))
     for arm, td in tile_decay.items():
         x = td.sort().values.clamp(min=1e-6)
         rank = torch.linspace(0, len(x) - 1, min(len(x), 2000)).round().long()
@@ -855,7 +961,7 @@ def extrapolation_figure(extra: Any, reference: str = "softplus") -> Any:
     """Loss by position (x: position / training length) of each arm minus ``reference``, paired by seed:
     mean over seeds and its 95% t band (``report.step_differences`` over position bins)."""
     fig, (ax,) = _figure(6.4, 4)
-    colors = report.palette(list(ARMS))
+    colors = report.palette(list(ARM_OVERRIDES))
     diffs = report.step_differences(extra.rename(columns={"rel_pos": "step"}), reference, "loss")
     for arm, d in diffs.items():
         ax.plot(d["step"], d["mean"], marker="o", ms=3, color=colors[arm], label=f"{arm} ({d['n']} seeds)")
@@ -929,7 +1035,8 @@ def summarize(overflow: Any, kernel_rows: list[dict], grid: common.Grid, decay: 
         t, d = table[table.arm == arm], per_model[per_model.arm == arm]
         e, f = extra_summary[extra_summary.arm == arm], forgetting[forgetting.arm == arm]
         arms[arm] = {
-            "gate": ARMS[arm]["model.kda.gate"], "bound": arm_bound(grid, arm), "seeds": [int(s) for s in t.seed],
+            "gate": ARM_OVERRIDES[arm]["model.kda.gate"], "bound": arm_bound(grid, arm),
+            "seeds": [int(s) for s in t.seed],
             **{m: _ms(t[m]) for m in ("best_val_loss", "final_val_loss", "final_train_loss", "train_val_gap")},
             "steps": int(t.steps.max()), "tok_per_s": float(t.tok_per_s.mean()),
             **{m: _ms(d[m]) for m in ("g_min", "frac_channels_near_bound", "frac_entries_near_bound", "tile_decay_q99",
@@ -969,8 +1076,6 @@ def summarize(overflow: Any, kernel_rows: list[dict], grid: common.Grid, decay: 
     }
 
 
-NEAR = 0.05  # a channel is "near" its bound when its most negative g is within 5% of it (decay_stats)
-
 
 def bound_binds(decay: Any) -> dict[str, Any]:
     """Study 1's precondition: does any trained model's decay come near its bound?
@@ -984,7 +1089,8 @@ def bound_binds(decay: Any) -> dict[str, Any]:
     share = per_model.groupby("arm", sort=False).near.mean()
     binds = bool((share > 0).any())
     deepest = per_model.loc[per_model.g_min.idxmin()]
-    tightest = max(float(ARMS[a]["model.kda.g_min"]) for a in ARMS if ARMS[a]["model.kda.gate"] == "bounded")
+    tightest = max(float(ARM_OVERRIDES[a]["model.kda.g_min"]) for a in share.index
+                   if ARM_OVERRIDES[a]["model.kda.gate"] == "bounded")
     reason = None if binds else (
         f"the bound never binds: no trained channel came within {NEAR:.0%} of its bound (most negative g "
         f"{deepest.g_min:.2f}, tightest bound {tightest:g})")

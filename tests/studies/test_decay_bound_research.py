@@ -1,0 +1,83 @@
+"""Study 1's research tier: the dose-response arms, the in-training decay monitor, the per-bound verdicts, the
+end-to-end speed measurement's file."""
+
+import math
+
+import pytest
+import torch
+
+from moelab.model import MoELab
+from moelab.studies import decay_bound as study
+
+GPU_CORPUS_TRAIN_TOKENS = 22_646_121  # data.source gutenberg's training split (studies/01_decay_bound meta)
+
+
+def test_research_arms_are_the_dose_response_and_differ_only_in_the_gate() -> None:
+    factor = study.arms_factor("research")
+    assert set(factor) == {"model.kda.gate", "model.kda.g_min"}
+    assert factor["model.kda.g_min"] == {"bounded-0.25": -0.25, "bounded-0.5": -0.5, "bounded-1": -1.0,
+                                         "bounded-5": -5.0, "softplus": -5.0}
+    assert {a for a, g in factor["model.kda.gate"].items() if g == "softplus"} == {"softplus"}
+    assert study.forgetting_bounds("research") == {"bounded-0.25": -0.25, "bounded-0.5": -0.5, "bounded-1": -1.0,
+                                                   "bounded-5": -5.0, "softplus": None}
+    assert set(study.arms_of("gpu")) == set(study.ARMS)  # the quick look keeps its arms
+
+
+def test_research_runs_see_at_least_one_epoch_of_the_gpu_corpus() -> None:
+    from moelab.studies import common
+
+    p = study.PRESETS["research"]
+    cfgs = common.resolve_arms(p["base"], study.arms_of("research"), p["overrides"])
+    for cfg in cfgs.values():
+        tokens = cfg.train.max_steps * cfg.train.batch_size * cfg.data.seq_len * cfg.train.accumulate_grad_batches
+        assert cfg.data.source == "gutenberg" and tokens >= GPU_CORPUS_TRAIN_TOKENS
+        assert cfg.train.compile == "none" and cfg.model.max_seq_len == 4 * cfg.data.seq_len
+    assert cfgs["bounded-0.25"].train.max_steps // p["monitor_every"] >= 6  # a trajectory, not two points
+    # the overflow grid: every 0.25 from the told bound to -12, and both sides of each predicted overflow
+    g = p["overflow_g_mins"]
+    assert max(g) == -5 and min(g) == -12 and {-8.05, -8.1, -11.05, -11.1} <= set(g)
+
+
+def test_monitor_stats_on_a_known_decay() -> None:
+    # layer a: channel (0, 0) reaches -0.24 (within 5% of -0.25), the rest stay at -0.01; layer b all at -0.3
+    a = torch.full((1, 4, 2, 2), -0.01)
+    a[0, 1, 0, 0] = -0.24
+    b = torch.full((1, 4, 2, 2), -0.3)
+    s = study.monitor_stats({"a": a, "b": b}, bound=-0.25)
+    assert s["g_min"] == pytest.approx(-0.3) and s["bound"] == -0.25
+    assert s["layers"][0]["frac_channels_near_bound"] == 0.25 and s["layers"][1]["frac_channels_near_bound"] == 1.0
+    assert s["frac_channels_near_bound"] == 1.0  # the largest layer share
+    assert s["frac_channels_near_bound_all"] == pytest.approx(5 / 8)
+    assert s["frac_entries_near_bound"] == pytest.approx(17 / 32)
+    assert s["g_mean"] == pytest.approx((15 * -0.01 - 0.24 + 16 * -0.3) / 32)
+    edges = study.DECAY_EDGES
+    assert len(s["hist"]) == len(edges) and sum(s["hist"]) == pytest.approx(1.0)
+    # |g| = 0.01 sits in [1e-2, 3e-2), 0.24 in [0.1, 0.25), 0.3 in [0.25, 0.5)
+    want = {edges.index(1e-2): 15 / 32, edges.index(0.1): 1 / 32, edges.index(0.25): 16 / 32}
+    assert s["hist"] == pytest.approx([want.get(i, 0.0) for i in range(len(edges))])
+    assert study.monitor_stats({"c": torch.full((1, 2, 1, 1), -7.0)}, -5.0)["hist"][-1] == 1.0  # past the edges
+    with pytest.raises(ValueError, match="bound=0"):
+        study.monitor_stats({"a": a}, bound=0.0)
+
+
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_decay_monitor_measures_the_model_on_one_fixed_batch(gate) -> None:
+    from moelab.config import load_config
+
+    cfg = load_config("tiny", {"model.kda.gate": gate, "model.kda.g_min": -0.5})
+    torch.manual_seed(0)
+    model = MoELab(cfg.model).eval()
+    monitor = study.decay_monitor(windows=2)
+    first = monitor(model, cfg)
+    ids = study._val_windows(cfg, cfg.data.seq_len, 2)[:, :-1]
+    decays = study.collect_log_decay(model, ids)
+    bound = -0.5 if gate == "bounded" else study.REFERENCE_BOUND
+    assert first == study.monitor_stats(decays, bound)
+    with torch.no_grad():  # a changed model: the monitor reads it again, on the same batch
+        for name, p in model.named_parameters():
+            if name.endswith("f_up.bias"):
+                p.add_(3.0)  # a larger z: a faster decay
+    second = monitor(model, cfg)
+    assert second["g_min"] < first["g_min"]
+    assert second == study.monitor_stats(study.collect_log_decay(model, ids), bound)
+    assert math.isfinite(second["g_mean"])
