@@ -891,3 +891,252 @@ def study_report(summary: Mapping[str, Any], rows: Any) -> report.Report:
 def findings(rep: report.Report) -> str:
     """The findings section (markdown) of :func:`study_report`."""
     return rep.markdown()
+
+
+# --- research tier: a warm start per batch layout, and a 2000-step steady state ------------------------------
+#
+# Each run is one process: WARM_STEPS optimizer steps with the balancer off (``train.balancer_start_step``: the
+# bias held at zero, no aux loss; what the `none` arm trains), then the arm's balancer from zero bias. So the arms
+# of a layout share their first WARM_STEPS steps exactly (same seed: same init and data) and differ only in the
+# balancer after it; no checkpoint has to travel between GPU calls, at the price of repeating the warm phase per
+# arm (WARM_STEPS x ~55 ms, ~20 s a run). The 8 x 2048 runs go on STEADY_STEPS after the switch and are also the
+# steady-state arms (>= 2000 steps so the sign rule, u = 1e-3 per step, can move its bias by up to 2); the
+# 64 x 256 runs (the same 16,384 tokens per step, 8x as many sequences) stop AFTER_STEPS after the switch.
+# The model is the gpu preset's (gpu-small's width, KDA/MLA mix and corpus at 4 layers, 3 MoE layers of 64
+# experts top-8): the question is the router's, and at this depth a step costs ~55 ms eager on one H200
+# (records/gpu: 299K tokens/s at 16K tokens per step), 4x less than gpu-small's 12 layers.
+# Eager: train.compile='graphs' cannot switch the balancer on mid-run (the config refuses it).
+
+WARM_STEPS = 400  # balancer off; the gpu runs peak at steps 8-28; research_collapse checks it flattened by here
+STEADY_STEPS = 2000  # 8 x 2048 after the switch
+AFTER_STEPS = 300  # 64 x 256 after the switch
+FLOOR_BATCHES = 12  # fresh batches of the frozen trained model for its QB floor (qb_tracking)
+REACH = 1.1  # "reached the floor": MaxVio_batch within 10% of the frozen-model floor, HOLD steps in a row
+FLAT = 0.1  # collapse left: the none phase's MaxVio_batch changes by < 10% between its last two 100-step windows
+BIAS_EVERY = 10  # bias trajectories kept at every step for AFTER_STEPS after the switch, then every 10th step
+
+_RKEYS = (*_KEYS, "model.moe.quantile_balancing_mode", "model.moe.quantile_balancing_bins")
+
+
+def _rarm(balancer: str, alpha: float = 0.0, mode: str = "exact") -> dict[str, Any]:
+    # Every research arm sets the same five keys (1000 bins everywhere; only histogram QB reads them).
+    return dict(zip(_RKEYS, (balancer, alpha, "k_plus_1", mode, 1000)))
+
+
+RESEARCH_BALANCERS = {
+    "none": _rarm("none"),
+    "aux_1e-2": _rarm("aux_loss", 1e-2),
+    "loss_free_sign": _rarm("loss_free_sign"),
+    "qb": _rarm("quantile_balancing"),
+    "qb_hist": _rarm("quantile_balancing", mode="histogram"),  # K3's mode (k3-mini: histogram, 1000 bins)
+}
+# layout -> (batch_size, seq_len, steps after the switch, balancers run at it)
+LAYOUTS: dict[str, tuple[int, int, int, tuple[str, ...]]] = {
+    "8x2048": (8, 2048, STEADY_STEPS, tuple(RESEARCH_BALANCERS)),
+    "64x256": (64, 256, AFTER_STEPS, ("aux_1e-2", "loss_free_sign", "qb", "qb_hist")),
+}
+PRESETS["research"] = {
+    "base": "gpu-small", "seeds": (0, 1, 2), "shift_steps": 40, "shift_seeds": (0, 1, 2),
+    "overrides": {**PRESETS["gpu"]["overrides"], "train.warmup_steps": 40, "train.balancer_start_step": WARM_STEPS,
+                  "train.max_steps": WARM_STEPS + STEADY_STEPS, "train.val_every": 400, "train.val_batches": 4, "train.log_every": 20},
+}
+
+
+def research_arm(balancer: str, layout: str) -> str:
+    """The run name of ``balancer`` at ``layout``: ``qb-8x2048`` (unique over the study's grids and records)."""
+    return f"{balancer}-{layout}"
+
+
+def research_grids() -> dict[str, dict[str, Any]]:
+    """Per layout: ``{"arms": {run arm: balancer keys}, "common": the layout's overrides}``."""
+    base = PRESETS["research"]["overrides"]
+    out = {}
+    for layout, (b, t, after, balancers) in LAYOUTS.items():
+        out[layout] = {"arms": {research_arm(k, layout): RESEARCH_BALANCERS[k] for k in balancers},
+                       "common": {**base, "train.batch_size": b, "data.seq_len": t,
+                                  "train.max_steps": WARM_STEPS + after}}
+    return out
+
+
+def research_arms_factor() -> dict[str, dict[str, dict[str, Any]]]:
+    """Per layout, :func:`common.check_arms_differ_only` of its arms: raises if any non-balancer key differs."""
+    base = PRESETS["research"]["base"]
+    return {layout: common.check_arms_differ_only(base, g["arms"], g["common"]) for layout, g in research_grids().items()}
+
+
+def _live_module(model: torch.nn.Module) -> Any:
+    """The LightningModule training ``model`` (found among live objects: ``run_grid``'s ``evaluate`` gets the
+    model only, and the balancer's trajectories and the trainer live on the module's trainer)."""
+    import gc
+
+    from moelab.train.module import LitMoELab
+
+    found = [o for o in gc.get_objects() if isinstance(o, LitMoELab) and o.model is model]
+    if len(found) != 1:
+        raise RuntimeError(f"research evaluate: {len(found)} LightningModules hold this model (expected 1)")
+    return found[0]
+
+
+def thin_bias(step: torch.Tensor, bias: torch.Tensor, start: int, dense: int = AFTER_STEPS,
+              every: int = BIAS_EVERY) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps ``[S]`` and biases ``[S, ...]`` kept: every step up to ``start + dense``, then every ``every``-th
+    (and the last). Returns (step ``[S']``, bias ``[S', ...]``)."""
+    keep = (step <= start + dense) | ((step - start) % every == 0)
+    keep[-1] = True
+    return step[keep], bias[keep]
+
+
+def frozen_floor(model: torch.nn.Module, cfg: Any, batches: int = FLOOR_BATCHES, seed: int = 0) -> dict[str, float]:
+    """QB's floor at the run's batch layout on the frozen trained ``model``: :func:`qb_tracking` over ``batches``
+    fresh training-text batches of ``train.batch_size`` x ``data.seq_len`` (eval forwards, the trained bias as
+    the start), in order and with the tokens dealt across batches. Medians over batches 1.. (batch 0 is routed
+    with the trained bias): ``frozen_next``, ``shuffled_next``, ``same_batch``, ``converged_next``."""
+    from moelab.data import prepare
+
+    device = next(model.parameters()).device
+    corpus = prepare(cfg.data, progress=False)
+    stream = window_batches(corpus.load_tokens("train"), cfg.train.batch_size, cfg.data.seq_len, batches, seed)
+    bf16 = device.type == "cuda"
+    scores = []
+    for batch in stream:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            out = model(batch["input_ids"].to(device), batch["targets"].to(device), return_logits=False,
+                        check_ids=False)
+        scores.append(torch.stack([st.scores.float().cpu() for st in out.router_stats]))
+    s = torch.stack(scores)
+    bias = torch.stack([r.bias.float().cpu() for _, r in balanced_routers(model)])
+    moe = cfg.model.moe
+    ordered = qb_tracking(s, bias, moe.top_k, "k_plus_1", 0.0)
+    shuffled = qb_tracking(shuffle_tokens(s, seed), bias, moe.top_k, "k_plus_1", 0.0)
+    med = statistics.median
+    return {"frozen_next": med(ordered["next"][1:]), "shuffled_next": med(shuffled["next"][1:]),
+            "same_batch": med(ordered["same"][1:]), "converged_next": med(ordered["converged_next"][1:])}
+
+
+def research_evaluate(model: torch.nn.Module, cfg: Any) -> dict[str, Any]:
+    """``run_grid``'s ``evaluate`` for the research tier, run at the end of training in the GPU call (no
+    checkpoint travels back): :func:`frozen_floor` at the run's layout, and the balancer's bias trajectory of
+    every MoE layer (:func:`thin_bias`, ``bias`` ``[S', L, n]`` fp32, ``step`` ``[S']``)."""
+    module = _live_module(model)
+    from moelab.train.balancer import BalancerCallback
+
+    cb = next(c for c in module.trainer.callbacks if isinstance(c, BalancerCallback))
+    traj = cb.trajectories()
+    step, bias = thin_bias(traj["step"], traj["bias"].float(), cfg.train.balancer_start_step)
+    return {"floor": frozen_floor(model, cfg), "layers": list(traj["layers"]), "step": step, "bias": bias}
+
+
+def train_research(out_dir: str | Path, extra: Mapping[str, Any] | None = None) -> dict[str, common.Grid]:
+    """Train every research grid (one per layout; finished runs are reused), each run evaluated at its end."""
+    p = PRESETS["research"]
+    return {layout: common.run_grid(STUDY, p["base"], g["arms"], p["seeds"], out_dir,
+                                    common={**g["common"], **(extra or {})}, checkpoints="final",
+                                    evaluate=research_evaluate)
+            for layout, g in research_grids().items()}
+
+
+def steps_to_floor(steps: Sequence[float], values: Sequence[float], start: int, floor: float,
+                   reach: float = REACH, hold: int = HOLD) -> int | None:
+    """Optimizer steps after the switch at step ``start`` until MaxVio_batch first stays within ``reach`` x
+    ``floor`` for ``hold`` steps in a row (:func:`steps_until` over the steps after ``start``); 1 = the first
+    step with the balancer on. None when it never does."""
+    after = [(s, v) for s, v in zip(steps, values) if s > start]
+    hit = steps_until([s for s, _ in after], [v for _, v in after], reach * floor, hold)
+    return None if hit is None else int(hit - start)
+
+
+def research_collapse(rec: common.RunRecord, start: int, window: int = 100) -> dict[str, Any]:
+    """Whether the router left its early collapse before the switch: MaxVio_batch's peak (step, value), and
+    its means over the last two ``window``-step windows before ``start`` and their relative change."""
+    h = [(r["step"], r.get("balance/maxvio_batch", math.nan)) for r in rec.history if r["step"] <= start]
+    values = [v for _, v in h]
+    a = tail_mean(values[-2 * window:-window], 1.0) if len(values) >= 2 * window else math.nan
+    b = tail_mean(values[-window:], 1.0)
+    return {**_peak([s for s, _ in h], values), "before": a, "at_switch": b,
+            "change": abs(b - a) / a if a and math.isfinite(a) else math.nan}
+
+
+def research_rows(grids: Mapping[str, common.Grid]) -> Any:
+    """One row per research run: layout, balancer, seed, val loss, the frozen floor, steps to it after the
+    switch, MaxVio_batch over the last 20% and MaxVio_global, the collapse check, GPU minutes."""
+    import pandas as pd
+
+    rows = []
+    # The floor of a layout and seed: QB's on that seed's frozen trained qb model at that layout.
+    floors = {(layout, r.seed): (r.evals or {}).get("floor", {}).get("frozen_next", math.nan)
+              for layout, grid in grids.items() for r in grid.records if r.arm == research_arm("qb", layout)}
+    for layout, grid in grids.items():
+        for rec in grid.records:
+            balancer = rec.arm.rsplit("-", 1)[0]
+            start = WARM_STEPS
+            steps = [r["step"] for r in rec.history]
+            maxvio = [r.get("balance/maxvio_batch", math.nan) for r in rec.history]
+            floor = floors.get((layout, rec.seed), math.nan)
+            col = research_collapse(rec, start)
+            after = [v for s, v in zip(steps, maxvio) if s > start]
+            rows.append({"layout": layout, "balancer": balancer, "arm": rec.arm, "seed": rec.seed,
+                         "final_val_loss": rec.summary.get("final_val_loss"), "floor": floor,
+                         "steps_to_floor": steps_to_floor(steps, maxvio, start, floor) if math.isfinite(floor) else None,
+                         "maxvio_batch": tail_mean(after), "maxvio_global": rec.summary.get("maxvio_global"),
+                         "peak_maxvio": col["peak_maxvio"], "peak_step": col["peak_step"],
+                         "maxvio_at_switch": col["at_switch"], "collapse_change": col["change"],
+                         "gpu_minutes": rec.timing.get("gpu_minutes")})
+    return pd.DataFrame(rows)
+
+
+def research_report(rows: Any) -> report.Report:
+    """The research tier's findings from :func:`research_rows`: the preconditions first (the router left its
+    collapse before the switch; the floor was measured and reached), then steps to the floor per balancer and
+    layout, the steady state (MaxVio_global, qb and qb_hist against the sign rule and the aux loss), and the
+    quality cost (val loss against none) with paired t intervals over seeds."""
+    import pandas as pd
+
+    def seeds(df: Any, arm: str, col: str) -> dict[int, float]:
+        return report.by_seed(df, arm, col)
+
+    flat = rows.collapse_change.max()
+    left = bool(math.isfinite(flat) and flat < FLAT and rows.peak_step.max() < WARM_STEPS - 200)
+    collapse = report.measured(
+        "Has the router left its early collapse before the balancer switches on", None,
+        answer=(f"{'yes' if left else 'no'}: the balancer-off phase peaks at MaxVio_batch "
+                f"{rows.peak_maxvio.min():.1f}-{rows.peak_maxvio.max():.1f} at steps {rows.peak_step.min():.0f}-"
+                f"{rows.peak_step.max():.0f}; its mean moves by at most {flat:.0%} between the last two 100-step "
+                f"windows before step {WARM_STEPS} (flat: < {FLAT:.0%})"))
+    found = [collapse]
+    for layout in LAYOUTS:
+        sel = rows[rows.layout == layout]
+        floor = sel[sel.balancer == "qb"].floor.dropna()
+        q = f"Steps after a warm switch until MaxVio_batch reaches the frozen floor, {layout} (qb)"
+        reached = sel.steps_to_floor.notna().any()
+        why = ("the router had not left its collapse at the switch" if not left else
+               "no frozen-model floor was measured" if floor.empty else
+               f"no arm reached {REACH:g}x the floor ({floor.mean():.3f}) within {LAYOUTS[layout][2]} steps"
+               if not reached else None)
+        qb_steps = [float(v) for v in sel[sel.balancer == "qb"].steps_to_floor if v is not None and v == v]
+        found.append(report.not_tested(q, why, answer=layout) if why else report.measured(
+            q, qb_steps, answer=(f"floor {floor.mean():.3f}; {len(qb_steps)} of {int((sel.balancer == 'qb').sum())} "
+                                 "qb seeds reach it; steps"), digits=3))
+    steady = rows[rows.layout == "8x2048"].copy()
+    steady["arm"] = steady.balancer
+    vs = [report.compare(f"MaxVio_global after {STEADY_STEPS} steps, {a} minus {b}", seeds(steady, a, "maxvio_global"),
+                         seeds(steady, b, "maxvio_global"), digits=3)
+          for a, b in (("qb", "loss_free_sign"), ("qb_hist", "qb"), ("qb", "aux_1e-2"))]
+    cost = [report.compare(f"Validation loss, {a} minus none", seeds(steady, a, "final_val_loss"),
+                           seeds(steady, "none", "final_val_loss"), unit="nats") for a in ("qb", "qb_hist")]
+
+    def iv(df: Any, arm: str, col: str) -> str:
+        v = list(seeds(df, arm, col).values())
+        return report.cell(report.mean_interval(v), 3, signed=False) if len(v) > 1 else "n/a"
+
+    table = pd.DataFrame({f"{b} @ {lay}": {
+        "steps to floor": iv(rows[rows.layout == lay].assign(arm=lambda d: d.balancer), b, "steps_to_floor"),
+        "reached": f"{int(g.steps_to_floor.notna().sum())}/{len(g)}",
+        "MaxVio_batch (last 20%)": iv(rows[rows.layout == lay].assign(arm=lambda d: d.balancer), b, "maxvio_batch"),
+        "MaxVio_global": iv(rows[rows.layout == lay].assign(arm=lambda d: d.balancer), b, "maxvio_global"),
+        "val loss": iv(rows[rows.layout == lay].assign(arm=lambda d: d.balancer), b, "final_val_loss"),
+        "GPU minutes": f"{g.gpu_minutes.sum():.1f}",
+    } for (lay, b), g in rows.groupby(["layout", "balancer"], sort=False)}).T
+    details = [f"Warm start: {WARM_STEPS} steps with the balancer off (bias zero, no aux loss), then each balancer "
+               f"from zero bias; 'reached' = MaxVio_batch within {REACH:g}x the floor for {HOLD} steps in a row. "
+               f"GPU minutes in all: {rows.gpu_minutes.sum():.1f}."]
+    return report.Report([*found, *vs, *cost], table, details)
