@@ -16,8 +16,9 @@ Entries (``ENTRIES``; each row says what ran, with the times in ms and peak memo
 * ``kda_infer``: the inference forward (``triton_infer.kda_infer``, chunk 16, no grad) against fla
   ``chunk_kda``'s forward and the training op's forward, at fixed length and packed (``cu_seqlens``: each
   row's T tokens cut into 6 uneven documents); the rows of a shape are timed in turn ``--rounds`` times.
-* ``attnres``: the fused AttnRes depth aggregation (``moelab.ops.attnres``) against plain PyTorch and fla
-  ``fused_attnres``, N = 32768, D = 2048, bf16 sources (``_mixed``: source 0 fp32), errors vs fp32.
+* ``attnres``: the fused AttnRes depth aggregation (``moelab.ops.attnres``) against fla ``fused_attnres`` (list
+  and stacked sources) at issue 37's grid (``N{N}_D{D}_L{L}``; groups ``grid_D{D}``, ``grid``) and with plain
+  PyTorch too at N = 32768, D = 2048 (``L4``...), bf16, errors vs fp32; rows merged into the file by shape.
 * ``moe``: the LatentMoE layer against dense matmul chains of the same FLOPs (``extra.ratios``).
 * ``model``: whole-model training steps (fwd + bwd + balancer + fused AdamW): the fla-anchor shape beside
   fla's ``KDAForCausalLM``, gpu-small per residual mode, k3-mini with quantile balancing vs ``balancer:
@@ -214,7 +215,8 @@ class Ctx:
 class Entry:
     """A benchmark: named ``shapes`` (``default`` ones run unless ``--shapes`` says), a CPU ``smoke`` shape for
     tests, ``run(ctx) -> {"rows": [...], ...}``, the row fields that identify a row (``keys``, for ``--base``),
-    and whether its rows are merged into the existing file by ``impl`` (``merge``: the model file)."""
+    and whether its rows are merged by ``keys`` into the existing file (``merge``: model, attnres), the file's
+    derived part then computed from all of them by ``summarize(rows) -> {"rows", ...}``."""
 
     name: str
     summary: str
@@ -225,6 +227,7 @@ class Entry:
     keys: tuple[str, ...]
     merge: bool = False
     rounds: int = 1
+    summarize: Callable[[list[dict]], dict[str, Any]] | None = None
 
     def out(self, gpu: str) -> str:
         """The ledger file: ``kernels/results/<entry>_<gpu>.json`` (gpu: ``NVIDIA H200`` -> ``h200``)."""
@@ -465,23 +468,30 @@ def run_kda_infer(ctx: Ctx) -> dict[str, Any]:
 
 # -------------------------------------------------------------------------------------------- attnres
 
-ATTNRES_SHAPES = {f"L{L}": (L, 32768, 2048) for L in (4, 9, 17)}
-ATTNRES_SHAPES["smoke"] = (3, 37, 72)
+# Issue 37's grid (shapes N{N}_D{D}_L{L}: moelab and fla's best only; groups grid_D{D} and grid run several) beside
+# the shapes L4 / L9 / L17 (N 32768, D 2048, with plain PyTorch too).
+ATTNRES_GRID = {f"N{N}_D{D}_L{L}": (L, N, D) for D in (512, 1024, 2048, 4096, 7168) for N in (8192, 32768)
+                for L in (3, 9, 17, 33)}
+ATTNRES_SHAPES: dict[str, Any] = {f"L{L}": (L, 32768, 2048) for L in (4, 9, 17)} | ATTNRES_GRID
+ATTNRES_SHAPES |= {f"grid_D{D}": tuple(s for s in ATTNRES_GRID if f"_D{D}_" in s)
+                   for D in (512, 1024, 2048, 4096, 7168)} | {"grid": tuple(ATTNRES_GRID)}
+ATTNRES_SHAPES |= {"smoke": (3, 37, 72), "smoke_grid": (4, 45, 72)}
 ATTNRES_TOL = {"h": 5e-3, "grads": 1e-2}
+ATTNRES_REF_CHUNK = 2 ** 27  # source elements per chunk of the fp32 reference (~4 GB of its fp32 and fp64 copies)
+FLA_ATTNRES = ("fla_fused_attnres", "fla_fused_attnres_stacked")
 
 
-def _attnres_inputs(L: int, N: int, D: int, mixed: bool, dev: str, seed: int) -> tuple:
-    """L sources ``[1, N, D]`` (bf16; source 0 fp32 when ``mixed``), an fp32 query and norm weight ``[D]``,
-    an output gradient ``[1, N, D]``."""
-    gen = torch.Generator().manual_seed(seed)
-    srcs = [(torch.randn(1, N, D, generator=gen) * (0.5 + 0.25 * i)).to(dev) for i in range(L)]
-    srcs = [x if (mixed and i == 0) else x.bfloat16() for i, x in enumerate(srcs)]
-    query = (torch.randn(D, generator=gen) * 3 / D ** 0.5).to(dev)
-    weight = (torch.rand(D, generator=gen) + 0.5).to(dev)
-    return srcs, query, weight, torch.randn(1, N, D, generator=gen).to(dev)
+def _attnres_inputs(L: int, N: int, D: int, dev: str, seed: int) -> tuple:
+    """L bf16 sources ``[1, N, D]`` (made on ``dev``), an fp32 query and norm weight ``[D]``, an output gradient
+    ``[1, N, D]`` (bf16 values in fp32: the impls and the reference see the same)."""
+    gen = torch.Generator(dev).manual_seed(seed)
+    srcs = [(torch.randn(1, N, D, generator=gen, device=dev) * (0.5 + 0.25 * i)).bfloat16() for i in range(L)]
+    query = torch.randn(D, generator=gen, device=dev) * 3 / D ** 0.5
+    weight = torch.rand(D, generator=gen, device=dev) + 0.5
+    return srcs, query, weight, torch.randn(1, N, D, generator=gen, device=dev).bfloat16().float()
 
 
-def _attnres_impls(fla_fn) -> dict[str, Callable]:
+def _attnres_impls(fla_fn, plain: bool) -> dict[str, Callable]:
     """name -> prepare(srcs, q, w) -> (leaves, forward() -> h, grads() -> [*source grads, dq, dw])."""
     from moelab.model.attnres import DepthAttention
     from moelab.ops.attnres import depth_attention
@@ -493,7 +503,7 @@ def _attnres_impls(fla_fn) -> dict[str, Callable]:
         lv = leaves_of(srcs, q, w)
         return lv, lambda: depth_attention(lv[:-2], lv[-2], lv[-1], backend="triton")[0], lambda: [x.grad for x in lv]
 
-    def plain(srcs, q, w):
+    def torch_plain(srcs, q, w):
         att = DepthAttention(q.numel(), backend="torch").to(q.device)
         with torch.no_grad():
             att.query.copy_(q)
@@ -511,91 +521,126 @@ def _attnres_impls(fla_fn) -> dict[str, Callable]:
         return (lv, lambda: fla_fn(lv[1], lv[0], lv[2], rms_eps=1e-6),
                 lambda: [*stacked.grad.unbind(0), lv[1].grad, lv[2].grad])
 
-    impls = {"moelab_fused": moelab, "torch_plain": plain}
-    if fla_fn is not None:
-        impls.update(fla_fused_attnres=fla, fla_fused_attnres_stacked=fla_stacked)
-    return impls
+    impls = {"moelab_fused": moelab} | ({"torch_plain": torch_plain} if plain else {})
+    return impls | (dict(zip(FLA_ATTNRES, (fla, fla_stacked))) if fla_fn is not None else {})
 
 
-def _attnres_row(name: str, prepare, srcs, q, w, dh, ctx: Ctx) -> dict[str, Any]:
+def _attnres_errors(srcs, q, w, dh, outs: dict[str, tuple]) -> dict[str, dict[str, float]]:
+    """Each impl's ``(h, grads)`` against the fp32 reference (``depth_attention_torch``), which runs over chunks
+    of ``ATTNRES_REF_CHUNK`` source elements (any N, D, L fits): RMS errors of h and of each source's gradient summed over
+    the chunks (``dsrc_err``: the worst source), dq and dw from the reference's gradients summed over them."""
     from moelab.ops.attnres import depth_attention_torch
 
-    ref_leaves = [x.detach().to(torch.float32, copy=True).requires_grad_() for x in [*srcs, q, w]]
-    ref_h, _ = depth_attention_torch(ref_leaves[:-2], ref_leaves[-2], ref_leaves[-1], 1e-6, torch.float32)
-    ref_h.backward(dh)
-    leaves, forward, grads = prepare(srcs, q, w)
-    with torch.autocast(ctx.dev, dtype=torch.bfloat16):
-        h = forward()
-    g_out = dh.to(h.dtype)
-    h.backward(g_out)
-    got = grads()
-    row: dict[str, Any] = dict(impl=name, L=len(srcs), out_dtype=str(h.dtype).removeprefix("torch."),
-                               h_err=rel_err(ref_h, h.detach().float()),
-                               dsrc_err=max(rel_err(r.grad, g.float()) for r, g in zip(ref_leaves[:-2], got[:-2])),
-                               dquery_err=rel_err(ref_leaves[-2].grad, got[-2].float()),
-                               dnorm_weight_err=rel_err(ref_leaves[-1].grad, got[-1].float()))
-    row["ok"] = row["h_err"] <= ATTNRES_TOL["h"] and max(row["dsrc_err"], row["dquery_err"],
-                                                         row["dnorm_weight_err"]) <= ATTNRES_TOL["grads"]
-    del h, ref_h, ref_leaves
+    L, N, D = len(srcs), srcs[0].shape[1], srcs[0].shape[2]
+    qr, wr = (x.detach().float().requires_grad_() for x in (q, w))
+    sums = {name: torch.zeros(2, L + 1, dtype=torch.float64, device=q.device) for name in outs}  # [err, ref] sums
+    step = max(1, ATTNRES_REF_CHUNK // (L * D))
+    for a in range(0, N, step):
+        vr = [x[:, a:a + step].float().requires_grad_() for x in srcs]
+        h, _ = depth_attention_torch(vr, qr, wr, 1e-6, torch.float32)
+        h.backward(dh[:, a:a + step])
+        ref = torch.stack([h.detach(), *(v.grad for v in vr)]).double()  # [L + 1, 1, n, D]
+        for name, (oh, og) in outs.items():
+            got = torch.stack([oh[:, a:a + step], *(g[:, a:a + step] for g in og[:-2])]).double()
+            sums[name] += torch.stack([(ref - got).pow(2).sum((1, 2, 3)), ref.pow(2).sum((1, 2, 3))])
+        del vr, h, ref
+    out = {}
+    for name, (_, og) in outs.items():
+        e = (sums[name][0] / sums[name][1]).sqrt().tolist()
+        r = dict(h_err=e[0], dsrc_err=max(e[1:]), dquery_err=rel_err(qr.grad, og[-2].float()),
+                 dnorm_weight_err=rel_err(wr.grad, og[-1].float()))
+        out[name] = r | {"ok": r["h_err"] <= ATTNRES_TOL["h"] and max(list(r.values())[1:]) <= ATTNRES_TOL["grads"]}
+    return out
 
-    def fwd():
-        with torch.no_grad(), torch.autocast(ctx.dev, dtype=torch.bfloat16):
-            forward()
 
-    def step():
-        with torch.autocast(ctx.dev, dtype=torch.bfloat16):
-            out = forward()
-        out.backward(g_out)
+def _attnres_point(shape: str, impls: dict[str, Callable], ctx: Ctx) -> list[dict[str, Any]]:
+    """The rows of one shape: every impl run once (its h and gradients kept), all of them checked against one
+    chunked fp32 reference, then each timed (fwd+bwd, fwd alone under no_grad) and its peak memory taken."""
+    L, N, D = ATTNRES_SHAPES[shape]
+    srcs, q, w, dh = _attnres_inputs(L, N, D, ctx.dev, seed=L)
+    rows, outs, runs = {}, {}, {}
+    for name, prepare in impls.items():
+        rows[name] = dict(impl=name, shape=shape, L=L, N=N, D=D)
+        try:
+            leaves, forward, grads = prepare(srcs, q, w)
+            with torch.autocast(ctx.dev, dtype=torch.bfloat16):
+                h = forward()
+            h.backward(dh.to(h.dtype))
+            outs[name], runs[name] = (h.detach(), grads()), (leaves, forward, dh.to(h.dtype))
+            rows[name]["out_dtype"] = str(h.dtype).removeprefix("torch.")
+        except Exception as exc:  # an fla failure (compile, memory) is recorded, the others still run
+            rows[name]["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    for name, err in _attnres_errors(srcs, q, w, dh, outs).items():
+        rows[name].update(err)
+    del outs
+    for name, (leaves, forward, g_out) in runs.items():
+        def fwd():
+            with torch.no_grad(), torch.autocast(ctx.dev, dtype=torch.bfloat16):
+                forward()
 
-    def clear():
-        for t in leaves:
-            t.grad = None
+        def step():
+            with torch.autocast(ctx.dev, dtype=torch.bfloat16):
+                out = forward()
+            out.backward(g_out)
 
-    row["fwdbwd_ms"] = time_ms(step, before=clear, **ctx.timing).ms
-    row["fwd_ms"] = time_ms(fwd, **ctx.timing).ms
-    clear()
-    peak, before = peak_bytes(step)
-    row.update(peak_mem_gb=peak / 1e9 if ctx.cuda else None, extra_mem_gb=(peak - before) / 1e9 if ctx.cuda else None)
-    return row
+        def clear():
+            for t in leaves:
+                t.grad = None
+
+        row = rows[name]
+        row["fwdbwd_ms"] = time_ms(step, before=clear, **ctx.timing).ms
+        row["fwd_ms"] = time_ms(fwd, **ctx.timing).ms
+        clear()
+        peak, before = peak_bytes(step)
+        row.update(peak_mem_gb=peak / 1e9 if ctx.cuda else None,
+                   extra_mem_gb=(peak - before) / 1e9 if ctx.cuda else None)
+        clear()
+        _print_row(row, ("fwd_ms", "fwdbwd_ms", "peak_mem_gb", "h_err", "dsrc_err"), ("shape",))
+    del runs, srcs
+    ctx.free()
+    return list(rows.values())
+
+
+def attnres_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The file's derived part from all its rows (rows sorted by shape as ``ATTNRES_SHAPES`` lists them):
+    ``summary`` per L shape (others' time over moelab's), ``grid`` per grid point (fla's best: the faster of its
+    two rows at each of fwd, fwd+bwd) with the minimum over the points measured and whether issue 37's target
+    (>= 1.0x at all 40) is met; ``all_ok``: every moelab row within the tolerances."""
+    order = {s: i for i, s in enumerate(ATTNRES_SHAPES)}
+    rows = sorted(rows, key=lambda r: order.get(r.get("shape"), len(order)))
+    by = {(r.get("shape"), r["impl"]): r for r in rows if r.get("fwdbwd_ms")}
+    lines = []
+    for shape in dict.fromkeys(r.get("shape") for r in rows):
+        ours = by.get((shape, "moelab_fused"))
+        if ours is None:
+            continue
+        line = {k: ours.get(k) for k in ("shape", "L", "N", "D")}
+        for other in ("torch_plain", "fla_best"):
+            them = [by[(shape, n)] for n in ((other,) if other == "torch_plain" else FLA_ATTNRES) if (shape, n) in by]
+            for m in ("fwdbwd", "fwd") if them else ():
+                line[f"{m}_speedup_vs_{other}"] = min(r[f"{m}_ms"] for r in them) / ours[f"{m}_ms"]
+        lines.append(line)
+    grid = [x for x in lines if x["shape"] in ATTNRES_GRID and "fwd_speedup_vs_fla_best" in x]
+    mins = {f"min_{m}_speedup_vs_fla_best": min((x[f"{m}_speedup_vs_fla_best"] for x in grid), default=None)
+            for m in ("fwd", "fwdbwd")}
+    return {"rows": rows, "summary": [x for x in lines if x["shape"] not in ATTNRES_GRID],
+            "grid": {"points": grid, "measured": len(grid), "of": len(ATTNRES_GRID), **mins,
+                     "met": len(grid) == len(ATTNRES_GRID) and all(v >= 1.0 for v in mins.values())},
+            "tolerances": ATTNRES_TOL, "all_ok": all(r.get("ok", False) for r in rows if r["impl"] == "moelab_fused"),
+            "note": "bf16 sources under bf16 autocast, fp32 query and norm weight; errors against the fp32 reference "
+                    "(depth_attention_torch, over chunks of tokens); speedups: the other's time over moelab's; fla "
+                    "autotunes once per (D, next_pow2(L) >= 8) in a process, at the first N it meets; rows carry "
+                    "their own commit and are merged into the file by (impl, shape)"}
 
 
 def run_attnres(ctx: Ctx) -> dict[str, Any]:
     fla_fn = _fla_import("fla.ops.attnres:fused_attnres") if ctx.cuda else None
-    impls = _attnres_impls(fla_fn)
+    names = [s for n in ctx.shapes for s in (ATTNRES_SHAPES[n] if isinstance(ATTNRES_SHAPES[n][0], str) else (n,))]
     rows: list[dict] = []
-    Ls = []
-    for name in ctx.shapes:
-        L, N, D = ATTNRES_SHAPES[name]
-        Ls.append(L)
-        for mixed in (False, True):
-            srcs, q, w, dh = _attnres_inputs(L, N, D, mixed, ctx.dev, seed=L)
-            for impl, prepare in impls.items():
-                label = impl + ("_mixed" if mixed else "")
-                try:
-                    row = _attnres_row(label, prepare, srcs, q, w, dh, ctx)
-                except Exception as exc:  # fla under autocast with mixed dtypes may fail to compile: recorded
-                    row = dict(impl=label, L=L, error=f"{type(exc).__name__}: {str(exc)[:300]}")
-                rows.append(row)
-                ctx.save({"rows": rows})
-                _print_row(row, ("fwd_ms", "fwdbwd_ms", "peak_mem_gb"), ("L",))
-                ctx.free()
-    by = {(r["impl"], r["L"]): r for r in rows if "fwdbwd_ms" in r}
-    summary = []
-    for L in Ls:
-        ours = by.get(("moelab_fused", L))
-        fla_rows = [by[(n, L)] for n in ("fla_fused_attnres", "fla_fused_attnres_stacked") if (n, L) in by]
-        others = {"torch_plain": by.get(("torch_plain", L)),
-                  "fla_best": min(fla_rows, key=lambda r: r["fwdbwd_ms"]) if fla_rows else None}
-        line: dict[str, Any] = {"L": L}
-        for other, row in others.items():
-            if ours and row:
-                line[f"fwdbwd_speedup_vs_{other}"] = row["fwdbwd_ms"] / ours["fwdbwd_ms"]
-                line[f"fwd_speedup_vs_{other}"] = row["fwd_ms"] / ours["fwd_ms"]
-        summary.append(line)
-    return {"rows": rows, "summary": summary, "tolerances": ATTNRES_TOL,
-            "all_ok": all(r.get("ok", False) for r in rows if r["impl"].startswith("moelab")),
-            "note": "bf16 autocast, fp32 query and norm weight; *_mixed: source 0 fp32 (the embedding); errors "
-                    "against the fp32 reference (depth_attention_torch); summary: the others' time over moelab's"}
+    for shape in dict.fromkeys(names):
+        rows += _attnres_point(shape, _attnres_impls(fla_fn, shape.startswith("L") or shape == "smoke"), ctx)
+        ctx.save({"rows": rows})
+    return {"rows": rows}
 
 
 # ------------------------------------------------------------------------------------------------ moe
@@ -1288,8 +1333,9 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
     Entry("kda_infer", "KDA inference forward (chunk 16, no grad) vs fla chunk_kda and the training forward, "
           "fixed and packed", INFER_SHAPES, tuple(s for s in INFER_SHAPES if s != "smoke"), "smoke", run_kda_infer,
           ("impl", "layout", "B", "T", "H", "D"), rounds=3),
-    Entry("attnres", "fused AttnRes depth aggregation fwd / fwd+bwd vs plain PyTorch and fla fused_attnres",
-          ATTNRES_SHAPES, ("L4", "L9", "L17"), "smoke", run_attnres, ("impl", "L")),
+    Entry("attnres", "fused AttnRes depth aggregation fwd / fwd+bwd vs fla fused_attnres (and plain PyTorch at L*)",
+          ATTNRES_SHAPES, ("L4", "L9", "L17"), "smoke", run_attnres, ("impl", "shape"), merge=True,
+          summarize=attnres_summary),
     Entry("moe", "LatentMoE layer fwd+bwd vs dense matmul chains of equal FLOPs", MOE_SHAPES, ("N32768",), "smoke",
           run_moe, ("impl",)),
     Entry("model", "whole-model training step: fla shape vs fla, gpu-small residual modes, k3-mini balancer cost",
@@ -1318,9 +1364,9 @@ def write_json(path: str | os.PathLike, data: dict[str, Any], indent: int) -> No
 
 
 def make_saver(entry: Entry, out: str | None, meta: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
-    """``save(result)``: the entry's file with ``meta`` and ``result``. ``merge`` entries (the model file) replace
-    their rows by ``impl`` among the file's others; each row carries its own commit and date, and the file's
-    meta names no commit (its rows come from different runs)."""
+    """``save(result)``: the entry's file with ``meta`` and ``result``. ``merge`` entries replace their rows by
+    ``keys`` among the file's others; each row carries its own commit and date (an older row without them gets
+    its file's), and the file's meta names no commit (its rows come from different runs)."""
     def save(result: dict[str, Any]) -> None:
         if out is None:
             return
@@ -1330,9 +1376,11 @@ def make_saver(entry: Entry, out: str | None, meta: dict[str, Any]) -> Callable[
         old = json.loads(Path(out).read_text()) if Path(out).exists() else {"rows": []}
         stamp = {k: meta[k] for k in ("commit", "dirty", "command", "date")}
         new = [{**r, **stamp} for r in result["rows"]]
-        impls = {r["impl"] for r in new}
+        keys = {row_key(entry, r) for r in new}
+        rows = [{**{k: old["meta"].get(k) for k in stamp}, **r} if "meta" in old else r
+                for r in old.get("rows", []) if row_key(entry, r) not in keys] + new
         file_meta = {k: v for k, v in meta.items() if k not in ("commit", "dirty", "diff_sha256")}
-        write_json(out, {"meta": file_meta, "rows": [r for r in old.get("rows", []) if r["impl"] not in impls] + new},
+        write_json(out, {"meta": file_meta, **(entry.summarize(rows) if entry.summarize else {"rows": rows})},
                    indent=2)
     return save
 
@@ -1340,7 +1388,7 @@ def make_saver(entry: Entry, out: str | None, meta: dict[str, Any]) -> Callable[
 def run_entry(entry: Entry, shapes: list[str], out: str | None, cuda: bool, rounds: int | None,
               budget_s: float | None) -> dict[str, Any]:
     """Run ``entry`` at ``shapes``, writing ``out`` as it goes; returns ``{"meta", **result}``."""
-    meta = provenance(root=CODE)
+    meta = provenance(root=None if CODE == ROOT and os.environ.get("MOELAB_COMMIT") else CODE)
     meta.update(entry=entry.name, shapes=shapes, device="cuda" if cuda else "cpu (Triton interpreter)",
                 timing="CUDA events around back-to-back calls after warm-up; median over rounds (kernels/bench.py "
                        "time_ms)" if entry.name != "model" else "mean of synchronized steps per window; median over "

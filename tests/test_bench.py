@@ -229,3 +229,54 @@ def test_kernels_folder_is_small_and_results_are_a_ledger():
     assert len(results) <= 20, sorted(p.name for p in results)
     assert not any(p.is_dir() for p in (ROOT / "kernels" / "results").iterdir())
     assert not [p.name for p in results if p.suffix in (".log", ".tgz", ".gz")]
+
+
+def test_attnres_grid_rows_merge_by_shape_and_summarize(bench, tmp_path, monkeypatch):
+    """Issue 37's 40 grid points are shapes of the attnres entry (groups per D and all); two saves into one file
+    keep each other's rows (a shape measured again replaces its rows), each row stamped with its own commit, and
+    the grid summary is fla's best time over moelab's per point and metric, with the minimum over the points."""
+    entry = bench.ENTRIES["attnres"]
+    assert len(bench.ATTNRES_GRID) == 40 and len(entry.shapes["grid"]) == 40
+    assert entry.shapes["grid_D7168"] == tuple(f"N{N}_D7168_L{L}" for N in (8192, 32768) for L in (3, 9, 17, 33))
+    assert entry.shapes["N32768_D4096_L9"] == (9, 32768, 4096)
+
+    def rows(shape, ours, fla, stacked):
+        L, N, D = entry.shapes[shape]
+        return [dict(impl=i, shape=shape, L=L, N=N, D=D, fwd_ms=f, fwdbwd_ms=fb, ok=True) for i, (f, fb) in
+                (("moelab_fused", ours), ("fla_fused_attnres", fla), ("fla_fused_attnres_stacked", stacked))]
+
+    out = tmp_path / "attnres.json"
+    for commit, new in (("aaa", rows("N8192_D512_L3", (1.0, 2.0), (2.0, 3.0), (1.5, 5.0))
+                         + rows("N8192_D512_L9", (1.0, 2.0), (9.0, 9.0), (9.0, 9.0))),
+                        ("bbb", rows("N8192_D512_L9", (2.0, 2.0), (1.0, 3.0), (1.8, 2.5)))):
+        monkeypatch.setenv("MOELAB_COMMIT", commit)
+        meta = bench.provenance()
+        bench.make_saver(entry, str(out), meta)({"rows": new})
+    d = json.loads(out.read_text())
+    assert [(r["shape"], r["commit"]) for r in d["rows"] if r["impl"] == "moelab_fused"] == [
+        ("N8192_D512_L3", "aaa"), ("N8192_D512_L9", "bbb")]
+    assert len(d["rows"]) == 6 and "commit" not in d["meta"]
+    pts = {p["shape"]: p for p in d["grid"]["points"]}
+    assert pts["N8192_D512_L3"]["fwd_speedup_vs_fla_best"] == 1.5 and pts["N8192_D512_L3"][
+        "fwdbwd_speedup_vs_fla_best"] == 1.5
+    assert pts["N8192_D512_L9"]["fwd_speedup_vs_fla_best"] == 0.5
+    assert d["grid"]["min_fwd_speedup_vs_fla_best"] == 0.5 and d["grid"]["min_fwdbwd_speedup_vs_fla_best"] == 1.25
+    assert d["grid"]["measured"] == 2 and d["grid"]["met"] is False and d["summary"] == [] and d["all_ok"]
+
+
+def test_attnres_errors_over_chunks_equal_the_whole(bench, monkeypatch):
+    """The fp32 reference run over chunks of tokens gives the errors of one run over all of them (dq and dw from
+    gradients summed over the chunks); an output off by 1% reads as 1e-2."""
+    from moelab.ops.attnres import depth_attention_torch
+
+    srcs, q, w, dh = bench._attnres_inputs(3, 40, 16, "cpu", seed=0)
+    leaves = [x.float().requires_grad_() for x in [*srcs, q, w]]
+    h, _ = depth_attention_torch(leaves[:3], leaves[3], leaves[4], 1e-6, torch.float32)
+    h.backward(dh)
+    outs = {"same": (h.detach(), [x.grad for x in leaves]), "off": (h.detach() * 1.01, [x.grad for x in leaves])}
+    whole = bench._attnres_errors(srcs, q, w, dh, outs)
+    monkeypatch.setattr(bench, "ATTNRES_REF_CHUNK", 3 * 16 * 7)  # 7 tokens a chunk: 6 chunks
+    chunked = bench._attnres_errors(srcs, q, w, dh, outs)
+    assert chunked["off"]["h_err"] == pytest.approx(whole["off"]["h_err"]) == pytest.approx(1e-2)
+    assert max(chunked["same"][k] for k in ("h_err", "dsrc_err", "dquery_err", "dnorm_weight_err")) < 1e-6
+    assert chunked["same"]["ok"] and not chunked["off"]["ok"]
