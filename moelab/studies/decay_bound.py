@@ -887,6 +887,126 @@ def crossover_length(ratios: list[dict], impl: str = "sdpa_flash") -> float | No
     return None
 
 
+# --- end-to-end speed where KDA dominates -------------------------------------------------------
+
+SPEED_LENGTHS = ((16384, 2), (32768, 2), (65536, 1))  # (T, B) of the research measurement
+SPEED_FILE = "studies/01_decay_bound/results/speed_research.json"
+
+
+def speed_model_config(gate: str, d_model: int = 1024, n_layers: int = 4, num_heads: int = 16, head_dim: int = 128,
+                       vocab_size: int = 8192, g_min: float = REFERENCE_BOUND, max_seq_len: int = 65536,
+                       dense_ffn_dim: int = 1024) -> Any:
+    """An all-KDA model (no MLA layer, a narrow dense SwiGLU FFN of ``dense_ffn_dim`` in every layer, no MoE) whose
+    time goes mostly into the KDA layers (2048 = 16 x 128 channels each at d_model 1024):
+    ``ModelConfig`` with ``gate`` ("bounded": the op's bounded path, told ``g_min``; "softplus": its general
+    path), ``num_heads`` x ``head_dim`` per layer."""
+    from moelab.model.config import KDAConfig, ModelConfig
+
+    return ModelConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, pattern="K", final_mla=False,
+                       dense_layers=n_layers, dense_ffn_dim=dense_ffn_dim, max_seq_len=max_seq_len,
+                       kda=KDAConfig(num_heads=num_heads, head_dim=head_dim, gate=gate, g_min=g_min)).validate()
+
+
+def e2e_speed(lengths: Sequence[tuple[int, int]] = SPEED_LENGTHS, rounds: int = 7, window: int = 3, warmup: int = 2,
+              seed: int = 0, device: str | None = None, **model: Any) -> dict[str, Any]:
+    """Training tokens/s of an all-KDA model (:func:`speed_model_config`), bounded vs softplus gate, in interleaved
+    paired rounds.
+
+    Per ``(T, B)`` of ``lengths``: both arms' models from one seed (the same weights outside the gate), AdamW, one
+    random batch ``[B, T]`` of token ids; ``warmup`` untimed steps per arm (Triton compilation, the optimizer's
+    state), then ``rounds`` rounds, each timing ``window`` full training steps (forward under bf16 autocast on a
+    GPU, backward, AdamW) of each arm, the arm that goes first alternating by round (a drift of the clock or
+    the host hits both arms alike). A round's ratio is bounded tokens/s over softplus tokens/s.
+
+    Args:
+        lengths: ``(T, B)`` pairs. model: :func:`speed_model_config`'s keywords (d_model, n_layers, ...).
+        device: default the GPU if there is one, else the CPU (the torch chunk path: for tests at toy sizes).
+
+    Returns:
+        ``{"meta": moelab.provenance.provenance(), "config": {...}, "rows": [{"T", "B", "round", "arm", "first",
+        "steps", "seconds", "tok_per_s"}], "ratios": [{"T", "B", "tokens", "median", "min", "max", "rounds":
+        [ratio per round], "tok_per_s": {arm: median}}]}``. The file's ratios > 1: the bounded gate trains faster.
+    """
+    import statistics
+    import time
+
+    from moelab import provenance
+    from moelab.model import MoELab
+
+    if rounds < 1 or window < 1 or warmup < 0:
+        raise ValueError(f"rounds={rounds}, window={window}, warmup={warmup} are not allowed: expected rounds >= 1, "
+                         f"window >= 1, warmup >= 0")
+    if not lengths or any(T < 1 or B < 1 for T, B in lengths):
+        raise ValueError(f"lengths={list(lengths)} is not allowed: expected (T, B) pairs of positive integers")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    arms = ("bounded", "softplus")
+    cfgs = {a: speed_model_config(a, max_seq_len=max(T for T, _ in lengths), **model) for a in arms}
+    rows, ratios = [], []
+    for T, B in lengths:
+        models, opts = {}, {}
+        for arm in arms:
+            torch.manual_seed(seed)
+            models[arm] = MoELab(cfgs[arm]).to(dev).train()
+            opts[arm] = torch.optim.AdamW(models[arm].parameters(), lr=1e-4, fused=dev.type == "cuda")
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, cfgs["bounded"].vocab_size, (B, T + 1), generator=gen).to(dev)
+
+        def step(arm: str) -> None:
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                out = models[arm](ids[:, :-1], ids[:, 1:], return_logits=False, check_ids=False)
+            (out.loss + out.aux_loss).backward()
+            opts[arm].step()
+            opts[arm].zero_grad(set_to_none=True)
+
+        def sync() -> None:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
+        for arm in arms:
+            for _ in range(warmup):
+                step(arm)
+        sync()
+        per_round = []
+        for r in range(rounds):
+            order = arms if r % 2 == 0 else arms[::-1]
+            tps = {}
+            for arm in order:
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(window):
+                    step(arm)
+                sync()
+                sec = time.perf_counter() - t0
+                tps[arm] = window * B * T / sec
+                rows.append({"T": T, "B": B, "round": r, "arm": arm, "first": order[0] == arm, "steps": window,
+                             "seconds": sec, "tok_per_s": tps[arm]})
+            per_round.append(tps["bounded"] / tps["softplus"])
+        ratios.append({"T": T, "B": B, "tokens": B * T, "median": statistics.median(per_round),
+                       "min": min(per_round), "max": max(per_round), "rounds": per_round,
+                       "tok_per_s": {a: statistics.median(x["tok_per_s"] for x in rows if x["T"] == T and x["arm"] == a)
+                                     for a in arms}})
+        del models, opts
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    from dataclasses import asdict
+
+    config = {"model": {k: v for k, v in asdict(cfgs["bounded"]).items() if k not in ("kda", "mla", "moe")},
+              "kda": {k: v for k, v in asdict(cfgs["bounded"].kda).items() if k != "gate"},
+              "gates": list(arms), "lengths": [list(x) for x in lengths], "rounds": rounds, "window": window,
+              "warmup": warmup, "seed": seed, "device": dev.type,
+              "step": "forward (bf16 autocast on a GPU) + backward + AdamW, one fixed random batch"}
+    return {"meta": provenance.provenance(), "config": config, "rows": rows, "ratios": ratios}
+
+
+def read_speed(path: str | Path = SPEED_FILE) -> dict[str, Any] | None:
+    """The committed :func:`e2e_speed` result (a path relative to the repository), or None when not measured."""
+    from moelab.base import repo_root
+
+    path = Path(path)
+    path = path if path.is_absolute() else repo_root() / path
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 # --- figures -------------------------------------------------------------------------------
 
 def _figure(w: float, h: float, n: int = 1):
@@ -1175,3 +1295,37 @@ def study_report(summary: Mapping[str, Any], runs: Any, decay: Any, extra_summar
 def findings(rep: report.Report) -> str:
     """The findings section (markdown) of :func:`study_report`."""
     return rep.markdown()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m moelab.studies.decay_bound speed --out FILE``: :func:`e2e_speed` at its research sizes, as JSON."""
+    import argparse
+
+    from moelab.utils import write_json
+
+    parser = argparse.ArgumentParser(prog="python -m moelab.studies.decay_bound", description=main.__doc__)
+    sub = parser.add_subparsers(dest="what", required=True)
+    sp = sub.add_parser("speed", help="end-to-end training tokens/s, bounded vs softplus, all-KDA model")
+    sp.add_argument("--out", default=SPEED_FILE, help=f"the JSON to write (default {SPEED_FILE})")
+    sp.add_argument("--rounds", type=int, default=7)
+    sp.add_argument("--window", type=int, default=3)
+    sp.add_argument("--lengths", default=",".join(f"{T}x{B}" for T, B in SPEED_LENGTHS),
+                    help="T x B pairs, comma-separated (e.g. 16384x2,65536x1)")
+    args = parser.parse_args(argv)
+    try:
+        lengths = [tuple(int(v) for v in item.split("x")) for item in args.lengths.split(",")]
+        if any(len(x) != 2 for x in lengths):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--lengths {args.lengths!r} is not allowed: expected TxB pairs, comma-separated")
+    result = e2e_speed(lengths, rounds=args.rounds, window=args.window)
+    write_json(args.out, result)
+    for r in result["ratios"]:
+        print(f"T={r['T']} B={r['B']}: bounded/softplus tokens/s median {r['median']:.3f} "
+              f"[{r['min']:.3f}, {r['max']:.3f}] over {len(r['rounds'])} rounds; "
+              + ", ".join(f"{a} {v / 1e3:.0f}K tok/s" for a, v in r["tok_per_s"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

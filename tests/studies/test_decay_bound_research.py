@@ -1,6 +1,7 @@
 """Study 1's research tier: the dose-response arms, the in-training decay monitor, the per-bound verdicts, the
 end-to-end speed measurement's file."""
 
+import json
 import math
 
 import pytest
@@ -81,3 +82,34 @@ def test_decay_monitor_measures_the_model_on_one_fixed_batch(gate) -> None:
     assert second["g_min"] < first["g_min"]
     assert second == study.monitor_stats(study.collect_log_decay(model, ids), bound)
     assert math.isfinite(second["g_mean"])
+
+
+def test_e2e_speed_writes_paired_rounds_with_provenance(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MOELAB_COMMIT", "0123456789abcdef0123456789abcdef01234567")
+    toy = {"d_model": 32, "n_layers": 1, "num_heads": 2, "head_dim": 16, "vocab_size": 64, "dense_ffn_dim": 64}
+    r = study.e2e_speed([(32, 2), (64, 1)], rounds=3, window=1, warmup=0, **toy)
+    assert r["meta"]["commit"] == "0123456789abcdef0123456789abcdef01234567" and "gpu" in r["meta"]
+    assert r["config"]["model"]["pattern"] == "K" and not r["config"]["model"]["final_mla"]
+    assert r["config"]["kda"]["num_heads"] == 2 and r["config"]["gates"] == ["bounded", "softplus"]
+    assert [(x["T"], x["B"], x["tokens"]) for x in r["ratios"]] == [(32, 2, 64), (64, 1, 64)]
+    for ratio in r["ratios"]:
+        rows = [x for x in r["rows"] if x["T"] == ratio["T"]]
+        assert len(rows) == 6 and [x["first"] for x in rows if x["arm"] == "bounded"] == [True, False, True]
+        by = {(x["round"], x["arm"]): x["tok_per_s"] for x in rows}
+        per = [by[(i, "bounded")] / by[(i, "softplus")] for i in range(3)]
+        assert ratio["rounds"] == pytest.approx(per) and ratio["median"] == pytest.approx(sorted(per)[1])
+        assert ratio["min"] <= ratio["median"] <= ratio["max"]
+        assert all(x["tok_per_s"] == pytest.approx(x["steps"] * x["T"] * x["B"] / x["seconds"]) for x in rows)
+    with pytest.raises(ValueError, match="rounds=0"):
+        study.e2e_speed([(32, 1)], rounds=0, **toy)
+    out = tmp_path / "speed.json"
+    monkeypatch.setattr(study, "SPEED_LENGTHS", ((32, 1),))
+    import moelab.studies.decay_bound as mod
+
+    calls = {}
+    real = mod.e2e_speed
+    monkeypatch.setattr(mod, "e2e_speed", lambda lengths, rounds, window: calls.setdefault(
+        "r", real(lengths, rounds=rounds, window=window, warmup=0, **toy)))
+    assert study.main(["speed", "--out", str(out), "--lengths", "32x1", "--rounds", "2", "--window", "1"]) == 0
+    assert json.loads(out.read_text())["ratios"][0]["T"] == 32 and study.read_speed(out)["config"]["rounds"] == 2
+    assert study.read_speed(tmp_path / "absent.json") is None
