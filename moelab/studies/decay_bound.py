@@ -907,6 +907,21 @@ def speed_model_config(gate: str, d_model: int = 1024, n_layers: int = 4, num_he
                        kda=KDAConfig(num_heads=num_heads, head_dim=head_dim, gate=gate, g_min=g_min)).validate()
 
 
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> None:
+    """One training step on ``ids [B, T + 1]``: forward (bf16 autocast on a GPU), backward, ``opt``."""
+    dev = ids.device
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+        out = model(ids[:, :-1], ids[:, 1:], return_logits=False, check_ids=False)
+    (out.loss + out.aux_loss).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 def e2e_speed(lengths: Sequence[tuple[int, int]] = SPEED_LENGTHS, rounds: int = 7, window: int = 3, warmup: int = 2,
               seed: int = 0, device: str | None = None, **model: Any) -> dict[str, Any]:
     """Training tokens/s of an all-KDA model (:func:`speed_model_config`), bounded vs softplus gate, in interleaved
@@ -950,32 +965,20 @@ def e2e_speed(lengths: Sequence[tuple[int, int]] = SPEED_LENGTHS, rounds: int = 
             opts[arm] = torch.optim.AdamW(models[arm].parameters(), lr=1e-4, fused=dev.type == "cuda")
         gen = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, cfgs["bounded"].vocab_size, (B, T + 1), generator=gen).to(dev)
-
-        def step(arm: str) -> None:
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-                out = models[arm](ids[:, :-1], ids[:, 1:], return_logits=False, check_ids=False)
-            (out.loss + out.aux_loss).backward()
-            opts[arm].step()
-            opts[arm].zero_grad(set_to_none=True)
-
-        def sync() -> None:
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-
         for arm in arms:
             for _ in range(warmup):
-                step(arm)
-        sync()
+                _train_step(models[arm], opts[arm], ids)
+        _sync(dev)
         per_round = []
         for r in range(rounds):
             order = arms if r % 2 == 0 else arms[::-1]
             tps = {}
             for arm in order:
-                sync()
+                _sync(dev)
                 t0 = time.perf_counter()
                 for _ in range(window):
-                    step(arm)
-                sync()
+                    _train_step(models[arm], opts[arm], ids)
+                _sync(dev)
                 sec = time.perf_counter() - t0
                 tps[arm] = window * B * T / sec
                 rows.append({"T": T, "B": B, "round": r, "arm": arm, "first": order[0] == arm, "steps": window,
