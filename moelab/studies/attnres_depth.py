@@ -21,6 +21,7 @@ weights of each trained model, from :func:`layer_diagnostics`), the figures, :fu
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -762,3 +763,595 @@ TREND_TEXT = {"grows": "**grows** with depth", "shrinks": "**shrinks** with dept
               "one seed": "has one seed at an end of the sweep: **trend not judged**"}
 
 
+
+
+# ======================================================================================== research
+#
+# The research tier (issue 40) answers the seeds' claim "extra depth keeps paying with AttnRes where it stops
+# paying under PreNorm; Block is close to Full at a fraction of the cost" past the early phase: two depths
+# (the deeper >= 24 layers) at a narrower width, Block AttnRes with blocks of several layers (a fixed block
+# size, so the block count grows with depth as K3's does), a learning-rate sweep per mode at the shallower
+# depth whose winner every later run of that mode uses, 3 seeds, >= 50M tokens per run (2.2 epochs of the
+# 22.6M-token GPU corpus). It runs as split calls (studies/README.md): the sweep first, then the runs that
+# need its winner.
+
+
+@dataclass(frozen=True)
+class ResearchPlan:
+    """The research tier.
+
+    base: training preset; common: overrides of every run (width, dense FFNs, steps, batch, the captured
+    step); depths: ``(shallow, deep)`` ``model.n_layers``; layers_per_block: Block AttnRes block size in
+    layers (``num_blocks = n_layers / layers_per_block``); lrs: the sweep's ``train.lr`` values (at the
+    shallow depth, seed ``sweep_seed``); seeds: of the main grid; modes: the residual modes compared;
+    min_tokens: tokens per run the design needs to be past the early phase (the precondition).
+    """
+
+    base: str
+    common: Mapping[str, Any]
+    depths: tuple[int, int]
+    layers_per_block: int
+    lrs: tuple[float, ...]
+    seeds: tuple[int, ...]
+    sweep_seed: int
+    modes: tuple[str, ...]
+    min_tokens: int
+    notes: str = ""
+
+    @property
+    def tokens_per_run(self) -> int:
+        c = self.common
+        return int(c["train.max_steps"]) * int(c["train.batch_size"]) * int(c["data.seq_len"])
+
+    def blocks(self, n_layers: int) -> int:
+        """Block AttnRes's ``num_blocks`` at depth ``n_layers`` (``layers_per_block`` layers per block)."""
+        if n_layers % self.layers_per_block:
+            raise ValueError(f"n_layers={n_layers} is not allowed: expected a multiple of layers_per_block="
+                             f"{self.layers_per_block}")
+        return n_layers // self.layers_per_block
+
+
+# Width 384 (3 KDA / MLA heads of 128), dense SwiGLU FFNs (1024) in every layer, gpu-small's 3:1 KDA/MLA pattern;
+# 1536 steps of 16 x 2048 tokens = 50,331,648 tokens per run = 2.22 epochs of the 22,646,121-token GPU corpus.
+# `python -m moelab info --config gpu-small --set ...` (these overrides): 12 layers 29.4M parameters, 196M training
+# FLOPs/token; 24 layers 52.4M, 373M. At 10% MFU of 989 TFLOP/s (expected 10-25% for these small models) a
+# 12-layer run trains in ~100 s, a 24-layer run in ~190 s (PreNorm; Block ~1.1x, Full ~1.3x). train.compile=graphs
+# captures the whole step as one CUDA graph (the eager step is host-bound: ~110 ms of host time for 12 layers).
+RESEARCH = ResearchPlan(
+    "gpu-small",
+    {"model.d_model": 384, "model.kda.num_heads": 3, "model.mla.num_heads": 3, "model.mla.kv_latent_dim": 192,
+     "model.dense_layers": 24, "data.seq_len": 2048, "train.batch_size": 16, "train.max_steps": 1536,
+     "train.warmup_steps": 100, "train.val_every": 256, "train.val_batches": 4, "train.log_every": 16,
+     "train.compile": "graphs"},
+    depths=(12, 24), layers_per_block=4, lrs=(1e-3, 2e-3, 4e-3), seeds=(0, 1, 2), sweep_seed=0,
+    modes=MODES, min_tokens=50_000_000,
+    notes="3:1 KDA/MLA, d_model 384, dense FFNs, 1536 steps of 16 x 2048 tokens, one CUDA graph per step")
+
+_ARM = re.compile(r"^(prenorm|block(\d+)|full)-L(\d+)(?:-lr(.+))?$")
+
+
+def lr_text(lr: float) -> str:
+    """``2e-3`` for 0.002: the learning rate as a sweep arm's name carries it."""
+    mant, exp = f"{lr:.0e}".split("e")
+    return f"{mant}e{int(exp)}"
+
+
+def research_arm(mode: str, n_layers: int, lr: float | None = None, plan_: ResearchPlan = RESEARCH) -> str:
+    """``prenorm-L12-lr2e-3`` (a sweep arm), ``block3-L12`` / ``full-L24`` (main arms, the sweep's lr)."""
+    blocks = plan_.blocks(n_layers) if mode == "block_attnres" else None
+    name = arm_name(mode, n_layers, blocks)
+    return name if lr is None else f"{name}-lr{lr_text(lr)}"
+
+
+def parse_arm(arm: str) -> dict[str, Any]:
+    """``{"residual", "blocks", "n_layers", "lr"}`` from a research arm's name (lr None for a main arm)."""
+    m = _ARM.match(arm)
+    if not m:
+        raise ValueError(f"arm={arm!r} is not a study-3 arm: expected prenorm|blockN|full-L<layers>[-lr<lr>]")
+    short, blocks, L, lr = m.groups()
+    mode = {"prenorm": "prenorm", "full": "full_attnres"}.get(short, "block_attnres")
+    L = int(L)
+    return {"residual": mode, "n_layers": L, "lr": float(lr) if lr else None,
+            "blocks": {"prenorm": None, "block_attnres": int(blocks or 0), "full_attnres": 2 * L}[mode]}
+
+
+def _research_overrides(mode: str, n_layers: int, lr: float, plan_: ResearchPlan) -> dict[str, Any]:
+    # prenorm and full ignore num_blocks: they keep the deep depth's block count, so every arm sets the key
+    nb = plan_.blocks(n_layers) if mode == "block_attnres" else plan_.blocks(plan_.depths[-1])
+    return {**_overrides(n_layers, mode, nb), "train.lr": lr}
+
+
+def sweep_arms(plan_: ResearchPlan = RESEARCH) -> dict[str, dict[str, Any]]:
+    """The lr sweep: every mode at every lr of the plan, at the shallow depth (one seed, ``sweep_seed``)."""
+    L = plan_.depths[0]
+    return {research_arm(m, L, lr, plan_): _research_overrides(m, L, lr, plan_) for m in plan_.modes
+            for lr in plan_.lrs}
+
+
+def main_arms(best: Mapping[str, float], plan_: ResearchPlan = RESEARCH) -> tuple[dict, dict]:
+    """``(shallow, deep)`` arms, each mode at its sweep winner ``best[mode]``. The shallow arms train the seeds
+    other than ``sweep_seed`` (that seed is the sweep's own run at the winning lr, the same config)."""
+    missing = [m for m in plan_.modes if m not in best]
+    if missing:
+        raise ValueError(f"best has no learning rate for {missing}: expected one per mode of {plan_.modes}")
+    lo, hi = plan_.depths
+    return ({research_arm(m, lo, None, plan_): _research_overrides(m, lo, best[m], plan_) for m in plan_.modes},
+            {research_arm(m, hi, None, plan_): _research_overrides(m, hi, best[m], plan_) for m in plan_.modes})
+
+
+def research_factor(best: Mapping[str, float] | None = None, plan_: ResearchPlan = RESEARCH) -> dict[str, dict]:
+    """``{config key: {arm: value}}`` over the sweep and (with ``best``) the main arms; raises if any arm differs
+    in anything but depth, residual mode, block count and learning rate."""
+    arms_ = dict(sweep_arms(plan_))
+    if best is not None:
+        shallow, deep = main_arms(best, plan_)
+        # the shallow main arms resolve to the sweep winners' configs by design (the same run at another seed):
+        # they are checked against the deep arms, the sweep against the deep arms
+        common.check_arms_differ_only(plan_.base, {**shallow, **deep}, plan_.common)
+        arms_.update(deep)
+    return common.check_arms_differ_only(plan_.base, arms_, plan_.common)
+
+
+def pick_lr(sweep: Mapping[str, Mapping[float, float]]) -> dict[str, dict[str, Any]]:
+    """The lr-carry rule: per mode the swept lr with the lowest final validation loss.
+
+    sweep: ``{mode: {lr: val_loss}}``. Returns ``{mode: {"lr", "val_loss", "at_edge", "losses"}}``; ``at_edge``:
+    the winner is the smallest or largest lr swept (the optimum may lie outside the sweep). A mode whose
+    sweep has a missing (None / NaN) loss raises: the choice would be made on part of the sweep.
+    """
+    out = {}
+    for mode, losses in sweep.items():
+        bad = [lr for lr, v in losses.items() if v is None or not math.isfinite(v)]
+        if bad or not losses:
+            raise ValueError(f"{mode}: sweep losses {dict(losses)} have no finite value at lr {bad}: every lr of the "
+                             "sweep needs its run before the winner is chosen")
+        lr = min(losses, key=lambda k: (losses[k], k))
+        out[mode] = {"lr": lr, "val_loss": losses[lr], "at_edge": lr in (min(losses), max(losses)) and len(losses) > 1,
+                     "losses": dict(sorted(losses.items()))}
+    return out
+
+
+def sweep_table(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[float, float]]:
+    """``{mode: {lr: val_loss}}`` from the sweep rows (``role == "sweep"``)."""
+    out: dict[str, dict[float, float]] = {}
+    for r in rows:
+        if r["role"] == "sweep":
+            out.setdefault(r["residual"], {})[float(r["lr"])] = r["val_loss"]
+    return out
+
+
+def research_diagnostics(model: torch.nn.Module, cfg: Any, batches: int = 1) -> dict[str, Any]:
+    """run_grid's ``evaluate`` of the research tier: :func:`layer_diagnostics` of the trained model on ``batches``
+    validation windows, inside the training process (a split call's checkpoints stay on its machine).
+
+    Returns ``{"hidden_rms", "output_rms", "grad_norm"}`` (means, lists), ``depth_weights`` (the
+    :func:`weight_matrix` as lists, NaN as None; [] for prenorm) or ``{"error": text}``: a diagnostic that fails
+    must not cost the run its record.
+    """
+    from moelab.data import TextDataModule
+
+    try:
+        device = next(model.parameters()).device
+        dm = TextDataModule(cfg.data, cfg.train.batch_size, cfg.seed, cfg.train.max_steps, batches)
+        dm.setup("validate")
+        found = []
+        with torch.enable_grad():
+            for i, batch in enumerate(dm.val_dataloader()):
+                if i >= batches:
+                    break
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                    found.append(layer_diagnostics(model, batch["input_ids"].to(device), batch["targets"].to(device)))
+        mean = {k: torch.stack([f[k] for f in found]).mean(0).tolist() for k in ("hidden_rms", "output_rms",
+                                                                                 "grad_norm")}
+        w = torch.stack([weight_matrix(f["depth_weights"]) for f in found]).mean(0) if found[0]["depth_weights"] \
+            else torch.empty(0, 0)
+        return {**mean, "depth_weights": [[None if math.isnan(v) else v for v in row] for row in w.tolist()]}
+    except Exception as e:  # noqa: BLE001 (any failure: keep the trained run's record)
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _research_records(grid: common.Grid) -> dict[str, dict[str, Any]]:
+    return {f"{r.arm}:{r.seed}": r for r in grid.records}
+
+
+def train_research(out_dir: str | Path, plan_: ResearchPlan = RESEARCH, **grid_kwargs: Any) -> tuple[common.Grid, dict]:
+    """Train the research tier: the sweep, then (once every sweep run has its record) the shallow seeds and the deep
+    grid at each mode's winning lr. Returns ``(grid, picked)``: every record and :func:`pick_lr`'s choice.
+
+    A split call whose sweep is still incomplete stops with :class:`moelab.studies.common.GridIncomplete` before any
+    run that needs the sweep's winner (the harness stops there itself when the call's own runs are done).
+    ``grid_kwargs`` go to every :func:`moelab.studies.common.run_grid` call (tests pass ``split``, ``records_dir``).
+    """
+    kw = {"common": dict(plan_.common), "evaluate": research_diagnostics, "checkpoints": "final", **grid_kwargs}
+    sweep = common.run_grid(STUDY, plan_.base, sweep_arms(plan_), (plan_.sweep_seed,), out_dir, **kw)
+    if not sweep.complete:
+        have = {r.arm for r in sweep.records}
+        todo = sorted(f"{a}:{plan_.sweep_seed}" for a in sweep_arms(plan_) if a not in have)
+        raise common.GridIncomplete(f"the lr sweep is incomplete ({', '.join(todo)} still to train): the runs that "
+                                    "use its winner cannot be configured yet", missing=todo)
+    rows = research_rows(sweep, plan_)
+    picked = pick_lr(sweep_table(rows))
+    shallow, deep = main_arms({m: v["lr"] for m, v in picked.items()}, plan_)
+    seeds = tuple(s for s in plan_.seeds if s != plan_.sweep_seed)
+    grids = [sweep]
+    if seeds:
+        grids.append(common.run_grid(STUDY, plan_.base, shallow, seeds, out_dir, **kw))
+    grids.append(common.run_grid(STUDY, plan_.base, deep, plan_.seeds, out_dir, **kw))
+    factor = research_factor({m: v["lr"] for m, v in picked.items()}, plan_)
+    return common.Grid(study=STUDY, base=plan_.base, records=[r for g in grids for r in g.records], factor=factor,
+                       corpus_tokens=max(g.corpus_tokens for g in grids),
+                       complete=all(g.complete for g in grids)), picked
+
+
+RESEARCH_KEYS = ("arm", "role", "residual", "blocks", "n_layers", "lr", "seed", "params", "tokens", "epochs",
+                 "val_loss", "tok_per_s", "peak_mem_gb", "gpu_minutes")
+
+
+def research_rows(grid: common.Grid, plan_: ResearchPlan = RESEARCH) -> list[dict[str, Any]]:
+    """One row per run: :data:`RESEARCH_KEYS`. role: ``sweep`` (every sweep run) or ``main``; the sweep's run at
+    each mode's winning lr is also a ``main`` row of the shallow depth (the seed the shallow arms do not train).
+    """
+    rows = []
+    for r in grid.records:
+        info = parse_arm(r.arm)
+        s = r.summary
+        base = {"arm": r.arm, **info, "seed": r.seed, "params": s.get("params_total"), "tokens": r.tokens,
+                "epochs": r.epochs, "val_loss": s.get("final_val_loss"), "tok_per_s": s.get("tok_per_s"),
+                "peak_mem_gb": s.get("peak_mem_gb"), "gpu_minutes": r.timing.get("gpu_minutes")}
+        rows.append({**base, "role": "sweep" if info["lr"] is not None else "main"})
+    sweep = sweep_table(rows)
+    if not sweep or any(len(v) < len(plan_.lrs) for v in sweep.values()):
+        return [{k: row.get(k) for k in RESEARCH_KEYS} for row in rows]
+    picked = pick_lr(sweep)
+    for row in [r for r in rows if r["role"] == "sweep"]:
+        if row["lr"] == picked[row["residual"]]["lr"] and row["seed"] == plan_.sweep_seed:
+            rows.append({**row, "role": "main", "arm": research_arm(row["residual"], row["n_layers"], None, plan_)})
+    main_lr = {m: v["lr"] for m, v in picked.items()}
+    for row in rows:
+        if row["role"] == "main" and row["lr"] is None:
+            row["lr"] = main_lr[row["residual"]]
+    return [{k: row.get(k) for k in RESEARCH_KEYS} for row in rows]
+
+
+def research_rows_from_table(df: Any) -> list[dict[str, Any]]:
+    """``results/runs.csv`` of the research tier read back as :func:`research_rows` gives them."""
+    def clean(v: Any) -> Any:
+        return None if isinstance(v, float) and math.isnan(v) else v
+    out = []
+    for r in df.to_dict("records"):
+        r = {k: clean(v) for k, v in r.items()}
+        r["blocks"] = None if r["blocks"] is None else int(r["blocks"])
+        r["n_layers"], r["seed"] = int(r["n_layers"]), int(r["seed"])
+        out.append(r)
+    return out
+
+
+def _main(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [r for r in rows if r["role"] == "main"]
+
+
+def _mode_blocks(mode: str, n_layers: int, plan_: ResearchPlan) -> int | None:
+    return {"prenorm": None, "block_attnres": plan_.blocks(n_layers), "full_attnres": 2 * n_layers}[mode]
+
+
+def depth_gains(rows: Sequence[Mapping[str, Any]], plan_: ResearchPlan = RESEARCH) -> dict[str, dict[int, float]]:
+    """Per mode, ``{seed: val_loss(deep) - val_loss(shallow)}`` (the depth gain; below 0: depth pays), seed by seed."""
+    lo, hi = plan_.depths
+    main = _main(rows)
+    out = {}
+    for m in plan_.modes:
+        a = seed_values(main, m, _mode_blocks(m, hi, plan_), hi)
+        b = seed_values(main, m, _mode_blocks(m, lo, plan_), lo)
+        out[m] = {s: a[s] - b[s] for s in sorted(set(a) & set(b))}
+    return out
+
+
+def research_verdicts(rows: Sequence[Mapping[str, Any]], plan_: ResearchPlan = RESEARCH) -> dict[str, Any]:
+    """The computed answers of the research tier, for ``summary.json``.
+
+    ``depth_gain``: per mode, the paired t interval of deep minus shallow; ``interaction``: per AttnRes mode,
+    its depth gain minus PreNorm's, seed by seed (below 0: depth pays more with the mode); ``full_minus_block``:
+    per depth; ``precondition``: ``{"depth_pays_under", "tokens_per_run", "past_early_phase", "reason"}``
+    (reason None when the interaction is tested); ``overhead``: per depth and AttnRes mode, tokens/s and peak
+    memory over PreNorm's (means over seeds) with the per-seed tokens/s ratio's interval.
+    """
+    gains = depth_gains(rows, plan_)
+    depth_gain = {m: paired_diff(g, {s: 0.0 for s in g}) for m, g in gains.items()}
+    pays = [m for m, d in depth_gain.items() if d["verdict"] == "lower"]
+    tokens = sorted({int(r["tokens"]) for r in _main(rows) if r["tokens"]})
+    past = bool(tokens) and min(tokens) >= plan_.min_tokens
+    reasons = []
+    if not past:
+        reasons.append(f"runs saw {min(tokens) if tokens else 0:,} tokens, below the {plan_.min_tokens:,} the design "
+                       "needs to be past the early phase")
+    if not pays:
+        reasons.append("depth does not pay under any mode: " + ", ".join(
+            f"{m} {d['mean']:+.3f}" if d["mean"] is not None else f"{m} n/a" for m, d in depth_gain.items())
+            + " nats (deep minus shallow)")
+    interaction = {m: paired_diff(gains[m], gains["prenorm"]) for m in plan_.modes if m != "prenorm"}
+    main = _main(rows)
+    full_block = {}
+    for L in plan_.depths:
+        if "full_attnres" in plan_.modes and "block_attnres" in plan_.modes:
+            full_block[str(L)] = paired_diff(seed_values(main, "full_attnres", 2 * L, L),
+                                             seed_values(main, "block_attnres", plan_.blocks(L), L))
+    return {"depth_gain": depth_gain, "interaction": interaction, "full_minus_block": full_block,
+            "precondition": {"depth_pays_under": pays, "tokens_per_run": tokens, "past_early_phase": past,
+                             "reason": "; ".join(reasons) or None},
+            "overhead": research_overhead(rows, plan_)}
+
+
+def research_overhead(rows: Sequence[Mapping[str, Any]], plan_: ResearchPlan = RESEARCH) -> dict[str, Any]:
+    """``{n_layers: {mode: {"tok_per_s_ratio", "peak_mem_ratio", "tok_per_s_interval"}}}`` from the runs' own
+    records (main rows): each AttnRes mode's tokens/s and peak memory over PreNorm's at the same depth; the
+    interval is the paired t interval of the per-seed ratio (None with fewer than 2 seeds)."""
+    main = _main(rows)
+    out: dict[str, Any] = {}
+    for L in plan_.depths:
+        def vals(mode: str, key: str) -> dict[int, float]:
+            b = _mode_blocks(mode, L, plan_)
+            return {r["seed"]: float(r[key]) for r in main if r["residual"] == mode and r["n_layers"] == L
+                    and r["blocks"] == b and r.get(key) is not None}
+        pre_t, pre_m = vals("prenorm", "tok_per_s"), vals("prenorm", "peak_mem_gb")
+        for m in plan_.modes:
+            if m == "prenorm":
+                continue
+            t, mem = vals(m, "tok_per_s"), vals(m, "peak_mem_gb")
+            ratios = [t[s] / pre_t[s] for s in sorted(set(t) & set(pre_t)) if pre_t[s]]
+            iv = report.mean_interval(ratios) if ratios else None
+            out.setdefault(str(L), {})[SHORT[m]] = {
+                "tok_per_s_ratio": _ratio(_avg(t.values()), _avg(pre_t.values())),
+                "peak_mem_ratio": _ratio(_avg(mem.values()), _avg(pre_m.values())),
+                "tok_per_s_interval": iv.to_dict() if iv is not None and iv.known else None}
+    return out
+
+
+def _avg(values: Any) -> float | None:
+    v = list(values)
+    return sum(v) / len(v) if v else None
+
+
+def benchmark_overhead(path: str | Path) -> dict[str, Any]:
+    """The committed benchmark's AttnRes rows (``kernels/results/model_h200.json``: gpu-small, 12 layers, d_model
+    512, MoE, eager, 8 x 4096 tokens): ``{mode: {"tok_per_s_ratio", "peak_mem_ratio"}}`` over its prenorm row,
+    with the setting they were measured in; {} when the file or its rows are missing."""
+    import json
+
+    try:
+        rows = json.loads(Path(path).read_text())["rows"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    by = {r.get("impl"): r for r in rows}
+    pre = by.get("moelab_gpu_small_prenorm")
+    if not pre:
+        return {}
+    out = {}
+    for impl, r in by.items():
+        if impl and impl.startswith("moelab_gpu_small_") and impl != "moelab_gpu_small_prenorm" and "residual" in str(r):
+            out[impl.removeprefix("moelab_gpu_small_")] = {
+                "tok_per_s_ratio": _ratio(r.get("tok_per_s"), pre.get("tok_per_s")),
+                "peak_mem_ratio": _ratio(r.get("peak_mem_gb"), pre.get("peak_mem_gb")),
+                "setting": f"{r.get('preset')}, B {r.get('B')} x T {r.get('T')}, eager, commit {r.get('commit')}"}
+    return out
+
+
+def research_report(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
+                    plan_: ResearchPlan = RESEARCH) -> report.Report:
+    """The research tier's findings as rules, the question first: does depth pay more with Block AttnRes than
+    under PreNorm (the interaction, "not tested" when the precondition fails), the depth gain per mode, Full minus
+    Block at the deep depth, Block's cost in tokens/s at the deep depth."""
+    import pandas as pd
+
+    lo, hi = plan_.depths
+    v = research_verdicts(rows, plan_)
+    pre = v["precondition"]
+    gains = depth_gains(rows, plan_)
+    nb = plan_.blocks(hi)
+    found = [report.compare(f"Does extra depth ({lo} -> {hi} layers) pay more with Block AttnRes ({plan_.layers_per_block}"
+                            " layers per block) than under PreNorm (depth gain of Block minus PreNorm's)",
+                            gains["block_attnres"], gains["prenorm"], unit="nats", precondition=pre["reason"])]
+    for m in ("prenorm", "block_attnres"):
+        d = v["depth_gain"][m]
+        answer = {"lower": "depth pays", "higher": "the deeper model ends higher", "within noise": "",
+                  "one seed": ""}[d["verdict"]]
+        found.append(report.measured(f"Depth gain under {m} (val loss at {hi} minus {lo} layers)",
+                                     list(gains[m].values()), answer=answer, unit="nats", signed=True))
+    main = _main(rows)
+    if "full_attnres" in plan_.modes:
+        found.append(report.compare(f"Is Block AttnRes (N={nb}) close to Full at {hi} layers (Full minus Block)",
+                                    seed_values(main, "full_attnres", 2 * hi, hi),
+                                    seed_values(main, "block_attnres", nb, hi), unit="nats"))
+    over = v["overhead"].get(str(hi), {}).get("block", {})
+    iv = over.get("tok_per_s_interval")
+    q = f"Block AttnRes's training speed at {hi} layers (tokens/s over PreNorm's, this study's runs)"
+    found.append(report.measured(q, report.Interval(iv["mean"], iv["low"], iv["high"], iv["n"], "t")
+                                 if iv else None, unit="times", digits=3))
+    table = {}
+    for L in plan_.depths:
+        cells = {}
+        for m in plan_.modes:
+            x = seed_values(main, m, _mode_blocks(m, L, plan_), L)
+            cells[SHORT[m]] = report.cell(report.mean_interval(list(x.values())), 4, signed=False) if x else "n/a"
+        table[f"{L} layers"] = cells
+    table["depth gain (deep - shallow)"] = {SHORT[m]: report.cell(report.mean_interval(list(gains[m].values())), 4)
+                                            if gains[m] else "n/a" for m in plan_.modes}
+    table = pd.DataFrame(table).T
+    table.index.name = "val loss (nats/token)"
+    picked = pick_lr(sweep_table(rows)) if sweep_table(rows) else {}
+    details = [f"Learning rate per mode, picked by the lowest final validation loss of the sweep at {lo} layers "
+               f"(seed {plan_.sweep_seed}, one run per lr): " + "; ".join(
+                   f"{m} {lr_text(p['lr'])}" + (" (at the edge of the sweep: the optimum may lie beyond it)"
+                                                if p["at_edge"] else "") for m, p in picked.items()) + "."]
+    for m, d in v["interaction"].items():
+        if d["n"]:
+            details.append(f"Interaction {m}: depth gain minus PreNorm's {d['mean']:+.4f} nats"
+                           + (f" [{d['low']:+.4f}, {d['high']:+.4f}]" if d["low"] is not None else "") + ".")
+    for L, d in v["full_minus_block"].items():
+        if d["n"]:
+            details.append(f"Full minus Block at {L} layers: {d['mean']:+.4f} nats"
+                           + (f" [{d['low']:+.4f}, {d['high']:+.4f}]" if d["low"] is not None else "") + ".")
+    for L, modes in v["overhead"].items():
+        details.append(f"Overhead at {L} layers over PreNorm (this study's runs, train.compile="
+                       f"{plan_.common.get('train.compile', 'none')}): " + ", ".join(
+                           f"{m} tokens/s {o['tok_per_s_ratio']:.3f}x, peak memory {o['peak_mem_ratio']:.3f}x"
+                           if o["tok_per_s_ratio"] and o["peak_mem_ratio"] else f"{m} not recorded"
+                           for m, o in modes.items()) + ".")
+    bench = summary.get("benchmark_overhead") or {}
+    if bench:
+        details.append("The committed benchmark (kernels/results/model_h200.json) measured at another setting: " + ", ".join(
+            f"{k} tokens/s {b['tok_per_s_ratio']:.3f}x, memory {b['peak_mem_ratio']:.3f}x ({b['setting']})"
+            for k, b in bench.items() if b["tok_per_s_ratio"] and b["peak_mem_ratio"]) +
+            "; it differs from this study's rows because it ran eagerly (host-bound: AttnRes's extra launches cost "
+            "host time there, GPU time here under one CUDA graph), at 12 layers, width 512 with MoE FFNs, 8 x 4096 "
+            "tokens; Full AttnRes's extra grows with depth (every read sums all earlier sublayer outputs).")
+    tokens = pre["tokens_per_run"]
+    epochs = sorted({round(r["epochs"], 3) for r in main if r.get("epochs")})
+    if tokens:
+        details.append(f"Budget: {', '.join(f'{t:,}' for t in tokens)} tokens per run (" + ", ".join(
+            f"{e:.3g}" for e in epochs) + " epochs of the training split), the same at both depths; precondition "
+            + ("met" if pre["reason"] is None else f"failed: {pre['reason']}") + ".")
+    return report.Report(found, table, details)
+
+
+def research_summary(grid: common.Grid | None, rows: Sequence[Mapping[str, Any]], benchmark: Mapping[str, Any],
+                     plan_: ResearchPlan = RESEARCH, meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``summary.json`` of the research tier: meta, the factor, the plan, the rows, the sweep's choice, the
+    verdicts and the benchmark's overhead rows beside the study's own."""
+    sweep = sweep_table(rows)
+    return {
+        "meta": dict(meta) if meta is not None else common.study_meta(
+            STUDY, "research", grid, plan=plan_.notes, depths=list(plan_.depths), seeds=list(plan_.seeds),
+            lrs=list(plan_.lrs), layers_per_block=plan_.layers_per_block, overhead_meaningful=torch.cuda.is_available(),
+            gpu_minutes=round(sum(r["gpu_minutes"] or 0 for r in rows if r["role"] == "sweep" or
+                                  parse_arm(r["arm"])["lr"] is None), 2)),
+        "factor": {k: dict(v) for k, v in grid.factor.items()} if grid is not None else {},
+        "budget": {"rule": "same tokens per run at both depths, same width; the modes differ at one depth only in "
+                           "the AttnRes pseudo-queries and key norms; each mode at its own best swept lr",
+                   "tokens_per_run": sorted({r["tokens"] for r in rows}),
+                   "max_param_excess_at_a_depth": _param_excess(_main(rows))},
+        "rows": [dict(r) for r in rows],
+        "lr_sweep": {m: {"lr": p["lr"], "at_edge": p["at_edge"], "losses": {lr_text(k): x for k, x in p["losses"].items()}}
+                     for m, p in (pick_lr(sweep).items() if sweep else ())},
+        **research_verdicts(rows, plan_),
+        "benchmark_overhead": dict(benchmark),
+    }
+
+
+def research_curves_figure(histories: Any, rows: Sequence[Mapping[str, Any]], plan_: ResearchPlan = RESEARCH) -> Any:
+    """Validation loss against tokens, one panel per depth, one colour per mode (mean over the main seeds, the
+    seeds' range as a band)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2), dpi=100)
+    axes = fig.subplots(1, len(plan_.depths), sharey=True)
+    tokens_per_step = int(plan_.common["train.batch_size"]) * int(plan_.common["data.seq_len"])
+    main = {(r["arm"], r["seed"]) for r in _main(rows)}
+    sweep_main = {(r["arm"], r["seed"]): research_arm(r["residual"], r["n_layers"], None, plan_) for r in rows
+                  if r["role"] == "sweep" and (research_arm(r["residual"], r["n_layers"], None, plan_), r["seed"]) in main
+                  and any(m["lr"] == r["lr"] and m["residual"] == r["residual"] and m["seed"] == r["seed"]
+                          and m["n_layers"] == r["n_layers"] for m in _main(rows))}
+    h = histories.dropna(subset=["val/loss"]).copy()
+    h["arm"] = [sweep_main.get((a, s), a) for a, s in zip(h["arm"], h["seed"])]
+    h = h[[(a, s) in main for a, s in zip(h["arm"], h["seed"])]]
+    for ax, L in zip(axes, plan_.depths):
+        for m in plan_.modes:
+            arm = research_arm(m, L, None, plan_)
+            d = h[h.arm == arm].groupby("step")["val/loss"].agg(["mean", "min", "max"])
+            if d.empty:
+                continue
+            x = d.index.to_numpy() * tokens_per_step / 1e6
+            ax.plot(x, d["mean"], "-o", ms=3, color=COLORS[m], label=mode_label(m, _mode_blocks(m, L, plan_)))
+            ax.fill_between(x, d["min"], d["max"], color=COLORS[m], alpha=0.2)
+        ax.set_title(f"{L} layers")
+        ax.set_xlabel("training tokens (M)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("validation loss (nats/token)")
+    fig.tight_layout()
+    return fig
+
+
+def depth_gain_figure(summary: Mapping[str, Any], plan_: ResearchPlan = RESEARCH) -> Any:
+    """Left: depth gain (deep minus shallow val loss) per mode with its 95% t interval; right: each AttnRes mode's
+    gain minus PreNorm's (the interaction) with its interval."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.0), dpi=100)
+    ax, ax2 = fig.subplots(1, 2)
+    for i, (m, d) in enumerate(summary["depth_gain"].items()):
+        if d["mean"] is None:
+            continue
+        err = 0 if d["low"] is None else [[d["mean"] - d["low"]], [d["high"] - d["mean"]]]
+        ax.errorbar([i], [d["mean"]], yerr=err, fmt="o", capsize=4, color=COLORS[m])
+        ax.plot([i] * len(d["values"]), d["values"], ".", color=COLORS[m], alpha=0.5)
+    ax.set_xticks(range(len(summary["depth_gain"])), list(summary["depth_gain"]))
+    lo, hi = plan_.depths
+    ax.set_ylabel(f"val loss at {hi} minus {lo} layers (nats; < 0: depth pays)")
+    ax.set_title("depth gain per mode (paired by seed, 95% t interval)")
+    for i, (m, d) in enumerate(summary["interaction"].items()):
+        if d["mean"] is None:
+            continue
+        err = 0 if d["low"] is None else [[d["mean"] - d["low"]], [d["high"] - d["mean"]]]
+        ax2.errorbar([i], [d["mean"]], yerr=err, fmt="o", capsize=4, color=COLORS[m])
+        ax2.plot([i] * len(d["values"]), d["values"], ".", color=COLORS[m], alpha=0.5)
+    ax2.set_xticks(range(len(summary["interaction"])), list(summary["interaction"]))
+    ax2.set_ylabel("depth gain minus PreNorm's (nats; < 0: depth pays more)")
+    ax2.set_title("interaction (paired by seed, 95% t interval)")
+    for a in (ax, ax2):
+        a.axhline(0, color="k", lw=0.8)
+        a.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig
+
+
+def lr_sweep_figure(rows: Sequence[Mapping[str, Any]], plan_: ResearchPlan = RESEARCH) -> Any:
+    """Final validation loss against the learning rate per mode at the shallow depth (the sweep, one seed); the
+    picked lr circled."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4.0), dpi=100)
+    ax = fig.subplots()
+    sweep = sweep_table(rows)
+    picked = pick_lr(sweep) if sweep and all(len(v) == len(plan_.lrs) for v in sweep.values()) else {}
+    for m, losses in sweep.items():
+        xs = sorted(losses)
+        ax.plot(xs, [losses[x] for x in xs], "-o", color=COLORS[m], label=m)
+        if m in picked:
+            ax.plot([picked[m]["lr"]], [picked[m]["val_loss"]], "o", ms=12, mfc="none", color=COLORS[m])
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate (peak, AdamW)")
+    ax.set_ylabel("final validation loss (nats/token)")
+    ax.set_title(f"lr sweep at {plan_.depths[0]} layers (seed {plan_.sweep_seed}; circled: carried on)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def research_diag_rows(grid: common.Grid, plan_: ResearchPlan = RESEARCH) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """The diagnostics that :func:`research_diagnostics` left in the main runs' records (seed ``sweep_seed``), as
+    :func:`collect_diagnostics` returns them: ``(rows, {arm: weight_matrix})``; runs whose diagnostics failed are
+    left out."""
+    rows: list[dict[str, Any]] = []
+    weights: dict[str, torch.Tensor] = {}
+    picked = {}
+    sweep_rows = research_rows(grid, plan_)
+    if sweep_table(sweep_rows):
+        picked = {m: p["lr"] for m, p in pick_lr(sweep_table(sweep_rows)).items()}
+    for rec in grid.records:
+        info = parse_arm(rec.arm)
+        if rec.seed != plan_.sweep_seed or not rec.evals or "error" in rec.evals:
+            continue
+        if info["lr"] is not None and picked.get(info["residual"]) != info["lr"]:
+            continue
+        arm = research_arm(info["residual"], info["n_layers"], None, plan_)
+        e = rec.evals
+        for sub in range(2 * info["n_layers"] + 1):
+            last = sub == 2 * info["n_layers"]
+            rows.append({"residual": info["residual"], "blocks": info["blocks"], "n_layers": info["n_layers"],
+                         "arm": arm, "seed": rec.seed, "sublayer": sub, "hidden_rms": float(e["hidden_rms"][sub]),
+                         "output_rms": None if last else float(e["output_rms"][sub]),
+                         "grad_norm": None if last else float(e["grad_norm"][sub])})
+        if e.get("depth_weights"):
+            weights[arm] = torch.tensor([[math.nan if x is None else x for x in r] for r in e["depth_weights"]])
+    return rows, weights
