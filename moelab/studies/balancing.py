@@ -1140,3 +1140,80 @@ def research_report(rows: Any) -> report.Report:
                f"from zero bias; 'reached' = MaxVio_batch within {REACH:g}x the floor for {HOLD} steps in a row. "
                f"GPU minutes in all: {rows.gpu_minutes.sum():.1f}."]
     return report.Report([*found, *vs, *cost], table, details)
+
+
+def switch_figure(grids: Mapping[str, common.Grid], rows: Any, window: int = 300) -> Any:
+    """MaxVio_batch for ``window`` steps after the switch, one panel per layout, seed mean per balancer
+    (shaded over seeds), with the layout's frozen QB floor (dotted) and ``REACH`` x it (dashed)."""
+    import pandas as pd
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.0 * len(grids), 4.2), dpi=100)
+    axes = fig.subplots(1, len(grids), squeeze=False)[0]
+    colors = _colors(list(RESEARCH_BALANCERS))
+    for ax, (layout, grid) in zip(axes, grids.items()):
+        df = pd.DataFrame([{"b": r.arm.rsplit("-", 1)[0], "seed": r.seed, "step": h["step"] - WARM_STEPS,
+                            "v": h.get("balance/maxvio_batch", math.nan)} for r in grid.records for h in r.history
+                           if -window // 3 <= h["step"] - WARM_STEPS <= window])
+        for b in dict.fromkeys(df.b):
+            g = df[df.b == b].groupby("step").v
+            ax.plot(g.mean().index, g.mean().values, color=colors.get(b), lw=1.3, label=b)
+            ax.fill_between(g.min().index, g.min().values, g.max().values, color=colors.get(b), alpha=0.15, lw=0)
+        floor = rows[(rows.layout == layout) & (rows.balancer == "qb")].floor.mean()
+        if math.isfinite(floor):
+            ax.axhline(floor, color="k", ls=":", lw=0.8, label=f"frozen QB floor {floor:.2g}")
+            ax.axhline(REACH * floor, color="k", ls="--", lw=0.8, label=f"{REACH:g}x floor")
+        ax.axvline(0, color="grey", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_title(layout, fontsize=9)
+        ax.set_xlabel("optimizer step after the balancer switches on")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("MaxVio_batch (mean over MoE layers)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def steady_figure(rows: Any, layout: str = "8x2048") -> Any:
+    """MaxVio_global at the end of the steady state per balancer: seed mean with its 95% t interval, seeds as dots."""
+    from matplotlib.figure import Figure
+
+    sel = rows[rows.layout == layout]
+    fig = Figure(figsize=(6.0, 3.8), dpi=100)
+    ax = fig.subplots()
+    colors = _colors(list(RESEARCH_BALANCERS))
+    for i, b in enumerate(dict.fromkeys(sel.balancer)):
+        v = [float(x) for x in sel[sel.balancer == b].maxvio_global if x is not None and x == x]
+        if not v:
+            continue
+        iv = report.mean_interval(v)
+        err = [[iv.mean - iv.low], [iv.high - iv.mean]] if math.isfinite(iv.low) else None
+        ax.errorbar([i], [iv.mean], yerr=err, fmt="o", color=colors.get(b), capsize=4)
+        ax.plot([i] * len(v), v, ".", color=colors.get(b), alpha=0.5)
+    ax.set_xticks(range(len(dict.fromkeys(sel.balancer))), list(dict.fromkeys(sel.balancer)), fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel(f"MaxVio_global after {STEADY_STEPS} steps ({layout})")
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    return fig
+
+
+def research_bias_figure(grids: Mapping[str, common.Grid], layout: str = "8x2048", seed: int = 0) -> Any:
+    """The re-centred bias of the last MoE layer's experts per step (from the runs' evals), one panel per bias
+    balancer (histogram QB included), seed ``seed``."""
+    from matplotlib.figure import Figure
+
+    recs = [r for r in grids[layout].records if r.seed == seed and r.evals
+            and RESEARCH_BALANCERS[r.arm.rsplit("-", 1)[0]]["model.moe.balancer"] in BIAS_BALANCERS]
+    fig = Figure(figsize=(3.4 * max(1, len(recs)), 3.3), dpi=100)
+    axes = fig.subplots(1, max(1, len(recs)), squeeze=False)[0]
+    for ax, r in zip(axes, recs):
+        bias = r.evals["bias"][:, -1].double()
+        ax.plot(r.evals["step"].numpy(), (bias - bias.mean(-1, keepdim=True)).numpy(), lw=0.5, alpha=0.6)
+        ax.axvline(WARM_STEPS, color="grey", lw=0.8)
+        ax.set_title(f"{r.arm} ({r.evals['layers'][-1]})", fontsize=9)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("bias - mean bias")
+    fig.tight_layout()
+    return fig

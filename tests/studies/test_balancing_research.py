@@ -78,3 +78,28 @@ def test_research_verdicts_not_tested_when_a_precondition_fails() -> None:
     moving = {f.question: f for f in study.research_report(_rows([3.0, 4.0, 5.0], change=0.4)).findings}
     assert next(f for q, f in moving.items() if q.startswith("Has the router")).answer.startswith("no")
     assert all(f.status == "not tested" and "collapse" in f.reason for q, f in moving.items() if "(qb)" in q)
+
+
+def test_research_figures_draw_from_records() -> None:
+    from moelab.studies.common import Grid, RunRecord
+
+    grids = {}
+    for layout in study.LAYOUTS:
+        recs = []
+        for b in study.LAYOUTS[layout][3]:
+            for seed in range(2):
+                hist = [{"step": s, "balance/maxvio_batch": 6.0 / s + 0.2} for s in range(1, study.WARM_STEPS + 50)]
+                step = torch.arange(1, study.WARM_STEPS + 50)
+                evals = {"layers": ["L1", "L2"], "step": step, "bias": torch.randn(len(step), 2, 4),
+                         "floor": {"frozen_next": 0.25}}
+                recs.append(RunRecord(arm=study.research_arm(b, layout), seed=seed, summary={}, history=hist,
+                                      val_history=[], tokens=0, epochs=0.0, train_val_gap=None, fingerprint="x",
+                                      evals=evals, timing={"gpu_minutes": 1.0}))
+        grids[layout] = Grid(study=study.STUDY, base="gpu-small", records=recs)
+    rows = study.research_rows(grids)
+    assert set(rows.floor) == {0.25} and len(rows) == 2 * sum(len(v[3]) for v in study.LAYOUTS.values())
+    # 6/s + 0.2 after the switch (s > 400) is ~0.215 < 1.1 x 0.25 from the first step on
+    assert set(rows.steps_to_floor) == {1}
+    assert len(study.switch_figure(grids, rows).axes) == len(study.LAYOUTS)
+    assert len(study.research_bias_figure(grids).axes) == 3  # loss_free_sign, qb, qb_hist
+    study.steady_figure(rows.assign(maxvio_global=0.1))
