@@ -770,7 +770,8 @@ def fast_forgetting(bounds: Mapping[str, float | None], steps: int = 200, seeds:
         One row per (arm, seed): ``final_loss`` (mean of the last 10 steps), ``g_fast_min`` /
         ``g_fast_mean`` (learned decays of the fast channels), ``g_slow_mean``,
         ``frac_fast_near_bound`` (share of fast channels within 5% of the arm's bound;
-        ``REFERENCE_BOUND`` for softplus) and ``target_fast``.
+        ``REFERENCE_BOUND`` for softplus), ``target_fast``, and :func:`plateau` of the loss curve
+        (``last20_change``: relative change over the last 20% of the steps; ``last20_converged``: under 1%).
     """
     from moelab.ops.kda import kda, naive_kda_gate
 
@@ -825,7 +826,8 @@ def fast_forgetting(bounds: Mapping[str, float | None], steps: int = 200, seeds:
                          "final_loss": curve[-10:, i, j].mean().item(), "first_loss": curve[0, i, j].item(),
                          "g_fast_min": fast_g.min().item(), "g_fast_mean": fast_g.mean().item(),
                          "g_slow_mean": g[i, j][~half].mean().item(),
-                         "frac_fast_near_bound": (fast_g <= 0.95 * bound).float().mean().item()})
+                         "frac_fast_near_bound": (fast_g <= 0.95 * bound).float().mean().item(),
+                         **{f"last20_{k}": v for k, v in plateau(curve[:, i, j].tolist()).items()}})
     return rows
 
 
@@ -1218,6 +1220,65 @@ def bound_binds(decay: Any) -> dict[str, Any]:
         f"the bound never binds: no trained channel came within {NEAR:.0%} of its bound (most negative g "
         f"{deepest.g_min:.2f}, tightest bound {tightest:g})")
     return {"binds": binds, "share": float(share.max()), "per_model": per_model, "reason": reason}
+
+
+def binds_by_arm(decay: Any, reference: str = "softplus") -> dict[str, dict[str, Any]]:
+    """Per bounded arm: does its trained decay reach its bound (the research tier's precondition, bound by bound)?
+
+    ``decay``: :func:`gate_decay_rows`'s table (arm, seed, layer, ``frac_channels_near_bound``, ``g_min``,
+    ``bound``). Returns ``{arm: {"bound", "share" (mean over seeds of the largest per-layer share of channels
+    within ``NEAR`` of the bound), "g_min" (per seed), "binds" (share > 0), "reason" (None when it binds)}}``.
+    """
+    per_model = decay.groupby(["arm", "seed"], sort=False).agg(
+        near=("frac_channels_near_bound", "max"), g_min=("g_min", "min"), bound=("bound", "first")).reset_index()
+    out = {}
+    for arm, sel in per_model.groupby("arm", sort=False):
+        if arm == reference:
+            continue
+        share, bound = float(sel.near.mean()), float(sel.bound.iloc[0])
+        out[arm] = {"bound": bound, "share": share, "g_min": dict(zip(sel.seed.tolist(), sel.g_min.tolist())),
+                    "binds": share > 0,
+                    "reason": None if share > 0 else (
+                        f"the bound {bound:g} never binds: no trained channel came within {NEAR:.0%} of it (most "
+                        f"negative g {sel.g_min.min():.2f})")}
+    return out
+
+
+def cost_findings(runs: Any, decay: Any, reference: str = "softplus", metric: str = "best_val_loss"
+                  ) -> list[report.Finding]:
+    """The research tier's dose-response: per bounded arm, its val loss minus ``reference``'s, paired by seed with a
+    95% t interval (``report.compare``), "not tested" where that arm's bound never binds (:func:`binds_by_arm`),
+    tightest bound first."""
+    binds = binds_by_arm(decay, reference)
+    ref = report.by_seed(runs, reference, metric)
+    out = []
+    for arm, b in sorted(binds.items(), key=lambda kv: -kv[1]["bound"]):
+        out.append(report.compare(f"What does the bound {b['bound']:g} cost in val loss ({arm} minus {reference})",
+                                  report.by_seed(runs, arm, metric), ref, unit="nats", precondition=b["reason"]))
+    return out
+
+
+def binds_finding(decay: Any, reference: str = "softplus") -> report.Finding:
+    """The precondition as the first finding: the share of channels at the bound per bounded arm."""
+    binds = binds_by_arm(decay, reference)
+    tight = [a for a, b in binds.items() if b["binds"]]
+    parts = "; ".join(f"{a} {b['share']:.1%} (min g {min(b['g_min'].values()):.2f})" for a, b in
+                      sorted(binds.items(), key=lambda kv: -kv[1]["bound"]))
+    return report.Finding("Does the trained decay reach its bound (share of channels within 5%, mean over seeds)",
+                          "measured", answer=(f"{'binds in ' + ', '.join(tight) if tight else 'never binds'}: "
+                                              f"{parts}"))
+
+
+def plateau(curve: Sequence[float], tail: float = 0.2, tol: float = 0.01) -> dict[str, Any]:
+    """Whether a loss curve has converged: the relative change between the mean of the first and the second half
+    of its last ``tail`` share of steps (``change``), and ``converged`` (``|change| < tol``)."""
+    n = max(2, int(round(len(curve) * tail)))
+    if len(curve) < n:
+        raise ValueError(f"plateau: a curve of {len(curve)} points is too short: expected >= {n}")
+    last = [float(v) for v in curve[-n:]]
+    a, b = sum(last[:n // 2]) / (n // 2), sum(last[n // 2:]) / (n - n // 2)
+    change = (b - a) / a if a else math.inf
+    return {"change": change, "converged": abs(change) < tol}
 
 
 def study_report(summary: Mapping[str, Any], runs: Any, decay: Any, extra_summary: Any, forgetting: Any,

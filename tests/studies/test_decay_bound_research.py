@@ -113,3 +113,47 @@ def test_e2e_speed_writes_paired_rounds_with_provenance(tmp_path, monkeypatch) -
     assert study.main(["speed", "--out", str(out), "--lengths", "32x1", "--rounds", "2", "--window", "1"]) == 0
     assert json.loads(out.read_text())["ratios"][0]["T"] == 32 and study.read_speed(out)["config"]["rounds"] == 2
     assert study.read_speed(tmp_path / "absent.json") is None
+
+
+def _synthetic(shares: dict[str, float], cost: dict[str, float]):
+    """Runs and decay tables of 3 seeds: arm -> share of channels at its bound, arm -> val loss over softplus's."""
+    import pandas as pd
+
+    bounds = {"bounded-0.25": -0.25, "bounded-5": -5.0, "softplus": -5.0}
+    runs, decay = [], []
+    for arm, bound in bounds.items():
+        for seed in range(3):
+            runs.append({"arm": arm, "seed": seed, "best_val_loss": 4.0 + 0.01 * seed + cost.get(arm, 0.0)
+                         + (0.001 * seed if arm != "softplus" else 0.0)})
+            for layer, share in (("l0", shares.get(arm, 0.0)), ("l1", 0.0)):
+                decay.append({"arm": arm, "seed": seed, "layer": layer, "bound": bound,
+                              "frac_channels_near_bound": share, "g_min": bound * (0.99 if share else 0.5)})
+    return pd.DataFrame(runs), pd.DataFrame(decay)
+
+
+def test_cost_is_tested_only_for_the_bounds_that_bind() -> None:
+    runs, decay = _synthetic({"bounded-0.25": 0.4}, {"bounded-0.25": 0.05, "bounded-5": 0.0})
+    binds = study.binds_by_arm(decay)
+    assert set(binds) == {"bounded-0.25", "bounded-5"}  # softplus is the reference
+    assert binds["bounded-0.25"]["binds"] and binds["bounded-0.25"]["share"] == pytest.approx(0.4)
+    assert not binds["bounded-5"]["binds"] and "never binds" in binds["bounded-5"]["reason"]
+    tight, loose = study.cost_findings(runs, decay)  # tightest bound first
+    assert "bound -0.25" in tight.question and tight.status == "worse"
+    assert tight.number.mean == pytest.approx(0.051)  # mean paired difference: 0.05 + 0.001 * (0 + 1 + 2) / 3
+    assert 0 < tight.number.low < 0.051 < tight.number.high
+    assert loose.status == "not tested" and "-5 never binds" in loose.reason
+    assert "binds in bounded-0.25" in study.binds_finding(decay).answer
+
+
+def test_no_bound_binds_makes_every_cost_not_tested() -> None:
+    runs, decay = _synthetic({}, {"bounded-0.25": 0.05})
+    assert all(f.status == "not tested" for f in study.cost_findings(runs, decay))
+    assert study.binds_finding(decay).answer.startswith("never binds")
+
+
+def test_plateau_reads_the_last_fifth_of_the_curve() -> None:
+    flat = [10.0] * 80 + [1.0] * 20
+    assert study.plateau(flat) == {"change": 0.0, "converged": True}
+    falling = [1.0] * 80 + [1.0] * 10 + [0.9] * 10
+    p = study.plateau(falling)
+    assert p["change"] == pytest.approx(-0.1) and not p["converged"]
