@@ -33,7 +33,8 @@
 # notebook trains nothing: it renders the report from the raw results a run committed in `results/`.
 
 # %% tags=["parameters"]
-preset = "cpu"  # "cpu": minutes on 2 cores (all-MLA, width 64); "gpu": gpu-small's hybrid with dense FFNs, one GPU
+preset = "cpu"  # "cpu": minutes on 2 cores (all-MLA, width 64); "gpu": gpu-small's hybrid with dense FFNs, one GPU;
+# "research": 12 vs 24 layers at width 384, lr swept per mode, 3 seeds, 50M tokens per run (split GPU calls)
 out_dir = "."
 from_results = False  # True: render from the committed results/ and summary.json instead of training again
 
@@ -42,8 +43,9 @@ import json
 from pathlib import Path
 
 import pandas as pd
-from IPython.display import Markdown
+from IPython.display import Markdown, display
 
+from moelab.base import repo_root
 from moelab.studies import attnres_depth as study
 from moelab.studies import common, report
 from moelab.utils import write_json
@@ -53,9 +55,15 @@ common.quiet_known_noise()  # log noise filtered at its source, before anything 
 out = Path(out_dir)
 (out / "figures").mkdir(parents=True, exist_ok=True)
 (out / "results").mkdir(parents=True, exist_ok=True)
-plan = study.plan(preset)
-print(f"preset {preset}: base {plan.base} ({plan.notes}); depths {plan.depths}; seeds {plan.seeds} for the three "
-      f"main modes, {plan.extra_seeds} for the other block counts at depths {plan.extra_depths}")
+research = preset == "research"
+plan = study.RESEARCH if research else study.plan(preset)
+if research:
+    print(f"preset research: base {plan.base} ({plan.notes}); depths {plan.depths}; Block AttnRes with "
+          f"{plan.layers_per_block} layers per block; lr sweep {plan.lrs} per mode at {plan.depths[0]} layers (seed "
+          f"{plan.sweep_seed}); seeds {plan.seeds}; {plan.tokens_per_run:,} tokens per run")
+else:
+    print(f"preset {preset}: base {plan.base} ({plan.notes}); depths {plan.depths}; seeds {plan.seeds} for the three "
+          f"main modes, {plan.extra_seeds} for the other block counts at depths {plan.extra_depths}")
 
 # %% [markdown]
 # ## 1. The arms
@@ -65,27 +73,77 @@ print(f"preset {preset}: base {plan.base} ({plan.notes}); depths {plan.depths}; 
 # $2L$ (at $2L$ blocks it would be Full AttnRes).
 
 # %%
-pd.DataFrame(study.arms_factor(preset))
+pd.DataFrame(study.research_factor() if research else study.arms_factor(preset))
 
 # %% [markdown]
 # ## 2. Training
 # One line per finished run; each run's training output goes to `checkpoints/<arm>-s<seed>/train.log`.
 
 # %%
-grid = None if from_results else study.train(preset, out)
-table = report.result_table(out / "results" / "runs.csv", lambda: study.summary_rows(grid, preset), from_results)
-rows = study.rows_from_table(table)
+if research:
+    # The lr sweep first; a split call stops here (GridIncomplete) until the sweep is recorded.
+    grid, picked = (None, None) if from_results else study.train_research(out)
+    table = report.result_table(out / "results" / "runs.csv", lambda: study.research_rows(grid), from_results)
+    rows = study.research_rows_from_table(table)
+    group = ["role", "n_layers", "residual", "blocks", "lr"]
+else:
+    grid = None if from_results else study.train(preset, out)
+    table = report.result_table(out / "results" / "runs.csv", lambda: study.summary_rows(grid, preset), from_results)
+    rows = study.rows_from_table(table)
+    group = ["n_layers", "residual", "blocks"]
 histories = report.result_table(out / "results" / "loss_histories.csv", lambda: grid.histories(), from_results)
-(table.groupby(["n_layers", "residual", "blocks"], dropna=False, sort=True)
+(table.groupby(group, dropna=False, sort=True)
  .agg(val_loss=("val_loss", "mean"), val_loss_std=("val_loss", "std"), seeds=("seed", "nunique"),
       params=("params", "first"), tokens=("tokens", "first"), tok_per_s=("tok_per_s", "mean"),
       peak_mem_gb=("peak_mem_gb", "mean")))
 
+# %% [markdown]
+# ### Research tier: the lr sweep, the loss curves, the depth gain
+# (Only with `preset = "research"`; the other presets skip these cells.) Each mode trains at three learning rates at
+# the shallow depth (seed 0); the one with the lowest final validation loss is carried to every other run of that
+# mode, so each mode is compared at its own best rate. The depth gain of a mode is its validation loss at the deep
+# depth minus the shallow one, seed by seed; the interaction is an AttnRes mode's depth gain minus PreNorm's.
+
 # %%
-deepest = max(plan.depths)
-deep = histories[histories.arm.str.endswith(f"-L{deepest}")]
-common.show(report.difference_figure(deep, f"prenorm-L{deepest}", f"{plan.base}, {deepest} layers: training loss "
-                                     "minus prenorm's"), out / "figures" / "training_loss.png")
+if research:
+    display(common.show(study.lr_sweep_figure(rows), out / "figures" / "lr_sweep.png"))
+    display(common.show(study.research_curves_figure(histories, rows), out / "figures" / "loss_curves.png"))
+    committed = json.loads((out / "summary.json").read_text()) if from_results else None
+    bench = study.benchmark_overhead(repo_root() / "kernels" / "results" / "model_h200.json")
+    summary = study.research_summary(grid, rows, bench, meta=committed["meta"] if from_results else None)
+    display(common.show(study.depth_gain_figure(summary), out / "figures" / "depth_gain.png"))
+    if from_results:
+        diag_rows = study.rows_from_table(pd.read_csv(out / "results" / "layer_diagnostics.csv"))
+        weights = study.weights_from_json(json.loads((out / "results" / "depth_weights.json").read_text()))
+    else:
+        diag_rows, weights = study.research_diag_rows(grid)
+        pd.DataFrame(diag_rows).to_csv(out / "results" / "layer_diagnostics.csv", index=False)
+        write_json(out / "results" / "depth_weights.json", {arm: w.tolist() for arm, w in weights.items()})
+    if diag_rows:
+        display(common.show(study.norms_figure(diag_rows, plan.depths[-1]), out / "figures" / "norms_by_layer.png"))
+    if weights:
+        display(common.show(study.depth_weights_figure(weights, {a: a for a in weights}),
+                            out / "figures" / "depth_weights.png"))
+    findings = study.research_report(summary, rows)
+    summary = report.attach(summary, findings, from_results)
+    write_json(out / "summary.json", summary)
+    display(Markdown(findings.markdown()))
+
+# %% [markdown]
+# **Research figures.** `lr_sweep.png`: final validation loss against the peak learning rate per mode at the shallow
+# depth (one seed), the carried lr circled. `loss_curves.png`: validation loss against training tokens per depth and
+# mode, mean over the 3 seeds with their range as a band. `depth_gain.png`: left, deep minus shallow validation loss
+# per mode (each seed a dot, the mean with its 95% paired t interval); right, each AttnRes mode's depth gain minus
+# PreNorm's. `norms_by_layer.png` / `depth_weights.png`: the diagnostics each run measured when it finished (seed 0).
+# The remaining cells are the `cpu` / `gpu` presets' report.
+
+# %%
+if not research:
+    deepest = max(plan.depths)
+    deep = histories[histories.arm.str.endswith(f"-L{deepest}")]
+    title = f"{plan.base}, {deepest} layers: training loss minus prenorm's"
+    display(common.show(report.difference_figure(deep, f"prenorm-L{deepest}", title),
+                        out / "figures" / "training_loss.png"))
 
 # %% [markdown]
 # **Figure 1.** At the deepest depth, each AttnRes arm's training loss minus prenorm's, seed by seed (same seed:
@@ -101,7 +159,8 @@ common.show(report.difference_figure(deep, f"prenorm-L{deepest}", f"{plan.base},
 # better or worse only when that interval excludes 0, inside the noise otherwise.
 
 # %%
-common.show(study.loss_vs_depth_figure(rows), out / "figures" / "loss_vs_depth.png")
+if not research:
+    display(common.show(study.loss_vs_depth_figure(rows), out / "figures" / "loss_vs_depth.png"))
 
 # %% [markdown]
 # **Figure 2.** Left: final validation loss (nats/token) vs number of layers (log scale), mean over seeds with its
@@ -115,14 +174,15 @@ common.show(study.loss_vs_depth_figure(rows), out / "figures" / "loss_vs_depth.p
 # For the first seed of every arm: one forward and backward pass of the trained model on validation windows.
 
 # %%
-if from_results:
-    diag_rows = study.rows_from_table(pd.read_csv(out / "results" / "layer_diagnostics.csv"))
-    weights = study.weights_from_json(json.loads((out / "results" / "depth_weights.json").read_text()))
-else:
-    diag_rows, weights = study.collect_diagnostics(grid, preset)
-    pd.DataFrame(diag_rows).to_csv(out / "results" / "layer_diagnostics.csv", index=False)
-    write_json(out / "results" / "depth_weights.json", {arm: w.tolist() for arm, w in weights.items()})
-common.show(study.norms_figure(diag_rows, deepest), out / "figures" / "norms_by_layer.png")
+if not research:
+    if from_results:
+        diag_rows = study.rows_from_table(pd.read_csv(out / "results" / "layer_diagnostics.csv"))
+        weights = study.weights_from_json(json.loads((out / "results" / "depth_weights.json").read_text()))
+    else:
+        diag_rows, weights = study.collect_diagnostics(grid, preset)
+        pd.DataFrame(diag_rows).to_csv(out / "results" / "layer_diagnostics.csv", index=False)
+        write_json(out / "results" / "depth_weights.json", {arm: w.tolist() for arm, w in weights.items()})
+    display(common.show(study.norms_figure(diag_rows, deepest), out / "figures" / "norms_by_layer.png"))
 
 # %% [markdown]
 # **Figure 3.** At the deepest depth, per arm (log scale): left, the RMS of each sublayer's input $h_l$ (the last
@@ -131,10 +191,11 @@ common.show(study.norms_figure(diag_rows, deepest), out / "figures" / "norms_by_
 # add a shrinking share to it; AttnRes keeps $h_l$ a convex mix of the sources.
 
 # %%
-labels = {a: f"{a}: {study.mode_label(r['residual'], r['blocks'])}, {r['n_layers']} layers"
-          for a, r in {r["arm"]: r for r in rows}.items()}
-common.show(study.depth_weights_figure({a: w for a, w in weights.items() if a.endswith(f"-L{deepest}")}, labels),
-            out / "figures" / "depth_weights.png")
+if not research:
+    labels = {a: f"{a}: {study.mode_label(r['residual'], r['blocks'])}, {r['n_layers']} layers"
+              for a, r in {r["arm"]: r for r in rows}.items()}
+    deep_weights = {a: w for a, w in weights.items() if a.endswith(f"-L{deepest}")}
+    display(common.show(study.depth_weights_figure(deep_weights, labels), out / "figures" / "depth_weights.png"))
 
 # %% [markdown]
 # **Figure 4.** Learned depth-attention weights at the deepest depth (first seed), one panel per AttnRes arm: row
@@ -147,10 +208,11 @@ common.show(study.depth_weights_figure({a: w for a, w in weights.items() if a.en
 # ## 5. Overhead: tokens/s and peak memory relative to prenorm
 
 # %%
-committed = json.loads((out / "summary.json").read_text()) if from_results else None
-device = committed["meta"]["device"] if from_results else common.device_name()
-over = study.overhead(rows)
-common.show(study.overhead_figure(over, device), out / "figures" / "overhead.png")
+if not research:
+    committed = json.loads((out / "summary.json").read_text()) if from_results else None
+    device = committed["meta"]["device"] if from_results else common.device_name()
+    over = study.overhead(rows)
+    display(common.show(study.overhead_figure(over, device), out / "figures" / "overhead.png"))
 
 # %% [markdown]
 # **Figure 5.** Training throughput (median tokens/s over the logging windows after the first, which holds the
@@ -159,16 +221,19 @@ common.show(study.overhead_figure(over, device), out / "figures" / "overhead.png
 # say what the fused op costs on a GPU.
 
 # %%
-summary = study.refresh_verdicts(committed, rows) if from_results else study.summarize(grid, rows, diag_rows, preset)
-findings = study.study_report(summary, rows)
-summary = report.attach(summary, findings, from_results)
-write_json(out / "summary.json", summary)
-pd.Series({k: str(summary["meta"][k]) for k in ("commit", "dirty", "device", "torch", "triton", "command", "date",
-                                                "wall_s", "tokens_per_run", "epochs", "runs", "runs_skipped")},
-          name="run facts").to_frame()
+if not research:
+    summary = (study.refresh_verdicts(committed, rows) if from_results
+               else study.summarize(grid, rows, diag_rows, preset))
+    findings = study.study_report(summary, rows)
+    summary = report.attach(summary, findings, from_results)
+    write_json(out / "summary.json", summary)
+    facts = ("commit", "dirty", "device", "torch", "triton", "command", "date", "wall_s", "tokens_per_run", "epochs",
+             "runs", "runs_skipped")
+    display(pd.Series({k: str(summary["meta"][k]) for k in facts}, name="run facts").to_frame())
 
 # %% [markdown]
 # ## Findings
 
 # %%
-Markdown(study.findings(findings))
+if not research:
+    display(Markdown(study.findings(findings)))

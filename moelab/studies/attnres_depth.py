@@ -1088,7 +1088,7 @@ def research_overhead(rows: Sequence[Mapping[str, Any]], plan_: ResearchPlan = R
     main = _main(rows)
     out: dict[str, Any] = {}
     for L in plan_.depths:
-        def vals(mode: str, key: str) -> dict[int, float]:
+        def vals(mode: str, key: str, L: int = L) -> dict[int, float]:
             b = _mode_blocks(mode, L, plan_)
             return {r["seed"]: float(r[key]) for r in main if r["residual"] == mode and r["n_layers"] == L
                     and r["blocks"] == b and r.get(key) is not None}
@@ -1127,7 +1127,8 @@ def benchmark_overhead(path: str | Path) -> dict[str, Any]:
         return {}
     out = {}
     for impl, r in by.items():
-        if impl and impl.startswith("moelab_gpu_small_") and impl != "moelab_gpu_small_prenorm" and "residual" in str(r):
+        if impl and impl.startswith("moelab_gpu_small_") and impl != "moelab_gpu_small_prenorm" \
+                and "model.residual.mode" in r:
             out[impl.removeprefix("moelab_gpu_small_")] = {
                 "tok_per_s_ratio": _ratio(r.get("tok_per_s"), pre.get("tok_per_s")),
                 "peak_mem_ratio": _ratio(r.get("peak_mem_gb"), pre.get("peak_mem_gb")),
@@ -1147,8 +1148,9 @@ def research_report(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]
     pre = v["precondition"]
     gains = depth_gains(rows, plan_)
     nb = plan_.blocks(hi)
-    found = [report.compare(f"Does extra depth ({lo} -> {hi} layers) pay more with Block AttnRes ({plan_.layers_per_block}"
-                            " layers per block) than under PreNorm (depth gain of Block minus PreNorm's)",
+    found = [report.compare(f"Does extra depth ({lo} -> {hi} layers) pay more with Block AttnRes "
+                            f"({plan_.layers_per_block} layers per block) than under PreNorm (depth gain of Block "
+                            "minus PreNorm's)",
                             gains["block_attnres"], gains["prenorm"], unit="nats", precondition=pre["reason"])]
     for m in ("prenorm", "block_attnres"):
         d = v["depth_gain"][m]
@@ -1198,7 +1200,8 @@ def research_report(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]
                            for m, o in modes.items()) + ".")
     bench = summary.get("benchmark_overhead") or {}
     if bench:
-        details.append("The committed benchmark (kernels/results/model_h200.json) measured at another setting: " + ", ".join(
+        details.append("The committed benchmark (kernels/results/model_h200.json) measured at another setting: "
+                       + ", ".join(
             f"{k} tokens/s {b['tok_per_s_ratio']:.3f}x, memory {b['peak_mem_ratio']:.3f}x ({b['setting']})"
             for k, b in bench.items() if b["tok_per_s_ratio"] and b["peak_mem_ratio"]) +
             "; it differs from this study's rows because it ran eagerly (host-bound: AttnRes's extra launches cost "
@@ -1222,15 +1225,15 @@ def research_summary(grid: common.Grid | None, rows: Sequence[Mapping[str, Any]]
         "meta": dict(meta) if meta is not None else common.study_meta(
             STUDY, "research", grid, plan=plan_.notes, depths=list(plan_.depths), seeds=list(plan_.seeds),
             lrs=list(plan_.lrs), layers_per_block=plan_.layers_per_block, overhead_meaningful=torch.cuda.is_available(),
-            gpu_minutes=round(sum(r["gpu_minutes"] or 0 for r in rows if r["role"] == "sweep" or
-                                  parse_arm(r["arm"])["lr"] is None), 2)),
+            gpu_minutes=round(sum(r.timing.get("gpu_minutes") or 0 for r in grid.records), 2) if grid else None),
         "factor": {k: dict(v) for k, v in grid.factor.items()} if grid is not None else {},
         "budget": {"rule": "same tokens per run at both depths, same width; the modes differ at one depth only in "
                            "the AttnRes pseudo-queries and key norms; each mode at its own best swept lr",
                    "tokens_per_run": sorted({r["tokens"] for r in rows}),
                    "max_param_excess_at_a_depth": _param_excess(_main(rows))},
         "rows": [dict(r) for r in rows],
-        "lr_sweep": {m: {"lr": p["lr"], "at_edge": p["at_edge"], "losses": {lr_text(k): x for k, x in p["losses"].items()}}
+        "lr_sweep": {m: {"lr": p["lr"], "at_edge": p["at_edge"],
+                         "losses": {lr_text(k): x for k, x in p["losses"].items()}}
                      for m, p in (pick_lr(sweep).items() if sweep else ())},
         **research_verdicts(rows, plan_),
         "benchmark_overhead": dict(benchmark),
@@ -1247,7 +1250,8 @@ def research_curves_figure(histories: Any, rows: Sequence[Mapping[str, Any]], pl
     tokens_per_step = int(plan_.common["train.batch_size"]) * int(plan_.common["data.seq_len"])
     main = {(r["arm"], r["seed"]) for r in _main(rows)}
     sweep_main = {(r["arm"], r["seed"]): research_arm(r["residual"], r["n_layers"], None, plan_) for r in rows
-                  if r["role"] == "sweep" and (research_arm(r["residual"], r["n_layers"], None, plan_), r["seed"]) in main
+                  if r["role"] == "sweep"
+                  and (research_arm(r["residual"], r["n_layers"], None, plan_), r["seed"]) in main
                   and any(m["lr"] == r["lr"] and m["residual"] == r["residual"] and m["seed"] == r["seed"]
                           and m["n_layers"] == r["n_layers"] for m in _main(rows))}
     h = histories.dropna(subset=["val/loss"]).copy()
