@@ -835,24 +835,26 @@ def study_report(summary: Mapping[str, Any]) -> report.Report:
         details.append(f"Data: each run saw {meta['epochs']:.3g} epochs of the {meta['corpus_train_tokens']:,}-token "
                        "training split.")
     found = [eff, ret, direct, clock, short, tcost]
-    if "pilot" in summary:
-        found.insert(0, pilot_finding(summary["pilot"], summary["pilot_length"]))
-    if rows and all(r.get("loss_beyond") is not None for r in rows):  # research: beyond the training length
+    if "pilot" in summary:  # research: the pilot, then effective context, retrieval and loss beyond the window
         longest = max(meta["lengths"])
-        found.insert(2, report.compare("Does the curriculum reach a longer effective context than short training",
-                                       seeds("curriculum", "effective_context"), seeds("short", "effective_context"),
-                                       lower_is_better=False, unit="tokens", digits=0, precondition=why))
-        for n in sorted({int(k) for r in rows for k in r["passkey"] if int(k) > longest}):
-            found.insert(3, report.compare(f"Passkey accuracy at {n:,} tokens ({n // longest}x the longest training "
-                                           "length), curriculum minus direct",
-                                           {s: {int(k): v for k, v in r["passkey"].items()}[n]
-                                            for s, r in ((r["seed"], r) for r in rows if r["schedule"] == "curriculum")},
-                                           {s: {int(k): v for k, v in r["passkey"].items()}[n]
-                                            for s, r in ((r["seed"], r) for r in rows if r["schedule"] == "direct")},
-                                           lower_is_better=False, digits=2, precondition=why))
-        found.insert(3, report.compare(f"Held-out loss past {longest:,} tokens (loss by position), curriculum minus "
-                                       "direct", seeds("curriculum", "loss_beyond"), seeds("direct", "loss_beyond"),
-                                       unit="nats"))
+        eff_short = report.compare("Does the curriculum reach a longer effective context than short training",
+                                   seeds("curriculum", "effective_context"), seeds("short", "effective_context"),
+                                   lower_is_better=False, unit="tokens", digits=0, precondition=why)
+        beyond = []
+        for n in sorted({int(k) for r in rows for k in r["passkey"] if int(k) > longest}, reverse=True):
+            pk = {s: {r["seed"]: {int(k): v for k, v in r["passkey"].items()}[n] for r in rows if r["schedule"] == s}
+                  for s in ("curriculum", "direct")}
+            beyond.append(report.compare(f"Passkey accuracy at {n:,} tokens ({n // longest}x the longest training "
+                                         "length), curriculum minus direct", pk["curriculum"], pk["direct"],
+                                         lower_is_better=False, digits=2, precondition=why))
+        if all(r.get("loss_beyond") is not None for r in rows):
+            beyond.append(report.compare(f"Held-out loss past {longest:,} tokens (loss by position), curriculum "
+                                         "minus direct", seeds("curriculum", "loss_beyond"),
+                                         seeds("direct", "loss_beyond"), unit="nats"))
+        ordered = [pilot_finding(summary["pilot"], summary["pilot_length"]), eff, eff_short, *beyond[:1],
+                   *(beyond[-1:] if len(beyond) > 1 else []), direct, ret, *beyond[1:-1], short, clock, tcost]
+        found, rest = ordered[:report.MAX_LEAD], ordered[report.MAX_LEAD:]
+        details += ["Also: " + "; ".join(f.plain() for f in rest) + "."] if rest else []
     if b.get("synthetic_fixed_per_step"):
         details[0] = (f"Budget: every run trained {', '.join(f'{t:,}' for t in b['tokens_per_run'])} tokens in "
                       f"{b['steps']} steps; in every step of every arm {b['synthetic_share']:.0%} of the sequences "
