@@ -161,6 +161,7 @@ MAX_SHARED = 227 * 1024
 TILE_ELEMS = 2048  # a tile holds at least this many elements (several rows when D is small)
 IN_FLIGHT = 32  # fp32 source elements per thread that a group of one-row tiles loads at once
 REG_MARGIN = 16  # registers the rule keeps free below MAX_REGS beyond its estimate
+FWD_WARPS = 8  # at most this many warps per one-row program (wider rows: more elements per thread)
 
 
 def estimate_regs(per_thread: int, group: int, backward: bool) -> int:
@@ -190,15 +191,23 @@ def launch_config(d: int, L: int | None = None, n: int | None = None) -> LaunchC
 
     - tiles of at least ``TILE_ELEMS`` elements (``rows = 2048 // next_pow2(d)``, one row from d = 2048),
       halved while there would be fewer than 4 forward programs per SM (small n only);
-    - threads of 16 elements per tile where a tile holds several rows, of 8 (one 16-byte bf16 load) where it
-      holds one; 1..16 warps, so a width past 4096 gives each thread more (16 at 7168);
-    - one-row tiles load their sources ``IN_FLIGHT // e`` at once (4 at D 2048 and 4096, 2 at 7168), at
+    - threads of 16 elements per tile where a tile holds several rows (1..16 warps), of at least 8 (one
+      16-byte bf16 load) where it holds one, on at most ``FWD_WARPS`` = 8 warps: a width past 2048 gives each
+      thread more (16 at 4096, 32 at 7168) rather than a program more warps, so that at the same bytes in
+      flight per SM twice as many independent programs share it (one program of 16 warps per SM at D 4096
+      and 7168 left the SM without loads in flight while it summed a group: 0.41x fla's forward at D 4096;
+      the compiled launches: kernels/results/attnres_occupancy_cpu_sm90.json, D 4096 1 x 8 group 2 fits 2
+      programs per SM, forward and backward, no spill);
+    - one-row tiles load their sources ``IN_FLIGHT // e`` at once (4 at D 2048, 2 at 4096, 1 at 7168), at
       most the L - 1 sources after the first, and fewer while the backward's ``estimate_regs`` (plus
-      ``REG_MARGIN``) passes ``MAX_REGS``; several-row tiles one at a time;
+      ``REG_MARGIN``) passes ``MAX_REGS``; several-row tiles one at a time. Where the forward's threads hold
+      more than ``IN_FLIGHT / 2`` elements (D 7168) the backward, which holds about 2.5 tiles per source
+      where the forward holds 1.5, keeps 16 warps and 2 sources at once (1 x 8 would hold 237 registers a
+      thread and one source at once, half the bytes in flight);
     - one stage (a software-pipelined loop compiled to more registers and half the resident programs per
       SM at D 2048, forward and backward: kernels/results/attnres_occupancy_cpu_sm90.json, D 2048);
-    - the backward at the forward's tile, on ``4 * SMs`` programs where tiles hold several rows, else on as
-      many as fit (``programs_per_sm = 0``).
+    - the backward at the forward's tile (but for D past 4096, above), on ``4 * SMs`` programs where tiles hold
+      several rows, else on as many as fit (``programs_per_sm = 0``).
 
     A row of D stays in one program (its RMS and score are row sums); D is not split across programs, so
     past D = 8192 a thread holds 32 elements of each tile, more than 16 warps' 128 registers a thread can
@@ -212,17 +221,27 @@ def launch_config(d: int, L: int | None = None, n: int | None = None) -> LaunchC
     if n is not None:
         while rows > 1 and -(-n // rows) < 4 * SMS:
             rows //= 2
-    per_thread = 16 if rows > 1 else 8
-    warps = min(16, max(1, rows * bd // (32 * per_thread)))
-    per_thread = max(1, rows * bd // (32 * warps))
-    group = 1
-    if rows == 1:
-        group = max(1, min(8, IN_FLIGHT // per_thread))
-        if L is not None:
-            group = min(group, _pow2(max(1, L - 1)))
-        while group > 1 and estimate_regs(per_thread, group, backward=True) + REG_MARGIN > MAX_REGS:
-            group //= 2
-    return LaunchConfig(rows=rows, warps=warps, group=group, stages=1, programs_per_sm=4 if rows > 1 else 0)
+    if rows > 1:
+        warps = min(16, max(1, rows * bd // (32 * 16)))
+        return LaunchConfig(rows=rows, warps=warps, group=1, stages=1, programs_per_sm=4)
+    warps, group = _one_row(bd, FWD_WARPS, L)
+    bwd_warps, bwd_group = _one_row(bd, 16, L) if bd // (32 * warps) > IN_FLIGHT // 2 else (warps, group)
+    return LaunchConfig(rows=1, warps=warps, group=group, stages=1, programs_per_sm=0,
+                        bwd_warps=0 if bwd_warps == warps else bwd_warps, bwd_group=0 if bwd_group == group else bwd_group)
+
+
+def _one_row(bd: int, max_warps: int, L: int | None) -> tuple[int, int]:
+    """(warps, group) of a one-row tile of width ``bd``: threads of at least 8 elements on at most ``max_warps``
+    warps, ``IN_FLIGHT // elements`` sources at once (at most the L - 1 after the first, and fewer while the
+    backward's ``estimate_regs`` plus ``REG_MARGIN`` passes ``MAX_REGS``)."""
+    warps = min(max_warps, max(1, bd // (32 * 8)))
+    per_thread = max(1, bd // (32 * warps))
+    group = max(1, min(8, IN_FLIGHT // per_thread))
+    if L is not None:
+        group = min(group, _pow2(max(1, L - 1)))
+    while group > 1 and estimate_regs(per_thread, group, backward=True) + REG_MARGIN > MAX_REGS:
+        group //= 2
+    return warps, group
 
 
 @functools.cache

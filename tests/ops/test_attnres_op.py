@@ -544,13 +544,14 @@ def test_launch_rule_on_the_grid(D):
             cfg.validate()
             where = f"D={D} L={L} N={N}: {cfg}"
             assert all(_pow2(x) for x in (cfg.rows, cfg.warps, cfg.group)), where
-            assert cfg.bwd_launch == (cfg.rows, cfg.warps, cfg.group, cfg.stages), where
+            assert cfg.bwd_launch[0] == cfg.rows and cfg.warps <= 8 + 8 * (cfg.rows > 1), where
             assert cfg.rows * BD >= TILE_ELEMS and -(-N // cfg.rows) >= 4 * SMS, where
-            per_thread, rem = divmod(cfg.rows * BD, 32 * cfg.warps)
-            assert rem == 0 and per_thread >= 8, where  # at least one 16-byte bf16 load per thread
-            assert cfg.group < 2 * max(1, L - 1), where  # a group is at most the next power of two of L - 1
-            for backward in (False, True):
-                assert estimate_regs(per_thread, cfg.group, backward) <= MAX_REGS, where
+            for backward, (rows, warps, group, _) in ((False, (cfg.rows, cfg.warps, cfg.group, 1)),
+                                                      (True, cfg.bwd_launch)):
+                per_thread, rem = divmod(rows * BD, 32 * warps)
+                assert rem == 0 and per_thread >= 8, where  # at least one 16-byte bf16 load per thread
+                assert group < 2 * max(1, L - 1), where  # a group is at most the next power of two of L - 1
+                assert estimate_regs(per_thread, group, backward) <= MAX_REGS, where
             assert estimate_shared(cfg, D) <= MAX_SHARED, where
     # a model's reads (no L, no N) share one launch per width: the rule's model launch is the one at large L
     assert launch_config(D) == launch_config(D, 33, 32768)
@@ -565,6 +566,11 @@ def test_launch_rule_keeps_the_measured_launches():
     assert (cfg.rows, cfg.warps, cfg.group, cfg.stages) == (1, 8, 4, 1)
     assert launch_config(2048, 3).group == 2  # two sources after the first
     assert launch_config(512, 9, 64).rows == 1  # few tokens: smaller tiles, more programs
+    # past D 2048 one-row programs of 8 warps (two per SM where 16 warps fit one); D 7168's backward stays 1 x 16 g2
+    cfg = launch_config(4096)
+    assert (cfg.warps, cfg.group, cfg.bwd_launch) == (8, 2, (1, 8, 2, 1))
+    cfg = launch_config(7168)
+    assert (cfg.warps, cfg.group, cfg.bwd_launch) == (8, 1, (1, 16, 2, 1))
 
 
 OCCUPANCY_FILE = os.path.join(ROOT, "kernels", "results", "attnres_occupancy_cpu_sm90.json")
@@ -607,7 +613,7 @@ def test_register_estimate_fits_the_compiled_kernels():
         assert seen >= 10, name
 
 
-@pytest.mark.parametrize(("D", "L", "N"), [(2048, 5, 6), (4096, 3, 4), (96, 4, 37)])
+@pytest.mark.parametrize(("D", "L", "N"), [(2048, 5, 6), (4096, 3, 4), (7168, 4, 2), (96, 4, 37)])
 def test_rule_launch_matches_reference(D, L, N):
     """The rule's launch (groups of sources at the wide widths, several rows at a small one) in the
     interpreter, against the fp32 reference."""
@@ -617,7 +623,7 @@ def test_rule_launch_matches_reference(D, L, N):
     ref = _reference(sources, query, weight, dh)
     out = _run(lambda s, q, w: depth_attention(s, q, w, 1e-6, backend="triton"), sources, query, weight, dh)
     _compare(ref, out, dtypes, 5e-3, 1e-2)
-    assert cfg.group > 1 or D < 2048
+    assert max(cfg.group, cfg.bwd_launch[2]) > 1 or D < 2048  # groups of sources in one direction at least
 
 
 @pytest.mark.parametrize("mode, num_blocks", [("full_attnres", 1), ("block_attnres", 4)])
