@@ -10,6 +10,8 @@
 (repeatable) overrides any field, the value parsed as YAML. Exit codes: 0 done, 1 failed (the
 message says why: a NaN, a tracking store that cannot be reached), 2 bad configuration or arguments
 (including a damaged checkpoint, a resume that changes the model, a run folder another run owns),
+1 also when training finished but MLflow could not record all of it (a database that turned read-only or
+locked mid-run: the checkpoint and summary.json are intact, the line says what is missing),
 130 stopped by Ctrl-C, 143 stopped by SIGTERM (after either, last.ckpt and summary.json are saved; a
 study's next call resumes). A study whose notebook cell raises exits 1 with one line naming the cell.
 User errors print one ``error:`` line, never a traceback, and stop before an MLflow run is opened.
@@ -120,6 +122,9 @@ def _train(args: argparse.Namespace) -> int:
     if rank_zero_only.rank != 0:
         return 0
     print(json.dumps(result.summary, indent=2, default=str))
+    if result.tracking_incomplete:  # the model is trained and saved; its MLflow record is not complete
+        print(f"error: {result.tracking_incomplete}", file=sys.stderr)
+        return 1
     if args.throughput:
         from moelab.train.perf import record_throughput
 

@@ -81,6 +81,55 @@ def _quiet_store_errors() -> Iterator[None]:
         log.setLevel(level)
 
 
+class _MlflowNoise:
+    """Hides, for the life of a run, what MLflow logs about the store failing under it, and counts it.
+
+    MLflow logs every failing SQL statement with its traceback (``mlflow.store.db.utils``, ~90 lines each) and
+    every system-metrics sample it could not store (``mlflow.system_metrics``); a database that turns read-only
+    or locked mid-run printed thousands of lines. moelab reports the fault itself, once (``Run`` notices) and
+    at the end (``Run.problems``); these counts feed that summary.
+    """
+
+    LOGGERS = ("mlflow.store.db.utils", "mlflow.system_metrics.system_metrics_monitor")
+
+    def __init__(self) -> None:
+        self.hidden = {name: 0 for name in self.LOGGERS}
+        self.last: str | None = None
+
+    def filter(self, record: Any) -> bool:
+        if record.levelno >= 30:  # WARNING and above: MLflow's reports of a failure it caught
+            self.hidden[record.name] = self.hidden.get(record.name, 0) + 1
+            self.last = (record.getMessage().strip().splitlines() or [""])[0][:200]
+            return False
+        return True
+
+    def __enter__(self) -> _MlflowNoise:
+        import logging
+
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import logging
+
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self)
+
+    def system_samples_lost(self) -> int:
+        return self.hidden.get("mlflow.system_metrics.system_metrics_monitor", 0)
+
+
+def store_fault_kind(text: str) -> str | None:
+    """``"read-only"`` or ``"locked"`` when an error text says the sqlite store is so, else None."""
+    low = text.lower()
+    if "database is locked" in low or "database table is locked" in low:
+        return "locked"
+    if "readonly" in low or "read-only" in low or "read only" in low:
+        return "read-only"
+    return None
+
+
 def _store_fault(where: object, e: BaseException) -> str | None:
     """The one line for a sqlite store that is locked or read-only (``where``: the database file), else None."""
     text = _describe(e)
@@ -227,16 +276,19 @@ def experiment_id(mlflow_client, name: str) -> str:
                                            tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
 
 
-def end_stale_run(run_id: str, tracking_uri: str = "") -> bool:
-    """Mark ``run_id`` KILLED if it is still RUNNING (its process died without closing it); True if it was.
+def end_stale_run(run_id: str, tracking_uri: str = "", status: str = "KILLED") -> bool:
+    """Mark ``run_id`` ``status`` if it is still RUNNING; True if it was.
 
+    KILLED: its process died without closing it (kill -9). FINISHED / FAILED: its process ended but could not
+    record the status (the database was read-only or locked at the end).
     Best effort: a store that is gone or a run that no longer exists leaves nothing to close.
     """
     try:
         mlflow_client = client(tracking_uri)
-        if mlflow_client.get_run(run_id).info.status != "RUNNING":
-            return False
-        mlflow_client.set_terminated(run_id, "KILLED")
+        with _quiet_store_errors():
+            if mlflow_client.get_run(run_id).info.status != "RUNNING":
+                return False
+            mlflow_client.set_terminated(run_id, status)
     except Exception as e:
         _report(f"could not close the stale run {run_id} in {tracking_uri or 'the default store'}: {_describe(e)}")
         return False
@@ -264,7 +316,8 @@ def _report(message: str) -> None:
 
 
 def _describe(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
+    # SQLAlchemy puts "(raised as a result of Query-invoked autoflush; ...)" before the driver's error line.
+    text = [line for line in str(e).strip().splitlines() if line.strip() and not line.startswith("(raised as")]
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
@@ -277,8 +330,9 @@ class _MetricSender:
 
     RETRY_MIN_S, RETRY_MAX_S = 1.0, 15.0
 
-    def __init__(self, mlflow_client: Any, run_id: str, uri: str) -> None:
+    def __init__(self, mlflow_client: Any, run_id: str, uri: str, notice: Callable[..., None] | None = None) -> None:
         self.client, self.run_id, self.uri = mlflow_client, run_id, uri
+        self.notice = notice or (lambda message, again=False: _report(message))
         self.pending: list[Any] = []  # mlflow.entities.Metric
         self.failures = 0
         self.last_error: str | None = None
@@ -308,8 +362,8 @@ class _MetricSender:
                 self.failures += 1
                 self.last_error = _describe(e)
                 if not failing:
-                    _report(f"logging metrics to {self.uri} failed ({self.last_error}); training continues, the "
-                            f"metrics are kept and retried")
+                    self.notice(f"logging metrics to {self.uri} failed ({self.last_error}); training continues, the "
+                                f"metrics are kept and retried, what cannot be recorded is summarised at the end")
                 failing = True
                 with self._cond:
                     self._cond.wait(min(delay, max(0.0, self._deadline - time.monotonic())))
@@ -318,7 +372,8 @@ class _MetricSender:
             with self._cond:
                 del self.pending[:len(batch)]
             if failing:
-                _report(f"logging metrics to {self.uri} works again after {self.failures} failed attempt(s)")
+                self.notice(f"logging metrics to {self.uri} works again after {self.failures} failed attempt(s)",
+                            again=True)
             delay, failing = self.RETRY_MIN_S, False
 
     def close(self, timeout_s: float) -> None:
@@ -346,6 +401,21 @@ class Run:
     _sender: _MetricSender | None = field(default=None, repr=False)
     _failures: list[str] = field(default_factory=list, repr=False)
     _status_recorded: bool = field(default=True, repr=False)
+    final_status: str | None = None  # the status the run ended with (FINISHED, KILLED, FAILED), recorded or not
+    _noise: _MlflowNoise | None = field(default=None, repr=False)
+    _noticed: bool = field(default=False, repr=False)
+    _status_error: str = field(default="", repr=False)
+
+    def _notice(self, message: str, again: bool = False) -> None:
+        """Print a tracking fault once per run (later ones are summarised at the end by ``problems``);
+        ``again``: the store works again, said only after a fault was printed, and a new fault is printed anew."""
+        if again:
+            if self._noticed:
+                _report(message)
+            self._noticed = False
+        elif not self._noticed:
+            self._noticed = True
+            _report(message)
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Log params (values as strings, cut to MLflow's 6000-character limit)."""
@@ -364,7 +434,7 @@ class Run:
         if not items:
             return
         if self._sender is None:
-            self._sender = _MetricSender(self.client, self.run_id, self.tracking_uri)
+            self._sender = _MetricSender(self.client, self.run_id, self.tracking_uri, self._notice)
         self._sender.put(items)
 
     def flush(self, timeout_s: float = 60.0) -> None:
@@ -408,22 +478,42 @@ class Run:
             call(*args)
         except Exception as e:
             self._failures.append(f"{what}: {_describe(e)}")
-            _report(f"{what} in MLflow ({self.tracking_uri}) failed: {_describe(e)}")
+            self._notice(f"{what} in MLflow ({self.tracking_uri}) failed: {_describe(e)}; what cannot be recorded "
+                         f"is summarised at the end")
             return False
         return True
 
     def problems(self) -> list[str]:
-        """What did not reach the tracking store (unsent metrics, failed artifact uploads, the final status)."""
+        """What did not reach the tracking store (unsent metrics, failed artifact uploads, the final status).
+
+        System-metrics samples MLflow could not store are not listed (they are lost during any outage, even one
+        the run outlives): :meth:`system_samples_lost` counts them."""
         out = list(self._failures)
         if self._sender is not None and self._sender.failures:
             out.append(f"{self._sender.failures} failed metric upload attempt(s), last: {self._sender.last_error}")
         if not self._status_recorded:
-            out.append("the final run status was not recorded: the run shows RUNNING until a resume closes it")
+            out.append(f"the final status {self.final_status} was not recorded ({self._status_error}): the run shows "
+                       f"RUNNING until the next run in its folder closes it")
         return out
 
+    def system_samples_lost(self) -> int:
+        """How many of MLflow's system-metrics samples the store refused during the run."""
+        return self._noise.system_samples_lost() if self._noise is not None else 0
+
+    def status_recorded(self) -> bool:
+        """Whether the store took the run's final status (False: it shows RUNNING; see ``end_stale_run``)."""
+        return self._status_recorded
+
+    def fault_kind(self) -> str | None:
+        """``"read-only"`` or ``"locked"`` when the problems say the sqlite store was so, else None."""
+        text = " ".join(self.problems()) + " " + ((self._noise.last or "") if self._noise else "")
+        return store_fault_kind(text)
+
     def _terminate(self, status: str, timeout_s: float) -> None:
-        self.flush(timeout_s)
+        """Send the queued metrics and record ``status``, retrying both within one ``timeout_s`` while the store fails."""
+        self.final_status = status
         deadline = time.monotonic() + timeout_s
+        self.flush(timeout_s)
         delay = _MetricSender.RETRY_MIN_S
         while True:
             try:
@@ -432,7 +522,7 @@ class Run:
             except Exception as e:
                 if time.monotonic() + delay > deadline:
                     self._status_recorded = False
-                    _report(f"could not mark run {self.run_id} {status} in {self.tracking_uri}: {_describe(e)}")
+                    self._status_error = _describe(e)
                     return
                 time.sleep(delay)
                 delay = min(2 * delay, _MetricSender.RETRY_MAX_S)
@@ -499,6 +589,7 @@ def start_run(
         raise TrackingError(_store_fault(_sqlite_path(uri) or uri, e) or f"cannot open an MLflow run in {uri} "
                             f"({_describe(e)}); set tracking.enabled=false to train without tracking") from e
     run = Run(mlflow_client, info.run_id, exp_id, uri)
+    run._noise = _MlflowNoise().__enter__()
     monitor = None
     status = "FAILED"
     try:
@@ -513,9 +604,12 @@ def start_run(
         status = "KILLED"
         raise
     finally:
-        if monitor is not None:
-            monitor.finish()
-        run._terminate(status, retry_timeout_s)
+        try:
+            if monitor is not None:
+                monitor.finish()
+            run._terminate(status, retry_timeout_s)
+        finally:
+            run._noise.__exit__()
 
 
 def _system_monitor(run_id: str, interval_s: float, uri: str) -> Any:

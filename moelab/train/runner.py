@@ -47,6 +47,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -176,6 +177,7 @@ class TrainResult:
     history: list[dict[str, float]] = field(default_factory=list)
     val_history: list[tuple[int, float]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+    tracking_incomplete: str | None = None  # the MLflow record lacks something (the store failed mid-run): what, one line
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,6 +455,11 @@ def fit(
     cfg.validate().check_trainable()
     check_device(cfg)
     ckpt = resume_path(cfg, resume)
+    if cfg.tracking.enabled and tracking_installed() and rank_zero_only.rank == 0:
+        # Before any refusal below ("nothing to resume", "already holds a run"): that is how a finished run whose
+        # status a read-only database could not take gets it.
+        for where in dict.fromkeys([cfg.ckpt_dir, *([ckpt.parent] if ckpt is not None else [])]):
+            close_unrecorded_run(where, cfg.tracking.tracking_uri)
     resumed = None
     if ckpt is not None:
         state = load_checkpoint(ckpt)
@@ -496,9 +503,6 @@ def _fit(cfg: RunConfig, resumed: Resumed | None, folder: RunFolder, callbacks: 
             if cfg.tracking.enabled and not tracking_installed() and rank_zero_only.rank == 0:
                 rank_zero_info(f"MLflow is not installed: this run is not tracked ({LAB_EXTRA_HINT})")
             elif cfg.tracking.enabled and rank_zero_only.rank == 0:
-                stale = folder.previous.get("run_id")
-                if stale and end_stale_run(stale, folder.previous.get("tracking_uri") or cfg.tracking.tracking_uri):
-                    rank_zero_info(f"closed MLflow run {stale} (KILLED): its process ended without closing it")
                 run = stack.enter_context(start_run(
                     cfg.experiment, cfg.tracking.run_name or cfg.name,
                     tracking_uri=cfg.tracking.tracking_uri, parent_run_id=parent_run_id,
@@ -514,14 +518,81 @@ def _fit(cfg: RunConfig, resumed: Resumed | None, folder: RunFolder, callbacks: 
                 changes = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in resumed.applied.items())
                 rank_zero_info(f"resuming {resumed.path} at step {resumed.step} with changed settings, applied "
                                f"from the next step: {changes}")
-            return _train(cfg, run, resumed, module, dm, callbacks, started, final_only)
+            result = _train(cfg, run, resumed, module, dm, callbacks, started, final_only)
     finally:
         # A final status MLflow could not record shows up only when the run closes.
         if run is not None and summary_path.is_file():
             summary = json.loads(summary_path.read_text())
             if run.problems() and summary.get("tracking_problems") != run.problems():
                 summary["tracking_problems"] = run.problems()
-                write_json(summary_path, summary)
+                with contextlib.suppress(OSError):  # a full disk here: the error on its way out says so
+                    write_json(summary_path, summary)
+    if run is not None and run.problems():
+        result.summary["tracking_problems"] = run.problems()
+        result.tracking_incomplete = _tracking_incomplete(result, run)
+    return result
+
+
+def _tracking_incomplete(result: TrainResult, run: Run) -> str:
+    """One line: the training result is intact, what the MLflow record lacks, and how the run gets closed."""
+    from moelab.tracking import _sqlite_path
+
+    kind = run.fault_kind()
+    store = _sqlite_path(run.tracking_uri) or run.tracking_uri
+    what = (f"the MLflow database {store} turned {kind} during the run" if kind
+            else f"recording the run in MLflow ({run.tracking_uri}) failed")
+    last = f"{result.last_checkpoint} and " if result.last_checkpoint else ""
+    steps = result.summary.get("steps")
+    status = result.status if result.status != "finished" else f"finished at step {steps}"
+    todo = {"read-only": "make the database and its folder writable (chmod u+w)",
+            "locked": "end the process that holds the database locked"}.get(kind or "", "make the store usable again")
+    missing = [p for p in run.problems() if not p.startswith("the final status ")]
+    if run.system_samples_lost():
+        missing.append(f"{run.system_samples_lost()} system-metrics sample(s)")
+    if not run.status_recorded():
+        close = (f"; nor the final status: the MLflow run {run.run_id} shows RUNNING: {todo}, then any python -m "
+                 f"moelab train naming {result.ckpt_dir} (the same command again) marks it {run.final_status}")
+    else:
+        close = f"; the MLflow run {run.run_id} is marked {run.final_status}, its record is incomplete: {todo}"
+    return (f"training {status}; {last}{result.ckpt_dir / 'summary.json'} are intact, but {what}: not recorded: "
+            f"{'; '.join(missing) or 'nothing else'}{close}")
+
+
+_MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED", "terminated": "KILLED"}
+
+
+def close_unrecorded_run(folder: Path, tracking_uri: str = "") -> str | None:
+    """Close the MLflow run a past process in ``folder`` left RUNNING; the status it got, or None.
+
+    The run is the one ``run.lock`` names, closed only when no live process holds the lock: with the status its
+    ``summary.json`` records (a finished run whose database was read-only or locked when it ended: FINISHED),
+    else KILLED (the process was killed with kill -9 before writing its summary).
+    """
+    lock = folder / LOCK
+    if not lock.is_file():
+        return None
+    with open(lock) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None  # a live run owns the folder and will close its run itself
+        try:
+            owner = json.loads(f.read() or "{}")
+        except json.JSONDecodeError:
+            return None
+    run_id = owner.get("run_id")
+    if not run_id:
+        return None
+    status = "KILLED"
+    with contextlib.suppress(OSError, json.JSONDecodeError, AttributeError):
+        summary = json.loads((folder / "summary.json").read_text())
+        if summary.get("run_id") == run_id:
+            status = _MLFLOW_STATUS.get(summary.get("status"), "KILLED")
+    if not end_stale_run(run_id, owner.get("tracking_uri") or tracking_uri, status):
+        return None
+    why = "its process ended without closing it" if status == "KILLED" else "its process could not record it"
+    print(f"moelab: closed MLflow run {run_id} ({status}): {why}", file=sys.stderr, flush=True)
+    return status
 
 
 def _train(cfg: RunConfig, run: Run | None, resumed: Resumed | None, module: LitMoELab, dm: TextDataModule,
@@ -608,10 +679,20 @@ def _train(cfg: RunConfig, run: Run | None, resumed: Resumed | None, module: Lit
     out = result({None: "finished", signal.SIGTERM: "terminated"}.get(signum, "interrupted"))
     if trainer.is_global_zero:
         out.summary = _summarize(cfg, trainer, out, throughput, time.perf_counter() - started)
-        write_history(ckpt_dir / "history.csv", out.history)
-        write_json(ckpt_dir / "summary.json", out.summary)
         balancer = _balancer(trainer)
-        extra = balancer.save(ckpt_dir) if balancer is not None else []
+        extra: list[Path] = []
+        for name, write in (("history.csv", lambda: write_history(ckpt_dir / "history.csv", out.history)),
+                            ("summary.json", lambda: write_json(ckpt_dir / "summary.json", out.summary)),
+                            ("balance_trajectories.pt and load_heatmap.png",
+                             lambda: extra.extend(balancer.save(ckpt_dir) if balancer is not None else []))):
+            try:
+                write()
+            except Exception as e:
+                cause = storage_os_error(e)
+                if cause is None:
+                    raise
+                raise _final_write_error(ckpt_dir / name.split()[0], name, cause, trainer.global_step,
+                                         *last_ckpt.describe(), run is not None) from e
         if run is not None:
             _log_end(run, out, extra)
             run.flush(cfg.tracking.retry_timeout_s)
@@ -623,6 +704,23 @@ def _train(cfg: RunConfig, run: Run | None, resumed: Resumed | None, module: Lit
         raise Interrupted(f"training stopped by {name} at step {stop.interrupted_at}; resume from "
                           f"{ckpt_dir / LAST}", signum)
     return out
+
+
+def _final_write_error(path: Path, name: str, cause: OSError, step: int, last: Path | None, detail: str,
+                       tracked: bool) -> CheckpointSaveError:
+    """The one line for a file of the run folder that could not be written after the last step (history.csv,
+    summary.json, the balancer's files): training is over and its checkpoint intact, only that record is missing."""
+    reason, todo = STORAGE_ERRNOS[cause.errno]
+    code = errno.errorcode.get(cause.errno, str(cause.errno))
+    kept = (f"{last}{detail} holds the trained model and is intact" if last is not None
+            else "no checkpoint was written (the run has none to keep)")
+    failed = "; the MLflow run is marked FAILED" if tracked else ""
+    return CheckpointSaveError(
+        path, cause,
+        f"training finished at step {step}, but {name} could not be written in {path.parent}: {reason} ({code}); "
+        f"{kept}, the files written before keep their previous complete version and no partial file was "
+        f"left{failed}: {todo}; the model needs nothing more (python -m moelab eval --ckpt {last or path.parent})",
+        what="")
 
 
 def _throughput(cfg: RunConfig, sink: Any) -> Throughput:
