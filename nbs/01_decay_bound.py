@@ -62,6 +62,8 @@ out = Path(out_dir)
 (out / "figures").mkdir(parents=True, exist_ok=True)
 (out / "results").mkdir(parents=True, exist_ok=True)
 P = study.PRESETS[preset]
+if common.split_from_env() is not None:  # a split call (RUNS=/SHARD=) trains its runs first, then stops at the grid
+    study.train_gates(preset, out)
 
 # %% [markdown]
 # ## 1. Where the bounded kernel's sub-tile overflows
