@@ -335,6 +335,7 @@ class _MetricSender:
         self.notice = notice or (lambda message, again=False: _report(message))
         self.pending: list[Any] = []  # mlflow.entities.Metric
         self.failures = 0
+        self.failing = False  # the last attempt failed
         self.last_error: str | None = None
         self._cond = threading.Condition()
         self._closing = False
@@ -348,7 +349,7 @@ class _MetricSender:
             self._cond.notify()
 
     def _loop(self) -> None:
-        delay, failing = self.RETRY_MIN_S, False
+        delay = self.RETRY_MIN_S
         while True:
             with self._cond:
                 while not self.pending and not self._closing:
@@ -361,20 +362,20 @@ class _MetricSender:
             except Exception as e:
                 self.failures += 1
                 self.last_error = _describe(e)
-                if not failing:
+                if not self.failing:
                     self.notice(f"logging metrics to {self.uri} failed ({self.last_error}); training continues, the "
                                 f"metrics are kept and retried, what cannot be recorded is summarised at the end")
-                failing = True
+                self.failing = True
                 with self._cond:
                     self._cond.wait(min(delay, max(0.0, self._deadline - time.monotonic())))
                 delay = min(2 * delay, self.RETRY_MAX_S)
                 continue
             with self._cond:
                 del self.pending[:len(batch)]
-            if failing:
+            if self.failing:
                 self.notice(f"logging metrics to {self.uri} works again after {self.failures} failed attempt(s)",
                             again=True)
-            delay, failing = self.RETRY_MIN_S, False
+            delay, self.failing = self.RETRY_MIN_S, False
 
     def close(self, timeout_s: float) -> None:
         """Send what is queued, retrying for at most ``timeout_s`` seconds; what is left stays in ``pending``."""
@@ -405,6 +406,7 @@ class Run:
     _noise: _MlflowNoise | None = field(default=None, repr=False)
     _noticed: bool = field(default=False, repr=False)
     _status_error: str = field(default="", repr=False)
+    _store_down: str | None = field(default=None, repr=False)  # an attempt found the store locked or read-only
 
     def _notice(self, message: str, again: bool = False) -> None:
         """Print a tracking fault once per run (later ones are summarised at the end by ``problems``);
@@ -473,10 +475,20 @@ class Run:
             self.client.log_artifact(self.run_id, str(path), artifact_path)
 
     def attempt(self, what: str, call: Callable[..., Any], *args: Any) -> bool:
-        """Run ``call(*args)``; on failure report it, remember it in ``problems()`` and return False."""
+        """Run ``call(*args)``; on failure report it, remember it in ``problems()`` and return False.
+
+        While the sqlite store is known to be locked or read-only (the metric sender's last attempt or an earlier
+        ``attempt`` failed so), the call is not tried: each try on a locked file blocks for MLflow's 20 s busy timeout.
+        """
+        sender = self._sender
+        down = store_fault_kind(sender.last_error or "") if sender is not None and sender.failing else None
+        if down or self._store_down:
+            self._failures.append(f"{what}: not tried, the store is {down or self._store_down}")
+            return False
         try:
             call(*args)
         except Exception as e:
+            self._store_down = store_fault_kind(_describe(e))
             self._failures.append(f"{what}: {_describe(e)}")
             self._notice(f"{what} in MLflow ({self.tracking_uri}) failed: {_describe(e)}; what cannot be recorded "
                          f"is summarised at the end")

@@ -102,7 +102,21 @@ def test_database_read_only_mid_run_one_line_then_closed_by_the_next_run(tmp_pat
     assert load_checkpoint(run / "last.ckpt")["global_step"] == STEPS
 
 
-def test_database_locked_mid_run_one_line(tmp_path, tracking_uri, monkeypatch, capfd) -> None:
+@pytest.fixture
+def short_busy_timeout():
+    """MLflow sets sqlite's busy timeout to 20 s on every session: 0.2 s here, so a locked store fails in 0.2 s."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    def shorten(conn, cursor, statement, parameters, context, executemany):
+        return statement.replace("busy_timeout = 20000", "busy_timeout = 200"), parameters
+
+    event.listen(Engine, "before_cursor_execute", shorten, retval=True)
+    yield
+    event.remove(Engine, "before_cursor_execute", shorten)
+
+
+def test_database_locked_mid_run_one_line(tmp_path, tracking_uri, monkeypatch, capfd, short_busy_timeout) -> None:
     from mlflow.tracking import MlflowClient
 
     db = tracking_uri[len("sqlite:///"):]
