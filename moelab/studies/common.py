@@ -71,7 +71,34 @@ RUNS_ENV = "MOELAB_STUDY_RUNS"  # "arm:seed,arm:seed": a split call trains only 
 SHARD_ENV = "MOELAB_STUDY_SHARD"  # "i/n": a split call trains runs i, i + n, ... (1-based) of each grid
 PROGRESS_ENV = "MOELAB_STUDY_PROGRESS"  # a file whose lines the runner echoes to its terminal
 OUTPUTS = provenance.OUTPUTS  # what studies and benchmarks write: its changes do not make the code dirty
-RECORD_FORMAT = 1  # version of the record files' layout
+RECORD_FORMAT = 2  # version of the record files' layout (2: columnar history without per-layer keys; 1 still reads)
+READ_FORMATS = (1, 2)
+# History keys a record leaves out: the per-layer copies of a metric (``balance/maxvio_batch/L3``), whose mean over
+# layers it keeps (``balance/maxvio_batch``): at ~40 of them per step they made a 700-step record 1.5 MB.
+LAYER_KEY = re.compile(r"/L\d+$")
+
+
+def _pack_history(history: Sequence[Mapping[str, float]]) -> dict[str, Any]:
+    """``history`` as a record keeps it: ``{"columns": [...], "rows": [[...], ...]}`` without per-layer keys,
+    floats to 6 significant digits (what the tables and figures read, at a tenth of the size); a key a step
+    lacks as None, a non-finite value as the string ``"nan"`` / ``"inf"`` / ``"-inf"``."""
+    columns = list(dict.fromkeys(k for row in history for k in row if not LAYER_KEY.search(k)))
+
+    def cell(v: Any) -> Any:
+        if isinstance(v, float):
+            return float(f"{v:.6g}") if math.isfinite(v) else str(v)
+        return v
+
+    return {"columns": columns, "rows": [[cell(row.get(k)) for k in columns] for row in history]}
+
+
+def _unpack_history(packed: Any) -> list[dict[str, float]]:
+    """The per-step dicts of a packed history (format 2; a format-1 list passes through)."""
+    if isinstance(packed, list):
+        return packed
+    cols = packed["columns"]
+    return [{k: (float(v) if isinstance(v, str) else v) for k, v in zip(cols, row) if v is not None}
+            for row in packed["rows"]]
 
 # Console lines that carry no information for a study reader. Filtered where they are emitted
 # (quiet_known_noise) and looked for in executed notebooks by the tests.
@@ -331,7 +358,8 @@ def check_arms_differ_only(base: str, arms: Mapping[str, Mapping[str, Any]],
 class RunRecord:
     """One finished (arm, seed) training of a grid, as its record file keeps it.
 
-    history: ``[{"step", "train/loss", ...}]`` per optimizer step; val_history: ``[[step, val/loss]]``.
+    history: ``[{"step", "train/loss", ...}]`` per optimizer step (as the record keeps it: no per-layer keys,
+    6 significant digits); val_history: ``[[step, val/loss]]``.
     evals: what ``run_grid``'s ``evaluate`` returned for the trained model (kept in
     ``<arm>_s<seed>.evals.pt`` beside the record); None without ``evaluate``.
     timing: ``{"started", "ended"}`` (UTC, ISO), ``wall_s``, ``gpus`` (CUDA devices trained on, 0 on a
@@ -471,7 +499,7 @@ def _load_record(path: Path, fingerprint: str, evals: bool = False, trajectory: 
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    if (data.get("format") != RECORD_FORMAT or data.get("fingerprint") != fingerprint
+    if (data.get("format") not in READ_FORMATS or data.get("fingerprint") != fingerprint
             or data.get("summary", {}).get("status") != "finished" or (trajectory and not data.get("trajectory"))):
         return None
     found = None
@@ -485,6 +513,7 @@ def _load_record(path: Path, fingerprint: str, evals: bool = False, trajectory: 
         except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
             return None
     keep = {f for f in RunRecord.__dataclass_fields__ if f not in ("skipped", "evals")}
+    data["history"] = _unpack_history(data.get("history", []))
     rec = RunRecord(**{k: v for k, v in data.items() if k in keep}, skipped=True, evals=found)
     for key in _PATH_KEYS:  # a record keeps repository paths relative: this checkout's path again
         value = rec.summary.get(key)
@@ -503,9 +532,11 @@ def _write_record(path: Path, rec: RunRecord, cfg: Any, study: str, run_id: str 
     rec.mlflow = {"run_id": run_id, "experiment": cfg.experiment}
     body = {"format": RECORD_FORMAT, "study": study,
             **{k: v for k, v in rec.__dict__.items() if k not in ("skipped", "evals")},
+            "history": _pack_history(rec.history),
             "config": _run_config(cfg), "command": study_context(study)["command"]}
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, _portable(body))
+    rec.history = _unpack_history(body["history"])  # as a later call reads it back: one go equals split calls
 
 
 def _evaluation_callback(evaluate: Evaluate) -> Any:

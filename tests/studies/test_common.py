@@ -98,7 +98,7 @@ def test_grid_runs_nested_tagged_and_resumes(tmp_path, tracking_uri) -> None:  #
     record = json.loads(common.record_path(tmp_path / "records", "bounded", 0).read_text())
     assert record["config"]["model.kda.gate"] == "bounded" and "train.ckpt_dir" not in record["config"]
     assert record["code"]["commit"] == "abc" and len(record["code"]["source_sha256"]) == 16
-    assert len(record["history"]) == 4 and record["timing"]["gpus"] == 0 and record["timing"]["wall_s"] > 0
+    assert len(record["history"]["rows"]) == 4 and record["timing"]["gpus"] == 0 and record["timing"]["wall_s"] > 0
     assert record["machine"]["device"].startswith("CPU") and record["mlflow"]["run_id"]
     assert not common.MACHINE_PATH.search(json.dumps(record)), "a machine path in the record"
 
