@@ -115,7 +115,10 @@ def test_locked_database_at_start_one_line(tmp_path, tracking_uri, capsys) -> No
     assert not list((tmp_path / "run").glob("*.ckpt"))
 
 
-def test_read_only_database_at_start_one_line(tmp_path, tracking_uri, capsys) -> None:
+def test_read_only_database_at_start_one_line(tmp_path, tracking_uri, capsys, monkeypatch) -> None:
+    # MLflow's sqlite store makes the folder of the URI's path as written (``file:/...``) relative to the working
+    # directory: keep that stray folder inside the test's own.
+    monkeypatch.chdir(tmp_path)
     db = tracking_uri[len("sqlite:///"):]
     os.chmod(db, 0o444)
     try:
