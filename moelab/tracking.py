@@ -120,6 +120,11 @@ class _MlflowNoise:
         return self.hidden.get("mlflow.system_metrics.system_metrics_monitor", 0)
 
 
+# At a run's end, how long to wait for a read-only sqlite store to accept the queued metrics and the final status
+# (a locked one gets the run's whole retry_timeout_s: a lock passes, a read-only file or mount rarely does).
+READ_ONLY_WAIT_S = 5.0
+
+
 def store_fault_kind(text: str) -> str | None:
     """``"read-only"`` or ``"locked"`` when an error text says the sqlite store is so, else None."""
     low = text.lower()
@@ -522,8 +527,13 @@ class Run:
         return store_fault_kind(text)
 
     def _terminate(self, status: str, timeout_s: float) -> None:
-        """Send the queued metrics and record ``status``, retrying both within one ``timeout_s`` while the store fails."""
+        """Send the queued metrics and record ``status``, retrying both within one ``timeout_s`` while the store fails
+        (at most ``READ_ONLY_WAIT_S`` when the sqlite store is known to be read-only: that does not pass by itself)."""
         self.final_status = status
+        sender = self._sender
+        sender_down = store_fault_kind(sender.last_error or "") if sender is not None and sender.failing else None
+        if "read-only" in (self._store_down, sender_down):
+            timeout_s = min(timeout_s, READ_ONLY_WAIT_S)
         deadline = time.monotonic() + timeout_s
         self.flush(timeout_s)
         delay = _MetricSender.RETRY_MIN_S
