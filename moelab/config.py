@@ -84,7 +84,8 @@ class TrainConfig:
     # Optimizer steps trained with the MoE balancer off before it switches on (a warm start): during the first
     # balancer_start_step steps the router bias stays zero (the update's result is discarded, its loads still
     # recorded) and the auxiliary loss is not added; from the next step on the balancer runs as configured,
-    # starting from zero bias. 0: on from the first step. moelab.train.balancer and .module apply it (eager only).
+    # starting from zero bias. 0: on from the first step. moelab.train.balancer and .module apply it
+    # (eager: host branches; graphs: the same switch as arithmetic on a device step counter).
     balancer_start_step: int = 0
 
     def validate(self) -> TrainConfig:
@@ -110,8 +111,6 @@ class TrainConfig:
         _check(0 <= self.balancer_start_step < self.max_steps, "train.balancer_start_step", self.balancer_start_step,
                f"an integer in 0..max_steps - 1 ({self.max_steps - 1}): the balancer must act on at least one step")
         if self.compile == "graphs":
-            _check(self.balancer_start_step == 0, "train.balancer_start_step", self.balancer_start_step,
-                   "0 with train.compile='graphs' (the captured step cannot switch the balancer on mid-run)")
             _check(self.accumulate_grad_batches == 1, "train.accumulate_grad_batches", self.accumulate_grad_batches,
                    "1 with train.compile='graphs' (one captured step per optimizer step)")
         return self

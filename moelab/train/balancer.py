@@ -151,6 +151,22 @@ def hold_off(model: torch.nn.Module, step: BalanceStep) -> None:
     step.bias.zero_()
 
 
+@torch.no_grad()
+def gate(model: torch.nn.Module, step: BalanceStep, on: torch.Tensor) -> None:
+    """:func:`hold_off` as device arithmetic, for a step that runs as one CUDA graph (``train.compile='graphs'``):
+    ``on`` is a 0-dim bool tensor on the device (the step's index >= ``train.balancer_start_step``); where it is
+    False every router's bias, ``quantile_load``'s averaged loads and ``step.bias`` ``[L, n]`` are set as
+    :func:`hold_off` sets them, where True nothing changes. No host branch, no sync: the graph is the same
+    before and after the switch. The values equal :func:`hold_off`'s (``masked_fill``: exact zeros and ones)."""
+    off = ~on
+    for _, router in balanced_routers(model):
+        router.bias.masked_fill_(off, 0.0)
+        load_avg = getattr(router.balance, "load_avg", None)
+        if load_avg is not None:
+            load_avg.masked_fill_(off, 1.0)
+    step.bias.masked_fill_(off, 0.0)
+
+
 class BalancerCallback(Callback):
     """Runs the balancer once per optimizer step and records what it did.
 

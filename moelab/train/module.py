@@ -59,7 +59,8 @@ def compile_model(model: torch.nn.Module, mode: str, device: torch.device, backe
 
 
 def train_step_fn(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
-                  dtype: torch.dtype | None) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+                  dtype: torch.dtype | None, balancer_start_step: int = 0,
+                  first_step: int = 0) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """The step :class:`LitMoELab` trains with under Lightning, as one function (benchmarks, :class:`CapturedStep`).
 
     ``step({"input_ids", "targets"[, "segment_ids"]} [B, T])``: the forward under autocast to ``dtype`` (None: none;
@@ -69,26 +70,43 @@ def train_step_fn(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad
     ``grad_norm`` (0-dim tensors on the device; no host sync anywhere) and, with MoE layers, what the balancer
     did: ``balance/load`` ``[L, n]``, ``balance/bias`` ``[L, n]`` and ``balance/<metric>`` ``[L]``, for the layers
     named in ``step.balance_layers`` (set by the first call).
+
+    ``balancer_start_step`` S > 0 (``train.balancer_start_step``, a warm start): the step's index lives on the
+    device (``step.index``, a 0-dim int64 starting at ``first_step``, the optimizer steps already done, +1 at the
+    end of every call) and the switch is arithmetic on it, so one captured graph serves both sides: while
+    index < S the aux loss is replaced by zero (``torch.where``: no gradient reaches it) and the balancer's
+    update is undone (:func:`moelab.train.balancer.gate`: zero bias, ``quantile_load`` averages at 1), as the
+    eager path does with host branches. S = 0: no counter, the step as without a warm start.
     """
     from moelab.model.balance import balance_step
+    from moelab.train.balancer import gate
 
     params = [p for p in model.parameters() if p.requires_grad]
     device_type = params[0].device.type
+    index = torch.full((), first_step, dtype=torch.long, device=params[0].device) if balancer_start_step else None
 
     def step(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         with torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None,
                             cache_enabled=False):
             out = model(batch["input_ids"], batch["targets"], return_logits=False, check_ids=False,
                         segment_ids=batch.get("segment_ids"))
-        loss = out.loss + out.aux_loss
+        aux, on = out.aux_loss, None
+        if index is not None:  # warm start: the balancer is on from step index S (0-based), device-side
+            on = index >= balancer_start_step
+            aux = torch.where(on, aux, torch.zeros_like(aux))
+        loss = out.loss + aux
         loss.backward()
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
         balanced = balance_step(model)
+        if on is not None:
+            if balanced is not None:
+                gate(model, balanced, on)
+            index.add_(1)
         if grad_clip:
             torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        res = {"loss": loss.detach(), "ce": out.loss.detach(), "aux_loss": out.aux_loss.detach(), "grad_norm": norm}
+        res = {"loss": loss.detach(), "ce": out.loss.detach(), "aux_loss": aux.detach(), "grad_norm": norm}
         if balanced is not None:
             step.balance_layers = balanced.layers
             res.update({"balance/load": balanced.load, "balance/bias": balanced.bias},
@@ -96,6 +114,7 @@ def train_step_fn(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad
         return res
 
     step.balance_layers = []
+    step.index = index
     return step
 
 
@@ -269,7 +288,8 @@ class LitMoELab(L.LightningModule):
         if self._captured is None:
             optimizer = self.optimizers().optimizer
             dtype = torch.bfloat16 if str(self.trainer.precision).startswith("bf16") else None
-            self._train_step = train_step_fn(self.model, optimizer, self.cfg.train.grad_clip, dtype)
+            self._train_step = train_step_fn(self.model, optimizer, self.cfg.train.grad_clip, dtype,
+                                             self.cfg.train.balancer_start_step, self.global_step)
             self._captured = CapturedStep(self._train_step)
         out = self._captured({"input_ids": batch["input_ids"], "targets": batch["targets"]})
         self.step_scalars = {"train/loss": out["loss"], "train/ce": out["ce"], "train/aux_loss": out["aux_loss"],
