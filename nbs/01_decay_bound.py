@@ -63,7 +63,7 @@ out = Path(out_dir)
 (out / "results").mkdir(parents=True, exist_ok=True)
 P = study.PRESETS[preset]
 if common.split_from_env() is not None:  # a split call (RUNS=/SHARD=) trains its runs first, then stops at the grid
-    study.train_gates(preset, out)
+    study.train(preset, out)
 
 # %% [markdown]
 # ## 1. Where the bounded kernel's sub-tile overflows
@@ -126,7 +126,7 @@ pd.DataFrame({arm: {"non-gate parameters bitwise equal to softplus's": same[arm]
               for arm, g in g0.items()}).T
 
 # %%
-grid = None if from_results else study.train_gates(preset, out)
+grid = None if from_results else study.train(preset, out)
 runs = report.result_table(out / "results" / "runs.csv", lambda: grid.table(), from_results)
 histories = report.result_table(out / "results" / "loss_histories.csv", lambda: grid.histories(), from_results)
 common.aggregate(runs)[list(common.STUDY_METRICS) + ["n_seeds"]]

@@ -8,7 +8,7 @@ The measurements the notebook ``nbs/01_decay_bound.py`` calls, in its order:
    dtype), against an exact fp64 element-wise tile, swept over the bound ``g_min``;
    :func:`kernel_overflow_rows` runs the real Triton op in bounded mode on decays below its bound.
 2. A grid of language models that differ only in the gate (``ARMS``: bounded at three bounds,
-   softplus), several seeds each (:func:`train_gates`); per trained model the decay against the
+   softplus), several seeds each (:func:`train`); per trained model the decay against the
    bound and the per-tile cumulative decay (:func:`gate_decay_rows`), and loss by position past the
    training length (:func:`extrapolation_rows`).
 3. :func:`fast_forgetting`: a task that needs fast forgetting, where an unbounded gate shows how
@@ -467,7 +467,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                  "monitor_every": 100, "monitor_windows": 2,
                  "eval_windows": 4, "overflow_shape": (2, 1024, 4, 128),
                  "overflow_g_mins": (*[-5 - 0.25 * i for i in range(29)], -8.05, -8.1, -11.05, -11.1),
-                 "forget_steps": 3000, "forget_seeds": (0, 1, 2)},
+                 "forget_steps": 3000, "forget_seeds": (0, 1, 2),
+                 # the source every research record was fingerprinted with (the harness pins it, so report-side
+                 # commits after the first split call do not retrain the records): keep it while records exist
+                 "source_pin": "s1research-1",
+                 # softplus seeds whose record keeps its trained log decays (real_g, ~1.2 MB an evals file):
+                 # the op's check on 9 trained layers of one model answers "does the real op stay finite on
+                 # trained decays"; more seeds of the same gate add size, not a new question
+                 "real_g_seeds": (0,)},
 }
 KERNEL_RESULTS = ("kernels/results/kda_h200.json", "kernels/results/kda_long_h200.json")
 
@@ -517,24 +524,23 @@ def gate_parameter_names(model: torch.nn.Module) -> set[str]:
             for p in ("A_log", "f_up.bias")}
 
 
-def train_gates(preset: str, out_dir: str | Path, extra: Mapping[str, Any] | None = None) -> common.Grid:
+def train(preset: str, out_dir: Path) -> common.Grid:
     """Train every arm at every seed of ``preset`` (finished runs are reused); see ``PRESETS``.
 
-    Each run is measured by :func:`evaluate_run` in its training process when it ends (the
-    records' ``evals``), and writes one checkpoint, at its end. With a preset's ``monitor_every``
-    (research), :func:`decay_monitor` measures the decay every that many steps during training
-    (the records' ``trajectory``).
+    The harness calls it for a split call (``RUNS=`` / ``SHARD=``), the notebook's grid cell for a whole one.
+    Each run is measured by :func:`evaluate_run` in its training process when it ends (the records'
+    ``evals``), and writes one checkpoint, at its end. With a preset's ``monitor_every`` (research),
+    :func:`decay_monitor` measures the decay every that many steps during training (the records' ``trajectory``).
 
     Args:
         out_dir: the study folder; runs go to ``<out_dir>/checkpoints/<arm>-s<seed>``.
-        extra: more ``--set`` style overrides for every arm.
     """
     p = _preset(preset)
-    evaluate = functools.partial(evaluate_run, eval_windows=p["eval_windows"], real_g_tokens=p["overflow_shape"][1])
+    evaluate = functools.partial(evaluate_run, eval_windows=p["eval_windows"], real_g_tokens=p["overflow_shape"][1],
+                                 real_g_seeds=p.get("real_g_seeds"))
     monitor = (p["monitor_every"], decay_monitor(p["monitor_windows"])) if p.get("monitor_every") else None
-    return common.run_grid(STUDY, p["base"], arms_of(preset), p["seeds"], out_dir,
-                           common={**p["overrides"], **(extra or {})}, evaluate=evaluate, checkpoints="final",
-                           monitor=monitor)
+    return common.run_grid(STUDY, p["base"], arms_of(preset), p["seeds"], out_dir, common=p["overrides"],
+                           evaluate=evaluate, checkpoints="final", monitor=monitor)
 
 
 def arm_bound(grid: common.Grid, arm: str) -> float:
@@ -566,7 +572,8 @@ REAL_G_TOKENS = 128  # most tokens of a softplus layer's log decay a record keep
 
 
 def evaluate_run(model: torch.nn.Module, cfg: Any, eval_windows: int, real_g_tokens: int, decay_windows: int = 2,
-                 factor: int = EXTRAPOLATE, bins: int = 16) -> dict[str, Any]:
+                 factor: int = EXTRAPOLATE, bins: int = 16, real_g_seeds: Sequence[int] | None = None
+                 ) -> dict[str, Any]:
     """What the study measures on one trained model; ``common.run_grid`` calls it when the training ends.
 
     Runs on the model's training device under the training's autocast (bf16 on a GPU, none on a
@@ -579,6 +586,7 @@ def evaluate_run(model: torch.nn.Module, cfg: Any, eval_windows: int, real_g_tok
         real_g_tokens: tokens of the first decay window a softplus model keeps for the kernel check
             (at most ``REAL_G_TOKENS``, so a run's record stays small enough to carry back from a GPU call).
         decay_windows: validation windows of the training length for the decay statistics.
+        real_g_seeds: the seeds whose softplus model keeps ``real_g`` (None: every seed).
 
     Returns:
         ``decay``: per KDA layer ``{"layer", "bound", **decay_stats}`` against the arm's bound (its
@@ -600,7 +608,7 @@ def evaluate_run(model: torch.nn.Module, cfg: Any, eval_windows: int, real_g_tok
         out["decay"].append({"layer": layer, "bound": bound, **decay_stats(g, bound)})
         td = tile_decays(g)
         out["tile_decay"][layer] = td[torch.randperm(td.numel(), generator=gen)[:TILE_SAMPLE]].clone()
-        if kda.gate == "softplus":
+        if kda.gate == "softplus" and (real_g_seeds is None or cfg.seed in real_g_seeds):
             out["real_g"][layer] = g[:1, :min(real_g_tokens, REAL_G_TOKENS)].to(torch.bfloat16)
     out["extrapolation"] = loss_by_position(model, cfg, eval_windows, factor, bins)
     return out
@@ -675,7 +683,7 @@ def decay_monitor(windows: int = 2) -> Any:
 
 def _evals(rec: common.RunRecord) -> dict[str, Any]:
     if rec.evals is None:
-        raise ValueError(f"run {rec.arm}-s{rec.seed} has no evaluation: train it with train_gates")
+        raise ValueError(f"run {rec.arm}-s{rec.seed} has no evaluation: train it with decay_bound.train")
     return rec.evals
 
 
@@ -1248,14 +1256,16 @@ def cost_findings(runs: Any, decay: Any, reference: str = "softplus", metric: st
                   ) -> list[report.Finding]:
     """The research tier's dose-response: per bounded arm, its val loss minus ``reference``'s, paired by seed with a
     95% t interval (``report.compare``), "not tested" where that arm's bound never binds (:func:`binds_by_arm`),
-    tightest bound first."""
-    binds = binds_by_arm(decay, reference)
+    tightest bound first; with one common seed a measured difference without an interval (no verdict)."""
     ref = report.by_seed(runs, reference, metric)
-    out = []
-    for arm, b in sorted(binds.items(), key=lambda kv: -kv[1]["bound"]):
-        out.append(report.compare(f"What does the bound {b['bound']:g} cost in val loss ({arm} minus {reference})",
-                                  report.by_seed(runs, arm, metric), ref, unit="nats", precondition=b["reason"]))
-    return out
+    return [_paired_finding(f"What does the bound {b['bound']:g} cost in val loss ({arm} minus {reference})",
+                            report.by_seed(runs, arm, metric), ref, unit="nats", precondition=b["reason"])
+            for arm, b in cost_arms(decay, reference).items()]
+
+
+def cost_arms(decay: Any, reference: str = "softplus") -> dict[str, dict[str, Any]]:
+    """:func:`binds_by_arm`, tightest bound first (the order of :func:`cost_findings`)."""
+    return dict(sorted(binds_by_arm(decay, reference).items(), key=lambda kv: -kv[1]["bound"]))
 
 
 def binds_finding(decay: Any, reference: str = "softplus") -> report.Finding:
@@ -1361,33 +1371,512 @@ def findings(rep: report.Report) -> str:
     return rep.markdown()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m moelab.studies.decay_bound speed --out FILE``: :func:`e2e_speed` at its research sizes, as JSON."""
-    import argparse
+# --- research tier: the standalone GPU parts and the report that reads them ------------------------------------
+# Every GPU-bound measurement of the research tier is its own command writing one raw JSON into RESULTS_DIR; the
+# report (``make study-1 PRESET=research`` once every record is committed) only reads the records and these files
+# and runs on a CPU. A part whose file is missing is reported as not measured.
 
+RESULTS_DIR = "studies/01_decay_bound/results"
+RECORDS_DIR = "studies/01_decay_bound/records/research"
+OVERFLOW_FILE = f"{RESULTS_DIR}/overflow_research.json"
+FORGETTING_FILE = f"{RESULTS_DIR}/forgetting_research.json"
+RESEARCH_FILES = {"speed": SPEED_FILE, "overflow": OVERFLOW_FILE, "forgetting": FORGETTING_FILE}
+PART_COMMANDS = {part: f"python -m moelab.studies.decay_bound {part} --out {path}"
+                 for part, path in RESEARCH_FILES.items()}
+
+
+def _repo_relative(path: str | Path, default: str) -> str:
+    """``path`` relative to the repository when inside it, else ``default`` (where the file is committed): a result
+    file names its output in the repository, never the scratch folder a GPU call wrote it to."""
+    from moelab.base import repo_root
+
+    p, root = Path(path).resolve(), repo_root().resolve()
+    return p.relative_to(root).as_posix() if p.is_relative_to(root) else default
+
+
+def part_command(part: str, out: str | Path, args: Sequence[str] = ()) -> list[str]:
+    """The command line a part's result file records: ``python -m moelab.studies.decay_bound <part> [args] --out
+    <its path in the repository>`` (``RESEARCH_FILES[part]`` when ``out`` lies outside the repository)."""
+    if part not in RESEARCH_FILES:
+        raise ValueError(f"part={part!r} is not allowed: expected one of {tuple(RESEARCH_FILES)}")
+    return ["python", "-m", "moelab.studies.decay_bound", part, *args, "--out",
+            _repo_relative(out, RESEARCH_FILES[part])]
+
+
+def softplus_real_g(records_dir: str | Path, preset: str = "research") -> dict[str, torch.Tensor]:
+    """The trained softplus log decays the records keep (``evals["real_g"]``; the research preset keeps seed 0's:
+    ``PRESETS["research"]["real_g_seeds"]``): ``{"<arm>-s<seed>/<layer>": g [1, T, H, K] bf16}``, grid order."""
+    p = _preset(preset)
+    out: dict[str, torch.Tensor] = {}
+    for arm, ov in arms_of(preset).items():
+        if ov["model.kda.gate"] != "softplus":
+            continue
+        for seed in p["seeds"]:
+            path = common.record_path(records_dir, arm, seed).with_suffix(".evals.pt")
+            if path.is_file():
+                ev = torch.load(path, weights_only=True)
+                out.update({f"{arm}-s{seed}/{layer}": g for layer, g in ev.get("real_g", {}).items()})
+    return out
+
+
+def overflow_part(preset: str = "research", records_dir: str | Path = RECORDS_DIR,
+                  shape: tuple[int, int, int, int] | None = None, g_mins: Sequence[float] | None = None,
+                  real_tokens: int | None = None, command: Sequence[str] | None = None) -> dict[str, Any]:
+    """The real Triton op's error vs the decay, on a GPU (bf16): :func:`kernel_overflow_rows` over ``preset``'s
+    ``overflow_g_mins`` at its ``overflow_shape`` (told -5 and told each decay's own g_min), and
+    :func:`real_g_kernel_rows` on the trained softplus decays of ``records_dir`` (first ``real_tokens`` tokens).
+
+    Returns:
+        ``{"meta": provenance (``command``), "config": {...}, "synthetic": rows, "trained": rows, "wall_s"}``;
+        a row's ``rel_err`` is inf (null in the file) where the output is not finite.
+    """
+    import time
+
+    from moelab import provenance
+
+    p = _preset(preset)
+    t0 = time.perf_counter()
+    shape = tuple(shape or p["overflow_shape"])
+    g_mins = [float(g) for g in (g_mins or p["overflow_g_mins"])]
+    real_g = softplus_real_g(records_dir, preset)
+    tokens = min(real_tokens or shape[1], REAL_G_TOKENS)
+    synthetic = kernel_overflow_rows(g_mins, shape)  # type: ignore[arg-type]
+    trained = real_g_kernel_rows(real_g, max_tokens=tokens)
+    return {"meta": provenance.provenance(command),
+            "config": {"preset": preset, "shape": list(shape), "g_mins": g_mins, "tolds": [REFERENCE_BOUND, "own"],
+                       "records": _repo_relative(records_dir, RECORDS_DIR), "real_g": sorted(real_g),
+                       "real_tokens": tokens, "reference": "fp32 token recurrence (naive_recurrent_kda)"},
+            "synthetic": synthetic, "trained": trained, "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def forgetting_part(preset: str = "research", steps: int | None = None, seeds: Sequence[int] | None = None,
+                    command: Sequence[str] | None = None) -> dict[str, Any]:
+    """:func:`fast_forgetting` for every arm of ``preset`` (``forget_steps`` steps, ``forget_seeds``), with each
+    run's plateau flags. Returns ``{"meta", "config", "rows", "wall_s"}``."""
+    import time
+
+    from moelab import provenance
+
+    p = _preset(preset)
+    t0 = time.perf_counter()
+    steps = int(steps or p["forget_steps"])
+    seeds = [int(s) for s in (seeds if seeds is not None else p["forget_seeds"])]
+    bounds = forgetting_bounds(preset)
+    rows = fast_forgetting(bounds, steps=steps, seeds=seeds)
+    return {"meta": provenance.provenance(command),
+            "config": {"preset": preset, "bounds": bounds, "steps": steps, "seeds": seeds, "target_fast": -8.0,
+                       "converged": "plateau: the mean loss over the last 10% of steps within 1% of the 10% "
+                                    "before it"},
+            "rows": rows, "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def read_part(part: str, results_dir: str | Path | None = None) -> dict[str, Any] | None:
+    """A part's committed result file (``RESEARCH_FILES[part]``'s name in ``results_dir``, default the committed
+    results folder), inf restored where the file holds null for a non-finite error; None when not measured."""
+    if part not in RESEARCH_FILES:
+        raise ValueError(f"part={part!r} is not allowed: expected one of {tuple(RESEARCH_FILES)}")
+    name = Path(RESEARCH_FILES[part]).name
+    data = read_speed(Path(results_dir) / name if results_dir is not None else RESEARCH_FILES[part])
+    for key in ("synthetic", "trained"):
+        for r in (data or {}).get(key, []):
+            for k in ("rel_err", "rel_err_general"):
+                if r.get(k) is None:
+                    r[k] = math.inf
+    return data
+
+
+def research_parts(results_dir: str | Path | None = None) -> dict[str, dict[str, Any] | None]:
+    """``{part: read_part(part) or None}`` for every standalone part (speed, overflow, forgetting)."""
+    return {part: read_part(part, results_dir) for part in RESEARCH_FILES}
+
+
+def _not_measured(part: str) -> str:
+    return f"not measured: no {Path(RESEARCH_FILES[part]).name} (run `{PART_COMMANDS[part]}` on a GPU)"
+
+
+# --- research tier: tables and figures --------------------------------------------------------------------------
+
+def first_binding_step(traj: Any) -> dict[str, float | None]:
+    """Per arm, the first monitored step at which the mean over seeds of the largest layer's share of channels
+    within 5% of the bound is > 0 (None: never). ``traj``: ``Grid.trajectories()``."""
+    out: dict[str, float | None] = {}
+    for arm, sel in traj.groupby("arm", sort=False):
+        share = sel.groupby("step").frac_channels_near_bound.mean()
+        hit = share[share > 0]
+        out[arm] = float(hit.index.min()) if len(hit) else None
+    return out
+
+
+def trajectory_figure(traj: Any, reference: str = "softplus") -> Any:
+    """The decay during training (the monitor's points): left, the most negative g over layers, ``|min g|`` on a
+    log axis, per run (thin) and the mean over seeds (bold), each bound dashed in its arm's colour (softplus: no
+    bound; K3's -5 drawn grey); right, the largest layer's share of channels within 5% of the bound."""
+    fig, (ax, bx) = _figure(12, 4.4, 2)
+    colors = report.palette(list(ARM_OVERRIDES))
+    for arm, sel in traj.groupby("arm", sort=False):
+        c = colors.get(arm)
+        for _, run in sel.groupby("seed"):
+            ax.plot(run.step, -run.g_min, color=c, lw=0.7, alpha=0.4)
+            bx.plot(run.step, 100 * run.frac_channels_near_bound, color=c, lw=0.7, alpha=0.4)
+        mean = sel.groupby("step")[["g_min", "frac_channels_near_bound"]].mean()
+        n = sel.seed.nunique()
+        ax.plot(mean.index, -mean.g_min, color=c, lw=2, label=f"{arm} ({n} seed{'s' * (n != 1)})")
+        bx.plot(mean.index, 100 * mean.frac_channels_near_bound, color=c, lw=2, label=arm)
+        if arm != reference:
+            ax.axhline(-float(sel.bound.iloc[0]), color=c, ls="--", lw=1)
+    ax.axhline(-REFERENCE_BOUND, color="gray", ls=":", lw=1, label="-5 (K3's bound; softplus has none)")
+    ax.set_yscale("log")
+    ax.set(xlabel="optimizer step", ylabel="|most negative g| over layers (nats/token)",
+           title="most negative log decay (dashed: each arm's bound)")
+    bx.set(xlabel="optimizer step", ylabel="% of channels within 5% of the bound (largest layer)",
+           title="share of channels at the bound (softplus: at -5)")
+    for a in (ax, bx):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def final_histograms(grid: common.Grid) -> dict[str, list[float]]:
+    """Per arm, the share of log-decay entries in each ``|g|`` bin of ``DECAY_EDGES`` at the last monitored step
+    (mean over seeds): ``{arm: [share per bin]}``, one more bin than edges (past the last edge)."""
+    per: dict[str, list[list[float]]] = {}
+    for rec in grid.records:
+        if rec.trajectory:
+            per.setdefault(rec.arm, []).append(rec.trajectory[-1]["hist"])
+    return {arm: [sum(col) / len(col) for col in zip(*h)] for arm, h in per.items()}
+
+
+def histogram_figure(hists: Mapping[str, Sequence[float]]) -> Any:
+    """:func:`final_histograms` as grouped bars over the ``|g|`` bins (log y)."""
+    fig, (ax,) = _figure(10, 4)
+    colors = report.palette(list(ARM_OVERRIDES))
+    labels = [f"{lo:g}-{hi:g}" for lo, hi in zip(DECAY_EDGES, DECAY_EDGES[1:])] + [f">{DECAY_EDGES[-1]:g}"]
+    width = 0.8 / max(len(hists), 1)
+    for i, (arm, h) in enumerate(hists.items()):
+        xs = [j + (i - (len(hists) - 1) / 2) * width for j in range(len(h))]
+        ax.bar(xs, [max(v, 1e-9) for v in h], width, color=colors.get(arm), label=arm)
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=1e-7)
+    ax.set_xticks(range(len(labels)), labels, rotation=30, fontsize=7)
+    ax.set(xlabel="|g| (nats/token)", ylabel="share of entries (token, layer, head, channel)",
+           title="log-decay distribution at the end of training (mean over seeds)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def cost_figure(costs: Sequence[report.Finding], arms: Mapping[str, Mapping[str, Any]]) -> Any:
+    """Each bound's val loss minus softplus's (:func:`cost_findings`, in the order of ``arms`` =
+    :func:`cost_arms`): the paired mean over seeds with its 95% t interval (a bare dot with one seed); hollow where
+    the bound never binds (not tested)."""
+    fig, (ax,) = _figure(6.4, 4)
+    colors = report.palette(list(ARM_OVERRIDES))
+    for i, (f, arm) in enumerate(zip(costs, arms)):
+        iv = f.number
+        err = [[iv.mean - iv.low], [iv.high - iv.mean]] if iv.known else None
+        ax.errorbar([i], [iv.mean], yerr=err, fmt="o", ms=7, capsize=5, color=colors.get(arm),
+                    mfc="white" if f.status == "not tested" else colors.get(arm))
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(range(len(costs)), [f"{b['bound']:g}" for b in arms.values()])
+    ax.set(xlabel="bound g_min (tightest first; hollow: never binds)", ylabel="best val loss minus softplus (nats)",
+           title="what the bound costs (95% paired t interval)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def e2e_speed_figure(speed: Mapping[str, Any]) -> Any:
+    """The all-KDA model's bounded/softplus training tokens/s per length: every paired round (dots), the median
+    (bar) and the rounds' range (whisker)."""
+    fig, (ax,) = _figure(6.4, 4)
+    ratios = speed["ratios"]
+    for i, r in enumerate(ratios):
+        ax.bar([i], [r["median"] - 1], bottom=1, color="C0", alpha=0.5, width=0.5)
+        ax.errorbar([i], [r["median"]], yerr=[[r["median"] - r["min"]], [r["max"] - r["median"]]], color="k",
+                    capsize=6)
+        ax.plot([i] * len(r["rounds"]), r["rounds"], "o", color="C1", ms=4)
+    ax.axhline(1, color="k", lw=0.8)
+    ax.set_xticks(range(len(ratios)), [f"T={r['T'] // 1024}K, B={r['B']}" for r in ratios])
+    ax.set(ylabel="bounded / softplus tokens/s", title=f"all-KDA training step, {speed['meta'].get('gpu')}")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig
+
+
+def overflow_error_table(rows: Sequence[Mapping[str, Any]]) -> Any:
+    """The real op's relative error of o vs the swept g (rows: ``overflow_part``'s ``synthetic``): one row per
+    g_min, one column per (what the op was told, decay pattern); "non-finite" where the output is not finite."""
+    import pandas as pd
+
+    table: dict[str, dict[float, Any]] = {}
+    for r in rows:
+        col = f"{_told_label(r['told_bound'], r['told'])}, {r['pattern']}"
+        table.setdefault(col, {})[r["bound"]] = (f"{r['rel_err']:.2e}" if r["nonfinite"] == 0 and
+                                                 math.isfinite(r["rel_err"]) else "non-finite")
+    df = pd.DataFrame(table).sort_index(ascending=False)
+    df.index.name = "g_min"
+    return df
+
+
+# --- research tier: findings and summary ------------------------------------------------------------------------
+
+def speed_finding(speed: Mapping[str, Any] | None) -> report.Finding:
+    """What the bound buys end to end where KDA dominates: bounded/softplus tokens/s per length, the median of the
+    paired rounds and their range; not tested where the file is missing."""
+    q = "What does the bound buy in end-to-end training speed (all-KDA model, bounded over softplus tokens/s)"
+    if not speed:
+        return report.not_tested(q, _not_measured("speed"))
+    parts = [f"{r['median']:.3f}x at T={r['T']:,} B={r['B']} (rounds {r['min']:.3f}-{r['max']:.3f}, "
+             f"{len(r['rounds'])} paired rounds)" for r in speed["ratios"]]
+    return report.Finding(q, "measured", answer="; ".join(parts) + f" ({speed['meta'].get('gpu')})")
+
+
+def overflow_summary(overflow: Mapping[str, Any] | None, tol: float = 1e-2) -> dict[str, Any] | None:
+    """The op's error vs g (:func:`overflow_part`'s file): per told case and pattern the error at the told bound
+    (told -5), the most negative swept g with error < ``tol``, the first non-finite g; on the trained softplus
+    decays, layers, min g, non-finite layers and the worst error. None when not measured."""
+    if not overflow:
+        return None
+    out: dict[str, Any] = {"dtype": overflow["synthetic"][0]["dtype"] if overflow["synthetic"] else None,
+                           "shape": overflow["config"]["shape"], "cases": {}}
+    for r in overflow["synthetic"]:
+        key = f"{'told_own' if r['told_bound'] else 'told_' + format(r['told'], 'g')}_{r['pattern']}"
+        case = out["cases"].setdefault(key, {"errors": {}, "first_nonfinite": None, "last_within_tol": None})
+        ok = r["nonfinite"] == 0 and math.isfinite(r["rel_err"])
+        case["errors"][format(r["bound"], "g")] = r["rel_err"] if ok else None
+        if not ok and (case["first_nonfinite"] is None or r["bound"] > case["first_nonfinite"]):
+            case["first_nonfinite"] = r["bound"]
+    for case in out["cases"].values():
+        good = [float(g) for g, e in case["errors"].items() if e is not None and e < tol
+                and (case["first_nonfinite"] is None or float(g) > case["first_nonfinite"])]
+        case["last_within_tol"] = min(good, default=None)
+        case["at_-5"] = case["errors"].get("-5")
+    trained = overflow.get("trained", [])
+    out["trained"] = {"layers": len(trained), "g_min": min((r["g_min"] for r in trained), default=None),
+                      "layers_nonfinite": sum(r["nonfinite"] > 0 for r in trained),
+                      "worst_rel_err": max((r["rel_err"] for r in trained), default=None),
+                      "worst_rel_err_general": max((r["rel_err_general"] for r in trained), default=None),
+                      "sources": sorted({r["source"].split("/")[0] for r in trained})}
+    return out
+
+
+def overflow_finding(overflow: Mapping[str, Any] | None) -> report.Finding:
+    """The op's error vs g as measured (told -5, constant decay) and on the trained softplus decays."""
+    q = "How accurate is the real bounded op near and past its bound (told -5, constant decay; error of o)"
+    s = overflow_summary(overflow)
+    if s is None:
+        return report.not_tested(q, _not_measured("overflow"))
+    c = s["cases"].get("told_-5_constant", {})
+    errs = c.get("errors", {})
+    shown = "; ".join(f"g {g}: {'non-finite' if e is None else f'{e:.1e}'}" for g, e in errs.items()
+                      if float(g) in (-5.0, -6.0, -7.0, -8.0, -8.05, -8.1, -11.0, -12.0))
+    t = s["trained"]
+    trained = (f"; on {t['layers']} trained softplus layers (min g {t['g_min']:.2f}) non-finite in "
+               f"{t['layers_nonfinite']}, worst error {t['worst_rel_err']:.1e}" if t["layers"] else
+               "; no trained softplus decay in the records")
+    first = c.get("first_nonfinite")
+    return report.Finding(q, "measured", answer=(
+        f"{shown}; within 1% down to g = {c.get('last_within_tol')}, first non-finite at "
+        f"{'none swept' if first is None else f'{first:g}'} ({s['dtype']}){trained}"))
+
+
+def forgetting_findings(forgetting: Mapping[str, Any] | None, reference: str = "softplus") -> list[report.Finding]:
+    """Per bounded arm of the fast-forgetting task, its log10 final loss minus ``reference``'s, paired by seed with
+    a 95% t interval, tightest bound first; "not tested" where a compared run has not converged (its last 20% of
+    steps still moving > 1%: :func:`plateau`), unless only the reference's runs are still falling while the bounded
+    arm is already worse (the gap can only grow: reported as a lower bound); or where the file is missing."""
+    import pandas as pd
+
+    q = "Does the bound {b:g} hurt a task that needs fast forgetting ({arm} minus {ref}, log10 final loss)"
+    if not forgetting:
+        return [report.not_tested("Does a bound hurt a task that needs fast forgetting", _not_measured("forgetting"))]
+    rows = pd.DataFrame(forgetting["rows"])
+    rows["log10_final_loss"] = rows.final_loss.map(math.log10)
+    ref = report.by_seed(rows, reference, "log10_final_loss")
+    out = []
+    arms = sorted((a for a in dict.fromkeys(rows.arm) if a != reference),
+                  key=lambda a: -float(rows[rows.arm == a].bound.iloc[0]))
+    for arm in arms:
+        sel = rows[rows.arm.isin([arm, reference])]
+        moving = sel[~sel.last20_converged.astype(bool)]
+        a, b = report.by_seed(rows, arm, "log10_final_loss"), ref
+        iv = report.paired(a, b)
+        # only the reference still falling while the bounded arm is already worse: the gap can only grow
+        lower_bound = (not moving.empty and (moving.arm == reference).all() and (moving.last20_change < 0).all()
+                       and iv.known and iv.low > 0)
+        names = ", ".join(f"{x}/s{s}" for x, s in zip(moving.arm, moving.seed))
+        reason = (None if moving.empty or lower_bound else
+                  f"not converged: {len(moving)} of {len(sel)} runs still move > 1% over the last 20% of "
+                  f"{forgetting['config']['steps']} steps ({names})")
+        f = _paired_finding(q.format(b=float(rows[rows.arm == arm].bound.iloc[0]), arm=arm, ref=reference), a, b,
+                            unit="log10", digits=2, precondition=reason)
+        if lower_bound:
+            f.answer = f"{reference} still falling ({names}): a lower bound on the gap"
+        out.append(f)
+    return out
+
+
+def _paired_finding(question: str, a: Mapping[int, float], b: Mapping[int, float], unit: str, digits: int = 3,
+                    precondition: str | None = None) -> report.Finding:
+    """``report.compare``, except that one common seed gives a measured difference without an interval (not a
+    verdict: a single seed cannot tell an effect from noise)."""
+    f = report.compare(question, a, b, unit=unit, digits=digits, precondition=precondition)
+    if f.status in ("better", "worse", "noise") and f.number.n < 2:
+        return report.Finding(question, "measured", f.number, answer="one seed, no interval", unit=unit,
+                              digits=digits, signed=True)
+    return f
+
+
+def research_summary(grid: common.Grid, runs: Any, decay: Any, parts: Mapping[str, Any], preset: str = "research",
+                     reference: str = "softplus") -> dict[str, Any]:
+    """The research tier's ``summary.json`` (before :func:`report.attach`): meta (with GPU minutes per run and in
+    all, and each standalone part's file, commit and date), per arm the val loss and the decay at the end of
+    training, the precondition per bound, the end-to-end speed, the op's error vs g and the forgetting rows."""
+    traj = grid.trajectories()
+    per_run = {f"{r.arm}/s{r.seed}": r.timing.get("gpu_minutes") for r in grid.records}
+    standalone = {part: ({"file": RESEARCH_FILES[part], "commit": d["meta"].get("commit"), "gpu": d["meta"].get("gpu"),
+                          "date": d["meta"].get("date"), "command": d["meta"].get("command"),
+                          "wall_s": d.get("wall_s")} if d else {"file": RESEARCH_FILES[part], "measured": False})
+                  for part, d in parts.items()}
+    meta = common.study_meta(STUDY, preset, grid, gpu_minutes_per_run=per_run, standalone_parts=standalone)
+    last = traj.sort_values("step").groupby(["arm", "seed"], sort=False).tail(1) if len(traj) else traj
+    first = first_binding_step(traj) if len(traj) else {}
+    arms = {}
+    for arm in dict.fromkeys(runs.arm):
+        t, end = runs[runs.arm == arm], (last[last.arm == arm] if len(last) else last)
+        arms[arm] = {"gate": ARM_OVERRIDES[arm]["model.kda.gate"], "bound": arm_bound(grid, arm),
+                     "seeds": [int(s) for s in t.seed], "steps": int(t.steps.max()),
+                     **{m: _ms(t[m]) for m in ("best_val_loss", "final_val_loss", "final_train_loss")},
+                     "gpu_minutes": float(t.gpu_minutes.fillna(0).sum()),
+                     "end_g_min": _ms(end.g_min) if len(end) else _ms([]),
+                     "end_frac_channels_near_bound": _ms(end.frac_channels_near_bound) if len(end) else _ms([]),
+                     "first_binding_step": first.get(arm)}
+    binds = {a: {**b, "g_min": {str(k): v for k, v in b["g_min"].items()}}
+             for a, b in binds_by_arm(decay, reference).items()}
+    speed = parts.get("speed")
+    forgetting = parts.get("forgetting")
+    return {"meta": meta, "factor": {k: dict(v) for k, v in grid.factor.items()}, "arms": arms, "binds": binds,
+            "speed": ({"ratios": [{k: r[k] for k in ("T", "B", "median", "min", "max", "rounds", "tok_per_s")}
+                                  for r in speed["ratios"]]} if speed else None),
+            "overflow": overflow_summary(parts.get("overflow")),
+            "forgetting": ({"config": forgetting["config"], "rows": forgetting["rows"]} if forgetting else None)}
+
+
+def research_report(summary: Mapping[str, Any], runs: Any, decay: Any, parts: Mapping[str, Any],
+                    reference: str = "softplus") -> report.Report:
+    """The research tier's findings: the precondition first (:func:`binds_finding`), the loss cost of every bound
+    with its paired interval (:func:`cost_findings`, tightest first), the end-to-end speed (:func:`speed_finding`);
+    in the details the op's error vs g (:func:`overflow_finding`) and fast forgetting (:func:`forgetting_findings`),
+    then the cost of GPU time."""
+    import pandas as pd
+
+    lead = [binds_finding(decay, reference), *cost_findings(runs, decay, reference), speed_finding(parts.get("speed"))]
+    binds = binds_by_arm(decay, reference)
+    rows = {}
+    val = {a: report.by_seed(runs, a, "best_val_loss") for a in dict.fromkeys(runs.arm)}
+    for arm, s in summary["arms"].items():
+        rows[arm] = {"bound": "none" if arm == reference else f"{s['bound']:g}",
+                     "val loss": report.cell(report.mean_interval(list(val[arm].values())), 3, signed=False),
+                     f"minus {reference}": "" if arm == reference else report.cell(report.paired(val[arm],
+                                                                                             val[reference])),
+                     "share at bound (end)": "" if arm == reference else f"{binds[arm]['share']:.1%}",
+                     "first binds at step": "" if arm == reference or s["first_binding_step"] is None
+                     else f"{s['first_binding_step']:.0f}",
+                     "min g (end)": report.cell(report.mean_interval(decay[decay.arm == arm].groupby("seed").g_min
+                                                                     .min().tolist()), 2),
+                     "GPU min": f"{s['gpu_minutes']:.1f}"}
+    table = pd.DataFrame(rows).T
+    table.index.name = "arm"
+    meta = summary["meta"]
+    details = [f"{f.plain()}" for f in (overflow_finding(parts.get("overflow")),
+                                       *forgetting_findings(parts.get("forgetting"), reference))]
+    if meta.get("epochs") is not None:
+        details.append(f"Data: {meta['tokens_per_run']:,} tokens per run, {meta['epochs']:.2f} epochs of the "
+                       f"{meta['corpus_train_tokens']:,}-token training split, {runs.steps.max()} steps; "
+                       f"{meta['runs']} runs, {meta['gpu_minutes']:.1f} GPU minutes of training in all.")
+    return report.Report(lead, table, details)
+
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m moelab.studies.decay_bound {speed,overflow,forgetting} [--out FILE]``: the research tier's GPU
+    parts, each writing one raw JSON (default: its file in ``studies/01_decay_bound/results/``) whose meta records
+    the command with that repository path (a scratch ``--out`` outside the repository is recorded as that path)."""
+    import argparse
+    import sys
+    import time
+
+    from moelab import provenance
     from moelab.utils import write_json
 
     parser = argparse.ArgumentParser(prog="python -m moelab.studies.decay_bound", description=main.__doc__)
     sub = parser.add_subparsers(dest="what", required=True)
     sp = sub.add_parser("speed", help="end-to-end training tokens/s, bounded vs softplus, all-KDA model")
-    sp.add_argument("--out", default=SPEED_FILE, help=f"the JSON to write (default {SPEED_FILE})")
     sp.add_argument("--rounds", type=int, default=7)
     sp.add_argument("--window", type=int, default=3)
     sp.add_argument("--lengths", default=",".join(f"{T}x{B}" for T, B in SPEED_LENGTHS),
                     help="T x B pairs, comma-separated (e.g. 16384x2,65536x1)")
-    args = parser.parse_args(argv)
-    try:
-        lengths = [tuple(int(v) for v in item.split("x")) for item in args.lengths.split(",")]
-        if any(len(x) != 2 for x in lengths):
-            raise ValueError
-    except ValueError:
-        parser.error(f"--lengths {args.lengths!r} is not allowed: expected TxB pairs, comma-separated")
-    result = e2e_speed(lengths, rounds=args.rounds, window=args.window)
-    write_json(args.out, result)
-    for r in result["ratios"]:
-        print(f"T={r['T']} B={r['B']}: bounded/softplus tokens/s median {r['median']:.3f} "
-              f"[{r['min']:.3f}, {r['max']:.3f}] over {len(r['rounds'])} rounds; "
-              + ", ".join(f"{a} {v / 1e3:.0f}K tok/s" for a, v in r["tok_per_s"].items()))
+    op = sub.add_parser("overflow", help="the real op's error vs g: synthetic decays and the trained softplus ones")
+    op.add_argument("--preset", default="research", choices=tuple(PRESETS))
+    op.add_argument("--records", default=RECORDS_DIR, help=f"the records holding real_g (default {RECORDS_DIR})")
+    op.add_argument("--shape", default=None, help="BxTxHxK of the synthetic decays (default: the preset's)")
+    op.add_argument("--g-mins", default=None, help="comma-separated swept g (default: the preset's overflow_g_mins)")
+    op.add_argument("--real-tokens", type=int, default=None, help="tokens of each trained decay (default: all kept)")
+    fp = sub.add_parser("forgetting", help="fast_forgetting of every arm, with its plateau flags")
+    fp.add_argument("--preset", default="research", choices=tuple(PRESETS))
+    fp.add_argument("--steps", type=int, default=None, help="default: the preset's forget_steps")
+    fp.add_argument("--seeds", default=None, help="comma-separated (default: the preset's forget_seeds)")
+    for p in (sp, op, fp):
+        p.add_argument("--out", default=None, help="the JSON to write (default: the part's file in the repository)")
+    raw = list(argv) if argv is not None else sys.argv[1:]
+    args = parser.parse_args(raw)
+    out = args.out or RESEARCH_FILES[args.what]
+    # the recorded command: the arguments as given, the output named by its path in the repository
+    given = [a for i, a in enumerate(raw[1:], 1)
+             if a != "--out" and raw[i - 1] != "--out" and not a.startswith("--out=")]
+    command = part_command(args.what, out, given)
+
+    def numbers(text: str, kind: type, what: str, n: int | None = None, sep: str = ",") -> list:
+        try:
+            vals = [kind(v) for v in text.split(sep)]
+            if n is not None and len(vals) != n:
+                raise ValueError
+        except ValueError:
+            parser.error(f"{what} {text!r} is not allowed: expected {n or 'one or more'} numbers separated by '{sep}'")
+        return vals
+
+    if args.what == "speed":
+        try:
+            lengths = [tuple(int(v) for v in item.split("x")) for item in args.lengths.split(",")]
+            if any(len(x) != 2 for x in lengths):
+                raise ValueError
+        except ValueError:
+            parser.error(f"--lengths {args.lengths!r} is not allowed: expected TxB pairs, comma-separated")
+        t0 = time.perf_counter()
+        result = e2e_speed(lengths, rounds=args.rounds, window=args.window)
+        result["meta"]["command"] = provenance.provenance(command)["command"]
+        result["wall_s"] = round(time.perf_counter() - t0, 1)
+        write_json(out, result)
+        for r in result["ratios"]:
+            print(f"T={r['T']} B={r['B']}: bounded/softplus tokens/s median {r['median']:.3f} "
+                  f"[{r['min']:.3f}, {r['max']:.3f}] over {len(r['rounds'])} rounds; "
+                  + ", ".join(f"{a} {v / 1e3:.0f}K tok/s" for a, v in r["tok_per_s"].items()))
+    elif args.what == "overflow":
+        result = overflow_part(args.preset, args.records,
+                               shape=tuple(numbers(args.shape, int, "--shape", 4, "x")) if args.shape else None,
+                               g_mins=numbers(args.g_mins, float, "--g-mins") if args.g_mins else None,
+                               real_tokens=args.real_tokens, command=command)
+        write_json(out, result)
+        print(overflow_finding(result).plain())
+    else:
+        result = forgetting_part(args.preset, steps=args.steps,
+                                 seeds=numbers(args.seeds, int, "--seeds") if args.seeds else None, command=command)
+        write_json(out, result)
+        for f in forgetting_findings(result):
+            print(f.plain())
+    print(f"wrote {out}" + (f" ({result['wall_s']} s)" if "wall_s" in result else ""))
     return 0
 
 
