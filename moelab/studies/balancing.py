@@ -904,8 +904,17 @@ def findings(rep: report.Report) -> str:
 # 64 x 256 runs (the same 16,384 tokens per step, 8x as many sequences) stop AFTER_STEPS after the switch.
 # The model is the gpu preset's (gpu-small's width, KDA/MLA mix and corpus at 4 layers, 3 MoE layers of 64
 # experts top-8): the question is the router's, and at this depth a step costs ~55 ms eager on one H200
-# (records/gpu: 299K tokens/s at 16K tokens per step), 4x less than gpu-small's 12 layers.
-# Eager: train.compile='graphs' cannot switch the balancer on mid-run (the config refuses it).
+# (records/gpu: 299K tokens/s at 16K tokens per step), 4x less than gpu-small's 12 layers; in eager the 4-layer
+# step is host-bound (~60 ms, mostly Python), so every arm trains with train.compile='graphs' (one key for all arms:
+# the warm-start switch is device arithmetic in the captured step, moelab.train.module.train_step_fn).
+#
+# Plan (an ESTIMATE, not measured at this shape): gpu-small (12 layers, 32K tokens per step) steps in ~85 ms captured on
+# the H200 (383-395K tokens/s for every balancer); scaled by layers (4/12) and tokens (16K/32K) that is ~14 ms, taken as
+# ~20 ms (the embedding and head do not shrink with depth). An 8x2048 run: 2400 steps ~48 s, + capture, 6 validations,
+# the frozen floor (12 eval batches, QB tracking on the CPU) and the 100-step shift test (eager, ~60 ms a step): ~75 s.
+# A 64x256 run: 700 steps ~14 s + ~15 s: ~30 s. Calls (each <= 9 min with ~60 s machine start and ~60 s of Triton
+# compilation): 8x2048 three runs a call (5 calls, ~6 min each; twice the estimated step time still fits 540 s),
+# 64x256 six runs a call (2 calls, ~5 min): 7 calls, ~40 GPU-minutes of the study's 75 (train/RESEARCH_CALLS).
 
 WARM_STEPS = 400  # balancer off; the gpu runs peak at steps 8-28; research_collapse checks it flattened by here
 STEADY_STEPS = 2000  # 8 x 2048 after the switch
@@ -913,7 +922,8 @@ AFTER_STEPS = 300  # 64 x 256 after the switch
 FLOOR_BATCHES = 12  # fresh batches of the frozen trained model for its QB floor (qb_tracking)
 REACH = 1.1  # "reached the floor": MaxVio_batch within 10% of the frozen-model floor, HOLD steps in a row
 FLAT = 0.1  # collapse left: the none phase's MaxVio_batch changes by < 10% between its last two 100-step windows
-BIAS_EVERY = 10  # bias trajectories kept at every step for AFTER_STEPS after the switch, then every 10th step
+BIAS_EVERY = 20  # bias trajectories kept from the switch: every step for SWITCH_DENSE steps, then every 20th
+SWITCH_DENSE = 100  # (fp16: ~75 KB an 8x2048 run's evals, so a record stays well under 0.5 MB)
 
 _RKEYS = (*_KEYS, "model.moe.quantile_balancing_mode", "model.moe.quantile_balancing_bins")
 
@@ -935,10 +945,15 @@ LAYOUTS: dict[str, tuple[int, int, int, tuple[str, ...]]] = {
     "8x2048": (8, 2048, STEADY_STEPS, tuple(RESEARCH_BALANCERS)),
     "64x256": (64, 256, AFTER_STEPS, ("aux_1e-2", "loss_free_sign", "qb", "qb_hist")),
 }
+SHIFT_LAYOUT = "8x2048"  # the steady-state runs are shift-tested, in their training process (research_evaluate)
 PRESETS["research"] = {
-    "base": "gpu-small", "seeds": (0, 1, 2), "shift_steps": 40, "shift_seeds": (0, 1, 2),
+    "base": "gpu-small", "seeds": (0, 1, 2), "shift_steps": 100, "shift_seeds": (0, 1, 2),
     "overrides": {**PRESETS["gpu"]["overrides"], "train.warmup_steps": 40, "train.balancer_start_step": WARM_STEPS,
-                  "train.max_steps": WARM_STEPS + STEADY_STEPS, "train.val_every": 400, "train.val_batches": 4, "train.log_every": 20},
+                  "train.max_steps": WARM_STEPS + STEADY_STEPS, "train.val_every": 400, "train.val_batches": 4,
+                  "train.log_every": 20, "train.compile": "graphs"},
+    # the training-code epoch every research record is fingerprinted with (common.pinned): split calls over several
+    # commits add up to one study; bump it when a change alters what training computes
+    "source_pin": "s2research-1",
 }
 
 
@@ -961,20 +976,8 @@ def research_grids() -> dict[str, dict[str, Any]]:
 def research_arms_factor() -> dict[str, dict[str, dict[str, Any]]]:
     """Per layout, :func:`common.check_arms_differ_only` of its arms: raises if any non-balancer key differs."""
     base = PRESETS["research"]["base"]
-    return {layout: common.check_arms_differ_only(base, g["arms"], g["common"]) for layout, g in research_grids().items()}
-
-
-def _live_module(model: torch.nn.Module) -> Any:
-    """The LightningModule training ``model`` (found among live objects: ``run_grid``'s ``evaluate`` gets the
-    model only, and the balancer's trajectories and the trainer live on the module's trainer)."""
-    import gc
-
-    from moelab.train.module import LitMoELab
-
-    found = [o for o in gc.get_objects() if isinstance(o, LitMoELab) and o.model is model]
-    if len(found) != 1:
-        raise RuntimeError(f"research evaluate: {len(found)} LightningModules hold this model (expected 1)")
-    return found[0]
+    return {layout: common.check_arms_differ_only(base, g["arms"], g["common"])
+            for layout, g in research_grids().items()}
 
 
 def thin_bias(step: torch.Tensor, bias: torch.Tensor, start: int, dense: int = AFTER_STEPS,
@@ -1013,26 +1016,114 @@ def frozen_floor(model: torch.nn.Module, cfg: Any, batches: int = FLOOR_BATCHES,
             "same_batch": med(ordered["same"][1:]), "converged_next": med(ordered["converged_next"][1:])}
 
 
-def research_evaluate(model: torch.nn.Module, cfg: Any) -> dict[str, Any]:
+def shift_continue(module: Any, optimizer: torch.optim.Optimizer, cfg: Any, steps: int, seed: int = 0,
+                   dtype: torch.dtype | None = None, batches: Sequence[Mapping[str, torch.Tensor]] | None = None
+                   ) -> dict[str, Any]:
+    """:func:`shift_test` in the training process (no checkpoint): a copy of the trained ``module``'s model (its
+    weights, router biases and balancer state) continues for ``steps`` optimizer steps on the other corpus
+    (:func:`shift_stream`, :func:`window_batches` with ``seed``), with a copy of ``optimizer`` (the trained AdamW
+    moments, ``optimizer.state_dict()``) at the schedule's final rate held constant and the balancer on (the step
+    of :func:`moelab.train.module.train_step_fn`, eager, under autocast to ``dtype``). The trained model and
+    optimizer are left as they are. ``batches``: the shifted batches ``{"input_ids", "targets"}`` ``[B, T]``
+    instead of the stream (tests).
+
+    Returns ``{"source", "step": [steps] (1 = the first shifted step, routed with the trained bias),
+    "maxvio_batch": [steps] (mean over MoE layers)}``.
+    """
+    import copy
+
+    from moelab.model import MoELab
+    from moelab.train.module import train_step_fn
+
+    t = cfg.train
+    trained = module.model
+    device = next(trained.parameters()).device
+    model = MoELab(cfg.model).to(device)
+    model.load_state_dict(trained.state_dict())
+    model.train()
+    mine = dict(zip(map(id, trained.parameters()), model.parameters()))
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [mine[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    opt = type(optimizer)(groups)
+    opt.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    lr = t.lr * t.min_lr_ratio
+    for g in opt.param_groups:  # a new rate object: the trained optimizer's (a tensor under graphs) stays as it is
+        g["lr"] = torch.tensor(lr, device=device) if torch.is_tensor(g["lr"]) else lr
+    source = None
+    if batches is None:
+        stream = shift_stream(cfg, steps, seed)
+        source = stream["source"]
+        batches = window_batches(stream["ids"], t.batch_size, cfg.data.seq_len, steps, seed,
+                                 vocab_size=cfg.model.vocab_size)
+    step = train_step_fn(model, opt, t.grad_clip, dtype)
+    loads = []
+    with torch.enable_grad():
+        for batch in list(batches)[:steps]:
+            out = step({"input_ids": batch["input_ids"].to(device), "targets": batch["targets"].to(device)})
+            loads.append(out["balance/load"])
+    values = max_vio(torch.stack(loads)).mean(-1).tolist()  # [steps, L] -> [steps]: one read at the end
+    return {"source": source, "step": list(range(1, len(values) + 1)), "maxvio_batch": [float(v) for v in values]}
+
+
+def research_evaluate(model: torch.nn.Module, cfg: Any, trainer: Any = None, shift_steps: int = 0,
+                      shift_seeds: Sequence[int] = ()) -> dict[str, Any]:
     """``run_grid``'s ``evaluate`` for the research tier, run at the end of training in the GPU call (no
-    checkpoint travels back): :func:`frozen_floor` at the run's layout, and the balancer's bias trajectory of
-    every MoE layer (:func:`thin_bias`, ``bias`` ``[S', L, n]`` fp32, ``step`` ``[S']``)."""
-    module = _live_module(model)
+    checkpoint travels back), with the run's Lightning ``trainer`` (``trainer.lightning_module``,
+    ``trainer.optimizers``, ``trainer.callbacks``): :func:`frozen_floor` at the run's layout; the balancer's bias
+    trajectory of every MoE layer from the switch on (:func:`thin_bias`, ``bias`` ``[S', L, n]`` fp16, ``step``
+    ``[S']``; the bias is zero before); and for a seed in ``shift_seeds`` with ``shift_steps`` > 0, the shift test
+    (:func:`shift_continue`, seed 0 of the shifted stream for every run: the same shifted text for every arm)."""
+    if trainer is None:
+        raise ValueError("research_evaluate needs the run's trainer (run_grid passes trainer= to an evaluate that "
+                         "takes it): the balancer's trajectories and the optimizer state live there")
     from moelab.train.balancer import BalancerCallback
 
-    cb = next(c for c in module.trainer.callbacks if isinstance(c, BalancerCallback))
+    cb = next(c for c in trainer.callbacks if isinstance(c, BalancerCallback))
     traj = cb.trajectories()
-    step, bias = thin_bias(traj["step"], traj["bias"].float(), cfg.train.balancer_start_step)
-    return {"floor": frozen_floor(model, cfg), "layers": list(traj["layers"]), "step": step, "bias": bias}
+    start = cfg.train.balancer_start_step
+    keep = traj["step"] >= start
+    step, bias = thin_bias(traj["step"][keep], traj["bias"][keep].float(), start, dense=SWITCH_DENSE)
+    out = {"floor": frozen_floor(model, cfg), "layers": list(traj["layers"]), "step": step, "bias": bias.half()}
+    if shift_steps and cfg.seed in shift_seeds:
+        dtype = torch.bfloat16 if str(getattr(trainer, "precision", "")).startswith("bf16") else None
+        out["shift"] = shift_continue(trainer.lightning_module, trainer.optimizers[0], cfg, shift_steps, 0, dtype)
+    return out
 
 
 def train_research(out_dir: str | Path, extra: Mapping[str, Any] | None = None) -> dict[str, common.Grid]:
-    """Train every research grid (one per layout; finished runs are reused), each run evaluated at its end."""
+    """Train every research grid (one per layout; finished runs are reused), each run evaluated at its end
+    (:func:`research_evaluate`; the :data:`SHIFT_LAYOUT` runs of the shift seeds shift-tested there too), under
+    the preset's ``source_pin``. A split call that leaves a grid incomplete raises ``common.GridIncomplete`` after
+    the grid (the other layout's runs named in the split still train: the grids run in turn, the error comes last)."""
     p = PRESETS["research"]
-    return {layout: common.run_grid(STUDY, p["base"], g["arms"], p["seeds"], out_dir,
-                                    common={**g["common"], **(extra or {})}, checkpoints="final",
-                                    evaluate=research_evaluate)
-            for layout, g in research_grids().items()}
+    grids, incomplete = {}, None
+    with common.pinned(p.get("source_pin")):
+        for layout, g in research_grids().items():
+            shift = (p["shift_steps"], p["shift_seeds"]) if layout == SHIFT_LAYOUT else (0, ())
+            evaluate = functools.partial(research_evaluate, shift_steps=shift[0], shift_seeds=shift[1])
+            try:
+                grids[layout] = common.run_grid(STUDY, p["base"], g["arms"], p["seeds"], out_dir,
+                                                common={**g["common"], **(extra or {})}, checkpoints="final",
+                                                evaluate=evaluate)
+            except common.GridIncomplete as e:
+                incomplete = e
+    if incomplete is not None:
+        raise incomplete
+    return grids
+
+
+def train(preset: str, out_dir: str | Path) -> common.Grid | dict[str, common.Grid]:
+    """Train every grid of ``preset`` (finished runs are reused): ``research``: :func:`train_research` (one grid
+    per layout, ``{layout: Grid}``); ``cpu``/``gpu``: :func:`train_balancers` (one Grid). The harness calls it for a
+    split call (``RUNS=`` / ``SHARD=``), the notebook for a whole one.
+
+    Args:
+        out_dir: the study folder; runs go to ``<out_dir>/checkpoints/<arm>-s<seed>``.
+    """
+    _preset(preset)
+    if preset == "research":
+        return train_research(out_dir)
+    return train_balancers(preset, out_dir)
 
 
 def steps_to_floor(steps: Sequence[float], values: Sequence[float], start: int, floor: float,
@@ -1076,7 +1167,8 @@ def research_rows(grids: Mapping[str, common.Grid]) -> Any:
             after = [v for s, v in zip(steps, maxvio) if s > start]
             rows.append({"layout": layout, "balancer": balancer, "arm": rec.arm, "seed": rec.seed,
                          "final_val_loss": rec.summary.get("final_val_loss"), "floor": floor,
-                         "steps_to_floor": steps_to_floor(steps, maxvio, start, floor) if math.isfinite(floor) else None,
+                         "steps_to_floor": (steps_to_floor(steps, maxvio, start, floor) if math.isfinite(floor)
+                                            else None),
                          "maxvio_batch": tail_mean(after), "maxvio_global": rec.summary.get("maxvio_global"),
                          "peak_maxvio": col["peak_maxvio"], "peak_step": col["peak_step"],
                          "maxvio_at_switch": col["at_switch"], "collapse_change": col["change"],
@@ -1084,7 +1176,61 @@ def research_rows(grids: Mapping[str, common.Grid]) -> Any:
     return pd.DataFrame(rows)
 
 
-def research_report(rows: Any) -> report.Report:
+def research_shifts(grids: Mapping[str, common.Grid]) -> list[dict[str, Any]]:
+    """The shift tests kept in the :data:`SHIFT_LAYOUT` runs' evals: ``{"arm": balancer, "seed", "source",
+    "step", "maxvio_batch"}`` per tested run (:func:`shift_continue`), in record order."""
+    grid = grids.get(SHIFT_LAYOUT)
+    return [{**r.evals["shift"], "arm": r.arm.rsplit("-", 1)[0], "seed": r.seed}
+            for r in (grid.records if grid else []) if r.evals and r.evals.get("shift")]
+
+
+def research_shift_rows(shifts: Sequence[Mapping[str, Any]], rows: Any) -> Any:
+    """:func:`shift_rows` of the research shift tests: the level before is each run's MaxVio_batch over the last
+    :data:`TAIL` of its steps (``rows.maxvio_batch``), the resettle threshold :data:`REACH` x the layout's frozen
+    floor of that seed (``rows.floor``). One row per tested run (balancer in ``arm``)."""
+    import pandas as pd
+
+    sel = rows[rows.layout == SHIFT_LAYOUT]
+    before = {(r.balancer, r.seed): float(r.maxvio_batch) for r in sel.itertuples()}
+    floor = {int(r.seed): float(r.floor) for r in sel[sel.balancer == "qb"].itertuples()}
+    out = []
+    for s in shifts:
+        f = floor.get(s["seed"], math.nan)
+        out += shift_rows([s], REACH * f if math.isfinite(f) else math.nan, before)
+    return pd.DataFrame(out, columns=["arm", "seed", "maxvio_before", "maxvio_first", "maxvio_last", "disturbed",
+                                      "recover_step", "resettle_step"])
+
+
+def shift_findings(shift: Any) -> list[report.Finding]:
+    """The shift test's findings from :func:`research_shift_rows`: steps back to within :data:`RECOVER` x the level
+    before, per bias balancer (mean with its t interval over seeds; 'not tested' when the shift did not disturb any
+    seed or fewer than 2 seeds recovered), and qb minus loss_free_sign, paired by seed."""
+    found = []
+    if shift is None or len(shift) == 0:
+        return [report.not_tested("Steps to re-balance after a shift to the other corpus",
+                                  "no run of the research tier holds a shift test")]
+    for b in dict.fromkeys(shift.arm):
+        g = shift[shift.arm == b]
+        rec = [float(v) for v in g.recover_step if v is not None and v == v]
+        q = f"Steps back to within {RECOVER:g}x the pre-shift MaxVio_batch after a shift, {b}"
+        why = (f"the shift did not disturb {b} (first shifted step within {RECOVER:g}x the level before on every seed)"
+               if not g.disturbed.any() else f"{len(rec)} of {len(g)} seeds recovered" if len(rec) < 2 else None)
+        found.append(report.not_tested(q, why, answer=b) if why else report.measured(
+            q, rec, answer=f"{len(rec)} of {len(g)} seeds; first shifted step {g.maxvio_first.mean():.3f} vs "
+                           f"{g.maxvio_before.mean():.3f} before; steps", digits=3))
+
+    def by_seed(arm: str) -> dict[int, float]:
+        g = shift[shift.arm == arm]
+        return {int(r.seed): float(r.recover_step) for r in g.itertuples()
+                if r.recover_step is not None and r.recover_step == r.recover_step}
+
+    if {"qb", "loss_free_sign"} <= set(shift.arm):
+        found.append(report.compare("Steps to re-balance after the shift, qb minus loss_free_sign", by_seed("qb"),
+                                    by_seed("loss_free_sign"), digits=3))
+    return found
+
+
+def research_report(rows: Any, shift: Any = None) -> report.Report:
     """The research tier's findings from :func:`research_rows`: the preconditions first (the router left its
     collapse before the switch; the floor was measured and reached), then steps to the floor per balancer and
     layout, the steady state (MaxVio_global, qb and qb_hist against the sign rule and the aux loss), and the
@@ -1139,7 +1285,44 @@ def research_report(rows: Any) -> report.Report:
     details = [f"Warm start: {WARM_STEPS} steps with the balancer off (bias zero, no aux loss), then each balancer "
                f"from zero bias; 'reached' = MaxVio_batch within {REACH:g}x the floor for {HOLD} steps in a row. "
                f"GPU minutes in all: {rows.gpu_minutes.sum():.1f}."]
-    return report.Report([*found, *vs, *cost], table, details)
+    shifted = shift_findings(shift) if shift is not None else []
+    # The lead (report.MAX_LEAD): the preconditions and the steps to the floor, the steady state's main contrast, the
+    # shift's paired contrast (else qb's own), the cost of qb; every other finding follows in the details.
+    pair = [f for f in shifted if "minus" in f.question] or [f for f in shifted if f.question.endswith(", qb")]
+    ordered = [*found, vs[0], *pair[:1], cost[0]]
+    ordered += [f for f in [*vs, *cost, *shifted] if f not in ordered]
+    lead, rest = ordered[:report.MAX_LEAD], ordered[report.MAX_LEAD:]
+    details += ["Also: " + "; ".join(f.plain() for f in rest) + "."] if rest else []
+    rep = report.Report(lead, table, details)
+    rep.all_findings = ordered  # summary.json keeps every finding (research_summary)
+    return rep
+
+
+def research_summary(grids: Mapping[str, common.Grid], rows: Any, shift: Any, rep: report.Report) -> dict[str, Any]:
+    """``summary.json`` of the research tier: meta (:func:`common.study_meta` of every run, GPU minutes per layout
+    and in all), the settings, the per-run rows and shift rows, and the report's findings (``report.attach``)."""
+    records = [r for g in grids.values() for r in g.records]
+    first = next(iter(grids.values()))
+    merged = common.Grid(study=STUDY, base=first.base, records=records, factor=first.factor,
+                         corpus_tokens=first.corpus_tokens)
+    gpu = {layout: round(float(rows[rows.layout == layout].gpu_minutes.fillna(0).sum()), 2) for layout in grids}
+    meta = common.study_meta(STUDY, "research", merged, gpu_minutes_by_layout=gpu,
+                             gpu_minutes_total=round(sum(gpu.values()), 2))
+    p = PRESETS["research"]
+    settings = {"warm_steps": WARM_STEPS, "steady_steps": STEADY_STEPS, "after_steps": AFTER_STEPS,
+                "layouts": {k: {"batch_size": v[0], "seq_len": v[1], "steps_after_switch": v[2],
+                                "balancers": list(v[3])} for k, v in LAYOUTS.items()},
+                "reach": REACH, "hold": HOLD, "tail": TAIL, "floor_batches": FLOOR_BATCHES,
+                "shift_layout": SHIFT_LAYOUT, "shift_steps": p["shift_steps"], "shift_seeds": list(p["shift_seeds"]),
+                "source_pin": p["source_pin"]}
+
+    def plain(df: Any) -> list[dict[str, Any]]:
+        return [{k: (None if isinstance(v, float) and v != v else v.item() if hasattr(v, "item") else v)
+                 for k, v in r.items()} for r in df.to_dict("records")] if df is not None else []
+
+    every = getattr(rep, "all_findings", rep.findings)
+    return {"meta": meta, "settings": settings, "runs": plain(rows), "shift": plain(shift),
+            **rep.summary(), "findings": [f.to_dict() for f in every]}
 
 
 def switch_figure(grids: Mapping[str, common.Grid], rows: Any, window: int = 300) -> Any:

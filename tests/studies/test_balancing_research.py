@@ -24,7 +24,9 @@ def test_research_arms_differ_only_in_the_balancer() -> None:
     assert b8["train.max_steps"] - study.WARM_STEPS >= 2000  # steady state
     assert b8["train.balancer_start_step"] == b64["train.balancer_start_step"] == study.WARM_STEPS
     cfg = study.base_config("research")
-    assert cfg.train.balancer_start_step == study.WARM_STEPS and cfg.train.compile == "none"
+    # one compile key for every arm: the captured step (the warm-start switch is device arithmetic in it)
+    assert cfg.train.balancer_start_step == study.WARM_STEPS and cfg.train.compile == "graphs"
+    assert study.PRESETS["research"]["source_pin"] == "s2research-1"
 
 
 def test_steps_to_floor_counts_from_the_switch() -> None:
@@ -37,7 +39,7 @@ def test_steps_to_floor_counts_from_the_switch() -> None:
     assert study.steps_to_floor(steps, [math.nan] * 20, start=0, floor=1.0) is None
 
 
-def test_thin_bias_keeps_the_switch_dense_then_every_tenth() -> None:
+def test_thin_bias_keeps_the_switch_dense_then_every_nth() -> None:
     step = torch.arange(1, 101)
     bias = step.float()[:, None].repeat(1, 3)
     s, b = study.thin_bias(step, bias, start=20, dense=10, every=10)
