@@ -81,8 +81,8 @@ pd.DataFrame(study.research_factor() if research else study.arms_factor(preset))
 
 # %%
 if research:
-    # The lr sweep first; a split call stops here (GridIncomplete) until the sweep is recorded.
-    grid, picked = (None, None) if from_results else study.train_research(out)
+    # The lr sweep first, then the grids at each mode's winning lr (a split call runs the same study.train).
+    grid, picked = (None, None) if from_results else study.train(preset, out)
     table = report.result_table(out / "results" / "runs.csv", lambda: study.research_rows(grid), from_results)
     rows = study.research_rows_from_table(table)
     group = ["role", "n_layers", "residual", "blocks", "lr"]

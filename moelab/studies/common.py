@@ -21,9 +21,11 @@ calls :func:`run_grid`. For every (arm, seed) it
   ``<records>/<arm>_s<seed>.json`` (config, code state, summary, curves, timings, machine, GPU
   minutes; no checkpoint) and, with ``evaluate``, ``<arm>_s<seed>.evals.pt`` beside it. A rerun with
   the same config and source code (:func:`source_sha256`, not the commit: records made at an earlier
-  commit of the same code still count) reads the record instead of training, wherever the record was
-  made; a record made elsewhere is logged into this MLflow experiment once, with its original timings
-  and machine. A run stopped by Ctrl-C / SIGTERM resumes from its ``last.ckpt`` on the next call.
+  commit of the same code still count; or, inside :func:`pinned`, the same **source pin**, a study
+  preset's training-code epoch, whatever else changed in ``moelab``) reads the record instead of training,
+  wherever the record was made; a record made elsewhere is logged into this MLflow experiment once, with its
+  original timings and machine (a run trained where MLflow could not be imported, untracked, is logged
+  this way by the final call). A run stopped by Ctrl-C / SIGTERM resumes from its ``last.ckpt`` on the next call.
 
 A study can be split across processes and machines (``make study-N RUNS=arm:seed,...`` or
 ``SHARD=i/n``, which set :data:`RUNS_ENV` / :data:`SHARD_ENV`): each split call trains only its runs,
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import io
 import json
 import logging
@@ -118,8 +121,9 @@ _LIGHTNING_NOISE = re.compile("|".join(_LIGHTNING_LINES))
 # Absolute paths of one machine: meaningless in a committed report, and they leak the machine.
 MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|home|tmp|root|Users|mnt|opt|usr|private|var/folders)/")
 
-# run_grid's evaluate: (the trained MoELab, its RunConfig) -> results kept beside the run's record
-Evaluate = Callable[[Any, Any], dict[str, Any]]
+# run_grid's evaluate: (the trained MoELab, its RunConfig[, trainer=the Lightning Trainer]) -> results kept beside
+# the run's record
+Evaluate = Callable[..., dict[str, Any]]
 # run_grid's monitor: (every n optimizer steps, fn(the MoELab being trained, its RunConfig) -> JSON-able dict)
 Monitor = tuple[int, Callable[[Any, Any], dict[str, Any]]]
 
@@ -248,6 +252,38 @@ def source_sha256() -> str:
     return h.hexdigest()[:16]
 
 
+_PINS: list[str | None] = []  # the source pins of the enclosing ``pinned`` blocks, innermost last
+
+
+@contextlib.contextmanager
+def pinned(pin: str | None) -> Iterator[None]:
+    """Inside the block, :func:`run_grid` pins its runs' code to ``pin`` (None: no pin, the package hash counts).
+
+    A study's ``train(preset, out_dir)`` wraps its grids in ``pinned(<the preset's source_pin>)``. A pin is a
+    training-code epoch (``"s1research-1"``): a record counts while its config and its pin match, whatever else
+    changed in ``moelab`` since it was made, so split calls over several sessions and commits still add up to one
+    study. The record keeps the pin and the real package hash (``code.source_pin``, ``code.source_sha256``).
+    Bump the pin when a change alters what training computes (studies/README.md).
+    """
+    _PINS.append(_checked_pin(pin))
+    try:
+        yield
+    finally:
+        _PINS.pop()
+
+
+def _checked_pin(pin: Any) -> str | None:
+    if pin is not None and (not isinstance(pin, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", pin)):
+        raise ValueError(f"source_pin={pin!r} is not allowed: expected None or 1-64 letters, digits, '.', '_', '-' "
+                         "(e.g. 's1research-1')")
+    return pin
+
+
+def current_pin() -> str | None:
+    """The source pin of the innermost :func:`pinned` block (None outside one)."""
+    return _PINS[-1] if _PINS else None
+
+
 def device_name() -> str:
     """The CUDA device's name, else the CPU model and its core count (:func:`moelab.provenance.device`)."""
     from moelab.provenance import device
@@ -364,7 +400,8 @@ class RunRecord:
     ``<arm>_s<seed>.evals.pt`` beside the record); None without ``evaluate``.
     timing: ``{"started", "ended"}`` (UTC, ISO), ``wall_s``, ``gpus`` (CUDA devices trained on, 0 on a
     CPU) and ``gpu_minutes`` (wall time x gpus / 60). machine: the device and library versions it
-    trained on. code: ``commit``, ``dirty``, ``diff_sha256`` and ``source_sha256`` when it trained.
+    trained on. code: ``commit``, ``dirty``, ``diff_sha256`` and ``source_sha256`` when it trained, and
+    ``source_pin`` when its study pinned the training code (:func:`pinned`; the fingerprint then uses the pin).
     mlflow: ``{"run_id", "experiment"}`` of its training's run in the store it trained against.
     trajectory: with ``run_grid``'s ``monitor``, ``[{"step", **fn(model, cfg)}]`` at steps 0, n, 2n, ... and
     the last step (in the record's JSON); None without it.
@@ -454,10 +491,15 @@ def _run_config(cfg: Any) -> dict[str, Any]:
 
 
 def _fingerprint(cfg: Any, code: Mapping[str, Any]) -> str:
-    """16 hex digits over the run's config (places left out) and its code: ``code["source_sha256"]``
-    (:func:`source_sha256`) where given, else the commit and the diff of a :func:`git_state`."""
-    what = ({"source": code["source_sha256"]} if code.get("source_sha256")
-            else {"commit": code.get("commit"), "diff": code.get("diff_sha256")})
+    """16 hex digits over the run's config (places left out) and its code: ``code["source_pin"]`` (a study
+    preset's training-code epoch, :func:`pinned`) where given, else ``code["source_sha256"]``
+    (:func:`source_sha256`), else the commit and the diff of a :func:`git_state`.
+
+    A pin enters the hash exactly as a ``source_sha256`` of the same text would (``{"source": pin}``): records
+    made with ``MOELAB_STUDY_GIT='{..., "source_sha256": "s1research-1"}'`` count under the pin ``s1research-1``.
+    """
+    source = code.get("source_pin") or code.get("source_sha256")
+    what = {"source": source} if source else {"commit": code.get("commit"), "diff": code.get("diff_sha256")}
     payload = {"config": _run_config(cfg), **what}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -539,14 +581,27 @@ def _write_record(path: Path, rec: RunRecord, cfg: Any, study: str, run_id: str 
     rec.history = _unpack_history(body["history"])  # as a later call reads it back: one go equals split calls
 
 
+def wants_trainer(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` takes a ``trainer`` keyword (a parameter of that name; ``**kwargs`` does not count)."""
+    try:
+        param = inspect.signature(fn).parameters.get("trainer")
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+
+
 def _evaluation_callback(evaluate: Evaluate) -> Any:
     """A Lightning callback that calls ``evaluate(model, cfg)`` once training has reached ``max_steps``.
 
     The model is the trained ``MoELab`` on its training device, in eval mode, without autograd;
-    the result is left in the callback's ``result`` (None when training stopped early).
+    the result is left in the callback's ``result`` (None when training stopped early). An ``evaluate``
+    with a ``trainer`` parameter (:func:`wants_trainer`) also gets the Lightning ``Trainer`` as
+    ``trainer=``: its optimizer state (``trainer.optimizers[0].state``), its step, its callbacks.
     """
     import lightning as L
     import torch
+
+    extra = wants_trainer(evaluate)
 
     class EvaluateAtEnd(L.Callback):
         result: dict[str, Any] | None = None
@@ -558,7 +613,7 @@ def _evaluation_callback(evaluate: Evaluate) -> Any:
             model.eval()
             try:
                 with torch.no_grad():
-                    self.result = evaluate(model, pl_module.cfg)
+                    self.result = evaluate(model, pl_module.cfg, **({"trainer": trainer} if extra else {}))
             finally:
                 model.train(was_training)
 
@@ -697,8 +752,31 @@ CURVE_POINTS = 25  # MLflow points per run and metric that run_grid asks for at 
 _SPLIT_SEEN: dict[Split, set[tuple[str, int]]] = {}  # named runs met in this process's grids, per split
 
 
+def forget_split_runs() -> None:
+    """Forget the named runs this process's grids met (a new split call in the same process starts over)."""
+    _SPLIT_SEEN.clear()
+
+
+_PROGRESS_SINKS: list[Callable[[str], None]] = []  # progress_to's targets, innermost last
+
+
+@contextlib.contextmanager
+def progress_to(say: Callable[[str], None]) -> Iterator[None]:
+    """Inside the block, :func:`progress` lines go to ``say`` only (a split call runs the study in the runner's own
+    process: its lines go straight to the terminal, once)."""
+    _PROGRESS_SINKS.append(say)
+    try:
+        yield
+    finally:
+        _PROGRESS_SINKS.pop()
+
+
 def progress(line: str, echo: Callable[[str], None] = print) -> None:
-    """``echo(line)``, and append it to the runner's progress file (:data:`PROGRESS_ENV`) so it reaches the terminal."""
+    """``echo(line)``, and append it to the runner's progress file (:data:`PROGRESS_ENV`) so it reaches the terminal;
+    inside :func:`progress_to` only its ``say(line)``."""
+    if _PROGRESS_SINKS:
+        _PROGRESS_SINKS[-1](line)
+        return
     echo(line)
     path = os.environ.get(PROGRESS_ENV)
     if path:
@@ -720,6 +798,7 @@ def run_grid(
     records_dir: str | os.PathLike | None = None,
     split: Split | None = None,
     monitor: Monitor | None = None,
+    source_pin: str | None = None,
 ) -> Grid:
     """Train every (arm, seed) of the grid that has no record yet; return the :class:`Grid`.
 
@@ -744,6 +823,12 @@ def run_grid(
             step 0 and the last step) in the training process, model in eval mode under ``torch.no_grad`` (train
             mode restored); the points are the run's ``trajectory`` (:meth:`Grid.trajectories`), kept in its
             record (a record without one trains again). Keep ``fn`` cheap: it runs inside the training time.
+        source_pin: the training-code epoch the runs' fingerprints use instead of the package hash (default: that of
+            the enclosing :func:`pinned` block, None outside one); the records keep both.
+
+    Where MLflow cannot be imported (a split call on a machine without the lab wheels) the runs train with
+    ``tracking.enabled=False`` (tracking keys are not part of a fingerprint); the final call logs them from their
+    records.
     """
     if not seeds:
         raise ValueError("seeds is empty: a study needs at least one seed")
@@ -752,8 +837,15 @@ def run_grid(
     if monitor is not None and (not isinstance(monitor[0], int) or monitor[0] < 1 or not callable(monitor[1])):
         raise ValueError(f"monitor={monitor!r} is not allowed: expected (every n >= 1 optimizer steps, fn(model, cfg))")
     factor = check_arms_differ_only(base, arms, common)
+    from moelab.tracking import installed as tracking_installed
+
+    if not tracking_installed():
+        common = {**(common or {}), "tracking.enabled": False}
     ctx = study_context(study)
     code = {**ctx["git"], "source_sha256": ctx["git"].get("source_sha256") or source_sha256()}
+    pin = _checked_pin(source_pin) if source_pin is not None else current_pin()
+    if pin is not None:
+        code["source_pin"] = pin
     root = Path(out_dir).resolve() / "checkpoints"  # train.ckpt_dir: relative paths start at the repo root
     records_dir = Path(records_dir or os.environ.get(RECORDS_ENV) or Path(out_dir) / "records").resolve()
     grid = [(arm, seed) for arm in arms for seed in seeds]
@@ -1048,6 +1140,21 @@ def show(fig: Any, path: str | os.PathLike | None = None) -> Any:
     return Image(data=data, format="png")
 
 
+def records_code(records: Sequence[RunRecord]) -> dict[str, list[str]]:
+    """The code the runs were trained at, over ``records``: ``{"commits", "source_sha256", "source_pins"}``, each
+    the distinct values in first-seen order (a commit with ``-dirty`` when its tree was; pins only where given)."""
+    seen: dict[str, dict[str, None]] = {"commits": {}, "source_sha256": {}, "source_pins": {}}
+    for r in records:
+        c = r.code or {}
+        if c.get("commit"):
+            seen["commits"][f"{c['commit']}{'-dirty' if c.get('dirty') else ''}"] = None
+        if c.get("source_sha256"):
+            seen["source_sha256"][str(c["source_sha256"])] = None
+        if c.get("source_pin"):
+            seen["source_pins"][str(c["source_pin"])] = None
+    return {k: list(v) for k, v in seen.items()}
+
+
 def study_meta(study: str, preset: str, grid: Grid | None = None, **extra: Any) -> dict[str, Any]:
     """The ``meta`` block of a study's ``summary.json``.
 
@@ -1055,8 +1162,9 @@ def study_meta(study: str, preset: str, grid: Grid | None = None, **extra: Any) 
     device, python/torch/triton versions, command, UTC date, wall time since the study began, and
     from ``grid``: tokens per run, epochs over the corpus's training split and the train/val gap
     (final validation loss minus the mean training loss of the last validation interval; per
-    arm, mean over seeds), and the GPU minutes of its runs (wherever each trained). ``extra`` entries are added
-    as they are.
+    arm, mean over seeds), the GPU minutes of its runs (wherever each trained) and ``records_code``
+    (:func:`records_code`: the distinct commits, package hashes and source pins its runs were trained at: split calls
+    under a pin may span several commits). ``extra`` entries are added as they are.
     """
     ctx = study_context(study)
     meta: dict[str, Any] = {
@@ -1078,12 +1186,14 @@ def study_meta(study: str, preset: str, grid: Grid | None = None, **extra: Any) 
                               for arm, v in table.groupby("arm", sort=False).train_val_gap.mean().items()},
             "runs": len(table), "runs_skipped": sum(r.skipped for r in grid.records),
             "gpu_minutes": round(sum(r.timing.get("gpu_minutes") or 0.0 for r in grid.records), 3),
+            "records_code": records_code(grid.records),
         })
     meta.update(extra)
     return meta
 
 
 __all__ = ["Grid", "GridIncomplete", "KNOWN_NOISE", "MACHINE_PATH", "Monitor", "RunRecord", "Split", "aggregate",
-           "check_arms_differ_only", "device_name", "git_state", "loss_curves", "measured_commit", "output_to",
-           "parse_runs", "parse_shard", "progress", "quiet_known_noise", "record_path", "resolve_arms", "run_grid",
-           "seed_note", "show", "source_sha256", "split_from_env", "study_context", "study_meta"]
+           "check_arms_differ_only", "current_pin", "device_name", "forget_split_runs", "git_state", "loss_curves",
+           "measured_commit", "output_to", "parse_runs", "parse_shard", "pinned", "progress", "progress_to",
+           "quiet_known_noise", "record_path", "records_code", "resolve_arms", "run_grid", "seed_note", "show",
+           "source_sha256", "split_from_env", "study_context", "study_meta", "wants_trainer"]

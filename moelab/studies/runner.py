@@ -1,5 +1,5 @@
-"""Run a study notebook end to end: ``python -m moelab study N [--preset cpu|gpu|research] [--runs A:S,...|--shard i/n]``
-(``make study-N``).
+"""Run a study end to end: ``python -m moelab study N [--preset cpu|gpu|research] [--runs A:S,...|--shard i/n]``
+(``make study-N``): its notebook, or, for a split call, its module's ``train``.
 
 For study ``N`` the runner
 
@@ -23,10 +23,17 @@ For study ``N`` the runner
    offline; not committed), and logs the notebook, the HTML, ``summary.json`` (as a table artifact,
    ``summary_table.json``) and the figures and results the notebook wrote as artifacts of the parent run.
 
-A **split** call (``runs="arm:seed,..."`` or ``shard="i/n"``) trains only those runs of the grid, leaves
-their records in the study's ``records/<preset>/`` folder and stops the notebook at the first incomplete grid;
-its notebook runs in ``runs/studies/NN_name/split/`` (nothing of the report is touched). The final
-call without a split reads every record and trains only what is missing (studies/README.md has the recipe).
+A **split** call (``runs="arm:seed,..."`` or ``shard="i/n"``) runs no notebook: it imports the study module
+(``moelab.studies.<name>`` of ``nbs/NN_<name>.ipynb``) and calls its ``train(preset, out_dir)`` (:data:`TRAIN_ENTRY`,
+the same function the notebook's training cells call, so split calls add up to one go) in this process, with
+``out_dir`` the ignored ``runs/studies/NN_name/split/`` (checkpoints, train.log); it trains only those runs, leaves
+their records in the report's ``records/<preset>/`` folder and ends at the first incomplete grid
+(:class:`~moelab.studies.common.GridIncomplete`) with one line: what it trained, where the records are, what is
+left. It needs neither papermill, nbformat, nbconvert nor a Jupyter kernel, and MLflow only when importable: without
+it the runs train untracked (it says so once) and the final call logs them from their records. The final call
+without a split runs the notebook, reads every record and trains only what is missing (studies/README.md has the
+recipe). A study preset may pin its records to a training-code epoch (``source_pin``,
+:func:`moelab.studies.common.pinned`), so split calls at different commits still add up.
 
 Ctrl-C or SIGTERM stops the run in progress cleanly (it saves ``last.ckpt``; its MLflow run and the
 parent run end KILLED), removes the temporary notebook and raises :class:`StudyStopped`; the next call
@@ -47,6 +54,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from moelab.base import repo_root
@@ -58,13 +66,17 @@ from moelab.studies.common import (
     RUNS_ENV,
     SHARD_ENV,
     STARTED_ENV,
+    GridIncomplete,
+    forget_split_runs,
     git_state,
     parse_runs,
     parse_shard,
+    progress_to,
     quiet_known_noise,
     source_sha256,
 )
 from moelab.tracking import LAB_EXTRA_HINT, PARENT_ENV, Run, end_stale_run, experiment_name, start_run
+from moelab.tracking import installed as tracking_installed
 from moelab.utils import atomic_path, flatten_dict, write_json
 
 STUDIES = {1: "01_decay_bound", 2: "02_balancing", 3: "03_attnres_depth", 4: "04_context_curriculum"}
@@ -172,8 +184,9 @@ def run_study(
     kernel_name: str | None = None,
     log_output: bool = True,
     echo: Any = None,
+    module: str | ModuleType | None = None,
 ) -> Path:
-    """Execute study ``number``'s notebook; return its results folder ``<out_root>/NN_name``.
+    """Execute study ``number``'s notebook (a split call: its module's ``train``); return ``<out_root>/NN_name``.
 
     Args:
         preset: ``cpu`` (minutes on 2 cores), ``gpu`` (the quick look, minutes on one H200) or
@@ -186,10 +199,13 @@ def run_study(
         kernel_name: Jupyter kernel; None: the notebook's own (``python3`` = this interpreter).
         log_output: stream the cells' output to this process's stdout/stderr.
         echo: where the progress lines go (default: stderr).
+        module: the study module whose ``train(preset, out_dir)`` a split call runs (a module or its dotted name);
+            default ``moelab.studies.<name>`` of the notebook ``NN_<name>`` (:func:`study_module`).
 
     Raises:
         StudyFailed: a cell raised (the parent run is marked FAILED; the executed notebook, with the
-            error, and the partial results are kept).
+            error, and the partial results are kept); a split call's ``train`` raised, or the study module
+            has no ``train``.
         StudyStopped: Ctrl-C / SIGTERM (parent and current training run KILLED; the next call resumes).
     """
     quiet_known_noise()
@@ -204,6 +220,9 @@ def run_study(
         parse_shard(shard)
     split = bool(runs or shard)
     say = echo or (lambda line: print(line, file=sys.stderr, flush=True))
+    if split:
+        return _run_split(number, preset, runs=runs, shard=shard, nbs_dir=nbs_dir, out_root=out_root,
+                          tracking_uri=tracking_uri, module=module, say=say)
     _require_modules()
     import papermill
 
@@ -294,6 +313,134 @@ def run_study(
                 f"`make study-{number} PRESET={preset}` writes the report")
     say(f"dashboard: {dashboard_link(run.experiment_id)} (after make mlflow-ui)")
     return out_dir
+
+
+TRAIN_ENTRY = "train"  # every study module's entry: train(preset: str, out_dir: Path) -> Any, all grids of the preset
+
+
+def study_module(stem: str, module: str | ModuleType | None = None) -> ModuleType:
+    """The study module of notebook ``NN_<name>``: ``module`` (itself, or imported by its dotted name), else
+    ``moelab.studies.<name>``."""
+    import importlib
+
+    if isinstance(module, ModuleType):
+        return module
+    return importlib.import_module(module or f"moelab.studies.{stem.split('_', 1)[1]}")
+
+
+def study_train(number: int, stem: str, module: str | ModuleType | None = None) -> Any:
+    """The study's ``train(preset, out_dir)``; :class:`StudyFailed` naming the study and the module without one."""
+    mod = study_module(stem, module)
+    fn = getattr(mod, TRAIN_ENTRY, None)
+    if not callable(fn):
+        raise StudyFailed(f"study {number} ({stem}): {mod.__name__} has no {TRAIN_ENTRY}(preset, out_dir), the entry a "
+                          f"split call runs (every study module trains all its grids of a preset through it, as its "
+                          f"notebook does); nothing was run")
+    return fn
+
+
+def _run_split(number: int, preset: str, *, runs: str | None, shard: str | None, nbs_dir: Any, out_root: Any,
+               tracking_uri: str, module: str | ModuleType | None, say: Any) -> Path:
+    """A split call: the study module's ``train(preset, out_dir)`` in this process (no notebook, no kernel, no
+    papermill), its runs' records in the report's ``records/<preset>/``, its checkpoints in the ignored
+    ``runs/studies/NN_name/split/``; returns the report's folder. With MLflow importable the runs nest under one
+    parent run ``NN_name-<preset>-split`` as before; without it they train untracked (the final call logs them)."""
+    notebook = find_notebook(number, Path(nbs_dir) if nbs_dir else repo_root() / "nbs")
+    stem = notebook.stem
+    out_dir = (Path(out_root) if out_root else results_root(preset, stem)).resolve() / stem
+    records = records_dir(out_dir, preset)
+    state = (Path(out_root).resolve() if out_root else repo_root() / RUNS_ROOT) / stem
+    work = state / "split"
+    work.mkdir(parents=True, exist_ok=True)
+    code = json.loads(os.environ[GIT_ENV]) if os.environ.get(GIT_ENV) else git_state()
+    code.setdefault("source_sha256", source_sha256())
+    command = f"make study-{number} PRESET={preset}" + (f" RUNS={runs}" if runs else f" SHARD={shard}")
+    env = {COMMAND_ENV: command, STARTED_ENV: repr(time.time()), GIT_ENV: json.dumps(code), RECORDS_ENV: str(records),
+           RUNS_ENV: runs or "", SHARD_ENV: shard or "", PROGRESS_ENV: "", "MLFLOW_LOGGING_LEVEL": "WARNING"}
+    import torch
+
+    if not torch.cuda.is_available():  # Triton kernels run in the interpreter; set before a kernel module is imported
+        env["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET") or "1"
+    tracked = tracking_installed()
+    if not tracked:
+        say(f"study {number}, split call: MLflow cannot be imported here, so its runs train untracked; their records "
+            f"carry their curves, timings and machine, and the final call (`make study-{number} PRESET={preset}`) "
+            "logs them into MLflow")
+    threads = torch.get_num_threads()
+    if not os.environ.get("OMP_NUM_THREADS"):  # as a notebook's kernel gets: 1 unless set (busy machines)
+        torch.set_num_threads(1)
+    try:
+        with _environ(env), progress_to(say):
+            train = study_train(number, stem, module)
+            if not tracked:
+                return _split_train(number, preset, train, work, out_dir, records, command, say, run=None)
+            _close_stale(state / STATE_FILE, tracking_uri, say)
+            with start_run(experiment_name("study", stem), f"{stem}-{preset}-split", tracking_uri=tracking_uri,
+                           parent_run_id="",
+                           params={"study": stem, "preset": preset, "notebook": notebook.name,
+                                   "split": runs or f"shard {shard}"},
+                           tags={"moelab.study": stem,
+                                 "moelab.code": f"{code['commit']}{'-dirty' if code['dirty'] else ''}"}) as run:
+                write_json(state / STATE_FILE, {"run_id": run.run_id, "tracking_uri": run.tracking_uri})
+                with _environ({PARENT_ENV: run.run_id, "MLFLOW_TRACKING_URI": run.tracking_uri}):
+                    return _split_train(number, preset, train, work, out_dir, records, command, say, run=run)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _split_train(number: int, preset: str, train: Any, work: Path, out_dir: Path, records: Path, command: str,
+                 say: Any, run: Run | None) -> Path:
+    """Run ``train(preset, work)`` for a split call; say what it trained and what is left (one line)."""
+    import traceback
+
+    from moelab.train.callbacks import Interrupted
+
+    forget_split_runs()  # a split met in an earlier call of this process starts over
+    try:
+        with _stop_between_runs():
+            train(preset, work)
+    except GridIncomplete as e:
+        say(f"study {number}, split call: {e}; when every run is recorded, `make study-{number} "
+            f"PRESET={preset}` trains what is missing and writes the report")
+    except (Interrupted, KeyboardInterrupt) as e:
+        signum = getattr(e, "signum", None) or signal.SIGINT
+        raise StudyStopped(f"study {number} stopped by {signal.Signals(signum).name}: finished runs are recorded in "
+                           f"{_shown(records)}/ and the stopped run saved its checkpoint; `{command}` resumes",
+                           signum) from None
+    except Exception as e:  # noqa: BLE001 (the traceback, then one line naming the study)
+        say(traceback.format_exc().rstrip())
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        raise StudyFailed(f"study {number}, split call: {type(e).__name__}: {first} (the traceback above; a run's "
+                          f"training output: checkpoints/<arm>-s<seed>/train.log under {_shown(work)}/)") from e
+    else:
+        say(f"study {number}, split call: every run of the study is recorded in {_shown(records)}/; "
+            f"`make study-{number} PRESET={preset}` writes the report")
+    if run is not None:
+        gpu_minutes = _gpu_minutes(records)
+        if gpu_minutes is not None:
+            run.log_metrics({"study/gpu_minutes": gpu_minutes}, step=0)
+    return out_dir
+
+
+@contextmanager
+def _stop_between_runs() -> Iterator[None]:
+    """While a split call trains, SIGTERM (and Ctrl-C) outside a run's training stops the call at once as
+    :class:`StudyStopped` (inside a run, ``moelab.train.fit`` owns the signals: it finishes the step and saves)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise StudyStopped("", signum)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in previous:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def dashboard_link(experiment_id: str, port: int = 5000) -> str:

@@ -469,3 +469,36 @@ def test_monitor_records_a_trajectory_without_changing_the_training(tmp_path, mo
     assert list(table.columns) == ["arm", "seed", "step", "name", "sum"] and table.step.tolist() == [0, 2, 4, 5]
     with pytest.raises(ValueError, match="monitor="):
         grid("bad", (0, fn))
+
+
+def test_evaluate_gets_the_trainer_when_it_takes_one(tmp_path, monkeypatch) -> None:
+    """An evaluate with a ``trainer`` parameter gets the Lightning Trainer (its optimizer state, its step);
+    one without it is called as before (``common.wants_trainer``)."""
+    import functools
+
+    import torch
+
+    monkeypatch.setenv(common.GIT_ENV, json.dumps({"commit": "abc", "dirty": False, "diff_sha256": None}))
+
+    def evaluate(model, cfg, trainer, scale=1.0):
+        opt = trainer.optimizers[0]
+        params = [p for g in opt.param_groups for p in g["params"]]
+        states = [opt.state[p] for p in params if p in opt.state]
+        return {"step": trainer.global_step, "max_steps": trainer.max_steps, "params": len(params),
+                "with_state": len(states), "state_steps": sorted({int(s["step"]) for s in states}),
+                "same_shapes": all(s["exp_avg"].shape == p.shape for p, s in zip(params, states)),
+                "sq": scale * sum(float(s["exp_avg_sq"].sum()) for s in states)}
+
+    rec = common.run_grid("99_trainer", "tiny", {"bounded": GATES["bounded"]}, [0], tmp_path,
+                          common={**TINY, "tracking.enabled": False}, echo=lambda line: None,
+                          evaluate=functools.partial(evaluate, scale=2.0), checkpoints="final").records[0]
+    ev = rec.evals
+    assert ev["step"] == ev["max_steps"] == TINY["train.max_steps"] == rec.summary["steps"]
+    assert ev["params"] > 0 and ev["with_state"] == ev["params"] and ev["same_shapes"]  # AdamW's moments per param
+    assert ev["state_steps"] == [TINY["train.max_steps"]] and ev["sq"] > 0.0
+
+    assert common.wants_trainer(evaluate) and common.wants_trainer(functools.partial(evaluate, scale=2.0))
+    assert common.wants_trainer(lambda model, cfg, *, trainer: None)
+    assert not common.wants_trainer(lambda model, cfg: None)
+    assert not common.wants_trainer(lambda model, cfg, **kw: None)  # only a parameter named trainer asks for it
+    assert not common.wants_trainer(torch.add)  # no signature: called as before

@@ -1,6 +1,7 @@
 """The study grid reuses a finished run only when nothing it computes changed: the same config and code state
 give the recorded run back untrained; a changed config key or a changed code state (source hash) trains again,
-with a new record that covers the whole new run. On the ``tiny`` preset, two training steps per run."""
+with a new record that covers the whole new run; under a source pin (a study preset's training-code epoch) a
+changed source hash does not, a changed config still does. On the ``tiny`` preset, two training steps per run."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 
 import pytest
 
+from moelab.base import repo_root
 from moelab.studies import common
 
 ARM = {"bounded": {"model.kda.gate": "bounded"}}
@@ -33,10 +35,11 @@ def grid(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "_train", counted)
     monkeypatch.setenv(common.GIT_ENV, _code("1" * 16))
 
-    def call(**overrides):
+    def call(pin=None, **overrides):
         before = len(trainings)
-        rec = common.run_grid("98_reuse", "tiny", ARM, [0], tmp_path, common={**FEW, **overrides},
-                              echo=lambda line: None).records[0]
+        with common.pinned(pin):
+            rec = common.run_grid("98_reuse", "tiny", ARM, [0], tmp_path, common={**FEW, **overrides},
+                                  echo=lambda line: None).records[0]
         saved = json.loads(common.record_path(tmp_path / "records", "bounded", 0).read_text())
         return rec, len(trainings) > before, saved
 
@@ -79,3 +82,54 @@ def test_a_changed_code_state_retrains(grid, monkeypatch) -> None:
                                                    "source_sha256": "2" * 16}))
     same, trained_same, _ = grid()
     assert not trained_same and same.skipped and same.fingerprint == changed.fingerprint
+
+
+def test_a_source_pin_keeps_records_across_a_source_change_and_a_config_change_retrains(grid, tmp_path,
+                                                                                       monkeypatch) -> None:
+    first, trained, saved = grid(pin="s9test-1")
+    assert trained and saved["code"]["source_pin"] == "s9test-1" and saved["code"]["source_sha256"] == "1" * 16
+    # Any later commit in moelab changes the package hash: under the pin the record still counts.
+    monkeypatch.setenv(common.GIT_ENV, _code("2" * 16))
+    same, trained_same, saved_same = grid(pin="s9test-1")
+    assert not trained_same and same.skipped and same.fingerprint == first.fingerprint
+    assert saved_same == saved and same.code["source_sha256"] == "1" * 16  # the code it really trained at
+    # Without the pin the hash counts again; a config change under the pin retrains; so does a bumped pin.
+    unpinned, trained_unpinned, _ = grid()
+    assert trained_unpinned and unpinned.fingerprint != first.fingerprint and "source_pin" not in unpinned.code
+    changed, trained_changed, saved_changed = grid(pin="s9test-1", **{"train.lr": 1e-2})
+    assert trained_changed and changed.fingerprint not in (first.fingerprint, unpinned.fingerprint)
+    assert saved_changed["code"] == {"commit": "abc", "dirty": False, "diff_sha256": None,
+                                     "source_sha256": "2" * 16, "source_pin": "s9test-1"}
+    bumped, trained_bumped, _ = grid(pin="s9test-2", **{"train.lr": 1e-2})
+    assert trained_bumped and bumped.fingerprint != changed.fingerprint
+    # run_grid's own source_pin argument is the same pin as the pinned block's
+    again = common.run_grid("98_reuse", "tiny", ARM, [0], tmp_path, common={**FEW, "train.lr": 1e-2},
+                            echo=lambda line: None, source_pin="s9test-2")
+    assert again.records[0].skipped and again.records[0].fingerprint == bumped.fingerprint
+
+
+def test_a_pin_hashes_as_the_source_it_stands_for() -> None:
+    """Study 1's research records were made with MOELAB_STUDY_GIT's source_sha256 = "s1research-1": under the pin
+    "s1research-1" their fingerprints are the same bytes, whatever the real package hash."""
+    from moelab.config import load_config
+
+    cfg = load_config("tiny", {"seed": 0})
+    old = common._fingerprint(cfg, {"commit": "a2149cc", "source_sha256": "s1research-1"})
+    pinned = common._fingerprint(cfg, {"commit": "6740f3b", "source_sha256": "0123456789abcdef",
+                                       "source_pin": "s1research-1"})
+    assert old == pinned and old != common._fingerprint(cfg, {"source_sha256": "0123456789abcdef"})
+    with pytest.raises(ValueError, match="source_pin='bad pin' is not allowed"):
+        with common.pinned("bad pin"):
+            pass
+
+
+@pytest.mark.parametrize("name", ["bounded-1_s0", "softplus_s0"])
+def test_study_1_research_records_are_valid_under_their_pin(name, monkeypatch) -> None:
+    """The committed records' fingerprints recompute from their own config and the pin "s1research-1"."""
+    path = repo_root() / "studies" / "01_decay_bound" / "records" / "research" / f"{name}.json"
+    if not path.exists():
+        pytest.skip(f"{path.name} is not in this checkout")
+    saved = json.loads(path.read_text())
+    monkeypatch.setattr(common, "_run_config", lambda cfg: cfg)  # the record keeps _run_config(cfg) as "config"
+    code = {**saved["code"], "source_sha256": "0123456789abcdef", "source_pin": "s1research-1"}
+    assert common._fingerprint(saved["config"], code) == saved["fingerprint"]

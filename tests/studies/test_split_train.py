@@ -1,0 +1,157 @@
+"""A split call (``make study-N RUNS=...``) runs the study module's ``train(preset, out_dir)`` in the runner's process:
+no notebook, no Jupyter kernel, no papermill, and no MLflow needed. Checked in a subprocess where mlflow, papermill,
+nbformat, nbclient, nbconvert, ipykernel, jupytext, latex2mathml and IPython cannot be imported (a meta-path blocker
+in a ``sitecustomize``, as on the GPU machine without the lab wheels): two split calls record the grid's runs, equal to
+the grid trained in one go here, and a later call with MLflow logs the untracked records into its store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from moelab.studies import common
+from moelab.studies.runner import StudyFailed, run_study
+from tests.train.mlflow_fixtures import mlflow_template_db, tracking_uri  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCKED = ("mlflow", "papermill", "nbformat", "nbclient", "nbconvert", "ipykernel", "jupytext", "latex2mathml",
+           "IPython")
+SITECUSTOMIZE = f'''
+import sys
+
+
+class _Blocked:
+    """Refuses the lab's notebook and tracking packages, as a GPU image without the lab wheels does."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {BLOCKED!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (hidden by the test)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _Blocked())
+'''
+# The study module: the convention's train(preset, out_dir), one grid of two arms x one seed, 4 steps each.
+MODULE = '''
+from moelab.studies import common
+
+ARMS = {"bounded": {"model.kda.gate": "bounded"}, "softplus": {"model.kda.gate": "softplus"}}
+COMMON = {"train.max_steps": 4, "train.warmup_steps": 1, "train.val_every": 2, "train.val_batches": 1,
+          "tracking.log_system_metrics": False}
+
+
+def train(preset, out_dir):
+    return common.run_grid("07_nowheels", "tiny", ARMS, [0], out_dir, common=COMMON, checkpoints="final",
+                           source_pin="s7test-1")
+'''
+DRIVER = '''
+import sys
+from pathlib import Path
+
+from moelab.studies.runner import run_study
+
+for name in {blocked!r}:
+    try:
+        __import__(name)
+    except ImportError:
+        continue
+    raise SystemExit(f"{{name}} was importable")
+lines = []
+for runs in ("bounded:0", "softplus:0"):
+    run_study(7, "cpu", runs=runs, nbs_dir=Path({nbs!r}), out_root=Path({out!r}), module="split_nowheels",
+              echo=lines.append)
+print("\\n".join(lines))
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in {blocked!r})
+print("LOADED", loaded)
+'''
+KEYS = ("fingerprint", "arm", "seed", "tokens", "epochs", "train_val_gap", "val_history", "trajectory", "config")
+
+
+def _computed(history: dict) -> dict[str, list]:
+    """A packed history's columns without the timings (``perf/*``: wall-clock measures differ run to run)."""
+    cols = history["columns"]
+    return {c: [row[i] for row in history["rows"]] for i, c in enumerate(cols) if not c.startswith("perf/")}
+
+
+def _records(folder: Path) -> dict[str, dict]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+
+
+@pytest.mark.slow
+def test_split_calls_without_mlflow_or_papermill_record_runs_equal_to_one_go(tmp_path, tracking_uri,  # noqa: F811
+                                                                             monkeypatch) -> None:
+    site, pkg, nbs = tmp_path / "site", tmp_path / "pkg", tmp_path / "nbs"
+    for d in (site, pkg, nbs):
+        d.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    (pkg / "split_nowheels.py").write_text(MODULE)
+    (nbs / "07_nowheels.ipynb").write_text("{}")  # names the study; a split call never reads it
+    code = json.dumps({"commit": "abc", "dirty": False, "diff_sha256": None, "source_sha256": "5" * 16})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join((str(site), str(pkg), str(ROOT))),
+           common.GIT_ENV: code}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    out = tmp_path / "split"
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(DRIVER.format(blocked=BLOCKED, nbs=str(nbs),
+                                                                                out=str(out)))],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "LOADED []"  # nothing of the lab's notebook or tracking stack was imported
+    untracked = [ln for ln in lines if "MLflow cannot be imported here" in ln]
+    assert len(untracked) == 2 and "the final call (`make study-7 PRESET=cpu`) logs them" in untracked[0]
+    said = [ln for ln in lines if ln.startswith("study 7, split call: ") and "MLflow" not in ln]
+    assert said[0].startswith("study 7, split call: trained bounded:0; records in ")
+    assert said[0].endswith("1 run(s) of this grid still to train: softplus:0; when every run is recorded, "
+                            "`make study-7 PRESET=cpu` trains what is missing and writes the report")
+    assert said[1].startswith("study 7, split call: every run of the study is recorded in ")
+    assert sum(ln.startswith("[") and "arm=" in ln for ln in lines) == 3  # bounded, then bounded (read) + softplus
+    split_records = _records(out / "07_nowheels" / "records" / "cpu")
+    assert sorted(split_records) == ["bounded_s0.json", "softplus_s0.json"]
+    assert not (out / "07_nowheels" / "07_nowheels.ipynb").exists()  # no notebook ran
+    assert (out / "07_nowheels" / "split" / "checkpoints" / "softplus-s0" / "last.ckpt").is_file()
+    for rec in split_records.values():
+        assert rec["mlflow"]["run_id"] is None and rec["code"]["source_pin"] == "s7test-1"
+        assert rec["code"]["source_sha256"] == "5" * 16 and rec["command"].startswith("make study-7 PRESET=cpu RUNS=")
+
+    # The same grid in one go, here (MLflow importable, a test store), gives the same records.
+    monkeypatch.syspath_prepend(str(pkg))
+    monkeypatch.setenv(common.GIT_ENV, code)
+    import split_nowheels
+
+    one = split_nowheels.train("cpu", tmp_path / "one")
+    one_records = _records(tmp_path / "one" / "records")
+    assert sorted(one_records) == sorted(split_records) and not any(r.skipped for r in one.records)
+    for name, rec in split_records.items():
+        mine = one_records[name]
+        assert {k: rec[k] for k in KEYS} == {k: mine[k] for k in KEYS}, name
+        assert _computed(rec["history"]) == _computed(mine["history"]), name  # every curve but the timings
+        assert rec["summary"]["final_val_loss"] == mine["summary"]["final_val_loss"] and rec["summary"]["steps"] == 4
+
+    # A later call with MLflow reads the records (trains nothing) and logs each untracked run into its store once.
+    from mlflow.tracking import MlflowClient
+
+    again = common.run_grid("07_nowheels", "tiny", split_nowheels.ARMS, [0], tmp_path / "final",
+                            common=split_nowheels.COMMON, records_dir=out / "07_nowheels" / "records" / "cpu",
+                            source_pin="s7test-1", echo=lambda line: None)
+    assert all(r.skipped for r in again.records)
+    client = MlflowClient(tracking_uri)
+    imported = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                  f"tags.`{common.IMPORTED_TAG}` != ''")
+    assert sorted(r.data.tags["moelab.arm"] for r in imported) == ["bounded", "softplus"]
+    assert all(len(client.get_metric_history(r.info.run_id, "train/loss")) == 4 for r in imported)
+
+
+def test_a_split_call_needs_the_study_modules_train(tmp_path) -> None:
+    nbs = tmp_path / "nbs"
+    nbs.mkdir()
+    (nbs / "07_notrain.ipynb").write_text("{}")
+    with pytest.raises(StudyFailed, match=r"study 7 \(07_notrain\): json has no train\(preset, out_dir\)"):
+        run_study(7, "cpu", runs="a:0", nbs_dir=nbs, out_root=tmp_path / "out", module="json", echo=lambda s: None)
+    with pytest.raises(ModuleNotFoundError, match="moelab.studies.notrain"):
+        run_study(7, "cpu", runs="a:0", nbs_dir=nbs, out_root=tmp_path / "out", echo=lambda s: None)
