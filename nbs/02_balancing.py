@@ -34,7 +34,7 @@
 # the runs' per-step router statistics, which `results/` does not keep, are shown as that run drew them).
 
 # %% tags=["parameters"]
-preset = "cpu"  # "cpu": minutes on 2 cores; "gpu": a gpu-small-width model on one GPU
+preset = "cpu"  # "cpu": minutes on 2 cores; "gpu": a gpu-small-width model on one GPU; "research": split GPU calls
 out_dir = "."
 from_results = False  # True: render from the committed results/ and summary.json instead of training again
 
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from IPython.display import Markdown
+from IPython.display import Markdown, display
 
 from moelab.model.accounting import param_counts
 from moelab.studies import balancing as study
@@ -52,6 +52,7 @@ from moelab.studies import common, report
 from moelab.utils import write_json
 
 common.quiet_known_noise()  # log noise filtered at its source, before anything imports Lightning
+research = preset == "research"  # the research tier's cells below; the cpu/gpu cells are skipped with it
 
 out = Path(out_dir)
 (out / "figures").mkdir(parents=True, exist_ok=True)
@@ -87,27 +88,89 @@ pd.Series({
 # Checked on the resolved configs: every other key (model, data, schedule, seeds) is the same in every arm.
 
 # %%
-pd.DataFrame(study.arms_factor(preset))
+if research:
+    for layout, factor in study.research_arms_factor().items():
+        display(pd.DataFrame(factor).rename_axis(layout))
+else:
+    display(pd.DataFrame(study.arms_factor(preset)))
+
+# %% [markdown]
+# ## Research tier (only with `preset = "research"`; the other presets skip these cells)
+# Per batch layout (8 x 2048 and 64 x 256: the same 16,384 tokens per step) every run trains 400 steps with the
+# balancer off (`train.balancer_start_step`: bias zero, no aux loss), past the router's early collapse, then its
+# balancer from zero bias; the 8 x 2048 runs go on 2000 steps (the steady state), the 64 x 256 runs 300. Every run
+# is one CUDA graph per step (`train.compile='graphs'`, the switch as device arithmetic). At the end of each run, in
+# its training process: QB's floor on the frozen trained model at the run's layout, the bias trajectories, and for
+# the 8 x 2048 runs the shift test (a copy of the trained model and AdamW state continues 100 steps on the other
+# corpus). The render reads the records alone (no checkpoint): `train` trains only what has no record.
+
+# %%
+if research:
+    grids = study.train(preset, out)
+    rows = study.research_rows(grids)
+    shift = study.research_shift_rows(study.research_shifts(grids), rows)
+    rows.to_csv(out / "results" / "research_runs.csv", index=False)
+    shift.to_csv(out / "results" / "research_shift.csv", index=False)
+    display(rows.drop(columns=["arm"]).round(4))
+
+# %%
+if research:
+    display(common.show(study.switch_figure(grids, rows), out / "figures" / "research_switch.png"))
+
+# %% [markdown]
+# **Research figure 1.** MaxVio_batch around the switch (step 0: the balancer switches on), seed mean per balancer
+# (shaded between seeds), log scale; dotted: the layout's frozen QB floor, dashed: 1.1 x it (reached: 3 steps within).
+
+# %%
+if research:
+    display(common.show(study.steady_figure(rows), out / "figures" / "research_steady.png"))
+
+# %% [markdown]
+# **Research figure 2.** MaxVio_global at the end of the 2000-step steady state (8 x 2048): seed mean with its 95% t
+# interval, seeds as dots.
+
+# %%
+if research:
+    display(common.show(study.research_bias_figure(grids), out / "figures" / "research_bias.png"))
+
+# %% [markdown]
+# **Research figure 3.** Re-centred router bias of the last MoE layer's experts from the switch on (seed 0), per bias
+# balancer (histogram QB included).
+
+# %%
+if research:
+    display(shift.set_index(["arm", "seed"]).rename(columns={
+        "maxvio_before": "MaxVio_batch before (last 20%)", "maxvio_first": "at the first shifted step",
+        "recover_step": "steps back to within 10% of before", "resettle_step": "steps to 1.1 x floor"}))
+    rep = study.research_report(rows, shift)
+    summary = study.research_summary(grids, rows, shift, rep)
+    summary = report.attach(summary, rep, False)
+    write_json(out / "summary.json", summary)
+    display(pd.Series({k: str(summary["meta"].get(k)) for k in (
+        "commit", "dirty", "device", "command", "date", "wall_s", "gpu_minutes_total", "gpu_minutes_by_layout",
+        "records_code")}, name="run facts").to_frame())
+    display(Markdown(rep.markdown()))
 
 # %% [markdown]
 # ## 2. Training every balancer
 # One line per finished run; each run's training output goes to `checkpoints/<arm>-s<seed>/train.log`.
 
 # %%
-grid = None if from_results else study.train_balancers(preset, out)
-runs = report.result_table(out / "results" / "runs.csv", lambda: grid.table(), from_results)
-histories = report.result_table(out / "results" / "loss_histories.csv", lambda: grid.histories(), from_results)
-trajs = {} if from_results else {(r.arm, r.seed): study.trajectories(r) for r in grid.records}
-rows = report.result_table(out / "results" / "balance_runs.csv",
-                           lambda: [study.run_metrics(r, trajs[r.arm, r.seed], threshold) for r in grid.records],
-                           from_results)
-table = study.balance_table(rows)
-if not from_results:
-    table.to_csv(out / "results" / "balance_table.csv")
-table[list(study.TABLE_METRICS) + ["settled", "n_seeds"]].rename(columns={
-    "final_val_loss": "val loss", "maxvio_batch": "MaxVio_batch (last 20%)", "maxvio_global": "MaxVio_global",
-    "load_cv": "load CV (last 20%)", "dead_experts": f"dead experts (of {moe_layers * moe.num_experts})",
-    "settle_step": f"steps to MaxVio_batch < {threshold:.2g}", "balancer_share": "balancer share of step"})
+if not research:
+    grid = None if from_results else study.train_balancers(preset, out)
+    runs = report.result_table(out / "results" / "runs.csv", lambda: grid.table(), from_results)
+    histories = report.result_table(out / "results" / "loss_histories.csv", lambda: grid.histories(), from_results)
+    trajs = {} if from_results else {(r.arm, r.seed): study.trajectories(r) for r in grid.records}
+    rows = report.result_table(out / "results" / "balance_runs.csv",
+                               lambda: [study.run_metrics(r, trajs[r.arm, r.seed], threshold) for r in grid.records],
+                               from_results)
+    table = study.balance_table(rows)
+    if not from_results:
+        table.to_csv(out / "results" / "balance_table.csv")
+    display(table[list(study.TABLE_METRICS) + ["settled", "n_seeds"]].rename(columns={
+        "final_val_loss": "val loss", "maxvio_batch": "MaxVio_batch (last 20%)", "maxvio_global": "MaxVio_global",
+        "load_cv": "load CV (last 20%)", "dead_experts": f"dead experts (of {moe_layers * moe.num_experts})",
+        "settle_step": f"steps to MaxVio_batch < {threshold:.2g}", "balancer_share": "balancer share of step"}))
 
 # %% [markdown]
 # Per balancer, mean ± standard deviation over seeds: final validation loss (nats/token), MaxVio_batch and load
@@ -117,9 +180,10 @@ table[list(study.TABLE_METRICS) + ["settled", "n_seeds"]].rename(columns={
 # share of a training step (its statistics and update, the collectives included).
 
 # %%
-title = f"{p['base']}-based, {moe.num_experts} experts top-{moe.top_k}: training loss minus no balancer's"
-common.show(report.difference_figure(histories, "none", title),
-            out / "figures" / "training_loss.png")
+if not research:
+    title = f"{p['base']}-based, {moe.num_experts} experts top-{moe.top_k}: training loss minus no balancer's"
+    display(common.show(report.difference_figure(histories, "none", title),
+                out / "figures" / "training_loss.png"))
 
 # %% [markdown]
 # **Figure 1.** Each balancer's training loss minus the unbalanced (`none`) arm's, seed by seed (same seed: same
@@ -128,11 +192,12 @@ common.show(report.difference_figure(histories, "none", title),
 # axis spans the 2-98% range of the bands after the first quarter of the steps.
 
 # %%
-if from_results:  # drawn from the runs' per-step router loads, which results/ does not keep
-    figure = report.committed_figure(out / "figures" / "maxvio_batch.png")
-else:
-    figure = common.show(study.maxvio_figure(grid, threshold, floor), out / "figures" / "maxvio_batch.png")
-figure
+if not research:
+    if from_results:  # drawn from the runs' per-step router loads, which results/ does not keep
+        figure = report.committed_figure(out / "figures" / "maxvio_batch.png")
+    else:
+        figure = common.show(study.maxvio_figure(grid, threshold, floor), out / "figures" / "maxvio_batch.png")
+    display(figure)
 
 # %% [markdown]
 # **Figure 2.** MaxVio_batch per optimizer step (log scale, mean over MoE layers): the seed mean per balancer,
@@ -140,13 +205,14 @@ figure
 # routing at this batch size. A value of $n/k - 1$ means every token picks the same $k$ experts.
 
 # %%
-bias_arms = study.bias_arms()
-if from_results:  # the per-step biases live in the runs, not in results/
-    figure = report.committed_figure(out / "figures" / "bias_trajectories.png")
-else:
-    figure = common.show(study.bias_figure({a: trajs[a, p["seeds"][0]] for a in bias_arms}),
-                         out / "figures" / "bias_trajectories.png")
-figure
+if not research:
+    bias_arms = study.bias_arms()
+    if from_results:  # the per-step biases live in the runs, not in results/
+        figure = report.committed_figure(out / "figures" / "bias_trajectories.png")
+    else:
+        figure = common.show(study.bias_figure({a: trajs[a, p["seeds"][0]] for a in bias_arms}),
+                             out / "figures" / "bias_trajectories.png")
+    display(figure)
 
 # %% [markdown]
 # **Figure 3.** Router bias of each of the last MoE layer's experts per step (one thin line per expert, seed
@@ -154,12 +220,13 @@ figure
 # a zero bias and are left out.
 
 # %%
-if from_results:  # the per-step expert loads live in the runs, not in results/
-    figure = report.committed_figure(out / "figures" / "load_heatmaps.png")
-else:
-    figure = common.show(study.heatmap_figure({a: trajs[a, p["seeds"][0]] for a in study.ARMS}),
-                         out / "figures" / "load_heatmaps.png")
-figure
+if not research:
+    if from_results:  # the per-step expert loads live in the runs, not in results/
+        figure = report.committed_figure(out / "figures" / "load_heatmaps.png")
+    else:
+        figure = common.show(study.heatmap_figure({a: trajs[a, p["seeds"][0]] for a in study.ARMS}),
+                             out / "figures" / "load_heatmaps.png")
+    display(figure)
 
 # %% [markdown]
 # **Figure 4.** Expert load over training, seed 0: one row per balancer, one column per MoE layer, experts on
@@ -177,23 +244,25 @@ figure
 # of its training steps), and the step from which it stays below the settle threshold.
 
 # %%
-committed = json.loads((out / "summary.json").read_text()) if from_results else None
-if from_results:
-    shifts = study.shifts_from_table(pd.read_csv(out / "results" / "shift_maxvio.csv"),
-                                     committed["settings"]["shift_source"])
-else:
-    shifts = [study.shift_test(r, p["shift_steps"]) for r in grid.records if r.seed in p["shift_seeds"]]
-    pd.DataFrame([{"arm": s["arm"], "seed": s["seed"], "step": st, "maxvio_batch": v} for s in shifts
-                  for st, v in zip(s["step"], s["maxvio_batch"])]).to_csv(out / "results" / "shift_maxvio.csv",
-                                                                          index=False)
-before = {(r.arm, r.seed): r.maxvio_batch for r in rows.itertuples()}
-pd.DataFrame(study.shift_rows(shifts, threshold, before)).set_index("arm").rename(columns={
-    "maxvio_before": "MaxVio_batch before (last 20%)", "maxvio_first": "at the first shifted step",
-    "maxvio_last": "last 20% after the switch", "recover_step": "steps back to within 10% of before",
-    "resettle_step": f"steps to MaxVio_batch < {threshold:.2g}"})
+if not research:
+    committed = json.loads((out / "summary.json").read_text()) if from_results else None
+    if from_results:
+        shifts = study.shifts_from_table(pd.read_csv(out / "results" / "shift_maxvio.csv"),
+                                         committed["settings"]["shift_source"])
+    else:
+        shifts = [study.shift_test(r, p["shift_steps"]) for r in grid.records if r.seed in p["shift_seeds"]]
+        pd.DataFrame([{"arm": s["arm"], "seed": s["seed"], "step": st, "maxvio_batch": v} for s in shifts
+                      for st, v in zip(s["step"], s["maxvio_batch"])]).to_csv(out / "results" / "shift_maxvio.csv",
+                                                                              index=False)
+    before = {(r.arm, r.seed): r.maxvio_batch for r in rows.itertuples()}
+    display(pd.DataFrame(study.shift_rows(shifts, threshold, before)).set_index("arm").rename(columns={
+        "maxvio_before": "MaxVio_batch before (last 20%)", "maxvio_first": "at the first shifted step",
+        "maxvio_last": "last 20% after the switch", "recover_step": "steps back to within 10% of before",
+        "resettle_step": f"steps to MaxVio_batch < {threshold:.2g}"}))
 
 # %%
-common.show(study.shift_figure(shifts, threshold, floor), out / "figures" / "shift_test.png")
+if not research:
+    display(common.show(study.shift_figure(shifts, threshold, floor), out / "figures" / "shift_test.png"))
 
 # %% [markdown]
 # **Figure 5.** MaxVio_batch per step after the switch to the other corpus (log scale, mean over MoE layers,
@@ -215,21 +284,23 @@ common.show(study.shift_figure(shifts, threshold, floor), out / "figures" / "shi
 # balancing arithmetic runs on the CPU.
 
 # %%
-if from_results:
-    limits = study.limits_from_table(committed["qb_limits"], pd.read_csv(out / "results" / "qb_limits_stream.csv"))
-else:
-    qb_run = next(r for r in grid.records if r.arm == "qb" and r.seed == p["seeds"][0])
-    qb_tail = float(rows[(rows.arm == "qb") & (rows.seed == qb_run.seed)].maxvio_batch.iloc[0])
-    limits = study.qb_limits(qb_run, trajs["qb", qb_run.seed], qb_tail, floor,
-                             device="cuda" if torch.cuda.is_available() else "cpu")
-    pd.DataFrame([{"stream": name, "batch": i + 1, **{key: values[i] for key, values in limits[name].items()}}
-                  for name in ("ordered", "shuffled") for i in range(limits["batches"])]).to_csv(
-        out / "results" / "qb_limits_stream.csv", index=False)
-pd.Series({k: v for k, v in limits.items() if k not in ("ordered", "shuffled")},
-          name="QB on the frozen model").to_frame()
+if not research:
+    if from_results:
+        limits = study.limits_from_table(committed["qb_limits"], pd.read_csv(out / "results" / "qb_limits_stream.csv"))
+    else:
+        qb_run = next(r for r in grid.records if r.arm == "qb" and r.seed == p["seeds"][0])
+        qb_tail = float(rows[(rows.arm == "qb") & (rows.seed == qb_run.seed)].maxvio_batch.iloc[0])
+        limits = study.qb_limits(qb_run, trajs["qb", qb_run.seed], qb_tail, floor,
+                                 device="cuda" if torch.cuda.is_available() else "cpu")
+        pd.DataFrame([{"stream": name, "batch": i + 1, **{key: values[i] for key, values in limits[name].items()}}
+                      for name in ("ordered", "shuffled") for i in range(limits["batches"])]).to_csv(
+            out / "results" / "qb_limits_stream.csv", index=False)
+    display(pd.Series({k: v for k, v in limits.items() if k not in ("ordered", "shuffled")},
+              name="QB on the frozen model").to_frame())
 
 # %%
-common.show(study.limits_figure(limits), out / "figures" / "qb_limits.png")
+if not research:
+    display(common.show(study.limits_figure(limits), out / "figures" / "qb_limits.png"))
 
 # %% [markdown]
 # **Figure 6.** QB's update over fresh batches of the frozen trained `qb` model (first seed), MaxVio_batch per
@@ -239,23 +310,25 @@ common.show(study.limits_figure(limits), out / "figures" / "qb_limits.png")
 # 20% of its training steps; dotted: the random-routing floor.
 
 # %%
-if from_results:
-    summary = committed
-else:
-    settings = {"steps": cfg.train.max_steps, "tokens_per_step": tokens_per_step, "num_experts": moe.num_experts,
-                "top_k": moe.top_k, "moe_layers": moe_layers, "noise_floor": floor,
-                "threshold": threshold, "hold": study.HOLD, "tail": study.TAIL, "shift_steps": p["shift_steps"],
-                "shift_source": shifts[0]["source"] if shifts else None,
-                "loss_free_sign_rate": moe.loss_free_sign_rate, "device": common.device_name()}
-    summary = study.summarize(grid, rows, shifts, preset, settings, limits)
-findings = study.study_report(summary, rows)
-summary = report.attach(study.add_arm_intervals(summary), findings, from_results)
-write_json(out / "summary.json", summary)
-pd.Series({k: str(summary["meta"][k]) for k in ("commit", "dirty", "device", "torch", "triton", "command", "date",
-                                                "wall_s", "tokens_per_run", "epochs")}, name="run facts").to_frame()
+if not research:
+    if from_results:
+        summary = committed
+    else:
+        settings = {"steps": cfg.train.max_steps, "tokens_per_step": tokens_per_step, "num_experts": moe.num_experts,
+                    "top_k": moe.top_k, "moe_layers": moe_layers, "noise_floor": floor,
+                    "threshold": threshold, "hold": study.HOLD, "tail": study.TAIL, "shift_steps": p["shift_steps"],
+                    "shift_source": shifts[0]["source"] if shifts else None,
+                    "loss_free_sign_rate": moe.loss_free_sign_rate, "device": common.device_name()}
+        summary = study.summarize(grid, rows, shifts, preset, settings, limits)
+    findings = study.study_report(summary, rows)
+    summary = report.attach(study.add_arm_intervals(summary), findings, from_results)
+    write_json(out / "summary.json", summary)
+    display(pd.Series({k: str(summary["meta"][k]) for k in ("commit", "dirty", "device", "torch", "triton", "command", "date",
+                                                    "wall_s", "tokens_per_run", "epochs")}, name="run facts").to_frame())
 
 # %% [markdown]
 # ## Findings
 
 # %%
-Markdown(study.findings(findings))
+if not research:
+    display(Markdown(study.findings(findings)))

@@ -86,8 +86,10 @@ def test_research_evaluate_reads_the_trainer(monkeypatch: pytest.MonkeyPatch) ->
     assert got["floor"] == {"frozen_next": 0.25} and got["layers"] == ["layers.1.moe"]
     step = got["step"].tolist()
     assert step[0] == S and step[:study.SWITCH_DENSE + 1] == list(range(S, S + study.SWITCH_DENSE + 1))
-    assert step[study.SWITCH_DENSE + 1:] == list(range(S + study.SWITCH_DENSE + study.BIAS_EVERY, 601, study.BIAS_EVERY))
-    assert got["bias"].dtype == torch.float16 and got["bias"][0].abs().max() == 0 and float(got["bias"][-1, 0, 0]) == 600
+    every = study.BIAS_EVERY
+    assert step[study.SWITCH_DENSE + 1:] == list(range(S + study.SWITCH_DENSE + every, 601, every))
+    assert got["bias"].dtype == torch.float16 and got["bias"][0].abs().max() == 0
+    assert float(got["bias"][-1, 0, 0]) == 600
     assert got["shift"]["step"] == [1, 2, 3]
     no_shift = study.research_evaluate(lit.model, cfg, trainer=trainer, shift_steps=3, shift_seeds=(cfg.seed + 1,))
     assert "shift" not in no_shift
@@ -121,13 +123,14 @@ def _grids() -> dict[str, Grid]:
     reach = {"qb": 2, "qb_hist": 4, "loss_free_sign": 50, "aux_1e-2": 10_000, "none": 10_000}
     back = {"qb": 3, "qb_hist": 5, "loss_free_sign": 12, "aux_1e-2": 30, "none": 30}
     grids = {}
-    for layout, (b_, t_, after, balancers) in study.LAYOUTS.items():
+    for layout, (_, _, after, balancers) in study.LAYOUTS.items():
         recs = []
         for b in balancers:
             for seed in range(3):
                 n = S + after
                 hist = [{"step": s, "balance/maxvio_batch": (6.0 / s + 0.2 if s <= S else
-                                                             0.26 if s - S >= reach[b] else 1.0)} for s in range(1, n + 1)]
+                                                             0.26 if s - S >= reach[b] else 1.0)}
+                        for s in range(1, n + 1)]
                 evals = {"layers": ["L1"], "step": torch.arange(S, n + 1), "bias": torch.zeros(n + 1 - S, 1, 4).half(),
                          "floor": {"frozen_next": 0.25}}
                 if layout == study.SHIFT_LAYOUT:
@@ -135,7 +138,8 @@ def _grids() -> dict[str, Grid]:
                     evals["shift"] = {"source": "shakespeare", "step": list(range(1, 41)),
                                       "maxvio_batch": [0.9 if i < k else 0.26 for i in range(1, 41)]}
                 summary = {"final_val_loss": 4.0 + 0.01 * seed + (0.03 if b == "aux_1e-2" else 0.0),
-                           "maxvio_global": {"qb": 0.05, "qb_hist": 0.06, "loss_free_sign": 0.2}.get(b, 0.5) + 0.01 * seed}
+                           "maxvio_global": ({"qb": 0.05, "qb_hist": 0.06, "loss_free_sign": 0.2}.get(b, 0.5)
+                                             + 0.01 * seed)}
                 recs.append(RunRecord(arm=study.research_arm(b, layout), seed=seed, summary=summary, history=hist,
                                       val_history=[], tokens=0, epochs=0.0, train_val_gap=None, fingerprint="x",
                                       evals=evals, timing={"gpu_minutes": 1.5}))
