@@ -165,10 +165,20 @@ def arms_factor(preset: str) -> dict[str, dict[str, Any]]:
     return common.check_arms_differ_only(p.base, {**main, **extra}, p.common)
 
 
-def train(preset: str, out_dir: str | Path, extra_overrides: Mapping[str, Any] | None = None) -> common.Grid:
-    """Train every arm of ``preset`` (the main modes at every seed, the other block counts at the first
-    seeds); finished runs are reused. Runs go to ``<out_dir>/checkpoints/<arm>-s<seed>``. Sets the
-    plan's torch thread count for this process."""
+def train(preset: str, out_dir: str | Path, extra_overrides: Mapping[str, Any] | None = None
+          ) -> common.Grid | tuple[common.Grid, dict]:
+    """Train every grid of ``preset``; finished runs are reused. The study's one training entry: the notebook calls
+    it, and so does a split call (``make study-3 PRESET=research RUNS=...``, without the notebook).
+
+    ``research``: :func:`train_research` (the lr sweep first, then the shallow seeds and the deep grid at each mode's
+    winning lr; a split call stops with :class:`moelab.studies.common.GridIncomplete` at the first incomplete grid),
+    its records pinned to :attr:`ResearchPlan.source_pin`; returns ``(grid, picked)``. ``cpu`` / ``gpu``: the main modes
+    at every seed, the other block counts at the first seeds; returns the :class:`~moelab.studies.common.Grid`.
+    Runs go to ``<out_dir>/checkpoints/<arm>-s<seed>``. Sets the plan's torch thread count for this process.
+    """
+    if preset == "research":
+        extra = {"common": {**RESEARCH.common, **extra_overrides}} if extra_overrides else {}
+        return train_research(out_dir, **extra)
     p = plan(preset)
     if p.threads:
         torch.set_num_threads(p.threads)
@@ -797,6 +807,7 @@ class ResearchPlan:
     modes: tuple[str, ...]
     min_tokens: int
     notes: str = ""
+    source_pin: str | None = None  # training-code epoch of the records (common.pinned): bump when training changes
 
     @property
     def tokens_per_run(self) -> int:
@@ -825,7 +836,8 @@ RESEARCH = ResearchPlan(
      "train.compile": "graphs"},
     depths=(12, 24), layers_per_block=4, lrs=(1e-3, 2e-3, 4e-3), seeds=(0, 1, 2), sweep_seed=0,
     modes=MODES, min_tokens=50_000_000,
-    notes="3:1 KDA/MLA, d_model 384, dense FFNs, 1536 steps of 16 x 2048 tokens, one CUDA graph per step")
+    notes="3:1 KDA/MLA, d_model 384, dense FFNs, 1536 steps of 16 x 2048 tokens, one CUDA graph per step",
+    source_pin="s3research-1")
 
 _ARM = re.compile(r"^(prenorm|block(\d+)|full)-L(\d+)(?:-lr(.+))?$")
 
@@ -961,8 +973,10 @@ def train_research(out_dir: str | Path, plan_: ResearchPlan = RESEARCH, **grid_k
     A split call whose sweep is still incomplete stops with :class:`moelab.studies.common.GridIncomplete` before any
     run that needs the sweep's winner (the harness stops there itself when the call's own runs are done).
     ``grid_kwargs`` go to every :func:`moelab.studies.common.run_grid` call (tests pass ``split``, ``records_dir``).
+    The runs' code is pinned to ``plan_.source_pin`` (run_grid's ``source_pin``).
     """
-    kw = {"common": dict(plan_.common), "evaluate": research_diagnostics, "checkpoints": "final", **grid_kwargs}
+    kw = {"common": dict(plan_.common), "evaluate": research_diagnostics, "checkpoints": "final",
+          "source_pin": plan_.source_pin, **grid_kwargs}
     sweep = common.run_grid(STUDY, plan_.base, sweep_arms(plan_), (plan_.sweep_seed,), out_dir, **kw)
     if not sweep.complete:
         have = {r.arm for r in sweep.records}

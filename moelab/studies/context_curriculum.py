@@ -85,6 +85,7 @@ class Plan:
     notes: str = ""
     synthetic_batch_share: float = 0.0
     pilot_steps: tuple[int, ...] = ()
+    source_pin: str | None = None  # training-code epoch of the records (common.pinned): bump when training changes
 
 
 PRESETS = {
@@ -133,7 +134,7 @@ PRESETS = {
                               lbp_samples=4, batch_size=8),
                      notes="gpu-small, 384 steps of 131,072 tokens (8 x 16K .. 128 x 1K), 25% retrieval sequences "
                            "in every micro-batch; stages 1K -> 4K -> 16K",
-                     synthetic_batch_share=0.25, pilot_steps=(96, 192)),
+                     synthetic_batch_share=0.25, pilot_steps=(96, 192), source_pin="s4research-1"),
 }
 
 
@@ -247,7 +248,7 @@ def train_pilot(preset: str, out_dir: str | Path) -> list[common.Grid]:
     grids = []
     for name, overrides in pilot_arms(preset).items():
         grids.append(common.run_grid(STUDY, p.base, {name: overrides}, (0,), out_dir, common=dict(p.common),
-                                     checkpoints="final",
+                                     checkpoints="final", source_pin=p.source_pin,
                                      evaluate=functools.partial(evaluate_trained, preset=preset,
                                                                 settings=pilot_eval_settings(preset))))
     return grids
@@ -297,15 +298,25 @@ def pilot_finding(pilot: Sequence[Mapping[str, Any]], length: int) -> report.Fin
 
 
 def train(preset: str, out_dir: str | Path, extra_overrides: Mapping[str, Any] | None = None) -> common.Grid:
-    """Train every schedule at every seed of ``preset``; finished runs are reused."""
+    """Train every grid of ``preset``, in the notebook's order: the pilot runs first (:func:`train_pilot`, where the
+    plan has ``pilot_steps``), then every schedule at every seed; finished runs are reused, the records are pinned to
+    the plan's ``source_pin`` (run_grid's ``source_pin``; so are the pilot's). Returns the schedules' grid (the
+    notebook's pilot cell runs :func:`train_pilot` first, the same grids: ``train`` then reads them back).
+
+    The study's one training entry: the notebook calls it, and so does a split call (``make study-4 PRESET=research
+    RUNS=...``, without the notebook), which stops with :class:`moelab.studies.common.GridIncomplete` at the first
+    grid still incomplete once its own runs are trained.
+    """
     p = plan(preset)
     if p.threads:
         torch.set_num_threads(p.threads)
+    if p.pilot_steps:
+        train_pilot(preset, out_dir)
     # One checkpoint per run, at its end; the evaluation runs on the trained model in its training process
     # and travels in the run's record (a run trained in another call needs no checkpoint here).
     return common.run_grid(STUDY, p.base, arms(preset), p.seeds, out_dir,
                            common={**p.common, **(extra_overrides or {})}, checkpoints="final",
-                           evaluate=functools.partial(evaluate_trained, preset=preset))
+                           evaluate=functools.partial(evaluate_trained, preset=preset), source_pin=p.source_pin)
 
 
 # ------------------------------------------------------------------------------------------- eval
