@@ -29,6 +29,12 @@
 # `moelab.studies.common`; intervals and wording: `moelab.studies.report`. With `from_results = True` the notebook
 # trains nothing: it renders the report from the raw results a run committed in `results/` (figures that need the
 # trained models are shown as that run drew them).
+#
+# With `preset = "research"` (the dose-response tier: bounds $-0.25$, $-0.5$, $-1$, $-5$ and softplus, 3 seeds, one
+# epoch each) the notebook needs no GPU: the runs come from their committed records (split GPU calls trained them),
+# and every GPU-bound measurement is a standalone command whose raw JSON in `results/` this notebook reads
+# (`python -m moelab.studies.decay_bound speed|overflow|forgetting`); a part whose file is missing is reported as not
+# measured. Section 6 shows the research tier's own figures and its findings lead with the precondition.
 
 # %% tags=["parameters"]
 preset = "cpu"  # "cpu": minutes on 2 cores; "gpu": the gpu-small model on one GPU; "research": split GPU calls
@@ -47,7 +53,7 @@ if not torch.cuda.is_available():  # the Triton kernels run in the interpreter; 
 from pathlib import Path  # noqa: E402
 
 import pandas as pd  # noqa: E402
-from IPython.display import Markdown  # noqa: E402
+from IPython.display import Markdown, display  # noqa: E402
 
 from moelab.studies import (
     common,  # noqa: E402
@@ -62,6 +68,11 @@ out = Path(out_dir)
 (out / "figures").mkdir(parents=True, exist_ok=True)
 (out / "results").mkdir(parents=True, exist_ok=True)
 P = study.PRESETS[preset]
+research = preset == "research"  # the GPU parts are standalone commands: their files are read, not measured here
+parts = study.research_parts(out / "results") if research else {}
+for part, data in parts.items():
+    print(f"{part}: " + (f"{study.RESEARCH_FILES[part]} ({data['meta'].get('gpu')}, {data['meta'].get('date')})"
+                         if data else study.not_measured(part)))
 if common.split_from_env() is not None:  # a split call (RUNS=/SHARD=) trains its runs first, then stops at the grid
     study.train(preset, out)
 
@@ -78,7 +89,9 @@ if common.split_from_env() is not None:  # a split call (RUNS=/SHARD=) trains it
 
 # %%
 overflow = report.result_table(out / "results" / "tile_overflow.csv", study.tile_overflow_table, from_results)
-if from_results:  # the op's rows as the run wrote them: synthetic decays, then the trained softplus decays
+if research:  # the op's rows from the standalone part's file (`python -m moelab.studies.decay_bound overflow`)
+    kernel_rows = list(parts["overflow"]["synthetic"]) if parts["overflow"] else []
+elif from_results:  # the op's rows as the run wrote them: synthetic decays, then the trained softplus decays
     saved_kernel_rows = pd.read_csv(out / "results" / "kernel_overflow.csv").to_dict("records")
     kernel_rows = [r for r in saved_kernel_rows if r["source"].startswith("synthetic")]
 else:
@@ -126,7 +139,7 @@ pd.DataFrame({arm: {"non-gate parameters bitwise equal to softplus's": same[arm]
               for arm, g in g0.items()}).T
 
 # %%
-grid = None if from_results else study.train(preset, out)
+grid = study.train(preset, out) if research or not from_results else None  # research: read from its records
 runs = report.result_table(out / "results" / "runs.csv", lambda: grid.table(), from_results)
 histories = report.result_table(out / "results" / "loss_histories.csv", lambda: grid.histories(), from_results)
 common.aggregate(runs)[list(common.STUDY_METRICS) + ["n_seeds"]]
@@ -181,13 +194,16 @@ figure
 # records) fed to the Triton op in bounded mode (check off), with random unit q, k, values and beta:
 
 # %%
-if from_results:
+if research:  # measured by the overflow part on the decays the softplus records keep (seed 0: P["real_g_seeds"])
+    real_rows = list(parts["overflow"]["trained"]) if parts["overflow"] else []
+elif from_results:
     real_rows = [r for r in saved_kernel_rows if not r["source"].startswith("synthetic")]
 else:
     real_rows = study.real_g_kernel_rows(pooled["real_g"], max_tokens=P["overflow_shape"][1])
 kernel_rows += real_rows
 pd.DataFrame(kernel_rows).to_csv(out / "results" / "kernel_overflow.csv", index=False)
-pd.DataFrame(real_rows)[["source", "g_min", "nonfinite", "rel_err", "rel_err_general", "dtype"]]
+(pd.DataFrame(real_rows)[["source", "g_min", "nonfinite", "rel_err", "rel_err_general", "dtype"]] if real_rows
+ else Markdown(study.not_measured("overflow")))
 
 # %% [markdown]
 # ## 3. When the model wants fast forgetting
@@ -196,12 +212,20 @@ pd.DataFrame(real_rows)[["source", "g_min", "nonfinite", "rel_err", "rel_err_gen
 # $-0.05$ on the rest; a student learns one gate bias per channel from $g = -0.05$, with each gate.
 
 # %%
-forgetting = report.result_table(
-    out / "results" / "fast_forgetting.csv",
-    lambda: study.fast_forgetting(study.forgetting_bounds(preset), steps=P["forget_steps"], seeds=P["forget_seeds"]),
-    from_results)
-forgetting.groupby("arm", sort=False)[["bound", "g_fast_min", "g_fast_mean", "g_slow_mean", "frac_fast_near_bound",
-                                       "first_loss", "final_loss"]].agg(["mean", "std"])
+if research:  # the standalone part's rows (`python -m moelab.studies.decay_bound forgetting`), with plateau flags
+    forgetting = pd.DataFrame(parts["forgetting"]["rows"]) if parts["forgetting"] else None
+else:
+    forgetting = report.result_table(
+        out / "results" / "fast_forgetting.csv",
+        lambda: study.fast_forgetting(study.forgetting_bounds(preset), steps=P["forget_steps"],
+                                      seeds=P["forget_seeds"]),
+        from_results)
+cols = ["bound", "g_fast_min", "g_fast_mean", "g_slow_mean", "frac_fast_near_bound", "first_loss", "final_loss"]
+if forgetting is None:
+    display(Markdown(study.not_measured("forgetting")))
+else:
+    cols += ["last20_change"] if "last20_change" in forgetting else []
+    display(forgetting.groupby("arm", sort=False)[cols].agg(["mean", "std"]))
 
 # %% [markdown]
 # ## 4. NoPE length extrapolation
@@ -246,13 +270,51 @@ common.show(study.speed_figure(ratios, speed_source, crossover), out / "figures"
 # fla's `chunk_kda` with its safe gate and with softplus (left axis), causal SDPA on the flash backend (dashed,
 # right axis; the red line: where it becomes slower than bounded KDA, interpolated linearly in T).
 
+# %% [markdown]
+# ## 6. Research tier: does each bound bind, what does it cost, what does it buy end to end
+# (Only with `preset = "research"`; the other presets skip these cells.) The decay monitored during training (every
+# 100 steps on two fixed validation windows, bf16 as trained): the most negative $g$ over layers against each arm's
+# bound, and the largest layer's share of channels whose most negative $g$ is within 5% of the bound (the
+# precondition of the cost question: a bound that never binds cannot cost anything).
+
 # %%
-if from_results:
+if research:
+    traj = grid.trajectories()
+    traj.to_csv(out / "results" / "decay_trajectory.csv", index=False)
+    display(common.show(study.trajectory_figure(traj), out / "figures" / "decay_trajectory.png"))
+    display(Markdown(study.binds_finding(decay).line()))
+    display(common.show(study.histogram_figure(study.final_histograms(grid)), out / "figures" / "decay_histogram.png"))
+
+# %% [markdown]
+# **Figures 6-7.** The decay during training per run (thin) and mean over seeds (bold), dashed each arm's bound; then
+# the share of log-decay entries per $|g|$ bin at the last monitored step (mean over seeds). The loss cost of each
+# bound (best validation loss minus softplus's, paired by seed, 95% t interval; hollow: the bound never binds, so not
+# tested), the end-to-end speed of an all-KDA model (bounded over softplus training tokens/s, every paired round, the
+# median and the rounds' range) and the op's error of $o$ vs the swept $g$ (the overflow part; "non-finite": the
+# output holds inf or NaN):
+
+# %%
+if research:
+    display(common.show(study.cost_figure(study.cost_findings(runs, decay), study.cost_arms(decay)),
+                        out / "figures" / "bound_cost.png"))
+    if parts["speed"]:
+        display(common.show(study.e2e_speed_figure(parts["speed"]), out / "figures" / "e2e_speed.png"))
+    display(study.overflow_error_table(parts["overflow"]["synthetic"]) if parts["overflow"]
+            else Markdown(study.not_measured("overflow")))
+    if not parts["speed"]:
+        display(Markdown(study.not_measured("speed")))
+
+# %%
+if research:
+    summary = study.research_summary(grid, runs, decay, parts, preset)
+    findings = study.research_report(summary, runs, decay, parts)
+elif from_results:
     summary = json.loads((out / "summary.json").read_text())
+    findings = study.study_report(summary, runs, decay, extra_summary, forgetting)
 else:
     summary = study.summarize(overflow, kernel_rows, grid, decay, extra_summary, forgetting, ratios, speed_source,
                               preset)
-findings = study.study_report(summary, runs, decay, extra_summary, forgetting)
+    findings = study.study_report(summary, runs, decay, extra_summary, forgetting)
 summary = report.attach(summary, findings, from_results)
 write_json(out / "summary.json", summary)
 pd.Series({k: str(summary["meta"][k]) for k in ("commit", "dirty", "device", "torch", "triton", "command", "date",
