@@ -3,7 +3,7 @@
     python -m moelab train --config tiny --set train.max_steps=20 [--resume [CKPT]] [--throughput FILE]
     python -m moelab info  --config k3
     python -m moelab data  --config cpu [--force]
-    python -m moelab study 1 [--preset cpu|gpu] [--runs ARM:SEED,... | --shard I/N]
+    python -m moelab study 1 [--preset cpu|gpu|research] [--runs ARM:SEED,... | --shard I/N]
     python -m moelab eval  --ckpt runs/tiny/last.ckpt --task passkey|mqar|loss_by_position [--lengths ...]
 
 ``--config`` takes a preset name (``moelab/presets/<name>.yaml``) or a YAML path; ``--set KEY=VALUE``
@@ -57,14 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rebuild the cache even if it verifies")
 
     p = sub.add_parser("study", help="run study N's notebook with papermill (research, or gpu while no research "
-                                     "report is committed: into studies/NN_name/; otherwise into runs/studies/NN_name/)")
+                                     "report is committed: into studies/NN_name/; otherwise into "
+                                     "runs/studies/NN_name/); with --runs/--shard, a split call: the study module's "
+                                     "train(preset, out_dir), no notebook, no Jupyter, MLflow only if importable")
     p.add_argument("number", type=int, help="study number (1-4)")
     p.add_argument("--preset", choices=("cpu", "gpu", "research"), default=None,
                    help="scale of the study (default: gpu when CUDA is available, else cpu): cpu a smoke run, gpu the "
                         "quick look, research the tier that answers the question (split calls; studies/README.md)")
     split = p.add_mutually_exclusive_group()
     split.add_argument("--runs", metavar="ARM:SEED,...", default=None,
-                       help="a split call: train only these runs and record them (studies/README.md has the recipe)")
+                       help="a split call: train only these runs and record them, without the notebook "
+                            "(studies/README.md has the recipe)")
     split.add_argument("--shard", metavar="I/N", default=None,
                        help="a split call: train runs I, I+N, ... of each grid and record them")
     p.add_argument("--from-results", action="store_true",
@@ -193,6 +196,9 @@ def _study(args: argparse.Namespace) -> int:
     except ValueError as e:  # a bad --runs / --shard
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:  # the lab's packages for a notebook call, or a study module
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"study {args.number}: results in {out}")
     return 0
 

@@ -22,6 +22,16 @@ from moelab.studies.runner import run_study
 from tests.train.mlflow_fixtures import mlflow_template_db, tracking_uri  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
+# The study module (its train(preset, out_dir), which a split call runs) and the notebook that calls the same train.
+MODULE = '''from moelab.studies import common
+
+
+def train(preset, out_dir):
+    return common.run_grid("{name}", "tiny", {{"bounded": {{"model.kda.gate": "bounded"}},
+                                              "softplus": {{"model.kda.gate": "softplus"}}}}, {seeds}, out_dir,
+                           common={{"train.max_steps": {steps}, "train.warmup_steps": 1, "train.val_every": {val},
+                                   "train.val_batches": 1, "tracking.log_system_metrics": False}}, checkpoints="final")
+'''
 GRID = '''# %% tags=["parameters"]
 preset = "cpu"
 out_dir = "."
@@ -29,12 +39,11 @@ out_dir = "."
 # %%
 import json
 
+import study_{name} as study
+
 from moelab.studies import common
 
-grid = common.run_grid("{name}", "tiny", {{"bounded": {{"model.kda.gate": "bounded"}},
-                                          "softplus": {{"model.kda.gate": "softplus"}}}}, {seeds}, out_dir,
-                       common={{"train.max_steps": {steps}, "train.warmup_steps": 1, "train.val_every": {val},
-                               "train.val_batches": 1, "tracking.log_system_metrics": False}}, checkpoints="final")
+grid = study.train(preset, out_dir)
 grid.table().to_csv("runs.csv", index=False)
 json.dump({{"meta": common.study_meta("{name}", preset, grid), "runs": len(grid.records)}}, open("summary.json", "w"))
 '''
@@ -42,11 +51,20 @@ LOSSES = ["arm", "seed", "steps", "best_val_loss", "final_val_loss", "final_trai
 
 
 def _notebook(folder: Path, name: str, seeds: list[int], steps: int = 4, val: int = 2) -> Path:
+    """``folder/<name>.ipynb`` and its study module ``folder/study_<name>.py`` (importable with ``folder`` on the
+    path: :func:`_importable`)."""
     folder.mkdir(parents=True, exist_ok=True)
-    nb = jupytext.reads(GRID.format(name=name, seeds=seeds, steps=steps, val=val), fmt="py:percent")
+    (folder / f"study_{name}.py").write_text(MODULE.format(name=name, seeds=seeds, steps=steps, val=val))
+    nb = jupytext.reads(GRID.format(name=name), fmt="py:percent")
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, folder / f"{name}.ipynb")
     return folder
+
+
+def _importable(folder: Path, monkeypatch) -> None:
+    """The study modules in ``folder`` import here (a split call) and in the notebook's kernel (PYTHONPATH)."""
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH")) if p))
 
 
 def _store(tmp_path: Path, template: Path, name: str) -> str:
@@ -67,13 +85,15 @@ def test_three_split_calls_and_a_final_one_equal_one_go(tmp_path, tracking_uri, 
     monkeypatch.setenv(common.GIT_ENV, CODE)
 
     nbs = _notebook(tmp_path / "nbs", "07_split", [0, 1])
+    _importable(nbs, monkeypatch)
     one_go = run_study(7, "cpu", nbs_dir=nbs, out_root=tmp_path / "one", log_output=False,
                        tracking_uri=_store(tmp_path, mlflow_template_db, "one"))
     lines: list[str] = []
     # Three calls "on other machines" (each its own MLflow store, as on a GPU machine), then the final call here.
     for i, runs in enumerate(("bounded:0", "softplus:1", "bounded:1")):
         out = run_study(7, "cpu", runs=runs, nbs_dir=nbs, out_root=tmp_path / "split", log_output=False,
-                        tracking_uri=_store(tmp_path, mlflow_template_db, f"machine{i}"), echo=lines.append)
+                        tracking_uri=_store(tmp_path, mlflow_template_db, f"machine{i}"), echo=lines.append,
+                        module="study_07_split")
         records = sorted(p.name for p in (out / "records" / "cpu").glob("*.json"))
         assert len(records) == i + 1 and f"{runs.replace(':', '_s')}.json" in records
         assert lines[-1].startswith(f"study 7, split call: trained {runs}; records in ")
@@ -130,7 +150,8 @@ print("done")
 
 
 def _start(nbs: Path, out: Path, uri: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), common.GIT_ENV: CODE}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join((str(nbs), str(ROOT))),
+           common.GIT_ENV: CODE}
     return subprocess.Popen([sys.executable, "-c", DRIVER.format(nbs=str(nbs), out=str(out), uri=uri)], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
