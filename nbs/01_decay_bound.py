@@ -224,7 +224,7 @@ cols = ["bound", "g_fast_min", "g_fast_mean", "g_slow_mean", "frac_fast_near_bou
 if forgetting is None:
     display(Markdown(study.not_measured("forgetting")))
 else:
-    cols += ["last20_change"] if "last20_change" in forgetting else []
+    cols = [c for c in [*cols, "last20_change"] if c in forgetting]
     display(forgetting.groupby("arm", sort=False)[cols].agg(["mean", "std"]))
 
 # %% [markdown]
