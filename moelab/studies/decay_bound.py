@@ -1490,7 +1490,7 @@ def research_parts(results_dir: str | Path | None = None) -> dict[str, dict[str,
     return {part: read_part(part, results_dir) for part in RESEARCH_FILES}
 
 
-def _not_measured(part: str) -> str:
+def not_measured(part: str) -> str:
     return f"not measured: no {Path(RESEARCH_FILES[part]).name} (run `{PART_COMMANDS[part]}` on a GPU)"
 
 
@@ -1627,7 +1627,7 @@ def speed_finding(speed: Mapping[str, Any] | None) -> report.Finding:
     paired rounds and their range; not tested where the file is missing."""
     q = "What does the bound buy in end-to-end training speed (all-KDA model, bounded over softplus tokens/s)"
     if not speed:
-        return report.not_tested(q, _not_measured("speed"))
+        return report.not_tested(q, not_measured("speed"))
     parts = [f"{r['median']:.3f}x at T={r['T']:,} B={r['B']} (rounds {r['min']:.3f}-{r['max']:.3f}, "
              f"{len(r['rounds'])} paired rounds)" for r in speed["ratios"]]
     return report.Finding(q, "measured", answer="; ".join(parts) + f" ({speed['meta'].get('gpu')})")
@@ -1667,7 +1667,7 @@ def overflow_finding(overflow: Mapping[str, Any] | None) -> report.Finding:
     q = "How accurate is the real bounded op near and past its bound (told -5, constant decay; error of o)"
     s = overflow_summary(overflow)
     if s is None:
-        return report.not_tested(q, _not_measured("overflow"))
+        return report.not_tested(q, not_measured("overflow"))
     c = s["cases"].get("told_-5_constant", {})
     errs = c.get("errors", {})
     shown = "; ".join(f"g {g}: {'non-finite' if e is None else f'{e:.1e}'}" for g, e in errs.items()
@@ -1691,7 +1691,7 @@ def forgetting_findings(forgetting: Mapping[str, Any] | None, reference: str = "
 
     q = "Does the bound {b:g} hurt a task that needs fast forgetting ({arm} minus {ref}, log10 final loss)"
     if not forgetting:
-        return [report.not_tested("Does a bound hurt a task that needs fast forgetting", _not_measured("forgetting"))]
+        return [report.not_tested("Does a bound hurt a task that needs fast forgetting", not_measured("forgetting"))]
     rows = pd.DataFrame(forgetting["rows"])
     rows["log10_final_loss"] = rows.final_loss.map(math.log10)
     ref = report.by_seed(rows, reference, "log10_final_loss")
