@@ -540,7 +540,7 @@ def train(preset: str, out_dir: Path) -> common.Grid:
                                  real_g_seeds=p.get("real_g_seeds"))
     monitor = (p["monitor_every"], decay_monitor(p["monitor_windows"])) if p.get("monitor_every") else None
     return common.run_grid(STUDY, p["base"], arms_of(preset), p["seeds"], out_dir, common=p["overrides"],
-                           evaluate=evaluate, checkpoints="final", monitor=monitor)
+                           evaluate=evaluate, checkpoints="final", monitor=monitor, source_pin=p.get("source_pin"))
 
 
 def arm_bound(grid: common.Grid, arm: str) -> float:
