@@ -25,8 +25,9 @@ from which ``moelab.ops.varlen.cu_seqlens`` gives the offsets a packed-sequence 
 with probability ``synthetic``, a retrieval sub-task (passkey or MQAR from :mod:`moelab.data.synthetic`)
 whose loss is on its answers only. With ``synthetic_batch_share`` instead, the first
 ``batch_size_k * synthetic_batch_share`` sequences of every micro-batch are the sub-tasks (taking turns
-across the run's retrieval slots), so every step of every stage holds the same share of retrieval tokens: the passkey's filler is corpus text the document packs already
-train on, and MQAR's random pairs are unpredictable before they are asked for.
+across the run's retrieval slots), so every step of every stage holds the same share of retrieval
+tokens: the passkey's filler is corpus text the document packs already train on, and MQAR's random
+pairs are unpredictable before they are asked for.
 """
 
 from __future__ import annotations
@@ -173,7 +174,8 @@ class CurriculumSequences(Dataset):
     Items are ``{"input_ids": [T] int64, "targets": [T] int64, "segment_ids": [T] int32}`` with
     ``T = stages[k].seq_len``: a document pack (targets = next tokens) or, with the stage's
     ``synthetic`` probability (or at the first ``synthetic_per_batch`` positions of each micro-batch:
-    item ``i`` sits at position ``i % batch_size`` of micro-batch ``i // batch_size``), a passkey / MQAR sample (targets -100 except at its answers,
+    item ``i`` sits at position ``i % batch_size`` of micro-batch ``i // batch_size``), a passkey / MQAR
+    sample (targets -100 except at its answers,
     ``segment_ids`` 0). Every draw comes from Philox(key=seed, counter=(k << 64) | i), so any item
     is computed without the ones before it, in any worker. ``vocab_size``: ids MQAR may use.
     """

@@ -227,7 +227,8 @@ def launch_config(d: int, L: int | None = None, n: int | None = None) -> LaunchC
     warps, group = _one_row(bd, FWD_WARPS, L)
     bwd_warps, bwd_group = _one_row(bd, 16, L) if bd // (32 * warps) > IN_FLIGHT // 2 else (warps, group)
     return LaunchConfig(rows=1, warps=warps, group=group, stages=1, programs_per_sm=0,
-                        bwd_warps=0 if bwd_warps == warps else bwd_warps, bwd_group=0 if bwd_group == group else bwd_group)
+                        bwd_warps=0 if bwd_warps == warps else bwd_warps,
+                        bwd_group=0 if bwd_group == group else bwd_group)
 
 
 def _one_row(bd: int, max_warps: int, L: int | None) -> tuple[int, int]:

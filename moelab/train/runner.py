@@ -177,7 +177,8 @@ class TrainResult:
     history: list[dict[str, float]] = field(default_factory=list)
     val_history: list[tuple[int, float]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
-    tracking_incomplete: str | None = None  # the MLflow record lacks something (the store failed mid-run): what, one line
+    # the MLflow record lacks something (the store failed mid-run): what, one line
+    tracking_incomplete: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,7 +52,8 @@ def _with_callbacks(monkeypatch, *callbacks) -> None:
 
 @pytest.fixture
 def read_only_switch():
-    """``switch(True)``: from now on every MLflow write fails as on a read-only sqlite file; ``switch(False)``: writable."""
+    """``switch(True)``: from now on every MLflow write fails as on a read-only sqlite file;
+    ``switch(False)``: writable."""
     from sqlalchemy import event
     from sqlalchemy.pool import Pool
 
@@ -77,7 +78,8 @@ def test_database_read_only_mid_run_one_line_then_closed_by_the_next_run(tmp_pat
     line = _the_error_line(err)
     assert code == 1
     summary = json.loads((run / "summary.json").read_text())
-    assert json.loads(out[out.index("{\n"):]) == summary and summary["status"] == "finished" and summary["steps"] == STEPS
+    assert json.loads(out[out.index("{\n"):]) == summary
+    assert summary["status"] == "finished" and summary["steps"] == STEPS
     assert load_checkpoint(run / "last.ckpt")["global_step"] == STEPS  # the trained model: checksum, finite weights
     run_id = summary["run_id"]
     db = tracking_uri[len("sqlite:///"):]
@@ -85,7 +87,8 @@ def test_database_read_only_mid_run_one_line_then_closed_by_the_next_run(tmp_pat
                            f"{run / 'summary.json'} are intact, but the MLflow database {db} turned read-only "
                            f"during the run: not recorded: "), line
     assert "metric value(s) not sent" in line and "attempt to write a readonly database" in line, line
-    assert line.endswith(f"nor the final status: the MLflow run {run_id} shows RUNNING: make the database and its folder writable "
+    assert line.endswith(f"nor the final status: the MLflow run {run_id} shows RUNNING: make the database and its "
+                         f"folder writable "
                          f"(chmod u+w), then any python -m moelab train naming {run} (the same command again) marks "
                          f"it FINISHED"), line
     problems = summary["tracking_problems"]
@@ -139,7 +142,8 @@ def test_database_locked_mid_run_one_line(tmp_path, tracking_uri, monkeypatch, c
     run_id = summary["run_id"]
     assert f"but the MLflow database {db} turned locked during the run: not recorded: " in line, line
     assert "database is locked" in line and "metric value(s) not sent" in line, line
-    assert line.endswith(f"nor the final status: the MLflow run {run_id} shows RUNNING: end the process that holds the database locked, "
+    assert line.endswith(f"nor the final status: the MLflow run {run_id} shows RUNNING: end the process that holds "
+                         f"the database locked, "
                          f"then any python -m moelab train naming {run} (the same command again) marks it FINISHED")
     assert MlflowClient(tracking_uri).get_run(run_id).info.status == "RUNNING"
     assert runner.close_unrecorded_run(run) == "FINISHED"  # the lock is gone: what the next command does first
@@ -176,6 +180,7 @@ def test_disk_full_after_the_last_step_one_line(tmp_path, tracking_uri, monkeypa
                     f"--ckpt {last})"), line
     assert load_checkpoint(last)["global_step"] == STEPS
     assert sorted(p.name for p in run.glob(".*tmp*")) == [] and not (run / "summary.json").exists()
-    assert (run / "history.csv").read_text().count("\n") == STEPS + 1  # written before the fault: header + a row per step
+    # written before the fault: header + a row per step
+    assert (run / "history.csv").read_text().count("\n") == STEPS + 1
     run_id = load_checkpoint(last)["moelab"]["mlflow_run_id"]
     assert MlflowClient(tracking_uri).get_run(run_id).info.status == "FAILED"
