@@ -25,10 +25,11 @@ import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
+from moelab.model.config import KDAGate
 from moelab.ops.kda.bounds import EXP_LIMIT, G_MIN_FLOOR, SUBTILE
 from moelab.studies import common, report
 
@@ -964,7 +965,7 @@ def e2e_speed(lengths: Sequence[tuple[int, int]] = SPEED_LENGTHS, rounds: int = 
     if not lengths or any(T < 1 or B < 1 for T, B in lengths):
         raise ValueError(f"lengths={list(lengths)} is not allowed: expected (T, B) pairs of positive integers")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    arms = ("bounded", "softplus")
+    arms = get_args(KDAGate)  # ("bounded", "softplus")
     cfgs = {a: speed_model_config(a, max_seq_len=max(T for T, _ in lengths), **model) for a in arms}
     rows, ratios = [], []
     for T, B in lengths:

@@ -217,8 +217,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "grid-reuse-ignores-fingerprint",
         "the study grid reuses any finished record of an (arm, seed), even one made with another config or code",
         (Edit("moelab/studies/common.py",
-              'if (data.get("format") != RECORD_FORMAT or data.get("fingerprint") != fingerprint\n',
-              'if (data.get("format") != RECORD_FORMAT\n'),),
+              'if (data.get("format") not in READ_FORMATS or data.get("fingerprint") != fingerprint\n',
+              'if (data.get("format") not in READ_FORMATS\n'),),
         ("tests/studies/test_grid_reuse.py",),
     ),
     Mutation(
