@@ -455,6 +455,32 @@ def _question(line: str) -> tuple[str, str]:
     return (q + "?", a) if sep and a else ("", line)
 
 
+def research_progress(folder: str) -> tuple[str, str] | None:
+    """How far the research tier of study ``folder`` got while its report is another tier's: one answer line
+    from the committed records in ``studies/<folder>/records/research/`` (runs, arms x seeds, GPU minutes,
+    how many commits they trained at) and the commit of the latest run; None without records or once the
+    report is the research one."""
+    root = repo_root() / "studies" / folder
+    records = sorted((root / "records" / "research").glob("*.json"))
+    if not records or _load(f"studies/{folder}/summary.json")["meta"].get("preset") == "research":
+        return None
+    recs = [json.loads(p.read_text()) for p in records]
+    arms = sorted({r["arm"] for r in recs})
+    seeds = sorted({r["seed"] for r in recs})
+    minutes = sum(float(r.get("timing", {}).get("gpu_minutes") or 0.0) for r in recs)
+    commits = {str(r.get("code", {}).get("commit") or "unknown")[:7] for r in recs}
+    latest = max(recs, key=lambda r: str(r.get("timing", {}).get("started") or ""))
+    device = sorted({str(r.get("machine", {}).get("device")) for r in recs})
+    answer = (f"in progress: {len(recs)} run(s) recorded ({len(arms)} arms: {', '.join(arms)}; seeds "
+              f"{', '.join(map(str, seeds))}), {minutes:.1f} GPU-minutes on {', '.join(device)} at {len(commits)} "
+              f"commit(s); the report above is the `{_load(f'studies/{folder}/summary.json')['meta']['preset']}` "
+              "tier's until every run is recorded")
+    if len(answer) > MAX_CELL:
+        answer = (f"in progress: {len(recs)} run(s) recorded ({len(arms)} arms, seeds {', '.join(map(str, seeds))}), "
+                  f"{minutes:.1f} GPU-minutes; the report above is another tier's until every run is recorded")
+    return answer, str(latest.get("code", {}).get("commit") or "unknown")[:7]
+
+
 def _studies_table(doc: str) -> list[str]:
     lines = ["| study | question | answer | raw output | code |", "|---|---|---|---|---|"]
     for build in STUDIES:
@@ -465,6 +491,12 @@ def _studies_table(doc: str) -> list[str]:
             q, a = _question(line)
             lines.append(f"| {first} | {q} | {a} | {links} | {commit} |")
             first = ""
+        progress = research_progress(st.folder)
+        if progress:
+            answer, latest = progress
+            where = _links([f"studies/{st.folder}/records/research"], doc)
+            lines.append(f"|  | Research tier (`PRESET=research`, the runs that answer the question)? | {answer} | "
+                         f"{where} | `{latest}` |")
     return lines
 
 

@@ -41,8 +41,10 @@ def test_every_row_links_its_files_and_names_a_commit(doc: str) -> None:
     here = (ROOT / doc).parent
     for row in rows:
         cells = _cells(row)
-        files = [f for f in LINK.findall(cells[-2 if doc != "README.md" else -1]) if f.endswith(".json")]
-        assert files and all((here / f).is_file() for f in files), row
+        links = LINK.findall(cells[-2 if doc != "README.md" else -1])
+        # a JSON file, or a folder of them (a study's research records while they accumulate)
+        files = [f for f in links if f.endswith(".json") or any((here / f).glob("*.json"))]
+        assert files and all((here / f).is_file() or (here / f).is_dir() for f in files), row
         if doc != "README.md":
             assert re.fullmatch(r"`[0-9a-f]{7}`", cells[-1]), row
 
@@ -139,3 +141,26 @@ def test_rows_show_paired_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
     del rows[1]["ratio_vs_prenorm"], rows[3]["ratio_vs_balancer_none"]  # single runs: the plain ratio as before
     assert "block_attnres_8 1.00x" in readme._residual_modes().result
     assert "costs 0.0% (one run each" in readme._k3_mini().result
+
+
+def test_research_progress_counts_the_committed_records(tmp_path, monkeypatch) -> None:
+    import json
+
+    monkeypatch.setattr(readme, "repo_root", lambda: tmp_path)
+    study = tmp_path / "studies" / "09_x"
+    (study / "records" / "research").mkdir(parents=True)
+    (study / "summary.json").write_text(json.dumps({"meta": {"preset": "gpu"}}))
+    assert readme.research_progress("09_x") is None  # no research record yet
+    runs = (("a", 0, 2.5, "1111111aaaa", "12:00"), ("b", 0, 1.25, "2222222bbbb", "12:30"),
+            ("a", 1, 3.0, "1111111aaaa", "12:10"))
+    for arm, seed, minutes, commit, started in runs:
+        (study / "records" / "research" / f"{arm}_s{seed}.json").write_text(json.dumps(
+            {"arm": arm, "seed": seed, "code": {"commit": commit},
+             "timing": {"gpu_minutes": minutes, "started": f"2026-12-04T{started}:00+00:00"},
+             "machine": {"device": "NVIDIA H200"}}))
+    answer, commit = readme.research_progress("09_x")
+    assert answer.startswith("in progress: 3 run(s) recorded (2 arms: a, b; seeds 0, 1), 6.8 GPU-minutes on "
+                             "NVIDIA H200 at 2 commit(s)")
+    assert commit == "2222222"  # the latest run's
+    (study / "summary.json").write_text(json.dumps({"meta": {"preset": "research"}}))
+    assert readme.research_progress("09_x") is None  # the report is the research tier's: its own rows say it
