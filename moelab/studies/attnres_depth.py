@@ -178,7 +178,7 @@ def train(preset: str, out_dir: str | Path, extra_overrides: Mapping[str, Any] |
     """
     if preset == "research":
         extra = {"common": {**RESEARCH.common, **extra_overrides}} if extra_overrides else {}
-        return train_research(out_dir, **extra)
+        return train_research(out_dir, RESEARCH, **extra)  # the module's plan at call time
     p = plan(preset)
     if p.threads:
         torch.set_num_threads(p.threads)
@@ -1238,7 +1238,10 @@ def research_summary(grid: common.Grid | None, rows: Sequence[Mapping[str, Any]]
     return {
         "meta": dict(meta) if meta is not None else common.study_meta(
             STUDY, "research", grid, plan=plan_.notes, depths=list(plan_.depths), seeds=list(plan_.seeds),
-            lrs=list(plan_.lrs), layers_per_block=plan_.layers_per_block, overhead_meaningful=torch.cuda.is_available(),
+            lrs=list(plan_.lrs), layers_per_block=plan_.layers_per_block,
+            # the final call may run where no GPU is (the records trained on one): the runs' own devices decide
+            overhead_meaningful=bool(grid and grid.records
+                                     and all((r.timing.get("gpus") or 0) > 0 for r in grid.records)),
             gpu_minutes=round(sum(r.timing.get("gpu_minutes") or 0 for r in grid.records), 2) if grid else None),
         "factor": {k: dict(v) for k, v in grid.factor.items()} if grid is not None else {},
         "budget": {"rule": "same tokens per run at both depths, same width; the modes differ at one depth only in "
@@ -1313,8 +1316,8 @@ def depth_gain_figure(summary: Mapping[str, Any], plan_: ResearchPlan = RESEARCH
         ax2.errorbar([i], [d["mean"]], yerr=err, fmt="o", capsize=4, color=COLORS[m])
         ax2.plot([i] * len(d["values"]), d["values"], ".", color=COLORS[m], alpha=0.5)
     ax2.set_xticks(range(len(summary["interaction"])), list(summary["interaction"]))
-    ax2.set_ylabel("depth gain minus PreNorm's (nats; < 0: depth pays more)")
-    ax2.set_title("interaction (paired by seed, 95% t interval)")
+    ax2.set_ylabel("minus PreNorm's depth gain (nats)")
+    ax2.set_title("interaction: < 0, depth pays more than under PreNorm")
     for a in (ax, ax2):
         a.axhline(0, color="k", lw=0.8)
         a.grid(alpha=0.3, axis="y")
