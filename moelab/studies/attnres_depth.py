@@ -1243,7 +1243,9 @@ def research_summary(grid: common.Grid | None, rows: Sequence[Mapping[str, Any]]
             overhead_meaningful=bool(grid and grid.records
                                      and all((r.timing.get("gpus") or 0) > 0 for r in grid.records)),
             gpu_minutes=round(sum(r.timing.get("gpu_minutes") or 0 for r in grid.records), 2) if grid else None),
-        "factor": {k: dict(v) for k, v in grid.factor.items()} if grid is not None else {},
+        # from the committed results (no grid): the arms' factor again from the sweep's choice, as train_research has it
+        "factor": {k: dict(v) for k, v in (grid.factor if grid is not None else research_factor(
+            {m: p["lr"] for m, p in pick_lr(sweep).items()}, plan_) if sweep else {}).items()},
         "budget": {"rule": "same tokens per run at both depths, same width; the modes differ at one depth only in "
                            "the AttnRes pseudo-queries and key norms; each mode at its own best swept lr",
                    "tokens_per_run": sorted({r["tokens"] for r in rows}),

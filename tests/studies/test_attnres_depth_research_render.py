@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 import nbformat
+import pandas as pd
 import pytest
 from scipy import stats as sps
 
@@ -168,6 +169,14 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     nb = nbformat.read(out / f"{study.STUDY}.ipynb", as_version=4)
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert text.count("recorded, not retrained") == 24 and "Traceback" not in text
+    # from_results (make study-3 --from-results): the committed results' rows give the same factor and verdicts
+    rows = study.research_rows_from_table(pd.read_csv(out / "results" / "runs.csv"))
+    again = json.loads(json.dumps(study.research_summary(None, rows, summary["benchmark_overhead"], meta=meta),
+                                  default=str))
+    assert again["factor"] == summary["factor"] and sorted(again["factor"]["train.lr"]) == sorted(
+        [*study.sweep_arms(), "prenorm-L24", "block6-L24", "full-L24"])
+    for key in ("lr_sweep", "depth_gain", "interaction", "full_minus_block", "precondition", "overhead"):
+        assert again[key] == summary[key], key
     # nothing in the repository's studies/ was written
     assert {p: p.stat().st_mtime for p in repo_studies} == before
     assert sorted(p for p in (repo_root() / "studies").rglob("*") if p.is_file()) == repo_studies
