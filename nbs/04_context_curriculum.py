@@ -158,7 +158,7 @@ if pilot is not None:
 
 # %%
 summary = committed if from_results else study.summarize(grid, rows, study.stage_perf(grid, preset), evals, preset,
-                                                         pilot=pilot)
+                                                         pilot=pilot, pilot_grids=pilot_grids)
 common.show(study.accuracy_figure(rows, preset, summary["chance"]), out / "figures" / "retrieval_by_length.png")
 
 # %% [markdown]
@@ -180,7 +180,8 @@ common.show(study.position_figure(evals, preset), out / "figures" / "loss_by_pos
 # %%
 perf = pd.DataFrame(summary["stage_perf"])
 perf.to_csv(out / "results" / "stage_perf.csv", index=False)
-common.show(study.perf_figure(summary["stage_perf"], summary["rows"], summary["meta"]["device"]),
+common.show(study.perf_figure(summary["stage_perf"], summary["rows"],
+                              summary["meta"].get("train_device") or summary["meta"]["device"]),
             out / "figures" / "cost.png")
 
 # %% [markdown]

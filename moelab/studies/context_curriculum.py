@@ -86,6 +86,9 @@ class Plan:
     synthetic_batch_share: float = 0.0
     pilot_steps: tuple[int, ...] = ()
     source_pin: str | None = None  # training-code epoch of the records (common.pinned): bump when training changes
+    # keep each run's training speed in its record (train_perf): split calls train on machines whose MLflow store,
+    # where the perf/* metrics go, does not come back
+    record_perf: bool = False
 
 
 PRESETS = {
@@ -134,7 +137,7 @@ PRESETS = {
                               lbp_samples=4, batch_size=8),
                      notes="gpu-small, 384 steps of 131,072 tokens (8 x 16K .. 128 x 1K), 25% retrieval sequences "
                            "in every micro-batch; stages 1K -> 4K -> 16K",
-                     synthetic_batch_share=0.25, pilot_steps=(96, 192), source_pin="s4research-1"),
+                     synthetic_batch_share=0.25, pilot_steps=(96, 192), source_pin="s4research-1", record_perf=True),
 }
 
 
@@ -293,7 +296,8 @@ def pilot_finding(pilot: Sequence[Mapping[str, Any]], length: int) -> report.Fin
     last = budgets[max(budgets)]
     iv = report.mean_interval(last) if len(last) > 1 else None
     if reached:
-        return report.measured(q, iv, answer=f"yes: first at {reached[0] / 1e6:.1f}M tokens (passkey by budget: {curve})")
+        return report.measured(q, iv,
+                               answer=f"yes: first at {reached[0] / 1e6:.1f}M tokens (passkey by budget: {curve})")
     return report.not_tested(q, f"not learned within {max(budgets) / 1e6:.1f}M tokens: passkey by budget {curve}", iv)
 
 
@@ -346,9 +350,38 @@ def eval_settings(preset: str) -> dict[str, dict[str, Any]]:
     }
 
 
+def train_perf(trainer: Any) -> dict[str, Any] | None:
+    """The training speed of the run ``trainer`` just finished, for its record (the ``perf/*`` metrics reach only
+    MLflow, whose store a split call on another machine does not bring back): ``{"log_every", "tokens_per_step",
+    "windows": [[end step, tokens/s, step time s], ...], "peak_mem_gb"}`` from its
+    :class:`moelab.train.callbacks.Throughput` callback, None without one.
+
+    Throughput closes one window at every multiple of ``log_every`` (a validation restarts the open window, it
+    does not skip a multiple), so the windows end at consecutive multiples up to the last one <= the final step
+    (counted back from it: a resumed run's windows start after its resume). ``peak_mem_gb``: the run's largest
+    window peak (None on a CPU); a curriculum's per-stage memory is not kept.
+    """
+    from moelab.train.callbacks import Throughput
+
+    tp = next((c for c in trainer.callbacks if isinstance(c, Throughput)), None)
+    if tp is None or not tp.windows:
+        return None
+    every, step = tp.log_every, int(trainer.global_step)
+    last = step - step % every
+    n = len(tp.windows)
+    tokens = tp.tokens_per_device_step * trainer.world_size
+    return {"log_every": every, "tokens_per_step": tokens,
+            "windows": [[last - every * (n - 1 - i), float(tps), tokens / tps] for i, (tps, _) in
+                        enumerate(tp.windows)],
+            "peak_mem_gb": tp.summary(trainer.lightning_module.device)["peak_mem_gb"]}
+
+
 def evaluate_trained(model: torch.nn.Module, cfg: Any, preset: str,
-                     settings: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
-    """``{task: report}`` of :func:`eval_settings`'s tasks on the trained ``model`` (run_grid's ``evaluate``).
+                     settings: Mapping[str, Mapping[str, Any]] | None = None,
+                     trainer: Any = None) -> dict[str, dict[str, Any]]:
+    """``{task: report}`` of :func:`eval_settings`'s tasks on the trained ``model`` (run_grid's ``evaluate``),
+    and, where the plan has ``record_perf``, ``train_perf`` (:func:`train_perf` of ``trainer``, read before the
+    evaluation).
 
     The reports are :func:`moelab.eval.suite.evaluate`'s on the run's checkpoint, without its paths:
     the same numbers. As ``model_from_checkpoint`` does, the evaluation runs on an eager copy of the
@@ -365,9 +398,11 @@ def evaluate_trained(model: torch.nn.Module, cfg: Any, preset: str,
     with torch.random.fork_rng(devices=[]):  # the copy's initialization leaves the run's random state alone
         copy = MoELab(dataclasses.replace(model.cfg, max_seq_len=max(longest, model.cfg.max_seq_len)))
     copy.load_state_dict(model.state_dict())
+    perf = train_perf(trainer) if trainer is not None and plan(preset).record_perf else None
     copy = copy.to(device).eval()
-    return {task: {"step": cfg.train.max_steps, **evaluate_model(copy, cfg, task, device=device, **kwargs)}
-            for task, kwargs in settings.items()}
+    out = {task: {"step": cfg.train.max_steps, **evaluate_model(copy, cfg, task, device=device, **kwargs)}
+           for task, kwargs in settings.items()}
+    return {**out, "train_perf": perf} if perf is not None else out
 
 
 def _same_settings(found: Mapping[str, Any], kwargs: Mapping[str, Any]) -> bool:
@@ -485,24 +520,43 @@ def stage_of_window(stages: Sequence[Mapping[str, Any]], start: int, end: int) -
     return None
 
 
+PERF_KEYS = ("perf/tokens_per_s", "perf/step_time_s", "perf/peak_mem_gb")
+
+
+def _perf_history(rec: common.RunRecord, mlflow: Any, n_stages: int) -> dict[str, dict[int, float]]:
+    """``{perf metric: {window end step: value}}`` of one run: from its record's ``train_perf`` (:func:`train_perf`;
+    a run trained on another machine brings no MLflow metrics), else from its MLflow run's ``perf/*`` metrics
+    (``mlflow()``: the client). From a record, a single-stage run's peak memory (``n_stages`` 1) stands for its
+    stage's; a curriculum's stages get none."""
+    tp = (rec.evals or {}).get("train_perf")
+    if tp:
+        wins, mem = tp["windows"], tp.get("peak_mem_gb")
+        return {"perf/tokens_per_s": {int(e): float(t) for e, t, _ in wins},
+                "perf/step_time_s": {int(e): float(st) for e, _, st in wins},
+                "perf/peak_mem_gb": ({int(e): float(mem) for e, _, _ in wins} if mem is not None and n_stages == 1
+                                     else {})}
+    run_id = rec.summary.get("run_id")
+    return {k: {m.step: m.value for m in mlflow().get_metric_history(run_id, k)} if run_id else {} for k in PERF_KEYS}
+
+
 def stage_perf(grid: common.Grid, preset: str) -> list[dict[str, Any]]:
-    """Training speed and memory per (run, stage) from the runs' ``perf/*`` MLflow metrics.
+    """Training speed and memory per (run, stage): from each record's ``train_perf`` (:func:`train_perf`), else from
+    the run's ``perf/*`` MLflow metrics.
 
     Rows: schedule, seed, stage, seq_len, batch (sequences per micro-batch), windows (logging windows
     wholly inside the stage, the first of the run left out: it holds compilation), tok_per_s and
-    step_time_s (medians over those windows), peak_mem_gb (largest; None on CPU).
+    step_time_s (medians over those windows), peak_mem_gb (largest; None on CPU, and for a curriculum's stages
+    read from records).
     """
     from moelab.tracking import client
 
     p = plan(preset)
     sched = schedules(p)
     micro = p.common["train.batch_size"] * p.common["data.seq_len"]
-    mlflow = client("")
+    store = functools.cache(lambda: client(""))
     rows = []
     for r in grid.records:
-        run_id = r.summary.get("run_id")
-        hist = {k: {m.step: m.value for m in mlflow.get_metric_history(run_id, k)} if run_id else {}
-                for k in ("perf/tokens_per_s", "perf/step_time_s", "perf/peak_mem_gb")}
+        hist = _perf_history(r, store, len(sched[r.arm]))
         steps = sorted(hist["perf/tokens_per_s"])
         by_stage: dict[int, list[int]] = {}
         for prev, step in zip([0, *steps[:-1]], steps):
@@ -713,11 +767,18 @@ def refresh_comparisons(summary: Mapping[str, Any]) -> dict[str, Any]:
 
 def summarize(grid: common.Grid, rows: Sequence[Mapping[str, Any]], perf_rows: Sequence[Mapping[str, Any]],
               evals: Mapping[str, Mapping[str, Any]], preset: str,
-              pilot: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+              pilot: Sequence[Mapping[str, Any]] | None = None,
+              pilot_grids: Sequence[common.Grid] = ()) -> dict[str, Any]:
     """The study's ``summary.json``: meta, factor, budget, rows, per-stage perf, comparisons and verdicts;
-    ``pilot``: :func:`pilot_rows` (research), kept as ``summary["pilot"]``."""
+    ``pilot``: :func:`pilot_rows` (research), kept as ``summary["pilot"]``; ``pilot_grids``: :func:`train_pilot`'s
+    grids, whose GPU minutes the meta counts beside the schedules' (``gpu_minutes_pilot``, ``gpu_minutes_total``).
+
+    Speed is meaningful (``perf_meaningful``) where every run trained on a GPU, wherever the report is rendered
+    (the records' ``timing.gpus``); ``train_device`` names the devices the runs trained on."""
     p = plan(preset)
-    on_gpu = torch.cuda.is_available()
+    on_gpu = bool(grid.records) and all((r.timing or {}).get("gpus") for r in grid.records)
+    pilot_recs = [r for g in pilot_grids for r in g.records]
+    minutes = {f"{r.arm}-s{r.seed}": r.timing.get("gpu_minutes") for r in [*pilot_recs, *grid.records]}
     cmp_direct, cmp_short = compare(rows, "curriculum", "direct"), compare(rows, "curriculum", "short")
     at_time = equal_time(grid, preset, perf_rows)
     clocks = train_times(grid, preset, perf_rows)
@@ -728,7 +789,13 @@ def summarize(grid: common.Grid, rows: Sequence[Mapping[str, Any]], perf_rows: S
     return {
         "meta": common.study_meta(STUDY, preset, grid, plan=p.notes, seeds=list(p.seeds), lengths=list(p.lengths),
                                   perf_meaningful=on_gpu, eval_settings=eval_settings(preset),
-                                  state_bytes_per_token=any_eval["passkey"].get("state_bytes_per_token")),
+                                  state_bytes_per_token=any_eval["passkey"].get("state_bytes_per_token"),
+                                  train_device=", ".join(dict.fromkeys(str(r.machine.get("device"))
+                                                                       for r in [*pilot_recs, *grid.records])),
+                                  gpu_minutes_per_run=minutes,
+                                  gpu_minutes_pilot=round(sum(r.timing.get("gpu_minutes") or 0.0
+                                                              for r in pilot_recs), 3),
+                                  gpu_minutes_total=round(sum(m or 0.0 for m in minutes.values()), 3)),
         "factor": {k: dict(v) for k, v in grid.factor.items()},
         "budget": {"rule": "same optimizer steps, tokens per step, data mix and learning-rate schedule; only the "
                            "sequence length per step (the schedule) differs",
@@ -836,7 +903,8 @@ def study_report(summary: Mapping[str, Any]) -> report.Report:
             f"({v['read']} read mid-run)" for k, v in et.items()) + ".")
     if meta.get("perf_meaningful"):
         perf = [p for p in summary["stage_perf"] if p["tok_per_s"] is not None and p["seed"] == min(meta["seeds"])]
-        details.append(f"Speed and memory per stage on {meta['device']} (seed {min(meta['seeds'])}): " + "; ".join(
+        details.append(f"Speed and memory per stage on {meta.get('train_device') or meta['device']} "
+                       f"(seed {min(meta['seeds'])}): " + "; ".join(
             f"{p['schedule']} stage {p['stage']} ({p['seq_len']}) {p['tok_per_s']:,.0f} tok/s"
             + (f", {p['peak_mem_gb']:.1f} GB" if p["peak_mem_gb"] is not None else "") for p in perf) + ".")
     if meta.get("state_bytes_per_token") is not None:
@@ -1107,4 +1175,4 @@ __all__ = ["EvalPlan", "PILOT_PASSKEY", "PRESETS", "Plan", "ROW_KEYS", "SCHEDULE
            "evaluate_trained", "findings", "paired", "passkey_figure", "perf_figure", "plan", "position_figure",
            "refresh_comparisons", "retrieval_learned", "schedules", "split_steps", "stage_of_window", "stage_perf",
            "stage_step_times", "stage_text", "step_times", "study_report", "summarize", "summary_rows", "train_clock",
-           "train_times", "val_time_figure", "value_at_time", "verdict"]
+           "train_perf", "train_times", "val_time_figure", "value_at_time", "verdict"]
