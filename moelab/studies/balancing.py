@@ -1215,7 +1215,7 @@ def shift_findings(shift: Any) -> list[report.Finding]:
         q = f"Steps back to within {RECOVER:g}x the pre-shift MaxVio_batch after a shift, {b}"
         why = (f"the shift did not disturb {b} (first shifted step within {RECOVER:g}x the level before on every seed)"
                if not g.disturbed.any() else f"{len(rec)} of {len(g)} seeds recovered" if len(rec) < 2 else None)
-        found.append(report.not_tested(q, why, answer=b) if why else report.measured(
+        found.append(report.not_tested(q, why) if why else report.measured(
             q, rec, answer=f"{len(rec)} of {len(g)} seeds; first shifted step {g.maxvio_first.mean():.3f} vs "
                            f"{g.maxvio_before.mean():.3f} before; steps", digits=3))
 
@@ -1259,7 +1259,7 @@ def research_report(rows: Any, shift: Any = None) -> report.Report:
                f"no arm reached {REACH:g}x the floor ({floor.mean():.3f}) within {LAYOUTS[layout][2]} steps"
                if not reached else None)
         qb_steps = [float(v) for v in sel[sel.balancer == "qb"].steps_to_floor if v is not None and v == v]
-        found.append(report.not_tested(q, why, answer=layout) if why else report.measured(
+        found.append(report.not_tested(q, why) if why else report.measured(
             q, qb_steps, answer=(f"floor {floor.mean():.3f}; {len(qb_steps)} of {int((sel.balancer == 'qb').sum())} "
                                  "qb seeds reach it; steps"), digits=3))
     steady = rows[rows.layout == "8x2048"].copy()

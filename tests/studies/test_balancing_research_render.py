@@ -178,6 +178,9 @@ def test_research_report_renders_from_records_without_training(tmp_path, trackin
     assert (cost["mean"], cost["low"], cost["high"]) == pytest.approx((np.mean(d), np.mean(d) - half,
                                                                         np.mean(d) + half))
     assert "Validation loss, qb minus none" in " ".join(s["verdicts"])
+    # none and aux stay at 1.0, above the first shifted step: not tested, the reason without a repeated name
+    none = found["Steps back to within 1.1x the pre-shift MaxVio_batch after a shift, none"]
+    assert none["status"] == "not tested" and none["line"].endswith("on every seed))")
     # the steady state: MaxVio_global qb minus loss_free_sign, the same offset every seed
     glob = found["MaxVio_global after 2000 steps, qb minus loss_free_sign"]["interval"]
     assert glob["mean"] == pytest.approx(GLOBAL["qb"] - GLOBAL["loss_free_sign"], abs=1e-5)
