@@ -70,10 +70,14 @@ def flatten_dict(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """Atomically write ``obj`` as indented JSON (NaN/inf become null: strict JSON readers choke on them)."""
+def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2) -> None:
+    """Atomically write ``obj`` as JSON, indented by ``indent`` (None: one compact line, for machine records)
+    (NaN/inf become null: strict JSON readers choke on them)."""
     with atomic_write(path) as f:
-        json.dump(_finite(obj), f, indent=2, sort_keys=False)
+        if indent is None:
+            json.dump(_finite(obj), f, separators=(",", ":"))
+        else:
+            json.dump(_finite(obj), f, indent=indent, sort_keys=False)
         f.write("\n")
 
 

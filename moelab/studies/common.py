@@ -577,7 +577,7 @@ def _write_record(path: Path, rec: RunRecord, cfg: Any, study: str, run_id: str 
             "history": _pack_history(rec.history),
             "config": _run_config(cfg), "command": study_context(study)["command"]}
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, _portable(body))
+    write_json(path, _portable(body), indent=None)  # one line: indented, a 2,400-step history was 0.5 MB, not 0.2
     rec.history = _unpack_history(body["history"])  # as a later call reads it back: one go equals split calls
 
 
