@@ -883,8 +883,8 @@ def run_grid(
             eta = "grid done" if split is None else "this call's runs of the grid done"
         elif trained_s:
             eta = f"grid ETA {_fmt_s(left * sum(trained_s) / len(trained_s))}"
-        else:
-            eta = "grid ETA after the first trained run"
+        else:  # nothing trained yet in this call (records read so far): no time to extrapolate from
+            eta = f"{left} more run(s) in the grid"
         val = rec.summary.get("best_val_loss")
         progress(f"[{i + 1}/{len(grid)}] arm={arm} seed={seed} steps={rec.summary.get('steps')} "
                  f"val_loss={'n/a' if val is None else f'{val:.4f}'} "
