@@ -9,11 +9,32 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextmanager
+def signal_handlers(handler: Callable[[int, Any], None], signals: tuple[int, ...] = STOP_SIGNALS,
+                    previous: dict[int, Any] | None = None) -> Iterator[dict[int, Any]]:
+    """``handler`` for ``signals`` while the block runs, the previous handlers back after it (also when the block
+    raises); yields those previous handlers ``{signum: handler}``, filled into ``previous`` (when given) before
+    ``handler`` is installed, so a handler that restores them can read it. Call from the main thread (only it
+    owns signals)."""
+    previous = {} if previous is None else previous
+    previous.update({s: signal.getsignal(s) for s in signals})
+    for s in signals:
+        signal.signal(s, handler)
+    try:
+        yield previous
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 @contextmanager

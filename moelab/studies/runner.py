@@ -52,7 +52,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -77,7 +77,7 @@ from moelab.studies.common import (
 )
 from moelab.tracking import LAB_EXTRA_HINT, PARENT_ENV, Run, end_stale_run, experiment_name, start_run
 from moelab.tracking import installed as tracking_installed
-from moelab.utils import atomic_path, flatten_dict, write_json
+from moelab.utils import atomic_path, flatten_dict, signal_handlers, write_json
 
 STUDIES = {1: "01_decay_bound", 2: "02_balancing", 3: "03_attnres_depth", 4: "04_context_curriculum"}
 PRESETS = ("cpu", "gpu", "research")
@@ -433,14 +433,8 @@ def _stop_between_runs() -> Iterator[None]:
     def handler(signum: int, frame: Any) -> None:
         raise StudyStopped("", signum)
 
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    for s in previous:
-        signal.signal(s, handler)
-    try:
+    with signal_handlers(handler):
         yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 def dashboard_link(experiment_id: str, port: int = 5000) -> str:
@@ -497,18 +491,15 @@ class _Stopper:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.count = 0
-        self._previous: dict[int, Any] = {}
+        self._handlers = ExitStack()
 
     def __enter__(self) -> _Stopper:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-            for s in self._previous:
-                signal.signal(s, self._handle)
+            self._handlers.enter_context(signal_handlers(self._handle))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for s, h in self._previous.items():
-            signal.signal(s, h)
+        self._handlers.close()
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.signum = self.signum or signum

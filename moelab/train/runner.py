@@ -83,7 +83,7 @@ from moelab.train.callbacks import (
     write_history,
 )
 from moelab.train.module import LitMoELab
-from moelab.utils import atomic_path, atomic_write, write_json
+from moelab.utils import atomic_path, atomic_write, signal_handlers, write_json
 
 LAST = "last.ckpt"
 BEST = "best"  # ModelCheckpoint's file name, without the extension
@@ -743,7 +743,7 @@ def _stop_on_signals(stop: StopControl) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous: dict[int, Any] = {}  # the handlers replaced: signal_handlers fills it before installing this one
 
     def handler(signum: int, frame: Any) -> None:
         signal.signal(signum, previous[signum])
@@ -752,13 +752,8 @@ def _stop_on_signals(stop: StopControl) -> Iterator[None]:
         stop.request_stop(signum)
 
     stop.handler = handler
-    for s in previous:
-        signal.signal(s, handler)
-    try:
+    with signal_handlers(handler, previous=previous):
         yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 def _constants(cfg: RunConfig, world_size: int) -> dict[str, Any]:
