@@ -207,7 +207,7 @@ def summary_rows(grid: common.Grid, preset: str) -> list[dict[str, Any]]:
     for r in grid.records:
         s = r.summary
         rows.append({**arm_info(ov[r.arm]), "seed": r.seed, "params": s.get("params_total"), "tokens": r.tokens,
-                     "val_loss": s.get("final_val_loss"), "tok_per_s": s.get("tok_per_s"),
+                     "val_loss": s.get("final_val_loss"), "tok_per_s": r.tok_per_s,
                      "peak_mem_gb": s.get("peak_mem_gb"), "arm": r.arm})
     return rows
 
@@ -1010,7 +1010,7 @@ def research_rows(grid: common.Grid, plan_: ResearchPlan = RESEARCH) -> list[dic
         info = parse_arm(r.arm)
         s = r.summary
         base = {"arm": r.arm, **info, "seed": r.seed, "params": s.get("params_total"), "tokens": r.tokens,
-                "epochs": r.epochs, "val_loss": s.get("final_val_loss"), "tok_per_s": s.get("tok_per_s"),
+                "epochs": r.epochs, "val_loss": s.get("final_val_loss"), "tok_per_s": r.tok_per_s,
                 "peak_mem_gb": s.get("peak_mem_gb"), "gpu_minutes": r.timing.get("gpu_minutes")}
         rows.append({**base, "role": "sweep" if info["lr"] is not None else "main"})
     sweep = sweep_table(rows)

@@ -73,6 +73,9 @@ RECORDS_ENV = "MOELAB_STUDY_RECORDS"  # the folder of the portable run records
 RUNS_ENV = "MOELAB_STUDY_RUNS"  # "arm:seed,arm:seed": a split call trains only these runs
 SHARD_ENV = "MOELAB_STUDY_SHARD"  # "i/n": a split call trains runs i, i + n, ... (1-based) of each grid
 PROGRESS_ENV = "MOELAB_STUDY_PROGRESS"  # a file whose lines the runner echoes to its terminal
+# How many runs train at once on this process's GPUs (a split call's ``jobs``): a record's GPU-minutes are its
+# wall time's share of the devices, and its tokens/s, measured on a shared device, is not a speed.
+GPU_SHARE_ENV = "MOELAB_GPU_SHARE"
 OUTPUTS = provenance.OUTPUTS  # what studies and benchmarks write: its changes do not make the code dirty
 RECORD_FORMAT = 2  # version of the record files' layout (2: columnar history without per-layer keys; 1 still reads)
 READ_FORMATS = (1, 2)
@@ -399,7 +402,8 @@ class RunRecord:
     evals: what ``run_grid``'s ``evaluate`` returned for the trained model (kept in
     ``<arm>_s<seed>.evals.pt`` beside the record); None without ``evaluate``.
     timing: ``{"started", "ended"}`` (UTC, ISO), ``wall_s``, ``gpus`` (CUDA devices trained on, 0 on a
-    CPU) and ``gpu_minutes`` (wall time x gpus / 60). machine: the device and library versions it
+    CPU), ``gpu_share`` (runs that trained at once on those devices: a split call's ``jobs``; absent in
+    records before it existed, i.e. 1) and ``gpu_minutes`` (wall time x gpus / gpu_share / 60). machine: the device and library versions it
     trained on. code: ``commit``, ``dirty``, ``diff_sha256`` and ``source_sha256`` when it trained, and
     ``source_pin`` when its study pinned the training code (:func:`pinned`; the fingerprint then uses the pin).
     mlflow: ``{"run_id", "experiment"}`` of its training's run in the store it trained against.
@@ -430,8 +434,19 @@ class RunRecord:
         return {"arm": self.arm, "seed": self.seed, "steps": s.get("steps"),
                 "best_val_loss": s.get("best_val_loss"), "final_val_loss": s.get("final_val_loss"),
                 "final_train_loss": s.get("final_train_loss"), "train_val_gap": self.train_val_gap,
-                "tokens": self.tokens, "epochs": self.epochs, "tok_per_s": s.get("tok_per_s"),
-                "wall_s": s.get("wall_s"), "gpu_minutes": self.timing.get("gpu_minutes"), "run_id": s.get("run_id")}
+                "tokens": self.tokens, "epochs": self.epochs, "tok_per_s": self.tok_per_s,
+                "wall_s": s.get("wall_s"), "gpu_minutes": self.timing.get("gpu_minutes"),
+                "gpu_share": self.gpu_share, "run_id": s.get("run_id")}
+
+    @property
+    def gpu_share(self) -> int:
+        """How many runs trained at once on this run's devices (1: alone; see :data:`GPU_SHARE_ENV`)."""
+        return int(self.timing.get("gpu_share") or 1)
+
+    @property
+    def tok_per_s(self) -> float | None:
+        """Training tokens/s, None when the run shared its GPU with other runs (then it is not a speed)."""
+        return self.summary.get("tok_per_s") if self.gpu_share == 1 else None
 
 
 @dataclass
@@ -718,6 +733,14 @@ class Split:
         return index % n == i - 1
 
 
+def gpu_share() -> int:
+    """Runs training at once on this process's GPUs (:data:`GPU_SHARE_ENV`, default 1); ValueError unless >= 1."""
+    text = os.environ.get(GPU_SHARE_ENV, "").strip() or "1"
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{GPU_SHARE_ENV}={text!r} is not allowed: expected a whole number >= 1")
+    return int(text)
+
+
 def parse_runs(text: str) -> frozenset[tuple[str, int]]:
     """``"bounded:0,softplus:1"`` -> ``{("bounded", 0), ("softplus", 1)}``; ValueError naming a bad item."""
     out = set()
@@ -939,6 +962,7 @@ def _train(study: str, arm: str, seed: int, cfg: Any, run_dir: Path, fingerprint
     tail = _tail_train_loss(res.history, cfg.train.val_every)
     val = s.get("final_val_loss")
     gpus = _gpus(cfg, s)
+    share = gpu_share()
     rec = RunRecord(arm=arm, seed=seed, summary=s, history=res.history,
                     val_history=[list(v) for v in res.val_history], tokens=tokens,
                     epochs=tokens / corpus.n_train_tokens,
@@ -946,7 +970,8 @@ def _train(study: str, arm: str, seed: int, cfg: Any, run_dir: Path, fingerprint
                     fingerprint=fingerprint, evals=at_end.result if at_end else None,
                     timing={"started": started.isoformat(timespec="seconds"),
                             "ended": datetime.now(UTC).isoformat(timespec="seconds"), "wall_s": round(wall, 1),
-                            "gpus": gpus, "gpu_minutes": round(wall * gpus / 60, 3), "resumed": resume},
+                            "gpus": gpus, "gpu_share": share, "gpu_minutes": round(wall * gpus / share / 60, 3),
+                            "resumed": resume},
                     machine={"device": device_name(), **_versions()}, code=dict(code),
                     trajectory=watch.trajectory if watch is not None else None)
     if at_end is not None and at_end.result is None:

@@ -546,7 +546,8 @@ def stage_perf(grid: common.Grid, preset: str) -> list[dict[str, Any]]:
     Rows: schedule, seed, stage, seq_len, batch (sequences per micro-batch), windows (logging windows
     wholly inside the stage, the first of the run left out: it holds compilation), tok_per_s and
     step_time_s (medians over those windows), peak_mem_gb (largest; None on CPU, and for a curriculum's stages
-    read from records).
+    read from records). A run that shared its GPU with other runs (a split call's ``jobs``) has no speed: its
+    tok_per_s and step_time_s are None.
     """
     from moelab.tracking import client
 
@@ -566,10 +567,11 @@ def stage_perf(grid: common.Grid, preset: str) -> list[dict[str, Any]]:
         for k, s in enumerate(sched[r.arm]):
             ws = by_stage.get(k, [])
             mem = [hist["perf/peak_mem_gb"][w] for w in ws if w in hist["perf/peak_mem_gb"]]
+            timed = ws if r.gpu_share == 1 else []
             rows.append({"schedule": r.arm, "seed": r.seed, "stage": k, "seq_len": s["seq_len"],
                          "batch": micro // s["seq_len"], "windows": len(ws),
-                         "tok_per_s": float(np.median([hist["perf/tokens_per_s"][w] for w in ws])) if ws else None,
-                         "step_time_s": float(np.median([hist["perf/step_time_s"][w] for w in ws])) if ws else None,
+                         "tok_per_s": float(np.median([hist["perf/tokens_per_s"][w] for w in timed])) if timed else None,
+                         "step_time_s": float(np.median([hist["perf/step_time_s"][w] for w in timed])) if timed else None,
                          "peak_mem_gb": max(mem) if mem else None})
     return rows
 

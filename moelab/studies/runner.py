@@ -35,6 +35,13 @@ without a split runs the notebook, reads every record and trains only what is mi
 recipe). A study preset may pin its records to a training-code epoch (``source_pin``,
 :func:`moelab.studies.common.pinned`), so split calls at different commits still add up.
 
+A split call with ``jobs=k`` (``--jobs k``, ``make ... JOBS=k``) trains its runs in ``k`` processes at once on the
+same GPU (the named runs dealt round-robin; a shard ``i/n`` as the shards ``i + j*n / n*k``): a study model that
+leaves the GPU mostly idle (a host-bound step) trains ``k`` runs in little more than the time of one. The processes
+train untracked (the final call logs them); each record keeps ``gpu_share = k``, its GPU-minutes are its wall time
+/ k, and its tokens/s is not a speed (:attr:`moelab.studies.common.RunRecord.tok_per_s` is None). Ctrl-C or
+SIGTERM reaches every process: each saves its run's checkpoint, and the next call resumes them.
+
 Ctrl-C or SIGTERM stops the run in progress cleanly (it saves ``last.ckpt``; its MLflow run and the
 parent run end KILLED), removes the temporary notebook and raises :class:`StudyStopped`; the next call
 resumes: finished runs are kept, the stopped one continues from its checkpoint, and runs a ``kill -9``
@@ -61,6 +68,7 @@ from moelab.base import repo_root
 from moelab.studies.common import (
     COMMAND_ENV,
     GIT_ENV,
+    GPU_SHARE_ENV,
     PROGRESS_ENV,
     RECORDS_ENV,
     RUNS_ENV,
@@ -87,6 +95,7 @@ RECORD_PRESETS = ("research", "gpu")
 RUNS_ROOT = Path("runs") / "studies"  # under the repository; ignored by git
 ARTIFACT_SUFFIXES = {".png", ".svg", ".pdf", ".json", ".csv", ".md", ".txt", ".html"}
 ARTIFACT_DIRS = ("figures", "results")
+SPLIT_UNTRACKED_ENV = "MOELAB_SPLIT_UNTRACKED"  # "1": a split call trains untracked even where MLflow imports
 STATE_FILE = "parent_run.json"  # beside the run folders: the last call's parent run (closed if left RUNNING)
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -185,6 +194,7 @@ def run_study(
     log_output: bool = True,
     echo: Any = None,
     module: str | ModuleType | None = None,
+    jobs: int = 1,
 ) -> Path:
     """Execute study ``number``'s notebook (a split call: its module's ``train``); return ``<out_root>/NN_name``.
 
@@ -201,6 +211,7 @@ def run_study(
         echo: where the progress lines go (default: stderr).
         module: the study module whose ``train(preset, out_dir)`` a split call runs (a module or its dotted name);
             default ``moelab.studies.<name>`` of the notebook ``NN_<name>`` (:func:`study_module`).
+        jobs: a split call's processes training at once on the same GPU (see the module docstring).
 
     Raises:
         StudyFailed: a cell raised (the parent run is marked FAILED; the executed notebook, with the
@@ -219,7 +230,13 @@ def run_study(
     if shard:
         parse_shard(shard)
     split = bool(runs or shard)
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1 or (jobs > 1 and not split):
+        raise ValueError(f"jobs={jobs!r} is not allowed: expected a whole number >= 1, and > 1 only with runs or "
+                         "shard (a split call)")
     say = echo or (lambda line: print(line, file=sys.stderr, flush=True))
+    if split and jobs > 1:
+        return _run_split_jobs(number, preset, split_groups(runs, shard, jobs), nbs_dir=nbs_dir, out_root=out_root,
+                               module=module, say=say)
     if split:
         return _run_split(number, preset, runs=runs, shard=shard, nbs_dir=nbs_dir, out_root=out_root,
                           tracking_uri=tracking_uri, module=module, say=say)
@@ -361,8 +378,10 @@ def _run_split(number: int, preset: str, *, runs: str | None, shard: str | None,
 
     if not torch.cuda.is_available():  # Triton kernels run in the interpreter; set before a kernel module is imported
         env["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET") or "1"
-    tracked = tracking_installed()
-    if not tracked:
+    tracked = tracking_installed() and os.environ.get(SPLIT_UNTRACKED_ENV) != "1"
+    if os.environ.get(SPLIT_UNTRACKED_ENV) == "1":
+        pass  # one of a jobs call's processes: the parent said it once
+    elif not tracked:
         say(f"study {number}, split call: MLflow cannot be imported here, so its runs train untracked; their records "
             f"carry their curves, timings and machine, and the final call (`make study-{number} PRESET={preset}`) "
             "logs them into MLflow")
@@ -420,6 +439,101 @@ def _split_train(number: int, preset: str, train: Any, work: Path, out_dir: Path
         if gpu_minutes is not None:
             run.log_metrics({"study/gpu_minutes": gpu_minutes}, step=0)
     return out_dir
+
+
+def split_groups(runs: str | None, shard: str | None, jobs: int) -> list[tuple[str | None, str | None]]:
+    """The ``(runs, shard)`` of each of ``jobs`` split calls that together train what ``runs`` or ``shard`` names:
+    the named runs dealt round-robin (no empty call: at most one call per run), or shard ``i/n`` as the shards
+    ``(i + j*n)/(n*jobs)``, j = 0..jobs-1."""
+    if runs:
+        parse_runs(runs)
+        items = list(dict.fromkeys(t.strip() for t in runs.split(",") if t.strip()))
+        return [(",".join(items[j::jobs]), None) for j in range(min(jobs, len(items)))]
+    if not shard:
+        raise ValueError("jobs > 1 needs runs or shard (a split call)")
+    i, n = parse_shard(shard)
+    return [(None, f"{i + j * n}/{n * jobs}") for j in range(jobs)]
+
+
+def _run_split_jobs(number: int, preset: str, groups: list[tuple[str | None, str | None]], *, nbs_dir: Any,
+                    out_root: Any, module: str | ModuleType | None, say: Any) -> Path:
+    """Run each group of :func:`split_groups` as its own split call in a child process, all at once on this
+    machine's GPU; their lines come here prefixed ``[j/k]``. Returns the report's folder; StudyStopped when a
+    signal stopped them, StudyFailed when a child failed (the others finish first)."""
+    import subprocess
+
+    notebook = find_notebook(number, Path(nbs_dir) if nbs_dir else repo_root() / "nbs")
+    out_dir = (Path(out_root) if out_root else results_root(preset, notebook.stem)).resolve() / notebook.stem
+    code = json.loads(os.environ[GIT_ENV]) if os.environ.get(GIT_ENV) else git_state()
+    code.setdefault("source_sha256", source_sha256())
+    k = len(groups)
+    command = f"make study-{number} PRESET={preset} JOBS={k}"
+    if tracking_installed():
+        say(f"study {number}, split call in {k} processes: their runs train untracked (one MLflow store, {k} "
+            f"writers); the final call (`make study-{number} PRESET={preset}`) logs them from their records")
+    env = {**os.environ, GIT_ENV: json.dumps(code), GPU_SHARE_ENV: str(k), SPLIT_UNTRACKED_ENV: "1",
+           "PYTHONUNBUFFERED": "1"}
+    name = module.__name__ if isinstance(module, ModuleType) else module
+    children: list[tuple[str, Any]] = []
+    stopped: list[int] = []
+
+    def pump(tag: str, stream: Any) -> None:
+        for line in stream:
+            say(f"{tag} {line.rstrip()}")
+
+    def handler(signum: int, frame: Any) -> None:
+        stopped.append(signum)
+        for _, proc in children:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    threads = []
+    with signal_handlers(handler) if threading.current_thread() is threading.main_thread() else _nothing():
+        for j, (runs, shard) in enumerate(groups, 1):
+            args = {"number": number, "preset": preset, "runs": runs, "shard": shard, "module": name,
+                    "nbs_dir": str(nbs_dir) if nbs_dir else None, "out_root": str(out_root) if out_root else None}
+            tag = f"[{j}/{k}]"
+            say(f"{tag} {command.split(' JOBS')[0]} " + (f"RUNS={runs}" if runs else f"SHARD={shard}"))
+            proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(args)], env=env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)  # a signal reaches them once: forwarded from here
+            children.append((tag, proc))
+            t = threading.Thread(target=pump, args=(tag, proc.stdout), daemon=True)
+            t.start()
+            threads.append(t)
+        codes = [proc.wait() for _, proc in children]
+        for t in threads:
+            t.join(timeout=10)
+    if stopped:
+        raise StudyStopped(f"study {number} stopped by {signal.Signals(stopped[0]).name}: finished runs are recorded "
+                           f"in {_shown(records_dir(out_dir, preset))}/ and the stopped runs saved their checkpoints; "
+                           f"`{command}` with the same runs resumes", stopped[0])
+    failed = [f"{tag} (exit {c})" for (tag, _), c in zip(children, codes) if c != 0]
+    if failed:
+        raise StudyFailed(f"study {number}, split call in {k} processes: {', '.join(failed)} failed (its lines above)")
+    return out_dir
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+# A child of _run_split_jobs: one split call in this process, its exit status the CLI's.
+_CHILD = """
+import json, sys
+from moelab.studies.runner import StudyFailed, StudyStopped, run_study
+a = json.loads(sys.argv[1])
+try:
+    run_study(a["number"], a["preset"], runs=a["runs"], shard=a["shard"], module=a["module"], nbs_dir=a["nbs_dir"],
+              out_root=a["out_root"], echo=lambda line: print(line, flush=True))
+except StudyStopped as e:
+    print(f"stopped: {e}", flush=True)
+    sys.exit(128 + e.signum)
+except StudyFailed as e:
+    print(f"error: {e}", flush=True)
+    sys.exit(1)
+"""
 
 
 @contextmanager

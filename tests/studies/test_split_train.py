@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from moelab.studies import common
-from moelab.studies.runner import StudyFailed, run_study
+from moelab.studies.runner import StudyFailed, run_study, split_groups
 from tests.train.mlflow_fixtures import mlflow_template_db, tracking_uri  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -155,3 +155,58 @@ def test_a_split_call_needs_the_study_modules_train(tmp_path) -> None:
         run_study(7, "cpu", runs="a:0", nbs_dir=nbs, out_root=tmp_path / "out", module="json", echo=lambda s: None)
     with pytest.raises(ModuleNotFoundError, match="moelab.studies.notrain"):
         run_study(7, "cpu", runs="a:0", nbs_dir=nbs, out_root=tmp_path / "out", echo=lambda s: None)
+
+
+def test_split_groups_deal_runs_and_shards_over_jobs() -> None:
+    assert split_groups("a:0,b:0,c:0,a:0", None, 2) == [("a:0,c:0", None), ("b:0", None)]
+    assert split_groups("a:0", None, 3) == [("a:0", None)]  # never an empty call
+    assert split_groups(None, "2/3", 2) == [(None, "2/6"), (None, "5/6")]  # runs 2, 5, 8, ... as 2, 8, ... and 5, 11
+    with pytest.raises(ValueError, match="RUNS item 'a' is not allowed"):
+        split_groups("a", None, 2)
+    with pytest.raises(ValueError, match=r"jobs=0 is not allowed: expected a whole number >= 1"):
+        run_study(7, "cpu", runs="a:0", jobs=0, echo=lambda s: None)
+    with pytest.raises(ValueError, match=r"jobs=2 is not allowed.*> 1 only with runs or shard"):
+        run_study(7, "cpu", jobs=2, echo=lambda s: None)
+
+
+def test_gpu_share_names_a_bad_value(monkeypatch) -> None:
+    monkeypatch.setenv(common.GPU_SHARE_ENV, "0")
+    with pytest.raises(ValueError, match=r"MOELAB_GPU_SHARE='0' is not allowed: expected a whole number >= 1"):
+        common.gpu_share()
+    monkeypatch.setenv(common.GPU_SHARE_ENV, "3")
+    assert common.gpu_share() == 3
+
+
+@pytest.mark.slow
+def test_a_split_call_in_two_processes_records_what_one_process_does(tmp_path, tracking_uri,  # noqa: F811
+                                                                     monkeypatch) -> None:
+    pkg, nbs = tmp_path / "pkg", tmp_path / "nbs"
+    for d in (pkg, nbs):
+        d.mkdir()
+    (pkg / "split_jobs.py").write_text(MODULE.replace("07_nowheels", "07_jobs"))
+    (nbs / "07_jobs.ipynb").write_text("{}")
+    code = json.dumps({"commit": "abc", "dirty": False, "diff_sha256": None, "source_sha256": "5" * 16})
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join((str(pkg), str(ROOT))))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv(common.GIT_ENV, code)
+    lines: list[str] = []
+    out = run_study(7, "cpu", runs="bounded:0,softplus:0", jobs=2, nbs_dir=nbs, out_root=tmp_path / "jobs",
+                    module="split_jobs", echo=lines.append)
+    assert lines[0].startswith("study 7, split call in 2 processes: their runs train untracked")  # MLflow imports here
+    assert lines[1] == "[1/2] make study-7 PRESET=cpu RUNS=bounded:0" and lines[2].endswith("RUNS=softplus:0")
+    assert any(ln.startswith("[2/2] study 7, split call: ") for ln in lines)
+    jobs = _records(out / "records" / "cpu")
+    assert sorted(jobs) == ["bounded_s0.json", "softplus_s0.json"]
+
+    monkeypatch.syspath_prepend(str(pkg))
+    import split_jobs
+
+    split_jobs.train("cpu", tmp_path / "one")
+    one = _records(tmp_path / "one" / "records")
+    for name, rec in jobs.items():
+        assert {k: rec[k] for k in KEYS} == {k: one[name][k] for k in KEYS}, name
+        assert _computed(rec["history"]) == _computed(one[name]["history"]), name
+        assert rec["timing"]["gpu_share"] == 2 and one[name]["timing"]["gpu_share"] == 1
+    path = out / "records" / "cpu" / "bounded_s0.json"
+    row = common._load_record(path, jobs["bounded_s0.json"]["fingerprint"]).row()
+    assert row["gpu_share"] == 2 and row["tok_per_s"] is None  # a shared device's tokens/s is not a speed
