@@ -1683,10 +1683,13 @@ def overflow_finding(overflow: Mapping[str, Any] | None) -> report.Finding:
         f"{'none swept' if first is None else f'{first:g}'} ({s['dtype']}){trained}"))
 
 
+SOLVED = 1e-3  # fast forgetting: a run whose final loss is <= 1e-3 x its first has solved the task (converged)
+
+
 def forgetting_findings(forgetting: Mapping[str, Any] | None, reference: str = "softplus") -> list[report.Finding]:
     """Per bounded arm of the fast-forgetting task, its log10 final loss minus ``reference``'s, paired by seed with
     a 95% t interval, tightest bound first; "not tested" where a compared run has not converged (its last 20% of
-    steps still moving > 1%: :func:`plateau`), unless only the reference's runs are still falling while the bounded
+    steps still moving > 1%: :func:`plateau`, and its final loss above :data:`SOLVED` x its first), unless only the reference's runs are still falling while the bounded
     arm is already worse (the gap can only grow: reported as a lower bound); or where the file is missing."""
     import pandas as pd
 
@@ -1699,9 +1702,12 @@ def forgetting_findings(forgetting: Mapping[str, Any] | None, reference: str = "
     out = []
     arms = sorted((a for a in dict.fromkeys(rows.arm) if a != reference),
                   key=lambda a: -float(rows[rows.arm == a].bound.iloc[0]))
+    # a run whose loss fell SOLVED-fold below its first is solved: there its last 20% "moving" is the noise of a
+    # loss near zero (relative changes of a 1e-7 loss), not training still under way
+    solved = rows.final_loss <= SOLVED * rows.first_loss if "first_loss" in rows else rows.final_loss < 0
     for arm in arms:
         sel = rows[rows.arm.isin([arm, reference])]
-        moving = sel[~sel.last20_converged.astype(bool)]
+        moving = sel[~(sel.last20_converged.astype(bool) | solved[sel.index])]
         a, b = report.by_seed(rows, arm, "log10_final_loss"), ref
         iv = report.paired(a, b)
         # only the reference still falling while the bounded arm is already worse: the gap can only grow

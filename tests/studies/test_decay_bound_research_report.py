@@ -87,7 +87,8 @@ def _forgetting_rows(moving: dict[tuple[str, int], float] | None = None) -> list
             log10 = -3.0 if bound is None else -3.0 + 0.5 * (4 - i) + 0.01 * seed
             change = (moving or {}).get((arm, seed), 0.001)
             rows.append({"arm": arm, "seed": seed, "bound": bound if bound is not None else study.REFERENCE_BOUND,
-                         "final_loss": 10 ** log10, "last20_change": change, "last20_converged": abs(change) < 0.01})
+                         "final_loss": 10 ** log10, "first_loss": 10 ** (log10 + 2), "last20_change": change,
+                         "last20_converged": abs(change) < 0.01})
     return rows
 
 
@@ -192,6 +193,14 @@ def test_forgetting_needs_converged_runs_unless_only_the_reference_still_falls()
     assert moving[2].reason.endswith("(bounded-1/s2)") and moving[0].status == "worse"
     falling = study.forgetting_findings({**data, "rows": _forgetting_rows({("softplus", 0): -0.03})})
     assert all(f.status == "worse" and f.answer.startswith("softplus still falling") for f in falling)
+    # a run 1000-fold below its first loss has solved the task: its last 20% moving (up or down) is noise near zero
+    rows = _forgetting_rows({("softplus", 1): 0.03, ("bounded-1", 2): -0.05})
+    for r in rows:
+        if (r["arm"], r["seed"]) == ("softplus", 1):
+            r["first_loss"] = r["final_loss"] * 2000
+    solved = study.forgetting_findings({**data, "rows": rows})
+    assert [f.status for f in solved] == ["worse", "worse", "not tested", "worse"]
+    assert solved[2].reason.endswith("(bounded-1/s2)")  # 100-fold below its first: still training
 
 
 def test_forgetting_part_at_toy_size_writes_its_schema_and_command(tmp_path, monkeypatch) -> None:
