@@ -306,7 +306,7 @@ if research:
 
 # %%
 if research:
-    summary = study.research_summary(grid, runs, decay, parts, preset)
+    summary = study.research_summary(grid, runs, decay, parts, preset, kernel_results=speed_source)
     findings = study.research_report(summary, runs, decay, parts)
 elif from_results:
     summary = json.loads((out / "summary.json").read_text())

@@ -1094,9 +1094,10 @@ def train_research(out_dir: str | Path, extra: Mapping[str, Any] | None = None) 
     """Train every research grid (one per layout; finished runs are reused), each run evaluated at its end
     (:func:`research_evaluate`; the :data:`SHIFT_LAYOUT` runs of the shift seeds shift-tested there too), under
     the preset's ``source_pin``. A split call that leaves a grid incomplete raises ``common.GridIncomplete`` after
-    the grid (the other layout's runs named in the split still train: the grids run in turn, the error comes last)."""
+    the grid (the other layout's runs named in the split still train: the grids run in turn, one error comes last,
+    naming what the call trained and what is left in every grid)."""
     p = PRESETS["research"]
-    grids, incomplete = {}, None
+    grids, incomplete = {}, []
     with common.pinned(p.get("source_pin")):
         for layout, g in research_grids().items():
             shift = (p["shift_steps"], p["shift_seeds"]) if layout == SHIFT_LAYOUT else (0, ())
@@ -1106,9 +1107,9 @@ def train_research(out_dir: str | Path, extra: Mapping[str, Any] | None = None) 
                                                 common={**g["common"], **(extra or {})}, checkpoints="final",
                                                 evaluate=evaluate)
             except common.GridIncomplete as e:
-                incomplete = e
-    if incomplete is not None:
-        raise incomplete
+                incomplete.append(e)
+    if incomplete:
+        raise incomplete[-1]  # the last names what the call trained and left over every layout
     return grids
 
 

@@ -710,12 +710,19 @@ def _fmt_s(s: float) -> str:
 class GridIncomplete(Exception):
     """A split call (``RUNS=`` / ``SHARD=``) trained its runs and stopped the study: runs are still missing.
 
-    ``trained``: the ``arm:seed`` runs this call trained; ``missing``: those of the stopped grid without a record.
+    ``trained``: the ``arm:seed`` runs this call trained (in every grid it met); ``missing``: those without a record
+    in the grids it met; ``where``: the records folder as shown.
     """
 
-    def __init__(self, message: str, trained: Sequence[str] = (), missing: Sequence[str] = ()) -> None:
+    def __init__(self, message: str, trained: Sequence[str] = (), missing: Sequence[str] = (), where: str = "") -> None:
         super().__init__(message)
-        self.trained, self.missing = list(trained), list(missing)
+        self.trained, self.missing, self.where = list(trained), list(missing), where
+
+    @classmethod
+    def of(cls, trained: Sequence[str], missing: Sequence[str], where: str, what: str = "this grid") -> GridIncomplete:
+        """The one line a split call ends with: what it trained, where the records are, what of ``what`` is left."""
+        return cls(f"trained {', '.join(trained) or 'nothing'}; records in {where}; {len(missing)} run(s) of {what} "
+                   f"still to train: {', '.join(missing)}", trained, missing, where)
 
 
 @dataclass(frozen=True)
@@ -773,11 +780,13 @@ def split_from_env() -> Split | None:
 
 CURVE_POINTS = 25  # MLflow points per run and metric that run_grid asks for at least (train.log_every)
 _SPLIT_SEEN: dict[Split, set[tuple[str, int]]] = {}  # named runs met in this process's grids, per split
+_SPLIT_DONE: dict[Split, dict[str, list]] = {}  # per split: "trained" and "missing" runs over the grids met
 
 
 def forget_split_runs() -> None:
     """Forget the named runs this process's grids met (a new split call in the same process starts over)."""
     _SPLIT_SEEN.clear()
+    _SPLIT_DONE.clear()
 
 
 _PROGRESS_SINKS: list[Callable[[str], None]] = []  # progress_to's targets, innermost last
@@ -914,12 +923,16 @@ def run_grid(
                  f"({'recorded, not retrained' if rec.skipped else _fmt_s(trained_s[-1])}); {eta}", echo)
     out = Grid(study=study, base=base, records=records, factor=factor, corpus_tokens=corpus_tokens,
                complete=not missing)
+    if split is not None:
+        done = _SPLIT_DONE.setdefault(split, {"trained": [], "missing": [], "grids": []})
+        done["trained"] += trained
+        done["missing"] += missing
+        done["grids"].append(bool(missing))
     if missing:
         unmet = sorted(f"{a}:{s}" for a, s in (split.runs or set()) - _SPLIT_SEEN.get(split, set()))
-        if not unmet:
-            raise GridIncomplete(f"trained {', '.join(trained) or 'nothing'}; records in {_shown(records_dir)}; "
-                                 f"{len(missing)} run(s) of this grid still to train: {', '.join(missing)}",
-                                 trained, missing)
+        if not unmet:  # what the call trained and left in every grid it met (a study may run several in turn)
+            raise GridIncomplete.of(done["trained"], done["missing"], _shown(records_dir),
+                                    "these grids" if sum(done["grids"]) > 1 else "this grid")
         progress(f"grid of {list(arms)} incomplete; RUNS still to meet in a later grid: {', '.join(unmet)}", echo)
     return out
 
@@ -1167,16 +1180,20 @@ def show(fig: Any, path: str | os.PathLike | None = None) -> Any:
 
 def records_code(records: Sequence[RunRecord]) -> dict[str, list[str]]:
     """The code the runs were trained at, over ``records``: ``{"commits", "source_sha256", "source_pins"}``, each
-    the distinct values in first-seen order (a commit with ``-dirty`` when its tree was; pins only where given)."""
+    the distinct values in first-seen order (a commit with ``-dirty`` when its tree was; pins only where given; a
+    record of an older harness with the pin in place of its ``source_sha256`` counts as that pin)."""
     seen: dict[str, dict[str, None]] = {"commits": {}, "source_sha256": {}, "source_pins": {}}
     for r in records:
         c = r.code or {}
         if c.get("commit"):
             seen["commits"][f"{c['commit']}{'-dirty' if c.get('dirty') else ''}"] = None
-        if c.get("source_sha256"):
-            seen["source_sha256"][str(c["source_sha256"])] = None
-        if c.get("source_pin"):
-            seen["source_pins"][str(c["source_pin"])] = None
+        sha = str(c.get("source_sha256") or "")
+        # records of an older harness kept the pin in place of the hash (no source_pin key): a pin, not a hash
+        pin = c.get("source_pin") or (sha if sha and not re.fullmatch(r"[0-9a-f]+", sha) else None)
+        if sha and sha != pin:
+            seen["source_sha256"][sha] = None
+        if pin:
+            seen["source_pins"][str(pin)] = None
     return {k: list(v) for k, v in seen.items()}
 
 
@@ -1212,6 +1229,8 @@ def study_meta(study: str, preset: str, grid: Grid | None = None, **extra: Any) 
             "runs": len(table), "runs_skipped": sum(r.skipped for r in grid.records),
             "gpu_minutes": round(sum(r.timing.get("gpu_minutes") or 0.0 for r in grid.records), 3),
             "records_code": records_code(grid.records),
+            # where the runs trained (a research report renders on any machine from records made on GPUs)
+            "trained_on": sorted({str((r.machine or {}).get("device")) for r in grid.records if r.machine}),
         })
     meta.update(extra)
     return meta

@@ -1472,12 +1472,14 @@ def forgetting_part(preset: str = "research", steps: int | None = None, seeds: S
 
 
 def read_part(part: str, results_dir: str | Path | None = None) -> dict[str, Any] | None:
-    """A part's committed result file (``RESEARCH_FILES[part]``'s name in ``results_dir``, default the committed
-    results folder), inf restored where the file holds null for a non-finite error; None when not measured."""
+    """A part's committed result file (``RESEARCH_FILES[part]``'s name in ``results_dir``, relative to the working
+    directory; default the committed results folder), inf restored where the file holds null for a non-finite error; None when not measured."""
     if part not in RESEARCH_FILES:
         raise ValueError(f"part={part!r} is not allowed: expected one of {tuple(RESEARCH_FILES)}")
     name = Path(RESEARCH_FILES[part]).name
-    data = read_speed(Path(results_dir) / name if results_dir is not None else RESEARCH_FILES[part])
+    # a given folder is the caller's (a notebook's "results", relative to its working directory), the default the
+    # repository's
+    data = read_speed(Path(results_dir).resolve() / name if results_dir is not None else RESEARCH_FILES[part])
     for key in ("synthetic", "trained"):
         for r in (data or {}).get(key, []):
             for k in ("rel_err", "rel_err_general"):
@@ -1671,7 +1673,8 @@ def overflow_finding(overflow: Mapping[str, Any] | None) -> report.Finding:
         return report.not_tested(q, not_measured("overflow"))
     c = s["cases"].get("told_-5_constant", {})
     errs = c.get("errors", {})
-    shown = "; ".join(f"g {g}: {'non-finite' if e is None else f'{e:.1e}'}" for g, e in errs.items()
+    shown = "; ".join(f"g {g}: {'non-finite' if e is None else f'{e:.1e}'}"
+                      for g, e in sorted(errs.items(), key=lambda x: -float(x[0]))  # nearest the bound first
                       if float(g) in (-5.0, -6.0, -7.0, -8.0, -8.05, -8.1, -11.0, -12.0))
     t = s["trained"]
     trained = (f"; on {t['layers']} trained softplus layers (min g {t['g_min']:.2f}) non-finite in "
@@ -1689,8 +1692,8 @@ SOLVED = 1e-3  # fast forgetting: a run whose final loss is <= 1e-3 x its first 
 def forgetting_findings(forgetting: Mapping[str, Any] | None, reference: str = "softplus") -> list[report.Finding]:
     """Per bounded arm of the fast-forgetting task, its log10 final loss minus ``reference``'s, paired by seed with
     a 95% t interval, tightest bound first; "not tested" where a compared run has not converged (its last 20% of
-    steps still moving > 1%: :func:`plateau`, and its final loss above :data:`SOLVED` x its first), unless only the reference's runs are still falling while the bounded
-    arm is already worse (the gap can only grow: reported as a lower bound); or where the file is missing."""
+    steps still moving > 1%: :func:`plateau`, and its final loss above :data:`SOLVED` x its first), unless only the
+    reference's runs are still falling while the bounded arm is already worse (the gap can only grow: reported as a lower bound); or where the file is missing."""
     import pandas as pd
 
     q = "Does the bound {b:g} hurt a task that needs fast forgetting ({arm} minus {ref}, log10 final loss)"
@@ -1737,7 +1740,7 @@ def _paired_finding(question: str, a: Mapping[int, float], b: Mapping[int, float
 
 
 def research_summary(grid: common.Grid, runs: Any, decay: Any, parts: Mapping[str, Any], preset: str = "research",
-                     reference: str = "softplus") -> dict[str, Any]:
+                     reference: str = "softplus", kernel_results: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The research tier's ``summary.json`` (before :func:`report.attach`): meta (with GPU minutes per run and in
     all, and each standalone part's file, commit and date), per arm the val loss and the decay at the end of
     training, the precondition per bound, the end-to-end speed, the op's error vs g and the forgetting rows."""
@@ -1747,7 +1750,9 @@ def research_summary(grid: common.Grid, runs: Any, decay: Any, parts: Mapping[st
                           "date": d["meta"].get("date"), "command": d["meta"].get("command"),
                           "wall_s": d.get("wall_s")} if d else {"file": RESEARCH_FILES[part], "measured": False})
                   for part, d in parts.items()}
-    meta = common.study_meta(STUDY, preset, grid, gpu_minutes_per_run=per_run, standalone_parts=standalone)
+    # kernel_results: the benchmark files section 5 read (a from-results render reads them back from here)
+    meta = common.study_meta(STUDY, preset, grid, gpu_minutes_per_run=per_run, standalone_parts=standalone,
+                             **({"kernel_results": dict(kernel_results)} if kernel_results is not None else {}))
     last = traj.sort_values("step").groupby(["arm", "seed"], sort=False).tail(1) if len(traj) else traj
     first = first_binding_step(traj) if len(traj) else {}
     arms = {}

@@ -347,8 +347,8 @@ def _study(number: int, folder: str, title: str, numbers: Callable[[dict[str, An
     wording), else the headline and lines ``numbers(summary)`` reads; the setup from its ``meta``."""
     s = _load(f"studies/{folder}/summary.json")
     meta = s["meta"]
-    setup = (f"`{meta['preset']}` preset ({meta['device']}), {meta['runs']} runs of {meta['tokens_per_run']:,} "
-             "tokens")
+    trained_on = ", ".join(meta.get("trained_on") or [meta["device"]])  # the runs' devices, not the renderer's
+    setup = f"`{meta['preset']}` preset ({trained_on}), {meta['runs']} runs of {meta['tokens_per_run']:,} tokens"
     if s.get("headline") and s.get("verdicts"):
         return Study(number, folder, title, setup, s["headline"], list(s["verdicts"]))
     headline, lines = numbers(s)

@@ -215,8 +215,10 @@ def test_split_call_trains_exactly_the_named_research_runs(tmp_path, monkeypatch
     common.forget_split_runs()
     with pytest.raises(common.GridIncomplete) as e:
         study.train("research", tmp_path / "split")
-    assert e.value.trained == ["aux_1e-2-64x256:1"]  # the last grid's; the first grid's run trained before it
-    assert e.value.missing == ["aux_1e-2-64x256:0", "qb-64x256:0", "qb-64x256:1"]
+    assert e.value.trained == ["qb-8x2048:0", "aux_1e-2-64x256:1"]  # both layouts' runs, in the order trained
+    assert e.value.missing[-3:] == ["aux_1e-2-64x256:0", "qb-64x256:0", "qb-64x256:1"] and len(e.value.missing) == 12
+    assert str(e.value).startswith("trained qb-8x2048:0, aux_1e-2-64x256:1; records in ")
+    assert "12 run(s) of these grids still to train: " in str(e.value)
     assert sorted(p.name for p in records.glob("*.json")) == ["aux_1e-2-64x256_s1.json", "qb-8x2048_s0.json"]
     qb = json.loads((records / "qb-8x2048_s0.json").read_text())
     assert qb["code"]["source_pin"] == "s2research-1" and qb["config"]["train.balancer_start_step"] == 2

@@ -502,3 +502,14 @@ def test_evaluate_gets_the_trainer_when_it_takes_one(tmp_path, monkeypatch) -> N
     assert not common.wants_trainer(lambda model, cfg: None)
     assert not common.wants_trainer(lambda model, cfg, **kw: None)  # only a parameter named trainer asks for it
     assert not common.wants_trainer(torch.add)  # no signature: called as before
+
+
+def test_records_code_reads_a_pin_an_older_harness_kept_in_place_of_the_hash() -> None:
+    def rec(code: dict) -> common.RunRecord:
+        return common.RunRecord(arm="a", seed=0, summary={}, history=[], val_history=[], tokens=0, epochs=0.0,
+                                train_val_gap=None, fingerprint="f", code=code)
+
+    got = common.records_code([rec({"commit": "abc", "source_sha256": "s1research-1"}),
+                               rec({"commit": "def", "dirty": True, "source_sha256": "0123abcd",
+                                    "source_pin": "s1research-1"})])
+    assert got == {"commits": ["abc", "def-dirty"], "source_sha256": ["0123abcd"], "source_pins": ["s1research-1"]}

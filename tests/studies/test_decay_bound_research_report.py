@@ -242,3 +242,12 @@ def test_overflow_part_at_toy_size_reads_the_softplus_records(tmp_path, monkeypa
     assert trained["g_min"] == pytest.approx(g.bfloat16().min().item()) and trained["nonfinite"] == 0
     with pytest.raises(SystemExit):
         study.main(["overflow", "--shape", "1x16x1", "--out", str(out)])
+
+
+def test_a_part_is_read_from_a_results_folder_relative_to_the_working_directory(tmp_path, monkeypatch) -> None:
+    # the notebook runs in its report's folder and passes "results": the folder there, not the repository's
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "forgetting_research.json").write_text(json.dumps({"rows": [], "config": {}}))
+    monkeypatch.chdir(tmp_path)
+    assert study.read_part("forgetting", "results") == {"rows": [], "config": {}}
+    assert study.read_part("overflow", "results") is None
