@@ -17,6 +17,7 @@ PRESET ?=
 RUNS ?=
 SHARD ?=
 JOBS ?=
+PROBE ?=
 PORT ?= 5000
 ARGS ?=
 STAMP := $(VENV)/.moelab-setup
@@ -81,8 +82,8 @@ train: $(SETUP) ## train PRESET (default cpu); ARGS="--set train.max_steps=100 -
 info: $(SETUP) ## parameter counts and FLOPs of PRESET (default k3)
 	$(PYTHON) -m moelab info --config $(or $(PRESET),k3) $(ARGS)
 
-study-1 study-2 study-3 study-4: study-%: $(SETUP) ## study-N: run study N's notebook (PRESET=research|gpu: the report in studies/NN_name/; cpu: runs/studies/NN_name/); RUNS=arm:seed,... or SHARD=i/n: a split call (JOBS=k: k at once on one GPU)
-	$(RUN_ENV) $(PYTHON) -m moelab study $* $(if $(PRESET),--preset $(PRESET)) $(if $(RUNS),--runs $(RUNS)) $(if $(SHARD),--shard $(SHARD)) $(if $(JOBS),--jobs $(JOBS)) $(ARGS)
+study-1 study-2 study-3 study-4: study-%: $(SETUP) ## study-N: run study N's notebook (PRESET=research|gpu: the report in studies/NN_name/; cpu: runs/studies/NN_name/); RUNS=arm:seed,... or SHARD=i/n: a split call (JOBS=k: k at once on one GPU; PROBE=n: time its runs, n steps each, no record)
+	$(RUN_ENV) $(PYTHON) -m moelab study $* $(if $(PRESET),--preset $(PRESET)) $(if $(RUNS),--runs $(RUNS)) $(if $(SHARD),--shard $(SHARD)) $(if $(JOBS),--jobs $(JOBS)) $(if $(PROBE),--probe $(PROBE)) $(ARGS)
 
 throughput: $(SETUP) ## train PRESET (default gpu-small) and record tokens/s + MFU in kernels/results/model_h200.json
 	$(PYTHON) -m moelab train --config $(or $(PRESET),gpu-small) --throughput kernels/results/model_h200.json $(ARGS)

@@ -3,7 +3,7 @@
     python -m moelab train --config tiny --set train.max_steps=20 [--resume [CKPT]] [--throughput FILE]
     python -m moelab info  --config k3
     python -m moelab data  --config cpu [--force]
-    python -m moelab study 1 [--preset cpu|gpu|research] [--runs ARM:SEED,... | --shard I/N] [--jobs K]
+    python -m moelab study 1 [--preset cpu|gpu|research] [--runs ARM:SEED,... | --shard I/N] [--jobs K] [--probe STEPS]
     python -m moelab eval  --ckpt runs/tiny/last.ckpt --task passkey|mqar|loss_by_position [--lengths ...]
 
 ``--config`` takes a preset name (``moelab/presets/<name>.yaml``) or a YAML path; ``--set KEY=VALUE``
@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=1, metavar="K",
                    help="with --runs/--shard: train the runs in K processes at once on the same GPU (a host-bound "
                         "model trains K runs in little more than the time of one; their records keep gpu_share=K)")
+    p.add_argument("--probe", type=int, default=None, metavar="STEPS",
+                   help="with --runs/--shard: time the runs instead of training them (STEPS steps each, no record): "
+                        "one line per run with its step time and what the whole run would take")
     p.add_argument("--from-results", action="store_true",
                    help="train nothing: render the committed report, at the preset that made it, from studies/NN_name/")
 
@@ -189,7 +192,8 @@ def _study(args: argparse.Namespace) -> int:
             return 2
         preset = made
     try:
-        out = run_study(args.number, preset, runs=args.runs, shard=args.shard, jobs=args.jobs, **render)
+        out = run_study(args.number, preset, runs=args.runs, shard=args.shard, jobs=args.jobs, probe=args.probe,
+                        **render)
     except StudyStopped as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 128 + e.signum

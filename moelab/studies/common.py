@@ -76,6 +76,10 @@ PROGRESS_ENV = "MOELAB_STUDY_PROGRESS"  # a file whose lines the runner echoes t
 # How many runs train at once on this process's GPUs (a split call's ``jobs``): a record's GPU-minutes are its
 # wall time's share of the devices, and its tokens/s, measured on a shared device, is not a speed.
 GPU_SHARE_ENV = "MOELAB_GPU_SHARE"
+# "n": a split call probes its named runs instead of training them: n optimizer steps each in a scratch folder, no
+# record, no MLflow; one line per run with its step time and what the whole run would take (probe.json beside them)
+PROBE_ENV = "MOELAB_STUDY_PROBE"
+PROBE_MIN_STEPS = 10
 OUTPUTS = provenance.OUTPUTS  # what studies and benchmarks write: its changes do not make the code dirty
 RECORD_FORMAT = 2  # version of the record files' layout (2: columnar history without per-layer keys; 1 still reads)
 READ_FORMATS = (1, 2)
@@ -740,6 +744,70 @@ class Split:
         return index % n == i - 1
 
 
+def probe_steps() -> int | None:
+    """The steps of :data:`PROBE_ENV` (None when unset); ValueError unless a whole number >= PROBE_MIN_STEPS."""
+    text = os.environ.get(PROBE_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < PROBE_MIN_STEPS:
+        raise ValueError(f"{PROBE_ENV}={text!r} is not allowed: expected a whole number of steps >= {PROBE_MIN_STEPS} "
+                         "(the first logging window holds compilation and is left out of the step time)")
+    return int(text)
+
+
+class ProbeDone(GridIncomplete):
+    """A probing split call timed its runs (nothing recorded): ``rows`` as :func:`_probe` returns them."""
+
+    def __init__(self, rows: Sequence[Mapping[str, Any]], path: Path) -> None:
+        names = [f"{r['arm']}:{r['seed']}" for r in rows]
+        super().__init__(f"probed {', '.join(names) or 'nothing'} (nothing recorded); the lines above, and "
+                         f"{_shown(path)}", [], [])
+        self.rows = list(rows)
+
+
+def _probe(arm: str, seed: int, cfg: Any, root: Path, steps: int, echo: Callable[[str], None]) -> dict[str, Any]:
+    """Train ``steps`` optimizer steps of one run's config in ``root/<arm>-s<seed>`` (untracked, no record; warm-up
+    and a balancer's start scaled into the probe, one validation at its end) and say what the whole run would take:
+    the run's median step time over its logging windows (five; the first, which holds compilation and capture, left
+    out, as in every run's summary), times the run's ``max_steps``. Appends the row to ``root/probe.json`` (one JSON object per line) and returns it."""
+    from moelab.train import fit
+
+    t = cfg.train
+    full = {"max_steps": t.max_steps, "val_every": t.val_every}
+    t.max_steps, t.val_every, t.log_every = steps, steps, max(1, steps // 5)
+    t.warmup_steps = min(t.warmup_steps, steps // 2)
+    t.balancer_start_step = min(t.balancer_start_step, steps // 2)
+    cfg.tracking.enabled = False
+    run_dir = root / f"{arm}-s{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    t.ckpt_dir = str(run_dir)
+    t0 = time.perf_counter()
+    with output_to(run_dir / "train.log"):
+        from moelab.data import prepare
+
+        prepare(cfg.data)
+        res = fit(cfg, checkpoints="final")
+    wall = time.perf_counter() - t0
+    s = res.summary
+    tokens = int(s["B"] * s["T"] * t.accumulate_grad_batches * s.get("world_size", 1))
+    # the run's own speed: the median of its logging windows after the first (steps // 5 steps each)
+    step_s = tokens / s["tok_per_s"] if s.get("tok_per_s") else wall / steps
+    row = {"arm": arm, "seed": seed, "probe_steps": steps, "step_ms": round(step_s * 1e3, 2),
+           "tokens_per_step": tokens, "tok_per_s": round(tokens / step_s), "peak_mem_gb": s.get("peak_mem_gb"),
+           "probe_wall_s": round(wall, 1), "gpu_share": gpu_share(), "device": device_name(),
+           "full_steps": full["max_steps"], "full_validations": full["max_steps"] // max(1, full["val_every"]),
+           "projected_train_min": round(full["max_steps"] * step_s / 60, 2)}
+    with open(root / "probe.json", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    mem = f", peak {row['peak_mem_gb']:.1f} GB" if row["peak_mem_gb"] else ""
+    progress(f"[probe] arm={arm} seed={seed}: {row['step_ms']:.0f} ms a step ({tokens:,} tokens, "
+             f"{row['tok_per_s']:,} tok/s{mem}{'' if row['gpu_share'] == 1 else f', GPU shared by {gpu_share()}'}); "
+             f"its {full['max_steps']:,} steps ~{row['projected_train_min']:.1f} min of training, plus "
+             f"{row['full_validations']} validations and its evaluation", echo)
+    return row
+
+
 def gpu_share() -> int:
     """Runs training at once on this process's GPUs (:data:`GPU_SHARE_ENV`, default 1); ValueError unless >= 1."""
     text = os.environ.get(GPU_SHARE_ENV, "").strip() or "1"
@@ -881,6 +949,10 @@ def run_grid(
     root = Path(out_dir).resolve() / "checkpoints"  # train.ckpt_dir: relative paths start at the repo root
     records_dir = Path(records_dir or os.environ.get(RECORDS_ENV) or Path(out_dir) / "records").resolve()
     grid = [(arm, seed) for arm in arms for seed in seeds]
+    probe = probe_steps()
+    if probe is not None and split is None:
+        raise ValueError(f"{PROBE_ENV}={probe} probes the runs a split call names: give RUNS or SHARD too")
+    probed: list[dict[str, Any]] = []
     records: list[RunRecord] = []
     trained, missing, trained_s = [], [], []
     corpus_tokens = 0
@@ -893,6 +965,12 @@ def run_grid(
         cfg.train.log_every = min(cfg.train.log_every, max(1, cfg.train.max_steps // CURVE_POINTS))
         fp = _fingerprint(cfg, code)
         path = record_path(records_dir, arm, seed)
+        if probe is not None:  # a probe times the named runs; it never reads or writes a record
+            if split is not None and split.runs is not None:
+                _SPLIT_SEEN.setdefault(split, set()).add((arm, seed))
+            if split is None or split.wants(i, arm, seed):
+                probed.append(_probe(arm, seed, cfg, Path(out_dir).resolve() / "probe", probe, echo))
+            continue
         rec = _load_record(path, fp, evals=evaluate is not None, trajectory=monitor is not None)
         if rec is not None:
             _log_record_made_elsewhere(study, cfg, rec)
@@ -921,6 +999,8 @@ def run_grid(
         progress(f"[{i + 1}/{len(grid)}] arm={arm} seed={seed} steps={rec.summary.get('steps')} "
                  f"val_loss={'n/a' if val is None else f'{val:.4f}'} "
                  f"({'recorded, not retrained' if rec.skipped else _fmt_s(trained_s[-1])}); {eta}", echo)
+    if probe is not None:
+        raise ProbeDone(probed, Path(out_dir).resolve() / "probe" / "probe.json")
     out = Grid(study=study, base=base, records=records, factor=factor, corpus_tokens=corpus_tokens,
                complete=not missing)
     if split is not None:
@@ -1236,8 +1316,8 @@ def study_meta(study: str, preset: str, grid: Grid | None = None, **extra: Any) 
     return meta
 
 
-__all__ = ["Grid", "GridIncomplete", "KNOWN_NOISE", "MACHINE_PATH", "Monitor", "RunRecord", "Split", "aggregate",
+__all__ = ["Grid", "GridIncomplete", "ProbeDone", "KNOWN_NOISE", "MACHINE_PATH", "Monitor", "RunRecord", "Split", "aggregate",
            "check_arms_differ_only", "current_pin", "device_name", "forget_split_runs", "git_state", "loss_curves",
            "measured_commit", "output_to", "parse_runs", "parse_shard", "pinned", "progress", "progress_to",
-           "quiet_known_noise", "record_path", "records_code", "resolve_arms", "run_grid", "seed_note", "show",
+           "probe_steps", "quiet_known_noise", "gpu_share", "record_path", "records_code", "resolve_arms", "run_grid", "seed_note", "show",
            "source_sha256", "split_from_env", "study_context", "study_meta", "wants_trainer"]

@@ -69,12 +69,14 @@ from moelab.studies.common import (
     COMMAND_ENV,
     GIT_ENV,
     GPU_SHARE_ENV,
+    PROBE_ENV,
     PROGRESS_ENV,
     RECORDS_ENV,
     RUNS_ENV,
     SHARD_ENV,
     STARTED_ENV,
     GridIncomplete,
+    ProbeDone,
     forget_split_runs,
     git_state,
     parse_runs,
@@ -195,6 +197,7 @@ def run_study(
     echo: Any = None,
     module: str | ModuleType | None = None,
     jobs: int = 1,
+    probe: int | None = None,
 ) -> Path:
     """Execute study ``number``'s notebook (a split call: its module's ``train``); return ``<out_root>/NN_name``.
 
@@ -212,6 +215,9 @@ def run_study(
         module: the study module whose ``train(preset, out_dir)`` a split call runs (a module or its dotted name);
             default ``moelab.studies.<name>`` of the notebook ``NN_<name>`` (:func:`study_module`).
         jobs: a split call's processes training at once on the same GPU (see the module docstring).
+        probe: a split call that times its runs instead of training them: ``probe`` optimizer steps each in a
+            scratch folder (``runs/studies/NN_name/split/probe/``), no record; one line per run with its step time
+            and what the whole run would take (:data:`moelab.studies.common.PROBE_ENV`).
 
     Raises:
         StudyFailed: a cell raised (the parent run is marked FAILED; the executed notebook, with the
@@ -233,13 +239,15 @@ def run_study(
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1 or (jobs > 1 and not split):
         raise ValueError(f"jobs={jobs!r} is not allowed: expected a whole number >= 1, and > 1 only with runs or "
                          "shard (a split call)")
+    if probe is not None and not split:
+        raise ValueError(f"probe={probe!r} is not allowed without runs or shard: a probe times a split call's runs")
     say = echo or (lambda line: print(line, file=sys.stderr, flush=True))
     if split and jobs > 1:
         return _run_split_jobs(number, preset, split_groups(runs, shard, jobs), nbs_dir=nbs_dir, out_root=out_root,
-                               module=module, say=say)
+                               module=module, say=say, probe=probe)
     if split:
         return _run_split(number, preset, runs=runs, shard=shard, nbs_dir=nbs_dir, out_root=out_root,
-                          tracking_uri=tracking_uri, module=module, say=say)
+                          tracking_uri=tracking_uri, module=module, say=say, probe=probe)
     _require_modules()
     import papermill
 
@@ -357,7 +365,7 @@ def study_train(number: int, stem: str, module: str | ModuleType | None = None) 
 
 
 def _run_split(number: int, preset: str, *, runs: str | None, shard: str | None, nbs_dir: Any, out_root: Any,
-               tracking_uri: str, module: str | ModuleType | None, say: Any) -> Path:
+               tracking_uri: str, module: str | ModuleType | None, say: Any, probe: int | None = None) -> Path:
     """A split call: the study module's ``train(preset, out_dir)`` in this process (no notebook, no kernel, no
     papermill), its runs' records in the report's ``records/<preset>/``, its checkpoints in the ignored
     ``runs/studies/NN_name/split/``; returns the report's folder. With MLflow importable the runs nest under one
@@ -373,14 +381,15 @@ def _run_split(number: int, preset: str, *, runs: str | None, shard: str | None,
     code.setdefault("source_sha256", source_sha256())
     command = f"make study-{number} PRESET={preset}" + (f" RUNS={runs}" if runs else f" SHARD={shard}")
     env = {COMMAND_ENV: command, STARTED_ENV: repr(time.time()), GIT_ENV: json.dumps(code), RECORDS_ENV: str(records),
-           RUNS_ENV: runs or "", SHARD_ENV: shard or "", PROGRESS_ENV: "", "MLFLOW_LOGGING_LEVEL": "WARNING"}
+           RUNS_ENV: runs or "", SHARD_ENV: shard or "", PROGRESS_ENV: "", "MLFLOW_LOGGING_LEVEL": "WARNING",
+           PROBE_ENV: str(probe) if probe is not None else ""}
     import torch
 
     if not torch.cuda.is_available():  # Triton kernels run in the interpreter; set before a kernel module is imported
         env["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET") or "1"
-    tracked = tracking_installed() and os.environ.get(SPLIT_UNTRACKED_ENV) != "1"
-    if os.environ.get(SPLIT_UNTRACKED_ENV) == "1":
-        pass  # one of a jobs call's processes: the parent said it once
+    tracked = tracking_installed() and os.environ.get(SPLIT_UNTRACKED_ENV) != "1" and probe is None
+    if os.environ.get(SPLIT_UNTRACKED_ENV) == "1" or probe is not None:
+        pass  # one of a jobs call's processes (the parent said it once), or a probe (nothing to log)
     elif not tracked:
         say(f"study {number}, split call: MLflow cannot be imported here, so its runs train untracked; their records "
             f"carry their curves, timings and machine, and the final call (`make study-{number} PRESET={preset}`) "
@@ -418,6 +427,8 @@ def _split_train(number: int, preset: str, train: Any, work: Path, out_dir: Path
     try:
         with _stop_between_runs():
             train(preset, work)
+    except ProbeDone as e:
+        say(f"study {number}, split call: {e}")
     except GridIncomplete as e:
         say(f"study {number}, split call: {e}; when every run is recorded, `make study-{number} "
             f"PRESET={preset}` trains what is missing and writes the report")
@@ -456,7 +467,7 @@ def split_groups(runs: str | None, shard: str | None, jobs: int) -> list[tuple[s
 
 
 def _run_split_jobs(number: int, preset: str, groups: list[tuple[str | None, str | None]], *, nbs_dir: Any,
-                    out_root: Any, module: str | ModuleType | None, say: Any) -> Path:
+                    out_root: Any, module: str | ModuleType | None, say: Any, probe: int | None = None) -> Path:
     """Run each group of :func:`split_groups` as its own split call in a child process, all at once on this
     machine's GPU; their lines come here prefixed ``[j/k]``. Returns the report's folder; StudyStopped when a
     signal stopped them, StudyFailed when a child failed (the others finish first)."""
@@ -490,7 +501,7 @@ def _run_split_jobs(number: int, preset: str, groups: list[tuple[str | None, str
     threads = []
     with signal_handlers(handler) if threading.current_thread() is threading.main_thread() else _nothing():
         for j, (runs, shard) in enumerate(groups, 1):
-            args = {"number": number, "preset": preset, "runs": runs, "shard": shard, "module": name,
+            args = {"number": number, "preset": preset, "runs": runs, "shard": shard, "module": name, "probe": probe,
                     "nbs_dir": str(nbs_dir) if nbs_dir else None, "out_root": str(out_root) if out_root else None}
             tag = f"[{j}/{k}]"
             say(f"{tag} {command.split(' JOBS')[0]} " + (f"RUNS={runs}" if runs else f"SHARD={shard}"))
@@ -526,7 +537,7 @@ from moelab.studies.runner import StudyFailed, StudyStopped, run_study
 a = json.loads(sys.argv[1])
 try:
     run_study(a["number"], a["preset"], runs=a["runs"], shard=a["shard"], module=a["module"], nbs_dir=a["nbs_dir"],
-              out_root=a["out_root"], echo=lambda line: print(line, flush=True))
+              out_root=a["out_root"], probe=a["probe"], echo=lambda line: print(line, flush=True))
 except StudyStopped as e:
     print(f"stopped: {e}", flush=True)
     sys.exit(128 + e.signum)

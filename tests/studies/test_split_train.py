@@ -210,3 +210,33 @@ def test_a_split_call_in_two_processes_records_what_one_process_does(tmp_path, t
     path = out / "records" / "cpu" / "bounded_s0.json"
     row = common._load_record(path, jobs["bounded_s0.json"]["fingerprint"]).row()
     assert row["gpu_share"] == 2 and row["tok_per_s"] is None  # a shared device's tokens/s is not a speed
+
+
+@pytest.mark.slow
+def test_a_probe_times_the_named_runs_and_records_nothing(tmp_path, monkeypatch) -> None:
+    pkg, nbs = tmp_path / "pkg", tmp_path / "nbs"
+    for d in (pkg, nbs):
+        d.mkdir()
+    (pkg / "split_probe.py").write_text(MODULE.replace("07_nowheels", "07_probe").replace('"train.max_steps": 4',
+                                                                                          '"train.max_steps": 40'))
+    (nbs / "07_probe.ipynb").write_text("{}")
+    monkeypatch.syspath_prepend(str(pkg))
+    monkeypatch.setenv(common.GIT_ENV, json.dumps({"commit": "abc", "dirty": False, "diff_sha256": None}))
+    lines: list[str] = []
+    out = run_study(7, "cpu", runs="softplus:0", probe=10, nbs_dir=nbs, out_root=tmp_path / "p", module="split_probe",
+                    echo=lines.append)
+    assert not (out / "records").exists() or not list((out / "records").rglob("*.json"))  # nothing recorded
+    probe = [ln for ln in lines if ln.startswith("[probe] arm=softplus seed=0: ")]
+    assert len(probe) == 1 and "its 40 steps ~" in probe[0] and "plus 20 validations" in probe[0]
+    assert lines[-1].startswith("study 7, split call: probed softplus:0 (nothing recorded)")
+    rows = [json.loads(ln) for ln in (tmp_path / "p" / "07_probe" / "split" / "probe" / "probe.json").read_text()
+            .splitlines()]
+    assert [(r["arm"], r["probe_steps"], r["full_steps"], r["gpu_share"]) for r in rows] == [("softplus", 10, 40, 1)]
+    assert rows[0]["step_ms"] > 0 and rows[0]["projected_train_min"] == pytest.approx(40 * rows[0]["step_ms"] / 6e4,
+                                                                                          abs=0.01)
+    assert common.PROBE_ENV not in os.environ  # the call's environment is restored
+    with pytest.raises(ValueError, match="probe=10 is not allowed without runs or shard"):
+        run_study(7, "cpu", probe=10, echo=lambda s: None)
+    monkeypatch.setenv(common.PROBE_ENV, "3")
+    with pytest.raises(ValueError, match=r"MOELAB_STUDY_PROBE='3' is not allowed: expected a whole number of steps"):
+        common.probe_steps()
