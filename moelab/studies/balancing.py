@@ -908,13 +908,14 @@ def findings(rep: report.Report) -> str:
 # step is host-bound (~60 ms, mostly Python), so every arm trains with train.compile='graphs' (one key for all arms:
 # the warm-start switch is device arithmetic in the captured step, moelab.train.module.train_step_fn).
 #
-# Plan (an ESTIMATE, not measured at this shape): gpu-small (12 layers, 32K tokens per step) steps in ~85 ms captured on
-# the H200 (383-395K tokens/s for every balancer); scaled by layers (4/12) and tokens (16K/32K) that is ~14 ms, taken as
-# ~20 ms (the embedding and head do not shrink with depth). An 8x2048 run: 2400 steps ~48 s, + capture, 6 validations,
-# the frozen floor (12 eval batches, QB tracking on the CPU) and the 100-step shift test (eager, ~60 ms a step): ~75 s.
-# A 64x256 run: 700 steps ~14 s + ~15 s: ~30 s. Calls (each <= 9 min with ~60 s machine start and ~60 s of Triton
-# compilation): 8x2048 three runs a call (5 calls, ~6 min each; twice the estimated step time still fits 540 s),
-# 64x256 six runs a call (2 calls, ~5 min): 7 calls, ~40 GPU-minutes of the study's 75 (train/RESEARCH_CALLS).
+# Measured on the H200 (records/research, timing; commit 76d4507, split calls with --jobs): an 8x2048 run (2400
+# steps) trained at 293K tokens/s (~134 s of its 2400 steps) while 3 shared the GPU, and took 291-296 s of wall
+# time each (building the corpus, ~33 s, and compiling the study's Triton kernels in every process of that first
+# call, the floor, the validations and the shift test); a 64x256 run (700 steps, ~49 s at 232K tokens/s) took
+# 173-180 s with 4 sharing the GPU: 1.6 and 0.7 GPU-minutes a run. The earlier plan's 75 s and 30 s a run (a
+# scaled estimate) left out that fixed cost. With the Triton cache carried (.tcache.tgz, 5 MB), the 20 runs left
+# go as 6 + 6 runs of 8x2048 and 8 of 64x256 (--jobs = the call's runs): 3 calls, ~20 GPU-minutes, the study
+# ~30 GPU-minutes in all of its 75.
 
 WARM_STEPS = 400  # balancer off; the gpu runs peak at steps 8-28; research_collapse checks it flattened by here
 STEADY_STEPS = 2000  # 8 x 2048 after the switch
