@@ -240,3 +240,61 @@ def test_a_probe_times_the_named_runs_and_records_nothing(tmp_path, monkeypatch)
     monkeypatch.setenv(common.PROBE_ENV, "3")
     with pytest.raises(ValueError, match=r"MOELAB_STUDY_PROBE='3' is not allowed: expected a whole number of steps"):
         common.probe_steps()
+
+
+JOBS_DRIVER = '''
+import sys
+from pathlib import Path
+
+from moelab.studies.runner import StudyStopped, run_study
+
+try:
+    run_study(7, "cpu", runs="bounded:0,softplus:0", jobs=2, nbs_dir=Path({nbs!r}), out_root=Path({out!r}),
+              module="split_stop", echo=lambda line: print(line, flush=True))
+except StudyStopped as e:
+    print(f"stopped: {{e}}", flush=True)
+    sys.exit(128 + e.signum)
+'''
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_jobs_call_stops_every_process_cleanly_and_the_next_call_resumes(tmp_path) -> None:
+    import signal
+    import time
+
+    pkg, nbs = tmp_path / "pkg", tmp_path / "nbs"
+    for d in (pkg, nbs):
+        d.mkdir()
+    (pkg / "split_stop.py").write_text(MODULE.replace("07_nowheels", "07_stop").replace(
+        '"train.max_steps": 4, "train.warmup_steps": 1, "train.val_every": 2',
+        '"train.max_steps": 600, "train.warmup_steps": 1, "train.val_every": 50'))
+    (nbs / "07_stop.ipynb").write_text("{}")
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join((str(pkg), str(ROOT))),
+           common.GIT_ENV: json.dumps({"commit": "abc", "dirty": False, "diff_sha256": None})}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    script = textwrap.dedent(JOBS_DRIVER.format(nbs=str(nbs), out=str(out)))
+    runs = out / "07_stop" / "split" / "checkpoints"
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    # both processes training: each run has validated once (step 50 of 600: its history.csv is written)
+    while time.monotonic() < deadline and not all((runs / f"{a}-s0" / "history.csv").is_file()
+                                                  for a in ("bounded", "softplus")):
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 143, text
+    assert "stopped: study 7 stopped by SIGTERM" in text and "the stopped runs saved their checkpoints" in text
+    for arm in ("bounded", "softplus"):
+        assert (runs / f"{arm}-s0" / "last.ckpt").is_file(), text  # each process finished its step and saved
+    assert not list((out / "07_stop" / "records").rglob("*.json"))  # nothing half-recorded
+
+    again = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    records = _records(out / "07_stop" / "records" / "cpu")
+    assert sorted(records) == ["bounded_s0.json", "softplus_s0.json"]
+    for rec in records.values():
+        assert rec["timing"]["resumed"] is True and rec["summary"]["steps"] == 600 and rec["timing"]["gpu_share"] == 2
