@@ -407,7 +407,9 @@ class RunRecord:
     ``<arm>_s<seed>.evals.pt`` beside the record); None without ``evaluate``.
     timing: ``{"started", "ended"}`` (UTC, ISO), ``wall_s``, ``gpus`` (CUDA devices trained on, 0 on a
     CPU), ``gpu_share`` (runs that trained at once on those devices: a split call's ``jobs``; absent in
-    records before it existed, i.e. 1) and ``gpu_minutes`` (wall time x gpus / gpu_share / 60). machine: the device and library versions it
+    records before it existed, i.e. 1), ``gpu_minutes`` (wall time x gpus / gpu_share / 60) and where the wall time
+    went: ``prepare_s`` (the corpus), ``steps_s`` (the steps at the run's median speed), ``evaluate_s`` (``evaluate``)
+    and ``fit_other_s`` (the rest: setup, compilation, capture, validations, checkpoints). machine: the device and library versions it
     trained on. code: ``commit``, ``dirty``, ``diff_sha256`` and ``source_sha256`` when it trained, and
     ``source_pin`` when its study pinned the training code (:func:`pinned`; the fingerprint then uses the pin).
     mlflow: ``{"run_id", "experiment"}`` of its training's run in the store it trained against.
@@ -624,17 +626,20 @@ def _evaluation_callback(evaluate: Evaluate) -> Any:
 
     class EvaluateAtEnd(L.Callback):
         result: dict[str, Any] | None = None
+        seconds: float | None = None  # how long evaluate took (the record's timing.evaluate_s)
 
         def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             if trainer.global_step < trainer.max_steps:  # Ctrl-C / SIGTERM: not a finished run
                 return
             model, was_training = pl_module.model, pl_module.model.training
             model.eval()
+            t0 = time.perf_counter()
             try:
                 with torch.no_grad():
                     self.result = evaluate(model, pl_module.cfg, **({"trainer": trainer} if extra else {}))
             finally:
                 model.train(was_training)
+                self.seconds = time.perf_counter() - t0
 
     return EvaluateAtEnd()
 
@@ -1047,10 +1052,20 @@ def _train(study: str, arm: str, seed: int, cfg: Any, run_dir: Path, fingerprint
     started, t0 = datetime.now(UTC), time.perf_counter()
     with output_to(run_dir / "train.log"):
         corpus = prepare(cfg.data)  # its size gives the epochs; a first build logs its progress here
+        t_fit = time.perf_counter()
         res = fit(cfg, callbacks=[c for c in (at_end, watch) if c is not None], checkpoints=checkpoints,
                   resume=True if resume else None)
     wall = time.perf_counter() - t0
     s = res.summary
+    # where the wall time went (a GPU call's plan needs the fixed costs, not only the step time): the corpus
+    # (built once per machine), fit's steps at its measured speed, the rest of fit (setup, compilation, capture,
+    # validations, checkpoints) and the evaluation at the end
+    steps_s = (s["steps"] * s["B"] * s["T"] * cfg.train.accumulate_grad_batches * s.get("world_size", 1)
+               / s["tok_per_s"]) if s.get("tok_per_s") and not resume else None  # resumed: steps of two processes
+    split_s = {"prepare_s": round(t_fit - t0, 1), "steps_s": None if steps_s is None else round(steps_s, 1),
+               "evaluate_s": None if at_end is None or at_end.seconds is None else round(at_end.seconds, 1)}
+    split_s["fit_other_s"] = (round(wall - (t_fit - t0) - steps_s - (split_s["evaluate_s"] or 0.0), 1)
+                              if steps_s is not None else None)
     tokens = int(s["steps"] * s["B"] * s["T"] * cfg.train.accumulate_grad_batches * s.get("world_size", 1))
     tail = _tail_train_loss(res.history, cfg.train.val_every)
     val = s.get("final_val_loss")
@@ -1064,7 +1079,7 @@ def _train(study: str, arm: str, seed: int, cfg: Any, run_dir: Path, fingerprint
                     timing={"started": started.isoformat(timespec="seconds"),
                             "ended": datetime.now(UTC).isoformat(timespec="seconds"), "wall_s": round(wall, 1),
                             "gpus": gpus, "gpu_share": share, "gpu_minutes": round(wall * gpus / share / 60, 3),
-                            "resumed": resume},
+                            "resumed": resume, **split_s},
                     machine={"device": device_name(), **_versions()}, code=dict(code),
                     trajectory=watch.trajectory if watch is not None else None)
     if at_end is not None and at_end.result is None:
