@@ -23,6 +23,7 @@ run was not trained on, under the run's own tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import lzma
@@ -119,7 +120,12 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Prep
         log(f"force=True: rebuilding {final}")
 
     root.mkdir(parents=True, exist_ok=True)
-    _build(cfg, key, key_fields, final, log)
+    with _build_lock(root):
+        # processes preparing the same corpus at once (a split call's jobs, DDP ranks): one builds, the rest wait
+        # for it here and find its build
+        built = final.exists() and not force and _verify(final, key)[0] is not None
+        if not built:
+            _build(cfg, key, key_fields, final, log)
     manifest, problem = _verify(final, key)
     if manifest is None:
         raise RuntimeError(f"cache {final} failed verification right after it was built: {problem}")
@@ -292,6 +298,24 @@ def _hf_documents(cfg: DataConfig) -> Documents:
 
 
 # ----------------------------------------------------------------------------------------- build
+
+
+@contextlib.contextmanager
+def _build_lock(root: Path) -> Iterator[None]:
+    """An exclusive lock on the cache folder ``root`` for the block (``fcntl.flock`` on the folder itself: no lock
+    file left behind, released when the process ends however it ends; builds into one folder take turns); where
+    fcntl is missing (Windows) no lock, and concurrent builds publish one of identical copies."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def _build(cfg: DataConfig, key: str, key_fields: dict, final: Path, log: Callable[[str], None]) -> None:

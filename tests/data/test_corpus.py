@@ -214,3 +214,21 @@ def test_archive_stream_encodes_whole_documents_in_a_seeded_order() -> None:
     assert sorted(all_names) == sorted(docs.ids) and everything.size == sum(len(t.encode()) + 1 for t in texts.values())
     with pytest.raises(ValueError, match="committed archives"):
         archive_stream("files", tok, 10)
+
+
+def test_processes_preparing_one_corpus_at_once_build_it_once(tiny_cfg: DataConfig, tmp_path: Path) -> None:
+    """A split call's jobs (or DDP ranks) preparing the same corpus: one builds, the others wait and read its build."""
+    import subprocess
+    import sys
+    from dataclasses import asdict
+
+    script = ("import json, sys; from moelab.data import DataConfig, prepare; "
+              "c = prepare(DataConfig(**json.loads(sys.argv[1]))); print('ROOT', c.cache_dir)")
+    procs = [subprocess.Popen([sys.executable, "-c", script, json.dumps(asdict(tiny_cfg))], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    builds = sum(err.count("building ") for _, err in outs)
+    assert builds == 1, [err for _, err in outs]
+    assert len({out.strip() for out, _ in outs}) == 1  # every process got the same cache
+    assert len(list(Path(tiny_cfg.cache_dir).glob(".tmp-*"))) == 0
