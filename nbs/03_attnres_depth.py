@@ -110,7 +110,8 @@ if research:
     display(common.show(study.research_curves_figure(histories, rows), out / "figures" / "loss_curves.png"))
     committed = json.loads((out / "summary.json").read_text()) if from_results else None
     bench = study.benchmark_overhead(repo_root() / "kernels" / "results" / "model_h200.json")
-    summary = study.research_summary(grid, rows, bench, meta=committed["meta"] if from_results else None)
+    summary = study.research_summary(grid, rows, bench, meta=committed["meta"] if from_results else None,
+                                     overhead=study.read_overhead(out / "results"))
     display(common.show(study.depth_gain_figure(summary), out / "figures" / "depth_gain.png"))
     if from_results:
         diag_rows = study.rows_from_table(pd.read_csv(out / "results" / "layer_diagnostics.csv"))

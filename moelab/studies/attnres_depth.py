@@ -1150,6 +1150,133 @@ def benchmark_overhead(path: str | Path) -> dict[str, Any]:
     return out
 
 
+OVERHEAD_FILE = "studies/03_attnres_depth/results/overhead_research.json"  # the research tier's speed part
+
+
+def overhead_part(rounds: int = 7, window: int = 10, warm: int = 4, plan_: ResearchPlan = RESEARCH,
+                  device: str | None = None, budget_s: float = 480.0, log: Any = print,
+                  command: Sequence[str] | None = None) -> dict[str, Any]:
+    """Each residual mode's training speed and peak memory at both research depths, in interleaved paired rounds
+    (the research tier's speed part: its runs may share a GPU, whose tokens/s is then no speed).
+
+    Every (depth, mode) of ``plan_`` builds its model from seed 0 with the research overrides (the middle lr of
+    the sweep: speed does not depend on it) and trains ``warm`` untimed steps (compilation, the capture), then
+    ``rounds`` rounds each time ``window`` steps of every arm, the order rotated round by round
+    (``moelab.train.perf.interleaved_rounds``): the whole step as one CUDA graph on a GPU (``train.compile=graphs``,
+    as the runs train), eager on the CPU (tests). The same random batches ``[B, T]`` of the plan for every arm.
+
+    Returns:
+        ``{"meta": provenance, "config", "rows": [{"arm", "n_layers", "residual", "blocks", "compile", "step_ms",
+        "tok_per_s", "peak_mem_gb", "rounds_step_ms", ...}], "ratios": {str(n_layers): {short mode: {"median", "min", "max",
+        "rounds": per-round tokens/s over PreNorm's, "peak_mem_ratio"}}}, "errors": {arm: why}, "wall_s"}``.
+    """
+    import statistics
+    import time
+
+    from moelab import provenance
+    from moelab.config import load_config
+    from moelab.train.perf import TimedStep, interleaved_rounds, random_batches, timing_row
+
+    if rounds < 1 or window < 1 or warm < 2:
+        raise ValueError(f"rounds={rounds}, window={window}, warm={warm} are not allowed: expected rounds >= 1, "
+                         "window >= 1, warm >= 2 (the capture needs a warm-up step before it)")
+    t0 = time.perf_counter()
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    mode = "graphs" if dev.type == "cuda" else "eager"
+    lr = plan_.lrs[len(plan_.lrs) // 2]
+    base = {k: v for k, v in plan_.common.items() if k != "train.compile"}
+    cfg0 = load_config(plan_.base, base)
+    B, T = cfg0.train.batch_size, cfg0.data.seq_len
+    data = random_batches(cfg0.model.vocab_size, B, T, 4, device=dev)
+    arms, info, errors = {}, {}, {}
+    for L in plan_.depths:
+        for m in plan_.modes:
+            name = research_arm(m, L, None, plan_)
+            info[name] = (L, m)
+            log(f"{name}: building and warming ({mode})")
+            try:
+                arms[name] = TimedStep(plan_.base, {**base, **_research_overrides(m, L, lr, plan_)}, mode, data,
+                                       warm, lr)
+            except Exception as e:  # noqa: BLE001 - recorded: which arm could not run and why is the measurement
+                errors[name] = f"setup: {type(e).__name__}: {e}"[:2000]
+                log(f"  {name} failed: {errors[name][:300]}")
+    windows = interleaved_rounds(arms, rounds, window, t0 + budget_s, log, errors)
+    rows, ratios = [], {}
+    for name, arm in arms.items():
+        if not windows[name]:
+            continue
+        L, m = info[name]
+        row = timing_row(arm, windows[name], None, None)
+        row.pop("losses", None)
+        row["compile"] = row.pop("mode")  # the step's mode (graphs / eager); "residual" is the study's factor
+        rows.append({"arm": name, "n_layers": L, "residual": m, "blocks": _mode_blocks(m, L, plan_), **row})
+    for L in plan_.depths:
+        pre = research_arm("prenorm", L, None, plan_)
+        for m in plan_.modes:
+            name = research_arm(m, L, None, plan_)
+            if m == "prenorm" or not windows.get(name) or not windows.get(pre):
+                continue
+            per_round = [b["step_ms"] / w["step_ms"] for b, w in zip(windows[pre], windows[name])]
+            ratios.setdefault(str(L), {})[SHORT[m]] = {
+                "median": statistics.median(per_round), "min": min(per_round), "max": max(per_round),
+                "rounds": per_round,
+                "peak_mem_ratio": _ratio(arms[name].peak, arms[pre].peak) if dev.type == "cuda" else None}
+    config = {"preset": plan_.base, "overrides": dict(base), "B": B, "T": T, "mode": mode, "rounds": rounds,
+              "window": window, "warm": warm, "lr": lr, "layers_per_block": plan_.layers_per_block,
+              "step": "forward (bf16 autocast on a GPU) + backward + AdamW, the whole step one CUDA graph on a GPU; "
+                      "four fixed random batches"}
+    return {"meta": provenance.provenance(command), "config": config, "rows": rows, "ratios": ratios,
+            "errors": errors, "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def read_overhead(results_dir: str | Path | None = None) -> dict[str, Any] | None:
+    """The committed speed part (``OVERHEAD_FILE``'s name in ``results_dir``, relative to the working directory;
+    default the repository's), or None when it was not measured."""
+    import json
+
+    from moelab.base import repo_root
+
+    path = (Path(results_dir).resolve() / Path(OVERHEAD_FILE).name if results_dir is not None
+            else repo_root() / OVERHEAD_FILE)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m moelab.studies.attnres_depth overhead [--rounds N] [--window N] [--out PATH]``: the research
+    tier's speed part on this machine's GPU (one call of a few minutes), written to ``OVERHEAD_FILE``."""
+    import argparse
+    import sys
+
+    from moelab.base import repo_root
+    from moelab.utils import write_json
+
+    parser = argparse.ArgumentParser(prog="python -m moelab.studies.attnres_depth")
+    sub = parser.add_subparsers(dest="what", required=True)
+    op = sub.add_parser("overhead", help="each mode's tokens/s and peak memory at both depths, paired rounds")
+    op.add_argument("--rounds", type=int, default=7)
+    op.add_argument("--window", type=int, default=10)
+    op.add_argument("--out", default=None, help=f"the JSON to write (default {OVERHEAD_FILE})")
+    raw = list(argv) if argv is not None else sys.argv[1:]
+    args = parser.parse_args(raw)
+    out = Path(args.out) if args.out else repo_root() / OVERHEAD_FILE
+    given = [a for i, a in enumerate(raw[1:], 1)
+             if a != "--out" and raw[i - 1] != "--out" and not a.startswith("--out=")]
+    command = ["python", "-m", "moelab.studies.attnres_depth", "overhead", *given, "--out", OVERHEAD_FILE]
+    try:
+        result = overhead_part(rounds=args.rounds, window=args.window, command=command)
+    except ValueError as e:
+        parser.error(str(e))
+    write_json(out, result)
+    for L, modes in result["ratios"].items():
+        print(f"{L} layers: " + "; ".join(f"{m} tokens/s {r['median']:.3f}x PreNorm's [{r['min']:.3f}, {r['max']:.3f}]"
+                                          + (f", peak memory {r['peak_mem_ratio']:.3f}x" if r["peak_mem_ratio"] else "")
+                                          for m, r in modes.items()))
+    for name, why in result["errors"].items():
+        print(f"{name}: {why[:300]}")
+    print(f"wrote {out} ({result['wall_s']} s)")
+    return 0
+
+
 def research_report(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
                     plan_: ResearchPlan = RESEARCH) -> report.Report:
     """The research tier's findings as rules, the question first: does depth pay more with Block AttnRes than
@@ -1177,11 +1304,7 @@ def research_report(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]
         found.append(report.compare(f"Is Block AttnRes (N={nb}) close to Full at {hi} layers (Full minus Block)",
                                     seed_values(main, "full_attnres", 2 * hi, hi),
                                     seed_values(main, "block_attnres", nb, hi), unit="nats"))
-    over = v["overhead"].get(str(hi), {}).get("block", {})
-    iv = over.get("tok_per_s_interval")
-    q = f"Block AttnRes's training speed at {hi} layers (tokens/s over PreNorm's, this study's runs)"
-    found.append(report.measured(q, report.Interval(iv["mean"], iv["low"], iv["high"], iv["n"], "t")
-                                 if iv else None, unit="times", digits=3))
+    found.append(block_speed_finding(summary, v, hi))
     table = {}
     for L in plan_.depths:
         cells = {}
@@ -1212,6 +1335,15 @@ def research_report(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]
                            f"{m} tokens/s {o['tok_per_s_ratio']:.3f}x, peak memory {o['peak_mem_ratio']:.3f}x"
                            if o["tok_per_s_ratio"] and o["peak_mem_ratio"] else f"{m} not recorded"
                            for m, o in modes.items()) + ".")
+    part = summary.get("overhead_part")
+    if part:
+        for L, modes in part["ratios"].items():
+            details.append(f"Speed part at {L} layers (paired rounds, {part['config']['mode']}, "
+                           f"{part['config']['B']} x {part['config']['T']} tokens, {part['meta'].get('gpu')}): "
+                           + ", ".join(f"{m} tokens/s {r['median']:.3f}x PreNorm's (rounds {r['min']:.3f}-"
+                                       f"{r['max']:.3f})" + (f", peak memory {r['peak_mem_ratio']:.3f}x"
+                                                              if r.get("peak_mem_ratio") else "")
+                                       for m, r in modes.items()) + ".")
     bench = summary.get("benchmark_overhead") or {}
     if bench:
         details.append("The committed benchmark (kernels/results/model_h200.json) measured at another setting: "
@@ -1230,10 +1362,28 @@ def research_report(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]
     return report.Report(found, table, details)
 
 
+def block_speed_finding(summary: Mapping[str, Any], verdicts: Mapping[str, Any], hi: int) -> report.Finding:
+    """Block AttnRes's tokens/s over PreNorm's at the deep depth: from the speed part's paired rounds when it was
+    measured (:func:`overhead_part`), else from the runs that trained alone (a paired t interval over seeds); "not
+    measured" with neither (runs that shared a GPU have no speed)."""
+    part = (summary.get("overhead_part") or {}).get("ratios", {}).get(str(hi), {}).get("block")
+    if part:
+        q = f"Block AttnRes's training speed at {hi} layers (tokens/s over PreNorm's, paired rounds)"
+        return report.Finding(q, "measured", answer=(
+            f"{part['median']:.3f}x (rounds {part['min']:.3f}-{part['max']:.3f}, {len(part['rounds'])} paired "
+            f"rounds; {summary['overhead_part']['meta'].get('gpu')})"))
+    iv = verdicts["overhead"].get(str(hi), {}).get("block", {}).get("tok_per_s_interval")
+    q = f"Block AttnRes's training speed at {hi} layers (tokens/s over PreNorm's, this study's runs)"
+    return report.measured(q, report.Interval(iv["mean"], iv["low"], iv["high"], iv["n"], "t") if iv else None,
+                           unit="times", digits=3)
+
+
 def research_summary(grid: common.Grid | None, rows: Sequence[Mapping[str, Any]], benchmark: Mapping[str, Any],
-                     plan_: ResearchPlan = RESEARCH, meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                     plan_: ResearchPlan = RESEARCH, meta: Mapping[str, Any] | None = None,
+                     overhead: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``summary.json`` of the research tier: meta, the factor, the plan, the rows, the sweep's choice, the
-    verdicts and the benchmark's overhead rows beside the study's own."""
+    verdicts, the speed part's paired rounds (``overhead``: :func:`overhead_part`'s file, None when not measured)
+    and the benchmark's overhead rows beside the study's own."""
     sweep = sweep_table(rows)
     return {
         "meta": dict(meta) if meta is not None else common.study_meta(
@@ -1255,6 +1405,9 @@ def research_summary(grid: common.Grid | None, rows: Sequence[Mapping[str, Any]]
                          "losses": {lr_text(k): x for k, x in p["losses"].items()}}
                      for m, p in (pick_lr(sweep).items() if sweep else ())},
         **research_verdicts(rows, plan_),
+        "overhead_part": ({"ratios": overhead["ratios"], "config": overhead["config"], "errors": overhead["errors"],
+                           "meta": {k: overhead["meta"].get(k) for k in ("gpu", "commit", "date", "command")}}
+                          if overhead else None),
         "benchmark_overhead": dict(benchmark),
     }
 
@@ -1378,3 +1531,7 @@ def research_diag_rows(grid: common.Grid, plan_: ResearchPlan = RESEARCH) -> tup
         if e.get("depth_weights"):
             weights[arm] = torch.tensor([[math.nan if x is None else x for x in r] for r in e["depth_weights"]])
     return rows, weights
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

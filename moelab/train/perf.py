@@ -192,7 +192,7 @@ def _peak(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
 
 
-class _Arm:
+class TimedStep:
     """One model and its training step in one mode, kept on the device between its timing windows."""
 
     def __init__(self, preset: str, overrides: dict[str, Any], mode: str, data: list[dict[str, torch.Tensor]],
@@ -252,7 +252,7 @@ class _Arm:
         return {"step_ms": 1e3 * dt, "host_ms": 1e3 * host}
 
 
-def _rounds(arms: dict[str, _Arm], rounds: int, window: int, deadline: float, log: Any,
+def interleaved_rounds(arms: dict[str, TimedStep], rounds: int, window: int, deadline: float, log: Any,
             errors: dict[str, str]) -> dict[str, list[dict]]:
     """Interleaved rounds: each round times every arm once, the order rotated round by round (each arm runs
     first once every len(arms) rounds), so drift between rounds cancels in the paired ratios. An arm that
@@ -278,7 +278,8 @@ def _rounds(arms: dict[str, _Arm], rounds: int, window: int, deadline: float, lo
     return out
 
 
-def _row(arm: _Arm, windows: list[dict], base: list[dict] | None, base_losses: list[float] | None) -> dict[str, Any]:
+def timing_row(arm: TimedStep, windows: list[dict], base: list[dict] | None,
+               base_losses: list[float] | None) -> dict[str, Any]:
     from moelab.model.accounting import flops_per_token, param_counts
 
     B, T = arm.data[0]["input_ids"].shape
@@ -305,7 +306,7 @@ def _row(arm: _Arm, windows: list[dict], base: list[dict] | None, base_losses: l
     return row
 
 
-def _random_batches(vocab: int, B: int, T: int, n: int, seed: int = 0, doc_lengths: tuple[int, int] | None = None,
+def random_batches(vocab: int, B: int, T: int, n: int, seed: int = 0, doc_lengths: tuple[int, int] | None = None,
                     device: torch.device | str = "cuda") -> list[dict[str, torch.Tensor]]:
     """``n`` batches of random ids on ``device`` (the same for every mode); ``doc_lengths=(lo, hi)``: packed
     documents of lengths uniform in [lo, hi], cut at the row's end (``segment_ids``)."""
@@ -379,8 +380,8 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
         d_rounds, d_window = (4, 5) if dev.type == "cuda" else (2, 1)
         n = 3 + d_rounds * (d_window + 1)
         lengths = (256, 6144) if dev.type == "cuda" else (4, 24)
-        plain = _random_batches(cfg.model.vocab_size, 2, T, n, seed=1, device=dev)
-        packed = _random_batches(cfg.model.vocab_size, 2, T, n, seed=1, doc_lengths=lengths, device=dev)
+        plain = random_batches(cfg.model.vocab_size, 2, T, n, seed=1, device=dev)
+        packed = random_batches(cfg.model.vocab_size, 2, T, n, seed=1, doc_lengths=lengths, device=dev)
         result["meta"]["docs16k_doc_lengths"] = list(lengths)
         specs = {"unmasked": (stage, plain), "masked_flex": ({**stage, "model.mla.mask_backend": "flex"}, packed),
                  "masked_dense": ({**stage, "model.mla.mask_backend": "dense"}, packed)}
@@ -389,17 +390,17 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
         for name, (o, d) in specs.items():
             log(f"docs16k {name}: set-up ({time.perf_counter() - start:.0f} s)")
             try:
-                arms[name] = _Arm("gpu-small", o, "eager", d, 3, 3e-4)
+                arms[name] = TimedStep("gpu-small", o, "eager", d, 3, 3e-4)
             except Exception as e:  # noqa: BLE001
                 errors[name] = f"set-up: {type(e).__name__}: {e}"[:2000]
-        windows = _rounds(arms, d_rounds, d_window, deadline, log, errors)
+        windows = interleaved_rounds(arms, d_rounds, d_window, deadline, log, errors)
         base = windows.get("unmasked") if "unmasked" not in errors else None
         for name in specs:
             arm = arms.get(name)
             if arm is None or name in errors or not windows.get(name):
                 result["docs16k"].append({"arm": name, "error": errors.get(name, "no rounds")})
                 continue
-            row = _row(arm, windows[name], base if name != "unmasked" else None, None)
+            row = timing_row(arm, windows[name], base if name != "unmasked" else None, None)
             row.pop("losses")
             row["docs_per_row"] = (float(sum(int(b["segment_ids"][r].max()) + 1 for b in arm.data for r in range(2)))
                                    / (2 * len(arm.data)) if "segment_ids" in arm.data[0] else 1.0)
@@ -416,23 +417,23 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
             continue
         cfg = load_config(preset, over)
         n = warm + rounds * (window + 1)
-        data = _random_batches(cfg.model.vocab_size, cfg.train.batch_size, cfg.data.seq_len, n, device=dev)
-        arms: dict[str, _Arm] = {}
+        data = random_batches(cfg.model.vocab_size, cfg.train.batch_size, cfg.data.seq_len, n, device=dev)
+        arms: dict[str, TimedStep] = {}
         errors: dict[str, str] = {}
         for mode in modes:
             log(f"{preset} {mode}: set-up ({time.perf_counter() - start:.0f} s)")
             try:
-                arms[mode] = _Arm(preset, over, mode, data, warm, 3e-4)
+                arms[mode] = TimedStep(preset, over, mode, data, warm, 3e-4)
                 log(f"  {arms[mode].setup_s:.1f} s")
             except Exception as e:  # noqa: BLE001 - recorded: which mode broke and why is the measurement
                 errors[mode] = f"set-up: {type(e).__name__}: {e}"[:2000]
                 log(f"  failed: {errors[mode][:300]}")
-        windows = _rounds(arms, rounds, window, deadline, log, errors)
+        windows = interleaved_rounds(arms, rounds, window, deadline, log, errors)
         base = windows.get("eager") if "eager" not in errors else None
         base_losses = [float(x) for x in arms["eager"].losses] if base else None
         for mode in modes:
             if mode in arms and mode not in errors and windows.get(mode):
-                row = _row(arms[mode], windows[mode], base if mode != "eager" else None,
+                row = timing_row(arms[mode], windows[mode], base if mode != "eager" else None,
                            base_losses if mode != "eager" else None)
             else:
                 row = {"mode": mode, "error": errors.get(mode, "no rounds")}

@@ -67,6 +67,7 @@ class _Rec:
         self.summary = {"final_val_loss": loss, "tok_per_s": tps, "peak_mem_gb": mem, "params_total": 1}
         self.timing = {"gpu_minutes": 1.0}
         self.evals = None
+        self.tok_per_s = tps  # a run that trained alone: its speed (common.RunRecord.tok_per_s)
 
 
 def test_split_call_stops_before_runs_that_need_the_sweep(monkeypatch, tmp_path) -> None:

@@ -127,6 +127,17 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     repo_studies = sorted(p for p in (repo_root() / "studies").rglob("*") if p.is_file())
     before = {p: p.stat().st_mtime for p in repo_studies}
 
+    # the speed part, as `python -m moelab.studies.attnres_depth overhead` writes it on a GPU
+    part = {"meta": {"gpu": "NVIDIA H200", "commit": "0" * 40, "date": "2026-12-05T00:00:00+00:00",
+                     "command": f"python -m moelab.studies.attnres_depth overhead --out {study.OVERHEAD_FILE}"},
+            "config": {"mode": "graphs", "B": 16, "T": 2048}, "rows": [], "errors": {},
+            "ratios": {str(L): {"block": {"median": 0.88, "min": 0.87, "max": 0.9, "rounds": [0.87, 0.88, 0.9],
+                                          "peak_mem_ratio": 1.05},
+                                "full": {"median": 0.8, "min": 0.79, "max": 0.81, "rounds": [0.79, 0.8, 0.81],
+                                         "peak_mem_ratio": 1.2}} for L in P.depths}}
+    (out / "results").mkdir(parents=True, exist_ok=True)
+    (out / "results" / "overhead_research.json").write_text(json.dumps(part))
+
     assert run_study(3, "research", out_root=out_root, tracking_uri=tracking_uri, log_output=False) == out
 
     # nothing trained: no checkpoint folder, every run of the grid a reused record
@@ -159,6 +170,9 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     assert summary["headline"].startswith("Does extra depth (12 -> 24 layers) pay more with Block AttnRes")
     assert f"{want[0]:+.3f}" in summary["headline"] and "better" in summary["headline"]
     assert len(summary["verdicts"]) == 5
+    assert summary["overhead_part"]["ratios"]["24"]["block"]["median"] == 0.88
+    assert ("Block AttnRes's training speed at 24 layers (tokens/s over PreNorm's, paired rounds)? 0.880x (rounds "
+            "0.870-0.900, 3 paired rounds; NVIDIA H200)") in summary["verdicts"]
     # the figures and raw results
     for name in ("lr_sweep", "loss_curves", "depth_gain", "norms_by_layer", "depth_weights"):
         assert (out / "figures" / f"{name}.png").stat().st_size > 10_000, name
@@ -171,11 +185,12 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     assert text.count("recorded, not retrained") == 24 and "Traceback" not in text
     # from_results (make study-3 --from-results): the committed results' rows give the same factor and verdicts
     rows = study.research_rows_from_table(pd.read_csv(out / "results" / "runs.csv"))
-    again = json.loads(json.dumps(study.research_summary(None, rows, summary["benchmark_overhead"], meta=meta),
-                                  default=str))
+    again = json.loads(json.dumps(study.research_summary(None, rows, summary["benchmark_overhead"], meta=meta,
+                                                         overhead=study.read_overhead(out / "results")), default=str))
     assert again["factor"] == summary["factor"] and sorted(again["factor"]["train.lr"]) == sorted(
         [*study.sweep_arms(), "prenorm-L24", "block6-L24", "full-L24"])
-    for key in ("lr_sweep", "depth_gain", "interaction", "full_minus_block", "precondition", "overhead"):
+    for key in ("lr_sweep", "depth_gain", "interaction", "full_minus_block", "precondition", "overhead",
+                "overhead_part"):
         assert again[key] == summary[key], key
     # nothing in the repository's studies/ was written
     assert {p: p.stat().st_mtime for p in repo_studies} == before
@@ -222,3 +237,25 @@ def test_split_call_trains_exactly_the_named_runs(tmp_path: Path, monkeypatch: p
         study.train("research", tmp_path / "work")
     assert len(list(records.glob("*.json"))) == 2
     common.forget_split_runs()
+
+
+@pytest.mark.slow
+def test_overhead_part_at_toy_size_times_every_mode_at_both_depths(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("MOELAB_COMMIT", "0123456789abcdef0123456789abcdef01234567")
+    toy = dataclasses.replace(TOY, common={**TOY.common, "data.seq_len": 32, "train.batch_size": 2})
+    monkeypatch.setattr(study, "RESEARCH", toy)
+    monkeypatch.setattr(study.overhead_part, "__defaults__", (2, 1, 2, toy, "cpu", 480.0, print, None))
+    out = tmp_path / "overhead_research.json"
+    assert study.main(["overhead", "--rounds", "2", "--window", "1", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["command"] == ("python -m moelab.studies.attnres_depth overhead --rounds 2 --window 1 --out "
+                                       "studies/03_attnres_depth/results/overhead_research.json")
+    assert sorted((r["n_layers"], r["residual"]) for r in data["rows"]) == sorted(
+        (L, m) for L in toy.depths for m in toy.modes)
+    assert set(data["ratios"]) == {"2", "4"} and set(data["ratios"]["4"]) == {"block", "full"}
+    assert all(len(r["rounds"]) == 2 and r["min"] <= r["median"] <= r["max"] for m in data["ratios"].values()
+               for r in m.values())
+    assert data["config"]["mode"] == "eager" and not data["errors"]  # no GPU: eager steps
+    assert study.read_overhead(tmp_path) == data and study.read_overhead(tmp_path / "nowhere") is None
+    with pytest.raises(ValueError, match="warm=1 are not allowed"):
+        study.overhead_part(warm=1, plan_=toy, device="cpu")
