@@ -286,12 +286,13 @@ if research:
     display(common.show(study.histogram_figure(study.final_histograms(grid)), out / "figures" / "decay_histogram.png"))
 
 # %% [markdown]
-# **Figures 6-7.** The decay during training per run (thin) and mean over seeds (bold), dashed each arm's bound; then
-# the share of log-decay entries per $|g|$ bin at the last monitored step (mean over seeds). The loss cost of each
-# bound (best validation loss minus softplus's, paired by seed, 95% t interval; hollow: the bound never binds, so not
-# tested), the end-to-end speed of an all-KDA model (bounded over softplus training tokens/s, every paired round, the
-# median and the rounds' range) and the op's error of $o$ vs the swept $g$ (the overflow part; "non-finite": the
-# output holds inf or NaN):
+# **Figure 6.** The decay during training per run (thin) and mean over seeds (bold), dashed each arm's bound: left the
+# most negative $g$ over layers, right the largest layer's share of channels within 5% of the bound.
+#
+# **Figure 7.** The share of log-decay entries per $|g|$ bin at the last monitored step (mean over seeds).
+#
+# Below: the loss cost of each bound, the end-to-end speed of an all-KDA model, and the op's error of $o$ vs the swept
+# $g$ (the overflow part; "non-finite": the output holds inf or NaN).
 
 # %%
 if research:
@@ -303,6 +304,13 @@ if research:
             else Markdown(study.not_measured("overflow")))
     if not parts["speed"]:
         display(Markdown(study.not_measured("speed")))
+
+# %% [markdown]
+# **Figure 8.** The loss cost of each bound: best validation loss minus softplus's, paired by seed, 95% t interval
+# (hollow: the bound never binds, so not tested).
+#
+# **Figure 9.** End-to-end training speed of an all-KDA model, bounded over softplus tokens/s: every paired round, the
+# median and the rounds' range, per sequence length.
 
 # %%
 if research:

@@ -109,14 +109,15 @@ def test_study_outcomes_are_one_line_and_an_exit_code(raised, code, line, monkey
 
 
 def test_from_results_renders_at_the_committed_preset(monkeypatch, capsys) -> None:
-    """--from-results re-renders the committed (gpu) report: it runs at preset gpu on any machine, and refuses a cpu
-    preset or a split call (either would write other tables over the committed report)."""
+    """--from-results re-renders the committed report: it runs at the preset that made it on any machine, and refuses
+    a cpu preset or a split call (either would write other tables over the committed report)."""
     from moelab.studies import runner
 
     seen = []
     monkeypatch.setattr(runner, "run_study", lambda number, preset, **kw: seen.append((preset, kw)) or "out")
     assert main(["study", "1", "--from-results"]) == 0
-    assert seen[0][0] == "gpu" and seen[0][1]["parameters"] == {"from_results": True}
+    made = runner.committed_preset(runner.STUDIES[1])  # research since study 1's research report landed
+    assert seen[0][0] == made and made in ("research", "gpu") and seen[0][1]["parameters"] == {"from_results": True}
     for extra in (["--preset", "cpu"], ["--runs", "bounded-5:0"]):
         assert main(["study", "1", "--from-results", *extra]) == 2
         assert "--from-results renders the committed report" in capsys.readouterr().err
