@@ -567,7 +567,7 @@ def stage_perf(grid: common.Grid, preset: str) -> list[dict[str, Any]]:
         for k, s in enumerate(sched[r.arm]):
             ws = by_stage.get(k, [])
             mem = [hist["perf/peak_mem_gb"][w] for w in ws if w in hist["perf/peak_mem_gb"]]
-            timed = ws if r.gpu_share == 1 else []
+            timed = ws if getattr(r, "gpu_share", 1) == 1 else []  # a shared GPU: no speed
             rows.append({"schedule": r.arm, "seed": r.seed, "stage": k, "seq_len": s["seq_len"],
                          "batch": micro // s["seq_len"], "windows": len(ws),
                          "tok_per_s": float(np.median([hist["perf/tokens_per_s"][w] for w in timed])) if timed else None,
@@ -619,10 +619,21 @@ def value_at_time(val_history: Sequence[Sequence[float]], times: np.ndarray, whe
 
 def stage_step_times(grid: common.Grid, preset: str,
                      perf_rows: Sequence[Mapping[str, Any]]) -> dict[tuple[str, int], list[float | None]]:
-    """``{(schedule, seed): [median step time of each stage, None where untimed]}`` from :func:`stage_perf`'s rows."""
+    """``{(schedule, seed): [median step time of each stage, None where untimed]}`` from :func:`stage_perf`'s rows.
+
+    A step time is the schedule's, not the seed's: a run without one for a stage (it shared its GPU with other
+    runs, or the stage was too short to time) takes the median over the seeds of its schedule that have one."""
     sched = schedules(plan(preset))
     st = {(p["schedule"], p["seed"], p["stage"]): p["step_time_s"] for p in perf_rows}
-    return {(r.arm, r.seed): [st.get((r.arm, r.seed, k)) for k in range(len(sched[r.arm]))] for r in grid.records}
+    out = {}
+    for r in grid.records:
+        times = []
+        for k in range(len(sched[r.arm])):
+            own = st.get((r.arm, r.seed, k))
+            others = [t for (a, _, j), t in st.items() if a == r.arm and j == k and t]
+            times.append(own or (float(np.median(others)) if others else None))
+        out[(r.arm, r.seed)] = times
+    return out
 
 
 def train_times(grid: common.Grid, preset: str,
@@ -642,7 +653,8 @@ def equal_time(grid: common.Grid, preset: str, perf_rows: Sequence[Mapping[str, 
     runs have step times, else both wall-clocks); the longer run's loss there is read off its
     validation curve (:func:`value_at_time`, steps placed in time by :func:`step_times`). Returns
     ``{"values": {seed: {"time_s", "clock", "read": arm read mid-run, a, b}}, "diff": paired a - b}``;
-    a seed whose reading falls before the first validation is left out.
+    a seed whose reading falls before the first validation is left out, and so is one without step times whose
+    runs shared a GPU (their wall-clock is no time).
     """
     sched = schedules(plan(preset))
     recs = {(r.arm, r.seed): r for r in grid.records}
@@ -653,6 +665,8 @@ def equal_time(grid: common.Grid, preset: str, perf_rows: Sequence[Mapping[str, 
         per_stage = {r.arm: step_s[(r.arm, seed)] for r in (ra, rb)}
         clocks = {r.arm: clock_of[(r.arm, seed)] for r in (ra, rb)}
         if {kind for _, kind in clocks.values()} != {"steady"}:  # compare like with like
+            if any(getattr(r, "gpu_share", 1) > 1 for r in (ra, rb)):
+                continue  # a shared GPU's wall-clock is no time: without step times the seed cannot be placed
             clocks = {r.arm: (float(r.summary["wall_s"]), "wall") for r in (ra, rb)}
         early, late = (ra, rb) if clocks[ra.arm][0] <= clocks[rb.arm][0] else (rb, ra)
         t = clocks[early.arm][0]

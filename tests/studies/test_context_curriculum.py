@@ -117,7 +117,10 @@ def test_train_times_per_run_and_the_findings_line_use_the_steady_clock() -> Non
     clocks = cc.train_times(grid, "cpu", perf)
     assert clocks[("curriculum", 0)] == pytest.approx((0.5 * n_cur, "steady"))
     assert clocks[("curriculum", 1)] == pytest.approx((0.5 * n_cur, "steady"))
-    assert cc.train_times(grid, "cpu", perf[1:])[("curriculum", 0)] == (1000.0, "wall")  # stage 0 untimed
+    # seed 0's stage 0 untimed: it takes seed 1's (a step time is the schedule's); untimed in every seed: wall-clock
+    assert cc.train_times(grid, "cpu", perf[1:])[("curriculum", 0)] == pytest.approx((0.5 * n_cur, "steady"))
+    untimed = [r for r in perf if r["stage"] != 0]
+    assert cc.train_times(grid, "cpu", untimed)[("curriculum", 0)] == (1000.0, "wall")
     rows = [{"wall_s": w, "train_s": 0.5 * n_cur, "train_clock": "steady"} for w in (1000.0, 100.0)]
     text = cc._time_text(rows)
     assert text.startswith(f"training time {0.5 * n_cur:.1f} ± 0.0 s") and "550.0" in text
@@ -173,3 +176,17 @@ def test_findings_lead_with_the_precondition_and_carry_intervals() -> None:
     assert lines[0].startswith("- **Does the curriculum reach a longer effective context than direct training")
     assert "not tested at this scale (retrieval never learned" in lines[0]
     assert all("[" in ln for ln in lines[2:6])  # every comparison with its interval
+
+
+def test_a_run_that_shared_its_gpu_takes_its_schedules_step_times_from_the_solo_seeds() -> None:
+    from types import SimpleNamespace
+
+    p = cc.plan("cpu")
+    sched = cc.schedules(p)
+    recs = [SimpleNamespace(arm="direct", seed=s) for s in (0, 1, 2)]
+    rows = [{"schedule": "direct", "seed": 0, "stage": 0, "step_time_s": 0.2},
+            {"schedule": "direct", "seed": 1, "stage": 0, "step_time_s": 0.4},
+            {"schedule": "direct", "seed": 2, "stage": 0, "step_time_s": None}]  # seed 2 shared its GPU
+    got = cc.stage_step_times(SimpleNamespace(records=recs), "cpu", rows)
+    assert len(sched["direct"]) == 1
+    assert got[("direct", 0)] == [0.2] and got[("direct", 2)] == [pytest.approx(0.3)]
