@@ -282,35 +282,32 @@ if research:
     traj = grid.trajectories()
     traj.to_csv(out / "results" / "decay_trajectory.csv", index=False)
     display(common.show(study.trajectory_figure(traj), out / "figures" / "decay_trajectory.png"))
+    display(Markdown("**Figure 6.** The decay during training per run (thin) and mean over seeds (bold), dashed each "
+                     "arm's bound: left the most negative $g$ over layers, right the largest layer's share of channels "
+                     "within 5% of the bound."))
     display(Markdown(study.binds_finding(decay).line()))
     display(common.show(study.histogram_figure(study.final_histograms(grid)), out / "figures" / "decay_histogram.png"))
+    display(Markdown("**Figure 7.** The share of log-decay entries per $|g|$ bin at the last monitored step (mean over "
+                     "seeds)."))
 
 # %% [markdown]
-# **Figure 6.** The decay during training per run (thin) and mean over seeds (bold), dashed each arm's bound: left the
-# most negative $g$ over layers, right the largest layer's share of channels within 5% of the bound.
-#
-# **Figure 7.** The share of log-decay entries per $|g|$ bin at the last monitored step (mean over seeds).
-#
-# Below: the loss cost of each bound, the end-to-end speed of an all-KDA model, and the op's error of $o$ vs the swept
+# Then the loss cost of each bound, the end-to-end speed of an all-KDA model, and the op's error of $o$ vs the swept
 # $g$ (the overflow part; "non-finite": the output holds inf or NaN).
 
 # %%
 if research:
     display(common.show(study.cost_figure(study.cost_findings(runs, decay), study.cost_arms(decay)),
                         out / "figures" / "bound_cost.png"))
+    display(Markdown("**Figure 8.** The loss cost of each bound: best validation loss minus softplus's, paired by "
+                     "seed, 95% t interval (hollow: the bound never binds, so not tested)."))
     if parts["speed"]:
         display(common.show(study.e2e_speed_figure(parts["speed"]), out / "figures" / "e2e_speed.png"))
+        display(Markdown("**Figure 9.** End-to-end training speed of an all-KDA model, bounded over softplus "
+                         "tokens/s: every paired round, the median and the rounds' range, per sequence length."))
     display(study.overflow_error_table(parts["overflow"]["synthetic"]) if parts["overflow"]
             else Markdown(study.not_measured("overflow")))
     if not parts["speed"]:
         display(Markdown(study.not_measured("speed")))
-
-# %% [markdown]
-# **Figure 8.** The loss cost of each bound: best validation loss minus softplus's, paired by seed, 95% t interval
-# (hollow: the bound never binds, so not tested).
-#
-# **Figure 9.** End-to-end training speed of an all-KDA model, bounded over softplus tokens/s: every paired round, the
-# median and the rounds' range, per sequence length.
 
 # %%
 if research:

@@ -105,6 +105,10 @@ def report_problems(nb: dict) -> list[str]:
             data = out.get("data", {})
             if "image/png" in data:
                 images += 1
+            # a figure drawn only at some presets carries its caption in its cell's output, not in a markdown cell
+            md = data.get("text/markdown", "")
+            captions += len(re.findall(r"^\*\*Figure \d+\.\*\*", "".join(md) if isinstance(md, list) else md,
+                                       flags=re.M))
             if any(k.startswith("application/vnd.jupyter.widget") for k in data):
                 problems.append(f"cell {i}: a widget output (an empty progress bar in the saved notebook)")
             for text in output_texts(out):
@@ -181,6 +185,8 @@ def test_report_check_catches_each_problem() -> None:
     assert any("known noise" in p for p in report_problems(nb(code(noise), *findings)))
     assert any("no '## Findings'" in p for p in report_problems(nb(code(png), md("**Figure 1.** x"))))
     assert any("'**Figure N.**' captions" in p for p in report_problems(nb(code(png), *findings)))
+    shown = {"output_type": "display_data", "data": {"text/markdown": "**Figure 1.** Drawn at this preset only."}}
+    assert report_problems(nb(code(png, shown), *findings)) == []  # a caption the drawing cell displays counts
     widget = {"output_type": "display_data", "data": {"application/vnd.jupyter.widget-view+json": {}}}
     assert any("widget" in p for p in report_problems(nb(code(widget), *findings)))
 

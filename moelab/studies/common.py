@@ -79,6 +79,9 @@ GPU_SHARE_ENV = "MOELAB_GPU_SHARE"
 # "n": a split call probes its named runs instead of training them: n optimizer steps each in a scratch folder, no
 # record, no MLflow; one line per run with its step time and what the whole run would take (probe.json beside them)
 PROBE_ENV = "MOELAB_STUDY_PROBE"
+# "1": this process's runs train untracked even where MLflow imports (a split call's jobs: k processes would write
+# one store at once, without the parent run they nest under); the final call logs them from their records
+SPLIT_UNTRACKED_ENV = "MOELAB_SPLIT_UNTRACKED"
 PROBE_MIN_STEPS = 10
 OUTPUTS = provenance.OUTPUTS  # what studies and benchmarks write: its changes do not make the code dirty
 RECORD_FORMAT = 2  # version of the record files' layout (2: columnar history without per-layer keys; 1 still reads)
@@ -931,9 +934,9 @@ def run_grid(
         source_pin: the training-code epoch the runs' fingerprints use instead of the package hash (default: that of
             the enclosing :func:`pinned` block, None outside one); the records keep both.
 
-    Where MLflow cannot be imported (a split call on a machine without the lab wheels) the runs train with
-    ``tracking.enabled=False`` (tracking keys are not part of a fingerprint); the final call logs them from their
-    records.
+    Where MLflow cannot be imported (a split call on a machine without the lab wheels), or under
+    :data:`SPLIT_UNTRACKED_ENV` (a split call's jobs), the runs train with ``tracking.enabled=False`` (tracking
+    keys are not part of a fingerprint); the final call logs them from their records.
     """
     if not seeds:
         raise ValueError("seeds is empty: a study needs at least one seed")
@@ -944,7 +947,7 @@ def run_grid(
     factor = check_arms_differ_only(base, arms, common)
     from moelab.tracking import installed as tracking_installed
 
-    if not tracking_installed():
+    if not tracking_installed() or os.environ.get(SPLIT_UNTRACKED_ENV) == "1":
         common = {**(common or {}), "tracking.enabled": False}
     ctx = study_context(study)
     code = {**ctx["git"], "source_sha256": ctx["git"].get("source_sha256") or source_sha256()}

@@ -70,6 +70,7 @@ from moelab.studies.common import (
     GIT_ENV,
     GPU_SHARE_ENV,
     PROBE_ENV,
+    SPLIT_UNTRACKED_ENV,
     PROGRESS_ENV,
     RECORDS_ENV,
     RUNS_ENV,
@@ -97,7 +98,6 @@ RECORD_PRESETS = ("research", "gpu")
 RUNS_ROOT = Path("runs") / "studies"  # under the repository; ignored by git
 ARTIFACT_SUFFIXES = {".png", ".svg", ".pdf", ".json", ".csv", ".md", ".txt", ".html"}
 ARTIFACT_DIRS = ("figures", "results")
-SPLIT_UNTRACKED_ENV = "MOELAB_SPLIT_UNTRACKED"  # "1": a split call trains untracked even where MLflow imports
 STATE_FILE = "parent_run.json"  # beside the run folders: the last call's parent run (closed if left RUNNING)
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
