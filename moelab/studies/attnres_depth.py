@@ -1167,8 +1167,9 @@ def overhead_part(rounds: int = 7, window: int = 10, warm: int = 4, plan_: Resea
 
     Returns:
         ``{"meta": provenance, "config", "rows": [{"arm", "n_layers", "residual", "blocks", "compile", "step_ms",
-        "tok_per_s", "peak_mem_gb", "rounds_step_ms", ...}], "ratios": {str(n_layers): {short mode: {"median", "min", "max",
-        "rounds": per-round tokens/s over PreNorm's, "peak_mem_ratio"}}}, "errors": {arm: why}, "wall_s"}``.
+        "tok_per_s", "peak_mem_gb", "rounds_step_ms", ...}], "ratios": {str(n_layers): {short mode: {"median",
+        "min", "max", "rounds": per-round tokens/s over PreNorm's, "peak_mem_ratio"}}}, "errors": {arm: why},
+        "wall_s"}``.
     """
     import statistics
     import time

@@ -412,7 +412,8 @@ class RunRecord:
     CPU), ``gpu_share`` (runs that trained at once on those devices: a split call's ``jobs``; absent in
     records before it existed, i.e. 1), ``gpu_minutes`` (wall time x gpus / gpu_share / 60) and where the wall time
     went: ``prepare_s`` (the corpus), ``steps_s`` (the steps at the run's median speed), ``evaluate_s`` (``evaluate``)
-    and ``fit_other_s`` (the rest: setup, compilation, capture, validations, checkpoints). machine: the device and library versions it
+    and ``fit_other_s`` (the rest: setup, compilation, capture, validations, checkpoints). machine: the device and
+    library versions it
     trained on. code: ``commit``, ``dirty``, ``diff_sha256`` and ``source_sha256`` when it trained, and
     ``source_pin`` when its study pinned the training code (:func:`pinned`; the fingerprint then uses the pin).
     mlflow: ``{"run_id", "experiment"}`` of its training's run in the store it trained against.
@@ -777,7 +778,8 @@ def _probe(arm: str, seed: int, cfg: Any, root: Path, steps: int, echo: Callable
     """Train ``steps`` optimizer steps of one run's config in ``root/<arm>-s<seed>`` (untracked, no record; warm-up
     and a balancer's start scaled into the probe, one validation at its end) and say what the whole run would take:
     the run's median step time over its logging windows (five; the first, which holds compilation and capture, left
-    out, as in every run's summary), times the run's ``max_steps``. Appends the row to ``root/probe.json`` (one JSON object per line) and returns it."""
+    out, as in every run's summary), times the run's ``max_steps``. Appends the row to ``root/probe.json`` (one JSON
+    object per line) and returns it."""
     from moelab.train import fit
 
     t = cfg.train
@@ -1115,7 +1117,7 @@ def _record_params(rec: RunRecord) -> dict[str, str]:
     """Where and how long a run trained, as MLflow params (its original timings and machine)."""
     t, m = rec.timing, rec.machine
     return {"study.arm": rec.arm, "study.seed": str(rec.seed), "study.tokens": str(rec.tokens),
-            **{f"record.{k}": str(t[k]) for k in ("started", "wall_s", "gpus", "gpu_minutes") if k in t},
+            **{f"record.{k}": str(t[k]) for k in ("started", "wall_s", "gpus", "gpu_share", "gpu_minutes") if k in t},
             **{f"record.{k}": str(v) for k, v in m.items() if v is not None}}
 
 
@@ -1334,8 +1336,9 @@ def study_meta(study: str, preset: str, grid: Grid | None = None, **extra: Any) 
     return meta
 
 
-__all__ = ["Grid", "GridIncomplete", "ProbeDone", "KNOWN_NOISE", "MACHINE_PATH", "Monitor", "RunRecord", "Split", "aggregate",
-           "check_arms_differ_only", "current_pin", "device_name", "forget_split_runs", "git_state", "loss_curves",
-           "measured_commit", "output_to", "parse_runs", "parse_shard", "pinned", "progress", "progress_to",
-           "probe_steps", "quiet_known_noise", "gpu_share", "record_path", "records_code", "resolve_arms", "run_grid", "seed_note", "show",
-           "source_sha256", "split_from_env", "study_context", "study_meta", "wants_trainer"]
+__all__ = ["Grid", "GridIncomplete", "KNOWN_NOISE", "MACHINE_PATH", "Monitor", "ProbeDone", "RunRecord", "Split",
+           "aggregate", "check_arms_differ_only", "current_pin", "device_name", "forget_split_runs", "git_state",
+           "gpu_share", "loss_curves", "measured_commit", "output_to", "parse_runs", "parse_shard", "pinned",
+           "probe_steps", "progress", "progress_to", "quiet_known_noise", "record_path", "records_code",
+           "resolve_arms", "run_grid", "seed_note", "show", "source_sha256", "split_from_env", "study_context",
+           "study_meta", "wants_trainer"]

@@ -539,6 +539,11 @@ def _perf_history(rec: common.RunRecord, mlflow: Any, n_stages: int) -> dict[str
     return {k: {m.step: m.value for m in mlflow().get_metric_history(run_id, k)} if run_id else {} for k in PERF_KEYS}
 
 
+def _median_at(values: Mapping[int, float], steps: Sequence[int]) -> float | None:
+    """The median of ``values`` at ``steps`` (None without steps)."""
+    return float(np.median([values[w] for w in steps])) if steps else None
+
+
 def stage_perf(grid: common.Grid, preset: str) -> list[dict[str, Any]]:
     """Training speed and memory per (run, stage): from each record's ``train_perf`` (:func:`train_perf`), else from
     the run's ``perf/*`` MLflow metrics.
@@ -570,8 +575,8 @@ def stage_perf(grid: common.Grid, preset: str) -> list[dict[str, Any]]:
             timed = ws if getattr(r, "gpu_share", 1) == 1 else []  # a shared GPU: no speed
             rows.append({"schedule": r.arm, "seed": r.seed, "stage": k, "seq_len": s["seq_len"],
                          "batch": micro // s["seq_len"], "windows": len(ws),
-                         "tok_per_s": float(np.median([hist["perf/tokens_per_s"][w] for w in timed])) if timed else None,
-                         "step_time_s": float(np.median([hist["perf/step_time_s"][w] for w in timed])) if timed else None,
+                         "tok_per_s": _median_at(hist["perf/tokens_per_s"], timed),
+                         "step_time_s": _median_at(hist["perf/step_time_s"], timed),
                          "peak_mem_gb": max(mem) if mem else None})
     return rows
 

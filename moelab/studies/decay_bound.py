@@ -1473,7 +1473,8 @@ def forgetting_part(preset: str = "research", steps: int | None = None, seeds: S
 
 def read_part(part: str, results_dir: str | Path | None = None) -> dict[str, Any] | None:
     """A part's committed result file (``RESEARCH_FILES[part]``'s name in ``results_dir``, relative to the working
-    directory; default the committed results folder), inf restored where the file holds null for a non-finite error; None when not measured."""
+    directory; default the committed results folder), inf restored where the file holds null for a non-finite
+    error; None when not measured."""
     if part not in RESEARCH_FILES:
         raise ValueError(f"part={part!r} is not allowed: expected one of {tuple(RESEARCH_FILES)}")
     name = Path(RESEARCH_FILES[part]).name
@@ -1693,7 +1694,8 @@ def forgetting_findings(forgetting: Mapping[str, Any] | None, reference: str = "
     """Per bounded arm of the fast-forgetting task, its log10 final loss minus ``reference``'s, paired by seed with
     a 95% t interval, tightest bound first; "not tested" where a compared run has not converged (its last 20% of
     steps still moving > 1%: :func:`plateau`, and its final loss above :data:`SOLVED` x its first), unless only the
-    reference's runs are still falling while the bounded arm is already worse (the gap can only grow: reported as a lower bound); or where the file is missing."""
+    reference's runs are still falling while the bounded arm is already worse (the gap can only grow: reported as a
+    lower bound); or where the file is missing."""
     import pandas as pd
 
     q = "Does the bound {b:g} hurt a task that needs fast forgetting ({arm} minus {ref}, log10 final loss)"
