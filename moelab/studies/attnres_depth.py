@@ -1233,13 +1233,7 @@ def overhead_part(rounds: int = 7, window: int = 10, warm: int = 4, plan_: Resea
 def read_overhead(results_dir: str | Path | None = None) -> dict[str, Any] | None:
     """The committed speed part (``OVERHEAD_FILE``'s name in ``results_dir``, relative to the working directory;
     default the repository's), or None when it was not measured."""
-    import json
-
-    from moelab.base import repo_root
-
-    path = (Path(results_dir).resolve() / Path(OVERHEAD_FILE).name if results_dir is not None
-            else repo_root() / OVERHEAD_FILE)
-    return json.loads(path.read_text()) if path.is_file() else None
+    return common.read_part_file(OVERHEAD_FILE, results_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1260,9 +1254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw = list(argv) if argv is not None else sys.argv[1:]
     args = parser.parse_args(raw)
     out = Path(args.out) if args.out else repo_root() / OVERHEAD_FILE
-    given = [a for i, a in enumerate(raw[1:], 1)
-             if a != "--out" and raw[i - 1] != "--out" and not a.startswith("--out=")]
-    command = ["python", "-m", "moelab.studies.attnres_depth", "overhead", *given, "--out", OVERHEAD_FILE]
+    command = ["python", "-m", "moelab.studies.attnres_depth", "overhead", *common.part_args(raw), "--out",
+               common.repo_relative(out, OVERHEAD_FILE)]
     try:
         result = overhead_part(rounds=args.rounds, window=args.window, command=command)
     except ValueError as e:

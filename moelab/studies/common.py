@@ -615,6 +615,10 @@ def wants_trainer(fn: Callable[..., Any]) -> bool:
     return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
 
 
+def _round(x: float | None, digits: int = 1) -> float | None:
+    return None if x is None else round(x, digits)
+
+
 def _evaluation_callback(evaluate: Evaluate) -> Any:
     """A Lightning callback that calls ``evaluate(model, cfg)`` once training has reached ``max_steps``.
 
@@ -800,7 +804,7 @@ def _probe(arm: str, seed: int, cfg: Any, root: Path, steps: int, echo: Callable
         res = fit(cfg, checkpoints="final")
     wall = time.perf_counter() - t0
     s = res.summary
-    tokens = int(s["B"] * s["T"] * t.accumulate_grad_batches * s.get("world_size", 1))
+    tokens = int(s["tokens_per_step"])
     # the run's own speed: the median of its logging windows after the first (steps // 5 steps each)
     step_s = tokens / s["tok_per_s"] if s.get("tok_per_s") else wall / steps
     row = {"arm": arm, "seed": seed, "probe_steps": steps, "step_ms": round(step_s * 1e3, 2),
@@ -811,8 +815,9 @@ def _probe(arm: str, seed: int, cfg: Any, root: Path, steps: int, echo: Callable
     with open(root / "probe.json", "a") as f:
         f.write(json.dumps(row) + "\n")
     mem = f", peak {row['peak_mem_gb']:.1f} GB" if row["peak_mem_gb"] else ""
+    shared = f", GPU shared by {row['gpu_share']}" if row["gpu_share"] > 1 else ""
     progress(f"[probe] arm={arm} seed={seed}: {row['step_ms']:.0f} ms a step ({tokens:,} tokens, "
-             f"{row['tok_per_s']:,} tok/s{mem}{'' if row['gpu_share'] == 1 else f', GPU shared by {gpu_share()}'}); "
+             f"{row['tok_per_s']:,} tok/s{mem}{shared}); "
              f"its {full['max_steps']:,} steps ~{row['projected_train_min']:.1f} min of training, plus "
              f"{row['full_validations']} validations and its evaluation", echo)
     return row
@@ -1062,16 +1067,15 @@ def _train(study: str, arm: str, seed: int, cfg: Any, run_dir: Path, fingerprint
                   resume=True if resume else None)
     wall = time.perf_counter() - t0
     s = res.summary
+    tokens = int(s["steps"] * s["tokens_per_step"])
     # where the wall time went (a GPU call's plan needs the fixed costs, not only the step time): the corpus
     # (built once per machine), fit's steps at its measured speed, the rest of fit (setup, compilation, capture,
-    # validations, checkpoints) and the evaluation at the end
-    steps_s = (s["steps"] * s["B"] * s["T"] * cfg.train.accumulate_grad_batches * s.get("world_size", 1)
-               / s["tok_per_s"]) if s.get("tok_per_s") and not resume else None  # resumed: steps of two processes
-    split_s = {"prepare_s": round(t_fit - t0, 1), "steps_s": None if steps_s is None else round(steps_s, 1),
-               "evaluate_s": None if at_end is None or at_end.seconds is None else round(at_end.seconds, 1)}
-    split_s["fit_other_s"] = (round(wall - (t_fit - t0) - steps_s - (split_s["evaluate_s"] or 0.0), 1)
-                              if steps_s is not None else None)
-    tokens = int(s["steps"] * s["B"] * s["T"] * cfg.train.accumulate_grad_batches * s.get("world_size", 1))
+    # validations, checkpoints) and the evaluation at the end; a resumed run's steps ran in two processes
+    prepare_s = t_fit - t0
+    steps_s = tokens / s["tok_per_s"] if s.get("tok_per_s") and not resume else None
+    evaluate_s = at_end.seconds if at_end is not None else None
+    split_s = {"prepare_s": round(prepare_s, 1), "steps_s": _round(steps_s), "evaluate_s": _round(evaluate_s),
+               "fit_other_s": _round(None if steps_s is None else wall - prepare_s - steps_s - (evaluate_s or 0.0))}
     tail = _tail_train_loss(res.history, cfg.train.val_every)
     val = s.get("final_val_loss")
     gpus = _gpus(cfg, s)
@@ -1295,6 +1299,29 @@ def records_code(records: Sequence[RunRecord]) -> dict[str, list[str]]:
         if pin:
             seen["source_pins"][str(pin)] = None
     return {k: list(v) for k, v in seen.items()}
+
+
+def read_part_file(repo_path: str, results_dir: str | os.PathLike | None = None) -> dict[str, Any] | None:
+    """A study part's committed JSON (a GPU measurement run apart from the grid): ``repo_path``, relative to the
+    repository; or, with ``results_dir`` (relative to the working directory: a notebook's ``"results"``), the file
+    of that name there. None when it was not measured."""
+    path = (Path(results_dir).resolve() / Path(repo_path).name if results_dir is not None
+            else repo_root() / repo_path)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def repo_relative(path: str | os.PathLike, default: str) -> str:
+    """``path`` relative to the repository when inside it, else ``default`` (where the file is committed): a result
+    file names its output in the repository, never the scratch folder a GPU call wrote it to."""
+    p, root = Path(path).resolve(), repo_root().resolve()
+    return p.relative_to(root).as_posix() if p.is_relative_to(root) else default
+
+
+def part_args(argv: Sequence[str]) -> list[str]:
+    """A part command's arguments as its result file records them: those after the part's name, without ``--out``
+    and its value (the file names its own place in the repository)."""
+    return [a for i, a in enumerate(argv[1:], 1)
+            if a != "--out" and argv[i - 1] != "--out" and not a.startswith("--out=")]
 
 
 def study_meta(study: str, preset: str, grid: Grid | None = None, **extra: Any) -> dict[str, Any]:

@@ -630,15 +630,13 @@ def stage_step_times(grid: common.Grid, preset: str,
     runs, or the stage was too short to time) takes the median over the seeds of its schedule that have one."""
     sched = schedules(plan(preset))
     st = {(p["schedule"], p["seed"], p["stage"]): p["step_time_s"] for p in perf_rows}
-    out = {}
-    for r in grid.records:
-        times = []
-        for k in range(len(sched[r.arm])):
-            own = st.get((r.arm, r.seed, k))
-            others = [t for (a, _, j), t in st.items() if a == r.arm and j == k and t]
-            times.append(own or (float(np.median(others)) if others else None))
-        out[(r.arm, r.seed)] = times
-    return out
+    timed: dict[tuple[str, int], list[float]] = {}  # (schedule, stage) -> the seeds' step times
+    for (arm, _, k), t in st.items():
+        if t:
+            timed.setdefault((arm, k), []).append(t)
+    fill = {key: float(np.median(ts)) for key, ts in timed.items()}
+    return {(r.arm, r.seed): [st.get((r.arm, r.seed, k)) or fill.get((r.arm, k)) for k in range(len(sched[r.arm]))]
+            for r in grid.records}
 
 
 def train_times(grid: common.Grid, preset: str,

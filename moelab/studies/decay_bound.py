@@ -1386,22 +1386,13 @@ PART_COMMANDS = {part: f"python -m moelab.studies.decay_bound {part} --out {path
                  for part, path in RESEARCH_FILES.items()}
 
 
-def _repo_relative(path: str | Path, default: str) -> str:
-    """``path`` relative to the repository when inside it, else ``default`` (where the file is committed): a result
-    file names its output in the repository, never the scratch folder a GPU call wrote it to."""
-    from moelab.base import repo_root
-
-    p, root = Path(path).resolve(), repo_root().resolve()
-    return p.relative_to(root).as_posix() if p.is_relative_to(root) else default
-
-
 def part_command(part: str, out: str | Path, args: Sequence[str] = ()) -> list[str]:
     """The command line a part's result file records: ``python -m moelab.studies.decay_bound <part> [args] --out
     <its path in the repository>`` (``RESEARCH_FILES[part]`` when ``out`` lies outside the repository)."""
     if part not in RESEARCH_FILES:
         raise ValueError(f"part={part!r} is not allowed: expected one of {tuple(RESEARCH_FILES)}")
     return ["python", "-m", "moelab.studies.decay_bound", part, *args, "--out",
-            _repo_relative(out, RESEARCH_FILES[part])]
+            common.repo_relative(out, RESEARCH_FILES[part])]
 
 
 def softplus_real_g(records_dir: str | Path, preset: str = "research") -> dict[str, torch.Tensor]:
@@ -1445,7 +1436,7 @@ def overflow_part(preset: str = "research", records_dir: str | Path = RECORDS_DI
     trained = real_g_kernel_rows(real_g, max_tokens=tokens)
     return {"meta": provenance.provenance(command),
             "config": {"preset": preset, "shape": list(shape), "g_mins": g_mins, "tolds": [REFERENCE_BOUND, "own"],
-                       "records": _repo_relative(records_dir, RECORDS_DIR), "real_g": sorted(real_g),
+                       "records": common.repo_relative(records_dir, RECORDS_DIR), "real_g": sorted(real_g),
                        "real_tokens": tokens, "reference": "fp32 token recurrence (naive_recurrent_kda)"},
             "synthetic": synthetic, "trained": trained, "wall_s": round(time.perf_counter() - t0, 1)}
 
@@ -1477,10 +1468,7 @@ def read_part(part: str, results_dir: str | Path | None = None) -> dict[str, Any
     error; None when not measured."""
     if part not in RESEARCH_FILES:
         raise ValueError(f"part={part!r} is not allowed: expected one of {tuple(RESEARCH_FILES)}")
-    name = Path(RESEARCH_FILES[part]).name
-    # a given folder is the caller's (a notebook's "results", relative to its working directory), the default the
-    # repository's
-    data = read_speed(Path(results_dir).resolve() / name if results_dir is not None else RESEARCH_FILES[part])
+    data = common.read_part_file(RESEARCH_FILES[part], results_dir)
     for key in ("synthetic", "trained"):
         for r in (data or {}).get(key, []):
             for k in ("rel_err", "rel_err_general"):
@@ -1709,10 +1697,10 @@ def forgetting_findings(forgetting: Mapping[str, Any] | None, reference: str = "
                   key=lambda a: -float(rows[rows.arm == a].bound.iloc[0]))
     # a run whose loss fell SOLVED-fold below its first is solved: there its last 20% "moving" is the noise of a
     # loss near zero (relative changes of a 1e-7 loss), not training still under way
-    solved = rows.final_loss <= SOLVED * rows.first_loss if "first_loss" in rows else rows.final_loss < 0
+    rows["solved"] = rows.final_loss <= SOLVED * rows.get("first_loss", 0.0)  # a file without first_loss: none
     for arm in arms:
         sel = rows[rows.arm.isin([arm, reference])]
-        moving = sel[~(sel.last20_converged.astype(bool) | solved[sel.index])]
+        moving = sel[~(sel.last20_converged.astype(bool) | sel.solved)]
         a, b = report.by_seed(rows, arm, "log10_final_loss"), ref
         iv = report.paired(a, b)
         # only the reference still falling while the bounded arm is already worse: the gap can only grow
@@ -1848,9 +1836,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(raw)
     out = args.out or RESEARCH_FILES[args.what]
     # the recorded command: the arguments as given, the output named by its path in the repository
-    given = [a for i, a in enumerate(raw[1:], 1)
-             if a != "--out" and raw[i - 1] != "--out" and not a.startswith("--out=")]
-    command = part_command(args.what, out, given)
+    command = part_command(args.what, out, common.part_args(raw))
 
     def numbers(text: str, kind: type, what: str, n: int | None = None, sep: str = ",") -> list:
         try:

@@ -59,7 +59,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -251,8 +251,7 @@ def run_study(
     _require_modules()
     import papermill
 
-    notebook = find_notebook(number, Path(nbs_dir) if nbs_dir else repo_root() / "nbs")
-    out_dir = (Path(out_root) if out_root else results_root(preset, notebook.stem)).resolve() / notebook.stem
+    notebook, out_dir = _report_folder(number, preset, nbs_dir, out_root)
     records = records_dir(out_dir, preset)
     # A split call's notebook runs apart from the report; its runs' records go to the report's records/.
     # The runner's own files (the progress lines, the last parent run) stay out of the report's folder.
@@ -264,11 +263,7 @@ def run_study(
     for stale in work.glob(f".{notebook.stem}.*.tmp.ipynb"):  # left by a process that was killed
         stale.unlink(missing_ok=True)
     params = {"preset": preset, "out_dir": ".", **(parameters or {})}
-    # The code state leaves out the outputs of studies and benchmarks: one study's fresh outputs do not
-    # make the next study's code "dirty".
-    # A machine whose checkout has no usable .git (a copied tree) passes the state in MOELAB_STUDY_GIT.
-    code = json.loads(os.environ[GIT_ENV]) if os.environ.get(GIT_ENV) else git_state()
-    code.setdefault("source_sha256", source_sha256())  # taken once: every run of this call shares it
+    code = _code_state()
     command = f"make study-{number} PRESET={preset}" + (f" RUNS={runs}" if runs else f" SHARD={shard}" if shard else "")
     where = _shown(out_dir)
     if out_dir.parent != repo_root() / "studies" and out_root is None:
@@ -343,6 +338,22 @@ def run_study(
 TRAIN_ENTRY = "train"  # every study module's entry: train(preset: str, out_dir: Path) -> Any, all grids of the preset
 
 
+def _report_folder(number: int, preset: str, nbs_dir: Any, out_root: Any) -> tuple[Path, Path]:
+    """``(notebook, out_dir)``: study ``number``'s paired notebook and its report's folder (``<out_root>/NN_name``,
+    by default :func:`results_root` of ``preset``)."""
+    notebook = find_notebook(number, Path(nbs_dir) if nbs_dir else repo_root() / "nbs")
+    return notebook, (Path(out_root) if out_root else results_root(preset, notebook.stem)).resolve() / notebook.stem
+
+
+def _code_state() -> dict[str, Any]:
+    """The code a call trains: ``MOELAB_STUDY_GIT`` when given (a machine whose checkout has no usable .git, a
+    copied tree), else :func:`git_state` (study and benchmark outputs left out: one study's fresh outputs do not
+    make the next study's code "dirty"); with the package hash, taken once: every run of the call shares it."""
+    code = json.loads(os.environ[GIT_ENV]) if os.environ.get(GIT_ENV) else git_state()
+    code.setdefault("source_sha256", source_sha256())
+    return code
+
+
 def study_module(stem: str, module: str | ModuleType | None = None) -> ModuleType:
     """The study module of notebook ``NN_<name>``: ``module`` (itself, or imported by its dotted name), else
     ``moelab.studies.<name>``."""
@@ -370,15 +381,13 @@ def _run_split(number: int, preset: str, *, runs: str | None, shard: str | None,
     papermill), its runs' records in the report's ``records/<preset>/``, its checkpoints in the ignored
     ``runs/studies/NN_name/split/``; returns the report's folder. With MLflow importable the runs nest under one
     parent run ``NN_name-<preset>-split`` as before; without it they train untracked (the final call logs them)."""
-    notebook = find_notebook(number, Path(nbs_dir) if nbs_dir else repo_root() / "nbs")
+    notebook, out_dir = _report_folder(number, preset, nbs_dir, out_root)
     stem = notebook.stem
-    out_dir = (Path(out_root) if out_root else results_root(preset, stem)).resolve() / stem
     records = records_dir(out_dir, preset)
     state = (Path(out_root).resolve() if out_root else repo_root() / RUNS_ROOT) / stem
     work = state / "split"
     work.mkdir(parents=True, exist_ok=True)
-    code = json.loads(os.environ[GIT_ENV]) if os.environ.get(GIT_ENV) else git_state()
-    code.setdefault("source_sha256", source_sha256())
+    code = _code_state()
     command = f"make study-{number} PRESET={preset}" + (f" RUNS={runs}" if runs else f" SHARD={shard}")
     env = {COMMAND_ENV: command, STARTED_ENV: repr(time.time()), GIT_ENV: json.dumps(code), RECORDS_ENV: str(records),
            RUNS_ENV: runs or "", SHARD_ENV: shard or "", PROGRESS_ENV: "", "MLFLOW_LOGGING_LEVEL": "WARNING",
@@ -473,12 +482,11 @@ def _run_split_jobs(number: int, preset: str, groups: list[tuple[str | None, str
     signal stopped them, StudyFailed when a child failed (the others finish first)."""
     import subprocess
 
-    notebook = find_notebook(number, Path(nbs_dir) if nbs_dir else repo_root() / "nbs")
-    out_dir = (Path(out_root) if out_root else results_root(preset, notebook.stem)).resolve() / notebook.stem
-    code = json.loads(os.environ[GIT_ENV]) if os.environ.get(GIT_ENV) else git_state()
-    code.setdefault("source_sha256", source_sha256())
+    _, out_dir = _report_folder(number, preset, nbs_dir, out_root)
+    code = _code_state()
     k = len(groups)
-    command = f"make study-{number} PRESET={preset} JOBS={k}"
+    base = f"make study-{number} PRESET={preset}"
+    command = f"{base} JOBS={k}"
     if tracking_installed():
         say(f"study {number}, split call in {k} processes: their runs train untracked (one MLflow store, {k} "
             f"writers); the final call (`make study-{number} PRESET={preset}`) logs them from their records")
@@ -499,12 +507,12 @@ def _run_split_jobs(number: int, preset: str, groups: list[tuple[str | None, str
                 proc.send_signal(signum)
 
     threads = []
-    with signal_handlers(handler) if threading.current_thread() is threading.main_thread() else _nothing():
+    with signal_handlers(handler) if threading.current_thread() is threading.main_thread() else nullcontext():
         for j, (runs, shard) in enumerate(groups, 1):
             args = {"number": number, "preset": preset, "runs": runs, "shard": shard, "module": name, "probe": probe,
                     "nbs_dir": str(nbs_dir) if nbs_dir else None, "out_root": str(out_root) if out_root else None}
             tag = f"[{j}/{k}]"
-            say(f"{tag} {command.split(' JOBS')[0]} " + (f"RUNS={runs}" if runs else f"SHARD={shard}"))
+            say(f"{tag} {base} " + (f"RUNS={runs}" if runs else f"SHARD={shard}"))
             proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(args)], env=env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)  # a signal reaches them once: forwarded from here
@@ -523,11 +531,6 @@ def _run_split_jobs(number: int, preset: str, groups: list[tuple[str | None, str
     if failed:
         raise StudyFailed(f"study {number}, split call in {k} processes: {', '.join(failed)} failed (its lines above)")
     return out_dir
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 # A child of _run_split_jobs: one split call in this process, its exit status the CLI's.
