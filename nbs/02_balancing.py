@@ -76,14 +76,15 @@ pd.Series({
     "random-routing MaxVio_batch floor": round(floor, 4), "settle threshold": round(threshold, 4),
 }, name=f"preset {preset}").to_frame()
 
-# %% [markdown]
+# %% [markdown] tags=["quick"]
 # The model and its scale. The floor is the MaxVio_batch of uniformly random top-$k$ routing at this many tokens
 # per step: even exactly balanced expected loads fluctuate by sampling. A run counts as settled from the first
 # step after which MaxVio_batch (mean over MoE layers) stays below the threshold for three steps; the threshold
 # is 0.1, or twice the floor where that is larger (the cpu preset's 512 tokens per step). Both presets train
 # three seeds per arm; the cpu preset uses MLA layers only (the KDA layers' chunked recurrence in plain torch
 # would triple the step time), the gpu preset gpu-small's width, KDA/MLA mix and corpus.
-#
+
+# %% [markdown]
 # ## 1. Arms: what differs
 # Checked on the resolved configs: every other key (model, data, schedule, seeds) is the same in every arm.
 
@@ -94,8 +95,8 @@ if research:
 else:
     display(pd.DataFrame(study.arms_factor(preset)))
 
-# %% [markdown]
-# ## Research tier (only with `preset = "research"`; the other presets skip these cells)
+# %% [markdown] tags=["research"]
+# ## 2. Research tier: a warm switch at two batch layouts, the steady state, the shift
 # Per batch layout (8 x 2048 and 64 x 256: the same 16,384 tokens per step) every run trains 400 steps with the
 # balancer off (`train.balancer_start_step`: bias zero, no aux loss), past the router's early collapse, then its
 # balancer from zero bias; the 8 x 2048 runs go on 2000 steps (the steady state), the 64 x 256 runs 300. Every run
@@ -104,7 +105,7 @@ else:
 # the 8 x 2048 runs the shift test (a copy of the trained model and AdamW state continues 100 steps on the other
 # corpus). The render reads the records alone (no checkpoint): `train` trains only what has no record.
 
-# %%
+# %% tags=["research"]
 if research:
     grids = study.train(preset, out)
     rows = study.research_rows(grids)
@@ -113,49 +114,48 @@ if research:
     shift.to_csv(out / "results" / "research_shift.csv", index=False)
     display(rows.drop(columns=["arm"]).round(4))
 
-# %%
+# %% tags=["research"]
 if research:
     display(common.show(study.switch_figure(grids, rows), out / "figures" / "research_switch.png"))
 
-# %% [markdown]
-# **Research figure 1.** MaxVio_batch around the switch (step 0: the balancer switches on), seed mean per balancer
+# %% [markdown] tags=["research"]
+# **Figure 1.** MaxVio_batch around the switch (step 0: the balancer switches on), seed mean per balancer
 # (shaded between seeds), log scale; dotted: the layout's frozen QB floor, dashed: 1.1 x it (reached: 3 steps within).
 
-# %%
+# %% tags=["research"]
 if research:
     display(common.show(study.steady_figure(rows), out / "figures" / "research_steady.png"))
 
-# %% [markdown]
-# **Research figure 2.** MaxVio_global at the end of the 2000-step steady state (8 x 2048): seed mean with its 95% t
+# %% [markdown] tags=["research"]
+# **Figure 2.** MaxVio_global at the end of the 2000-step steady state (8 x 2048): seed mean with its 95% t
 # interval, seeds as dots.
 
-# %%
+# %% tags=["research"]
 if research:
     display(common.show(study.research_bias_figure(grids), out / "figures" / "research_bias.png"))
 
-# %% [markdown]
-# **Research figure 3.** Re-centred router bias of the last MoE layer's experts from the switch on (seed 0), per bias
+# %% [markdown] tags=["research"]
+# **Figure 3.** Re-centred router bias of the last MoE layer's experts from the switch on (seed 0), per bias
 # balancer (histogram QB included).
 
-# %%
+# %% tags=["research"]
 if research:
     display(shift.set_index(["arm", "seed"]).rename(columns={
         "maxvio_before": "MaxVio_batch before (last 20%)", "maxvio_first": "at the first shifted step",
         "recover_step": "steps back to within 10% of before", "resettle_step": "steps to 1.1 x floor"}))
     rep = study.research_report(rows, shift)
     summary = study.research_summary(grids, rows, shift, rep)
-    summary = report.attach(summary, rep, False)
+    summary = report.attach(summary, rep, from_results)
     write_json(out / "summary.json", summary)
     display(pd.Series({k: str(summary["meta"].get(k)) for k in (
         "commit", "dirty", "device", "command", "date", "wall_s", "gpu_minutes_total", "gpu_minutes_by_layout",
         "records_code")}, name="run facts").to_frame())
-    display(Markdown(rep.markdown()))
 
-# %% [markdown]
+# %% [markdown] tags=["quick"]
 # ## 2. Training every balancer
 # One line per finished run; each run's training output goes to `checkpoints/<arm>-s<seed>/train.log`.
 
-# %%
+# %% tags=["quick"]
 if not research:
     grid = None if from_results else study.train_balancers(preset, out)
     runs = report.result_table(out / "results" / "runs.csv", lambda: grid.table(), from_results)
@@ -172,26 +172,26 @@ if not research:
         "load_cv": "load CV (last 20%)", "dead_experts": f"dead experts (of {moe_layers * moe.num_experts})",
         "settle_step": f"steps to MaxVio_batch < {threshold:.2g}", "balancer_share": "balancer share of step"}))
 
-# %% [markdown]
+# %% [markdown] tags=["quick"]
 # Per balancer, mean ± standard deviation over seeds: final validation loss (nats/token), MaxVio_batch and load
 # CV averaged over the last 20% of the steps, MaxVio_global at the last validation (loads summed over the
 # validation set), experts that received no token in the last 20% of the steps (all MoE layers together), the
 # step at which MaxVio_batch settled (over the settled seeds; `settled` counts them), and the balancer's median
 # share of a training step (its statistics and update, the collectives included).
 
-# %%
+# %% tags=["quick"]
 if not research:
     title = f"{p['base']}-based, {moe.num_experts} experts top-{moe.top_k}: training loss minus no balancer's"
     display(common.show(report.difference_figure(histories, "none", title),
                 out / "figures" / "training_loss.png"))
 
-# %% [markdown]
+# %% [markdown] tags=["quick"]
 # **Figure 1.** Each balancer's training loss minus the unbalanced (`none`) arm's, seed by seed (same seed: same
 # initialization and data order), smoothed over 8 steps; line: mean over seeds, band: its 95% t interval; diamonds:
 # the validation loss differences with their intervals. Below 0: lower loss than training without a balancer. The y
 # axis spans the 2-98% range of the bands after the first quarter of the steps.
 
-# %%
+# %% tags=["quick"]
 if not research:
     if from_results:  # drawn from the runs' per-step router loads, which results/ does not keep
         figure = report.committed_figure(out / "figures" / "maxvio_batch.png")
@@ -199,12 +199,12 @@ if not research:
         figure = common.show(study.maxvio_figure(grid, threshold, floor), out / "figures" / "maxvio_batch.png")
     display(figure)
 
-# %% [markdown]
+# %% [markdown] tags=["quick"]
 # **Figure 2.** MaxVio_batch per optimizer step (log scale, mean over MoE layers): the seed mean per balancer,
 # shaded between the lowest and highest seed. Dashed: the settle threshold; dotted: the floor of uniformly random
 # routing at this batch size. A value of $n/k - 1$ means every token picks the same $k$ experts.
 
-# %%
+# %% tags=["quick"]
 if not research:
     bias_arms = study.bias_arms()
     if from_results:  # the per-step biases live in the runs, not in results/
@@ -214,12 +214,12 @@ if not research:
                              out / "figures" / "bias_trajectories.png")
     display(figure)
 
-# %% [markdown]
+# %% [markdown] tags=["quick"]
 # **Figure 3.** Router bias of each of the last MoE layer's experts per step (one thin line per expert, seed
 # 0), minus its mean over experts (routing depends only on differences). The auxiliary-loss and `none` arms keep
 # a zero bias and are left out.
 
-# %%
+# %% tags=["quick"]
 if not research:
     if from_results:  # the per-step expert loads live in the runs, not in results/
         figure = report.committed_figure(out / "figures" / "load_heatmaps.png")
@@ -228,7 +228,7 @@ if not research:
                              out / "figures" / "load_heatmaps.png")
     display(figure)
 
-# %% [markdown]
+# %% [markdown] tags=["quick"]
 # **Figure 4.** Expert load over training, seed 0: one row per balancer, one column per MoE layer, experts on
 # the vertical axis. Colour is the expert's load over the mean load of that step: white is balanced, blue
 # under-used (dark blue: no token), red over-used (clipped at twice the mean).
@@ -243,7 +243,7 @@ if not research:
 # MaxVio_batch stays (three steps) within 10% of the arm's own level before the switch (mean over the last 20%
 # of its training steps), and the step from which it stays below the settle threshold.
 
-# %%
+# %% tags=["quick"]
 if not research:
     committed = json.loads((out / "summary.json").read_text()) if from_results else None
     if from_results:
@@ -260,15 +260,15 @@ if not research:
         "maxvio_last": "last 20% after the switch", "recover_step": "steps back to within 10% of before",
         "resettle_step": f"steps to MaxVio_batch < {threshold:.2g}"}))
 
-# %%
+# %% tags=["quick"]
 if not research:
     display(common.show(study.shift_figure(shifts, threshold, floor), out / "figures" / "shift_test.png"))
 
-# %% [markdown]
+# %% [markdown] tags=["quick"]
 # **Figure 5.** MaxVio_batch per step after the switch to the other corpus (log scale, mean over MoE layers,
 # seed 0), one line per balancer; dashed: the settle threshold, dotted: the random-routing floor.
 
-# %% [markdown]
+# %% [markdown] tags=["quick"]
 # ## 4. What limits Quantile Balancing
 # QB's update is not rate-limited: every step it moves each bias to the balance point of that step's own scores (EMA 0),
 # so if the next step's scores resembled this step's, one step would balance. This section measures, without training,
@@ -283,7 +283,7 @@ if not research:
 # the previous step's scores, trails scores that keep moving. The forwards run on the GPU when there is one; the
 # balancing arithmetic runs on the CPU.
 
-# %%
+# %% tags=["quick"]
 if not research:
     if from_results:
         limits = study.limits_from_table(committed["qb_limits"], pd.read_csv(out / "results" / "qb_limits_stream.csv"))
@@ -298,18 +298,18 @@ if not research:
     display(pd.Series({k: v for k, v in limits.items() if k not in ("ordered", "shuffled")},
               name="QB on the frozen model").to_frame())
 
-# %%
+# %% tags=["quick"]
 if not research:
     display(common.show(study.limits_figure(limits), out / "figures" / "qb_limits.png"))
 
-# %% [markdown]
+# %% [markdown] tags=["quick"]
 # **Figure 6.** QB's update over fresh batches of the frozen trained `qb` model (first seed), MaxVio_batch per
 # batch (log scale, mean over MoE layers): each batch routed with the bias of one update on the batch before (as in
 # training), the same with the tokens dealt across batches at random, with a bias fitted in 30 steps to the batch
 # before, and on the batch its one-step bias was computed from. Dashed: the same run's MaxVio_batch over the last
 # 20% of its training steps; dotted: the random-routing floor.
 
-# %%
+# %% tags=["quick"]
 if not research:
     if from_results:
         summary = committed
@@ -330,5 +330,4 @@ if not research:
 # ## Findings
 
 # %%
-if not research:
-    display(Markdown(study.findings(findings)))
+display(Markdown(rep.markdown() if research else study.findings(findings)))

@@ -34,6 +34,12 @@ json.dump({"preset": preset, "parent": current_parent_run_id(), "scores": {"a": 
            "growth": {"x": 1.1, "y-2": {"ratio": 1.2}, "mean": 1.15}}, open("summary.json", "w"))
 print(os.environ["MOELAB_STUDY_COMMAND"], json.loads(os.environ["MOELAB_STUDY_GIT"])["commit"] is not None)
 FAIL
+
+# %% [markdown] tags=["research"]
+# ## Only in the research report
+
+# %% tags=["quick"]
+print("quick tier cell ran")
 '''
 
 
@@ -63,6 +69,8 @@ def test_runner_executes_notebook_under_a_parent_run(tmp_path, tracking_uri) -> 
     assert 'out_dir = "."' in injected[0].source  # the working directory: no machine path in the notebook
     printed = "".join(o.get("text", "") for c in executed.cells for o in c.get("outputs", []))
     assert "make study-7 PRESET=cpu True" in printed  # command and code state reach the kernel
+    # the report of a cpu run keeps its own tier's cells and leaves the research tier's out
+    assert "quick tier cell ran" in printed and not any("Only in the research" in c.source for c in executed.cells)
     assert "make study-7 PRESET=cpu True" in (out / "07_demo.html").read_text()  # the HTML export has the outputs
     summary = json.loads((out / "summary.json").read_text())
     assert summary["preset"] == "cpu"

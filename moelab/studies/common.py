@@ -886,13 +886,16 @@ def progress_to(say: Callable[[str], None]) -> Iterator[None]:
         _PROGRESS_SINKS.pop()
 
 
-def progress(line: str, echo: Callable[[str], None] = print) -> None:
+def progress(line: str, echo: Callable[[str], None] = print, quiet: bool = False) -> None:
     """``echo(line)``, and append it to the runner's progress file (:data:`PROGRESS_ENV`) so it reaches the terminal;
-    inside :func:`progress_to` only its ``say(line)``."""
+    inside :func:`progress_to` only its ``say(line)``. ``quiet``: the progress file only (a run read from its
+    record: the notebook's report gets one line per grid instead, :func:`run_grid`)."""
     if _PROGRESS_SINKS:
-        _PROGRESS_SINKS[-1](line)
+        if not quiet:
+            _PROGRESS_SINKS[-1](line)
         return
-    echo(line)
+    if not quiet:
+        echo(line)
     path = os.environ.get(PROGRESS_ENV)
     if path:
         with open(path, "a", encoding="utf-8") as f:
@@ -1013,7 +1016,12 @@ def run_grid(
         val = rec.summary.get("best_val_loss")
         progress(f"[{i + 1}/{len(grid)}] arm={arm} seed={seed} steps={rec.summary.get('steps')} "
                  f"val_loss={'n/a' if val is None else f'{val:.4f}'} "
-                 f"({'recorded, not retrained' if rec.skipped else _fmt_s(trained_s[-1])}); {eta}", echo)
+                 f"({'recorded, not retrained' if rec.skipped else _fmt_s(trained_s[-1])}); {eta}", echo,
+                 quiet=rec.skipped)
+    read = [r for r in records if r.skipped]
+    if read:
+        progress(f"{len(read)} of the grid's {len(grid)} runs read from their records, not retrained "
+                 f"({', '.join(dict.fromkeys(r.arm for r in read))})", echo)
     if probe is not None:
         raise ProbeDone(probed, Path(out_dir).resolve() / "probe" / "probe.json")
     out = Grid(study=study, base=base, records=records, factor=factor, corpus_tokens=corpus_tokens,

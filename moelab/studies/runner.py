@@ -318,7 +318,7 @@ def run_study(
             raise StudyStopped(f"study {number} stopped by {name}: finished runs are recorded in "
                                f"{_shown(records)}/ and the stopped run saved its checkpoint; "
                                f"`{command}` resumes", stopper.signum)
-        _relative_paths(executed, notebook)
+        _finish_notebook(executed, notebook, preset)
         if failure is not None and failure.ename == "GridIncomplete":
             say(f"study {number}, split call: {failure.evalue}; when every run is recorded, `make study-{number} "
                 f"PRESET={preset}` trains what is missing and writes the report")
@@ -711,21 +711,33 @@ def _require_modules(names: tuple[str, ...] = REQUIRED_MODULES) -> None:
             f"this interpreter cannot import: {LAB_EXTRA_HINT}; nothing was run")
 
 
-def _relative_paths(executed: Path, notebook: Path) -> None:
-    """Record papermill's input and output paths relative to the repository (no machine paths in a
-    committed notebook): ``nbs/NN_name.ipynb`` and ``studies/NN_name/NN_name.ipynb``."""
+# Cell tags of a study notebook: a cell tagged ``research`` belongs to the research tier's report, one tagged
+# ``quick`` to the cpu/gpu presets' report; the executed notebook keeps only the cells of the preset it ran.
+TIER_TAGS = {"research": "research", "quick": "quick"}
+
+
+def _tier_cells(cells: list[Any], preset: str) -> list[Any]:
+    """The cells a report of ``preset`` shows: those tagged for the other tier (:data:`TIER_TAGS`) left out."""
+    other = TIER_TAGS["quick"] if preset == "research" else TIER_TAGS["research"]
+    return [c for c in cells if other not in c.get("metadata", {}).get("tags", [])]
+
+
+def _finish_notebook(executed: Path, notebook: Path, preset: str) -> None:
+    """The executed notebook as a report: the other tier's cells left out (:func:`_tier_cells`), papermill's input
+    and output paths relative to the repository (no machine paths in a committed notebook):
+    ``nbs/NN_name.ipynb`` and ``studies/NN_name/NN_name.ipynb``."""
     if not executed.exists():
         return
     import nbformat
 
     nb = nbformat.read(executed, as_version=4)
+    nb.cells = _tier_cells(nb.cells, preset)
     meta = nb.metadata.get("papermill")
-    if meta is None:
-        return
-    root = repo_root()
-    for key, path in (("input_path", notebook), ("output_path", executed)):
-        path = path.resolve()
-        meta[key] = path.relative_to(root).as_posix() if path.is_relative_to(root) else path.name
+    if meta is not None:
+        root = repo_root()
+        for key, path in (("input_path", notebook), ("output_path", executed)):
+            path = path.resolve()
+            meta[key] = path.relative_to(root).as_posix() if path.is_relative_to(root) else path.name
     with atomic_path(executed) as tmp:
         nbformat.write(nb, tmp)
 

@@ -77,11 +77,14 @@ def test_grid_runs_nested_tagged_and_resumes(tmp_path, tracking_uri) -> None:  #
     assert [(r.arm, r.seed, r.skipped) for r in grid.records] == [("bounded", 0, False), ("softplus", 0, False)]
     assert [r.skipped for r in again.records] == [True, True]
     assert again.table().equals(grid.table())
-    assert [r.skipped for r in resumed.records] == [True, False] and "recorded" not in lines[5]
+    # a run read from its record: one line per grid in the report, its own line in the progress file only
+    assert lines[2] == "2 of the grid's 2 runs read from their records, not retrained (bounded, softplus)"
+    assert [r.skipped for r in resumed.records] == [True, False] and "recorded" not in lines[3]
+    assert lines[4].startswith("1 of the grid's 2 runs read from their records")
     assert not (tmp_path / "checkpoints" / "softplus-s0" / "stale.txt").exists()
     assert resumed.records[1].summary["steps"] == 4 and len(resumed.records[1].history) == 4
-    assert len(lines) == 6 and lines[0].startswith("[1/2] arm=bounded seed=0 steps=4 val_loss=")
-    assert "ETA" in lines[0] and "grid done" in lines[1] and "recorded, not retrained" in lines[2]
+    assert len(lines) == 5 and lines[0].startswith("[1/2] arm=bounded seed=0 steps=4 val_loss=")
+    assert "ETA" in lines[0] and "grid done" in lines[1]
     table = grid.table()
     assert set(table.columns) >= {"arm", "seed", "steps", "best_val_loss", "train_val_gap", "tokens", "epochs",
                                   "gpu_minutes"}

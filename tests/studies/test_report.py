@@ -23,6 +23,22 @@ def test_paired_t_interval_matches_hand_computation():
     assert report.judge(iv, lower_is_better=False) == "better"
 
 
+def test_log_interval_is_a_t_interval_of_the_logs_mapped_back():
+    # steps 81, 176, 217: the plain t interval goes below 0; the log one stays positive around the geometric mean
+    v = [81.0, 176.0, 217.0]
+    assert report.mean_interval(v).low < 0
+    iv = report.log_interval(v)
+    logs = [math.log(x) for x in v]
+    m = sum(logs) / 3
+    sd = math.sqrt(sum((x - m) ** 2 for x in logs) / 2)
+    half = T_975_2 * sd / math.sqrt(3)
+    assert iv.method == "t on log" and iv.n == 3 and iv.mean == pytest.approx(math.exp(m))
+    assert (iv.low, iv.high) == (pytest.approx(math.exp(m - half)), pytest.approx(math.exp(m + half)))
+    assert not report.log_interval([5.0]).known
+    with pytest.raises(ValueError, match="must be > 0"):
+        report.log_interval([3.0, 0.0])
+
+
 def test_interval_that_includes_zero_is_inside_the_noise():
     iv = report.paired({0: 1.0, 1: 2.0, 2: 3.0}, {0: 0.0, 1: 0.0, 2: 0.0})  # mean 2, sd 1
     assert iv.low == pytest.approx(2.0 - T_975_2 / math.sqrt(3)) and iv.low < 0 < iv.high
