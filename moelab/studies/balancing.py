@@ -1337,7 +1337,8 @@ def research_report(rows: Any, shift: Any = None) -> report.Report:
     ordered += [f for f in [*found, *extra, *vs, *cost, *shifted] if f not in ordered]
     lead, rest = ordered[:report.MAX_LEAD], ordered[report.MAX_LEAD:]
     details += ["Also: " + "; ".join(f.plain() for f in rest) + "."] if rest else []
-    rep = report.Report(lead, table, details)
+    # The headline: whether QB gets to the floor in a few steps where the floor is reachable (the first layout)
+    rep = report.Report(lead, table, details, lead_finding=versus[0] if versus else None)
     rep.all_findings = ordered  # summary.json keeps every finding (research_summary)
     return rep
 

@@ -287,10 +287,12 @@ def headline(findings: Sequence[Finding]) -> str:
     return findings[0].plain()
 
 
-def summary_block(findings: Sequence[Finding]) -> dict[str, Any]:
-    """``{"headline", "verdicts", "compared"}`` for ``summary.json`` (lead lines only, at most MAX_LEAD)."""
+def summary_block(findings: Sequence[Finding], lead_finding: Finding | None = None) -> dict[str, Any]:
+    """``{"headline", "verdicts", "compared"}`` for ``summary.json`` (lead lines only, at most MAX_LEAD); the
+    headline is ``lead_finding``'s line when given, else the first lead line's."""
     lead = _lead(findings)
-    return {"headline": headline(lead), "verdicts": [f.plain() for f in lead],
+    return {"headline": lead_finding.plain() if lead_finding is not None else headline(lead),
+            "verdicts": [f.plain() for f in lead],
             "compared": [f.to_dict() for f in lead]}
 
 
@@ -556,12 +558,14 @@ class Report:
     findings: list[Finding]
     table: Any = None
     details: list[str] = field(default_factory=list)
+    # the answer the study is named for, as the README's headline, when the lead opens with a precondition
+    lead_finding: Finding | None = None
 
     def markdown(self) -> str:
         return render(self.findings, self.table, self.details)
 
     def summary(self) -> dict[str, Any]:
-        return summary_block(self.findings)
+        return summary_block(self.findings, self.lead_finding)
 
 
 __all__ = ["CLAIMS", "Finding", "Interval", "LEVEL", "MAX_LEAD", "Report", "add_intervals", "attach", "bootstrap",

@@ -76,6 +76,7 @@ def test_research_verdicts_from_synthetic_rows() -> None:
     window = study.LAYOUTS["8x2048"][2]
     assert vs.number.mean == pytest.approx(4.0 - window) and vs.status == "better" and "a bound" in vs.answer
     assert vs in rep.findings  # in the lead, with the 64x256 comparison
+    assert rep.summary()["headline"] == vs.plain()  # the README's headline: the answer, not the precondition
     vs_sign = next(f for q, f in lines.items() if "qb minus loss_free_sign" in q)
     assert vs_sign.number.mean == pytest.approx(-0.15) and vs_sign.status == "better"
 

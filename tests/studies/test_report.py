@@ -100,6 +100,9 @@ def test_render_leads_with_the_verdicts_then_table_then_details():
     assert md.index("| arm | x |") < md.index("### Details") < md.index("- a detail")
     block = report.summary_block(fs)
     assert block["headline"] == block["verdicts"][0] and block["compared"][0]["interval"]["n"] == 3
+    # a lead that opens with a precondition names the answer the study is for as its headline
+    named = report.Report(fs, lead_finding=fs[1]).summary()
+    assert named["headline"] == fs[1].plain() and named["verdicts"] == block["verdicts"]
     with pytest.raises(ValueError, match="1 to 6"):
         report.render([fs[0]] * 7)
 
