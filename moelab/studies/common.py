@@ -1357,7 +1357,7 @@ def study_meta(study: str, preset: str, grid: Grid | None = None, **extra: Any) 
         meta.update({
             "base_preset": grid.base,
             "corpus_train_tokens": grid.corpus_tokens,
-            "tokens_per_run": int(table.tokens.max()),
+            "tokens_per_run": int(table.tokens.max()), "tokens_per_run_min": int(table.tokens.min()),
             "epochs": float(table.epochs.max()),
             "train_val_gap": {arm: float(v)
                               for arm, v in table.groupby("arm", sort=False).train_val_gap.mean().items()},

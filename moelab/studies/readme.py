@@ -348,7 +348,9 @@ def _study(number: int, folder: str, title: str, numbers: Callable[[dict[str, An
     s = _load(f"studies/{folder}/summary.json")
     meta = s["meta"]
     trained_on = ", ".join(meta.get("trained_on") or [meta["device"]])  # the runs' devices, not the renderer's
-    setup = f"`{meta['preset']}` preset ({trained_on}), {meta['runs']} runs of {meta['tokens_per_run']:,} tokens"
+    low, high = meta.get("tokens_per_run_min", meta["tokens_per_run"]), meta["tokens_per_run"]
+    tokens = f"{high:,}" if low == high else f"{low:,}-{high:,}"
+    setup = f"`{meta['preset']}` preset ({trained_on}), {meta['runs']} runs of {tokens} tokens"
     if s.get("headline") and s.get("verdicts"):
         return Study(number, folder, title, setup, s["headline"], list(s["verdicts"]))
     headline, lines = numbers(s)

@@ -89,6 +89,9 @@ def test_study_rows_prefer_the_summary_s_own_headline(monkeypatch: pytest.Monkey
     monkeypatch.setattr(readme, "_load", lambda rel: summary)
     st = readme.STUDIES[2]()
     assert st.setup == "`cpu` preset (cpu), 6 runs of 1,234,567 tokens"
+    meta["tokens_per_run_min"] = 234567  # runs of different lengths (study 2's two layouts): the range
+    assert readme.STUDIES[2]().setup == "`cpu` preset (cpu), 6 runs of 234,567-1,234,567 tokens"
+    del meta["tokens_per_run_min"]
     assert st.headline == ("Full <= Block < PreNorm in mean val loss holds at 4 layers, not at 16 (16 layers: "
                            "prenorm 6.200, block (8) 5.700, full 5.900)")
     assert st.lines[1].startswith("16 layers, mean val loss: prenorm 6.200")
