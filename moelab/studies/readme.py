@@ -23,7 +23,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from moelab.base import repo_root
@@ -332,6 +332,8 @@ class Study:
     setup: str
     headline: str
     lines: list[str]  # the verdict lines (``summary["verdicts"]``), or the study's numbers
+    # the lead questions the study could not resolve: (question, status) for "noise" and "not tested"
+    unresolved: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def files(self) -> list[str]:
@@ -352,7 +354,8 @@ def _study(number: int, folder: str, title: str, numbers: Callable[[dict[str, An
     tokens = f"{high:,}" if low == high else f"{low:,}-{high:,}"
     setup = f"`{meta['preset']}` preset ({trained_on}), {meta['runs']} runs of {tokens} tokens"
     if s.get("headline") and s.get("verdicts"):
-        return Study(number, folder, title, setup, s["headline"], list(s["verdicts"]))
+        open_ = [(c["question"], c["status"]) for c in s.get("compared", []) if c["status"] in ("noise", "not tested")]
+        return Study(number, folder, title, setup, s["headline"], list(s["verdicts"]), open_)
     headline, lines = numbers(s)
     return Study(number, folder, title, setup, s.get("headline") or headline, lines)
 
@@ -502,12 +505,27 @@ def _studies_table(doc: str) -> list[str]:
     return lines
 
 
+def unresolved_cell(st: Study) -> str:
+    """What ``st``'s lead left open, by status: ``inside the noise: Q1; Q2. not tested: Q3`` (a count pointing to
+    studies/README.md when that is longer than :data:`MAX_CELL`); ``-`` when every lead question was resolved."""
+    if not st.unresolved:
+        return "-"
+    groups = {w: [q for q, s in st.unresolved if s == k] for k, w in (("noise", "inside the noise"),
+                                                                       ("not tested", "not tested"))}
+    text = ". ".join(f"{w}: {'; '.join(qs)}" for w, qs in groups.items() if qs)
+    if len(text) <= MAX_CELL:
+        return text
+    return ", ".join(f"{len(qs)} {w}" for w, qs in groups.items() if qs) + " (each in studies/README.md)"
+
+
 def _front_table(doc: str) -> list[str]:
-    lines = ["| study | question | headline result | raw output |", "|---|---|---|---|"]
+    lines = ["| study | question | headline result | not resolved at this scale | raw output |",
+             "|---|---|---|---|---|"]
     for build in STUDIES:
         st = build()
         q, a = _question(st.headline)
-        lines.append(f"| [{st.number}. {st.title}](studies/{st.folder}) | {q} | {a} | {_links(st.files, doc)} |")
+        lines.append(f"| [{st.number}. {st.title}](studies/{st.folder}) | {q} | {a} | {unresolved_cell(st)} | "
+                     f"{_links(st.files, doc)} |")
     return lines
 
 

@@ -167,3 +167,14 @@ def test_research_progress_counts_the_committed_records(tmp_path, monkeypatch) -
     assert commit == "2222222"  # the latest run's
     (study / "summary.json").write_text(json.dumps({"meta": {"preset": "research"}}))
     assert readme.research_progress("09_x") is None  # the report is the research tier's: its own rows say it
+
+
+def test_front_row_names_what_the_study_left_unresolved() -> None:
+    """The front README's 'not resolved' cell: the lead questions inside the noise or not tested, by status, and a
+    count when the list would not fit a cell."""
+    st = readme.Study(9, "09_x", "x", "setup", "Q? A", ["Q? A"],
+                      [("Q2", "noise"), ("Q3", "not tested"), ("Q4", "noise")])
+    assert readme.unresolved_cell(st) == "inside the noise: Q2; Q4. not tested: Q3"
+    assert readme.unresolved_cell(readme.Study(9, "09_x", "x", "setup", "Q? A", ["Q? A"])) == "-"
+    long = readme.Study(9, "09_x", "x", "s", "Q? A", [], [("q" * 200, "noise"), ("r" * 200, "noise")])
+    assert readme.unresolved_cell(long) == "2 inside the noise (each in studies/README.md)"
