@@ -101,7 +101,7 @@ def test_study_rows_prefer_the_summary_s_own_headline(monkeypatch: pytest.Monkey
     monkeypatch.setattr(readme, "STUDIES", [readme.STUDIES[2]])
     monkeypatch.setattr(readme, "measured_commit", lambda path, needle=None: {"commit": "abcdef1234"})
     front, full = readme.table("README.md"), readme.table("studies/README.md")
-    assert "| Q? | A +0.1 [-0.1, +0.3] | [`studies/03_attnres_depth/summary.json`]" in front and "Q2?" not in front
+    assert "| Q? | A +0.1 [-0.1, +0.3] | - | [`studies/03_attnres_depth/summary.json`]" in front and "Q2?" not in front
     assert full.count("A +0.1") == 1 and "|  | Q2? | B | [`03_attnres_depth/summary.json`]" in full
     assert readme._question("no question here? ") == ("", "no question here? ")
 
