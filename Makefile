@@ -71,7 +71,7 @@ mutate: $(SETUP) ## mutation check: every curated bug in tests/mutation/mutation
 	$(TEST_ENV) $(PYTHON) -m tests.mutation.mutate $(ARGS)
 
 lint: $(SETUP) ## ruff
-	$(PYTHON) -m ruff check moelab tests
+	$(PYTHON) -m ruff check moelab tests nbs kernels
 
 data: $(SETUP) ## prepare the corpus of PRESET (default cpu): tokenizer + verified token cache under data/cache
 	$(PYTHON) -m moelab data --config $(or $(PRESET),cpu) $(ARGS)

@@ -527,8 +527,9 @@ def _attnres_impls(fla_fn, plain: bool) -> dict[str, Callable]:
 
 def _attnres_errors(srcs, q, w, dh, outs: dict[str, tuple]) -> dict[str, dict[str, float]]:
     """Each impl's ``(h, grads)`` against the fp32 reference (``depth_attention_torch``), which runs over chunks
-    of ``ATTNRES_REF_CHUNK`` source elements (any N, D, L fits): RMS errors of h and of each source's gradient summed over
-    the chunks (``dsrc_err``: the worst source), dq and dw from the reference's gradients summed over them."""
+    of ``ATTNRES_REF_CHUNK`` source elements (any N, D, L fits): RMS errors of h and of each source's gradient
+    summed over the chunks (``dsrc_err``: the worst source), dq and dw from the reference's gradients summed over
+    them."""
     from moelab.ops.attnres import depth_attention_torch
 
     L, N, D = len(srcs), srcs[0].shape[1], srcs[0].shape[2]
@@ -577,16 +578,16 @@ def _attnres_point(shape: str, impls: dict[str, Callable], ctx: Ctx) -> list[dic
         for t in leaves:
             t.grad = None
     for name, (leaves, forward, g_out) in runs.items():
-        def fwd():
+        def fwd(forward=forward):
             with torch.no_grad(), torch.autocast(ctx.dev, dtype=torch.bfloat16):
                 forward()
 
-        def step():
+        def step(forward=forward, g_out=g_out):
             with torch.autocast(ctx.dev, dtype=torch.bfloat16):
                 out = forward()
             out.backward(g_out)
 
-        def clear():
+        def clear(leaves=leaves):
             for t in leaves:
                 t.grad = None
 

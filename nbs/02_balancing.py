@@ -323,8 +323,8 @@ if not research:
     findings = study.study_report(summary, rows)
     summary = report.attach(study.add_arm_intervals(summary), findings, from_results)
     write_json(out / "summary.json", summary)
-    display(pd.Series({k: str(summary["meta"][k]) for k in ("commit", "dirty", "device", "torch", "triton", "command", "date",
-                                                    "wall_s", "tokens_per_run", "epochs")}, name="run facts").to_frame())
+    facts = ("commit", "dirty", "device", "torch", "triton", "command", "date", "wall_s", "tokens_per_run", "epochs")
+    display(pd.Series({k: str(summary["meta"][k]) for k in facts}, name="run facts").to_frame())
 
 # %% [markdown]
 # ## Findings

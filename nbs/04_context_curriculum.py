@@ -58,9 +58,10 @@ out = Path(out_dir)
 (out / "figures").mkdir(parents=True, exist_ok=True)
 (out / "results").mkdir(parents=True, exist_ok=True)
 plan = study.plan(preset)
-print(f"preset {preset}: base {plan.base} ({plan.notes}); seeds {plan.seeds}; "
-      + (f"{plan.synthetic_batch_share:.0%} of every micro-batch's sequences are retrieval sub-tasks"
-         if plan.synthetic_batch_share else f"{plan.synthetic:.0%} retrieval sub-tasks in every stage (drawn per sequence)"))
+retrieval = (f"{plan.synthetic_batch_share:.0%} of every micro-batch's sequences are retrieval sub-tasks"
+             if plan.synthetic_batch_share else f"{plan.synthetic:.0%} retrieval sub-tasks in every stage (drawn per "
+             "sequence)")
+print(f"preset {preset}: base {plan.base} ({plan.notes}); seeds {plan.seeds}; {retrieval}")
 
 # %% [markdown]
 # ## 1. The arms
@@ -84,7 +85,8 @@ pd.DataFrame([{"schedule": a, "length": st["seq_len"], "tokens per step": st["to
 # %% [markdown]
 # ### Pilot (research preset): is retrieval learnable at this size?
 # The short schedule (seed 0) trained for fewer steps, each evaluated at its own length in its training process;
-# the grid's short runs are the full-budget point. Trained first, so a split call can run it alone (`RUNS=pilot96:0,...`).
+# the grid's short runs are the full-budget point. Trained first, so a split call can run it alone
+# (`RUNS=pilot96:0,...`).
 
 # %%
 pilot_grids = [] if from_results or not plan.pilot_steps else study.train_pilot(preset, out)

@@ -224,7 +224,7 @@ def _check_study_2_research(summary: dict) -> None:
     runs = summary["runs"]
     seeds = set(balancing.PRESETS["research"]["seeds"])
     assert len(seeds) >= 3
-    for layout, (_, _, after, balancers) in balancing.LAYOUTS.items():
+    for layout, (_, _, _, balancers) in balancing.LAYOUTS.items():
         for b in balancers:
             got = {r["seed"] for r in runs if r["layout"] == layout and r["balancer"] == b}
             assert got == seeds, (layout, b, got)
