@@ -110,7 +110,8 @@ def test_split_calls_without_mlflow_or_papermill_record_runs_equal_to_one_go(tmp
     assert said[0].endswith("1 run(s) of this grid still to train: softplus:0; when every run is recorded, "
                             "`make study-7 PRESET=cpu` trains what is missing and writes the report")
     assert said[1].startswith("study 7, split call: every run of the study is recorded in ")
-    assert sum(ln.startswith("[") and "arm=" in ln for ln in lines) == 3  # bounded, then bounded (read) + softplus
+    assert sum(ln.startswith("[") and "arm=" in ln for ln in lines) == 2  # bounded, then softplus
+    assert sum(ln.startswith("1 of the grid's 2 runs read from their records") for ln in lines) == 1  # bounded
     split_records = _records(out / "07_nowheels" / "records" / "cpu")
     assert sorted(split_records) == ["bounded_s0.json", "softplus_s0.json"]
     assert not (out / "07_nowheels" / "07_nowheels.ipynb").exists()  # no notebook ran
