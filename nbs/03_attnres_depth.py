@@ -97,22 +97,43 @@ histories = report.result_table(out / "results" / "loss_histories.csv", lambda: 
       params=("params", "first"), tokens=("tokens", "first"), tok_per_s=("tok_per_s", "mean"),
       peak_mem_gb=("peak_mem_gb", "mean")))
 
-# %% [markdown]
+# %% [markdown] tags=["research"]
 # ### Research tier: the lr sweep, the loss curves, the depth gain
-# (Only with `preset = "research"`; the other presets skip these cells.) Each mode trains at three learning rates at
-# the shallow depth (seed 0); the one with the lowest final validation loss is carried to every other run of that
-# mode, so each mode is compared at its own best rate. The depth gain of a mode is its validation loss at the deep
-# depth minus the shallow one, seed by seed; the interaction is an AttnRes mode's depth gain minus PreNorm's.
+# Each mode trains at three learning rates at the shallow depth (seed 0); the one with the lowest final validation
+# loss is carried to every other run of that mode, so each mode is compared at its own best rate. The depth gain of a
+# mode is its validation loss at the deep depth minus the shallow one, seed by seed; the interaction is an AttnRes
+# mode's depth gain minus PreNorm's.
 
-# %%
+# %% tags=["research"]
 if research:
     display(common.show(study.lr_sweep_figure(rows), out / "figures" / "lr_sweep.png"))
+
+# %% [markdown] tags=["research"]
+# **Figure 1.** Final validation loss against the peak learning rate per mode at the shallow depth (one seed); the
+# rate carried to the mode's other runs circled.
+
+# %% tags=["research"]
+if research:
     display(common.show(study.research_curves_figure(histories, rows), out / "figures" / "loss_curves.png"))
+
+# %% [markdown] tags=["research"]
+# **Figure 2.** Validation loss against training tokens per depth and mode, mean over the 3 seeds with their range as
+# a band.
+
+# %% tags=["research"]
+if research:
     committed = json.loads((out / "summary.json").read_text()) if from_results else None
     bench = study.benchmark_overhead(repo_root() / "kernels" / "results" / "model_h200.json")
     summary = study.research_summary(grid, rows, bench, meta=committed["meta"] if from_results else None,
                                      overhead=study.read_overhead(out / "results"))
     display(common.show(study.depth_gain_figure(summary), out / "figures" / "depth_gain.png"))
+
+# %% [markdown] tags=["research"]
+# **Figure 3.** Left: deep minus shallow validation loss per mode (each seed a dot, the mean with its 95% paired t
+# interval). Right: each AttnRes mode's depth gain minus PreNorm's.
+
+# %% tags=["research"]
+if research:
     if from_results:
         diag_rows = study.rows_from_table(pd.read_csv(out / "results" / "layer_diagnostics.csv"))
         weights = study.weights_from_json(json.loads((out / "results" / "depth_weights.json").read_text()))
@@ -120,25 +141,23 @@ if research:
         diag_rows, weights = study.research_diag_rows(grid)
         pd.DataFrame(diag_rows).to_csv(out / "results" / "layer_diagnostics.csv", index=False)
         write_json(out / "results" / "depth_weights.json", {arm: w.tolist() for arm, w in weights.items()})
+    # drawn when the runs measured them (each run does when it finishes): the caption comes with the figure
     if diag_rows:
         display(common.show(study.norms_figure(diag_rows, plan.depths[-1]), out / "figures" / "norms_by_layer.png"))
+        display(Markdown("**Figure 4.** At the deep depth, per mode (seed 0, log scale): left, the RMS of each "
+                         "sublayer's input; right, the L2 norm of the loss gradient over each sublayer's parameters, "
+                         "measured by each run when it finished."))
     if weights:
         display(common.show(study.depth_weights_figure(weights, {a: a for a in weights}),
                             out / "figures" / "depth_weights.png"))
+        display(Markdown(f"**Figure {5 if diag_rows else 4}.** Learned depth-attention weights of each AttnRes run "
+                         "(seed 0): row $l$ is the read before sublayer $l$, column $i$ its source, colour the weight "
+                         "averaged over validation tokens."))
     findings = study.research_report(summary, rows)
     summary = report.attach(summary, findings, from_results)
     write_json(out / "summary.json", summary)
-    display(Markdown(findings.markdown()))
 
-# %% [markdown]
-# **Research figures.** `lr_sweep.png`: final validation loss against the peak learning rate per mode at the shallow
-# depth (one seed), the carried lr circled. `loss_curves.png`: validation loss against training tokens per depth and
-# mode, mean over the 3 seeds with their range as a band. `depth_gain.png`: left, deep minus shallow validation loss
-# per mode (each seed a dot, the mean with its 95% paired t interval); right, each AttnRes mode's depth gain minus
-# PreNorm's. `norms_by_layer.png` / `depth_weights.png`: the diagnostics each run measured when it finished (seed 0).
-# The remaining cells are the `cpu` / `gpu` presets' report.
-
-# %%
+# %% tags=["quick"]
 if not research:
     deepest = max(plan.depths)
     deep = histories[histories.arm.str.endswith(f"-L{deepest}")]
@@ -146,35 +165,35 @@ if not research:
     display(common.show(report.difference_figure(deep, f"prenorm-L{deepest}", title),
                         out / "figures" / "training_loss.png"))
 
-# %% [markdown]
+# %% [markdown] tags=["quick"]
 # **Figure 1.** At the deepest depth, each AttnRes arm's training loss minus prenorm's, seed by seed (same seed:
 # same initialization of the shared parts and the same data order), smoothed over 4 steps; line: mean over seeds,
 # band: its 95% t interval; diamonds: the validation loss differences with their intervals (`blockN-L*` = Block
 # AttnRes with N blocks, `full-L*` = Full AttnRes; the extra block counts ran one seed: no band). Below 0: lower
 # loss than prenorm. The y axis spans the 2-98% range of the bands after the first quarter of the steps.
 
-# %% [markdown]
+# %% [markdown] tags=["quick"]
 # ## 3. Validation loss vs depth
 # The verdicts in the findings compare arms seed by seed (the same seed gives the same data order, so what a seed
 # does to every arm alike drops out), each difference with the 95% Student t interval of the per-seed differences:
 # better or worse only when that interval excludes 0, inside the noise otherwise.
 
-# %%
+# %% tags=["quick"]
 if not research:
     display(common.show(study.loss_vs_depth_figure(rows), out / "figures" / "loss_vs_depth.png"))
 
-# %% [markdown]
+# %% [markdown] tags=["quick"]
 # **Figure 2.** Left: final validation loss (nats/token) vs number of layers (log scale), mean over seeds with its
 # 95% t interval as error bars and each seed as a dot, for prenorm, Block AttnRes with the main block
 # count and Full AttnRes; open squares: Block AttnRes with other block counts (one seed). Right: the gain over
 # prenorm, `val_loss(prenorm) − val_loss(mode)` computed seed by seed (same seed = same data order), mean and its
 # 95% t interval.
 
-# %% [markdown]
+# %% [markdown] tags=["quick"]
 # ## 4. Hidden-state and gradient norms by layer, learned depth attention
 # For the first seed of every arm: one forward and backward pass of the trained model on validation windows.
 
-# %%
+# %% tags=["quick"]
 if not research:
     if from_results:
         diag_rows = study.rows_from_table(pd.read_csv(out / "results" / "layer_diagnostics.csv"))
@@ -185,43 +204,43 @@ if not research:
         write_json(out / "results" / "depth_weights.json", {arm: w.tolist() for arm, w in weights.items()})
     display(common.show(study.norms_figure(diag_rows, deepest), out / "figures" / "norms_by_layer.png"))
 
-# %% [markdown]
+# %% [markdown] tags=["quick"]
 # **Figure 3.** At the deepest depth, per arm (log scale): left, the RMS of each sublayer's input $h_l$ (the last
 # point is the stream the final norm reads); right, the L2 norm of the loss gradient over each sublayer's
 # parameters (its pre-norm and its mixer or FFN). Under PreNorm the stream is a growing sum, so later sublayers
 # add a shrinking share to it; AttnRes keeps $h_l$ a convex mix of the sources.
 
-# %%
+# %% tags=["quick"]
 if not research:
     labels = {a: f"{a}: {study.mode_label(r['residual'], r['blocks'])}, {r['n_layers']} layers"
               for a, r in {r["arm"]: r for r in rows}.items()}
     deep_weights = {a: w for a, w in weights.items() if a.endswith(f"-L{deepest}")}
     display(common.show(study.depth_weights_figure(deep_weights, labels), out / "figures" / "depth_weights.png"))
 
-# %% [markdown]
+# %% [markdown] tags=["quick"]
 # **Figure 4.** Learned depth-attention weights at the deepest depth (first seed), one panel per AttnRes arm: row
 # $l$ is the read before sublayer $l$ (the last row: the final read before the LM head), column $i$ its source
 # (0 = the embedding, then the block sums or, for Full AttnRes, the sublayer outputs), colour the weight averaged
 # over the validation tokens. Blank cells are sources that do not exist yet at that read. At initialization every
 # row is uniform over its sources.
 
-# %% [markdown]
+# %% [markdown] tags=["quick"]
 # ## 5. Overhead: tokens/s and peak memory relative to prenorm
 
-# %%
+# %% tags=["quick"]
 if not research:
     committed = json.loads((out / "summary.json").read_text()) if from_results else None
     device = committed["meta"]["device"] if from_results else common.device_name()
     over = study.overhead(rows)
     display(common.show(study.overhead_figure(over, device), out / "figures" / "overhead.png"))
 
-# %% [markdown]
+# %% [markdown] tags=["quick"]
 # **Figure 5.** Training throughput (median tokens/s over the logging windows after the first, which holds the
 # compilation) and peak GPU memory of each AttnRes arm divided by prenorm's at the same depth, mean over seeds; 1
 # is prenorm's cost. On a CPU the depth softmax runs as plain PyTorch and memory is not recorded, so the bars do not
 # say what the fused op costs on a GPU.
 
-# %%
+# %% tags=["quick"]
 if not research:
     summary = (study.refresh_verdicts(committed, rows) if from_results
                else study.summarize(grid, rows, diag_rows, preset))
@@ -236,5 +255,4 @@ if not research:
 # ## Findings
 
 # %%
-if not research:
-    display(Markdown(study.findings(findings)))
+display(Markdown(findings.markdown() if research else study.findings(findings)))

@@ -46,7 +46,7 @@ import json
 from pathlib import Path
 
 import pandas as pd
-from IPython.display import Markdown
+from IPython.display import Markdown, display
 
 from moelab.studies import common, report
 from moelab.studies import context_curriculum as study
@@ -82,13 +82,13 @@ pd.DataFrame([{"schedule": a, "length": st["seq_len"], "tokens per step": st["to
                "retrieval share of the tokens": st["retrieval_share"]}
               for a, v in study.retrieval_budget(preset).items() for st in v["stages"]])
 
-# %% [markdown]
+# %% [markdown] tags=["research"]
 # ### Pilot (research preset): is retrieval learnable at this size?
 # The short schedule (seed 0) trained for fewer steps, each evaluated at its own length in its training process;
 # the grid's short runs are the full-budget point. Trained first, so a split call can run it alone
 # (`RUNS=pilot96:0,...`).
 
-# %%
+# %% tags=["research"]
 pilot_grids = [] if from_results or not plan.pilot_steps else study.train_pilot(preset, out)
 
 # %% [markdown]
@@ -143,18 +143,18 @@ common.show(study.passkey_figure(evals, preset), out / "figures" / "passkey_heat
 # sequence it trained on. Effective context = the longest length at which this and every shorter length reach 90%
 # accuracy averaged over depths.
 
-# %%
+# %% tags=["research"]
 if from_results:
     pilot = committed.get("pilot")
 else:
     pilot = study.pilot_rows(pilot_grids, rows, preset) if plan.pilot_steps else None
 if pilot is not None:
-    common.show(study.pilot_figure(pilot, plan.lengths[0], {"passkey": study.chance_passkey(),
-                                                           "mqar": 1 / max(2, study._mqar_values(preset))}),
-                out / "figures" / "pilot.png")
+    display(common.show(study.pilot_figure(pilot, plan.lengths[0], {"passkey": study.chance_passkey(),
+                                                                   "mqar": 1 / max(2, study._mqar_values(preset))}),
+                        out / "figures" / "pilot.png"))
 
-# %% [markdown]
-# **Figure 2b** (research preset). Pilot: passkey (left) and MQAR (right) accuracy at the short schedule's own
+# %% [markdown] tags=["research"]
+# **Figure 2b.** Pilot: passkey (left) and MQAR (right) accuracy at the short schedule's own
 # length against training tokens; blue: pilot runs, green: the grid's short runs (full budget, one dot per seed);
 # dashed red: the 0.9 the pilot asks for. Below it at every budget, the effective-context comparisons are "not tested".
 

@@ -99,7 +99,7 @@ def report_problems(nb: dict) -> list[str]:
     for i, cell in enumerate(cells):
         src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
         if cell["cell_type"] == "markdown":
-            captions += len(re.findall(r"^\*\*Figure \d+\.\*\*", src, flags=re.M))
+            captions += len(re.findall(r"^\*\*Figure \d+[a-z]?\.\*\*", src, flags=re.M))
             continue
         for out in cell.get("outputs", []):
             data = out.get("data", {})
@@ -107,7 +107,7 @@ def report_problems(nb: dict) -> list[str]:
                 images += 1
             # a figure drawn only at some presets carries its caption in its cell's output, not in a markdown cell
             md = data.get("text/markdown", "")
-            captions += len(re.findall(r"^\*\*Figure \d+\.\*\*", "".join(md) if isinstance(md, list) else md,
+            captions += len(re.findall(r"^\*\*Figure \d+[a-z]?\.\*\*", "".join(md) if isinstance(md, list) else md,
                                        flags=re.M))
             if any(k.startswith("application/vnd.jupyter.widget") for k in data):
                 problems.append(f"cell {i}: a widget output (an empty progress bar in the saved notebook)")

@@ -21,6 +21,7 @@ from moelab.base import repo_root
 from moelab.studies import attnres_depth as study
 from moelab.studies import common
 from moelab.studies.runner import run_study
+from tests.test_notebooks import report_problems
 from tests.train.mlflow_fixtures import mlflow_template_db, tracking_uri  # noqa: F401
 
 P = study.RESEARCH
@@ -182,6 +183,7 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     weights = json.loads((out / "results" / "depth_weights.json").read_text())
     assert sorted(weights) == ["block3-L12", "block6-L24", "full-L12", "full-L24"]
     nb = nbformat.read(out / f"{study.STUDY}.ipynb", as_version=4)
+    assert not report_problems(nb), report_problems(nb)  # reads as a report, as the committed one must
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     # the report says once per grid that its runs were read from their records (each run's line: progress file)
     assert "recorded, not retrained" not in text and "Traceback" not in text

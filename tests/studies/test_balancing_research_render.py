@@ -21,6 +21,7 @@ from scipy import stats
 
 from moelab.studies import balancing as study
 from moelab.studies import common, run_study
+from tests.test_notebooks import report_problems
 from tests.train.mlflow_fixtures import mlflow_template_db, tracking_uri  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -154,6 +155,7 @@ def test_research_report_renders_from_records_without_training(tmp_path, trackin
     nb = nbformat.read(out / f"{study.STUDY}.ipynb", as_version=4)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
+    assert not report_problems(nb), report_problems(nb)  # reads as a report, as the committed one must
     s = json.loads((out / "summary.json").read_text())
     meta = s["meta"]
     assert meta["preset"] == "research" and meta["runs"] == 27 and meta["runs_skipped"] == 27

@@ -21,6 +21,7 @@ from scipy import stats
 from moelab.base import repo_root
 from moelab.studies import common, run_study
 from moelab.studies import context_curriculum as cc
+from tests.test_notebooks import report_problems
 from tests.train.mlflow_fixtures import mlflow_template_db, tracking_uri  # noqa: F401
 
 P = cc.plan("research")
@@ -143,6 +144,8 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     assert not (out / "checkpoints").exists(), "a run trained"
     reused = [ln for ln in lines if "recorded, not retrained" in ln]
     assert len(reused) >= 11 and not any(ln for ln in lines if re_trained(ln)), lines
+    nb = json.loads((out / f"{cc.STUDY}.ipynb").read_text())
+    assert not report_problems(nb), report_problems(nb)  # reads as a report, as the committed one must
     summary = json.loads((out / "summary.json").read_text())
     meta = summary["meta"]
     assert meta["preset"] == "research" and meta["runs"] == 9 and meta["runs_skipped"] == 9
