@@ -1314,12 +1314,17 @@ def research_report(rows: Any, shift: Any = None) -> report.Report:
     cost = [report.compare(f"Validation loss, {a} minus none", seeds(steady, a, "final_val_loss"),
                            seeds(steady, "none", "final_val_loss"), unit="nats") for a in ("qb", "qb_hist")]
 
-    def iv(df: Any, arm: str, col: str) -> str:
+    def iv(df: Any, arm: str, col: str, steps: bool = False) -> str:
         v = list(seeds(df, arm, col).values())
-        return report.cell(report.mean_interval(v), 3, signed=False) if len(v) > 1 else "n/a"
+        if len(v) < 2:
+            return "n/a"
+        if steps:  # a count of steps: geometric mean, t interval on the log scale (it stays above 0)
+            return report.cell(report.log_interval(v), 1, signed=False)
+        return report.cell(report.mean_interval(v), 3, signed=False)
 
     table = pd.DataFrame({f"{b} @ {lay}": {
-        "steps to floor": iv(rows[rows.layout == lay].assign(arm=lambda d: d.balancer), b, "steps_to_floor"),
+        "steps to floor (geometric mean)": iv(rows[rows.layout == lay].assign(arm=lambda d: d.balancer), b,
+                                              "steps_to_floor", steps=True),
         "reached": f"{int(g.steps_to_floor.notna().sum())}/{len(g)}",
         "MaxVio_batch (last 20%)": iv(rows[rows.layout == lay].assign(arm=lambda d: d.balancer), b, "maxvio_batch"),
         "MaxVio_global": iv(rows[rows.layout == lay].assign(arm=lambda d: d.balancer), b, "maxvio_global"),
