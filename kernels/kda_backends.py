@@ -20,11 +20,14 @@ prep by autograd in fp32, the recurrence by ``recurrent_reference``), side by si
 backend that trains (``triton``) passes: cuDNN's misses are what the note in ``moelab/ops/kda/cudnn.py``
 predicts and are recorded, not fatal. Timing: ``triton.testing.do_bench`` medians (ms) of fwd+bwd and of
 the no-grad forward at B8 T4096, B1 T32768 and B2 T65536 (H16 D128), with cudnn / triton and cudnn /
-fla ratios. A backend that is not installed gets its reason in the row instead of numbers.
+fla ratios, each at two gate inputs (:data:`GATES`: fla's benchmark draw with fast decays, and the decays a moelab
+KDA layer starts from, 10- to 1000-token memories), since a kernel's speed may depend on how fast the state decays.
+A backend that is not installed gets its reason in the row instead of numbers.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -109,16 +112,39 @@ def unavailable(backend: str, fla, dev: str) -> str | None:
     return None
 
 
-def make_inputs(B, T, H, D, dtype, dev, seed):
-    """Raw q, k (normalized inside the op), v, gate input z, beta in (0, 1) in ``dtype``; A_log = log U(1, 16)
-    ``[H]``, dt_bias ~ 0.5 N(0, 1) ``[H*D]`` fp32; do, dS fp32."""
+# The gate inputs timed: ``random`` (fla's benchmark: fast decays, g about -2.5 on average) and ``model_init`` (what
+# moelab's KDA layer starts from, KDALayer.reset_gate_parameters: rate 1, g = -dt per channel with dt log-uniform in
+# [1e-3, 0.1], z near its bias: memories of 10 to 1000 tokens). A kernel whose cost depends on how fast the state
+# decays shows it between the two.
+GATES = ("random", "model_init")
+
+
+def make_inputs(B, T, H, D, dtype, dev, seed, gate: str = "random"):
+    """Raw q, k (normalized inside the op), v, gate input z, beta in (0, 1) in ``dtype``; ``gate='random'``: A_log =
+    log U(1, 16) ``[H]``, dt_bias ~ 0.5 N(0, 1) ``[H*D]`` fp32, z ~ N(0, 1); ``'model_init'``: A_log = 0, dt_bias =
+    logit(dt / 5) with dt log-uniform in [1e-3, 0.1], z ~ 0.1 N(0, 1) (:data:`GATES`); do, dS fp32."""
+    if gate not in GATES:
+        raise ValueError(f"gate={gate!r} is not allowed: expected one of {GATES}")
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     ins = [rnd(B, T, H, D), rnd(B, T, H, D), rnd(B, T, H, D), rnd(B, T, H, D), torch.sigmoid(rnd(B, T, H))]
-    A_log = torch.empty(H).uniform_(1, 16, generator=gen).log()
-    dt_bias = 0.5 * rnd(H * D)
+    if gate == "random":
+        A_log = torch.empty(H).uniform_(1, 16, generator=gen).log()
+        dt_bias = 0.5 * rnd(H * D)
+    else:
+        dt = torch.exp(torch.empty(H * D).uniform_(math.log(1e-3), math.log(0.1), generator=gen))
+        p = dt / -G_MIN
+        A_log, dt_bias = torch.zeros(H), torch.log(p) - torch.log1p(-p)
+        ins[3] = 0.1 * ins[3]
     do, dS = rnd(B, T, H, D), rnd(B, H, D, D)
     return [x.to(dev, dtype) for x in ins] + [A_log.to(dev), dt_bias.to(dev)], do.to(dev), dS.to(dev)
+
+
+def decay_regime(ins) -> dict[str, float]:
+    """The decay the inputs ``ins`` give: mean of g, and the share of channel-steps with g > -0.1 (slow)."""
+    _, _, _, z, _, A_log, dt_bias = ins
+    g = naive_kda_gate(z[:, :256].float(), A_log, "bounded", G_MIN, dt_bias)
+    return {"mean_g": float(g.mean()), "slow_share": float((g > -0.1).float().mean())}
 
 
 def reference(ins, do, dS, recurrent_reference) -> list[torch.Tensor]:
@@ -209,15 +235,17 @@ def _bench(fn, dev, grad_to_none=None) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def check_timing(shapes, dtype, dev, rows, save, *, fla) -> None:
-    """fwd+bwd and no-grad forward medians (ms) per shape and backend, with cudnn's speedups."""
+def check_timing(shapes, dtype, dev, rows, save, *, fla, gates=GATES) -> None:
+    """fwd+bwd and no-grad forward medians (ms) per shape, gate inputs (:data:`GATES`) and backend, with cudnn's
+    speedups."""
     ops = _ops(fla)
     print("\nbackends timed (ms, median): fwd+bwd | forward (no grad)")
-    for B, T, H, D in shapes:
-        case = f"B{B} T{T} H{H} D{D}"
-        ins, _, _ = make_inputs(B, T, H, D, dtype, dev, seed=7)
+    for (B, T, H, D), gate in ((shape, gate) for shape in shapes for gate in gates):
+        case = f"B{B} T{T} H{H} D{D} {gate}"
+        ins, _, _ = make_inputs(B, T, H, D, dtype, dev, seed=7, gate=gate)
         do = torch.randn(B, T, H, D, device=dev, dtype=dtype)
-        row = dict(kind="timing", case=case, B=B, T=T, H=H, D=D, fwd_bwd_ms={}, fwd_ms={}, skipped={},
+        row = dict(kind="timing", case=case, B=B, T=T, H=H, D=D, gate=gate, decay=decay_regime(ins),
+                   fwd_bwd_ms={}, fwd_ms={}, skipped={},
                    cudnn_forward_path=kda_path("cudnn", ins[0], gate="bounded", g_min=G_MIN, v=ins[2]))
         for backend in BACKENDS:
             reason = unavailable(backend, fla, dev)
@@ -258,6 +286,6 @@ def check_timing(shapes, dtype, dev, rows, save, *, fla) -> None:
         rows.append(row)
         cells = " ".join(f"{b}: {row['fwd_bwd_ms'].get(b, float('nan')):.2f} | {row['fwd_ms'].get(b, float('nan')):.2f}"
                          for b in BACKENDS + ("cudnn_inkernel",))
-        print(f"{case:20s} {cells}  speedups {row.get('fwd_bwd_speedup')} | {row.get('fwd_speedup')}"
+        print(f"{case:31s} {cells}  speedups {row.get('fwd_bwd_speedup')} | {row.get('fwd_speedup')}"
               f"{'  skipped ' + str(row['skipped']) if row['skipped'] else ''}", flush=True)
         save()
