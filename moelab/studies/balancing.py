@@ -1223,22 +1223,29 @@ def shift_findings(shift: Any) -> list[report.Finding]:
             q, rec, answer=f"{len(rec)} of {len(g)} seeds; first shifted step {g.maxvio_first.mean():.3f} vs "
                            f"{g.maxvio_before.mean():.3f} before; steps", digits=3))
 
-    def by_seed(arm: str, never: float | None = None) -> dict[int, float]:
-        g = shift[shift.arm == arm]
-        return {int(r.seed): float(r.recover_step) if pd.notna(r.recover_step) else never for r in g.itertuples()
-                if pd.notna(r.recover_step) or never is not None}
+    def by_seed(arm: str) -> dict[int, float]:  # NaN where the seed never recovered (paired() leaves it out)
+        return {int(r.seed): float(r.recover_step) if pd.notna(r.recover_step) else math.nan
+                for r in shift[shift.arm == arm].itertuples()}
 
     if {"qb", "loss_free_sign"} <= set(shift.arm):
-        # A sign-rule seed that never recovered counts as the whole shift window: its true count is larger, so
-        # the difference shown bounds the real one from above.
-        window = float(PRESETS["research"]["shift_steps"])
-        sign = shift[shift.arm == "loss_free_sign"]
-        lost = int(sign.recover_step.isna().sum())
-        note = (f"loss_free_sign recovers on {len(sign) - lost} of {len(sign)} seeds"
-                + (f" (never = {window:.0f}, the window: a bound)" if lost else ""))
+        window = PRESETS["research"]["shift_steps"]
+        sign = by_seed("loss_free_sign")
+        lost = sum(v != v for v in sign.values())
+        note = f"loss_free_sign recovers on {len(sign) - lost} of {len(sign)} seeds{_bound_note(window, lost)}"
         found.append(report.compare("Steps to re-balance after the shift, qb minus loss_free_sign", by_seed("qb"),
-                                    by_seed("loss_free_sign", window), answer=note, digits=1))
+                                    _never_as_window(sign, window), answer=note, digits=1))
     return found
+
+
+def _never_as_window(steps: Mapping[int, float], window: float) -> dict[int, float]:
+    """``steps`` per seed with NaN (never got there within the window) counted as the whole ``window``: the true
+    count is larger, so a difference taken against it bounds the real one from above (:func:`_bound_note`)."""
+    return {s: v if v == v else float(window) for s, v in steps.items()}
+
+
+def _bound_note(window: float, missing: int) -> str:
+    """What an answer adds when ``missing`` seeds were counted as the window (:func:`_never_as_window`)."""
+    return f" (never = {window:.0f}, the window: a bound)" if missing else ""
 
 
 def _span(low: float, high: float, fmt: str) -> str:
@@ -1287,10 +1294,9 @@ def research_report(rows: Any, shift: Any = None) -> report.Report:
                 q, report.log_interval(qb_steps), digits=1,
                 answer=(f"floor {floor.mean():.3f}; qb reaches it on {len(qb_steps)} of {len(steps['qb'])} seeds "
                         f"({', '.join(f'{v:.0f}' for v in qb_steps)} steps); geometric mean")))
-        # Against the fastest balancer that is not QB; a run that never reached the floor counts as the whole
-        # window: its true count is larger, so the difference shown bounds the real one from above.
+        # Against the fastest balancer that is not QB; a run that never reached the floor counts as the whole window
         others = [b for b in steps if not b.startswith("qb")]
-        censored = {b: {s: (v if v == v else float(window)) for s, v in d.items()} for b, d in steps.items()}
+        censored = {b: _never_as_window(d, window) for b, d in steps.items()}
         for rival_of, rivals in (("qb", others), ("qb_hist", ["qb"])):
             if rival_of not in steps or not rivals:
                 continue
@@ -1303,7 +1309,7 @@ def research_report(rows: Any, shift: Any = None) -> report.Report:
                 mine = list(hit[rival_of].values())
                 note = (f"{rival_of} {report.log_interval(mine).mean:.0f} steps (geometric mean, {len(mine)} of "
                         f"{len(steps[rival_of])} seeds), {rival} reaches it on {len(hit[rival])} of "
-                        f"{len(steps[rival])}" + (f" (never = {window}, the window: a bound)" if missing else ""))
+                        f"{len(steps[rival])}{_bound_note(window, missing)}")
                 f = report.compare(qv, hit[rival_of], censored[rival], answer=note, digits=1)
             (versus if rival_of == "qb" else extra).append(f)
     steady = rows[rows.layout == "8x2048"].copy()
@@ -1322,13 +1328,13 @@ def research_report(rows: Any, shift: Any = None) -> report.Report:
             return report.cell(report.log_interval(v), 1, signed=False)
         return report.cell(report.mean_interval(v), 3, signed=False)
 
+    at = {lay: rows[rows.layout == lay].assign(arm=lambda d: d.balancer) for lay in LAYOUTS}
     table = pd.DataFrame({f"{b} @ {lay}": {
-        "steps to floor (geometric mean)": iv(rows[rows.layout == lay].assign(arm=lambda d: d.balancer), b,
-                                              "steps_to_floor", steps=True),
+        "steps to floor (geometric mean)": iv(at[lay], b, "steps_to_floor", steps=True),
         "reached": f"{int(g.steps_to_floor.notna().sum())}/{len(g)}",
-        "MaxVio_batch (last 20%)": iv(rows[rows.layout == lay].assign(arm=lambda d: d.balancer), b, "maxvio_batch"),
-        "MaxVio_global": iv(rows[rows.layout == lay].assign(arm=lambda d: d.balancer), b, "maxvio_global"),
-        "val loss": iv(rows[rows.layout == lay].assign(arm=lambda d: d.balancer), b, "final_val_loss"),
+        "MaxVio_batch (last 20%)": iv(at[lay], b, "maxvio_batch"),
+        "MaxVio_global": iv(at[lay], b, "maxvio_global"),
+        "val loss": iv(at[lay], b, "final_val_loss"),
         "GPU minutes": f"{g.gpu_minutes.sum():.1f}",
     } for (lay, b), g in rows.groupby(["layout", "balancer"], sort=False)}).T
     details = [f"Warm start: {WARM_STEPS} steps with the balancer off (bias zero, no aux loss), then each balancer "

@@ -569,6 +569,6 @@ class Report:
 
 
 __all__ = ["CLAIMS", "Finding", "Interval", "LEVEL", "MAX_LEAD", "Report", "add_intervals", "attach", "bootstrap",
-           "by_seed", "cell", "committed_figure", "compare", "difference_figure", "headline",
-           "judge", "log_interval", "markdown_table", "mean_interval", "measured", "not_tested", "paired", "palette", "render",
-           "result_table", "smooth", "status_text", "step_differences", "summary_block", "welch"]
+           "by_seed", "cell", "committed_figure", "compare", "difference_figure", "headline", "judge", "log_interval",
+           "markdown_table", "mean_interval", "measured", "not_tested", "paired", "palette", "render", "result_table",
+           "smooth", "status_text", "step_differences", "summary_block", "welch"]

@@ -713,12 +713,13 @@ def _require_modules(names: tuple[str, ...] = REQUIRED_MODULES) -> None:
 
 # Cell tags of a study notebook: a cell tagged ``research`` belongs to the research tier's report, one tagged
 # ``quick`` to the cpu/gpu presets' report; the executed notebook keeps only the cells of the preset it ran.
-TIER_TAGS = {"research": "research", "quick": "quick"}
+RESEARCH_TAG, QUICK_TAG = "research", "quick"
 
 
 def _tier_cells(cells: list[Any], preset: str) -> list[Any]:
-    """The cells a report of ``preset`` shows: those tagged for the other tier (:data:`TIER_TAGS`) left out."""
-    other = TIER_TAGS["quick"] if preset == "research" else TIER_TAGS["research"]
+    """The cells a report of ``preset`` shows: those tagged for the other tier (:data:`RESEARCH_TAG`,
+    :data:`QUICK_TAG`) left out."""
+    other = QUICK_TAG if preset == "research" else RESEARCH_TAG
     return [c for c in cells if other not in c.get("metadata", {}).get("tags", [])]
 
 
