@@ -111,6 +111,7 @@ def main() -> int:
         "sterm": [(B._kda_bwd_sterm, dict(base, BV=64, **bf), "BK", None)],
         "dqkg": [(B._kda_bwd_dqkg, dict(base, BC=16, BOUNDED=m, IEEE=False), "BK", m) for m in (True, False)],
         "dg": [(B._kda_bwd_dg, dict(base), "BK", None)],
+        "grad": [(B._kda_bwd_grad, dict(base, BC=16, BV=64, BOUNDED=m, **bf), "BK", m) for m in (True, False)],
     }
     with tc.launch_overrides(launch=cfgs):
         for name, variants in kernels.items():

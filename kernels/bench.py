@@ -237,7 +237,11 @@ class Entry:
 
 # ---------------------------------------------------------------------------------- kda, kda_long
 
-KDA_IMPLS = ("moelab_bounded", "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash")
+KDA_IMPLS = ("moelab_bounded", "moelab_bounded_gradfused", "moelab_general", "fla_safe_gate", "fla_softplus",
+             "sdpa_flash")
+# moelab rows run with these ``triton_chunk.launch_overrides`` (the forward and the backward), so that a variant
+# not yet the op's default is timed beside it in the same run
+KDA_VARIANTS = {"moelab_bounded_gradfused": dict(grad="fused")}
 
 
 def _shape_name(B: int, T: int, H: int | None = None) -> str:
@@ -312,7 +316,10 @@ def _kda_rows(ctx: Ctx, table: dict[str, tuple], impls: tuple[str, ...]) -> dict
                 continue
             row: dict[str, Any] = dict(impl=impl, B=B, T=T, H=H, D=D, fwd_ms=None, fwdbwd_ms=None, peak_mem_gb=None)
             try:
-                row.update(_kda_time(*_kda_case(impl, B, T, H, D, ctx, fla_chunk_kda), ctx))
+                from moelab.ops.kda.triton_chunk import launch_overrides
+
+                with launch_overrides(**KDA_VARIANTS.get(impl, {})):
+                    row.update(_kda_time(*_kda_case(impl, B, T, H, D, ctx, fla_chunk_kda), ctx))
             except torch.cuda.OutOfMemoryError:
                 row["error"] = "OOM"
             except Exception as exc:  # one failing baseline must not hide the rest: recorded in its row
@@ -325,7 +332,7 @@ def _kda_rows(ctx: Ctx, table: dict[str, tuple], impls: tuple[str, ...]) -> dict
 
 
 def run_kda(ctx: Ctx) -> dict[str, Any]:
-    impls = KDA_IMPLS if ctx.cuda else ("moelab_bounded", "moelab_general")
+    impls = KDA_IMPLS if ctx.cuda else ("moelab_bounded", "moelab_bounded_gradfused", "moelab_general")
     return _kda_rows(ctx, KDA_SHAPES, impls)
 
 

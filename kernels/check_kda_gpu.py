@@ -469,6 +469,8 @@ def main() -> int:
                     help="let fla autotune over all its configs (default: the first config left by its pruning)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU in the Triton interpreter")
     ap.add_argument("--emulate-bf16", action="store_true", help="CPU only: emulate the GPU's bf16 rounding")
+    ap.add_argument("--grad", choices=("split", "fused"),
+                    help="the training op's gradient kernels (moelab.ops.kda.triton_chunk.GRAD; default: the op's)")
     args = ap.parse_args()
     if args.emulate_bf16 and torch.cuda.is_available():
         ap.error("--emulate-bf16 is for CPU runs; on the GPU the real bf16 path runs")
@@ -477,6 +479,9 @@ def main() -> int:
         chunk_kda = emulate_bf16()
     else:
         from moelab.ops.kda.triton_chunk import chunk_kda
+    from moelab.ops.kda import triton_chunk as chunk_module  # after emulate_bf16(), which patches it first
+
+    grad = args.grad or chunk_module.GRAD
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -521,7 +526,7 @@ def main() -> int:
                 torch=torch.__version__, triton=triton.__version__,
                 fla=getattr(sys.modules.get("fla"), "__version__", None), fla_autotune=fla_autotune,
                 date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                command=" ".join(sys.argv), reference_self_check=ref_err, gate_rule=GATE_RULE,
+                command=" ".join(sys.argv), reference_self_check=ref_err, gate_rule=GATE_RULE, grad=grad,
                 complete=False, passed=None)
     result = dict(meta=meta, rows=[], gate_rows=[], packed_rows=[], backend_rows=[])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -545,9 +550,10 @@ def main() -> int:
                   packed=(check_packed, packed_cases, "packed_rows"),
                   backends=(backends_check, backend_cases, "backend_rows"))
     ok = True
-    for part in parts:
-        check, part_cases, key = checks[part]
-        ok &= check(chunk_kda, part_cases, dtype, dev, args.emulate_bf16, result[key], save)
+    with chunk_module.launch_overrides(grad=grad):
+        for part in parts:
+            check, part_cases, key = checks[part]
+            ok &= check(chunk_kda, part_cases, dtype, dev, args.emulate_bf16, result[key], save)
     meta.update(complete=True, passed=ok, seconds=time.perf_counter() - START)
     save()
     print(("ALL PASSED" if ok else "FAILURES") + f" ({', '.join(parts)}); wrote {args.out} {stamp()}")

@@ -185,7 +185,8 @@ def test_bf16_on_gpu(mode):
     _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS, mode=mode), torch.bfloat16)
 
 
-KERNELS = {"kktr", "merge", "wu", "state", "state_small", "out", "dh", "wy", "sterm", "dqkg", "dg"}
+KERNELS = {"kktr", "merge", "wu", "state", "state_small", "out", "dh", "wy", "sterm", "dqkg", "dg", "grad"}
+SPLIT_ONLY, FUSED_ONLY = {"sterm", "dqkg", "dg"}, {"grad"}  # the gradient kernels of GRAD = "split" / "fused"
 
 
 def test_launch_overrides():
@@ -209,6 +210,44 @@ def test_launch_overrides():
     with pytest.raises(ValueError, match="'kktr'"), tc.launch_overrides(maxnreg={"kktr": 300}):
         pass
     assert tc.LAUNCH == launch and tc.MAXNREG == maxnreg
+    default = tc.GRAD
+    with pytest.raises(RuntimeError, match="inside"), tc.launch_overrides(grad="fused"):
+        assert tc.GRAD == "fused"
+        raise RuntimeError("inside")
+    assert tc.GRAD == default
+    with pytest.raises(ValueError, match=r"grad='one' is not allowed: expected one of \('split', 'fused'\)"), \
+            tc.launch_overrides(grad="one"):
+        pass
+    assert tc.GRAD == default
+
+
+# the fused gradient kernel (GRAD = "fused") against the reference and the split kernels, both modes
+FUSED_GRAD = [
+    (1, 40, 1, 20, 40, 32, torch.float32, True),  # two sub-tiles, padded K and V
+    (1, 37, 2, 16, 24, 16, torch.float16, False),  # chunk 16: one sub-tile, no sweep
+    (1, 100, 1, 32, 16, 64, torch.float16, True),  # four sub-tiles, both sweeps, partial second chunk
+    pytest.param((2, 150, 2, 32, 16, 64, torch.float32, True), marks=slow),  # B > 1, several K-blocks
+]
+
+
+@pytest.mark.parametrize("mode", ["bounded", "general"])
+@pytest.mark.parametrize(
+    "case", FUSED_GRAD, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}K{c[3]}V{c[4]}C{c[5]}-{str(c[6])[6:]}-h0{int(c[7])}")
+def test_fused_grad_matches_reference_and_split(case, mode):
+    """``_kda_bwd_grad`` (sterm + dqkg + dg in one program per chunk, with running-rescale sweeps for the
+    off-diagonal sub-tiles) gives the reference's gradients within the dtype's bound, and the split
+    kernels' to fp32 round-off on fp32 inputs (the same products, summed in another order)."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    B, T, H, K, V, C, dtype, h0 = case
+    ins, s0, do, dS = _inputs(B, T, H, K, V, dtype, seed=B * 1000 + T * 7 + K + V, h0=h0)
+    with tc.launch_overrides(grad="fused"):
+        fused = _run(chunk, ins, s0, do, dS, mode=mode, chunk_size=C)
+    _compare(_reference(ins, s0, do, dS), fused, dtype)
+    if dtype == torch.float32:
+        split = _run(chunk, ins, s0, do, dS, mode=mode, chunk_size=C)
+        for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], split[2], fused[2]):
+            assert_close(a, b, 1e-6, name)
 
 
 # fused prep: (B, T, H, K, V, chunk, gate, mode, silu, dt_bias)
@@ -292,6 +331,23 @@ def test_fused_prep_ignores_uninitialised_memory(monkeypatch, case):
     assert len(allocs) > 20, f"the poisoning reached only {len(allocs)} allocations"
 
 
+@pytest.mark.parametrize("case", FUSED[:2], ids=FUSED_IDS[:2])
+def test_fused_grad_ignores_uninitialised_memory(monkeypatch, case):
+    """The same poisoning with the fused gradient kernel (``GRAD = "fused"``), both modes."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    @contextlib.contextmanager
+    def poison_fused():
+        with monkeypatch.context() as m, tc.launch_overrides(grad="fused"):
+            for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")):
+                make = getattr(owner, name)
+                m.setattr(owner, name, lambda *a, _make=make, **kw: (
+                    lambda x: x.fill_(float("nan")) if x.is_floating_point() else x)(_make(*a, **kw)))
+            yield
+
+    _check_fused_prep(case, poison_fused)
+
+
 def test_fused_prep_bad_arguments():
     ins, _, _, _ = _inputs(1, 8, 2, 16, 16, torch.float32, seed=1, h0=False)
     A_log = torch.zeros(2, device=DEV)
@@ -325,6 +381,8 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
     for mode in ("bounded", "general"):
         ins, s0, do, dS = _inputs(1, 40, 1, 16, 16, torch.float32, seed=1)
         _run(chunk, ins, s0, do, dS, mode=mode)
+        with tc.launch_overrides(grad="split" if tc.GRAD == "fused" else "fused"):
+            _run(chunk, ins, s0, do, dS, mode=mode)
     assert set(seen) == KERNELS - {"state"}  # B1 H1: the small-grid state launch
 
 

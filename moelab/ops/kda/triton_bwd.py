@@ -21,6 +21,9 @@ it), the state kernel reruns (``h_c``, ``U``), then (every kernel reads G, none 
   from the same rounded operands, so that they cancel in dg's reverse cumsum.
 * ``_kda_bwd_dg``: ``dg`` is the reverse cumsum of ``dG`` within the chunk plus the gradient of
   ``G_last`` (which every g of the chunk feeds).
+
+``_kda_bwd_grad`` does what sterm, dqkg and dg do in one program per K-block and chunk (the op's
+``GRAD = "fused"``; the off-diagonal sub-tiles as two running-rescale sweeps over the chunk).
 """
 
 from __future__ import annotations
@@ -431,3 +434,177 @@ def _dkb_block(cols, hbuf, dU, Tm, r, H: tl.constexpr, V: tl.constexpr, C: tl.co
         dUt = tl.load(dU + r[:, None] * (H * V) + cv[None, :])
         dw += _dot(_cast(dUt, DOT_BF16), _cast(tl.trans(ht), DOT_BF16), IEEE)
     return -_dot(_cast(tl.trans(Tm), False), _cast(dw, False), IEEE)
+
+
+@triton.jit
+def _kda_bwd_grad(
+    q, k, Gbuf, beta, hbuf, dhbuf, U, do, dAs, dkb,
+    dq, dk, dg, dbk,
+    scale, T, NBH,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
+):
+    """``_kda_bwd_sterm``, ``_kda_bwd_dqkg`` and ``_kda_bwd_dg`` in one program per K-block and
+    chunk (grid ``[K // BK, NT, B*H]``), on ``[C, BK]`` tiles of the whole chunk: the state terms,
+    the gated-score terms and the chunk-local reverse cumsum, so that dq, dk, dG and d(G_last)
+    never leave registers (the split kernels pass them through fp32 scratch: ``dGs``, ``dGl``,
+    ``dq`` read back, ``dkb`` rewritten) and one launch replaces three. Stores dq, dk, dg (final)
+    and the score + state part of dbeta (``dbk`` ``[K // BK, B, T, H]``, summed on the host).
+
+    The gated scores pair rows ``i`` and columns ``j`` of sub-tiles ``I >= J`` (``BC`` rows each):
+    * diagonal (``I = J``): bounded mode one ``[C, C] x [C, BK]`` product each side with the score
+      gradient masked to the diagonal blocks, on factors shifted to G at each sub-tile's row
+      ``BC // 2 - 1`` (``_kda_bwd_dqkg``'s rule); general mode element-wise ``e^{G_i - G_j}`` per
+      pair in fp32, ``BC`` steps that take partner ``s`` of every sub-tile at once;
+    * off-diagonal (``I > J``), as two sweeps with a running rescale (flash-attention style): the
+      row side walks ``J`` up, adding ``dS[:, J] tf32(k_J e^{E_J - G_J})`` (``E_J``: G at the last
+      row of J) to an accumulator whose rows ``I > J`` it first rescales by ``e^{E_J - E_{J-1}}``
+      (<= 1; rows ``I <= J`` are complete and stay), so that row ``i`` of sub-tile ``I`` ends
+      referenced to ``E_{I-1}``, multiplied by ``e^{G_i - E_{I-1}}`` (<= 1); the column side walks
+      ``I`` down with ``tf32(q_I e^{G_I - E_{I-1}})`` the same way, ending referenced to ``E_J``
+      for the column factor ``e^{E_J - G_j}``. Every exponent is <= 0, in both modes.
+    Both sides of a pair then use the same two TF32-rounded factors and the same bridge
+    ``e^{E_{I-1} - E_J}`` (up to fp32 rounding of the rescale order), so the two dG terms of a pair
+    cancel in dg's reverse cumsum as in the split kernels.
+    """
+    i_k = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    NC: tl.constexpr = C // BC
+    SK: tl.constexpr = H * K
+    r = tl.arange(0, C)
+    rc = tl.arange(0, BC)
+    cols = tl.arange(0, BK)
+    bi = r // BC  # the sub-tile of each row
+    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h  # the chunk's first token
+    bo = i_k * BK
+    q += row0 * K + bo
+    k += row0 * K + bo
+    Gbuf += row0 * K + bo
+    dkb += row0 * K + bo
+    dq += row0 * K + bo
+    dk += row0 * K + bo
+    dg += row0 * K + bo
+    U += row0 * V
+    do += row0 * V
+    beta += row0
+    dbk += i_k.to(tl.int64) * NBH * T + row0  # [K // BK, B, T, H]; B*T*H = NBH*T
+    c_off = (i_b * (T // C) + i_c).to(tl.int64) * H + i_h  # (chunk, head) index
+    hbuf += c_off * K * V + bo * V
+    dhbuf += c_off * K * V + bo * V
+    dAs += c_off * (2 * C * C)
+
+    kp = r[:, None] * SK + cols[None, :]
+    G = tl.load(Gbuf + kp)
+    qt = tl.load(q + kp).to(tl.float32)
+    kt = tl.load(k + kp).to(tl.float32)
+    b = tl.load(beta + r * H).to(tl.float32)
+    bk = kt * b[:, None]
+    Gl = tl.load(Gbuf + (C - 1) * SK + cols)
+
+    # state terms (as _kda_bwd_sterm): dq, dk and their dG, dbeta, d(G_last)
+    dqa, dka, dGa, db, part, dgl = _state_terms(r, cols, hbuf, dhbuf, U, do, G, Gl, qt, kt, b, tl.load(dkb + kp),
+                                                scale, H, V, BV, DOT_BF16, IEEE)
+
+    # diagonal sub-tiles: rq, rk (row side: dq, and dk through A_kk before beta) and cs (column side: dk)
+    same = bi[:, None] == bi[None, :]
+    if BOUNDED:
+        Gm = tl.load(Gbuf + (bi * BC + BC // 2 - 1)[:, None] * SK + cols[None, :])
+        up = tl.exp2(G - Gm)
+        down = tl.exp2(Gm - G)
+        kdn = _tf32(kt * down, IEEE)
+        qu = _tf32(qt * up, IEEE)
+        bku = _tf32(bk * up, IEEE)
+        sP = r[:, None] * C + r[None, :]  # dS[i, j]
+        tP = r[None, :] * C + r[:, None]  # dS[j, i]
+        pq = _dot(_cast(tl.where(same, tl.load(dAs + sP), 0.0), False), _cast(kdn, False), IEEE)
+        pk = _dot(_cast(tl.where(same, tl.load(dAs + C * C + sP), 0.0), False), _cast(kdn, False), IEEE)
+        pc = (_dot(_cast(tl.where(same, tl.load(dAs + tP), 0.0), False), _cast(qu, False), IEEE)
+              + _dot(_cast(tl.where(same, tl.load(dAs + C * C + tP), 0.0), False), _cast(bku, False), IEEE))
+        dGa += qu * pq + bku * pk - kdn * pc
+        rk = up * pk
+        dqa += up * pq
+        dka += rk * b[:, None] + down * pc
+        db += tl.sum(rk * kt, axis=1)
+    else:
+        rq = tl.zeros([C, BK], dtype=tl.float32)
+        rk = tl.zeros([C, BK], dtype=tl.float32)
+        cs = tl.zeros([C, BK], dtype=tl.float32)
+        for s in range(BC):
+            j = bi * BC + s  # partner s of each row's sub-tile
+            pj = j[:, None] * SK + cols[None, :]
+            kj = tl.load(k + pj).to(tl.float32)
+            qj = tl.load(q + pj).to(tl.float32)
+            Gj = tl.load(Gbuf + pj)
+            bj = tl.load(beta + j * H).to(tl.float32)
+            e_r = tl.exp2(tl.where((r >= j)[:, None], G - Gj, float("-inf")))  # row side: rows i >= j
+            rq += tl.load(dAs + r * C + j)[:, None] * kj * e_r
+            rk += tl.load(dAs + C * C + r * C + j)[:, None] * kj * e_r
+            e_c = tl.exp2(tl.where((r <= j)[:, None], Gj - G, float("-inf")))  # column side: rows j >= i
+            cs += (tl.load(dAs + j * C + r)[:, None] * qj
+                   + (tl.load(dAs + C * C + j * C + r) * bj)[:, None] * kj) * e_c
+        dGa += qt * rq + bk * rk - kt * cs
+        dqa += rq
+        dka += rk * b[:, None] + cs
+        db += tl.sum(rk * kt, axis=1)
+
+    # row side, J < I: accumulators referenced to E_J after step J, rows of later sub-tiles only
+    aq = tl.zeros([C, BK], dtype=tl.float32)
+    ak = tl.zeros([C, BK], dtype=tl.float32)
+    E = tl.zeros([BK], dtype=tl.float32)
+    for J in tl.static_range(0, NC - 1):
+        E_prev = E
+        E = tl.load(Gbuf + (J * BC + BC - 1) * SK + cols)
+        if J > 0:
+            later = (bi > J)[:, None]
+            f = tl.exp2(E - E_prev)[None, :]
+            aq = tl.where(later, aq * f, aq)
+            ak = tl.where(later, ak * f, ak)
+        pJ = (J * BC + rc)[:, None] * SK + cols[None, :]
+        kf = _tf32(tl.load(k + pJ).to(tl.float32) * tl.exp2(E[None, :] - tl.load(Gbuf + pJ)), IEEE)
+        sJ = r[:, None] * C + (J * BC + rc)[None, :]
+        rows_later = (bi > J)[:, None]
+        aq += _dot(_cast(tl.where(rows_later, tl.load(dAs + sJ), 0.0), False), _cast(kf, False), IEEE)
+        ak += _dot(_cast(tl.where(rows_later, tl.load(dAs + C * C + sJ), 0.0), False), _cast(kf, False), IEEE)
+    # row i of sub-tile I >= 1: referenced to E_{I-1} = G at row I*BC - 1 (sub-tile 0 has none)
+    Eb = tl.load(Gbuf + tl.maximum(bi * BC - 1, 0)[:, None] * SK + cols[None, :])
+    eI = tl.exp2(tl.where((bi > 0)[:, None], G - Eb, 0.0))
+    dGa += _tf32(qt * eI, IEEE) * aq + _tf32(bk * eI, IEEE) * ak
+    rk = eI * ak
+    dqa += eI * aq
+    dka += rk * b[:, None]
+    db += tl.sum(rk * kt, axis=1)
+
+    # column side, I > J: walk I down; rows j of sub-tiles before I referenced to E_{I-1} after step I
+    ac = tl.zeros([C, BK], dtype=tl.float32)
+    E = tl.zeros([BK], dtype=tl.float32)
+    for t in tl.static_range(0, NC - 1):
+        Ib = NC - 1 - t
+        E_next = E
+        E = tl.load(Gbuf + (Ib * BC - 1) * SK + cols)  # E_{Ib-1}
+        earlier = (bi < Ib)[:, None]
+        if t > 0:
+            ac = tl.where(earlier, ac * tl.exp2(E_next - E)[None, :], ac)
+        pI = (Ib * BC + rc)[:, None] * SK + cols[None, :]
+        eq = tl.exp2(tl.load(Gbuf + pI) - E[None, :])
+        bI = tl.load(beta + (Ib * BC + rc) * H).to(tl.float32)
+        qf = _tf32(tl.load(q + pI).to(tl.float32) * eq, IEEE)
+        bkf = _tf32(tl.load(k + pI).to(tl.float32) * bI[:, None] * eq, IEEE)
+        tI = (Ib * BC + rc)[None, :] * C + r[:, None]  # element (j, i) of dS^T: dS[i, j], i in Ib
+        ac += (_dot(_cast(tl.where(earlier, tl.load(dAs + tI), 0.0), False), _cast(qf, False), IEEE)
+               + _dot(_cast(tl.where(earlier, tl.load(dAs + C * C + tI), 0.0), False), _cast(bkf, False), IEEE))
+    Ej = tl.load(Gbuf + (bi * BC + BC - 1)[:, None] * SK + cols[None, :])  # E_J of each row's sub-tile
+    fj = tl.exp2(Ej - G)
+    dGa -= _tf32(kt * fj, IEEE) * ac
+    dka += fj * ac
+
+    tl.store(dq + kp, dqa.to(dq.dtype.element_ty))
+    tl.store(dk + kp, dka.to(dk.dtype.element_ty))
+    tl.store(dbk + r * H, db)
+    # dg: the reverse cumsum of dG within the chunk, plus d(G_last), which every g of the chunk feeds
+    tot = part + tl.exp2(Gl) * dgl
+    out = tl.sum(dGa, axis=0)[None, :] - tl.cumsum(dGa, axis=0) + dGa + tot[None, :]
+    tl.store(dg + kp, out.to(dg.dtype.element_ty))

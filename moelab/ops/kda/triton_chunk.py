@@ -35,7 +35,14 @@ import triton
 
 from moelab.ops.kda.bounds import G_MIN_FLOOR, SUBTILE
 from moelab.ops.kda.gate import check_op_shapes
-from moelab.ops.kda.triton_bwd import _kda_bwd_dg, _kda_bwd_dh, _kda_bwd_dqkg, _kda_bwd_sterm, _kda_bwd_wy
+from moelab.ops.kda.triton_bwd import (
+    _kda_bwd_dg,
+    _kda_bwd_dh,
+    _kda_bwd_dqkg,
+    _kda_bwd_grad,
+    _kda_bwd_sterm,
+    _kda_bwd_wy,
+)
 from moelab.ops.kda.triton_common import LOG2E
 from moelab.ops.kda.triton_fwd import _kda_fwd_kkt_row, _kda_fwd_merge, _kda_fwd_out, _kda_fwd_state, _kda_fwd_wu
 from moelab.ops.kda.triton_prep import prep_bwd, prep_fwd, prep_fwd_chunked
@@ -71,12 +78,19 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "sterm": (64, 4, 1),
     "dqkg": (32, 1, 1),
     "dg": (64, 4, 1),
+    # GRAD = "fused": sterm + dqkg + dg in one program per K-block and chunk; not yet timed on a GPU
+    "grad": (64, 8, 1),
     # the sequential state kernel when B * H * V / 32 <= SMALL_GRID (B1 H16: 64 programs at 32-wide
     # blocks, under one per SM): 16-wide blocks give 128 programs, and two stages prefetch the next
     # chunk's loads, which do not depend on the carried state
     "state_small": (16, 2, 2),
 }
 SMALL_GRID = 128
+# The backward's gradient kernels: "split" (sterm, dqkg, dg: three launches, measured on the H200) or
+# "fused" (``_kda_bwd_grad``: one launch, checked against the fp32 reference in the interpreter, not yet
+# timed on a GPU); ``launch_overrides(grad=...)`` switches it for A/B runs.
+GRAD = "split"
+GRAD_KERNELS = ("split", "fused")
 # the interpreter: 16-wide blocks so that small test shapes still take the multi-block paths
 _INTERP_LAUNCH = (16, 4, 1)
 # Register cap per kernel (ptxas ``maxnreg``): the 1-warp kktr takes ~216 registers uncapped; the
@@ -85,7 +99,7 @@ MAXNREG: dict[str, int] = {"kktr": 168}
 
 
 @contextlib.contextmanager
-def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None):
+def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None, *, grad: str | None = None):
     """Run the op with some ``LAUNCH`` / ``MAXNREG`` entries replaced, restored on exit (A/B runs
     and launch-config sweeps, e.g. ``kernels/bench.py --entry kda --base REV``).
 
@@ -93,7 +107,11 @@ def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None):
         launch: ``{kernel: (block, num_warps, num_stages)}`` for kernels named in ``LAUNCH``.
         maxnreg: ``{kernel: registers}`` (32..255) for kernels named in ``LAUNCH``; ``None`` as a
             value removes that kernel's cap.
+        grad: the backward's gradient kernels, one of ``GRAD_KERNELS`` (``GRAD``); None keeps it.
     """
+    global GRAD
+    if grad is not None and grad not in GRAD_KERNELS:
+        raise ValueError(f"grad={grad!r} is not allowed: expected one of {GRAD_KERNELS}")
     launch, maxnreg = dict(launch or {}), dict(maxnreg or {})
     for name, cfg in launch.items():
         if name not in LAUNCH or len(cfg) != 3:
@@ -103,7 +121,8 @@ def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None):
         if name not in LAUNCH or not (val is None or 32 <= int(val) <= 255):
             raise ValueError(f"maxnreg entry {name!r}: {val!r} is not allowed: expected one of {sorted(LAUNCH)} "
                              f"mapped to a register count in 32..255 or None")
-    saved = dict(LAUNCH), dict(MAXNREG)
+    saved = dict(LAUNCH), dict(MAXNREG), GRAD
+    GRAD = grad or GRAD
     LAUNCH.update({name: tuple(int(x) for x in cfg) for name, cfg in launch.items()})
     for name, val in maxnreg.items():
         if val is None:
@@ -117,6 +136,7 @@ def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None):
         LAUNCH.update(saved[0])
         MAXNREG.clear()
         MAXNREG.update(saved[1])
+        GRAD = saved[2]
 
 
 class _Launcher:
@@ -150,6 +170,7 @@ _wy = _Launcher("wy", _kda_bwd_wy, "BK")
 _dqkg = _Launcher("dqkg", _kda_bwd_dqkg, "BK")
 _dg = _Launcher("dg", _kda_bwd_dg, "BK")
 _sterm = _Launcher("sterm", _kda_bwd_sterm, "BK")
+_grad = _Launcher("grad", _kda_bwd_grad, "BK")
 _kktr = _Launcher("kktr", _kda_fwd_kkt_row, "BK")
 _merge = _Launcher("merge", _kda_fwd_merge, None)
 _wu = _Launcher("wu", _kda_fwd_wu, "BK")
@@ -335,6 +356,34 @@ def _inputs(q, k, v, g, beta, A_log, dt_bias, h0, prep, C, pack, bounded):
     return qp, kp, vp, gp, bp, h0p
 
 
+def _grad_split(q, k, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dbv, scale, bounded, C):
+    """The gradient kernels of ``GRAD = "split"``: ``_kda_bwd_sterm`` (state terms per chunk), then
+    ``_kda_bwd_dqkg`` (gated-score terms per 16-row sub-tile), then ``_kda_bwd_dg`` (reverse cumsum);
+    fills dq, dk, dg and returns dbeta (``dbv`` plus the K-block partial sums)."""
+    B, T, H, K = q.shape
+    V = do.shape[-1]
+    NT = T // C
+    dot_bf16, ieee = _dot_bf16(q.dtype), _ieee(q.dtype)
+    nk = K // _dqkg.config(K, V)[0]
+    nks = K // _sterm.config(K, V)[0]
+    dbk = torch.empty(nk, B, T, H, device=q.device, dtype=torch.float32)  # per-K-block dbeta terms
+    dbs = torch.empty(nks, B, T, H, device=q.device, dtype=torch.float32)  # same, state terms
+    dGs = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)  # dG before the reverse cumsum
+    dGl = torch.empty(B, NT, H, K, device=q.device, dtype=torch.float32)  # d(G_last)
+    # the state terms per chunk first, then the per-sub-tile kernel adds the gated-score terms
+    _sterm(
+        lambda bk: (K // bk, NT, B * H), q, k, G, beta, inter["hbuf"], dhbuf, inter["U"], do, dkb, dq, dGs,
+        dGl, dbs, scale, T, B * H, H=H, K=K, V=V, C=C, BV=min(V, 64), DOT_BF16=dot_bf16, IEEE=ieee,
+    )
+    dbeta = dbv + dbs.sum(0)
+    _dqkg(
+        lambda bk: (K // bk, NT * (C // SUBTILE), B * H), q, k, G, beta, dAs, dkb, dq, dk, dGs, dbk, T, B * H,
+        H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, IEEE=ieee,
+    )
+    _dg(lambda bk: (K // bk, NT, B * H), dGs, dGl, dg, T, H=H, K=K, V=V, C=C)
+    return dbeta + dbk.sum(0)
+
+
 class ChunkKDAFunction(torch.autograd.Function):
     """Autograd wrapper: optional fused prep (``Prep``), padding, the chunk kernels; gradients for
     q, k, v, g (or the gate's z, A_log, dt_bias), beta and initial_state."""
@@ -411,25 +460,18 @@ class ChunkKDAFunction(torch.autograd.Function):
             H=H, K=K, V=V, C=C, BV=min(V, 64), DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
         )
         del dU  # only dh (writes) and wy (reads) use it: freed before the largest allocations below
-        nk = K // _dqkg.config(K, V)[0]
-        nks = K // _sterm.config(K, V)[0]
-        dbk = torch.empty(nk, B, T, H, device=q.device, dtype=torch.float32)  # per-K-block dbeta terms
-        dbs = torch.empty(nks, B, T, H, device=q.device, dtype=torch.float32)  # same, state terms
-        dGs = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)  # dG before the reverse cumsum
-        dGl = torch.empty(B, NT, H, K, device=q.device, dtype=torch.float32)  # d(G_last)
-        # the state terms per chunk first, then the per-sub-tile kernel adds the gated-score terms
-        _sterm(
-            lambda bk: (K // bk, NT, B * H), q, k, G, beta, inter["hbuf"], dhbuf, inter["U"], do, dkb, dq, dGs,
-            dGl, dbs, scale, T, B * H, H=H, K=K, V=V, C=C, BV=min(V, 64), DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
-        )
-        dbeta = dbv + dbs.sum(0)
-        _dqkg(
-            lambda bk: (K // bk, NT * (C // SUBTILE), B * H), q, k, G, beta, dAs, dkb, dq, dk, dGs, dbk, T, B * H,
-            H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, IEEE=_ieee(q.dtype),
-        )
-        _dg(lambda bk: (K // bk, NT, B * H), dGs, dGl, dg, T, H=H, K=K, V=V, C=C)
-        del inter, G, dAs, dkb, dhbuf, dGs, dGl
-        dbeta = dbeta + dbk.sum(0)
+        if GRAD == "fused":
+            nk = K // _grad.config(K, V)[0]
+            dbk = torch.empty(nk, B, T, H, device=q.device, dtype=torch.float32)  # per-K-block dbeta terms
+            _grad(
+                lambda bk: (K // bk, NT, B * H), q, k, G, beta, inter["hbuf"], dhbuf, inter["U"], do, dAs, dkb,
+                dq, dk, dg, dbk, scale, T, B * H, H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64), BOUNDED=bounded,
+                DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
+            )
+            dbeta = dbv + dbk.sum(0)
+        else:
+            dbeta = _grad_split(q, k, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dbv, scale, bounded, C)
+        del inter, G, dAs, dkb, dhbuf
         if pack is not None:
             dq, dk, dv, dg, dbeta = (pack.gather(x) for x in (dq, dk, dv, dg, dbeta))
         dbeta = dbeta[:, :T0].to(beta_raw.dtype)
@@ -445,7 +487,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 def launch_configs(K: int = 128, V: int = 128) -> dict:
     """The launch config of every kernel at head dims K, V: {name: {block: size, num_warps, num_stages}}."""
     out = {}
-    for lau in (_kktr, _merge, _wu, _state, _state_small, _out, _dh, _wy, _sterm, _dqkg, _dg):
+    for lau in (_kktr, _merge, _wu, _state, _state_small, _out, _dh, _wy, _sterm, _dqkg, _dg, _grad):
         size, warps, stages = lau.config(K, V)
         out[lau.name] = {**({lau.block: size} if lau.block else {}), "num_warps": warps, "num_stages": stages}
     return out
