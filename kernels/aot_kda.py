@@ -107,6 +107,7 @@ def main() -> int:
         "state_small": [(F._kda_fwd_state, dict(base, HAS_H0=True, STORE_HT=True, VARLEN=False, **bf), "BV", None)],
         "out": [(F._kda_fwd_out, dict(base, **bf), "BV", None)],
         "dh": [(B._kda_bwd_dh, dict(base, HAS_DHT=True, STORE_DH0=True, VARLEN=False, **bf), "BV", None)],
+        "dh_small": [(B._kda_bwd_dh, dict(base, HAS_DHT=True, STORE_DH0=True, VARLEN=False, **bf), "BV", None)],
         "wy": [(B._kda_bwd_wy, dict(base, BV=64, **bf), "BK", None)],
         "sterm": [(B._kda_bwd_sterm, dict(base, BV=64, **bf), "BK", None)],
         "dqkg": [(B._kda_bwd_dqkg, dict(base, BC=16, BOUNDED=m, IEEE=False), "BK", m) for m in (True, False)],

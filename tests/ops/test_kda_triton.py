@@ -178,14 +178,20 @@ def test_bad_arguments_raise():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", [{}, dict(grad="fused", chains="concurrent")], ids=["default", "fused"])
 @pytest.mark.parametrize("mode", ["bounded", "general"])
-def test_bf16_on_gpu(mode):
-    """The real bf16 path (tensor-core products, bf16 intermediates), which the interpreter cannot run."""
+def test_bf16_on_gpu(mode, variant):
+    """The real bf16 path (tensor-core products, bf16 intermediates), which the interpreter cannot run;
+    also with the fused gradient kernel and the two backward chains on two streams."""
+    from moelab.ops.kda import triton_chunk as tc
+
     ins, s0, do, dS = _inputs(2, 300, 4, 64, 64, torch.bfloat16, seed=7)
-    _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS, mode=mode), torch.bfloat16)
+    with tc.launch_overrides(**variant):
+        out = _run(chunk, ins, s0, do, dS, mode=mode)
+    _compare(_reference(ins, s0, do, dS), out, torch.bfloat16)
 
 
-KERNELS = {"kktr", "merge", "wu", "state", "state_small", "out", "dh", "wy", "sterm", "dqkg", "dg", "grad"}
+KERNELS = {"kktr", "merge", "wu", "state", "state_small", "out", "dh", "dh_small", "wy", "sterm", "dqkg", "dg", "grad"}
 SPLIT_ONLY, FUSED_ONLY = {"sterm", "dqkg", "dg"}, {"grad"}  # the gradient kernels of GRAD = "split" / "fused"
 
 
@@ -218,7 +224,13 @@ def test_launch_overrides():
     with pytest.raises(ValueError, match=r"grad='one' is not allowed: expected one of \('split', 'fused'\)"), \
             tc.launch_overrides(grad="one"):
         pass
-    assert tc.GRAD == default
+    with pytest.raises(ValueError, match=r"chains='parallel' is not allowed"), tc.launch_overrides(chains="parallel"):
+        pass
+    assert tc.GRAD == default and tc.CHAINS == "serial"
+    with tc.launch_overrides(chains="concurrent"):  # on CPU tensors the chains run one after the other anyway
+        ins, s0, do, dS = _inputs(1, 20, 1, 16, 16, torch.float32, seed=2)
+        _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS))
+    assert tc.CHAINS == "serial"
 
 
 # the fused gradient kernel (GRAD = "fused") against the reference and the split kernels, both modes
@@ -383,11 +395,11 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
         _run(chunk, ins, s0, do, dS, mode=mode)
         with tc.launch_overrides(grad="split" if tc.GRAD == "fused" else "fused"):
             _run(chunk, ins, s0, do, dS, mode=mode)
-    assert set(seen) == KERNELS - {"state"}  # B1 H1: the small-grid state launch
+    assert set(seen) == KERNELS - {"state", "dh"}  # B1 H1: the small-grid launches of both chains
 
 
 def test_small_grid_takes_its_state_launch(monkeypatch):
-    """The sequential state kernel takes its ``state_small`` launch entry when
+    """The sequential state and state-gradient kernels take their ``*_small`` launch entries when
     ``B * H * V / 32 <= SMALL_GRID`` and the regular one above; the results are the same."""
     from moelab.ops.kda import triton_chunk as tc
 
@@ -401,8 +413,9 @@ def test_small_grid_takes_its_state_launch(monkeypatch):
         monkeypatch.setattr(tc, "SMALL_GRID", grid)
         names.clear()
         runs[grid] = _run(chunk, ins, s0, do, dS)
-        small = "state_small" in names and "state" not in names
-        assert small == (grid == 128), (grid, names)
+        for chain in ("state", "dh"):
+            small = f"{chain}_small" in names and chain not in names
+            assert small == (grid == 128), (grid, chain, names)
     assert torch.equal(runs[128][0], runs[0][0])
     assert all(torch.equal(a, b) for a, b in zip(runs[128][2], runs[0][2]))
 

@@ -84,6 +84,8 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     # blocks, under one per SM): 16-wide blocks give 128 programs, and two stages prefetch the next
     # chunk's loads, which do not depend on the carried state
     "state_small": (16, 2, 2),
+    # the state-gradient kernel at the same small grids; the regular launch until a narrower one is timed
+    "dh_small": (64, 8, 1),
 }
 SMALL_GRID = 128
 # The backward's gradient kernels: "split" (sterm, dqkg, dg: three launches, measured on the H200) or
@@ -91,6 +93,10 @@ SMALL_GRID = 128
 # timed on a GPU); ``launch_overrides(grad=...)`` switches it for A/B runs.
 GRAD = "split"
 GRAD_KERNELS = ("split", "fused")
+# The backward's two sequential chains (state recompute, state gradient): one after the other, or
+# concurrently on two CUDA streams (``_chains``; not yet timed on a GPU); ``launch_overrides(chains=...)``.
+CHAINS = "serial"
+CHAIN_MODES = ("serial", "concurrent")
 # the interpreter: 16-wide blocks so that small test shapes still take the multi-block paths
 _INTERP_LAUNCH = (16, 4, 1)
 # Register cap per kernel (ptxas ``maxnreg``): the 1-warp kktr takes ~216 registers uncapped; the
@@ -99,7 +105,8 @@ MAXNREG: dict[str, int] = {"kktr": 168}
 
 
 @contextlib.contextmanager
-def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None, *, grad: str | None = None):
+def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None, *, grad: str | None = None,
+                     chains: str | None = None):
     """Run the op with some ``LAUNCH`` / ``MAXNREG`` entries replaced, restored on exit (A/B runs
     and launch-config sweeps, e.g. ``kernels/bench.py --entry kda --base REV``).
 
@@ -108,10 +115,12 @@ def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None, *,
         maxnreg: ``{kernel: registers}`` (32..255) for kernels named in ``LAUNCH``; ``None`` as a
             value removes that kernel's cap.
         grad: the backward's gradient kernels, one of ``GRAD_KERNELS`` (``GRAD``); None keeps it.
+        chains: how the backward runs its two sequential chains, one of ``CHAIN_MODES`` (``CHAINS``).
     """
-    global GRAD
-    if grad is not None and grad not in GRAD_KERNELS:
-        raise ValueError(f"grad={grad!r} is not allowed: expected one of {GRAD_KERNELS}")
+    global GRAD, CHAINS
+    for name, val, allowed in (("grad", grad, GRAD_KERNELS), ("chains", chains, CHAIN_MODES)):
+        if val is not None and val not in allowed:
+            raise ValueError(f"{name}={val!r} is not allowed: expected one of {allowed}")
     launch, maxnreg = dict(launch or {}), dict(maxnreg or {})
     for name, cfg in launch.items():
         if name not in LAUNCH or len(cfg) != 3:
@@ -121,8 +130,8 @@ def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None, *,
         if name not in LAUNCH or not (val is None or 32 <= int(val) <= 255):
             raise ValueError(f"maxnreg entry {name!r}: {val!r} is not allowed: expected one of {sorted(LAUNCH)} "
                              f"mapped to a register count in 32..255 or None")
-    saved = dict(LAUNCH), dict(MAXNREG), GRAD
-    GRAD = grad or GRAD
+    saved = dict(LAUNCH), dict(MAXNREG), GRAD, CHAINS
+    GRAD, CHAINS = grad or GRAD, chains or CHAINS
     LAUNCH.update({name: tuple(int(x) for x in cfg) for name, cfg in launch.items()})
     for name, val in maxnreg.items():
         if val is None:
@@ -136,7 +145,7 @@ def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None, *,
         LAUNCH.update(saved[0])
         MAXNREG.clear()
         MAXNREG.update(saved[1])
-        GRAD = saved[2]
+        GRAD, CHAINS = saved[2], saved[3]
 
 
 class _Launcher:
@@ -175,6 +184,7 @@ _kktr = _Launcher("kktr", _kda_fwd_kkt_row, "BK")
 _merge = _Launcher("merge", _kda_fwd_merge, None)
 _wu = _Launcher("wu", _kda_fwd_wu, "BK")
 _state_small = _Launcher("state_small", _kda_fwd_state, "BV")
+_dh_small = _Launcher("dh_small", _kda_bwd_dh, "BV")
 
 
 def _small_grid(B: int, H: int, V: int) -> bool:
@@ -356,6 +366,59 @@ def _inputs(q, k, v, g, beta, A_log, dt_bias, h0, prep, C, pack, bounded):
     return qp, kp, vp, gp, bp, h0p
 
 
+def _dh_pass(inter, do, dht, has_h0, dtype, C, pack):
+    """The state-gradient kernel (``_kda_bwd_dh``, sequential over chunks in reverse): ``dhbuf``
+    ``[B, NT, H, K, V]`` (the gradient of each chunk's entering state), ``dU`` (fp32, for ``_kda_bwd_wy``)
+    and d(initial state) ``[N, H, K, V]`` (or None). Its small-grid launch is ``dh_small``."""
+    kd, u = inter["kd"], inter["u"]
+    B, T, H, K = kd.shape
+    V = u.shape[-1]
+    NT = T // C
+    N = B if pack is None else pack.N
+    dev = kd.device
+    # packed: zeros for the same reason as hbuf (_state_pass)
+    dhbuf = (torch.empty if pack is None else torch.zeros)(B, NT, H, K, V, device=dev, dtype=_work_dtype(dtype))
+    dU = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
+    dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if has_h0 else None
+    (_dh_small if _small_grid(N, H, V) else _dh)(
+        lambda bv: (V // bv, N * H),
+        inter["qg"], kd, inter["gl"], inter["w"], inter["Aqk"], do, dht if dht is not None else dU,
+        dhbuf, dU, dh0 if dh0 is not None else dU, pack.coff if pack is not None else dU, T, N * H,
+        H=H, K=K, V=V, C=C, HAS_DHT=dht is not None, STORE_DH0=has_h0, DOT_BF16=_dot_bf16(dtype),
+        IEEE=_ieee(dtype), VARLEN=pack is not None,
+    )
+    return dhbuf, dU, dh0
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _chains(inter, h0, do, dht, dtype, C, pack):
+    """The backward's two sequential chains: the forward state's recompute (``_state_pass``, into
+    ``inter``) and the state gradient (``_dh_pass``, returned). Neither reads the other, so with
+    ``CHAINS = "concurrent"`` on a GPU the recompute runs on a side stream while the state gradient runs
+    on the current one (each chain has only ``N * H * V / BV`` programs, too few to fill the GPU at
+    small batch); ``"serial"`` runs one after the other."""
+    dev = inter["kd"].device
+    if CHAINS == "serial" or dev.type != "cuda":
+        inter.update(_state_pass(inter, h0, False, dtype, C, pack))
+        return _dh_pass(inter, do, dht, h0 is not None, dtype, C, pack)
+    main = torch.cuda.current_stream(dev)
+    side = _SIDE_STREAMS.get(dev)
+    if side is None:
+        side = _SIDE_STREAMS[dev] = torch.cuda.Stream(dev)
+    side.wait_stream(main)  # the recompute reads what the current stream wrote (the prep's inputs)
+    with torch.cuda.stream(side):
+        state = _state_pass(inter, h0, False, dtype, C, pack)
+    out = _dh_pass(inter, do, dht, h0 is not None, dtype, C, pack)
+    main.wait_stream(side)
+    for t in state.values():
+        if t is not None:  # allocated on the side stream, used on the current one from here on
+            t.record_stream(main)
+    inter.update(state)
+    return out
+
+
 def _grad_split(q, k, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dbv, scale, bounded, C):
     """The gradient kernels of ``GRAD = "split"``: ``_kda_bwd_sterm`` (state terms per chunk), then
     ``_kda_bwd_dqkg`` (gated-score terms per 16-row sub-tile), then ``_kda_bwd_dg`` (reverse cumsum);
@@ -420,7 +483,6 @@ class ChunkKDAFunction(torch.autograd.Function):
         scale, bounded, C, prep, pack = ctx.scale, ctx.bounded, ctx.chunk_size, ctx.prep, ctx.pack
         B, T0, H, K0 = q_raw.shape
         V0 = v_raw.shape[-1]
-        N = B if pack is None else pack.N
         q, k, v, gp, beta, h0 = _inputs(q_raw, k_raw, v_raw, g_raw, beta_raw, A_log, dt_bias, h0_raw, prep, C, pack,
                                         bounded)
         T, K, V = q.shape[1], q.shape[3], v.shape[3]
@@ -432,21 +494,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         # G for the gradient kernels: bounded mode's prep just wrote it, general mode's kktr kept it
         G = gp if bounded else inter["Gbuf"]
         del gp
-        inter.update(_state_pass(inter, h0, False, q.dtype, C, pack))
+        dhbuf, dU, dh0 = _chains(inter, h0, do, dht, q.dtype, C, pack)
         dot_bf16 = _dot_bf16(q.dtype)
-        # packed: zeros for the same reason as hbuf (_state_pass)
-        dhbuf = (torch.empty if pack is None else torch.zeros)(B, NT, H, K, V, device=q.device,
-                                                               dtype=_work_dtype(q.dtype))
-        dU = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)
-        dh0 = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32) if h0 is not None else None
-        has_dht = dht is not None
-        _dh(
-            lambda bv: (V // bv, N * H),
-            inter["qg"], inter["kd"], inter["gl"], inter["w"], inter["Aqk"], do, dht if has_dht else dU,
-            dhbuf, dU, dh0 if dh0 is not None else dU, pack.coff if pack is not None else dU, T, N * H,
-            H=H, K=K, V=V, C=C, HAS_DHT=has_dht, STORE_DH0=dh0 is not None, DOT_BF16=dot_bf16,
-            IEEE=_ieee(q.dtype), VARLEN=pack is not None,
-        )
         dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
         # the gradient of the log decay: fp32 when the prep made it (the gate's parameters sum it over
         # tokens), else in g's dtype
@@ -487,7 +536,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 def launch_configs(K: int = 128, V: int = 128) -> dict:
     """The launch config of every kernel at head dims K, V: {name: {block: size, num_warps, num_stages}}."""
     out = {}
-    for lau in (_kktr, _merge, _wu, _state, _state_small, _out, _dh, _wy, _sterm, _dqkg, _dg, _grad):
+    for lau in (_kktr, _merge, _wu, _state, _state_small, _out, _dh, _dh_small, _wy, _sterm, _dqkg, _dg, _grad):
         size, warps, stages = lau.config(K, V)
         out[lau.name] = {**({lau.block: size} if lau.block else {}), "num_warps": warps, "num_stages": stages}
     return out
