@@ -237,11 +237,13 @@ class Entry:
 
 # ---------------------------------------------------------------------------------- kda, kda_long
 
-KDA_IMPLS = ("moelab_bounded", "moelab_bounded_gradfused", "moelab_general", "fla_safe_gate", "fla_softplus",
-             "sdpa_flash")
-# moelab rows run with these ``triton_chunk.launch_overrides`` (the forward and the backward), so that a variant
-# not yet the op's default is timed beside it in the same run
-KDA_VARIANTS = {"moelab_bounded_gradfused": dict(grad="fused")}
+KDA_IMPLS = ("moelab_bounded", "moelab_bounded_gradfused", "moelab_bounded_next", "moelab_general", "fla_safe_gate",
+             "fla_softplus", "sdpa_flash")
+# moelab rows run with these ``triton_chunk.launch_overrides`` (the forward and the backward), so that variants
+# not yet the op's default are timed beside it in the same run: the fused gradient kernel alone, and every
+# candidate at once (the inference forward, the fused gradient kernel, the backward's chains on two streams)
+KDA_VARIANTS = {"moelab_bounded_gradfused": dict(grad="fused"),
+                "moelab_bounded_next": dict(forward="infer", grad="fused", chains="concurrent")}
 
 
 def _shape_name(B: int, T: int, H: int | None = None) -> str:
@@ -332,7 +334,7 @@ def _kda_rows(ctx: Ctx, table: dict[str, tuple], impls: tuple[str, ...]) -> dict
 
 
 def run_kda(ctx: Ctx) -> dict[str, Any]:
-    impls = KDA_IMPLS if ctx.cuda else ("moelab_bounded", "moelab_bounded_gradfused", "moelab_general")
+    impls = KDA_IMPLS if ctx.cuda else ("moelab_bounded", *KDA_VARIANTS, "moelab_general")
     return _kda_rows(ctx, KDA_SHAPES, impls)
 
 

@@ -469,8 +469,9 @@ def main() -> int:
                     help="let fla autotune over all its configs (default: the first config left by its pruning)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU in the Triton interpreter")
     ap.add_argument("--emulate-bf16", action="store_true", help="CPU only: emulate the GPU's bf16 rounding")
-    ap.add_argument("--grad", choices=("split", "fused"),
-                    help="the training op's gradient kernels (moelab.ops.kda.triton_chunk.GRAD; default: the op's)")
+    ap.add_argument("--variant", default="", metavar="KEY=VALUE,...",
+                    help="the training op's kernel variants, as triton_chunk.launch_overrides keywords, e.g. "
+                         "grad=fused,forward=infer,chains=concurrent (default: the op's own)")
     args = ap.parse_args()
     if args.emulate_bf16 and torch.cuda.is_available():
         ap.error("--emulate-bf16 is for CPU runs; on the GPU the real bf16 path runs")
@@ -481,7 +482,12 @@ def main() -> int:
         from moelab.ops.kda.triton_chunk import chunk_kda
     from moelab.ops.kda import triton_chunk as chunk_module  # after emulate_bf16(), which patches it first
 
-    grad = args.grad or chunk_module.GRAD
+    try:
+        variant = dict(item.split("=", 1) for item in args.variant.split(",") if item)
+        with chunk_module.launch_overrides(**variant):
+            variant = dict(grad=chunk_module.GRAD, chains=chunk_module.CHAINS, forward=chunk_module.FORWARD)
+    except (TypeError, ValueError) as exc:
+        ap.error(f"--variant {args.variant!r}: {exc}")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -526,7 +532,7 @@ def main() -> int:
                 torch=torch.__version__, triton=triton.__version__,
                 fla=getattr(sys.modules.get("fla"), "__version__", None), fla_autotune=fla_autotune,
                 date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                command=" ".join(sys.argv), reference_self_check=ref_err, gate_rule=GATE_RULE, grad=grad,
+                command=" ".join(sys.argv), reference_self_check=ref_err, gate_rule=GATE_RULE, variant=variant,
                 complete=False, passed=None)
     result = dict(meta=meta, rows=[], gate_rows=[], packed_rows=[], backend_rows=[])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -550,7 +556,7 @@ def main() -> int:
                   packed=(check_packed, packed_cases, "packed_rows"),
                   backends=(backends_check, backend_cases, "backend_rows"))
     ok = True
-    with chunk_module.launch_overrides(grad=grad):
+    with chunk_module.launch_overrides(**variant):
         for part in parts:
             check, part_cases, key = checks[part]
             ok &= check(chunk_kda, part_cases, dtype, dev, args.emulate_bf16, result[key], save)

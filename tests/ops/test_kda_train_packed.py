@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moelab.ops.kda import kda
-from moelab.ops.kda.triton_chunk import GRAD_KERNELS, chunk_kda, launch_overrides
+from moelab.ops.kda.triton_chunk import chunk_kda, launch_overrides
 from tests.helpers import assert_close
 
 LENS = [65, 0, 1, 64, 63]  # the empty document sits between two others
@@ -72,15 +72,16 @@ def _reference(x: dict, gate: str, prep: bool) -> tuple[torch.Tensor, torch.Tens
     return o, S, _grads(x, o, S)
 
 
-@pytest.mark.parametrize("grad", GRAD_KERNELS)
+@pytest.mark.parametrize("variant", [dict(grad="split"), dict(grad="fused"), dict(forward="infer", grad="fused")],
+                         ids=["split", "fused", "infer-forward"])
 @pytest.mark.parametrize(("gate", "mode", "prep"), CASES)
-def test_packed_training_op_equals_separate_documents(gate: str, mode: str, prep: bool, grad: str) -> None:
-    """Each way of forming the gradients (``triton_chunk.GRAD_KERNELS``): the chunks of a packed row hold
-    pieces of several documents, and padded slots between them."""
+def test_packed_training_op_equals_separate_documents(gate: str, mode: str, prep: bool, variant: dict) -> None:
+    """Each way of forming the gradients (``triton_chunk.GRAD_KERNELS``) and the inference forward (bounded
+    mode): the chunks of a packed row hold pieces of several documents, and padded slots between them."""
     x = _inputs(gate)
     ref_o, ref_S, ref_g = _reference(x, gate, prep)
     cu = torch.tensor([0, *LENS], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    with launch_overrides(grad=grad):
+    with launch_overrides(**variant):
         o, S = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], mode=mode,
                          chunk_size=64, cu_seqlens=cu, **_kw(x, gate, prep))
         grads = _grads(x, o, S)

@@ -191,7 +191,8 @@ def test_bf16_on_gpu(mode, variant):
     _compare(_reference(ins, s0, do, dS), out, torch.bfloat16)
 
 
-KERNELS = {"kktr", "merge", "wu", "state", "state_small", "out", "dh", "dh_small", "wy", "sterm", "dqkg", "dg", "grad"}
+KERNELS = {"kktr", "merge", "wu", "intra", "state", "state_small", "out", "dh", "dh_small", "wy", "sterm", "dqkg", "dg",
+           "grad"}
 SPLIT_ONLY, FUSED_ONLY = {"sterm", "dqkg", "dg"}, {"grad"}  # the gradient kernels of GRAD = "split" / "fused"
 
 
@@ -226,7 +227,9 @@ def test_launch_overrides():
         pass
     with pytest.raises(ValueError, match=r"chains='parallel' is not allowed"), tc.launch_overrides(chains="parallel"):
         pass
-    assert tc.GRAD == default and tc.CHAINS == "serial"
+    with pytest.raises(ValueError, match=r"forward='fast' is not allowed"), tc.launch_overrides(forward="fast"):
+        pass
+    assert tc.GRAD == default and tc.CHAINS == "serial" and tc.FORWARD == "train"
     with tc.launch_overrides(chains="concurrent"):  # on CPU tensors the chains run one after the other anyway
         ins, s0, do, dS = _inputs(1, 20, 1, 16, 16, torch.float32, seed=2)
         _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS))
@@ -343,6 +346,54 @@ def test_fused_prep_ignores_uninitialised_memory(monkeypatch, case):
     assert len(allocs) > 20, f"the poisoning reached only {len(allocs)} allocations"
 
 
+INFER_FORWARD = [
+    (1, 40, 1, 20, 40, 32, torch.float32, True),  # padded K and V, chunk 32 in the backward
+    (1, 100, 1, 32, 16, 64, torch.float16, True),  # fp16, partial second chunk
+    pytest.param((2, 150, 2, 32, 16, 64, torch.float32, False), marks=slow),
+]
+
+
+@pytest.mark.parametrize("grad", ["split", "fused"])
+@pytest.mark.parametrize(
+    "case", INFER_FORWARD, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}K{c[3]}V{c[4]}C{c[5]}-{str(c[6])[6:]}-h0{int(c[7])}")
+def test_infer_forward_matches_reference(monkeypatch, case, grad):
+    """``FORWARD = "infer"``: bounded mode's training forward runs the inference kernels (chunk 16, nothing
+    kept) and the backward recomputes the intra-chunk intermediates at its own chunk: output, final state and
+    every gradient within the dtype's bound of the reference; general mode keeps the training forward."""
+    from moelab.ops.kda import infer_plan
+    from moelab.ops.kda import triton_chunk as tc
+
+    calls = []
+    real = infer_plan.kda_infer
+    monkeypatch.setattr(infer_plan, "kda_infer", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    B, T, H, K, V, C, dtype, h0 = case
+    ins, s0, do, dS = _inputs(B, T, H, K, V, dtype, seed=B * 1000 + T * 7 + K + V, h0=h0)
+    ref = _reference(ins, s0, do, dS)
+    with tc.launch_overrides(forward="infer", grad=grad):
+        _compare(ref, _run(chunk, ins, s0, do, dS, mode="bounded", chunk_size=C), dtype)
+        assert len(calls) == 1
+        _compare(ref, _run(chunk, ins, s0, do, dS, mode="general", chunk_size=C), dtype)
+        assert len(calls) == 1, "general mode must keep the training forward"
+
+
+@pytest.mark.parametrize("case", FUSED[:2], ids=FUSED_IDS[:2])
+def test_infer_forward_ignores_uninitialised_memory(monkeypatch, case):
+    """The poisoning of ``test_fused_prep_ignores_uninitialised_memory`` with ``FORWARD = "infer"`` (the
+    bounded case recomputes its intermediates in the backward) and the fused gradient kernel."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    @contextlib.contextmanager
+    def poison_infer():
+        with monkeypatch.context() as m, tc.launch_overrides(forward="infer", grad="fused"):
+            for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")):
+                make = getattr(owner, name)
+                m.setattr(owner, name, lambda *a, _make=make, **kw: (
+                    lambda x: x.fill_(float("nan")) if x.is_floating_point() else x)(_make(*a, **kw)))
+            yield
+
+    _check_fused_prep(case, poison_infer)
+
+
 @pytest.mark.parametrize("case", FUSED[:2], ids=FUSED_IDS[:2])
 def test_fused_grad_ignores_uninitialised_memory(monkeypatch, case):
     """The same poisoning with the fused gradient kernel (``GRAD = "fused"``), both modes."""
@@ -393,7 +444,8 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
     for mode in ("bounded", "general"):
         ins, s0, do, dS = _inputs(1, 40, 1, 16, 16, torch.float32, seed=1)
         _run(chunk, ins, s0, do, dS, mode=mode)
-        with tc.launch_overrides(grad="split" if tc.GRAD == "fused" else "fused"):
+        with tc.launch_overrides(grad="split" if tc.GRAD == "fused" else "fused",
+                                 intra="split" if tc.INTRA == "fused" else "fused"):
             _run(chunk, ins, s0, do, dS, mode=mode)
     assert set(seen) == KERNELS - {"state", "dh"}  # B1 H1: the small-grid launches of both chains
 

@@ -33,7 +33,7 @@ import os
 import torch
 import triton
 
-from moelab.ops.kda.bounds import G_MIN_FLOOR, SUBTILE
+from moelab.ops.kda.bounds import G_MIN_FLOOR, SUBTILE, max_safe_g_min
 from moelab.ops.kda.gate import check_op_shapes
 from moelab.ops.kda.triton_bwd import (
     _kda_bwd_dg,
@@ -44,7 +44,14 @@ from moelab.ops.kda.triton_bwd import (
     _kda_bwd_wy,
 )
 from moelab.ops.kda.triton_common import LOG2E
-from moelab.ops.kda.triton_fwd import _kda_fwd_kkt_row, _kda_fwd_merge, _kda_fwd_out, _kda_fwd_state, _kda_fwd_wu
+from moelab.ops.kda.triton_fwd import (
+    _kda_fwd_intra,
+    _kda_fwd_kkt_row,
+    _kda_fwd_merge,
+    _kda_fwd_out,
+    _kda_fwd_state,
+    _kda_fwd_wu,
+)
 from moelab.ops.kda.triton_prep import prep_bwd, prep_fwd, prep_fwd_chunked
 from moelab.ops.varlen import check_cu_seqlens
 
@@ -86,6 +93,11 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "state_small": (16, 2, 2),
     # the state-gradient kernel at the same small grids; the regular launch until a narrower one is timed
     "dh_small": (64, 8, 1),
+    # INTRA = "fused": kktr + merge + wu in one program per chunk; 4 warps (one warpgroup: at 8, the
+    # chained [64, 64] products got a different MMA layout each, with conversions between them), BK 32
+    # under MAXNREG (aot_kda.py: no spills, 3 programs per SM); a chunk below 64 runs at 2 warps
+    # (_ChunkLauncher); not yet timed on a GPU
+    "intra": (32, 4, 1),
 }
 SMALL_GRID = 128
 # The backward's gradient kernels: "split" (sterm, dqkg, dg: three launches, measured on the H200) or
@@ -97,16 +109,36 @@ GRAD_KERNELS = ("split", "fused")
 # concurrently on two CUDA streams (``_chains``; not yet timed on a GPU); ``launch_overrides(chains=...)``.
 CHAINS = "serial"
 CHAIN_MODES = ("serial", "concurrent")
+# The training forward: "train" (the chunk-64 kernels, which keep their intra-chunk intermediates for the
+# backward) or "infer" (bounded mode: the inference forward's kernels, ``infer_plan.kda_infer``, which keep
+# nothing, and the backward recomputes the intermediates); not yet timed on a GPU;
+# ``launch_overrides(forward=...)``.
+FORWARD = "train"
+FORWARD_MODES = ("train", "infer")
+# The forward's intra-chunk kernels: "split" (kktr, merge, wu: three launches, measured on the H200) or
+# "fused" (``_kda_fwd_intra``: one launch, the same outputs, checked against the split kernels and the fp32
+# reference in the interpreter, not yet run on a GPU); ``launch_overrides(intra=...)`` switches it.
+INTRA = "split"
+INTRA_KERNELS = ("split", "fused")
+
+
+def _infer_forward_ok(bounded: bool, prep, g_min: float | None) -> bool:
+    """Whether ``FORWARD = "infer"`` can take this call: bounded mode with a bound the inference chunk
+    (16 tokens) holds; other calls keep the training forward."""
+    from moelab.ops.kda.infer_plan import CHUNK
+
+    return bounded and prep.gate in ("none", "bounded") and g_min is not None and \
+        max_safe_g_min("fp32", CHUNK) <= g_min < 0
 # the interpreter: 16-wide blocks so that small test shapes still take the multi-block paths
 _INTERP_LAUNCH = (16, 4, 1)
 # Register cap per kernel (ptxas ``maxnreg``): the 1-warp kktr takes ~216 registers uncapped; the
 # cap trades spills for occupancy.
-MAXNREG: dict[str, int] = {"kktr": 168}
+MAXNREG: dict[str, int] = {"kktr": 168, "intra": 168}
 
 
 @contextlib.contextmanager
 def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None, *, grad: str | None = None,
-                     chains: str | None = None):
+                     chains: str | None = None, forward: str | None = None, intra: str | None = None):
     """Run the op with some ``LAUNCH`` / ``MAXNREG`` entries replaced, restored on exit (A/B runs
     and launch-config sweeps, e.g. ``kernels/bench.py --entry kda --base REV``).
 
@@ -116,9 +148,12 @@ def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None, *,
             value removes that kernel's cap.
         grad: the backward's gradient kernels, one of ``GRAD_KERNELS`` (``GRAD``); None keeps it.
         chains: how the backward runs its two sequential chains, one of ``CHAIN_MODES`` (``CHAINS``).
+        forward: the training forward's kernels, one of ``FORWARD_MODES`` (``FORWARD``).
+        intra: the forward's intra-chunk kernels, one of ``INTRA_KERNELS`` (``INTRA``).
     """
-    global GRAD, CHAINS
-    for name, val, allowed in (("grad", grad, GRAD_KERNELS), ("chains", chains, CHAIN_MODES)):
+    global GRAD, CHAINS, FORWARD, INTRA
+    for name, val, allowed in (("grad", grad, GRAD_KERNELS), ("chains", chains, CHAIN_MODES),
+                               ("forward", forward, FORWARD_MODES), ("intra", intra, INTRA_KERNELS)):
         if val is not None and val not in allowed:
             raise ValueError(f"{name}={val!r} is not allowed: expected one of {allowed}")
     launch, maxnreg = dict(launch or {}), dict(maxnreg or {})
@@ -130,8 +165,8 @@ def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None, *,
         if name not in LAUNCH or not (val is None or 32 <= int(val) <= 255):
             raise ValueError(f"maxnreg entry {name!r}: {val!r} is not allowed: expected one of {sorted(LAUNCH)} "
                              f"mapped to a register count in 32..255 or None")
-    saved = dict(LAUNCH), dict(MAXNREG), GRAD, CHAINS
-    GRAD, CHAINS = grad or GRAD, chains or CHAINS
+    saved = dict(LAUNCH), dict(MAXNREG), GRAD, CHAINS, FORWARD, INTRA
+    GRAD, CHAINS, FORWARD, INTRA = grad or GRAD, chains or CHAINS, forward or FORWARD, intra or INTRA
     LAUNCH.update({name: tuple(int(x) for x in cfg) for name, cfg in launch.items()})
     for name, val in maxnreg.items():
         if val is None:
@@ -145,7 +180,7 @@ def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None, *,
         LAUNCH.update(saved[0])
         MAXNREG.clear()
         MAXNREG.update(saved[1])
-        GRAD, CHAINS = saved[2], saved[3]
+        GRAD, CHAINS, FORWARD, INTRA = saved[2:]
 
 
 class _Launcher:
@@ -187,6 +222,27 @@ _state_small = _Launcher("state_small", _kda_fwd_state, "BV")
 _dh_small = _Launcher("dh_small", _kda_bwd_dh, "BV")
 
 
+class _ChunkLauncher(_Launcher):
+    """A ``_Launcher`` for a kernel whose products are also ``C`` (the chunk) tall: a chunk below 64 runs
+    at 2 warps, as a clamped block does (``LAUNCH``: no warpgroup MMA on a 16- or 32-wide block)."""
+
+    chunk = 64  # the chunk of the launch in progress (read by ``config``)
+
+    def config(self, K: int, V: int) -> tuple[int, int, int]:
+        size, warps, stages = super().config(K, V)
+        return size, (2 if self.chunk < 64 and not _interpret() else warps), stages
+
+    def __call__(self, grid, *args, **kwargs):
+        self.chunk = kwargs["C"]
+        try:
+            return super().__call__(grid, *args, **kwargs)
+        finally:
+            self.chunk = 64
+
+
+_intra = _ChunkLauncher("intra", _kda_fwd_intra, "BK")
+
+
 def _small_grid(B: int, H: int, V: int) -> bool:
     """Whether the state kernel takes its ``state_small`` launch (see ``SMALL_GRID``)."""
     return B * H * triton.cdiv(V, 32) <= SMALL_GRID
@@ -217,11 +273,12 @@ def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, g_min,
 
 
 def _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min):
-    """The intra-chunk kernels (kktr, merge, wu): A_qk, Tm, w, u, qg, kd, e^{G_last}.
+    """The intra-chunk kernels (kktr, merge, wu; or ``_kda_fwd_intra`` with ``INTRA = "fused"``): A_qk,
+    Tm, w, u, qg, kd, e^{G_last}.
 
     Bounded mode: ``g`` already holds G (``prep_fwd_chunked``) and ``g_min`` places the diagonal
-    sub-tiles' reference. General mode: ``g`` is the log decay; kktr forms G and writes it for wu
-    and for the backward's element-wise diagonal pairs (returned as ``Gbuf``)."""
+    sub-tiles' reference. General mode: ``g`` is the log decay; kktr (or the fused kernel) forms G and
+    writes it for wu and for the backward's element-wise diagonal pairs (returned as ``Gbuf``)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = T // C
@@ -234,16 +291,22 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min):
     u = torch.empty(B, T, H, V, device=dev, dtype=wd)
     gl = torch.empty(B, NT, H, K, device=dev, dtype=torch.float32)
     mid = (SUBTILE / 2) * (g_min if bounded else 0.0) * LOG2E
-    _kktr(
-        (NT * (C // SUBTILE), B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
-        H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, IEEE=_ieee(q.dtype), G_IN=bounded,
-    )
-    if C > SUBTILE:
-        _merge((NT, B * H), Abuf, T, H=H, K=K, V=V, C=C, BC=SUBTILE)
-    _wu(
-        (NT, B * H), q, k, v, Gbuf, beta, Abuf, w, u, qg, kd, gl, scale, T,
-        H=H, K=K, V=V, C=C, BV=min(V, 64), IEEE=_ieee(q.dtype),
-    )
+    if INTRA == "fused":
+        _intra(
+            (NT, B * H), q, k, v, g, beta, Gbuf, Abuf, Aqk, w, u, qg, kd, gl, scale, mid, T,
+            H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64), BOUNDED=bounded, IEEE=_ieee(q.dtype), G_IN=bounded,
+        )
+    else:
+        _kktr(
+            (NT * (C // SUBTILE), B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
+            H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, IEEE=_ieee(q.dtype), G_IN=bounded,
+        )
+        if C > SUBTILE:
+            _merge((NT, B * H), Abuf, T, H=H, K=K, V=V, C=C, BC=SUBTILE)
+        _wu(
+            (NT, B * H), q, k, v, Gbuf, beta, Abuf, w, u, qg, kd, gl, scale, T,
+            H=H, K=K, V=V, C=C, BV=min(V, 64), IEEE=_ieee(q.dtype),
+        )
     if bounded:  # bounded mode's backward reruns the chunked prep for G: keep only a placeholder
         Gbuf = q.new_empty(1, dtype=torch.float32)
     return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, qg=qg, kd=kd, gl=gl)
@@ -319,10 +382,12 @@ class Packing:
     state kernels need to know the documents (they restart at each ``coff[n]``).
 
     Attributes:
-        N: documents; coff: ``[N + 1]`` int32 chunk offsets; pos: ``[T]`` int64 rows; rows: NS * C.
+        N: documents; coff: ``[N + 1]`` int32 chunk offsets; pos: ``[T]`` int64 rows; rows: NS * C;
+        cu_seqlens: the offsets it was made from.
     """
 
     def __init__(self, cu_seqlens: torch.Tensor, T: int, C: int):
+        self.cu_seqlens = cu_seqlens
         cu = cu_seqlens.to(torch.int64)
         self.N = cu.numel() - 1
         coff = torch.zeros(self.N + 1, device=cu.device, dtype=torch.int64)
@@ -456,6 +521,18 @@ class ChunkKDAFunction(torch.autograd.Function):
                 g_min, pack):
         B, T, H, K = q.shape
         V = v.shape[-1]
+        ctx.scale, ctx.bounded, ctx.chunk_size, ctx.prep, ctx.pack, ctx.g_min = scale, bounded, C, prep, pack, g_min
+        ctx.recompute = FORWARD == "infer" and _infer_forward_ok(bounded, prep, g_min)
+        if ctx.recompute:  # the inference kernels; the backward recomputes the intra-chunk intermediates
+            from moelab.ops.kda.infer_plan import kda_infer
+
+            gated = prep.gate != "none"
+            ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state)
+            return kda_infer(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                             output_final_state=output_final_state, g_min=g_min, validate=False, gate=prep.gate,
+                             A_log=A_log if gated else None, dt_bias=dt_bias if gated else None,
+                             l2norm_qk=prep.l2norm_qk, silu_qk=prep.silu_qk, norm_eps=prep.eps,
+                             cu_seqlens=pack.cu_seqlens if pack is not None else None)
         qp, kp, vp, gp, bp, h0p = _inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, prep, C, pack, bounded)
         inter = _forward(qp, kp, vp, gp, bp, scale, h0p, output_final_state, bounded, C, g_min, pack)
         Tp, Kp, Vp = qp.shape[1], qp.shape[3], vp.shape[3]
@@ -466,7 +543,6 @@ class ChunkKDAFunction(torch.autograd.Function):
         )
         # raw inputs (the prep and the padding are redone in the backward) + kept intermediates
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, *(inter[key] for key in _INTRA_KEYS))
-        ctx.scale, ctx.bounded, ctx.chunk_size, ctx.prep, ctx.pack = scale, bounded, C, prep, pack
         hT = inter["hT"]
         if pack is not None:
             o = pack.gather(o)[..., :V]
@@ -490,7 +566,9 @@ class ChunkKDAFunction(torch.autograd.Function):
         do = _pad(pack.scatter(do) if pack is not None else do, {1: T, 3: V}).contiguous()
         if dht is not None:
             dht = _pad(dht, {2: K, 3: V}).contiguous()
-        inter = dict(zip(_INTRA_KEYS, saved))
+        # the intra-chunk intermediates: kept by the forward, or recomputed (FORWARD = "infer")
+        inter = (_intra_pass(q, k, v, gp, beta, scale, bounded, C, ctx.g_min) if ctx.recompute
+                 else dict(zip(_INTRA_KEYS, saved)))
         # G for the gradient kernels: bounded mode's prep just wrote it, general mode's kktr kept it
         G = gp if bounded else inter["Gbuf"]
         del gp
@@ -536,7 +614,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 def launch_configs(K: int = 128, V: int = 128) -> dict:
     """The launch config of every kernel at head dims K, V: {name: {block: size, num_warps, num_stages}}."""
     out = {}
-    for lau in (_kktr, _merge, _wu, _state, _state_small, _out, _dh, _dh_small, _wy, _sterm, _dqkg, _dg, _grad):
+    for lau in (_kktr, _merge, _wu, _intra, _state, _state_small, _out, _dh, _dh_small, _wy, _sterm, _dqkg, _dg, _grad):
         size, warps, stages = lau.config(K, V)
         out[lau.name] = {**({lau.block: size} if lau.block else {}), "num_warps": warps, "num_stages": stages}
     return out
