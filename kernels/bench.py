@@ -38,6 +38,7 @@ import argparse
 import collections
 import contextlib
 import cProfile
+import functools
 import importlib.util
 import inspect
 import json
@@ -950,9 +951,13 @@ def count_step(model: torch.nn.Module, x: torch.Tensor, opt: torch.optim.Optimiz
 ANCHOR_PEAK = 792e12  # measured bf16 8192^3 matmul on the H200: the anchor's MFU convention (all parameters)
 DATASHEET_PEAK = 989e12
 MFU_CONVENTION = "6 x all params x tok/s / 792e12 (anchor convention)"
-# group -> (preset, [(row, config overrides)]); "fla": the fla-anchor shape beside fla's own model
+# group -> (preset, [(row, config overrides)]); "fla": the fla-anchor shape beside fla's own model, and with the KDA
+# op's candidate kernels (KDA_KERNELS: not a config field, the op's launch_overrides entered around every step)
+KDA_KERNELS = "kda_kernels"
 MODEL_GROUPS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
-    "fla": ("fla-shape", [("moelab_fla_shape", {}), ("fla_kda", {})]),
+    "fla": ("fla-shape", [("moelab_fla_shape", {}),
+                          ("moelab_fla_shape_next", {KDA_KERNELS: KDA_VARIANTS["moelab_bounded_next"]}),
+                          ("fla_kda", {})]),
     "gpu-small": ("gpu-small", [
         ("moelab_gpu_small_prenorm", {"model.residual.mode": "prenorm"}),
         ("moelab_gpu_small_full_attnres", {"model.residual.mode": "full_attnres"}),
@@ -965,6 +970,7 @@ MODEL_GROUPS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
 # row -> (the row it is compared with, the field holding the paired tokens/s ratios, the least ratio allowed)
 MODEL_TARGETS = {
     "fla_kda": ("moelab_fla_shape", "ratio_vs_moelab", None),
+    "moelab_fla_shape_next": ("moelab_fla_shape", "ratio_vs_moelab", None),
     "moelab_gpu_small_full_attnres": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.75),  # issue 16
     "moelab_gpu_small_block_attnres": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.9),
     "moelab_gpu_small_block_attnres_8": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.9),
@@ -988,8 +994,9 @@ class Runner:
     models are timed in turn. CUDA: bf16 autocast, fused AdamW, the balancer timed with CUDA events."""
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable, B: int, T: int, vocab: int, balance: bool,
-                 device: str) -> None:
+                 device: str, context: Callable[[], Any] = contextlib.nullcontext) -> None:
         self.model, self.loss_fn, self.balance = model, loss_fn, balance
+        self.context = context  # entered around every step (e.g. the KDA op's kernel variants)
         self.cuda = device == "cuda"
         self.tokens = B * T
         self.opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=self.cuda or None)
@@ -1000,8 +1007,9 @@ class Runner:
         """One training step (as ``BalancerCallback``: the balancer after the backward, before the optimizer)."""
         from moelab.model.balance import balance_step
 
-        loss = self.loss_fn(self.model, self.x)
-        loss.backward()
+        with self.context():
+            loss = self.loss_fn(self.model, self.x)
+            loss.backward()
         if self.balance:
             if self.cuda:
                 span = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -1073,8 +1081,12 @@ def build_moelab(impl: str, preset: str, overrides: dict, device: str) -> Built:
     from moelab.model import MoELab
     from moelab.model.accounting import param_counts
     from moelab.model.balance import balance_step, balanced_routers
+    from moelab.ops.kda.triton_chunk import launch_overrides
 
     t0 = time.perf_counter()
+    overrides = dict(overrides)
+    variant = overrides.pop(KDA_KERNELS, None) or {}  # not a config field: the KDA op's kernel variants
+    context = functools.partial(launch_overrides, **variant)
     cfg = load_config(preset, overrides)
     torch.manual_seed(0)
     model = MoELab(cfg.model).to(device)
@@ -1086,12 +1098,14 @@ def build_moelab(impl: str, preset: str, overrides: dict, device: str) -> Built:
                            "params_activated": param_counts(cfg.model)["activated"], "B": B, "T": T}
     if balance:
         row["balancer"] = cfg.model.moe.balancer
+    if variant:
+        row[KDA_KERNELS] = variant
     row["setup_s"] = {"build": time.perf_counter() - t0}
     t1 = time.perf_counter()
     x = torch.randint(0, cfg.model.vocab_size, (B, T), device=device)
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+    with context(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
         out = model(x, x, return_logits=False)
-    (out.loss + out.aux_loss).backward()
+        (out.loss + out.aux_loss).backward()
     row.update(first_loss=float(out.loss.detach()), loss_finite=bool(torch.isfinite(out.loss)),
                nonfinite_grads=[n for n, p in model.named_parameters()
                                 if p.grad is not None and not torch.isfinite(p.grad).all()],
@@ -1106,7 +1120,7 @@ def build_moelab(impl: str, preset: str, overrides: dict, device: str) -> Built:
             o = m(ids, ids, return_logits=False, check_ids=False)
         return o.loss + o.aux_loss
 
-    return Built(row, Runner(model, loss_fn, B, T, cfg.model.vocab_size, balance, device), cfg.model)
+    return Built(row, Runner(model, loss_fn, B, T, cfg.model.vocab_size, balance, device, context), cfg.model)
 
 
 def build_fla() -> Built | None:
@@ -1278,7 +1292,8 @@ def run_group(group: str, ctx: Ctx, warmup: int, steps: int, record: Callable[[l
             f"{b.row['impl']} {w[-1]['step_ms']:.1f}" for b, w in zip(built, windows)) + " ms/step")
     if rows:
         for b, row in zip(built, rows):
-            counts = count_step(b.runner.model, b.runner.x, b.runner.opt, b.runner.loss_fn, python_calls=False)
+            with b.runner.context():
+                counts = count_step(b.runner.model, b.runner.x, b.runner.opt, b.runner.loss_fn, python_calls=False)
             row["step_ops"] = {k: v for k, v in counts.items() if k != "by"}
             row["step_ops"]["launches_by_kernel"] = counts["by"]["triton_launches"]
         record(rows)
