@@ -312,9 +312,11 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min):
     return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, qg=qg, kd=kd, gl=gl)
 
 
-def _state_pass(inter, h0, output_final_state, dtype, C, pack):
+def _state_pass(inter, h0, output_final_state, dtype, C, pack, stream=None):
     """The state kernel: chunk states ``hbuf`` ``[B, NT, H, K, V]``, ``U``, optional final state
-    ``[N, H, K, V]`` (N = B, or the documents of ``pack``: one program per document and head)."""
+    ``[N, H, K, V]`` (N = B, or the documents of ``pack``: one program per document and head).
+    ``stream``: a CUDA stream to launch on, after what the current stream has issued so far (the
+    outputs are allocated on the current stream, which must wait for ``stream`` before reading them)."""
     kd, w, u = inter["kd"], inter["w"], inter["u"]
     B, T, H, K = kd.shape
     V = u.shape[-1]
@@ -326,13 +328,16 @@ def _state_pass(inter, h0, output_final_state, dtype, C, pack):
     hbuf = (torch.empty if pack is None else torch.zeros)(B, NT, H, K, V, device=dev, dtype=_work_dtype(dtype))
     U = torch.empty(B, T, H, V, device=dev, dtype=_work_dtype(dtype))
     hT = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    (_state_small if _small_grid(N, H, V) else _state)(
-        lambda bv: (V // bv, N * H),
-        kd, inter["gl"], w, u, h0 if h0 is not None else U, hbuf, U, hT if hT is not None else U,
-        pack.coff if pack is not None else U, T, N * H,
-        H=H, K=K, V=V, C=C, HAS_H0=h0 is not None, STORE_HT=hT is not None, DOT_BF16=_dot_bf16(dtype),
-        IEEE=_ieee(dtype), VARLEN=pack is not None,
-    )
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(dev))  # the inputs, and hbuf's zeros when packed
+    with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
+        (_state_small if _small_grid(N, H, V) else _state)(
+            lambda bv: (V // bv, N * H),
+            kd, inter["gl"], w, u, h0 if h0 is not None else U, hbuf, U, hT if hT is not None else U,
+            pack.coff if pack is not None else U, T, N * H,
+            H=H, K=K, V=V, C=C, HAS_H0=h0 is not None, STORE_HT=hT is not None, DOT_BF16=_dot_bf16(dtype),
+            IEEE=_ieee(dtype), VARLEN=pack is not None,
+        )
     return dict(hbuf=hbuf, U=U, hT=hT)
 
 
@@ -468,19 +473,14 @@ def _chains(inter, h0, do, dht, dtype, C, pack):
     if CHAINS == "serial" or dev.type != "cuda":
         inter.update(_state_pass(inter, h0, False, dtype, C, pack))
         return _dh_pass(inter, do, dht, h0 is not None, dtype, C, pack)
-    main = torch.cuda.current_stream(dev)
     side = _SIDE_STREAMS.get(dev)
     if side is None:
         side = _SIDE_STREAMS[dev] = torch.cuda.Stream(dev)
-    side.wait_stream(main)  # the recompute reads what the current stream wrote (the prep's inputs)
-    with torch.cuda.stream(side):
-        state = _state_pass(inter, h0, False, dtype, C, pack)
+    # the recompute's buffers come from the current stream (no record_stream, which graph capture would not
+    # take), its kernel runs on the side stream, and the current stream waits for it before anything reads them
+    inter.update(_state_pass(inter, h0, False, dtype, C, pack, stream=side))
     out = _dh_pass(inter, do, dht, h0 is not None, dtype, C, pack)
-    main.wait_stream(side)
-    for t in state.values():
-        if t is not None:  # allocated on the side stream, used on the current one from here on
-            t.record_stream(main)
-    inter.update(state)
+    torch.cuda.current_stream(dev).wait_stream(side)
     return out
 
 
