@@ -45,8 +45,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "fused-grad-column-rescale",
         "the fused KDA gradient kernel's column sweep adds each sub-tile without rescaling the earlier ones' sum "
         "to the new reference (right for adjacent sub-tiles only)",
-        (Edit("moelab/ops/kda/triton_bwd.py", "            ac = tl.where(earlier, ac * tl.exp2(E_next - E)[None, :], ac)",
-              "            ac = ac"),),
+        (Edit("moelab/ops/kda/triton_bwd.py",
+              "            ac = tl.where(earlier, ac * tl.exp2(E_next - E)[None, :], ac)", "            ac = ac"),),
         ("tests/ops/test_kda_triton.py::test_fused_grad_matches_reference_and_split",),
     ),
     Mutation(
