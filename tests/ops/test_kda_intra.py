@@ -8,14 +8,12 @@ and spills by kernels/aot_kda.py, not run here.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from moelab.ops.kda import triton_chunk as tc
 from moelab.ops.kda.triton_common import LOG2E
-from tests.helpers import rel_err
+from tests.helpers import poisoned_allocations, rel_err
 from tests.ops.test_kda_triton import DEV, G_MIN, _compare, _inputs, _reference, _run, chunk, slow
 
 # (B, T, H, K, V, chunk, dtype, h0); every case runs in both modes
@@ -176,17 +174,8 @@ def test_fused_intra_ignores_uninitialised_memory(monkeypatch, mode):
     """Every buffer the op allocates starts full of NaN (torch.empty, empty_like, new_empty): the fused
     kernel reads back only what it wrote (G in general mode, A_kk and the blocks of Tm in Abuf)."""
 
-    @contextlib.contextmanager
-    def poisoned():
-        with monkeypatch.context() as m:
-            for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")):
-                make = getattr(owner, name)
-                m.setattr(owner, name, lambda *a, _make=make, **kw: (
-                    lambda x: x.fill_(float("nan")) if x.is_floating_point() else x)(_make(*a, **kw)))
-            yield
-
     ins, s0, do, dS = _inputs(1, 100, 2, 32, 16, torch.float32, seed=13)
     ref = _reference(ins, s0, do, dS)
-    with poisoned(), tc.launch_overrides(intra="fused"):
+    with poisoned_allocations(monkeypatch), tc.launch_overrides(intra="fused"):
         out = _run(chunk, ins, s0, do, dS, mode=mode)
     _compare(ref, out)

@@ -14,7 +14,7 @@ import torch
 
 from moelab.ops.kda.naive import naive_recurrent_kda
 from moelab.ops.kda.triton_chunk import chunk_kda
-from tests.helpers import assert_close
+from tests.helpers import assert_close, poisoned_allocations
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 G_MIN = -5.0  # the bound of the test decays (the model's default g_min)
@@ -327,22 +327,7 @@ def test_fused_prep_ignores_uninitialised_memory(monkeypatch, case):
     (padded tails, per-chunk or per-block partial sums, the dA_log rows) then turns the result NaN, where
     with a real allocator it would silently depend on what the previous user of the memory left."""
     allocs = []
-
-    def poisoned(make):
-        def alloc(*args, **kw):
-            x = make(*args, **kw)
-            allocs.append(x.shape)
-            return x.fill_(float("nan")) if x.is_floating_point() else x
-        return alloc
-
-    @contextlib.contextmanager
-    def poison():
-        with monkeypatch.context() as m:
-            for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")):
-                m.setattr(owner, name, poisoned(getattr(owner, name)))
-            yield
-
-    _check_fused_prep(case, poison)
+    _check_fused_prep(case, lambda: poisoned_allocations(monkeypatch, allocs))
     assert len(allocs) > 20, f"the poisoning reached only {len(allocs)} allocations"
 
 
@@ -384,11 +369,7 @@ def test_infer_forward_ignores_uninitialised_memory(monkeypatch, case):
 
     @contextlib.contextmanager
     def poison_infer():
-        with monkeypatch.context() as m, tc.launch_overrides(forward="infer", grad="fused"):
-            for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")):
-                make = getattr(owner, name)
-                m.setattr(owner, name, lambda *a, _make=make, **kw: (
-                    lambda x: x.fill_(float("nan")) if x.is_floating_point() else x)(_make(*a, **kw)))
+        with poisoned_allocations(monkeypatch), tc.launch_overrides(forward="infer", grad="fused"):
             yield
 
     _check_fused_prep(case, poison_infer)
@@ -401,11 +382,7 @@ def test_fused_grad_ignores_uninitialised_memory(monkeypatch, case):
 
     @contextlib.contextmanager
     def poison_fused():
-        with monkeypatch.context() as m, tc.launch_overrides(grad="fused"):
-            for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")):
-                make = getattr(owner, name)
-                m.setattr(owner, name, lambda *a, _make=make, **kw: (
-                    lambda x: x.fill_(float("nan")) if x.is_floating_point() else x)(_make(*a, **kw)))
+        with poisoned_allocations(monkeypatch), tc.launch_overrides(grad="fused"):
             yield
 
     _check_fused_prep(case, poison_fused)
