@@ -103,7 +103,7 @@ def main() -> int:
                  for m in (True, False)],
         "merge": [(F._kda_fwd_merge, dict(base, BC=16), None, None)],
         "wu": [(F._kda_fwd_wu, dict(base, BV=64, IEEE=False), "BK", None)],
-        # INTRA = "fused": kktr + merge + wu in one program per chunk, both modes as kktr
+        # intra="fused": kktr + merge + wu in one program per chunk, both modes as kktr
         "intra": [(F._kda_fwd_intra, dict(base, BC=16, BV=64, BOUNDED=m, IEEE=False, G_IN=m), "BK", m)
                   for m in (True, False)],
         "state": [(F._kda_fwd_state, dict(base, HAS_H0=True, STORE_HT=True, VARLEN=False, **bf), "BV", None)],

@@ -485,8 +485,7 @@ def main() -> int:
     try:
         variant = dict(item.split("=", 1) for item in args.variant.split(",") if item)
         with chunk_module.launch_overrides(**variant):
-            variant = dict(grad=chunk_module.GRAD, chains=chunk_module.CHAINS, forward=chunk_module.FORWARD,
-                           intra=chunk_module.INTRA)
+            variant = dict(chunk_module.VARIANT)
     except (TypeError, ValueError) as exc:
         ap.error(f"--variant {args.variant!r}: {exc}")
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -1,5 +1,5 @@
 """The fused intra-chunk kernel of the chunked KDA forward (``triton_fwd._kda_fwd_intra``, selected by
-``triton_chunk.INTRA = "fused"``) against the fp32 reference and against the split kernels (kktr, merge,
+``intra="fused"`` of ``triton_chunk.VARIANTS``) against the fp32 reference and against the split kernels (kktr, merge,
 wu) whose outputs it replaces.
 
 Interpreter only (tests/conftest.py): fp32 and fp16; the GPU launch configs are checked for registers
@@ -56,7 +56,7 @@ def _padded(B, T, H, K, V, C, bounded, seed, g_min=G_MIN, g=None):
 def _both(q, k, v, g, beta, bounded, C, g_min=G_MIN):
     """``_intra_pass`` with the split kernels and with the fused kernel."""
     out = {}
-    for intra in tc.INTRA_KERNELS:
+    for intra in tc.VARIANTS["intra"]:
         with tc.launch_overrides(intra=intra):
             out[intra] = tc._intra_pass(q, k, v, g, beta, q.shape[-1] ** -0.5, bounded, C, g_min)
     return out["split"], out["fused"]
@@ -127,11 +127,11 @@ def test_fused_intra_equals_split_at_the_decay_bound():
 
 
 def test_intra_dispatch_and_override():
-    """``INTRA`` picks the launches (split: kktr, merge, wu; fused: one ``intra``), ``launch_overrides``
+    """``VARIANT["intra"]`` picks the launches (split: kktr, merge, wu; fused: one ``intra``), ``launch_overrides``
     switches it and restores it (also after an error), and names the allowed values on a wrong one."""
     names = []
     orig = tc._Launcher.__call__
-    assert tc.INTRA == "split"
+    assert tc.VARIANT["intra"] == "split"
     ins, s0, do, dS = _inputs(1, 40, 1, 16, 16, torch.float32, seed=3)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(tc._Launcher, "__call__", lambda self, *a, **kw: names.append(self.name) or orig(self, *a, **kw))
@@ -142,13 +142,13 @@ def test_intra_dispatch_and_override():
             chunk(*ins, initial_state=s0, mode="bounded")
         assert "intra" in names and not {"kktr", "merge", "wu"} & set(names)
     with pytest.raises(RuntimeError, match="inside"), tc.launch_overrides(intra="fused"):
-        assert tc.INTRA == "fused"
+        assert tc.VARIANT["intra"] == "fused"
         raise RuntimeError("inside")
-    assert tc.INTRA == "split"
+    assert tc.VARIANT["intra"] == "split"
     with pytest.raises(ValueError, match=r"intra='one' is not allowed: expected one of \('split', 'fused'\)"), \
             tc.launch_overrides(intra="one"):
         pass
-    assert tc.INTRA == "split"
+    assert tc.VARIANT["intra"] == "split"
 
 
 def test_intra_launch_config(monkeypatch):

@@ -76,7 +76,7 @@ def _reference(x: dict, gate: str, prep: bool) -> tuple[torch.Tensor, torch.Tens
                          ids=["split", "fused", "infer-forward"])
 @pytest.mark.parametrize(("gate", "mode", "prep"), CASES)
 def test_packed_training_op_equals_separate_documents(gate: str, mode: str, prep: bool, variant: dict) -> None:
-    """Each way of forming the gradients (``triton_chunk.GRAD_KERNELS``) and the inference forward (bounded
+    """Each way of forming the gradients (``triton_chunk.VARIANTS["grad"]``) and the inference forward (bounded
     mode): the chunks of a packed row hold pieces of several documents, and padded slots between them."""
     x = _inputs(gate)
     ref_o, ref_S, ref_g = _reference(x, gate, prep)

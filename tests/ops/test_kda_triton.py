@@ -193,7 +193,6 @@ def test_bf16_on_gpu(mode, variant):
 
 KERNELS = {"kktr", "merge", "wu", "intra", "state", "state_small", "out", "dh", "dh_small", "wy", "sterm", "dqkg", "dg",
            "grad"}
-SPLIT_ONLY, FUSED_ONLY = {"sterm", "dqkg", "dg"}, {"grad"}  # the gradient kernels of GRAD = "split" / "fused"
 
 
 def test_launch_overrides():
@@ -217,11 +216,12 @@ def test_launch_overrides():
     with pytest.raises(ValueError, match="'kktr'"), tc.launch_overrides(maxnreg={"kktr": 300}):
         pass
     assert tc.LAUNCH == launch and tc.MAXNREG == maxnreg
-    default = tc.GRAD
-    with pytest.raises(RuntimeError, match="inside"), tc.launch_overrides(grad="fused"):
-        assert tc.GRAD == "fused"
+    default = dict(tc.VARIANT)
+    assert default == {name: choices[0] for name, choices in tc.VARIANTS.items()}
+    with pytest.raises(RuntimeError, match="inside"), tc.launch_overrides(grad="fused", chains=None):
+        assert tc.VARIANT == {**default, "grad": "fused"}
         raise RuntimeError("inside")
-    assert tc.GRAD == default
+    assert tc.VARIANT == default
     with pytest.raises(ValueError, match=r"grad='one' is not allowed: expected one of \('split', 'fused'\)"), \
             tc.launch_overrides(grad="one"):
         pass
@@ -229,14 +229,17 @@ def test_launch_overrides():
         pass
     with pytest.raises(ValueError, match=r"forward='fast' is not allowed"), tc.launch_overrides(forward="fast"):
         pass
-    assert tc.GRAD == default and tc.CHAINS == "serial" and tc.FORWARD == "train"
+    with pytest.raises(ValueError, match=r"variant speed='max' is not allowed: expected a switch of"), \
+            tc.launch_overrides(speed="max"):
+        pass
+    assert tc.VARIANT == default
     with tc.launch_overrides(chains="concurrent"):  # on CPU tensors the chains run one after the other anyway
         ins, s0, do, dS = _inputs(1, 20, 1, 16, 16, torch.float32, seed=2)
         _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS))
-    assert tc.CHAINS == "serial"
+    assert tc.VARIANT == default
 
 
-# the fused gradient kernel (GRAD = "fused") against the reference and the split kernels, both modes
+# the fused gradient kernel (grad="fused") against the reference and the split kernels, both modes
 FUSED_GRAD = [
     (1, 40, 1, 20, 40, 32, torch.float32, True),  # two sub-tiles, padded K and V
     (1, 37, 2, 16, 24, 16, torch.float16, False),  # chunk 16: one sub-tile, no sweep
@@ -342,7 +345,7 @@ INFER_FORWARD = [
 @pytest.mark.parametrize(
     "case", INFER_FORWARD, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}K{c[3]}V{c[4]}C{c[5]}-{str(c[6])[6:]}-h0{int(c[7])}")
 def test_infer_forward_matches_reference(monkeypatch, case, grad):
-    """``FORWARD = "infer"``: bounded mode's training forward runs the inference kernels (chunk 16, nothing
+    """``forward="infer"``: bounded mode's training forward runs the inference kernels (chunk 16, nothing
     kept) and the backward recomputes the intra-chunk intermediates at its own chunk: output, final state and
     every gradient within the dtype's bound of the reference; general mode keeps the training forward."""
     from moelab.ops.kda import infer_plan
@@ -363,7 +366,7 @@ def test_infer_forward_matches_reference(monkeypatch, case, grad):
 
 @pytest.mark.parametrize("case", FUSED[:2], ids=FUSED_IDS[:2])
 def test_infer_forward_ignores_uninitialised_memory(monkeypatch, case):
-    """The poisoning of ``test_fused_prep_ignores_uninitialised_memory`` with ``FORWARD = "infer"`` (the
+    """The poisoning of ``test_fused_prep_ignores_uninitialised_memory`` with ``forward="infer"`` (the
     bounded case recomputes its intermediates in the backward) and the fused gradient kernel."""
     from moelab.ops.kda import triton_chunk as tc
 
@@ -377,7 +380,7 @@ def test_infer_forward_ignores_uninitialised_memory(monkeypatch, case):
 
 @pytest.mark.parametrize("case", FUSED[:2], ids=FUSED_IDS[:2])
 def test_fused_grad_ignores_uninitialised_memory(monkeypatch, case):
-    """The same poisoning with the fused gradient kernel (``GRAD = "fused"``), both modes."""
+    """The same poisoning with the fused gradient kernel (``grad="fused"``), both modes."""
     from moelab.ops.kda import triton_chunk as tc
 
     @contextlib.contextmanager
@@ -421,8 +424,8 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
     for mode in ("bounded", "general"):
         ins, s0, do, dS = _inputs(1, 40, 1, 16, 16, torch.float32, seed=1)
         _run(chunk, ins, s0, do, dS, mode=mode)
-        with tc.launch_overrides(grad="split" if tc.GRAD == "fused" else "fused",
-                                 intra="split" if tc.INTRA == "fused" else "fused"):
+        with tc.launch_overrides(**{name: next(c for c in tc.VARIANTS[name] if c != tc.VARIANT[name])
+                                    for name in ("grad", "intra")}):
             _run(chunk, ins, s0, do, dS, mode=mode)
     assert set(seen) == KERNELS - {"state", "dh"}  # B1 H1: the small-grid launches of both chains
 

@@ -23,7 +23,7 @@ it), the state kernel reruns (``h_c``, ``U``), then (every kernel reads G, none 
   ``G_last`` (which every g of the chunk feeds).
 
 ``_kda_bwd_grad`` does what sterm, dqkg and dg do in one program per K-block and chunk (the op's
-``GRAD = "fused"``; the off-diagonal sub-tiles as two running-rescale sweeps over the chunk).
+``grad="fused"`` of ``triton_chunk.VARIANTS``; the off-diagonal sub-tiles as two running-rescale sweeps over the chunk).
 """
 
 from __future__ import annotations

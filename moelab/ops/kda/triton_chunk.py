@@ -85,7 +85,7 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "sterm": (64, 4, 1),
     "dqkg": (32, 1, 1),
     "dg": (64, 4, 1),
-    # GRAD = "fused": sterm + dqkg + dg in one program per K-block and chunk; not yet timed on a GPU
+    # grad="fused": sterm + dqkg + dg in one program per K-block and chunk; not yet timed on a GPU
     "grad": (64, 8, 1),
     # the sequential state kernel when B * H * V / 32 <= SMALL_GRID (B1 H16: 64 programs at 32-wide
     # blocks, under one per SM): 16-wide blocks give 128 programs, and two stages prefetch the next
@@ -93,42 +93,39 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "state_small": (16, 2, 2),
     # the state-gradient kernel at the same small grids; the regular launch until a narrower one is timed
     "dh_small": (64, 8, 1),
-    # INTRA = "fused": kktr + merge + wu in one program per chunk; 4 warps (one warpgroup: at 8, the
+    # intra="fused": kktr + merge + wu in one program per chunk; 4 warps (one warpgroup: at 8, the
     # chained [64, 64] products got a different MMA layout each, with conversions between them), BK 32
     # under MAXNREG (aot_kda.py: no spills, 3 programs per SM); a chunk below 64 runs at 2 warps
     # (_ChunkLauncher); not yet timed on a GPU
     "intra": (32, 4, 1),
 }
 SMALL_GRID = 128
-# The backward's gradient kernels: "split" (sterm, dqkg, dg: three launches, measured on the H200) or
-# "fused" (``_kda_bwd_grad``: one launch, checked against the fp32 reference in the interpreter, not yet
-# timed on a GPU); ``launch_overrides(grad=...)`` switches it for A/B runs.
-GRAD = "split"
-GRAD_KERNELS = ("split", "fused")
-# The backward's two sequential chains (state recompute, state gradient): one after the other, or
-# concurrently on two CUDA streams (``_chains``; not yet timed on a GPU); ``launch_overrides(chains=...)``.
-CHAINS = "serial"
-CHAIN_MODES = ("serial", "concurrent")
-# The training forward: "train" (the chunk-64 kernels, which keep their intra-chunk intermediates for the
-# backward) or "infer" (bounded mode: the inference forward's kernels, ``infer_plan.kda_infer``, which keep
-# nothing, and the backward recomputes the intermediates); not yet timed on a GPU;
-# ``launch_overrides(forward=...)``.
-FORWARD = "train"
-FORWARD_MODES = ("train", "infer")
-# The forward's intra-chunk kernels: "split" (kktr, merge, wu: three launches, measured on the H200) or
-# "fused" (``_kda_fwd_intra``: one launch, the same outputs, checked against the split kernels and the fp32
-# reference in the interpreter, not yet run on a GPU); ``launch_overrides(intra=...)`` switches it.
-INTRA = "split"
-INTRA_KERNELS = ("split", "fused")
+# Kernel variants of the op: {switch: choices}, the first the default (measured on the H200); the others are
+# checked against the fp32 reference in the interpreter and wait to be timed on a GPU (kernels/README.md,
+# "Candidates waiting for a GPU"); ``launch_overrides(**{switch: choice})`` picks them for A/B runs:
+# * grad: the backward's gradient kernels: "split" (sterm, dqkg, dg: three launches) or "fused"
+#   (``_kda_bwd_grad``: one launch per K-block and chunk);
+# * chains: the backward's two sequential chains (state recompute, state gradient): "serial", or
+#   "concurrent" on two CUDA streams (``_chains``);
+# * forward: the training forward: "train" (the chunk-64 kernels, which keep their intra-chunk intermediates
+#   for the backward) or "infer" (bounded mode: the inference forward's kernels, ``infer_plan.kda_infer``,
+#   which keep nothing; the backward recomputes the intermediates);
+# * intra: the intra-chunk kernels: "split" (kktr, merge, wu: three launches) or "fused" (``_kda_fwd_intra``:
+#   one launch, the same outputs).
+VARIANTS: dict[str, tuple[str, ...]] = {"grad": ("split", "fused"), "chains": ("serial", "concurrent"),
+                                        "forward": ("train", "infer"), "intra": ("split", "fused")}
+VARIANT: dict[str, str] = {name: choices[0] for name, choices in VARIANTS.items()}  # what the op runs now
 
 
 def _infer_forward_ok(bounded: bool, prep, g_min: float | None) -> bool:
-    """Whether ``FORWARD = "infer"`` can take this call: bounded mode with a bound the inference chunk
-    (16 tokens) holds; other calls keep the training forward."""
+    """Whether the "infer" forward (``VARIANT["forward"]``) can take this call: bounded mode with a bound
+    the inference chunk (16 tokens) holds; other calls keep the training forward."""
     from moelab.ops.kda.infer_plan import CHUNK
 
     return bounded and prep.gate in ("none", "bounded") and g_min is not None and \
         max_safe_g_min("fp32", CHUNK) <= g_min < 0
+
+
 # the interpreter: 16-wide blocks so that small test shapes still take the multi-block paths
 _INTERP_LAUNCH = (16, 4, 1)
 # Register cap per kernel (ptxas ``maxnreg``): the 1-warp kktr takes ~216 registers uncapped; the
@@ -138,25 +135,23 @@ MAXNREG: dict[str, int] = {"kktr": 168, "intra": 168}
 
 
 @contextlib.contextmanager
-def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None, *, grad: str | None = None,
-                     chains: str | None = None, forward: str | None = None, intra: str | None = None):
-    """Run the op with some ``LAUNCH`` / ``MAXNREG`` entries replaced, restored on exit (A/B runs
-    and launch-config sweeps, e.g. ``kernels/bench.py --entry kda --base REV``).
+def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None, **variant: str):
+    """Run the op with some ``LAUNCH`` / ``MAXNREG`` entries and kernel variants replaced, restored on
+    exit (A/B runs and launch-config sweeps, e.g. ``kernels/bench.py --entry kda --base REV``).
 
     Args:
         launch: ``{kernel: (block, num_warps, num_stages)}`` for kernels named in ``LAUNCH``.
         maxnreg: ``{kernel: registers}`` (32..255) for kernels named in ``LAUNCH``; ``None`` as a
             value removes that kernel's cap.
-        grad: the backward's gradient kernels, one of ``GRAD_KERNELS`` (``GRAD``); None keeps it.
-        chains: how the backward runs its two sequential chains, one of ``CHAIN_MODES`` (``CHAINS``).
-        forward: the training forward's kernels, one of ``FORWARD_MODES`` (``FORWARD``).
-        intra: the forward's intra-chunk kernels, one of ``INTRA_KERNELS`` (``INTRA``).
+        variant: ``switch=choice`` for switches of ``VARIANTS`` (e.g. ``grad="fused"``); a None value
+            keeps the switch as it is.
     """
-    global GRAD, CHAINS, FORWARD, INTRA
-    for name, val, allowed in (("grad", grad, GRAD_KERNELS), ("chains", chains, CHAIN_MODES),
-                               ("forward", forward, FORWARD_MODES), ("intra", intra, INTRA_KERNELS)):
-        if val is not None and val not in allowed:
-            raise ValueError(f"{name}={val!r} is not allowed: expected one of {allowed}")
+    variant = {name: val for name, val in variant.items() if val is not None}
+    for name, val in variant.items():
+        if name not in VARIANTS:
+            raise ValueError(f"variant {name}={val!r} is not allowed: expected a switch of {sorted(VARIANTS)}")
+        if val not in VARIANTS[name]:
+            raise ValueError(f"{name}={val!r} is not allowed: expected one of {VARIANTS[name]}")
     launch, maxnreg = dict(launch or {}), dict(maxnreg or {})
     for name, cfg in launch.items():
         if name not in LAUNCH or len(cfg) != 3:
@@ -166,8 +161,8 @@ def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None, *,
         if name not in LAUNCH or not (val is None or 32 <= int(val) <= 255):
             raise ValueError(f"maxnreg entry {name!r}: {val!r} is not allowed: expected one of {sorted(LAUNCH)} "
                              f"mapped to a register count in 32..255 or None")
-    saved = dict(LAUNCH), dict(MAXNREG), GRAD, CHAINS, FORWARD, INTRA
-    GRAD, CHAINS, FORWARD, INTRA = grad or GRAD, chains or CHAINS, forward or FORWARD, intra or INTRA
+    saved = dict(LAUNCH), dict(MAXNREG), dict(VARIANT)
+    VARIANT.update(variant)
     LAUNCH.update({name: tuple(int(x) for x in cfg) for name, cfg in launch.items()})
     for name, val in maxnreg.items():
         if val is None:
@@ -177,11 +172,9 @@ def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None, *,
     try:
         yield
     finally:
-        LAUNCH.clear()
-        LAUNCH.update(saved[0])
-        MAXNREG.clear()
-        MAXNREG.update(saved[1])
-        GRAD, CHAINS, FORWARD, INTRA = saved[2:]
+        for table, old in zip((LAUNCH, MAXNREG, VARIANT), saved):
+            table.clear()
+            table.update(old)
 
 
 class _Launcher:
@@ -274,7 +267,7 @@ def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, g_min,
 
 
 def _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min):
-    """The intra-chunk kernels (kktr, merge, wu; or ``_kda_fwd_intra`` with ``INTRA = "fused"``): A_qk,
+    """The intra-chunk kernels (kktr, merge, wu; or ``_kda_fwd_intra`` with ``VARIANT["intra"] == "fused"``): A_qk,
     Tm, w, u, qg, kd, e^{G_last}.
 
     Bounded mode: ``g`` already holds G (``prep_fwd_chunked``) and ``g_min`` places the diagonal
@@ -292,7 +285,7 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min):
     u = torch.empty(B, T, H, V, device=dev, dtype=wd)
     gl = torch.empty(B, NT, H, K, device=dev, dtype=torch.float32)
     mid = (SUBTILE / 2) * (g_min if bounded else 0.0) * LOG2E
-    if INTRA == "fused":
+    if VARIANT["intra"] == "fused":
         _intra(
             (NT, B * H), q, k, v, g, beta, Gbuf, Abuf, Aqk, w, u, qg, kd, gl, scale, mid, T,
             H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64), BOUNDED=bounded, IEEE=_ieee(q.dtype), G_IN=bounded,
@@ -467,11 +460,11 @@ _SIDE_STREAMS: dict = {}
 def _chains(inter, h0, do, dht, dtype, C, pack):
     """The backward's two sequential chains: the forward state's recompute (``_state_pass``, into
     ``inter``) and the state gradient (``_dh_pass``, returned). Neither reads the other, so with
-    ``CHAINS = "concurrent"`` on a GPU the recompute runs on a side stream while the state gradient runs
+    ``VARIANT["chains"] == "concurrent"`` on a GPU the recompute runs on a side stream while the state gradient runs
     on the current one (each chain has only ``N * H * V / BV`` programs, too few to fill the GPU at
     small batch); ``"serial"`` runs one after the other."""
     dev = inter["kd"].device
-    if CHAINS == "serial" or dev.type != "cuda":
+    if VARIANT["chains"] == "serial" or dev.type != "cuda":
         inter.update(_state_pass(inter, h0, False, dtype, C, pack))
         return _dh_pass(inter, do, dht, h0 is not None, dtype, C, pack)
     side = _SIDE_STREAMS.get(dev)
@@ -486,7 +479,7 @@ def _chains(inter, h0, do, dht, dtype, C, pack):
 
 
 def _grad_split(q, k, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dbv, scale, bounded, C):
-    """The gradient kernels of ``GRAD = "split"``: ``_kda_bwd_sterm`` (state terms per chunk), then
+    """The gradient kernels of ``VARIANT["grad"] == "split"``: ``_kda_bwd_sterm`` (state terms per chunk), then
     ``_kda_bwd_dqkg`` (gated-score terms per 16-row sub-tile), then ``_kda_bwd_dg`` (reverse cumsum);
     fills dq, dk, dg and returns dbeta (``dbv`` plus the K-block partial sums)."""
     B, T, H, K = q.shape
@@ -523,7 +516,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         V = v.shape[-1]
         ctx.scale, ctx.bounded, ctx.chunk_size, ctx.prep, ctx.pack, ctx.g_min = scale, bounded, C, prep, pack, g_min
-        ctx.recompute = FORWARD == "infer" and _infer_forward_ok(bounded, prep, g_min)
+        ctx.recompute = VARIANT["forward"] == "infer" and _infer_forward_ok(bounded, prep, g_min)
         if ctx.recompute:  # the inference kernels; the backward recomputes the intra-chunk intermediates
             from moelab.ops.kda.infer_plan import kda_infer
 
@@ -567,7 +560,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         do = _pad(pack.scatter(do) if pack is not None else do, {1: T, 3: V}).contiguous()
         if dht is not None:
             dht = _pad(dht, {2: K, 3: V}).contiguous()
-        # the intra-chunk intermediates: kept by the forward, or recomputed (FORWARD = "infer")
+        # the intra-chunk intermediates: kept by the forward, or recomputed (the "infer" forward)
         inter = (_intra_pass(q, k, v, gp, beta, scale, bounded, C, ctx.g_min) if ctx.recompute
                  else dict(zip(_INTRA_KEYS, saved)))
         # G for the gradient kernels: bounded mode's prep just wrote it, general mode's kktr kept it
@@ -588,7 +581,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             H=H, K=K, V=V, C=C, BV=min(V, 64), DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
         )
         del dU  # only dh (writes) and wy (reads) use it: freed before the largest allocations below
-        if GRAD == "fused":
+        if VARIANT["grad"] == "fused":
             nk = K // _grad.config(K, V)[0]
             dbk = torch.empty(nk, B, T, H, device=q.device, dtype=torch.float32)  # per-K-block dbeta terms
             _grad(

@@ -13,7 +13,7 @@ Per head and chunk of ``C`` tokens, with ``G`` the chunk-local cumsum of g (see 
 * ``_kda_fwd_wu`` (grid ``[NT, B*H]``): ``w = Tm (beta k e^G)``, ``u = Tm (beta v)`` and the
   decayed ``qg = scale q e^G``, ``kd = k e^{G_last - G}``, ``gl = e^{G_last}``, so the chunk loops
   below carry no cumsum or exp;
-* ``_kda_fwd_intra`` (grid ``[NT, B*H]``, ``triton_chunk.INTRA = "fused"``): the three kernels above
+* ``_kda_fwd_intra`` (grid ``[NT, B*H]``, ``intra="fused"`` of ``triton_chunk.VARIANTS``): the three kernels above
   in one program per chunk, the same outputs;
 * ``_kda_fwd_state`` (grid ``[cdiv(V, BV), B*H]``, or ``[cdiv(V, BV), N*H]`` over packed documents
   with ``VARLEN``, sequential over chunks): stores the state
