@@ -242,10 +242,11 @@ KDA_IMPLS = ("moelab_bounded", "moelab_bounded_gradfused", "moelab_bounded_next"
              "fla_softplus", "sdpa_flash")
 # moelab rows run with these ``triton_chunk.launch_overrides`` (the forward and the backward), so that variants
 # not yet the op's default are timed beside it in the same run: the fused gradient kernel alone, and every
-# candidate at once (the inference forward, the fused intra-chunk kernel (in the backward's recompute), the fused
-# gradient kernel, the backward's chains on two streams)
+# candidate at once (triton_chunk.VARIANTS: the inference forward, the fused intra-chunk kernel in the backward's
+# recompute, the fused gradient kernel, the backward's chains on two streams, the hoisted state-gradient chain)
 KDA_VARIANTS = {"moelab_bounded_gradfused": dict(grad="fused"),
-                "moelab_bounded_next": dict(forward="infer", intra="fused", grad="fused", chains="concurrent")}
+                "moelab_bounded_next": dict(forward="infer", intra="fused", grad="fused", chains="concurrent",
+                                            dh="hoisted")}
 
 
 def _shape_name(B: int, T: int, H: int | None = None) -> str:

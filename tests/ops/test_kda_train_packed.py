@@ -72,12 +72,14 @@ def _reference(x: dict, gate: str, prep: bool) -> tuple[torch.Tensor, torch.Tens
     return o, S, _grads(x, o, S)
 
 
-@pytest.mark.parametrize("variant", [dict(grad="split"), dict(grad="fused"), dict(forward="infer", grad="fused")],
-                         ids=["split", "fused", "infer-forward"])
+@pytest.mark.parametrize("variant", [dict(grad="split"), dict(grad="fused"),
+                                     dict(forward="infer", grad="fused", intra="fused", dh="hoisted")],
+                         ids=["split", "fused", "every-candidate"])
 @pytest.mark.parametrize(("gate", "mode", "prep"), CASES)
 def test_packed_training_op_equals_separate_documents(gate: str, mode: str, prep: bool, variant: dict) -> None:
-    """Each way of forming the gradients (``triton_chunk.VARIANTS["grad"]``) and the inference forward (bounded
-    mode): the chunks of a packed row hold pieces of several documents, and padded slots between them."""
+    """Each way of forming the gradients (``triton_chunk.VARIANTS["grad"]``), and every candidate variant at once
+    (the inference forward in bounded mode): the chunks of a packed row hold pieces of several documents, and
+    padded slots between them."""
     x = _inputs(gate)
     ref_o, ref_S, ref_g = _reference(x, gate, prep)
     cu = torch.tensor([0, *LENS], dtype=torch.int32).cumsum(0, dtype=torch.int32)

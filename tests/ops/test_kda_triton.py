@@ -191,8 +191,8 @@ def test_bf16_on_gpu(mode, variant):
     _compare(_reference(ins, s0, do, dS), out, torch.bfloat16)
 
 
-KERNELS = {"kktr", "merge", "wu", "intra", "state", "state_small", "out", "dh", "dh_small", "wy", "sterm", "dqkg", "dg",
-           "grad"}
+KERNELS = {"kktr", "merge", "wu", "intra", "state", "state_small", "out", "dh", "dh_small", "dvl", "wy", "sterm",
+           "dqkg", "dg", "grad"}
 
 
 def test_launch_overrides():
@@ -334,6 +334,21 @@ def test_fused_prep_ignores_uninitialised_memory(monkeypatch, case):
     assert len(allocs) > 20, f"the poisoning reached only {len(allocs)} allocations"
 
 
+@pytest.mark.parametrize("mode", ["bounded", "general"])
+def test_hoisted_dh_equals_inline(mode):
+    """``dh="hoisted"`` (the chain's chunk-local products formed for every chunk first, ``_kda_bwd_dvl``) computes
+    what the inline chain computes, in the same order: equal gradients on fp32 inputs, with and without dht."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    ins, s0, do, dS = _inputs(2, 100, 2, 32, 16, torch.float32, seed=29)
+    inline = _run(chunk, ins, s0, do, dS, mode=mode)
+    with tc.launch_overrides(dh="hoisted"):
+        hoisted = _run(chunk, ins, s0, do, dS, mode=mode)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], inline[2], hoisted[2]):
+        assert_close(a, b, 1e-7, name)
+    _compare(_reference(ins, s0, do, dS), hoisted)
+
+
 INFER_FORWARD = [
     (1, 40, 1, 20, 40, 32, torch.float32, True),  # padded K and V, chunk 32 in the backward
     (1, 100, 1, 32, 16, 64, torch.float16, True),  # fp16, partial second chunk
@@ -425,7 +440,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
         ins, s0, do, dS = _inputs(1, 40, 1, 16, 16, torch.float32, seed=1)
         _run(chunk, ins, s0, do, dS, mode=mode)
         with tc.launch_overrides(**{name: next(c for c in tc.VARIANTS[name] if c != tc.VARIANT[name])
-                                    for name in ("grad", "intra")}):
+                                    for name in ("grad", "intra", "dh")}):
             _run(chunk, ins, s0, do, dS, mode=mode)
     assert set(seen) == KERNELS - {"state", "dh"}  # B1 H1: the small-grid launches of both chains
 

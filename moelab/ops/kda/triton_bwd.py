@@ -35,12 +35,39 @@ from moelab.ops.kda.triton_common import _cast, _dot, _tf32
 
 
 @triton.jit
+def _kda_bwd_dvl(
+    qg, Aqk, do, dvl, Pc, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
+    DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
+):
+    """The chunk-local terms of the state-gradient chain, for every chunk at once (grid
+    ``[V // BV, NT, B*H]``): ``dvl = A_qk^T do`` (``[B, T, H, V]`` fp32) and ``Pc = qg^T do``
+    (``[B, NT, H, K, V]`` fp32), which ``_kda_bwd_dh`` with ``HOISTED`` reads instead of forming them
+    inside its sequential loop (2 products per step instead of 4)."""
+    i_v = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    r = tl.arange(0, C)
+    d = tl.arange(0, K)
+    cv = i_v * BV + tl.arange(0, BV)
+    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
+    c_off = (i_b * (T // C) + i_c).to(tl.int64) * H + i_h  # (chunk, head) index
+    do_t = _cast(tl.load(do + row0 * V + r[:, None] * (H * V) + cv[None, :]), DOT_BF16)
+    A = tl.load(Aqk + row0 * C + r[:, None] * (H * C) + r[None, :])
+    qgt = tl.load(qg + row0 * K + r[:, None] * (H * K) + d[None, :])
+    tl.store(dvl + row0 * V + r[:, None] * (H * V) + cv[None, :], _dot(_cast(tl.trans(A), DOT_BF16), do_t, IEEE))
+    tl.store(Pc + c_off * K * V + d[:, None] * V + cv[None, :], _dot(_cast(tl.trans(qgt), DOT_BF16), do_t, IEEE))
+
+
+@triton.jit
 def _kda_bwd_dh(
-    qg, kd, gl, w, Aqk, do, dht, dhbuf, dU, dh0, coff,
+    qg, kd, gl, w, Aqk, do, dht, dhbuf, dU, dh0, coff, dvl, Pc,
     T, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, HOISTED: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -58,17 +85,20 @@ def _kda_bwd_dh(
         NT = (c1 - tl.load(coff + i_b).to(tl.int64)).to(tl.int32)
         row0 = (c1 - 1) * C * H + i_h
         gl += ((c1 - 1) * H + i_h) * K
-        dhbuf += ((c1 - 1) * H + i_h) * K * V
+        c_last = ((c1 - 1) * H + i_h) * K * V
     else:
         row0 = (i_b * T + T - C).to(tl.int64) * H + i_h
         gl += ((i_b * NT + NT - 1).to(tl.int64) * H + i_h) * K
-        dhbuf += ((i_b * NT + NT - 1).to(tl.int64) * H + i_h) * K * V
+        c_last = ((i_b * NT + NT - 1).to(tl.int64) * H + i_h) * K * V
+    dhbuf += c_last
+    Pc += c_last
     qg += row0 * K
     kd += row0 * K
     w += row0 * K
     Aqk += row0 * C
     do += row0 * V
     dU += row0 * V
+    dvl += row0 * V
     k_ptrs = r[:, None] * (H * K) + d[None, :]
     v_ptrs = r[:, None] * (H * V) + cv[None, :]
     A_ptrs = r[:, None] * (H * C) + cidx[None, :]
@@ -78,17 +108,23 @@ def _kda_bwd_dh(
         dh = tl.zeros([K, BV], dtype=tl.float32)
     for _ in range(NT):
         tl.store(dhbuf + h_ptrs, dh.to(dhbuf.dtype.element_ty))
-        A = tl.load(Aqk + A_ptrs)
-        do_t = _cast(tl.load(do + v_ptrs), DOT_BF16)
         kdt = tl.load(kd + k_ptrs)
-        qgt = tl.load(qg + k_ptrs)
         wt = tl.load(w + k_ptrs)
         glt = tl.load(gl + d)
-        dUt = _dot(_cast(tl.trans(A), DOT_BF16), do_t, IEEE)
+        if HOISTED:  # the chunk-local terms from _kda_bwd_dvl
+            dUt = tl.load(dvl + v_ptrs)
+        else:
+            A = tl.load(Aqk + A_ptrs)
+            do_t = _cast(tl.load(do + v_ptrs), DOT_BF16)
+            dUt = _dot(_cast(tl.trans(A), DOT_BF16), do_t, IEEE)
         dUt += _dot(_cast(kdt, DOT_BF16), _cast(dh, DOT_BF16), IEEE)
         tl.store(dU + v_ptrs, dUt)
         dh = dh * glt[:, None]
-        dh += _dot(_cast(tl.trans(qgt), DOT_BF16), do_t, IEEE)
+        if HOISTED:
+            dh += tl.load(Pc + h_ptrs)
+        else:
+            qgt = tl.load(qg + k_ptrs)
+            dh += _dot(_cast(tl.trans(qgt), DOT_BF16), do_t, IEEE)
         dh -= _dot(_cast(tl.trans(wt), DOT_BF16), _cast(dUt, DOT_BF16), IEEE)
         qg -= C * H * K
         kd -= C * H * K
@@ -96,8 +132,10 @@ def _kda_bwd_dh(
         Aqk -= C * H * C
         do -= C * H * V
         dU -= C * H * V
+        dvl -= C * H * V
         gl -= H * K
         dhbuf -= H * K * V
+        Pc -= H * K * V
     if STORE_DH0:
         tl.store(dh0 + i_bh.to(tl.int64) * K * V + h_ptrs, dh)
 

@@ -39,6 +39,7 @@ from moelab.ops.kda.triton_bwd import (
     _kda_bwd_dg,
     _kda_bwd_dh,
     _kda_bwd_dqkg,
+    _kda_bwd_dvl,
     _kda_bwd_grad,
     _kda_bwd_sterm,
     _kda_bwd_wy,
@@ -93,6 +94,8 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "state_small": (16, 2, 2),
     # the state-gradient kernel at the same small grids; the regular launch until a narrower one is timed
     "dh_small": (64, 8, 1),
+    # dh="hoisted": the chunk-local terms of the state-gradient chain, every chunk in parallel; not yet timed
+    "dvl": (64, 4, 1),
     # intra="fused": kktr + merge + wu in one program per chunk; 4 warps (one warpgroup: at 8, the
     # chained [64, 64] products got a different MMA layout each, with conversions between them), BK 32
     # under MAXNREG (aot_kda.py: no spills, 3 programs per SM); a chunk below 64 runs at 2 warps
@@ -111,9 +114,13 @@ SMALL_GRID = 128
 #   for the backward) or "infer" (bounded mode: the inference forward's kernels, ``infer_plan.kda_infer``,
 #   which keep nothing; the backward recomputes the intermediates);
 # * intra: the intra-chunk kernels: "split" (kktr, merge, wu: three launches) or "fused" (``_kda_fwd_intra``:
-#   one launch, the same outputs).
+#   one launch, the same outputs);
+# * dh: the state-gradient chain forms its chunk-local terms ``A_qk^T do`` and ``qg^T do`` in its loop
+#   ("inline": 4 products per step) or reads them from ``_kda_bwd_dvl``, run for every chunk at once before it
+#   ("hoisted": 2 products per step, fp32 buffers of 1.5 KB per token and head).
 VARIANTS: dict[str, tuple[str, ...]] = {"grad": ("split", "fused"), "chains": ("serial", "concurrent"),
-                                        "forward": ("train", "infer"), "intra": ("split", "fused")}
+                                        "forward": ("train", "infer"), "intra": ("split", "fused"),
+                                        "dh": ("inline", "hoisted")}
 VARIANT: dict[str, str] = {name: choices[0] for name, choices in VARIANTS.items()}  # what the op runs now
 
 
@@ -214,6 +221,7 @@ _merge = _Launcher("merge", _kda_fwd_merge, None)
 _wu = _Launcher("wu", _kda_fwd_wu, "BK")
 _state_small = _Launcher("state_small", _kda_fwd_state, "BV")
 _dh_small = _Launcher("dh_small", _kda_bwd_dh, "BV")
+_dvl = _Launcher("dvl", _kda_bwd_dvl, "BV")
 
 
 class _ChunkLauncher(_Launcher):
@@ -444,12 +452,19 @@ def _dh_pass(inter, do, dht, has_h0, dtype, C, pack):
     dhbuf = (torch.empty if pack is None else torch.zeros)(B, NT, H, K, V, device=dev, dtype=_work_dtype(dtype))
     dU = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if has_h0 else None
+    hoisted = VARIANT["dh"] == "hoisted"
+    dvl = Pc = dU  # placeholders, not read
+    if hoisted:  # every chunk's A_qk^T do and qg^T do first, in parallel (fp32: +1.5 KB per token and head)
+        dvl = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
+        Pc = torch.empty(B, NT, H, K, V, device=dev, dtype=torch.float32)
+        _dvl(lambda bv: (V // bv, NT, B * H), inter["qg"], inter["Aqk"], do, dvl, Pc, T, H=H, K=K, V=V, C=C,
+             DOT_BF16=_dot_bf16(dtype), IEEE=_ieee(dtype))
     (_dh_small if _small_grid(N, H, V) else _dh)(
         lambda bv: (V // bv, N * H),
         inter["qg"], kd, inter["gl"], inter["w"], inter["Aqk"], do, dht if dht is not None else dU,
-        dhbuf, dU, dh0 if dh0 is not None else dU, pack.coff if pack is not None else dU, T, N * H,
+        dhbuf, dU, dh0 if dh0 is not None else dU, pack.coff if pack is not None else dU, dvl, Pc, T, N * H,
         H=H, K=K, V=V, C=C, HAS_DHT=dht is not None, STORE_DH0=has_h0, DOT_BF16=_dot_bf16(dtype),
-        IEEE=_ieee(dtype), VARLEN=pack is not None,
+        IEEE=_ieee(dtype), VARLEN=pack is not None, HOISTED=hoisted,
     )
     return dhbuf, dU, dh0
 
@@ -608,7 +623,8 @@ class ChunkKDAFunction(torch.autograd.Function):
 def launch_configs(K: int = 128, V: int = 128) -> dict:
     """The launch config of every kernel at head dims K, V: {name: {block: size, num_warps, num_stages}}."""
     out = {}
-    for lau in (_kktr, _merge, _wu, _intra, _state, _state_small, _out, _dh, _dh_small, _wy, _sterm, _dqkg, _dg, _grad):
+    for lau in (_kktr, _merge, _wu, _intra, _state, _state_small, _out, _dh, _dh_small, _dvl, _wy, _sterm, _dqkg, _dg,
+                _grad):
         size, warps, stages = lau.config(K, V)
         out[lau.name] = {**({lau.block: size} if lau.block else {}), "num_warps": warps, "num_stages": stages}
     return out
