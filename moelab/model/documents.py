@@ -10,8 +10,10 @@ boundaries with ``segment_ids [B, T]``: the document number of each token within
   the inference forward take the offsets in-kernel, the PyTorch backends run document by
   document (``moelab.ops.kda.kda``).
 * **ShortConv** (KDA's q, k, v): the first ``size - 1`` tokens of a document that starts inside a
-  row would read the previous document's last inputs; those few outputs are recomputed with the
-  other document's taps zeroed (:meth:`Documents.conv_fix`), whichever conv backend ran.
+  row would read the previous document's last inputs. The Triton conv (``moelab.ops.short_conv``)
+  masks those taps itself, from each token's position in its document (:attr:`Documents.pos`), in
+  the same pass forward and backward (no host sync, no extra op); the torch conv recomputes those
+  few outputs afterwards with the other document's taps zeroed (:meth:`Documents.conv_fix`).
 * **MLA**: attention is causal within each document: on a GPU through ``flex_attention`` with a block
   mask built from the documents' block ranges (:meth:`Documents.block_mask`, ``[B, 1, T / 128, T / 128]``
   block lists, no ``[T, T]`` tensor), elsewhere through SDPA with a dense mask

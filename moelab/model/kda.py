@@ -69,15 +69,17 @@ class ShortConv(nn.Module):
         ``"silu"`` applied to y (the tail holds inputs, not outputs). ``docs``: packed documents
         (``moelab.model.documents``; no tail then): no output reads an input of another document."""
         B, T, C = x.shape
+        triton_conv = use_triton(self.backend, x) and tail is None and T > 0
         if docs is not None:
             if tail is not None:
                 raise ValueError("ShortConv: packed documents (docs) start from zeros: tail must be None")
-            y, new_tail = self.forward(x, None, activation)
-            return causal_conv_fix(y, x, self.weight[:, 0, :], docs, activation), new_tail
-        if use_triton(self.backend, x) and tail is None and T > 0:
+            if not triton_conv:  # the Triton kernel masks the taps by document itself (pos), in the same pass
+                y, new_tail = self.forward(x, None, activation)
+                return causal_conv_fix(y, x, self.weight[:, 0, :], docs, activation), new_tail
+        if triton_conv:
             from moelab.ops.short_conv import causal_conv1d
 
-            y = causal_conv1d(x, self.weight[:, 0, :], activation)
+            y = causal_conv1d(x, self.weight[:, 0, :], activation, pos=None if docs is None else docs.pos)
             keep = self.size - 1
             new_tail = x[:, T - keep:] if T >= keep else F.pad(x, (0, 0, keep - T, 0))
             return y, new_tail

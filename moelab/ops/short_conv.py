@@ -11,6 +11,11 @@ y in x's dtype; dw in fp32, cast to the weight's dtype.
 ``causal_conv1d`` is the autograd entry; ``causal_conv1d_torch`` the fp32-exact PyTorch
 reference that defines the semantics. Both start from zeros before the first token; a layer that
 carries a tail across calls (decoding) keeps its torch path for those calls.
+
+Packed documents: with ``pos [B, T]`` (each token's position within its document,
+``moelab.model.documents.Documents.pos``) a tap that would read across a document start reads zero
+instead, in the same pass forward and backward: an output at position p mixes only the ``min(p + 1, W)``
+inputs of its own document, as if each document were convolved alone.
 """
 
 from __future__ import annotations
@@ -33,12 +38,23 @@ def _interpret() -> bool:
 
 
 @triton.jit
-def _pre(x, w, rows, c, cm, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """Pre-activation ``sum_i w[c, i] x[rows - (W - 1) + i, c]`` of a ``[BT, BC]`` block, fp32."""
+def _reach(pos, rows, T, W: tl.constexpr, HAS_POS: tl.constexpr):
+    """How many taps back each of ``rows`` may read: its position in its document (``pos``), or ``W``."""
+    if HAS_POS:
+        return tl.load(pos + rows, mask=(rows >= 0) & (rows < T), other=0)
+    else:
+        return tl.full(rows.shape, W, tl.int32)
+
+
+@triton.jit
+def _pre(x, w, rows, c, cm, T, C, reach, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Pre-activation ``sum_i w[c, i] x[rows - (W - 1) + i, c]`` of a ``[BT, BC]`` block, fp32; tap ``i``
+    only where ``W - 1 - i <= reach`` (the row's own document)."""
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for i in tl.static_range(W):
         s = rows - (W - 1) + i
-        xv = tl.load(x + s[:, None] * C + c[None, :], mask=((s >= 0) & (s < T))[:, None] & cm[None, :], other=0.0)
+        ok = (s >= 0) & (s < T) & (W - 1 - i <= reach)
+        xv = tl.load(x + s[:, None] * C + c[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
         acc += xv.to(tl.float32) * tl.load(w + c * W + i, mask=cm, other=0.0).to(tl.float32)[None, :]
     return acc
 
@@ -52,42 +68,47 @@ def _block(C, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _conv_fwd_kernel(x, w, y, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr):
+def _conv_fwd_kernel(x, w, y, pos, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr,
+                     HAS_POS: tl.constexpr):
     i_t, i_b, t, c, cm = _block(C, BT, BC)
     x += i_b * T * C
     y += i_b * T * C
-    acc = _pre(x, w, t, c, cm, T, C, W, BT, BC)
+    pos += i_b * T
+    acc = _pre(x, w, t, c, cm, T, C, _reach(pos, t, T, W, HAS_POS), W, BT, BC)
     if SILU:
         acc = acc * tl.sigmoid(acc)
     tl.store(y + t[:, None] * C + c[None, :], acc.to(y.dtype.element_ty), mask=(t < T)[:, None] & cm[None, :])
 
 
 @triton.jit
-def _conv_bwd_kernel(x, w, dy, dx, dw, T, C, NTB, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                     SILU: tl.constexpr):
+def _conv_bwd_kernel(x, w, dy, dx, dw, pos, T, C, NTB, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                     SILU: tl.constexpr, HAS_POS: tl.constexpr):
     """dx for rows ``t`` of the block and this block's partial of dw (``dw [B * NTB, C, W]``).
 
     ``dx[t] = sum_j w[W-1-j] dpre[t + j]`` needs dpre at rows ``t .. t + W - 1``; each is
-    recomputed here (pre-activation from x, then ``dy * act'``), so no ``[B, T, C]`` dpre buffer."""
+    recomputed here (pre-activation from x, then ``dy * act'``), so no ``[B, T, C]`` dpre buffer.
+    With ``pos``, row ``t + j`` reads x[t] only when ``j <= pos[t + j]`` (the same document)."""
     i_t, i_b, t, c, cm = _block(C, BT, BC)
     x += i_b * T * C
     dy += i_b * T * C
     dx += i_b * T * C
+    pos += i_b * T
     dxa = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(W):
         r = t + j  # rows whose output depends on x[t] through tap W - 1 - j
-        rin = r < T
+        reach = _reach(pos, r, T, W, HAS_POS)
+        rin = (r < T) & (j <= reach)
         g = tl.load(dy + r[:, None] * C + c[None, :], mask=rin[:, None] & cm[None, :], other=0.0).to(tl.float32)
         if SILU:
-            pre = _pre(x, w, r, c, cm, T, C, W, BT, BC)
+            pre = _pre(x, w, r, c, cm, T, C, reach, W, BT, BC)
             sg = tl.sigmoid(pre)
             g = g * sg * (1.0 + pre * (1.0 - sg))
         dxa += g * tl.load(w + c * W + (W - 1 - j), mask=cm, other=0.0).to(tl.float32)[None, :]
         if j == 0:  # dpre at the block's own rows: its part of dw
             for i in tl.static_range(W):
                 s = t - (W - 1) + i
-                xv = tl.load(x + s[:, None] * C + c[None, :], mask=((s >= 0) & (s < T))[:, None] & cm[None, :],
-                             other=0.0)
+                ok = (s >= 0) & (s < T) & (W - 1 - i <= reach)
+                xv = tl.load(x + s[:, None] * C + c[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
                 part = tl.sum(g * xv.to(tl.float32), axis=0)
                 tl.store(dw + ((i_b * NTB + i_t) * C + c) * W + i, part, mask=cm)
     tl.store(dx + t[:, None] * C + c[None, :], dxa.to(dx.dtype.element_ty), mask=(t < T)[:, None] & cm[None, :])
@@ -99,7 +120,8 @@ def _blocks() -> tuple[int, int]:
 
 class CausalConv1dFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, activation: str | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, activation: str | None,
+                pos: torch.Tensor | None) -> torch.Tensor:
         B, T, C = x.shape
         W = weight.shape[1]
         x = x.contiguous()
@@ -107,27 +129,30 @@ class CausalConv1dFunction(torch.autograd.Function):
         y = torch.empty_like(x)
         BT, BC = _blocks()
         grid = (triton.cdiv(T, BT), triton.cdiv(C, BC), B)
-        _conv_fwd_kernel[grid](x, w, y, T, C, W=W, BT=BT, BC=BC, SILU=activation == "silu", num_warps=_WARPS)
-        ctx.save_for_backward(x, w)
+        _conv_fwd_kernel[grid](x, w, y, x if pos is None else pos, T, C, W=W, BT=BT, BC=BC,
+                               SILU=activation == "silu", HAS_POS=pos is not None, num_warps=_WARPS)
+        ctx.save_for_backward(x, w, pos)
         ctx.activation = activation
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy: torch.Tensor):
-        x, w = ctx.saved_tensors
+        x, w, pos = ctx.saved_tensors
         B, T, C = x.shape
         W = w.shape[1]
         BT, BC = _blocks()
         ntb = triton.cdiv(T, BT)
         dx = torch.empty_like(x)
         dw = torch.empty(B * ntb, C, W, device=x.device, dtype=torch.float32)
-        _conv_bwd_kernel[(ntb, triton.cdiv(C, BC), B)](x, w, dy.contiguous(), dx, dw, T, C, ntb, W=W, BT=BT, BC=BC,
-                                                      SILU=ctx.activation == "silu", num_warps=_WARPS)
-        return dx, dw.sum(0).to(w.dtype), None
+        _conv_bwd_kernel[(ntb, triton.cdiv(C, BC), B)](x, w, dy.contiguous(), dx, dw, x if pos is None else pos, T,
+                                                      C, ntb, W=W, BT=BT, BC=BC, SILU=ctx.activation == "silu",
+                                                      HAS_POS=pos is not None, num_warps=_WARPS)
+        return dx, dw.sum(0).to(w.dtype), None, None
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, activation: str | None = None,
+                  pos: torch.Tensor | None = None) -> torch.Tensor:
     """Causal depthwise convolution over time with an optional fused activation.
 
     Args:
@@ -135,6 +160,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, activation: str | None 
             ``TRITON_INTERPRET=1``).
         weight: ``[C, W]`` taps; ``weight[:, W - 1]`` multiplies the current token.
         activation: None or ``"silu"``.
+        pos: packed documents: ``[B, T]`` integer position of each token within its document (0 at a
+            document's first token; ``Documents.pos``), so no output reads an input of an earlier
+            document; None: one sequence per row.
 
     Returns:
         ``y [B, T, C]`` in x's dtype; gradients flow to x and weight.
@@ -147,9 +175,14 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, activation: str | None 
         raise ValueError(f"weight must be [C, W] with C = {x.shape[2]}, got shape {tuple(weight.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x dtype {x.dtype} is not allowed: expected bf16, fp16 or fp32")
+    if pos is not None:
+        if pos.shape != x.shape[:2] or pos.dtype not in (torch.int32, torch.int64) or pos.device != x.device:
+            raise ValueError(f"pos must be an int32/int64 [B, T] = {tuple(x.shape[:2])} tensor on {x.device}, got "
+                             f"{(tuple(pos.shape), pos.dtype, str(pos.device))}")
+        pos = pos.contiguous()
     if x.shape[1] == 0:
         return x.clone()
-    return CausalConv1dFunction.apply(x, weight, activation)
+    return CausalConv1dFunction.apply(x, weight, activation, pos)
 
 
 def causal_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, activation: str | None = None) -> torch.Tensor:

@@ -149,11 +149,17 @@ def test_block_mask_tiles(lengths: list[list[int]], block: int) -> None:
 
 
 @pytest.mark.skipif(not INTERPRET, reason="Triton interpreter on CPU tensors (the gpu test runs the kernels)")
+@pytest.mark.parametrize("conv", ["torch", "triton"])
 @pytest.mark.parametrize("grad", [True, False], ids=["training_op", "inference_forward"])
-def test_packed_equals_alone_triton_interpreter(grad: bool) -> None:
+def test_packed_equals_alone_triton_interpreter(grad: bool, conv: str) -> None:
     """Triton KDA kernels in the interpreter: with a graph the training op (cu_seqlens forward and
-    backward), without one the inference forward; conv backend torch (the Triton conv is GPU-only)."""
+    backward), without one the inference forward; the ShortConvs through torch plus the boundary fix, or
+    through the Triton conv, which masks the taps by document in the same pass."""
     m = build("hybrid", backend="triton").train(grad)
+    for layer in m.layers:
+        if layer.kind == "kda":
+            for c in (layer.mixer.q_conv, layer.mixer.k_conv, layer.mixer.v_conv):
+                c.backend = conv
     packed_vs_alone(m, grad=grad, tol=1e-4)
 
 
@@ -181,9 +187,13 @@ def test_documents_layout() -> None:
                                                                      (1, 4, 1)]
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not INTERPRET, reason="the Triton conv on CPU tensors needs the interpreter"))])
 @pytest.mark.parametrize("activation", [None, "silu"])
-def test_conv_fix_equals_conv_per_document(activation: str | None) -> None:
-    conv = ShortConv(6, 4, backend="torch")
+def test_conv_fix_equals_conv_per_document(activation: str | None, backend: str) -> None:
+    """torch: the conv, then the boundary fix (``causal_conv_fix``); triton: the taps masked by ``Documents.pos``
+    in the conv kernel itself, forward and backward."""
+    conv = ShortConv(6, 4, backend=backend)
     x = torch.randn(3, T, 6, requires_grad=True)
     y, _ = conv(x, activation=activation, docs=Documents.from_segment_ids(segments(LENGTHS)))
     w = torch.randn_like(y)

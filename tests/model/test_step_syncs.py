@@ -11,6 +11,7 @@ mask adds none.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -89,10 +90,12 @@ def test_detector_sees_the_syncs_it_names() -> None:
                                             "repeat_interleave"]
 
 
-def test_packed_documents_keep_their_documented_syncs() -> None:
+@pytest.mark.parametrize("conv", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton conv on CPU tensors needs the interpreter"))])
+def test_packed_documents_keep_their_documented_syncs(conv: str) -> None:
     """With packed documents (train mode, flex MLA mask) every sync comes from counting the documents or the
-    ShortConv boundary fix, none from MLA or its block mask."""
-    m = lit({"data.document_mask": True})
+    ShortConv boundary fix, none from MLA or its block mask; the Triton conv (the GPU's) makes no fix at all."""
+    m = lit({"data.document_mask": True, "model.kda.conv_backend": conv})
     for layer in m.model.layers:
         if layer.kind == "mla":
             layer.mixer.cfg = replace(layer.mixer.cfg, mask_backend="flex")
@@ -102,4 +105,5 @@ def test_packed_documents_keep_their_documented_syncs() -> None:
     assert calls, "packed documents count their documents on the host (cu_seqlens)"
     allowed = ("moelab/model/documents.py", "moelab/ops/varlen.py", "moelab/ops/kda/")
     assert all(where.startswith(allowed) for _, where in calls), calls
+    assert any("conv_fix" in where for _, where in calls) == (conv == "torch"), calls
     assert not any("block_mask" in where or "mla.py" in where for _, where in calls), calls

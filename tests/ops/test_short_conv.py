@@ -71,6 +71,10 @@ def test_bad_arguments_raise():
         causal_conv1d(x, torch.randn(6, 4, device=DEV))
     with pytest.raises(ValueError, match=r"x must be \[B, T, C\]"):
         causal_conv1d(x[0], torch.randn(8, 4, device=DEV))
+    with pytest.raises(ValueError, match=r"pos must be an int32/int64 \[B, T\] = \(1, 4\) tensor"):
+        causal_conv1d(x, torch.randn(8, 4, device=DEV), pos=torch.zeros(1, 5, dtype=torch.long, device=DEV))
+    with pytest.raises(ValueError, match=r"pos must be an int32/int64"):
+        causal_conv1d(x, torch.randn(8, 4, device=DEV), pos=torch.zeros(1, 4, device=DEV))
 
 
 def test_model_conv_backends_agree():
