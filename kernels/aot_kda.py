@@ -33,8 +33,7 @@ from moelab.ops.kda import triton_fwd as F  # noqa: E402
 from moelab.ops.kda import triton_infer as I  # noqa: E402
 
 WORK = ["kd", "w", "u", "hbuf", "U", "qg", "Aqk", "o", "do", "dhbuf"]  # work dtype (bf16 for bf16 inputs)
-FP32 = ["gl", "h0", "hT", "dht", "dU", "dh0", "Gbuf", "Abuf", "dAs", "dkb", "dbv", "dbk", "dG", "dGl", "dbs", "dvl",
-        "Pc"]
+FP32 = "gl h0 hT dht dU dh0 Gbuf Abuf dAs dkb dbv dbk dG dGl dbs dvl Pc".split()
 INPUT = ["q", "k", "v", "g", "beta", "dq", "dk", "dv", "dg", "dbeta"]
 
 

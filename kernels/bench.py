@@ -35,23 +35,20 @@ and prints both side by side: speedup = base time / this time (> 1: this tree is
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
-import cProfile
 import functools
 import importlib.util
 import inspect
 import json
 import math
 import os
-import pstats
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +61,6 @@ if str(CODE) not in sys.path:
     sys.path.insert(0, str(CODE))
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 
 def _load_provenance():
@@ -238,15 +234,11 @@ class Entry:
 
 # ---------------------------------------------------------------------------------- kda, kda_long
 
-KDA_IMPLS = ("moelab_bounded", "moelab_bounded_gradfused", "moelab_bounded_next", "moelab_general", "fla_safe_gate",
-             "fla_softplus", "sdpa_flash")
-# moelab rows run with these ``triton_chunk.launch_overrides`` (the forward and the backward), so that variants
-# not yet the op's default are timed beside it in the same run: the fused gradient kernel alone, and every
-# candidate at once (triton_chunk.VARIANTS: the inference forward, the fused intra-chunk kernel in the backward's
-# recompute, the fused gradient kernel, the backward's chains on two streams, the hoisted state-gradient chain)
-KDA_VARIANTS = {"moelab_bounded_gradfused": dict(grad="fused"),
-                "moelab_bounded_next": dict(forward="infer", intra="fused", grad="fused", chains="concurrent",
-                                            dh="hoisted")}
+# rows timed under ``triton_chunk.launch_overrides``: the candidate kernel variants (triton_chunk.VARIANTS) beside
+# the op's default in the same run, the fused gradient kernel alone and every candidate at once
+KDA_VARIANTS = {"moelab_bounded_gradfused": dict(grad="fused"), "moelab_bounded_next": dict(
+    forward="infer", intra="fused", grad="fused", chains="concurrent", dh="hoisted")}
+KDA_IMPLS = ("moelab_bounded", *KDA_VARIANTS, "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash")
 
 
 def _shape_name(B: int, T: int, H: int | None = None) -> str:
@@ -803,149 +795,6 @@ def run_moe(ctx: Ctx) -> dict[str, Any]:
             "flops": "matmul FLOPs only; fwd+bwd = 3 x fwd"}
 
 
-# ------------------------------------------------------------------------------------- host work of a step
-
-
-class CountOps(TorchDispatchMode):
-    """Counts every aten op that reaches the dispatcher's Python mode, by overload packet, except while
-    ``paused`` (the Triton interpreter running a kernel: on a GPU that is one launch)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter = collections.Counter()
-        self.paused = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.paused:
-            self.counts[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-class Hooks:
-    """Counters of Triton launches (by kernel) and autograd Function applications (by class), patched at the
-    classes so that every kernel and Function of the process is seen. While a kernel runs (in the interpreter),
-    ``ops`` stops counting and ``prof`` is off: the launch counts, not the interpreter's work."""
-
-    def __init__(self, ops: CountOps | None = None, prof: cProfile.Profile | None = None) -> None:
-        self.ops, self.prof = ops, prof
-        self.launches: collections.Counter = collections.Counter()
-        self.applies: collections.Counter = collections.Counter()
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[Hooks]:
-        import triton.runtime.jit as jit
-        from triton.runtime.interpreter import InterpretedFunction
-
-        saved = [(cls, cls.run) for cls in (jit.JITFunction, InterpretedFunction)]
-        apply = torch.autograd.Function.apply.__func__
-        hooks = self
-
-        def counted_run(orig):
-            def run(self, *args, **kwargs):
-                if not kwargs.get("warmup", False):
-                    hooks.launches[self.fn.__name__] += 1
-                if hooks.prof is not None:
-                    hooks.prof.disable()
-                if hooks.ops is not None:
-                    hooks.ops.paused = True
-                try:
-                    return orig(self, *args, **kwargs)
-                finally:
-                    if hooks.ops is not None:
-                        hooks.ops.paused = False
-                    if hooks.prof is not None:
-                        hooks.prof.enable()
-            return run
-
-        def counted_apply(cls, *args, **kwargs):
-            hooks.applies[cls.__name__] += 1
-            return apply(cls, *args, **kwargs)
-
-        for cls, orig in saved:
-            cls.run = counted_run(orig)
-        torch.autograd.Function.apply = classmethod(counted_apply)
-        try:
-            yield self
-        finally:
-            for cls, orig in saved:
-                cls.run = orig
-            torch.autograd.Function.apply = classmethod(apply)
-
-
-def graph_nodes(root: torch.Tensor) -> collections.Counter:
-    """Autograd nodes reachable from ``root.grad_fn`` (what its backward runs), by node type."""
-    counts: collections.Counter = collections.Counter()
-    seen, todo = set(), [root.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        counts[type(node).__name__] += 1
-        todo.extend(nxt for nxt, _ in node.next_functions)
-    return counts
-
-
-def train_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """What training minimizes (``LitMoELab.training_step``): loss + aux loss under bf16 autocast, no id check
-    (its min/max reads would make the host wait on the GPU every step). ``x``: token ids ``[B, T]``."""
-    with torch.autocast(x.device.type, dtype=torch.bfloat16):
-        out = model(x, x, return_logits=False, check_ids=False)
-    return out.loss + out.aux_loss
-
-
-def train_update(loss: torch.Tensor, opt: torch.optim.Optimizer) -> None:
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-ATTNRES_FILES = (os.path.join("model", "attnres.py"), os.path.join("ops", "attnres.py"))
-
-
-def count_step(model: torch.nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer,
-               loss_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = train_loss,
-               python_calls: bool = True) -> dict[str, Any]:
-    """The host work of one training step (forward, backward, optimizer; the caller warms up first).
-
-    Totals and ``by`` key of: ``aten_ops`` (``_fwd``, ``_bwd``, ``_opt``), ``triton_launches``, ``fn_applies``
-    (autograd Functions), ``graph_nodes`` (what the backward runs); with ``python_calls`` also ``py_calls``
-    and ``attnres_py_calls`` (cProfile over a second step; calls into ``model/attnres.py``, ``ops/attnres.py``).
-    """
-    ops = CountOps()
-    hooks = Hooks(ops=ops)
-    with hooks.installed(), ops:
-        loss = loss_fn(model, x)
-        fwd = collections.Counter(ops.counts)
-        nodes = graph_nodes(loss)
-        loss.backward()
-        bwd = collections.Counter(ops.counts) - fwd
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        opt_ops = collections.Counter(ops.counts) - fwd - bwd
-    out: dict[str, Any] = {
-        "aten_ops": sum(ops.counts.values()), "aten_ops_fwd": sum(fwd.values()), "aten_ops_bwd": sum(bwd.values()),
-        "aten_ops_opt": sum(opt_ops.values()), "triton_launches": sum(hooks.launches.values()),
-        "fn_applies": sum(hooks.applies.values()), "graph_nodes": sum(nodes.values()),
-        "by": {"aten_ops_fwd": dict(fwd), "aten_ops_bwd": dict(bwd), "aten_ops_opt": dict(opt_ops),
-               "triton_launches": dict(hooks.launches), "fn_applies": dict(hooks.applies),
-               "graph_nodes": dict(nodes)}}
-    if python_calls:
-        prof = cProfile.Profile()
-        with Hooks(prof=prof).installed():
-            prof.enable()
-            train_update(loss_fn(model, x), opt)
-            prof.disable()
-        stats = pstats.Stats(prof).stats  # key (file, line, name) -> (primitive calls, total calls, ...)
-        py_calls: collections.Counter = collections.Counter()
-        attnres: dict[str, int] = {}
-        for (path, line, name), v in stats.items():
-            py_calls[f"{os.path.basename(path)}:{name}"] += v[1]
-            if path.endswith(ATTNRES_FILES):
-                attnres[f"{os.path.basename(path)}:{name}:{line}"] = v[1]
-        out.update(py_calls=sum(py_calls.values()), attnres_py_calls=sum(attnres.values()))
-        out["by"].update(py_calls=dict(py_calls), attnres_py_calls=attnres)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -954,7 +803,7 @@ ANCHOR_PEAK = 792e12  # measured bf16 8192^3 matmul on the H200: the anchor's MF
 DATASHEET_PEAK = 989e12
 MFU_CONVENTION = "6 x all params x tok/s / 792e12 (anchor convention)"
 # group -> (preset, [(row, config overrides)]); "fla": the fla-anchor shape beside fla's own model, and with the KDA
-# op's candidate kernels (KDA_KERNELS: not a config field, the op's launch_overrides entered around every step)
+# op's candidate kernels (KDA_KERNELS, not a config field: launch_overrides entered around every step)
 KDA_KERNELS = "kda_kernels"
 MODEL_GROUPS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
     "fla": ("fla-shape", [("moelab_fla_shape", {}),
@@ -1087,8 +936,7 @@ def build_moelab(impl: str, preset: str, overrides: dict, device: str) -> Built:
 
     t0 = time.perf_counter()
     overrides = dict(overrides)
-    variant = overrides.pop(KDA_KERNELS, None) or {}  # not a config field: the KDA op's kernel variants
-    context = functools.partial(launch_overrides, **variant)
+    context = functools.partial(launch_overrides, **overrides.pop(KDA_KERNELS, {}))
     cfg = load_config(preset, overrides)
     torch.manual_seed(0)
     model = MoELab(cfg.model).to(device)
@@ -1100,8 +948,7 @@ def build_moelab(impl: str, preset: str, overrides: dict, device: str) -> Built:
                            "params_activated": param_counts(cfg.model)["activated"], "B": B, "T": T}
     if balance:
         row["balancer"] = cfg.model.moe.balancer
-    if variant:
-        row[KDA_KERNELS] = variant
+    row.update({KDA_KERNELS: context.keywords} if context.keywords else {})
     row["setup_s"] = {"build": time.perf_counter() - t0}
     t1 = time.perf_counter()
     x = torch.randint(0, cfg.model.vocab_size, (B, T), device=device)
@@ -1293,6 +1140,8 @@ def run_group(group: str, ctx: Ctx, warmup: int, steps: int, record: Callable[[l
         _progress(f"round {r + 1}/{ctx.rounds}: " + ", ".join(
             f"{b.row['impl']} {w[-1]['step_ms']:.1f}" for b, w in zip(built, windows)) + " ms/step")
     if rows:
+        from moelab.train.host_work import count_step  # the measured tree's (--base: that commit's, if it has it)
+
         for b, row in zip(built, rows):
             with b.runner.context():
                 counts = count_step(b.runner.model, b.runner.x, b.runner.opt, b.runner.loss_fn, python_calls=False)

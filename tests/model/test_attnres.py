@@ -168,7 +168,7 @@ def test_attnres_queries_start_at_zero_and_learn() -> None:
 # Host work one residual read may add to a training step over prenorm (forward + backward + optimizer),
 # whatever the number of sources it mixes: the fused op's two launches and one autograd Function, that
 # Function's graph node and the AccumulateGrad of its two parameters, and a few allocations and one
-# sum (kernels/bench.py's count_step gives the breakdown: about 8.5 aten ops per read now).
+# sum (moelab.train.host_work.count_step gives the breakdown: about 8.5 aten ops per read now).
 PER_READ = {"triton_launches": 2, "fn_applies": 1, "graph_nodes": 3, "aten_ops": 9, "attnres_py_calls": 16}
 
 
@@ -176,9 +176,9 @@ PER_READ = {"triton_launches": 2, "fn_applies": 1, "graph_nodes": 3, "aten_ops":
 def step_counts() -> dict:
     """Counts of one training step of the tiny model (4 layers, 9 reads; fused op, bf16 autocast, fused
     AdamW) per residual mode."""
-    from kernels.bench import count_step
-    from kernels.bench import train_loss as _loss
-    from kernels.bench import train_update as _update
+    from moelab.train.host_work import count_step
+    from moelab.train.host_work import train_loss as _loss
+    from moelab.train.host_work import train_update as _update
 
     counts = {}
     for mode, blocks in (("prenorm", 2), ("block_attnres", 4), ("full_attnres", 1)):

@@ -484,8 +484,8 @@ def _read_ops(L: int) -> tuple[collections.Counter, collections.Counter]:
     address table, its last source is an open block's partial sum (replaced before the next read), and
     the backward of a later read (the step's last, which meets every slot empty) has run first and put
     the sums of sources 0..L-2 into their slots and the table."""
-    from kernels.bench import CountOps as _CountOps
-    from kernels.bench import Hooks as _Hooks
+    from moelab.train.host_work import CountOps as _CountOps
+    from moelab.train.host_work import Hooks as _Hooks
 
     torch.manual_seed(0)
     D, n = 32, 8
