@@ -128,3 +128,19 @@ def test_packed_training_op_errors() -> None:
         chunk_kda(*(t.expand(2, *t.shape[1:]) for t in (q, q, v, g, beta)), cu_seqlens=torch.tensor([0, 10]))
     with pytest.raises(ValueError, match=r"initial_state must be \[N, H, K, V\] = \(2, 1, 16, 16\) \(N = documents\)"):
         chunk_kda(q, q, v, g, beta, cu_seqlens=torch.tensor([0, 4, 10]), initial_state=torch.zeros(1, 1, 16, 16))
+
+
+def test_packing_is_reused_for_the_same_offsets() -> None:
+    """Every KDA layer of a forward passes the same ``cu_seqlens`` tensor: its Packing is made once; the same
+    values in another tensor, the tensor changed in place, or another length or chunk make a new one."""
+    from moelab.ops.kda.triton_chunk import Packing
+
+    cu = torch.tensor([0, 5, 5, 12], dtype=torch.int32)
+    first = Packing.of(cu, 12, 4)
+    assert Packing.of(cu, 12, 4) is first
+    assert Packing.of(cu.clone(), 12, 4) is not first
+    again = Packing.of(cu, 12, 4)
+    assert Packing.of(cu, 12, 16) is not again
+    cu[2] = 8  # documents of 5, 3 and 4 tokens: 2, 1 and 1 chunks of 4
+    changed = Packing.of(cu, 12, 4)
+    assert changed is not again and changed.coff.tolist() == [0, 2, 3, 4]
