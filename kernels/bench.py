@@ -235,9 +235,9 @@ class Entry:
 # ---------------------------------------------------------------------------------- kda, kda_long
 
 # rows timed under ``triton_chunk.launch_overrides``: the candidate kernel variants (triton_chunk.VARIANTS) beside
-# the op's default in the same run, the fused gradient kernel alone and every candidate at once
-KDA_VARIANTS = {"moelab_bounded_gradfused": dict(grad="fused"), "moelab_bounded_next": dict(
-    forward="infer", intra="fused", grad="fused", chains="concurrent", dh="hoisted")}
+# the op's default in the same run, each alone (moelab_bounded_<switch>) and all at once (moelab_bounded_next)
+KDA_NEXT = dict(forward="infer", intra="fused", grad="fused", chains="concurrent", dh="hoisted")
+KDA_VARIANTS = {**{f"moelab_bounded_{k}": {k: v} for k, v in KDA_NEXT.items()}, "moelab_bounded_next": KDA_NEXT}
 KDA_IMPLS = ("moelab_bounded", *KDA_VARIANTS, "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash")
 
 
@@ -329,7 +329,7 @@ def _kda_rows(ctx: Ctx, table: dict[str, tuple], impls: tuple[str, ...]) -> dict
 
 
 def run_kda(ctx: Ctx) -> dict[str, Any]:
-    impls = KDA_IMPLS if ctx.cuda else ("moelab_bounded", *KDA_VARIANTS, "moelab_general")
+    impls = KDA_IMPLS if ctx.cuda else ("moelab_bounded", "moelab_bounded_next", "moelab_general")
     return _kda_rows(ctx, KDA_SHAPES, impls)
 
 
@@ -807,7 +807,7 @@ MFU_CONVENTION = "6 x all params x tok/s / 792e12 (anchor convention)"
 KDA_KERNELS = "kda_kernels"
 MODEL_GROUPS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
     "fla": ("fla-shape", [("moelab_fla_shape", {}),
-                          ("moelab_fla_shape_next", {KDA_KERNELS: KDA_VARIANTS["moelab_bounded_next"]}),
+                          ("moelab_fla_shape_next", {KDA_KERNELS: KDA_NEXT}),
                           ("fla_kda", {})]),
     "gpu-small": ("gpu-small", [
         ("moelab_gpu_small_prenorm", {"model.residual.mode": "prenorm"}),
