@@ -163,6 +163,21 @@ def test_packed_equals_alone_triton_interpreter(grad: bool, conv: str) -> None:
     packed_vs_alone(m, grad=grad, tol=1e-4)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="Triton interpreter on CPU tensors (the gpu test runs the kernels)")
+def test_packed_equals_alone_with_every_kda_candidate() -> None:
+    """The training op with every candidate kernel variant of ``triton_chunk.VARIANTS`` at once (the inference
+    forward, the fused intra and gradient kernels, the hoisted state-gradient chain) and the Triton conv."""
+    from moelab.ops.kda.triton_chunk import VARIANTS, launch_overrides
+
+    m = build("hybrid", backend="triton").train(True)
+    for layer in m.layers:
+        if layer.kind == "kda":
+            for c in (layer.mixer.q_conv, layer.mixer.k_conv, layer.mixer.v_conv):
+                c.backend = "triton"
+    with launch_overrides(**{name: choices[-1] for name, choices in VARIANTS.items()}):
+        packed_vs_alone(m, grad=True, tol=1e-4)
+
+
 def test_one_document_per_row_is_the_plain_forward() -> None:
     m = build("hybrid").eval()
     ids = torch.randint(0, 50, (2, T))
