@@ -237,7 +237,10 @@ class Entry:
 # rows timed under ``triton_chunk.launch_overrides``: the candidate kernel variants (triton_chunk.VARIANTS) beside
 # the op's default in the same run, each alone (moelab_bounded_<switch>) and all at once (moelab_bounded_next)
 KDA_NEXT = dict(forward="infer", intra="fused", grad="fused", chains="concurrent", dh="hoisted")
-KDA_VARIANTS = {**{f"moelab_bounded_{k}": {k: v} for k, v in KDA_NEXT.items()}, "moelab_bounded_next": KDA_NEXT}
+KDA_VARIANTS = {**{f"moelab_bounded_{k}": {k: v} for k, v in KDA_NEXT.items()}, "moelab_bounded_next": KDA_NEXT,
+                # the hoisted chain at B * H * V / 32 <= 128 in 16-wide blocks: 4x the programs, 64 B of spills
+                # at 2 warps (968 B inline)
+                "moelab_bounded_dh_small16": dict(dh="hoisted", launch={"dh_small": (16, 2, 2)})}
 KDA_IMPLS = ("moelab_bounded", *KDA_VARIANTS, "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash")
 
 
