@@ -370,24 +370,32 @@ def _kda_fwd_wu(
     gl += ((i_b * (T // C) + i_c).to(tl.int64) * H + i_h) * K
     b = tl.load(beta + r * H).to(tl.float32)
     Tm = _cast(tl.load(Abuf + r[:, None] * (H * C) + cidx[None, :]), False)
+    _wu_rows(q, k, v, Gbuf, Tm, b, w, u, qg, kd, gl, scale, r, H, K, V, C, BK, BV, IEEE)
+
+
+@triton.jit
+def _wu_rows(q, k, v, G_ptr, Tm, b, w, u, qg, kd, gl, scale, r, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+             C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr):
+    """Given the chunk's ``Tm`` (``[C, C]`` fp32 operand) and beta ``b`` (``[C]``), with every pointer at the
+    chunk's first row (G read from ``G_ptr``): store ``w = Tm (beta k e^G)``, ``kd = k e^{G_last - G}``,
+    ``qg = scale q e^G``, ``gl = e^{G_last}`` per K-block of ``BK`` and ``u = Tm (beta v)`` per V-block of ``BV``
+    (``_kda_fwd_wu`` and ``_kda_fwd_intra``)."""
     for kb in range(K // BK):
         cols = kb * BK + tl.arange(0, BK)
         p = r[:, None] * (H * K) + cols[None, :]
-        G = tl.load(Gbuf + p)
-        Gl = tl.load(Gbuf + (C - 1) * (H * K) + cols)
+        G = tl.load(G_ptr + p)
+        Gl = tl.load(G_ptr + (C - 1) * (H * K) + cols)
         kt = tl.load(k + p).to(tl.float32)
-        qt = tl.load(q + p).to(tl.float32)
         eG = tl.exp2(G)
         wt = _dot(Tm, _cast(kt * b[:, None] * eG, False), IEEE)
         tl.store(w + p, wt.to(w.dtype.element_ty))
         tl.store(kd + p, (kt * tl.exp2(Gl[None, :] - G)).to(kd.dtype.element_ty))
-        tl.store(qg + p, (qt * eG * scale).to(qg.dtype.element_ty))
+        tl.store(qg + p, (tl.load(q + p).to(tl.float32) * eG * scale).to(qg.dtype.element_ty))
         tl.store(gl + cols, tl.exp2(Gl))
     for vb in range(V // BV):
         cols = vb * BV + tl.arange(0, BV)
         p = r[:, None] * (H * V) + cols[None, :]
-        vt = tl.load(v + p).to(tl.float32)
-        ut = _dot(Tm, _cast(vt * b[:, None], False), IEEE)
+        ut = _dot(Tm, _cast(tl.load(v + p).to(tl.float32) * b[:, None], False), IEEE)
         tl.store(u + p, ut.to(u.dtype.element_ty))
 
 
@@ -555,20 +563,4 @@ def _kda_fwd_intra(
     tl.store(Abuf + (bI * BC + m) * SA + bI * BC + n, Ti)
     tl.debug_barrier()
     _merge_rows(Abuf, SA, NC, BC)
-    Tm = _cast(tl.load(Abuf + pa), False)
-    for kb in range(K // BK):
-        c0 = kb * BK
-        G = tl.load(Gs + c0 + pk)
-        Gl = tl.load(Gs + c0 + (C - 1) * SK + tl.arange(0, BK))
-        kt = tl.load(k + c0 + pk).to(tl.float32)
-        eG = tl.exp2(G)
-        wt = _dot(Tm, _cast(kt * b[:, None] * eG, False), IEEE)
-        tl.store(w + c0 + pk, wt.to(w.dtype.element_ty))
-        tl.store(kd + c0 + pk, (kt * tl.exp2(Gl[None, :] - G)).to(kd.dtype.element_ty))
-        tl.store(qg + c0 + pk, (tl.load(q + c0 + pk).to(tl.float32) * eG * scale).to(qg.dtype.element_ty))
-        tl.store(gl + c0 + tl.arange(0, BK), tl.exp2(Gl))
-    pv = r[:, None] * (H * V) + tl.arange(0, BV)[None, :]
-    for vb in range(V // BV):
-        vt = tl.load(v + vb * BV + pv).to(tl.float32)
-        ut = _dot(Tm, _cast(vt * b[:, None], False), IEEE)
-        tl.store(u + vb * BV + pv, ut.to(u.dtype.element_ty))
+    _wu_rows(q, k, v, Gs, _cast(tl.load(Abuf + pa), False), b, w, u, qg, kd, gl, scale, r, H, K, V, C, BK, BV, IEEE)
