@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,6 +191,7 @@ class Ctx:
     rounds: int
     budget_s: float | None
     save: Callable[[dict[str, Any]], None]
+    impls: tuple[str, ...] | None = None  # the rows to run, where the entry has named rows (kda)
     dtype: torch.dtype = field(init=False)
     timing: dict[str, Any] = field(init=False)
 
@@ -333,7 +334,7 @@ def _kda_rows(ctx: Ctx, table: dict[str, tuple], impls: tuple[str, ...]) -> dict
 
 def run_kda(ctx: Ctx) -> dict[str, Any]:
     impls = KDA_IMPLS if ctx.cuda else ("moelab_bounded", "moelab_bounded_next", "moelab_general")
-    return _kda_rows(ctx, KDA_SHAPES, impls)
+    return _kda_rows(ctx, KDA_SHAPES, ctx.impls or impls)
 
 
 def run_kda_long(ctx: Ctx) -> dict[str, Any]:
@@ -1271,14 +1272,15 @@ def make_saver(entry: Entry, out: str | None, meta: dict[str, Any]) -> Callable[
 
 
 def run_entry(entry: Entry, shapes: list[str], out: str | None, cuda: bool, rounds: int | None,
-              budget_s: float | None) -> dict[str, Any]:
+              budget_s: float | None, impls: Sequence[str] | None = None) -> dict[str, Any]:
     """Run ``entry`` at ``shapes``, writing ``out`` as it goes; returns ``{"meta", **result}``."""
     meta = provenance(root=None if CODE == ROOT and os.environ.get("MOELAB_COMMIT") else CODE)
     meta.update(entry=entry.name, shapes=shapes, device="cuda" if cuda else "cpu (Triton interpreter)",
                 timing="CUDA events around back-to-back calls after warm-up; median over rounds (kernels/bench.py "
                        "time_ms)" if entry.name != "model" else "mean of synchronized steps per window; median over "
                        "interleaved rounds")
-    ctx = Ctx(shapes, cuda, rounds or (entry.rounds if cuda else 1), budget_s, make_saver(entry, out, meta))
+    ctx = Ctx(shapes, cuda, rounds or (entry.rounds if cuda else 1), budget_s, make_saver(entry, out, meta),
+              tuple(impls) if impls else None)
     result = entry.run(ctx)
     ctx.save(result)
     return {"meta": meta, **result}
@@ -1349,6 +1351,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--list", action="store_true", help="list the entries, their shapes and default output files")
     ap.add_argument("--entry", choices=tuple(ENTRIES), help="the benchmark to run")
     ap.add_argument("--shapes", nargs="+", metavar="NAME", help="run only these shapes of the entry (--list)")
+    ap.add_argument("--impls", nargs="+", metavar="NAME", help="kda: run only these rows (default: all of "
+                    + ", ".join(KDA_IMPLS) + ")")
     ap.add_argument("--out", help="JSON to write (default kernels/results/<entry>_<gpu>.json; with --base or --smoke "
                                   "nothing unless given)")
     ap.add_argument("--rounds", type=int, help="kda_infer: timing passes over a shape's rows (default 3); model: "
@@ -1370,6 +1374,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if bad:
             ap.error(f"--shapes {' '.join(bad)}: not a shape of entry {entry.name}; allowed: "
                      + ", ".join(entry.shapes))
+    bad = [i for i in args.impls or () if i not in KDA_IMPLS]
+    if args.impls and (entry.name != "kda" or bad):
+        ap.error(f"--impls {' '.join(bad or args.impls)}: needs entry kda and rows of {', '.join(KDA_IMPLS)}, got "
+                 f"entry {entry.name}")
     if args.rounds is not None and args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.budget_s is not None and (args.budget_s <= 0 or entry.name != "model"):
@@ -1380,7 +1388,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def base_argv(args: argparse.Namespace, shapes: list[str]) -> list[str]:
     """The arguments that rerun this call's entry on the base commit (its output file comes from ``run_base``)."""
-    out = ["--entry", args.entry, "--shapes", *shapes]
+    out = ["--entry", args.entry, "--shapes", *shapes] + (["--impls", *args.impls] if args.impls else [])
     if args.rounds is not None:
         out += ["--rounds", str(args.rounds)]
     if args.budget_s is not None:
@@ -1410,7 +1418,7 @@ def main(argv: list[str] | None = None) -> int:
     base = None
     if args.base:
         base = run_base(args.base, base_argv(args, shapes))
-    result = run_entry(entry, shapes, out, cuda, args.rounds, args.budget_s)
+    result = run_entry(entry, shapes, out, cuda, args.rounds, args.budget_s, args.impls)
     if base is not None:
         rows = compare(entry, base["rows"], result["rows"])
         print_compare(rows, base["meta"], result["meta"])
