@@ -33,7 +33,7 @@ from moelab.ops.kda import triton_fwd as F  # noqa: E402
 from moelab.ops.kda import triton_infer as I  # noqa: E402
 
 WORK = ["kd", "w", "u", "hbuf", "U", "qg", "Aqk", "o", "do", "dhbuf"]  # work dtype (bf16 for bf16 inputs)
-FP32 = "gl h0 hT dht dU dh0 Gbuf Abuf dAs dkb dbv dbk dG dGl dbs dvl Pc".split()
+FP32 = "gl h0 hT dht dU dh0 Gbuf Abuf dAs dkb dbv dbk dG dGl dbs".split()
 INPUT = ["q", "k", "v", "g", "beta", "dq", "dk", "dv", "dg", "dbeta"]
 
 
@@ -103,22 +103,14 @@ def main() -> int:
                  for m in (True, False)],
         "merge": [(F._kda_fwd_merge, dict(base, BC=16), None, None)],
         "wu": [(F._kda_fwd_wu, dict(base, BV=64, IEEE=False), "BK", None)],
-        # intra="fused": kktr + merge + wu in one program per chunk, both modes as kktr
-        "intra": [(F._kda_fwd_intra, dict(base, BC=16, BV=64, BOUNDED=m, IEEE=False, G_IN=m), "BK", m)
-                  for m in (True, False)],
         "state": [(F._kda_fwd_state, dict(base, HAS_H0=True, STORE_HT=True, VARLEN=False, **bf), "BV", None)],
         "state_small": [(F._kda_fwd_state, dict(base, HAS_H0=True, STORE_HT=True, VARLEN=False, **bf), "BV", None)],
         "out": [(F._kda_fwd_out, dict(base, **bf), "BV", None)],
-        "dh": [(B._kda_bwd_dh, dict(base, HAS_DHT=True, STORE_DH0=True, VARLEN=False, HOISTED=h, **bf), "BV",
-                "hoisted" if h else "inline") for h in (False, True)],
-        "dh_small": [(B._kda_bwd_dh, dict(base, HAS_DHT=True, STORE_DH0=True, VARLEN=False, HOISTED=False, **bf),
-                      "BV", None)],
-        "dvl": [(B._kda_bwd_dvl, dict(base, **bf), "BV", None)],
+        "dh": [(B._kda_bwd_dh, dict(base, HAS_DHT=True, STORE_DH0=True, VARLEN=False, **bf), "BV", None)],
         "wy": [(B._kda_bwd_wy, dict(base, BV=64, **bf), "BK", None)],
         "sterm": [(B._kda_bwd_sterm, dict(base, BV=64, **bf), "BK", None)],
         "dqkg": [(B._kda_bwd_dqkg, dict(base, BC=16, BOUNDED=m, IEEE=False), "BK", m) for m in (True, False)],
         "dg": [(B._kda_bwd_dg, dict(base), "BK", None)],
-        "grad": [(B._kda_bwd_grad, dict(base, BC=16, BV=64, BOUNDED=m, **bf), "BK", m) for m in (True, False)],
     }
     with tc.launch_overrides(launch=cfgs):
         for name, variants in kernels.items():
@@ -128,8 +120,7 @@ def main() -> int:
             for kernel, consts, block, bounded in variants:
                 if block is not None:
                     consts = dict(consts, **{block: min(size, args.K)})
-                tag = "" if bounded is None else (f" {bounded}" if isinstance(bounded, str)
-                                                  else " bounded" if bounded else " general")
+                tag = "" if bounded is None else (" bounded" if bounded else " general")
                 blk = f"{block}={consts[block]}" if block is not None else "all-K"
                 cap = tc.MAXNREG.get(name)  # the launch's register cap, as the real launch applies it
                 capped = f" maxnreg={cap}" if cap else ""

@@ -10,8 +10,9 @@
 Entries (``ENTRIES``; each row says what ran, with the times in ms and peak memory):
 
 * ``kda``: the KDA training op, forward and forward + backward, bf16, L2 norm of q, k and the bounded gate
-  inside the op on every KDA side: ``moelab_bounded`` / ``moelab_general`` (``triton_chunk.chunk_kda``),
-  ``fla_safe_gate`` / ``fla_softplus`` (fla ``chunk_kda``), ``sdpa_flash`` (causal SDPA, the flash backend).
+  inside the op on every KDA side: ``moelab_bounded`` / ``moelab_general`` (``triton_chunk.chunk_kda``; the
+  ``moelab_bounded_<switch>_<choice>`` rows its non-default kernel variants), ``fla_safe_gate`` / ``fla_softplus``
+  (fla ``chunk_kda``), ``sdpa_flash`` (causal SDPA, the flash backend).
 * ``kda_long``: the same op at T = 128K..512K, B = 1, moelab only (time and memory at length).
 * ``kda_infer``: the inference forward (``triton_infer.kda_infer``, chunk 16, no grad) against fla
   ``chunk_kda``'s forward and the training op's forward, at fixed length and packed (``cu_seqlens``: each
@@ -35,8 +36,6 @@ and prints both side by side: speedup = base time / this time (> 1: this tree is
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import importlib.util
 import inspect
 import json
@@ -235,13 +234,10 @@ class Entry:
 
 # ---------------------------------------------------------------------------------- kda, kda_long
 
-# rows timed under ``triton_chunk.launch_overrides``: the candidate kernel variants (triton_chunk.VARIANTS) beside
-# the op's default in the same run, each alone (moelab_bounded_<switch>) and all at once (moelab_bounded_next)
-KDA_NEXT = dict(forward="infer", intra="fused", grad="fused", chains="concurrent", dh="hoisted")
-KDA_VARIANTS = {**{f"moelab_bounded_{k}": {k: v} for k, v in KDA_NEXT.items()}, "moelab_bounded_next": KDA_NEXT,
-                # the hoisted chain at B * H * V / 32 <= 128 in 16-wide blocks: 4x the programs, 64 B of spills
-                # at 2 warps (968 B inline)
-                "moelab_bounded_dh_small16": dict(dh="hoisted", launch={"dh_small": (16, 2, 2)})}
+# rows timed under ``triton_chunk.launch_overrides``: the op's non-default kernel variants (triton_chunk.VARIANTS)
+# beside its default in the same run
+KDA_VARIANTS = {"moelab_bounded_chains_serial": dict(chains="serial"),
+                "moelab_bounded_forward_infer": dict(forward="infer")}
 KDA_IMPLS = ("moelab_bounded", *KDA_VARIANTS, "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash")
 
 
@@ -333,7 +329,7 @@ def _kda_rows(ctx: Ctx, table: dict[str, tuple], impls: tuple[str, ...]) -> dict
 
 
 def run_kda(ctx: Ctx) -> dict[str, Any]:
-    impls = KDA_IMPLS if ctx.cuda else ("moelab_bounded", "moelab_bounded_next", "moelab_general")
+    impls = KDA_IMPLS if ctx.cuda else ("moelab_bounded", *KDA_VARIANTS, "moelab_general")
     return _kda_rows(ctx, KDA_SHAPES, ctx.impls or impls)
 
 
@@ -806,12 +802,9 @@ def run_moe(ctx: Ctx) -> dict[str, Any]:
 ANCHOR_PEAK = 792e12  # measured bf16 8192^3 matmul on the H200: the anchor's MFU convention (all parameters)
 DATASHEET_PEAK = 989e12
 MFU_CONVENTION = "6 x all params x tok/s / 792e12 (anchor convention)"
-# group -> (preset, [(row, config overrides)]); "fla": the fla-anchor shape beside fla's own model, and with the KDA
-# op's candidate kernels (KDA_KERNELS, not a config field: launch_overrides entered around every step)
-KDA_KERNELS = "kda_kernels"
+# group -> (preset, [(row, config overrides)]); "fla": the fla-anchor shape beside fla's own model
 MODEL_GROUPS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
     "fla": ("fla-shape", [("moelab_fla_shape", {}),
-                          ("moelab_fla_shape_next", {KDA_KERNELS: KDA_NEXT}),
                           # cuDNN's engine serves no-grad calls only (moelab.ops.kda.cudnn): training falls back
                           ("moelab_fla_shape_cudnn", {"model.kda.backend": "cudnn"}),
                           ("fla_kda", {})]),
@@ -827,7 +820,6 @@ MODEL_GROUPS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
 # row -> (the row it is compared with, the field holding the paired tokens/s ratios, the least ratio allowed)
 MODEL_TARGETS = {
     "fla_kda": ("moelab_fla_shape", "ratio_vs_moelab", None),
-    "moelab_fla_shape_next": ("moelab_fla_shape", "ratio_vs_moelab", None),
     "moelab_fla_shape_cudnn": ("moelab_fla_shape", "ratio_vs_moelab", None),
     "moelab_gpu_small_full_attnres": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.75),  # issue 16
     "moelab_gpu_small_block_attnres": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.9),
@@ -852,9 +844,8 @@ class Runner:
     models are timed in turn. CUDA: bf16 autocast, fused AdamW, the balancer timed with CUDA events."""
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable, B: int, T: int, vocab: int, balance: bool,
-                 device: str, context: Callable[[], Any] = contextlib.nullcontext) -> None:
+                 device: str) -> None:
         self.model, self.loss_fn, self.balance = model, loss_fn, balance
-        self.context = context  # entered around every step (e.g. the KDA op's kernel variants)
         self.cuda = device == "cuda"
         self.tokens = B * T
         self.opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=self.cuda or None)
@@ -865,9 +856,8 @@ class Runner:
         """One training step (as ``BalancerCallback``: the balancer after the backward, before the optimizer)."""
         from moelab.model.balance import balance_step
 
-        with self.context():
-            loss = self.loss_fn(self.model, self.x)
-            loss.backward()
+        loss = self.loss_fn(self.model, self.x)
+        loss.backward()
         if self.balance:
             if self.cuda:
                 span = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -939,11 +929,8 @@ def build_moelab(impl: str, preset: str, overrides: dict, device: str) -> Built:
     from moelab.model import MoELab
     from moelab.model.accounting import param_counts
     from moelab.model.balance import balance_step, balanced_routers
-    from moelab.ops.kda.triton_chunk import launch_overrides
 
     t0 = time.perf_counter()
-    overrides = dict(overrides)
-    context = functools.partial(launch_overrides, **overrides.pop(KDA_KERNELS, {}))
     cfg = load_config(preset, overrides)
     torch.manual_seed(0)
     model = MoELab(cfg.model).to(device)
@@ -955,13 +942,12 @@ def build_moelab(impl: str, preset: str, overrides: dict, device: str) -> Built:
                            "params_activated": param_counts(cfg.model)["activated"], "B": B, "T": T}
     if balance:
         row["balancer"] = cfg.model.moe.balancer
-    row.update({KDA_KERNELS: context.keywords} if context.keywords else {})
     row["setup_s"] = {"build": time.perf_counter() - t0}
     t1 = time.perf_counter()
     x = torch.randint(0, cfg.model.vocab_size, (B, T), device=device)
-    with context(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
         out = model(x, x, return_logits=False)
-        (out.loss + out.aux_loss).backward()
+    (out.loss + out.aux_loss).backward()
     row.update(first_loss=float(out.loss.detach()), loss_finite=bool(torch.isfinite(out.loss)),
                nonfinite_grads=[n for n, p in model.named_parameters()
                                 if p.grad is not None and not torch.isfinite(p.grad).all()],
@@ -976,7 +962,7 @@ def build_moelab(impl: str, preset: str, overrides: dict, device: str) -> Built:
             o = m(ids, ids, return_logits=False, check_ids=False)
         return o.loss + o.aux_loss
 
-    return Built(row, Runner(model, loss_fn, B, T, cfg.model.vocab_size, balance, device, context), cfg.model)
+    return Built(row, Runner(model, loss_fn, B, T, cfg.model.vocab_size, balance, device), cfg.model)
 
 
 def build_fla() -> Built | None:
@@ -1150,8 +1136,7 @@ def run_group(group: str, ctx: Ctx, warmup: int, steps: int, record: Callable[[l
         from moelab.train.host_work import count_step  # the measured tree's (--base: that commit's, if it has it)
 
         for b, row in zip(built, rows):
-            with b.runner.context():
-                counts = count_step(b.runner.model, b.runner.x, b.runner.opt, b.runner.loss_fn, python_calls=False)
+            counts = count_step(b.runner.model, b.runner.x, b.runner.opt, b.runner.loss_fn, python_calls=False)
             row["step_ops"] = {k: v for k, v in counts.items() if k != "by"}
             row["step_ops"]["launches_by_kernel"] = counts["by"]["triton_launches"]
         record(rows)

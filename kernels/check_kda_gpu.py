@@ -471,7 +471,7 @@ def main() -> int:
     ap.add_argument("--emulate-bf16", action="store_true", help="CPU only: emulate the GPU's bf16 rounding")
     ap.add_argument("--variant", default="", metavar="KEY=VALUE,...",
                     help="the training op's kernel variants, as triton_chunk.launch_overrides keywords, e.g. "
-                         "grad=fused,forward=infer,chains=concurrent (default: the op's own)")
+                         "chains=serial,forward=infer (default: the op's own)")
     args = ap.parse_args()
     if args.emulate_bf16 and torch.cuda.is_available():
         ap.error("--emulate-bf16 is for CPU runs; on the GPU the real bf16 path runs")

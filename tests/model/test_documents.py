@@ -164,9 +164,9 @@ def test_packed_equals_alone_triton_interpreter(grad: bool, conv: str) -> None:
 
 
 @pytest.mark.skipif(not INTERPRET, reason="Triton interpreter on CPU tensors (the gpu test runs the kernels)")
-def test_packed_equals_alone_with_every_kda_candidate() -> None:
-    """The training op with every candidate kernel variant of ``triton_chunk.VARIANTS`` at once (the inference
-    forward, the fused intra and gradient kernels, the hoisted state-gradient chain) and the Triton conv."""
+def test_packed_equals_alone_with_the_other_kda_variants() -> None:
+    """The training op with the other choice of every switch of ``triton_chunk.VARIANTS`` at once (the inference
+    forward, the backward's chains one after the other) and the Triton conv."""
     from moelab.ops.kda.triton_chunk import VARIANTS, launch_overrides
 
     m = build("hybrid", backend="triton").train(True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moelab.ops.kda import kda
-from moelab.ops.kda.triton_chunk import chunk_kda, launch_overrides
+from moelab.ops.kda.triton_chunk import VARIANTS, chunk_kda, launch_overrides
 from tests.helpers import assert_close
 
 LENS = [65, 0, 1, 64, 63]  # the empty document sits between two others
@@ -72,14 +72,13 @@ def _reference(x: dict, gate: str, prep: bool) -> tuple[torch.Tensor, torch.Tens
     return o, S, _grads(x, o, S)
 
 
-@pytest.mark.parametrize("variant", [dict(grad="split"), dict(grad="fused"),
-                                     dict(forward="infer", grad="fused", intra="fused", dh="hoisted")],
-                         ids=["split", "fused", "every-candidate"])
+@pytest.mark.parametrize("variant", [{}, {name: choices[-1] for name, choices in VARIANTS.items()}],
+                         ids=["default", "other-variants"])
 @pytest.mark.parametrize(("gate", "mode", "prep"), CASES)
 def test_packed_training_op_equals_separate_documents(gate: str, mode: str, prep: bool, variant: dict) -> None:
-    """Each way of forming the gradients (``triton_chunk.VARIANTS["grad"]``), and every candidate variant at once
-    (the inference forward in bounded mode): the chunks of a packed row hold pieces of several documents, and
-    padded slots between them."""
+    """The op's default kernels, and the other choice of every switch of ``triton_chunk.VARIANTS`` at once (the
+    inference forward in bounded mode, the backward's chains one after the other): the chunks of a packed row hold
+    pieces of several documents, and padded slots between them."""
     x = _inputs(gate)
     ref_o, ref_S, ref_g = _reference(x, gate, prep)
     cu = torch.tensor([0, *LENS], dtype=torch.int32).cumsum(0, dtype=torch.int32)

@@ -178,11 +178,12 @@ def test_bad_arguments_raise():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [{}, dict(grad="fused", chains="concurrent")], ids=["default", "fused"])
+@pytest.mark.parametrize("variant", [{}, dict(chains="serial", forward="infer")], ids=["default", "serial-infer"])
 @pytest.mark.parametrize("mode", ["bounded", "general"])
 def test_bf16_on_gpu(mode, variant):
-    """The real bf16 path (tensor-core products, bf16 intermediates), which the interpreter cannot run;
-    also with the fused gradient kernel and the two backward chains on two streams."""
+    """The real bf16 path (tensor-core products, bf16 intermediates), which the interpreter cannot run: the
+    default (the backward's two chains on two streams) and the other choice of every switch (the chains one after
+    the other, the inference forward in bounded mode)."""
     from moelab.ops.kda import triton_chunk as tc
 
     ins, s0, do, dS = _inputs(2, 300, 4, 64, 64, torch.bfloat16, seed=7)
@@ -191,8 +192,7 @@ def test_bf16_on_gpu(mode, variant):
     _compare(_reference(ins, s0, do, dS), out, torch.bfloat16)
 
 
-KERNELS = {"kktr", "merge", "wu", "intra", "state", "state_small", "out", "dh", "dh_small", "dvl", "wy", "sterm",
-           "dqkg", "dg", "grad"}
+KERNELS = {"kktr", "merge", "wu", "state", "state_small", "out", "dh", "wy", "sterm", "dqkg", "dg"}
 
 
 def test_launch_overrides():
@@ -218,14 +218,13 @@ def test_launch_overrides():
     assert tc.LAUNCH == launch and tc.MAXNREG == maxnreg
     default = dict(tc.VARIANT)
     assert default == {name: choices[0] for name, choices in tc.VARIANTS.items()}
-    with pytest.raises(RuntimeError, match="inside"), tc.launch_overrides(grad="fused", chains=None):
-        assert tc.VARIANT == {**default, "grad": "fused"}
+    assert default == {"chains": "concurrent", "forward": "train"}  # measured on the H200
+    with pytest.raises(RuntimeError, match="inside"), tc.launch_overrides(forward="infer", chains=None):
+        assert tc.VARIANT == {**default, "forward": "infer"}
         raise RuntimeError("inside")
     assert tc.VARIANT == default
-    with pytest.raises(ValueError, match=r"grad='one' is not allowed: expected one of \('split', 'fused'\)"), \
-            tc.launch_overrides(grad="one"):
-        pass
-    with pytest.raises(ValueError, match=r"chains='parallel' is not allowed"), tc.launch_overrides(chains="parallel"):
+    with pytest.raises(ValueError, match=r"chains='parallel' is not allowed: expected one of "
+                                         r"\('concurrent', 'serial'\)"), tc.launch_overrides(chains="parallel"):
         pass
     with pytest.raises(ValueError, match=r"forward='fast' is not allowed"), tc.launch_overrides(forward="fast"):
         pass
@@ -233,39 +232,10 @@ def test_launch_overrides():
             tc.launch_overrides(speed="max"):
         pass
     assert tc.VARIANT == default
-    with tc.launch_overrides(chains="concurrent"):  # on CPU tensors the chains run one after the other anyway
+    with tc.launch_overrides(chains="serial"):  # CPU tensors run the default "concurrent" chains serially too
         ins, s0, do, dS = _inputs(1, 20, 1, 16, 16, torch.float32, seed=2)
         _compare(_reference(ins, s0, do, dS), _run(chunk, ins, s0, do, dS))
     assert tc.VARIANT == default
-
-
-# the fused gradient kernel (grad="fused") against the reference and the split kernels, both modes
-FUSED_GRAD = [
-    (1, 40, 1, 20, 40, 32, torch.float32, True),  # two sub-tiles, padded K and V
-    (1, 37, 2, 16, 24, 16, torch.float16, False),  # chunk 16: one sub-tile, no sweep
-    (1, 100, 1, 32, 16, 64, torch.float16, True),  # four sub-tiles, both sweeps, partial second chunk
-    pytest.param((2, 150, 2, 32, 16, 64, torch.float32, True), marks=slow),  # B > 1, several K-blocks
-]
-
-
-@pytest.mark.parametrize("mode", ["bounded", "general"])
-@pytest.mark.parametrize(
-    "case", FUSED_GRAD, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}K{c[3]}V{c[4]}C{c[5]}-{str(c[6])[6:]}-h0{int(c[7])}")
-def test_fused_grad_matches_reference_and_split(case, mode):
-    """``_kda_bwd_grad`` (sterm + dqkg + dg in one program per chunk, with running-rescale sweeps for the
-    off-diagonal sub-tiles) gives the reference's gradients within the dtype's bound, and the split
-    kernels' to fp32 round-off on fp32 inputs (the same products, summed in another order)."""
-    from moelab.ops.kda import triton_chunk as tc
-
-    B, T, H, K, V, C, dtype, h0 = case
-    ins, s0, do, dS = _inputs(B, T, H, K, V, dtype, seed=B * 1000 + T * 7 + K + V, h0=h0)
-    with tc.launch_overrides(grad="fused"):
-        fused = _run(chunk, ins, s0, do, dS, mode=mode, chunk_size=C)
-    _compare(_reference(ins, s0, do, dS), fused, dtype)
-    if dtype == torch.float32:
-        split = _run(chunk, ins, s0, do, dS, mode=mode, chunk_size=C)
-        for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], split[2], fused[2]):
-            assert_close(a, b, 1e-6, name)
 
 
 # fused prep: (B, T, H, K, V, chunk, gate, mode, silu, dt_bias)
@@ -334,21 +304,6 @@ def test_fused_prep_ignores_uninitialised_memory(monkeypatch, case):
     assert len(allocs) > 20, f"the poisoning reached only {len(allocs)} allocations"
 
 
-@pytest.mark.parametrize("mode", ["bounded", "general"])
-def test_hoisted_dh_equals_inline(mode):
-    """``dh="hoisted"`` (the chain's chunk-local products formed for every chunk first, ``_kda_bwd_dvl``) computes
-    what the inline chain computes, in the same order: equal gradients on fp32 inputs, with and without dht."""
-    from moelab.ops.kda import triton_chunk as tc
-
-    ins, s0, do, dS = _inputs(2, 100, 2, 32, 16, torch.float32, seed=29)
-    inline = _run(chunk, ins, s0, do, dS, mode=mode)
-    with tc.launch_overrides(dh="hoisted"):
-        hoisted = _run(chunk, ins, s0, do, dS, mode=mode)
-    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], inline[2], hoisted[2]):
-        assert_close(a, b, 1e-7, name)
-    _compare(_reference(ins, s0, do, dS), hoisted)
-
-
 INFER_FORWARD = [
     (1, 40, 1, 20, 40, 32, torch.float32, True),  # padded K and V, chunk 32 in the backward
     (1, 100, 1, 32, 16, 64, torch.float16, True),  # fp16, partial second chunk
@@ -356,10 +311,9 @@ INFER_FORWARD = [
 ]
 
 
-@pytest.mark.parametrize("grad", ["split", "fused"])
 @pytest.mark.parametrize(
     "case", INFER_FORWARD, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}K{c[3]}V{c[4]}C{c[5]}-{str(c[6])[6:]}-h0{int(c[7])}")
-def test_infer_forward_matches_reference(monkeypatch, case, grad):
+def test_infer_forward_matches_reference(monkeypatch, case):
     """``forward="infer"``: bounded mode's training forward runs the inference kernels (chunk 16, nothing
     kept) and the backward recomputes the intra-chunk intermediates at its own chunk: output, final state and
     every gradient within the dtype's bound of the reference; general mode keeps the training forward."""
@@ -372,7 +326,7 @@ def test_infer_forward_matches_reference(monkeypatch, case, grad):
     B, T, H, K, V, C, dtype, h0 = case
     ins, s0, do, dS = _inputs(B, T, H, K, V, dtype, seed=B * 1000 + T * 7 + K + V, h0=h0)
     ref = _reference(ins, s0, do, dS)
-    with tc.launch_overrides(forward="infer", grad=grad):
+    with tc.launch_overrides(forward="infer"):
         _compare(ref, _run(chunk, ins, s0, do, dS, mode="bounded", chunk_size=C), dtype)
         assert len(calls) == 1
         _compare(ref, _run(chunk, ins, s0, do, dS, mode="general", chunk_size=C), dtype)
@@ -382,28 +336,15 @@ def test_infer_forward_matches_reference(monkeypatch, case, grad):
 @pytest.mark.parametrize("case", FUSED[:2], ids=FUSED_IDS[:2])
 def test_infer_forward_ignores_uninitialised_memory(monkeypatch, case):
     """The poisoning of ``test_fused_prep_ignores_uninitialised_memory`` with ``forward="infer"`` (the
-    bounded case recomputes its intermediates in the backward) and the fused gradient kernel."""
+    bounded case recomputes its intermediates in the backward)."""
     from moelab.ops.kda import triton_chunk as tc
 
     @contextlib.contextmanager
     def poison_infer():
-        with poisoned_allocations(monkeypatch), tc.launch_overrides(forward="infer", grad="fused"):
+        with poisoned_allocations(monkeypatch), tc.launch_overrides(forward="infer"):
             yield
 
     _check_fused_prep(case, poison_infer)
-
-
-@pytest.mark.parametrize("case", FUSED[:2], ids=FUSED_IDS[:2])
-def test_fused_grad_ignores_uninitialised_memory(monkeypatch, case):
-    """The same poisoning with the fused gradient kernel (``grad="fused"``), both modes."""
-    from moelab.ops.kda import triton_chunk as tc
-
-    @contextlib.contextmanager
-    def poison_fused():
-        with poisoned_allocations(monkeypatch), tc.launch_overrides(grad="fused"):
-            yield
-
-    _check_fused_prep(case, poison_fused)
 
 
 def test_fused_prep_bad_arguments():
@@ -439,15 +380,15 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
     for mode in ("bounded", "general"):
         ins, s0, do, dS = _inputs(1, 40, 1, 16, 16, torch.float32, seed=1)
         _run(chunk, ins, s0, do, dS, mode=mode)
-        with tc.launch_overrides(**{name: next(c for c in tc.VARIANTS[name] if c != tc.VARIANT[name])
-                                    for name in ("grad", "intra", "dh")}):
+        with tc.launch_overrides(**{name: next(c for c in choices if c != tc.VARIANT[name])
+                                    for name, choices in tc.VARIANTS.items()}):
             _run(chunk, ins, s0, do, dS, mode=mode)
-    assert set(seen) == KERNELS - {"state", "dh"}  # B1 H1: the small-grid launches of both chains
+    assert set(seen) == KERNELS - {"state"}  # B1 H1: the state kernel's small-grid launch
 
 
 def test_small_grid_takes_its_state_launch(monkeypatch):
-    """The sequential state and state-gradient kernels take their ``*_small`` launch entries when
-    ``B * H * V / 32 <= SMALL_GRID`` and the regular one above; the results are the same."""
+    """The sequential state kernel takes its ``state_small`` launch entry when ``B * H * V / 32 <= SMALL_GRID``
+    and the regular one above (the state-gradient kernel its one entry at every grid); the results are the same."""
     from moelab.ops.kda import triton_chunk as tc
 
     names = []
@@ -460,9 +401,8 @@ def test_small_grid_takes_its_state_launch(monkeypatch):
         monkeypatch.setattr(tc, "SMALL_GRID", grid)
         names.clear()
         runs[grid] = _run(chunk, ins, s0, do, dS)
-        for chain in ("state", "dh"):
-            small = f"{chain}_small" in names and chain not in names
-            assert small == (grid == 128), (grid, chain, names)
+        assert ("state_small" in names and "state" not in names) == (grid == 128), (grid, names)
+        assert "dh" in names, names
     assert torch.equal(runs[128][0], runs[0][0])
     assert all(torch.equal(a, b) for a, b in zip(runs[128][2], runs[0][2]))
 

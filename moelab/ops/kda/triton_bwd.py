@@ -21,9 +21,6 @@ it), the state kernel reruns (``h_c``, ``U``), then (every kernel reads G, none 
   from the same rounded operands, so that they cancel in dg's reverse cumsum.
 * ``_kda_bwd_dg``: ``dg`` is the reverse cumsum of ``dG`` within the chunk plus the gradient of
   ``G_last`` (which every g of the chunk feeds).
-
-``_kda_bwd_grad`` does what sterm, dqkg and dg do in one program per K-block and chunk (the op's
-``grad="fused"`` of ``triton_chunk.VARIANTS``; the off-diagonal sub-tiles as two running-rescale sweeps over the chunk).
 """
 
 from __future__ import annotations
@@ -35,39 +32,12 @@ from moelab.ops.kda.triton_common import _cast, _dot, _tf32
 
 
 @triton.jit
-def _kda_bwd_dvl(
-    qg, Aqk, do, dvl, Pc, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-    DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
-):
-    """The chunk-local terms of the state-gradient chain, for every chunk at once (grid
-    ``[V // BV, NT, B*H]``): ``dvl = A_qk^T do`` (``[B, T, H, V]`` fp32) and ``Pc = qg^T do``
-    (``[B, NT, H, K, V]`` fp32), which ``_kda_bwd_dh`` with ``HOISTED`` reads instead of forming them
-    inside its sequential loop (2 products per step instead of 4)."""
-    i_v = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_bh = tl.program_id(2)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    r = tl.arange(0, C)
-    d = tl.arange(0, K)
-    cv = i_v * BV + tl.arange(0, BV)
-    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
-    c_off = (i_b * (T // C) + i_c).to(tl.int64) * H + i_h  # (chunk, head) index
-    do_t = _cast(tl.load(do + row0 * V + r[:, None] * (H * V) + cv[None, :]), DOT_BF16)
-    A = tl.load(Aqk + row0 * C + r[:, None] * (H * C) + r[None, :])
-    qgt = tl.load(qg + row0 * K + r[:, None] * (H * K) + d[None, :])
-    tl.store(dvl + row0 * V + r[:, None] * (H * V) + cv[None, :], _dot(_cast(tl.trans(A), DOT_BF16), do_t, IEEE))
-    tl.store(Pc + c_off * K * V + d[:, None] * V + cv[None, :], _dot(_cast(tl.trans(qgt), DOT_BF16), do_t, IEEE))
-
-
-@triton.jit
 def _kda_bwd_dh(
-    qg, kd, gl, w, Aqk, do, dht, dhbuf, dU, dh0, coff, dvl, Pc,
+    qg, kd, gl, w, Aqk, do, dht, dhbuf, dU, dh0, coff,
     T, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
-    VARLEN: tl.constexpr, HOISTED: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -85,20 +55,17 @@ def _kda_bwd_dh(
         NT = (c1 - tl.load(coff + i_b).to(tl.int64)).to(tl.int32)
         row0 = (c1 - 1) * C * H + i_h
         gl += ((c1 - 1) * H + i_h) * K
-        c_last = ((c1 - 1) * H + i_h) * K * V
+        dhbuf += ((c1 - 1) * H + i_h) * K * V
     else:
         row0 = (i_b * T + T - C).to(tl.int64) * H + i_h
         gl += ((i_b * NT + NT - 1).to(tl.int64) * H + i_h) * K
-        c_last = ((i_b * NT + NT - 1).to(tl.int64) * H + i_h) * K * V
-    dhbuf += c_last
-    Pc += c_last
+        dhbuf += ((i_b * NT + NT - 1).to(tl.int64) * H + i_h) * K * V
     qg += row0 * K
     kd += row0 * K
     w += row0 * K
     Aqk += row0 * C
     do += row0 * V
     dU += row0 * V
-    dvl += row0 * V
     k_ptrs = r[:, None] * (H * K) + d[None, :]
     v_ptrs = r[:, None] * (H * V) + cv[None, :]
     A_ptrs = r[:, None] * (H * C) + cidx[None, :]
@@ -111,20 +78,14 @@ def _kda_bwd_dh(
         kdt = tl.load(kd + k_ptrs)
         wt = tl.load(w + k_ptrs)
         glt = tl.load(gl + d)
-        if HOISTED:  # the chunk-local terms from _kda_bwd_dvl
-            dUt = tl.load(dvl + v_ptrs)
-        else:
-            A = tl.load(Aqk + A_ptrs)
-            do_t = _cast(tl.load(do + v_ptrs), DOT_BF16)
-            dUt = _dot(_cast(tl.trans(A), DOT_BF16), do_t, IEEE)
+        A = tl.load(Aqk + A_ptrs)
+        do_t = _cast(tl.load(do + v_ptrs), DOT_BF16)
+        dUt = _dot(_cast(tl.trans(A), DOT_BF16), do_t, IEEE)
         dUt += _dot(_cast(kdt, DOT_BF16), _cast(dh, DOT_BF16), IEEE)
         tl.store(dU + v_ptrs, dUt)
         dh = dh * glt[:, None]
-        if HOISTED:
-            dh += tl.load(Pc + h_ptrs)
-        else:
-            qgt = tl.load(qg + k_ptrs)
-            dh += _dot(_cast(tl.trans(qgt), DOT_BF16), do_t, IEEE)
+        qgt = tl.load(qg + k_ptrs)
+        dh += _dot(_cast(tl.trans(qgt), DOT_BF16), do_t, IEEE)
         dh -= _dot(_cast(tl.trans(wt), DOT_BF16), _cast(dUt, DOT_BF16), IEEE)
         qg -= C * H * K
         kd -= C * H * K
@@ -132,10 +93,8 @@ def _kda_bwd_dh(
         Aqk -= C * H * C
         do -= C * H * V
         dU -= C * H * V
-        dvl -= C * H * V
         gl -= H * K
         dhbuf -= H * K * V
-        Pc -= H * K * V
     if STORE_DH0:
         tl.store(dh0 + i_bh.to(tl.int64) * K * V + h_ptrs, dh)
 
@@ -206,7 +165,7 @@ def _kda_bwd_wy(
     dAq = tl.where(r[:, None] >= cidx[None, :], dAq * scale, 0.0)
     # Both score gradients go through the per-chunk scratch: the per-K-block kernel reads them as
     # they are and TRANSPOSED (column-side terms) by pointer arithmetic. tl.trans of a tensor-core
-    # result is what made the fused gradient kernel fault on Hopper with Triton 3.6 (its
+    # result is what made an earlier fused gradient kernel fault on Hopper with Triton 3.6 (its
     # shared-memory copy is miscompiled; fla reports the same for trans(mma) -> local_alloc).
     A_ptrs = r[:, None] * C + cidx[None, :]
     tl.store(dAs + A_ptrs, dAq)
@@ -359,35 +318,6 @@ def _kda_bwd_dqkg(
 
 
 @triton.jit
-def _state_terms(rows, cols, hbuf, dhbuf, U, do, G, Gl, qt, kt, b, dkbt, scale, H: tl.constexpr, V: tl.constexpr,
-                 BV: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr):
-    """State terms of ``rows`` (``[R, BK]`` tiles; pointers at the chunk's first row and the
-    K-block's first column, ``hbuf``/``dhbuf`` at the chunk's state): from ``o = qg h``,
-    ``dq = scale e^G (do h^T)``; from the state update, ``dk = e^{G_last-G} (U dh^T)``; from ``w``,
-    ``dk += beta e^G dkb``; and their ``dG``, dbeta per row and ``sum_rows k dk_inter`` (part of
-    d(G_last)), plus ``sum_v h dh`` (the rest of d(G_last), times ``e^{G_last}``)."""
-    dqh = tl.zeros_like(qt)
-    dkh = tl.zeros_like(qt)
-    dgl = tl.zeros_like(Gl)
-    for vb in range(V // BV):
-        cv = vb * BV + tl.arange(0, BV)
-        p = rows[:, None] * (H * V) + cv[None, :]
-        hp = cols[:, None] * V + cv[None, :]
-        ht = tl.load(hbuf + hp)
-        dht = tl.load(dhbuf + hp)
-        dqh += _dot(_cast(tl.load(do + p), DOT_BF16), _cast(tl.trans(ht), DOT_BF16), IEEE)
-        dkh += _dot(_cast(tl.load(U + p), DOT_BF16), _cast(tl.trans(dht), DOT_BF16), IEEE)
-        dgl += tl.sum(ht.to(tl.float32) * dht.to(tl.float32), axis=1)
-    eG = tl.exp2(G)
-    dki = dkh * tl.exp2(Gl[None, :] - G)
-    dqt = dqh * eG * scale
-    dkt = dki + dkbt * eG * b[:, None]
-    db = tl.sum(dkbt * kt * eG, axis=1)
-    dGt = qt * dqt - kt * dki + kt * b[:, None] * eG * dkbt
-    return dqt, dkt, dGt, db, tl.sum(kt * dki, axis=0), dgl
-
-
-@triton.jit
 def _kda_bwd_sterm(
     q, k, Gbuf, beta, hbuf, dhbuf, U, do, dkb, dq, dG, dGl, dbs,
     scale, T, NBH,
@@ -427,12 +357,32 @@ def _kda_bwd_sterm(
     G = tl.load(Gbuf + kp)
     Gl = tl.load(Gbuf + (C - 1) * (H * K) + cols)
     b = tl.load(beta + r * H).to(tl.float32)
-    dqt, dkt, dGt, db, part, dgl = _state_terms(r, cols, hbuf, dhbuf, U, do, G, Gl, tl.load(q + kp).to(tl.float32),
-                                                tl.load(k + kp).to(tl.float32), b, tl.load(dkb + kp), scale, H, V, BV,
-                                                DOT_BF16, IEEE)
+    qt = tl.load(q + kp).to(tl.float32)
+    kt = tl.load(k + kp).to(tl.float32)
+    dkbt = tl.load(dkb + kp)
+    dqh = tl.zeros([C, BK], dtype=tl.float32)
+    dkh = tl.zeros([C, BK], dtype=tl.float32)
+    dgl = tl.zeros([BK], dtype=tl.float32)
+    for vb in range(V // BV):
+        cv = vb * BV + tl.arange(0, BV)
+        p = r[:, None] * (H * V) + cv[None, :]
+        hp = cols[:, None] * V + cv[None, :]
+        ht = tl.load(hbuf + hp)
+        dht = tl.load(dhbuf + hp)
+        dqh += _dot(_cast(tl.load(do + p), DOT_BF16), _cast(tl.trans(ht), DOT_BF16), IEEE)
+        dkh += _dot(_cast(tl.load(U + p), DOT_BF16), _cast(tl.trans(dht), DOT_BF16), IEEE)
+        dgl += tl.sum(ht.to(tl.float32) * dht.to(tl.float32), axis=1)
+    eG = tl.exp2(G)
+    dki = dkh * tl.exp2(Gl[None, :] - G)
+    dqt = dqh * eG * scale
+    dkt = dki + dkbt * eG * b[:, None]
+    db = tl.sum(dkbt * kt * eG, axis=1)
+    dGt = qt * dqt - kt * dki + kt * b[:, None] * eG * dkbt
+    part = tl.sum(kt * dki, axis=0)
     tl.store(dq + kp, dqt.to(dq.dtype.element_ty))
     tl.store(dkb + kp, dkt)
     tl.store(dG + kp, dGt)
+    # d(G_last): through k e^{G_last - G} and through the state's decay e^{G_last} (sum_v h dh)
     tl.store(dGl + cols, part + tl.exp2(Gl) * dgl)
     tl.store(dbs + r * H, db)
 
@@ -472,177 +422,3 @@ def _dkb_block(cols, hbuf, dU, Tm, r, H: tl.constexpr, V: tl.constexpr, C: tl.co
         dUt = tl.load(dU + r[:, None] * (H * V) + cv[None, :])
         dw += _dot(_cast(dUt, DOT_BF16), _cast(tl.trans(ht), DOT_BF16), IEEE)
     return -_dot(_cast(tl.trans(Tm), False), _cast(dw, False), IEEE)
-
-
-@triton.jit
-def _kda_bwd_grad(
-    q, k, Gbuf, beta, hbuf, dhbuf, U, do, dAs, dkb,
-    dq, dk, dg, dbk,
-    scale, T, NBH,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
-    BOUNDED: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
-):
-    """``_kda_bwd_sterm``, ``_kda_bwd_dqkg`` and ``_kda_bwd_dg`` in one program per K-block and
-    chunk (grid ``[K // BK, NT, B*H]``), on ``[C, BK]`` tiles of the whole chunk: the state terms,
-    the gated-score terms and the chunk-local reverse cumsum, so that dq, dk, dG and d(G_last)
-    never leave registers (the split kernels pass them through fp32 scratch: ``dGs``, ``dGl``,
-    ``dq`` read back, ``dkb`` rewritten) and one launch replaces three. Stores dq, dk, dg (final)
-    and the score + state part of dbeta (``dbk`` ``[K // BK, B, T, H]``, summed on the host).
-
-    The gated scores pair rows ``i`` and columns ``j`` of sub-tiles ``I >= J`` (``BC`` rows each):
-    * diagonal (``I = J``): bounded mode one ``[C, C] x [C, BK]`` product each side with the score
-      gradient masked to the diagonal blocks, on factors shifted to G at each sub-tile's row
-      ``BC // 2 - 1`` (``_kda_bwd_dqkg``'s rule); general mode element-wise ``e^{G_i - G_j}`` per
-      pair in fp32, ``BC`` steps that take partner ``s`` of every sub-tile at once;
-    * off-diagonal (``I > J``), as two sweeps with a running rescale (flash-attention style): the
-      row side walks ``J`` up, adding ``dS[:, J] tf32(k_J e^{E_J - G_J})`` (``E_J``: G at the last
-      row of J) to an accumulator whose rows ``I > J`` it first rescales by ``e^{E_J - E_{J-1}}``
-      (<= 1; rows ``I <= J`` are complete and stay), so that row ``i`` of sub-tile ``I`` ends
-      referenced to ``E_{I-1}``, multiplied by ``e^{G_i - E_{I-1}}`` (<= 1); the column side walks
-      ``I`` down with ``tf32(q_I e^{G_I - E_{I-1}})`` the same way, ending referenced to ``E_J``
-      for the column factor ``e^{E_J - G_j}``. Every exponent is <= 0, in both modes.
-    Both sides of a pair then use the same two TF32-rounded factors and the same bridge
-    ``e^{E_{I-1} - E_J}`` (up to fp32 rounding of the rescale order), so the two dG terms of a pair
-    cancel in dg's reverse cumsum as in the split kernels.
-    """
-    i_k = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_bh = tl.program_id(2)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    NC: tl.constexpr = C // BC
-    SK: tl.constexpr = H * K
-    r = tl.arange(0, C)
-    rc = tl.arange(0, BC)
-    cols = tl.arange(0, BK)
-    bi = r // BC  # the sub-tile of each row
-    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h  # the chunk's first token
-    bo = i_k * BK
-    q += row0 * K + bo
-    k += row0 * K + bo
-    Gbuf += row0 * K + bo
-    dkb += row0 * K + bo
-    dq += row0 * K + bo
-    dk += row0 * K + bo
-    dg += row0 * K + bo
-    U += row0 * V
-    do += row0 * V
-    beta += row0
-    dbk += i_k.to(tl.int64) * NBH * T + row0  # [K // BK, B, T, H]; B*T*H = NBH*T
-    c_off = (i_b * (T // C) + i_c).to(tl.int64) * H + i_h  # (chunk, head) index
-    hbuf += c_off * K * V + bo * V
-    dhbuf += c_off * K * V + bo * V
-    dAs += c_off * (2 * C * C)
-
-    kp = r[:, None] * SK + cols[None, :]
-    G = tl.load(Gbuf + kp)
-    qt = tl.load(q + kp).to(tl.float32)
-    kt = tl.load(k + kp).to(tl.float32)
-    b = tl.load(beta + r * H).to(tl.float32)
-    bk = kt * b[:, None]
-    Gl = tl.load(Gbuf + (C - 1) * SK + cols)
-
-    # state terms (as _kda_bwd_sterm): dq, dk and their dG, dbeta, d(G_last)
-    dqa, dka, dGa, db, part, dgl = _state_terms(r, cols, hbuf, dhbuf, U, do, G, Gl, qt, kt, b, tl.load(dkb + kp),
-                                                scale, H, V, BV, DOT_BF16, IEEE)
-
-    # diagonal sub-tiles: rq, rk (row side: dq, and dk through A_kk before beta) and cs (column side: dk)
-    same = bi[:, None] == bi[None, :]
-    if BOUNDED:
-        Gm = tl.load(Gbuf + (bi * BC + BC // 2 - 1)[:, None] * SK + cols[None, :])
-        up = tl.exp2(G - Gm)
-        down = tl.exp2(Gm - G)
-        kdn = _tf32(kt * down, IEEE)
-        qu = _tf32(qt * up, IEEE)
-        bku = _tf32(bk * up, IEEE)
-        sP = r[:, None] * C + r[None, :]  # dS[i, j]
-        tP = r[None, :] * C + r[:, None]  # dS[j, i]
-        pq = _dot(_cast(tl.where(same, tl.load(dAs + sP), 0.0), False), _cast(kdn, False), IEEE)
-        pk = _dot(_cast(tl.where(same, tl.load(dAs + C * C + sP), 0.0), False), _cast(kdn, False), IEEE)
-        pc = (_dot(_cast(tl.where(same, tl.load(dAs + tP), 0.0), False), _cast(qu, False), IEEE)
-              + _dot(_cast(tl.where(same, tl.load(dAs + C * C + tP), 0.0), False), _cast(bku, False), IEEE))
-        dGa += qu * pq + bku * pk - kdn * pc
-        rk = up * pk
-        dqa += up * pq
-        dka += rk * b[:, None] + down * pc
-        db += tl.sum(rk * kt, axis=1)
-    else:
-        rq = tl.zeros([C, BK], dtype=tl.float32)
-        rk = tl.zeros([C, BK], dtype=tl.float32)
-        cs = tl.zeros([C, BK], dtype=tl.float32)
-        for s in range(BC):
-            j = bi * BC + s  # partner s of each row's sub-tile
-            pj = j[:, None] * SK + cols[None, :]
-            kj = tl.load(k + pj).to(tl.float32)
-            qj = tl.load(q + pj).to(tl.float32)
-            Gj = tl.load(Gbuf + pj)
-            bj = tl.load(beta + j * H).to(tl.float32)
-            e_r = tl.exp2(tl.where((r >= j)[:, None], G - Gj, float("-inf")))  # row side: rows i >= j
-            rq += tl.load(dAs + r * C + j)[:, None] * kj * e_r
-            rk += tl.load(dAs + C * C + r * C + j)[:, None] * kj * e_r
-            e_c = tl.exp2(tl.where((r <= j)[:, None], Gj - G, float("-inf")))  # column side: rows j >= i
-            cs += (tl.load(dAs + j * C + r)[:, None] * qj
-                   + (tl.load(dAs + C * C + j * C + r) * bj)[:, None] * kj) * e_c
-        dGa += qt * rq + bk * rk - kt * cs
-        dqa += rq
-        dka += rk * b[:, None] + cs
-        db += tl.sum(rk * kt, axis=1)
-
-    # row side, J < I: accumulators referenced to E_J after step J, rows of later sub-tiles only
-    aq = tl.zeros([C, BK], dtype=tl.float32)
-    ak = tl.zeros([C, BK], dtype=tl.float32)
-    E = tl.zeros([BK], dtype=tl.float32)
-    for J in tl.static_range(0, NC - 1):
-        E_prev = E
-        E = tl.load(Gbuf + (J * BC + BC - 1) * SK + cols)
-        if J > 0:
-            later = (bi > J)[:, None]
-            f = tl.exp2(E - E_prev)[None, :]
-            aq = tl.where(later, aq * f, aq)
-            ak = tl.where(later, ak * f, ak)
-        pJ = (J * BC + rc)[:, None] * SK + cols[None, :]
-        kf = _tf32(tl.load(k + pJ).to(tl.float32) * tl.exp2(E[None, :] - tl.load(Gbuf + pJ)), IEEE)
-        sJ = r[:, None] * C + (J * BC + rc)[None, :]
-        rows_later = (bi > J)[:, None]
-        aq += _dot(_cast(tl.where(rows_later, tl.load(dAs + sJ), 0.0), False), _cast(kf, False), IEEE)
-        ak += _dot(_cast(tl.where(rows_later, tl.load(dAs + C * C + sJ), 0.0), False), _cast(kf, False), IEEE)
-    # row i of sub-tile I >= 1: referenced to E_{I-1} = G at row I*BC - 1 (sub-tile 0 has none)
-    Eb = tl.load(Gbuf + tl.maximum(bi * BC - 1, 0)[:, None] * SK + cols[None, :])
-    eI = tl.exp2(tl.where((bi > 0)[:, None], G - Eb, 0.0))
-    dGa += _tf32(qt * eI, IEEE) * aq + _tf32(bk * eI, IEEE) * ak
-    rk = eI * ak
-    dqa += eI * aq
-    dka += rk * b[:, None]
-    db += tl.sum(rk * kt, axis=1)
-
-    # column side, I > J: walk I down; rows j of sub-tiles before I referenced to E_{I-1} after step I
-    ac = tl.zeros([C, BK], dtype=tl.float32)
-    E = tl.zeros([BK], dtype=tl.float32)
-    for t in tl.static_range(0, NC - 1):
-        Ib = NC - 1 - t
-        E_next = E
-        E = tl.load(Gbuf + (Ib * BC - 1) * SK + cols)  # E_{Ib-1}
-        earlier = (bi < Ib)[:, None]
-        if t > 0:
-            ac = tl.where(earlier, ac * tl.exp2(E_next - E)[None, :], ac)
-        pI = (Ib * BC + rc)[:, None] * SK + cols[None, :]
-        eq = tl.exp2(tl.load(Gbuf + pI) - E[None, :])
-        bI = tl.load(beta + (Ib * BC + rc) * H).to(tl.float32)
-        qf = _tf32(tl.load(q + pI).to(tl.float32) * eq, IEEE)
-        bkf = _tf32(tl.load(k + pI).to(tl.float32) * bI[:, None] * eq, IEEE)
-        tI = (Ib * BC + rc)[None, :] * C + r[:, None]  # element (j, i) of dS^T: dS[i, j], i in Ib
-        ac += (_dot(_cast(tl.where(earlier, tl.load(dAs + tI), 0.0), False), _cast(qf, False), IEEE)
-               + _dot(_cast(tl.where(earlier, tl.load(dAs + C * C + tI), 0.0), False), _cast(bkf, False), IEEE))
-    Ej = tl.load(Gbuf + (bi * BC + BC - 1)[:, None] * SK + cols[None, :])  # E_J of each row's sub-tile
-    fj = tl.exp2(Ej - G)
-    dGa -= _tf32(kt * fj, IEEE) * ac
-    dka += fj * ac
-
-    tl.store(dq + kp, dqa.to(dq.dtype.element_ty))
-    tl.store(dk + kp, dka.to(dk.dtype.element_ty))
-    tl.store(dbk + r * H, db)
-    # dg: the reverse cumsum of dG within the chunk, plus d(G_last), which every g of the chunk feeds
-    tot = part + tl.exp2(Gl) * dgl
-    out = tl.sum(dGa, axis=0)[None, :] - tl.cumsum(dGa, axis=0) + dGa + tot[None, :]
-    tl.store(dg + kp, out.to(dg.dtype.element_ty))

@@ -17,9 +17,10 @@ the two modes differ only in how the 16x16 diagonal sub-tiles of the gated score
   before ``exp``; correct for any ``g <= 0``.
 
 The forward keeps the raw inputs and its intra-chunk intermediates; the backward reruns the prep
-and the state kernel. Inputs are zero-padded (only when needed) to T a multiple of the chunk and K,
-V powers of two >= 16, so the kernels need no masks. Packed documents (``cu_seqlens``) are laid
-out on whole chunks (``Packing``); only the two state kernels then walk documents (``VARLEN``).
+and the state kernel (on a second CUDA stream, beside the state-gradient chain). Inputs are
+zero-padded (only when needed) to T a multiple of the chunk and K, V powers of two >= 16, so the
+kernels need no masks. Packed documents (``cu_seqlens``) are laid out on whole chunks
+(``Packing``); only the two state kernels then walk documents (``VARLEN``).
 Each kernel runs with one fixed launch config (``LAUNCH``), checked and timed on an H200
 (kernels/README.md, "Launch configs"). fp32 inputs take exact fp32 products everywhere (the
 reference path); bf16 / fp16 inputs take bf16 / TF32 tensor-core products (the fast path).
@@ -40,14 +41,11 @@ from moelab.ops.kda.triton_bwd import (
     _kda_bwd_dg,
     _kda_bwd_dh,
     _kda_bwd_dqkg,
-    _kda_bwd_dvl,
-    _kda_bwd_grad,
     _kda_bwd_sterm,
     _kda_bwd_wy,
 )
 from moelab.ops.kda.triton_common import LOG2E
 from moelab.ops.kda.triton_fwd import (
-    _kda_fwd_intra,
     _kda_fwd_kkt_row,
     _kda_fwd_merge,
     _kda_fwd_out,
@@ -67,7 +65,7 @@ def _interpret() -> bool:
 
 
 # Launch configuration per kernel on the GPU: (block size, num_warps, num_stages); the block is
-# the K-block (BK) of the intra and gradient kernels and the V-block (BV) of the others. Fixed,
+# the K-block (BK) of the intra-chunk and gradient kernels and the V-block (BV) of the others. Fixed,
 # not autotuned: with Triton 3.6 on Hopper, configs whose products have a 16- or 32-wide block at
 # 4 or 8 warps (warpgroup MMA) were miscompiled in an H200 sweep (illegal memory accesses in the
 # dh and gradient kernels; wrong, nondeterministic states in the state kernel; fla excludes the
@@ -87,41 +85,22 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "sterm": (64, 4, 1),
     "dqkg": (32, 1, 1),
     "dg": (64, 4, 1),
-    # grad="fused": sterm + dqkg + dg in one program per K-block and chunk; not yet timed on a GPU
-    "grad": (64, 8, 1),
     # the sequential state kernel when B * H * V / 32 <= SMALL_GRID (B1 H16: 64 programs at 32-wide
     # blocks, under one per SM): 16-wide blocks give 128 programs, and two stages prefetch the next
     # chunk's loads, which do not depend on the carried state
     "state_small": (16, 2, 2),
-    # the state-gradient kernel at the same small grids; the regular launch until a narrower one is timed
-    "dh_small": (64, 8, 1),
-    # dh="hoisted": the chunk-local terms of the state-gradient chain, every chunk in parallel; not yet timed
-    "dvl": (64, 4, 1),
-    # intra="fused": kktr + merge + wu in one program per chunk; 4 warps (one warpgroup: at 8, the
-    # chained [64, 64] products got a different MMA layout each, with conversions between them), BK 32
-    # under MAXNREG (aot_kda.py: no spills, 3 programs per SM); a chunk below 64 runs at 2 warps
-    # (_ChunkLauncher); not yet timed on a GPU
-    "intra": (32, 4, 1),
 }
 SMALL_GRID = 128
-# Kernel variants of the op: {switch: choices}, the first the default (measured on the H200); the others are
-# checked against the fp32 reference in the interpreter and wait to be timed on a GPU (kernels/README.md,
-# "Candidates waiting for a GPU"); ``launch_overrides(**{switch: choice})`` picks them for A/B runs:
-# * grad: the backward's gradient kernels: "split" (sterm, dqkg, dg: three launches) or "fused"
-#   (``_kda_bwd_grad``: one launch per K-block and chunk);
-# * chains: the backward's two sequential chains (state recompute, state gradient): "serial", or
-#   "concurrent" on two CUDA streams (``_chains``);
+# Kernel variants of the op: {switch: choices}, the first the default, measured on the H200 (fwd+bwd, bf16, H16
+# D128); ``launch_overrides(**{switch: choice})`` picks another for A/B runs:
+# * chains: the backward's two sequential chains (state recompute, state gradient): "concurrent" on two CUDA
+#   streams (``_chains``: 1.10x / 1.07x fwd+bwd at B1 T32768 / B2 T65536, on par at B8 T4096) or "serial";
 # * forward: the training forward: "train" (the chunk-64 kernels, which keep their intra-chunk intermediates
 #   for the backward) or "infer" (bounded mode: the inference forward's kernels, ``infer_plan.kda_infer``,
-#   which keep nothing; the backward recomputes the intermediates);
-# * intra: the intra-chunk kernels: "split" (kktr, merge, wu: three launches) or "fused" (``_kda_fwd_intra``:
-#   one launch, the same outputs);
-# * dh: the state-gradient chain forms its chunk-local terms ``A_qk^T do`` and ``qg^T do`` in its loop
-#   ("inline": 4 products per step) or reads them from ``_kda_bwd_dvl``, run for every chunk at once before it
-#   ("hoisted": 2 products per step, fp32 buffers of 1.5 KB per token and head).
-VARIANTS: dict[str, tuple[str, ...]] = {"grad": ("split", "fused"), "chains": ("serial", "concurrent"),
-                                        "forward": ("train", "infer"), "intra": ("split", "fused"),
-                                        "dh": ("inline", "hoisted")}
+#   which keep nothing; the backward recomputes the intermediates): slower fwd+bwd, kept as the memory option.
+# Timed beside them and removed as slower (kernels/results/kda_candidates_h200.json): a fused gradient kernel (which
+# also faulted at its launch entry), a fused intra-chunk kernel and a state-gradient chain with hoisted terms.
+VARIANTS: dict[str, tuple[str, ...]] = {"chains": ("concurrent", "serial"), "forward": ("train", "infer")}
 VARIANT: dict[str, str] = {name: choices[0] for name, choices in VARIANTS.items()}  # what the op runs now
 
 
@@ -137,9 +116,8 @@ def _infer_forward_ok(bounded: bool, prep, g_min: float | None) -> bool:
 # the interpreter: 16-wide blocks so that small test shapes still take the multi-block paths
 _INTERP_LAUNCH = (16, 4, 1)
 # Register cap per kernel (ptxas ``maxnreg``): the 1-warp kktr takes ~216 registers uncapped; the
-# cap trades spills for occupancy. The fused intra kernel takes 186 (bounded mode) uncapped and fits
-# 168 without spills (aot_kda.py): 3 programs of 4 warps per SM instead of 2.
-MAXNREG: dict[str, int] = {"kktr": 168, "intra": 168}
+# cap trades spills for occupancy.
+MAXNREG: dict[str, int] = {"kktr": 168}
 
 
 @contextlib.contextmanager
@@ -151,7 +129,7 @@ def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None, **
         launch: ``{kernel: (block, num_warps, num_stages)}`` for kernels named in ``LAUNCH``.
         maxnreg: ``{kernel: registers}`` (32..255) for kernels named in ``LAUNCH``; ``None`` as a
             value removes that kernel's cap.
-        variant: ``switch=choice`` for switches of ``VARIANTS`` (e.g. ``grad="fused"``); a None value
+        variant: ``switch=choice`` for switches of ``VARIANTS`` (e.g. ``chains="serial"``); a None value
             keeps the switch as it is.
     """
     variant = {name: val for name, val in variant.items() if val is not None}
@@ -216,34 +194,10 @@ _wy = _Launcher("wy", _kda_bwd_wy, "BK")
 _dqkg = _Launcher("dqkg", _kda_bwd_dqkg, "BK")
 _dg = _Launcher("dg", _kda_bwd_dg, "BK")
 _sterm = _Launcher("sterm", _kda_bwd_sterm, "BK")
-_grad = _Launcher("grad", _kda_bwd_grad, "BK")
 _kktr = _Launcher("kktr", _kda_fwd_kkt_row, "BK")
 _merge = _Launcher("merge", _kda_fwd_merge, None)
 _wu = _Launcher("wu", _kda_fwd_wu, "BK")
 _state_small = _Launcher("state_small", _kda_fwd_state, "BV")
-_dh_small = _Launcher("dh_small", _kda_bwd_dh, "BV")
-_dvl = _Launcher("dvl", _kda_bwd_dvl, "BV")
-
-
-class _ChunkLauncher(_Launcher):
-    """A ``_Launcher`` for a kernel whose products are also ``C`` (the chunk) tall: a chunk below 64 runs
-    at 2 warps, as a clamped block does (``LAUNCH``: no warpgroup MMA on a 16- or 32-wide block)."""
-
-    chunk = 64  # the chunk of the launch in progress (read by ``config``)
-
-    def config(self, K: int, V: int) -> tuple[int, int, int]:
-        size, warps, stages = super().config(K, V)
-        return size, (2 if self.chunk < 64 and not _interpret() else warps), stages
-
-    def __call__(self, grid, *args, **kwargs):
-        self.chunk = kwargs["C"]
-        try:
-            return super().__call__(grid, *args, **kwargs)
-        finally:
-            self.chunk = 64
-
-
-_intra = _ChunkLauncher("intra", _kda_fwd_intra, "BK")
 
 
 def _small_grid(B: int, H: int, V: int) -> bool:
@@ -276,12 +230,11 @@ def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, g_min,
 
 
 def _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min):
-    """The intra-chunk kernels (kktr, merge, wu; or ``_kda_fwd_intra`` with ``VARIANT["intra"] == "fused"``): A_qk,
-    Tm, w, u, qg, kd, e^{G_last}.
+    """The intra-chunk kernels (kktr, merge, wu): A_qk, Tm, w, u, qg, kd, e^{G_last}.
 
     Bounded mode: ``g`` already holds G (``prep_fwd_chunked``) and ``g_min`` places the diagonal
-    sub-tiles' reference. General mode: ``g`` is the log decay; kktr (or the fused kernel) forms G and
-    writes it for wu and for the backward's element-wise diagonal pairs (returned as ``Gbuf``)."""
+    sub-tiles' reference. General mode: ``g`` is the log decay; kktr forms G and writes it for wu
+    and for the backward's element-wise diagonal pairs (returned as ``Gbuf``)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = T // C
@@ -294,22 +247,16 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min):
     u = torch.empty(B, T, H, V, device=dev, dtype=wd)
     gl = torch.empty(B, NT, H, K, device=dev, dtype=torch.float32)
     mid = (SUBTILE / 2) * (g_min if bounded else 0.0) * LOG2E
-    if VARIANT["intra"] == "fused":
-        _intra(
-            (NT, B * H), q, k, v, g, beta, Gbuf, Abuf, Aqk, w, u, qg, kd, gl, scale, mid, T,
-            H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64), BOUNDED=bounded, IEEE=_ieee(q.dtype), G_IN=bounded,
-        )
-    else:
-        _kktr(
-            (NT * (C // SUBTILE), B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
-            H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, IEEE=_ieee(q.dtype), G_IN=bounded,
-        )
-        if C > SUBTILE:
-            _merge((NT, B * H), Abuf, T, H=H, K=K, V=V, C=C, BC=SUBTILE)
-        _wu(
-            (NT, B * H), q, k, v, Gbuf, beta, Abuf, w, u, qg, kd, gl, scale, T,
-            H=H, K=K, V=V, C=C, BV=min(V, 64), IEEE=_ieee(q.dtype),
-        )
+    _kktr(
+        (NT * (C // SUBTILE), B * H), q, k, g, beta, Gbuf, Abuf, Aqk, scale, mid, T,
+        H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, IEEE=_ieee(q.dtype), G_IN=bounded,
+    )
+    if C > SUBTILE:
+        _merge((NT, B * H), Abuf, T, H=H, K=K, V=V, C=C, BC=SUBTILE)
+    _wu(
+        (NT, B * H), q, k, v, Gbuf, beta, Abuf, w, u, qg, kd, gl, scale, T,
+        H=H, K=K, V=V, C=C, BV=min(V, 64), IEEE=_ieee(q.dtype),
+    )
     if bounded:  # bounded mode's backward reruns the chunked prep for G: keep only a placeholder
         Gbuf = q.new_empty(1, dtype=torch.float32)
     return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, qg=qg, kd=kd, gl=gl)
@@ -456,7 +403,7 @@ def _inputs(q, k, v, g, beta, A_log, dt_bias, h0, prep, C, pack, bounded):
 def _dh_pass(inter, do, dht, has_h0, dtype, C, pack):
     """The state-gradient kernel (``_kda_bwd_dh``, sequential over chunks in reverse): ``dhbuf``
     ``[B, NT, H, K, V]`` (the gradient of each chunk's entering state), ``dU`` (fp32, for ``_kda_bwd_wy``)
-    and d(initial state) ``[N, H, K, V]`` (or None). Its small-grid launch is ``dh_small``."""
+    and d(initial state) ``[N, H, K, V]`` (or None)."""
     kd, u = inter["kd"], inter["u"]
     B, T, H, K = kd.shape
     V = u.shape[-1]
@@ -467,19 +414,12 @@ def _dh_pass(inter, do, dht, has_h0, dtype, C, pack):
     dhbuf = (torch.empty if pack is None else torch.zeros)(B, NT, H, K, V, device=dev, dtype=_work_dtype(dtype))
     dU = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if has_h0 else None
-    hoisted = VARIANT["dh"] == "hoisted"
-    dvl = Pc = dU  # placeholders, not read
-    if hoisted:  # every chunk's A_qk^T do and qg^T do first, in parallel (fp32: +1.5 KB per token and head)
-        dvl = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
-        Pc = torch.empty(B, NT, H, K, V, device=dev, dtype=torch.float32)
-        _dvl(lambda bv: (V // bv, NT, B * H), inter["qg"], inter["Aqk"], do, dvl, Pc, T, H=H, K=K, V=V, C=C,
-             DOT_BF16=_dot_bf16(dtype), IEEE=_ieee(dtype))
-    (_dh_small if _small_grid(N, H, V) else _dh)(
+    _dh(
         lambda bv: (V // bv, N * H),
         inter["qg"], kd, inter["gl"], inter["w"], inter["Aqk"], do, dht if dht is not None else dU,
-        dhbuf, dU, dh0 if dh0 is not None else dU, pack.coff if pack is not None else dU, dvl, Pc, T, N * H,
+        dhbuf, dU, dh0 if dh0 is not None else dU, pack.coff if pack is not None else dU, T, N * H,
         H=H, K=K, V=V, C=C, HAS_DHT=dht is not None, STORE_DH0=has_h0, DOT_BF16=_dot_bf16(dtype),
-        IEEE=_ieee(dtype), VARLEN=pack is not None, HOISTED=hoisted,
+        IEEE=_ieee(dtype), VARLEN=pack is not None,
     )
     return dhbuf, dU, dh0
 
@@ -508,8 +448,8 @@ def _chains(inter, h0, do, dht, dtype, C, pack):
     return out
 
 
-def _grad_split(q, k, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dbv, scale, bounded, C):
-    """The gradient kernels of ``VARIANT["grad"] == "split"``: ``_kda_bwd_sterm`` (state terms per chunk), then
+def _grad_pass(q, k, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dbv, scale, bounded, C):
+    """The gradient kernels: ``_kda_bwd_sterm`` (state terms per chunk), then
     ``_kda_bwd_dqkg`` (gated-score terms per 16-row sub-tile), then ``_kda_bwd_dg`` (reverse cumsum);
     fills dq, dk, dg and returns dbeta (``dbv`` plus the K-block partial sums)."""
     B, T, H, K = q.shape
@@ -611,17 +551,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             H=H, K=K, V=V, C=C, BV=min(V, 64), DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
         )
         del dU  # only dh (writes) and wy (reads) use it: freed before the largest allocations below
-        if VARIANT["grad"] == "fused":
-            nk = K // _grad.config(K, V)[0]
-            dbk = torch.empty(nk, B, T, H, device=q.device, dtype=torch.float32)  # per-K-block dbeta terms
-            _grad(
-                lambda bk: (K // bk, NT, B * H), q, k, G, beta, inter["hbuf"], dhbuf, inter["U"], do, dAs, dkb,
-                dq, dk, dg, dbk, scale, T, B * H, H=H, K=K, V=V, C=C, BC=SUBTILE, BV=min(V, 64), BOUNDED=bounded,
-                DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
-            )
-            dbeta = dbv + dbk.sum(0)
-        else:
-            dbeta = _grad_split(q, k, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dbv, scale, bounded, C)
+        dbeta = _grad_pass(q, k, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dbv, scale, bounded, C)
         del inter, G, dAs, dkb, dhbuf
         if pack is not None:
             dq, dk, dv, dg, dbeta = (pack.gather(x) for x in (dq, dk, dv, dg, dbeta))
@@ -638,8 +568,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 def launch_configs(K: int = 128, V: int = 128) -> dict:
     """The launch config of every kernel at head dims K, V: {name: {block: size, num_warps, num_stages}}."""
     out = {}
-    for lau in (_kktr, _merge, _wu, _intra, _state, _state_small, _out, _dh, _dh_small, _dvl, _wy, _sterm, _dqkg, _dg,
-                _grad):
+    for lau in (_kktr, _merge, _wu, _state, _state_small, _out, _dh, _wy, _sterm, _dqkg, _dg):
         size, warps, stages = lau.config(K, V)
         out[lau.name] = {**({lau.block: size} if lau.block else {}), "num_warps": warps, "num_stages": stages}
     return out

@@ -13,8 +13,6 @@ Per head and chunk of ``C`` tokens, with ``G`` the chunk-local cumsum of g (see 
 * ``_kda_fwd_wu`` (grid ``[NT, B*H]``): ``w = Tm (beta k e^G)``, ``u = Tm (beta v)`` and the
   decayed ``qg = scale q e^G``, ``kd = k e^{G_last - G}``, ``gl = e^{G_last}``, so the chunk loops
   below carry no cumsum or exp;
-* ``_kda_fwd_intra`` (grid ``[NT, B*H]``, ``intra="fused"`` of ``triton_chunk.VARIANTS``): the three kernels above
-  in one program per chunk, the same outputs;
 * ``_kda_fwd_state`` (grid ``[cdiv(V, BV), B*H]``, or ``[cdiv(V, BV), N*H]`` over packed documents
   with ``VARLEN``, sequential over chunks): stores the state
   ``h_c`` entering each chunk, ``U = u - w h_c`` (the delta-rule corrected values), then
@@ -292,11 +290,21 @@ def _kda_fwd_kkt_row(
 
 
 @triton.jit
-def _merge_rows(Abuf, SA: tl.constexpr, NC: tl.constexpr, BC: tl.constexpr):
-    """Block-row merge of one chunk's ``[NC BC, NC BC]`` tile at ``Abuf`` (row stride ``SA``), in
-    place, from ``Tm_II`` on the diagonal blocks and ``A_kk`` below them:
+def _kda_fwd_merge(
+    Abuf, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+):
+    """Block-row merge of one chunk (grid ``[NT, B*H]``), in place in ``Abuf``:
     ``Tm_IJ = -Tm_II sum_{J <= M < I} A_IM Tm_MJ`` over J ascending (so the ``A_IM`` still to be
     read, M >= J, are not yet overwritten), rows after one another (rows M < I final)."""
+    NC: tl.constexpr = C // BC
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
+    Abuf += row0 * C
+    SA: tl.constexpr = H * C
     rc = tl.arange(0, BC)
     for si in tl.static_range(1, NC):
         rI = si * BC + rc
@@ -322,21 +330,6 @@ def _merge_rows(Abuf, SA: tl.constexpr, NC: tl.constexpr, BC: tl.constexpr):
                     acc += _mm(A2, TMJ)
             _st(Abuf, rI, rJ, -_mm(TII, acc), SA)
         tl.debug_barrier()  # row si of Tm is final
-
-
-@triton.jit
-def _kda_fwd_merge(
-    Abuf, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-):
-    """Block-row merge of one chunk (grid ``[NT, B*H]``), in place in ``Abuf``: completes
-    ``Tm = (I + A_kk)^-1`` from the diagonal blocks ``_kda_fwd_kkt_row`` left (``_merge_rows``)."""
-    i_c = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
-    _merge_rows(Abuf + row0 * C, H * C, C // BC, BC)
 
 
 @triton.jit
@@ -370,21 +363,11 @@ def _kda_fwd_wu(
     gl += ((i_b * (T // C) + i_c).to(tl.int64) * H + i_h) * K
     b = tl.load(beta + r * H).to(tl.float32)
     Tm = _cast(tl.load(Abuf + r[:, None] * (H * C) + cidx[None, :]), False)
-    _wu_rows(q, k, v, Gbuf, Tm, b, w, u, qg, kd, gl, scale, r, H, K, V, C, BK, BV, IEEE)
-
-
-@triton.jit
-def _wu_rows(q, k, v, G_ptr, Tm, b, w, u, qg, kd, gl, scale, r, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-             C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr):
-    """Given the chunk's ``Tm`` (``[C, C]`` fp32 operand) and beta ``b`` (``[C]``), with every pointer at the
-    chunk's first row (G read from ``G_ptr``): store ``w = Tm (beta k e^G)``, ``kd = k e^{G_last - G}``,
-    ``qg = scale q e^G``, ``gl = e^{G_last}`` per K-block of ``BK`` and ``u = Tm (beta v)`` per V-block of ``BV``
-    (``_kda_fwd_wu`` and ``_kda_fwd_intra``)."""
     for kb in range(K // BK):
         cols = kb * BK + tl.arange(0, BK)
         p = r[:, None] * (H * K) + cols[None, :]
-        G = tl.load(G_ptr + p)
-        Gl = tl.load(G_ptr + (C - 1) * (H * K) + cols)
+        G = tl.load(Gbuf + p)
+        Gl = tl.load(Gbuf + (C - 1) * (H * K) + cols)
         kt = tl.load(k + p).to(tl.float32)
         eG = tl.exp2(G)
         wt = _dot(Tm, _cast(kt * b[:, None] * eG, False), IEEE)
@@ -397,170 +380,3 @@ def _wu_rows(q, k, v, G_ptr, Tm, b, w, u, qg, kd, gl, scale, r, H: tl.constexpr,
         p = r[:, None] * (H * V) + cols[None, :]
         ut = _dot(Tm, _cast(tl.load(v + p).to(tl.float32) * b[:, None], False), IEEE)
         tl.store(u + p, ut.to(u.dtype.element_ty))
-
-
-@triton.jit
-def _tri_inv_blocks(Ad, SA: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr):
-    """``(I + A_II)^-1`` of the ``NB`` diagonal ``[BC, BC]`` blocks of the strictly lower fp32 tile
-    at ``Ad`` (row stride ``SA``), all at once as ``[NB, BC, BC]``: ``_tri_inv_mem``'s forward
-    substitution with a block axis (each step reads row s of every block from memory, in the layout
-    the update broadcasts it in). The caller stores the tile there and syncs first; the trailing
-    barrier lets it overwrite the blocks with the result."""
-    bI = tl.arange(0, NB)[:, None, None]
-    m = tl.arange(0, BC)[None, :, None]
-    n = tl.arange(0, BC)[None, None, :]
-    Ti = tl.where(m == n, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
-    for s in range(1, BC):
-        a = tl.load(Ad + (bI * BC + s) * SA + bI * BC + m)  # [NB, BC, 1]: A[I BC + s, I BC + m]
-        new = tl.where(n == s, 1.0, 0.0) - tl.sum(tl.where(m < s, a, 0.0) * Ti, axis=1, keep_dims=True)
-        Ti = tl.where(m == s, new, Ti)
-    tl.debug_barrier()
-    return Ti
-
-
-@triton.jit
-def _spread_diag(t, NC: tl.constexpr, BC: tl.constexpr):
-    """The ``[NC BC, NC BC]`` block-diagonal tile whose diagonal block I holds rows ``[I BC, (I + 1) BC)``
-    of the ``[NC BC, BC]`` tile ``t`` (zeros elsewhere): a broadcast and a select, no arithmetic."""
-    t4 = tl.broadcast_to(tl.reshape(t, [NC, BC, 1, BC]), [NC, BC, NC, BC])
-    bI = tl.arange(0, NC)[:, None, None, None]
-    bJ = tl.arange(0, NC)[None, None, :, None]
-    return tl.reshape(tl.where(bI == bJ, t4, 0.0), [NC * BC, NC * BC])
-
-
-@triton.jit
-def _kda_fwd_intra(
-    q, k, v, g, beta, Gbuf, Abuf, Aqk, w, u, qg, kd, gl,
-    scale, mid, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, BOUNDED: tl.constexpr, IEEE: tl.constexpr, G_IN: tl.constexpr,
-):
-    """The whole intra-chunk pass of one chunk (grid ``[NT, B*H]``, all K channels in blocks of ``BK``):
-    what ``_kda_fwd_kkt_row``, ``_kda_fwd_merge`` and ``_kda_fwd_wu`` compute, the same outputs (``Aqk``;
-    ``Tm = (I + A_kk)^-1`` fp32 in ``Abuf``; w, u, qg, kd, gl; general mode also G in ``Gbuf``), in one
-    launch: no ``Abuf`` round trip between kernels, no 1-warp, 16-row programs.
-
-    The scores are products of the whole chunk, ``[C, BK] x [BK, C]`` (M = N = C: one warpgroup MMA at
-    C = 64, where products 16 or 32 wide were miscompiled at 4 or 8 warps), summed over K-blocks in two
-    passes, with the split kernels' references (``off_I``: G at the row before sub-tile I, 0 for the
-    first):
-
-    * pass 1, the diagonal sub-tiles. Bounded: one product of ``x e^{G - off - mid}`` and
-      ``k e^{off + mid - G}``, each row and column at its own sub-tile's reference (``_diag``'s rule),
-      of which only the diagonal blocks are kept (the others may overflow: a select drops them).
-      General: ``_diag``'s element-wise loop over the BC columns of every sub-tile at once
-      (``e^{G_i - G_j}`` masked to ``i >= j`` before ``exp2``) into ``[C, BC]``, spread onto the
-      diagonal blocks after the loop (``_spread_diag``).
-    * pass 2, the pairs (I, J < I): one product per later sub-tile I on one ``exp2`` tile,
-      ``e^{G - off_I}`` on the rows of sub-tile I (the row side), ``e^{off_I - G}`` on the rows before
-      it (the column side), -inf elsewhere, so every factor is <= 1 (``_pair``'s rule). Three quarters
-      of each product's rows are zeros, and a quarter to three quarters of its columns: the price of
-      M = N = C.
-
-    Then ``Tm`` in exact fp32, in ``Abuf``, which is also the solve's scratch (a block of a register
-    tile cannot be cut out cheaply; read back through pointers it comes in the layout its use wants):
-    the diagonal blocks by forward substitution, all at once (``_tri_inv_blocks``), then
-    ``_kda_fwd_merge``'s block-row merge (``_merge_rows``: 16 x 16 products; an exact 32 x 32 product
-    took ~180 registers). Last ``w = Tm (beta k e^G)``, ``u = Tm (beta v)`` (``[C, C] x [C, BK]`` and
-    ``[C, BV]``), qg, kd, gl as in ``_kda_fwd_wu``.
-
-    General mode forms G by a cumsum over the chunk and writes it to ``Gbuf``, where the rows of other
-    sub-tiles are read back; ``G_IN`` (bounded mode): ``g`` holds G, read in place. A sync
-    (``tl.debug_barrier``) orders each write to ``Gbuf`` / ``Abuf`` before other threads read it, and
-    each read before the overwrite."""
-    NC: tl.constexpr = C // BC
-    i_c = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    row0 = ((i_bh // H) * T + i_c * C).to(tl.int64) * H + i_bh % H
-    q += row0 * K
-    k += row0 * K
-    g += row0 * K
-    Gbuf += row0 * K
-    w += row0 * K
-    qg += row0 * K
-    kd += row0 * K
-    v += row0 * V
-    u += row0 * V
-    beta += row0
-    Abuf += row0 * C
-    Aqk += row0 * C
-    gl += (((i_bh // H) * (T // C) + i_c).to(tl.int64) * H + i_bh % H) * K
-    if G_IN:
-        Gs = g
-    else:
-        Gs = Gbuf
-    SK: tl.constexpr = H * K
-    SA: tl.constexpr = H * C
-    r = tl.arange(0, C)
-    rb = r // BC  # sub-tile of each row
-    rs = r % BC
-    jc = tl.arange(0, BC)
-    # int32 offset tiles; a K-block enters as a scalar added to the base pointers
-    pk = r[:, None] * SK + tl.arange(0, BK)[None, :]
-    po = tl.maximum(rb * BC - 1, 0)[:, None] * SK + tl.arange(0, BK)[None, :]  # row before the sub-tile
-    pd = (rb * BC)[:, None] * SK + tl.arange(0, BK)[None, :]  # first row of the sub-tile
-    aq = tl.zeros([C, C], dtype=tl.float32)
-    ak = tl.zeros([C, C], dtype=tl.float32)
-    dq = tl.zeros([C, BC], dtype=tl.float32)  # general mode: A[i, rb_i BC + j] at [i, j]
-    dk = tl.zeros([C, BC], dtype=tl.float32)
-    # pass 1, the diagonal sub-tiles (general mode: G first)
-    for kb in range(K // BK):
-        c0 = kb * BK
-        if G_IN:
-            G = tl.load(g + c0 + pk)
-        else:
-            G = tl.cumsum(tl.load(g + c0 + pk).to(tl.float32) * 1.4426950408889634, axis=0)
-            tl.store(Gbuf + c0 + pk, G)
-            tl.debug_barrier()
-        x = tl.load(q + c0 + pk).to(tl.float32)
-        y = tl.load(k + c0 + pk).to(tl.float32)
-        if BOUNDED:
-            e = G - (tl.where(rb[:, None] > 0, tl.load(Gs + c0 + po), 0.0) + mid)
-            kT = tl.trans(_cast(y * tl.exp2(-e), False))
-            up = tl.exp2(e)
-            aq += _dot(_cast(x * up, False), kT, IEEE)  # off the diagonal blocks: dropped below
-            ak += _dot(_cast(y * up, False), kT, IEEE)
-        else:
-            for j in range(BC):
-                pj = c0 + j * SK + pd  # row j of each row's sub-tile
-                kj = tl.load(k + pj).to(tl.float32)
-                Gj = tl.load(Gs + pj)
-                kje = kj * tl.exp2(tl.where((rs >= j)[:, None], G - Gj, float("-inf")))
-                hit = jc[None, :] == j
-                dq += tl.where(hit, tl.sum(x * kje, axis=1)[:, None], 0.0)
-                dk += tl.where(hit, tl.sum(y * kje, axis=1)[:, None], 0.0)
-    if BOUNDED:
-        same = rb[:, None] == rb[None, :]
-        aq = tl.where(same, aq, 0.0)
-        ak = tl.where(same, ak, 0.0)
-    else:
-        aq = _spread_diag(dq, NC, BC)
-        ak = _spread_diag(dk, NC, BC)
-    # pass 2, the pairs (si, J < si): one product per later sub-tile si, on one exp2 tile: rows of
-    # sub-tile si take e^{G - off_si}, the rows before it e^{off_si - G}, the others -inf (0)
-    for kb in range(K // BK if NC > 1 else 0):
-        c0 = kb * BK
-        G = tl.load(Gs + c0 + pk)
-        x = tl.load(q + c0 + pk).to(tl.float32)
-        y = tl.load(k + c0 + pk).to(tl.float32)
-        for si in tl.static_range(1, NC):
-            oI = tl.load(Gs + c0 + (si * BC - 1) * SK + tl.arange(0, BK))[None, :]  # off of sub-tile si
-            sel = (rb == si)[:, None]
-            before = r[:, None] < si * BC
-            e = tl.exp2(tl.where(before, oI - G, tl.where(sel, G - oI, float("-inf"))))
-            kT = tl.trans(_cast(tl.where(before, y * e, 0.0), False))
-            aq += _dot(_cast(tl.where(sel, x * e, 0.0), False), kT, IEEE)
-            ak += _dot(_cast(tl.where(sel, y * e, 0.0), False), kT, IEEE)
-    b = tl.load(beta + r * H).to(tl.float32)
-    pa = r[:, None] * SA + r[None, :]
-    tl.store(Aqk + pa, tl.where(r[:, None] >= r[None, :], aq * scale, 0.0).to(Aqk.dtype.element_ty))
-    tl.store(Abuf + pa, tl.where(r[:, None] > r[None, :], ak * b[:, None], 0.0))
-    tl.debug_barrier()
-    Ti = _tri_inv_blocks(Abuf, SA, NC, BC)
-    bI = tl.arange(0, NC)[:, None, None]
-    m = tl.arange(0, BC)[None, :, None]
-    n = tl.arange(0, BC)[None, None, :]
-    tl.store(Abuf + (bI * BC + m) * SA + bI * BC + n, Ti)
-    tl.debug_barrier()
-    _merge_rows(Abuf, SA, NC, BC)
-    _wu_rows(q, k, v, Gs, _cast(tl.load(Abuf + pa), False), b, w, u, qg, kd, gl, scale, r, H, K, V, C, BK, BV, IEEE)
