@@ -22,7 +22,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,12 +58,14 @@ def _needle(value: float) -> str:
 class Row:
     """One measured row: what was measured, the result, the repository-relative files both come from, and
     ``(file, needle)`` for :func:`measured_commit` (``needle``: one value's text, for files whose rows were
-    measured at different times)."""
+    measured at different times); ``commit``: the code's commit where the rows the result reads carry their own
+    (``kernels/bench.py`` merge entries), which then wins over ``source``."""
 
     what: str
     result: str
     files: list[str]
     source: tuple[str, str | None]
+    commit: str | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,7 +280,26 @@ def _attnres_op() -> Row:
                f"fused {col(fused, 'fwdbwd_ms', '.2f')} vs plain PyTorch {col(plain, 'fwdbwd_ms', '.2f')} ms "
                f"(**{speedups}**); fla `fused_attnres` takes **{vs_fla}** fused's time; peak "
                f"{col(fused, 'peak_mem_gb', '.1f')} vs {col(plain, 'peak_mem_gb', '.1f')} GB; errors within "
-               f"5e-3 / 1e-2: {'yes' if ok else 'NO'}", [f], (f, None))
+               f"5e-3 / 1e-2: {'yes' if ok else 'NO'}", [f], (f, None), _rows_commit(fused + plain + fla))
+
+
+def _attnres_grid() -> Row | None:
+    """Issue 37's grid (D x L x N, 40 points): the fused op against fla's best, as far as it is measured."""
+    f = "kernels/results/attnres_h200.json"
+    g = _load(f).get("grid")
+    if not g or not g.get("points"):
+        return None
+    pts = g["points"]
+    worst = min(pts, key=lambda p: min(p["fwd_speedup_vs_fla_best"], p["fwdbwd_speedup_vs_fla_best"]))
+    below = [p["shape"] for p in pts if min(p["fwd_speedup_vs_fla_best"], p["fwdbwd_speedup_vs_fla_best"]) < 1.0]
+    used = {p["shape"] for p in pts}
+    rows = [r for r in _load(f)["rows"] if r.get("shape") in used]
+    return Row("Fused AttnRes vs fla `fused_attnres` (its faster layout) on the issue-37 grid, D in 512-7168, L in "
+               "3-33, N in 8192 / 32768, bf16 (target >= 1.0x fwd and fwd+bwd at every point)",
+               f"{g['measured']} of {g['of']} points measured; fla's time over ours at least "
+               f"{g['min_fwd_speedup_vs_fla_best']:.2f}x fwd, {g['min_fwdbwd_speedup_vs_fla_best']:.2f}x fwd+bwd "
+               f"(worst: {worst['shape']}); below 1.0x at {', '.join(below) if below else 'none'}: "
+               f"{'met so far' if not below else 'not met'}", [f], (f, None), _rows_commit(rows))
 
 
 def _same_shape(a: dict, b: dict) -> bool:
@@ -313,8 +334,8 @@ def _kda_infer() -> Row:
                + (f"; no fla row for {', '.join(missing)}" if missing else ""), [f], (f, None))
 
 
-KERNEL_ROWS: list[Callable[[], Row]] = [_kda_check, _kda_packed_check, _kda_gate_check, _kda_speed, _kda_infer,
-                                        _attnres_op, _moe, _fla_shape, _residual_modes, _k3_mini,
+KERNEL_ROWS: list[Callable[[], Row | None]] = [_kda_check, _kda_packed_check, _kda_gate_check, _kda_speed, _kda_infer,
+                                        _attnres_op, _attnres_grid, _moe, _fla_shape, _residual_modes, _k3_mini,
                                         _throughput_gpu_small]
 
 
@@ -441,16 +462,27 @@ def _links(files: list[str], doc: str) -> str:
     return ", ".join(f"[`{os.path.relpath(f, here)}`]({os.path.relpath(f, here)})" for f in files)
 
 
-def _commit(source: tuple[str, str | None]) -> str:
+def _commit(source: tuple[str, str | None], commit: str | None = None) -> str:
+    if commit:
+        return f"`{commit}`"
     path, needle = source
     return f"`{(measured_commit(repo_root() / path, needle)['commit'] or 'unknown')[:7]}`"
+
+
+def _rows_commit(rows: Sequence[Mapping[str, Any] | None]) -> str | None:
+    """The commits (7 characters, first-seen order, joined by ", ") that the benchmark rows used carry; None
+    when none carries one."""
+    seen = dict.fromkeys(str(r["commit"])[:7] for r in rows if r and r.get("commit"))
+    return ", ".join(seen) or None
 
 
 def _kernel_table(doc: str) -> list[str]:
     lines = ["| what | result | raw output | code |", "|---|---|---|---|"]
     for build in KERNEL_ROWS:
         r = build()
-        lines.append(f"| {r.what} | {r.result} | {_links(r.files, doc)} | {_commit(r.source)} |")
+        if r is None:  # a row whose measurement has not been made yet
+            continue
+        lines.append(f"| {r.what} | {r.result} | {_links(r.files, doc)} | {_commit(r.source, r.commit)} |")
     return lines
 
 

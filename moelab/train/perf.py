@@ -447,8 +447,60 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
     return result
 
 
+# Kernel families of a step profile, by kernel name (first match wins; "other" for the rest).
+KERNEL_FAMILIES: tuple[tuple[str, str], ...] = (
+    ("kda", r"_kda_|kda"), ("attnres", r"attnres"), ("attention", r"flash|fmha|sdpa|attention"),
+    ("fp32 gemm", r"f32f32|sgemm|simt"), ("gemm", r"gemm|xmma|cutlass|cublas|nvjet|matmul|_mm_"),
+    ("moe routing", r"moe|topk|sort|scatter|gather|index|histc|bincount"), ("norm", r"norm"),
+    ("optimizer", r"adam|foreach|multi_tensor"), ("conv", r"conv"), ("glu", r"glu|silu"),
+    ("copy / cast", r"copy"), ("elementwise", r"elementwise|reduce|fill|cat_|triton_"))
+
+
+def step_profile(preset: str, steps: int = 3, overrides: dict[str, Any] | None = None, device: str = "cuda",
+                 top: int = 40) -> dict[str, Any]:
+    """Where one eager training step of ``preset`` spends its device time (``torch.profiler``): per step, the kernel
+    time by family (:data:`KERNEL_FAMILIES`) with launch counts, the ``top`` kernels, their sum beside the step's
+    wall time and host time (``TimedStep.window``). Eager: a captured step runs the same kernels from one graph
+    launch, so its step time is at least this kernel time. On the CPU (tests, toy ``overrides``) the "kernels" are
+    the aten ops' self CPU time."""
+    import collections
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from moelab.config import load_config
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    cfg = load_config(preset, dict(overrides or {}))
+    B, T = cfg.train.batch_size, cfg.data.seq_len
+    arm = TimedStep(preset, dict(overrides or {}), "eager", random_batches(cfg.model.vocab_size, B, T, 4, device=dev),
+                    2, 3e-4)
+    _sync(dev)
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            arm.run()
+        _sync(dev)
+    kernels = []
+    for e in prof.key_averages():
+        us = e.device_time_total if cuda else e.self_cpu_time_total
+        if us > 0 and (not cuda or e.device_type.name == "CUDA"):
+            kernels.append({"kernel": e.key[:200], "ms": us / steps / 1e3, "calls": e.count / steps})
+    kernels.sort(key=lambda k: -k["ms"])
+    fam: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"ms": 0.0, "calls": 0.0})
+    for k in kernels:
+        name = next((f for f, pat in KERNEL_FAMILIES if re.search(pat, k["kernel"], re.I)), "other")
+        fam[name]["ms"] += k["ms"]
+        fam[name]["calls"] += k["calls"]
+    w = arm.window(3)
+    return {"preset": preset, "B": B, "T": T, "steps_profiled": steps, "kernel_ms": sum(k["ms"] for k in kernels),
+            "launches": sum(k["calls"] for k in kernels), "step_ms": w["step_ms"], "host_ms": w["host_ms"],
+            "families": dict(sorted(fam.items(), key=lambda kv: -kv[1]["ms"])), "top": kernels[:top]}
+
+
 def main(argv: list[str] | None = None) -> None:
-    """``python -m moelab.train.perf --out FILE [--only k3-mini] [--modes eager,graphs] [--no-docs]``"""
+    """``python -m moelab.train.perf --out FILE [--only k3-mini] [--modes eager,graphs] [--no-docs]``;
+    ``--profile PRESET`` (repeatable): :func:`step_profile` of each instead."""
     import argparse
 
     ap = argparse.ArgumentParser(description=capture_bench.__doc__.split("\n")[0])
@@ -460,7 +512,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--window", type=int, default=10)
     ap.add_argument("--no-docs", action="store_true")
     ap.add_argument("--budget-s", type=float, default=450.0)
+    ap.add_argument("--profile", action="append", metavar="PRESET", help="profile one eager step of PRESET instead")
     a = ap.parse_args(argv)
+    if a.profile:
+        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
+                "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
+        rows = [step_profile(p) for p in a.profile]
+        write_json(Path(a.out), {"meta": meta, "rows": rows})
+        for r in rows:
+            print(r["preset"], f"kernels {r['kernel_ms']:.1f} ms / step {r['step_ms']:.1f} ms,",
+                  ", ".join(f"{f} {v['ms']:.1f}" for f, v in r["families"].items()))
+        return
     presets = tuple(p for p in a.only if p != "none") if a.only else ("k3-mini", "gpu-small")
     res = capture_bench(presets, tuple(a.modes.split(",")), a.steps, a.window,
                         docs=not a.no_docs, budget_s=a.budget_s, out=a.out,

@@ -217,6 +217,20 @@ def test_capture_bench_runs_on_cpu(tmp_path) -> None:
     assert json.loads(out.read_text())["rows"][0]["mode"] == "eager"
 
 
+def test_step_profile_on_cpu() -> None:
+    """moelab.train.perf.step_profile at toy sizes on the CPU: the families partition the profiled time (their sum
+    is the total, every kernel in exactly one), the top list is sorted, the step's wall and host times are there."""
+    from moelab.train.perf import step_profile
+
+    r = step_profile("gpu-small", steps=1, overrides=TOY, device="cpu", top=10)
+    fam = r["families"]
+    assert abs(sum(v["ms"] for v in fam.values()) - r["kernel_ms"]) < 1e-6 * max(1.0, r["kernel_ms"])
+    assert abs(sum(v["calls"] for v in fam.values()) - r["launches"]) < 1e-6 * r["launches"]
+    assert r["kernel_ms"] > 0 and r["step_ms"] > 0 and r["host_ms"] > 0 and len(r["top"]) == 10
+    assert [k["ms"] for k in r["top"]] == sorted((k["ms"] for k in r["top"]), reverse=True)
+    assert {"gemm", "optimizer"} <= set(fam)  # aten::mm / addmm and the AdamW step on the CPU
+
+
 class _EagerStep:
     """CapturedStep's interface with the capture left out (the CPU has no CUDA graphs): the same step and copies."""
 
