@@ -151,6 +151,30 @@ def _k3_mini() -> Row:
                [f], (f, _needle(qb["tok_per_s"])))
 
 
+def _step_profile() -> Row | None:
+    """Where an eager training step's device time goes (``python -m moelab.train.perf --profile``), beside the same
+    model's captured step (``model_capture_h200.json``: the whole step as one CUDA graph, no host time left)."""
+    f, fc = "kernels/results/model_profile_h200.json", "kernels/results/model_capture_h200.json"
+    if not (repo_root() / f).exists():
+        return None
+    d = _load(f)
+    r = d["rows"][0]
+    fams = sorted(r["families"].items(), key=lambda kv: -kv[1]["ms"])
+    top = ", ".join(f"{name} {v['ms']:.1f}" for name, v in fams[:6])
+    cap = [c for c in _load(fc)["rows"] if c.get("preset") == r["preset"] and c.get("mode") == "step_graph"
+           and c.get("step_ms")]
+    captured = ""
+    if cap:
+        c = cap[-1]
+        bound = ("the kernels, not the host, bound it" if c["step_ms"] <= 1.05 * r["kernel_ms"] else
+                 f"{c['step_ms'] - r['kernel_ms']:.1f} ms more than its kernels")
+        captured = f"; its captured step takes {c['step_ms']:.1f} ms (host {c['host_ms']:.1f} ms): {bound}"
+    return Row(f"Where a {r['preset']} training step's GPU time goes (eager, B={r['B']}, T={r['T']}, torch.profiler, "
+               f"{r['steps_profiled']} steps)",
+               f"{r['kernel_ms']:.1f} ms of kernels per step ({r['launches']:.0f} launches): {top} ms; the rest "
+               f"{sum(v['ms'] for _, v in fams[6:]):.1f} ms{captured}", [f, fc], (f, None), d["meta"].get("commit"))
+
+
 def _moe() -> Row:
     f = "kernels/results/moe_h200.json"
     d = _load(f)
@@ -334,9 +358,9 @@ def _kda_infer() -> Row:
                + (f"; no fla row for {', '.join(missing)}" if missing else ""), [f], (f, None))
 
 
-KERNEL_ROWS: list[Callable[[], Row | None]] = [_kda_check, _kda_packed_check, _kda_gate_check, _kda_speed, _kda_infer,
-                                        _attnres_op, _attnres_grid, _moe, _fla_shape, _residual_modes, _k3_mini,
-                                        _throughput_gpu_small]
+KERNEL_ROWS: list[Callable[[], Row | None]] = [
+    _kda_check, _kda_packed_check, _kda_gate_check, _kda_speed, _kda_infer, _attnres_op, _attnres_grid, _moe,
+    _step_profile, _fla_shape, _residual_modes, _k3_mini, _throughput_gpu_small]
 
 
 # ----------------------------------------------------------------------------------------------
