@@ -9,6 +9,7 @@ treat it as directional and time on the GPU).
     python kernels/aot_kda.py --only dqkg wy --cfg dqkg=64,4,1
     python kernels/aot_kda.py --infer --maxnreg 128  # the inference forward's kernels (triton_infer) at their
                                                      # launches, then at a register cap
+    python kernels/aot_kda.py --conv --cfg bwd=64,128,4  # the ShortConv kernels (rows, channels, warps)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from moelab.ops import short_conv as SC  # noqa: E402
 from moelab.ops.kda import infer_plan as P  # noqa: E402
 from moelab.ops.kda import triton_bwd as B  # noqa: E402
 from moelab.ops.kda import triton_chunk as tc  # noqa: E402
@@ -38,7 +40,12 @@ INPUT = ["q", "k", "v", "g", "beta", "dq", "dk", "dv", "dg", "dbeta"]
 
 
 def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf16",
-                maxnreg: int | None = None) -> str:
+                maxnreg: int | None = None, sig: dict[str, str] | None = None) -> str:
+    """ptxas -v of ``kernel`` for sm_90a: registers, spills, shared memory; ``sig`` (argument -> Triton type,
+    constexprs left out) replaces the KDA kernels' naming rules below."""
+    if sig is not None:
+        sig = {n: "constexpr" if n in consts else sig[n] for n in kernel.arg_names}
+        return _ptxas(kernel, sig, consts, warps, stages, maxnreg)
     ptrs = {n: "*" + dtype for n in WORK + INPUT}
     ptrs.update({n: "*fp32" for n in FP32})
     ptrs["coff"] = "*i32"  # the packed documents' chunk offsets (state kernels)
@@ -60,6 +67,10 @@ def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf1
             sig[n] = "fp32"
         else:
             raise KeyError(f"no signature type for argument {n!r} of {kernel.__name__}")
+    return _ptxas(kernel, sig, consts, warps, stages, maxnreg)
+
+
+def _ptxas(kernel, sig: dict[str, str], consts: dict, warps: int, stages: int, maxnreg: int | None) -> str:
     # 16-byte aligned pointers, as the JIT specializes them at run time (without the hint loads are
     # not vectorized and the register counts come out too high)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
@@ -85,15 +96,18 @@ def main() -> int:
     ap.add_argument("--cfg", nargs="*", default=[], help="NAME=block,warps,stages overrides")
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--infer", action="store_true", help="the inference forward's kernels (triton_infer) instead")
+    ap.add_argument("--conv", action="store_true", help="the ShortConv kernels (short_conv.LAUNCH; --cfg fwd=/bwd=)")
     ap.add_argument("--maxnreg", type=int, nargs="*", default=[],
                     help="--infer: also compile every kernel at these register caps (0: uncapped)")
     args = ap.parse_args()
-    if args.infer:
-        return infer_main(args.K, args.maxnreg)
     cfgs = {}
     for item in args.cfg:
         name, val = item.split("=")
         cfgs[name] = tuple(int(x) for x in val.split(","))
+    if args.infer:
+        return infer_main(args.K, args.maxnreg)
+    if args.conv:
+        return conv_main(cfgs)
     base = dict(H=16, K=args.K, V=args.K, C=64)
     bf = dict(DOT_BF16=True, IEEE=False)
     # (kernel, constexprs as the op launches them for bf16 inputs, block parameter, mode); kktr reads
@@ -126,6 +140,21 @@ def main() -> int:
                 capped = f" maxnreg={cap}" if cap else ""
                 print(f"{name:11s}{tag:9s} {blk} warps={warps} stages={stages}{capped}: "
                       f"{compile_one(kernel, consts, warps, stages, maxnreg=cap)}", flush=True)
+    return 0
+
+
+def conv_main(cfgs: dict[str, tuple[int, ...]]) -> int:
+    """The ShortConv kernels (W 4, bf16 x, fp32 weight) with and without SiLU and document positions, at
+    ``short_conv.LAUNCH`` or the ``--cfg fwd=rows,channels,warps`` / ``bwd=...`` given."""
+    for which, kernel in (("fwd", SC._conv_fwd_kernel), ("bwd", SC._conv_bwd_kernel)):
+        bt, bc, warps = cfgs.get(which, SC.LAUNCH[which])
+        for silu in (True, False):
+            for pos in (False, True):
+                sig = {n: {"x": "*bf16", "y": "*bf16", "dy": "*bf16", "dx": "*bf16", "w": "*fp32", "dw": "*fp32",
+                           "pos": "*i32"}.get(n, "i32") for n in kernel.arg_names}
+                consts = dict(W=4, BT=bt, BC=bc, SILU=silu, HAS_POS=pos)
+                print(f"conv {which} {bt}x{bc} warps={warps} silu={int(silu)} pos={int(pos)}: "
+                      f"{compile_one(kernel, consts, warps, 1, sig=sig)}", flush=True)
     return 0
 
 

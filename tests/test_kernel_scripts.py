@@ -52,6 +52,19 @@ def test_aot_report_infer(tmp_path):
     assert all(any(f"infer recur {use}" in line for line in lines) for use in ("fixed", "packed", "phase 1", "phase 3"))
 
 
+def test_aot_report_conv_launches_do_not_spill(tmp_path):
+    """``--conv``: the ShortConv kernels at ``short_conv.LAUNCH``, forward and backward, with and without SiLU and
+    document positions, compile for sm_90a without spilling (the backward at its old 64 x 128 / 4-warp tile spilled
+    up to 17.6 KB a thread)."""
+    import re
+
+    res = _run(["kernels/aot_kda.py", "--conv"], tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [line for line in res.stdout.splitlines() if line.startswith("conv ")]
+    assert len(lines) == 8 and all("registers" in line for line in lines), res.stdout
+    assert all(re.search(r"\b0 bytes spill stores", line) for line in lines), res.stdout
+
+
 def _kernel_script(name: str):
     """Import ``kernels/<name>.py`` (the folder is not a package) as a module."""
     sys.path.insert(0, os.path.join(ROOT, "kernels"))

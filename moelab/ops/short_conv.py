@@ -28,8 +28,15 @@ import triton
 import triton.language as tl
 
 ACTIVATIONS = (None, "silu")
-# rows x channels per program; the interpreter takes small blocks so tests span several programs
-_BT, _BC, _WARPS = 64, 128, 4
+# (rows, channels, warps) per program, forward and backward; the interpreter takes small blocks so tests span
+# several programs. At 64 x 128 on 4 warps (64 elements of a tile per thread) the backward, which recomputes the
+# pre-activation of W rows from W shifted x tiles each, compiled for sm_90a (`kernels/aot_kda.py --conv`) to 255
+# registers and 0.9-17.6 KB of spill loads per thread: 5.7 ms of a 120 ms k3-mini step
+# (kernels/results/model_profile_h200.json, 27 calls). At 16 x 128 on 8 warps it takes 140-158 registers and
+# spills nothing; the forward at 16 x 128 on 4 warps 71-118, nothing (at 64 x 128: up to 320 B of spills). Each
+# output element sums the same terms in the same order at any tile; only dw's per-tile partial sums group the rows
+# differently. Not yet timed on a GPU.
+LAUNCH = {"fwd": (16, 128, 4), "bwd": (16, 128, 8)}
 _INTERP_BT, _INTERP_BC = 16, 16
 
 
@@ -114,8 +121,9 @@ def _conv_bwd_kernel(x, w, dy, dx, dw, pos, T, C, NTB, W: tl.constexpr, BT: tl.c
     tl.store(dx + t[:, None] * C + c[None, :], dxa.to(dx.dtype.element_ty), mask=(t < T)[:, None] & cm[None, :])
 
 
-def _blocks() -> tuple[int, int]:
-    return (_INTERP_BT, _INTERP_BC) if _interpret() else (_BT, _BC)
+def _blocks(which: str) -> tuple[int, int, int]:
+    """(rows, channels, warps) of the ``which`` ("fwd" / "bwd") launch."""
+    return (_INTERP_BT, _INTERP_BC, 4) if _interpret() else LAUNCH[which]
 
 
 class CausalConv1dFunction(torch.autograd.Function):
@@ -127,10 +135,10 @@ class CausalConv1dFunction(torch.autograd.Function):
         x = x.contiguous()
         w = weight.contiguous()
         y = torch.empty_like(x)
-        BT, BC = _blocks()
+        BT, BC, warps = _blocks("fwd")
         grid = (triton.cdiv(T, BT), triton.cdiv(C, BC), B)
         _conv_fwd_kernel[grid](x, w, y, x if pos is None else pos, T, C, W=W, BT=BT, BC=BC,
-                               SILU=activation == "silu", HAS_POS=pos is not None, num_warps=_WARPS)
+                               SILU=activation == "silu", HAS_POS=pos is not None, num_warps=warps)
         ctx.save_for_backward(x, w, pos)
         ctx.activation = activation
         return y
@@ -141,13 +149,13 @@ class CausalConv1dFunction(torch.autograd.Function):
         x, w, pos = ctx.saved_tensors
         B, T, C = x.shape
         W = w.shape[1]
-        BT, BC = _blocks()
+        BT, BC, warps = _blocks("bwd")
         ntb = triton.cdiv(T, BT)
         dx = torch.empty_like(x)
         dw = torch.empty(B * ntb, C, W, device=x.device, dtype=torch.float32)
         _conv_bwd_kernel[(ntb, triton.cdiv(C, BC), B)](x, w, dy.contiguous(), dx, dw, x if pos is None else pos, T,
                                                       C, ntb, W=W, BT=BT, BC=BC, SILU=ctx.activation == "silu",
-                                                      HAS_POS=pos is not None, num_warps=_WARPS)
+                                                      HAS_POS=pos is not None, num_warps=warps)
         return dx, dw.sum(0).to(w.dtype), None, None
 
 
