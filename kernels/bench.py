@@ -815,7 +815,9 @@ MODEL_GROUPS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
         ("moelab_gpu_small_block_attnres_8", {"model.residual.mode": "block_attnres",
                                               "model.residual.num_blocks": 8})]),
     "k3-mini": ("k3-mini", [("moelab_k3_mini_balancer_none", {"model.moe.balancer": "none"}),
-                            ("moelab_k3_mini", {})]),
+                            ("moelab_k3_mini", {}),
+                            # every RMSNorm through moelab.ops.rms_norm (model.norm_backend, "torch" by default)
+                            ("moelab_k3_mini_norm_triton", {"model.norm_backend": "triton"})]),
 }
 # row -> (the row it is compared with, the field holding the paired tokens/s ratios, the least ratio allowed)
 MODEL_TARGETS = {
@@ -825,6 +827,7 @@ MODEL_TARGETS = {
     "moelab_gpu_small_block_attnres": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.9),
     "moelab_gpu_small_block_attnres_8": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.9),
     "moelab_k3_mini": ("moelab_k3_mini_balancer_none", "ratio_vs_balancer_none", 0.98),  # issue 15: cost <= 2%
+    "moelab_k3_mini_norm_triton": ("moelab_k3_mini", "ratio_vs_torch_norm", None),
 }
 MEM_TARGETS = {"moelab_gpu_small_block_attnres": 1.2, "moelab_gpu_small_block_attnres_8": 1.2}  # of prenorm's
 # --smoke: each group's structure at toy sizes (gpu-small's 12 layers kept: every residual mode reads as on the GPU)

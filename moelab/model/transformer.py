@@ -143,6 +143,9 @@ class MoELab(nn.Module):
         self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.n_layers))
         self.residual = AttnResidual(cfg.d_model, 2 * cfg.n_layers, cfg.residual, cfg.norm_eps)
         self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        for m in self.modules():  # every norm of the stack runs the configured backend
+            if isinstance(m, RMSNorm):
+                m.backend = cfg.norm_backend
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters()
         if cfg.tie_embeddings:

@@ -508,10 +508,17 @@ class Grid:
 _PLACE_KEYS = ("tracking.", "train.ckpt_dir")
 
 
+# Config keys added after records were made, each with the value that computes what the code did before the key
+# existed: at that value a key is left out of the fingerprint, so adding a field does not retrain every record; at
+# any other value it counts (a run that sets it computes something else).
+ADDED_KEYS: dict[str, Any] = {"model.norm_backend": "torch"}
+
+
 def _run_config(cfg: Any) -> dict[str, Any]:
     from moelab.config import flatten
 
-    return {k: v for k, v in flatten(cfg).items() if not k.startswith(_PLACE_KEYS)}
+    return {k: v for k, v in flatten(cfg).items()
+            if not k.startswith(_PLACE_KEYS) and not (k in ADDED_KEYS and v == ADDED_KEYS[k])}
 
 
 def _fingerprint(cfg: Any, code: Mapping[str, Any]) -> str:

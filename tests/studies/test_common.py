@@ -516,3 +516,20 @@ def test_records_code_reads_a_pin_an_older_harness_kept_in_place_of_the_hash() -
                                rec({"commit": "def", "dirty": True, "source_sha256": "0123abcd",
                                     "source_pin": "s1research-1"})])
     assert got == {"commits": ["abc", "def-dirty"], "source_sha256": ["0123abcd"], "source_pins": ["s1research-1"]}
+
+
+def test_a_field_added_at_its_old_behaviour_keeps_fingerprints():
+    """``common.ADDED_KEYS``: a config key added after records were made is left out of a run's fingerprint (and
+    record config) at the value that computes what the code did before it, so committed records still count; any
+    other value of it is part of the fingerprint."""
+    from moelab.config import flatten, load_config
+    from moelab.studies import common
+
+    code = {"source_pin": "test-1"}
+    for key, old in common.ADDED_KEYS.items():
+        cfg = load_config("tiny", {key: old})
+        assert key in flatten(cfg) and key not in common._run_config(cfg)
+        other = next(v for v in ("triton", "auto", "torch") if v != old)
+        changed = load_config("tiny", {key: other})
+        assert common._run_config(changed)[key] == other
+        assert common._fingerprint(changed, code) != common._fingerprint(cfg, code)
