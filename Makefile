@@ -101,7 +101,7 @@ kda-bench: $(SETUP) ## GPU: make bench ENTRY=kda, then ENTRY=kda_long (KDA op sp
 	$(PYTHON) kernels/bench.py --entry kda $(ARGS)
 	$(PYTHON) kernels/bench.py --entry kda_long $(ARGS)
 
-kda-aot: $(SETUP) ## any machine: compile the KDA kernels for sm_90 and print registers / spills (ARGS='--infer --maxnreg 168': the inference forward's kernels, uncapped and capped)
+kda-aot: $(SETUP) ## any machine: compile the KDA kernels for sm_90 and print registers / spills (ARGS='--infer --maxnreg 168': the inference forward's kernels, uncapped and capped; '--conv': the ShortConv kernels)
 	$(PYTHON) kernels/aot_kda.py $(ARGS)
 
 model-bench: $(SETUP) ## GPU: make bench ENTRY=model (ARGS='--shapes k3-mini --rounds 8 --budget-s 280'; TRITON_CACHE_DIR=$PWD/.tcache keeps compiled kernels)
