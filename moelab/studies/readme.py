@@ -151,12 +151,10 @@ def _k3_mini() -> Row:
                [f], (f, _needle(qb["tok_per_s"])))
 
 
-def _step_profile() -> Row | None:
+def _step_profile() -> Row:
     """Where an eager training step's device time goes (``python -m moelab.train.perf --profile``), beside the same
     model's captured step (``model_capture_h200.json``: the whole step as one CUDA graph, no host time left)."""
     f, fc = "kernels/results/model_profile_h200.json", "kernels/results/model_capture_h200.json"
-    if not (repo_root() / f).exists():
-        return None
     d = _load(f)
     r = d["rows"][0]
     fams = sorted(r["families"].items(), key=lambda kv: -kv[1]["ms"])
@@ -310,14 +308,15 @@ def _attnres_op() -> Row:
 def _attnres_grid() -> Row | None:
     """Issue 37's grid (D x L x N, 40 points): the fused op against fla's best, as far as it is measured."""
     f = "kernels/results/attnres_h200.json"
-    g = _load(f).get("grid")
+    d = _load(f)
+    g = d.get("grid")
     if not g or not g.get("points"):
         return None
     pts = g["points"]
     worst = min(pts, key=lambda p: min(p["fwd_speedup_vs_fla_best"], p["fwdbwd_speedup_vs_fla_best"]))
     below = [p["shape"] for p in pts if min(p["fwd_speedup_vs_fla_best"], p["fwdbwd_speedup_vs_fla_best"]) < 1.0]
     used = {p["shape"] for p in pts}
-    rows = [r for r in _load(f)["rows"] if r.get("shape") in used]
+    rows = [r for r in d["rows"] if r.get("shape") in used]
     return Row("Fused AttnRes vs fla `fused_attnres` (its faster layout) on the issue-37 grid, D in 512-7168, L in "
                "3-33, N in 8192 / 32768, bf16 (target >= 1.0x fwd and fwd+bwd at every point)",
                f"{g['measured']} of {g['of']} points measured; fla's time over ours at least "

@@ -515,10 +515,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", action="append", metavar="PRESET", help="profile one eager step of PRESET instead")
     a = ap.parse_args(argv)
     if a.profile:
-        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
-                "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
+        from moelab.provenance import provenance
+
         rows = [step_profile(p) for p in a.profile]
-        write_json(Path(a.out), {"meta": meta, "rows": rows})
+        write_json(Path(a.out), {"meta": provenance(), "rows": rows})  # machine, versions, commit, date, command
         for r in rows:
             print(r["preset"], f"kernels {r['kernel_ms']:.1f} ms / step {r['step_ms']:.1f} ms,",
                   ", ".join(f"{f} {v['ms']:.1f}" for f, v in r["families"].items()))
