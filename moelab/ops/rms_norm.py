@@ -27,8 +27,8 @@ TILE = 2048
 PROGRAMS = 1056  # 8 per SM of an H100 / H200
 
 
-def _layout(n_rows: int, d: int) -> tuple[int, int, int]:
-    """(BD, ROWS, warps): the padded width, rows per tile and warps of a launch over ``[n_rows, d]``."""
+def _layout(d: int) -> tuple[int, int, int]:
+    """(BD, ROWS, warps): the padded width, rows per tile and warps of a launch over rows of width ``d``."""
     bd = triton.next_power_of_2(d)
     rows = max(1, TILE // bd)
     return bd, rows, max(1, min(16, rows * bd // (32 * 16)))
@@ -84,7 +84,7 @@ class _RMSNorm(torch.autograd.Function):
         n = x2.shape[0]
         y = torch.empty_like(x2)
         rstd = torch.empty(n, device=x.device, dtype=torch.float32)
-        bd, rows, warps = _layout(n, d)
+        bd, rows, warps = _layout(d)
         w = weight.contiguous() if weight is not None else x2
         if n:
             _rms_fwd_kernel[(triton.cdiv(n, rows),)](x2, w, y, rstd, n, d, eps, HAS_W=weight is not None, BD=bd,
@@ -98,7 +98,7 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x2, weight, rstd = ctx.saved_tensors
         n, d = x2.shape
-        bd, rows, warps = _layout(n, d)
+        bd, rows, warps = _layout(d)
         programs = max(1, min(PROGRAMS, triton.cdiv(n, rows)))
         dx = torch.empty_like(x2)
         dw = torch.empty(programs, d, device=x2.device, dtype=torch.float32) if weight is not None else None
