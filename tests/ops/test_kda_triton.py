@@ -215,8 +215,8 @@ def test_captured_in_a_cuda_graph_equals_eager_gpu(chains, packed):
         (o.float() * do).sum().backward()
         return o.detach().clone(), [x.grad.clone() for x in leaves]
 
-    first, do0, _, _ = _inputs(B, T, H, D, D, torch.bfloat16, seed=3, h0=False)
-    second, do1, _, _ = _inputs(B, T, H, D, D, torch.bfloat16, seed=4, h0=False)
+    first, _, do0, _ = _inputs(B, T, H, D, D, torch.bfloat16, seed=3, h0=False)
+    second, _, do1, _ = _inputs(B, T, H, D, D, torch.bfloat16, seed=4, h0=False)
     with tc.launch_overrides(chains=chains):
         leaves = [x.clone().requires_grad_() for x in first]
         do = do0.clone()
