@@ -870,12 +870,20 @@ def split_from_env() -> Split | None:
 CURVE_POINTS = 25  # MLflow points per run and metric that run_grid asks for at least (train.log_every)
 _SPLIT_SEEN: dict[Split, set[tuple[str, int]]] = {}  # named runs met in this process's grids, per split
 _SPLIT_DONE: dict[Split, dict[str, list]] = {}  # per split: "trained" and "missing" runs over the grids met
+_SPLIT_PROBED: dict[Split, list[dict[str, Any]]] = {}  # per split: the probe rows over the grids met
 
 
 def forget_split_runs() -> None:
     """Forget the named runs this process's grids met (a new split call in the same process starts over)."""
     _SPLIT_SEEN.clear()
     _SPLIT_DONE.clear()
+    _SPLIT_PROBED.clear()
+
+
+def probed_runs() -> list[str]:
+    """``arm:seed`` of every run this process's split calls probed so far (a probe stopped by an incomplete grid
+    before its other named runs says these)."""
+    return [f"{r['arm']}:{r['seed']}" for rows in _SPLIT_PROBED.values() for r in rows]
 
 
 _PROGRESS_SINKS: list[Callable[[str], None]] = []  # progress_to's targets, innermost last
@@ -989,11 +997,17 @@ def run_grid(
         cfg.train.log_every = min(cfg.train.log_every, max(1, cfg.train.max_steps // CURVE_POINTS))
         fp = _fingerprint(cfg, code)
         path = record_path(records_dir, arm, seed)
-        if probe is not None:  # a probe times the named runs; it never reads or writes a record
-            if split is not None and split.runs is not None:
+        if probe is not None and split.wants(i, arm, seed):  # a probe times its runs, never reads or writes a record
+            if split.runs is not None:
                 _SPLIT_SEEN.setdefault(split, set()).add((arm, seed))
-            if split is None or split.wants(i, arm, seed):
-                probed.append(_probe(arm, seed, cfg, Path(out_dir).resolve() / "probe", probe, echo))
+            row = _probe(arm, seed, cfg, Path(out_dir).resolve() / "probe", probe, echo)
+            probed.append(row)
+            _SPLIT_PROBED.setdefault(split, []).append(row)
+            rec = _load_record(path, fp, evals=evaluate is not None, trajectory=monitor is not None)
+            if rec is None:
+                missing.append(f"{arm}:{seed}")  # a grid that needs this run's record stays incomplete
+            else:
+                records.append(rec)  # probed again, its record still counts for the grids after this one
             continue
         rec = _load_record(path, fp, evals=evaluate is not None, trajectory=monitor is not None)
         if rec is not None:
@@ -1028,8 +1042,10 @@ def run_grid(
     if read:
         progress(f"{len(read)} of the grid's {len(grid)} runs read from their records, not retrained "
                  f"({', '.join(dict.fromkeys(r.arm for r in read))})", echo)
-    if probe is not None:
-        raise ProbeDone(probed, Path(out_dir).resolve() / "probe" / "probe.json")
+    if probe is not None and (split.runs is None or not (split.runs - _SPLIT_SEEN.get(split, set()))):
+        # every named run met (a shard: its runs of this grid); runs of a later grid (study 3's deep arms after its
+        # lr sweep) are reached because this process read the earlier grids' records as a training call would
+        raise ProbeDone(_SPLIT_PROBED.pop(split, probed), Path(out_dir).resolve() / "probe" / "probe.json")
     out = Grid(study=study, base=base, records=records, factor=factor, corpus_tokens=corpus_tokens,
                complete=not missing)
     if split is not None:
@@ -1380,6 +1396,6 @@ def study_meta(study: str, preset: str, grid: Grid | None = None, **extra: Any) 
 __all__ = ["Grid", "GridIncomplete", "KNOWN_NOISE", "MACHINE_PATH", "Monitor", "ProbeDone", "RunRecord", "Split",
            "aggregate", "check_arms_differ_only", "current_pin", "device_name", "forget_split_runs", "git_state",
            "gpu_share", "loss_curves", "measured_commit", "output_to", "parse_runs", "parse_shard", "pinned",
-           "probe_steps", "progress", "progress_to", "quiet_known_noise", "record_path", "records_code",
+           "probe_steps", "probed_runs", "progress", "progress_to", "quiet_known_noise", "record_path", "records_code",
            "resolve_arms", "run_grid", "seed_note", "show", "source_sha256", "split_from_env", "study_context",
            "study_meta", "wants_trainer"]

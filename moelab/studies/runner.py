@@ -82,6 +82,8 @@ from moelab.studies.common import (
     git_state,
     parse_runs,
     parse_shard,
+    probe_steps,
+    probed_runs,
     progress_to,
     quiet_known_noise,
     source_sha256,
@@ -439,8 +441,12 @@ def _split_train(number: int, preset: str, train: Any, work: Path, out_dir: Path
     except ProbeDone as e:
         say(f"study {number}, split call: {e}")
     except GridIncomplete as e:
-        say(f"study {number}, split call: {e}; when every run is recorded, `make study-{number} "
-            f"PRESET={preset}` trains what is missing and writes the report")
+        if probe_steps() is not None:  # a grid the named runs need is incomplete: they cannot be configured yet
+            say(f"study {number}, split call: probed {', '.join(probed_runs()) or 'nothing'} (nothing recorded); "
+                f"the other named runs not reached: {e}")
+        else:
+            say(f"study {number}, split call: {e}; when every run is recorded, `make study-{number} "
+                f"PRESET={preset}` trains what is missing and writes the report")
     except (Interrupted, KeyboardInterrupt) as e:
         signum = getattr(e, "signum", None) or signal.SIGINT
         raise StudyStopped(f"study {number} stopped by {signal.Signals(signum).name}: finished runs are recorded in "

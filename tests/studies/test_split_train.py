@@ -244,6 +244,53 @@ def test_a_probe_times_the_named_runs_and_records_nothing(tmp_path, monkeypatch)
         common.probe_steps()
 
 
+CHAIN = '''
+from moelab.studies import common
+
+ARMS = {"bounded": {"model.kda.gate": "bounded"}, "softplus": {"model.kda.gate": "softplus"}}
+COMMON = {"train.max_steps": 12, "train.warmup_steps": 1, "train.val_every": 6, "train.val_batches": 1,
+          "tracking.log_system_metrics": False}
+
+
+def train(preset, out_dir):  # the second grid needs the first one's records (study 3's deep arms its lr sweep)
+    kw = dict(common=COMMON, checkpoints="final", source_pin="s7test-1")
+    first = common.run_grid("07_chain", "tiny", {"bounded": ARMS["bounded"]}, [0], out_dir, **kw)
+    if not first.complete:
+        raise common.GridIncomplete("the first grid is incomplete", missing=["bounded:0"])
+    return common.run_grid("07_chain", "tiny", {"softplus": ARMS["softplus"]}, [0], out_dir, **kw)
+'''
+
+
+@pytest.mark.slow
+def test_a_probe_reaches_runs_of_a_grid_that_needs_an_earlier_one(tmp_path, monkeypatch) -> None:
+    """A probe of a later grid's run reads the earlier grids' records as a training call would: before they exist it
+    says which runs it could not reach and why; afterwards it times the run. A probed run's record still counts."""
+    pkg, nbs = tmp_path / "pkg", tmp_path / "nbs"
+    for d in (pkg, nbs):
+        d.mkdir()
+    (pkg / "split_chain.py").write_text(CHAIN)
+    (nbs / "07_chain.ipynb").write_text("{}")
+    monkeypatch.syspath_prepend(str(pkg))
+    monkeypatch.setenv(common.GIT_ENV, json.dumps({"commit": "abc", "dirty": False, "diff_sha256": None}))
+
+    def call(runs: str, probe: int | None) -> list[str]:
+        lines: list[str] = []
+        run_study(7, "cpu", runs=runs, probe=probe, nbs_dir=nbs, out_root=tmp_path / "p", module="split_chain",
+                  echo=lines.append)
+        return lines
+
+    assert call("softplus:0", 10)[-1] == ("study 7, split call: probed nothing (nothing recorded); the other named "
+                                          "runs not reached: the first grid is incomplete")
+    call("bounded:0", None)  # trains and records the first grid
+    lines = call("softplus:0", 10)
+    assert [ln for ln in lines if ln.startswith("[probe] arm=")] == [ln for ln in lines
+                                                                     if ln.startswith("[probe] arm=softplus seed=0")]
+    assert lines[-1].startswith("study 7, split call: probed softplus:0 (nothing recorded)")
+    assert call("bounded:0,softplus:0", 10)[-1].startswith("study 7, split call: probed bounded:0, softplus:0 ")
+    records = sorted(p.name for p in (tmp_path / "p" / "07_chain" / "records").rglob("*.json"))
+    assert records == ["bounded_s0.json"]  # the probes recorded nothing
+
+
 JOBS_DRIVER = '''
 import sys
 from pathlib import Path
