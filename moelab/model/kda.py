@@ -26,6 +26,7 @@ from moelab.model.config import KDAConfig
 from moelab.model.documents import Documents, causal_conv_fix
 from moelab.model.norm import RMSNorm
 from moelab.ops.backend import use_triton
+from moelab.ops.fanout import fan_out
 from moelab.ops.kda import kda, naive_kda_gate
 
 
@@ -179,11 +180,12 @@ class KDALayer(nn.Module):
             raise ValueError("KDALayer: packed documents (docs) run without a decoding state: "
                              "state must be None and use_cache False")
         tails = state.conv if state is not None else (None, None, None)
-        q, tq = self.q_conv(self.q_proj(x), tails[0], docs=docs)
-        k, tk = self.k_conv(self.k_proj(x), tails[1], docs=docs)
-        v, tv = self.v_conv(self.v_proj(x), tails[2], "silu", docs=docs)  # v = Swish(ShortConv(W_v x))
-        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
-        z = self.f_up(self.f_down(x)).view(B, T, H, K)  # gate input
+        xq, xk, xv, xb, xf, xg = fan_out(x, 6)  # under autocast: x cast once for the six projections
+        q, tq = self.q_conv(self.q_proj(xq), tails[0], docs=docs)
+        k, tk = self.k_conv(self.k_proj(xk), tails[1], docs=docs)
+        v, tv = self.v_conv(self.v_proj(xv), tails[2], "silu", docs=docs)  # v = Swish(ShortConv(W_v x))
+        beta = torch.sigmoid(self.b_proj(xb).float())  # [B, T, H]
+        z = self.f_up(self.f_down(xf)).view(B, T, H, K)  # gate input
         # One decoding step is exactly one step of the recurrence: no chunk padding needed.
         backend = "recurrent" if T == 1 else self.cfg.backend
         # SiLU, L2 norm and the gate run inside the op (fused into the Triton kernels); the gate
@@ -198,6 +200,6 @@ class KDALayer(nn.Module):
                    cu_seqlens=None if docs is None else docs.cu_seqlens)
         o = o.view(B, T, H, V)
         o = self.o_norm(o)  # [B, T, H, V], normalized per head
-        y = torch.sigmoid(self.g_proj(x)) * o.reshape(B, T, H * V)
+        y = torch.sigmoid(self.g_proj(xg)) * o.reshape(B, T, H * V)
         y = self.o_proj(y)
         return y, (KDAState(S=S, conv=(tq, tk, tv)) if use_cache else None)

@@ -23,6 +23,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from moelab.model.attnres import RMSNorm
 from moelab.model.config import MLAConfig
 from moelab.model.documents import Documents
+from moelab.ops.fanout import fan_out
 
 _COMPILED_FLEX: list = []
 
@@ -111,11 +112,13 @@ class MLA(nn.Module):
         if docs is not None and (cache is not None or use_cache):
             raise ValueError("MLA: packed documents (docs) run without a cache: cache must be None and "
                              "use_cache False")
-        c_kv = self.kv_norm(self.kv_down(x))
+        gated16 = self.g_proj is not None and not self.cfg.fp32_output  # the gate reads x in 16 bits too
+        xk, xq, *xg = fan_out(x, 3 if gated16 else 2)  # under autocast: x cast once for its projections
+        c_kv = self.kv_norm(self.kv_down(xk))
         if cache is not None:
             c_kv = torch.cat([cache.to(c_kv.dtype), c_kv], dim=1)
         S = c_kv.shape[1]
-        q = self._query(x).view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
+        q = self._query(xq).view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
         k = self.k_up(c_kv).view(B, S, H, Dh).transpose(1, 2)  # [B, H, S, Dh]
         v = self.v_up(c_kv).view(B, S, H, Dh).transpose(1, 2)
         past = S - T
@@ -142,6 +145,6 @@ class MLA(nn.Module):
                 y = F.linear(o, self.o_proj.weight.float()).to(x.dtype)
         else:
             if self.g_proj is not None:
-                o = torch.sigmoid(self.g_proj(x)) * o
+                o = torch.sigmoid(self.g_proj(xg[0])) * o
             y = self.o_proj(o)
         return y, (c_kv if use_cache else None)
