@@ -262,7 +262,8 @@ def train(preset, out_dir):  # the second grid needs the first one's records (st
 
 
 @pytest.mark.slow
-def test_a_probe_reaches_runs_of_a_grid_that_needs_an_earlier_one(tmp_path, monkeypatch) -> None:
+def test_a_probe_reaches_runs_of_a_grid_that_needs_an_earlier_one(tmp_path, monkeypatch,
+                                                                   tracking_uri) -> None:  # noqa: F811
     """A probe of a later grid's run reads the earlier grids' records as a training call would: before they exist it
     says which runs it could not reach and why; afterwards it times the run. A probed run's record still counts."""
     pkg, nbs = tmp_path / "pkg", tmp_path / "nbs"
@@ -276,7 +277,7 @@ def test_a_probe_reaches_runs_of_a_grid_that_needs_an_earlier_one(tmp_path, monk
     def call(runs: str, probe: int | None) -> list[str]:
         lines: list[str] = []
         run_study(7, "cpu", runs=runs, probe=probe, nbs_dir=nbs, out_root=tmp_path / "p", module="split_chain",
-                  echo=lines.append)
+                  tracking_uri=tracking_uri, echo=lines.append)  # never the repository's mlflow.db
         return lines
 
     assert call("softplus:0", 10)[-1] == ("study 7, split call: probed nothing (nothing recorded); the other named "
