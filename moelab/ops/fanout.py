@@ -7,45 +7,107 @@ the six: 12 extra passes over ``[B, T, D]`` and 10 more kernel launches per laye
 casts once and hands ``n`` aliases of the cast to the ``n`` readers; its backward widens each reader's
 gradient into one fp32 sum. The forward computes what autocast computes, bit for bit; the gradient is the
 same fp32 sum of the same exactly-widened terms, possibly added in another order.
+
+The sum: with the Triton backend one kernel reads the n 16-bit gradients once and writes the fp32 sum
+(``2n + 4`` bytes per element, one launch); in PyTorch a widening copy and n - 1 in-place adds
+(``10n - 4`` bytes, n launches). Both add the terms in reader order, so they agree bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 
+from moelab.ops.backend import HAS_TRITON, use_triton
+
+if HAS_TRITON:  # Triton is optional on CPU-only installs; the fused sum is then unavailable.
+    import triton
+    import triton.language as tl
+
 # What autocast casts (``cached_cast``): floating tensors other than fp64.
 _CAST = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_TERMS = 6  # gradients one launch of the sum kernel reads (a KDA layer's six); more: further launches
+_BLOCK = 2048
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _add_term(acc, g, offs, m, ON: tl.constexpr):
+        if ON:
+            acc += tl.load(g + offs, mask=m, other=0.0).to(tl.float32)
+        return acc
+
+    @triton.jit
+    def _widen_sum_kernel(out, g0, g1, g2, g3, g4, g5, n, K: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
+        """``out[:n] = (out if ACC else 0) + g0 + ... + g{K-1}``, each term widened to fp32 and added in that order."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        acc = tl.load(g0 + offs, mask=m, other=0.0).to(tl.float32)
+        if ACC:
+            acc = tl.load(out + offs, mask=m, other=0.0) + acc
+        acc = _add_term(acc, g1, offs, m, K > 1)
+        acc = _add_term(acc, g2, offs, m, K > 2)
+        acc = _add_term(acc, g3, offs, m, K > 3)
+        acc = _add_term(acc, g4, offs, m, K > 4)
+        acc = _add_term(acc, g5, offs, m, K > 5)
+        tl.store(out + offs, acc, mask=m)
+
+
+def widen_sum(grads: list[torch.Tensor], backend: str = "auto") -> torch.Tensor:
+    """``sum(grads)`` as fp32: ``grads`` (>= 1, one shape, any float dtype) -> a new fp32 tensor of that shape,
+    each term widened exactly and the terms added in list order (both backends: the same bits)."""
+    if not grads:
+        raise ValueError("widen_sum: grads=[] is not allowed: expected >= 1 tensor")
+    shape = grads[0].shape
+    for i, g in enumerate(grads):
+        if g.shape != shape or not g.is_floating_point():
+            raise ValueError(f"widen_sum: grads[{i}] is {tuple(g.shape)} {g.dtype}, expected {tuple(shape)} floating")
+    if not use_triton(backend, grads[0]):
+        total = grads[0].to(torch.float32, copy=True)  # a buffer of its own: the adds below write into it
+        for g in grads[1:]:
+            total.add_(g)  # fp32 += 16-bit: the term widened exactly, the sum in fp32
+        return total
+    gs = [g.contiguous() for g in grads]
+    out = torch.empty(shape, dtype=torch.float32, device=gs[0].device)
+    n = out.numel()
+    for start in range(0, len(gs), _MAX_TERMS):
+        part = gs[start:start + _MAX_TERMS]
+        pad = part + [part[0]] * (_MAX_TERMS - len(part))  # unread: K says how many count
+        _widen_sum_kernel[(triton.cdiv(n, _BLOCK),)](out, *pad, n, K=len(part), ACC=start > 0, BLOCK=_BLOCK,
+                                                     num_warps=4)
+    return out
 
 
 class _FanOut(torch.autograd.Function):
     """``x`` -> ``n`` aliases of ``x.to(dtype)``; backward: the sum of their gradients in ``x``'s dtype."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def forward(ctx, x: torch.Tensor, n: int, dtype: torch.dtype, backend: str) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)  # a reader that took no part in the loss gives None
-        ctx.in_dtype = x.dtype
+        ctx.in_dtype, ctx.backend = x.dtype, backend
         y = x.to(dtype)
         return tuple(y.view_as(y) for _ in range(n))
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None]:
-        total = None
-        for g in grads:
-            if g is None:
-                continue
-            if total is None:
-                total = g.to(ctx.in_dtype, copy=True)  # a buffer of its own: the adds below write into it
-            else:
-                total.add_(g)  # fp32 += 16-bit: the term widened exactly, the sum in fp32
-        return total, None, None
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None, None]:
+        terms = [g for g in grads if g is not None]
+        if not terms:
+            return None, None, None, None
+        if ctx.in_dtype == torch.float32:
+            return widen_sum(terms, ctx.backend), None, None, None
+        total = terms[0].to(ctx.in_dtype, copy=True)  # a 16-bit x (fp16 under bf16 autocast): as autograd sums
+        for g in terms[1:]:
+            total.add_(g.to(ctx.in_dtype))
+        return total, None, None, None
 
 
-def fan_out(x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+def fan_out(x: torch.Tensor, n: int, backend: str = "auto") -> tuple[torch.Tensor, ...]:
     """``x [..., D]`` as ``n`` tensors for ``n`` projections that read it under autocast.
 
     With autocast on for ``x``'s device and ``x`` in a dtype autocast casts, the ``n`` tensors are one
     cast of ``x`` to the autocast dtype (what each projection would have cast on its own) and their
-    gradients come back as one sum in ``x``'s dtype; otherwise they are ``x`` itself, and nothing changes.
+    gradients come back as one sum in ``x``'s dtype (``backend``: :func:`widen_sum`'s, for an fp32 ``x``);
+    otherwise they are ``x`` itself, and nothing changes.
     """
     if n < 1:
         raise ValueError(f"fan_out: n={n} is not allowed: expected >= 1 reader")
@@ -56,4 +118,4 @@ def fan_out(x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     dtype = torch.get_autocast_dtype(dev)
     if x.dtype == dtype:
         return (x,) * n
-    return _FanOut.apply(x, n, dtype)
+    return _FanOut.apply(x, n, dtype, backend)

@@ -1,5 +1,6 @@
 """fan_out: one autocast cast for the projections that read a layer's input (forward bit for bit what autocast
-computes, gradient the same fp32 sum), and the KDA and MLA layers that use it."""
+computes, gradient the same fp32 sum), its Triton sum of the readers' gradients, and the KDA and MLA layers that
+use it."""
 
 from __future__ import annotations
 
@@ -13,18 +14,21 @@ from moelab.model import mla as mla_module
 from moelab.model.config import KDAConfig, MLAConfig
 from moelab.model.kda import KDALayer
 from moelab.model.mla import MLA
-from moelab.ops.fanout import fan_out
+from moelab.ops.fanout import fan_out, widen_sum
 from tests.helpers import assert_close
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
-def _readers(x0: torch.Tensor, ws: list[torch.Tensor], fanned: bool, autocast: bool = True, used: int | None = None):
+
+def _readers(x0: torch.Tensor, ws: list[torch.Tensor], fanned: bool, autocast: bool = True, used: int | None = None,
+             backend: str = "torch"):
     """``len(ws)`` linear readers of a non-leaf ``h = 2 x`` (a norm's output: autocast caches no cast of it) and
     the gradients of a loss weighting reader i by i + 1; ``used``: only the first ``used`` readers enter the loss."""
     x = x0.clone().requires_grad_()
     w = [v.clone().requires_grad_() for v in ws]
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         h = x * 2.0
-        hs = fan_out(h, len(ws)) if fanned else (h,) * len(ws)
+        hs = fan_out(h, len(ws), backend) if fanned else (h,) * len(ws)
         ys = [F.linear(a, b) for a, b in zip(hs, w)]
         loss = sum((y.float() ** 2).sum() * (i + 1) for i, y in enumerate(ys[:used]))
     loss.backward()
@@ -36,9 +40,10 @@ def _inputs(n: int = 3):
     return torch.randn(4, 32, 64, generator=gen), [torch.randn(48, 64, generator=gen) * 0.1 for _ in range(n)]
 
 
-def test_forward_is_autocasts_cast_and_the_gradient_its_fp32_sum():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_forward_is_autocasts_cast_and_the_gradient_its_fp32_sum(backend):
     x0, ws = _inputs()
-    ys, dx, dws = _readers(x0, ws, fanned=True)
+    ys, dx, dws = _readers(x0, ws, fanned=True, backend=backend)
     ref_ys, ref_dx, ref_dws = _readers(x0, ws, fanned=False)
     for y, r in zip(ys, ref_ys):
         assert y.dtype == torch.bfloat16 and torch.equal(y, r)  # one cast, the same bits as each reader's own
@@ -82,6 +87,36 @@ class _InputCasts(TorchDispatchMode):
                 and kwargs.get("dtype") == torch.bfloat16:
             self.n += 1
         return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("k, n", [(1, 7), (3, 2048), (6, 5000), (7, 4097), (13, 300)])
+def test_widen_sum_adds_the_widened_terms_in_order_on_both_backends(k, n):
+    """The Triton sum (interpreter) equals the PyTorch chain bit for bit (same terms, same order) for 1 to 6 terms
+    per launch and more (a second launch adds into the first's result), mixed 16/32-bit terms and a ragged last
+    block; both within fp32 rounding of the fp64 sum."""
+    gen = torch.Generator().manual_seed(k)
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    gs = [torch.randn(n, generator=gen).to(dtypes[i % 3]) for i in range(k)]
+    fast, ref = widen_sum(gs, "triton"), widen_sum(gs, "torch")
+    assert fast.dtype == ref.dtype == torch.float32 and torch.equal(fast, ref)
+    assert_close(sum(g.double() for g in gs), fast, 1e-6, "sum vs fp64")
+    assert all(g.dtype == dtypes[i % 3] for i, g in enumerate(gs))  # the terms untouched
+
+
+def test_widen_sum_names_bad_input():
+    with pytest.raises(ValueError, match=r"widen_sum: grads=\[\] is not allowed: expected >= 1 tensor"):
+        widen_sum([])
+    with pytest.raises(ValueError, match=r"widen_sum: grads\[1\] is \(3,\) torch.bfloat16, expected \(2,\) floating"):
+        widen_sum([torch.zeros(2), torch.zeros(3, dtype=torch.bfloat16)])
+
+
+@pytest.mark.gpu
+def test_widen_sum_on_the_gpu_at_a_kda_layers_size():
+    """bf16, a k3-mini KDA layer's six input gradients (8 x 4096 tokens, width 512): the kernel equals the PyTorch
+    chain bit for bit."""
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    gs = [torch.randn(8, 4096, 512, generator=gen, device=DEV).to(torch.bfloat16) for _ in range(6)]
+    assert torch.equal(widen_sum(gs, "triton"), widen_sum(gs, "torch"))
 
 
 def _layer_run(m: torch.nn.Module, x0: torch.Tensor):
