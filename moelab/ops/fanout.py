@@ -3,7 +3,8 @@
 Under autocast every ``F.linear`` casts its fp32 input to the autocast dtype itself, so a KDA layer's
 input ``x [B, T, D]`` (the pre-norm's fp32 output) is cast six times (q, k, v, beta, gate, output gate),
 and in the backward each projection's 16-bit ``dx`` is widened to fp32 on its own before autograd adds
-the six: 12 extra passes over ``[B, T, D]`` and 10 more kernel launches per layer. ``fan_out(x, n)``
+the six: five casts too many in the forward, six widening copies and five adds where one pass would do in
+the backward (15 launches over ``[B, T, D]`` per layer that need not run). ``fan_out(x, n)``
 casts once and hands ``n`` aliases of the cast to the ``n`` readers; its backward widens each reader's
 gradient into one fp32 sum. The forward computes what autocast computes, bit for bit; the gradient is the
 same fp32 sum of the same exactly-widened terms, possibly added in another order.
