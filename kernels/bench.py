@@ -239,6 +239,13 @@ class Entry:
 KDA_VARIANTS = {"moelab_bounded_chains_serial": dict(chains="serial"),
                 "moelab_bounded_forward_infer": dict(forward="infer")}
 KDA_IMPLS = ("moelab_bounded", *KDA_VARIANTS, "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash")
+# launch candidates (``LAUNCH`` entries), timed only where --impls names them: the state-gradient chain pipelined
+# (its per-chunk loads do not depend on the carried state) or in 32-wide value blocks (4 programs a head where
+# 64 gives 2: more SMs busy at B1 H16)
+KDA_LAUNCH_ROWS = {"moelab_bounded_dh_stages2": dict(launch={"dh": (64, 8, 2)}),
+                   "moelab_bounded_dh_stages3": dict(launch={"dh": (64, 8, 3)}),
+                   "moelab_bounded_dh_32": dict(launch={"dh": (32, 4, 2)})}
+KDA_ROWS = (*KDA_IMPLS, *KDA_LAUNCH_ROWS)  # every row --impls takes
 
 
 def _shape_name(B: int, T: int, H: int | None = None) -> str:
@@ -315,7 +322,7 @@ def _kda_rows(ctx: Ctx, table: dict[str, tuple], impls: tuple[str, ...]) -> dict
             try:
                 from moelab.ops.kda.triton_chunk import launch_overrides
 
-                with launch_overrides(**KDA_VARIANTS.get(impl, {})):
+                with launch_overrides(**(KDA_VARIANTS | KDA_LAUNCH_ROWS).get(impl, {})):
                     row.update(_kda_time(*_kda_case(impl, B, T, H, D, ctx, fla_chunk_kda), ctx))
             except torch.cuda.OutOfMemoryError:
                 row["error"] = "OOM"
@@ -1340,7 +1347,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--entry", choices=tuple(ENTRIES), help="the benchmark to run")
     ap.add_argument("--shapes", nargs="+", metavar="NAME", help="run only these shapes of the entry (--list)")
     ap.add_argument("--impls", nargs="+", metavar="NAME", help="kda: run only these rows (default: all of "
-                    + ", ".join(KDA_IMPLS) + ")")
+                    + ", ".join(KDA_IMPLS) + "; launch candidates only when named: " + ", ".join(KDA_LAUNCH_ROWS) + ")")
     ap.add_argument("--out", help="JSON to write (default kernels/results/<entry>_<gpu>.json; with --base or --smoke "
                                   "nothing unless given)")
     ap.add_argument("--rounds", type=int, help="kda_infer: timing passes over a shape's rows (default 3); model: "
@@ -1362,9 +1369,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if bad:
             ap.error(f"--shapes {' '.join(bad)}: not a shape of entry {entry.name}; allowed: "
                      + ", ".join(entry.shapes))
-    bad = [i for i in args.impls or () if i not in KDA_IMPLS]
+    bad = [i for i in args.impls or () if i not in KDA_ROWS]
     if args.impls and (entry.name != "kda" or bad):
-        ap.error(f"--impls {' '.join(bad or args.impls)}: needs entry kda and rows of {', '.join(KDA_IMPLS)}, got "
+        ap.error(f"--impls {' '.join(bad or args.impls)}: needs entry kda and rows of {', '.join(KDA_ROWS)}, got "
                  f"entry {entry.name}")
     if args.rounds is not None and args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
