@@ -110,15 +110,18 @@ def main() -> int:
         return conv_main(cfgs)
     base = dict(H=16, K=args.K, V=args.K, C=64)
     bf = dict(DOT_BF16=True, IEEE=False)
-    # (kernel, constexprs as the op launches them for bf16 inputs, block parameter, mode); kktr reads
+    # (kernel, constexprs as the op launches them for bf16 inputs, block parameter, mode: the gate's, or "out" for
+    # the state kernel forming the output itself); kktr reads
     # the prep's G (fp32) in bounded mode and forms G itself in general mode
     kernels = {
         "kktr": [(F._kda_fwd_kkt_row, dict(base, BC=16, BOUNDED=m, IEEE=False, G_IN=m), "BK", m)
                  for m in (True, False)],
         "merge": [(F._kda_fwd_merge, dict(base, BC=16), None, None)],
         "wu": [(F._kda_fwd_wu, dict(base, BV=64, IEEE=False), "BK", None)],
-        "state": [(F._kda_fwd_state, dict(base, HAS_H0=True, STORE_HT=True, VARLEN=False, **bf), "BV", None)],
-        "state_small": [(F._kda_fwd_state, dict(base, HAS_H0=True, STORE_HT=True, VARLEN=False, **bf), "BV", None)],
+        "state": [(F._kda_fwd_state, dict(base, HAS_H0=True, STORE_HT=True, VARLEN=False, OUT=out, **bf), "BV",
+                   "out" if out else None) for out in (False, True)],
+        "state_small": [(F._kda_fwd_state, dict(base, HAS_H0=True, STORE_HT=True, VARLEN=False, OUT=out, **bf), "BV",
+                         "out" if out else None) for out in (False, True)],
         "out": [(F._kda_fwd_out, dict(base, **bf), "BV", None)],
         "dh": [(B._kda_bwd_dh, dict(base, HAS_DHT=True, STORE_DH0=True, VARLEN=False, **bf), "BV", None)],
         "wy": [(B._kda_bwd_wy, dict(base, BV=64, **bf), "BK", None)],
@@ -134,7 +137,8 @@ def main() -> int:
             for kernel, consts, block, bounded in variants:
                 if block is not None:
                     consts = dict(consts, **{block: min(size, args.K)})
-                tag = "" if bounded is None else (" bounded" if bounded else " general")
+                tag = "" if bounded is None else (f" {bounded}" if isinstance(bounded, str) else
+                                                   (" bounded" if bounded else " general"))
                 blk = f"{block}={consts[block]}" if block is not None else "all-K"
                 cap = tc.MAXNREG.get(name)  # the launch's register cap, as the real launch applies it
                 capped = f" maxnreg={cap}" if cap else ""

@@ -237,7 +237,8 @@ class Entry:
 # rows timed under ``triton_chunk.launch_overrides``: the op's non-default kernel variants (triton_chunk.VARIANTS)
 # beside its default in the same run
 KDA_VARIANTS = {"moelab_bounded_chains_serial": dict(chains="serial"),
-                "moelab_bounded_forward_infer": dict(forward="infer")}
+                "moelab_bounded_forward_infer": dict(forward="infer"),
+                "moelab_bounded_out_fused": dict(out="fused")}
 KDA_IMPLS = ("moelab_bounded", *KDA_VARIANTS, "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash")
 # launch candidates (``LAUNCH`` entries), timed only where --impls names them: the state-gradient chain pipelined
 # (its per-chunk loads do not depend on the carried state) or in 32-wide value blocks (4 programs a head where

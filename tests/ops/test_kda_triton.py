@@ -267,7 +267,7 @@ def test_launch_overrides():
     assert tc.LAUNCH == launch and tc.MAXNREG == maxnreg
     default = dict(tc.VARIANT)
     assert default == {name: choices[0] for name, choices in tc.VARIANTS.items()}
-    assert default == {"chains": "concurrent", "forward": "train"}  # measured on the H200
+    assert default == {"chains": "concurrent", "forward": "train", "out": "split"}  # chains, forward: timed on the H200
     with pytest.raises(RuntimeError, match="inside"), tc.launch_overrides(forward="infer", chains=None):
         assert tc.VARIANT == {**default, "forward": "infer"}
         raise RuntimeError("inside")
@@ -433,6 +433,28 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
                                     for name, choices in tc.VARIANTS.items()}):
             _run(chunk, ins, s0, do, dS, mode=mode)
     assert set(seen) == KERNELS - {"state"}  # B1 H1: the state kernel's small-grid launch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("grid", [128, 0], ids=["small-grid", "grid"])
+@pytest.mark.parametrize("mode", ["bounded", "general"])
+def test_fused_output_equals_the_output_kernels(mode, grid, dtype, monkeypatch):
+    """``VARIANTS["out"] = "fused"``: the state kernel forms each chunk's output from the same operands, rounded
+    alike, as ``_kda_fwd_out`` does from the stored chunk states (at both state launches; fp16: fp32 work buffers
+    under a 16-bit output); the final state and every gradient come out bit for bit (the backward reads no
+    forward output), and both match the fp32 recurrence."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    monkeypatch.setattr(tc, "SMALL_GRID", grid)
+    ins, s0, do, dS = _inputs(2, 100, 2, 32, 16, dtype, seed=5)
+    runs = {}
+    for out in ("split", "fused"):
+        with tc.launch_overrides(out=out):
+            runs[out] = _run(chunk, ins, s0, do, dS, mode=mode)
+    (o_s, S_s, g_s), (o_f, S_f, g_f) = runs["split"], runs["fused"]
+    assert_close(o_s.float(), o_f.float(), 1e-6, "o")
+    assert torch.equal(S_s, S_f) and all(torch.equal(a, b) for a, b in zip(g_s, g_f))
+    _compare(_reference(ins, s0, do, dS), runs["fused"], dtype)
 
 
 def test_small_grid_takes_its_state_launch(monkeypatch):

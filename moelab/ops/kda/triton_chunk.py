@@ -100,7 +100,12 @@ SMALL_GRID = 128
 #   which keep nothing; the backward recomputes the intermediates): slower fwd+bwd, kept as the memory option.
 # Timed beside them and removed as slower (kernels/results/kda_candidates_h200.json): a fused gradient kernel (which
 # also faulted at its launch entry), a fused intra-chunk kernel and a state-gradient chain with hoisted terms.
-VARIANTS: dict[str, tuple[str, ...]] = {"chains": ("concurrent", "serial"), "forward": ("train", "infer")}
+# * out: the training forward's output: "split" (``_kda_fwd_out`` after the state kernel, which stores every
+#   chunk's entering state and U for it) or "fused" (the state kernel forms each chunk's output itself and stores
+#   neither: ~1.5 KB less HBM traffic per token and head at D128, one launch less; more work on the sequential
+#   chain): not yet timed.
+VARIANTS: dict[str, tuple[str, ...]] = {"chains": ("concurrent", "serial"), "forward": ("train", "infer"),
+                                        "out": ("split", "fused")}
 VARIANT: dict[str, str] = {name: choices[0] for name, choices in VARIANTS.items()}  # what the op runs now
 
 
@@ -222,10 +227,11 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, g_min, pack):
-    """Intra-chunk and state kernels on padded inputs; returns the intermediates."""
+def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, g_min, pack, o=None):
+    """Intra-chunk and state kernels on padded inputs; returns the intermediates. ``o``: the state kernel
+    writes the output there itself (``VARIANTS["out"]`` "fused") and keeps no chunk states."""
     inter = _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min)
-    inter.update(_state_pass(inter, h0, output_final_state, q.dtype, C, pack))
+    inter.update(_state_pass(inter, h0, output_final_state, q.dtype, C, pack, o=o))
     return inter
 
 
@@ -262,21 +268,26 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min):
     return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, qg=qg, kd=kd, gl=gl)
 
 
-def _state_pass(inter, h0, output_final_state, dtype, C, pack, stream=None):
+def _state_pass(inter, h0, output_final_state, dtype, C, pack, stream=None, o=None):
     """The state kernel: chunk states ``hbuf`` ``[B, NT, H, K, V]``, ``U``, optional final state
     ``[N, H, K, V]`` (N = B, or the documents of ``pack``: one program per document and head).
     ``stream``: a CUDA stream to launch on, after what the current stream has issued so far (the
-    outputs are allocated on the current stream, which must wait for ``stream`` before reading them)."""
+    outputs are allocated on the current stream, which must wait for ``stream`` before reading them).
+    ``o`` ``[B, T, H, V]``: the kernel writes the output there instead of ``hbuf`` and ``U`` (None then)."""
     kd, w, u = inter["kd"], inter["w"], inter["u"]
     B, T, H, K = kd.shape
     V = u.shape[-1]
     NT = T // C
     N = B if pack is None else pack.N
     dev = kd.device
-    # packed: the slots past the last document are never written here but read (and discarded) by
-    # the per-chunk kernels; zeros keep those discarded rows finite
-    hbuf = (torch.empty if pack is None else torch.zeros)(B, NT, H, K, V, device=dev, dtype=_work_dtype(dtype))
-    U = torch.empty(B, T, H, V, device=dev, dtype=_work_dtype(dtype))
+    wd = _work_dtype(dtype)
+    if o is None:
+        # packed: the slots past the last document are never written here but read (and discarded) by
+        # the per-chunk kernels; zeros keep those discarded rows finite
+        hbuf = (torch.empty if pack is None else torch.zeros)(B, NT, H, K, V, device=dev, dtype=wd)
+        U = torch.empty(B, T, H, V, device=dev, dtype=wd)
+    else:  # never stored: placeholders whose dtype tells the kernel the work dtype the output's operands round to
+        hbuf = U = torch.empty(1, device=dev, dtype=wd)
     hT = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(dev))  # the inputs, and hbuf's zeros when packed
@@ -284,11 +295,11 @@ def _state_pass(inter, h0, output_final_state, dtype, C, pack, stream=None):
         (_state_small if _small_grid(N, H, V) else _state)(
             lambda bv: (V // bv, N * H),
             kd, inter["gl"], w, u, h0 if h0 is not None else U, hbuf, U, hT if hT is not None else U,
-            pack.coff if pack is not None else U, T, N * H,
-            H=H, K=K, V=V, C=C, HAS_H0=h0 is not None, STORE_HT=hT is not None, DOT_BF16=_dot_bf16(dtype),
-            IEEE=_ieee(dtype), VARLEN=pack is not None,
+            pack.coff if pack is not None else U, *((inter["qg"], inter["Aqk"], o) if o is not None else (U,) * 3),
+            T, N * H, H=H, K=K, V=V, C=C, HAS_H0=h0 is not None, STORE_HT=hT is not None,
+            DOT_BF16=_dot_bf16(dtype), IEEE=_ieee(dtype), VARLEN=pack is not None, OUT=o is not None,
         )
-    return dict(hbuf=hbuf, U=U, hT=hT)
+    return dict(hT=hT) if o is not None else dict(hbuf=hbuf, U=U, hT=hT)
 
 
 # what the forward keeps for the backward besides the raw inputs; the backward reruns the prep and
@@ -498,13 +509,16 @@ class ChunkKDAFunction(torch.autograd.Function):
                              l2norm_qk=prep.l2norm_qk, silu_qk=prep.silu_qk, norm_eps=prep.eps,
                              cu_seqlens=pack.cu_seqlens if pack is not None else None)
         qp, kp, vp, gp, bp, h0p = _inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, prep, C, pack, bounded)
-        inter = _forward(qp, kp, vp, gp, bp, scale, h0p, output_final_state, bounded, C, g_min, pack)
         Tp, Kp, Vp = qp.shape[1], qp.shape[3], vp.shape[3]
         o = torch.empty_like(vp)
-        _out(
-            (Tp // C, B * H), inter["qg"], inter["Aqk"], inter["hbuf"], inter["U"], o, Tp, B * H,
-            H=H, K=Kp, V=Vp, C=C, DOT_BF16=_dot_bf16(q.dtype), IEEE=_ieee(q.dtype),
-        )
+        fused = VARIANT["out"] == "fused"
+        inter = _forward(qp, kp, vp, gp, bp, scale, h0p, output_final_state, bounded, C, g_min, pack,
+                         o=o if fused else None)
+        if not fused:
+            _out(
+                (Tp // C, B * H), inter["qg"], inter["Aqk"], inter["hbuf"], inter["U"], o, Tp, B * H,
+                H=H, K=Kp, V=Vp, C=C, DOT_BF16=_dot_bf16(q.dtype), IEEE=_ieee(q.dtype),
+            )
         # raw inputs (the prep and the padding are redone in the backward) + kept intermediates
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, *(inter[key] for key in _INTRA_KEYS))
         hT = inter["hT"]

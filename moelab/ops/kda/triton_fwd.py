@@ -17,7 +17,8 @@ Per head and chunk of ``C`` tokens, with ``G`` the chunk-local cumsum of g (see 
   with ``VARLEN``, sequential over chunks): stores the state
   ``h_c`` entering each chunk, ``U = u - w h_c`` (the delta-rule corrected values), then
   ``h_{c+1} = e^{G_last} h_c + (k e^{G_last - G})^T U``;
-* ``_kda_fwd_out`` (grid ``[NT, B*H]``): ``o = qg h_c + A_qk U``.
+* ``_kda_fwd_out`` (grid ``[NT, B*H]``): ``o = qg h_c + A_qk U`` (or, with ``OUT``, the state kernel forms
+  it per chunk itself: ``triton_chunk.VARIANTS["out"]``).
 """
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ from moelab.ops.kda.triton_common import _cast, _dot
 
 @triton.jit
 def _kda_fwd_state(
-    kd, gl, w, u, h0, hbuf, U, hT, coff,
+    kd, gl, w, u, h0, hbuf, U, hT, coff, qg, Aqk, o,
     T, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, OUT: tl.constexpr,
 ):
+    """OUT: also the output of each chunk, ``o = qg h_c + A_qk U`` as ``_kda_fwd_out`` forms it (the same
+    operands, rounded alike), in place of storing ``h_c`` and ``U`` for it (the training forward keeps
+    neither: the backward recomputes them)."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -62,25 +66,38 @@ def _kda_fwd_state(
     w += row0 * K
     u += row0 * V
     U += row0 * V
+    qg += row0 * K
+    Aqk += row0 * C
+    o += row0 * V
     k_ptrs = r[:, None] * (H * K) + d[None, :]
     v_ptrs = r[:, None] * (H * V) + cv[None, :]
+    a_ptrs = r[:, None] * (H * C) + r[None, :]
     if HAS_H0:
         h = tl.load(h0 + i_bh.to(tl.int64) * K * V + h_ptrs).to(tl.float32)
     else:
         h = tl.zeros([K, BV], dtype=tl.float32)
     for _ in range(NT):
-        tl.store(hbuf + h_ptrs, h.to(hbuf.dtype.element_ty))
         wt = tl.load(w + k_ptrs)
         kdt = tl.load(kd + k_ptrs)
         ut = tl.load(u + v_ptrs).to(tl.float32)
         glt = tl.load(gl + d)
         Ut = ut - _dot(_cast(wt, DOT_BF16), _cast(h, DOT_BF16), IEEE)
-        tl.store(U + v_ptrs, Ut.to(U.dtype.element_ty))
+        if OUT:  # h and U rounded to the work dtype (hbuf's, U's: never stored here) as the split path's stores
+            hw = _cast(h.to(hbuf.dtype.element_ty), DOT_BF16)
+            ot = _dot(_cast(tl.load(qg + k_ptrs), DOT_BF16), hw, IEEE) + _dot(
+                _cast(tl.load(Aqk + a_ptrs), DOT_BF16), _cast(Ut.to(U.dtype.element_ty), DOT_BF16), IEEE)
+            tl.store(o + v_ptrs, ot.to(o.dtype.element_ty))
+        else:
+            tl.store(hbuf + h_ptrs, h.to(hbuf.dtype.element_ty))
+            tl.store(U + v_ptrs, Ut.to(U.dtype.element_ty))
         h = h * glt[:, None] + _dot(_cast(tl.trans(kdt), DOT_BF16), _cast(Ut, DOT_BF16), IEEE)
         kd += C * H * K
         w += C * H * K
         u += C * H * V
         U += C * H * V
+        qg += C * H * K
+        Aqk += C * H * C
+        o += C * H * V
         gl += H * K
         hbuf += H * K * V
     if STORE_HT:
