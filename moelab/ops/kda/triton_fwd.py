@@ -66,17 +66,20 @@ def _kda_fwd_state(
     w += row0 * K
     u += row0 * V
     U += row0 * V
-    qg += row0 * K
-    Aqk += row0 * C
-    o += row0 * V
     k_ptrs = r[:, None] * (H * K) + d[None, :]
     v_ptrs = r[:, None] * (H * V) + cv[None, :]
-    a_ptrs = r[:, None] * (H * C) + r[None, :]
+    if OUT:
+        qg += row0 * K
+        Aqk += row0 * C
+        o += row0 * V
+        a_ptrs = r[:, None] * (H * C) + r[None, :]
     if HAS_H0:
         h = tl.load(h0 + i_bh.to(tl.int64) * K * V + h_ptrs).to(tl.float32)
     else:
         h = tl.zeros([K, BV], dtype=tl.float32)
     for _ in range(NT):
+        if not OUT:
+            tl.store(hbuf + h_ptrs, h.to(hbuf.dtype.element_ty))
         wt = tl.load(w + k_ptrs)
         kdt = tl.load(kd + k_ptrs)
         ut = tl.load(u + v_ptrs).to(tl.float32)
@@ -87,17 +90,16 @@ def _kda_fwd_state(
             ot = _dot(_cast(tl.load(qg + k_ptrs), DOT_BF16), hw, IEEE) + _dot(
                 _cast(tl.load(Aqk + a_ptrs), DOT_BF16), _cast(Ut.to(U.dtype.element_ty), DOT_BF16), IEEE)
             tl.store(o + v_ptrs, ot.to(o.dtype.element_ty))
+            qg += C * H * K
+            Aqk += C * H * C
+            o += C * H * V
         else:
-            tl.store(hbuf + h_ptrs, h.to(hbuf.dtype.element_ty))
             tl.store(U + v_ptrs, Ut.to(U.dtype.element_ty))
         h = h * glt[:, None] + _dot(_cast(tl.trans(kdt), DOT_BF16), _cast(Ut, DOT_BF16), IEEE)
         kd += C * H * K
         w += C * H * K
         u += C * H * V
         U += C * H * V
-        qg += C * H * K
-        Aqk += C * H * C
-        o += C * H * V
         gl += H * K
         hbuf += H * K * V
     if STORE_HT:
