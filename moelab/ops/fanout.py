@@ -24,8 +24,6 @@ if HAS_TRITON:  # Triton is optional on CPU-only installs; the fused sum is then
     import triton
     import triton.language as tl
 
-# What autocast casts (``cached_cast``): floating tensors other than fp64.
-_CAST = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_TERMS = 6  # gradients one launch of the sum kernel reads (a KDA layer's six); more: further launches
 _BLOCK = 2048
 
@@ -80,43 +78,33 @@ def widen_sum(grads: list[torch.Tensor], backend: str = "auto") -> torch.Tensor:
 
 
 class _FanOut(torch.autograd.Function):
-    """``x`` -> ``n`` aliases of ``x.to(dtype)``; backward: the sum of their gradients in ``x``'s dtype."""
+    """fp32 ``x`` -> ``n`` aliases of ``x.to(dtype)``; backward: the fp32 sum of their gradients."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, n: int, dtype: torch.dtype, backend: str) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)  # a reader that took no part in the loss gives None
-        ctx.in_dtype, ctx.backend = x.dtype, backend
+        ctx.backend = backend
         y = x.to(dtype)
         return tuple(y.view_as(y) for _ in range(n))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None, None]:
         terms = [g for g in grads if g is not None]
-        if not terms:
-            return None, None, None, None
-        if ctx.in_dtype == torch.float32:
-            return widen_sum(terms, ctx.backend), None, None, None
-        total = terms[0].to(ctx.in_dtype, copy=True)  # a 16-bit x (fp16 under bf16 autocast): as autograd sums
-        for g in terms[1:]:
-            total.add_(g.to(ctx.in_dtype))
-        return total, None, None, None
+        return widen_sum(terms, ctx.backend) if terms else None, None, None, None
 
 
 def fan_out(x: torch.Tensor, n: int, backend: str = "auto") -> tuple[torch.Tensor, ...]:
     """``x [..., D]`` as ``n`` tensors for ``n`` projections that read it under autocast.
 
-    With autocast on for ``x``'s device and ``x`` in a dtype autocast casts, the ``n`` tensors are one
-    cast of ``x`` to the autocast dtype (what each projection would have cast on its own) and their
-    gradients come back as one sum in ``x``'s dtype (``backend``: :func:`widen_sum`'s, for an fp32 ``x``);
-    otherwise they are ``x`` itself, and nothing changes.
+    With autocast on for ``x``'s device and ``x`` in fp32 (a model's stream under autocast), the ``n`` tensors
+    are one cast of ``x`` to the autocast dtype (what each projection would have cast on its own) and their
+    gradients come back as one fp32 sum (:func:`widen_sum`, ``backend``); otherwise they are ``x`` itself, and
+    each projection casts as autocast does.
     """
     if n < 1:
         raise ValueError(f"fan_out: n={n} is not allowed: expected >= 1 reader")
     dev = x.device.type
     # torch.compile: inductor fuses the casts itself (and a Function returning aliases is a graph break)
-    if not torch.is_autocast_enabled(dev) or x.dtype not in _CAST or torch.compiler.is_compiling():
+    if not torch.is_autocast_enabled(dev) or x.dtype != torch.float32 or torch.compiler.is_compiling():
         return (x,) * n
-    dtype = torch.get_autocast_dtype(dev)
-    if x.dtype == dtype:
-        return (x,) * n
-    return _FanOut.apply(x, n, dtype, backend)
+    return _FanOut.apply(x, n, torch.get_autocast_dtype(dev), backend)

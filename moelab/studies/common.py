@@ -984,7 +984,6 @@ def run_grid(
     probe = probe_steps()
     if probe is not None and split is None:
         raise ValueError(f"{PROBE_ENV}={probe} probes the runs a split call names: give RUNS or SHARD too")
-    probed: list[dict[str, Any]] = []
     records: list[RunRecord] = []
     trained, missing, trained_s = [], [], []
     corpus_tokens = 0
@@ -1000,9 +999,8 @@ def run_grid(
         if probe is not None and split.wants(i, arm, seed):  # a probe times its runs, never reads or writes a record
             if split.runs is not None:
                 _SPLIT_SEEN.setdefault(split, set()).add((arm, seed))
-            row = _probe(arm, seed, cfg, Path(out_dir).resolve() / "probe", probe, echo)
-            probed.append(row)
-            _SPLIT_PROBED.setdefault(split, []).append(row)
+            _SPLIT_PROBED.setdefault(split, []).append(_probe(arm, seed, cfg, Path(out_dir).resolve() / "probe", probe,
+                                                               echo))
             rec = _load_record(path, fp, evals=evaluate is not None, trajectory=monitor is not None)
             if rec is None:
                 missing.append(f"{arm}:{seed}")  # a grid that needs this run's record stays incomplete
@@ -1045,7 +1043,7 @@ def run_grid(
     if probe is not None and (split.runs is None or not (split.runs - _SPLIT_SEEN.get(split, set()))):
         # every named run met (a shard: its runs of this grid); runs of a later grid (study 3's deep arms after its
         # lr sweep) are reached because this process read the earlier grids' records as a training call would
-        raise ProbeDone(_SPLIT_PROBED.pop(split, probed), Path(out_dir).resolve() / "probe" / "probe.json")
+        raise ProbeDone(_SPLIT_PROBED.pop(split, []), Path(out_dir).resolve() / "probe" / "probe.json")
     out = Grid(study=study, base=base, records=records, factor=factor, corpus_tokens=corpus_tokens,
                complete=not missing)
     if split is not None:
