@@ -198,8 +198,7 @@ class KDALayer(nn.Module):
                    backend=backend, chunk_size=self.cfg.chunk_size, gate=self.cfg.gate, A_log=self.A_log,
                    g_min=self.g_min, silu_qk=True, l2norm_qk=True, norm_eps=1e-6, validate=False,
                    cu_seqlens=None if docs is None else docs.cu_seqlens)
-        o = o.view(B, T, H, V)
-        o = self.o_norm(o)  # [B, T, H, V], normalized per head
-        y = torch.sigmoid(self.g_proj(xg)) * o.reshape(B, T, H * V)
-        y = self.o_proj(y)
+        # sigmoid(W_g x) * RMSNorm(o) per head (one fused pass each way with the Triton norm)
+        y = self.o_norm(o.view(B, T, H, V), gate=self.g_proj(xg).view(B, T, H, V))
+        y = self.o_proj(y.reshape(B, T, H * V))
         return y, (KDAState(S=S, conv=(tq, tk, tv)) if use_cache else None)

@@ -24,10 +24,11 @@ class RMSNorm(nn.RMSNorm):
 
     backend: str = "torch"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         if use_triton(self.backend, x) and len(self.normalized_shape) == 1 and not torch.compiler.is_compiling():
             from moelab.ops.rms_norm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, gate=gate)
         w = self.weight.float() if self.weight is not None else None
-        return F.rms_norm(x.float(), self.normalized_shape, w, self.eps).to(x.dtype)
+        y = F.rms_norm(x.float(), self.normalized_shape, w, self.eps).to(x.dtype)
+        return y if gate is None else torch.sigmoid(gate) * y

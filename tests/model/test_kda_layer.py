@@ -159,6 +159,21 @@ def test_triton_backend_matches_chunk_in_the_layer(gate: str) -> None:
     _assert_runs_agree(*runs, y_tol=1e-4, grad_tol=1e-3)
 
 
+def test_fused_output_norm_and_gate_match_the_torch_path_in_the_layer() -> None:
+    """The layer's output norm and gate through the fused Triton norm (``model.norm_backend`` "triton") equal the torch
+    path's sigmoid(W_g x) * RMSNorm(o): the output and the gradient of x and of every parameter (g_proj and the norm
+    weight included), fp32, in the interpreter on CPU."""
+    x = torch.randn(2, 21, D)
+    runs = []
+    for backend in ("torch", "triton"):
+        m = layer()
+        m.o_norm.backend = backend
+        with torch.no_grad():
+            m.o_norm.weight.copy_(torch.linspace(0.5, 1.5, m.o_norm.weight.numel()))
+        runs.append(_output_and_grads(m, x))
+    _assert_runs_agree(*runs, y_tol=1e-5, grad_tol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
 def test_triton_layer_under_bf16_autocast_on_gpu(gate: str) -> None:

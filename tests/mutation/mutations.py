@@ -270,4 +270,11 @@ MUTATIONS: tuple[Mutation, ...] = (
               "vx, vy = x.var() / len(x), y.var() / len(y)"),),
         ("tests/studies/test_report.py::test_welch_matches_hand_computation",),
     ),
+    Mutation(
+        "gated-norm-gate-derivative",
+        "the fused gated RMSNorm's gate gradient drops the sigmoid's derivative factor (1 - sigmoid)",
+        (Edit("moelab/ops/rms_norm.py", "sg * (1.0 - sg)).to(dgate.dtype.element_ty)",
+              "sg).to(dgate.dtype.element_ty)"),),
+        ("tests/ops/test_rms_norm.py::test_gated_matches_the_fp32_reference",),
+    ),
 )

@@ -55,6 +55,59 @@ def test_matches_the_fp32_torch_path(shape, weight, dtype):
         assert_close(wl.grad, ref_dw, tol, "dw")
 
 
+def _gated_reference(x, w, gate, eps, dy):
+    """``sigmoid(gate) * rms_norm(x, w)`` in fp32 and its gradients (x, w, gate), y rounded to x's dtype."""
+    xr, gr = x.detach().float().requires_grad_(), gate.detach().float().requires_grad_()
+    wr = w.detach().float().requires_grad_()
+    y = torch.sigmoid(gr) * F.rms_norm(xr, (x.shape[-1],), wr, eps)
+    y.backward(dy.float())
+    return y.to(x.dtype).float(), xr.grad, wr.grad, gr.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 5, 3, 16), (37, 96), pytest.param((8, 4096, 4, 128), marks=pytest.mark.gpu)],
+                         ids=["heads-D16", "N37D96", "gpu-B8T4096-heads-D128"])
+def test_gated_matches_the_fp32_reference(shape, dtype):
+    """The output-gated form (KDA's sigmoid(W_g x) * RMSNorm(o) per head): y, dx, dw and dgate within the storage
+    dtype's bound of the fp32 reference, at a masked width and at several heads per row tile; the gate's gradient
+    comes back in the gate's dtype."""
+    from moelab.ops.rms_norm import rms_norm
+
+    gen = torch.Generator().manual_seed(sum(shape) + 7)
+    x = (torch.randn(*shape, generator=gen) * 3).to(DEV, dtype)
+    w = (1 + 0.5 * torch.randn(shape[-1], generator=gen)).to(DEV)
+    gate = (2 * torch.randn(*shape, generator=gen)).to(DEV, dtype)
+    dy = torch.randn(*shape, generator=gen).to(DEV, dtype)
+    ref_y, ref_dx, ref_dw, ref_dg = _gated_reference(x, w, gate, 1e-6, dy)
+    xl, wl, gl = x.clone().requires_grad_(), w.clone().requires_grad_(), gate.clone().requires_grad_()
+    y = rms_norm(xl, wl, 1e-6, gate=gl)
+    y.backward(dy)
+    assert y.dtype == dtype and gl.grad.dtype == dtype and gl.grad.shape == gate.shape
+    tol = TOL[dtype]
+    for name, got, ref in (("y", y, ref_y), ("dx", xl.grad, ref_dx), ("dw", wl.grad, ref_dw),
+                           ("dgate", gl.grad, ref_dg)):
+        assert_close(got.float(), ref, tol, name)
+
+
+def test_gated_module_paths_agree_and_the_torch_path_is_the_two_ops():
+    """``RMSNorm(x, gate)``: the torch path is bitwise ``sigmoid(gate) * norm(x)`` (what KDALayer computed before the
+    gate moved into the norm), the Triton path agrees with it; a gate of another shape names both shapes."""
+    from moelab.model.norm import RMSNorm
+    from moelab.ops.rms_norm import rms_norm
+
+    norm = RMSNorm(16, eps=1e-6).to(DEV)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 16))
+    x = torch.randn(3, 5, 2, 16, device=DEV, dtype=torch.bfloat16)
+    gate = torch.randn(3, 5, 2, 16, device=DEV, dtype=torch.bfloat16)
+    ref = norm(x, gate)
+    assert torch.equal(ref, torch.sigmoid(gate) * norm(x))
+    norm.backend = "triton"
+    assert_close(norm(x, gate).float(), ref.float(), 1e-2, "y")
+    with pytest.raises(ValueError, match=r"gate shape \(3, 5, 32\) is not allowed: expected x's shape \(3, 5, 2, 16\)"):
+        rms_norm(x, norm.weight, 1e-6, gate=gate.view(3, 5, 32))
+
+
 def test_module_backends_agree_and_the_model_sets_them():
     """``RMSNorm`` with backend "triton" equals backend "torch" (eps None: fp32's epsilon on both), and
     ``model.norm_backend`` reaches every norm of a model; bad input names the value."""
