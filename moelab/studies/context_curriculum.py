@@ -127,8 +127,10 @@ PRESETS = {
     # the 22.6M-token Gutenberg split), ~200 s at gpu-small's ~250K tokens/s eager (2 x 16K, gpu preset), plus start,
     # compilation and the evaluation (~5M tokens of passkey up to 64K), so that one run fits one <= 9-minute call.
     # Pilot: the short arm at 96 and 192 steps (12.6M and 25.2M tokens, one call); with the grid's short runs at
-    # 384 steps (3 seeds) it gives passkey at 1K against tokens.
+    # 384 steps (3 seeds) it gives passkey at 1K against tokens. The norms (and KDA's output norm with its gate) run as
+    # the fused Triton kernels on a GPU (model.norm_backend auto; the same math, one pass each way).
     "research": Plan("gpu-small", {"model.max_seq_len": 16384, "data.seq_len": 16384, "train.batch_size": 4,
+                                   "model.norm_backend": "auto",
                                    "train.accumulate_grad_batches": 2, "train.max_steps": 384,
                                    "train.warmup_steps": 38, "train.val_every": 48, "train.val_batches": 2,
                                    "train.log_every": 8},
