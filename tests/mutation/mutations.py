@@ -271,6 +271,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/studies/test_report.py::test_welch_matches_hand_computation",),
     ),
     Mutation(
+        "packed-prep-one-token-more",
+        "the packed prep reads one token past each chunk's documents (the next document's first token leaks into the "
+        "padding of a document's last chunk)",
+        (Edit("moelab/ops/kda/triton_prep.py", "rows = r < tl.load(chunk_len + i_c)",
+              "rows = r <= tl.load(chunk_len + i_c)"),),
+        ("tests/ops/test_kda_prep.py::test_packed_prep_writes_the_documents_chunk_layout",),
+    ),
+    Mutation(
         "gated-norm-gate-derivative",
         "the fused gated RMSNorm's gate gradient drops the sigmoid's derivative factor (1 - sigmoid)",
         (Edit("moelab/ops/rms_norm.py", "sg * (1.0 - sg)).to(dgate.dtype.element_ty)",

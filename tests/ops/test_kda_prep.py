@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moelab.ops.kda.gate import kda_prep_torch
-from moelab.ops.kda.triton_prep import kda_prep, prep_bwd, prep_fwd, prep_fwd_chunked
+from moelab.ops.kda.triton_prep import kda_prep, prep_bwd, prep_fwd, prep_fwd_chunked, prep_fwd_packed
 from tests.helpers import assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -276,3 +276,40 @@ def test_chunked_prep_refuses_bad_chunk():
     with pytest.raises(ValueError, match="chunk_size=48"):
         prep_fwd_chunked(q, k, z, A_log, dt_bias, chunk_size=48, gate="bounded", g_min=-5.0, silu_qk=False,
                          l2norm_qk=True)
+
+
+@pytest.mark.parametrize("gate, K, V, C, dtype", [("bounded", 32, 48, 16, torch.float32),
+                                                   ("none", 20, 16, 32, torch.float32),
+                                                   ("bounded", 16, 16, 64, torch.float16)])
+def test_packed_prep_writes_the_documents_chunk_layout(gate, K, V, C, dtype):
+    """``prep_fwd_packed`` equals, bit for bit, what it replaced: ``prep_fwd``, a zero-filled scatter of q, k, g, v
+    and beta into ``Packing``'s layout (each document on whole chunks), the padding, and G as the chunk-local cumsum
+    of the laid-out g. Documents of 1 token, of exactly one chunk and of several chunks with a partial last one,
+    K and V padded to powers of two; a layout with unused trailing slots."""
+    from moelab.ops.kda.triton_chunk import Packing, _padded
+    from moelab.ops.varlen import cu_seqlens_from_starts
+
+    lengths = [1, C, 2 * C + 3, C - 1, 5]
+    T, H = sum(lengths), 2
+    q, k, z, A_log, dt_bias = _inputs(1, T, H, K, gate, dtype=dtype, seed=3)
+    if gate == "none":
+        z = -torch.nn.functional.softplus(z.float())
+    gen = torch.Generator().manual_seed(4)
+    v = torch.randn(1, T, H, V, generator=gen).to(DEV, dtype)
+    beta = torch.rand(1, T, H, generator=gen).to(DEV, dtype)
+    starts = torch.zeros(1, T, dtype=torch.bool)
+    starts[0, torch.tensor([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()])] = True
+    pack = Packing(cu_seqlens_from_starts(starts.to(DEV)), T, C)
+    assert int(pack.chunk_len.sum()) == T and pack.chunk_len.numel() * C == pack.rows
+    lb = -5.0 if gate == "bounded" else None
+    kw = dict(gate=gate, g_min=lb, silu_qk=gate != "none", l2norm_qk=True)
+    qp, kp, gp, vp, bp = prep_fwd_packed(q, k, z, v, beta, A_log, dt_bias, pack.chunk_src, pack.chunk_len,
+                                         chunk_size=C, **kw)
+    qn, kn, g = prep_fwd(q, k, z, A_log, dt_bias, **kw)
+    want = _padded(*(pack.scatter(x) for x in (qn, kn, v, g, beta)), None, C)
+    G = prep_fwd_chunked(want[0], want[1], want[3], None, None, chunk_size=C, gate="none", g_min=None,
+                         silu_qk=False, l2norm_qk=False, qk=False)[2]
+    for name, got, ref in (("qn", qp, want[0]), ("kn", kp, want[1]), ("v", vp, want[2]), ("G", gp, G),
+                           ("beta", bp, want[4])):
+        assert got.shape == ref.shape and got.dtype == ref.dtype, name
+        assert torch.equal(got, ref), name

@@ -52,7 +52,7 @@ from moelab.ops.kda.triton_fwd import (
     _kda_fwd_state,
     _kda_fwd_wu,
 )
-from moelab.ops.kda.triton_prep import prep_bwd, prep_fwd, prep_fwd_chunked
+from moelab.ops.kda.triton_prep import prep_bwd, prep_fwd, prep_fwd_chunked, prep_fwd_packed
 from moelab.ops.varlen import check_cu_seqlens
 
 MODES = ("bounded", "general")
@@ -363,6 +363,12 @@ class Packing:
         self.pos = coff[doc] * C + (t - cu[doc])
         self.coff = coff.to(torch.int32)
         self.rows = (triton.cdiv(T, C) + self.N) * C
+        # what each chunk slot of the layout holds: document n's chunk j is tokens cu[n] + j C on, at most C of them
+        # (slots past the last document hold none)
+        slot = torch.arange(self.rows // C, device=cu.device)
+        n = torch.searchsorted(coff[1:], slot, right=True).clamp_(max=self.N - 1)
+        self.chunk_src = cu[n] + (slot - coff[n]) * C
+        self.chunk_len = (cu[n + 1] - self.chunk_src).clamp(0, C).to(torch.int32)
 
     def scatter(self, x: torch.Tensor) -> torch.Tensor:
         """``[1, T, ...]`` -> ``[1, rows, ...]``, zeros outside the documents' rows."""
@@ -395,20 +401,22 @@ def _inputs(q, k, v, g, beta, A_log, dt_bias, h0, prep, C, pack, bounded):
     (``pack``; the prep runs first, so the padded rows keep g = 0 whatever the gate gives at
     z = 0). The decay is the log decay g in general mode (kktr forms G from it; reading G in was
     slower there), and in bounded mode G itself (fp32, ``prep_fwd_chunked``: one pass writes the
-    padded qn, kn and G; packed: G from the laid-out g, whose chunks are the documents' chunks)."""
+    padded qn, kn and G; packed: ``prep_fwd_packed``, the same pass writing the documents' chunk layout of
+    qn, kn, G, v and beta, each chunk's G the cumsum over its document's tokens)."""
     if pack is None and bounded:
         qn, kn, gn = prep_fwd_chunked(q, k, g, A_log, dt_bias, chunk_size=C, **prep.kw(), qk=prep.active)
         if qn is None:
             qn, kn = q, k
         return _padded(qn, kn, v, gn, beta, h0, C)
+    if pack is not None and bounded:  # the prep writes the documents' chunk layout itself, v and beta too
+        qp, kp, gp, vp, bp = prep_fwd_packed(q, k, g, v, beta, A_log, dt_bias, pack.chunk_src, pack.chunk_len,
+                                             chunk_size=C, **prep.kw())
+        return qp, kp, vp, gp, bp, (_pad(h0, {2: kp.shape[3], 3: vp.shape[3]}).contiguous() if h0 is not None
+                                    else None)
     qn, kn, gn = prep_fwd(q, k, g, A_log, dt_bias, **prep.kw()) if prep.active else (q, k, g)
     if pack is not None:
         qn, kn, v, gn, beta = (pack.scatter(x) for x in (qn, kn, v, gn, beta))
-    qp, kp, vp, gp, bp, h0p = _padded(qn, kn, v, gn, beta, h0, C)
-    if pack is not None and bounded:
-        gp = prep_fwd_chunked(qp, kp, gp, None, None, chunk_size=C, gate="none", g_min=None, silu_qk=False,
-                              l2norm_qk=False, qk=False)[2]
-    return qp, kp, vp, gp, bp, h0p
+    return _padded(qn, kn, v, gn, beta, h0, C)
 
 
 def _dh_pass(inter, do, dht, has_h0, dtype, C, pack):

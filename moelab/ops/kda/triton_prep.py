@@ -168,6 +168,12 @@ def _prep_fwd_chunk_kernel(
     qn,
     kn,
     G,
+    v,
+    beta,
+    vp,
+    bp,
+    chunk_src,
+    chunk_len,
     T,
     Tp,
     g_min,
@@ -181,22 +187,42 @@ def _prep_fwd_chunk_kernel(
     SILU: tl.constexpr,
     L2NORM: tl.constexpr,
     QK: tl.constexpr,
+    V: tl.constexpr = 1,
+    BV: tl.constexpr = 1,
+    PACK: tl.constexpr = False,
 ):
     """One chunk of ``C`` tokens of one head (grid ``[Tp // C, B*H]``): the rows of
     ``_prep_fwd_kernel`` written into zero-padded ``[B, Tp, H, BK]`` outputs, with the log decay
     replaced by its chunk-local cumsum in log2 units, ``G = log2(e) cumsum_chunk(g)`` (fp32), the
     form the chunk kernels read. Padded tokens and channels get q = k = 0 and g = 0 (so G stays
-    flat over them). ``QK=False``: G only (q and k pass through unchanged)."""
+    flat over them). ``QK=False``: G only (q and k pass through unchanged).
+
+    ``PACK`` (packed documents, B = 1): output chunk ``i_c`` of the documents' chunk layout
+    (``triton_chunk.Packing``) holds the ``chunk_len[i_c]`` (0..C) tokens from ``chunk_src[i_c]`` on, the rest
+    zeros; v ``[1, T, H, V]`` and beta ``[1, T, H]`` are laid out alike into ``vp [1, Tp, H, BV]`` and
+    ``bp [1, Tp, H]``, so that the layout costs no pass of its own."""
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
     r = tl.arange(0, C)
     c = tl.arange(0, BK)
-    t = i_c * C + r
-    mask = (t < T)[:, None] & (c < K)[None, :]
-    src = ((i_b * T + i_c * C).to(tl.int64) * H + i_h) * K  # int64 row base; tile offsets int32
+    if PACK:
+        first = tl.load(chunk_src + i_c)  # int64: the chunk's first token
+        rows = r < tl.load(chunk_len + i_c)
+    else:
+        first = (i_b * T + i_c * C).to(tl.int64)
+        rows = i_c * C + r < T
+    mask = rows[:, None] & (c < K)[None, :]
+    src = (first * H + i_h) * K  # int64 row base; tile offsets int32
     dst = ((i_b * Tp + i_c * C).to(tl.int64) * H + i_h) * BK
+    if PACK:
+        cv = tl.arange(0, BV)
+        xv = tl.load(v + (first * H + i_h) * V + r[:, None] * (H * V) + cv[None, :],
+                     mask=rows[:, None] & (cv < V)[None, :], other=0.0)
+        tl.store(vp + (i_c * C * H + i_h).to(tl.int64) * BV + r[:, None] * (H * BV) + cv[None, :], xv)
+        xb = tl.load(beta + first * H + i_h + r * H, mask=rows, other=0.0)
+        tl.store(bp + (i_c * C * H + i_h).to(tl.int64) + r * H, xb)
     si = r[:, None] * (H * K) + c[None, :]
     so = r[:, None] * (H * BK) + c[None, :]
     if QK:
@@ -407,6 +433,12 @@ def prep_fwd_chunked(
         qn if qk else G,
         kn if qk else G,
         G,
+        G,
+        G,
+        G,
+        G,
+        G,
+        G,
         T,
         Tp,
         lb,
@@ -423,6 +455,62 @@ def prep_fwd_chunked(
         num_warps=_NUM_WARPS if C * Kp <= 8192 else 2 * _NUM_WARPS,
     )
     return qn, kn, G
+
+
+def prep_fwd_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    z: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    chunk_src: torch.Tensor,
+    chunk_len: torch.Tensor,
+    *,
+    chunk_size: int,
+    gate: str,
+    g_min: float | None,
+    silu_qk: bool,
+    l2norm_qk: bool,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`prep_fwd_chunked` for packed documents (B = 1), straight into the documents' chunk layout: output
+    chunk ``s`` holds the ``chunk_len[s]`` tokens from ``chunk_src[s]`` on (``triton_chunk.Packing``: each document
+    starts on a chunk), zeros after them; v and beta are laid out alike in the same launch. One pass in place of the
+    prep, a zero-filled copy and a scatter per tensor, and the cumsum's second pass.
+
+    Args:
+        q, k, z: ``[1, T, H, K]``; v: ``[1, T, H, V]``; beta: ``[1, T, H]``.
+        chunk_src: ``[NS]`` int64 first token of each output chunk; chunk_len: ``[NS]`` int32 tokens in it (0..C).
+
+    Returns:
+        ``qn``, ``kn`` ``[1, NS*C, H, Kp]`` in q's dtype, ``G`` ``[1, NS*C, H, Kp]`` fp32 (as prep_fwd_chunked's),
+        ``vp`` ``[1, NS*C, H, Vp]`` in v's dtype and ``bp`` ``[1, NS*C, H]`` in beta's dtype.
+    """
+    _check(q, k, z, A_log, dt_bias, gate, g_min, eps)
+    if chunk_size not in (16, 32, 64, 128):
+        raise ValueError(f"chunk_size={chunk_size} is not allowed: expected one of (16, 32, 64, 128)")
+    if q.shape[0] != 1:
+        raise ValueError(f"prep_fwd_packed: batch {q.shape[0]} is not allowed: packed documents come as one row")
+    q, k, z, v, beta = (x.contiguous() for x in (q, k, z, v, beta))
+    _, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    Tp = chunk_src.numel() * C
+    Kp = max(16, triton.next_power_of_2(K))
+    Vp = max(16, triton.next_power_of_2(V))
+    G = torch.empty(1, Tp, H, Kp, device=q.device, dtype=torch.float32)
+    qn, kn = q.new_empty(1, Tp, H, Kp), k.new_empty(1, Tp, H, Kp)
+    vp, bp = v.new_empty(1, Tp, H, Vp), beta.new_empty(1, Tp, H)
+    _prep_fwd_chunk_kernel[(Tp // C, H)](
+        q, k, z, A_log if A_log is not None else G, dt_bias if dt_bias is not None else G, qn, kn, G, v, beta, vp,
+        bp, chunk_src, chunk_len, T, Tp, float(g_min) if gate == "bounded" else 0.0, float(eps),
+        H=H, K=K, BK=Kp, C=C, GATE=_GATE_ID[gate], HAS_BIAS=dt_bias is not None, SILU=bool(silu_qk),
+        L2NORM=bool(l2norm_qk), QK=True, V=V, BV=Vp, PACK=True,
+        num_warps=_NUM_WARPS if C * Kp <= 8192 else 2 * _NUM_WARPS,
+    )
+    return qn, kn, G, vp, bp
 
 
 def prep_bwd(
