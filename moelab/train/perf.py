@@ -477,7 +477,11 @@ def step_profile(preset: str, steps: int = 3, overrides: dict[str, Any] | None =
     arm = TimedStep(preset, dict(overrides or {}), "eager", random_batches(cfg.model.vocab_size, B, T, 4, device=dev),
                     2, 3e-4)
     _sync(dev)
-    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+    # the CPU side too, with shapes and stacks: which aten op (and which line of moelab) launched each kernel
+    from torch._C._profiler import _ExperimentalConfig
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU],
+                 record_shapes=True, with_stack=True, experimental_config=_ExperimentalConfig(verbose=True)) as prof:
         for _ in range(steps):
             arm.run()
         _sync(dev)
@@ -495,7 +499,44 @@ def step_profile(preset: str, steps: int = 3, overrides: dict[str, Any] | None =
     w = arm.window(3)
     return {"preset": preset, "B": B, "T": T, "steps_profiled": steps, "kernel_ms": sum(k["ms"] for k in kernels),
             "launches": sum(k["calls"] for k in kernels), "step_ms": w["step_ms"], "host_ms": w["host_ms"],
-            "families": dict(sorted(fam.items(), key=lambda kv: -kv[1]["ms"])), "top": kernels[:top]}
+            "families": dict(sorted(fam.items(), key=lambda kv: -kv[1]["ms"])), "top": kernels[:top],
+            "top_ops": _op_sites(prof, steps, cuda, top)}
+
+
+def _op_sites(prof: Any, steps: int, cuda: bool, top: int) -> list[dict[str, Any]]:
+    """The ``top`` aten ops by the device time of the kernels each launched itself (CPU: self CPU time), grouped by
+    op, input shapes, direction and the innermost moelab frames that called it (a backward op: those of the forward
+    op whose autograd node ran it): ``{"op", "dir", "shapes", "where", "ms", "calls"}`` per step. Where a kernel
+    family's time comes from (a cast of which tensor, on which line)."""
+    import collections
+
+    def frames(stack: list[str]) -> tuple[str, ...]:
+        keep = [f for f in stack or [] if "moelab" in f and "perf.py" not in f and "host_work.py" not in f]
+        return tuple(f.split("moelab", 1)[-1].lstrip("/\\") for f in keep[:3])
+
+    events = prof.events()
+    forward = {}  # sequence number -> the frames of the forward op that made that autograd node
+    for e in events:
+        if e.sequence_nr >= 0 and not e.name.startswith("autograd::") and e.stack:
+            forward.setdefault(e.sequence_nr, frames(e.stack))
+    agg: dict[tuple, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if us <= 0 or not e.name.startswith("aten::"):
+            continue
+        where, direction, p = frames(e.stack), "fwd", e.cpu_parent
+        while p is not None:
+            if p.name.startswith("autograd::engine::evaluate_function"):
+                where, direction = forward.get(p.sequence_nr, ()), "bwd"
+                break
+            p = p.cpu_parent
+        a = agg[(e.name, direction, str(e.input_shapes)[:160], where)]
+        a[0] += us
+        a[1] += 1
+    rows = [{"op": k[0], "dir": k[1], "shapes": k[2], "where": list(k[3]), "ms": v[0] / steps / 1e3,
+             "calls": v[1] / steps} for k, v in agg.items()]
+    rows.sort(key=lambda r: -r["ms"])
+    return rows[:top]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -229,6 +229,11 @@ def test_step_profile_on_cpu() -> None:
     assert r["kernel_ms"] > 0 and r["step_ms"] > 0 and r["host_ms"] > 0 and len(r["top"]) == 10
     assert [k["ms"] for k in r["top"]] == sorted((k["ms"] for k in r["top"]), reverse=True)
     assert {"gemm", "optimizer"} <= set(fam)  # aten::mm / addmm and the AdamW step on the CPU
+    ops = r["top_ops"]  # the kernels' launching ops, with shapes and the moelab lines that called them
+    assert ops and [o["ms"] for o in ops] == sorted((o["ms"] for o in ops), reverse=True)
+    assert all(o["op"].startswith("aten::") and o["calls"] > 0 for o in ops)
+    assert {o["dir"] for o in ops} <= {"fwd", "bwd"} and "bwd" in {o["dir"] for o in ops}
+    assert any(w.startswith(("model", "ops", "train")) for o in ops if o["dir"] == "bwd" for w in o["where"])
 
 
 class _EagerStep:
