@@ -280,12 +280,15 @@ def test_chunked_prep_refuses_bad_chunk():
 
 @pytest.mark.parametrize("gate, K, V, C, dtype", [("bounded", 32, 48, 16, torch.float32),
                                                    ("none", 20, 16, 32, torch.float32),
-                                                   ("bounded", 16, 16, 64, torch.float16)])
+                                                   ("bounded", 16, 16, 64, torch.float16),
+                                                   pytest.param("bounded", 128, 128, 64, torch.bfloat16,
+                                                                marks=pytest.mark.gpu)])
 def test_packed_prep_writes_the_documents_chunk_layout(gate, K, V, C, dtype):
     """``prep_fwd_packed`` equals, bit for bit, what it replaced: ``prep_fwd``, a zero-filled scatter of q, k, g, v
     and beta into ``Packing``'s layout (each document on whole chunks), the padding, and G as the chunk-local cumsum
     of the laid-out g. Documents of 1 token, of exactly one chunk and of several chunks with a partial last one,
-    K and V padded to powers of two; a layout with unused trailing slots."""
+    K and V padded to powers of two; a layout with unused trailing slots. (On a GPU: v and beta bit for bit, the
+    rest within a rounding.)"""
     from moelab.ops.kda.triton_chunk import Packing, _padded
     from moelab.ops.varlen import cu_seqlens_from_starts
 
@@ -312,4 +315,7 @@ def test_packed_prep_writes_the_documents_chunk_layout(gate, K, V, C, dtype):
     for name, got, ref in (("qn", qp, want[0]), ("kn", kp, want[1]), ("v", vp, want[2]), ("G", gp, G),
                            ("beta", bp, want[4])):
         assert got.shape == ref.shape and got.dtype == ref.dtype, name
-        assert torch.equal(got, ref), name
+        if DEV == "cpu" or name in ("v", "beta"):
+            assert torch.equal(got, ref), name
+        else:  # compiled for the GPU, the two kernels may sum a row's L2 norm in another order: a rounding apart
+            assert_close(got.float(), ref.float(), 1e-2 if dtype == torch.bfloat16 else FP16_TOL, name)
