@@ -36,11 +36,13 @@ and prints both side by side: speedup = base time / this time (> 1: this tree is
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import inspect
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -491,6 +493,26 @@ ATTNRES_SHAPES |= {"smoke": (3, 37, 72), "smoke_grid": (4, 45, 72)}
 ATTNRES_TOL = {"h": 5e-3, "grads": 1e-2}
 ATTNRES_REF_CHUNK = 2 ** 27  # source elements per chunk of the fp32 reference (~4 GB of its fp32 and fp64 copies)
 FLA_ATTNRES = ("fla_fused_attnres", "fla_fused_attnres_stacked")
+ATTNRES_ROWS = ("moelab_fused", "torch_plain", *FLA_ATTNRES)  # every named row --impls takes
+# a launch candidate, timed where --impls names it: moelab_fused@r<rows>w<warps>g<group>[s<stages>][-b<bwd_rows>w<bwd
+# warps>g<bwd_group>] (moelab.ops.attnres.LaunchConfig; the backward's fields 0 = the forward's), e.g.
+# moelab_fused@r2w16g2 or moelab_fused@r1w8g4-b1w16g2
+ATTNRES_LAUNCH = re.compile(r"^moelab_fused@r(\d+)w(\d+)g(\d+)(?:s(\d+))?(?:-b(\d+)w(\d+)g(\d+))?$")
+
+
+def attnres_launch(name: str) -> Any:
+    """The ``LaunchConfig`` an ``moelab_fused@...`` row name spells (ValueError naming the name otherwise)."""
+    from moelab.ops.attnres import LaunchConfig
+
+    m = ATTNRES_LAUNCH.match(name)
+    if m is None:
+        raise ValueError(f"{name!r} is not an AttnRes launch candidate: expected moelab_fused@r<rows>w<warps>g<group>"
+                         f"[s<stages>][-b<rows>w<warps>g<group>]")
+    r, w, g, st, br, bw, bg = (int(x) if x else 0 for x in m.groups())
+    cfg = LaunchConfig(rows=r, warps=w, group=g, stages=st or 1, programs_per_sm=4 if r > 1 else 0, bwd_rows=br,
+                       bwd_warps=bw, bwd_group=bg)
+    cfg.validate()
+    return cfg
 
 
 def _attnres_inputs(L: int, N: int, D: int, dev: str, seed: int) -> tuple:
@@ -503,17 +525,19 @@ def _attnres_inputs(L: int, N: int, D: int, dev: str, seed: int) -> tuple:
     return srcs, query, weight, torch.randn(1, N, D, generator=gen, device=dev).bfloat16().float()
 
 
-def _attnres_impls(fla_fn, plain: bool) -> dict[str, Callable]:
-    """name -> prepare(srcs, q, w) -> (leaves, forward() -> h, grads() -> [*source grads, dq, dw])."""
+def _attnres_impls(fla_fn, plain: bool, names: Sequence[str] | None = None) -> dict[str, Callable]:
+    """name -> prepare(srcs, q, w) -> (leaves, forward() -> h, grads() -> [*source grads, dq, dw]); ``names``: only
+    these rows, launch candidates (``ATTNRES_LAUNCH``) included."""
     from moelab.model.attnres import DepthAttention
     from moelab.ops.attnres import depth_attention
 
     def leaves_of(srcs, q, w):
         return [x.detach().clone().requires_grad_() for x in [*srcs, q, w]]
 
-    def moelab(srcs, q, w):
+    def moelab(srcs, q, w, config=None):
         lv = leaves_of(srcs, q, w)
-        return lv, lambda: depth_attention(lv[:-2], lv[-2], lv[-1], backend="triton")[0], lambda: [x.grad for x in lv]
+        return (lv, lambda: depth_attention(lv[:-2], lv[-2], lv[-1], backend="triton", config=config)[0],
+                lambda: [x.grad for x in lv])
 
     def torch_plain(srcs, q, w):
         att = DepthAttention(q.numel(), backend="torch").to(q.device)
@@ -534,7 +558,11 @@ def _attnres_impls(fla_fn, plain: bool) -> dict[str, Callable]:
                 lambda: [*stacked.grad.unbind(0), lv[1].grad, lv[2].grad])
 
     impls = {"moelab_fused": moelab} | ({"torch_plain": torch_plain} if plain else {})
-    return impls | (dict(zip(FLA_ATTNRES, (fla, fla_stacked))) if fla_fn is not None else {})
+    impls |= dict(zip(FLA_ATTNRES, (fla, fla_stacked))) if fla_fn is not None else {}
+    if names is None:
+        return impls
+    cands = {n: functools.partial(moelab, config=attnres_launch(n)) for n in names if ATTNRES_LAUNCH.match(n)}
+    return {n: f for n, f in impls.items() if n in names} | cands
 
 
 def _attnres_errors(srcs, q, w, dh, outs: dict[str, tuple]) -> dict[str, dict[str, float]]:
@@ -654,7 +682,8 @@ def run_attnres(ctx: Ctx) -> dict[str, Any]:
     names = [s for n in ctx.shapes for s in (ATTNRES_SHAPES[n] if isinstance(ATTNRES_SHAPES[n][0], str) else (n,))]
     rows: list[dict] = []
     for shape in dict.fromkeys(names):
-        rows += _attnres_point(shape, _attnres_impls(fla_fn, shape.startswith("L") or shape == "smoke"), ctx)
+        rows += _attnres_point(shape, _attnres_impls(fla_fn, shape.startswith("L") or shape == "smoke", ctx.impls),
+                               ctx)
         ctx.save({"rows": rows})
     return {"rows": rows}
 
@@ -1348,7 +1377,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--entry", choices=tuple(ENTRIES), help="the benchmark to run")
     ap.add_argument("--shapes", nargs="+", metavar="NAME", help="run only these shapes of the entry (--list)")
     ap.add_argument("--impls", nargs="+", metavar="NAME", help="kda: run only these rows (default: all of "
-                    + ", ".join(KDA_IMPLS) + "; launch candidates only when named: " + ", ".join(KDA_LAUNCH_ROWS) + ")")
+                    + ", ".join(KDA_IMPLS) + "; launch candidates only when named: " + ", ".join(KDA_LAUNCH_ROWS)
+                    + "); attnres: of " + ", ".join(ATTNRES_ROWS) + " and launch candidates "
+                    "moelab_fused@r<rows>w<warps>g<group>[s<stages>][-b<rows>w<warps>g<group>]")
     ap.add_argument("--out", help="JSON to write (default kernels/results/<entry>_<gpu>.json; with --base or --smoke "
                                   "nothing unless given)")
     ap.add_argument("--rounds", type=int, help="kda_infer: timing passes over a shape's rows (default 3); model: "
@@ -1370,10 +1401,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if bad:
             ap.error(f"--shapes {' '.join(bad)}: not a shape of entry {entry.name}; allowed: "
                      + ", ".join(entry.shapes))
-    bad = [i for i in args.impls or () if i not in KDA_ROWS]
-    if args.impls and (entry.name != "kda" or bad):
-        ap.error(f"--impls {' '.join(bad or args.impls)}: needs entry kda and rows of {', '.join(KDA_ROWS)}, got "
-                 f"entry {entry.name}")
+    if args.impls and entry.name == "attnres":
+        for name in args.impls:
+            if name not in ATTNRES_ROWS:
+                try:
+                    attnres_launch(name)
+                except ValueError as e:
+                    ap.error(f"--impls {name}: not a row of entry attnres ({', '.join(ATTNRES_ROWS)}) nor a launch "
+                             f"candidate: {e}")
+    elif args.impls:
+        bad = [i for i in args.impls if i not in KDA_ROWS]
+        if entry.name != "kda" or bad:
+            ap.error(f"--impls {' '.join(bad or args.impls)}: needs entry kda (rows of {', '.join(KDA_ROWS)}) or "
+                     f"attnres, got entry {entry.name}")
     if args.rounds is not None and args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.budget_s is not None and (args.budget_s <= 0 or entry.name != "model"):

@@ -281,3 +281,19 @@ def test_attnres_errors_over_chunks_equal_the_whole(bench, monkeypatch):
     assert chunked["off"]["h_err"] == pytest.approx(whole["off"]["h_err"]) == pytest.approx(1e-2)
     assert max(chunked["same"][k] for k in ("h_err", "dsrc_err", "dquery_err", "dnorm_weight_err")) < 1e-6
     assert chunked["same"]["ok"] and not chunked["off"]["ok"]
+
+
+def test_attnres_launch_candidates_are_named_rows(bench):
+    """An AttnRes launch candidate is a row name that spells its LaunchConfig (timed only where --impls names it, beside
+    the named rows it keeps); a name that spells no valid launch is refused at the command line with the reason."""
+    cfg = bench.attnres_launch("moelab_fused@r2w16g1-b1w8g4")
+    assert (cfg.rows, cfg.warps, cfg.group, cfg.stages, cfg.programs_per_sm) == (2, 16, 1, 1, 4)
+    assert (cfg.bwd_rows, cfg.bwd_warps, cfg.bwd_group) == (1, 8, 4)
+    assert bench.attnres_launch("moelab_fused@r1w8g2s2").stages == 2
+    impls = bench._attnres_impls(None, True, ("moelab_fused", "moelab_fused@r1w8g2"))
+    assert list(impls) == ["moelab_fused", "moelab_fused@r1w8g2"]
+    assert list(bench._attnres_impls(None, True)) == ["moelab_fused", "torch_plain"]
+    res = _run("--entry", "attnres", "--smoke", "--impls", "moelab_fused@r3w8g1")
+    assert res.returncode == 2 and "LaunchConfig.rows=3 is not allowed" in res.stderr
+    res = _run("--entry", "moe", "--smoke", "--impls", "moelab_fused")
+    assert res.returncode == 2 and "needs entry kda" in res.stderr
