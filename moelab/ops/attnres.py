@@ -109,6 +109,11 @@ class LaunchConfig:
         writes one fp32 ``[D]`` partial of B); 0: as many as fit on an SM at once. The forward
         launches one program per tile.
     bwd_rows, bwd_warps, bwd_group, bwd_stages: the same for the backward; 0 takes the forward's value.
+    chunk: 0, the forward above (one pass, an online softmax over groups of sources); or the width of the
+        chunks of D a second forward walks twice, one row per program (rows 1): every source's chunk at once
+        (``[next_pow2(L), chunk]``), first for the row sums and scores, then for the weighted sum, whose reads
+        find the row in L1 / L2 (``stages``: the pipelining of both loops). One compiled kernel per power of two
+        of L.
     """
 
     rows: int = 1
@@ -120,6 +125,7 @@ class LaunchConfig:
     bwd_warps: int = 0
     bwd_group: int = 0
     bwd_stages: int = 0
+    chunk: int = 0
 
     def validate(self) -> None:
         for name, value, lo, hi in (("rows", self.rows, 1, 64), ("warps", self.warps, 1, 16),
@@ -134,6 +140,9 @@ class LaunchConfig:
                 raise ValueError(f"LaunchConfig.{name}={value} is not allowed: expected {what}1..4")
         if self.programs_per_sm < 0:
             raise ValueError(f"LaunchConfig.programs_per_sm={self.programs_per_sm} is not allowed: expected >= 0")
+        if self.chunk and (self.chunk < 16 or self.chunk > MAX_D or self.chunk & (self.chunk - 1) or self.rows != 1):
+            raise ValueError(f"LaunchConfig.chunk={self.chunk} (rows={self.rows}) is not allowed: expected 0, or a "
+                             f"power of two in 16..{MAX_D} with rows=1")
 
     @property
     def bwd(self) -> tuple[int, int]:
@@ -354,6 +363,54 @@ def _attnres_fwd_kernel(x0, xl, tab, q, w, h, stats, N, D: tl.constexpr, eps, L,
 
 
 @triton.jit
+def _chunk_tile(x0, ptr, rest, i, row, d0, D, BD: tl.constexpr):
+    """The fp32 ``[S, BD]`` chunk ``d0`` of one row of every source: source 0 through ``x0``, the others through
+    the pointers ``ptr [S]`` (zero where ``rest`` is False), and the chunk's column mask ``[1, BD]``."""
+    c = d0 + tl.arange(0, BD)[None, :]
+    cm = c < D
+    v = tl.load(ptr[:, None] + row + c, mask=rest[:, None] & cm, other=0.0).to(tl.float32)
+    v0 = tl.load(x0 + row + c, mask=cm, other=0.0).to(tl.float32)
+    return tl.where((i == 0)[:, None], v0, v), c, cm
+
+
+@triton.jit(do_not_specialize=["N", "L"])
+def _attnres_fwd_chunked_kernel(x0, xl, tab, q, w, h, stats, N, D: tl.constexpr, eps, L, S: tl.constexpr,
+                                BD: tl.constexpr, ALIGNED: tl.constexpr, STAGES: tl.constexpr):
+    """``_attnres_fwd_kernel``'s outputs for one row (token) per program, in two passes over chunks of ``BD``
+    columns: the row sums of all ``L <= S`` sources at once (so every source's chunk is in flight together), then
+    the softmax, then the weighted sum from a second read of the same row (L1 / L2 hits, not HBM)."""
+    n = tl.program_id(0)
+    row = n.to(tl.int64) * D
+    r, s, lse = stats, stats + L * N, stats + 2 * L * N
+    if n == 0:
+        tl.store(tab + L - 1, xl.to(tl.int64))
+    i = tl.arange(0, S)
+    ok = i < L
+    rest = ok & (i > 0)
+    ptr = _src(tl.where(rest, i, 1), L, xl, tab, ALIGNED)  # i = 0 reads x0 (its own dtype), not the table
+    sq = tl.zeros([S], tl.float32)
+    dot = tl.zeros([S], tl.float32)
+    for d0 in tl.range(0, D, BD, num_stages=STAGES):
+        v, c, cm = _chunk_tile(x0, ptr, rest, i, row, d0, D, BD)
+        gq = tl.load(q + c, mask=cm, other=0.0).to(tl.float32) * tl.load(w + c, mask=cm, other=0.0).to(tl.float32)
+        sq += tl.sum(v * v, axis=1)
+        dot += tl.sum(v * gq, axis=1)
+    ri = tl.rsqrt(sq / D + eps)
+    si = dot * ri
+    tl.store(r + i * N + n, ri, mask=ok)
+    tl.store(s + i * N + n, si, mask=ok)
+    si = tl.where(ok, si, float("-inf"))
+    m = tl.max(si, axis=0)
+    e = tl.exp(si - m)
+    den = tl.sum(e, axis=0)
+    tl.store(lse + n, m + tl.log(den))
+    p = (e / den)[:, None]
+    for d0 in tl.range(0, D, BD, num_stages=STAGES):
+        v, c, cm = _chunk_tile(x0, ptr, rest, i, row, d0, D, BD)
+        tl.store(h + row + c, tl.sum(p * v, axis=0, keep_dims=True).to(h.dtype.element_ty), mask=cm)
+
+
+@triton.jit
 def _bwd_group(v, prev, i, ok, g, c, gq, r, s, lse_r, rows, rm, N, D):
     """``dv + prev`` ``[S, BN, BD]`` (prev: what each source's slot holds, or 0) and ``a = ds r [S, BN]``
     (the weight of g * q in dv and of v in B) of the sources ``i [S]``, from their fp32 tiles ``v``
@@ -546,9 +603,14 @@ class _DepthAttentionFn(torch.autograd.Function):
         h = torch.empty(x0.shape, device=x0.device, dtype=out_dtype)  # the sources' [..., D]
         stats = torch.empty((2 * L + 1, N), device=x0.device, dtype=torch.float32)
         grid, BD, tiles, bwd = _launch_numbers(cfg, N, D)
-        _attnres_fwd_kernel[grid](
-            x0, xl, tab, query, norm_weight, h, stats, N, D, eps, L,
-            BN=cfg.rows, BD=BD, ALIGNED=aligned, GROUP=cfg.group, STAGES=cfg.stages, num_warps=cfg.warps)
+        if cfg.chunk:
+            _attnres_fwd_chunked_kernel[(N,)](
+                x0, xl, tab, query, norm_weight, h, stats, N, D, eps, L, S=_pow2(L),
+                BD=min(cfg.chunk, BD), ALIGNED=aligned, STAGES=cfg.stages, num_warps=cfg.warps)
+        else:
+            _attnres_fwd_kernel[grid](
+                x0, xl, tab, query, norm_weight, h, stats, N, D, eps, L,
+                BN=cfg.rows, BD=BD, ALIGNED=aligned, GROUP=cfg.group, STAGES=cfg.stages, num_warps=cfg.warps)
         ctx.save_for_backward(query, norm_weight, h if out_dtype is torch.float32 else None, *inputs)
         # stats: made here, read only by the backward (a plain reference: no saved-tensor packing per read)
         ctx.plan = (stacked, cfg, src.slots, owned, tab, aligned, None if stacked else srcs, stats, N, D, BD, tiles,
