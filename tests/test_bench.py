@@ -290,6 +290,7 @@ def test_attnres_launch_candidates_are_named_rows(bench):
     assert (cfg.rows, cfg.warps, cfg.group, cfg.stages, cfg.programs_per_sm) == (2, 16, 1, 1, 4)
     assert (cfg.bwd_rows, cfg.bwd_warps, cfg.bwd_group) == (1, 8, 4)
     assert bench.attnres_launch("moelab_fused@r1w8g2s2").stages == 2
+    assert bench.attnres_launch("moelab_fused@r1w8g2-b1w8g4s2").bwd_launch == (1, 8, 4, 2)
     assert (bench.attnres_launch("moelab_fused@r1w4g1c512s3").chunk, bench.attnres_launch(
         "moelab_fused@r1w4g1c512s3").stages) == (512, 3)
     impls = bench._attnres_impls(None, True, ("moelab_fused", "moelab_fused@r1w8g2"))
