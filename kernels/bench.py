@@ -846,6 +846,8 @@ MODEL_GROUPS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
     "fla": ("fla-shape", [("moelab_fla_shape", {}),
                           # cuDNN's engine serves no-grad calls only (moelab.ops.kda.cudnn): training falls back
                           ("moelab_fla_shape_cudnn", {"model.kda.backend": "cudnn"}),
+                          # the pre-norms and KDA's gated output norm through moelab.ops.rms_norm (fla fuses both)
+                          ("moelab_fla_shape_norm_triton", {"model.norm_backend": "triton"}),
                           ("fla_kda", {})]),
     "gpu-small": ("gpu-small", [
         ("moelab_gpu_small_prenorm", {"model.residual.mode": "prenorm"}),
@@ -862,6 +864,7 @@ MODEL_GROUPS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
 MODEL_TARGETS = {
     "fla_kda": ("moelab_fla_shape", "ratio_vs_moelab", None),
     "moelab_fla_shape_cudnn": ("moelab_fla_shape", "ratio_vs_moelab", None),
+    "moelab_fla_shape_norm_triton": ("moelab_fla_shape", "ratio_vs_moelab", None),
     "moelab_gpu_small_full_attnres": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.75),  # issue 16
     "moelab_gpu_small_block_attnres": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.9),
     "moelab_gpu_small_block_attnres_8": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.9),
