@@ -198,13 +198,15 @@ def test_base_runs_the_entry_on_another_commit(bench, tmp_path, capfd):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU smoke; a GPU runs the real thing")
 def test_model_smoke_rows_as_the_readme_reads_them(tmp_path):
     """The k3-mini group at toy sizes: its rows paired over 2 rounds, the balancer's cost and time, the fused norms'
-    ratio to the torch ones, one step's host work, the provenance on every row."""
+    and the TF32 output path's ratios to the default, one step's host work, the provenance on every row."""
     out = tmp_path / "model.json"
     res = _run("--entry", "model", "--smoke", "--rounds", "2", "--out", str(out))
     assert res.returncode == 0, res.stderr[-2000:]
     rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"moelab_k3_mini", "moelab_k3_mini_balancer_none", "moelab_k3_mini_norm_triton"}
+    assert set(rows) == {"moelab_k3_mini", "moelab_k3_mini_balancer_none", "moelab_k3_mini_norm_triton",
+                         "moelab_k3_mini_tf32_output"}
     assert len(rows["moelab_k3_mini_norm_triton"]["ratio_vs_torch_norm"]["ratios"]) == 2
+    assert len(rows["moelab_k3_mini_tf32_output"]["ratio_vs_fp32_output"]["ratios"]) == 2
     qb = rows["moelab_k3_mini"]
     q = qb["ratio_vs_balancer_none"]
     assert len(q["ratios"]) == 2 and qb["balancer_cost"] == pytest.approx(1 - q["median"])

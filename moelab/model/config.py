@@ -28,12 +28,14 @@ KDAGate = Literal["bounded", "softplus"]
 ResidualMode = Literal["prenorm", "full_attnres", "block_attnres"]
 Dispatch = Literal["auto", "grouped", "loop"]
 MaskBackend = Literal["auto", "flex", "dense"]
+MatmulPrecision = Literal["highest", "high"]
 Balancer = Literal["none", "aux_loss", "loss_free_sign", "quantile_load", "quantile_balancing"]
 QuantileMode = Literal["exact", "histogram"]
 KDA_GATES: tuple[KDAGate, ...] = get_args(KDAGate)
 RESIDUAL_MODES: tuple[ResidualMode, ...] = get_args(ResidualMode)
 DISPATCHES: tuple[Dispatch, ...] = get_args(Dispatch)
 MASK_BACKENDS: tuple[MaskBackend, ...] = get_args(MaskBackend)
+MATMUL_PRECISIONS: tuple[MatmulPrecision, ...] = get_args(MatmulPrecision)
 BALANCERS: tuple[Balancer, ...] = get_args(Balancer)
 QUANTILE_MODES: tuple[QuantileMode, ...] = get_args(QuantileMode)
 
@@ -91,6 +93,10 @@ class MLAConfig:
     q_latent_dim: int = 0  # 0: full-rank query projection
     output_gate: bool = True  # y = W_o [sigmoid(W_g x) * o]
     fp32_output: bool = False  # keep the attention output in fp32 (K3 does in training)
+    # the fp32 gate and output projection's matmuls (fp32_output only), torch.set_float32_matmul_precision's names:
+    # "highest" = IEEE fp32 (SIMT kernels on a GPU), "high" = TF32 tensor cores (10-bit mantissa inputs, fp32 sums),
+    # forward and backward, the process's own setting restored after each
+    fp32_output_precision: MatmulPrecision = "highest"
     # Packed documents (forward(segment_ids=)): "flex" = flex_attention with a block mask from the documents'
     # block ranges (memory linear in T; compiled on a GPU), "dense" = SDPA with a [B, 1, T, T] bool mask
     # (B T^2 bytes; leaves SDPA's flash kernel), "auto" = flex on a CUDA device (head_dim a power of two
@@ -103,6 +109,7 @@ class MLAConfig:
         _check(self.kv_latent_dim >= 1, f"{prefix}.kv_latent_dim", self.kv_latent_dim, "an integer >= 1")
         _check(self.q_latent_dim >= 0, f"{prefix}.q_latent_dim", self.q_latent_dim, "an integer >= 0")
         _one_of(f"{prefix}.mask_backend", self.mask_backend, MASK_BACKENDS)
+        _one_of(f"{prefix}.fp32_output_precision", self.fp32_output_precision, MATMUL_PRECISIONS)
 
 
 @dataclass

@@ -10,10 +10,14 @@
     y    = W_o [ Sigmoid(W_g x) * o ]            output gate (output_gate=True), else W_o o
 
 ``fp32_output`` keeps ``o`` in fp32 through the gate and the output projection (K3 does so in
-training) even under bf16 autocast.
+training) even under bf16 autocast; ``fp32_output_precision`` picks those matmuls' float32 precision
+(``"high"``: TF32 tensor cores, forward and backward).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -26,6 +30,57 @@ from moelab.model.documents import Documents
 from moelab.ops.fanout import fan_out
 
 _COMPILED_FLEX: list = []
+
+
+@contextmanager
+def matmul_precision(precision: str) -> Iterator[None]:
+    """``torch.set_float32_matmul_precision(precision)`` for the block, the process's setting restored after it.
+    Where the process set TF32 through torch's newer ``fp32_precision`` flags (which the older call cannot read
+    back without raising), the block runs at the process's setting, untouched."""
+    try:
+        before = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        yield
+        return
+    if before == precision:
+        yield
+        return
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+class _Fp32Linear(torch.autograd.Function):
+    """``F.linear(x, w)`` for fp32 ``x [..., K]`` and ``w [M, K]`` with every matmul, forward and backward, at
+    ``precision`` (:func:`matmul_precision`): the backward runs outside the forward's block, so a plain F.linear
+    would take the process's precision there."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, precision: str) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.precision = precision
+        with matmul_precision(precision):
+            return F.linear(x, w)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy: torch.Tensor):
+        x, w = ctx.saved_tensors
+        dx = dw = None
+        with matmul_precision(ctx.precision):
+            if ctx.needs_input_grad[0]:
+                dx = dy @ w
+            if ctx.needs_input_grad[1]:
+                dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return dx, dw, None
+
+
+def fp32_linear(x: torch.Tensor, w: torch.Tensor, precision: str = "highest") -> torch.Tensor:
+    """``F.linear(x.float(), w.float())`` with its matmuls at ``precision`` ("highest": plain F.linear)."""
+    x, w = x.float(), w.float()
+    return F.linear(x, w) if precision == "highest" else _Fp32Linear.apply(x, w, precision)
 
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
@@ -137,12 +192,13 @@ class MLA(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         o = o.transpose(1, 2).reshape(B, T, H * Dh)
         if self.cfg.fp32_output:
+            prec = self.cfg.fp32_output_precision
             with torch.autocast(device_type=x.device.type, enabled=False):
                 o = o.float()
                 if self.g_proj is not None:
-                    o = torch.sigmoid(F.linear(x.float(), self.g_proj.weight.float())) * o
+                    o = torch.sigmoid(fp32_linear(x, self.g_proj.weight, prec)) * o
                 # Back to the stream's dtype (fp32 under autocast, bf16 in a bf16-cast model).
-                y = F.linear(o, self.o_proj.weight.float()).to(x.dtype)
+                y = fp32_linear(o, self.o_proj.weight, prec).to(x.dtype)
         else:
             if self.g_proj is not None:
                 o = torch.sigmoid(self.g_proj(xg[0])) * o

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moelab.base import ConfigError
 from moelab.model.config import MLAConfig
 from moelab.model.mla import MLA
 from tests.helpers import assert_close
@@ -95,3 +96,69 @@ def test_fp32_output_under_bf16_autocast() -> None:
             assert y.dtype == torch.float32  # the stream's dtype, not bf16
     assert errs[True] < 2e-2 and errs[False] < 5e-2  # bf16 projections either way
     assert errs[True] <= errs[False]  # gate + out-proj in fp32 remove one bf16 rounding
+
+
+def test_fp32_output_precision_runs_both_directions_at_it_and_restores_the_process_setting(monkeypatch) -> None:
+    """``fp32_output_precision="high"`` (TF32 on a GPU): the gate and output projection's matmuls run inside
+    ``set_float32_matmul_precision("high")`` in the forward and in the backward, the process's setting is back after
+    each; on the CPU the output and gradients equal "highest"'s (the CPU has no TF32). A process that set its TF32
+    through torch's newer flags is left as it is; a precision outside the two names is refused."""
+    from moelab.model import mla as mla_module
+
+    real, entered = mla_module.matmul_precision, []
+
+    def recorded(precision):
+        entered.append(precision)
+        return real(precision)
+
+    monkeypatch.setattr(mla_module, "matmul_precision", recorded)
+    x = torch.randn(2, 9, D)
+    outs, blocks = {}, {}
+    for prec in ("highest", "high"):
+        m = mla(fp32_output=True, fp32_output_precision=prec)
+        xi = x.clone().requires_grad_()
+        entered.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, _ = m(xi)
+        fwd = len(entered)
+        y.float().pow(2).sum().backward()
+        blocks[prec] = (fwd, len(entered) - fwd, set(entered))
+        outs[prec] = (y.detach(), xi.grad, m.o_proj.weight.grad, m.g_proj.weight.grad)
+        assert torch.get_float32_matmul_precision() == "highest"
+    assert blocks == {"highest": (0, 0, set()), "high": (2, 2, {"high"})}  # the gate and o_proj, each way
+    for a, b in zip(outs["highest"], outs["high"]):
+        assert_close(a.float(), b.float(), 1e-6, "high vs highest on the CPU")
+    calls = []
+    monkeypatch.setattr(mla_module.torch, "set_float32_matmul_precision", lambda p: calls.append(p))
+    with mla_module.matmul_precision("high"):
+        pass
+    assert calls == ["high", "highest"]
+    calls.clear()
+
+    def newer_flags():
+        raise RuntimeError("mix of the legacy and new APIs")
+
+    monkeypatch.setattr(mla_module.torch, "get_float32_matmul_precision", newer_flags)
+    with mla_module.matmul_precision("high"):
+        pass
+    assert calls == []
+    with pytest.raises(ConfigError, match="fp32_output_precision"):
+        MLAConfig(fp32_output=True, fp32_output_precision="tf32").validate()
+
+
+@pytest.mark.gpu
+def test_fp32_output_precision_high_on_gpu() -> None:
+    """On a GPU, "high" (TF32) stays within TF32's rounding of "highest" for the output and every gradient, under bf16
+    autocast, and leaves the process at its precision."""
+    x = torch.randn(4, 64, D, device="cuda")
+    outs = []
+    for prec in ("highest", "high"):
+        m = mla(fp32_output=True, fp32_output_precision=prec).cuda()
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y, _ = m(xi)
+        y.float().pow(2).sum().backward()
+        outs.append((y.detach().float(), xi.grad, m.o_proj.weight.grad, m.g_proj.weight.grad))
+        assert torch.get_float32_matmul_precision() == "highest"
+    for name, a, b in zip(("y", "dx", "do_proj", "dg_proj"), *outs):
+        assert_close(a, b, 5e-3, name)
