@@ -495,11 +495,11 @@ ATTNRES_REF_CHUNK = 2 ** 27  # source elements per chunk of the fp32 reference (
 FLA_ATTNRES = ("fla_fused_attnres", "fla_fused_attnres_stacked")
 ATTNRES_ROWS = ("moelab_fused", "torch_plain", *FLA_ATTNRES)  # every named row --impls takes
 # a launch candidate, timed where --impls names it (moelab.ops.attnres.LaunchConfig):
-#   moelab_fused@r<rows>w<warps>g<group>[c<chunk>][s<stages>][-b<rows>w<warps>g<group>[s<stages>]]
-# c: the two-pass forward over chunks of D; -b: the backward's (0 or left out: the forward's), e.g.
-# moelab_fused@r2w16g2, moelab_fused@r1w8g4-b1w16g2s2 or moelab_fused@r1w4g1c512s3
-ATTNRES_LAUNCH = re.compile(
-    r"^moelab_fused@r(\d+)w(\d+)g(\d+)(?:c(\d+))?(?:s(\d+))?(?:-b(\d+)w(\d+)g(\d+)(?:s(\d+))?)?$")
+#   moelab_fused@r<rows>w<warps>g<group>[c<chunk>][s<stages>][-b<rows>w<warps>g<group>[c<chunk>][s<stages>]]
+# c: the two-pass kernels over chunks of D; -b: the backward's (0 or left out: the forward's), e.g.
+# moelab_fused@r2w16g2, moelab_fused@r1w8g4-b1w16g2s2 or moelab_fused@r1w4g1c512s3-b1w4g1c256s2
+ATTNRES_LAUNCH = re.compile(r"^moelab_fused@r(\d+)w(\d+)g(\d+)(?:c(\d+))?(?:s(\d+))?"
+                            r"(?:-b(\d+)w(\d+)g(\d+)(?:c(\d+))?(?:s(\d+))?)?$")
 
 
 def attnres_launch(name: str) -> Any:
@@ -509,10 +509,10 @@ def attnres_launch(name: str) -> Any:
     m = ATTNRES_LAUNCH.match(name)
     if m is None:
         raise ValueError(f"{name!r} is not an AttnRes launch candidate: expected moelab_fused@r<rows>w<warps>g<group>"
-                         f"[c<chunk>][s<stages>][-b<rows>w<warps>g<group>[s<stages>]]")
-    r, w, g, ch, st, br, bw, bg, bst = (int(x) if x else 0 for x in m.groups())
+                         f"[c<chunk>][s<stages>][-b<rows>w<warps>g<group>[c<chunk>][s<stages>]]")
+    r, w, g, ch, st, br, bw, bg, bch, bst = (int(x) if x else 0 for x in m.groups())
     cfg = LaunchConfig(rows=r, warps=w, group=g, stages=st or 1, programs_per_sm=4 if r > 1 else 0, bwd_rows=br,
-                       bwd_warps=bw, bwd_group=bg, bwd_stages=bst, chunk=ch)
+                       bwd_warps=bw, bwd_group=bg, bwd_stages=bst, chunk=ch, bwd_chunk=bch)
     cfg.validate()
     return cfg
 
@@ -1387,7 +1387,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--impls", nargs="+", metavar="NAME", help="kda: run only these rows (default: all of "
                     + ", ".join(KDA_IMPLS) + "; launch candidates only when named: " + ", ".join(KDA_LAUNCH_ROWS)
                     + "); attnres: of " + ", ".join(ATTNRES_ROWS) + " and launch candidates "
-                    "moelab_fused@r<rows>w<warps>g<group>[c<chunk>][s<stages>][-b<rows>w<warps>g<group>[s<stages>]]")
+                    "moelab_fused@r<rows>w<warps>g<group>[c<chunk>][s<stages>][-b<rows>w<warps>g<group>[c<chunk>][s<stages>]]")
     ap.add_argument("--out", help="JSON to write (default kernels/results/<entry>_<gpu>.json; with --base or --smoke "
                                   "nothing unless given)")
     ap.add_argument("--rounds", type=int, help="kda_infer: timing passes over a shape's rows (default 3); model: "

@@ -293,6 +293,8 @@ def test_attnres_launch_candidates_are_named_rows(bench):
     assert (cfg.bwd_rows, cfg.bwd_warps, cfg.bwd_group) == (1, 8, 4)
     assert bench.attnres_launch("moelab_fused@r1w8g2s2").stages == 2
     assert bench.attnres_launch("moelab_fused@r1w8g2-b1w8g4s2").bwd_launch == (1, 8, 4, 2)
+    both = bench.attnres_launch("moelab_fused@r1w4g1c512s3-b1w4g1c256s2")
+    assert (both.chunk, both.stages, both.bwd_chunk, both.bwd_stages) == (512, 3, 256, 2)
     assert (bench.attnres_launch("moelab_fused@r1w4g1c512s3").chunk, bench.attnres_launch(
         "moelab_fused@r1w4g1c512s3").stages) == (512, 3)
     impls = bench._attnres_impls(None, True, ("moelab_fused", "moelab_fused@r1w8g2"))

@@ -114,6 +114,10 @@ class LaunchConfig:
         (``[next_pow2(L), chunk]``), first for the row sums and scores, then for the weighted sum, whose reads
         find the row in L1 / L2 (``stages``: the pipelining of both loops). One compiled kernel per power of two
         of L.
+    bwd_chunk: the same for the backward (0: the persistent one-pass backward): one row per program, every
+        source's chunk at once, a first pass for each source's ``<v_i, dh>``, a second that writes each ``dv_i``
+        (plus its slot's running sum) and the row's part of B into an fp32 ``[N, D]`` buffer that one sum over N
+        turns into dq and dw (bwd_warps, bwd_stages as given; bwd_rows, bwd_group unused).
     """
 
     rows: int = 1
@@ -126,6 +130,7 @@ class LaunchConfig:
     bwd_group: int = 0
     bwd_stages: int = 0
     chunk: int = 0
+    bwd_chunk: int = 0
 
     def validate(self) -> None:
         for name, value, lo, hi in (("rows", self.rows, 1, 64), ("warps", self.warps, 1, 16),
@@ -143,6 +148,9 @@ class LaunchConfig:
         if self.chunk and (self.chunk < 16 or self.chunk > MAX_D or self.chunk & (self.chunk - 1) or self.rows != 1):
             raise ValueError(f"LaunchConfig.chunk={self.chunk} (rows={self.rows}) is not allowed: expected 0, or a "
                              f"power of two in 16..{MAX_D} with rows=1")
+        if self.bwd_chunk and (self.bwd_chunk < 16 or self.bwd_chunk > MAX_D or self.bwd_chunk & (self.bwd_chunk - 1)):
+            raise ValueError(f"LaunchConfig.bwd_chunk={self.bwd_chunk} is not allowed: expected 0, or a power of two "
+                             f"in 16..{MAX_D}")
 
     @property
     def bwd(self) -> tuple[int, int]:
@@ -484,6 +492,46 @@ def _attnres_bwd_kernel(x0, xl, g0, gl, tab, gofs, q, w, h, dh, stats, part, N, 
     tl.store(dq_part + D + cols, b * tl.load(q + cols, mask=cols < D, other=0.0).to(tl.float32), mask=cols < D)
 
 
+@triton.jit(do_not_specialize=["gofs", "N", "L", "acc"])
+def _attnres_bwd_chunked_kernel(x0, xl, g0, gl, tab, gofs, q, w, dh, stats, base, N, D: tl.constexpr, L, acc,
+                                S: tl.constexpr, BD: tl.constexpr, ALIGNED: tl.constexpr, STAGES: tl.constexpr):
+    """The backward of one row (token) per program in two passes over chunks of ``BD`` columns, every source's
+    chunk at once: ``dp_i = <v_i, dh>`` first (so ``c = sum_i p_i dp_i`` and ``a_i = p_i (dp_i - c) r_i``), then
+    ``dv_i = p_i dh + a_i g q - (a_i s_i r_i / D) v_i`` plus what its slot holds where ``acc`` says it adds (as
+    ``_attnres_bwd_kernel``), and the row's ``B = sum_i a_i v_i`` into ``base [N, D]`` (fp32)."""
+    n = tl.program_id(0)
+    row = n.to(tl.int64) * D
+    r, s, lse = stats, stats + L * N, stats + 2 * L * N
+    i = tl.arange(0, S)
+    ok = i < L
+    rest = ok & (i > 0)
+    idx = tl.where(rest, i, 1)  # source 0 and its gradient go through x0 and g0 (their own dtypes)
+    ptr = _src(idx, L, xl, tab, ALIGNED)
+    gptr = _src(idx, L, gl, tab + gofs, ALIGNED)
+    adds = rest & (tl.where(i == L - 1, acc & 2, acc & 4) != 0)
+    add0 = (acc & 1) != 0
+    ri = tl.load(r + i * N + n, mask=ok, other=0.0)
+    si = tl.load(s + i * N + n, mask=ok, other=0.0)
+    pi = tl.exp(tl.where(ok, si, float("-inf")) - tl.load(lse + n))
+    dp = tl.zeros([S], tl.float32)
+    for d0 in tl.range(0, D, BD, num_stages=STAGES):
+        v, c, cm = _chunk_tile(x0, ptr, rest, i, row, d0, D, BD)
+        dp += tl.sum(v * tl.load(dh + row + c, mask=cm, other=0.0).to(tl.float32), axis=1)
+    a = pi * (dp - tl.sum(pi * dp, axis=0)) * ri
+    k = (a * si * ri / D)[:, None]
+    for d0 in tl.range(0, D, BD, num_stages=STAGES):
+        v, c, cm = _chunk_tile(x0, ptr, rest, i, row, d0, D, BD)
+        g = tl.load(dh + row + c, mask=cm, other=0.0).to(tl.float32)
+        gq = tl.load(q + c, mask=cm, other=0.0).to(tl.float32) * tl.load(w + c, mask=cm, other=0.0).to(tl.float32)
+        prev = tl.load(gptr[:, None] + row + c, mask=adds[:, None] & cm, other=0.0).to(tl.float32)
+        prev0 = tl.load(g0 + row + c, mask=tl.where(add0, cm, False), other=0.0).to(tl.float32)
+        dv = pi[:, None] * g + a[:, None] * gq - k * v + tl.where((i == 0)[:, None], prev0, prev)
+        tl.store(gptr[:, None] + row + c, dv.to(gl.dtype.element_ty), mask=rest[:, None] & cm)
+        dv0 = tl.sum(tl.where((i == 0)[:, None], dv, 0.0), axis=0, keep_dims=True)
+        tl.store(g0 + row + c, dv0.to(g0.dtype.element_ty), mask=cm)
+        tl.store(base + row + c, tl.sum(a[:, None] * v, axis=0, keep_dims=True), mask=cm)
+
+
 _RESIDENT: dict[tuple, int] = {}  # backward launch signature -> its programs that fit on one SM at once
 _SMS: dict[int, int] = {}  # device index -> multiprocessor count (a driver query, asked once)
 
@@ -661,6 +709,14 @@ class _DepthAttentionFn(torch.autograd.Function):
                         break
         if not dh.is_contiguous():
             dh = dh.contiguous()
+        if cfg.bwd_chunk:
+            base = torch.empty((N, D), device=dh.device, dtype=torch.float32)
+            _attnres_bwd_chunked_kernel[(N,)](
+                x0, xl, g0, gl, tab, tab.shape[0] // 2, query, norm_weight, dh, stats, base, N, D, L, acc,
+                S=_pow2(L), BD=min(cfg.bwd_chunk, BD), ALIGNED=aligned, STAGES=stages, num_warps=warps)
+            b = base.sum(0)
+            return _returned_grads(b * norm_weight.float(), b * query.float(), query, norm_weight, stacked, dstack if
+                              stacked else None, owned, slots)
         # the grid is sized by the kernel's registers only when programs_per_sm is 0 (see _bwd_programs)
         key = None if cfg.programs_per_sm or _INTERPRET else (
             dh.device.index, cfg, h is not None, x0.dtype, xl.dtype, dh.dtype, aligned)
@@ -673,18 +729,25 @@ class _DepthAttentionFn(torch.autograd.Function):
         if key is not None and key not in _RESIDENT:
             _note_resident(key, kernel, dh.device, warps)
         dq, dw = part.sum(0).unbind(0)
-        if dq.dtype != query.dtype:
-            dq = dq.to(query.dtype)
-        if dw.dtype != norm_weight.dtype:
-            dw = dw.to(norm_weight.dtype)
-        if stacked:
-            return dq, dw, None, dstack
-        grads = []
-        for i in owned:
-            sl = slots[i]
-            grads.append(sl.grad)
-            sl.grad, sl.table = None, None
-        return dq, dw, None, *grads
+        return _returned_grads(dq, dw, query, norm_weight, stacked, dstack if stacked else None, owned, slots)
+
+
+def _returned_grads(dq: torch.Tensor, dw: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, stacked: bool,
+               dstack: torch.Tensor | None, owned: Sequence[int], slots: Sequence[GradSlot]) -> tuple:
+    """The backward's return: dq and dw in the parameters' dtypes, None for the plan, then the stacked tensor's
+    gradient or the owned sources' (their slots handed over and emptied)."""
+    if dq.dtype != query.dtype:
+        dq = dq.to(query.dtype)
+    if dw.dtype != norm_weight.dtype:
+        dw = dw.to(norm_weight.dtype)
+    if stacked:
+        return dq, dw, None, dstack
+    grads = []
+    for i in owned:
+        sl = slots[i]
+        grads.append(sl.grad)
+        sl.grad, sl.table = None, None
+    return dq, dw, None, *grads
 
 
 _backward_once = torch.autograd.function.once_differentiable(_DepthAttentionFn.backward)

@@ -55,10 +55,14 @@ CASES = [
     ((13,), 64, (BF,) * 6, LaunchConfig(rows=1, warps=2, group=4, bwd_rows=2, bwd_group=2), 10.0),
     # the two-pass forward over chunks of D: one source, a last chunk that D does not fill, mixed dtypes (source 0
     # in its own), pipelined loops, more sources than a power of two holds exactly
-    ((7,), 24, (F32,), LaunchConfig(rows=1, warps=1, chunk=32), 1.0),
+    ((7,), 24, (F32,), LaunchConfig(rows=1, warps=1, chunk=32, bwd_chunk=16), 1.0),
     ((37,), 48, (F32,) * 5, LaunchConfig(rows=1, warps=1, chunk=32), 30.0),
-    ((3, 7), 33, (BF, HF, F32, BF, BF), LaunchConfig(rows=1, warps=2, chunk=16, stages=2), 10.0),
+    ((3, 7), 33, (BF, HF, F32, BF, BF), LaunchConfig(rows=1, warps=2, chunk=16, stages=2, bwd_chunk=16), 10.0),
     ((13,), 64, (F32, BF, BF, BF, BF, BF), LaunchConfig(rows=1, warps=1, chunk=16, bwd_group=2), 10.0),
+    # and the two-pass backward: alone (under the one-pass forward), with it, pipelined, one source
+    ((37,), 48, (F32,) * 5, LaunchConfig(rows=2, warps=1, bwd_chunk=32), 30.0),
+    ((41,), 40, (F32, BF, BF, BF), LaunchConfig(rows=1, warps=1, chunk=32, bwd_chunk=16, bwd_stages=2), 10.0),
+    ((2, 9), 40, (BF, BF), LaunchConfig(rows=1, warps=1, bwd_chunk=64), 1.0),
 ]
 
 
@@ -198,6 +202,8 @@ def test_bad_arguments_raise():
         depth_attention([x], q, w, backend="triton", config=LaunchConfig(bwd_stages=5))
     with pytest.raises(ValueError, match=r"LaunchConfig.chunk=64 \(rows=2\) is not allowed"):
         depth_attention([x], q, w, backend="triton", config=LaunchConfig(rows=2, chunk=64))
+    with pytest.raises(ValueError, match=r"LaunchConfig.bwd_chunk=24 is not allowed"):
+        depth_attention([x], q, w, backend="triton", config=LaunchConfig(bwd_chunk=24))
     slot = GradSlot()
     with pytest.raises(ValueError, match="one GradSlot twice"):
         depth_attention([x, x], q, w, backend="triton", slots=[slot, slot])
@@ -225,10 +231,10 @@ def _chain(backend, leaves, dts, with_slots, config=None):
 
 # the default launch at these widths (one source at a time), and sources 4 at a time: a group that holds the
 # last source (whose slot may add) among middle ones (whose slots add or not together)
-SLOT_CONFIGS = [None, LaunchConfig(rows=1, warps=1, group=4), LaunchConfig(rows=1, warps=1, chunk=16)]
+SLOT_CONFIGS = [None, LaunchConfig(rows=1, warps=1, group=4), LaunchConfig(rows=1, warps=1, chunk=16, bwd_chunk=16)]
 
 
-@pytest.mark.parametrize("config", SLOT_CONFIGS, ids=["default", "group4", "chunk16"])
+@pytest.mark.parametrize("config", SLOT_CONFIGS, ids=["default", "group4", "chunked"])
 @pytest.mark.parametrize("dts", [(F32,) * 4, (BF,) * 4], ids=["fp32", "bf16"])
 def test_grad_slots_sum_in_place_over_reads(dts, config):
     """Sources read by several reads with gradient slots (the backward sums each source's gradient in
@@ -414,7 +420,7 @@ def test_sources_of_mixed_dtypes(monkeypatch):
         assert_close(a, b, 2e-2, f"grad of leaf {i}")
 
 
-@pytest.mark.parametrize("config", SLOT_CONFIGS, ids=["default", "group4", "chunk16"])
+@pytest.mark.parametrize("config", SLOT_CONFIGS, ids=["default", "group4", "chunked"])
 def test_middle_slots_partly_summed(monkeypatch, config):
     """A read whose middle slots a later read has partly filled (one it shares with that read, one only it
     takes): the missing buffer is made zeroed, so that one flag (all middle gradients add) is right for both;
