@@ -319,3 +319,23 @@ def test_packed_prep_writes_the_documents_chunk_layout(gate, K, V, C, dtype):
             assert torch.equal(got, ref), name
         else:  # compiled for the GPU, the two kernels may sum a row's L2 norm in another order: a rounding apart
             assert_close(got.float(), ref.float(), 1e-2 if dtype == torch.bfloat16 else FP16_TOL, name)
+
+
+def test_prep_backward_reads_gradients_in_the_documents_layout():
+    """``prep_bwd(..., rows=)``: dqn, dkn, dg given in another token layout (``[1, R, H, Kg]``, token t at row
+    ``rows[t]``, Kg padded past K) give bit for bit what gathering them to token order first gives; bad rows are
+    refused with the shapes."""
+    T, H, K, R, Kg = 23, 2, 12, 40, 16
+    q, k, z, A_log, dt_bias = _inputs(1, T, H, K, "bounded", seed=5)
+    gen = torch.Generator().manual_seed(6)
+    rows = torch.randperm(R, generator=gen)[:T].sort().values.to(DEV)
+    grads = [torch.randn(1, R, H, Kg, generator=gen).to(DEV) for _ in range(3)]
+    kw = dict(gate="bounded", g_min=-5.0, silu_qk=True, l2norm_qk=True)
+    got = prep_bwd(q, k, z, A_log, dt_bias, *grads, rows=rows, **kw)
+    want = prep_bwd(q, k, z, A_log, dt_bias, *(g[:, rows, :, :K] for g in grads), **kw)
+    for name, a, b in zip(NAMES, got, want):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match=r"rows must be a \[T\] = \[23\] int64"):
+        prep_bwd(q, k, z, A_log, dt_bias, *grads, rows=rows.int(), **kw)
+    with pytest.raises(ValueError, match=r"dqn must be None or \(1, R, 2, >= 12\)"):
+        prep_bwd(q, k, z, A_log, dt_bias, grads[0][..., :8], None, None, rows=rows, **kw)

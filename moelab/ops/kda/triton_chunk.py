@@ -575,15 +575,22 @@ class ChunkKDAFunction(torch.autograd.Function):
         del dU  # only dh (writes) and wy (reads) use it: freed before the largest allocations below
         dbeta = _grad_pass(q, k, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dbv, scale, bounded, C)
         del inter, G, dAs, dkb, dhbuf
+        # packed documents: the prep's backward reads dq, dk, dg in the documents' layout itself; the rest comes back
+        # to token order here
+        rows = pack.pos if pack is not None and prep.active else None
         if pack is not None:
-            dq, dk, dv, dg, dbeta = (pack.gather(x) for x in (dq, dk, dv, dg, dbeta))
+            dv, dbeta = pack.gather(dv), pack.gather(dbeta)
+            if rows is None:
+                dq, dk, dg = (pack.gather(x) for x in (dq, dk, dg))
         dbeta = dbeta[:, :T0].to(beta_raw.dtype)
-        dq, dk, dg = (x[:, :T0, :, :K0] for x in (dq, dk, dg))
+        if rows is None:
+            dq, dk, dg = (x[:, :T0, :, :K0] for x in (dq, dk, dg))
         dv = dv[:, :T0, :, :V0]
         dh0 = dh0[:, :, :K0, :V0].to(h0_raw.dtype) if dh0 is not None else None
         dA_log = ddt_bias = None
         if prep.active:
-            dq, dk, dg, dA_log, ddt_bias = prep_bwd(q_raw, k_raw, g_raw, A_log, dt_bias, dq, dk, dg, **prep.kw())
+            dq, dk, dg, dA_log, ddt_bias = prep_bwd(q_raw, k_raw, g_raw, A_log, dt_bias, dq, dk, dg, **prep.kw(),
+                                                     rows=rows)
         return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, None, dh0, None, None, None, None, None, None
 
 

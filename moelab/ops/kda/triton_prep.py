@@ -254,6 +254,7 @@ def _prep_bwd_kernel(
     dz,
     dA_part,
     dbias_part,
+    grow,
     n_tok,
     H,
     g_min,
@@ -268,11 +269,14 @@ def _prep_bwd_kernel(
     HAS_DQ: tl.constexpr,
     HAS_DK: tl.constexpr,
     HAS_DG: tl.constexpr,
+    KG: tl.constexpr = 1,
+    PACK: tl.constexpr = False,
 ):
     """Gradients of ``_prep_fwd_kernel`` for ``BR`` tokens of one head (grid ``[cdiv(B*T, BR), H]``),
     and that block's fp32 shares of the gate's parameter gradients, summed over its tokens from the
     fp32 dz (before dz is rounded to z's dtype): ``dA_part[block, h]`` (over the K channels too) and
-    ``dbias_part[block, h*K:(h+1)*K]``."""
+    ``dbias_part[block, h*K:(h+1)*K]``. ``PACK``: dqn, dkn, dg lie in another layout, token t's at row
+    ``grow[t]`` of ``[R, H, KG]`` (packed documents' chunk layout), read from there directly."""
     i_t = tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = i_t.to(tl.int64) * BR
@@ -283,17 +287,21 @@ def _prep_bwd_kernel(
     cmask = c < K
     mask = rmask[:, None] & cmask[None, :]
     offs = r[:, None] * (H * K) + c[None, :]
+    if PACK:
+        gsrc = (tl.load(grow + t0 + r, mask=rmask, other=0) * H + i_h)[:, None] * KG + c[None, :]
+    else:
+        gsrc = base + offs
 
     if HAS_DQ:
         x = tl.load(q + base + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dqn + base + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dqn + gsrc, mask=mask, other=0.0).to(tl.float32)
         tl.store(dq + base + offs, _qk_bwd(x, dy, eps, SILU, L2NORM).to(dq.dtype.element_ty), mask=mask)
     if HAS_DK:
         x = tl.load(k + base + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dkn + base + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dkn + gsrc, mask=mask, other=0.0).to(tl.float32)
         tl.store(dk + base + offs, _qk_bwd(x, dy, eps, SILU, L2NORM).to(dk.dtype.element_ty), mask=mask)
     if HAS_DG:
-        dy = tl.load(dg + base + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dg + gsrc, mask=mask, other=0.0).to(tl.float32)
         if GATE == 0:
             dx = dy
         else:
@@ -528,13 +536,16 @@ def prep_bwd(
     silu_qk: bool,
     l2norm_qk: bool,
     eps: float = 1e-6,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Backward prep in one kernel launch (no autograd); recomputes from the inputs of ``prep_fwd``.
 
     Args:
         q, k, z, A_log, dt_bias and the keyword flags: exactly as given to :func:`prep_fwd`.
         dqn, dkn, dg: ``[B, T, H, K]`` gradients of qn, kn, g (any float dtype), or None where no
-            gradient flowed.
+            gradient flowed; with ``rows``, ``[1, R, H, Kg]`` (Kg >= K) in another token layout.
+        rows: None, or ``[T]`` int64 (B = 1): the row of dqn / dkn / dg that holds token t's gradient (packed
+            documents' chunk layout, ``triton_chunk.Packing.pos``), read there in the same pass.
 
     Returns:
         ``(dq, dk, dz, dA_log, ddt_bias)``: dq, dk ``[B, T, H, K]`` in q's dtype (None when dqn /
@@ -544,21 +555,27 @@ def prep_bwd(
         sums of the kernel's fp32 per-block partials (deterministic).
     """
     _check(q, k, z, A_log, dt_bias, gate, g_min, eps)
+    B, T, H, K = q.shape
     for name, t in (("dqn", dqn), ("dkn", dkn), ("dg", dg)):
-        if t is not None and (t.shape != q.shape or t.dtype not in DTYPES or t.device != q.device):
-            raise ValueError(
-                f"{name} must be None or {tuple(q.shape)} float on {q.device}; got "
-                f"{(tuple(t.shape), t.dtype, t.device)}"
-            )
+        ok = t is None or (t.dtype in DTYPES and t.device == q.device and (
+            t.shape == q.shape if rows is None else (t.dim() == 4 and t.shape[0] == 1 and t.shape[2] == H
+                                                      and t.shape[3] >= K)))
+        if not ok:
+            want = tuple(q.shape) if rows is None else f"(1, R, {H}, >= {K})"
+            raise ValueError(f"{name} must be None or {want} float on {q.device}; got "
+                             f"{(tuple(t.shape), t.dtype, t.device)}")
+    if rows is not None and (B != 1 or rows.shape != (T,) or rows.dtype != torch.int64):
+        raise ValueError(f"rows must be a [T] = [{T}] int64 tensor with B = 1, got B = {B} and "
+                         f"{(tuple(rows.shape), rows.dtype)}")
     if dqn is None and dkn is None and dg is None:
         return None, None, None, None, None
     q, k, z = q.contiguous(), k.contiguous(), z.contiguous()
     dqn, dkn, dg = (t.contiguous() if t is not None else None for t in (dqn, dkn, dg))
+    kg = next(t.shape[3] for t in (dqn, dkn, dg) if t is not None)
     dq = torch.empty_like(q) if dqn is not None else None
     dk = torch.empty_like(k) if dkn is not None else None
     dz = torch.empty_like(z) if dg is not None else None
     gated = dg is not None and gate != "none"
-    B, T, H, K = q.shape
     BR, scalars, const = _launch_args(q, gate, g_min, silu_qk, l2norm_qk, eps, _BWD_ELEMS)
     NB = triton.cdiv(B * T, BR)
     # per-block fp32 partials of dA_log and ddt_bias, summed here (deterministic: no atomics)
@@ -572,6 +589,7 @@ def prep_bwd(
         A_log if A_log is not None else dummy,
         dt_bias if dt_bias is not None else dummy,
         *(t if t is not None else dummy for t in (dqn, dkn, dg, dq, dk, dz, dA_part, dbias_part)),
+        rows if rows is not None else dummy,
         B * T,
         *scalars,
         **const,
@@ -579,6 +597,8 @@ def prep_bwd(
         HAS_DQ=dqn is not None,
         HAS_DK=dkn is not None,
         HAS_DG=dg is not None,
+        KG=kg if rows is not None else 1,
+        PACK=rows is not None,
         num_warps=_NUM_WARPS,
     )
     dA_log = dA_part.sum(0) if gated else None
