@@ -59,14 +59,22 @@ class Documents:
     _taps: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_segment_ids(cls, segment_ids: torch.Tensor) -> Documents:
-        """From ``segment_ids [B, T]`` (any integer dtype; one host sync, to count the documents)."""
+    def from_segment_ids(cls, segment_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> Documents:
+        """From ``segment_ids [B, T]`` (any integer dtype). ``cu_seqlens``: the documents' offsets made before the
+        batch reached the device (``moelab.ops.varlen.cu_seqlens`` on the CPU batch, as ``LitMoELab`` does), so no
+        host sync; None: counted here (one host sync)."""
         starts = document_starts(segment_ids)
         B, T = segment_ids.shape
         doc = starts.long().cumsum(1) - 1
         t = torch.arange(T, device=segment_ids.device).expand(B, T)
         first = torch.where(starts, t, torch.zeros_like(t)).cummax(1).values  # start of each token's document
-        cu = cu_seqlens_from_starts(starts)
+        if cu_seqlens is None:
+            cu = cu_seqlens_from_starts(starts)
+        else:
+            if cu_seqlens.dim() != 1 or cu_seqlens.numel() < B + 1 or cu_seqlens.dtype != torch.int32:
+                raise ValueError(f"cu_seqlens must be [N + 1] int32 with N >= B = {B} documents, got "
+                                 f"{(tuple(cu_seqlens.shape), cu_seqlens.dtype)}")
+            cu = cu_seqlens.to(segment_ids.device, non_blocking=True)
         return cls(doc=doc, pos=t - first, cu_seqlens=cu, num_docs=cu.numel() - 1)
 
     @property

@@ -210,6 +210,7 @@ class MoELab(nn.Module):
         return_logits: bool = True,
         check_ids: bool = True,
         segment_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> ModelOutput:
         """Logits (and loss) for ``input_ids [B, T]`` long.
 
@@ -227,11 +228,17 @@ class MoELab(nn.Module):
             segment_ids: ``[B, T]`` integer, the document number of each token within its row, for
                 rows of packed documents (``moelab.model.documents``): every token mixer keeps the
                 documents apart, equal to running each document alone. None: each row is one
-                sequence. Not with ``state`` or ``use_cache``; one host sync (to count documents).
+                sequence. Not with ``state`` or ``use_cache``; one host sync (to count documents), unless
+                ``cu_seqlens`` comes with them.
+            cu_seqlens: ``[N + 1]`` int32, the offsets of ``segment_ids``' N documents in the flattened ``B * T``
+                order (``moelab.ops.varlen.cu_seqlens``), made where counting them costs no sync (the CPU batch);
+                only with ``segment_ids``.
         """
         past = state.seq_len if state is not None else 0
         self._check(input_ids, targets, past, check_ids)
         docs = None
+        if cu_seqlens is not None and segment_ids is None:
+            raise ValueError("cu_seqlens is only allowed with segment_ids (the documents it gives the offsets of)")
         if segment_ids is not None:
             if segment_ids.shape != input_ids.shape:
                 raise ValueError(f"segment_ids shape {tuple(segment_ids.shape)} must equal input_ids shape "
@@ -239,7 +246,7 @@ class MoELab(nn.Module):
             if state is not None or use_cache:
                 raise ValueError("segment_ids (packed documents) is not allowed with state or use_cache: decode "
                                  "or prefill one document per row")
-            docs = Documents.from_segment_ids(segment_ids)
+            docs = Documents.from_segment_ids(segment_ids, cu_seqlens)
             if docs.one_per_row:
                 docs = None
         prev = state.layers if state is not None else [None] * len(self.layers)

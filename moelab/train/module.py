@@ -89,7 +89,7 @@ def train_step_fn(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad
         with torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None,
                             cache_enabled=False):
             out = model(batch["input_ids"], batch["targets"], return_logits=False, check_ids=False,
-                        segment_ids=batch.get("segment_ids"))
+                        segment_ids=batch.get("segment_ids"), cu_seqlens=batch.get("cu_seqlens"))
         aux, on = out.aux_loss, None
         if index is not None:  # warm start: the balancer is on from step index S (0-based), device-side
             on = index >= balancer_start_step
@@ -249,10 +249,23 @@ class LitMoELab(L.LightningModule):
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None):
         return self.model(input_ids, targets)
 
-    def _segments(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """The batch's document numbers ``[B, T]`` when ``data.document_mask`` keeps packed documents apart
-        (the data module adds them with a curriculum), else None."""
-        return batch.get("segment_ids") if self.cfg.data.document_mask else None
+    def _segments(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+        """The batch's document numbers ``segment_ids [B, T]`` when ``data.document_mask`` keeps packed documents
+        apart (the data module adds them with a curriculum), with their ``cu_seqlens`` where
+        :meth:`on_before_batch_transfer` made them; else None for both."""
+        if not self.cfg.data.document_mask:
+            return {"segment_ids": None, "cu_seqlens": None}
+        return {"segment_ids": batch.get("segment_ids"), "cu_seqlens": batch.get("cu_seqlens")}
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Packed documents: their offsets (``cu_seqlens``) counted on the CPU batch, where that waits for nothing,
+        so that the forward on the device makes no host sync to count them."""
+        if (self.cfg.data.document_mask and isinstance(batch, dict) and "segment_ids" in batch
+                and "cu_seqlens" not in batch and batch["segment_ids"].device.type == "cpu"):
+            from moelab.ops.varlen import cu_seqlens
+
+            batch = {**batch, "cu_seqlens": cu_seqlens(batch["segment_ids"])}
+        return batch
 
     def configure_callbacks(self) -> list[L.Callback]:
         # Every MoE model gets the balancer step (a no-op update for none / aux_loss) and its load metrics.
@@ -269,7 +282,7 @@ class LitMoELab(L.LightningModule):
         if not self.automatic_optimization:
             return self._captured_step(batch)
         out = self.model(batch["input_ids"], batch["targets"], return_logits=False, check_ids=False,
-                         segment_ids=self._segments(batch))
+                         **self._segments(batch))
         aux = out.aux_loss
         if self.global_step < self.cfg.train.balancer_start_step:  # warm start: the balancer is still off
             aux = torch.zeros_like(aux)
@@ -317,7 +330,7 @@ class LitMoELab(L.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out = self.model(batch["input_ids"], batch["targets"], return_logits=False, check_ids=False,
-                         segment_ids=self._segments(batch))
+                         **self._segments(batch))
         # Every rank holds the same number of equal-size batches, so the mean of rank means is exact.
         self.log("val/loss", out.loss, prog_bar=True, sync_dist=True)
         return out.loss

@@ -202,6 +202,29 @@ def test_documents_layout() -> None:
                                                                      (1, 4, 1)]
 
 
+def test_documents_counted_before_the_forward() -> None:
+    """``cu_seqlens`` made beforehand (on the CPU batch) gives the documents and the model's output that counting
+    them in the forward gives; it is refused without segment_ids, and in a shape that cannot be the offsets."""
+    from moelab.ops.varlen import cu_seqlens
+
+    seg = torch.tensor([[0, 0, 0, 1, 1], [4, 4, 9, 4, 4]])
+    d, e = Documents.from_segment_ids(seg), Documents.from_segment_ids(seg, cu_seqlens(seg))
+    assert torch.equal(d.cu_seqlens, e.cu_seqlens) and d.num_docs == e.num_docs == 5
+    assert torch.equal(d.doc, e.doc) and torch.equal(d.pos, e.pos)
+    m = build("hybrid").eval()
+    ids = torch.randint(0, 50, (2, T))
+    segs = torch.zeros(2, T, dtype=torch.long)
+    segs[:, T // 3:] = 1
+    with torch.no_grad():
+        counted = m(ids, segment_ids=segs).logits
+        given = m(ids, segment_ids=segs, cu_seqlens=cu_seqlens(segs)).logits
+    assert torch.equal(counted, given)
+    with pytest.raises(ValueError, match="cu_seqlens is only allowed with segment_ids"):
+        m(ids, cu_seqlens=cu_seqlens(segs))
+    with pytest.raises(ValueError, match=r"cu_seqlens must be \[N \+ 1\] int32 with N >= B = 2"):
+        Documents.from_segment_ids(seg, torch.tensor([0, 10], dtype=torch.int32))
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not INTERPRET, reason="the Triton conv on CPU tensors needs the interpreter"))])
 @pytest.mark.parametrize("activation", [None, "silu"])
