@@ -309,7 +309,9 @@ def timing_row(arm: TimedStep, windows: list[dict], base: list[dict] | None,
 def random_batches(vocab: int, B: int, T: int, n: int, seed: int = 0, doc_lengths: tuple[int, int] | None = None,
                     device: torch.device | str = "cuda") -> list[dict[str, torch.Tensor]]:
     """``n`` batches of random ids on ``device`` (the same for every mode); ``doc_lengths=(lo, hi)``: packed
-    documents of lengths uniform in [lo, hi], cut at the row's end (``segment_ids``)."""
+    documents of lengths uniform in [lo, hi], cut at the row's end (``segment_ids``, and their ``cu_seqlens``)."""
+    from moelab.ops.varlen import cu_seqlens
+
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
@@ -324,6 +326,7 @@ def random_batches(vocab: int, B: int, T: int, n: int, seed: int = 0, doc_length
                     seg[b, t:t + size] = d
                     t, d = t + size, d + 1
             batch["segment_ids"] = seg.to(device)
+            batch["cu_seqlens"] = cu_seqlens(seg).to(device)  # counted on the CPU, as LitMoELab's transfer hook does
         out.append(batch)
     return out
 
