@@ -32,7 +32,7 @@ from collections.abc import Iterator
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from moelab.base import ConfigError, _check
 from moelab.data.config import DataConfig
@@ -280,7 +280,19 @@ class TextDataModule(L.LightningDataModule):
     def _loader(self, dataset: Dataset, loader_cls: type[DataLoader] = DataLoader, **kwargs) -> DataLoader:
         workers = self.cfg.num_workers
         return loader_cls(dataset, num_workers=workers, persistent_workers=workers > 0,
-                          pin_memory=torch.cuda.is_available(), **kwargs)
+                          pin_memory=torch.cuda.is_available(), collate_fn=collate, **kwargs)
+
+
+def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The loaders' batches: the items stacked, and where they carry ``segment_ids`` (packed documents), their
+    ``cu_seqlens`` (``moelab.ops.varlen.cu_seqlens``), counted here, in the loader's workers on the CPU, so that the
+    forward on the device needs no host sync to count the documents (``MoELab.forward(cu_seqlens=)``)."""
+    from moelab.ops.varlen import cu_seqlens
+
+    batch = default_collate(items)
+    if "segment_ids" in batch:
+        batch["cu_seqlens"] = cu_seqlens(batch["segment_ids"])
+    return batch
 
 
 def _pair(chunk: np.ndarray) -> dict[str, torch.Tensor]:
@@ -289,5 +301,5 @@ def _pair(chunk: np.ndarray) -> dict[str, torch.Tensor]:
     return {"input_ids": ids[:-1], "targets": ids[1:]}
 
 
-__all__ = ["FixedWindows", "RandomWindows", "StepBatchSampler", "StepLoader", "TextDataModule", "step_indices",
-           "val_windows", "window_offset"]
+__all__ = ["FixedWindows", "RandomWindows", "StepBatchSampler", "StepLoader", "TextDataModule", "collate",
+           "step_indices", "val_windows", "window_offset"]

@@ -61,7 +61,7 @@ class Documents:
     @classmethod
     def from_segment_ids(cls, segment_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> Documents:
         """From ``segment_ids [B, T]`` (any integer dtype). ``cu_seqlens``: the documents' offsets made before the
-        batch reached the device (``moelab.ops.varlen.cu_seqlens`` on the CPU batch, as ``LitMoELab`` does), so no
+        batch reached the device (``moelab.ops.varlen.cu_seqlens`` on the CPU batch, as the data loaders do), so no
         host sync; None: counted here (one host sync)."""
         starts = document_starts(segment_ids)
         B, T = segment_ids.shape

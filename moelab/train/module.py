@@ -251,21 +251,11 @@ class LitMoELab(L.LightningModule):
 
     def _segments(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
         """The batch's document numbers ``segment_ids [B, T]`` when ``data.document_mask`` keeps packed documents
-        apart (the data module adds them with a curriculum), with their ``cu_seqlens`` where
-        :meth:`on_before_batch_transfer` made them; else None for both."""
+        apart (the data module adds them with a curriculum), with the ``cu_seqlens`` its loaders count on the CPU
+        (``moelab.data.datamodule.collate``); else None for both."""
         if not self.cfg.data.document_mask:
             return {"segment_ids": None, "cu_seqlens": None}
         return {"segment_ids": batch.get("segment_ids"), "cu_seqlens": batch.get("cu_seqlens")}
-
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Packed documents: their offsets (``cu_seqlens``) counted on the CPU batch, where that waits for nothing,
-        so that the forward on the device makes no host sync to count them."""
-        if (self.cfg.data.document_mask and isinstance(batch, dict) and "segment_ids" in batch
-                and "cu_seqlens" not in batch and batch["segment_ids"].device.type == "cpu"):
-            from moelab.ops.varlen import cu_seqlens
-
-            batch = {**batch, "cu_seqlens": cu_seqlens(batch["segment_ids"])}
-        return batch
 
     def configure_callbacks(self) -> list[L.Callback]:
         # Every MoE model gets the balancer step (a no-op update for none / aux_loss) and its load metrics.

@@ -326,7 +326,8 @@ def random_batches(vocab: int, B: int, T: int, n: int, seed: int = 0, doc_length
                     seg[b, t:t + size] = d
                     t, d = t + size, d + 1
             batch["segment_ids"] = seg.to(device)
-            batch["cu_seqlens"] = cu_seqlens(seg).to(device)  # counted on the CPU, as LitMoELab's transfer hook does
+            # counted on the CPU, as the data loaders do (moelab.data.datamodule.collate)
+            batch["cu_seqlens"] = cu_seqlens(seg).to(device)
         out.append(batch)
     return out
 

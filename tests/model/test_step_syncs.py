@@ -95,7 +95,7 @@ def test_detector_sees_the_syncs_it_names() -> None:
 def test_packed_documents_keep_their_documented_syncs(conv: str) -> None:
     """With packed documents (train mode, flex MLA mask) every sync comes from counting the documents or the
     ShortConv boundary fix, none from MLA or its block mask; the Triton conv (the GPU's) makes no fix at all; and with
-    the documents counted on the CPU batch (the LightningModule's transfer hook) the Triton conv's step makes none."""
+    the documents counted by the data loader the Triton conv's step makes none."""
     m = lit({"data.document_mask": True, "model.kda.conv_backend": conv})
     for layer in m.model.layers:
         if layer.kind == "mla":
@@ -108,10 +108,12 @@ def test_packed_documents_keep_their_documented_syncs(conv: str) -> None:
     assert all(where.startswith(allowed) for _, where in calls), calls
     assert any("conv_fix" in where for _, where in calls) == (conv == "torch"), calls
     assert not any("block_mask" in where or "mla.py" in where for _, where in calls), calls
-    # as Lightning runs it: the documents counted on the CPU batch before it moves (on_before_batch_transfer), so the
-    # step itself does not count them: what syncs is left comes from the torch paths only (the conv's boundary fix,
-    # the torch KDA op reading the offsets to run document by document)
-    moved = m.on_before_batch_transfer(dict(batch), 0)
+    # as a training run gets it: the documents counted by the data loader (moelab.data.datamodule.collate, in its
+    # workers), so the step itself does not count them: what syncs is left comes from the torch paths only (the
+    # conv's boundary fix, the torch KDA op reading the offsets to run document by document)
+    from moelab.data.datamodule import collate
+
+    moved = collate([{k: v[b] for k, v in batch.items()} for b in range(2)])
     assert torch.equal(moved["cu_seqlens"], torch.tensor([0, 10, 32, 35, 64], dtype=torch.int32))
     after = syncs_of_second_step(m, moved)
     assert not any("documents.py" in where and "conv_fix" not in where for _, where in after), after
