@@ -366,7 +366,7 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
     result: dict[str, Any] = {"meta": {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                                        "torch": torch.__version__,
                                        "commit": git_commit(), "command": " ".join(sys.argv), "steps": steps,
-                                       "window": window, "warm": warm, "budget_s": budget_s,
+                                       "window": window, "warm": warm, "budget_s": budget_s, "overrides": over,
                                        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")},
                               "rows": [], "docs16k": []}
 
@@ -543,9 +543,24 @@ def _op_sites(prof: Any, steps: int, cuda: bool, top: int) -> list[dict[str, Any
     return rows[:top]
 
 
+def _overrides(items: list[str]) -> dict[str, Any]:
+    """``["model.norm_backend=triton", ...]`` as ``{key: value}`` (values parsed as ``--set`` parses them)."""
+    from moelab.base import ConfigError
+    from moelab.config import parse_value
+
+    out = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r} is not allowed: expected KEY=VALUE, e.g. model.norm_backend=triton")
+        out[key.strip()] = parse_value(text)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
-    """``python -m moelab.train.perf --out FILE [--only k3-mini] [--modes eager,graphs] [--no-docs]``;
-    ``--profile PRESET`` (repeatable): :func:`step_profile` of each instead."""
+    """``python -m moelab.train.perf --out FILE [--only k3-mini] [--modes eager,graphs] [--no-docs] [--set K=V]``;
+    ``--profile PRESET`` (repeatable): :func:`step_profile` of each instead. ``--set`` overrides a field of every
+    preset measured (recorded in the rows' ``overrides`` and the meta)."""
     import argparse
 
     ap = argparse.ArgumentParser(description=capture_bench.__doc__.split("\n")[0])
@@ -558,11 +573,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-docs", action="store_true")
     ap.add_argument("--budget-s", type=float, default=450.0)
     ap.add_argument("--profile", action="append", metavar="PRESET", help="profile one eager step of PRESET instead")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a field of every preset measured, e.g. --set model.norm_backend=triton")
     a = ap.parse_args(argv)
+    over = _overrides(a.overrides)
     if a.profile:
         from moelab.provenance import provenance
 
-        rows = [step_profile(p) for p in a.profile]
+        rows = [step_profile(p, overrides=over) | ({"overrides": over} if over else {}) for p in a.profile]
         write_json(Path(a.out), {"meta": provenance(), "rows": rows})  # machine, versions, commit, date, command
         for r in rows:
             print(r["preset"], f"kernels {r['kernel_ms']:.1f} ms / step {r['step_ms']:.1f} ms,",
@@ -570,7 +588,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     presets = tuple(p for p in a.only if p != "none") if a.only else ("k3-mini", "gpu-small")
     res = capture_bench(presets, tuple(a.modes.split(",")), a.steps, a.window,
-                        docs=not a.no_docs, budget_s=a.budget_s, out=a.out,
+                        docs=not a.no_docs, budget_s=a.budget_s, out=a.out, overrides=over,
                         log=lambda m: print(m, file=sys.stderr, flush=True))
     for r in res["rows"] + res["docs16k"]:
         keys = ("preset", "arm", "mode", "tok_per_s", "step_ms", "host_ms", "mfu_activated", "peak_mem_gb",

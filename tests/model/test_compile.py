@@ -236,6 +236,17 @@ def test_step_profile_on_cpu() -> None:
     assert any(w.startswith(("model", "ops", "train")) for o in ops if o["dir"] == "bwd" for w in o["where"])
 
 
+def test_perf_set_overrides() -> None:
+    """perf's ``--set KEY=VALUE``: values parsed as the training CLI parses them; a malformed item names itself."""
+    from moelab.base import ConfigError
+    from moelab.train.perf import _overrides
+
+    assert _overrides(["model.norm_backend=triton", "train.lr=3e-4", "model.mla.fp32_output_precision=high"]) == {
+        "model.norm_backend": "triton", "train.lr": 3e-4, "model.mla.fp32_output_precision": "high"}
+    with pytest.raises(ConfigError, match="'norm_backend' is not allowed: expected KEY=VALUE"):
+        _overrides(["norm_backend"])
+
+
 class _EagerStep:
     """CapturedStep's interface with the capture left out (the CPU has no CUDA graphs): the same step and copies."""
 
