@@ -336,7 +336,8 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
                   steps: int = 100, window: int = 10, warm: int = 4, docs: bool = True, budget_s: float = 450.0,
                   out: str | os.PathLike | None = None, log: Any = print, device: str = "cuda",
                   overrides: dict[str, Any] | None = None,
-                  on_save: Any = None) -> dict[str, Any]:
+                  on_save: Any = None, variants: dict[str, tuple[str, dict[str, Any]]] | None = None
+                  ) -> dict[str, Any]:
     """Training steps per second of each preset in each ``train.compile`` mode on one GPU, in one process.
 
     Modes as ``train.compile`` runs them: ``eager`` (none), ``default`` (torch.compile of the model:
@@ -352,7 +353,9 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
     A mode that fails is recorded with its error. Written to ``out`` after each part (atomic).
     ``device="cpu"`` with ``overrides`` (toy sizes) runs the same code without the GPU (tests; no memory,
     modes eager and default only). ``on_save(result)`` is called at each write too (``kernels/bench.py``'s
-    ``model_capture`` entry saves through it).
+    ``model_capture`` entry saves through it). ``variants``: more arms in the same rounds, ``{name: (mode,
+    overrides)}`` (e.g. ``{"graphs_norm_triton": ("graphs", {"model.norm_backend": "triton"})}``): a setting timed
+    beside the modes on the same batches, its speed-up still over the plain eager arm (row ``arm``: the name).
     """
     import time
 
@@ -367,6 +370,8 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
                                        "torch": torch.__version__,
                                        "commit": git_commit(), "command": " ".join(sys.argv), "steps": steps,
                                        "window": window, "warm": warm, "budget_s": budget_s, "overrides": over,
+                                       "variants": {k: {"mode": m, "overrides": o} for k, (m, o) in
+                                                    (variants or {}).items()},
                                        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")},
                               "rows": [], "docs16k": []}
 
@@ -424,23 +429,26 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
         data = random_batches(cfg.model.vocab_size, cfg.train.batch_size, cfg.data.seq_len, n, device=dev)
         arms: dict[str, TimedStep] = {}
         errors: dict[str, str] = {}
-        for mode in modes:
-            log(f"{preset} {mode}: set-up ({time.perf_counter() - start:.0f} s)")
+        specs = {mode: (mode, {}) for mode in modes} | dict(variants or {})
+        for name, (mode, extra) in specs.items():
+            log(f"{preset} {name}: set-up ({time.perf_counter() - start:.0f} s)")
             try:
-                arms[mode] = TimedStep(preset, over, mode, data, warm, 3e-4)
-                log(f"  {arms[mode].setup_s:.1f} s")
+                arms[name] = TimedStep(preset, {**over, **extra}, mode, data, warm, 3e-4)
+                log(f"  {arms[name].setup_s:.1f} s")
             except Exception as e:  # noqa: BLE001 - recorded: which mode broke and why is the measurement
-                errors[mode] = f"set-up: {type(e).__name__}: {e}"[:2000]
-                log(f"  failed: {errors[mode][:300]}")
+                errors[name] = f"set-up: {type(e).__name__}: {e}"[:2000]
+                log(f"  failed: {errors[name][:300]}")
         windows = interleaved_rounds(arms, rounds, window, deadline, log, errors)
-        base = windows.get("eager") if "eager" not in errors else None
+        base = windows.get("eager") if "eager" in arms and "eager" not in errors else None
         base_losses = [float(x) for x in arms["eager"].losses] if base else None
-        for mode in modes:
-            if mode in arms and mode not in errors and windows.get(mode):
-                row = timing_row(arms[mode], windows[mode], base if mode != "eager" else None,
-                           base_losses if mode != "eager" else None)
+        for name, (mode, extra) in specs.items():
+            if name in arms and name not in errors and windows.get(name):
+                row = timing_row(arms[name], windows[name], base if name != "eager" else None,
+                                 base_losses if name != "eager" else None)
             else:
-                row = {"mode": mode, "error": errors.get(mode, "no rounds")}
+                row = {"mode": mode, "error": errors.get(name, "no rounds")}
+            if name not in modes:
+                row = {"arm": name, **row, "overrides": extra}
             result["rows"].append({"preset": preset, **row})
         del arms
         if dev.type == "cuda":
@@ -557,6 +565,23 @@ def _overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def _variants(items: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """``["graphs_tf32=graphs:model.mla.fp32_output_precision=high", ...]`` as ``{name: (mode, overrides)}``."""
+    from moelab.base import ConfigError
+
+    out = {}
+    for item in items:
+        name, sep, rest = item.partition("=")
+        mode, sep2, sets = rest.partition(":")
+        if not sep or not name.strip() or mode not in CAPTURE_MODES:
+            raise ConfigError(f"--variant {item!r} is not allowed: expected NAME=MODE[:KEY=VALUE,...] with MODE one "
+                              f"of {', '.join(CAPTURE_MODES)}, e.g. tf32=graphs:model.mla.fp32_output_precision=high")
+        if name in CAPTURE_MODES or name in out:
+            raise ConfigError(f"--variant {item!r} is not allowed: the name {name!r} is taken (a mode or a variant)")
+        out[name] = (mode, _overrides([x for x in sets.split(",") if x]) if sep2 else {})
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m moelab.train.perf --out FILE [--only k3-mini] [--modes eager,graphs] [--no-docs] [--set K=V]``;
     ``--profile PRESET`` (repeatable): :func:`step_profile` of each instead. ``--set`` overrides a field of every
@@ -575,8 +600,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", action="append", metavar="PRESET", help="profile one eager step of PRESET instead")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a field of every preset measured, e.g. --set model.norm_backend=triton")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=MODE:KEY=VALUE[,KEY=VALUE]",
+                    help="one more arm in the same rounds, e.g. tf32=graphs:model.mla.fp32_output_precision=high")
     a = ap.parse_args(argv)
     over = _overrides(a.overrides)
+    variants = _variants(a.variant)
     if a.profile:
         from moelab.provenance import provenance
 
@@ -588,7 +616,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     presets = tuple(p for p in a.only if p != "none") if a.only else ("k3-mini", "gpu-small")
     res = capture_bench(presets, tuple(a.modes.split(",")), a.steps, a.window,
-                        docs=not a.no_docs, budget_s=a.budget_s, out=a.out, overrides=over,
+                        docs=not a.no_docs, budget_s=a.budget_s, out=a.out, overrides=over, variants=variants,
                         log=lambda m: print(m, file=sys.stderr, flush=True))
     for r in res["rows"] + res["docs16k"]:
         keys = ("preset", "arm", "mode", "tok_per_s", "step_ms", "host_ms", "mfu_activated", "peak_mem_gb",

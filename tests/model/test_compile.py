@@ -203,8 +203,15 @@ def test_capture_bench_runs_on_cpu(tmp_path) -> None:
 
     out = tmp_path / "capture.json"
     res = capture_bench(("gpu-small",), ("eager", "graphs"), steps=8, window=2, warm=2, docs=True,
-                        budget_s=600, out=out, log=lambda m: None, device="cpu", overrides=TOY)
-    rows = {r["mode"]: r for r in res["rows"]}
+                        budget_s=600, out=out, log=lambda m: None, device="cpu", overrides=TOY,
+                        variants={"eager_torch_norm": ("eager", {"model.norm_backend": "torch"})})
+    rows = {r.get("arm", r["mode"]): r for r in res["rows"]}
+    # a variant arm: timed in the same rounds, compared with plain eager; here it sets the default, so it trains alike
+    same = rows["eager_torch_norm"]
+    assert same["mode"] == "eager" and same["overrides"] == {"model.norm_backend": "torch"}
+    assert same["rounds"] == 2 and "speedup_vs_eager" in same and same["loss_max_abs_diff_vs_eager"] == 0.0
+    assert res["meta"]["variants"] == {"eager_torch_norm": {"mode": "eager",
+                                                            "overrides": {"model.norm_backend": "torch"}}}
     eager = rows["eager"]
     assert eager["rounds"] == 2 and eager["steps"] == 2 + 2 * 3 and len(eager["losses"]) == 8
     assert eager["tok_per_s"] > 0 and eager["host_ms"] > 0 and eager["mfu_activated"] > 0
@@ -245,6 +252,15 @@ def test_perf_set_overrides() -> None:
         "model.norm_backend": "triton", "train.lr": 3e-4, "model.mla.fp32_output_precision": "high"}
     with pytest.raises(ConfigError, match="'norm_backend' is not allowed: expected KEY=VALUE"):
         _overrides(["norm_backend"])
+    from moelab.train.perf import _variants
+
+    assert _variants(["fast=graphs:model.norm_backend=triton,model.mla.fp32_output_precision=high", "plain=eager"]) == {
+        "fast": ("graphs", {"model.norm_backend": "triton", "model.mla.fp32_output_precision": "high"}),
+        "plain": ("eager", {})}
+    with pytest.raises(ConfigError, match="MODE one of eager, default, graphs"):
+        _variants(["fast=captured:model.norm_backend=triton"])
+    with pytest.raises(ConfigError, match="the name 'graphs' is taken"):
+        _variants(["graphs=graphs:model.norm_backend=triton"])
 
 
 class _EagerStep:
