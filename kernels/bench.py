@@ -848,6 +848,10 @@ MODEL_GROUPS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
                           ("moelab_fla_shape_cudnn", {"model.kda.backend": "cudnn"}),
                           # the pre-norms and KDA's gated output norm through moelab.ops.rms_norm (fla fuses both)
                           ("moelab_fla_shape_norm_triton", {"model.norm_backend": "triton"}),
+                          # the whole step as one CUDA graph (train.compile graphs: moelab.train.module.CapturedStep)
+                          ("moelab_fla_shape_graphs", {"train.compile": "graphs"}),
+                          ("moelab_fla_shape_graphs_norm_triton", {"train.compile": "graphs",
+                                                                   "model.norm_backend": "triton"}),
                           ("fla_kda", {})]),
     "gpu-small": ("gpu-small", [
         ("moelab_gpu_small_prenorm", {"model.residual.mode": "prenorm"}),
@@ -867,6 +871,8 @@ MODEL_TARGETS = {
     "fla_kda": ("moelab_fla_shape", "ratio_vs_moelab", None),
     "moelab_fla_shape_cudnn": ("moelab_fla_shape", "ratio_vs_moelab", None),
     "moelab_fla_shape_norm_triton": ("moelab_fla_shape", "ratio_vs_moelab", None),
+    "moelab_fla_shape_graphs": ("fla_kda", "ratio_vs_fla", 1.3),  # issue 36: >= 1.3x fla's tokens/s
+    "moelab_fla_shape_graphs_norm_triton": ("fla_kda", "ratio_vs_fla", 1.3),
     "moelab_gpu_small_full_attnres": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.75),  # issue 16
     "moelab_gpu_small_block_attnres": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.9),
     "moelab_gpu_small_block_attnres_8": ("moelab_gpu_small_prenorm", "ratio_vs_prenorm", 0.9),
@@ -926,6 +932,13 @@ class Runner:
         if self.cuda:
             torch.cuda.synchronize()
 
+    def count_ops(self) -> dict[str, Any]:
+        """One step's host work (:func:`moelab.train.host_work.count_step`, without Python calls)."""
+        from moelab.train.host_work import count_step  # the measured tree's (--base: that commit's, if it has it)
+
+        counts = count_step(self.model, self.x, self.opt, self.loss_fn, python_calls=False)
+        return {k: v for k, v in counts.items() if k != "by"} | {"launches_by_kernel": counts["by"]["triton_launches"]}
+
     def warm(self, steps: int) -> float:
         """``steps`` untimed steps; their wall seconds."""
         t = time.perf_counter()
@@ -959,6 +972,28 @@ class Runner:
             out["balancer_ms"] = sum(ms) / len(ms)
             out["balancer_share"] = out["balancer_ms"] / out["step_ms"]
         return out
+
+
+class CapturedRunner(Runner):
+    """A Runner whose step is the whole training step as one CUDA graph (``train.compile: graphs``): the step
+    :class:`~moelab.train.module.LitMoELab` captures (``train_step_fn``: forward, backward, the balancer, clipping
+    to ``grad_clip``, fused capturable AdamW at a tensor lr), replayed on a static batch."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable, B: int, T: int, vocab: int, grad_clip: float,
+                 device: str) -> None:
+        from moelab.train.module import CapturedStep, train_step_fn
+
+        super().__init__(model, loss_fn, B, T, vocab, False, device)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-4, device=device), fused=True,
+                                     capturable=True)
+        self.captured = CapturedStep(train_step_fn(model, self.opt, grad_clip, torch.bfloat16), warmup=2)
+        self.batch = {"input_ids": self.x, "targets": self.x}
+
+    def step(self, spans: list | None = None) -> torch.Tensor:
+        return self.captured(self.batch)["loss"]
+
+    def count_ops(self) -> dict[str, Any]:
+        return {"note": "one CUDA graph replay per step: no aten ops or launches issued from Python"}
 
 
 @dataclass
@@ -1010,7 +1045,13 @@ def build_moelab(impl: str, preset: str, overrides: dict, device: str) -> Built:
             o = m(ids, ids, return_logits=False, check_ids=False)
         return o.loss + o.aux_loss
 
-    return Built(row, Runner(model, loss_fn, B, T, cfg.model.vocab_size, balance, device), cfg.model)
+    if cfg.train.compile == "graphs":
+        runner: Runner = CapturedRunner(model, loss_fn, B, T, cfg.model.vocab_size, cfg.train.grad_clip, device)
+    elif cfg.train.compile != "none":
+        raise ValueError(f"{impl}: train.compile={cfg.train.compile!r} is not timed here: expected none or graphs")
+    else:
+        runner = Runner(model, loss_fn, B, T, cfg.model.vocab_size, balance, device)
+    return Built(row, runner, cfg.model)
 
 
 def build_fla() -> Built | None:
@@ -1181,12 +1222,8 @@ def run_group(group: str, ctx: Ctx, warmup: int, steps: int, record: Callable[[l
         _progress(f"round {r + 1}/{ctx.rounds}: " + ", ".join(
             f"{b.row['impl']} {w[-1]['step_ms']:.1f}" for b, w in zip(built, windows)) + " ms/step")
     if rows:
-        from moelab.train.host_work import count_step  # the measured tree's (--base: that commit's, if it has it)
-
         for b, row in zip(built, rows):
-            counts = count_step(b.runner.model, b.runner.x, b.runner.opt, b.runner.loss_fn, python_calls=False)
-            row["step_ops"] = {k: v for k, v in counts.items() if k != "by"}
-            row["step_ops"]["launches_by_kernel"] = counts["by"]["triton_launches"]
+            row["step_ops"] = b.runner.count_ops()
         record(rows)
     return rows
 

@@ -304,3 +304,28 @@ def test_attnres_launch_candidates_are_named_rows(bench):
     assert res.returncode == 2 and "LaunchConfig.rows=3 is not allowed" in res.stderr
     res = _run("--entry", "moe", "--smoke", "--impls", "moelab_fused")
     assert res.returncode == 2 and "needs entry kda" in res.stderr
+
+
+def test_model_rows_take_eager_or_a_captured_step(bench):
+    """build_moelab: train.compile none -> the eager Runner, graphs -> CapturedRunner (CUDA only: on the CPU the
+    capture's own error), any other mode a clear error naming the row and the value."""
+    toy = {**bench.SMOKE_MODEL, "model.n_layers": 2, "model.dense_layers": 2}
+    eager = bench.build_moelab("toy", "gpu-small", toy, "cpu")
+    assert type(eager.runner) is bench.Runner and torch.isfinite(eager.runner.step())
+    with pytest.raises(ValueError, match="toy: train.compile='default' is not timed here: expected none or graphs"):
+        bench.build_moelab("toy", "gpu-small", {**toy, "train.compile": "default"}, "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(Exception, match="CapturedStep needs a CUDA device"):
+            bench.build_moelab("toy", "gpu-small", {**toy, "train.compile": "graphs"}, "cpu")
+
+
+@pytest.mark.gpu
+def test_captured_model_row_trains_gpu(bench):
+    """A captured row on the GPU: its steps replay one graph (loss finite, falling on the repeated batch) and it
+    reports no host ops."""
+    toy = {**bench.SMOKE_MODEL, "model.n_layers": 2, "model.dense_layers": 2, "train.compile": "graphs"}
+    b = bench.build_moelab("toy", "gpu-small", toy, "cuda")
+    assert isinstance(b.runner, bench.CapturedRunner)
+    losses = [float(b.runner.step()) for _ in range(8)]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    assert "CUDA graph" in b.runner.count_ops()["note"]
