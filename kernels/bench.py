@@ -864,7 +864,9 @@ MODEL_GROUPS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
                             # every RMSNorm through moelab.ops.rms_norm (model.norm_backend, "torch" by default)
                             ("moelab_k3_mini_norm_triton", {"model.norm_backend": "triton"}),
                             # MLA's fp32 gate and output projection on TF32 tensor cores (SIMT fp32 GEMMs otherwise)
-                            ("moelab_k3_mini_tf32_output", {"model.mla.fp32_output_precision": "high"})]),
+                            ("moelab_k3_mini_tf32_output", {"model.mla.fp32_output_precision": "high"}),
+                            # the same matmuls to fp32 accuracy from three TF32 products (moelab.model.mla.tf32x3_mm)
+                            ("moelab_k3_mini_tf32x3_output", {"model.mla.fp32_output_precision": "tf32x3"})]),
 }
 # row -> (the row it is compared with, the field holding the paired tokens/s ratios, the least ratio allowed)
 MODEL_TARGETS = {
@@ -879,6 +881,7 @@ MODEL_TARGETS = {
     "moelab_k3_mini": ("moelab_k3_mini_balancer_none", "ratio_vs_balancer_none", 0.98),  # issue 15: cost <= 2%
     "moelab_k3_mini_norm_triton": ("moelab_k3_mini", "ratio_vs_torch_norm", None),
     "moelab_k3_mini_tf32_output": ("moelab_k3_mini", "ratio_vs_fp32_output", None),
+    "moelab_k3_mini_tf32x3_output": ("moelab_k3_mini", "ratio_vs_fp32_output", None),
 }
 MEM_TARGETS = {"moelab_gpu_small_block_attnres": 1.2, "moelab_gpu_small_block_attnres_8": 1.2}  # of prenorm's
 # --smoke: each group's structure at toy sizes (gpu-small's 12 layers kept: every residual mode reads as on the GPU)

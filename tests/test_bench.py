@@ -204,9 +204,10 @@ def test_model_smoke_rows_as_the_readme_reads_them(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"moelab_k3_mini", "moelab_k3_mini_balancer_none", "moelab_k3_mini_norm_triton",
-                         "moelab_k3_mini_tf32_output"}
+                         "moelab_k3_mini_tf32_output", "moelab_k3_mini_tf32x3_output"}
     assert len(rows["moelab_k3_mini_norm_triton"]["ratio_vs_torch_norm"]["ratios"]) == 2
     assert len(rows["moelab_k3_mini_tf32_output"]["ratio_vs_fp32_output"]["ratios"]) == 2
+    assert len(rows["moelab_k3_mini_tf32x3_output"]["ratio_vs_fp32_output"]["ratios"]) == 2
     qb = rows["moelab_k3_mini"]
     q = qb["ratio_vs_balancer_none"]
     assert len(q["ratios"]) == 2 and qb["balancer_cost"] == pytest.approx(1 - q["median"])

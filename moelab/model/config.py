@@ -28,7 +28,7 @@ KDAGate = Literal["bounded", "softplus"]
 ResidualMode = Literal["prenorm", "full_attnres", "block_attnres"]
 Dispatch = Literal["auto", "grouped", "loop"]
 MaskBackend = Literal["auto", "flex", "dense"]
-MatmulPrecision = Literal["highest", "high"]
+MatmulPrecision = Literal["highest", "high", "tf32x3"]
 Balancer = Literal["none", "aux_loss", "loss_free_sign", "quantile_load", "quantile_balancing"]
 QuantileMode = Literal["exact", "histogram"]
 KDA_GATES: tuple[KDAGate, ...] = get_args(KDAGate)
@@ -93,9 +93,10 @@ class MLAConfig:
     q_latent_dim: int = 0  # 0: full-rank query projection
     output_gate: bool = True  # y = W_o [sigmoid(W_g x) * o]
     fp32_output: bool = False  # keep the attention output in fp32 (K3 does in training)
-    # the fp32 gate and output projection's matmuls (fp32_output only), torch.set_float32_matmul_precision's names:
-    # "highest" = IEEE fp32 (SIMT kernels on a GPU), "high" = TF32 tensor cores (10-bit mantissa inputs, fp32 sums),
-    # forward and backward, the process's own setting restored after each
+    # the fp32 gate and output projection's matmuls (fp32_output only), forward and backward, the process's own
+    # setting restored after each: "highest" = IEEE fp32 (SIMT kernels on a GPU), "high" = TF32 tensor cores (10-bit
+    # mantissa inputs, fp32 sums), "tf32x3" = fp32 accuracy on TF32 tensor cores (each operand split into a TF32 part
+    # and its remainder, three products summed: moelab.model.mla.tf32x3_mm)
     fp32_output_precision: MatmulPrecision = "highest"
     # Packed documents (forward(segment_ids=)): "flex" = flex_attention with a block mask from the documents'
     # block ranges (memory linear in T; compiled on a GPU), "dense" = SDPA with a [B, 1, T, T] bool mask

@@ -11,7 +11,7 @@
 
 ``fp32_output`` keeps ``o`` in fp32 through the gate and the output projection (K3 does so in
 training) even under bf16 autocast; ``fp32_output_precision`` picks those matmuls' float32 precision
-(``"high"``: TF32 tensor cores, forward and backward).
+(``"high"``: TF32 tensor cores, forward and backward; ``"tf32x3"``: fp32 accuracy from three TF32 products).
 """
 
 from __future__ import annotations
@@ -52,28 +52,64 @@ def matmul_precision(precision: str) -> Iterator[None]:
         torch.set_float32_matmul_precision(before)
 
 
+_TF32_MASK = -8192  # 0xFFFFE000 as int32: sign, exponent and the 10 mantissa bits a TF32 operand keeps
+
+
+def tf32_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (fp32) as ``hi + lo``: ``hi`` its TF32 part (mantissa cut to 10 bits, exact as a TF32 operand) and
+    ``lo = x - hi`` (exact in fp32, at most 2^-10 of ``|x|``)."""
+    hi = (x.view(torch.int32) & _TF32_MASK).view(torch.float32)  # a same-size dtype view: any strides
+    return hi, x - hi
+
+
+def tf32x3_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (fp32 ``[M, K] @ [K, N]``) to about fp32 accuracy on TF32 tensor cores: with ``a = a_hi + a_lo`` and
+    ``b = b_hi + b_lo`` (:func:`tf32_split`), ``a_lo b_hi + a_hi b_lo + a_hi b_hi`` as three TF32 GEMMs, the small
+    products first and each added in the next GEMM's epilogue (``addmm``). The dropped ``a_lo b_lo`` and TF32's
+    rounding of ``a_lo`` and ``b_lo`` are ~2^-21 of ``|a| |b|`` per product, against fp32's own 2^-24 (IEEE fp32
+    SIMT GEMMs run several times slower on a Hopper GPU). On the CPU, which has no TF32, the three products are fp32.
+    No autograd through it (the split has no gradient): ``fp32_linear`` wraps it with its own backward."""
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        raise ValueError("tf32x3_mm takes no autograd graph (its split has no gradient): call it under torch.no_grad()"
+                         " or through fp32_linear(x, w, 'tf32x3'), which has its own backward")
+    a_hi, a_lo = tf32_split(a)
+    b_hi, b_lo = tf32_split(b)
+    with matmul_precision("high"):
+        out = a_lo @ b_hi
+        out = torch.addmm(out, a_hi, b_lo)
+        return torch.addmm(out, a_hi, b_hi)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
+    """``a @ b`` of 2-D fp32 operands at ``precision`` ("highest", "high" or "tf32x3")."""
+    if precision == "tf32x3":
+        return tf32x3_mm(a, b)
+    with matmul_precision(precision):
+        return a @ b
+
+
 class _Fp32Linear(torch.autograd.Function):
     """``F.linear(x, w)`` for fp32 ``x [..., K]`` and ``w [M, K]`` with every matmul, forward and backward, at
-    ``precision`` (:func:`matmul_precision`): the backward runs outside the forward's block, so a plain F.linear
-    would take the process's precision there."""
+    ``precision`` (:func:`matmul_precision`, or "tf32x3": :func:`tf32x3_mm`): the backward runs outside the
+    forward's block, so a plain F.linear would take the process's precision there."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, precision: str) -> torch.Tensor:
         ctx.save_for_backward(x, w)
         ctx.precision = precision
-        with matmul_precision(precision):
-            return F.linear(x, w)
+        x2 = x.reshape(-1, x.shape[-1])
+        return _mm(x2, w.t(), precision).reshape(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy: torch.Tensor):
         x, w = ctx.saved_tensors
         dx = dw = None
-        with matmul_precision(ctx.precision):
-            if ctx.needs_input_grad[0]:
-                dx = dy @ w
-            if ctx.needs_input_grad[1]:
-                dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if ctx.needs_input_grad[0]:
+            dx = _mm(dy2, w, ctx.precision).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            dw = _mm(dy2.t(), x.reshape(-1, x.shape[-1]), ctx.precision)
         return dx, dw, None
 
 

@@ -114,7 +114,7 @@ def test_fp32_output_precision_runs_both_directions_at_it_and_restores_the_proce
     monkeypatch.setattr(mla_module, "matmul_precision", recorded)
     x = torch.randn(2, 9, D)
     outs, blocks = {}, {}
-    for prec in ("highest", "high"):
+    for prec in ("highest", "high", "tf32x3"):
         m = mla(fp32_output=True, fp32_output_precision=prec)
         xi = x.clone().requires_grad_()
         entered.clear()
@@ -125,9 +125,12 @@ def test_fp32_output_precision_runs_both_directions_at_it_and_restores_the_proce
         blocks[prec] = (fwd, len(entered) - fwd, set(entered))
         outs[prec] = (y.detach(), xi.grad, m.o_proj.weight.grad, m.g_proj.weight.grad)
         assert torch.get_float32_matmul_precision() == "highest"
-    assert blocks == {"highest": (0, 0, set()), "high": (2, 2, {"high"})}  # the gate and o_proj, each way
+    # the gate and o_proj: one matmul each forward, two each backward (dx, dw); tf32x3's three products in one block
+    assert blocks == {"highest": (0, 0, set()), "high": (2, 4, {"high"}), "tf32x3": (2, 4, {"high"})}
     for a, b in zip(outs["highest"], outs["high"]):
         assert_close(a.float(), b.float(), 1e-6, "high vs highest on the CPU")
+    for a, b in zip(outs["highest"], outs["tf32x3"]):  # the three fp32 products on the CPU: fp32 rounding apart
+        assert_close(a.float(), b.float(), 1e-5, "tf32x3 vs highest on the CPU")
     calls = []
     monkeypatch.setattr(mla_module.torch, "set_float32_matmul_precision", lambda p: calls.append(p))
     with mla_module.matmul_precision("high"):
@@ -146,13 +149,33 @@ def test_fp32_output_precision_runs_both_directions_at_it_and_restores_the_proce
         MLAConfig(fp32_output=True, fp32_output_precision="tf32").validate()
 
 
+def test_tf32_split_and_tf32x3_matmul() -> None:
+    """tf32_split: hi keeps 10 mantissa bits (a TF32 operand, exact), hi + lo is x bit for bit, |lo| <= 2^-10 |x|,
+    for any strides; tf32x3_mm matches the fp64 product to fp32 level on the CPU, transposed operands too."""
+    from moelab.model.mla import tf32_split, tf32x3_mm
+
+    x = torch.randn(96, 40) * torch.logspace(-3, 3, 40)
+    for t in (x, x.t()):
+        hi, lo = tf32_split(t)
+        assert torch.equal(hi + lo, t) and hi.stride() == t.stride()
+        assert torch.equal(hi.view(torch.int32) & 0x1FFF, torch.zeros_like(hi, dtype=torch.int32))
+        assert (lo.abs() <= t.abs() * 2.0 ** -10).all()
+    a, b = torch.randn(80, 64), torch.randn(64, 48)
+    ref = a.double() @ b.double()
+    for aa, bb in ((a, b), (a.t().contiguous().t(), b.t().contiguous().t())):
+        err = (tf32x3_mm(aa, bb).double() - ref).abs().max() / ref.abs().max()
+        assert err < 2e-6, err
+    with pytest.raises(ValueError, match="tf32x3_mm takes no autograd graph"):
+        tf32x3_mm(a.requires_grad_(), b)
+
+
 @pytest.mark.gpu
 def test_fp32_output_precision_high_on_gpu() -> None:
     """On a GPU, "high" (TF32) stays within TF32's rounding of "highest" for the output and every gradient, under bf16
     autocast, and leaves the process at its precision."""
     x = torch.randn(4, 64, D, device="cuda")
     outs = []
-    for prec in ("highest", "high"):
+    for prec in ("highest", "high", "tf32x3"):
         m = mla(fp32_output=True, fp32_output_precision=prec).cuda()
         xi = x.clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -160,5 +183,25 @@ def test_fp32_output_precision_high_on_gpu() -> None:
         y.float().pow(2).sum().backward()
         outs.append((y.detach().float(), xi.grad, m.o_proj.weight.grad, m.g_proj.weight.grad))
         assert torch.get_float32_matmul_precision() == "highest"
-    for name, a, b in zip(("y", "dx", "do_proj", "dg_proj"), *outs):
+    for name, a, b, c in zip(("y", "dx", "do_proj", "dg_proj"), *outs):
         assert_close(a, b, 5e-3, name)
+        assert_close(a, c, 5e-5, f"{name} (tf32x3)")  # fp32 accuracy from TF32 products
+
+
+@pytest.mark.gpu
+def test_tf32x3_matmul_is_fp32_accurate_on_gpu() -> None:
+    """On a GPU's TF32 tensor cores tf32x3_mm is as close to the fp64 product as IEEE fp32 (within 4x its error),
+    where one TF32 product is ~1000x further; the process's precision is left as it was."""
+    from moelab.model.mla import matmul_precision, tf32x3_mm
+
+    a, b = torch.randn(4096, 512, device="cuda"), torch.randn(512, 512, device="cuda")
+    ref = a.double() @ b.double()
+
+    def err(y: torch.Tensor) -> float:
+        return float((y.double() - ref).norm() / ref.norm())
+
+    fp32, x3 = err(a @ b), err(tf32x3_mm(a, b))
+    with matmul_precision("high"):
+        tf32 = err(a @ b)
+    assert x3 <= 4 * fp32 and tf32 > 100 * fp32, (fp32, x3, tf32)
+    assert torch.get_float32_matmul_precision() == "highest"
