@@ -325,16 +325,19 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
+def parse_sets(items: Sequence[str]) -> dict[str, Any]:
+    """``["train.lr=1e-3", ...]`` (``--set`` items) as ``{key: value}``, values parsed by :func:`parse_value`."""
+    out = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r} is not allowed: expected KEY=VALUE, e.g. train.lr=1e-3")
+        out[key.strip()] = parse_value(text)
+    return out
+
+
 def _apply_overrides(raw: dict[str, Any], overrides: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
-    if isinstance(overrides, Mapping):
-        pairs = list(overrides.items())
-    else:
-        pairs = []
-        for item in overrides:
-            key, sep, text = item.partition("=")
-            if not sep or not key.strip():
-                raise ConfigError(f"--set {item!r} is not allowed: expected KEY=VALUE, e.g. train.lr=1e-3")
-            pairs.append((key.strip(), parse_value(text)))
+    pairs = list((overrides if isinstance(overrides, Mapping) else parse_sets(overrides)).items())
     for key, value in pairs:
         node = raw
         parts = key.split(".")

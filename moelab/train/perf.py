@@ -551,23 +551,10 @@ def _op_sites(prof: Any, steps: int, cuda: bool, top: int) -> list[dict[str, Any
     return rows[:top]
 
 
-def _overrides(items: list[str]) -> dict[str, Any]:
-    """``["model.norm_backend=triton", ...]`` as ``{key: value}`` (values parsed as ``--set`` parses them)."""
-    from moelab.base import ConfigError
-    from moelab.config import parse_value
-
-    out = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r} is not allowed: expected KEY=VALUE, e.g. model.norm_backend=triton")
-        out[key.strip()] = parse_value(text)
-    return out
-
-
 def _variants(items: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
     """``["graphs_tf32=graphs:model.mla.fp32_output_precision=high", ...]`` as ``{name: (mode, overrides)}``."""
     from moelab.base import ConfigError
+    from moelab.config import parse_sets
 
     out = {}
     for item in items:
@@ -578,7 +565,7 @@ def _variants(items: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
                               f"of {', '.join(CAPTURE_MODES)}, e.g. tf32=graphs:model.mla.fp32_output_precision=high")
         if name in CAPTURE_MODES or name in out:
             raise ConfigError(f"--variant {item!r} is not allowed: the name {name!r} is taken (a mode or a variant)")
-        out[name] = (mode, _overrides([x for x in sets.split(",") if x]) if sep2 else {})
+        out[name] = (mode, parse_sets([x for x in sets.split(",") if x]) if sep2 else {})
     return out
 
 
@@ -603,7 +590,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=MODE:KEY=VALUE[,KEY=VALUE]",
                     help="one more arm in the same rounds, e.g. tf32=graphs:model.mla.fp32_output_precision=high")
     a = ap.parse_args(argv)
-    over = _overrides(a.overrides)
+    from moelab.config import parse_sets
+
+    over = parse_sets(a.overrides)
     variants = _variants(a.variant)
     if a.profile:
         from moelab.provenance import provenance

@@ -246,7 +246,7 @@ def test_step_profile_on_cpu() -> None:
 def test_perf_set_overrides() -> None:
     """perf's ``--set KEY=VALUE``: values parsed as the training CLI parses them; a malformed item names itself."""
     from moelab.base import ConfigError
-    from moelab.train.perf import _overrides
+    from moelab.config import parse_sets as _overrides
 
     assert _overrides(["model.norm_backend=triton", "train.lr=3e-4", "model.mla.fp32_output_precision=high"]) == {
         "model.norm_backend": "triton", "train.lr": 3e-4, "model.mla.fp32_output_precision": "high"}
