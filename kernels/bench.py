@@ -145,6 +145,43 @@ def peak_bytes(fn: Callable[[], Any]) -> tuple[int, int]:
     return torch.cuda.max_memory_allocated(), before
 
 
+def kernel_times(fn: Callable[[], Any], *, calls: int = 5, before: Callable[[], None] | None = None,
+                 cuda: bool | None = None, top: int = 24) -> list[dict[str, Any]]:
+    """Where ``fn``'s time goes: ``[{"name", "ms", "calls"}]`` per kernel (CUDA: self device time of each kernel; CPU:
+    self CPU time of each aten op), per call of ``fn`` (mean over ``calls`` profiled calls after one warm call), the
+    ``top`` largest first and the rest summed into one ``"(other)"`` entry. ``before`` runs before every call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if calls < 1:
+        raise ValueError(f"kernel_times needs calls >= 1, got calls={calls}")
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+
+    def call() -> None:
+        if before is not None:
+            before()
+        fn()
+
+    call()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU], acc_events=True) as prof:
+        for _ in range(calls):
+            call()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        us = ev.self_device_time_total if cuda else ev.self_cpu_time_total
+        if us > 0 and (not cuda or ev.device_type.name == "CUDA"):
+            rows.append({"name": ev.key[:120], "ms": us / 1e3 / calls, "calls": ev.count / calls})
+    rows.sort(key=lambda r: -r["ms"])
+    rest = rows[top:]
+    if rest:
+        rows = rows[:top] + [{"name": "(other)", "ms": sum(r["ms"] for r in rest),
+                              "calls": sum(r["calls"] for r in rest)}]
+    return rows
+
+
 def host_ms(fn: Callable[[], Any], calls: int = 20) -> float:
     """Host time per call (ms) of ``calls`` calls issued back to back without a sync, median of 3 bursts: below
     the GPU time the host keeps ahead; near or above it the call is host-bound or synchronizes."""
@@ -193,6 +230,7 @@ class Ctx:
     budget_s: float | None
     save: Callable[[dict[str, Any]], None]
     impls: tuple[str, ...] | None = None  # the rows to run, where the entry has named rows (kda)
+    kernels: bool = False  # kda: each row also lists its time per kernel (``kernel_times``), forward and fwd+bwd
     dtype: torch.dtype = field(init=False)
     timing: dict[str, Any] = field(init=False)
 
@@ -307,6 +345,9 @@ def _kda_time(leaves: list[torch.Tensor], fn: Callable[[], torch.Tensor], ctx: C
             t.grad = None
 
     out = {"fwd_ms": time_ms(fwd, **ctx.timing).ms, "fwdbwd_ms": time_ms(step, before=clear, **ctx.timing).ms}
+    if ctx.kernels:  # the training forward (autograd on, no backward) and the whole step, per kernel
+        out["kernels_fwd"] = kernel_times(fn, cuda=ctx.cuda)
+        out["kernels_fwdbwd"] = kernel_times(step, before=clear, cuda=ctx.cuda)
     clear()
     peak, _ = peak_bytes(step)
     out["peak_mem_gb"] = peak / 1e9 if ctx.cuda else None
@@ -334,6 +375,8 @@ def _kda_rows(ctx: Ctx, table: dict[str, tuple], impls: tuple[str, ...]) -> dict
             rows.append(row)
             ctx.save({"rows": rows})
             _print_row(row, ("fwd_ms", "fwdbwd_ms", "peak_mem_gb"))
+            for k in (row.get("kernels_fwdbwd") or [])[:10]:
+                print(f"    {k['ms']:8.3f} ms {k['calls']:5.1f}x  {k['name'][:70]}", flush=True)
             ctx.free()
     return {"rows": rows, "note": "both KDA sides: L2 norm of q, k and the bounded gate (with dt_bias) inside the op"}
 
@@ -1345,7 +1388,7 @@ def make_saver(entry: Entry, out: str | None, meta: dict[str, Any]) -> Callable[
 
 
 def run_entry(entry: Entry, shapes: list[str], out: str | None, cuda: bool, rounds: int | None,
-              budget_s: float | None, impls: Sequence[str] | None = None) -> dict[str, Any]:
+              budget_s: float | None, impls: Sequence[str] | None = None, kernels: bool = False) -> dict[str, Any]:
     """Run ``entry`` at ``shapes``, writing ``out`` as it goes; returns ``{"meta", **result}``."""
     meta = provenance(root=None if CODE == ROOT and os.environ.get("MOELAB_COMMIT") else CODE)
     meta.update(entry=entry.name, shapes=shapes, device="cuda" if cuda else "cpu (Triton interpreter)",
@@ -1353,7 +1396,7 @@ def run_entry(entry: Entry, shapes: list[str], out: str | None, cuda: bool, roun
                        "time_ms)" if entry.name != "model" else "mean of synchronized steps per window; median over "
                        "interleaved rounds")
     ctx = Ctx(shapes, cuda, rounds or (entry.rounds if cuda else 1), budget_s, make_saver(entry, out, meta),
-              tuple(impls) if impls else None)
+              tuple(impls) if impls else None, kernels)
     result = entry.run(ctx)
     ctx.save(result)
     return {"meta": meta, **result}
@@ -1438,6 +1481,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                   "print both with speedups")
     ap.add_argument("--smoke", action="store_true", help="CPU (Triton interpreter), the entry's tiny shape: a check "
                                                          "that the harness runs, not a measurement")
+    ap.add_argument("--kernels", action="store_true", help="kda: each row also lists its time per kernel (torch "
+                                                           "profiler), the training forward and forward + backward")
     args = ap.parse_args(argv)
     if args.list:
         return args
@@ -1462,6 +1507,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if entry.name != "kda" or bad:
             ap.error(f"--impls {' '.join(bad or args.impls)}: needs entry kda (rows of {', '.join(KDA_ROWS)}) or "
                      f"attnres, got entry {entry.name}")
+    if args.kernels and entry.name != "kda":
+        ap.error(f"--kernels needs entry kda, got entry {entry.name}")
     if args.rounds is not None and args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.budget_s is not None and (args.budget_s <= 0 or entry.name != "model"):
@@ -1477,7 +1524,7 @@ def base_argv(args: argparse.Namespace, shapes: list[str]) -> list[str]:
         out += ["--rounds", str(args.rounds)]
     if args.budget_s is not None:
         out += ["--budget-s", f"{args.budget_s:g}"]
-    return out + (["--smoke"] if args.smoke else [])
+    return out + (["--smoke"] if args.smoke else []) + (["--kernels"] if args.kernels else [])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1502,7 +1549,7 @@ def main(argv: list[str] | None = None) -> int:
     base = None
     if args.base:
         base = run_base(args.base, base_argv(args, shapes))
-    result = run_entry(entry, shapes, out, cuda, args.rounds, args.budget_s, args.impls)
+    result = run_entry(entry, shapes, out, cuda, args.rounds, args.budget_s, args.impls, args.kernels)
     if base is not None:
         rows = compare(entry, base["rows"], result["rows"])
         print_compare(rows, base["meta"], result["meta"])

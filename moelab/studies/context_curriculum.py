@@ -260,25 +260,31 @@ def train_pilot(preset: str, out_dir: str | Path) -> list[common.Grid]:
 
 
 PILOT_PASSKEY = 0.9  # the pilot shows retrieval learnable where passkey at the short arm's own length reaches this
+DIGIT_NLL = float(np.log(10))  # NLL of a key token guessed uniformly among ten digits (most key tokens are 1 digit)
 
 
 def pilot_rows(pilot_grids: Sequence[common.Grid], rows: Sequence[Mapping[str, Any]], preset: str
                ) -> list[dict[str, Any]]:
     """Passkey (and MQAR) accuracy at the shortest length against training tokens: one row per pilot run
-    (``source`` ``pilot``) and per run of the grid's short schedule (``short``, the full budget)."""
+    (``source`` ``pilot``) and per run of the grid's short schedule (``short``, the full budget); ``passkey_nll``:
+    the passkey answer's mean NLL per key token there (None where the record has none)."""
     L = plan(preset).lengths[0]
     out = []
     for g in pilot_grids:
         for r in g.records:
             if r.evals is None:
                 continue
+            pk = r.evals["passkey"]
             out.append({"source": "pilot", "seed": r.seed, "steps": r.summary.get("steps"), "tokens": r.tokens,
-                        "passkey": float(r.evals["passkey"]["accuracy_by_length"][0]),
+                        "passkey": float(pk["accuracy_by_length"][0]),
+                        "passkey_nll": float(np.mean(pk["answer_nll"][0])) if pk.get("answer_nll") else None,
                         "mqar": float(r.evals["mqar"]["accuracy"][0])})
     for r in rows:
         if r["schedule"] == "short":
+            nll = {int(k): v for k, v in (r.get("passkey_nll") or {}).items()}
             out.append({"source": "short", "seed": r["seed"], "steps": plan(preset).steps, "tokens": r["tokens"],
                         "passkey": float({int(k): v for k, v in r["passkey"].items()}[L]),
+                        "passkey_nll": nll.get(L),
                         "mqar": float({int(k): v for k, v in r["mqar"].items()}[L])})
     return sorted(out, key=lambda d: (d["tokens"], d["seed"]))
 
@@ -294,6 +300,14 @@ def pilot_finding(pilot: Sequence[Mapping[str, Any]], length: int) -> report.Fin
         budgets.setdefault(int(d["tokens"]), []).append(d["passkey"])
     curve = "; ".join(f"{t / 1e6:.1f}M tokens: {np.mean(v):.2f}" + (f" ({len(v)} seeds)" if len(v) > 1 else "")
                       for t, v in sorted(budgets.items()))
+    nlls: dict[int, list[float]] = {}
+    for d in pilot:
+        if d.get("passkey_nll") is not None:
+            nlls.setdefault(int(d["tokens"]), []).append(d["passkey_nll"])
+    if nlls:  # how far from retrieval: a model that knows only that digits follow is near a uniform digit's NLL
+        curve += ("; answer NLL per key token by budget: "
+                  + "; ".join(f"{t / 1e6:.1f}M: {np.mean(v):.2f}" for t, v in sorted(nlls.items()))
+                  + f" (a uniform digit: {DIGIT_NLL:.2f})")
     reached = [t for t, v in sorted(budgets.items()) if np.mean(v) >= PILOT_PASSKEY]
     last = budgets[max(budgets)]
     iv = report.mean_interval(last) if len(last) > 1 else None
@@ -485,7 +499,8 @@ ROW_KEYS = ("schedule", "seed", "stages", "tokens", "wall_s", "val_loss", "effec
 
 def summary_rows(grid: common.Grid, preset: str, evals: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One row per run: schedule, seed, stages (``len x steps`` text), tokens, wall_s (training), val_loss
-    (final, on longest-length windows), effective_context, passkey ``{length: accuracy}``, mqar_acc (at the
+    (final, on longest-length windows), effective_context, passkey ``{length: accuracy}``, passkey_nll ``{length:
+    the answer's mean NLL per key token}``, mqar_acc (at the
     longest training length), mqar ``{length: accuracy}`` and loss_beyond (held-out loss averaged over the
     loss-by-position bins that start at or past the longest training length)."""
     longest = plan(preset).lengths[-1]
@@ -499,6 +514,8 @@ def summary_rows(grid: common.Grid, preset: str, evals: Mapping[str, Mapping[str
                      "wall_s": r.summary.get("wall_s"), "val_loss": r.summary.get("final_val_loss"),
                      "effective_context": int(pk["effective_context"]),
                      "passkey": {int(n): float(a) for n, a in zip(pk["lengths"], pk["accuracy_by_length"])},
+                     "passkey_nll": {int(n): float(np.mean(v))
+                                     for n, v in zip(pk["lengths"], pk.get("answer_nll", []))},
                      "mqar_acc": mqar.get(longest), "mqar": mqar,
                      "loss_beyond": loss_beyond(ev["loss_by_position"], longest)})
     return rows

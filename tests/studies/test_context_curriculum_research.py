@@ -88,6 +88,12 @@ def test_pilot_finding_rules() -> None:
     no = cc.pilot_finding(_research_summary((0.1, 0.5, 0.6, 0.4), False)["pilot"], 1024)
     assert no.status == "not tested" and "not learned within 50.3M tokens" in no.reason
     assert cc.pilot_finding([], 1024).status == "not tested"
+    # the answer's NLL per key token, where the records have it, beside a uniform digit's
+    rows = [{"tokens": 12_582_912, "passkey": 0.0, "passkey_nll": 6.9}, {"tokens": 25_165_824, "passkey": 0.0,
+                                                                         "passkey_nll": 2.6}]
+    nll = cc.pilot_finding(rows, 1024)
+    assert nll.status == "not tested"
+    assert "answer NLL per key token by budget: 12.6M: 6.90; 25.2M: 2.60 (a uniform digit: 2.30)" in nll.reason
 
 
 @pytest.mark.parametrize("learned", [True, False])
