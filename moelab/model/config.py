@@ -247,6 +247,9 @@ class ModelConfig:
     # every RMSNorm: "torch" (F.rms_norm on the fp32-cast input), "triton" (moelab.ops.rms_norm: one fused pass each
     # way, the same math), "auto" (Triton on a GPU); "torch" until the fused one is timed in the model benchmark
     norm_backend: Backend = "torch"
+    # the training loss (moelab.ops.linear_ce): "torch" (each chunk's softmax side as torch's fp32 passes), "triton"
+    # (one kernel per chunk: loss rows and the logits gradient), "auto" (Triton on a GPU); "torch" until timed, as above
+    loss_backend: Backend = "torch"
     init_std: float = 0.02
     kda: KDAConfig = field(default_factory=KDAConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
@@ -278,6 +281,7 @@ class ModelConfig:
         _check(self.max_seq_len >= 1, "model.max_seq_len", self.max_seq_len, "an integer >= 1")
         _check(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "a positive number")
         _one_of("model.norm_backend", self.norm_backend, BACKENDS)
+        _one_of("model.loss_backend", self.loss_backend, BACKENDS)
         _check(self.init_std > 0, "model.init_std", self.init_std, "a positive number (0 trains a dead model)")
         kinds = self.layer_types()
         if "kda" in kinds:

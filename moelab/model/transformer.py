@@ -273,7 +273,8 @@ class MoELab(nn.Module):
         h = self.norm(stream.read_final())
         logits = loss = None
         if targets is not None and not return_logits:
-            loss = linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), ignore_index=-100)
+            loss = linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), ignore_index=-100,
+                                        backend=self.cfg.loss_backend)
         else:
             logits = self.lm_head(h)
             if targets is not None:

@@ -511,7 +511,8 @@ _PLACE_KEYS = ("tracking.", "train.ckpt_dir")
 # Config keys added after records were made, each with the value that computes what the code did before the key
 # existed: at that value a key is left out of the fingerprint, so adding a field does not retrain every record; at
 # any other value it counts (a run that sets it computes something else).
-ADDED_KEYS: dict[str, Any] = {"model.norm_backend": "torch", "model.mla.fp32_output_precision": "highest"}
+ADDED_KEYS: dict[str, Any] = {"model.norm_backend": "torch", "model.mla.fp32_output_precision": "highest",
+                              "model.loss_backend": "torch"}
 
 
 def _run_config(cfg: Any) -> dict[str, Any]:

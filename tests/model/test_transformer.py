@@ -109,15 +109,16 @@ def test_loss_matches_cross_entropy_and_ignores_minus_100() -> None:
     assert m(ids).loss is None
 
 
-def test_loss_without_logits_matches() -> None:
+@pytest.mark.parametrize("loss_backend", ["torch", "triton"])
+def test_loss_without_logits_matches(loss_backend: str) -> None:
     """``return_logits=False`` (what training uses): the same loss and parameter gradients from the
-    chunked linear cross-entropy, and no logits."""
+    chunked linear cross-entropy (either ``model.loss_backend``; Triton in the interpreter here), and no logits."""
     ids = torch.randint(0, 50, (2, 10))
     targets = torch.randint(0, 50, (2, 10))
     targets[1, 6:] = -100
     runs = []
     for return_logits in (True, False):
-        m = model()
+        m = model(loss_backend=loss_backend)
         out = m(ids, targets, return_logits=return_logits)
         out.loss.backward()
         assert (out.logits is None) != return_logits

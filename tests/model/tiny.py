@@ -22,6 +22,7 @@ def tiny_config(
     tie_embeddings: bool = False,
     kda_backend: str = "chunk",
     max_seq_len: int = 128,
+    loss_backend: str = "torch",
 ) -> ModelConfig:
     """A validated ModelConfig with d_model 32, 2-head mixers of width 8 and 4 experts (top 2)."""
     return ModelConfig(
@@ -34,6 +35,7 @@ def tiny_config(
         dense_ffn_dim=48,
         max_seq_len=max_seq_len,
         tie_embeddings=tie_embeddings,
+        loss_backend=loss_backend,
         kda=KDAConfig(num_heads=2, head_dim=8, decay_rank=4, gate=gate, backend=kda_backend, chunk_size=16),
         mla=MLAConfig(num_heads=2, head_dim=8, kv_latent_dim=12, q_latent_dim=q_latent_dim,
                       output_gate=output_gate, fp32_output=fp32_output),
