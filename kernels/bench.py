@@ -145,43 +145,6 @@ def peak_bytes(fn: Callable[[], Any]) -> tuple[int, int]:
     return torch.cuda.max_memory_allocated(), before
 
 
-def kernel_times(fn: Callable[[], Any], *, calls: int = 5, before: Callable[[], None] | None = None,
-                 cuda: bool | None = None, top: int = 24) -> list[dict[str, Any]]:
-    """Where ``fn``'s time goes: ``[{"name", "ms", "calls"}]`` per kernel (CUDA: self device time of each kernel; CPU:
-    self CPU time of each aten op), per call of ``fn`` (mean over ``calls`` profiled calls after one warm call), the
-    ``top`` largest first and the rest summed into one ``"(other)"`` entry. ``before`` runs before every call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    if calls < 1:
-        raise ValueError(f"kernel_times needs calls >= 1, got calls={calls}")
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-
-    def call() -> None:
-        if before is not None:
-            before()
-        fn()
-
-    call()
-    if cuda:
-        torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU], acc_events=True) as prof:
-        for _ in range(calls):
-            call()
-        if cuda:
-            torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        us = ev.self_device_time_total if cuda else ev.self_cpu_time_total
-        if us > 0 and (not cuda or ev.device_type.name == "CUDA"):
-            rows.append({"name": ev.key[:120], "ms": us / 1e3 / calls, "calls": ev.count / calls})
-    rows.sort(key=lambda r: -r["ms"])
-    rest = rows[top:]
-    if rest:
-        rows = rows[:top] + [{"name": "(other)", "ms": sum(r["ms"] for r in rest),
-                              "calls": sum(r["calls"] for r in rest)}]
-    return rows
-
-
 def host_ms(fn: Callable[[], Any], calls: int = 20) -> float:
     """Host time per call (ms) of ``calls`` calls issued back to back without a sync, median of 3 bursts: below
     the GPU time the host keeps ahead; near or above it the call is host-bound or synchronizes."""
@@ -346,6 +309,8 @@ def _kda_time(leaves: list[torch.Tensor], fn: Callable[[], torch.Tensor], ctx: C
 
     out = {"fwd_ms": time_ms(fwd, **ctx.timing).ms, "fwdbwd_ms": time_ms(step, before=clear, **ctx.timing).ms}
     if ctx.kernels:  # the training forward (autograd on, no backward) and the whole step, per kernel
+        from moelab.train.perf import kernel_times
+
         out["kernels_fwd"] = kernel_times(fn, cuda=ctx.cuda)
         out["kernels_fwdbwd"] = kernel_times(step, before=clear, cuda=ctx.cuda)
     clear()
@@ -1524,7 +1489,7 @@ def base_argv(args: argparse.Namespace, shapes: list[str]) -> list[str]:
         out += ["--rounds", str(args.rounds)]
     if args.budget_s is not None:
         out += ["--budget-s", f"{args.budget_s:g}"]
-    return out + (["--smoke"] if args.smoke else []) + (["--kernels"] if args.kernels else [])
+    return out + (["--smoke"] if args.smoke else [])
 
 
 def main(argv: list[str] | None = None) -> int:

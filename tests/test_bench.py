@@ -332,7 +332,7 @@ def test_captured_model_row_trains_gpu(bench):
     assert "CUDA graph" in b.runner.count_ops()["note"]
 
 
-def test_kernel_times_lists_where_the_time_goes(bench):
+def test_kernel_times_lists_where_the_time_goes():
     """kernel_times (kda --kernels): per-kernel time per call of fn, largest first, the ops past ``top`` summed into
     one "(other)" entry; on the CPU the aten ops' self time (a GPU lists its kernels)."""
     a = torch.randn(192, 192)
@@ -340,13 +340,15 @@ def test_kernel_times_lists_where_the_time_goes(bench):
     def fn():
         (a @ a).relu_().sum()
 
-    rows = bench.kernel_times(fn, calls=3, cuda=False)
+    from moelab.train.perf import kernel_times
+
+    rows = kernel_times(fn, calls=3, cuda=False)
     by = {r["name"]: r for r in rows}
     assert by["aten::mm"]["calls"] == 1.0 and by["aten::mm"]["ms"] > 0
     assert [r["ms"] for r in rows] == sorted((r["ms"] for r in rows), reverse=True)
-    short = bench.kernel_times(fn, calls=2, cuda=False, top=1)
+    short = kernel_times(fn, calls=2, cuda=False, top=1)
     assert len(short) == 2 and short[1]["name"] == "(other)" and short[1]["calls"] >= 2
     with pytest.raises(ValueError, match="calls >= 1, got calls=0"):
-        bench.kernel_times(fn, calls=0, cuda=False)
+        kernel_times(fn, calls=0, cuda=False)
     res = _run("--entry", "moe", "--smoke", "--kernels")
     assert res.returncode == 2 and "--kernels needs entry kda, got entry moe" in res.stderr

@@ -14,6 +14,7 @@ import datetime as _dt
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -457,6 +458,43 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
 
     save()
     return result
+
+
+def kernel_times(fn: Callable[[], Any], *, calls: int = 5, before: Callable[[], None] | None = None,
+                 cuda: bool | None = None, top: int = 24) -> list[dict[str, Any]]:
+    """Where ``fn``'s time goes: ``[{"name", "ms", "calls"}]`` per kernel (CUDA: self device time of each kernel; CPU:
+    self CPU time of each aten op), per call of ``fn`` (mean over ``calls`` profiled calls after one warm call), the
+    ``top`` largest first and the rest summed into one ``"(other)"`` entry. ``before`` runs before every call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if calls < 1:
+        raise ValueError(f"kernel_times needs calls >= 1, got calls={calls}")
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+
+    def call() -> None:
+        if before is not None:
+            before()
+        fn()
+
+    call()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU], acc_events=True) as prof:
+        for _ in range(calls):
+            call()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        us = ev.self_device_time_total if cuda else ev.self_cpu_time_total
+        if us > 0 and (not cuda or ev.device_type.name == "CUDA"):
+            rows.append({"name": ev.key[:120], "ms": us / 1e3 / calls, "calls": ev.count / calls})
+    rows.sort(key=lambda r: -r["ms"])
+    rest = rows[top:]
+    if rest:
+        rows = rows[:top] + [{"name": "(other)", "ms": sum(r["ms"] for r in rest),
+                              "calls": sum(r["calls"] for r in rest)}]
+    return rows
 
 
 # Kernel families of a step profile, by kernel name (first match wins; "other" for the rest).
