@@ -285,4 +285,11 @@ MUTATIONS: tuple[Mutation, ...] = (
               "sg).to(dgate.dtype.element_ty)"),),
         ("tests/ops/test_rms_norm.py::test_gated_matches_the_fp32_reference",),
     ),
+    Mutation(
+        "ce-kernel-stale-max",
+        "the fused loss kernel's online logsumexp forgets to rescale the running sum when a block raises the max",
+        (Edit("moelab/ops/linear_ce.py", "acc = acc * tl.exp(m - shift) + tl.exp(x - shift)",
+              "acc = acc + tl.exp(x - shift)"),),
+        ("tests/ops/test_linear_ce.py::test_triton_kernel_over_several_vocabulary_blocks",),
+    ),
 )
