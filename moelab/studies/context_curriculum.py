@@ -223,7 +223,8 @@ def stage_text(stages: Sequence[Mapping[str, Any]]) -> str:
 def retrieval_budget(preset: str) -> dict[str, dict[str, Any]]:
     """Per schedule and stage, from the resolved configs (:func:`moelab.data.curriculum.plan`): ``tokens_per_step``,
     ``sequences_per_step`` and ``retrieval_sequences_per_step`` / ``retrieval_share`` (of the step's tokens, for
-    ``synthetic_batch_share``; the expected share for a per-sequence ``synthetic``)."""
+    ``synthetic_batch_share``; the expected share for a per-sequence ``synthetic``) and ``mqar_pairs`` (of the training
+    MQAR sub-tasks: the answers each MQAR sequence trains on)."""
     from moelab.data.curriculum import plan as stage_plan
 
     p = plan(preset)
@@ -237,7 +238,8 @@ def retrieval_budget(preset: str) -> dict[str, dict[str, Any]]:
                                  "retrieval_sequences_per_step": (s.synthetic_per_batch * acc if s.synthetic_per_batch
                                                                   else s.synthetic * s.batch_size * acc),
                                  "retrieval_share": (s.synthetic_per_batch / s.batch_size if s.synthetic_per_batch
-                                                     else s.synthetic)} for s in stages]}
+                                                     else s.synthetic),
+                                 "mqar_pairs": s.mqar_pairs} for s in stages]}
     return out
 
 

@@ -32,6 +32,7 @@ def test_research_arms_train_equal_tokens_and_retrieval_per_step() -> None:
     assert [st["seq_len"] for st in budget["curriculum"]["stages"]] == list(p.lengths)
     # training MQAR with 128 pairs in every stage of every arm (more answers per retrieval sequence), evaluated at 16
     assert {st["mqar_pairs"] for v in cc.schedules(p).values() for st in v} == {128} and p.eval.mqar_pairs == 16
+    assert {st["mqar_pairs"] for st in stages} == {128}
     for name, ov in cc.pilot_arms("research").items():  # the pilot: the short schedule, fewer steps
         cfg = load_config(p.base, {**p.common, **ov})
         (st,) = stage_plan(cfg.data.curriculum, cfg.train.batch_size, cfg.data.seq_len,
