@@ -71,9 +71,11 @@ class Plan:
     retrieval sub-tasks (``data.curriculum[].synthetic_batch_share``), the same in every step of every arm.
     pilot_steps: budgets (optimizer steps, seed 0) of the pilot runs of the short arm, trained before the grid
     to show that retrieval is learnable at this size (:func:`train_pilot`); the grid's short runs are its last point.
-    train_mqar_pairs: key-value pairs of the training MQAR sub-tasks (0: the evaluation's ``eval.mqar_pairs``). A
-    retrieval sequence trains only on its answers (the rest of its targets are ignored), so the pairs set how much
-    of the loss retrieval is: more pairs, more answers per sequence at the same share of the tokens.
+    train_mqar_density: key-value pairs per token of the training MQAR sub-tasks (a stage of ``seq_len`` tokens asks
+    ``int(density * seq_len)``; 0: every stage asks the evaluation's ``eval.mqar_pairs``). A retrieval sequence trains
+    only on its answers (the rest of its targets are ignored), so the pairs set how much of the loss retrieval is,
+    and pairs in proportion to the length give every arm the same MQAR answers per step at the same share of tokens
+    (a fixed count would give the short arm's many short sequences 16x the long arm's answers).
     """
 
     base: str
@@ -88,7 +90,7 @@ class Plan:
     notes: str = ""
     synthetic_batch_share: float = 0.0
     pilot_steps: tuple[int, ...] = ()
-    train_mqar_pairs: int = 0
+    train_mqar_density: float = 0.0
     source_pin: str | None = None  # training-code epoch of the records (common.pinned): bump when training changes
     # keep each run's training speed in its record (train_perf): split calls train on machines whose MLflow store,
     # where the perf/* metrics go, does not come back
@@ -136,8 +138,8 @@ PRESETS = {
     # A retrieval sequence trains only on its answers: with the evaluation's 16 MQAR pairs that was ~5 (passkey) or
     # 16 (MQAR) answer tokens a sequence, ~0.7% of a step's loss tokens, and the first pilot (H100, records at git
     # 56fe7aa) left passkey at 1K at 0.00 after 25.2M tokens, its answer NLL at a uniform digit's (2.6 vs 2.3 nats).
-    # The training MQAR now holds 128 pairs (8x the answers at the same share of the tokens, ~4% of the loss); the
-    # evaluation keeps 16.
+    # The training MQAR now asks one pair per 8 tokens (128 at 1K, 2048 at 16K: 8x the answers of the short arm, and the
+    # same MQAR answers per step in every arm, ~2% of the loss tokens); the evaluation keeps 16 pairs.
     "research": Plan("gpu-small", {"model.max_seq_len": 16384, "data.seq_len": 16384, "train.batch_size": 4,
                                    "model.norm_backend": "auto",
                                    "train.accumulate_grad_batches": 2, "train.max_steps": 384,
@@ -147,9 +149,9 @@ PRESETS = {
                      EvalPlan(depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=8, mqar_pairs=16, mqar_samples=16,
                               lbp_samples=4, batch_size=8),
                      notes="gpu-small, 384 steps of 131,072 tokens (8 x 16K .. 128 x 1K), 25% retrieval sequences "
-                           "in every micro-batch (MQAR with 128 pairs); stages 1K -> 4K -> 16K",
+                           "in every micro-batch (MQAR: a pair per 8 tokens); stages 1K -> 4K -> 16K",
                      synthetic_batch_share=0.25, pilot_steps=(96, 192), source_pin="s4research-1", record_perf=True,
-                     train_mqar_pairs=128),
+                     train_mqar_density=0.125),
 }
 
 
@@ -184,16 +186,15 @@ def split_steps(steps: int, shares: Sequence[float]) -> list[int]:
 
 def schedules(p: Plan) -> dict[str, list[dict[str, Any]]]:
     """``{schedule: data.curriculum stages}``: curriculum over ``p.lengths``, direct at the longest, short at the
-    shortest; every stage has the plan's synthetic share, its MQAR sub-tasks ``train_mqar_pairs`` pairs (or the
-    evaluation's count)."""
+    shortest; every stage has the plan's synthetic share, its MQAR sub-tasks ``train_mqar_density`` pairs per token
+    (or the evaluation's count)."""
     if list(p.lengths) != sorted(set(p.lengths)) or len(p.lengths) < 2:
         raise ValueError(f"lengths={p.lengths} is not allowed: expected two or more increasing lengths")
     if len(p.shares) != len(p.lengths):
         raise ValueError(f"shares={p.shares} is not allowed: expected one share per length ({len(p.lengths)})")
 
-    pairs = p.train_mqar_pairs or p.eval.mqar_pairs
-
     def stage(seq_len: int, steps: int) -> dict[str, Any]:
+        pairs = int(p.train_mqar_density * seq_len) if p.train_mqar_density else p.eval.mqar_pairs
         if p.synthetic_batch_share:
             return {"seq_len": seq_len, "steps": steps, "synthetic_batch_share": p.synthetic_batch_share,
                     "mqar_pairs": pairs}

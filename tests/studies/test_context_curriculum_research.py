@@ -30,9 +30,11 @@ def test_research_arms_train_equal_tokens_and_retrieval_per_step() -> None:
     assert budget["direct"]["stages"][0]["retrieval_sequences_per_step"] == 2
     assert budget["short"]["stages"][0]["sequences_per_step"] == 128
     assert [st["seq_len"] for st in budget["curriculum"]["stages"]] == list(p.lengths)
-    # training MQAR with 128 pairs in every stage of every arm (more answers per retrieval sequence), evaluated at 16
-    assert {st["mqar_pairs"] for v in cc.schedules(p).values() for st in v} == {128} and p.eval.mqar_pairs == 16
-    assert {st["mqar_pairs"] for st in stages} == {128}
+    # training MQAR with a pair per 8 tokens (more answers per retrieval sequence), evaluated at 16 pairs
+    assert [st["mqar_pairs"] for st in budget["curriculum"]["stages"]] == [128, 512, 2048] and p.eval.mqar_pairs == 16
+    # so every arm trains the same MQAR answers per step: retrieval sequences / 2 (the tasks take turns) x pairs
+    answers = {st["retrieval_sequences_per_step"] // 2 * st["mqar_pairs"] for st in stages}
+    assert answers == {16 * 128}
     for name, ov in cc.pilot_arms("research").items():  # the pilot: the short schedule, fewer steps
         cfg = load_config(p.base, {**p.common, **ov})
         (st,) = stage_plan(cfg.data.curriculum, cfg.train.batch_size, cfg.data.seq_len,
@@ -48,7 +50,7 @@ def test_retrieval_share_holds_in_real_batches_of_every_arm() -> None:
     """The research plan's schedules on the tiny preset (256 -> 512 -> 1024, 2 micro-batches of 4096 tokens per
     step): every step of every arm is 8,192 tokens of which exactly 25% are retrieval sequences."""
     p = dataclasses.replace(cc.plan("research"), lengths=(256, 512, 1024), shares=(0.5, 0.25, 0.25), steps=4,
-                            train_mqar_pairs=16)  # 128 pairs need 511 tokens
+                            train_mqar_density=1 / 16)  # 16 pairs at 256 tokens (a pair needs 4 tokens)
     tiny = {"model.max_seq_len": 1024, "data.seq_len": 1024, "train.batch_size": 4,
             "train.accumulate_grad_batches": 2, "train.max_steps": 4, "train.warmup_steps": 1}
     arms = {name: {"data.curriculum": st} for name, st in cc.schedules(p).items()}

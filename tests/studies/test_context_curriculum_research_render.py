@@ -208,7 +208,7 @@ def test_split_call_trains_only_the_named_runs(tmp_path: Path, monkeypatch: pyte
     pilot run and one grid run; exactly those train, their records carry the evaluation and the train_perf windows,
     and the call stops with GridIncomplete naming the rest."""
     tiny = dataclasses.replace(
-        P, base="tiny", lengths=(256, 512, 1024), steps=4, pilot_steps=(2,), train_mqar_pairs=0,
+        P, base="tiny", lengths=(256, 512, 1024), steps=4, pilot_steps=(2,), train_mqar_density=0.0,
         common={"model.pattern": "M", "model.dense_layers": 2, "model.max_seq_len": 1024, "data.seq_len": 1024,
                 "train.batch_size": 4, "train.accumulate_grad_batches": 2, "train.max_steps": 4,
                 "train.warmup_steps": 1, "train.val_every": 2, "train.val_batches": 1, "train.log_every": 1,
