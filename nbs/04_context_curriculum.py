@@ -79,7 +79,7 @@ study.arms_factor(preset).keys()
 pd.DataFrame([{"schedule": a, "length": st["seq_len"], "tokens per step": st["tokens_per_step"],
                "sequences per step": st["sequences_per_step"],
                "retrieval sequences per step": st["retrieval_sequences_per_step"],
-               "retrieval share of the tokens": st["retrieval_share"]}
+               "retrieval share of the tokens": st["retrieval_share"], "training MQAR pairs": st["mqar_pairs"]}
               for a, v in study.retrieval_budget(preset).items() for st in v["stages"]])
 
 # %% [markdown] tags=["research"]
