@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +71,8 @@ class Plan:
     retrieval sub-tasks (``data.curriculum[].synthetic_batch_share``), the same in every step of every arm.
     pilot_steps: budgets (optimizer steps, seed 0) of the pilot runs of the short arm, trained before the grid
     to show that retrieval is learnable at this size (:func:`train_pilot`); the grid's short runs are its last point.
+    pilot_monitor_every: with a value n > 0, every pilot run measures passkey and MQAR at the short length every n
+    steps while it trains (:func:`pilot_monitor`, the record's ``trajectory``): one run gives the learning curve.
     train_mqar_density: key-value pairs per token of the training MQAR sub-tasks (a stage of ``seq_len`` tokens asks
     ``int(density * seq_len)``; 0: every stage asks the evaluation's ``eval.mqar_pairs``). A retrieval sequence trains
     only on its answers (the rest of its targets are ignored), so the pairs set how much of the loss retrieval is,
@@ -90,6 +92,7 @@ class Plan:
     notes: str = ""
     synthetic_batch_share: float = 0.0
     pilot_steps: tuple[int, ...] = ()
+    pilot_monitor_every: int = 0
     train_mqar_density: float = 0.0
     source_pin: str | None = None  # training-code epoch of the records (common.pinned): bump when training changes
     # keep each run's training speed in its record (train_perf): split calls train on machines whose MLflow store,
@@ -140,6 +143,10 @@ PRESETS = {
     # 56fe7aa) left passkey at 1K at 0.00 after 25.2M tokens, its answer NLL at a uniform digit's (2.6 vs 2.3 nats).
     # The training MQAR now asks one pair per 8 tokens (128 at 1K, 2048 at 16K: 8x the answers of the short arm, and the
     # same MQAR answers per step in every arm, ~2% of the loss tokens); the evaluation keeps 16 pairs.
+    # The second pilot (H100, bda8acc) with these MQAR answers: passkey and MQAR at 1K still 0.00 at 96 and 192 steps,
+    # the passkey answer NLL 6.98 -> 2.72 nats. So the pilot is now one longer run of the short arm, 1024 steps (134M
+    # tokens, ~7 minutes alone), that measures passkey and MQAR at 1K every 64 steps while it trains: the learning
+    # curve, and the budget the grid would need, from one call.
     "research": Plan("gpu-small", {"model.max_seq_len": 16384, "data.seq_len": 16384, "train.batch_size": 4,
                                    "model.norm_backend": "auto",
                                    "train.accumulate_grad_batches": 2, "train.max_steps": 384,
@@ -150,8 +157,8 @@ PRESETS = {
                               lbp_samples=4, batch_size=8),
                      notes="gpu-small, 384 steps of 131,072 tokens (8 x 16K .. 128 x 1K), 25% retrieval sequences "
                            "in every micro-batch (MQAR: a pair per 8 tokens); stages 1K -> 4K -> 16K",
-                     synthetic_batch_share=0.25, pilot_steps=(96, 192), source_pin="s4research-1", record_perf=True,
-                     train_mqar_density=0.125),
+                     synthetic_batch_share=0.25, pilot_steps=(1024,), pilot_monitor_every=64,
+                     source_pin="s4research-1", record_perf=True, train_mqar_density=0.125),
 }
 
 
@@ -261,15 +268,39 @@ def pilot_eval_settings(preset: str) -> dict[str, dict[str, Any]]:
                      "batch_size": e.batch_size}}
 
 
+def pilot_monitor(preset: str) -> Callable[[torch.nn.Module, Any], dict[str, float]]:
+    """The pilot's learning curve (run_grid's ``monitor`` function): passkey and MQAR accuracy at the short length,
+    and the passkey answer's NLL per key token, with :func:`pilot_eval_settings` (the pilot's final evaluation's
+    settings, so every point and the end are the same measurement) on the model being trained.
+
+    Returns ``{"passkey", "passkey_nll", "mqar"}``.
+    """
+    settings = pilot_eval_settings(preset)
+
+    def measure(model: torch.nn.Module, cfg: Any) -> dict[str, float]:
+        from moelab.eval.suite import evaluate_model
+
+        device = next(model.parameters()).device
+        pk = evaluate_model(model, cfg, "passkey", device=device, **settings["passkey"])
+        mq = evaluate_model(model, cfg, "mqar", device=device, **settings["mqar"])
+        return {"passkey": float(pk["accuracy_by_length"][0]), "passkey_nll": float(np.mean(pk["answer_nll"][0])),
+                "mqar": float(mq["accuracy"][0])}
+
+    return measure
+
+
 def train_pilot(preset: str, out_dir: str | Path) -> list[common.Grid]:
     """Train the pilot runs (seed 0 of the short schedule at each of ``pilot_steps``), one grid per budget
-    (they differ in steps, which a grid's arms may not); finished runs are reused. A split call (``RUNS=``)
-    that names no pilot run leaves them for a later call (their grids come back incomplete)."""
+    (they differ in steps, which a grid's arms may not); finished runs are reused. With the plan's
+    ``pilot_monitor_every``, each run measures :func:`pilot_monitor` every that many steps (its ``trajectory``).
+    A split call (``RUNS=``) that names no pilot run leaves them for a later call (their grids come back
+    incomplete)."""
     p = plan(preset)
+    monitor = (p.pilot_monitor_every, pilot_monitor(preset)) if p.pilot_monitor_every else None
     grids = []
     for name, overrides in pilot_arms(preset).items():
         grids.append(common.run_grid(STUDY, p.base, {name: overrides}, (0,), out_dir, common=dict(p.common),
-                                     checkpoints="final", source_pin=p.source_pin,
+                                     checkpoints="final", source_pin=p.source_pin, monitor=monitor,
                                      evaluate=functools.partial(evaluate_trained, preset=preset,
                                                                 settings=pilot_eval_settings(preset))))
     return grids
@@ -282,14 +313,22 @@ DIGIT_NLL = float(np.log(10))  # NLL of a key token guessed uniformly among ten 
 def pilot_rows(pilot_grids: Sequence[common.Grid], rows: Sequence[Mapping[str, Any]], preset: str
                ) -> list[dict[str, Any]]:
     """Passkey (and MQAR) accuracy at the shortest length against training tokens: one row per pilot run
-    (``source`` ``pilot``) and per run of the grid's short schedule (``short``, the full budget); ``passkey_nll``:
-    the passkey answer's mean NLL per key token there (None where the record has none)."""
+    (``source`` ``pilot``), one per point of a monitored pilot run's trajectory before its last step (``source``
+    ``pilot``, ``steps`` the point's; the last step is the run's final evaluation, the same measurement) and one per
+    run of the grid's short schedule (``short``, the full budget); ``passkey_nll``: the passkey answer's mean NLL per
+    key token there (None where the record has none)."""
     L = plan(preset).lengths[0]
     out = []
     for g in pilot_grids:
         for r in g.records:
             if r.evals is None:
                 continue
+            steps = int(r.summary.get("steps") or 0)
+            for point in r.trajectory or []:
+                if 0 < point["step"] < steps:  # step 0 is the untrained model; the last step is the evaluation's
+                    out.append({"source": "pilot", "seed": r.seed, "steps": point["step"],
+                                "tokens": r.tokens * point["step"] // steps, "passkey": float(point["passkey"]),
+                                "passkey_nll": point.get("passkey_nll"), "mqar": float(point["mqar"])})
             pk = r.evals["passkey"]
             out.append({"source": "pilot", "seed": r.seed, "steps": r.summary.get("steps"), "tokens": r.tokens,
                         "passkey": float(pk["accuracy_by_length"][0]),
@@ -305,6 +344,13 @@ def pilot_rows(pilot_grids: Sequence[common.Grid], rows: Sequence[Mapping[str, A
     return sorted(out, key=lambda d: (d["tokens"], d["seed"]))
 
 
+def _few(values: Sequence[int], most: int = 6) -> list[int]:
+    """At most ``most`` of the sorted ``values``, evenly spaced, the first and the last among them."""
+    if len(values) <= most:
+        return list(values)
+    return [values[round(i * (len(values) - 1) / (most - 1))] for i in range(most)]
+
+
 def pilot_finding(pilot: Sequence[Mapping[str, Any]], length: int) -> report.Finding:
     """Is retrieval learnable at this size: the fewest tokens at which passkey at ``length`` reached
     :data:`PILOT_PASSKEY` (the mean over the runs at that budget), or "not tested" with the best reached."""
@@ -314,15 +360,16 @@ def pilot_finding(pilot: Sequence[Mapping[str, Any]], length: int) -> report.Fin
     budgets: dict[int, list[float]] = {}
     for d in pilot:
         budgets.setdefault(int(d["tokens"]), []).append(d["passkey"])
-    curve = "; ".join(f"{t / 1e6:.1f}M tokens: {np.mean(v):.2f}" + (f" ({len(v)} seeds)" if len(v) > 1 else "")
-                      for t, v in sorted(budgets.items()))
+    shown = _few(sorted(budgets))  # a monitored run has a point every few steps: the text names a handful
+    curve = "; ".join(f"{t / 1e6:.1f}M tokens: {np.mean(budgets[t]):.2f}"
+                      + (f" ({len(budgets[t])} seeds)" if len(budgets[t]) > 1 else "") for t in shown)
     nlls: dict[int, list[float]] = {}
     for d in pilot:
         if d.get("passkey_nll") is not None:
             nlls.setdefault(int(d["tokens"]), []).append(d["passkey_nll"])
     if nlls:  # how far from retrieval: a model that knows only that digits follow is near a uniform digit's NLL
         curve += ("; answer NLL per key token by budget: "
-                  + "; ".join(f"{t / 1e6:.1f}M: {np.mean(v):.2f}" for t, v in sorted(nlls.items()))
+                  + "; ".join(f"{t / 1e6:.1f}M: {np.mean(nlls[t]):.2f}" for t in _few(sorted(nlls)))
                   + f" (a uniform digit: {DIGIT_NLL:.2f})")
     reached = [t for t, v in sorted(budgets.items()) if np.mean(v) >= PILOT_PASSKEY]
     last = budgets[max(budgets)]
@@ -1163,30 +1210,33 @@ def perf_figure(perf_rows: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[s
 
 
 def pilot_figure(pilot: Sequence[Mapping[str, Any]], length: int, chance: Mapping[str, float]) -> Any:
-    """Passkey (left) and MQAR (right) accuracy at ``length`` against training tokens: the pilot runs and the grid's
-    short runs (dots: runs; line: mean per budget); dashed: :data:`PILOT_PASSKEY` and chance."""
+    """Passkey accuracy (left), MQAR accuracy (middle) and the passkey answer's NLL per key token (right) at
+    ``length`` against training tokens: the pilot (blue, a line through a monitored run's points) and the grid's
+    short runs (green dots); dashed: :data:`PILOT_PASSKEY`, chance and a uniform digit's NLL."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 3.8), dpi=100)
-    axes = fig.subplots(1, 2)
-    for ax, key, title in ((axes[0], "passkey", "passkey"), (axes[1], "mqar", "MQAR")):
-        budgets: dict[int, list[float]] = {}
-        for d in pilot:
-            budgets.setdefault(int(d["tokens"]), []).append(d[key])
-            ax.plot(d["tokens"] / 1e6, d[key], "o", color="tab:blue" if d["source"] == "pilot" else "tab:green",
-                    ms=5, alpha=0.8)
-        if budgets:
-            ts = sorted(budgets)
-            ax.plot([t / 1e6 for t in ts], [np.mean(budgets[t]) for t in ts], "-", color="k", lw=1.2)
+    fig = Figure(figsize=(13, 3.8), dpi=100)
+    axes = fig.subplots(1, 3)
+    panels = ((axes[0], "passkey", "passkey accuracy"), (axes[1], "mqar", "MQAR accuracy"),
+              (axes[2], "passkey_nll", "passkey answer NLL (nats per key token)"))
+    for ax, key, title in panels:
+        for source, color in (("pilot", "tab:blue"), ("short", "tab:green")):
+            pts = sorted((d["tokens"] / 1e6, d[key]) for d in pilot if d["source"] == source and d.get(key) is not None)
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, "o-" if source == "pilot" else "o", color=color, ms=4, lw=1.0, alpha=0.85,
+                        label="pilot" if source == "pilot" else "grid's short runs")
         if key == "passkey":
             ax.axhline(PILOT_PASSKEY, color="firebrick", ls="--", lw=0.8, label=f"learned ({PILOT_PASSKEY})")
-        ax.axhline(chance[key], color="grey", ls=":", lw=0.8, label="chance")
-        ax.set_ylim(-0.03, 1.03)
+        if key == "passkey_nll":
+            ax.axhline(DIGIT_NLL, color="grey", ls=":", lw=0.8, label="a uniform digit")
+        else:
+            ax.axhline(chance[key], color="grey", ls=":", lw=0.8, label="chance")
+            ax.set_ylim(-0.03, 1.03)
         ax.set_xlabel("training tokens (millions)")
-        ax.set_ylabel(f"{title} accuracy at {length:,} tokens")
-        ax.set_title(f"{title}: pilot (blue) and the grid's short runs (green)", fontsize=9)
+        ax.set_ylabel(f"{title} at {length:,} tokens", fontsize=8)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
 

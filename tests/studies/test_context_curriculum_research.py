@@ -40,7 +40,7 @@ def test_research_arms_train_equal_tokens_and_retrieval_per_step() -> None:
         (st,) = stage_plan(cfg.data.curriculum, cfg.train.batch_size, cfg.data.seq_len,
                            cfg.train.accumulate_grad_batches, cfg.train.max_steps)
         assert name == f"pilot{st.steps}" and st.seq_len == p.lengths[0] and st.synthetic_per_batch == 16
-    assert sorted(cc.pilot_arms("research")) == ["pilot192", "pilot96"]
+    assert sorted(cc.pilot_arms("research")) == ["pilot1024"] and p.pilot_monitor_every == 64
     assert cc.pilot_eval_settings("research")["passkey"]["lengths"] == [1024]
     # the other presets keep the per-sequence draw, as their committed reports trained
     assert cc.retrieval_budget("gpu")["direct"]["stages"][0]["retrieval_share"] == 0.1
@@ -119,3 +119,16 @@ def test_research_findings_on_synthetic_records(learned: bool) -> None:
     else:
         assert eff_short.status == far.status == "not tested"
         assert "retrieval never learned" in eff_short.reason
+
+
+def test_pilot_finding_names_a_handful_of_a_learning_curves_points() -> None:
+    """A monitored pilot has a point every 64 steps: the finding's text names six budgets, the first and the last
+    among them, and the first budget that reached the threshold is found among all of them."""
+    step = 8_388_608  # 64 steps of 131,072 tokens
+    rows = [{"tokens": k * step, "passkey": 0.95 if k >= 11 else 0.01 * k, "passkey_nll": 7.0 - 0.3 * k}
+            for k in range(1, 17)]
+    f = cc.pilot_finding(rows, 1024)
+    assert f.status == "measured" and f"first at {11 * step / 1e6:.1f}M tokens" in f.answer
+    budgets = f.answer.split("passkey by budget: ")[1].split("; answer NLL")[0].split("; ")
+    assert len(budgets) == 6 and budgets[0].startswith("8.4M tokens") and budgets[-1].startswith("134.2M tokens")
+    assert cc._few(list(range(3))) == [0, 1, 2] and cc._few(list(range(16))) == [0, 3, 6, 9, 12, 15]

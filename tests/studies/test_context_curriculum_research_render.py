@@ -30,7 +30,7 @@ LONGEST = P.lengths[-1]
 VAL = {"curriculum": (3.10, 3.12, 3.09), "direct": (3.15, 3.16, 3.16), "short": (3.30, 3.28, 3.31)}
 # effective context per (schedule, seed): passkey >= 0.9 up to this length, below after
 EFFECTIVE = {"curriculum": (16384, 16384, 32768), "direct": (8192, 16384, 8192), "short": (1024, 2048, 1024),
-             "pilot96": (0,), "pilot192": (1024,)}
+             "pilot1024": (1024,)}
 STEP_S = {1024: 0.50, 4096: 0.52, 16384: 0.60}  # seconds per optimizer step at each training length
 OVERHEAD_S = 40.0  # start, compilation, validation and evaluation of a run
 
@@ -97,6 +97,10 @@ def _fake_train(study, arm, seed, cfg, run_dir, fingerprint, code, record, evalu
     train_s = sum(STEP_S[n] * k for n, k in _stages(cfg)) * (1 + 0.01 * seed)
     wall = round(train_s + OVERHEAD_S, 1)
     tokens = steps * 131072
+    # a monitored pilot's learning curve: passkey at the short length rising linearly to 0.95 at half its steps
+    trajectory = None if monitor is None else [
+        {"step": s, "passkey": round(min(0.95, 0.95 * s / (steps / 2)), 4), "passkey_nll": 7.0 - 6.0 * s / steps, "mqar": 0.5 * s / steps}
+        for s in sorted({*range(0, steps + 1, monitor[0]), steps})]
     rec = common.RunRecord(
         arm=arm, seed=seed, history=history, val_history=[[s, v] for s, v in vals.items()], tokens=tokens,
         epochs=tokens / 22_600_000, train_val_gap=0.05, fingerprint=fingerprint, evals=evals,
@@ -105,7 +109,8 @@ def _fake_train(study, arm, seed, cfg, run_dir, fingerprint, code, record, evalu
                  "tok_per_s": 131072 / STEP_S[_stages(cfg)[-1][0]], "peak_mem_gb": 60.0, "run_id": None},
         timing={"started": "2026-12-05T00:00:00+00:00", "ended": "2026-12-05T00:05:00+00:00", "wall_s": wall,
                 "gpus": 1, "gpu_minutes": round(wall / 60, 3), "resumed": False},
-        machine={"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0"}, code=dict(code))
+        machine={"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0"}, code=dict(code),
+        trajectory=trajectory)
     common._write_record(record, rec, cfg, study, None)
     return rec
 
@@ -134,8 +139,7 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     before = _repo_studies()
     records = _write_records(tmp_path, monkeypatch)
     names = sorted(p.name for p in records.glob("*.json"))
-    assert names == sorted([*(f"{a}_s{s}.json" for a in cc.SCHEDULES for s in P.seeds), "pilot96_s0.json",
-                            "pilot192_s0.json"])
+    assert names == sorted([*(f"{a}_s{s}.json" for a in cc.SCHEDULES for s in P.seeds), "pilot1024_s0.json"])
     assert max(p.stat().st_size for p in records.iterdir()) < 500_000  # a record stays small
     lines: list[str] = []
     out = run_study(4, "research", out_root=tmp_path / "studies", tracking_uri=tracking_uri, log_output=False,
@@ -163,7 +167,14 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     assert summary["verdict"]["equal_tokens"].startswith("better")
     eff = summary["curriculum_vs_direct"]["effective_context"]
     assert eff["values"] == [16384 - 8192, 0, 32768 - 8192]
-    assert summary["pilot"][0]["passkey"] == 0.5 - 0.1 and summary["pilot"][1]["passkey"] == 0.95
+    # the pilot: its learning curve (a point every pilot_monitor_every steps before the last), the final evaluation,
+    # and the grid's short runs at their budget
+    pilot = [d for d in summary["pilot"] if d["source"] == "pilot"]
+    every, (steps,) = P.pilot_monitor_every, P.pilot_steps
+    assert [d["steps"] for d in pilot] == [*range(every, steps, every), steps]
+    assert pilot[0]["tokens"] == every * 131072 and pilot[0]["passkey"] == pytest.approx(0.95 * every / (steps / 2), abs=1e-4)
+    assert pilot[-1]["passkey"] == 0.95 and len(summary["pilot"]) == len(pilot) + len(P.seeds)
+    assert pilot[0]["passkey_nll"] == pytest.approx(7.0 - 6.0 * every / steps)
     # the stages' step times come from the records (no MLflow perf metrics on this machine)
     perf = {(p["schedule"], p["seed"], p["stage"]): p for p in summary["stage_perf"]}
     assert perf[("curriculum", 0, 1)]["step_time_s"] == pytest.approx(STEP_S[4096])
@@ -180,7 +191,8 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     assert (iv["mean"], iv["low"], iv["high"]) == pytest.approx((np.mean(d), np.mean(d) - half, np.mean(d) + half))
     assert summary["headline"] == summary["verdicts"][0] and len(summary["verdicts"]) == 6
     assert summary["headline"].startswith("Is passkey retrieval learnable at this size")
-    assert "yes: first at 25.2M tokens (passkey by budget: 12.6M tokens: 0.40; 25.2M tokens: 0.95" in \
+    # the first budget whose mean (the pilot's point and, at 50.3M, the grid's short runs) reaches 0.9: 512 steps
+    assert "yes: first at 67.1M tokens (passkey by budget: 8.4M tokens: 0.12; 33.6M tokens: 0.47; " in \
         summary["headline"]
     assert summary["compared"][5]["question"] == "Validation loss at equal tokens, curriculum minus direct"
     assert summary["compared"][5]["status"] == "better"
@@ -208,7 +220,8 @@ def test_split_call_trains_only_the_named_runs(tmp_path: Path, monkeypatch: pyte
     pilot run and one grid run; exactly those train, their records carry the evaluation and the train_perf windows,
     and the call stops with GridIncomplete naming the rest."""
     tiny = dataclasses.replace(
-        P, base="tiny", lengths=(256, 512, 1024), steps=4, pilot_steps=(2,), train_mqar_density=0.0,
+        P, base="tiny", lengths=(256, 512, 1024), steps=4, pilot_steps=(2,), pilot_monitor_every=1,
+        train_mqar_density=0.0,
         common={"model.pattern": "M", "model.dense_layers": 2, "model.max_seq_len": 1024, "data.seq_len": 1024,
                 "train.batch_size": 4, "train.accumulate_grad_batches": 2, "train.max_steps": 4,
                 "train.warmup_steps": 1, "train.val_every": 2, "train.val_batches": 1, "train.log_every": 1,
@@ -239,3 +252,8 @@ def test_split_call_trains_only_the_named_runs(tmp_path: Path, monkeypatch: pyte
     assert all(w[1] > 0 and w[2] > 0 for w in evals["train_perf"]["windows"])
     pilot = torch.load(records / "pilot2_s0.evals.pt", weights_only=True)
     assert pilot["passkey"]["settings"]["lengths"] == [256]
+    # the pilot's monitor measured the real model at every step: its last point is the final evaluation's numbers
+    curve = json.loads((records / "pilot2_s0.json").read_text())["trajectory"]
+    assert [pt["step"] for pt in curve] == [0, 1, 2] and set(curve[0]) == {"step", "passkey", "passkey_nll", "mqar"}
+    assert curve[-1]["passkey"] == pilot["passkey"]["accuracy_by_length"][0]
+    assert curve[-1]["passkey_nll"] == pytest.approx(float(np.mean(pilot["passkey"]["answer_nll"][0])))
