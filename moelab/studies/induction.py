@@ -201,6 +201,56 @@ def summarize(runs: list[dict[str, Any]], steps: int) -> dict[str, dict[str, Any
     return out
 
 
+RESULT = "studies/04_context_curriculum/results/induction_cpu.json"  # the committed probe, relative to the repo
+
+
+def load(path: str | Path | None = None) -> dict[str, Any] | None:
+    """The probe's result file (default: the committed :data:`RESULT`), None where there is none."""
+    from moelab.base import repo_root
+
+    p = Path(path) if path is not None else repo_root() / RESULT
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def table(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per arm: its mixers, positions, parameters, steps to ``threshold`` accuracy per seed (None: not
+    within the run) and the final accuracy's mean over seeds."""
+    rows = []
+    steps = result["meta"]["settings"]["steps"]
+    for arm, s in result["summary"].items():
+        kind, n_layers, spec = ARMS[arm]
+        params = next(r["params"] for r in result["runs"] if r["arm"] == arm)
+        rows.append({"arm": arm, "layers": n_layers,
+                     "mixers": "softmax attention" if kind == "reference" else f"{spec} (K: KDA, M: NoPE gated MLA)",
+                     "positions": {"rope": "rotary", "nope": "none"}.get(spec, "from the KDA layers"),
+                     "params": params,
+                     "steps to 0.9 (per seed)": ", ".join(str(v) if v is not None else f"> {steps}"
+                                                          for v in s["steps_to_learn"]),
+                     "final accuracy": round(s["mean_final_accuracy"], 3)})
+    return rows
+
+
+def figure(result: dict[str, Any]) -> Any:
+    """Held-out copy accuracy against training steps, one colour per arm, one line per seed."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 3.8), dpi=100)
+    ax = fig.subplots()
+    colors = dict(zip(ARMS, ("tab:green", "tab:grey", "tab:blue", "tab:purple")))
+    for arm in result["summary"]:
+        for i, r in enumerate(x for x in result["runs"] if x["arm"] == arm):
+            ax.plot([p["step"] for p in r["curve"]], [p["accuracy"] for p in r["curve"]], color=colors.get(arm),
+                    lw=1.2, alpha=0.85, label=arm if i == 0 else None)
+    ax.axhline(result["meta"]["settings"].get("threshold", 0.9), color="firebrick", ls="--", lw=0.8)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("copy accuracy on the repeat")
+    ax.set_ylim(-0.03, 1.03)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m moelab.studies.induction", description=__doc__.split("\n")[0])
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
@@ -209,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=100)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=None, help="JSON file for the curves (default: print only)")
+    ap.add_argument("--out", type=Path, default=None, help=f"JSON file for the curves (the committed one: {RESULT})")
     a = ap.parse_args(argv)
     if a.steps < 1 or a.every < 1:
         ap.error(f"--steps {a.steps} and --every {a.every} must be >= 1")
@@ -232,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(math.isfinite(p["nll"]) for r in runs for p in r["curve"]) else 1
 
 
-__all__ = ["ARMS", "ReferenceTransformer", "build", "copy_batch", "run", "summarize", "train_arm"]
+__all__ = ["ARMS", "RESULT", "ReferenceTransformer", "build", "copy_batch", "figure", "load", "run", "summarize",
+           "table", "train_arm"]
 
 if __name__ == "__main__":
     sys.exit(main())
