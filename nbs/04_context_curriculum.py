@@ -161,17 +161,10 @@ if pilot is not None:
 
 # %% tags=["research"]
 probe = induction.load()  # the committed toy probe (python -m moelab.studies.induction)
-if probe is not None:
+if probe is not None:  # its caption comes with it: the figure is drawn only where the file is
     display(pd.DataFrame(induction.table(probe)).set_index("arm"))
     display(common.show(induction.figure(probe), out / "figures" / "induction_probe.png"))
-
-# %% [markdown] tags=["research"]
-# **Figure 2c.** Why retrieval comes late: a toy probe on a CPU (`python -m moelab.studies.induction`, width 64,
-# 64-token sequences whose second half repeats the first, the loss on the repeat only; 3 seeds per arm). Held-out
-# copy accuracy against training steps for softmax attention with rotary positions and without positions, and for
-# moelab's KDA + NoPE gated MLA hybrids (K3's design: positions come from the KDA layers only); the table gives each
-# seed's first step at 0.9 accuracy. Copying is what passkey and MQAR ask for (find the earlier occurrence, read
-# what followed it).
+    display(Markdown(induction.caption(probe)))
 
 # %%
 summary = committed if from_results else study.summarize(grid, rows, study.stage_perf(grid, preset), evals, preset,
