@@ -9,7 +9,9 @@ model retrieves at all. This toy probe (CPU, minutes) measures the step at which
 
 Arms: moelab hybrids (KDA with its short convolution + NoPE gated MLA, K3's design: position comes from the KDA
 layers only) beside a plain softmax-attention transformer with rotary positions and without positions, all at
-the same width, initialisation, optimiser and data. ``steps_to_learn``: the first evaluated step whose held-out
+the same width, weight initialisation (N(0, 0.02)), optimiser and data. The blocks are each model's own (moelab:
+RMSNorm, gated mixers, SwiGLU FFNs; the reference: LayerNorm, GELU MLPs), so the probe compares designs, not one
+factor: the two references differ only in positions. ``steps_to_learn``: the first evaluated step whose held-out
 accuracy reaches ``threshold`` (None: not within the run).
 
     python -m moelab.studies.induction --out studies/04_context_curriculum/results/induction_cpu.json
@@ -255,11 +257,12 @@ def caption(result: dict[str, Any], number: str = "2c") -> str:
     """The figure's caption (Markdown), its settings read from ``result``."""
     st = result["meta"]["settings"]
     seeds = sorted({r["seed"] for r in result["runs"]})
-    return (f"**Figure {number}.** Why retrieval comes late: a toy probe on a CPU (`python -m moelab.studies.induction`, "
-            f"width {st.get('d_model', 64)}, {st['seq_len']}-token sequences whose second half repeats the first, the "
+    return (f"**Figure {number}.** Why retrieval comes late: a toy probe on a CPU "
+            f"(`python -m moelab.studies.induction`, width {st.get('d_model', 64)}, {st['seq_len']}-token sequences whose second half repeats the first, the "
             f"loss on the repeat only; {len(seeds)} seed(s) per arm, {st['steps']} steps). Held-out copy accuracy "
             "against training steps for softmax attention with rotary positions and without positions, and for "
-            "moelab's KDA + NoPE gated MLA hybrids (K3's design: positions come from the KDA layers only); the table "
+            "moelab's KDA + NoPE gated MLA hybrids (K3's design: positions come from the KDA layers only; each "
+            "with its own norms and FFNs, so only the two references differ in one factor, positions); the table "
             f"gives each seed's first evaluated step at {st.get('threshold', 0.9)} accuracy. Copying is what passkey "
             "and MQAR ask for: find the earlier occurrence, read what followed it.")
 
@@ -295,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(math.isfinite(p["nll"]) for r in runs for p in r["curve"]) else 1
 
 
-__all__ = ["ARMS", "RESULT", "ReferenceTransformer", "build", "caption", "copy_batch", "figure", "load", "run", "summarize",
-           "table", "train_arm"]
+__all__ = ["ARMS", "RESULT", "ReferenceTransformer", "build", "caption", "copy_batch", "figure", "load", "run",
+           "summarize", "table", "train_arm"]
 
 if __name__ == "__main__":
     sys.exit(main())
