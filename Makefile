@@ -29,7 +29,7 @@ SETUP :=
 endif
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast mutate lint data train info study-1 study-2 study-3 study-4 throughput bench kda-check kda-bench kda-aot model-bench ddp-check mlflow-ui lab sync-nbs
+.PHONY: help setup test test-fast mutate lint data train info study-1 study-2 study-3 study-4 induction-probe throughput bench kda-check kda-bench kda-aot model-bench ddp-check mlflow-ui lab sync-nbs
 
 help: ## list the targets
 	@echo "usage: make TARGET [PRESET=...] [RUNS=arm:seed,...] [PYTHON=python3] [ARGS='--set key=value ...']"
@@ -84,6 +84,9 @@ info: $(SETUP) ## parameter counts and FLOPs of PRESET (default k3)
 
 study-1 study-2 study-3 study-4: study-%: $(SETUP) ## study-N: run study N's notebook (PRESET=research|gpu: the report in studies/NN_name/; cpu: runs/studies/NN_name/); RUNS=arm:seed,... or SHARD=i/n: a split call (JOBS=k: k at once on one GPU; PROBE=n: time its runs, n steps each, no record)
 	$(RUN_ENV) $(PYTHON) -m moelab study $* $(if $(PRESET),--preset $(PRESET)) $(if $(RUNS),--runs $(RUNS)) $(if $(SHARD),--shard $(SHARD)) $(if $(JOBS),--jobs $(JOBS)) $(if $(PROBE),--probe $(PROBE)) $(ARGS)
+
+induction-probe: $(SETUP) ## study 4's toy CPU probe: steps to learn in-context copying, rotary / NoPE attention vs the KDA + NoPE-MLA hybrid (~25 min on 2 cores) -> studies/04_context_curriculum/results/induction_cpu.json
+	$(PYTHON) -m moelab.studies.induction --out studies/04_context_curriculum/results/induction_cpu.json $(ARGS)
 
 throughput: $(SETUP) ## train PRESET (default gpu-small) and record tokens/s + MFU in kernels/results/model_h200.json
 	$(PYTHON) -m moelab train --config $(or $(PRESET),gpu-small) --throughput kernels/results/model_h200.json $(ARGS)

@@ -146,7 +146,10 @@ PRESETS = {
     # The second pilot (H100, bda8acc) with these MQAR answers: passkey and MQAR at 1K still 0.00 at 96 and 192 steps,
     # the passkey answer NLL 6.98 -> 2.72 nats. So the pilot is now one longer run of the short arm, 1024 steps (134M
     # tokens, ~7 minutes alone), that measures passkey and MQAR at 1K every 64 steps while it trains: the learning
-    # curve, and the budget the grid would need, from one call.
+    # curve, and the budget the grid would need, from one call. Why it may still fall short: the toy probe
+    # (moelab.studies.induction, studies/04_context_curriculum/results/induction_cpu.json) measured K3's KDA + NoPE-MLA
+    # hybrid learning in-context copying 4-5x later than rotary attention at 2 layers, and later still at 4 (KKKM, the
+    # unit gpu-small repeats 3 times).
     "research": Plan("gpu-small", {"model.max_seq_len": 16384, "data.seq_len": 16384, "train.batch_size": 4,
                                    "model.norm_backend": "auto",
                                    "train.accumulate_grad_batches": 2, "train.max_steps": 384,

@@ -135,7 +135,7 @@ def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def train_arm(arm: str, seed: int, *, steps: int = 1500, every: int = 100, seq_len: int = 64, vocab_size: int = 512,
+def train_arm(arm: str, seed: int, *, steps: int = 2000, every: int = 100, seq_len: int = 64, vocab_size: int = 512,
               d_model: int = 64, batch_size: int = 32, lr: float = 3e-3, warmup: int = 50, eval_samples: int = 128,
               threshold: float = 0.9) -> dict[str, Any]:
     """Train ``arm`` on fresh copy batches (AdamW, linear warmup then constant ``lr``, clip 1.0, one thread) and
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m moelab.studies.induction", description=__doc__.split("\n")[0])
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--every", type=int, default=100)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--jobs", type=int, default=2)
