@@ -135,15 +135,15 @@ PRESETS = {
     # turns), so the arms see the same retrieval tokens per step. 384 steps = 50.3M tokens per run (2.2 epochs of
     # the 22.6M-token Gutenberg split), ~200 s at gpu-small's ~250K tokens/s eager (2 x 16K, gpu preset), plus start,
     # compilation and the evaluation (~5M tokens of passkey up to 64K), so that one run fits one <= 9-minute call.
-    # Pilot: the short arm at 96 and 192 steps (12.6M and 25.2M tokens, one call); with the grid's short runs at
-    # 384 steps (3 seeds) it gives passkey at 1K against tokens. The norms (and KDA's output norm with its gate) run as
+    # The first pilots: the short arm at 96 and 192 steps (12.6M and 25.2M tokens, one call), with the grid's short
+    # runs at 384 steps (3 seeds) for passkey at 1K against tokens (now one monitored run, below). The norms (and KDA's output norm with its gate) run as
     # the fused Triton kernels on a GPU (model.norm_backend auto; the same math, one pass each way).
     # A retrieval sequence trains only on its answers: with the evaluation's 16 MQAR pairs that was ~5 (passkey) or
     # 16 (MQAR) answer tokens a sequence, ~0.7% of a step's loss tokens, and the first pilot (H100, records at git
     # 56fe7aa) left passkey at 1K at 0.00 after 25.2M tokens, its answer NLL at a uniform digit's (2.6 vs 2.3 nats).
     # The training MQAR now asks one pair per 8 tokens (128 at 1K, 2048 at 16K: 8x the answers of the short arm, and the
     # same MQAR answers per step in every arm, ~2% of the loss tokens); the evaluation keeps 16 pairs.
-    # The second pilot (H100, bda8acc) with these MQAR answers: passkey and MQAR at 1K still 0.00 at 96 and 192 steps,
+    # The second pilot (H100, bda8acc; records at git 4d00c40) with these MQAR answers: passkey and MQAR at 1K still 0.00 at 96 and 192 steps,
     # the passkey answer NLL 6.98 -> 2.72 nats. So the pilot is now one longer run of the short arm, 1024 steps (134M
     # tokens, ~7 minutes alone), that measures passkey and MQAR at 1K every 64 steps while it trains: the learning
     # curve, and the budget the grid would need, from one call. Why it may still fall short: the toy probe
