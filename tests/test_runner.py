@@ -57,10 +57,14 @@ def test_runner_executes_notebook_under_a_parent_run(tmp_path, tracking_uri) -> 
 
     nbs = tmp_path / "nbs"
     _write_notebook(nbs, "07_demo", NOTEBOOK.replace("FAIL\n", ""))
+    stale = tmp_path / "studies" / "07_demo" / "07_demo.failed.ipynb"  # an earlier failure's record
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{}")
     out = run_study(7, "cpu", nbs_dir=nbs, out_root=tmp_path / "studies", tracking_uri=tracking_uri,
                     log_output=False)
 
     assert out == tmp_path / "studies" / "07_demo"
+    assert not stale.exists()  # the report that followed replaces it
     executed = nbformat.read(out / "07_demo.ipynb", as_version=4)
     paths = [executed.metadata.papermill[k] for k in ("input_path", "output_path")]
     assert not any(p.startswith("/") or ".tmp." in p for p in paths), paths  # no machine or temp paths kept
@@ -100,14 +104,19 @@ def test_failing_notebook_marks_parent_failed_and_keeps_the_executed_notebook(tm
     _write_notebook(nbs, "08_broken", NOTEBOOK.replace("FAIL", "raise ValueError('study failed here')"))
     # One line: which cell (counted in the executed notebook, its injected parameters included), what it
     # raised, where the notebook with the traceback is.
+    report = tmp_path / "studies" / "08_broken" / "08_broken.ipynb"
+    report.parent.mkdir(parents=True)
+    report.write_text("the committed report")  # what an earlier run (or the repository) holds
     with pytest.raises(StudyFailed, match=r"^study 8: cell 3 \('import json'\) raised ValueError: study failed "
                                           r"here; the executed notebook with the traceback: .*08_broken/08_broken"
-                                          r".ipynb") as e:
+                                          r".failed.ipynb") as e:
         run_study(8, "cpu", nbs_dir=nbs, out_root=tmp_path / "studies", tracking_uri=tracking_uri,
                   log_output=False)
     assert "\n" not in str(e.value)
-    executed = tmp_path / "studies" / "08_broken" / "08_broken.ipynb"
+    executed = tmp_path / "studies" / "08_broken" / "08_broken.failed.ipynb"
     assert "study failed here" in executed.read_text()
+    assert report.read_text() == "the committed report"  # a failure never takes the report's place
+    assert not report.with_suffix(".html").exists()
     assert (tmp_path / "studies" / "08_broken" / "summary.json").exists()  # what the notebook wrote is kept
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name("study/08_broken")

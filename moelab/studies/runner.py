@@ -223,7 +223,8 @@ def run_study(
 
     Raises:
         StudyFailed: a cell raised (the parent run is marked FAILED; the executed notebook, with the
-            error, and the partial results are kept); a split call's ``train`` raised, or the study module
+            error, is kept as ``NN_name.failed.ipynb`` beside the report, which stays as it was, and so are the
+            partial results); a split call's ``train`` raised, or the study module
             has no ``train``.
         StudyStopped: Ctrl-C / SIGTERM (parent and current training run KILLED; the next call resumes).
     """
@@ -311,8 +312,15 @@ def run_study(
                                                extra_arguments=["--IPKernelApp.log_level=ERROR"])
                 except papermill.PapermillExecutionError as e:
                     failure = e
+            # a failed run's notebook is the record of the failure: beside the report, never in its place (a
+            # research call that fails on this machine leaves the committed report as it was)
+            failed = failure is not None and failure.ename != "GridIncomplete"
+            if failed:
+                executed = failed_notebook(executed)
             if stopper.signum is None and tmp.exists() and tmp.stat().st_size > 0:
-                os.replace(tmp, executed)  # also a failed run's notebook: the record of the failure
+                os.replace(tmp, executed)
+                if not failed:
+                    failed_notebook(executed).unlink(missing_ok=True)  # a failure's record outlived by a report
         finally:
             tmp.unlink(missing_ok=True)
         if stopper.signum is not None:
@@ -326,7 +334,8 @@ def run_study(
                 f"PRESET={preset}` trains what is missing and writes the report")
             _log_results(run, work, executed, records)
             return out_dir
-        export_html(executed)
+        if failure is None:
+            export_html(executed)
         _log_results(run, work, executed, records)
         if failure is not None:
             raise StudyFailed(_failure_line(number, failure, executed))
@@ -581,6 +590,11 @@ def _shown(path: Path) -> str:
     """``path`` relative to the repository when inside it."""
     path = path.resolve()
     return path.relative_to(repo_root()).as_posix() if path.is_relative_to(repo_root()) else str(path)
+
+
+def failed_notebook(executed: Path) -> Path:
+    """Where a failed run's executed notebook goes: ``NN_name.failed.ipynb`` beside the report's ``NN_name.ipynb``."""
+    return executed.with_name(f"{executed.stem}.failed{executed.suffix}")
 
 
 def _failure_line(number: int, e: Any, executed: Path) -> str:
