@@ -20,6 +20,7 @@ accuracy reaches ``threshold`` (None: not within the run).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import sys
@@ -174,6 +175,12 @@ def train_arm(arm: str, seed: int, *, steps: int = 2000, every: int = 100, seq_l
             "steps_to_learn": learned, "wall_s": round(time.perf_counter() - t0, 1)}
 
 
+def _defaults() -> dict[str, Any]:
+    """:func:`train_arm`'s settings and their defaults (what a result file records beside the ones given)."""
+    return {k: p.default for k, p in inspect.signature(train_arm).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
 def _job(args: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
     arm, seed, kw = args
     return train_arm(arm, seed, **kw)
@@ -290,8 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.out is not None:
         meta = {**provenance(["python", "-m", "moelab.studies.induction", *(argv or sys.argv[1:])]),
                 "task": "copy: seq_len/2 random ids then the same ids again; accuracy on the repeat",
-                "settings": {**settings, "vocab_size": 512, "d_model": 64, "batch_size": 32, "lr": 3e-3,
-                             "threshold": 0.9, "eval_samples": 128}}
+                "settings": {**_defaults(), **settings}}
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1) + "\n")
         print(f"wrote {a.out}")
