@@ -1162,8 +1162,9 @@ def overhead_part(rounds: int = 7, window: int = 10, warm: int = 4, plan_: Resea
     Every (depth, mode) of ``plan_`` builds its model from seed 0 with the research overrides (the middle lr of
     the sweep: speed does not depend on it) and trains ``warm`` untimed steps (compilation, the capture), then
     ``rounds`` rounds each time ``window`` steps of every arm, the order rotated round by round
-    (``moelab.train.perf.interleaved_rounds``): the whole step as one CUDA graph on a GPU (``train.compile=graphs``,
-    as the runs train), eager on the CPU (tests). The same random batches ``[B, T]`` of the plan for every arm.
+    (``moelab.train.perf.interleaved_rounds``), one depth at a time (ratios pair arms of one depth only; the
+    shallower depth's arms are freed before the deeper's are built): the whole step as one CUDA graph on a GPU
+    (``train.compile=graphs``, as the runs train), eager on the CPU (tests). The same random batches ``[B, T]`` of the plan for every arm.
 
     Returns:
         ``{"meta": provenance, "config", "rows": [{"arm", "n_layers", "residual", "blocks", "compile", "step_ms",
@@ -1171,6 +1172,7 @@ def overhead_part(rounds: int = 7, window: int = 10, warm: int = 4, plan_: Resea
         "min", "max", "rounds": per-round tokens/s over PreNorm's, "peak_mem_ratio"}}}, "errors": {arm: why},
         "wall_s"}``.
     """
+    import gc
     import statistics
     import time
 
@@ -1189,11 +1191,12 @@ def overhead_part(rounds: int = 7, window: int = 10, warm: int = 4, plan_: Resea
     cfg0 = load_config(plan_.base, base)
     B, T = cfg0.train.batch_size, cfg0.data.seq_len
     data = random_batches(cfg0.model.vocab_size, B, T, 4, device=dev)
-    arms, info, errors = {}, {}, {}
-    for L in plan_.depths:
+    rows, ratios, errors = [], {}, {}
+    for L in plan_.depths:  # one depth at a time: every arm's CUDA graph holds its own memory pool, and the
+        arms, info = {}, {}  # six arms at once do not fit one 80 GB GPU (full-L24 ran out on an H100)
         for m in plan_.modes:
             name = research_arm(m, L, None, plan_)
-            info[name] = (L, m)
+            info[name] = m
             log(f"{name}: building and warming ({mode})")
             try:
                 arms[name] = TimedStep(plan_.base, {**base, **_research_overrides(m, L, lr, plan_)}, mode, data,
@@ -1201,17 +1204,15 @@ def overhead_part(rounds: int = 7, window: int = 10, warm: int = 4, plan_: Resea
             except Exception as e:  # noqa: BLE001 - recorded: which arm could not run and why is the measurement
                 errors[name] = f"setup: {type(e).__name__}: {e}"[:2000]
                 log(f"  {name} failed: {errors[name][:300]}")
-    windows = interleaved_rounds(arms, rounds, window, t0 + budget_s, log, errors)
-    rows, ratios = [], {}
-    for name, arm in arms.items():
-        if not windows[name]:
-            continue
-        L, m = info[name]
-        row = timing_row(arm, windows[name], None, None)
-        row.pop("losses", None)
-        row["compile"] = row.pop("mode")  # the step's mode (graphs / eager); "residual" is the study's factor
-        rows.append({"arm": name, "n_layers": L, "residual": m, "blocks": _mode_blocks(m, L, plan_), **row})
-    for L in plan_.depths:
+        windows = interleaved_rounds(arms, rounds, window, t0 + budget_s, log, errors)
+        for name, arm in arms.items():
+            if not windows[name]:
+                continue
+            m = info[name]
+            row = timing_row(arm, windows[name], None, None)
+            row.pop("losses", None)
+            row["compile"] = row.pop("mode")  # the step's mode (graphs / eager); "residual" is the study's factor
+            rows.append({"arm": name, "n_layers": L, "residual": m, "blocks": _mode_blocks(m, L, plan_), **row})
         pre = research_arm("prenorm", L, None, plan_)
         for m in plan_.modes:
             name = research_arm(m, L, None, plan_)
@@ -1222,6 +1223,11 @@ def overhead_part(rounds: int = 7, window: int = 10, warm: int = 4, plan_: Resea
                 "median": statistics.median(per_round), "min": min(per_round), "max": max(per_round),
                 "rounds": per_round,
                 "peak_mem_ratio": _ratio(arms[name].peak, arms[pre].peak) if dev.type == "cuda" else None}
+        arm = None  # the loop's last arm too: this depth's graphs and their pools go before the next depth's
+        del arms, windows  # arms are built
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     config = {"preset": plan_.base, "overrides": dict(base), "B": B, "T": T, "mode": mode, "rounds": rounds,
               "window": window, "warm": warm, "lr": lr, "layers_per_block": plan_.layers_per_block,
               "step": "forward (bf16 autocast on a GPU) + backward + AdamW, the whole step one CUDA graph on a GPU; "
@@ -1323,12 +1329,15 @@ def research_report(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]
         if d["n"]:
             details.append(f"Full minus Block at {L} layers: {d['mean']:+.4f} nats"
                            + (f" [{d['low']:+.4f}, {d['high']:+.4f}]" if d["low"] is not None else "") + ".")
+    def run_overhead(m: str, o: Mapping[str, Any]) -> str:
+        tok = (f"tokens/s {o['tok_per_s_ratio']:.3f}x" if o["tok_per_s_ratio"]
+               else "tokens/s not recorded (its runs shared a GPU: the speed part below times it)")
+        return f"{m} {tok}" + (f", peak memory {o['peak_mem_ratio']:.3f}x" if o["peak_mem_ratio"] else "")
+
     for L, modes in v["overhead"].items():
         details.append(f"Overhead at {L} layers over PreNorm (this study's runs, train.compile="
-                       f"{plan_.common.get('train.compile', 'none')}): " + ", ".join(
-                           f"{m} tokens/s {o['tok_per_s_ratio']:.3f}x, peak memory {o['peak_mem_ratio']:.3f}x"
-                           if o["tok_per_s_ratio"] and o["peak_mem_ratio"] else f"{m} not recorded"
-                           for m, o in modes.items()) + ".")
+                       f"{plan_.common.get('train.compile', 'none')}): "
+                       + ", ".join(run_overhead(m, o) for m, o in modes.items()) + ".")
     part = summary.get("overhead_part")
     if part:
         for L, modes in part["ratios"].items():
@@ -1338,6 +1347,8 @@ def research_report(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]
                                        f"{r['max']:.3f})" + (f", peak memory {r['peak_mem_ratio']:.3f}x"
                                                               if r.get("peak_mem_ratio") else "")
                                        for m, r in modes.items()) + ".")
+        for arm, why in (part.get("errors") or {}).items():
+            details.append(f"Speed part: {arm} not timed ({why.split('. ')[0].splitlines()[0][:160]}).")
     bench = summary.get("benchmark_overhead") or {}
     if bench:
         details.append("The committed benchmark (kernels/results/model_h200.json) measured at another setting: "
@@ -1368,8 +1379,12 @@ def block_speed_finding(summary: Mapping[str, Any], verdicts: Mapping[str, Any],
             f"rounds; {summary['overhead_part']['meta'].get('gpu')})"))
     iv = verdicts["overhead"].get(str(hi), {}).get("block", {}).get("tok_per_s_interval")
     q = f"Block AttnRes's training speed at {hi} layers (tokens/s over PreNorm's, this study's runs)"
-    return report.measured(q, report.Interval(iv["mean"], iv["low"], iv["high"], iv["n"], "t") if iv else None,
-                           unit="times", digits=3)
+    if not iv:
+        return report.Finding(q, "measured", answer=(
+            "not measured: the runs shared a GPU (no speed) and no speed part is committed (run `python -m "
+            "moelab.studies.attnres_depth overhead` on a GPU)"))
+    return report.measured(q, report.Interval(iv["mean"], iv["low"], iv["high"], iv["n"], "t"), unit="times",
+                           digits=3)
 
 
 def research_summary(grid: common.Grid | None, rows: Sequence[Mapping[str, Any]], benchmark: Mapping[str, Any],

@@ -264,3 +264,68 @@ def test_overhead_part_at_toy_size_times_every_mode_at_both_depths(tmp_path: Pat
     assert study.read_overhead(tmp_path) == data and study.read_overhead(tmp_path / "nowhere") is None
     with pytest.raises(ValueError, match="warm=1 are not allowed"):
         study.overhead_part(warm=1, plan_=toy, device="cpu")
+
+
+@pytest.mark.slow
+def test_overhead_part_frees_one_depths_arms_before_building_the_next(monkeypatch) -> None:
+    """Every arm's CUDA graph holds its own memory pool: all six arms at once ran out of memory on an 80 GB H100
+    (full-L24), so the speed part builds, times and frees one depth's arms before the next depth's."""
+    import gc
+    import weakref
+
+    from moelab.train import perf
+
+    live: weakref.WeakSet = weakref.WeakSet()
+    alive_at_build: list[int] = []
+
+    class Counted(perf.TimedStep):
+        def __init__(self, *args, **kwargs) -> None:
+            gc.collect()
+            alive_at_build.append(len(live))
+            super().__init__(*args, **kwargs)
+            live.add(self)
+
+    monkeypatch.setattr(perf, "TimedStep", Counted)
+    monkeypatch.setenv("MOELAB_COMMIT", "0123456789abcdef0123456789abcdef01234567")
+    toy = dataclasses.replace(TOY, common={**TOY.common, "data.seq_len": 32, "train.batch_size": 2})
+    lines: list[str] = []
+    data = study.overhead_part(rounds=1, window=1, warm=2, plan_=toy, device="cpu", log=lines.append)
+    per_depth = list(range(len(toy.modes)))
+    assert alive_at_build == per_depth * len(toy.depths)  # the first depth's arms are gone before the second's
+    assert set(data["ratios"]) == {str(L) for L in toy.depths} and not data["errors"]
+    first_round, deep_build = (next(i for i, x in enumerate(lines) if x.strip().startswith("round")),
+                               next(i for i, x in enumerate(lines) if f"-L{max(toy.depths)}" in x))
+    assert first_round < deep_build  # the shallow depth was timed before the deep arms were built
+
+
+def test_block_speed_finding_says_where_the_speed_comes_from_or_that_it_was_not_measured() -> None:
+    shared = study.block_speed_finding({}, {"overhead": {}}, 24)
+    assert shared.status == "measured" and "not measured" in shared.plain() and "overhead` on a GPU" in shared.plain()
+    iv = {"mean": 0.93, "low": 0.91, "high": 0.95, "n": 3}
+    alone = study.block_speed_finding({}, {"overhead": {"24": {"block": {"tok_per_s_interval": iv}}}}, 24)
+    assert "0.930" in alone.plain() and "this study's runs" in alone.plain()
+    part = {"overhead_part": {"ratios": {"24": {"block": {"median": 0.928, "min": 0.927, "max": 0.929,
+                                                          "rounds": [0.927, 0.928, 0.929]}}},
+                              "meta": {"gpu": "NVIDIA H100 80GB HBM3"}}}
+    paired = study.block_speed_finding(part, {"overhead": {}}, 24)
+    assert "0.928x (rounds 0.927-0.929, 3 paired rounds; NVIDIA H100 80GB HBM3)" in paired.plain()
+
+
+def test_research_report_names_untimed_speeds_and_why() -> None:
+    """Runs that shared a GPU have no tokens/s (their peak memory still counts) and an arm the speed part could
+    not time names its error: neither reads as a bare 'not recorded'."""
+    summary = json.loads((repo_root() / "studies" / study.STUDY / "summary.json").read_text())
+    if summary["meta"]["preset"] != "research":
+        pytest.skip("the committed study 3 report is not the research tier's")
+    rows = [{**r, "tok_per_s": None} if r.get("n_layers") == 24 else r for r in summary["rows"]]
+    summary["overhead_part"] = {**(summary.get("overhead_part") or {"ratios": {}, "config": {"mode": "graphs",
+                                                                                            "B": 16, "T": 2048},
+                                                                       "meta": {"gpu": "x"}}),
+                                "errors": {"full-L24": "setup: OutOfMemoryError: CUDA out of memory. Tried to "
+                                                       "allocate 48.00 MiB. GPU 0 has a total capacity of 79 GiB"}}
+    rep = study.research_report(summary, rows)
+    text = "\n".join(rep.details)
+    assert re.search(r"Overhead at 24 layers over PreNorm \(this study's runs, train.compile=graphs\): block "
+                     r"tokens/s not recorded \(its runs shared a GPU: the speed part below times it\), peak memory "
+                     r"1\.\d{3}x", text), text
+    assert "Speed part: full-L24 not timed (setup: OutOfMemoryError: CUDA out of memory)." in text
