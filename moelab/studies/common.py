@@ -670,7 +670,14 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _monitor_callback(monitor: Monitor) -> Any:
+def partial_trajectory(record: Path) -> Path:
+    """Where a monitored run keeps the trajectory measured so far while it trains (``<record stem>.trajectory.jsonl``
+    beside its record, one point per line): a run stopped before its record is written (a call's time limit) still
+    leaves its learning curve in the records folder that the call returns; the finished record replaces it."""
+    return record.with_name(f"{record.stem}.trajectory.jsonl")
+
+
+def _monitor_callback(monitor: Monitor, partial: Path | None = None) -> Any:
     """A Lightning callback that calls ``fn(model, cfg)`` every ``n`` optimizer steps (``monitor = (n, fn)``).
 
     Measured at step 0 (before the first step), at every multiple of ``n`` and at ``max_steps``, each step
@@ -682,6 +689,9 @@ def _monitor_callback(monitor: Monitor) -> Any:
 
     With ``train.compile='graphs'`` ``fn`` runs eagerly between two replays of the captured step, as
     validation does: it reads the weights the graph updates in place and allocates outside the graph's pool.
+
+    With ``partial`` (:func:`partial_trajectory`), the whole trajectory so far is rewritten there after every
+    point (a resumed run's earlier points included), one JSON object per line.
     """
     import lightning as L
     import torch
@@ -706,6 +716,11 @@ def _monitor_callback(monitor: Monitor) -> Any:
             finally:
                 model.train(was_training)
             self.trajectory.append({"step": step, **_jsonable(result)})
+            if partial is not None and trainer.is_global_zero:
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                tmp = partial.with_name(f".{partial.name}.tmp")
+                tmp.write_text("".join(json.dumps(p) + "\n" for p in self.trajectory))
+                os.replace(tmp, partial)
 
         def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             if trainer.global_step % every == 0:
@@ -1087,7 +1102,7 @@ def _train(study: str, arm: str, seed: int, cfg: Any, run_dir: Path, fingerprint
         run_dir.mkdir(parents=True)
         marker.write_text(fingerprint + "\n")
     at_end = _evaluation_callback(evaluate) if evaluate is not None else None
-    watch = _monitor_callback(monitor) if monitor is not None else None
+    watch = _monitor_callback(monitor, partial_trajectory(record)) if monitor is not None else None
     started, t0 = datetime.now(UTC), time.perf_counter()
     with output_to(run_dir / "train.log"):
         corpus = prepare(cfg.data)  # its size gives the epochs; a first build logs its progress here
@@ -1124,6 +1139,7 @@ def _train(study: str, arm: str, seed: int, cfg: Any, run_dir: Path, fingerprint
         raise RuntimeError(f"{run_dir.name}: training ended at step {s['steps']} before max_steps="
                            f"{cfg.train.max_steps}, so the run was not evaluated")
     _write_record(record, rec, cfg, study, res.run_id)
+    partial_trajectory(record).unlink(missing_ok=True)  # the record holds the whole trajectory now
     if res.run_id:
         _tag_child(client(cfg.tracking.tracking_uri), res.run_id, study, rec)
     return rec

@@ -515,10 +515,13 @@ def _run_split_jobs(number: int, preset: str, groups: list[tuple[str | None, str
         for line in stream:
             say(f"{tag} {line.rstrip()}")
 
+    interrupted: list[str] = []  # the groups still training when a signal came
+
     def handler(signum: int, frame: Any) -> None:
         stopped.append(signum)
-        for _, proc in children:
+        for tag, proc in children:
             if proc.poll() is None:
+                interrupted.append(tag)
                 proc.send_signal(signum)
 
     threads = []
@@ -538,10 +541,16 @@ def _run_split_jobs(number: int, preset: str, groups: list[tuple[str | None, str
         codes = [proc.wait() for _, proc in children]
         for t in threads:
             t.join(timeout=10)
-    if stopped:
+    if stopped and not interrupted:  # every process had finished: the signal stopped nothing
+        say(f"study {number}: {signal.Signals(stopped[0]).name} came after every process of the split call had "
+            "finished: nothing was stopped")
+    elif stopped:
+        groups_ = sorted(set(interrupted))
         raise StudyStopped(f"study {number} stopped by {signal.Signals(stopped[0]).name}: finished runs are recorded "
-                           f"in {_shown(records_dir(out_dir, preset))}/ and the stopped runs saved their checkpoints; "
-                           f"`{command}` with the same runs resumes", stopped[0])
+                           f"in {_shown(records_dir(out_dir, preset))}/; {', '.join(groups_)} "
+                           f"{'was' if len(groups_) == 1 else 'were'} still training and saved "
+                           f"{'its' if len(groups_) == 1 else 'their'} checkpoint; `{command}` with the same runs "
+                           "resumes", stopped[0])
     failed = [f"{tag} (exit {c})" for (tag, _), c in zip(children, codes) if c != 0]
     if failed:
         raise StudyFailed(f"study {number}, split call in {k} processes: {', '.join(failed)} failed (its lines above)")

@@ -472,6 +472,31 @@ def test_monitor_records_a_trajectory_without_changing_the_training(tmp_path, mo
     assert list(table.columns) == ["arm", "seed", "step", "name", "sum"] and table.step.tolist() == [0, 2, 4, 5]
     with pytest.raises(ValueError, match="monitor="):
         grid("bad", (0, fn))
+    assert not list(tmp_path.rglob("*.trajectory.jsonl"))  # a finished record holds the whole trajectory
+
+
+def test_a_stopped_monitored_run_leaves_its_trajectory_so_far(tmp_path, monkeypatch) -> None:
+    """A run stopped before its record is written (here: the monitor itself fails at step 4) leaves the points
+    measured so far beside where its record would be, one JSON line each: a call's time limit still returns them."""
+    monkeypatch.setenv(common.GIT_ENV, json.dumps({"commit": "abc", "dirty": False, "diff_sha256": None}))
+
+    def fn(model, cfg):
+        step = len(seen)
+        seen.append(step)
+        if step == 2:
+            raise RuntimeError("stopped at the third point")
+        return {"point": step}
+
+    seen: list[int] = []
+    with pytest.raises(Exception, match="stopped at the third point"):
+        common.run_grid("99_grid", "tiny", {"bounded": GATES["bounded"]}, [0], tmp_path / "out",
+                        common={**TINY, "train.max_steps": 5, "tracking.enabled": False},
+                        echo=lambda line: None, checkpoints="final", monitor=(2, fn))
+    partial = list(tmp_path.rglob("*.trajectory.jsonl"))
+    assert [p.name for p in partial] == ["bounded_s0.trajectory.jsonl"]
+    assert partial[0].parent.name == "records" or "records" in partial[0].parts
+    assert [json.loads(line) for line in partial[0].read_text().splitlines()] == [
+        {"step": 0, "point": 0}, {"step": 2, "point": 1}]
 
 
 def test_evaluate_gets_the_trainer_when_it_takes_one(tmp_path, monkeypatch) -> None:

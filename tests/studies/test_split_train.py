@@ -336,7 +336,8 @@ def test_sigterm_to_a_jobs_call_stops_every_process_cleanly_and_the_next_call_re
     proc.send_signal(signal.SIGTERM)
     text, _ = proc.communicate(timeout=300)
     assert proc.returncode == 143, text
-    assert "stopped: study 7 stopped by SIGTERM" in text and "the stopped runs saved their checkpoints" in text
+    assert "stopped: study 7 stopped by SIGTERM" in text
+    assert "[1/2], [2/2] were still training and saved their checkpoint" in text, text
     for arm in ("bounded", "softplus"):
         assert (runs / f"{arm}-s0" / "last.ckpt").is_file(), text  # each process finished its step and saved
     assert not list((out / "07_stop" / "records").rglob("*.json"))  # nothing half-recorded
@@ -348,3 +349,42 @@ def test_sigterm_to_a_jobs_call_stops_every_process_cleanly_and_the_next_call_re
     assert sorted(records) == ["bounded_s0.json", "softplus_s0.json"]
     for rec in records.values():
         assert rec["timing"]["resumed"] is True and rec["summary"]["steps"] == 600 and rec["timing"]["gpu_share"] == 2
+
+
+def test_a_signal_after_every_process_finished_stops_nothing(tmp_path, monkeypatch) -> None:
+    """A time limit's SIGTERM that lands after both processes of a JOBS=2 call had finished (session 31: both runs
+    recorded, the call still said the stopped runs saved their checkpoints) is not a stop: the call ends as done."""
+    import io
+    import signal
+    import subprocess
+
+    from moelab.studies import runner
+
+    class Finished:
+        def __init__(self) -> None:
+            self.stdout = io.StringIO("run recorded\n")
+
+        def poll(self) -> int:
+            return 0
+
+        def wait(self) -> int:
+            os.kill(os.getpid(), signal.SIGTERM)  # the limit's signal, after the child's exit
+            return 0
+
+        def send_signal(self, signum: int) -> None:
+            raise AssertionError("a finished process gets no signal")
+
+    monkeypatch.setenv(common.GIT_ENV, json.dumps({"commit": "abc", "dirty": False, "diff_sha256": None}))
+    real = subprocess.Popen
+
+    def popen(args, *a, **kw):  # the split call's children only; anything else (platform, git) runs for real
+        return Finished() if list(args[:2]) == [sys.executable, "-c"] else real(args, *a, **kw)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    (tmp_path / "07_done.ipynb").write_text("{}")
+    lines: list[str] = []
+    out = runner._run_split_jobs(7, "cpu", [("a:0", None), ("b:0", None)], nbs_dir=tmp_path,
+                                 out_root=tmp_path / "out", module="x", say=lines.append)
+    assert out.name == "07_done"
+    assert any("SIGTERM came after every process of the split call had finished: nothing was stopped" in x
+               for x in lines), lines
