@@ -246,6 +246,8 @@ def test_study3_summary_holds_its_grid_and_verdicts() -> None:
     from moelab.studies.attnres_depth import ROW_KEYS, main_blocks
 
     s = json.loads(STUDY3.read_text())
+    if s["meta"]["preset"] == "research":
+        return _check_study3_research(s)
     rows = s["rows"]
     assert rows and all(set(r) == set(ROW_KEYS) for r in rows)
     depths = sorted({r["n_layers"] for r in rows})
@@ -260,6 +262,31 @@ def test_study3_summary_holds_its_grid_and_verdicts() -> None:
     assert all(v["order"] for v in s["by_depth"].values())
     if s["meta"]["preset"] == "cpu":
         assert s["meta"]["wall_s"] <= 240, f"PRESET=cpu took {s['meta']['wall_s']} s: the rule is 4 minutes"
+
+
+def _check_study3_research(s: dict) -> None:
+    """The research tier's committed report holds what issue 40 asks: two depths (the deeper >= 24 layers, >= 2x
+    the shallower), >= 50M tokens per run, a 3-point lr sweep per mode at the shallow depth, 3 seeds of every main
+    arm, the depth gain per mode with its 95% interval and a computed verdict, and each mode's overhead beside it."""
+    from moelab.studies.attnres_depth import RESEARCH, SHORT
+
+    main = [r for r in s["rows"] if r["role"] == "main"]
+    depths = sorted({r["n_layers"] for r in main})
+    assert len(depths) == 2 and depths[1] >= 24 and depths[1] >= 2 * depths[0], depths
+    assert min(r["tokens"] for r in s["rows"]) >= 50_000_000 and len({r["tokens"] for r in main}) == 1
+    for mode in RESEARCH.modes:
+        assert len(s["lr_sweep"][mode]["losses"]) >= 3, mode
+        for L in depths:
+            seeds = {r["seed"] for r in main if r["residual"] == mode and r["n_layers"] == L}
+            assert len(seeds) >= 3, (mode, L, seeds)
+            assert len({r["lr"] for r in main if r["residual"] == mode}) == 1  # the sweep's choice, carried
+        gain = s["depth_gain"][mode]
+        assert gain["n"] >= 3 and gain["low"] <= gain["mean"] <= gain["high"] and gain["verdict"], mode
+    assert s["compared"][0]["status"] in ("better", "worse", "noise", "not tested")
+    assert s["meta"]["gpu_minutes"] <= 120, "issue 40's budget: 120 GPU-minutes per study"
+    part = s["overhead_part"]
+    assert part and str(depths[1]) in part["ratios"], "the speed part beside the losses"
+    assert set(s["overhead"][str(depths[1])]) == {SHORT[m] for m in RESEARCH.modes if m != "prenorm"}
 
 
 STUDY4 = NBS.parent / "studies" / "04_context_curriculum" / "summary.json"
