@@ -218,3 +218,40 @@ def test_html_export_finds_templates_installed_with_pip_target(tmp_path, monkeyp
     (tmp_path / "other").mkdir()
     monkeypatch.setattr("sys.path", [str(tmp_path / "other"), str(site)])
     assert runner._jupyter_data_dirs() == [str(site / "share" / "jupyter")]
+
+
+FIGURES_NOTEBOOK = '''# %% tags=["parameters"]
+preset = "cpu"
+out_dir = "."
+
+# %%
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from moelab.studies import common, report
+
+common.show(plt.figure(), "figures/new.png")
+report.committed_figure("figures/kept.png")
+'''
+
+
+def test_a_finished_report_removes_the_figures_it_neither_drew_nor_showed(tmp_path, tracking_uri) -> None:  # noqa: F811
+    """A report that replaces another tier's (the research report over the gpu one) keeps no figure of the old:
+    what it drew (common.show) or showed from the committed files (report.committed_figure) stays."""
+    import os
+
+    nbs = tmp_path / "nbs"
+    _write_notebook(nbs, "07_figs", FIGURES_NOTEBOOK)
+    figures = tmp_path / "studies" / "07_figs" / "figures"
+    figures.mkdir(parents=True)
+    for name in ("old.png", "kept.png"):
+        (figures / name).write_bytes(b"\x89PNG\r\n\x1a\n")
+        os.utime(figures / name, (1e9, 1e9))
+    lines: list[str] = []
+    out = run_study(7, "cpu", nbs_dir=nbs, out_root=tmp_path / "studies", tracking_uri=tracking_uri,
+                    log_output=False, echo=lines.append)
+    assert sorted(p.name for p in (out / "figures").glob("*.png")) == ["kept.png", "new.png"]
+    assert any("removed 1 figure(s) this report neither drew nor showed (an earlier report's): old.png" in x
+               for x in lines), lines

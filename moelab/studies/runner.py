@@ -303,6 +303,7 @@ def run_study(
         }
         tmp = executed.with_name(f".{executed.stem}.{uuid.uuid4().hex[:12]}.tmp{executed.suffix}")
         failure = None
+        started = time.time()
         try:
             with _environ(env), stopper, _echo_lines(progress, say):
                 try:
@@ -336,6 +337,11 @@ def run_study(
             return out_dir
         if failure is None:
             export_html(executed)
+            if not split:
+                stale = remove_stale_figures(out_dir, started)
+                if stale:
+                    say(f"study {number}: removed {len(stale)} figure(s) this report neither drew nor showed (an "
+                        f"earlier report's): {', '.join(stale)}")
         _log_results(run, work, executed, records)
         if failure is not None:
             raise StudyFailed(_failure_line(number, failure, executed))
@@ -344,6 +350,18 @@ def run_study(
                 f"`make study-{number} PRESET={preset}` writes the report")
     say(f"dashboard: {dashboard_link(run.experiment_id)} (after make mlflow-ui)")
     return out_dir
+
+
+def remove_stale_figures(out_dir: Path, started: float) -> list[str]:
+    """Remove the ``figures/*.png`` of a report folder that the report run started at ``started`` (``time.time()``)
+    neither drew nor showed (:func:`moelab.studies.report.committed_figure` marks what it shows): an earlier
+    report's figures, e.g. the gpu tier's beside the research tier's report that replaced it. Returns their names."""
+    gone = []
+    for png in sorted((out_dir / "figures").glob("*.png")):
+        if png.stat().st_mtime < started - 1.0:  # a second of slack for coarse file-system clocks
+            png.unlink()
+            gone.append(png.name)
+    return gone
 
 
 TRAIN_ENTRY = "train"  # every study module's entry: train(preset: str, out_dir: Path) -> Any, all grids of the preset
