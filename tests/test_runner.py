@@ -233,25 +233,35 @@ import matplotlib.pyplot as plt
 from moelab.studies import common, report
 
 common.show(plt.figure(), "figures/new.png")
+
+# %%
 report.committed_figure("figures/kept.png")
+
+# %% tags=["research"]
+common.show(plt.figure(figsize=(2, 2)), "figures/research_only.png")
 '''
 
 
 def test_a_finished_report_removes_the_figures_it_neither_drew_nor_showed(tmp_path, tracking_uri) -> None:  # noqa: F811
-    """A report that replaces another tier's (the research report over the gpu one) keeps no figure of the old:
-    what it drew (common.show) or showed from the committed files (report.committed_figure) stays."""
-    import os
+    """A report that replaces another tier's (the research report over the gpu one) keeps no figure of the old,
+    nor one a cell of the other tier drew before the report left the cell out: what it shows, drawn
+    (common.show) or read from the committed files (report.committed_figure), stays."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from moelab.studies import common
 
     nbs = tmp_path / "nbs"
     _write_notebook(nbs, "07_figs", FIGURES_NOTEBOOK)
     figures = tmp_path / "studies" / "07_figs" / "figures"
     figures.mkdir(parents=True)
-    for name in ("old.png", "kept.png"):
-        (figures / name).write_bytes(b"\x89PNG\r\n\x1a\n")
-        os.utime(figures / name, (1e9, 1e9))
+    for name, size in (("old.png", 3), ("kept.png", 4)):
+        common.show(plt.figure(figsize=(size, size)), figures / name)
     lines: list[str] = []
     out = run_study(7, "cpu", nbs_dir=nbs, out_root=tmp_path / "studies", tracking_uri=tracking_uri,
                     log_output=False, echo=lines.append)
     assert sorted(p.name for p in (out / "figures").glob("*.png")) == ["kept.png", "new.png"]
-    assert any("removed 1 figure(s) this report neither drew nor showed (an earlier report's): old.png" in x
+    assert any("removed 2 figure(s) that this report does not show: old.png, research_only.png" in x
                for x in lines), lines

@@ -303,7 +303,6 @@ def run_study(
         }
         tmp = executed.with_name(f".{executed.stem}.{uuid.uuid4().hex[:12]}.tmp{executed.suffix}")
         failure = None
-        started = time.time()
         try:
             with _environ(env), stopper, _echo_lines(progress, say):
                 try:
@@ -338,10 +337,10 @@ def run_study(
         if failure is None:
             export_html(executed)
             if not split:
-                stale = remove_stale_figures(out_dir, started)
+                stale = remove_stale_figures(out_dir, executed)
                 if stale:
-                    say(f"study {number}: removed {len(stale)} figure(s) this report neither drew nor showed (an "
-                        f"earlier report's): {', '.join(stale)}")
+                    say(f"study {number}: removed {len(stale)} figure(s) that this report does not show: "
+                        f"{', '.join(stale)}")
         _log_results(run, work, executed, records)
         if failure is not None:
             raise StudyFailed(_failure_line(number, failure, executed))
@@ -352,15 +351,25 @@ def run_study(
     return out_dir
 
 
-def remove_stale_figures(out_dir: Path, started: float) -> list[str]:
-    """Remove the ``figures/*.png`` of a report folder that the report run started at ``started`` (``time.time()``)
-    neither drew nor showed (:func:`moelab.studies.report.committed_figure` marks what it shows): an earlier
-    report's figures, e.g. the gpu tier's beside the research tier's report that replaced it. Returns their names."""
+def remove_stale_figures(out_dir: Path, executed: Path) -> list[str]:
+    """Remove the ``figures/*.png`` of a report folder that its report ``executed`` does not show (no output of
+    the notebook holds the file's bytes): an earlier report's figures (the gpu tier's beside the research report
+    that replaced it) and those a cell of the other tier drew before the report left that cell out. Returns their
+    names."""
+    import base64
+
+    nb = json.loads(executed.read_text())
+    shown = set()
+    for cell in nb.get("cells", []):
+        for out in cell.get("outputs", []):
+            png = out.get("data", {}).get("image/png")
+            if png:
+                shown.add(("".join(png) if isinstance(png, list) else png).replace("\n", ""))
     gone = []
-    for png in sorted((out_dir / "figures").glob("*.png")):
-        if png.stat().st_mtime < started - 1.0:  # a second of slack for coarse file-system clocks
-            png.unlink()
-            gone.append(png.name)
+    for path in sorted((out_dir / "figures").glob("*.png")):
+        if base64.b64encode(path.read_bytes()).decode() not in shown:
+            path.unlink()
+            gone.append(path.name)
     return gone
 
 
