@@ -175,6 +175,10 @@ def test_math_to_mathml_leaves_text_and_code_alone() -> None:
     assert math_to_mathml("a $5 and $6 b") == "a $5 and $6 b"
     assert math_to_mathml("`$x$` and ``$y$``") == "`$x$` and ``$y$``"
     assert math_to_mathml("$x$").startswith("<math") and 'display="inline"' in math_to_mathml("$x$")
+    # a soft line break inside a formula (study 3's intro wraps one), but not a paragraph break
+    wrapped = math_to_mathml("with $a = \\mathrm{softmax}(w^\\top\n\\mathrm{RMSNorm}(v))$ and")
+    assert "$" not in wrapped and wrapped.count("<math") == 1 and wrapped.endswith("</math> and")
+    assert math_to_mathml("costs $5\n\nand $6 more") == "costs $5\n\nand $6 more"
 
 
 def test_missing_html_exporter_stops_the_study_before_it_runs(tmp_path, tracking_uri, monkeypatch) -> None:  # noqa: F811

@@ -831,7 +831,8 @@ def export_html(notebook: Path) -> Path | None:
 
 
 _DISPLAY_MATH = re.compile(r"\$\$(.+?)\$\$", re.S)
-_INLINE_MATH = re.compile(r"(?<![\\$\w])\$(?=\S)([^$\n]+?)(?<=\S)\$(?![\w$])")
+# inline: within a paragraph, so a soft line break may fall inside the formula (a blank line may not)
+_INLINE_MATH = re.compile(r"(?<![\\$\w])\$(?=\S)((?:[^$\n]|\n(?![ \t]*\n))+?)(?<=\S)\$(?![\w$])")
 _CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.S)
 # A script tag that loads anything from the network: by its src, or by an import inside (mermaid's loader).
 _REMOTE_SCRIPT = re.compile(r"<script\b[^>]*\bsrc=\"(?:https?:)?//[^\"]*\"[^>]*>\s*</script>"
