@@ -1164,7 +1164,8 @@ def overhead_part(rounds: int = 7, window: int = 10, warm: int = 4, plan_: Resea
     ``rounds`` rounds each time ``window`` steps of every arm, the order rotated round by round
     (``moelab.train.perf.interleaved_rounds``), one depth at a time (ratios pair arms of one depth only; the
     shallower depth's arms are freed before the deeper's are built): the whole step as one CUDA graph on a GPU
-    (``train.compile=graphs``, as the runs train), eager on the CPU (tests). The same random batches ``[B, T]`` of the plan for every arm.
+    (``train.compile=graphs``, as the runs train), eager on the CPU (tests). The same random batches ``[B, T]`` of
+    the plan for every arm.
 
     Returns:
         ``{"meta": provenance, "config", "rows": [{"arm", "n_layers", "residual", "blocks", "compile", "step_ms",
@@ -1192,8 +1193,10 @@ def overhead_part(rounds: int = 7, window: int = 10, warm: int = 4, plan_: Resea
     B, T = cfg0.train.batch_size, cfg0.data.seq_len
     data = random_batches(cfg0.model.vocab_size, B, T, 4, device=dev)
     rows, ratios, errors = [], {}, {}
-    for L in plan_.depths:  # one depth at a time: every arm's CUDA graph holds its own memory pool, and the
-        arms, info = {}, {}  # six arms at once do not fit one 80 GB GPU (full-L24 ran out on an H100)
+
+    def time_depth(L: int) -> None:
+        """Build, time and record the arms of depth ``L``; they (and their CUDA graphs) die when this returns."""
+        arms, info = {}, {}
         for m in plan_.modes:
             name = research_arm(m, L, None, plan_)
             info[name] = m
@@ -1223,9 +1226,12 @@ def overhead_part(rounds: int = 7, window: int = 10, warm: int = 4, plan_: Resea
                 "median": statistics.median(per_round), "min": min(per_round), "max": max(per_round),
                 "rounds": per_round,
                 "peak_mem_ratio": _ratio(arms[name].peak, arms[pre].peak) if dev.type == "cuda" else None}
-        arm = None  # the loop's last arm too: this depth's graphs and their pools go before the next depth's
-        del arms, windows  # arms are built
-        gc.collect()
+
+    # one depth at a time: every arm's CUDA graph holds its own memory pool, and all six arms at once do not fit
+    # one 80 GB GPU (full-L24 ran out on an H100)
+    for L in plan_.depths:
+        time_depth(L)
+        gc.collect()  # this depth's graphs and their pools go before the next depth's arms are built
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     config = {"preset": plan_.base, "overrides": dict(base), "B": B, "T": T, "mode": mode, "rounds": rounds,

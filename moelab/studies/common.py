@@ -413,7 +413,8 @@ class RunRecord:
     records before it existed, i.e. 1), ``gpu_minutes`` (wall time x gpus / gpu_share / 60) and where the wall time
     went: ``prepare_s`` (the corpus), ``steps_s`` (the steps at the run's median speed), ``evaluate_s`` (``evaluate``)
     and ``fit_other_s`` (the rest: setup, compilation, capture, validations, checkpoints). machine: the device and
-    library versions it trained on. code: ``commit``, ``dirty``, ``diff_sha256`` and ``source_sha256`` when it trained, and
+    library versions it trained on. code: ``commit``, ``dirty``, ``diff_sha256`` and ``source_sha256`` when it trained,
+    and
     ``source_pin`` when its study pinned the training code (:func:`pinned`; the fingerprint then uses the pin).
     mlflow: ``{"run_id", "experiment"}`` of its training's run in the store it trained against.
     trajectory: with ``run_grid``'s ``monitor``, ``[{"step", **fn(model, cfg)}]`` at steps 0, n, 2n, ... and

@@ -136,20 +136,21 @@ PRESETS = {
     # the 22.6M-token Gutenberg split), ~200 s at gpu-small's ~250K tokens/s eager (2 x 16K, gpu preset), plus start,
     # compilation and the evaluation (~5M tokens of passkey up to 64K), so that one run fits one <= 9-minute call.
     # The first pilots: the short arm at 96 and 192 steps (12.6M and 25.2M tokens, one call), with the grid's short
-    # runs at 384 steps (3 seeds) for passkey at 1K against tokens (now one monitored run, below). The norms (and KDA's output norm with its gate) run as
-    # the fused Triton kernels on a GPU (model.norm_backend auto; the same math, one pass each way).
+    # runs at 384 steps (3 seeds) for passkey at 1K against tokens (now one monitored run, below). The norms (and
+    # KDA's output norm with its gate) run as the fused Triton kernels on a GPU (model.norm_backend auto; the same
+    # math, one pass each way).
     # A retrieval sequence trains only on its answers: with the evaluation's 16 MQAR pairs that was ~5 (passkey) or
     # 16 (MQAR) answer tokens a sequence, ~0.7% of a step's loss tokens, and the first pilot (H100, records at git
     # 56fe7aa) left passkey at 1K at 0.00 after 25.2M tokens, its answer NLL at a uniform digit's (2.6 vs 2.3 nats).
     # The training MQAR now asks one pair per 8 tokens (128 at 1K, 2048 at 16K: 8x the answers of the short arm, and the
     # same MQAR answers per step in every arm, ~2% of the loss tokens); the evaluation keeps 16 pairs.
-    # The second pilot (H100, bda8acc; records at git 4d00c40) with these MQAR answers: passkey and MQAR at 1K still 0.00 at 96 and 192 steps,
-    # the passkey answer NLL 6.98 -> 2.72 nats. So the pilot is now one longer run of the short arm, 1024 steps (134M
-    # tokens, ~7 minutes alone), that measures passkey and MQAR at 1K every 64 steps while it trains: the learning
-    # curve, and the budget the grid would need, from one call. Why it may still fall short: the toy probe
-    # (moelab.studies.induction, studies/04_context_curriculum/results/induction_cpu.json) measured K3's KDA + NoPE-MLA
-    # hybrid learning in-context copying 4-5x later than rotary attention at 2 layers, and later still at 4 (KKKM, the
-    # unit gpu-small repeats 3 times).
+    # The second pilot (H100, bda8acc; records at git 4d00c40) with these MQAR answers: passkey and MQAR at 1K still
+    # 0.00 at 96 and 192 steps, the passkey answer NLL 6.98 -> 2.72 nats. So the pilot is now one longer run of the
+    # short arm, 1024 steps (134M tokens, ~7 minutes alone), that measures passkey and MQAR at 1K every 64 steps while
+    # it trains: the learning curve, and the budget the grid would need, from one call. Why it may still fall short: the
+    # toy probe (moelab.studies.induction, studies/04_context_curriculum/results/induction_cpu.json) measured K3's KDA +
+    # NoPE-MLA hybrid learning in-context copying 4-5x later than rotary attention at 2 layers, and later still at 4
+    # (KKKM, the unit gpu-small repeats 3 times).
     "research": Plan("gpu-small", {"model.max_seq_len": 16384, "data.seq_len": 16384, "train.batch_size": 4,
                                    "model.norm_backend": "auto",
                                    "train.accumulate_grad_batches": 2, "train.max_steps": 384,

@@ -265,7 +265,8 @@ def caption(result: dict[str, Any], number: str = "2c") -> str:
     st = result["meta"]["settings"]
     seeds = sorted({r["seed"] for r in result["runs"]})
     return (f"**Figure {number}.** Why retrieval comes late: a toy probe on a CPU "
-            f"(`python -m moelab.studies.induction`, width {st.get('d_model', 64)}, {st['seq_len']}-token sequences whose second half repeats the first, the "
+            f"(`python -m moelab.studies.induction`, width {st.get('d_model', 64)}, {st['seq_len']}-token sequences "
+            "whose second half repeats the first, the "
             f"loss on the repeat only; {len(seeds)} seed(s) per arm, {st['steps']} steps). Held-out copy accuracy "
             "against training steps for softmax attention with rotary positions and without positions, and for "
             "moelab's KDA + NoPE gated MLA hybrids (K3's design: positions come from the KDA layers only; each "

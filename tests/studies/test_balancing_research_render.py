@@ -168,7 +168,8 @@ def test_research_report_renders_from_records_without_training(tmp_path, trackin
 
     # the precondition: the balancer-off phase peaks at step 1 (6.2) and is flat by the switch
     collapse = next(f for q, f in found.items() if q.startswith("Has the router left"))
-    assert collapse["answer"].startswith("yes: the balancer-off phase peaks at MaxVio_batch 6.2 at steps 1;")  # one value: no range
+    # one value: no range
+    assert collapse["answer"].startswith("yes: the balancer-off phase peaks at MaxVio_batch 6.2 at steps 1;")
     # steps to the floor (qb): REACH["qb"] after the switch at both layouts, every seed
     for layout in study.LAYOUTS:
         f = found[f"Steps after a warm switch until MaxVio_batch reaches the frozen floor, {layout} (qb)"]

@@ -120,7 +120,8 @@ def test_grid_runs_nested_tagged_and_resumes(tmp_path, tracking_uri) -> None:  #
     assert {c.info.run_name for c in children} == {"bounded/s0", "softplus/s0"}
 
     meta = common.study_meta("99_grid", "cpu", grid)
-    assert meta["tokens_per_run"] == meta["tokens_per_run_min"] == 2048 and set(meta["train_val_gap"]) == {"bounded", "softplus"}
+    assert meta["tokens_per_run"] == meta["tokens_per_run_min"] == 2048
+    assert set(meta["train_val_gap"]) == {"bounded", "softplus"}
     assert meta["runs"] == 2 and meta["runs_skipped"] == 0 and "commit" in meta and "device" in meta
     assert meta["gpu_minutes"] == 0.0  # trained on the CPU
 

@@ -99,7 +99,8 @@ def _fake_train(study, arm, seed, cfg, run_dir, fingerprint, code, record, evalu
     tokens = steps * 131072
     # a monitored pilot's learning curve: passkey at the short length rising linearly to 0.95 at half its steps
     trajectory = None if monitor is None else [
-        {"step": s, "passkey": round(min(0.95, 0.95 * s / (steps / 2)), 4), "passkey_nll": 7.0 - 6.0 * s / steps, "mqar": 0.5 * s / steps}
+        {"step": s, "passkey": round(min(0.95, 0.95 * s / (steps / 2)), 4), "passkey_nll": 7.0 - 6.0 * s / steps,
+         "mqar": 0.5 * s / steps}
         for s in sorted({*range(0, steps + 1, monitor[0]), steps})]
     rec = common.RunRecord(
         arm=arm, seed=seed, history=history, val_history=[[s, v] for s, v in vals.items()], tokens=tokens,
@@ -172,7 +173,8 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     pilot = [d for d in summary["pilot"] if d["source"] == "pilot"]
     every, (steps,) = P.pilot_monitor_every, P.pilot_steps
     assert [d["steps"] for d in pilot] == [*range(every, steps, every), steps]
-    assert pilot[0]["tokens"] == every * 131072 and pilot[0]["passkey"] == pytest.approx(0.95 * every / (steps / 2), abs=1e-4)
+    assert pilot[0]["tokens"] == every * 131072
+    assert pilot[0]["passkey"] == pytest.approx(0.95 * every / (steps / 2), abs=1e-4)
     assert pilot[-1]["passkey"] == 0.95 and len(summary["pilot"]) == len(pilot) + len(P.seeds)
     assert pilot[0]["passkey_nll"] == pytest.approx(7.0 - 6.0 * every / steps)
     # the stages' step times come from the records (no MLflow perf metrics on this machine)

@@ -71,7 +71,8 @@ def test_committed_result_has_its_provenance() -> None:
 def test_table_and_figure_of_a_result() -> None:
     runs = ind.run(["attention-rope-L2", "moelab-KM-L2"], [0, 1], steps=4, every=2, seq_len=16, eval_samples=8,
                    batch_size=4)
-    result = {"meta": {"settings": {"steps": 4, "seq_len": 16, "threshold": 0.9}}, "summary": ind.summarize(runs, 4), "runs": runs}
+    result = {"meta": {"settings": {"steps": 4, "seq_len": 16, "threshold": 0.9}}, "summary": ind.summarize(runs, 4),
+              "runs": runs}
     rows = ind.table(result)
     assert [r["arm"] for r in rows] == ["attention-rope-L2", "moelab-KM-L2"]
     assert rows[0]["positions"] == "rotary" and rows[1]["positions"] == "from the KDA layers"

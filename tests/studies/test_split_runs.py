@@ -227,6 +227,7 @@ def test_sigterm_stops_cleanly_and_a_rerun_resumes_also_after_kill_9(tmp_path, t
     statuses = [r.info.status for r in client.search_runs([exp.experiment_id])]
     assert "RUNNING" not in statuses
     record = json.loads((study / "records" / "cpu" / "softplus_s0.json").read_text())
-    assert record["summary"]["steps"] == 300 and [h["step"] for h in common._unpack_history(record["history"])] == list(range(1, 301))
+    assert record["summary"]["steps"] == 300
+    assert [h["step"] for h in common._unpack_history(record["history"])] == list(range(1, 301))
     table = pd.read_csv(study / "runs.csv")
     assert list(table.arm) == ["bounded", "softplus"] and (table.steps == 300).all()
