@@ -73,6 +73,9 @@ class Plan:
     to show that retrieval is learnable at this size (:func:`train_pilot`); the grid's short runs are its last point.
     pilot_monitor_every: with a value n > 0, every pilot run measures passkey and MQAR at the short length every n
     steps while it trains (:func:`pilot_monitor`, the record's ``trajectory``): one run gives the learning curve.
+    pilot_variants: ``(suffix, steps, overrides)``: further pilot runs of the short schedule, named
+    ``pilot<steps><suffix>``, with other model or training settings (a smaller model, another learning rate), for
+    when the preset's model does not learn retrieval within ``pilot_steps``; the grid keeps the preset's settings.
     train_mqar_density: key-value pairs per token of the training MQAR sub-tasks (a stage of ``seq_len`` tokens asks
     ``int(density * seq_len)``; 0: every stage asks the evaluation's ``eval.mqar_pairs``). A retrieval sequence trains
     only on its answers (the rest of its targets are ignored), so the pairs set how much of the loss retrieval is,
@@ -93,6 +96,7 @@ class Plan:
     synthetic_batch_share: float = 0.0
     pilot_steps: tuple[int, ...] = ()
     pilot_monitor_every: int = 0
+    pilot_variants: tuple[tuple[str, int, Mapping[str, Any]], ...] = ()
     train_mqar_density: float = 0.0
     source_pin: str | None = None  # training-code epoch of the records (common.pinned): bump when training changes
     # keep each run's training speed in its record (train_perf): split calls train on machines whose MLflow store,
@@ -162,6 +166,7 @@ PRESETS = {
                      notes="gpu-small, 384 steps of 131,072 tokens (8 x 16K .. 128 x 1K), 25% retrieval sequences "
                            "in every micro-batch (MQAR: a pair per 8 tokens); stages 1K -> 4K -> 16K",
                      synthetic_batch_share=0.25, pilot_steps=(1024,), pilot_monitor_every=64,
+                     pilot_variants=(("L4", 2048, {"model.n_layers": 4, "train.lr": 3e-3, "train.warmup_steps": 100}),),
                      source_pin="s4research-1", record_perf=True, train_mqar_density=0.125),
 }
 
@@ -256,10 +261,14 @@ def retrieval_budget(preset: str) -> dict[str, dict[str, Any]]:
 
 
 def pilot_arms(preset: str) -> dict[str, dict[str, Any]]:
-    """``{"pilot<steps>": overrides}``: the short schedule trained for each of the plan's ``pilot_steps``."""
+    """``{"pilot<steps>[<suffix>]": overrides}``: the short schedule trained for each of the plan's ``pilot_steps``,
+    then each of its ``pilot_variants`` (their own steps and overrides)."""
     p = plan(preset)
     short = schedules(p)["short"][0]
-    return {f"pilot{n}": {"data.curriculum": [{**short, "steps": n}], "train.max_steps": n} for n in p.pilot_steps}
+    out = {f"pilot{n}": {"data.curriculum": [{**short, "steps": n}], "train.max_steps": n} for n in p.pilot_steps}
+    for suffix, n, overrides in p.pilot_variants:
+        out[f"pilot{n}{suffix}"] = {**overrides, "data.curriculum": [{**short, "steps": n}], "train.max_steps": n}
+    return out
 
 
 def pilot_eval_settings(preset: str) -> dict[str, dict[str, Any]]:
