@@ -241,12 +241,12 @@ class Entry:
 # beside its default in the same run
 KDA_VARIANTS = {"moelab_bounded_chains_serial": dict(chains="serial"),
                 "moelab_bounded_forward_infer": dict(forward="infer"),
-                "moelab_bounded_out_fused": dict(out="fused")}
+                "moelab_bounded_out_split": dict(out="split")}
 KDA_IMPLS = ("moelab_bounded", *KDA_VARIANTS, "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash")
-# launch candidates (``LAUNCH`` entries), timed only where --impls names them: the state-gradient chain pipelined
-# (its per-chunk loads do not depend on the carried state) or in 32-wide value blocks (4 programs a head where
-# 64 gives 2: more SMs busy at B1 H16)
-KDA_LAUNCH_ROWS = {"moelab_bounded_dh_stages2": dict(launch={"dh": (64, 8, 2)}),
+# launch candidates (``LAUNCH`` entries), timed only where --impls names them: the state-gradient chain at one
+# stage (the default before session 32) or three, or in 32-wide value blocks (4 programs a head where 64 gives 2:
+# more SMs busy at B1 H16)
+KDA_LAUNCH_ROWS = {"moelab_bounded_dh_stages1": dict(launch={"dh": (64, 8, 1)}),
                    "moelab_bounded_dh_stages3": dict(launch={"dh": (64, 8, 3)}),
                    "moelab_bounded_dh_32": dict(launch={"dh": (32, 4, 2)})}
 KDA_ROWS = (*KDA_IMPLS, *KDA_LAUNCH_ROWS)  # every row --impls takes

@@ -80,7 +80,7 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "wu": (32, 4, 1),
     "state": (64, 4, 2),
     "out": (64, 4, 1),
-    "dh": (64, 8, 1),
+    "dh": (64, 8, 2),  # two stages: the per-chunk loads do not depend on the carried state gradient
     "wy": (64, 4, 1),
     "sterm": (64, 4, 1),
     "dqkg": (32, 1, 1),
@@ -98,14 +98,16 @@ SMALL_GRID = 128
 # * forward: the training forward: "train" (the chunk-64 kernels, which keep their intra-chunk intermediates
 #   for the backward) or "infer" (bounded mode: the inference forward's kernels, ``infer_plan.kda_infer``,
 #   which keep nothing; the backward recomputes the intermediates): slower fwd+bwd, kept as the memory option.
-# Timed beside them and removed as slower (kernels/results/kda_candidates_h200.json): a fused gradient kernel (which
+# Timed beside them and removed as slower (kernels/results/kda_candidates.json): a fused gradient kernel (which
 # also faulted at its launch entry), a fused intra-chunk kernel and a state-gradient chain with hoisted terms.
 # * out: the training forward's output: "split" (``_kda_fwd_out`` after the state kernel, which stores every
 #   chunk's entering state and U for it) or "fused" (the state kernel forms each chunk's output itself and stores
 #   neither: ~1.5 KB less HBM traffic per token and head at D128, one launch less; more work on the sequential
-#   chain): not yet timed.
+#   chain). Timed on an H100 (kernels/results/kda_candidates.json, run 4, H16 D128): fused forward 1.80 vs 2.01 ms at
+#   B8 T4096, 2.53 vs 2.79 ms at B1 T32768; fwd+bwd 7.80 vs 8.05 and 10.81 vs 11.03 ms. In the same run the state-
+#   gradient kernel ("dh") at two stages took fwd+bwd 7.79 / 9.27 ms (one stage: 8.05 / 11.03): both are the defaults.
 VARIANTS: dict[str, tuple[str, ...]] = {"chains": ("concurrent", "serial"), "forward": ("train", "infer"),
-                                        "out": ("split", "fused")}
+                                        "out": ("fused", "split")}
 VARIANT: dict[str, str] = {name: choices[0] for name, choices in VARIANTS.items()}  # what the op runs now
 
 
