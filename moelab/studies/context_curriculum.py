@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -323,34 +324,56 @@ PILOT_PASSKEY = 0.9  # the pilot shows retrieval learnable where passkey at the 
 DIGIT_NLL = float(np.log(10))  # NLL of a key token guessed uniformly among ten digits (most key tokens are 1 digit)
 
 
+def pilot_recipe(arm: str) -> str:
+    """The recipe of pilot arm ``arm``: ``"pilot2048L4"`` -> ``"L4"``, ``"pilot1024"`` -> ``""`` (the preset's)."""
+    m = re.fullmatch(r"pilot\d+(.*)", arm)
+    if m is None:
+        raise ValueError(f"arm={arm!r} is not a pilot arm: expected pilot<steps>[<suffix>]")
+    return m.group(1)
+
+
+def pilot_recipes(preset: str) -> dict[str, str]:
+    """``{recipe: description}``: ``""`` the preset's settings (the grid's), each pilot variant's suffix its
+    overrides (``"L4"`` -> ``"model.n_layers=4, train.lr=0.003, train.warmup_steps=100"``)."""
+    p = plan(preset)
+    out = {"": "the grid's settings"}
+    for suffix, _, overrides in p.pilot_variants:
+        out[suffix] = ", ".join(f"{k}={v}" for k, v in overrides.items())
+    return out
+
+
 def pilot_rows(pilot_grids: Sequence[common.Grid], rows: Sequence[Mapping[str, Any]], preset: str
                ) -> list[dict[str, Any]]:
     """Passkey (and MQAR) accuracy at the shortest length against training tokens: one row per pilot run
     (``source`` ``pilot``), one per point of a monitored pilot run's trajectory before its last step (``source``
     ``pilot``, ``steps`` the point's; the last step is the run's final evaluation, the same measurement) and one per
     run of the grid's short schedule (``short``, the full budget); ``passkey_nll``: the passkey answer's mean NLL per
-    key token there (None where the record has none)."""
+    key token there (None where the record has none); ``recipe``: the pilot variant's suffix (``""``: the preset's
+    model and training settings, which the grid trains; see :func:`pilot_recipes`)."""
     L = plan(preset).lengths[0]
     out = []
     for g in pilot_grids:
         for r in g.records:
             if r.evals is None:
                 continue
+            recipe = pilot_recipe(r.arm)
             steps = int(r.summary.get("steps") or 0)
             for point in r.trajectory or []:
                 if 0 < point["step"] < steps:  # step 0 is the untrained model; the last step is the evaluation's
-                    out.append({"source": "pilot", "seed": r.seed, "steps": point["step"],
+                    out.append({"source": "pilot", "recipe": recipe, "seed": r.seed, "steps": point["step"],
                                 "tokens": r.tokens * point["step"] // steps, "passkey": float(point["passkey"]),
                                 "passkey_nll": point.get("passkey_nll"), "mqar": float(point["mqar"])})
             pk = r.evals["passkey"]
-            out.append({"source": "pilot", "seed": r.seed, "steps": r.summary.get("steps"), "tokens": r.tokens,
+            out.append({"source": "pilot", "recipe": recipe, "seed": r.seed, "steps": r.summary.get("steps"),
+                        "tokens": r.tokens,
                         "passkey": float(pk["accuracy_by_length"][0]),
                         "passkey_nll": float(np.mean(pk["answer_nll"][0])) if pk.get("answer_nll") else None,
                         "mqar": float(r.evals["mqar"]["accuracy"][0])})
     for r in rows:
         if r["schedule"] == "short":
             nll = {int(k): v for k, v in (r.get("passkey_nll") or {}).items()}
-            out.append({"source": "short", "seed": r["seed"], "steps": plan(preset).steps, "tokens": r["tokens"],
+            out.append({"source": "short", "recipe": "", "seed": r["seed"], "steps": plan(preset).steps,
+                        "tokens": r["tokens"],
                         "passkey": float({int(k): v for k, v in r["passkey"].items()}[L]),
                         "passkey_nll": nll.get(L),
                         "mqar": float({int(k): v for k, v in r["mqar"].items()}[L])})
@@ -364,12 +387,9 @@ def _few(values: Sequence[int], most: int = 6) -> list[int]:
     return [values[round(i * (len(values) - 1) / (most - 1))] for i in range(most)]
 
 
-def pilot_finding(pilot: Sequence[Mapping[str, Any]], length: int) -> report.Finding:
-    """Is retrieval learnable at this size: the fewest tokens at which passkey at ``length`` reached
-    :data:`PILOT_PASSKEY` (the mean over the runs at that budget), or "not tested" with the best reached."""
-    q = f"Is passkey retrieval learnable at this size (short arm, accuracy >= {PILOT_PASSKEY} at {length:,} tokens)"
-    if not pilot:
-        return report.not_tested(q, "no pilot run recorded")
+def _pilot_curve(pilot: Sequence[Mapping[str, Any]]) -> tuple[str, list[int], list[float]]:
+    """Passkey (and answer NLL) by budget of ``pilot``'s rows as text, the budgets (tokens) whose mean passkey
+    reached :data:`PILOT_PASSKEY`, and the passkey values at the largest budget."""
     budgets: dict[int, list[float]] = {}
     for d in pilot:
         budgets.setdefault(int(d["tokens"]), []).append(d["passkey"])
@@ -385,12 +405,37 @@ def pilot_finding(pilot: Sequence[Mapping[str, Any]], length: int) -> report.Fin
                   + "; ".join(f"{t / 1e6:.1f}M: {np.mean(nlls[t]):.2f}" for t in _few(sorted(nlls)))
                   + f" (a uniform digit: {DIGIT_NLL:.2f})")
     reached = [t for t, v in sorted(budgets.items()) if np.mean(v) >= PILOT_PASSKEY]
-    last = budgets[max(budgets)]
+    return curve, reached, budgets[max(budgets)]
+
+
+def pilot_finding(pilot: Sequence[Mapping[str, Any]], length: int,
+                  recipes: Mapping[str, str] | None = None) -> report.Finding:
+    """Is retrieval learnable at this size, with the grid's settings: the fewest tokens at which passkey at
+    ``length`` reached :data:`PILOT_PASSKEY` (the mean over the runs at that budget), or "not tested" with the best
+    reached. Pilot variants (rows whose ``recipe`` is not ``""``; ``recipes``: their descriptions,
+    :func:`pilot_recipes`) follow in the answer, each with its own curve: they say whether another model or
+    learning rate learns retrieval, not whether the grid's runs did."""
+    q = f"Is passkey retrieval learnable at this size (short arm, accuracy >= {PILOT_PASSKEY} at {length:,} tokens)"
+    own = [d for d in pilot if not d.get("recipe")]
+    if not own:
+        return report.not_tested(q, "no pilot run recorded")
+    curve, reached, last = _pilot_curve(own)
+    others = []
+    for recipe in sorted({d["recipe"] for d in pilot if d.get("recipe")}):
+        rows = [d for d in pilot if d.get("recipe") == recipe]
+        text, hit, _ = _pilot_curve(rows)
+        what = (recipes or {}).get(recipe, recipe)
+        others.append(f"pilot variant {recipe} ({what}): "
+                      + (f"learned, first at {hit[0] / 1e6:.1f}M tokens" if hit else
+                         f"not learned within {max(int(d['tokens']) for d in rows) / 1e6:.1f}M tokens")
+                      + f" (passkey by budget {text})")
+    tail = "".join(f". {o}" for o in others)
     iv = report.mean_interval(last) if len(last) > 1 else None
     if reached:
-        return report.measured(q, iv,
-                               answer=f"yes: first at {reached[0] / 1e6:.1f}M tokens (passkey by budget: {curve})")
-    return report.not_tested(q, f"not learned within {max(budgets) / 1e6:.1f}M tokens: passkey by budget {curve}", iv)
+        return report.measured(q, iv, answer=f"yes: first at {reached[0] / 1e6:.1f}M tokens (passkey by budget: "
+                                             f"{curve}){tail}")
+    return report.not_tested(q, f"not learned within {max(int(d['tokens']) for d in own) / 1e6:.1f}M tokens: "
+                                f"passkey by budget {curve}{tail}", iv)
 
 
 def train(preset: str, out_dir: str | Path, extra_overrides: Mapping[str, Any] | None = None) -> common.Grid:
@@ -926,7 +971,8 @@ def summarize(grid: common.Grid, rows: Sequence[Mapping[str, Any]], perf_rows: S
         "equal_wall_clock": at_time,
         "verdict": verdict(cmp_direct, at_time, retrieval_learned(rows)),
         "chance": {"passkey": chance_passkey(), "mqar": 1 / max(2, _mqar_values(preset))},
-        **({"pilot": list(pilot), "pilot_length": p.lengths[0]} if pilot is not None else {}),
+        **({"pilot": list(pilot), "pilot_length": p.lengths[0], "pilot_recipes": pilot_recipes(preset)}
+           if pilot is not None else {}),
     }
 
 
@@ -1044,7 +1090,8 @@ def study_report(summary: Mapping[str, Any]) -> report.Report:
             beyond.append(report.compare(f"Held-out loss past {longest:,} tokens (loss by position), curriculum "
                                          "minus direct", seeds("curriculum", "loss_beyond"),
                                          seeds("direct", "loss_beyond"), unit="nats"))
-        ordered = [pilot_finding(summary["pilot"], summary["pilot_length"]), eff, eff_short, *beyond[:1],
+        pf = pilot_finding(summary["pilot"], summary["pilot_length"], summary.get("pilot_recipes"))
+        ordered = [pf, eff, eff_short, *beyond[:1],
                    *(beyond[-1:] if len(beyond) > 1 else []), direct, ret, *beyond[1:-1], short, clock, tcost]
         found, rest = ordered[:report.MAX_LEAD], ordered[report.MAX_LEAD:]
         details += ["Also: " + "; ".join(f.plain() for f in rest) + "."] if rest else []
@@ -1224,8 +1271,9 @@ def perf_figure(perf_rows: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[s
 
 def pilot_figure(pilot: Sequence[Mapping[str, Any]], length: int, chance: Mapping[str, float]) -> Any:
     """Passkey accuracy (left), MQAR accuracy (middle) and the passkey answer's NLL per key token (right) at
-    ``length`` against training tokens: the pilot (blue, a line through a monitored run's points) and the grid's
-    short runs (green dots); dashed: :data:`PILOT_PASSKEY`, chance and a uniform digit's NLL."""
+    ``length`` against training tokens: the pilot with the grid's settings (blue, a line through a monitored run's
+    points), each pilot variant (its own colour, labelled by its recipe) and the grid's short runs (green dots);
+    dashed: :data:`PILOT_PASSKEY`, chance and a uniform digit's NLL."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(13, 3.8), dpi=100)
@@ -1233,12 +1281,17 @@ def pilot_figure(pilot: Sequence[Mapping[str, Any]], length: int, chance: Mappin
     panels = ((axes[0], "passkey", "passkey accuracy"), (axes[1], "mqar", "MQAR accuracy"),
               (axes[2], "passkey_nll", "passkey answer NLL (nats per key token)"))
     for ax, key, title in panels:
-        for source, color in (("pilot", "tab:blue"), ("short", "tab:green")):
-            pts = sorted((d["tokens"] / 1e6, d[key]) for d in pilot if d["source"] == source and d.get(key) is not None)
+        variants = sorted({d.get("recipe") or "" for d in pilot if d["source"] == "pilot"} - {""})
+        series = [("pilot", "", "tab:blue", "pilot"), ("short", "", "tab:green", "grid's short runs"),
+                  *(("pilot", v, color, f"pilot {v}") for v, color in
+                    zip(variants, ("tab:orange", "tab:purple", "tab:brown", "tab:pink")))]
+        for source, recipe, color, label in series:
+            pts = sorted((d["tokens"] / 1e6, d[key]) for d in pilot if d["source"] == source
+                         and (d.get("recipe") or "") == recipe and d.get(key) is not None)
             if pts:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, "o-" if source == "pilot" else "o", color=color, ms=4, lw=1.0, alpha=0.85,
-                        label="pilot" if source == "pilot" else "grid's short runs")
+                        label=label)
         if key == "passkey":
             ax.axhline(PILOT_PASSKEY, color="firebrick", ls="--", lw=0.8, label=f"learned ({PILOT_PASSKEY})")
         if key == "passkey_nll":
@@ -1287,7 +1340,7 @@ def val_time_figure(grid: common.Grid, preset: str, perf_rows: Sequence[Mapping[
 
 __all__ = ["EvalPlan", "PILOT_PASSKEY", "PRESETS", "Plan", "ROW_KEYS", "SCHEDULES", "STUDY", "accuracy_figure", "arms",
            "arms_factor", "loss_beyond", "pilot_arms", "pilot_eval_settings", "pilot_figure", "pilot_finding",
-           "pilot_rows", "retrieval_budget", "train_pilot",
+           "pilot_recipe", "pilot_recipes", "pilot_rows", "retrieval_budget", "train_pilot",
            "by_seed", "chance_passkey", "compare", "equal_time", "eval_lengths", "eval_settings", "evaluate_runs",
            "evaluate_trained", "findings", "paired", "passkey_figure", "perf_figure", "plan", "position_figure",
            "refresh_comparisons", "retrieval_learned", "schedules", "split_steps", "stage_of_window", "stage_perf",

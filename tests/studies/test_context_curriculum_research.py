@@ -39,8 +39,17 @@ def test_research_arms_train_equal_tokens_and_retrieval_per_step() -> None:
         cfg = load_config(p.base, {**p.common, **ov})
         (st,) = stage_plan(cfg.data.curriculum, cfg.train.batch_size, cfg.data.seq_len,
                            cfg.train.accumulate_grad_batches, cfg.train.max_steps)
-        assert name == f"pilot{st.steps}" and st.seq_len == p.lengths[0] and st.synthetic_per_batch == 16
-    assert sorted(cc.pilot_arms("research")) == ["pilot1024"] and p.pilot_monitor_every == 64
+        assert name == f"pilot{st.steps}{cc.pilot_recipe(name)}" and st.seq_len == p.lengths[0]
+        assert st.synthetic_per_batch == 16
+        if cc.pilot_recipe(name):  # a variant: the short schedule with its own model or learning rate
+            assert (cfg.model.n_layers, cfg.train.lr) == (4, 3e-3)
+        else:  # the grid's own settings
+            assert (cfg.model.n_layers, cfg.train.lr) == (12, 1e-3)
+    assert sorted(cc.pilot_arms("research")) == ["pilot1024", "pilot2048L4"] and p.pilot_monitor_every == 64
+    assert cc.pilot_recipes("research") == {"": "the grid's settings",
+                                            "L4": "model.n_layers=4, train.lr=0.003, train.warmup_steps=100"}
+    with pytest.raises(ValueError, match="'short' is not a pilot arm"):
+        cc.pilot_recipe("short")
     assert cc.pilot_eval_settings("research")["passkey"]["lengths"] == [1024]
     # the other presets keep the per-sequence draw, as their committed reports trained
     assert cc.retrieval_budget("gpu")["direct"]["stages"][0]["retrieval_share"] == 0.1
@@ -132,3 +141,26 @@ def test_pilot_finding_names_a_handful_of_a_learning_curves_points() -> None:
     budgets = f.answer.split("passkey by budget: ")[1].split("; answer NLL")[0].split("; ")
     assert len(budgets) == 6 and budgets[0].startswith("8.4M tokens") and budgets[-1].startswith("134.2M tokens")
     assert cc._few(list(range(3))) == [0, 1, 2] and cc._few(list(range(16))) == [0, 3, 6, 9, 12, 15]
+
+
+def test_pilot_variants_are_reported_apart_from_the_grids_recipe() -> None:
+    """A pilot variant (another model or learning rate) has its own curve in the finding's text and its own line
+    in the figure; whether retrieval is learnable is answered from the runs with the grid's settings only, so a
+    variant that learns does not turn the grid's "not learned" into a yes."""
+    step = 8_388_608
+    own = [{"source": "pilot", "recipe": "", "seed": 0, "tokens": k * step, "passkey": 0.0, "passkey_nll": 2.45,
+            "mqar": 0.0} for k in range(1, 5)]
+    var = [{"source": "pilot", "recipe": "L4", "seed": 0, "tokens": k * step, "passkey": 0.95 if k >= 3 else 0.1,
+            "passkey_nll": 0.1, "mqar": 0.5} for k in range(1, 9)]
+    recipes = {"": "the grid's settings", "L4": "model.n_layers=4, train.lr=0.003"}
+    f = cc.pilot_finding(own + var, 1024, recipes)
+    assert f.status == "not tested" and "not learned within 33.6M tokens" in f.reason
+    assert "pilot variant L4 (model.n_layers=4, train.lr=0.003): learned, first at 25.2M tokens" in f.reason
+    g = cc.pilot_finding(own + [{**d, "passkey": 0.0} for d in var], 1024, recipes)
+    assert "pilot variant L4 (model.n_layers=4, train.lr=0.003): not learned within 67.1M tokens" in g.reason
+    assert cc.pilot_finding(var, 1024, recipes).reason == "no pilot run recorded"
+    fig = cc.pilot_figure(own + var, 1024, {"passkey": 0.0, "mqar": 0.0})
+    labels = [line.get_label() for line in fig.axes[0].get_lines()]
+    assert labels[:2] == ["pilot", "pilot L4"]
+    (blue,) = [ln for ln in fig.axes[0].get_lines() if ln.get_label() == "pilot"]
+    assert list(blue.get_xdata()) == pytest.approx([k * step / 1e6 for k in range(1, 5)])

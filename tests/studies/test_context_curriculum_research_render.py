@@ -30,7 +30,7 @@ LONGEST = P.lengths[-1]
 VAL = {"curriculum": (3.10, 3.12, 3.09), "direct": (3.15, 3.16, 3.16), "short": (3.30, 3.28, 3.31)}
 # effective context per (schedule, seed): passkey >= 0.9 up to this length, below after
 EFFECTIVE = {"curriculum": (16384, 16384, 32768), "direct": (8192, 16384, 8192), "short": (1024, 2048, 1024),
-             "pilot1024": (1024,)}
+             "pilot1024": (1024,), "pilot2048L4": (1024,)}
 STEP_S = {1024: 0.50, 4096: 0.52, 16384: 0.60}  # seconds per optimizer step at each training length
 OVERHEAD_S = 40.0  # start, compilation, validation and evaluation of a run
 
@@ -140,7 +140,8 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     before = _repo_studies()
     records = _write_records(tmp_path, monkeypatch)
     names = sorted(p.name for p in records.glob("*.json"))
-    assert names == sorted([*(f"{a}_s{s}.json" for a in cc.SCHEDULES for s in P.seeds), "pilot1024_s0.json"])
+    assert names == sorted([*(f"{a}_s{s}.json" for a in cc.SCHEDULES for s in P.seeds), "pilot1024_s0.json",
+                            "pilot2048L4_s0.json"])
     assert max(p.stat().st_size for p in records.iterdir()) < 500_000  # a record stays small
     lines: list[str] = []
     out = run_study(4, "research", out_root=tmp_path / "studies", tracking_uri=tracking_uri, log_output=False,
@@ -155,7 +156,7 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     meta = summary["meta"]
     assert meta["preset"] == "research" and meta["runs"] == 9 and meta["runs_skipped"] == 9
     walls = {(a, s): _wall(a, s) for a in cc.SCHEDULES for s in P.seeds}
-    pilot_walls = [_wall(f"pilot{n}", 0) for n in P.pilot_steps]
+    pilot_walls = [_wall(name, 0) for name in cc.pilot_arms("research")]
     assert meta["gpu_minutes"] == pytest.approx(sum(round(w / 60, 3) for w in walls.values()), abs=1e-3)
     assert meta["gpu_minutes_total"] == pytest.approx(meta["gpu_minutes"] + sum(round(w / 60, 3)
                                                                                 for w in pilot_walls), abs=1e-3)
@@ -170,12 +171,15 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     assert eff["values"] == [16384 - 8192, 0, 32768 - 8192]
     # the pilot: its learning curve (a point every pilot_monitor_every steps before the last), the final evaluation,
     # and the grid's short runs at their budget
-    pilot = [d for d in summary["pilot"] if d["source"] == "pilot"]
+    pilot = [d for d in summary["pilot"] if d["source"] == "pilot" and d["recipe"] == ""]
     every, (steps,) = P.pilot_monitor_every, P.pilot_steps
     assert [d["steps"] for d in pilot] == [*range(every, steps, every), steps]
     assert pilot[0]["tokens"] == every * 131072
     assert pilot[0]["passkey"] == pytest.approx(0.95 * every / (steps / 2), abs=1e-4)
-    assert pilot[-1]["passkey"] == 0.95 and len(summary["pilot"]) == len(pilot) + len(P.seeds)
+    variant = [d for d in summary["pilot"] if d["recipe"] == "L4"]  # the pilot variant: its own curve, 2048 steps
+    assert [d["steps"] for d in variant] == [*range(every, 2048, every), 2048]
+    assert pilot[-1]["passkey"] == 0.95 and len(summary["pilot"]) == len(pilot) + len(variant) + len(P.seeds)
+    assert summary["pilot_recipes"] == cc.pilot_recipes("research")
     assert pilot[0]["passkey_nll"] == pytest.approx(7.0 - 6.0 * every / steps)
     # the stages' step times come from the records (no MLflow perf metrics on this machine)
     perf = {(p["schedule"], p["seed"], p["stage"]): p for p in summary["stage_perf"]}
@@ -196,6 +200,8 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     # the first budget whose mean (the pilot's point and, at 50.3M, the grid's short runs) reaches 0.9: 512 steps
     assert "yes: first at 67.1M tokens (passkey by budget: 8.4M tokens: 0.12; 33.6M tokens: 0.47; " in \
         summary["headline"]
+    assert "pilot variant L4 (model.n_layers=4, train.lr=0.003, train.warmup_steps=100): learned, first at 134.2M" \
+        in summary["headline"]
     assert summary["compared"][5]["question"] == "Validation loss at equal tokens, curriculum minus direct"
     assert summary["compared"][5]["status"] == "better"
     for name in ("training_loss", "passkey_heatmaps", "pilot", "retrieval_by_length", "loss_by_position", "cost",
@@ -223,7 +229,7 @@ def test_split_call_trains_only_the_named_runs(tmp_path: Path, monkeypatch: pyte
     and the call stops with GridIncomplete naming the rest."""
     tiny = dataclasses.replace(
         P, base="tiny", lengths=(256, 512, 1024), steps=4, pilot_steps=(2,), pilot_monitor_every=1,
-        train_mqar_density=0.0,
+        train_mqar_density=0.0, pilot_variants=(("L1", 3, {"model.n_layers": 1}),),
         common={"model.pattern": "M", "model.dense_layers": 2, "model.max_seq_len": 1024, "data.seq_len": 1024,
                 "train.batch_size": 4, "train.accumulate_grad_batches": 2, "train.max_steps": 4,
                 "train.warmup_steps": 1, "train.val_every": 2, "train.val_batches": 1, "train.log_every": 1,
@@ -241,8 +247,8 @@ def test_split_call_trains_only_the_named_runs(tmp_path: Path, monkeypatch: pyte
         cc.train("research", tmp_path / "out")
     assert time.perf_counter() - t0 < 60
     assert e.value.trained == ["pilot2:0", "direct:1"]  # what the call trained in every grid it met
-    assert sorted(e.value.missing) == sorted(f"{a}:{s}" for a in cc.SCHEDULES for s in P.seeds if (a, s) != ("direct",
-                                                                                                              1))
+    assert sorted(e.value.missing) == sorted(["pilot3L1:0", *(f"{a}:{s}" for a in cc.SCHEDULES for s in P.seeds
+                                                               if (a, s) != ("direct", 1))])
     assert sorted(p.name for p in records.glob("*.json")) == ["direct_s1.json", "pilot2_s0.json"]
     rec = json.loads((records / "direct_s1.json").read_text())
     assert rec["code"]["source_pin"] == P.source_pin and rec["summary"]["steps"] == 4
