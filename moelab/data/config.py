@@ -17,7 +17,8 @@ Source = Literal["shakespeare", "gutenberg", "files", "hf"]
 TokenizerKind = Literal["bpe", "byte"]
 
 SOURCES: tuple[Source, ...] = get_args(Source)
-SYNTHETIC_TASKS = ("passkey", "mqar")
+SYNTHETIC_TASKS = ("passkey", "mqar", "repeat")
+DEFAULT_SYNTHETIC_TASKS = ("passkey", "mqar")  # the retrieval tasks; "repeat" (in-context repetition) is opt-in
 TOKENIZERS: tuple[TokenizerKind, ...] = get_args(TokenizerKind)
 BYTE_VOCAB = 256
 # A byte-level BPE needs its 256-byte alphabet plus the end-of-text token before any merge.
@@ -56,7 +57,7 @@ class CurriculumStage:
     steps: int = 0
     tokens: int = 0
     synthetic: float = 0.0
-    synthetic_tasks: list[str] = field(default_factory=lambda: list(SYNTHETIC_TASKS))
+    synthetic_tasks: list[str] = field(default_factory=lambda: list(DEFAULT_SYNTHETIC_TASKS))
     mqar_pairs: int = 8
     synthetic_batch_share: float = 0.0
 

@@ -41,7 +41,7 @@ from torch.utils.data import Dataset, Sampler
 
 from moelab.base import ConfigError, _check
 from moelab.data.config import CurriculumStage
-from moelab.data.synthetic import mqar, passkey
+from moelab.data.synthetic import mqar, passkey, repeat
 from moelab.data.tokenizer import EOS_ID, Tokenizer
 
 _STAGE_SHIFT = 64  # Philox counter of item i of stage k: (k << 64) | i, so no two items of a run share one
@@ -212,6 +212,9 @@ class CurriculumSequences(Dataset):
         if task == "passkey":
             filler, _ = self.packer.pack(T, bitgen)
             batch = passkey(self.tokenizer, 1, T, seed=seed, filler=filler)
+        elif task == "repeat":
+            span, _ = self.packer.pack((T + 2) // 2, bitgen)
+            batch = repeat(1, T, span, seed=seed)
         else:
             batch = mqar(1, T, self.vocab_size, stage.mqar_pairs, seed=seed)
         return {"input_ids": torch.from_numpy(batch.input_ids[0]), "targets": torch.from_numpy(batch.targets[0]),
@@ -227,6 +230,8 @@ class CurriculumSequences(Dataset):
                 try:
                     if task == "passkey":
                         passkey(self.tokenizer, 1, stage.seq_len)
+                    elif task == "repeat":
+                        repeat(1, stage.seq_len, np.arange(1, 4))
                     else:
                         mqar(1, stage.seq_len, self.vocab_size, stage.mqar_pairs)
                 except ValueError as e:

@@ -1,4 +1,4 @@
-"""Synthetic long-context tasks: passkey retrieval and multi-query associative recall (MQAR).
+"""Synthetic long-context tasks: passkey retrieval, multi-query associative recall (MQAR) and in-context repetition.
 
 Both return next-token pairs shaped like the DataModule's batches, plus a loss mask convention:
 ``input_ids [N, T]`` int64 and ``targets [N, T]`` int64 where every position that is not an
@@ -95,6 +95,35 @@ def passkey(tokenizer: Tokenizer, n: int, seq_len: int, depth: float | None = No
     return SyntheticBatch(input_ids, targets, padded, {"keys": keys, "needle_pos": needle_pos, "depth": depths})
 
 
+def repeat(n: int, seq_len: int, stream: np.ndarray, seed: int = 0) -> SyntheticBatch:
+    """In-context repetition: a span of ``stream`` (e.g. corpus text) followed by the same span again.
+
+    Each sample (``seq_len + 1`` tokens, inputs the first ``seq_len``) is ``span | span[:rest]`` with a span of
+    ``ceil((seq_len + 1) / 2)`` tokens cut from ``stream`` at a seeded offset (cyclically where the stream is
+    shorter than a span). Every position is a
+    target: the first copy is ordinary language modelling, the second is predicted exactly by looking back one span
+    (the copy an induction head performs); ``answer_pos`` holds the positions whose target is a copy (the second span's
+    first token has no earlier cue and is left out). Repeated text is what
+    induction heads, and with them passkey retrieval and associative recall, are learned from (Olsson et al., 2022).
+    """
+    if n < 1 or seq_len < 3:
+        raise ValueError(f"n={n}, seq_len={seq_len} are not allowed: expected n >= 1 and seq_len >= 3")
+    stream = np.asarray(stream, dtype=np.int64)
+    if stream.size == 0:
+        raise ValueError("stream is empty")
+    rng = np.random.default_rng(seed)
+    span = (seq_len + 2) // 2  # ceil((seq_len + 1) / 2)
+    seq = np.zeros((n, seq_len + 1), dtype=np.int64)
+    for i in range(n):
+        # a contiguous span where the stream holds one, else cyclic from any offset
+        start = int(rng.integers(0, stream.size - span + 1 if stream.size >= span else stream.size))
+        piece = stream[(start + np.arange(span)) % stream.size]
+        seq[i] = np.concatenate([piece, piece])[: seq_len + 1]
+    # position t >= span reads the second copy's token t - span and predicts t - span + 1 of the span: a copy
+    answer_pos = np.broadcast_to(np.arange(span, seq_len), (n, seq_len - span)).copy()
+    return SyntheticBatch(seq[:, :-1].copy(), seq[:, 1:].copy(), answer_pos, {"span": span})
+
+
 def mqar(n: int, seq_len: int, vocab_size: int, num_pairs: int, num_queries: int | None = None,
          seed: int = 0) -> SyntheticBatch:
     """Multi-query associative recall (Zoology-style) on raw token ids.
@@ -137,4 +166,4 @@ def mqar(n: int, seq_len: int, vocab_size: int, num_pairs: int, num_queries: int
     return SyntheticBatch(seq[:, :-1].copy(), targets, qpos, {"keys": keys, "values": values})
 
 
-__all__ = ["IGNORE", "SyntheticBatch", "mqar", "passkey"]
+__all__ = ["IGNORE", "SyntheticBatch", "mqar", "passkey", "repeat"]

@@ -222,3 +222,27 @@ def test_synthetic_batch_share_validation_names_value_and_range() -> None:
     assert CurriculumStage(seq_len=64).synthetic_batch_share == 0.0  # default: the per-sequence draw, as before
     cfg = load_config("tiny", {"data.curriculum": [{"seq_len": 64, "synthetic_batch_share": 0.5}]})
     assert cfg.data.curriculum[0].synthetic_batch_share == 0.5
+
+
+def test_repeat_task_takes_its_turn_in_the_retrieval_slots(tiny_cfg: DataConfig) -> None:
+    """``synthetic_tasks`` with ``"repeat"``: in-context repetition sequences (a corpus span twice, every token a
+    target) take turns with passkey and MQAR in the retrieval slots; the default task list stays passkey and MQAR
+    (what the committed studies trained on)."""
+    assert CurriculumStage(seq_len=64).synthetic_tasks == ["passkey", "mqar"]
+    stages = [CurriculumStage(seq_len=256, synthetic_batch_share=0.5, mqar_pairs=4,
+                              synthetic_tasks=["passkey", "mqar", "repeat"])]
+    dm = _module(dataclasses.replace(tiny_cfg, seq_len=256), stages=stages, max_steps=3,
+                 trainer=_trainer(max_steps=3), batch_size=6)
+    kinds = []
+    for b in dm.train_dataloader():
+        for x, y, seg in zip(b["input_ids"][:3], b["targets"][:3], b["segment_ids"][:3]):  # the retrieval slots
+            if (y == IGNORE).any():
+                kinds.append("passkey" if "pass key" in dm.tokenizer.decode(x.tolist()) else "mqar")
+            else:  # a repeat: the second half copies the first, every position scored
+                span = (256 + 2) // 2
+                assert torch.equal(x[span:], x[: 256 - span]) and (seg == 0).all()
+                kinds.append("repeat")
+    assert kinds == ["passkey", "mqar", "repeat"] * 3
+    with pytest.raises(ConfigError, match=r"synthetic_tasks=\['copy'\] is not allowed: expected a non-empty list "
+                                          r"of distinct names from \('passkey', 'mqar', 'repeat'\)"):
+        CurriculumStage(seq_len=64, synthetic_tasks=["copy"]).validate()

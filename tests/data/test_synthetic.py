@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from moelab.data.synthetic import IGNORE, mqar, passkey
+from moelab.data.synthetic import IGNORE, mqar, passkey, repeat
 from moelab.data.tokenizer import ByteTokenizer
 
 
@@ -84,3 +84,28 @@ def test_mqar_bad_arguments() -> None:
         mqar(n=1, seq_len=1000, vocab_size=64, num_pairs=40)
     with pytest.raises(ValueError, match="num_queries=5"):
         mqar(n=1, seq_len=1000, vocab_size=64, num_pairs=4, num_queries=5)
+
+
+@pytest.mark.parametrize("seq_len", [3, 8, 9, 257])
+def test_repeat_copies_a_span_and_marks_the_copies(seq_len: int) -> None:
+    """``repeat``: a span of the stream then the same span; every position is a target (the next token), and
+    ``answer_pos`` are the positions whose target the earlier copy predicts exactly (not the repeat's first token)."""
+    stream = np.arange(1000, 1400)
+    b = repeat(3, seq_len, stream, seed=4)
+    span = (seq_len + 2) // 2
+    seq = np.concatenate([b.input_ids, b.targets[:, -1:]], axis=1)  # the seq_len + 1 tokens
+    assert b.input_ids.shape == b.targets.shape == (3, seq_len) and (b.targets != IGNORE).all()
+    assert (b.targets[:, :-1] == b.input_ids[:, 1:]).all()
+    assert (seq[:, span:] == seq[:, : seq_len + 1 - span]).all()  # the second copy repeats the first
+    assert (np.diff(seq[:, :span], axis=1) == 1).all()  # a contiguous span of this stream (no wrap: it is long)
+    for i in range(3):
+        for t in b.answer_pos[i]:  # the target at t is the token one after t's earlier occurrence
+            assert b.targets[i, t] == b.input_ids[i, t - span + 1] and b.input_ids[i, t] == b.input_ids[i, t - span]
+    assert b.answer_pos.shape == (3, seq_len - span)
+    assert (repeat(3, seq_len, stream, seed=4).input_ids == b.input_ids).all()  # seeded
+    short = repeat(2, seq_len, np.arange(5, 7), seed=1)  # a stream shorter than a span: read cyclically
+    assert set(np.unique(short.input_ids)) <= {5, 6}
+    with pytest.raises(ValueError, match="seq_len=2 are not allowed"):
+        repeat(1, 2, stream)
+    with pytest.raises(ValueError, match="stream is empty"):
+        repeat(1, 8, np.array([], dtype=np.int64))
