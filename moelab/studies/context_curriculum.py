@@ -75,8 +75,9 @@ class Plan:
     pilot_monitor_every: with a value n > 0, every pilot run measures passkey and MQAR at the short length every n
     steps while it trains (:func:`pilot_monitor`, the record's ``trajectory``): one run gives the learning curve.
     pilot_variants: ``(suffix, steps, overrides)``: further pilot runs of the short schedule, named
-    ``pilot<steps><suffix>``, with other model or training settings (a smaller model, another learning rate), for
-    when the preset's model does not learn retrieval within ``pilot_steps``; the grid keeps the preset's settings.
+    ``pilot<steps><suffix>``, with other model or training settings (a smaller model, another learning rate, and under
+    ``"data.curriculum"`` a mapping of the short stage's fields, e.g. its ``synthetic_tasks``), for when the preset's
+    model does not learn retrieval within ``pilot_steps``; the grid keeps the preset's settings.
     train_mqar_density: key-value pairs per token of the training MQAR sub-tasks (a stage of ``seq_len`` tokens asks
     ``int(density * seq_len)``; 0: every stage asks the evaluation's ``eval.mqar_pairs``). A retrieval sequence trains
     only on its answers (the rest of its targets are ignored), so the pairs set how much of the loss retrieval is,
@@ -268,7 +269,8 @@ def pilot_arms(preset: str) -> dict[str, dict[str, Any]]:
     short = schedules(p)["short"][0]
     out = {f"pilot{n}": {"data.curriculum": [{**short, "steps": n}], "train.max_steps": n} for n in p.pilot_steps}
     for suffix, n, overrides in p.pilot_variants:
-        out[f"pilot{n}{suffix}"] = {**overrides, "data.curriculum": [{**short, "steps": n}], "train.max_steps": n}
+        stage = {**short, **overrides.get("data.curriculum", {}), "steps": n}  # a mapping: fields of the one stage
+        out[f"pilot{n}{suffix}"] = {**overrides, "data.curriculum": [stage], "train.max_steps": n}
     return out
 
 
@@ -338,7 +340,10 @@ def pilot_recipes(preset: str) -> dict[str, str]:
     p = plan(preset)
     out = {"": "the grid's settings"}
     for suffix, _, overrides in p.pilot_variants:
-        out[suffix] = ", ".join(f"{k}={v}" for k, v in overrides.items())
+        flat = {f"{k}.{kk}" if isinstance(v, Mapping) else k: vv if isinstance(v, Mapping) else v
+                for k, v in overrides.items() for kk, vv in (v.items() if isinstance(v, Mapping) else [(None, v)])}
+        out[suffix] = ", ".join(f"{k}={'+'.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
+                                for k, v in flat.items())
     return out
 
 

@@ -164,3 +164,19 @@ def test_pilot_variants_are_reported_apart_from_the_grids_recipe() -> None:
     assert labels[:2] == ["pilot", "pilot L4"]
     (blue,) = [ln for ln in fig.axes[0].get_lines() if ln.get_label() == "pilot"]
     assert list(blue.get_xdata()) == pytest.approx([k * step / 1e6 for k in range(1, 5)])
+
+
+def test_a_pilot_variant_may_change_the_short_stages_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A variant's ``"data.curriculum"`` mapping sets fields of the short stage (here its task list); its recipe
+    text names them flat; the stage keeps the short schedule's length, share and MQAR pairs, at the variant's steps."""
+    p = cc.plan("research")
+    tasks = ["passkey", "mqar", "repeat"]
+    variant = ("Rep", 512, {"train.lr": 2e-3, "data.curriculum": {"synthetic_tasks": tasks}})
+    monkeypatch.setitem(cc.PRESETS, "research", dataclasses.replace(p, pilot_variants=(variant,)))
+    ov = cc.pilot_arms("research")["pilot512Rep"]
+    (stage,) = ov["data.curriculum"]
+    short = cc.schedules(cc.plan("research"))["short"][0]
+    assert stage == {**short, "steps": 512, "synthetic_tasks": tasks} and ov["train.max_steps"] == 512
+    assert cc.pilot_recipes("research")["Rep"] == "train.lr=0.002, data.curriculum.synthetic_tasks=passkey+mqar+repeat"
+    cfg = load_config(p.base, {**p.common, **ov})
+    assert cfg.data.curriculum[0].synthetic_tasks == tasks and cfg.train.lr == 2e-3
