@@ -160,9 +160,9 @@ PRESETS = {
     # The 1024-step pilot (H100, git 471ab16; its record is committed): passkey and MQAR at 1K 0.00 at every point up to
     # 134M tokens (5.9 epochs), the passkey answer NLL flat at 2.44-2.55 nats from step 192 on. Hence a pilot variant,
     # pilot2048L4: 4 layers (one KKKM unit, learned copying soonest in the toy probe after 2-layer KM) at lr 3e-3,
-    # 2048 steps. A toy probe of in-context repetition as a third retrieval task (``synthetic_tasks`` "repeat"; KM at
-    # width 64, 256 tokens, CPU) did not help: passkey 0.00 after 1,500 steps with or without it, and even trained on
-    # repeats only, the copy accuracy of the second half stalled at 0.26.
+    # 2048 steps. An uncommitted toy probe (session 32's notes) of in-context repetition as a third retrieval task
+    # (``synthetic_tasks`` "repeat"; KM at width 64, 256 tokens, CPU) did not help: passkey 0.00 after 1,500 steps with
+    # or without it, and even trained on repeats only, the copy accuracy of the second half stalled at 0.26.
     "research": Plan("gpu-small", {"model.max_seq_len": 16384, "data.seq_len": 16384, "train.batch_size": 4,
                                    "model.norm_backend": "auto",
                                    "train.accumulate_grad_batches": 2, "train.max_steps": 384,
