@@ -100,11 +100,11 @@ def repeat(n: int, seq_len: int, stream: np.ndarray, seed: int = 0) -> Synthetic
 
     Each sample (``seq_len + 1`` tokens, inputs the first ``seq_len``) is ``span | span[:rest]`` with a span of
     ``ceil((seq_len + 1) / 2)`` tokens cut from ``stream`` at a seeded offset (cyclically where the stream is
-    shorter than a span). Every position is a
-    target: the first copy is ordinary language modelling, the second is predicted exactly by looking back one span
-    (the copy an induction head performs); ``answer_pos`` holds the positions whose target is a copy (the second span's
-    first token has no earlier cue and is left out). Repeated text is what
-    induction heads, and with them passkey retrieval and associative recall, are learned from (Olsson et al., 2022).
+    shorter than a span). Every position is a target: the first copy is ordinary language modelling, the second is
+    predicted exactly by looking back one span (the copy an induction head performs); ``answer_pos`` holds the
+    positions whose target is a copy (the second span's first token has no earlier cue and is left out). Repeated
+    text is what induction heads, and with them passkey retrieval and associative recall, are learned from
+    (Olsson et al., 2022).
     """
     if n < 1 or seq_len < 3:
         raise ValueError(f"n={n}, seq_len={seq_len} are not allowed: expected n >= 1 and seq_len >= 3")

@@ -346,8 +346,9 @@ def pilot_recipes(preset: str) -> dict[str, str]:
     p = plan(preset)
     out = {"": "the grid's settings"}
     for suffix, _, overrides in p.pilot_variants:
-        flat = {f"{k}.{kk}" if isinstance(v, Mapping) else k: vv if isinstance(v, Mapping) else v
-                for k, v in overrides.items() for kk, vv in (v.items() if isinstance(v, Mapping) else [(None, v)])}
+        flat: dict[str, Any] = {}
+        for key, value in overrides.items():  # a stage mapping ("data.curriculum") names its fields one by one
+            flat.update({f"{key}.{k}": v for k, v in value.items()} if isinstance(value, Mapping) else {key: value})
         out[suffix] = ", ".join(f"{k}={'+'.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
                                 for k, v in flat.items())
     return out
