@@ -163,6 +163,9 @@ PRESETS = {
     # 2048 steps. An uncommitted toy probe (session 32's notes) of in-context repetition as a third retrieval task
     # (``synthetic_tasks`` "repeat"; KM at width 64, 256 tokens, CPU) did not help: passkey 0.00 after 1,500 steps with
     # or without it, and even trained on repeats only, the copy accuracy of the second half stalled at 0.26.
+    # pilot2048L4 (H100, git 8819482; record committed): passkey at 1K 0.00 up to step 1664, then 0.0125 -> 0.075 at
+    # step 2048, its answer NLL falling from a plateau of ~2.5 (steps 128-1344) to 1.13, still falling at the end.
+    # So retrieval starts being learned at 4 layers; pilot3072L4 is the same recipe trained 1.5x as long (one call).
     "research": Plan("gpu-small", {"model.max_seq_len": 16384, "data.seq_len": 16384, "train.batch_size": 4,
                                    "model.norm_backend": "auto",
                                    "train.accumulate_grad_batches": 2, "train.max_steps": 384,
@@ -174,7 +177,8 @@ PRESETS = {
                      notes="gpu-small, 384 steps of 131,072 tokens (8 x 16K .. 128 x 1K), 25% retrieval sequences "
                            "in every micro-batch (MQAR: a pair per 8 tokens); stages 1K -> 4K -> 16K",
                      synthetic_batch_share=0.25, pilot_steps=(1024,), pilot_monitor_every=64,
-                     pilot_variants=(("L4", 2048, {"model.n_layers": 4, "train.lr": 3e-3, "train.warmup_steps": 100}),),
+                     pilot_variants=tuple(("L4", n, {"model.n_layers": 4, "train.lr": 3e-3, "train.warmup_steps": 100})
+                                          for n in (2048, 3072)),
                      source_pin="s4research-1", record_perf=True, train_mqar_density=0.125),
 }
 
@@ -333,24 +337,27 @@ DIGIT_NLL = float(np.log(10))  # NLL of a key token guessed uniformly among ten 
 
 
 def pilot_recipe(arm: str) -> str:
-    """The recipe of pilot arm ``arm``: ``"pilot2048L4"`` -> ``"L4"``, ``"pilot1024"`` -> ``""`` (the preset's)."""
-    m = re.fullmatch(r"pilot\d+(.*)", arm)
+    """The recipe of pilot arm ``arm``: a variant's steps and suffix (``"pilot2048L4"`` -> ``"2048L4"``: one curve
+    per variant run, as two lengths of one suffix follow different learning-rate schedules), ``""`` for the preset's
+    own pilot (``"pilot1024"``)."""
+    m = re.fullmatch(r"pilot(\d+)(.*)", arm)
     if m is None:
         raise ValueError(f"arm={arm!r} is not a pilot arm: expected pilot<steps>[<suffix>]")
-    return m.group(1)
+    return m.group(1) + m.group(2) if m.group(2) else ""
 
 
 def pilot_recipes(preset: str) -> dict[str, str]:
-    """``{recipe: description}``: ``""`` the preset's settings (the grid's), each pilot variant's suffix its
-    overrides (``"L4"`` -> ``"model.n_layers=4, train.lr=0.003, train.warmup_steps=100"``)."""
+    """``{recipe: description}``: ``""`` the preset's settings (the grid's), each pilot variant's steps and suffix
+    its overrides and length (``"2048L4"`` -> ``"model.n_layers=4, train.lr=0.003, train.warmup_steps=100, 2048
+    steps"``)."""
     p = plan(preset)
     out = {"": "the grid's settings"}
-    for suffix, _, overrides in p.pilot_variants:
+    for suffix, n, overrides in p.pilot_variants:
         flat: dict[str, Any] = {}
         for key, value in overrides.items():  # a stage mapping ("data.curriculum") names its fields one by one
             flat.update({f"{key}.{k}": v for k, v in value.items()} if isinstance(value, Mapping) else {key: value})
-        out[suffix] = ", ".join(f"{k}={'+'.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
-                                for k, v in flat.items())
+        out[f"{n}{suffix}"] = ", ".join([*(f"{k}={'+'.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
+                                           for k, v in flat.items()), f"{n} steps"])
     return out
 
 

@@ -39,15 +39,19 @@ def test_research_arms_train_equal_tokens_and_retrieval_per_step() -> None:
         cfg = load_config(p.base, {**p.common, **ov})
         (st,) = stage_plan(cfg.data.curriculum, cfg.train.batch_size, cfg.data.seq_len,
                            cfg.train.accumulate_grad_batches, cfg.train.max_steps)
-        assert name == f"pilot{st.steps}{cc.pilot_recipe(name)}" and st.seq_len == p.lengths[0]
+        assert cc.pilot_recipe(name) in ("", name.removeprefix("pilot")) and st.seq_len == p.lengths[0]
+        assert name.startswith(f"pilot{st.steps}")
         assert st.synthetic_per_batch == 16
         if cc.pilot_recipe(name):  # a variant: the short schedule with its own model or learning rate
             assert (cfg.model.n_layers, cfg.train.lr) == (4, 3e-3)
         else:  # the grid's own settings
             assert (cfg.model.n_layers, cfg.train.lr) == (12, 1e-3)
-    assert sorted(cc.pilot_arms("research")) == ["pilot1024", "pilot2048L4"] and p.pilot_monitor_every == 64
-    assert cc.pilot_recipes("research") == {"": "the grid's settings",
-                                            "L4": "model.n_layers=4, train.lr=0.003, train.warmup_steps=100"}
+    assert sorted(cc.pilot_arms("research")) == ["pilot1024", "pilot2048L4", "pilot3072L4"]
+    assert p.pilot_monitor_every == 64
+    assert cc.pilot_recipes("research") == {
+        "": "the grid's settings", **{f"{n}L4": f"model.n_layers=4, train.lr=0.003, train.warmup_steps=100, {n} steps"
+                                      for n in (2048, 3072)}}
+    assert cc.pilot_recipe("pilot3072L4") == "3072L4" and cc.pilot_recipe("pilot1024") == ""
     with pytest.raises(ValueError, match="'short' is not a pilot arm"):
         cc.pilot_recipe("short")
     assert cc.pilot_eval_settings("research")["passkey"]["lengths"] == [1024]
@@ -177,6 +181,7 @@ def test_a_pilot_variant_may_change_the_short_stages_fields(monkeypatch: pytest.
     (stage,) = ov["data.curriculum"]
     short = cc.schedules(cc.plan("research"))["short"][0]
     assert stage == {**short, "steps": 512, "synthetic_tasks": tasks} and ov["train.max_steps"] == 512
-    assert cc.pilot_recipes("research")["Rep"] == "train.lr=0.002, data.curriculum.synthetic_tasks=passkey+mqar+repeat"
+    assert cc.pilot_recipes("research")["512Rep"] == ("train.lr=0.002, data.curriculum.synthetic_tasks="
+                                                    "passkey+mqar+repeat, 512 steps")
     cfg = load_config(p.base, {**p.common, **ov})
     assert cfg.data.curriculum[0].synthetic_tasks == tasks and cfg.train.lr == 2e-3

@@ -30,7 +30,7 @@ LONGEST = P.lengths[-1]
 VAL = {"curriculum": (3.10, 3.12, 3.09), "direct": (3.15, 3.16, 3.16), "short": (3.30, 3.28, 3.31)}
 # effective context per (schedule, seed): passkey >= 0.9 up to this length, below after
 EFFECTIVE = {"curriculum": (16384, 16384, 32768), "direct": (8192, 16384, 8192), "short": (1024, 2048, 1024),
-             "pilot1024": (1024,), "pilot2048L4": (1024,)}
+             "pilot1024": (1024,), "pilot2048L4": (1024,), "pilot3072L4": (1024,)}
 STEP_S = {1024: 0.50, 4096: 0.52, 16384: 0.60}  # seconds per optimizer step at each training length
 OVERHEAD_S = 40.0  # start, compilation, validation and evaluation of a run
 
@@ -140,8 +140,8 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     before = _repo_studies()
     records = _write_records(tmp_path, monkeypatch)
     names = sorted(p.name for p in records.glob("*.json"))
-    assert names == sorted([*(f"{a}_s{s}.json" for a in cc.SCHEDULES for s in P.seeds), "pilot1024_s0.json",
-                            "pilot2048L4_s0.json"])
+    assert names == sorted([*(f"{a}_s{s}.json" for a in cc.SCHEDULES for s in P.seeds),
+                            *(f"{a}_s0.json" for a in cc.pilot_arms("research"))])
     assert max(p.stat().st_size for p in records.iterdir()) < 500_000  # a record stays small
     lines: list[str] = []
     out = run_study(4, "research", out_root=tmp_path / "studies", tracking_uri=tracking_uri, log_output=False,
@@ -176,9 +176,11 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     assert [d["steps"] for d in pilot] == [*range(every, steps, every), steps]
     assert pilot[0]["tokens"] == every * 131072
     assert pilot[0]["passkey"] == pytest.approx(0.95 * every / (steps / 2), abs=1e-4)
-    variant = [d for d in summary["pilot"] if d["recipe"] == "L4"]  # the pilot variant: its own curve, 2048 steps
-    assert [d["steps"] for d in variant] == [*range(every, 2048, every), 2048]
-    assert pilot[-1]["passkey"] == 0.95 and len(summary["pilot"]) == len(pilot) + len(variant) + len(P.seeds)
+    variants = {n: [d for d in summary["pilot"] if d["recipe"] == f"{n}L4"] for n in (2048, 3072)}  # a curve each
+    for n, variant in variants.items():
+        assert [d["steps"] for d in variant] == [*range(every, n, every), n]
+    assert pilot[-1]["passkey"] == 0.95
+    assert len(summary["pilot"]) == len(pilot) + sum(map(len, variants.values())) + len(P.seeds)
     assert summary["pilot_recipes"] == cc.pilot_recipes("research")
     assert pilot[0]["passkey_nll"] == pytest.approx(7.0 - 6.0 * every / steps)
     # the stages' step times come from the records (no MLflow perf metrics on this machine)
@@ -200,8 +202,8 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     # the first budget whose mean (the pilot's point and, at 50.3M, the grid's short runs) reaches 0.9: 512 steps
     assert "yes: first at 67.1M tokens (passkey by budget: 8.4M tokens: 0.12; 33.6M tokens: 0.47; " in \
         summary["headline"]
-    assert "pilot variant L4 (model.n_layers=4, train.lr=0.003, train.warmup_steps=100): learned, first at 134.2M" \
-        in summary["headline"]
+    assert ("pilot variant 2048L4 (model.n_layers=4, train.lr=0.003, train.warmup_steps=100, 2048 steps): learned, "
+            "first at 134.2M") in summary["headline"]
     assert summary["compared"][5]["question"] == "Validation loss at equal tokens, curriculum minus direct"
     assert summary["compared"][5]["status"] == "better"
     for name in ("training_loss", "passkey_heatmaps", "pilot", "retrieval_by_length", "loss_by_position", "cost",
