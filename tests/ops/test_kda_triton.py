@@ -410,6 +410,45 @@ def test_fused_prep_bad_arguments():
         chunk_kda(*ins, A_log=A_log)
 
 
+def test_a_launch_that_does_not_fit_shared_memory_drops_stages(monkeypatch):
+    """A multi-stage launch whose compiled kernel needs more shared memory than the GPU has (the H100's
+    error at dh (64, 8, 2) with D = 256) is compiled again with fewer stages, and the stages that fit are
+    kept for that shape and dtype; other resource errors, and one at a single stage, still raise."""
+    from triton.runtime.errors import OutOfResources
+
+    from moelab.ops.kda import triton_chunk as tc
+
+    calls: list[int] = []
+
+    class Kernel:  # what ``kernel[grid](...)`` does: fails to load above ``fits`` stages
+        def __init__(self, fits: int, what: str = "shared memory"):
+            self.fits, self.what = fits, what
+
+        def __getitem__(self, grid):
+            def launch(*args, num_stages: int, **kwargs):
+                calls.append(num_stages)
+                if num_stages > self.fits:
+                    raise OutOfResources(278528, 232448, self.what)
+                return num_stages
+            return launch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(tc, "FITTED_STAGES", {})
+    x = torch.zeros(2, dtype=torch.bfloat16)
+    with tc.launch_overrides(launch={"dh": (64, 8, 3)}):
+        launcher = tc._Launcher("dh", Kernel(fits=1), "BV")
+        assert launcher((1,), x, K=256, V=256) == 1 and calls == [3, 2, 1]
+        assert tc.FITTED_STAGES == {("dh", 64, 8, 3, 256, 256, torch.bfloat16): 1}
+        calls.clear()
+        assert launcher((1,), x, K=256, V=256) == 1 and calls == [1]  # remembered: compiled once
+        calls.clear()
+        assert tc._Launcher("dh", Kernel(fits=3), "BV")((1,), x, K=128, V=128) == 3 and calls == [3]
+        with pytest.raises(OutOfResources, match="registers"):
+            tc._Launcher("dh", Kernel(fits=1, what="registers"), "BV")((1,), x, K=128, V=64)
+    with pytest.raises(OutOfResources, match="shared memory"), tc.launch_overrides(launch={"dh": (64, 8, 1)}):
+        tc._Launcher("dh", Kernel(fits=0), "BV")((1,), x, K=64, V=64)
+
+
 def test_launch_arguments_match_kernel_signatures(monkeypatch):
     """Every launch passes exactly the kernel's parameters: the interpreter tolerates an unknown
     keyword that the GPU JIT rejects, so this catches it on a CPU machine."""

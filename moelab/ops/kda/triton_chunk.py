@@ -34,6 +34,7 @@ import weakref
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from moelab.ops.kda.bounds import G_MIN_FLOOR, SUBTILE, max_safe_g_min
 from moelab.ops.kda.gate import check_op_shapes
@@ -170,9 +171,19 @@ def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None, **
             table.update(old)
 
 
+# Fewer pipeline stages than LAUNCH asks, where the compiled kernel did not fit the GPU's shared memory:
+# {(kernel, block, warps, stages asked, K, V, input dtype): stages that fit}.
+FITTED_STAGES: dict[tuple, int] = {}
+
+
 class _Launcher:
     """Launch ``kernel`` with the config ``LAUNCH[name]`` (``_INTERP_LAUNCH`` in the interpreter);
-    ``block`` names the kernel's block-size parameter (``BK`` or ``BV``)."""
+    ``block`` names the kernel's block-size parameter (``BK`` or ``BV``).
+
+    A multi-stage entry that needs more shared memory than the GPU has (e.g. ``dh`` at two stages with
+    D = 256 on Hopper: 272 KB of 227 KB) is compiled again with one stage fewer until it fits; the
+    stages that fit are kept in :data:`FITTED_STAGES` so that later calls of that shape compile once.
+    Stages change only the prefetching of loads, not what the kernel computes."""
 
     def __init__(self, name: str, kernel, block: str):
         self.name, self.kernel, self.block = name, kernel, block
@@ -188,10 +199,20 @@ class _Launcher:
 
     def __call__(self, grid, *args, **kwargs):
         size, warps, stages = self.config(kwargs["K"], kwargs["V"])
+        dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor)), None)
+        key = (self.name, size, warps, stages, kwargs["K"], kwargs["V"], dtype)
+        stages = FITTED_STAGES.get(key, stages)
         grid = grid(size) if callable(grid) else grid
         block = {self.block: size} if self.block is not None else {}
         cap = {"maxnreg": MAXNREG[self.name]} if self.name in MAXNREG and not _interpret() else {}
-        return self.kernel[grid](*args, **kwargs, **block, num_warps=warps, num_stages=stages, **cap)
+        while True:
+            try:
+                return self.kernel[grid](*args, **kwargs, **block, num_warps=warps, num_stages=stages, **cap)
+            except OutOfResources as e:  # raised when the compiled kernel is loaded, before it runs
+                if stages <= 1 or "shared memory" not in str(e):
+                    raise
+                stages -= 1
+                FITTED_STAGES[key] = stages
 
 
 _state = _Launcher("state", _kda_fwd_state, "BV")
