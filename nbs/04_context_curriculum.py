@@ -84,9 +84,10 @@ pd.DataFrame([{"schedule": a, "length": st["seq_len"], "tokens per step": st["to
 
 # %% [markdown] tags=["research"]
 # ### Pilot (research preset): is retrieval learnable at this size?
-# The short schedule (seed 0) trained for longer than the grid's runs, measuring passkey and MQAR at its own
-# length every few steps while it trains (its learning curve) and once more at the end; the grid's short runs
-# are the points at the grid's budget. Trained first, so a split call can run it alone (`RUNS=pilot1024:0`).
+# The short schedule (seed 0) with the grid's recipe, measuring passkey and MQAR at its own length every few
+# steps while it trains (its learning curve) and once more at the end; the grid's short runs are the points at
+# the grid's budget; pilot variants (other recipes, each named by its steps and suffix) draw their own curves.
+# Trained first, so a split call can run it alone (`RUNS=pilot4096:0`).
 
 # %% tags=["research"]
 pilot_grids = [] if from_results or not plan.pilot_steps else study.train_pilot(preset, out)

@@ -24,17 +24,17 @@ def test_research_arms_train_equal_tokens_and_retrieval_per_step() -> None:
     assert set(cc.arms_factor("research")) == {"data.curriculum"}  # common.check_arms_differ_only
     budget = cc.retrieval_budget("research")
     stages = [st for v in budget.values() for st in v["stages"]]
-    assert {st["tokens_per_step"] for st in stages} == {131072}
+    assert {st["tokens_per_step"] for st in stages} == {65536}
     assert {st["retrieval_share"] for st in stages} == {0.25}
     assert budget["direct"]["stages"][0]["sequences_per_step"] == 8  # >= 8 sequences at the longest length
     assert budget["direct"]["stages"][0]["retrieval_sequences_per_step"] == 2
-    assert budget["short"]["stages"][0]["sequences_per_step"] == 128
+    assert budget["short"]["stages"][0]["sequences_per_step"] == 64
     assert [st["seq_len"] for st in budget["curriculum"]["stages"]] == list(p.lengths)
     # training MQAR with a pair per 8 tokens (more answers per retrieval sequence), evaluated at 16 pairs
-    assert [st["mqar_pairs"] for st in budget["curriculum"]["stages"]] == [128, 512, 2048] and p.eval.mqar_pairs == 16
+    assert [st["mqar_pairs"] for st in budget["curriculum"]["stages"]] == [128, 512, 1024] and p.eval.mqar_pairs == 16
     # so every arm trains the same MQAR answers per step: retrieval sequences / 2 (the tasks take turns) x pairs
     answers = {st["retrieval_sequences_per_step"] // 2 * st["mqar_pairs"] for st in stages}
-    assert answers == {16 * 128}
+    assert answers == {8 * 128}
     for name, ov in cc.pilot_arms("research").items():  # the pilot: the short schedule, fewer steps
         cfg = load_config(p.base, {**p.common, **ov})
         (st,) = stage_plan(cfg.data.curriculum, cfg.train.batch_size, cfg.data.seq_len,
@@ -42,16 +42,18 @@ def test_research_arms_train_equal_tokens_and_retrieval_per_step() -> None:
         assert cc.pilot_recipe(name) in ("", name.removeprefix("pilot")) and st.seq_len == p.lengths[0]
         assert name.startswith(f"pilot{st.steps}")
         assert st.synthetic_per_batch == 16
-        if cc.pilot_recipe(name):  # a variant: the short schedule with its own model or learning rate
-            assert (cfg.model.n_layers, cfg.train.lr) == (4, 3e-3)
-        else:  # the grid's own settings
-            assert (cfg.model.n_layers, cfg.train.lr) == (12, 1e-3)
-    assert sorted(cc.pilot_arms("research")) == ["pilot1024", "pilot2048L4", "pilot3072L4"]
+        assert (cfg.model.n_layers, cfg.train.lr) == (4, 3e-3)  # the grid's model and learning rate in every pilot
+        if cc.pilot_recipe(name):  # a variant: the earlier batch, 2 micro-batches of 4 x 16K (131K tokens a step)
+            assert (cfg.train.accumulate_grad_batches, cfg.data.seq_len, cfg.train.batch_size) == (2, 16384, 4)
+        else:  # the grid's own settings: one micro-batch of 8 x 8K
+            assert (cfg.train.accumulate_grad_batches, cfg.data.seq_len, cfg.train.batch_size) == (1, 8192, 8)
+    assert sorted(cc.pilot_arms("research")) == ["pilot2048L4", "pilot3072L4", "pilot4096"]
     assert p.pilot_monitor_every == 64
-    assert cc.pilot_recipes("research") == {
-        "": "the grid's settings", **{f"{n}L4": f"model.n_layers=4, train.lr=0.003, train.warmup_steps=100, {n} steps"
-                                      for n in (2048, 3072)}}
-    assert cc.pilot_recipe("pilot3072L4") == "3072L4" and cc.pilot_recipe("pilot1024") == ""
+    batch = ("model.max_seq_len=16384, data.seq_len=16384, train.batch_size=4, train.accumulate_grad_batches=2, "
+             "train.val_every=48, train.log_every=8")
+    assert cc.pilot_recipes("research") == {"": "the grid's settings",
+                                            **{f"{n}L4": f"{batch}, {n} steps" for n in (2048, 3072)}}
+    assert cc.pilot_recipe("pilot3072L4") == "3072L4" and cc.pilot_recipe("pilot4096") == ""
     with pytest.raises(ValueError, match="'short' is not a pilot arm"):
         cc.pilot_recipe("short")
     assert cc.pilot_eval_settings("research")["passkey"]["lengths"] == [1024]

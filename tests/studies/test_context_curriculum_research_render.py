@@ -26,12 +26,13 @@ from tests.train.mlflow_fixtures import mlflow_template_db, tracking_uri  # noqa
 
 P = cc.plan("research")
 LONGEST = P.lengths[-1]
+TPS = cc.retrieval_budget("research")["direct"]["stages"][0]["tokens_per_step"]  # every arm's tokens per step
 # final validation loss per (schedule, seed): curriculum below direct by 0.05, 0.04, 0.07
 VAL = {"curriculum": (3.10, 3.12, 3.09), "direct": (3.15, 3.16, 3.16), "short": (3.30, 3.28, 3.31)}
 # effective context per (schedule, seed): passkey >= 0.9 up to this length, below after
 EFFECTIVE = {"curriculum": (16384, 16384, 32768), "direct": (8192, 16384, 8192), "short": (1024, 2048, 1024),
-             "pilot1024": (1024,), "pilot2048L4": (1024,), "pilot3072L4": (1024,)}
-STEP_S = {1024: 0.50, 4096: 0.52, 16384: 0.60}  # seconds per optimizer step at each training length
+             "pilot4096": (1024,), "pilot2048L4": (1024,), "pilot3072L4": (1024,)}
+STEP_S = {1024: 0.25, 4096: 0.26, 8192: 0.30}  # seconds per optimizer step at each training length
 OVERHEAD_S = 40.0  # start, compilation, validation and evaluation of a run
 
 
@@ -67,6 +68,11 @@ def _report(task: str, arm: str, seed: int, settings: dict[str, Any], cfg: Any) 
             **make(arm, seed, settings)}
 
 
+def _tps(cfg: Any) -> int:
+    """A run's tokens per optimizer step (the pilot variants keep the earlier recipe's 131,072)."""
+    return cfg.train.batch_size * cfg.data.seq_len * cfg.train.accumulate_grad_batches
+
+
 def _stages(cfg: Any) -> list[tuple[int, int]]:
     """``[(seq_len, steps)]`` of a run's curriculum."""
     return [(s.seq_len, s.steps) for s in cfg.data.curriculum]
@@ -78,10 +84,10 @@ def _train_perf(cfg: Any, seed: int) -> dict[str, Any]:
     per_step = [STEP_S[n] * (1 + 0.01 * seed) for n, k in _stages(cfg) for _ in range(k)]
     for end in range(every, cfg.train.max_steps + 1, every):
         t = float(np.mean(per_step[end - every:end]))
-        ends.append([end, 131072 / t, t])
+        ends.append([end, _tps(cfg) / t, t])
         edge = end
     assert edge == cfg.train.max_steps - cfg.train.max_steps % every
-    return {"log_every": every, "tokens_per_step": 131072, "windows": ends, "peak_mem_gb": 60.0}
+    return {"log_every": every, "tokens_per_step": _tps(cfg), "windows": ends, "peak_mem_gb": 60.0}
 
 
 def _fake_train(study, arm, seed, cfg, run_dir, fingerprint, code, record, evaluate=None, checkpoints="", monitor=None):
@@ -96,7 +102,7 @@ def _fake_train(study, arm, seed, cfg, run_dir, fingerprint, code, record, evalu
     evals["train_perf"] = _train_perf(cfg, seed)
     train_s = sum(STEP_S[n] * k for n, k in _stages(cfg)) * (1 + 0.01 * seed)
     wall = round(train_s + OVERHEAD_S, 1)
-    tokens = steps * 131072
+    tokens = steps * _tps(cfg)
     # a monitored pilot's learning curve: passkey at the short length rising linearly to 0.95 at half its steps
     trajectory = None if monitor is None else [
         {"step": s, "passkey": round(min(0.95, 0.95 * s / (steps / 2)), 4), "passkey_nll": 7.0 - 6.0 * s / steps,
@@ -107,7 +113,7 @@ def _fake_train(study, arm, seed, cfg, run_dir, fingerprint, code, record, evalu
         epochs=tokens / 22_600_000, train_val_gap=0.05, fingerprint=fingerprint, evals=evals,
         summary={"status": "finished", "steps": steps, "B": cfg.train.batch_size, "T": cfg.data.seq_len,
                  "best_val_loss": val, "final_val_loss": val, "final_train_loss": val - 0.05, "wall_s": wall,
-                 "tok_per_s": 131072 / STEP_S[_stages(cfg)[-1][0]], "peak_mem_gb": 60.0, "run_id": None},
+                 "tok_per_s": _tps(cfg) / STEP_S[_stages(cfg)[-1][0]], "peak_mem_gb": 60.0, "run_id": None},
         timing={"started": "2026-12-05T00:00:00+00:00", "ended": "2026-12-05T00:05:00+00:00", "wall_s": wall,
                 "gpus": 1, "gpu_minutes": round(wall / 60, 3), "resumed": False},
         machine={"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0"}, code=dict(code),
@@ -174,7 +180,7 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     pilot = [d for d in summary["pilot"] if d["source"] == "pilot" and d["recipe"] == ""]
     every, (steps,) = P.pilot_monitor_every, P.pilot_steps
     assert [d["steps"] for d in pilot] == [*range(every, steps, every), steps]
-    assert pilot[0]["tokens"] == every * 131072
+    assert pilot[0]["tokens"] == every * TPS
     assert pilot[0]["passkey"] == pytest.approx(0.95 * every / (steps / 2), abs=1e-4)
     variants = {n: [d for d in summary["pilot"] if d["recipe"] == f"{n}L4"] for n in (2048, 3072)}  # a curve each
     for n, variant in variants.items():
@@ -186,24 +192,26 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     # the stages' step times come from the records (no MLflow perf metrics on this machine)
     perf = {(p["schedule"], p["seed"], p["stage"]): p for p in summary["stage_perf"]}
     assert perf[("curriculum", 0, 1)]["step_time_s"] == pytest.approx(STEP_S[4096])
-    assert perf[("direct", 2, 0)]["tok_per_s"] == pytest.approx(131072 / (STEP_S[16384] * 1.02))
+    assert perf[("direct", 2, 0)]["tok_per_s"] == pytest.approx(TPS / (STEP_S[LONGEST] * 1.02))
     rows = {(r["schedule"], r["seed"]): r for r in summary["rows"]}
     assert rows[("short", 0)]["train_clock"] == "steady"
-    assert rows[("direct", 0)]["train_s"] == pytest.approx(P.steps * STEP_S[16384])
+    assert rows[("direct", 0)]["train_s"] == pytest.approx(P.steps * STEP_S[LONGEST])
     # held-out loss past the longest training length: every bin there carries the schedule's offset
     off = {(a, s): {"curriculum": 0.01, "direct": 0.05 + 0.01 * s, "short": 0.3}[a] * (1 + s) for a, s in walls}
     d = [off[("curriculum", s)] - off[("direct", s)] for s in P.seeds]  # -0.04, -0.10, -0.18
     half = stats.t.ppf(0.975, 2) * np.std(d, ddof=1) / math.sqrt(3)
-    (beyond,) = [c for c in summary["compared"] if c["question"].startswith("Held-out loss past 16,384 tokens")]
+    (beyond,) = [c for c in summary["compared"] if c["question"].startswith(f"Held-out loss past {LONGEST:,} tokens")]
     iv = beyond["interval"]
     assert (iv["mean"], iv["low"], iv["high"]) == pytest.approx((np.mean(d), np.mean(d) - half, np.mean(d) + half))
     assert summary["headline"] == summary["verdicts"][0] and len(summary["verdicts"]) == 6
     assert summary["headline"].startswith("Is passkey retrieval learnable at this size")
-    # the first budget whose mean (the pilot's point and, at 50.3M, the grid's short runs) reaches 0.9: 512 steps
-    assert "yes: first at 67.1M tokens (passkey by budget: 8.4M tokens: 0.12; 33.6M tokens: 0.47; " in \
-        summary["headline"]
-    assert ("pilot variant 2048L4 (model.n_layers=4, train.lr=0.003, train.warmup_steps=100, 2048 steps): learned, "
-            "first at 134.2M") in summary["headline"]
+    # the first budget whose mean reaches 0.9: the first monitored point past 0.9 / 0.95 of half the steps
+    first = math.ceil(0.9 / 0.95 * steps / 2 / every) * every
+    assert (f"yes: first at {first * TPS / 1e6:.1f}M tokens (passkey by budget: {every * TPS / 1e6:.1f}M tokens: "
+            f"{0.95 * every / (steps / 2):.2f}; ") in summary["headline"]
+    assert ("pilot variant 2048L4 (model.max_seq_len=16384, data.seq_len=16384, train.batch_size=4, "
+            "train.accumulate_grad_batches=2, train.val_every=48, train.log_every=8, 2048 steps): learned, first at "
+            "134.2M") in summary["headline"]  # 1024 steps of 131,072 tokens
     assert summary["compared"][5]["question"] == "Validation loss at equal tokens, curriculum minus direct"
     assert summary["compared"][5]["status"] == "better"
     for name in ("training_loss", "passkey_heatmaps", "pilot", "retrieval_by_length", "loss_by_position", "cost",
