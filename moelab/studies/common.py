@@ -811,6 +811,8 @@ def _probe(arm: str, seed: int, cfg: Any, root: Path, steps: int, echo: Callable
 
     t = cfg.train
     full = {"max_steps": t.max_steps, "val_every": t.val_every}
+    if cfg.data.curriculum:  # the stages scaled into the probe, each its share of the steps
+        _scale_curriculum(cfg, steps)
     t.max_steps, t.val_every, t.log_every = steps, steps, max(1, steps // 5)
     t.warmup_steps = min(t.warmup_steps, steps // 2)
     t.balancer_start_step = min(t.balancer_start_step, steps // 2)
@@ -844,6 +846,27 @@ def _probe(arm: str, seed: int, cfg: Any, root: Path, steps: int, echo: Callable
              f"its {full['max_steps']:,} steps ~{row['projected_train_min']:.1f} min of training, plus "
              f"{row['full_validations']} validations and its evaluation", echo)
     return row
+
+
+def _scale_curriculum(cfg: Any, steps: int) -> None:
+    """Set ``cfg.data.curriculum`` to the same stages over ``steps`` optimizer steps: each stage (its steps or tokens
+    resolved) keeps its share, at least one step, the last open-ended (it runs until ``steps``). A probe of a
+    curriculum times its stages in that proportion; its median step time then stands for the run's mix of lengths."""
+    from moelab.data.curriculum import plan as stage_plan
+
+    t, stages = cfg.train, cfg.data.curriculum
+    resolved = stage_plan(stages, t.batch_size, cfg.data.seq_len, t.accumulate_grad_batches, t.max_steps)
+    if steps < len(stages):
+        raise ValueError(f"probe steps={steps} is not allowed for a curriculum of {len(stages)} stages: expected >= "
+                         f"{len(stages)}, one per stage")
+    start = 0
+    for i, (stage, r) in enumerate(zip(stages, resolved)):
+        stage.tokens = 0
+        if i == len(stages) - 1:
+            stage.steps = 0  # open-ended: what is left of the probe
+        else:
+            stage.steps = max(1, min(round(r.steps * steps / t.max_steps), steps - start - (len(stages) - 1 - i)))
+            start += stage.steps
 
 
 def gpu_share() -> int:

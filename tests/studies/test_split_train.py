@@ -388,3 +388,21 @@ def test_a_signal_after_every_process_finished_stops_nothing(tmp_path, monkeypat
     assert out.name == "07_done"
     assert any("SIGTERM came after every process of the split call had finished: nothing was stopped" in x
                for x in lines), lines
+
+
+def test_a_probe_of_a_curriculum_scales_its_stages() -> None:
+    """A probe of a curriculum run (study 4's) trains each stage its share of the probe's steps, the last stage
+    open-ended, so that the config still validates at the probe's ``max_steps``; too few steps for the stages raise."""
+    from moelab.data.curriculum import plan as stage_plan
+    from moelab.studies import context_curriculum as cc
+
+    p = cc.plan("cpu")
+    for steps, want in ((10, [(256, 5), (1024, 3), (2048, 2)]), (3, [(256, 1), (1024, 1), (2048, 1)])):
+        cfg = common.resolve_arms(p.base, {"curriculum": cc.arms("cpu")["curriculum"]}, p.common)["curriculum"]
+        assert [(s.seq_len, s.steps) for s in cfg.data.curriculum] == [(256, 40), (1024, 24), (2048, 16)]
+        common._scale_curriculum(cfg, steps)
+        t = cfg.train
+        stages = stage_plan(cfg.data.curriculum, t.batch_size, cfg.data.seq_len, t.accumulate_grad_batches, steps)
+        assert [(s.seq_len, s.steps) for s in stages] == want
+    with pytest.raises(ValueError, match="probe steps=2 is not allowed for a curriculum of 3 stages"):
+        common._scale_curriculum(cfg, 2)
