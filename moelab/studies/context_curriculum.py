@@ -430,9 +430,6 @@ def pilot_finding(pilot: Sequence[Mapping[str, Any]], length: int,
     learning rate learns retrieval, not whether the grid's runs did."""
     q = f"Is passkey retrieval learnable at this size (short arm, accuracy >= {PILOT_PASSKEY} at {length:,} tokens)"
     own = [d for d in pilot if not d.get("recipe")]
-    if not own:
-        return report.not_tested(q, "no pilot run recorded")
-    curve, reached, last = _pilot_curve(own)
     others = []
     for recipe in sorted({d["recipe"] for d in pilot if d.get("recipe")}):
         rows = [d for d in pilot if d.get("recipe") == recipe]
@@ -443,6 +440,9 @@ def pilot_finding(pilot: Sequence[Mapping[str, Any]], length: int,
                          f"not learned within {max(int(d['tokens']) for d in rows) / 1e6:.1f}M tokens")
                       + f" (passkey by budget {text})")
     tail = "".join(f". {o}" for o in others)
+    if not own:
+        return report.not_tested(q, f"no pilot run of the grid's recipe recorded{tail}")
+    curve, reached, last = _pilot_curve(own)
     iv = report.mean_interval(last) if len(last) > 1 else None
     if reached:
         return report.measured(q, iv, answer=f"yes: first at {reached[0] / 1e6:.1f}M tokens (passkey by budget: "

@@ -164,7 +164,10 @@ def test_pilot_variants_are_reported_apart_from_the_grids_recipe() -> None:
     assert "pilot variant L4 (model.n_layers=4, train.lr=0.003): learned, first at 25.2M tokens" in f.reason
     g = cc.pilot_finding(own + [{**d, "passkey": 0.0} for d in var], 1024, recipes)
     assert "pilot variant L4 (model.n_layers=4, train.lr=0.003): not learned within 67.1M tokens" in g.reason
-    assert cc.pilot_finding(var, 1024, recipes).reason == "no pilot run recorded"
+    h = cc.pilot_finding(var, 1024, recipes)  # variants only: not tested, their curves still told
+    assert h.status == "not tested" and h.reason.startswith("no pilot run of the grid's recipe recorded. pilot "
+                                                            "variant L4 (model.n_layers=4, train.lr=0.003): learned")
+    assert cc.pilot_finding([], 1024, recipes).reason == "no pilot run of the grid's recipe recorded"
     fig = cc.pilot_figure(own + var, 1024, {"passkey": 0.0, "mqar": 0.0})
     labels = [line.get_label() for line in fig.axes[0].get_lines()]
     assert labels[:2] == ["pilot", "pilot L4"]
