@@ -37,7 +37,8 @@
 
 # %% tags=["parameters"]
 preset = "cpu"  # "cpu": minutes on 2 cores (all-MLA, width 64, 256 -> 2048); "gpu": gpu-small, 1K -> 16K, one H200;
-# "research": gpu-small, 131K tokens per step in every arm, 25% retrieval per step, pilot first (split calls, RUNS=)
+# "research": gpu-small at 4 layers, 1K -> 8K, 65,536 tokens per step in every arm, 25% retrieval per step, pilot
+# first (split calls, RUNS=)
 out_dir = "."
 from_results = False  # True: render from the committed results/ and summary.json instead of training again
 
