@@ -342,8 +342,7 @@ def pilot_recipe(arm: str) -> str:
 
 def pilot_recipes(preset: str) -> dict[str, str]:
     """``{recipe: description}``: ``""`` the preset's settings (the grid's), each pilot variant's steps and suffix
-    its overrides and length (``"2048L4"`` -> ``"model.n_layers=4, train.lr=0.003, train.warmup_steps=100, 2048
-    steps"``)."""
+    its overrides and length (``"2048L4"`` -> ``"model.max_seq_len=16384, ..., train.log_every=8, 2048 steps"``)."""
     p = plan(preset)
     out = {"": "the grid's settings"}
     for suffix, n, overrides in p.pilot_variants:
@@ -361,8 +360,8 @@ def pilot_rows(pilot_grids: Sequence[common.Grid], rows: Sequence[Mapping[str, A
     (``source`` ``pilot``), one per point of a monitored pilot run's trajectory before its last step (``source``
     ``pilot``, ``steps`` the point's; the last step is the run's final evaluation, the same measurement) and one per
     run of the grid's short schedule (``short``, the full budget); ``passkey_nll``: the passkey answer's mean NLL per
-    key token there (None where the record has none); ``recipe``: the pilot variant's suffix (``""``: the preset's
-    model and training settings, which the grid trains; see :func:`pilot_recipes`)."""
+    key token there (None where the record has none); ``recipe``: :func:`pilot_recipe` of the run (``""``: the
+    preset's model and training settings, which the grid trains; a variant's steps and suffix otherwise)."""
     L = plan(preset).lengths[0]
     out = []
     for g in pilot_grids:
@@ -1293,11 +1292,11 @@ def pilot_figure(pilot: Sequence[Mapping[str, Any]], length: int, chance: Mappin
     axes = fig.subplots(1, 3)
     panels = ((axes[0], "passkey", "passkey accuracy"), (axes[1], "mqar", "MQAR accuracy"),
               (axes[2], "passkey_nll", "passkey answer NLL (nats per key token)"))
+    variants = sorted({d.get("recipe") or "" for d in pilot if d["source"] == "pilot"} - {""})
+    series = [("pilot", "", "tab:blue", "pilot"), ("short", "", "tab:green", "grid's short runs"),
+              *(("pilot", v, color, f"pilot {v}") for v, color in
+                zip(variants, ("tab:orange", "tab:purple", "tab:brown", "tab:pink")))]
     for ax, key, title in panels:
-        variants = sorted({d.get("recipe") or "" for d in pilot if d["source"] == "pilot"} - {""})
-        series = [("pilot", "", "tab:blue", "pilot"), ("short", "", "tab:green", "grid's short runs"),
-                  *(("pilot", v, color, f"pilot {v}") for v, color in
-                    zip(variants, ("tab:orange", "tab:purple", "tab:brown", "tab:pink")))]
         for source, recipe, color, label in series:
             pts = sorted((d["tokens"] / 1e6, d[key]) for d in pilot if d["source"] == source
                          and (d.get("recipe") or "") == recipe and d.get(key) is not None)

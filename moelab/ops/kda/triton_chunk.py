@@ -201,9 +201,10 @@ class _Launcher:
 
     def __call__(self, grid, *args, **kwargs):
         size, warps, stages = self.config(kwargs["K"], kwargs["V"])
-        dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor)), None)
-        key = (self.name, size, warps, stages, kwargs["K"], kwargs["V"], dtype)
-        stages = FITTED_STAGES.get(key, stages)
+        key = None
+        if FITTED_STAGES:  # the key only where some launch did not fit: no extra host work per launch otherwise
+            key = self._fit_key(size, warps, stages, args, kwargs)
+            stages = FITTED_STAGES.get(key, stages)
         grid = grid(size) if callable(grid) else grid
         block = {self.block: size} if self.block is not None else {}
         cap = {"maxnreg": MAXNREG[self.name]} if self.name in MAXNREG and not _interpret() else {}
@@ -213,8 +214,14 @@ class _Launcher:
             except OutOfResources as e:  # raised when the compiled kernel is loaded, before it runs
                 if stages <= 1 or "shared memory" not in str(e):
                     raise
+                key = key or self._fit_key(size, warps, stages, args, kwargs)
                 stages -= 1
                 FITTED_STAGES[key] = stages
+
+    def _fit_key(self, size: int, warps: int, stages: int, args: tuple, kwargs: dict) -> tuple:
+        """The :data:`FITTED_STAGES` key of a launch: kernel, launch asked, head dims and the inputs' dtype."""
+        dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor)), None)
+        return (self.name, size, warps, stages, kwargs["K"], kwargs["V"], dtype)
 
 
 _state = _Launcher("state", _kda_fwd_state, "BV")
