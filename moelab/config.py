@@ -43,8 +43,10 @@ from moelab.utils import flatten_dict
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 
 Precision = Literal["auto", "bf16-mixed", "32-true"]
-Compile = Literal["none", "default", "graphs"]
+Compile = Literal["none", "default", "graphs", "compiled_graphs"]
 COMPILE_MODES: tuple[str, ...] = typing.get_args(Compile)
+# the modes that run the whole step as one CUDA graph (moelab.train.module.CapturedStep)
+CAPTURED_MODES: tuple[str, ...] = ("graphs", "compiled_graphs")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true")
 
@@ -79,7 +81,9 @@ class TrainConfig:
     accumulate_grad_batches: int = 1
     # none: eager; default: torch.compile of the model (dynamo + inductor; the fused Triton ops run eagerly
     # between the compiled pieces); graphs: the whole step (forward, backward, balancer, clipping, AdamW) as one
-    # CUDA graph (one CUDA device, one micro-batch per step, fixed shapes). moelab.train.module applies it.
+    # CUDA graph (one CUDA device, one micro-batch per step, fixed shapes); compiled_graphs: both, the compiled
+    # model inside the captured step (inductor's fused kernels without their launch cost). moelab.train.module
+    # applies it.
     compile: Compile = "none"
     # Optimizer steps trained with the MoE balancer off before it switches on (a warm start): during the first
     # balancer_start_step steps the router bias stays zero (the update's result is discarded, its loads still
@@ -110,9 +114,9 @@ class TrainConfig:
         _one_of("train.compile", self.compile, COMPILE_MODES)
         _check(0 <= self.balancer_start_step < self.max_steps, "train.balancer_start_step", self.balancer_start_step,
                f"an integer in 0..max_steps - 1 ({self.max_steps - 1}): the balancer must act on at least one step")
-        if self.compile == "graphs":
+        if self.compile in CAPTURED_MODES:
             _check(self.accumulate_grad_batches == 1, "train.accumulate_grad_batches", self.accumulate_grad_batches,
-                   "1 with train.compile='graphs' (one captured step per optimizer step)")
+                   f"1 with train.compile={self.compile!r} (one captured step per optimizer step)")
         return self
 
 
@@ -163,10 +167,10 @@ class RunConfig:
         for i, stage in enumerate(self.data.curriculum):
             _check(stage.seq_len <= self.model.max_seq_len, f"data.curriculum[{i}].seq_len", stage.seq_len,
                    f"<= model.max_seq_len ({self.model.max_seq_len})")
-        if self.data.curriculum and self.train.compile == "graphs":
-            raise ConfigError("train.compile='graphs' is not allowed with data.curriculum: a captured step replays one "
-                              "batch shape, and packed documents count their documents on the host (a sync); use "
-                              "train.compile='default' or 'none'")
+        if self.data.curriculum and self.train.compile in CAPTURED_MODES:
+            raise ConfigError(f"train.compile={self.train.compile!r} is not allowed with data.curriculum: a captured "
+                              "step replays one batch shape, and packed documents count their documents on the host "
+                              "(a sync); use train.compile='default' or 'none'")
         if self.data.curriculum:
             plan(self.data.curriculum, self.train.batch_size, self.data.seq_len, self.train.accumulate_grad_batches,
                  self.train.max_steps)

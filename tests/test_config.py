@@ -83,7 +83,7 @@ def test_int_given_for_float_is_accepted_as_float() -> None:
     ({"bogus": 1}, ["bogus", "unknown key"]),
     ({"train.max_steps": "ten"}, ["train.max_steps='ten'", "expected an integer"]),
     ({"train.max_steps": 1.5}, ["train.max_steps=1.5", "expected an integer"]),
-    ({"train.compile": True}, ["train.compile=True", "'none', 'default', 'graphs'"]),
+    ({"train.compile": True}, ["train.compile=True", "'none', 'default', 'graphs', 'compiled_graphs'"]),
     ({"train.betas": [0.9]}, ["train.betas=[0.9]", "a list of 2 values"]),
     ({"model.kda.gate": "relu"}, ["model.kda.gate='relu'", "'bounded', 'softplus'"]),
     ({"train.precision": "16"}, ["train.precision='16'", "'auto', 'bf16-mixed', '32-true'"]),

@@ -19,7 +19,7 @@ import lightning as L
 import torch
 
 from moelab.base import ConfigError
-from moelab.config import COMPILE_MODES, RunConfig, to_dict
+from moelab.config import CAPTURED_MODES, COMPILE_MODES, RunConfig, to_dict
 from moelab.model import MoELab
 from moelab.model.balance import BalanceStep
 from moelab.train.balancer import BalancerCallback
@@ -40,16 +40,18 @@ def compile_model(model: torch.nn.Module, mode: str, device: torch.device, backe
     ``RECOMPILE_LIMIT + 2 x layers`` times raises (``fail_on_recompile_limit_hit``; dynamo's warning above the
     error names the frame and the guard that failed) instead of running on eagerly without a word.
     ``graphs``: the model stays as it is (:class:`LitMoELab` captures the whole step: :class:`CapturedStep`);
-    only the device is checked. Raises ConfigError for an unknown mode or ``graphs`` without CUDA.
+    only the device is checked. ``compiled_graphs``: compiled as ``default``, and the step captured as ``graphs``
+    (inductor's fused kernels, the launches of every piece replayed from one graph). Raises ConfigError for an
+    unknown mode or a captured mode without CUDA.
     ``backend``: torch.compile's (tests pass ``"eager"`` to trace without generating code).
     """
     if mode not in COMPILE_MODES:
         raise ConfigError(f"train.compile={mode!r} is not allowed: expected one of "
                           f"{', '.join(map(repr, COMPILE_MODES))}")
-    if mode == "graphs" and device.type != "cuda":
-        raise ConfigError(f"train.compile='graphs' needs a CUDA device (CUDA graphs); this run trains on "
+    if mode in CAPTURED_MODES and device.type != "cuda":
+        raise ConfigError(f"train.compile={mode!r} needs a CUDA device (CUDA graphs); this run trains on "
                           f"{device.type}: use train.compile='default' or 'none'")
-    if mode != "default":
+    if mode not in ("default", "compiled_graphs"):
         return
     layers = getattr(model, "layers", ())
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
@@ -145,15 +147,21 @@ class CapturedStep:
     graph (AdamW with ``capturable=True`` or ``fused=True``, a tensor ``lr`` to change the rate between
     replays); autocast with ``cache_enabled=False`` inside ``step``
     (a cast cached outside the graph would be captured as a stale constant).
+
+    ``check_syncs=False`` (a step around a ``torch.compile``'d model, ``train.compile='compiled_graphs'``): the last
+    warm-up step runs without ``HostSyncs`` (a torch-function mode changes what dynamo traces: it would recompile
+    the model for that one step, and inductor's kernels do not pass through it anyway); a sync then surfaces as
+    the CUDA error of the capture, raised as :class:`CaptureError`.
     """
 
-    def __init__(self, step: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], warmup: int = 3) -> None:
+    def __init__(self, step: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], warmup: int = 3,
+                 check_syncs: bool = True) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("CapturedStep needs a CUDA device (CUDA graphs)")
         if warmup < 1:
             raise ValueError(f"CapturedStep: warmup={warmup} is not allowed: expected >= 1 eager step before the "
                              f"capture (caches, optimizer state, the host-sync check)")
-        self.step, self.warmup = step, warmup
+        self.step, self.warmup, self.check_syncs = step, warmup, check_syncs
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static: dict[str, torch.Tensor] | None = None
@@ -179,7 +187,8 @@ class CapturedStep:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             # The last warm-up step (the first ones fill caches, which may read values once) must not sync.
-            seen = HostSyncs(devices=("cuda",)) if self.calls == self.warmup else contextlib.nullcontext(None)
+            last = self.calls == self.warmup and self.check_syncs
+            seen = HostSyncs(devices=("cuda",)) if last else contextlib.nullcontext(None)
             with torch.cuda.stream(side), seen:
                 out = self.step(self.static)
             torch.cuda.current_stream().wait_stream(side)
@@ -233,7 +242,7 @@ class LitMoELab(L.LightningModule):
         self.cfg = cfg
         self.model = MoELab(cfg.model)
         self._compiled = False  # train.compile is applied in setup(), once the device is known
-        self.automatic_optimization = cfg.train.compile != "graphs"
+        self.automatic_optimization = cfg.train.compile not in CAPTURED_MODES
         self._captured: CapturedStep | None = None
         self.step_scalars: dict[str, torch.Tensor | HostScalar] = {}
         self.mlflow_run_id: str | None = None  # stored in checkpoints so a resumed run can link back
@@ -241,8 +250,8 @@ class LitMoELab(L.LightningModule):
     def setup(self, stage: str) -> None:
         if not self._compiled:
             compile_model(self.model, self.cfg.train.compile, self.trainer.strategy.root_device)
-            if self.cfg.train.compile == "graphs" and self.trainer.world_size > 1:
-                raise ConfigError(f"train.compile='graphs' runs on one device; this run has "
+            if self.cfg.train.compile in CAPTURED_MODES and self.trainer.world_size > 1:
+                raise ConfigError(f"train.compile={self.cfg.train.compile!r} runs on one device; this run has "
                                   f"{self.trainer.world_size} ranks: use train.compile='default' or 'none'")
             self._compiled = True
 
@@ -286,14 +295,14 @@ class LitMoELab(L.LightningModule):
         return loss
 
     def _captured_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """train.compile='graphs': one optimizer step as a CUDA graph replay (the first steps eager, then the
-        capture: :class:`CapturedStep`), then what Lightning's automatic loop would have done around it."""
+        """train.compile='graphs' or 'compiled_graphs': one optimizer step as a CUDA graph replay (the first steps
+        eager, then the capture: :class:`CapturedStep`), then what Lightning's automatic loop did around it."""
         if self._captured is None:
             optimizer = self.optimizers().optimizer
             dtype = torch.bfloat16 if str(self.trainer.precision).startswith("bf16") else None
             self._train_step = train_step_fn(self.model, optimizer, self.cfg.train.grad_clip, dtype,
                                              self.cfg.train.balancer_start_step, self.global_step)
-            self._captured = CapturedStep(self._train_step)
+            self._captured = CapturedStep(self._train_step, check_syncs=self.cfg.train.compile == "graphs")
         out = self._captured({"input_ids": batch["input_ids"], "targets": batch["targets"]})
         self.step_scalars = {"train/loss": out["loss"], "train/ce": out["ce"], "train/aux_loss": out["aux_loss"],
                              "train/grad_norm": out["grad_norm"]}

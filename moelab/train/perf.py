@@ -166,7 +166,7 @@ def _moelab_frame() -> str:
 
 ANCHOR_PEAK = 792e12  # measured bf16 8192^3 matmul on the H200: the "all parameters" MFU convention's peak
 DATASHEET_PEAK = 989e12  # H200 dense bf16: the "activated parameters" (model FLOPs) convention's peak
-CAPTURE_MODES = ("eager", "default", "graphs")  # train.compile's none, default, graphs
+CAPTURE_MODES = ("eager", "default", "graphs", "compiled_graphs")  # train.compile: none is eager
 
 
 def _median(xs: list[float]) -> float:
@@ -217,8 +217,8 @@ class TimedStep:
         opt = torch.optim.AdamW(self.model.parameters(), lr=torch.tensor(lr, device=dev) if cuda else lr,
                                 fused=cuda or None, capturable=cuda, betas=self.cfg.train.betas, weight_decay=0.0)
         step = train_step_fn(self.model, opt, self.cfg.train.grad_clip, torch.bfloat16 if cuda else None)
-        if mode == "graphs":
-            step = CapturedStep(step, warmup=warm - 1)
+        if mode in ("graphs", "compiled_graphs"):
+            step = CapturedStep(step, warmup=warm - 1, check_syncs=mode == "graphs")
         self.step = step
         for _ in range(warm):  # untimed: compilation, autotuning, the capture (graphs: the last of them)
             self.run()
@@ -342,8 +342,8 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
     """Training steps per second of each preset in each ``train.compile`` mode on one GPU, in one process.
 
     Modes as ``train.compile`` runs them: ``eager`` (none), ``default`` (torch.compile of the model:
-    ``moelab.train.module.compile_model``) and ``graphs`` (the whole step as one CUDA graph:
-    ``CapturedStep``). Every mode trains its own copy of
+    ``moelab.train.module.compile_model``), ``graphs`` (the whole step as one CUDA graph: ``CapturedStep``) and
+    ``compiled_graphs`` (both). Every mode trains its own copy of
     the same initial model (seed 0) on the same ``steps`` batches of random ids (B, T of the preset, bf16
     autocast, fused capturable AdamW at a constant lr 3e-4, clipping as the preset): ``warm`` untimed steps
     (compilation, capture), then interleaved rounds of ``window`` timed steps plus one host-timed step per mode.

@@ -64,7 +64,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from moelab.base import ConfigError
-from moelab.config import RunConfig, flatten, from_dict, resume_changes, to_yaml
+from moelab.config import CAPTURED_MODES, RunConfig, flatten, from_dict, resume_changes, to_yaml
 from moelab.data import prepare
 from moelab.data.datamodule import TextDataModule
 from moelab.model.accounting import flops_per_token, param_counts
@@ -615,7 +615,7 @@ def _train(cfg: RunConfig, run: Run | None, resumed: Resumed | None, module: Lit
         devices=t.devices,
         strategy=t.strategy,
         precision=resolve_precision(cfg),
-        gradient_clip_val=(t.grad_clip or None) if t.compile != "graphs" else None,  # graphs: the step clips
+        gradient_clip_val=(t.grad_clip or None) if t.compile not in CAPTURED_MODES else None,  # captured: step clips
         gradient_clip_algorithm="norm",
         accumulate_grad_batches=t.accumulate_grad_batches,
         # Validation every val_every optimizer steps, counted across the (single, long) epoch.

@@ -1,4 +1,4 @@
-"""``train.compile``: none | default | graphs (``moelab.train.module``).
+"""``train.compile``: none | default | graphs | compiled_graphs (``moelab.train.module``).
 
 ``default`` (``model.compile()``): dynamo traces the model with graph breaks at the parts that run
 eagerly (the fused KDA op, the grouped-GEMM experts) and computes the same loss and gradients as the
@@ -75,21 +75,31 @@ def test_compile_modes() -> None:
     assert model._compiled_call_impl is None
     compile_model(model, "graphs", torch.device("cuda"))
     assert model._compiled_call_impl is None
+    with pytest.raises(ConfigError, match=r"train.compile='compiled_graphs' needs a CUDA device .* trains on cpu"):
+        compile_model(model, "compiled_graphs", torch.device("cpu"))
+    assert model._compiled_call_impl is None
     compile_model(model, "default", torch.device("cpu"), backend="eager")
     assert model._compiled_call_impl is not None
     assert torch._dynamo.config.fail_on_recompile_limit_hit
+    both = MoELab(load_config("tiny", {}).model)  # compiled_graphs compiles the model too (and captures the step)
+    compile_model(both, "compiled_graphs", torch.device("cuda"), backend="eager")
+    assert both._compiled_call_impl is not None
     with pytest.raises(ConfigError, match=r"train.compile='fast' is not allowed: expected one of 'none', "
-                                          r"'default', 'graphs'"):
+                                          r"'default', 'graphs', 'compiled_graphs'"):
         compile_model(model, "fast", torch.device("cpu"))
     with pytest.raises(ConfigError, match=r"train.compile=True is not allowed: expected one of 'none', "
-                                          r"'default', 'graphs'"):
+                                          r"'default', 'graphs', 'compiled_graphs'"):
         load_config("tiny", {"train.compile": True})
     with pytest.raises(ConfigError, match=r"train.accumulate_grad_batches=2 is not allowed: expected 1 with "
                                           r"train.compile='graphs'"):
         load_config("tiny", {"train.compile": "graphs", "train.accumulate_grad_batches": 2})
     stages = [{"seq_len": 16, "steps": 5}, {"seq_len": 32, "steps": 15}]
-    with pytest.raises(ConfigError, match=r"train.compile='graphs' is not allowed with data.curriculum"):
-        load_config("tiny", {"train.compile": "graphs", "data.curriculum": stages})
+    for mode in ("graphs", "compiled_graphs"):
+        with pytest.raises(ConfigError, match=rf"train.compile='{mode}' is not allowed with data.curriculum"):
+            load_config("tiny", {"train.compile": mode, "data.curriculum": stages})
+    with pytest.raises(ConfigError, match=r"train.accumulate_grad_batches=4 is not allowed: expected 1 with "
+                                          r"train.compile='compiled_graphs'"):
+        load_config("tiny", {"train.compile": "compiled_graphs", "train.accumulate_grad_batches": 4})
 
 
 def test_per_depth_specializations_fit_but_a_recompile_loop_raises() -> None:
@@ -266,8 +276,8 @@ def test_perf_set_overrides() -> None:
 class _EagerStep:
     """CapturedStep's interface with the capture left out (the CPU has no CUDA graphs): the same step and copies."""
 
-    def __init__(self, step, warmup: int = 3) -> None:
-        self.step = step
+    def __init__(self, step, warmup: int = 3, check_syncs: bool = True) -> None:
+        self.step, self.check_syncs = step, check_syncs
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.step(batch).items()}
@@ -280,7 +290,7 @@ def fit(mode: str, steps: int = 6, device: str = "cpu") -> tuple[LitMoELab, L.Tr
     trainer = L.Trainer(max_steps=steps, accelerator="cpu" if device == "cpu" else "gpu", devices=1,
                         precision="32-true" if device == "cpu" else "bf16-mixed", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        gradient_clip_val=None if mode == "graphs" else lit.cfg.train.grad_clip,
+                        gradient_clip_val=None if mode in ("graphs", "compiled_graphs") else lit.cfg.train.grad_clip,
                         val_check_interval=3, check_val_every_n_epoch=None, limit_val_batches=1,
                         num_sanity_val_steps=0)
     loader = torch.utils.data.DataLoader(data, batch_size=None)
@@ -312,16 +322,30 @@ def test_graphs_wiring_trains_as_the_automatic_loop(monkeypatch) -> None:
     assert torch.equal(torch.stack(cb["graphs"].loads), torch.stack(cb["eager"].loads))
     assert cb["graphs"].timings == [] and len(cb["eager"].timings) == 6
     assert {"train/grad_norm", "balance/maxvio_batch"} <= graphs.step_scalars.keys()
+    assert graphs._captured.check_syncs  # graphs checks the last warm-up step for host syncs
+
+
+def test_compiled_graphs_wiring(monkeypatch) -> None:
+    """train.compile='compiled_graphs' compiles the model and captures the step (manual optimization, as graphs),
+    with the host-sync check left to the capture (a torch-function mode would recompile the compiled model)."""
+    modes: list[str] = []
+    monkeypatch.setattr("moelab.train.module.CapturedStep", _EagerStep)
+    monkeypatch.setattr("moelab.train.module.compile_model", lambda model, mode, *a, **k: modes.append(mode))
+    lit, trainer = fit("compiled_graphs", steps=2)
+    assert modes == ["compiled_graphs"] and not lit.automatic_optimization and trainer.global_step == 2
+    assert not lit._captured.check_syncs
 
 
 @pytest.mark.gpu
-def test_graphs_trains_as_the_automatic_loop_gpu() -> None:
+@pytest.mark.parametrize("mode", ["graphs", "compiled_graphs"])
+def test_graphs_trains_as_the_automatic_loop_gpu(mode: str) -> None:
     """The same on a GPU with the capture: 12 steps of train.compile='graphs' (3 eager, the capture, 8 replays)
-    against the automatic loop, bf16: the weights, the biases and the step numbers."""
+    against the automatic loop, bf16: the weights, the biases and the step numbers; compiled_graphs the same
+    with the model compiled inside the captured step."""
     from moelab.train.balancer import BalancerCallback
 
     eager, t_eager = fit("none", steps=12, device="cuda")
-    graphs, t_graphs = fit("graphs", steps=12, device="cuda")
+    graphs, t_graphs = fit(mode, steps=12, device="cuda")
     assert graphs._captured is not None and graphs._captured.graph is not None and t_graphs.global_step == 12
     # bf16 over 12 steps, fused capturable AdamW against the default one and routing that amplifies rounding: on
     # the H200 every parameter ended within 4.3e-2 of the eager run in relative norm (MoE weights the most), the
