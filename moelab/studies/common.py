@@ -79,6 +79,12 @@ GPU_SHARE_ENV = "MOELAB_GPU_SHARE"
 # "n": a split call probes its named runs instead of training them: n optimizer steps each in a scratch folder, no
 # record, no MLflow; one line per run with its step time and what the whole run would take (probe.json beside them)
 PROBE_ENV = "MOELAB_STUDY_PROBE"
+# A jobs call's probes (JSON ``{"dir", "job", "runs"}``, set by moelab.studies.runner for each process): each probe
+# waits for the others' after its first logging window, so the windows it is timed on run while the GPU is shared.
+# Without it a 48-step probe timed mostly alone (the other process still starting): 71 ms "shared", where two runs
+# of 4,096 steps trained together did not finish in 565 s (one alone: 346 s).
+PROBE_BARRIER_ENV = "MOELAB_PROBE_BARRIER"
+PROBE_BARRIER_S = 180.0  # the longest a probe waits for the others (a process that failed never arrives)
 # "1": this process's runs train untracked even where MLflow imports (a split call's jobs: k processes would write
 # one store at once, without the parent run they nest under); the final call logs them from their records
 SPLIT_UNTRACKED_ENV = "MOELAB_SPLIT_UNTRACKED"
@@ -801,6 +807,28 @@ class ProbeDone(GridIncomplete):
         self.rows = list(rows)
 
 
+_PROBE_ROUND = [0]  # this process's probes so far (a jobs call's barrier pairs the i-th probe of every process)
+
+
+def _probe_barrier(at: int) -> Any:
+    """This probe's ``moelab.train.callbacks.Rendezvous`` after ``at`` steps in a jobs call
+    (:data:`PROBE_BARRIER_ENV`), None otherwise: this process's i-th probe waits for the i-th of every process that
+    has one (``runs``: each process's count of runs; None, a shard: every process)."""
+    text = os.environ.get(PROBE_BARRIER_ENV, "").strip()
+    round_ = _PROBE_ROUND[0]
+    _PROBE_ROUND[0] += 1
+    if not text:
+        return None
+    spec = json.loads(text)
+    counts = spec.get("runs")
+    expected = sum(1 for n in counts if n > round_) if counts else gpu_share()
+    if expected < 2:
+        return None
+    from moelab.train.callbacks import Rendezvous
+
+    return Rendezvous(spec["dir"], str(round_), str(spec["job"]), expected, at, PROBE_BARRIER_S)
+
+
 def _probe(arm: str, seed: int, cfg: Any, root: Path, steps: int, echo: Callable[[str], None]) -> dict[str, Any]:
     """Train ``steps`` optimizer steps of one run's config in ``root/<arm>-s<seed>`` (untracked, no record; warm-up
     and a balancer's start scaled into the probe, one validation at its end) and say what the whole run would take:
@@ -821,12 +849,13 @@ def _probe(arm: str, seed: int, cfg: Any, root: Path, steps: int, echo: Callable
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     t.ckpt_dir = str(run_dir)
+    barrier = _probe_barrier(t.log_every)
     t0 = time.perf_counter()
     with output_to(run_dir / "train.log"):
         from moelab.data import prepare
 
         prepare(cfg.data)
-        res = fit(cfg, checkpoints="final")
+        res = fit(cfg, checkpoints="final", callbacks=[barrier] if barrier else ())
     wall = time.perf_counter() - t0
     s = res.summary
     tokens = int(s["tokens_per_step"])
@@ -835,12 +864,17 @@ def _probe(arm: str, seed: int, cfg: Any, root: Path, steps: int, echo: Callable
     row = {"arm": arm, "seed": seed, "probe_steps": steps, "step_ms": round(step_s * 1e3, 2),
            "tokens_per_step": tokens, "tok_per_s": round(tokens / step_s), "peak_mem_gb": s.get("peak_mem_gb"),
            "probe_wall_s": round(wall, 1), "gpu_share": gpu_share(), "device": device_name(),
+           "timed_together": None if barrier is None else barrier.met,
            "full_steps": full["max_steps"], "full_validations": full["max_steps"] // max(1, full["val_every"]),
            "projected_train_min": round(full["max_steps"] * step_s / 60, 2)}
     with open(root / "probe.json", "a") as f:
         f.write(json.dumps(row) + "\n")
     mem = f", peak {row['peak_mem_gb']:.1f} GB" if row["peak_mem_gb"] else ""
     shared = f", GPU shared by {row['gpu_share']}" if row["gpu_share"] > 1 else ""
+    if barrier is not None:
+        shared += (f" (timed with the other {barrier.expected - 1} probe(s) of its round)" if barrier.met else
+                   f" (only {barrier.arrived} of the {barrier.expected} probes of its round were training: this step "
+                   "time is optimistic)")
     progress(f"[probe] arm={arm} seed={seed}: {row['step_ms']:.0f} ms a step ({tokens:,} tokens, "
              f"{row['tok_per_s']:,} tok/s{mem}{shared}); "
              f"its {full['max_steps']:,} steps ~{row['projected_train_min']:.1f} min of training, plus "

@@ -37,7 +37,10 @@ recipe). A study preset may pin its records to a training-code epoch (``source_p
 
 A split call with ``jobs=k`` (``--jobs k``, ``make ... JOBS=k``) trains its runs in ``k`` processes at once on the
 same GPU (the named runs dealt round-robin; a shard ``i/n`` as the shards ``i + j*n / n*k``): a study model that
-leaves the GPU mostly idle (a host-bound step) trains ``k`` runs in little more than the time of one. The processes
+leaves the GPU mostly idle (a host-bound step) may train ``k`` runs in little more than the time of one, and one
+whose kernels fill the GPU will not (study 4's research runs: two together took far longer than one). Probe first:
+``PROBE=n`` with ``JOBS=k`` times the runs together (the probes wait for each other after their compilation, so the
+steps they are timed on share the GPU; a probe that waited in vain says its time is optimistic). The processes
 train untracked (the final call logs them); each record keeps ``gpu_share = k``, its GPU-minutes are its wall time
 / k, and its tokens/s is not a speed (:attr:`moelab.studies.common.RunRecord.tok_per_s` is None). Ctrl-C or
 SIGTERM reaches every process: each saves its run's checkpoint, and the next call resumes them.
@@ -53,8 +56,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -69,6 +74,7 @@ from moelab.studies.common import (
     COMMAND_ENV,
     GIT_ENV,
     GPU_SHARE_ENV,
+    PROBE_BARRIER_ENV,
     PROBE_ENV,
     PROGRESS_ENV,
     RECORDS_ENV,
@@ -552,13 +558,18 @@ def _run_split_jobs(number: int, preset: str, groups: list[tuple[str | None, str
                 proc.send_signal(signum)
 
     threads = []
+    # probes meet after their first logging window so that they are timed together (common.PROBE_BARRIER_ENV)
+    meet = tempfile.mkdtemp(prefix="moelab-probe-") if probe is not None else None
+    counts = [len(runs.split(",")) for runs, _ in groups] if all(runs for runs, _ in groups) else None
     with signal_handlers(handler) if threading.current_thread() is threading.main_thread() else nullcontext():
         for j, (runs, shard) in enumerate(groups, 1):
             args = {"number": number, "preset": preset, "runs": runs, "shard": shard, "module": name, "probe": probe,
                     "nbs_dir": str(nbs_dir) if nbs_dir else None, "out_root": str(out_root) if out_root else None}
             tag = f"[{j}/{k}]"
             say(f"{tag} {base} " + (f"RUNS={runs}" if runs else f"SHARD={shard}"))
-            proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(args)], env=env, text=True,
+            child_env = env if meet is None else {**env, PROBE_BARRIER_ENV: json.dumps({"dir": meet, "job": j,
+                                                                                      "runs": counts})}
+            proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(args)], env=child_env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)  # a signal reaches them once: forwarded from here
             children.append((tag, proc))
@@ -568,6 +579,8 @@ def _run_split_jobs(number: int, preset: str, groups: list[tuple[str | None, str
         codes = [proc.wait() for _, proc in children]
         for t in threads:
             t.join(timeout=10)
+    if meet is not None:
+        shutil.rmtree(meet, ignore_errors=True)
     if stopped and not interrupted:  # every process had finished: the signal stopped nothing
         say(f"study {number}: {signal.Signals(stopped[0]).name} came after every process of the split call had "
             "finished: nothing was stopped")

@@ -490,6 +490,34 @@ def progress_bar() -> L.Callback:
     return StepProgressBar()
 
 
+class Rendezvous(Callback):
+    """Wait for other processes at one step: after ``at`` optimizer steps, mark this process's arrival as the file
+    ``folder/<name>.<me>`` and wait until ``expected`` files ``<name>.*`` are there or ``timeout_s`` passed.
+
+    Processes that share a GPU and time their steps (a study's probes in a jobs call) meet here after their
+    compilation, so the steps they time run together. ``met``: whether all arrived in time; ``arrived``: how many
+    had (a process that failed never arrives: the others go on after the timeout)."""
+
+    def __init__(self, folder: str | Path, name: str, me: str, expected: int, at: int, timeout_s: float) -> None:
+        self.folder, self.name, self.me = Path(folder), name, me
+        self.expected, self.at, self.timeout_s = expected, at, timeout_s
+        self.met, self.arrived, self.done = False, 0, False
+
+    def _count(self) -> int:
+        return len(list(self.folder.glob(f"{self.name}.*")))
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.done or trainer.global_step < self.at:
+            return
+        self.done = True
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / f"{self.name}.{self.me}").touch()
+        deadline = time.monotonic() + self.timeout_s
+        while (n := self._count()) < self.expected and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.arrived, self.met = n, n >= self.expected
+
+
 class StepProgressBar(RichProgressBar):
     """Lightning's rich bar counting optimizer steps of the whole run (``train 30/60``, also after a resume),
     labelled ``train`` instead of ``Epoch 0/-2`` (a run here is one long epoch), without ``v_num``

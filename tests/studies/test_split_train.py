@@ -406,3 +406,58 @@ def test_a_probe_of_a_curriculum_scales_its_stages() -> None:
         assert [(s.seq_len, s.steps) for s in stages] == want
     with pytest.raises(ValueError, match="probe steps=2 is not allowed for a curriculum of 3 stages"):
         common._scale_curriculum(cfg, 2)
+
+
+def test_probes_of_a_jobs_call_meet_before_their_timed_steps(tmp_path, monkeypatch) -> None:
+    """A jobs call's probes wait for each other after their first logging window (moelab.train.callbacks.Rendezvous),
+    so the steps they are timed on run while the GPU is shared: round i waits for every process with an i-th run;
+    one that never arrives lets the others go on after the timeout, and the probe says its time is optimistic."""
+    import threading
+    from types import SimpleNamespace
+
+    from moelab.train.callbacks import Rendezvous
+
+    at_step = SimpleNamespace(global_step=3)
+    pair = [Rendezvous(tmp_path / "m", "0", str(j), expected=2, at=3, timeout_s=30.0) for j in (1, 2)]
+    threads = [threading.Thread(target=r.on_train_batch_end, args=(at_step,)) for r in pair]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(r.met and r.arrived == 2 for r in pair)
+    early = Rendezvous(tmp_path / "m", "1", "1", expected=2, at=3, timeout_s=0.2)
+    early.on_train_batch_end(SimpleNamespace(global_step=2))  # before its step: nothing yet
+    assert not early.done and not (tmp_path / "m" / "1.1").exists()
+    early.on_train_batch_end(at_step)  # the other process never comes: on after the timeout
+    assert early.done and not early.met and early.arrived == 1
+
+    monkeypatch.setattr(common, "_PROBE_ROUND", [0])
+    monkeypatch.setenv(common.PROBE_BARRIER_ENV, json.dumps({"dir": str(tmp_path / "b"), "job": 2, "runs": [2, 1]}))
+    first, second = common._probe_barrier(4), common._probe_barrier(4)
+    assert (first.expected, first.at, first.me, first.name) == (2, 4, "2", "0")
+    assert second is None  # only one process has a second run: nobody to wait for
+    monkeypatch.delenv(common.PROBE_BARRIER_ENV)
+    assert common._probe_barrier(4) is None  # not a jobs call
+
+
+@pytest.mark.slow
+def test_a_jobs_probe_times_its_runs_together(tmp_path, monkeypatch) -> None:
+    pkg, nbs = tmp_path / "pkg", tmp_path / "nbs"
+    for d in (pkg, nbs):
+        d.mkdir()
+    (pkg / "split_jprobe.py").write_text(MODULE.replace("07_nowheels", "07_jprobe").replace('"train.max_steps": 4',
+                                                                                            '"train.max_steps": 40'))
+    (nbs / "07_jprobe.ipynb").write_text("{}")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join((str(pkg), str(ROOT))))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv(common.GIT_ENV, json.dumps({"commit": "abc", "dirty": False, "diff_sha256": None}))
+    lines: list[str] = []
+    run_study(7, "cpu", runs="bounded:0,softplus:0", probe=10, jobs=2, nbs_dir=nbs, out_root=tmp_path / "p",
+              module="split_jprobe", echo=lines.append)
+    probes = [ln for ln in lines if "[probe] arm=" in ln]
+    assert len(probes) == 2 and all("GPU shared by 2 (timed with the other 1 probe(s) of its round)" in ln
+                                    for ln in probes), lines
+    rows = [json.loads(ln) for ln in (tmp_path / "p" / "07_jprobe" / "split" / "probe" / "probe.json").read_text()
+            .splitlines()]
+    assert sorted((r["arm"], r["gpu_share"], r["timed_together"]) for r in rows) == [("bounded", 2, True),
+                                                                                      ("softplus", 2, True)]
