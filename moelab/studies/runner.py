@@ -37,8 +37,9 @@ recipe). A study preset may pin its records to a training-code epoch (``source_p
 
 A split call with ``jobs=k`` (``--jobs k``, ``make ... JOBS=k``) trains its runs in ``k`` processes at once on the
 same GPU (the named runs dealt round-robin; a shard ``i/n`` as the shards ``i + j*n / n*k``): a study model that
-leaves the GPU mostly idle (a host-bound step) may train ``k`` runs in little more than the time of one, and one
-whose kernels fill the GPU will not (study 4's research runs: two together took far longer than one). Probe first:
+leaves the GPU mostly idle (a host-bound step) may train ``k`` runs in little more than the time of one; others do
+not (study 4's research runs on an H100: two together had not finished after 565 s, one alone trains in 346 s).
+Probe first:
 ``PROBE=n`` with ``JOBS=k`` times the runs together (the probes wait for each other after their compilation, so the
 steps they are timed on share the GPU; a probe that waited in vain says its time is optimistic). The processes
 train untracked (the final call logs them); each record keeps ``gpu_share = k``, its GPU-minutes are its wall time
