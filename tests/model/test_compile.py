@@ -21,6 +21,7 @@ from moelab.base import ConfigError
 from moelab.config import load_config
 from moelab.model import MoELab
 from moelab.train.module import CapturedStep, LitMoELab, compile_model, train_step_fn
+from tests.train.helpers import EagerStep
 
 
 @pytest.fixture(autouse=True)
@@ -273,16 +274,6 @@ def test_perf_set_overrides() -> None:
         _variants(["graphs=graphs:model.norm_backend=triton"])
 
 
-class _EagerStep:
-    """CapturedStep's interface with the capture left out (the CPU has no CUDA graphs): the same step and copies."""
-
-    def __init__(self, step, warmup: int = 3, check_syncs: bool = True) -> None:
-        self.step, self.check_syncs = step, check_syncs
-
-    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.step(batch).items()}
-
-
 def fit(mode: str, steps: int = 6, device: str = "cpu") -> tuple[LitMoELab, L.Trainer]:
     lit = tiny_lit(**{"train.compile": mode, "train.max_steps": steps, "train.warmup_steps": 2,
                       "model.moe.balancer": "quantile_load"})
@@ -306,7 +297,7 @@ def test_graphs_wiring_trains_as_the_automatic_loop(monkeypatch) -> None:
     from moelab.train.balancer import BalancerCallback
 
     eager, t_eager = fit("none")
-    monkeypatch.setattr("moelab.train.module.CapturedStep", _EagerStep)
+    monkeypatch.setattr("moelab.train.module.CapturedStep", EagerStep)
     monkeypatch.setattr("moelab.train.module.compile_model", lambda *a, **k: None)
     graphs, t_graphs = fit("graphs")
     assert not graphs.automatic_optimization and t_graphs.global_step == t_eager.global_step == 6
@@ -329,7 +320,7 @@ def test_compiled_graphs_wiring(monkeypatch) -> None:
     """train.compile='compiled_graphs' compiles the model and captures the step (manual optimization, as graphs),
     with the host-sync check left to the capture (a torch-function mode would recompile the compiled model)."""
     modes: list[str] = []
-    monkeypatch.setattr("moelab.train.module.CapturedStep", _EagerStep)
+    monkeypatch.setattr("moelab.train.module.CapturedStep", EagerStep)
     monkeypatch.setattr("moelab.train.module.compile_model", lambda model, mode, *a, **k: modes.append(mode))
     lit, trainer = fit("compiled_graphs", steps=2)
     assert modes == ["compiled_graphs"] and not lit.automatic_optimization and trainer.global_step == 2

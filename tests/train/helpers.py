@@ -42,3 +42,14 @@ class InfScalar(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             pl_module.step_scalars["train/aux_loss"] = torch.tensor(float("inf"))
+
+
+class EagerStep:
+    """``moelab.train.module.CapturedStep``'s interface with the capture left out (the CPU has no CUDA graphs): the
+    same step, the same copies of its outputs; ``check_syncs`` kept to be read back."""
+
+    def __init__(self, step: Any, warmup: int = 3, check_syncs: bool = True) -> None:
+        self.step, self.check_syncs = step, check_syncs
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.step(batch).items()}

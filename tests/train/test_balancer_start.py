@@ -14,7 +14,7 @@ from moelab.model.balance import balance_step
 from moelab.train import fit
 from moelab.train.balancer import BalancerCallback, hold_off
 from moelab.train.module import LitMoELab, train_step_fn
-from tests.train.helpers import tiny_config
+from tests.train.helpers import EagerStep, tiny_config
 
 STEPS, START = 6, 3
 
@@ -155,16 +155,6 @@ def test_device_switch_continues_from_the_first_step() -> None:
     assert out["balance/bias"].abs().amax(-1).gt(0).all() and int(step.index) == START + 1
 
 
-class _EagerStep:
-    """CapturedStep with the capture left out (the CPU has no CUDA graphs)."""
-
-    def __init__(self, step, warmup: int = 3) -> None:
-        self.step = step
-
-    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.step(batch).items()}
-
-
 def _lightning(mode: str, balancer: str) -> tuple[LitMoELab, BalancerCallback]:
     lit = _lit(balancer, **{"train.compile": mode, "train.max_steps": STEPS, "train.balancer_start_step": START})
     data = _batches(lit.cfg.model.vocab_size, STEPS)
@@ -181,7 +171,7 @@ def test_graphs_wiring_warm_start_trains_as_the_eager_loop(monkeypatch: pytest.M
     automatic eager loop: the same recorded loads and biases at every step (zero bias through step 3), the same
     router biases and weights at the end."""
     eager, cb_eager = _lightning("none", "quantile_balancing")
-    monkeypatch.setattr("moelab.train.module.CapturedStep", _EagerStep)
+    monkeypatch.setattr("moelab.train.module.CapturedStep", EagerStep)
     monkeypatch.setattr("moelab.train.module.compile_model", lambda *a, **k: None)
     graphs, cb_graphs = _lightning("graphs", "quantile_balancing")
     assert cb_graphs.steps == cb_eager.steps == list(range(1, STEPS + 1))
