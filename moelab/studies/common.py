@@ -81,8 +81,8 @@ GPU_SHARE_ENV = "MOELAB_GPU_SHARE"
 PROBE_ENV = "MOELAB_STUDY_PROBE"
 # A jobs call's probes (JSON ``{"dir", "job", "runs"}``, set by moelab.studies.runner for each process): each probe
 # waits for the others' after its first logging window, so the windows it is timed on run while the GPU is shared.
-# Without it a 48-step probe timed mostly alone (the other process still starting): 71 ms "shared", where two runs
-# of 4,096 steps trained together did not finish in 565 s (one alone: 346 s).
+# Without it a short probe is timed mostly alone (the other process still starting) and promises a shared speed
+# that the runs do not reach together.
 PROBE_BARRIER_ENV = "MOELAB_PROBE_BARRIER"
 PROBE_BARRIER_S = 180.0  # the longest a probe waits for the others (a process that failed never arrives)
 # "1": this process's runs train untracked even where MLflow imports (a split call's jobs: k processes would write

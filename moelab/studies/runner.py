@@ -38,9 +38,9 @@ recipe). A study preset may pin its records to a training-code epoch (``source_p
 A split call with ``jobs=k`` (``--jobs k``, ``make ... JOBS=k``) trains its runs in ``k`` processes at once on the
 same GPU (the named runs dealt round-robin; a shard ``i/n`` as the shards ``i + j*n / n*k``): a study model that
 leaves the GPU mostly idle (a host-bound step) may train ``k`` runs in little more than the time of one; others do
-not (study 4's research runs on an H100: two together had not finished after 565 s, one alone trains in 346 s).
-Probe first:
-``PROBE=n`` with ``JOBS=k`` times the runs together (the probes wait for each other after their compilation, so the
+not (two of study 4's research runs together on an H100 had not finished when a 10-minute call ended; one alone
+trains in 346 s: studies/04_context_curriculum/records/research/pilot4096_s0.json). Probe first: ``PROBE=n`` with
+``JOBS=k`` times the runs together (the probes wait for each other after their compilation, so the
 steps they are timed on share the GPU; a probe that waited in vain says its time is optimistic). The processes
 train untracked (the final call logs them); each record keeps ``gpu_share = k``, its GPU-minutes are its wall time
 / k, and its tokens/s is not a speed (:attr:`moelab.studies.common.RunRecord.tok_per_s` is None). Ctrl-C or

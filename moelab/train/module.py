@@ -296,7 +296,7 @@ class LitMoELab(L.LightningModule):
 
     def _captured_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """train.compile='graphs' or 'compiled_graphs': one optimizer step as a CUDA graph replay (the first steps
-        eager, then the capture: :class:`CapturedStep`), then what Lightning's automatic loop did around it."""
+        eager, then the capture: :class:`CapturedStep`), then what Lightning's automatic loop would do."""
         if self._captured is None:
             optimizer = self.optimizers().optimizer
             dtype = torch.bfloat16 if str(self.trainer.precision).startswith("bf16") else None

@@ -200,7 +200,7 @@ class TimedStep:
                  warm: int, lr: float) -> None:
         import time
 
-        from moelab.config import load_config
+        from moelab.config import CAPTURED_MODES, load_config
         from moelab.model import MoELab
         from moelab.train.module import CapturedStep, compile_model, train_step_fn
 
@@ -217,7 +217,7 @@ class TimedStep:
         opt = torch.optim.AdamW(self.model.parameters(), lr=torch.tensor(lr, device=dev) if cuda else lr,
                                 fused=cuda or None, capturable=cuda, betas=self.cfg.train.betas, weight_decay=0.0)
         step = train_step_fn(self.model, opt, self.cfg.train.grad_clip, torch.bfloat16 if cuda else None)
-        if mode in ("graphs", "compiled_graphs"):
+        if mode in CAPTURED_MODES:
             step = CapturedStep(step, warmup=warm - 1, check_syncs=mode == "graphs")
         self.step = step
         for _ in range(warm):  # untimed: compilation, autotuning, the capture (graphs: the last of them)

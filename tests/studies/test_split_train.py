@@ -50,6 +50,22 @@ def train(preset, out_dir):
     return common.run_grid("07_nowheels", "tiny", ARMS, [0], out_dir, common=COMMON, checkpoints="final",
                            source_pin="s7test-1")
 '''
+
+
+def _study_package(tmp_path: Path, name: str, max_steps: int | None = None) -> tuple[Path, Path]:
+    """A package folder with the toy split study ``split_<name>`` (MODULE as ``07_<name>``, ``max_steps`` per run
+    where given) and a notebook folder naming it; returns both."""
+    pkg, nbs = tmp_path / "pkg", tmp_path / "nbs"
+    for d in (pkg, nbs):
+        d.mkdir()
+    source = MODULE.replace("07_nowheels", f"07_{name}")
+    if max_steps is not None:
+        source = source.replace('"train.max_steps": 4', f'"train.max_steps": {max_steps}')
+    (pkg / f"split_{name}.py").write_text(source)
+    (nbs / f"07_{name}.ipynb").write_text("{}")
+    return pkg, nbs
+
+
 DRIVER = '''
 import sys
 from pathlib import Path
@@ -181,11 +197,7 @@ def test_gpu_share_names_a_bad_value(monkeypatch) -> None:
 @pytest.mark.slow
 def test_a_split_call_in_two_processes_records_what_one_process_does(tmp_path, tracking_uri,  # noqa: F811
                                                                      monkeypatch) -> None:
-    pkg, nbs = tmp_path / "pkg", tmp_path / "nbs"
-    for d in (pkg, nbs):
-        d.mkdir()
-    (pkg / "split_jobs.py").write_text(MODULE.replace("07_nowheels", "07_jobs"))
-    (nbs / "07_jobs.ipynb").write_text("{}")
+    pkg, nbs = _study_package(tmp_path, "jobs")
     code = json.dumps({"commit": "abc", "dirty": False, "diff_sha256": None, "source_sha256": "5" * 16})
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join((str(pkg), str(ROOT))))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -216,12 +228,7 @@ def test_a_split_call_in_two_processes_records_what_one_process_does(tmp_path, t
 
 @pytest.mark.slow
 def test_a_probe_times_the_named_runs_and_records_nothing(tmp_path, monkeypatch) -> None:
-    pkg, nbs = tmp_path / "pkg", tmp_path / "nbs"
-    for d in (pkg, nbs):
-        d.mkdir()
-    (pkg / "split_probe.py").write_text(MODULE.replace("07_nowheels", "07_probe").replace('"train.max_steps": 4',
-                                                                                          '"train.max_steps": 40'))
-    (nbs / "07_probe.ipynb").write_text("{}")
+    pkg, nbs = _study_package(tmp_path, "probe", max_steps=40)
     monkeypatch.syspath_prepend(str(pkg))
     monkeypatch.setenv(common.GIT_ENV, json.dumps({"commit": "abc", "dirty": False, "diff_sha256": None}))
     lines: list[str] = []
@@ -442,12 +449,7 @@ def test_probes_of_a_jobs_call_meet_before_their_timed_steps(tmp_path, monkeypat
 
 @pytest.mark.slow
 def test_a_jobs_probe_times_its_runs_together(tmp_path, monkeypatch) -> None:
-    pkg, nbs = tmp_path / "pkg", tmp_path / "nbs"
-    for d in (pkg, nbs):
-        d.mkdir()
-    (pkg / "split_jprobe.py").write_text(MODULE.replace("07_nowheels", "07_jprobe").replace('"train.max_steps": 4',
-                                                                                            '"train.max_steps": 40'))
-    (nbs / "07_jprobe.ipynb").write_text("{}")
+    pkg, nbs = _study_package(tmp_path, "jprobe", max_steps=40)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join((str(pkg), str(ROOT))))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv(common.GIT_ENV, json.dumps({"commit": "abc", "dirty": False, "diff_sha256": None}))
