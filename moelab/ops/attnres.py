@@ -328,7 +328,7 @@ def _fwd_group(v, i, ok, gq, r, s, rows, rm, m, den, acc, N, D, eps):
     ``[1, BN]``, ``[1, BN, BD]``. Both row sums of every source of the group go through one reduction: one
     round of barriers per group."""
     sq, dot = tl.reduce((v * v, v * gq), 2, _add2)
-    ri = tl.rsqrt(sq / D + eps)
+    ri = tl.rsqrt(sq / D + eps).to(tl.float32)
     si = dot * ri
     at, sm = i[:, None] * N + rows, ok[:, None] & rm
     tl.store(r + at, ri, mask=sm)
@@ -403,7 +403,7 @@ def _attnres_fwd_chunked_kernel(x0, xl, tab, q, w, h, stats, N, D: tl.constexpr,
         gq = tl.load(q + c, mask=cm, other=0.0).to(tl.float32) * tl.load(w + c, mask=cm, other=0.0).to(tl.float32)
         sq += tl.sum(v * v, axis=1)
         dot += tl.sum(v * gq, axis=1)
-    ri = tl.rsqrt(sq / D + eps)
+    ri = tl.rsqrt(sq / D + eps).to(tl.float32)
     si = dot * ri
     tl.store(r + i * N + n, ri, mask=ok)
     tl.store(s + i * N + n, si, mask=ok)

@@ -481,7 +481,7 @@ if HAS_TRITON:
             v = v * tl.load(w_ptr + n * K + js, mask=jmask, other=0.0)[:, None]
         u = tl.sum(v, axis=0)
         if HAS_NORM:
-            rstd = 1.0 / tl.sqrt(tl.sum(u * u, axis=0) / R + eps)
+            rstd = (1.0 / tl.sqrt(tl.sum(u * u, axis=0) / R + eps)).to(tl.float32)
             u = u * rstd * tl.load(gamma_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         tl.store(out_ptr + n * R + cols, u.to(out_ptr.dtype.element_ty), mask=cmask)
 
@@ -513,7 +513,7 @@ if HAS_TRITON:
             g = tl.load(gz_ptr + n * R + cols, mask=cols < R * live, other=0.0).to(tl.float32)
             if HAS_NORM:
                 u = tl.sum(yv * w[:, None], axis=0)
-                rstd = 1.0 / tl.sqrt(tl.sum(u * u, axis=0) / R + eps)
+                rstd = (1.0 / tl.sqrt(tl.sum(u * u, axis=0) / R + eps)).to(tl.float32)
                 xh = u * rstd
                 dgamma += g * xh
                 gx = g * gamma

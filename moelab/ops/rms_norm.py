@@ -50,7 +50,7 @@ if HAS_TRITON:
         m = (r < N)[:, None] & (c < D)[None, :]
         p = r.to(tl.int64)[:, None] * D + c[None, :]
         xv = tl.load(x + p, mask=m, other=0.0).to(tl.float32)
-        s = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=1) / D + eps)
+        s = (1.0 / tl.sqrt(tl.sum(xv * xv, axis=1) / D + eps)).to(tl.float32)
         out = xv * s[:, None]
         if HAS_W:
             out = out * tl.load(w + c, mask=c < D, other=0.0).to(tl.float32)[None, :]

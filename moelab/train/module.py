@@ -57,7 +57,14 @@ def compile_model(model: torch.nn.Module, mode: str, device: torch.device, backe
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                RECOMPILE_LIMIT + 2 * len(layers))
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    model.compile(backend=backend)
+    import torch._inductor.config as inductor_config
+
+    options = {}
+    if backend == "inductor" and hasattr(inductor_config, "_use_fp64_for_unbacked_floats"):
+        # inductor types a Python float passed to a user Triton kernel as fp64 where Triton's own launcher
+        # passes fp32: our kernels' fp32 arithmetic would turn fp64 (and a loop-carried fp32 sum fails to compile)
+        options["_use_fp64_for_unbacked_floats"] = False
+    model.compile(backend=backend, **({"options": options} if options else {}))
 
 
 def train_step_fn(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,

@@ -68,6 +68,25 @@ def test_compiled_model_matches_eager():
         torch.testing.assert_close(gc, g, rtol=1e-5, atol=1e-6, msg=n)
 
 
+def test_compile_passes_float_args_as_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """inductor would hand a Python float (an eps, a scale) to our Triton kernels as fp64 where Triton's own launcher
+    passes fp32; compile_model turns that off, so compiled kernels compute in the precision eager ones do. (On an
+    H100 the MoE combine's backward failed to compile with it on: its loop-carried fp32 dgamma turned fp64.)"""
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config, "_use_fp64_for_unbacked_floats"):
+        pytest.skip("this torch has no such inductor setting")
+    model = MoELab(load_config("tiny", {}).model)
+    seen: dict = {}
+    monkeypatch.setattr(model, "compile", lambda **kw: seen.update(kw))
+    compile_model(model, "default", torch.device("cpu"))
+    assert seen == {"backend": "inductor", "options": {"_use_fp64_for_unbacked_floats": False}}
+    torch.compile(torch.nn.Identity(), options=seen["options"])  # an option torch.compile accepts
+    seen.clear()
+    compile_model(model, "default", torch.device("cpu"), backend="eager")
+    assert seen == {"backend": "eager"}
+
+
 def test_compile_modes() -> None:
     """none leaves the model eager, and graphs too (it captures the step, not the model) where CUDA is; default
     compiles it and makes a recompile loop an error; bad modes and combinations name what is allowed."""

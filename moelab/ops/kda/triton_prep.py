@@ -67,7 +67,7 @@ def _qk_fwd(x, eps, SILU: tl.constexpr, L2NORM: tl.constexpr):
         x = x * tl.sigmoid(x)
     if L2NORM:
         n = tl.sqrt(tl.sum(x * x, axis=1))
-        x = x / tl.maximum(n, eps)[:, None]
+        x = x / tl.maximum(n, eps).to(tl.float32)[:, None]
     return x
 
 
@@ -82,7 +82,7 @@ def _qk_bwd(x, dy, eps, SILU: tl.constexpr, L2NORM: tl.constexpr):
     dxs = dy
     if L2NORM:
         n = tl.sqrt(tl.sum(xs * xs, axis=1))
-        d = tl.maximum(n, eps)
+        d = tl.maximum(n, eps).to(tl.float32)
         y = xs / d[:, None]
         # below eps the denominator is the constant eps: only the dy / eps term remains
         proj = tl.where(n >= eps, tl.sum(dy * y, axis=1), 0.0)
