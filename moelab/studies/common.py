@@ -51,6 +51,7 @@ import os
 import platform
 import re
 import shutil
+import statistics
 import subprocess
 import time
 import warnings
@@ -835,13 +836,21 @@ def _probe(arm: str, seed: int, cfg: Any, root: Path, steps: int, echo: Callable
     the run's median step time over its logging windows (five; the first, which holds compilation and capture, left
     out, as in every run's summary), times the run's ``max_steps``. Appends the row to ``root/probe.json`` (one JSON
     object per line) and returns it."""
+    from moelab.data.curriculum import plan as stage_plan
     from moelab.train import fit
 
     t = cfg.train
     full = {"max_steps": t.max_steps, "val_every": t.val_every}
+    full_stages = probe_stages = None
+    log_every = max(1, steps // 5)
     if cfg.data.curriculum:  # the stages scaled into the probe, each its share of the steps
+        full_stages = stage_plan(cfg.data.curriculum, t.batch_size, cfg.data.seq_len, t.accumulate_grad_batches,
+                                 t.max_steps)
         _scale_curriculum(cfg, steps)
-    t.max_steps, t.val_every, t.log_every = steps, steps, max(1, steps // 5)
+        probe_stages = stage_plan(cfg.data.curriculum, t.batch_size, cfg.data.seq_len, t.accumulate_grad_batches,
+                                  steps)
+        log_every = max(1, steps // (5 * len(probe_stages)))  # windows enough in every stage to leave its first out
+    t.max_steps, t.val_every, t.log_every = steps, steps, log_every
     t.warmup_steps = min(t.warmup_steps, steps // 2)
     t.balancer_start_step = min(t.balancer_start_step, steps // 2)
     cfg.tracking.enabled = False
@@ -861,7 +870,14 @@ def _probe(arm: str, seed: int, cfg: Any, root: Path, steps: int, echo: Callable
     tokens = int(s["tokens_per_step"])
     # the run's own speed: the median of its logging windows after the first (steps // 5 steps each)
     step_s = tokens / s["tok_per_s"] if s.get("tok_per_s") else wall / steps
+    stage_ms = None
+    if probe_stages is not None and full_stages is not None:
+        # per stage, its steady windows; the run's step time is the mix its own stages make
+        per_stage = [v if v is not None else step_s for v in stage_step_s(res.windows, probe_stages)]
+        step_s = sum(st.steps * v for st, v in zip(full_stages, per_stage)) / full["max_steps"]
+        stage_ms = [round(v * 1e3, 2) for v in per_stage]
     row = {"arm": arm, "seed": seed, "probe_steps": steps, "step_ms": round(step_s * 1e3, 2),
+           **({"stage_step_ms": stage_ms} if stage_ms else {}),
            "tokens_per_step": tokens, "tok_per_s": round(tokens / step_s), "peak_mem_gb": s.get("peak_mem_gb"),
            "probe_wall_s": round(wall, 1), "gpu_share": gpu_share(), "device": device_name(),
            "timed_together": None if barrier is None else barrier.met,
@@ -875,11 +891,27 @@ def _probe(arm: str, seed: int, cfg: Any, root: Path, steps: int, echo: Callable
         shared += (f" (timed with the other {barrier.expected - 1} probe(s) of its round)" if barrier.met else
                    f" (only {barrier.arrived} of the {barrier.expected} probes of its round were training: this step "
                    "time is optimistic)")
+    if stage_ms:
+        shared += f"; by stage {' / '.join(f'{v:.0f}' for v in stage_ms)} ms, mixed as the run's stages"
     progress(f"[probe] arm={arm} seed={seed}: {row['step_ms']:.0f} ms a step ({tokens:,} tokens, "
              f"{row['tok_per_s']:,} tok/s{mem}{shared}); "
              f"its {full['max_steps']:,} steps ~{row['projected_train_min']:.1f} min of training, plus "
              f"{row['full_validations']} validations and its evaluation", echo)
     return row
+
+
+def stage_step_s(windows: Sequence[tuple[int, int, float]], stages: Sequence[Any]) -> list[float | None]:
+    """Per curriculum stage, the median seconds per step of the logging windows wholly inside it, a window that holds
+    any stage's first step left out (compilation and autotuning for the new length, the new loader's start); None
+    for a stage with no such window. ``windows``: ``(first, end, s)`` (``TrainResult.windows``); ``stages``:
+    ``moelab.data.curriculum.StagePlan`` (``start_step``, ``end_step``)."""
+    starts = {st.start_step for st in stages}
+    out: list[float | None] = []
+    for st in stages:
+        clean = [sec for first, end, sec in windows
+                 if st.start_step <= first and end <= st.end_step and not any(first <= b < end for b in starts)]
+        out.append(statistics.median(clean) if clean else None)
+    return out
 
 
 def _scale_curriculum(cfg: Any, steps: int) -> None:

@@ -374,6 +374,10 @@ class Throughput(_PerStep):
     validation time is excluded and data loading included. ``summary()`` reports the median
     window after the first (the first holds compilation and allocator warm-up).
 
+    ``spans`` keeps each window's optimizer steps and its seconds per step, ``(first, end, s)``: steps ``first ..
+    end - 1`` counted from 0 (as ``moelab.data.curriculum.StagePlan`` counts them), so a caller can set aside the
+    windows that hold a curriculum's change of length.
+
     ``perf/peak_mem_gb`` is the window's own peak: the CUDA peak counter is reset when a window
     starts, so a curriculum stage's windows show that stage's memory, and a run that follows another
     in the same process (a study's notebook) does not inherit the earlier run's peak. ``summary()``'s
@@ -387,6 +391,7 @@ class Throughput(_PerStep):
         self.log_every = log_every
         self.sink = sink
         self.windows: list[tuple[float, float]] = []  # (tokens/s over all devices, mfu)
+        self.spans: list[tuple[int, int, float]] = []  # per window: (first step, end step, seconds per step)
         self._t0: float | None = None
         self._step0 = 0
         self._peak: float | None = None
@@ -421,6 +426,7 @@ class Throughput(_PerStep):
         per_device = self.tokens_per_device_step * (step - self._step0) / dt
         util = mfu(self.flops_per_token_fwd, per_device, self._peak)
         self.windows.append((per_device * self._world, util))
+        self.spans.append((self._step0, step, dt / (step - self._step0)))
         metrics = {"perf/tokens_per_s": per_device * self._world, "perf/step_time_s": dt / (step - self._step0)}
         if self._peak:
             metrics["perf/mfu"] = util

@@ -177,6 +177,8 @@ class TrainResult:
     history: list[dict[str, float]] = field(default_factory=list)
     val_history: list[tuple[int, float]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+    # this run's logging windows (not those before a resume): (first step, end step, seconds per step), Throughput.spans
+    windows: list[tuple[int, int, float]] = field(default_factory=list)
     # the MLflow record lacks something (the store failed mid-run): what, one line
     tracking_incomplete: str | None = None
 
@@ -642,7 +644,8 @@ def _train(cfg: RunConfig, run: Run | None, resumed: Resumed | None, module: Lit
             status=status, ckpt_dir=ckpt_dir, last_checkpoint=last if last.exists() else None,
             best_checkpoint=Path(best.best_model_path) if best is not None and best.best_model_path else None,
             run_id=run.run_id if run else None, history=rows,
-            val_history=[(int(r["step"]), r["val/loss"]) for r in rows if "val/loss" in r])
+            val_history=[(int(r["step"]), r["val/loss"]) for r in rows if "val/loss" in r],
+            windows=list(throughput.spans))
 
     try:
         with _stop_on_signals(stop), warnings.catch_warnings():

@@ -415,6 +415,24 @@ def test_a_probe_of_a_curriculum_scales_its_stages() -> None:
         common._scale_curriculum(cfg, 2)
 
 
+def test_a_curriculum_probe_times_each_stage_on_its_steady_windows() -> None:
+    """A probe's windows that hold a stage's first step (the new length's compilation and autotuning) are left out:
+    each stage's time is the median of the windows wholly inside it, None where none is left."""
+    from moelab.data.curriculum import StagePlan
+
+    def stage(i: int, start: int, n: int) -> StagePlan:
+        return StagePlan(i, 256 << i, 4 >> i, start, n, 0.0, (), 0)
+
+    stages = [stage(0, 0, 8), stage(1, 8, 6), stage(2, 14, 2)]
+    windows = [(0, 2, 9.0), (2, 4, 1.0), (4, 6, 1.2), (6, 8, 1.1),  # stage 0: the first holds compilation
+               (8, 10, 7.0), (10, 12, 2.0), (12, 14, 2.2),          # stage 1: its first holds the new length's
+               (14, 16, 8.0)]                                       # stage 2: only its first window
+    assert common.stage_step_s(windows, stages) == [1.1, 2.1, None]
+    # a window across a change of stage counts for neither
+    assert common.stage_step_s([(0, 3, 1.0), (3, 6, 2.0), (6, 9, 5.0), (9, 12, 3.0)],
+                               [stage(0, 0, 7), stage(1, 7, 5)]) == [2.0, 3.0]
+
+
 def test_probes_of_a_jobs_call_meet_before_their_timed_steps(tmp_path, monkeypatch) -> None:
     """A jobs call's probes wait for each other after their first logging window (moelab.train.callbacks.Rendezvous),
     so the steps they are timed on run while the GPU is shared: round i waits for every process with an i-th run;

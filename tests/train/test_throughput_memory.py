@@ -59,6 +59,9 @@ def test_window_peaks_are_their_own_and_no_earlier_run_leaks(alloc: FakeAllocato
     assert logged[2]["perf/peak_mem_gb"] == pytest.approx(8.0)
     assert logged[4]["perf/peak_mem_gb"] == pytest.approx(3.0)
     assert cb.summary(module.device)["peak_mem_gb"] == pytest.approx(8.0)
+    # each window's optimizer steps, counted from 0 as a curriculum's StagePlan counts them, and its time per step
+    assert [(first, end) for first, end, _ in cb.spans] == [(0, 2), (2, 4)]
+    assert all(sec > 0 for _, _, sec in cb.spans)
 
 
 def test_summary_counts_steps_after_the_last_window(alloc: FakeAllocator) -> None:
