@@ -505,13 +505,14 @@ def eval_settings(preset: str) -> dict[str, dict[str, Any]]:
 def train_perf(trainer: Any) -> dict[str, Any] | None:
     """The training speed of the run ``trainer`` just finished, for its record (the ``perf/*`` metrics reach only
     MLflow, whose store a split call on another machine does not bring back): ``{"log_every", "tokens_per_step",
-    "windows": [[end step, tokens/s, step time s], ...], "peak_mem_gb"}`` from its
-    :class:`moelab.train.callbacks.Throughput` callback, None without one.
+    "windows": [[end step, tokens/s, step time s], ...], "peak_mem_gb", "window_peak_mem_gb": [GB or None per
+    window]}`` from its :class:`moelab.train.callbacks.Throughput` callback, None without one.
 
     Throughput closes one window at every multiple of ``log_every`` (a validation restarts the open window, it
     does not skip a multiple), so the windows end at consecutive multiples up to the last one <= the final step
     (counted back from it: a resumed run's windows start after its resume). ``peak_mem_gb``: the run's largest
-    window peak (None on a CPU); a curriculum's per-stage memory is not kept.
+    window peak (None on a CPU); ``window_peak_mem_gb`` each window's own, so a curriculum's stages have theirs
+    (records made before it was kept have none).
     """
     from moelab.train.callbacks import Throughput
 
@@ -525,7 +526,8 @@ def train_perf(trainer: Any) -> dict[str, Any] | None:
     return {"log_every": every, "tokens_per_step": tokens,
             "windows": [[last - every * (n - 1 - i), float(tps), tokens / tps] for i, (tps, _) in
                         enumerate(tp.windows)],
-            "peak_mem_gb": tp.summary(trainer.lightning_module.device)["peak_mem_gb"]}
+            "peak_mem_gb": tp.summary(trainer.lightning_module.device)["peak_mem_gb"],
+            "window_peak_mem_gb": list(tp.window_mem_gb)}
 
 
 def evaluate_trained(model: torch.nn.Module, cfg: Any, preset: str,
@@ -681,15 +683,17 @@ PERF_KEYS = ("perf/tokens_per_s", "perf/step_time_s", "perf/peak_mem_gb")
 def _perf_history(rec: common.RunRecord, mlflow: Any, n_stages: int) -> dict[str, dict[int, float]]:
     """``{perf metric: {window end step: value}}`` of one run: from its record's ``train_perf`` (:func:`train_perf`;
     a run trained on another machine brings no MLflow metrics), else from its MLflow run's ``perf/*`` metrics
-    (``mlflow()``: the client). From a record, a single-stage run's peak memory (``n_stages`` 1) stands for its
-    stage's; a curriculum's stages get none."""
+    (``mlflow()``: the client). From a record, each window's own peak memory where the record keeps it; in an older
+    record a single-stage run's peak (``n_stages`` 1) stands for its stage's, a curriculum's stages get none."""
     tp = (rec.evals or {}).get("train_perf")
     if tp:
-        wins, mem = tp["windows"], tp.get("peak_mem_gb")
+        wins, mem, per = tp["windows"], tp.get("peak_mem_gb"), tp.get("window_peak_mem_gb")
+        if per is not None and len(per) == len(wins):
+            peaks = {int(e): float(m) for (e, _, _), m in zip(wins, per) if m is not None}
+        else:
+            peaks = {int(e): float(mem) for e, _, _ in wins} if mem is not None and n_stages == 1 else {}
         return {"perf/tokens_per_s": {int(e): float(t) for e, t, _ in wins},
-                "perf/step_time_s": {int(e): float(st) for e, _, st in wins},
-                "perf/peak_mem_gb": ({int(e): float(mem) for e, _, _ in wins} if mem is not None and n_stages == 1
-                                     else {})}
+                "perf/step_time_s": {int(e): float(st) for e, _, st in wins}, "perf/peak_mem_gb": peaks}
     run_id = rec.summary.get("run_id")
     return {k: {m.step: m.value for m in mlflow().get_metric_history(run_id, k)} if run_id else {} for k in PERF_KEYS}
 
@@ -706,8 +710,8 @@ def stage_perf(grid: common.Grid, preset: str) -> list[dict[str, Any]]:
     Rows: schedule, seed, stage, seq_len, batch (sequences per micro-batch), windows (logging windows
     wholly inside the stage, the first of the run left out: it holds compilation), tok_per_s and
     step_time_s (medians over those windows), peak_mem_gb (largest; None on CPU, and for a curriculum's stages
-    read from records). A run that shared its GPU with other runs (a split call's ``jobs``) has no speed: its
-    tok_per_s and step_time_s are None.
+    read from records made before they kept each window's peak). A run that shared its GPU with other runs (a
+    split call's ``jobs``) has no speed: its tok_per_s and step_time_s are None.
     """
     from moelab.tracking import client
 
@@ -1166,10 +1170,10 @@ def passkey_figure(evals: Mapping[str, Mapping[str, Any]], preset: str) -> Any:
     from matplotlib.figure import Figure
 
     longest = plan(preset).lengths[-1]
-    fig = Figure(figsize=(4.2 * len(SCHEDULES), 3.4), dpi=100)
-    axes = fig.subplots(1, len(SCHEDULES), squeeze=False)[0]
+    fig = Figure(figsize=(3.6 * len(SCHEDULES) + 0.8, 3.4), dpi=100, layout="constrained")
+    axes = fig.subplots(1, len(SCHEDULES), squeeze=False, sharey=True)[0]
     im = None
-    for ax, s in zip(axes, SCHEDULES):
+    for k, (ax, s) in enumerate(zip(axes, SCHEDULES)):
         reps = [ev["passkey"] for k, ev in evals.items() if k.rsplit("-s", 1)[0] == s]
         if not reps:
             ax.set_axis_off()
@@ -1185,7 +1189,8 @@ def passkey_figure(evals: Mapping[str, Mapping[str, Any]], preset: str) -> Any:
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6, color="w" if v < 0.5 else "k")
         ax.set_title(f"{s} ({len(reps)} seed{'s' * (len(reps) > 1)})", fontsize=9)
         ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("needle depth")
+        if k == 0:
+            ax.set_ylabel("needle depth")
     if im is not None:
         fig.colorbar(im, ax=list(axes), shrink=0.8, label="passkey accuracy")
     cells = [np.asarray(ev["passkey"]["accuracy"]) for ev in evals.values()]
@@ -1282,6 +1287,9 @@ def perf_figure(perf_rows: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[s
     axes[1].set_ylabel("peak memory (GB)")
     if mem.isna().all():
         axes[1].text(0.5, 0.5, "not recorded on CPU", ha="center", va="center", transform=axes[1].transAxes)
+    else:
+        for i in np.flatnonzero(mem.isna().to_numpy()):  # a stage whose record kept no memory of its own
+            axes[1].text(i, 0.02 * float(mem.max()), "not\nrecorded", ha="center", va="bottom", fontsize=7)
     for ax in axes[:2]:
         ax.set_xticks(range(len(g)), labels, fontsize=7)
         ax.grid(alpha=0.3, axis="y")

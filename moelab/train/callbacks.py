@@ -392,6 +392,7 @@ class Throughput(_PerStep):
         self.sink = sink
         self.windows: list[tuple[float, float]] = []  # (tokens/s over all devices, mfu)
         self.spans: list[tuple[int, int, float]] = []  # per window: (first step, end step, seconds per step)
+        self.window_mem_gb: list[float | None] = []  # per window: its own peak (None on a CPU)
         self._t0: float | None = None
         self._step0 = 0
         self._peak: float | None = None
@@ -430,10 +431,11 @@ class Throughput(_PerStep):
         metrics = {"perf/tokens_per_s": per_device * self._world, "perf/step_time_s": dt / (step - self._step0)}
         if self._peak:
             metrics["perf/mfu"] = util
+        self.window_mem_gb.append(None)
         if pl_module.device.type == "cuda":
             window = float(torch.cuda.max_memory_allocated(pl_module.device))
             self._mem_peak = max(self._mem_peak, window)
-            metrics["perf/peak_mem_gb"] = window / 1e9
+            metrics["perf/peak_mem_gb"] = self.window_mem_gb[-1] = window / 1e9
         if self.sink is not None:
             self.sink(metrics, step)
         self.shown["tok/s"] = per_device * self._world

@@ -33,6 +33,7 @@ VAL = {"curriculum": (3.10, 3.12, 3.09), "direct": (3.15, 3.16, 3.16), "short": 
 EFFECTIVE = {"curriculum": (16384, 16384, 32768), "direct": (8192, 16384, 8192), "short": (1024, 2048, 1024),
              "pilot4096": (1024,), "pilot2048L4": (1024,), "pilot3072L4": (1024,)}
 STEP_S = {1024: 0.25, 4096: 0.26, 8192: 0.30}  # seconds per optimizer step at each training length
+MEM_GB = {1024: 9.0, 4096: 9.5, 8192: 10.2}  # peak memory of a logging window at each training length
 OVERHEAD_S = 40.0  # start, compilation, validation and evaluation of a run
 
 
@@ -80,14 +81,17 @@ def _stages(cfg: Any) -> list[tuple[int, int]]:
 
 def _train_perf(cfg: Any, seed: int) -> dict[str, Any]:
     """What :func:`cc.train_perf` records: one window per ``log_every`` steps at its stage's step time."""
-    every, ends, edge = cfg.train.log_every, [], 0
+    every, ends, mem, edge = cfg.train.log_every, [], [], 0
     per_step = [STEP_S[n] * (1 + 0.01 * seed) for n, k in _stages(cfg) for _ in range(k)]
+    length = [n for n, k in _stages(cfg) for _ in range(k)]
     for end in range(every, cfg.train.max_steps + 1, every):
         t = float(np.mean(per_step[end - every:end]))
         ends.append([end, _tps(cfg) / t, t])
+        mem.append(max(MEM_GB[n] for n in length[end - every:end]))
         edge = end
     assert edge == cfg.train.max_steps - cfg.train.max_steps % every
-    return {"log_every": every, "tokens_per_step": _tps(cfg), "windows": ends, "peak_mem_gb": 60.0}
+    return {"log_every": every, "tokens_per_step": _tps(cfg), "windows": ends, "peak_mem_gb": max(mem),
+            "window_peak_mem_gb": mem}
 
 
 def _fake_train(study, arm, seed, cfg, run_dir, fingerprint, code, record, evaluate=None, checkpoints="", monitor=None):
@@ -192,6 +196,8 @@ def test_research_report_renders_from_synthetic_records(tmp_path: Path, tracking
     # the stages' step times come from the records (no MLflow perf metrics on this machine)
     perf = {(p["schedule"], p["seed"], p["stage"]): p for p in summary["stage_perf"]}
     assert perf[("curriculum", 0, 1)]["step_time_s"] == pytest.approx(STEP_S[4096])
+    # and each stage's memory, from the windows' own peaks
+    assert [perf[("curriculum", 0, k)]["peak_mem_gb"] for k in range(3)] == [MEM_GB[n] for n in P.lengths]
     assert perf[("direct", 2, 0)]["tok_per_s"] == pytest.approx(TPS / (STEP_S[LONGEST] * 1.02))
     rows = {(r["schedule"], r["seed"]): r for r in summary["rows"]}
     assert rows[("short", 0)]["train_clock"] == "steady"

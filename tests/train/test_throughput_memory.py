@@ -62,6 +62,7 @@ def test_window_peaks_are_their_own_and_no_earlier_run_leaks(alloc: FakeAllocato
     # each window's optimizer steps, counted from 0 as a curriculum's StagePlan counts them, and its time per step
     assert [(first, end) for first, end, _ in cb.spans] == [(0, 2), (2, 4)]
     assert all(sec > 0 for _, _, sec in cb.spans)
+    assert cb.window_mem_gb == pytest.approx([8.0, 3.0])  # each window's own peak, as logged
 
 
 def test_summary_counts_steps_after_the_last_window(alloc: FakeAllocator) -> None:
