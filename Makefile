@@ -92,7 +92,7 @@ throughput: $(SETUP) ## train PRESET (default gpu-small) and record tokens/s + M
 	$(PYTHON) -m moelab train --config $(or $(PRESET),gpu-small) --throughput kernels/results/model_h200.json $(ARGS)
 
 ENTRY ?=
-bench: $(SETUP) ## GPU: one benchmark entry (ENTRY=kda|kda_long|kda_infer|attnres|moe|model; ARGS='--shapes ... --base REV --rounds N'; `$(PYTHON) kernels/bench.py --list`) -> kernels/results/<entry>_<gpu>.json
+bench: $(SETUP) ## GPU: one benchmark entry (ENTRY=kda|kda_long|kda_infer|attnres|moe|conv|model; ARGS='--shapes ... --base REV --rounds N'; `$(PYTHON) kernels/bench.py --list`) -> kernels/results/<entry>_<gpu>.json
 	@[ -n "$(ENTRY)" ] || { echo "make bench: ENTRY=NAME is required; the entries:" >&2; $(PYTHON) kernels/bench.py --list >&2; exit 2; }
 	$(PYTHON) kernels/bench.py --entry $(ENTRY) $(ARGS)
 

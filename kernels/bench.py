@@ -21,6 +21,7 @@ Entries (``ENTRIES``; each row says what ran, with the times in ms and peak memo
   and stacked sources) at issue 37's grid (``N{N}_D{D}_L{L}``; groups ``grid_D{D}``, ``grid``) and with plain
   PyTorch too at N = 32768, D = 2048 (``L4``...), bf16, errors vs fp32; rows merged into the file by shape.
 * ``moe``: the LatentMoE layer against dense matmul chains of the same FLOPs (``extra.ratios``).
+* ``conv``: ShortConv (4 taps, SiLU) per launch and backward kernel beside ``F.conv1d``, errors vs fp32.
 * ``model``: whole-model training steps (fwd + bwd + balancer + fused AdamW): the fla-anchor shape beside
   fla's ``KDAForCausalLM``, gpu-small per residual mode, k3-mini with quantile balancing vs ``balancer:
   none``. Every config of a group stays on the GPU and is timed in ``--rounds`` interleaved rounds (a
@@ -700,6 +701,17 @@ def run_attnres(ctx: Ctx) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------ moe
 
+CONV_SHAPES = {"k3-mini": (8, 4096, 512), "B1-T32768-C1536": (1, 32768, 1536), "smoke": (2, 40, 24)}
+
+
+def run_conv(ctx: Ctx) -> dict[str, Any]:
+    """ShortConv launches and backward kernels beside F.conv1d: ``moelab.ops.short_conv.launch_rows``."""
+    from moelab.ops.short_conv import launch_rows
+    dev, timer = "cuda" if ctx.cuda else "cpu", functools.partial(time_ms, **ctx.timing)
+    return {"rows": [r for n in ctx.shapes
+                     for r in launch_rows(*CONV_SHAPES[n], dev, ctx.dtype, timer, rel_err, ctx.cuda, {"shape": n})]}
+
+
 MOE_SHAPES = {"N32768": dict(tokens=32768, d_model=1024, experts=64, top_k=8, latent=512, expert_dim=512,
                              num_shared=2),
               "smoke": dict(tokens=512, d_model=64, experts=8, top_k=2, latent=32, expert_dim=32, num_shared=2)}
@@ -840,8 +852,6 @@ def run_moe(ctx: Ctx) -> dict[str, Any]:
             "target": f"moelab_moe TFLOP/s >= {MOE_TARGET:.0%} of dense_equal_flops'",
             "target_met": ratios.get("ratio_vs_dense_equal_flops", 0.0) >= MOE_TARGET,
             "flops": "matmul FLOPs only; fwd+bwd = 3 x fwd"}
-
-
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -1305,6 +1315,8 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           summarize=attnres_summary),
     Entry("moe", "LatentMoE layer fwd+bwd vs dense matmul chains of equal FLOPs", MOE_SHAPES, ("N32768",), "smoke",
           run_moe, ("impl",)),
+    Entry("conv", "ShortConv per launch and backward kernel vs F.conv1d", CONV_SHAPES, ("k3-mini", "B1-T32768-C1536"),
+          "smoke", run_conv, ("impl", "shape")),
     Entry("model", "whole-model training step: fla shape vs fla, gpu-small residual modes, k3-mini balancer cost",
           {g: MODEL_GROUPS[g][0] for g in MODEL_GROUPS}, tuple(MODEL_GROUPS), "k3-mini", run_model, ("impl",),
           merge=True, rounds=4),

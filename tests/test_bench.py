@@ -352,3 +352,20 @@ def test_kernel_times_lists_where_the_time_goes():
         kernel_times(fn, calls=0, cuda=False)
     res = _run("--entry", "moe", "--smoke", "--kernels")
     assert res.returncode == 2 and "--kernels needs entry kda, got entry moe" in res.stderr
+
+
+def test_conv_entry_times_launches_and_kernels_beside_torch(bench, tmp_path):
+    """The conv entry's CPU smoke run: torch's F.conv1d path, the forward at its first launch and the backward at
+    its first launch in both kernels, each with times and errors vs fp32 (the interpreter computes in fp32); the
+    op's launch table and backward kernel are as before afterwards."""
+    from moelab.ops import short_conv
+
+    before = (dict(short_conv.LAUNCH), short_conv.BWD_TAPS4)
+    res = bench.run_entry(bench.ENTRIES["conv"], ["smoke"], str(tmp_path / "conv.json"), cuda=False, rounds=1,
+                          budget_s=None)
+    rows = {r["impl"]: r for r in res["rows"]}
+    assert set(rows) == {"torch_conv1d", "fwd_16x128x4", "bwd_taps4_16x128x8", "bwd_generic_16x128x8"}
+    for r in rows.values():
+        assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and "error" not in r, r
+        assert max(r["err_y"], r["err_dx"], r["err_dw"]) < 1e-5, r
+    assert (dict(short_conv.LAUNCH), short_conv.BWD_TAPS4) == before

@@ -21,6 +21,8 @@ inputs of its own document, as if each document were convolved alone.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +37,13 @@ ACTIVATIONS = (None, "silu")
 # (kernels/results/model_profile_h200.json, 27 calls). At 16 x 128 on 8 warps it takes 140-158 registers and
 # spills nothing; the forward at 16 x 128 on 4 warps 71-118, nothing (at 64 x 128: up to 320 B of spills). Each
 # output element sums the same terms in the same order at any tile; only dw's per-tile partial sums group the rows
-# differently. Not yet timed on a GPU.
+# differently. Timed inside a k3-mini step on an H100 (profile at 2570296, not committed): the backward at
+# 16 x 128 / 8 warps took 13.8 ms of 27 calls, more than the 5.7 ms of 64 x 128 / 4 warps on the H200, so fewer
+# registers did not make it faster; ``kernels/bench.py --entry conv`` times the launches side by side.
 LAUNCH = {"fwd": (16, 128, 4), "bwd": (16, 128, 8)}
+# 4 taps (KDA's ShortConv): the backward loads each of the 7 distinct x tiles once (``_conv_bwd4_kernel``), not 16
+# shifted ones; False: the generic kernel (``kernels/bench.py --entry conv`` times both).
+BWD_TAPS4 = True
 _INTERP_BT, _INTERP_BC = 16, 16
 
 
@@ -121,6 +128,74 @@ def _conv_bwd_kernel(x, w, dy, dx, dw, pos, T, C, NTB, W: tl.constexpr, BT: tl.c
     tl.store(dx + t[:, None] * C + c[None, :], dxa.to(dx.dtype.element_ty), mask=(t < T)[:, None] & cm[None, :])
 
 
+@triton.jit
+def _pick(d: tl.constexpr, xm3, xm2, xm1, x0, xp1, xp2, xp3):
+    """The x tile at row offset ``d`` (-3 .. 3) of the seven a 4-tap backward reads."""
+    if d == -3:
+        return xm3
+    elif d == -2:
+        return xm2
+    elif d == -1:
+        return xm1
+    elif d == 0:
+        return x0
+    elif d == 1:
+        return xp1
+    elif d == 2:
+        return xp2
+    else:
+        return xp3
+
+
+@triton.jit
+def _row_tile(x, t, d: tl.constexpr, c, cm, T, C):
+    """x rows ``t + d`` of the block (zero outside ``0 .. T - 1``) as fp32."""
+    s = t + d
+    return tl.load(x + s[:, None] * C + c[None, :], mask=((s >= 0) & (s < T))[:, None] & cm[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _conv_bwd4_kernel(x, w, dy, dx, dw, pos, T, C, NTB, BT: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr,
+                      HAS_POS: tl.constexpr):
+    """``_conv_bwd_kernel`` for 4 taps (KDA's ShortConv): the 16 shifted x tiles that its recomputed
+    pre-activations read (4 rows x 4 taps) are 7 distinct tiles, rows ``t - 3 .. t + 3``; each is loaded once,
+    and a tap across a document start is zeroed by ``tl.where`` rather than by its load's mask. Every output
+    element sums the same terms in the same order as the generic kernel (the same dx, the same dw partials)."""
+    i_t, i_b, t, c, cm = _block(C, BT, BC)
+    x += i_b * T * C
+    dy += i_b * T * C
+    dx += i_b * T * C
+    pos += i_b * T
+    xm3 = _row_tile(x, t, -3, c, cm, T, C)
+    xm2 = _row_tile(x, t, -2, c, cm, T, C)
+    xm1 = _row_tile(x, t, -1, c, cm, T, C)
+    x0 = _row_tile(x, t, 0, c, cm, T, C)
+    xp1 = _row_tile(x, t, 1, c, cm, T, C)
+    xp2 = _row_tile(x, t, 2, c, cm, T, C)
+    xp3 = _row_tile(x, t, 3, c, cm, T, C)
+    dxa = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(4):
+        r = t + j  # rows whose output depends on x[t] through tap 3 - j
+        reach = _reach(pos, r, T, 4, HAS_POS)
+        rin = (r < T) & (j <= reach)
+        g = tl.load(dy + r[:, None] * C + c[None, :], mask=rin[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        if SILU:
+            pre = tl.zeros([BT, BC], dtype=tl.float32)
+            for i in tl.static_range(4):
+                xv = _pick(j - 3 + i, xm3, xm2, xm1, x0, xp1, xp2, xp3)
+                pre += tl.where((3 - i <= reach)[:, None], xv, 0.0) * tl.load(w + c * 4 + i, mask=cm,
+                                                                               other=0.0).to(tl.float32)[None, :]
+            sg = tl.sigmoid(pre)
+            g = g * sg * (1.0 + pre * (1.0 - sg))
+        dxa += g * tl.load(w + c * 4 + (3 - j), mask=cm, other=0.0).to(tl.float32)[None, :]
+        if j == 0:  # dpre at the block's own rows: its part of dw
+            for i in tl.static_range(4):
+                xv = tl.where((3 - i <= reach)[:, None], _pick(i - 3, xm3, xm2, xm1, x0, xp1, xp2, xp3), 0.0)
+                tl.store(dw + ((i_b * NTB + i_t) * C + c) * 4 + i, tl.sum(g * xv, axis=0), mask=cm)
+    tl.store(dx + t[:, None] * C + c[None, :], dxa.to(dx.dtype.element_ty), mask=(t < T)[:, None] & cm[None, :])
+
+
 def _blocks(which: str) -> tuple[int, int, int]:
     """(rows, channels, warps) of the ``which`` ("fwd" / "bwd") launch."""
     return (_INTERP_BT, _INTERP_BC, 4) if _interpret() else LAUNCH[which]
@@ -153,9 +228,12 @@ class CausalConv1dFunction(torch.autograd.Function):
         ntb = triton.cdiv(T, BT)
         dx = torch.empty_like(x)
         dw = torch.empty(B * ntb, C, W, device=x.device, dtype=torch.float32)
-        _conv_bwd_kernel[(ntb, triton.cdiv(C, BC), B)](x, w, dy.contiguous(), dx, dw, x if pos is None else pos, T,
-                                                      C, ntb, W=W, BT=BT, BC=BC, SILU=ctx.activation == "silu",
-                                                      HAS_POS=pos is not None, num_warps=warps)
+        grid, args = (ntb, triton.cdiv(C, BC), B), (x, w, dy.contiguous(), dx, dw, x if pos is None else pos, T, C, ntb)
+        flags = {"BT": BT, "BC": BC, "SILU": ctx.activation == "silu", "HAS_POS": pos is not None, "num_warps": warps}
+        if W == 4 and BWD_TAPS4:
+            _conv_bwd4_kernel[grid](*args, **flags)
+        else:
+            _conv_bwd_kernel[grid](*args, W=W, **flags)
         return dx, dw.sum(0).to(w.dtype), None, None
 
 
@@ -199,3 +277,57 @@ def causal_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, activation: str |
     y = F.conv1d(F.pad(x.transpose(1, 2), (W - 1, 0)), weight[:, None, :].to(x.dtype), groups=x.shape[2])
     y = y.transpose(1, 2)
     return F.silu(y) if activation == "silu" else y
+
+
+# (rows, channels, warps) launches ``launch_rows`` times; the first of each is ``LAUNCH``'s
+FWD_LAUNCHES = ((16, 128, 4), (32, 128, 4), (64, 128, 4), (32, 64, 4))
+BWD_LAUNCHES = ((16, 128, 8), (16, 128, 4), (32, 128, 8), (32, 64, 4), (64, 128, 4), (64, 64, 4))
+
+
+def launch_rows(B: int, T: int, C: int, device: str, dtype: torch.dtype, time_ms: Callable[..., float],
+                rel_err: Callable[[torch.Tensor, torch.Tensor], float], every_launch: bool = True,
+                tag: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Rows for choosing ``LAUNCH`` and ``BWD_TAPS4`` by measurement (``kernels/bench.py --entry conv``): the op with
+    4 taps and SiLU on ``x [B, T, C]`` in ``dtype``, per forward launch and per backward launch and kernel (``taps4``
+    / ``generic``), beside torch's ``F.conv1d`` path; each row ``fwd_ms``, ``fwd_bwd_ms`` (``time_ms(fn, before=)``:
+    ms, or a result with ``.ms``) and the errors of y, dx, dw (``rel_err``) against the fp32 reference; a launch
+    that fails to compile, its error. ``every_launch`` False: the first of each only (a CPU interpreter's smoke
+    run). ``LAUNCH`` and ``BWD_TAPS4`` are restored."""
+    gen = torch.Generator().manual_seed(0)
+    x32, w = torch.randn(B, T, C, generator=gen), ((torch.rand(C, 4, generator=gen) - 0.5) / 2).to(device)
+    dy = torch.randn(B, T, C, generator=gen).to(device)
+    xr, wr = x32.to(device).requires_grad_(), w.clone().requires_grad_()
+    yr = causal_conv1d_torch(xr, wr, "silu")
+    (yr * dy).sum().backward()
+    x, wt, dyd = x32.to(device, dtype).requires_grad_(), w.clone().requires_grad_(), dy.to(dtype)
+
+    def clear() -> None:
+        x.grad = wt.grad = None
+
+    cases = [("torch_conv1d", None, None, None)] + [
+        (f"fwd_{'x'.join(map(str, f))}", f, None, "taps4") for f in FWD_LAUNCHES[:None if every_launch else 1]] + [
+        (f"bwd_{k}_{'x'.join(map(str, b))}", None, b, k) for k in ("taps4", "generic")
+        for b in BWD_LAUNCHES[:None if every_launch else 1]]
+    default, taps4, rows = dict(LAUNCH), BWD_TAPS4, []
+    try:
+        for impl, fwd, bwd, kernel in cases:
+            fn = causal_conv1d_torch if kernel is None else causal_conv1d
+            LAUNCH.update(fwd=fwd or default["fwd"], bwd=bwd or default["bwd"])
+            globals()["BWD_TAPS4"] = kernel != "generic"
+            row: dict[str, Any] = {"impl": impl, **(tag or {}), "B": B, "T": T, "C": C}
+            try:
+                for key, call, before in (("fwd_ms", lambda f=fn: f(x, wt, "silu"), None),
+                                          ("fwd_bwd_ms", lambda f=fn: f(x, wt, "silu").backward(dyd), clear)):
+                    t = time_ms(call, before=before)
+                    row[key] = float(getattr(t, "ms", t))
+                clear()
+                y = fn(x, wt, "silu")
+                y.backward(dyd)
+                row.update(err_y=rel_err(yr, y), err_dx=rel_err(xr.grad, x.grad), err_dw=rel_err(wr.grad, wt.grad))
+            except Exception as e:  # a launch that does not compile on this GPU: its row says why
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+    finally:
+        LAUNCH.update(default)
+        globals()["BWD_TAPS4"] = taps4
+    return rows
