@@ -41,9 +41,10 @@ ACTIVATIONS = (None, "silu")
 # 16 x 128 / 8 warps took 13.8 ms of 27 calls, more than the 5.7 ms of 64 x 128 / 4 warps on the H200, so fewer
 # registers did not make it faster; ``kernels/bench.py --entry conv`` times the launches side by side.
 LAUNCH = {"fwd": (16, 128, 4), "bwd": (16, 128, 8)}
-# 4 taps (KDA's ShortConv): the backward loads each of the 7 distinct x tiles once (``_conv_bwd4_kernel``), not 16
-# shifted ones; False: the generic kernel (``kernels/bench.py --entry conv`` times both).
-BWD_TAPS4 = True
+# 4 taps (KDA's ShortConv): True, the backward loads each of the 7 distinct x tiles once (``_conv_bwd4_kernel``),
+# not 16 shifted ones. Off until ``kernels/bench.py --entry conv`` has timed both on a GPU (study 4's research grid,
+# half trained, keeps the kernel its first runs had).
+BWD_TAPS4 = False
 _INTERP_BT, _INTERP_BC = 16, 16
 
 
