@@ -754,6 +754,20 @@ def _fmt_s(s: float) -> str:
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
+CPU_GPU_PRESET_ENV = "MOELAB_STUDY_GPU_PRESET_ON_CPU"  # "1": train a GPU preset's missing run on a CPU anyway
+
+
+class GPURequired(RuntimeError):
+    """A study run with no record would train a GPU preset on a machine without CUDA (a research or gpu tier
+    rendered on a laptop before all its records came back)."""
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 class GridIncomplete(Exception):
     """A split call (``RUNS=`` / ``SHARD=``) trained its runs and stopped the study: runs are still missing.
 
@@ -1184,6 +1198,11 @@ def _train(study: str, arm: str, seed: int, cfg: Any, run_dir: Path, fingerprint
     from moelab.tracking import client
     from moelab.train import fit
 
+    if str(cfg.preset).startswith("gpu") and not _cuda() and os.environ.get(CPU_GPU_PRESET_ENV) != "1":
+        number = study.split("_", 1)[0].lstrip("0")
+        raise GPURequired(f"run {arm}:{seed} has no record and needs a GPU (preset {cfg.preset}; no CUDA here): "
+                          f"train it on one, `make study-{number} PRESET=<tier> RUNS={arm}:{seed}`, then render here "
+                          f"with every record in place ({CPU_GPU_PRESET_ENV}=1: train it here anyway)")
     marker = run_dir / "fingerprint"
     resume = ((run_dir / "last.ckpt").is_file() and marker.is_file() and marker.read_text().strip() == fingerprint
               and _status(run_dir / "summary.json") != "finished")

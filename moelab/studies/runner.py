@@ -651,7 +651,7 @@ def _failure_line(number: int, e: Any, executed: Path) -> str:
     """One line for a failed cell: which cell (1-based, with its first source line), the error, where to look."""
     first = next((ln.strip() for ln in (e.source or "").splitlines() if ln.strip() and not ln.startswith("#")), "")
     cell = f"cell {e.cell_index + 1}" if e.cell_index is not None else "a cell"
-    error = str(e.evalue).splitlines()[0][:200] if e.evalue else ""
+    error = str(e.evalue).splitlines()[0][:320] if e.evalue else ""
     return (f"study {number}: {cell} ({first[:60]!r}) raised {e.ename}: {error}; the executed notebook with "
             f"the traceback: {_shown(executed)} (results so far kept beside it)")
 

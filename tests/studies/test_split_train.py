@@ -481,3 +481,21 @@ def test_a_jobs_probe_times_its_runs_together(tmp_path, monkeypatch) -> None:
             .splitlines()]
     assert sorted((r["arm"], r["gpu_share"], r["timed_together"]) for r in rows) == [("bounded", 2, True),
                                                                                       ("softplus", 2, True)]
+
+
+def test_a_gpu_preset_run_without_a_record_refuses_to_train_on_a_cpu(tmp_path, monkeypatch) -> None:
+    """Rendering a GPU tier on a machine without CUDA before every record came back: the first missing run raises
+    GPURequired naming itself and the command that trains it, instead of a days-long CPU run; the escape hatch
+    lets it train all the same."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(common, "_cuda", lambda: False)
+    cfg = SimpleNamespace(preset="gpu-small")
+    with pytest.raises(common.GPURequired, match=r"run curriculum:0 has no record and needs a GPU \(preset gpu-small; "
+                                                 r"no CUDA here\): train it on one, `make study-4 PRESET=<tier> "
+                                                 r"RUNS=curriculum:0`"):
+        common._train("04_context_curriculum", "curriculum", 0, cfg, tmp_path / "run", "fp", {}, tmp_path / "r.json")
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv(common.CPU_GPU_PRESET_ENV, "1")
+    with pytest.raises(AttributeError):  # past the check: it starts on the (stand-in) config
+        common._train("04_context_curriculum", "curriculum", 0, cfg, tmp_path / "run", "fp", {}, tmp_path / "r.json")
