@@ -423,25 +423,30 @@ def _pilot_curve(pilot: Sequence[Mapping[str, Any]]) -> tuple[str, list[int], li
     return curve, reached, budgets[max(budgets)]
 
 
-def pilot_finding(pilot: Sequence[Mapping[str, Any]], length: int,
-                  recipes: Mapping[str, str] | None = None) -> report.Finding:
-    """Is retrieval learnable at this size, with the grid's settings: the fewest tokens at which passkey at
-    ``length`` reached :data:`PILOT_PASSKEY` (the mean over the runs at that budget), or "not tested" with the best
-    reached. Pilot variants (rows whose ``recipe`` is not ``""``; ``recipes``: their descriptions,
-    :func:`pilot_recipes`) follow in the answer, each with its own curve: they say whether another model or
-    learning rate learns retrieval, not whether the grid's runs did."""
-    q = f"Is passkey retrieval learnable at this size (short arm, accuracy >= {PILOT_PASSKEY} at {length:,} tokens)"
-    own = [d for d in pilot if not d.get("recipe")]
-    others = []
+def pilot_variants(pilot: Sequence[Mapping[str, Any]], recipes: Mapping[str, str] | None = None) -> list[str]:
+    """One sentence per pilot variant (rows whose ``recipe`` is not ``""``; ``recipes``: their descriptions,
+    :func:`pilot_recipes`): learned or not, and its curve."""
+    out = []
     for recipe in sorted({d["recipe"] for d in pilot if d.get("recipe")}):
         rows = [d for d in pilot if d.get("recipe") == recipe]
         text, hit, _ = _pilot_curve(rows)
         what = (recipes or {}).get(recipe, recipe)
-        others.append(f"pilot variant {recipe} ({what}): "
-                      + (f"learned, first at {hit[0] / 1e6:.1f}M tokens" if hit else
-                         f"not learned within {max(int(d['tokens']) for d in rows) / 1e6:.1f}M tokens")
-                      + f" (passkey by budget {text})")
-    tail = "".join(f". {o}" for o in others)
+        out.append(f"pilot variant {recipe} ({what}): "
+                   + (f"learned, first at {hit[0] / 1e6:.1f}M tokens" if hit else
+                      f"not learned within {max(int(d['tokens']) for d in rows) / 1e6:.1f}M tokens")
+                   + f" (passkey by budget {text})")
+    return out
+
+
+def pilot_finding(pilot: Sequence[Mapping[str, Any]], length: int,
+                  recipes: Mapping[str, str] | None = None, variants: bool = True) -> report.Finding:
+    """Is retrieval learnable at this size, with the grid's settings: the fewest tokens at which passkey at
+    ``length`` reached :data:`PILOT_PASSKEY` (the mean over the runs at that budget), or "not tested" with the best
+    reached. Pilot variants (:func:`pilot_variants`) follow in the answer where ``variants``, each with its own
+    curve: they say whether another model or learning rate learns retrieval, not whether the grid's runs did."""
+    q = f"Is passkey retrieval learnable at this size (short arm, accuracy >= {PILOT_PASSKEY} at {length:,} tokens)"
+    own = [d for d in pilot if not d.get("recipe")]
+    tail = "".join(f". {o}" for o in pilot_variants(pilot, recipes)) if variants else ""
     if not own:
         return report.not_tested(q, f"no pilot run of the grid's recipe recorded{tail}")
     curve, reached, last = _pilot_curve(own)
@@ -1125,9 +1130,12 @@ def study_report(summary: Mapping[str, Any]) -> report.Report:
             beyond.append(report.compare(f"Held-out loss past {longest:,} tokens (loss by position), curriculum "
                                          "minus direct", seeds("curriculum", "loss_beyond"),
                                          seeds("direct", "loss_beyond"), unit="nats"))
-        pf = pilot_finding(summary["pilot"], summary["pilot_length"], summary.get("pilot_recipes"))
-        ordered = [pf, pk_direct, pk_short, eff, *beyond[:1], *(beyond[-1:] if len(beyond) > 1 else []), direct,
+        # the question first, then its precondition; the pilot's other recipes go to the details
+        pf = pilot_finding(summary["pilot"], summary["pilot_length"], summary.get("pilot_recipes"), variants=False)
+        ordered = [pk_direct, pf, pk_short, eff, *beyond[:1], *(beyond[-1:] if len(beyond) > 1 else []), direct,
                    eff_short, ret, *beyond[1:-1], short, clock, tcost]
+        variants = pilot_variants(summary["pilot"], summary.get("pilot_recipes"))
+        details += [f"Pilot variants (earlier recipes, not the grid's): {'; '.join(variants)}."] if variants else []
         found, rest = ordered[:report.MAX_LEAD], ordered[report.MAX_LEAD:]
         details += ["Also: " + "; ".join(f.plain() for f in rest) + "."] if rest else []
     if b.get("synthetic_fixed_per_step"):
