@@ -37,7 +37,8 @@ ACTIVATIONS = (None, "silu")
 # (kernels/results/model_profile_h200.json, 27 calls). At 16 x 128 on 8 warps it takes 140-158 registers and
 # spills nothing; the forward at 16 x 128 on 4 warps 71-118, nothing (at 64 x 128: up to 320 B of spills). Each
 # output element sums the same terms in the same order at any tile; only dw's per-tile partial sums group the rows
-# differently. Timed inside a k3-mini step on an H100 (profile at 2570296, not committed): the backward at
+# differently. Timed inside a k3-mini step on an H100 (`moelab.train.perf --profile k3-mini` at 2570296; kept out of
+# kernels/results/, which is at its 20 files, until the conv bench's rows replace it): the backward at
 # 16 x 128 / 8 warps took 13.8 ms of 27 calls, more than the 5.7 ms of 64 x 128 / 4 warps on the H200, so fewer
 # registers did not make it faster; ``kernels/bench.py --entry conv`` times the launches side by side.
 LAUNCH = {"fwd": (16, 128, 4), "bwd": (16, 128, 8)}
