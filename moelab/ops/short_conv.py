@@ -150,6 +150,19 @@ def _pick(d: tl.constexpr, xm3, xm2, xm1, x0, xp1, xp2, xp3):
 
 
 @triton.jit
+def _tap(i: tl.constexpr, w0, w1, w2, w3):
+    """Tap ``i`` (0 .. 3) of the four ``[1, BC]`` weight rows."""
+    if i == 0:
+        return w0
+    elif i == 1:
+        return w1
+    elif i == 2:
+        return w2
+    else:
+        return w3
+
+
+@triton.jit
 def _row_tile(x, t, d: tl.constexpr, c, cm, T, C):
     """x rows ``t + d`` of the block (zero outside ``0 .. T - 1``) as fp32."""
     s = t + d
@@ -176,6 +189,11 @@ def _conv_bwd4_kernel(x, w, dy, dx, dw, pos, T, C, NTB, BT: tl.constexpr, BC: tl
     xp1 = _row_tile(x, t, 1, c, cm, T, C)
     xp2 = _row_tile(x, t, 2, c, cm, T, C)
     xp3 = _row_tile(x, t, 3, c, cm, T, C)
+    # the taps, once (inside the loops the dw stores between their loads would keep the compiler from reusing them)
+    w0 = tl.load(w + c * 4, mask=cm, other=0.0).to(tl.float32)[None, :]
+    w1 = tl.load(w + c * 4 + 1, mask=cm, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w + c * 4 + 2, mask=cm, other=0.0).to(tl.float32)[None, :]
+    w3 = tl.load(w + c * 4 + 3, mask=cm, other=0.0).to(tl.float32)[None, :]
     dxa = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(4):
         r = t + j  # rows whose output depends on x[t] through tap 3 - j
@@ -186,11 +204,10 @@ def _conv_bwd4_kernel(x, w, dy, dx, dw, pos, T, C, NTB, BT: tl.constexpr, BC: tl
             pre = tl.zeros([BT, BC], dtype=tl.float32)
             for i in tl.static_range(4):
                 xv = _pick(j - 3 + i, xm3, xm2, xm1, x0, xp1, xp2, xp3)
-                pre += tl.where((3 - i <= reach)[:, None], xv, 0.0) * tl.load(w + c * 4 + i, mask=cm,
-                                                                               other=0.0).to(tl.float32)[None, :]
+                pre += tl.where((3 - i <= reach)[:, None], xv, 0.0) * _tap(i, w0, w1, w2, w3)
             sg = tl.sigmoid(pre)
             g = g * sg * (1.0 + pre * (1.0 - sg))
-        dxa += g * tl.load(w + c * 4 + (3 - j), mask=cm, other=0.0).to(tl.float32)[None, :]
+        dxa += g * _tap(3 - j, w0, w1, w2, w3)
         if j == 0:  # dpre at the block's own rows: its part of dw
             for i in tl.static_range(4):
                 xv = tl.where((3 - i <= reach)[:, None], _pick(i - 3, xm3, xm2, xm1, x0, xp1, xp2, xp3), 0.0)
