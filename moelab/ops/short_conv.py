@@ -312,6 +312,7 @@ def launch_rows(B: int, T: int, C: int, device: str, dtype: torch.dtype, time_ms
     ms, or a result with ``.ms``) and the errors of y, dx, dw (``rel_err``) against the fp32 reference; a launch
     that fails to compile, its error. ``every_launch`` False: the first of each only (a CPU interpreter's smoke
     run). ``LAUNCH`` and ``BWD_TAPS4`` are restored."""
+    global BWD_TAPS4
     gen = torch.Generator().manual_seed(0)
     x32, w = torch.randn(B, T, C, generator=gen), ((torch.rand(C, 4, generator=gen) - 0.5) / 2).to(device)
     dy = torch.randn(B, T, C, generator=gen).to(device)
@@ -332,7 +333,7 @@ def launch_rows(B: int, T: int, C: int, device: str, dtype: torch.dtype, time_ms
         for impl, fwd, bwd, kernel in cases:
             fn = causal_conv1d_torch if kernel is None else causal_conv1d
             LAUNCH.update(fwd=fwd or default["fwd"], bwd=bwd or default["bwd"])
-            globals()["BWD_TAPS4"] = kernel != "generic"
+            BWD_TAPS4 = kernel != "generic"
             row: dict[str, Any] = {"impl": impl, **(tag or {}), "B": B, "T": T, "C": C}
             try:
                 for key, call, before in (("fwd_ms", lambda f=fn: f(x, wt, "silu"), None),
@@ -348,5 +349,5 @@ def launch_rows(B: int, T: int, C: int, device: str, dtype: torch.dtype, time_ms
             rows.append(row)
     finally:
         LAUNCH.update(default)
-        globals()["BWD_TAPS4"] = taps4
+        BWD_TAPS4 = taps4
     return rows
