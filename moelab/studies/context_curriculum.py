@@ -440,22 +440,33 @@ def pilot_variants(pilot: Sequence[Mapping[str, Any]], recipes: Mapping[str, str
 
 def pilot_finding(pilot: Sequence[Mapping[str, Any]], length: int,
                   recipes: Mapping[str, str] | None = None, variants: bool = True) -> report.Finding:
-    """Is retrieval learnable at this size, with the grid's settings: the fewest tokens at which passkey at
-    ``length`` reached :data:`PILOT_PASSKEY` (the mean over the runs at that budget), or "not tested" with the best
-    reached. Pilot variants (:func:`pilot_variants`) follow in the answer where ``variants``, each with its own
-    curve: they say whether another model or learning rate learns retrieval, not whether the grid's runs did."""
+    """Is retrieval learnable at this size, with the grid's settings: how many runs reached :data:`PILOT_PASSKEY`
+    passkey at ``length`` (a run: one ``(source, seed)`` of ``pilot``'s rows, the monitored pilot at each of its
+    budgets, a short run at its end), the fewest tokens at which one did, and every run's value at the largest
+    budget with its interval; "not tested" with the best reached where none did. A "yes" needs every run to reach
+    it: a size at which some seeds learn retrieval and some do not says so. Pilot variants (:func:`pilot_variants`)
+    follow in the answer where ``variants``, each with its own curve: they say whether another model or learning
+    rate learns retrieval, not whether the grid's runs did."""
     q = f"Is passkey retrieval learnable at this size (short arm, accuracy >= {PILOT_PASSKEY} at {length:,} tokens)"
     own = [d for d in pilot if not d.get("recipe")]
     tail = "".join(f". {o}" for o in pilot_variants(pilot, recipes)) if variants else ""
     if not own:
         return report.not_tested(q, f"no pilot run of the grid's recipe recorded{tail}")
-    curve, reached, last = _pilot_curve(own)
+    curve, _, last = _pilot_curve(own)
     iv = report.mean_interval(last) if len(last) > 1 else None
-    if reached:
-        return report.measured(q, iv, answer=f"yes: first at {reached[0] / 1e6:.1f}M tokens (passkey by budget: "
-                                             f"{curve}){tail}")
-    return report.not_tested(q, f"not learned within {max(int(d['tokens']) for d in own) / 1e6:.1f}M tokens: "
-                                f"passkey by budget {curve}{tail}", iv)
+    runs: dict[tuple[Any, Any], list[Mapping[str, Any]]] = {}
+    for d in own:
+        runs.setdefault((d.get("source"), d.get("seed")), []).append(d)
+    firsts = [min(int(d["tokens"]) for d in rs if d["passkey"] >= PILOT_PASSKEY) for rs in runs.values()
+              if any(d["passkey"] >= PILOT_PASSKEY for d in rs)]
+    top = max(int(d["tokens"]) for d in own)
+    at_end = f"passkey at {top / 1e6:.1f}M tokens by run: " + ", ".join(f"{v:.2f}" for v in sorted(last, reverse=True))
+    if firsts:
+        k, n = len(firsts), len(runs)
+        lead = "yes, " if k == n and (iv is None or not iv.includes_zero) else ""
+        return report.measured(q, iv, answer=f"{lead}{k} of {n} runs reached it, the first at {min(firsts) / 1e6:.1f}M"
+                                             f" tokens ({at_end}; passkey by budget: {curve}){tail}")
+    return report.not_tested(q, f"not learned within {top / 1e6:.1f}M tokens: passkey by budget {curve}{tail}", iv)
 
 
 def train(preset: str, out_dir: str | Path, extra_overrides: Mapping[str, Any] | None = None) -> common.Grid:
@@ -917,6 +928,32 @@ def retrieval_learned(rows: Sequence[Mapping[str, Any]]) -> tuple[bool, str | No
                    f"{chance_passkey():.0e}), effective context 0 in every arm")
 
 
+def retrieval_by_arm(rows: Sequence[Mapping[str, Any]], arms: Sequence[str] = SCHEDULES) -> str:
+    """Which arms retrieve, run by run: ``"short retrieves in 2 of 3 runs (passkey at 1,024 tokens by run: 0.85,
+    0.75, 0.05)"`` per arm, a run retrieving where its passkey reaches :data:`PASSKEY_LEARNED` at some length."""
+    out = []
+    for arm in arms:
+        runs = [r for r in rows if r["schedule"] == arm and r["passkey"]]
+        if not runs:
+            continue
+        shortest = min(int(k) for k in runs[0]["passkey"])
+        k = sum(max(r["passkey"].values()) >= PASSKEY_LEARNED for r in runs)
+        first = sorted(({int(n): v for n, v in r["passkey"].items()}[shortest] for r in runs), reverse=True)
+        out.append(f"{arm} retrieves in {k} of {len(runs)} runs (passkey at {shortest:,} tokens by run: "
+                   + ", ".join(f"{v:.2f}" for v in first) + ")")
+    return "; ".join(out)
+
+
+def effective_floor(rows: Sequence[Mapping[str, Any]], other: str = "direct") -> str | None:
+    """The reason effective context (curriculum against ``other``) is not measured though some run retrieves: every
+    run of both arms has effective context 0, so their difference is 0 - 0; None otherwise."""
+    both = [r for r in rows if r["schedule"] in ("curriculum", other)]
+    if not both or any(r.get("effective_context") for r in both):
+        return None
+    return (f"no run of either arm holds passkey >= {EFFECTIVE_THRESHOLD:.0%} at the shortest evaluated length "
+            "(effective context 0 in every run); the mean passkey accuracy over the lengths compares them")
+
+
 def _wording(d: Mapping[str, Any], lower_is_better: bool) -> str:
     iv = report.Interval(d["mean"], *(math.nan if d.get(k) is None else d[k] for k in ("low", "high")),
                          d["n"], "paired t")
@@ -924,15 +961,16 @@ def _wording(d: Mapping[str, Any], lower_is_better: bool) -> str:
 
 
 def verdict(cmp: Mapping[str, Mapping[str, Any]], at_time: Mapping[str, Any],
-            learned: tuple[bool, str | None] = (True, None)) -> dict[str, str]:
+            learned: tuple[bool, str | None] = (True, None), floor: str | None = None) -> dict[str, str]:
     """Curriculum against direct long training, in the one wording of ``moelab.studies.report``:
     ``equal_tokens`` (validation loss at the longest length), ``equal_wall_clock`` (validation loss when the
-    faster run finished), ``effective_context`` ("not tested" unless retrieval was learned)."""
+    faster run finished), ``effective_context`` ("not tested" unless retrieval was learned, or with ``floor``,
+    :func:`effective_floor`'s reason, where neither arm holds the bar in any run)."""
     out = {"equal_tokens": _wording(cmp["val_loss"], True) if cmp["val_loss"]["n"] else "not compared",
            "equal_wall_clock": (_wording(at_time["diff"], True) if at_time["diff"]["n"]
                                 else "not compared (no seed has a reading at equal wall-clock)")}
-    out["effective_context"] = (_wording(cmp["effective_context"], False) if learned[0]
-                                else report.status_text("not tested", learned[1]))
+    out["effective_context"] = (_wording(cmp["effective_context"], False) if learned[0] and not floor
+                                else report.status_text("not tested", learned[1] or floor))
     return out
 
 
@@ -945,7 +983,8 @@ def refresh_comparisons(summary: Mapping[str, Any]) -> dict[str, Any]:
     at_time = {"values": et, "diff": paired({int(k): v["curriculum"] for k, v in et.items()},
                                             {int(k): v["direct"] for k, v in et.items()})}
     return {**summary, "curriculum_vs_direct": cmp_direct, "curriculum_vs_short": cmp_short,
-            "equal_wall_clock": at_time, "verdict": verdict(cmp_direct, at_time, retrieval_learned(rows))}
+            "equal_wall_clock": at_time,
+            "verdict": verdict(cmp_direct, at_time, retrieval_learned(rows), effective_floor(rows))}
 
 
 def summarize(grid: common.Grid, rows: Sequence[Mapping[str, Any]], perf_rows: Sequence[Mapping[str, Any]],
@@ -993,7 +1032,7 @@ def summarize(grid: common.Grid, rows: Sequence[Mapping[str, Any]], perf_rows: S
         "curriculum_vs_direct": cmp_direct,
         "curriculum_vs_short": cmp_short,
         "equal_wall_clock": at_time,
-        "verdict": verdict(cmp_direct, at_time, retrieval_learned(rows)),
+        "verdict": verdict(cmp_direct, at_time, retrieval_learned(rows), effective_floor(rows)),
         "chance": {"passkey": chance_passkey(), "mqar": 1 / max(2, _mqar_values(preset))},
         **({"pilot": list(pilot), "pilot_length": p.lengths[0], "pilot_recipes": pilot_recipes(preset)}
            if pilot is not None else {}),
@@ -1042,16 +1081,15 @@ def study_report(summary: Mapping[str, Any]) -> report.Report:
         a, b = seeds("curriculum", "effective_context"), seeds(other, "effective_context")
         # retrieval learned somewhere, yet no run of either arm holds the bar at the shortest length: [0, 0] is no
         # measurement of a difference, the comparison has nothing to compare
-        none = (None if why or any(a.values()) or any(b.values()) else
-                f"no run of either arm holds passkey >= {EFFECTIVE_THRESHOLD:.0%} at the shortest evaluated length "
-                "(effective context 0 in every run); the mean passkey accuracy over the lengths compares them")
         return report.compare(f"Does the curriculum reach a longer effective context than {other} training", a, b,
-                              lower_is_better=False, unit="tokens", digits=0, precondition=why or none)
+                              lower_is_better=False, unit="tokens", digits=0,
+                              precondition=why or effective_floor(rows, other))
 
     eff = eff_compare("direct")
     best = max((max(r["passkey"].values()) for r in rows if r["passkey"]), default=0.0)
     ret = report.measured("Is retrieval learned at this scale", None,
-                          answer=(f"best passkey accuracy of any run at any length {best:.2f} (chance "
+                          answer=(f"{retrieval_by_arm(rows)}; best passkey accuracy of any run at any length "
+                                  f"{best:.2f} (chance "
                                   f"{summary['chance']['passkey']:.1e}); mean MQAR accuracy "
                                   f"{np.mean([r['mqar_acc'] for r in rows]):.3f} (chance "
                                   f"{summary['chance']['mqar']:.1e})"))
@@ -1111,12 +1149,21 @@ def study_report(summary: Mapping[str, Any]) -> report.Report:
         eff_short = eff_compare("short")
         span = sorted({int(k) for r in rows for k in r["passkey"]})
 
+        def floor(a: Mapping[int, float], b: Mapping[int, float], other: str) -> str | None:
+            """Retrieval learned somewhere, yet neither arm retrieves here in any run: 0 minus 0 in every seed is
+            no measurement of a difference (both sit at the metric's floor)."""
+            if why or any(a.values()) or any(b.values()):
+                return None
+            rest = [s for s in SCHEDULES if s not in ("curriculum", other)]
+            return (f"floor: passkey 0.00 at every length in every run of curriculum and {other}, so the difference "
+                    f"is not measured; {retrieval_by_arm(rows, rest)}")
+
         def mean_passkey(other: str) -> report.Finding:
             vals = {sch: {r["seed"]: float(np.mean(list(r["passkey"].values()))) for r in rows
                           if r["schedule"] == sch and r["passkey"]} for sch in ("curriculum", other)}
             return report.compare(f"Mean passkey accuracy over {span[0]:,}-{span[-1]:,} tokens, curriculum minus "
                                   f"{other}", vals["curriculum"], vals[other], lower_is_better=False, digits=2,
-                                  precondition=why)
+                                  precondition=why or floor(vals["curriculum"], vals[other], other))
 
         pk_direct, pk_short = mean_passkey("direct"), mean_passkey("short")
         beyond = []
@@ -1125,7 +1172,8 @@ def study_report(summary: Mapping[str, Any]) -> report.Report:
                   for s in ("curriculum", "direct")}
             beyond.append(report.compare(f"Passkey accuracy at {n:,} tokens ({n // longest}x the longest training "
                                          "length), curriculum minus direct", pk["curriculum"], pk["direct"],
-                                         lower_is_better=False, digits=2, precondition=why))
+                                         lower_is_better=False, digits=2,
+                                         precondition=why or floor(pk["curriculum"], pk["direct"], "direct")))
         if all(r.get("loss_beyond") is not None for r in rows):
             beyond.append(report.compare(f"Held-out loss past {longest:,} tokens (loss by position), curriculum "
                                          "minus direct", seeds("curriculum", "loss_beyond"),

@@ -171,6 +171,11 @@ def test_findings_lead_with_the_precondition_and_carry_intervals() -> None:
     from moelab.base import repo_root
 
     summary = json.loads((repo_root() / "studies/04_context_curriculum/summary.json").read_text())
+    for key in ("pilot", "pilot_length", "pilot_recipes"):  # the gpu tier's report: no pilot, no run retrieves
+        summary.pop(key, None)
+    for r in summary["rows"]:
+        r["passkey"] = {k: 0.0 for k in r["passkey"]}
+        r["effective_context"] = 0
     rep = cc.study_report(cc.refresh_comparisons(summary))
     lines = rep.markdown().splitlines()
     assert lines[0].startswith("- **Does the curriculum reach a longer effective context than direct training")

@@ -86,15 +86,33 @@ def test_retrieval_share_holds_in_real_batches_of_every_arm() -> None:
     assert seen == {"curriculum": [256, 512, 1024], "direct": [1024], "short": [256]}
 
 
+SUMMARY = repo_root() / "studies/04_context_curriculum/summary.json"
+
+
+def _lengths() -> tuple[int, int, int]:
+    """The committed summary's shortest and longest evaluated lengths and its longest training length."""
+    s = json.loads(SUMMARY.read_text())
+    ev = sorted(int(k) for k in s["rows"][0]["passkey"])
+    return ev[0], ev[-1], max(s["meta"]["lengths"])
+
+
+LO, HI, LONGEST = _lengths()
+SPAN = f"{LO:,}-{HI:,} tokens"
+
+
 def _research_summary(pilot_passkey: tuple[float, ...], learned: bool) -> dict:
-    """The committed gpu summary with research fields: loss_beyond per row, a pilot and (if ``learned``) passkey."""
-    s = copy.deepcopy(json.loads((repo_root() / "studies/04_context_curriculum/summary.json").read_text()))
+    """The committed summary with synthetic research fields: loss_beyond per row, a pilot, and passkey that every
+    arm learns up to the longest training length (``learned``) or that no run learns."""
+    s = copy.deepcopy(json.loads(SUMMARY.read_text()))
     for r in s["rows"]:
         off = {"curriculum": 0.0, "direct": 0.2, "short": 0.5}[r["schedule"]] + 0.01 * r["seed"]
         r["loss_beyond"] = 4.0 + off
         if learned:
-            r["passkey"] = {k: (1.0 if int(k) <= 16384 else 0.6 - off) for k in r["passkey"]}
-            r["effective_context"] = 16384 if r["schedule"] != "short" else 1024
+            r["passkey"] = {k: (1.0 if int(k) <= LONGEST else 0.6 - off) for k in r["passkey"]}
+            r["effective_context"] = LONGEST if r["schedule"] != "short" else LO
+        else:
+            r["passkey"] = {k: 0.0 for k in r["passkey"]}
+            r["effective_context"] = 0
     s["pilot"] = [{"source": "pilot", "seed": 0, "steps": 96, "tokens": 12_582_912, "passkey": pilot_passkey[0],
                    "mqar": 0.1},
                   *({"source": "short", "seed": k, "steps": 384, "tokens": 50_331_648, "passkey": v, "mqar": 0.5}
@@ -124,21 +142,22 @@ def test_research_findings_on_synthetic_records(learned: bool) -> None:
     rep = cc.study_report(s)
     by_q = {f.question: f for f in rep.findings}
     # the question leads, its precondition (the pilot) next
-    assert rep.findings[0].question == "Mean passkey accuracy over 1,024-65,536 tokens, curriculum minus direct"
+    assert rep.findings[0].question == f"Mean passkey accuracy over {SPAN}, curriculum minus direct"
     assert rep.findings[1].question.startswith("Is passkey retrieval learnable")
-    loss = by_q["Held-out loss past 16,384 tokens (loss by position), curriculum minus direct"]
+    loss = by_q[f"Held-out loss past {LONGEST:,} tokens (loss by position), curriculum minus direct"]
     assert loss.status == "better" and loss.number.mean == pytest.approx(-0.2) and loss.number.high < 0
-    far = by_q["Passkey accuracy at 65,536 tokens (4x the longest training length), curriculum minus direct"]
-    pk = by_q["Mean passkey accuracy over 1,024-65,536 tokens, curriculum minus direct"]
-    pk_short = by_q["Mean passkey accuracy over 1,024-65,536 tokens, curriculum minus short"]
+    far = by_q[f"Passkey accuracy at {HI:,} tokens ({HI // LONGEST}x the longest training length), curriculum "
+               "minus direct"]
+    pk = by_q[f"Mean passkey accuracy over {SPAN}, curriculum minus direct"]
+    pk_short = by_q[f"Mean passkey accuracy over {SPAN}, curriculum minus short"]
     lengths = [int(k) for k in s["rows"][0]["passkey"]]
-    far_share = sum(n > 16384 for n in lengths) / len(lengths)  # the lengths past 16K, where the arms differ
+    far_share = sum(n > LONGEST for n in lengths) / len(lengths)  # past the training length, where they differ
     also = " ".join(rep.details)  # the findings past the lead, effective context against short among them
     if learned:
         assert far.status == "better" and far.number.mean == pytest.approx(0.2)
         assert pk.status == "better" and pk.number.mean == pytest.approx(0.2 * far_share)
         assert pk_short.status == "better" and pk_short.number.mean == pytest.approx(0.5 * far_share)
-        assert "effective context than short training? +15360 tokens" in also
+        assert f"effective context than short training? +{LONGEST - LO} tokens" in also
     else:
         assert far.status == pk.status == pk_short.status == "not tested"
         assert "retrieval never learned" in pk_short.reason
@@ -157,7 +176,7 @@ def test_effective_context_is_not_tested_where_no_run_holds_the_bar() -> None:
     by_q = {f.question: f for f in cc.study_report(cc.refresh_comparisons(s)).findings}
     eff = by_q["Does the curriculum reach a longer effective context than direct training"]
     assert eff.status == "not tested" and "effective context 0 in every run" in eff.reason
-    pk = by_q["Mean passkey accuracy over 1,024-65,536 tokens, curriculum minus direct"]
+    pk = by_q[f"Mean passkey accuracy over {SPAN}, curriculum minus direct"]
     assert pk.status == "better" and pk.number.mean == pytest.approx(0.8)
 
 
@@ -215,3 +234,38 @@ def test_a_pilot_variant_may_change_the_short_stages_fields(monkeypatch: pytest.
                                                     "passkey+mqar+repeat, 512 steps")
     cfg = load_config(p.base, {**p.common, **ov})
     assert cfg.data.curriculum[0].synthetic_tasks == tasks and cfg.train.lr == 2e-3
+
+
+def test_pilot_finding_counts_runs_and_says_yes_only_when_every_run_learned() -> None:
+    """The research grid's shape: a monitored pilot that reaches 0.9 late and three short runs measured at their end,
+    one of which does not learn. The answer counts the runs that reached the bar (no "yes" while some run did
+    not) and lists every run's value at the largest budget."""
+    step = 8_388_608
+    pilot = [{"source": "pilot", "seed": 0, "tokens": k * step, "passkey": 0.95 if k >= 24 else 0.0}
+             for k in range(1, 33)]
+    short = [{"source": "short", "seed": s, "tokens": 32 * step, "passkey": v}
+             for s, v in enumerate((0.85, 0.05, 0.75))]
+    f = cc.pilot_finding(pilot + short, 1024)
+    assert f.status == "measured" and f.number is not None
+    assert f.answer.startswith(f"1 of 4 runs reached it, the first at {24 * step / 1e6:.1f}M tokens")
+    assert f"passkey at {32 * step / 1e6:.1f}M tokens by run: 0.95, 0.85, 0.75, 0.05" in f.answer
+    every = cc.pilot_finding(pilot + [{**d, "passkey": 0.92} for d in short], 1024)
+    assert every.answer.startswith("yes, 4 of 4 runs reached it") and not every.number.includes_zero
+
+
+def test_passkey_comparisons_at_the_floor_are_not_tested() -> None:
+    """Short training learns retrieval, but curriculum and direct never do (passkey 0.00 in every run, as in the
+    research grid): curriculum minus direct is 0 - 0, no measurement, so it is "not tested" with the floor named;
+    curriculum minus short is still compared."""
+    s = _research_summary((0.3, 0.95, 0.95, 0.95), True)
+    for r in s["rows"]:
+        r["effective_context"] = 0
+        r["passkey"] = {k: (0.8 - 0.1 * r["seed"] if r["schedule"] == "short" else 0.0) for k in r["passkey"]}
+    by_q = {f.question: f for f in cc.study_report(cc.refresh_comparisons(s)).findings}
+    pk = by_q[f"Mean passkey accuracy over {SPAN}, curriculum minus direct"]
+    assert pk.status == "not tested" and pk.reason.startswith("floor: passkey 0.00 at every length in every run of "
+                                                              "curriculum and direct")
+    assert "short retrieves in 3 of 3 runs (passkey at 1,024 tokens by run: 0.80, 0.70, 0.60)" in pk.reason
+    short = by_q[f"Mean passkey accuracy over {SPAN}, curriculum minus short"]
+    assert short.status == "worse" and short.number.mean == pytest.approx(-0.7)
+    assert cc.refresh_comparisons(s)["verdict"]["effective_context"].startswith("not tested")
