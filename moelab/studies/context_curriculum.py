@@ -439,20 +439,23 @@ def pilot_variants(pilot: Sequence[Mapping[str, Any]], recipes: Mapping[str, str
 
 
 def pilot_finding(pilot: Sequence[Mapping[str, Any]], length: int,
-                  recipes: Mapping[str, str] | None = None, variants: bool = True) -> report.Finding:
+                  recipes: Mapping[str, str] | None = None, variants: bool = True,
+                  curve: bool = True) -> report.Finding:
     """Is retrieval learnable at this size, with the grid's settings: how many runs reached :data:`PILOT_PASSKEY`
     passkey at ``length`` (a run: one ``(source, seed)`` of ``pilot``'s rows, the monitored pilot at each of its
     budgets, a short run at its end), the fewest tokens at which one did, and every run's value at the largest
     budget with its interval; "not tested" with the best reached where none did. A "yes" needs every run to reach
     it: a size at which some seeds learn retrieval and some do not says so. Pilot variants (:func:`pilot_variants`)
     follow in the answer where ``variants``, each with its own curve: they say whether another model or learning
-    rate learns retrieval, not whether the grid's runs did."""
+    rate learns retrieval, not whether the grid's runs did. ``curve``: the learning curve (passkey and answer NLL by
+    budget, :func:`pilot_curve_text`) in the answer; the report leaves it to its details, so that the line fits a
+    README cell."""
     q = f"Is passkey retrieval learnable at this size (short arm, accuracy >= {PILOT_PASSKEY} at {length:,} tokens)"
     own = [d for d in pilot if not d.get("recipe")]
     tail = "".join(f". {o}" for o in pilot_variants(pilot, recipes)) if variants else ""
     if not own:
         return report.not_tested(q, f"no pilot run of the grid's recipe recorded{tail}")
-    curve, _, last = _pilot_curve(own)
+    text, _, last = _pilot_curve(own)
     iv = report.mean_interval(last) if len(last) > 1 else None
     runs: dict[tuple[Any, Any], list[Mapping[str, Any]]] = {}
     for d in own:
@@ -465,8 +468,19 @@ def pilot_finding(pilot: Sequence[Mapping[str, Any]], length: int,
         k, n = len(firsts), len(runs)
         lead = "yes, " if k == n and (iv is None or not iv.includes_zero) else ""
         return report.measured(q, iv, answer=f"{lead}{k} of {n} runs reached it, the first at {min(firsts) / 1e6:.1f}M"
-                                             f" tokens ({at_end}; passkey by budget: {curve}){tail}")
-    return report.not_tested(q, f"not learned within {top / 1e6:.1f}M tokens: passkey by budget {curve}{tail}", iv)
+                                             f" tokens ({at_end}" + (f"; passkey by budget: {text}" if curve else "")
+                                             + f"){tail}")
+    best = max(own, key=lambda d: (d["passkey"], -int(d["tokens"])))
+    how = (f"passkey by budget {text}" if curve else
+           f"best passkey {best['passkey']:.2f} at {int(best['tokens']) / 1e6:.1f}M tokens")
+    return report.not_tested(q, f"not learned within {top / 1e6:.1f}M tokens: {how}{tail}", iv)
+
+
+def pilot_curve_text(pilot: Sequence[Mapping[str, Any]]) -> str | None:
+    """The learning curve of ``pilot``'s runs of the grid's recipe as text (passkey and answer NLL by budget, a
+    handful of budgets), None without one."""
+    own = [d for d in pilot if not d.get("recipe")]
+    return _pilot_curve(own)[0] if own else None
 
 
 def train(preset: str, out_dir: str | Path, extra_overrides: Mapping[str, Any] | None = None) -> common.Grid:
@@ -950,7 +964,7 @@ def effective_floor(rows: Sequence[Mapping[str, Any]], other: str = "direct") ->
     both = [r for r in rows if r["schedule"] in ("curriculum", other)]
     if not both or any(r.get("effective_context") for r in both):
         return None
-    return (f"no run of either arm holds passkey >= {EFFECTIVE_THRESHOLD:.0%} at the shortest evaluated length "
+    return (f"no run of either arm reaches passkey >= {EFFECTIVE_THRESHOLD:.0%} at the shortest evaluated length "
             "(effective context 0 in every run); the mean passkey accuracy over the lengths compares them")
 
 
@@ -1179,10 +1193,14 @@ def study_report(summary: Mapping[str, Any]) -> report.Report:
                                          "minus direct", seeds("curriculum", "loss_beyond"),
                                          seeds("direct", "loss_beyond"), unit="nats"))
         # the question first, then its precondition; the pilot's other recipes go to the details
-        pf = pilot_finding(summary["pilot"], summary["pilot_length"], summary.get("pilot_recipes"), variants=False)
+        pf = pilot_finding(summary["pilot"], summary["pilot_length"], summary.get("pilot_recipes"), variants=False,
+                           curve=False)
         ordered = [pk_direct, pf, pk_short, eff, *beyond[:1], *(beyond[-1:] if len(beyond) > 1 else []), direct,
                    eff_short, ret, *beyond[1:-1], short, clock, tcost]
         variants = pilot_variants(summary["pilot"], summary.get("pilot_recipes"))
+        own_curve = pilot_curve_text(summary["pilot"])
+        details += [f"Pilot learning curve (the grid's recipe, at {summary['pilot_length']:,} tokens; the largest "
+                    f"budget holds the grid's short runs): passkey by budget: {own_curve}."] if own_curve else []
         details += [f"Pilot variants (earlier recipes, not the grid's): {'; '.join(variants)}."] if variants else []
         found, rest = ordered[:report.MAX_LEAD], ordered[report.MAX_LEAD:]
         details += ["Also: " + "; ".join(f.plain() for f in rest) + "."] if rest else []
