@@ -476,6 +476,38 @@ def pilot_finding(pilot: Sequence[Mapping[str, Any]], length: int,
     return report.not_tested(q, f"not learned within {top / 1e6:.1f}M tokens: {how}{tail}", iv)
 
 
+PILOT_ONSET = 0.1  # passkey above this at the short length: retrieval has begun to emerge in the pilot
+
+
+def curriculum_timing(summary: Mapping[str, Any]) -> str | None:
+    """When the curriculum left the pilot's length, against when the pilot (the grid's recipe, monitored) began to
+    retrieve there (passkey > :data:`PILOT_ONSET`) and reached :data:`PILOT_PASSKEY`: one sentence for the report's
+    details, None without a monitored pilot or a curriculum stage at the pilot's length."""
+    length = summary.get("pilot_length")
+    curve = sorted((int(d["tokens"]), d["passkey"]) for d in summary.get("pilot", [])
+                   if d.get("source") == "pilot" and not d.get("recipe"))
+    rows = [r for r in summary["rows"] if r["schedule"] == "curriculum"]
+    if not curve or not rows or length is None:
+        return None
+    per_step = summary["budget"]["per_step"]["curriculum"]["stages"]
+    done, end = 0, None
+    for st, part in zip(per_step, rows[0]["stages"].split(" -> ")):
+        done += st["tokens_per_step"] * int(part.split("x")[1])
+        if st["seq_len"] == length:
+            end = done
+    if end is None:
+        return None
+    onset = next((t for t, v in curve if v > PILOT_ONSET), None)
+    learned = next((t for t, v in curve if v >= PILOT_PASSKEY), None)
+    if onset is None:
+        return (f"Timing: the curriculum's {length:,}-token stage ends at {end / 1e6:.1f}M tokens; the pilot's passkey "
+                f"at that length never passed {PILOT_ONSET} within {curve[-1][0] / 1e6:.1f}M tokens.")
+    when = "before" if end < onset else "after"
+    return (f"Timing: the curriculum's {length:,}-token stage ends at {end / 1e6:.1f}M tokens, {when} the pilot's "
+            f"passkey at that length first passed {PILOT_ONSET} ({onset / 1e6:.1f}M tokens"
+            + (f"; {PILOT_PASSKEY} at {learned / 1e6:.1f}M" if learned else "") + ").")
+
+
 def pilot_curve_text(pilot: Sequence[Mapping[str, Any]]) -> str | None:
     """The learning curve of ``pilot``'s runs of the grid's recipe as text (passkey and answer NLL by budget, a
     handful of budgets), None without one."""
@@ -1199,6 +1231,8 @@ def study_report(summary: Mapping[str, Any]) -> report.Report:
                    eff_short, ret, *beyond[1:-1], short, clock, tcost]
         variants = pilot_variants(summary["pilot"], summary.get("pilot_recipes"))
         own_curve = pilot_curve_text(summary["pilot"])
+        timing = curriculum_timing(summary)
+        details += [timing] if timing else []
         details += [f"Pilot learning curve (the grid's recipe, at {summary['pilot_length']:,} tokens; the largest "
                     f"budget holds the grid's short runs): passkey by budget: {own_curve}."] if own_curve else []
         details += [f"Pilot variants (earlier recipes, not the grid's): {'; '.join(variants)}."] if variants else []

@@ -269,3 +269,23 @@ def test_passkey_comparisons_at_the_floor_are_not_tested() -> None:
     short = by_q[f"Mean passkey accuracy over {SPAN}, curriculum minus short"]
     assert short.status == "worse" and short.number.mean == pytest.approx(-0.7)
     assert cc.refresh_comparisons(s)["verdict"]["effective_context"].startswith("not tested")
+
+
+def test_curriculum_timing_compares_the_short_stage_with_the_pilots_onset() -> None:
+    """The details say when the curriculum left the pilot's length against when the pilot began to retrieve there,
+    computed from the stages and the pilot's curve."""
+    s = _research_summary((0.3, 0.95, 0.95, 0.95), True)
+    stages = s["budget"]["per_step"]["curriculum"]["stages"]
+    first = [r for r in s["rows"] if r["schedule"] == "curriculum"][0]["stages"].split(" -> ")[0]
+    assert stages[0]["seq_len"] == int(first.split("x")[0]) == 1024
+    end = stages[0]["tokens_per_step"] * int(first.split("x")[1])
+    after = cc.curriculum_timing(s)  # the pilot's one point, 0.3 at 12.6M tokens: onset before the stage ends
+    assert after == (f"Timing: the curriculum's 1,024-token stage ends at {end / 1e6:.1f}M tokens, after the pilot's "
+                     f"passkey at that length first passed 0.1 (12.6M tokens).")
+    s["pilot"] = [{"source": "pilot", "seed": 0, "tokens": t, "passkey": v}
+                  for t, v in ((end // 2, 0.0), (end + 65536, 0.2), (2 * end, 0.95))]
+    assert cc.curriculum_timing(s).endswith(f"before the pilot's passkey at that length first passed 0.1 "
+                                            f"({(end + 65536) / 1e6:.1f}M tokens; 0.9 at {2 * end / 1e6:.1f}M).")
+    s["pilot"] = s["pilot"][:1]
+    assert "never passed 0.1" in cc.curriculum_timing(s)
+    assert cc.curriculum_timing({**s, "pilot": []}) is None
