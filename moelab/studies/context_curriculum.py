@@ -456,7 +456,7 @@ def pilot_finding(pilot: Sequence[Mapping[str, Any]], length: int,
     if not own:
         return report.not_tested(q, f"no pilot run of the grid's recipe recorded{tail}")
     text, _, last = _pilot_curve(own)
-    iv = report.mean_interval(last) if len(last) > 1 else None
+    iv = report.mean_interval(last, bounds=(0.0, 1.0)) if len(last) > 1 else None
     runs: dict[tuple[Any, Any], list[Mapping[str, Any]]] = {}
     for d in own:
         runs.setdefault((d.get("source"), d.get("seed")), []).append(d)

@@ -96,8 +96,17 @@ def _clean(values: Sequence[float]) -> np.ndarray:
     return x[np.isfinite(x)]
 
 
-def mean_interval(values: Sequence[float], level: float = LEVEL) -> Interval:
-    """One-sample Student t interval of the mean of ``values`` (None and NaN dropped)."""
+def mean_interval(values: Sequence[float], level: float = LEVEL,
+                  bounds: tuple[float, float] | None = None) -> Interval:
+    """One-sample Student t interval of the mean of ``values`` (None and NaN dropped). ``bounds``: the range the
+    quantity cannot leave (an accuracy's ``(0, 1)``): the interval is clipped to it (method ``t, clipped``), as a t
+    interval of a few bounded values can reach past them."""
+    if bounds is not None:
+        iv = mean_interval(values, level)
+        if not iv.known:
+            return iv
+        lo, hi = bounds
+        return Interval(iv.mean, max(iv.low, lo), min(iv.high, hi), iv.n, "t, clipped", level)
     from scipy import stats
 
     x = _clean(values)
@@ -326,6 +335,7 @@ def interval_note(findings: Sequence[Finding]) -> str:
     """What the brackets mean: level, method and seed count of the lead lines' intervals."""
     ivs = [f.number for f in findings if f.number is not None]
     names = {"paired t": "Student t on the per-seed differences", "t": "Student t on a mean over seeds",
+             "t, clipped": "Student t on a mean over seeds, clipped to the quantity's range",
              "Welch t": "Welch's t, unpaired", "bootstrap": "bootstrap over seeds"}
     methods = [names.get(m, m) for m in sorted({iv.method for iv in ivs})]
     ns = sorted({iv.n for iv in ivs})

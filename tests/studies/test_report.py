@@ -23,6 +23,22 @@ def test_paired_t_interval_matches_hand_computation():
     assert report.judge(iv, lower_is_better=False) == "better"
 
 
+def test_mean_interval_of_a_bounded_quantity_is_clipped_to_its_range():
+    """Four accuracies 0.96, 0.85, 0.75, 0.05: the t interval reaches below 0 and above 1; with bounds it stops
+    there, names itself, and the interval note says so."""
+    v = [0.96, 0.85, 0.75, 0.05]
+    plain = report.mean_interval(v)
+    assert plain.low < 0 and plain.high > 1
+    iv = report.mean_interval(v, bounds=(0.0, 1.0))
+    assert (iv.mean, iv.low, iv.high, iv.n, iv.method) == (pytest.approx(plain.mean), 0.0, 1.0, 4, "t, clipped")
+    inside = report.mean_interval([0.4, 0.5, 0.6], bounds=(0.0, 1.0))
+    assert (inside.low, inside.high) == (pytest.approx(report.mean_interval([0.4, 0.5, 0.6]).low),
+                                         pytest.approx(report.mean_interval([0.4, 0.5, 0.6]).high))
+    assert not report.mean_interval([0.5], bounds=(0.0, 1.0)).known
+    note = report.interval_note([report.measured("Q", iv)])
+    assert "clipped to the quantity's range" in note
+
+
 def test_log_interval_is_a_t_interval_of_the_logs_mapped_back():
     # steps 81, 176, 217: the plain t interval goes below 0; the log one stays positive around the geometric mean
     v = [81.0, 176.0, 217.0]
