@@ -175,10 +175,13 @@ def _pow2(n: int) -> int:
 SMS = 132
 MAX_REGS = 255
 MAX_SHARED = 227 * 1024
-TILE_ELEMS = 2048  # a tile holds at least this many elements (several rows when D is small)
-IN_FLIGHT = 32  # fp32 source elements per thread that a group of one-row tiles loads at once
+TILE_ELEMS = 2048  # a several-row tile (D <= 512) holds at least this many elements
+ONE_ROW_FROM = 1024  # from this width (next power of two) on, one row per program
+IN_FLIGHT = 32  # fp32 source elements per thread that the backward's group of one-row tiles loads at once
+FWD_IN_FLIGHT = 16  # the same for the forward, whose loop over the sources is software-pipelined instead
+FWD_STAGES = 3  # stages of the forward's loop over the sources where it loads one source at a time
 REG_MARGIN = 16  # registers the rule keeps free below MAX_REGS beyond its estimate
-FWD_WARPS = 8  # at most this many warps per one-row program (wider rows: more elements per thread)
+FWD_WARPS = 4  # warps per one-row forward program (wider rows: more elements per thread)
 
 
 def estimate_regs(per_thread: int, group: int, backward: bool) -> int:
@@ -204,57 +207,55 @@ def estimate_shared(cfg: LaunchConfig, d: int) -> int:
 
 @functools.cache
 def launch_config(d: int, L: int | None = None, n: int | None = None) -> LaunchConfig:
-    """The launch of width ``d`` (``L`` sources of ``n`` tokens, where known) by rule, for every shape:
+    """The launch of width ``d`` (``L`` sources of ``n`` tokens, where known) by rule, for every shape.
 
-    - tiles of at least ``TILE_ELEMS`` elements (``rows = 2048 // next_pow2(d)``, one row from d = 2048),
-      halved while there would be fewer than 4 forward programs per SM (small n only);
-    - threads of 16 elements per tile where a tile holds several rows (1..16 warps), of at least 8 (one
-      16-byte bf16 load) where it holds one, on at most ``FWD_WARPS`` = 8 warps: a width past 2048 gives each
-      thread more (16 at 4096, 32 at 7168) rather than a program more warps, so that at the same bytes in
-      flight per SM twice as many independent programs share it (one program of 16 warps per SM at D 4096
-      and 7168 left the SM without loads in flight while it summed a group: 0.41x fla's forward at D 4096;
-      the compiled launches: kernels/results/attnres_occupancy_cpu_sm90.json, D 4096 1 x 8 group 2 fits 2
-      programs per SM, forward and backward, no spill);
-    - one-row tiles load their sources ``IN_FLIGHT // e`` at once (4 at D 2048, 2 at 4096, 1 at 7168), at
-      most the L - 1 sources after the first, and fewer while the backward's ``estimate_regs`` (plus
-      ``REG_MARGIN``) passes ``MAX_REGS``; several-row tiles one at a time. Where the forward's threads hold
-      more than ``IN_FLIGHT / 2`` elements (D 7168) the backward, which holds about 2.5 tiles per source
-      where the forward holds 1.5, keeps 16 warps and 2 sources at once (1 x 8 would hold 237 registers a
-      thread and one source at once, half the bytes in flight);
-    - one stage (a software-pipelined loop compiled to more registers and half the resident programs per
-      SM at D 2048, forward and backward: kernels/results/attnres_occupancy_cpu_sm90.json, D 2048);
-    - the backward at the forward's tile (but for D past 4096, above), on ``4 * SMs`` programs where tiles hold
-      several rows, else on as many as fit (``programs_per_sm = 0``).
+    The rule is fitted to a sweep of launches at every point of issue 37's grid (D 512..7168, L 3..33,
+    N 8192 / 32768; ``kernels/results/attnres_sweep_h200.json``, section ``grid_sweep``: 30-58 forward and
+    18-30 backward launches per width on one H100):
 
-    A row of D stays in one program (its RMS and score are row sums); D is not split across programs, so
-    past D = 8192 a thread holds 32 elements of each tile, more than 16 warps' 128 registers a thread can
-    keep (it spills; a split of D with a cross-program row sum would be the fix).
-    At D 512 this is the sweep's best launch (kernels/results/attnres_sweep_h200.json: 4 x 4, 4 programs
-    per SM); at D 2048 the launch whose occupancy the slow test checks (1 x 8, 4 at once). A model passes
-    neither L nor n, so that one compiled kernel per direction serves every read of its residual stream.
+    - D <= 512: tiles of at least ``TILE_ELEMS`` elements (``rows = 2048 // next_pow2(d)``), halved while
+      there would be fewer than 4 forward programs per SM (small n only), threads of 16 elements
+      (1..16 warps), one source at a time, ``4 * SMS`` persistent backward programs, both directions alike;
+    - from ``ONE_ROW_FROM`` (1024) on, one row per program. The forward: ``FWD_WARPS`` = 4 warps (a wider
+      row gives each thread more elements: 8 at D 1024, 64 at D 7168), loading ``FWD_IN_FLIGHT // e``
+      sources at once (2 at D 1024, else 1) and, where that is one, the loop over the sources software-
+      pipelined over ``FWD_STAGES`` = 3 stages (the next sources' rows copied into shared memory while this
+      one is summed). The sweep's best forward at D 2048..7168 was 4 warps, 1 source, 3 stages at 15 of 16
+      points (within 2.5% at the 16th), 10-25% ahead of the 8-warp groups the rule gave before;
+    - the backward (not pipelined) at the forward's warps where a thread of it holds at most
+      ``IN_FLIGHT / 2`` elements (D 1024, 2048), else on 16 warps (D 4096, 7168), with ``IN_FLIGHT // e``
+      sources at once, at most the L - 1 after the first, and fewer while ``estimate_regs`` (plus
+      ``REG_MARGIN``) passes ``MAX_REGS``: 4 at D 1024, 2 at D 2048, 4 at D 4096, 2 at D 7168, as many as
+      fit on an SM (``programs_per_sm = 0``).
+
+    A row of D stays in one program (its RMS and score are row sums); D is not split across programs.
+    A model passes neither L nor n, so that one compiled kernel per direction serves every read of its
+    residual stream (the launch at large L and n).
     """
     bd = _pow2(d)
-    rows = max(1, TILE_ELEMS // bd)
-    if n is not None:
-        while rows > 1 and -(-n // rows) < 4 * SMS:
-            rows //= 2
-    if rows > 1:
+    if bd < ONE_ROW_FROM:
+        rows = max(1, TILE_ELEMS // bd)
+        if n is not None:
+            while rows > 1 and -(-n // rows) < 4 * SMS:
+                rows //= 2
         warps = min(16, max(1, rows * bd // (32 * 16)))
-        return LaunchConfig(rows=rows, warps=warps, group=1, stages=1, programs_per_sm=4)
-    warps, group = _one_row(bd, FWD_WARPS, L)
-    bwd_warps, bwd_group = _one_row(bd, 16, L) if bd // (32 * warps) > IN_FLIGHT // 2 else (warps, group)
-    return LaunchConfig(rows=1, warps=warps, group=group, stages=1, programs_per_sm=0,
+        return LaunchConfig(rows=rows, warps=warps, group=1, stages=1, programs_per_sm=4 if rows > 1 else 0)
+    warps, group = _one_row(bd, FWD_WARPS, L, FWD_IN_FLIGHT)
+    stages = FWD_STAGES if group == 1 else 1
+    wide = bd // (32 * warps) > IN_FLIGHT // 2
+    bwd_warps, bwd_group = _one_row(bd, 16 if wide else warps, L, IN_FLIGHT)
+    return LaunchConfig(rows=1, warps=warps, group=group, stages=stages, programs_per_sm=0,
                         bwd_warps=0 if bwd_warps == warps else bwd_warps,
-                        bwd_group=0 if bwd_group == group else bwd_group)
+                        bwd_group=0 if bwd_group == group else bwd_group, bwd_stages=0 if stages == 1 else 1)
 
 
-def _one_row(bd: int, max_warps: int, L: int | None) -> tuple[int, int]:
+def _one_row(bd: int, max_warps: int, L: int | None, in_flight: int = IN_FLIGHT) -> tuple[int, int]:
     """(warps, group) of a one-row tile of width ``bd``: threads of at least 8 elements on at most ``max_warps``
-    warps, ``IN_FLIGHT // elements`` sources at once (at most the L - 1 after the first, and fewer while the
+    warps, ``in_flight // elements`` sources at once (at most the L - 1 after the first, and fewer while the
     backward's ``estimate_regs`` plus ``REG_MARGIN`` passes ``MAX_REGS``)."""
     warps = min(max_warps, max(1, bd // (32 * 8)))
     per_thread = max(1, bd // (32 * warps))
-    group = max(1, min(8, IN_FLIGHT // per_thread))
+    group = max(1, min(8, in_flight // per_thread))
     if L is not None:
         group = min(group, _pow2(max(1, L - 1)))
     while group > 1 and estimate_regs(per_thread, group, backward=True) + REG_MARGIN > MAX_REGS:
