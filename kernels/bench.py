@@ -605,12 +605,45 @@ def _attnres_errors(srcs, q, w, dh, outs: dict[str, tuple]) -> dict[str, dict[st
     return out
 
 
+ATTNRES_PASSES = 3  # timing passes over the impls of a point that are held together (their rounds interleave)
+
+
 def _attnres_point(shape: str, impls: dict[str, Callable], ctx: Ctx) -> list[dict[str, Any]]:
-    """The rows of one shape: every impl run once (its h and gradients kept), all of them checked against one
-    chunked fp32 reference, then each timed (fwd+bwd, fwd alone under no_grad) and its peak memory taken."""
+    """The rows of one shape: every impl run once (its h and gradients kept), checked against a chunked fp32
+    reference, then timed (fwd+bwd, fwd alone under no_grad) and its peak memory taken.
+
+    Where every impl's leaves and gradients fit in free memory together (with room to spare) they are held
+    together and timed in ``ATTNRES_PASSES`` passes over the impls, each pass a few rounds of each, so that a
+    drift of the host's speed (the small points are host-bound) reaches every impl alike: a row's time is the
+    median over all its rounds. Otherwise (D 7168, L 33, N 32768 is 15.5 GB per copy of the sources: an H100's
+    80 GB does not hold four) each impl is run, checked, timed and freed in turn."""
     L, N, D = ATTNRES_SHAPES[shape]
     srcs, q, w, dh = _attnres_inputs(L, N, D, ctx.dev, seed=L)
-    rows, outs, runs = {}, {}, {}
+    copy = L * N * D * srcs[0].element_size()
+    free = _free_bytes(ctx)
+    together = copy * (2 * len(impls) + 2) < 0.8 * free  # each impl's leaves and gradients, h, the reference's work
+    rows: dict[str, dict[str, Any]] = {}
+    for names in ([list(impls)] if together else [[n] for n in impls]):
+        runs = _attnres_run({n: impls[n] for n in names}, shape, (L, N, D), (srcs, q, w, dh), rows, ctx)
+        _attnres_time(runs, rows, ATTNRES_PASSES if len(runs) > 1 else 1, ctx)
+        del runs
+        ctx.free()
+    del srcs
+    ctx.free()
+    return list(rows.values())
+
+
+def _free_bytes(ctx: Ctx) -> float:
+    """Free device memory in bytes (infinite on the CPU)."""
+    return torch.cuda.mem_get_info()[0] if ctx.cuda else math.inf
+
+
+def _attnres_run(impls: dict[str, Callable], shape: str, dims: tuple[int, int, int], inputs: tuple,
+                 rows: dict[str, dict[str, Any]], ctx: Ctx) -> dict[str, tuple]:
+    """Run each impl once and check it against the fp32 reference (its row in ``rows``); returns name ->
+    (leaves, forward, output gradient) of those that ran, their gradients freed."""
+    (L, N, D), (srcs, q, w, dh) = dims, inputs
+    outs, runs = {}, {}
     for name, prepare in impls.items():
         rows[name] = dict(impl=name, shape=shape, L=L, N=N, D=D)
         try:
@@ -628,6 +661,14 @@ def _attnres_point(shape: str, impls: dict[str, Callable], ctx: Ctx) -> list[dic
     for leaves, _, _ in runs.values():  # every impl's gradients freed before any is timed (D 7168, L 33: 15 GB each)
         for t in leaves:
             t.grad = None
+    return runs
+
+
+def _attnres_time(runs: dict[str, tuple], rows: dict[str, dict[str, Any]], passes: int, ctx: Ctx) -> None:
+    """Time every impl of ``runs`` (fwd+bwd and fwd alone) in ``passes`` passes over them, a row's time the median
+    over all its rounds, then take its peak memory."""
+    timing = dict(ctx.timing, rounds=max(1, -(-ctx.timing.get("rounds", 15) // passes)))
+    calls: dict[str, dict[str, tuple]] = {}
     for name, (leaves, forward, g_out) in runs.items():
         def fwd(forward=forward):
             with torch.no_grad(), torch.autocast(ctx.dev, dtype=torch.bfloat16):
@@ -642,18 +683,23 @@ def _attnres_point(shape: str, impls: dict[str, Callable], ctx: Ctx) -> list[dic
             for t in leaves:
                 t.grad = None
 
+        calls[name] = {"fwdbwd": (step, clear), "fwd": (fwd, None)}
+    samples: dict[tuple[str, str], list[float]] = {}
+    for _ in range(passes):
+        for name, kinds in calls.items():
+            for kind, (fn, before) in kinds.items():
+                samples.setdefault((name, kind), []).extend(time_ms(fn, before=before, **timing).rounds_ms)
+    for name, kinds in calls.items():
         row = rows[name]
-        row["fwdbwd_ms"] = time_ms(step, before=clear, **ctx.timing).ms
-        row["fwd_ms"] = time_ms(fwd, **ctx.timing).ms
+        for kind in kinds:
+            row[f"{kind}_ms"] = statistics.median(samples[(name, kind)])
+        step, clear = kinds["fwdbwd"]
         clear()
         peak, before = peak_bytes(step)
         row.update(peak_mem_gb=peak / 1e9 if ctx.cuda else None,
                    extra_mem_gb=(peak - before) / 1e9 if ctx.cuda else None)
         clear()
         _print_row(row, ("fwd_ms", "fwdbwd_ms", "peak_mem_gb", "h_err", "dsrc_err"), ("shape",))
-    del runs, srcs
-    ctx.free()
-    return list(rows.values())
 
 
 def attnres_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:

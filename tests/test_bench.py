@@ -369,3 +369,17 @@ def test_conv_entry_times_launches_and_kernels_beside_torch(bench, tmp_path):
         assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and "error" not in r, r
         assert max(r["err_y"], r["err_dx"], r["err_dw"]) < 1e-5, r
     assert (dict(short_conv.LAUNCH), short_conv.BWD_TAPS4) == before
+
+
+def test_attnres_point_without_room_runs_each_impl_in_turn(bench, monkeypatch):
+    """Where the impls' copies of the sources do not fit in free memory together (D 7168, L 33, N 32768 on an
+    80 GB card), each impl is run, checked, timed and freed in turn: the same rows, every one checked and timed."""
+    ctx = bench.Ctx(["smoke"], False, 1, None, lambda d: None)
+    impls = bench._attnres_impls(None, True)
+    together = bench._attnres_point("smoke", impls, ctx)
+    monkeypatch.setattr(bench, "_free_bytes", lambda ctx: 0.0)
+    alone = bench._attnres_point("smoke", impls, ctx)
+    assert [r["impl"] for r in alone] == [r["impl"] for r in together] == list(impls)
+    for a, t in zip(alone, together):
+        assert a["ok"] and t["ok"] and a["fwd_ms"] > 0 and a["fwdbwd_ms"] > 0
+        assert a["h_err"] == pytest.approx(t["h_err"], rel=1e-6)

@@ -37,15 +37,15 @@ ACTIVATIONS = (None, "silu")
 # (kernels/results/model_profile_h200.json, 27 calls). At 16 x 128 on 8 warps it takes 140-158 registers and
 # spills nothing; the forward at 16 x 128 on 4 warps 71-118, nothing (at 64 x 128: up to 320 B of spills). Each
 # output element sums the same terms in the same order at any tile; only dw's per-tile partial sums group the rows
-# differently. Timed inside a k3-mini step on an H100 (`moelab.train.perf --profile k3-mini` at 2570296; kept out of
-# kernels/results/, which is at its 20 files, until the conv bench's rows replace it): the backward at
-# 16 x 128 / 8 warps took 13.8 ms of 27 calls, more than the 5.7 ms of 64 x 128 / 4 warps on the H200, so fewer
-# registers did not make it faster; ``kernels/bench.py --entry conv`` times the launches side by side.
-LAUNCH = {"fwd": (16, 128, 4), "bwd": (16, 128, 8)}
+# differently. Timed side by side on an H100 (``kernels/bench.py --entry conv``, kernels/results/conv_h100.json,
+# fwd+bwd ms at B8 T4096 C512 / B1 T32768 C1536): the backward at 16 x 128 on 8 warps (the launch before) 0.717 /
+# 2.035, at 64 x 64 on 4 warps 0.269 / 0.686 with the generic kernel and 0.261 / 0.655 with the 4-tap one (its
+# errors alike, 2.4e-3 vs fp32; F.conv1d 1.001 / 3.115); the forward's launches took 0.036-0.060 / 0.081-0.126
+# ms, 16 x 128 on 4 warps the fastest at the long shape.
+LAUNCH = {"fwd": (16, 128, 4), "bwd": (64, 64, 4)}
 # 4 taps (KDA's ShortConv): True, the backward loads each of the 7 distinct x tiles once (``_conv_bwd4_kernel``),
-# not 16 shifted ones. Off until ``kernels/bench.py --entry conv`` has timed both on a GPU (study 4's research grid,
-# half trained, keeps the kernel its first runs had).
-BWD_TAPS4 = False
+# not 16 shifted ones (same file: 3-5% under the generic kernel at the same launch).
+BWD_TAPS4 = True
 _INTERP_BT, _INTERP_BC = 16, 16
 
 
