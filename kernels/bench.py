@@ -7,26 +7,13 @@
     python kernels/bench.py --entry kda --base HEAD~3           # A/B: that commit beside this tree, with ratios
     python kernels/bench.py --entry moe --smoke --out /tmp/moe.json   # CPU: tiny shapes (Triton interpreter)
 
-Entries (``ENTRIES``; each row says what ran, with the times in ms and peak memory):
-
-* ``kda``: the KDA training op, forward and forward + backward, bf16, L2 norm of q, k and the bounded gate
-  inside the op on every KDA side: ``moelab_bounded`` / ``moelab_general`` (``triton_chunk.chunk_kda``; the
-  ``moelab_bounded_<switch>_<choice>`` rows its non-default kernel variants), ``fla_safe_gate`` / ``fla_softplus``
-  (fla ``chunk_kda``), ``sdpa_flash`` (causal SDPA, the flash backend).
-* ``kda_long``: the same op at T = 128K..512K, B = 1, moelab only (time and memory at length).
-* ``kda_infer``: the inference forward (``triton_infer.kda_infer``, chunk 16, no grad) against fla
-  ``chunk_kda``'s forward and the training op's forward, at fixed length and packed (``cu_seqlens``: each
-  row's T tokens cut into 6 uneven documents); the rows of a shape are timed in turn ``--rounds`` times.
-* ``attnres``: the fused AttnRes depth aggregation (``moelab.ops.attnres``) against fla ``fused_attnres`` (list
-  and stacked sources) at issue 37's grid (``N{N}_D{D}_L{L}``; groups ``grid_D{D}``, ``grid``) and with plain
-  PyTorch too at N = 32768, D = 2048 (``L4``...), bf16, errors vs fp32; rows merged into the file by shape.
-* ``moe``: the LatentMoE layer against dense matmul chains of the same FLOPs (``extra.ratios``).
-* ``conv``: ShortConv (4 taps, SiLU) per launch and backward kernel beside ``F.conv1d``, errors vs fp32.
-* ``model``: whole-model training steps (fwd + bwd + balancer + fused AdamW): the fla-anchor shape beside
-  fla's ``KDAForCausalLM``, gpu-small per residual mode, k3-mini with quantile balancing vs ``balancer:
-  none``. Every config of a group stays on the GPU and is timed in ``--rounds`` interleaved rounds (a
-  Williams design), so the compared rows are paired by round; tokens/s, MFU, host ms, peak memory, and
-  the host work of one step (aten ops, Triton launches, autograd Functions; ``count_step``).
+Entries (``ENTRIES``; each row says what ran, with the times in ms and peak memory; ``--list`` names their
+shapes, kernels/README.md says what each measures): ``kda`` (the KDA training op beside fla's and SDPA),
+``kda_long`` (T = 128K..512K), ``kda_infer`` (the inference forward), ``attnres`` (the fused AttnRes read beside
+fla ``fused_attnres`` at issue 37's grid, ``N{N}_D{D}_L{L}``, groups ``grid_D{D}`` and ``grid``; launch candidates
+as ``--impls`` rows), ``moe`` (the LatentMoE layer vs dense matmul chains of the same FLOPs), ``conv``
+(ShortConv launches and backward kernels beside ``F.conv1d``), ``model`` (whole training steps, every config of a
+group timed in ``--rounds`` interleaved rounds: tokens/s, MFU, host ms, peak memory, the host work of a step).
 
 Timing (:func:`time_ms`): CUDA events around back-to-back calls, after warm-up; the median over rounds.
 Provenance: ``moelab/provenance.py`` (the same block the study harness writes). ``--base REV`` checks REV
@@ -37,13 +24,13 @@ and prints both side by side: speedup = base time / this time (> 1: this tree is
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import importlib.util
 import inspect
 import json
 import math
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -92,13 +79,10 @@ class Timing:
 def time_ms(fn: Callable[[], Any], *, warmup: int = 3, rounds: int = 15, min_round_ms: float = 5.0,
             before: Callable[[], None] | None = None, cuda: bool | None = None,
             clock: Callable[[], float] = time.perf_counter) -> Timing:
-    """Time ``fn``: ``warmup`` calls, then ``rounds`` rounds of ``reps`` back-to-back calls each.
-
-    ``reps`` is chosen from one more timed call so that a round lasts about ``min_round_ms`` (a single short
-    kernel is below the events' resolution). ``before`` runs before every call, inside the round (e.g. resetting
-    ``.grad``, host work only). On CUDA (default: when available) each round is timed with CUDA events
-    recorded on the current stream; on the CPU with ``clock`` (seconds). Returns the median over the rounds.
-    """
+    """Time ``fn``: ``warmup`` calls, then ``rounds`` rounds of ``reps`` back-to-back calls each (``reps`` from one
+    more timed call, so that a round lasts about ``min_round_ms``), ``before`` (host work, e.g. resetting ``.grad``)
+    before every call inside the round; CUDA events on the current stream (default: when available) or ``clock``
+    (seconds). Returns the median over the rounds."""
     if rounds < 1 or warmup < 0:
         raise ValueError(f"time_ms needs rounds >= 1 and warmup >= 0, got rounds={rounds}, warmup={warmup}")
     cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -491,8 +475,7 @@ def run_kda_infer(ctx: Ctx) -> dict[str, Any]:
 
 # -------------------------------------------------------------------------------------------- attnres
 
-# Issue 37's grid (shapes N{N}_D{D}_L{L}: moelab and fla's best only; groups grid_D{D} and grid run several) beside
-# the shapes L4 / L9 / L17 (N 32768, D 2048, with plain PyTorch too).
+# Issue 37's grid (N{N}_D{D}_L{L}; groups grid_D{D}, grid) beside L4 / L9 / L17 (N 32768, D 2048, plain PyTorch too)
 ATTNRES_GRID = {f"N{N}_D{D}_L{L}": (L, N, D) for D in (512, 1024, 2048, 4096, 7168) for N in (8192, 32768)
                 for L in (3, 9, 17, 33)}
 ATTNRES_SHAPES: dict[str, Any] = {f"L{L}": (L, 32768, 2048) for L in (4, 9, 17)} | ATTNRES_GRID
@@ -503,27 +486,18 @@ ATTNRES_TOL = {"h": 5e-3, "grads": 1e-2}
 ATTNRES_REF_CHUNK = 2 ** 27  # source elements per chunk of the fp32 reference (~4 GB of its fp32 and fp64 copies)
 FLA_ATTNRES = ("fla_fused_attnres", "fla_fused_attnres_stacked")
 ATTNRES_ROWS = ("moelab_fused", "torch_plain", *FLA_ATTNRES)  # every named row --impls takes
-# a launch candidate, timed where --impls names it (moelab.ops.attnres.LaunchConfig):
-#   moelab_fused@r<rows>w<warps>g<group>[c<chunk>][s<stages>][-b<rows>w<warps>g<group>[c<chunk>][s<stages>]]
-# c: the two-pass kernels over chunks of D; -b: the backward's (0 or left out: the forward's), e.g.
+# a launch candidate row, timed where --impls names it: CANDIDATE + a LaunchConfig.parse spec, e.g.
 # moelab_fused@r2w16g2, moelab_fused@r1w8g4-b1w16g2s2 or moelab_fused@r1w4g1c512s3-b1w4g1c256s2
-ATTNRES_LAUNCH = re.compile(r"^moelab_fused@r(\d+)w(\d+)g(\d+)(?:c(\d+))?(?:s(\d+))?"
-                            r"(?:-b(\d+)w(\d+)g(\d+)(?:c(\d+))?(?:s(\d+))?)?$")
+CANDIDATE = "moelab_fused@"
 
 
 def attnres_launch(name: str) -> Any:
-    """The ``LaunchConfig`` an ``moelab_fused@...`` row name spells (ValueError naming the name otherwise)."""
+    """The ``LaunchConfig`` a ``moelab_fused@<spec>`` row name spells (ValueError naming the name otherwise)."""
     from moelab.ops.attnres import LaunchConfig
 
-    m = ATTNRES_LAUNCH.match(name)
-    if m is None:
-        raise ValueError(f"{name!r} is not an AttnRes launch candidate: expected moelab_fused@r<rows>w<warps>g<group>"
-                         f"[c<chunk>][s<stages>][-b<rows>w<warps>g<group>[c<chunk>][s<stages>]]")
-    r, w, g, ch, st, br, bw, bg, bch, bst = (int(x) if x else 0 for x in m.groups())
-    cfg = LaunchConfig(rows=r, warps=w, group=g, stages=st or 1, programs_per_sm=4 if r > 1 else 0, bwd_rows=br,
-                       bwd_warps=bw, bwd_group=bg, bwd_stages=bst, chunk=ch, bwd_chunk=bch)
-    cfg.validate()
-    return cfg
+    if not name.startswith(CANDIDATE):
+        raise ValueError(f"{name!r} is not an AttnRes launch candidate: expected {CANDIDATE}<spec>")
+    return LaunchConfig.parse(name.removeprefix(CANDIDATE))
 
 
 def _attnres_inputs(L: int, N: int, D: int, dev: str, seed: int) -> tuple:
@@ -538,7 +512,7 @@ def _attnres_inputs(L: int, N: int, D: int, dev: str, seed: int) -> tuple:
 
 def _attnres_impls(fla_fn, plain: bool, names: Sequence[str] | None = None) -> dict[str, Callable]:
     """name -> prepare(srcs, q, w) -> (leaves, forward() -> h, grads() -> [*source grads, dq, dw]); ``names``: only
-    these rows, launch candidates (``ATTNRES_LAUNCH``) included."""
+    these rows, launch candidates (``CANDIDATE``) included."""
     from moelab.model.attnres import DepthAttention
     from moelab.ops.attnres import depth_attention
 
@@ -572,15 +546,14 @@ def _attnres_impls(fla_fn, plain: bool, names: Sequence[str] | None = None) -> d
     impls |= dict(zip(FLA_ATTNRES, (fla, fla_stacked))) if fla_fn is not None else {}
     if names is None:
         return impls
-    cands = {n: functools.partial(moelab, config=attnres_launch(n)) for n in names if ATTNRES_LAUNCH.match(n)}
+    cands = {n: functools.partial(moelab, config=attnres_launch(n)) for n in names if n.startswith(CANDIDATE)}
     return {n: f for n, f in impls.items() if n in names} | cands
 
 
 def _attnres_errors(srcs, q, w, dh, outs: dict[str, tuple]) -> dict[str, dict[str, float]]:
-    """Each impl's ``(h, grads)`` against the fp32 reference (``depth_attention_torch``), which runs over chunks
-    of ``ATTNRES_REF_CHUNK`` source elements (any N, D, L fits): RMS errors of h and of each source's gradient
-    summed over the chunks (``dsrc_err``: the worst source), dq and dw from the reference's gradients summed over
-    them."""
+    """Each impl's ``(h, grads)`` against the fp32 reference (``depth_attention_torch``) over chunks of
+    ``ATTNRES_REF_CHUNK`` source elements: RMS errors of h and of each source's gradient (``dsrc_err``: the worst
+    source) summed over the chunks, dq and dw from the reference's gradients summed over them."""
     from moelab.ops.attnres import depth_attention_torch
 
     L, N, D = len(srcs), srcs[0].shape[1], srcs[0].shape[2]
@@ -608,23 +581,38 @@ def _attnres_errors(srcs, q, w, dh, outs: dict[str, tuple]) -> dict[str, dict[st
 ATTNRES_PASSES = 3  # timing passes over the impls of a point that are held together (their rounds interleave)
 
 
-def _attnres_point(shape: str, impls: dict[str, Callable], ctx: Ctx) -> list[dict[str, Any]]:
-    """The rows of one shape: every impl run once (its h and gradients kept), checked against a chunked fp32
-    reference, then timed (fwd+bwd, fwd alone under no_grad) and its peak memory taken.
+def _free_bytes(ctx: Ctx) -> float:
+    return torch.cuda.mem_get_info()[0] if ctx.cuda else math.inf
 
-    Where every impl's leaves and gradients fit in free memory together (with room to spare) they are held
-    together and timed in ``ATTNRES_PASSES`` passes over the impls, each pass a few rounds of each, so that a
-    drift of the host's speed (the small points are host-bound) reaches every impl alike: a row's time is the
-    median over all its rounds. Otherwise (D 7168, L 33, N 32768 is 15.5 GB per copy of the sources: an H100's
-    80 GB does not hold four) each impl is run, checked, timed and freed in turn."""
+
+def _attnres_point(shape: str, impls: dict[str, Callable], ctx: Ctx) -> list[dict[str, Any]]:
+    """The rows of one shape: every impl run once, checked against a chunked fp32 reference, timed (fwd+bwd, fwd
+    under no_grad), its peak memory taken. Impls that fit in free memory together are timed in ``ATTNRES_PASSES``
+    passes over them (host drift at the host-bound small points reaches each alike; a row's time: the median over
+    all its rounds), else (D 7168 L 33 N 32768: 15.5 GB per copy) each is run, checked, timed, freed in turn."""
     L, N, D = ATTNRES_SHAPES[shape]
     srcs, q, w, dh = _attnres_inputs(L, N, D, ctx.dev, seed=L)
-    copy = L * N * D * srcs[0].element_size()
-    free = _free_bytes(ctx)
-    together = copy * (2 * len(impls) + 2) < 0.8 * free  # each impl's leaves and gradients, h, the reference's work
+    together = L * N * D * srcs[0].element_size() * (2 * len(impls) + 2) < 0.8 * _free_bytes(ctx)
     rows: dict[str, dict[str, Any]] = {}
     for names in ([list(impls)] if together else [[n] for n in impls]):
-        runs = _attnres_run({n: impls[n] for n in names}, shape, (L, N, D), (srcs, q, w, dh), rows, ctx)
+        outs, runs = {}, {}
+        for name in names:
+            rows[name] = dict(impl=name, shape=shape, L=L, N=N, D=D)
+            try:
+                leaves, forward, grads = impls[name](srcs, q, w)
+                with torch.autocast(ctx.dev, dtype=torch.bfloat16):
+                    h = forward()
+                h.backward(dh.to(h.dtype))
+                outs[name], runs[name] = (h.detach(), grads()), (leaves, forward, dh.to(h.dtype))
+                rows[name]["out_dtype"] = str(h.dtype).removeprefix("torch.")
+            except Exception as exc:  # an fla failure (compile, memory) is recorded, the others still run
+                rows[name]["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        for name, err in _attnres_errors(srcs, q, w, dh, outs).items():
+            rows[name].update(err)
+        del outs
+        for leaves, _, _ in runs.values():  # every impl's gradients freed before any is timed
+            for t in leaves:
+                t.grad = None
         _attnres_time(runs, rows, ATTNRES_PASSES if len(runs) > 1 else 1, ctx)
         del runs
         ctx.free()
@@ -633,42 +621,10 @@ def _attnres_point(shape: str, impls: dict[str, Callable], ctx: Ctx) -> list[dic
     return list(rows.values())
 
 
-def _free_bytes(ctx: Ctx) -> float:
-    """Free device memory in bytes (infinite on the CPU)."""
-    return torch.cuda.mem_get_info()[0] if ctx.cuda else math.inf
-
-
-def _attnres_run(impls: dict[str, Callable], shape: str, dims: tuple[int, int, int], inputs: tuple,
-                 rows: dict[str, dict[str, Any]], ctx: Ctx) -> dict[str, tuple]:
-    """Run each impl once and check it against the fp32 reference (its row in ``rows``); returns name ->
-    (leaves, forward, output gradient) of those that ran, their gradients freed."""
-    (L, N, D), (srcs, q, w, dh) = dims, inputs
-    outs, runs = {}, {}
-    for name, prepare in impls.items():
-        rows[name] = dict(impl=name, shape=shape, L=L, N=N, D=D)
-        try:
-            leaves, forward, grads = prepare(srcs, q, w)
-            with torch.autocast(ctx.dev, dtype=torch.bfloat16):
-                h = forward()
-            h.backward(dh.to(h.dtype))
-            outs[name], runs[name] = (h.detach(), grads()), (leaves, forward, dh.to(h.dtype))
-            rows[name]["out_dtype"] = str(h.dtype).removeprefix("torch.")
-        except Exception as exc:  # an fla failure (compile, memory) is recorded, the others still run
-            rows[name]["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    for name, err in _attnres_errors(srcs, q, w, dh, outs).items():
-        rows[name].update(err)
-    del outs
-    for leaves, _, _ in runs.values():  # every impl's gradients freed before any is timed (D 7168, L 33: 15 GB each)
-        for t in leaves:
-            t.grad = None
-    return runs
-
-
 def _attnres_time(runs: dict[str, tuple], rows: dict[str, dict[str, Any]], passes: int, ctx: Ctx) -> None:
-    """Time every impl of ``runs`` (fwd+bwd and fwd alone) in ``passes`` passes over them, a row's time the median
-    over all its rounds, then take its peak memory."""
+    """Time the impls of ``runs`` (fwd+bwd, fwd) in ``passes`` passes over them, then take each one's peak memory."""
     timing = dict(ctx.timing, rounds=max(1, -(-ctx.timing.get("rounds", 15) // passes)))
-    calls: dict[str, dict[str, tuple]] = {}
+    calls, samples = {}, collections.defaultdict(list)
     for name, (leaves, forward, g_out) in runs.items():
         def fwd(forward=forward):
             with torch.no_grad(), torch.autocast(ctx.dev, dtype=torch.bfloat16):
@@ -684,16 +640,13 @@ def _attnres_time(runs: dict[str, tuple], rows: dict[str, dict[str, Any]], passe
                 t.grad = None
 
         calls[name] = {"fwdbwd": (step, clear), "fwd": (fwd, None)}
-    samples: dict[tuple[str, str], list[float]] = {}
     for _ in range(passes):
         for name, kinds in calls.items():
             for kind, (fn, before) in kinds.items():
-                samples.setdefault((name, kind), []).extend(time_ms(fn, before=before, **timing).rounds_ms)
+                samples[name, kind] += time_ms(fn, before=before, **timing).rounds_ms
     for name, kinds in calls.items():
-        row = rows[name]
-        for kind in kinds:
-            row[f"{kind}_ms"] = statistics.median(samples[(name, kind)])
-        step, clear = kinds["fwdbwd"]
+        row, (step, clear) = rows[name], kinds["fwdbwd"]
+        row.update({f"{kind}_ms": statistics.median(samples[name, kind]) for kind in kinds})
         clear()
         peak, before = peak_bytes(step)
         row.update(peak_mem_gb=peak / 1e9 if ctx.cuda else None,

@@ -26,7 +26,8 @@ integer arguments, so one compiled kernel per direction serves every L (two with
 source 0 is also the last one). Unrolling over a constexpr L made compile time grow with L and
 compiled a kernel per L and slot pattern: 50 for a Full AttnRes step of 24 sublayers, 60 for
 gpu-small's Full and Block (6, 8) steps together, where this op compiles 4
-(kernels/results/attnres_compile_cpu_sm90.json, from the retired ``bench_attnres.py --compile``). Source 0
+(the ``compile`` section of kernels/results/attnres_occupancy_cpu_sm90.json, from the retired
+``bench_attnres.py --compile``). Source 0
 (in the model the fp32 embedding) and the last source (the newest) are pointer arguments; the
 sources between them are read through an int64 table of addresses, all in one dtype (the last
 source's; a list whose sources 1.. differ in dtype is converted to their promoted one, and a
@@ -58,9 +59,11 @@ Sources 1.. therefore come in groups (``LaunchConfig.group``): a group's tiles a
 and its row sums share one round of barriers, so a program keeps ``group`` tiles in flight where
 one at a time kept one. ``LaunchConfig.stages`` lets Triton software-pipeline the loop over the
 groups instead or as well (the next groups' tiles copied into shared memory while this one is
-summed). ``launch_config`` sets both by rule from D (and L, N where one read is all there is), within
+summed): the forward's fastest launches load one source at a time, pipelined, the backward's load groups.
+``launch_config`` sets both by rule from D (and L, N where one read is all there is), fitted to a sweep
+of launches at issue 37's grid (``kernels/results/attnres_sweep_h200.json``, ``grid_sweep``) within
 register and shared-memory estimates fitted to what the kernels compile to (the committed
-``kernels/results/attnres_occupancy_cpu_sm90.json``; ``attnres_sweep_h200.json`` measured launches against it). D is a
+``kernels/results/attnres_occupancy_cpu_sm90.json``). D is a
 compile-time constant (one per model, like the tile shape it sets): a power-of-two D drops the
 column mask from every load and store.
 
@@ -80,6 +83,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -93,6 +97,9 @@ from moelab.ops.backend import BACKENDS
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_D = 16384  # one program holds a whole row (next power of two) of a few [rows, D] fp32 tiles
 _INTERP_PROGRAMS = 3  # interpreter: a few programs, so the persistent loop takes several turns
+
+
+_SPEC = re.compile(r"^r(\d+)w(\d+)g(\d+)(?:c(\d+))?(?:s(\d+))?(?:-b(\d+)w(\d+)g(\d+)(?:c(\d+))?(?:s(\d+))?)?$")
 
 
 @dataclass(frozen=True)
@@ -151,6 +158,22 @@ class LaunchConfig:
         if self.bwd_chunk and (self.bwd_chunk < 16 or self.bwd_chunk > MAX_D or self.bwd_chunk & (self.bwd_chunk - 1)):
             raise ValueError(f"LaunchConfig.bwd_chunk={self.bwd_chunk} is not allowed: expected 0, or a power of two "
                              f"in 16..{MAX_D}")
+
+    @classmethod
+    def parse(cls, spec: str) -> LaunchConfig:
+        """The launch ``spec`` spells (the names the AttnRes sweep and ``kernels/bench.py --impls`` use):
+        ``r<rows>w<warps>g<group>[c<chunk>][s<stages>]`` for the forward, then optionally ``-b`` and the same for
+        the backward (left out: the forward's), e.g. ``r1w4g1s3-b1w16g4``; several-row tiles get 4 persistent
+        backward programs per SM. ValueError naming the spec (or ``validate``'s) otherwise."""
+        m = _SPEC.match(spec)
+        if m is None:
+            raise ValueError(f"{spec!r} is not a launch spec: expected r<rows>w<warps>g<group>[c<chunk>][s<stages>]"
+                             f"[-b<rows>w<warps>g<group>[c<chunk>][s<stages>]]")
+        r, w, g, ch, st, br, bw, bg, bch, bst = (int(x) if x else 0 for x in m.groups())
+        cfg = cls(rows=r, warps=w, group=g, stages=st or 1, programs_per_sm=4 if r > 1 else 0, bwd_rows=br,
+                  bwd_warps=bw, bwd_group=bg, bwd_stages=bst, chunk=ch, bwd_chunk=bch)
+        cfg.validate()
+        return cfg
 
     @property
     def bwd(self) -> tuple[int, int]:

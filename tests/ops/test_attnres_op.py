@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from moelab.ops.attnres import (
     MAX_D,
     MAX_REGS,
     MAX_SHARED,
+    ONE_ROW_FROM,
     SMS,
     TILE_ELEMS,
     GradSlot,
@@ -559,7 +561,10 @@ def test_launch_rule_on_the_grid(D):
             where = f"D={D} L={L} N={N}: {cfg}"
             assert all(_pow2(x) for x in (cfg.rows, cfg.warps, cfg.group)), where
             assert cfg.bwd_launch[0] == cfg.rows and cfg.warps <= 8 + 8 * (cfg.rows > 1), where
-            assert cfg.rows * BD >= TILE_ELEMS and -(-N // cfg.rows) >= 4 * SMS, where
+            if BD >= ONE_ROW_FROM:  # one row per program; a pipelined forward loads one source at a time
+                assert cfg.rows == 1 and (cfg.stages == 1 or cfg.group == 1) and cfg.bwd_launch[3] == 1, where
+            else:
+                assert cfg.rows * BD >= TILE_ELEMS and -(-N // cfg.rows) >= 4 * SMS, where
             for backward, (rows, warps, group, _) in ((False, (cfg.rows, cfg.warps, cfg.group, 1)),
                                                       (True, cfg.bwd_launch)):
                 per_thread, rem = divmod(rows * BD, 32 * warps)
@@ -571,24 +576,46 @@ def test_launch_rule_on_the_grid(D):
     assert launch_config(D) == launch_config(D, 33, 32768)
 
 
+SWEEP_FILE = os.path.join(ROOT, "kernels", "results", "attnres_sweep_h200.json")
+
+
+def _launch_name(rows: int, warps: int, group: int, stages: int) -> str:
+    return f"r{rows}w{warps}g{group}s{stages}"
+
+
 def test_launch_rule_keeps_the_measured_launches():
-    """Where launches were measured the rule gives them: D 512 the sweep's best (4 x 4, 4 programs per SM,
-    kernels/results/attnres_sweep_h200.json), D 2048 one-row tiles of 8 warps, 4 sources at once."""
+    """The rule's launches are the ones the sweep at issue 37's grid measured fastest (``grid_sweep`` of
+    kernels/results/attnres_sweep_h200.json, one H100): per width, the rule's forward launch is within 2% of the
+    fastest launch in geometric mean over the 8 points and within 12% at each (D 2048, N 8192, L 9: 8 warps and
+    one stage measured 11% ahead there, and behind it at the other points); its backward within 12% in
+    geometric mean (fwd+bwd, noisier: the small points are host-bound; D 2048 measured 11.5%). D 512 keeps
+    the 4 x 4 tiles of the first
+    sweep (``sweep``: 4 programs per SM)."""
     cfg = launch_config(512)
     assert (cfg.rows, cfg.warps, cfg.group, cfg.programs_per_sm, cfg.bwd_launch) == (4, 4, 1, 4, (4, 4, 1, 1))
-    cfg = launch_config(2048)
-    assert (cfg.rows, cfg.warps, cfg.group, cfg.stages) == (1, 8, 4, 1)
-    assert launch_config(2048, 3).group == 2  # two sources after the first
     assert launch_config(512, 9, 64).rows == 1  # few tokens: smaller tiles, more programs
-    # past D 2048 one-row programs of 8 warps (two per SM where 16 warps fit one); D 7168's backward stays 1 x 16 g2
-    cfg = launch_config(4096)
-    assert (cfg.warps, cfg.group, cfg.bwd_launch) == (8, 2, (1, 8, 2, 1))
-    cfg = launch_config(7168)
-    assert (cfg.warps, cfg.group, cfg.bwd_launch) == (8, 1, (1, 16, 2, 1))
+    assert launch_config(2048, 3).bwd_launch[2] == 2  # two sources after the first
+    with open(SWEEP_FILE) as f:
+        points = json.load(f)["grid_sweep"]["points"]
+    for D in (1024, 2048, 4096, 7168):
+        fwd_ratios, bwd_ratios = [], []
+        for p in (p for p in points if p["D"] == D):
+            cfg = launch_config(D, p["L"], p["N"])
+            fwd = {k: v for k, v in p["fwd"].items() if isinstance(v, float) and k != "rule"}
+            bwd = {k: v for k, v in p["fwdbwd"].items() if isinstance(v, float) and k != "rule"}
+            name = _launch_name(cfg.rows, cfg.warps, cfg.group, cfg.stages)
+            fwd_ratios.append(fwd[name] / min(fwd.values()))
+            assert fwd_ratios[-1] <= 1.12, (D, p["L"], p["N"], name, fwd[name], min(fwd, key=fwd.get))
+            bname = _launch_name(*cfg.bwd_launch)
+            if bname in bwd:  # an L-capped group may not have been swept
+                bwd_ratios.append(bwd[bname] / min(bwd.values()))
+        assert math.exp(sum(map(math.log, fwd_ratios)) / len(fwd_ratios)) <= 1.02, (D, fwd_ratios)
+        assert len(bwd_ratios) >= 6 and math.exp(sum(map(math.log, bwd_ratios)) / len(bwd_ratios)) <= 1.12, (
+            D, bwd_ratios)
 
 
 OCCUPANCY_FILE = os.path.join(ROOT, "kernels", "results", "attnres_occupancy_cpu_sm90.json")
-OCCUPANCY = (512, 2048, 4096, 7168)
+OCCUPANCY = (512, 1024, 2048, 4096, 7168)
 
 
 def _occupancy(D: int) -> list[dict]:
@@ -598,16 +625,18 @@ def _occupancy(D: int) -> list[dict]:
 
 @pytest.mark.parametrize("D", sorted(OCCUPANCY))
 def test_rule_launches_compile_without_spilling(D):
-    """The rule's launch at each width whose kernels were compiled for sm_90 (``bench_attnres.py
-    --occupancy``, committed): both directions there, spilling at most 16 bytes (D 7168's backward: 8), and
-    loading no fewer bytes at once per SM than one source at a time would."""
+    """The rule's launch at each width whose kernels were compiled for sm_90 (committed rows: the retired
+    ``bench_attnres.py --occupancy``, and the rule's launches of 78d4bfc marked as such): the forward spills
+    nothing; the backward at most 16 bytes at up to 8 warps, at most 128 at 16 warps (where the compiler holds a
+    thread to 128 registers: D 4096 spills 32 bytes, D 7168 112 with Triton 3.9, and both were still the
+    sweep's fastest backward launches); no launch loads fewer bytes at once per SM than one source at a time."""
     cfg = launch_config(D)
     rows = {(r["kernel"], r["rows"], r["warps"], r["group"], r["stages"]): r for r in _occupancy(D)}
     for kernel, (tile_rows, warps, group, stages) in (("_attnres_fwd_kernel", (cfg.rows, cfg.warps, cfg.group,
                                                                                cfg.stages)),
                                                       ("_attnres_bwd_kernel", cfg.bwd_launch)):
         r = rows[(kernel, tile_rows, warps, group, stages)]
-        assert r["stack"] <= 16, r
+        assert r["stack"] <= (0 if kernel == "_attnres_fwd_kernel" else 16 if warps <= 8 else 128), r
         one = rows.get((kernel, tile_rows, warps, 1, stages))
         assert one is None or r["source_kb_at_once_per_sm"] >= one["source_kb_at_once_per_sm"], (r, one)
 
