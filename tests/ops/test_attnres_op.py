@@ -823,3 +823,34 @@ def test_note_resident_skips_a_launch_without_a_compiled_kernel():
     key = ("test-key-without-kernel",)
     attnres._note_resident(key, None, torch.device("cpu"), 4)
     assert key not in attnres._RESIDENT
+
+
+def test_list_reads_at_the_same_addresses_share_a_table():
+    """A list read again at the same source addresses reuses its address table (no new table, no copy of the
+    addresses); its gradient row is rewritten when the gradient buffers moved, and every read's gradients still
+    match the fp32 reference, also when another list (other addresses, other L) was read in between."""
+    from moelab.ops import attnres
+
+    def leaves(seed, dtypes):
+        sources, query, weight, dh = _inputs((5,), 32, dtypes, 3.0, seed=seed)
+        ref = _reference(sources, query, weight, dh)
+        return [x.detach().clone().requires_grad_() for x in (*sources, query, weight)], dh, ref, dtypes
+
+    def read(lv, dh, ref, dtypes):
+        for x in lv:
+            x.grad = None
+        h, p = depth_attention(lv[:-2], lv[-2], lv[-1], 1e-6, backend="triton")
+        (h.float() * dh).sum().backward()
+        _compare(ref, (h, p, [x.grad for x in lv[:-2]], lv[-2].grad, lv[-1].grad), dtypes, 5e-3, 1e-2)
+
+    one, two = leaves(11, (F32, BF, BF, BF)), leaves(12, (F32, BF, BF))
+    tables, kept = [], []
+    for i in range(3):
+        read(*one)
+        key = next(k for k in attnres._LIST_TABLES if k[2][0] == one[0][1].data_ptr())
+        tables.append(attnres._LIST_TABLES[key])
+        kept.append([x.grad for x in one[0]])  # the next read's gradient buffers lie elsewhere
+        if i == 1:
+            read(*two)
+    assert tables[0] is tables[1] is tables[2]
+    assert tables[0]._grad_row is not None and len(tables[0]._grad_row) == 2
