@@ -992,12 +992,16 @@ def retrieval_by_arm(rows: Sequence[Mapping[str, Any]], arms: Sequence[str] = SC
 
 def effective_floor(rows: Sequence[Mapping[str, Any]], other: str = "direct") -> str | None:
     """The reason effective context (curriculum against ``other``) is not measured though some run retrieves: every
-    run of both arms has effective context 0, so their difference is 0 - 0; None otherwise."""
+    run of both arms has effective context 0, so their difference is 0 - 0; None otherwise. Where some run of the two
+    arms retrieves at all, the mean passkey accuracy over the lengths still compares them (the reason says so);
+    where none does, that comparison is at the floor too (the reason says that instead)."""
     both = [r for r in rows if r["schedule"] in ("curriculum", other)]
     if not both or any(r.get("effective_context") for r in both):
         return None
+    some = any(v > 0 for r in both for v in (r.get("passkey") or {}).values())
     return (f"no run of either arm reaches passkey >= {EFFECTIVE_THRESHOLD:.0%} at the shortest evaluated length "
-            "(effective context 0 in every run); the mean passkey accuracy over the lengths compares them")
+            "(effective context 0 in every run); " + ("the mean passkey accuracy over the lengths compares them" if some
+                                                      else "their passkey accuracy is 0 at every length as well"))
 
 
 def _wording(d: Mapping[str, Any], lower_is_better: bool) -> str:

@@ -269,6 +269,9 @@ def test_passkey_comparisons_at_the_floor_are_not_tested() -> None:
     short = by_q[f"Mean passkey accuracy over {SPAN}, curriculum minus short"]
     assert short.status == "worse" and short.number.mean == pytest.approx(-0.7)
     assert cc.refresh_comparisons(s)["verdict"]["effective_context"].startswith("not tested")
+    assert cc.effective_floor(s["rows"]).endswith("their passkey accuracy is 0 at every length as well")
+    s["rows"][0]["passkey"] = {k: 0.5 for k in s["rows"][0]["passkey"]}  # some retrieval, under the bar at 1K
+    assert cc.effective_floor(s["rows"]).endswith("the mean passkey accuracy over the lengths compares them")
 
 
 def test_curriculum_timing_compares_the_short_stage_with_the_pilots_onset() -> None:
