@@ -173,6 +173,49 @@ def _step_profile() -> Row:
                f"{sum(v['ms'] for _, v in fams[6:]):.1f} ms{captured}", [f, fc], (f, None), d["meta"].get("commit"))
 
 
+def _capture_modes() -> Row | None:
+    """Issue 36's step modes on the H100 run kept in ``model_capture_h200.json`` (``other_gpus``): eager, the
+    captured step and the compiled captured step of one preset, tokens/s and MFU side by side."""
+    f = "kernels/results/model_capture_h200.json"
+    run = _load(f).get("other_gpus", {}).get("H100")
+    if not run:
+        return None
+    rows = {r["mode"]: r for r in run["rows"] if r.get("step_ms")}
+    eager = rows.get("eager")
+    if eager is None or len(rows) < 2:
+        return None
+    modes = "; ".join(f"{m} {_k(r['tok_per_s'])} tokens/s ({eager['step_ms'] / r['step_ms']:.2f}x, MFU "
+                      f"{r['mfu_activated']:.1%}, host {r['host_ms']:.1f} ms)" for m, r in rows.items() if m != "eager")
+    best = max(rows.values(), key=lambda r: r["tok_per_s"])
+    met = eager["step_ms"] / best["step_ms"] >= 2.0 and best["mfu_activated"] >= 0.18
+    return Row(f"{eager['preset']} training step (B={eager['B']}, T={eager['T']}), eager vs captured modes "
+               f"(`python -m moelab.train.perf`, {run['meta']['gpu'].removeprefix('NVIDIA ')}; target >= 2.0x eager, "
+               "MFU >= 18% activated)",
+               f"eager {_k(eager['tok_per_s'])} tokens/s (MFU {eager['mfu_activated']:.1%}, host "
+               f"{eager['host_ms']:.0f} ms); {modes}: {'met' if met else 'not met'}", [f], (f, None),
+               (run["meta"].get("commit") or "")[:7] or None)
+
+
+def _conv() -> Row | None:
+    """ShortConv: the default launch (``short_conv.LAUNCH``, ``BWD_TAPS4``) against ``F.conv1d`` and the launch
+    before it, per shape of the conv bench."""
+    f = "kernels/results/conv_h100.json"
+    if not (repo_root() / f).exists():
+        return None
+    d = _load(f)
+    parts = []
+    for shape in dict.fromkeys(r["shape"] for r in d["rows"]):
+        by = {r["impl"]: r for r in d["rows"] if r["shape"] == shape}
+        ours, torch_, before = by["bwd_taps4_64x64x4"], by["torch_conv1d"], by["bwd_generic_16x128x8"]
+        parts.append(f"B{ours['B']} T{ours['T']} C{ours['C']}: {ours['fwd_bwd_ms']:.2f} ms vs F.conv1d "
+                     f"{torch_['fwd_bwd_ms']:.2f} ({torch_['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.1f}x) and the launch "
+                     f"before {before['fwd_bwd_ms']:.2f} ({before['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.1f}x), error "
+                     f"{max(ours['err_dx'], ours['err_dw']):.1e}")
+    return Row(f"ShortConv (4 taps, SiLU) fwd+bwd, bf16, the default launch (backward 64 x 64 on 4 warps, 4-tap "
+               f"kernel; `bench.py --entry conv`, {d['meta']['gpu'].removeprefix('NVIDIA ')})", "; ".join(parts),
+               [f], (f, None), d["meta"].get("commit", "")[:7] or None)
+
+
 def _moe() -> Row:
     f = "kernels/results/moe_h200.json"
     d = _load(f)
@@ -371,7 +414,7 @@ def _kda_infer() -> Row:
 
 KERNEL_ROWS: list[Callable[[], Row | None]] = [
     _kda_check, _kda_packed_check, _kda_gate_check, _kda_speed, _kda_infer, _attnres_op, _attnres_grid, _moe,
-    _step_profile, _fla_shape, _residual_modes, _k3_mini, _throughput_gpu_small]
+    _step_profile, _capture_modes, _conv, _fla_shape, _residual_modes, _k3_mini, _throughput_gpu_small]
 
 
 # ----------------------------------------------------------------------------------------------
