@@ -150,13 +150,14 @@ def main() -> int:
 def conv_main(cfgs: dict[str, tuple[int, ...]]) -> int:
     """The ShortConv kernels (W 4, bf16 x, fp32 weight) with and without SiLU and document positions, at
     ``short_conv.LAUNCH`` or the ``--cfg fwd=rows,channels,warps`` / ``bwd=...`` given."""
-    for which, kernel in (("fwd", SC._conv_fwd_kernel), ("bwd", SC._conv_bwd_kernel)):
+    bwd = SC._conv_bwd4_kernel if SC.BWD_TAPS4 else SC._conv_bwd_kernel  # the backward the op runs at W 4
+    for which, kernel in (("fwd", SC._conv_fwd_kernel), ("bwd", bwd)):
         bt, bc, warps = cfgs.get(which, SC.LAUNCH[which])
         for silu in (True, False):
             for pos in (False, True):
                 sig = {n: {"x": "*bf16", "y": "*bf16", "dy": "*bf16", "dx": "*bf16", "w": "*fp32", "dw": "*fp32",
                            "pos": "*i32"}.get(n, "i32") for n in kernel.arg_names}
-                consts = dict(W=4, BT=bt, BC=bc, SILU=silu, HAS_POS=pos)
+                consts = {k: v for k, v in dict(BT=bt, BC=bc, SILU=silu, HAS_POS=pos, W=4).items() if k in sig}
                 print(f"conv {which} {bt}x{bc} warps={warps} silu={int(silu)} pos={int(pos)}: "
                       f"{compile_one(kernel, consts, warps, 1, sig=sig)}", flush=True)
     return 0

@@ -41,7 +41,9 @@ ACTIVATIONS = (None, "silu")
 # fwd+bwd ms at B8 T4096 C512 / B1 T32768 C1536): the backward at 16 x 128 on 8 warps (the launch before) 0.717 /
 # 2.035, at 64 x 64 on 4 warps 0.269 / 0.686 with the generic kernel and 0.261 / 0.655 with the 4-tap one (its
 # errors alike, 2.4e-3 vs fp32; F.conv1d 1.001 / 3.115); the forward's launches took 0.036-0.060 / 0.081-0.126
-# ms, 16 x 128 on 4 warps the fastest at the long shape.
+# ms, 16 x 128 on 4 warps the fastest at the long shape. The 4-tap backward at 64 x 64 on 4 warps compiles (Triton
+# 3.9, `aot_kda.py --conv`) to 255 registers and up to 3.3 KB of spill loads a thread with document positions and
+# SiLU (0.8 KB without positions), yet timed fastest; 32 x 64 spills at most 104 B and took 6% longer (0.697 ms).
 LAUNCH = {"fwd": (16, 128, 4), "bwd": (64, 64, 4)}
 # 4 taps (KDA's ShortConv): True, the backward loads each of the 7 distinct x tiles once (``_conv_bwd4_kernel``),
 # not 16 shifted ones (same file: 3-5% under the generic kernel at the same launch).
