@@ -237,8 +237,9 @@ def launch_config(d: int, L: int | None = None, n: int | None = None) -> LaunchC
     18-30 backward launches per width on one H100):
 
     - D <= 512: tiles of at least ``TILE_ELEMS`` elements (``rows = 2048 // next_pow2(d)``), halved while
-      there would be fewer than 4 forward programs per SM (small n only), threads of 16 elements
-      (1..16 warps), one source at a time, ``4 * SMS`` persistent backward programs, both directions alike;
+      there would be fewer than 4 forward programs per SM (small n only; one row: as below), threads of 16
+      elements (1..16 warps), one source at a time, ``4 * SMS`` persistent backward programs, both directions
+      alike;
     - from ``ONE_ROW_FROM`` (1024) on, one row per program. The forward: ``FWD_WARPS`` = 4 warps (a wider
       row gives each thread more elements: 8 at D 1024, 64 at D 7168), loading ``FWD_IN_FLIGHT // e``
       sources at once (2 at D 1024, else 1) and, where that is one, the loop over the sources software-
@@ -256,13 +257,13 @@ def launch_config(d: int, L: int | None = None, n: int | None = None) -> LaunchC
     residual stream (the launch at large L and n).
     """
     bd = _pow2(d)
-    if bd < ONE_ROW_FROM:
-        rows = max(1, TILE_ELEMS // bd)
-        if n is not None:
-            while rows > 1 and -(-n // rows) < 4 * SMS:
-                rows //= 2
+    rows = max(1, TILE_ELEMS // bd) if bd < ONE_ROW_FROM else 1
+    if n is not None:
+        while rows > 1 and -(-n // rows) < 4 * SMS:
+            rows //= 2
+    if rows > 1:
         warps = min(16, max(1, rows * bd // (32 * 16)))
-        return LaunchConfig(rows=rows, warps=warps, group=1, stages=1, programs_per_sm=4 if rows > 1 else 0)
+        return LaunchConfig(rows=rows, warps=warps, group=1, stages=1, programs_per_sm=4)
     warps, group = _one_row(bd, FWD_WARPS, L, FWD_IN_FLIGHT)
     stages = FWD_STAGES if group == 1 else 1
     wide = bd // (32 * warps) > IN_FLIGHT // 2
