@@ -305,6 +305,14 @@ FWD_LAUNCHES = ((16, 128, 4), (32, 128, 4), (64, 128, 4), (32, 64, 4))
 BWD_LAUNCHES = ((16, 128, 8), (16, 128, 4), (32, 128, 8), (32, 64, 4), (64, 128, 4), (64, 64, 4))
 
 
+def bwd_row_name(launch: tuple[int, int, int] | None = None, taps4: bool | None = None) -> str:
+    """The ``launch_rows`` row of a backward launch (rows, channels, warps) and kernel; by default the op's own
+    (``LAUNCH["bwd"]``, ``BWD_TAPS4``), e.g. ``bwd_taps4_64x64x4``."""
+    launch = LAUNCH["bwd"] if launch is None else launch
+    taps4 = BWD_TAPS4 if taps4 is None else taps4
+    return f"bwd_{'taps4' if taps4 else 'generic'}_{'x'.join(map(str, launch))}"
+
+
 def launch_rows(B: int, T: int, C: int, device: str, dtype: torch.dtype, time_ms: Callable[..., float],
                 rel_err: Callable[[torch.Tensor, torch.Tensor], float], every_launch: bool = True,
                 tag: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -328,7 +336,7 @@ def launch_rows(B: int, T: int, C: int, device: str, dtype: torch.dtype, time_ms
 
     cases = [("torch_conv1d", None, None, None)] + [
         (f"fwd_{'x'.join(map(str, f))}", f, None, "taps4") for f in FWD_LAUNCHES[:None if every_launch else 1]] + [
-        (f"bwd_{k}_{'x'.join(map(str, b))}", None, b, k) for k in ("taps4", "generic")
+        (bwd_row_name(b, k == "taps4"), None, b, k) for k in ("taps4", "generic")
         for b in BWD_LAUNCHES[:None if every_launch else 1]]
     default, taps4, rows = dict(LAUNCH), BWD_TAPS4, []
     try:

@@ -199,20 +199,23 @@ def _capture_modes() -> Row | None:
 def _conv() -> Row | None:
     """ShortConv: the default launch (``short_conv.LAUNCH``, ``BWD_TAPS4``) against ``F.conv1d`` and the launch
     before it, per shape of the conv bench."""
+    from moelab.ops import short_conv
+
     f = "kernels/results/conv_h100.json"
-    if not (repo_root() / f).exists():
-        return None
     d = _load(f)
     parts = []
     for shape in dict.fromkeys(r["shape"] for r in d["rows"]):
         by = {r["impl"]: r for r in d["rows"] if r["shape"] == shape}
-        ours, torch_, before = by["bwd_taps4_64x64x4"], by["torch_conv1d"], by["bwd_generic_16x128x8"]
+        ours, torch_ = by[short_conv.bwd_row_name()], by["torch_conv1d"]
+        before = by[short_conv.bwd_row_name((16, 128, 8), False)]  # the default until the bench ran
         parts.append(f"B{ours['B']} T{ours['T']} C{ours['C']}: {ours['fwd_bwd_ms']:.2f} ms vs F.conv1d "
                      f"{torch_['fwd_bwd_ms']:.2f} ({torch_['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.1f}x) and the launch "
                      f"before {before['fwd_bwd_ms']:.2f} ({before['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.1f}x), error "
                      f"{max(ours['err_dx'], ours['err_dw']):.1e}")
-    return Row(f"ShortConv (4 taps, SiLU) fwd+bwd, bf16, the default launch (backward 64 x 64 on 4 warps, 4-tap "
-               f"kernel; `bench.py --entry conv`, {d['meta']['gpu'].removeprefix('NVIDIA ')})", "; ".join(parts),
+    bt, bc, warps = short_conv.LAUNCH["bwd"]
+    return Row(f"ShortConv (4 taps, SiLU) fwd+bwd, bf16, the default launch (backward {bt} x {bc} on {warps} warps, "
+               f"{'4-tap' if short_conv.BWD_TAPS4 else 'generic'} kernel; `bench.py --entry conv`, "
+               f"{d['meta']['gpu'].removeprefix('NVIDIA ')})", "; ".join(parts),
                [f], (f, None), d["meta"].get("commit", "")[:7] or None)
 
 
@@ -359,10 +362,10 @@ def _attnres_op() -> Row:
 def _attnres_grid() -> Row | None:
     """Issue 37's grid (D x L x N, 40 points): the fused op against fla's best, as far as it is measured (the
     file of the GPU whose run measured the most points)."""
-    files = ("kernels/results/attnres_h200.json", "kernels/results/attnres_h100.json")
-    f = max(files, key=lambda x: len((_load(x).get("grid") or {}).get("points") or ())
-            if (repo_root() / x).exists() else -1)
-    d = _load(f)
+    files = {x: _load(x) for x in ("kernels/results/attnres_h200.json", "kernels/results/attnres_h100.json")
+             if (repo_root() / x).exists()}
+    f = max(files, key=lambda x: len((files[x].get("grid") or {}).get("points") or ()))
+    d = files[f]
     g = d.get("grid")
     if not g or not g.get("points"):
         return None
