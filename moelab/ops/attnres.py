@@ -287,6 +287,33 @@ def _one_row(bd: int, max_warps: int, L: int | None, in_flight: int = IN_FLIGHT)
     return warps, group
 
 
+# The L2 cache of an H100 / H200 (50 MB): a 16-bit h's backward finds a tile's sources there on its second pass
+# only while what its programs in flight stream between the two passes fits (``keeps_h32``).
+L2_BYTES = 50 * 2 ** 20
+
+
+@functools.cache
+def keeps_h32(cfg: LaunchConfig, d: int, L: int, itemsize: int) -> bool:
+    """Whether a read of ``L`` 16-bit sources of width ``d`` keeps an fp32 copy of h for its backward.
+
+    Without one the backward first sums ``sum_j p_j v_j`` over a tile's sources (c needs h in fp32) and then
+    reads them again for the ``dv_i``. Between the two reads of a source its programs in flight stream the rest
+    of their rows' sources and gradients, ``rows in flight * L * d * 2 * itemsize`` bytes; past ``L2_BYTES`` the
+    second read comes from HBM (6L + 2 bytes per token and width element instead of 4L + 2). The copy costs 4
+    bytes written by the forward and 4 read by the backward, and ``[N, d]`` fp32 of memory kept per read. Rows
+    in flight: ``SMS`` times the backward's programs per SM (registers by ``estimate_regs``; at 16 warps one)
+    times its tile rows (``programs_per_sm`` where set). At the grid's launches (bf16): from L 17 at D 512,
+    2048 and 7168, at L 33 at D 1024 and 4096."""
+    rows, warps, group, _ = cfg.bwd_launch
+    bd = _pow2(d)
+    per_thread = max(1, rows * bd // (32 * warps))
+    regs = min(MAX_REGS, estimate_regs(per_thread, group, backward=True))
+    if warps >= 16:
+        regs = max(regs, 128)
+    resident = cfg.programs_per_sm or max(1, min(64 // warps, 65536 // (32 * warps * regs)))
+    return SMS * resident * rows * L * d * 2 * itemsize > L2_BYTES
+
+
 @functools.cache
 def _launch_numbers(cfg: LaunchConfig, N: int, D: int) -> tuple[tuple[int], int, int, tuple[int, int, int, int]]:
     """The forward's grid, ``BD`` (D's next power of two), the backward's tile count and (rows, warps, group,
@@ -367,11 +394,14 @@ def _fwd_group(v, i, ok, gq, r, s, rows, rm, m, den, acc, N, D, eps):
 
 
 @triton.jit(do_not_specialize=["N", "L"])
-def _attnres_fwd_kernel(x0, xl, tab, q, w, h, stats, N, D: tl.constexpr, eps, L, BN: tl.constexpr,
-                        BD: tl.constexpr, ALIGNED: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr):
+def _attnres_fwd_kernel(x0, xl, tab, q, w, h, h32, stats, N, D: tl.constexpr, eps, L, BN: tl.constexpr,
+                        BD: tl.constexpr, ALIGNED: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr,
+                        H32: tl.constexpr):
     """One ``[BN, D]`` tile of h from the L sources: ``x0`` (source 0), ``tab[1..L-2]`` (addresses,
     of ``xl``'s dtype), ``xl`` (source L - 1); writes ``stats [2L + 1, N]`` (fp32: r, s ``[L, N]`` and
     lse ``[N]``) for the backward, and ``tab[L - 1] = xl`` for the next read of the same sources.
+    ``H32``: also h in fp32 into ``h32`` (a 16-bit h's read whose backward would read the sources twice from
+    HBM: ``keeps_h32``).
 
     Sources 1.. come in groups of GROUP, each group's tiles loaded at once (``[GROUP, BN, BD]``): that
     many loads per program in flight, however long the row sums between them take. ``STAGES`` > 1 lets
@@ -391,7 +421,10 @@ def _attnres_fwd_kernel(x0, xl, tab, q, w, h, stats, N, D: tl.constexpr, eps, L,
         ptr, gm, ok = _group(i, L, xl, tab, offs, mask, ALIGNED)
         m, den, acc = _fwd_group(tl.load(ptr, mask=gm, other=0.0).to(tl.float32), i, ok, gq, r, s, rows, rm, m, den,
                                  acc, N, D, eps)
-    tl.store(h + offs, (acc / den[:, :, None]).to(h.dtype.element_ty), mask=mask)
+    hv = acc / den[:, :, None]
+    tl.store(h + offs, hv.to(h.dtype.element_ty), mask=mask)
+    if H32:
+        tl.store(h32 + offs, hv, mask=mask)
     tl.store(lse + rows, m + tl.log(den), mask=rm)
 
 
@@ -694,11 +727,18 @@ class _DepthAttentionFn(torch.autograd.Function):
             _attnres_fwd_chunked_kernel[(N,)](
                 x0, xl, tab, query, norm_weight, h, stats, N, D, eps, L, S=_pow2(L),
                 BD=min(cfg.chunk, BD), ALIGNED=aligned, STAGES=cfg.stages, num_warps=cfg.warps)
+            h32 = h if out_dtype is torch.float32 else None
         else:
+            # c from <dh, h> needs h in fp32: a 16-bit h's read keeps an fp32 copy where its backward would
+            # otherwise read the sources twice from HBM
+            keep = out_dtype is not torch.float32 and keeps_h32(cfg, D, L, xl.element_size())
+            h32 = h if out_dtype is torch.float32 else (torch.empty(h.shape, device=h.device, dtype=torch.float32)
+                                                        if keep else None)
             _attnres_fwd_kernel[grid](
-                x0, xl, tab, query, norm_weight, h, stats, N, D, eps, L,
-                BN=cfg.rows, BD=BD, ALIGNED=aligned, GROUP=cfg.group, STAGES=cfg.stages, num_warps=cfg.warps)
-        ctx.save_for_backward(query, norm_weight, h if out_dtype is torch.float32 else None, *inputs)
+                x0, xl, tab, query, norm_weight, h, h if h32 is None else h32, stats, N, D, eps, L,
+                BN=cfg.rows, BD=BD, ALIGNED=aligned, GROUP=cfg.group, STAGES=cfg.stages, H32=keep,
+                num_warps=cfg.warps)
+        ctx.save_for_backward(query, norm_weight, h32, *inputs)
         # stats: made here, read only by the backward (a plain reference: no saved-tensor packing per read)
         ctx.plan = (stacked, cfg, src.slots, owned, tab, aligned, None if stacked else srcs, stats, N, D, BD, tiles,
                     bwd)

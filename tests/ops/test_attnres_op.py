@@ -124,6 +124,52 @@ def test_matches_reference(case):
     _compare(ref, out, dtypes, out_tol, grad_tol)
 
 
+@pytest.mark.parametrize("case", [((2, 9), 40, (BF, BF, BF), None), ((13,), 64, (BF,) * 6, LaunchConfig(
+    rows=1, warps=2, group=4, bwd_rows=2, bwd_group=2)), ((4, 10), 72, (HF,) * 4, LaunchConfig(rows=2, warps=1))],
+    ids=["bf16-L3", "bf16-L6-groups", "fp16-L4"])
+def test_kept_fp32_h_matches_reference(case, monkeypatch):
+    """A 16-bit read whose backward would miss L2 on its second pass over the sources (``keeps_h32``, forced
+    here by an L2 of 0 bytes) keeps an fp32 h, and its backward takes c from it (one pass, C_FROM_H): the
+    same results as the reference, within the bounds of the two-pass backward."""
+    from moelab.ops import attnres
+
+    lead, D, dtypes, cfg = case
+    monkeypatch.setattr(attnres, "L2_BYTES", 0)
+    attnres.keeps_h32.cache_clear()
+    seen = []
+    real = attnres._attnres_bwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["C_FROM_H"])
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(attnres, "_attnres_bwd_kernel", Spy())
+    try:
+        sources, query, weight, dh = _inputs(lead, D, dtypes, 10.0, seed=D + len(dtypes))
+        ref = _reference(sources, query, weight, dh)
+        out = _run(lambda s, q, w: depth_attention(s, q, w, 1e-6, backend="triton", config=cfg),
+                   sources, query, weight, dh)
+    finally:
+        attnres.keeps_h32.cache_clear()
+    assert seen == [True]
+    assert out[0].dtype == dtypes[0]
+    _compare(ref, out, dtypes, *((1e-3, 2e-3) if dtypes[0] is HF else (5e-3, 1e-2)))
+
+
+def test_keeps_h32_where_the_second_pass_misses_l2():
+    """The rule keeps an fp32 h only for 16-bit reads whose backward streams more than the L2 between its two
+    passes: at the grid's bf16 launches from L 17 at D 512, 2048 and 7168 and at L 33 at D 1024 and 4096, never at
+    L <= 9; fp32 sources never need it (their h is fp32)."""
+    from moelab.ops.attnres import keeps_h32
+
+    kept = {(D, L) for D in (512, 1024, 2048, 4096, 7168) for L in (3, 9, 17, 33) for N in (8192, 32768)
+            if keeps_h32(launch_config(D, L, N), D, L, 2)}
+    assert kept == {(D, L) for D in (512, 2048, 7168) for L in (17, 33)} | {(1024, 33), (4096, 33)}
+
+
 def test_bf16_parameters():
     """A bf16-cast model: bf16 query and norm weight get bf16 gradients, within bf16 error."""
     sources, query, weight, dh = _inputs((3, 11), 40, (BF, BF, BF), 3.0, seed=6)
