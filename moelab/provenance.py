@@ -57,6 +57,19 @@ def git_state(root: str | os.PathLike | None = None, exclude: Sequence[str] = OU
             "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else None}
 
 
+def command_line(argv: Sequence[str] | None = None, module: str | None = None) -> str:
+    """The command that made a result, as a user would type it: ``argv`` (default ``sys.argv``) with a script run
+    as ``module`` (``python -m <module>``) named so, and a path under ``$OUT`` (the GPU machine's output folder)
+    spelled ``$OUT/...`` rather than that machine's path."""
+    args = list(sys.argv if argv is None else argv)
+    if module is not None and args and args[0].endswith(module.rsplit(".", 1)[-1] + ".py"):
+        args[0:1] = ["python", "-m", module]
+    out = os.environ.get("OUT", "").rstrip("/")
+    if out:
+        args = [a.replace(out + "/", "$OUT/") if a.startswith(out + "/") or ("=" + out + "/") in a else a for a in args]
+    return " ".join(args)
+
+
 def _version(dist: str) -> str | None:
     try:
         return metadata.version(dist)

@@ -125,6 +125,21 @@ def test_provenance_commit_from_the_environment(monkeypatch):
     assert len(git_state(ROOT)["commit"]) == 40
 
 
+def test_command_line_names_the_module_and_out(monkeypatch):
+    """A result's command is what a user types: a module's script run by path becomes ``python -m`` the module, and
+    a path under the GPU machine's ``$OUT`` is spelled ``$OUT/...`` (its own path is no use anywhere else)."""
+    from moelab.provenance import command_line
+
+    monkeypatch.setenv("OUT", "/root/out/")
+    argv = ["/work/main/moelab/train/perf.py", "--out", "/root/out/model_capture.json", "--only", "k3-mini",
+            "--log=/root/out/x.log", "/elsewhere/y"]
+    assert command_line(argv, "moelab.train.perf") == ("python -m moelab.train.perf --out $OUT/model_capture.json "
+                                                       "--only k3-mini --log=$OUT/x.log /elsewhere/y")
+    assert command_line(["kernels/bench.py", "--entry", "kda"], "moelab.train.perf") == "kernels/bench.py --entry kda"
+    monkeypatch.delenv("OUT")
+    assert command_line(["a", "/root/out/z"]) == "a /root/out/z"
+
+
 def test_compare_speedups_point_one_way(bench):
     entry = bench.ENTRIES["kda"]
     base = [dict(impl="moelab_bounded", B=8, T=4096, H=16, D=128, fwd_ms=2.0, fwdbwd_ms=8.0, peak_mem_gb=3.0),

@@ -46,9 +46,11 @@ anyway) and the backward reads each source once. A 16-bit h would carry its roun
 ``sum_j p_j v_j`` over the tile's sources elementwise in fp32 (one row sum per tile, not one per
 source) and then reads the same sources again for the ``dv_i``: a program's tiles (L rows of D per
 token) are still in L2 by then, unless the rows in flight stream more than the L2 holds between the two
-passes (large L times D); such a read keeps an fp32 copy of h for its backward instead (``keeps_h32``). Traffic per token and width element with bf16 sources, from HBM:
+passes (large L times D); such a read keeps an fp32 copy of h for its backward instead (``keeps_h32``).
+Traffic per token and width element with bf16 sources, from HBM:
 forward 2L + 2 bytes (+2 for an fp32 h); backward 4L + 8 with the fp32 h (and an fp32 dh), 4L + 2
-without (6L + 2 where the second read misses L2). The plain path adds a stack copy of the sources,
+without (6L + 2 where the second read misses L2; with the kept fp32 copy 2L + 6, and the forward
+2L + 6). The plain path adds a stack copy of the sources,
 fp32 keys and their saved copies on top; fla's ``fused_attnres`` (0.6.0, whose backward also reads
 the sources twice by default) adds an fp32 ``[N, D]`` of per-token dq partials, written and read
 back (8 bytes).

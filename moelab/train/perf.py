@@ -333,6 +333,11 @@ def random_batches(vocab: int, B: int, T: int, n: int, seed: int = 0, doc_length
     return out
 
 
+def _commit(state: dict[str, Any]) -> str | None:
+    """``git_state``'s commit, with ``-dirty`` when its tree had edits (the GPU machine's copy: ``MOELAB_COMMIT``)."""
+    return None if state["commit"] is None else state["commit"] + ("-dirty" if state["dirty"] else "")
+
+
 def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tuple[str, ...] = CAPTURE_MODES,
                   steps: int = 100, window: int = 10, warm: int = 4, docs: bool = True, budget_s: float = 450.0,
                   out: str | os.PathLike | None = None, log: Any = print, device: str = "cuda",
@@ -361,7 +366,7 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
     import time
 
     from moelab.config import load_config
-    from moelab.tracking import git_commit
+    from moelab.provenance import command_line, git_state
 
     start = time.perf_counter()
     deadline = start + budget_s
@@ -369,7 +374,8 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
     over = dict(overrides or {})
     result: dict[str, Any] = {"meta": {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                                        "torch": torch.__version__,
-                                       "commit": git_commit(), "command": " ".join(sys.argv), "steps": steps,
+                                       "commit": _commit(git_state()),
+                                       "command": command_line(module="moelab.train.perf"), "steps": steps,
                                        "window": window, "warm": warm, "budget_s": budget_s, "overrides": over,
                                        "variants": {k: {"mode": m, "overrides": o} for k, (m, o) in
                                                     (variants or {}).items()},
