@@ -57,17 +57,30 @@ def git_state(root: str | os.PathLike | None = None, exclude: Sequence[str] = OU
             "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else None}
 
 
-def command_line(argv: Sequence[str] | None = None, module: str | None = None) -> str:
-    """The command that made a result, as a user would type it: ``argv`` (default ``sys.argv``) with a script run
-    as ``module`` (``python -m <module>``) named so, and a path under ``$OUT`` (the GPU machine's output folder)
-    spelled ``$OUT/...`` rather than that machine's path."""
-    args = list(sys.argv if argv is None else argv)
-    if module is not None and args and args[0].endswith(module.rsplit(".", 1)[-1] + ".py"):
-        args[0:1] = ["python", "-m", module]
+def command_line(argv: Sequence[str]) -> str:
+    """The command that made a result, as a user would type it, from ``argv`` (interpreter first, or not): a
+    script of the moelab package run by its path is ``python -m`` its module, another script under this checkout is
+    named by its path from the checkout's root, and a path under ``$OUT`` (the GPU machine's output folder) is
+    spelled ``$OUT/...`` rather than that machine's path. Shell-quoted."""
+    args = list(argv)
+    for i, a in enumerate(args[:2]):
+        if a.endswith(".py"):
+            path = Path(a).resolve()
+            parts = path.with_suffix("").parts
+            if "moelab" in parts:
+                module = ".".join(parts[len(parts) - 1 - parts[::-1].index("moelab"):])
+                args[:i + 1] = ["python", "-m", module]
+            else:
+                from moelab.base import repo_root
+
+                root = Path(repo_root()).resolve()
+                if path.is_relative_to(root):
+                    args[i] = str(path.relative_to(root))
+            break
     out = os.environ.get("OUT", "").rstrip("/")
     if out:
         args = [a.replace(out + "/", "$OUT/") if a.startswith(out + "/") or ("=" + out + "/") in a else a for a in args]
-    return " ".join(args)
+    return " ".join(a if a.startswith("$OUT/") or "=$OUT/" in a else shlex.quote(a) for a in args)
 
 
 def _version(dist: str) -> str | None:
@@ -128,8 +141,8 @@ def provenance(command: Sequence[str] | None = None, root: str | os.PathLike | N
     """
     argv = list(command) if command is not None else [os.path.basename(sys.executable), *sys.argv]
     return {"gpu": device(), **versions(), **git_state(root),
-            "command": shlex.join(argv),
+            "command": command_line(argv),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 
 
-__all__ = ["COMMIT_ENV", "OUTPUTS", "device", "git_state", "provenance", "versions"]
+__all__ = ["COMMIT_ENV", "OUTPUTS", "command_line", "device", "git_state", "provenance", "versions"]

@@ -126,16 +126,21 @@ def test_provenance_commit_from_the_environment(monkeypatch):
 
 
 def test_command_line_names_the_module_and_out(monkeypatch):
-    """A result's command is what a user types: a module's script run by path becomes ``python -m`` the module, and
-    a path under the GPU machine's ``$OUT`` is spelled ``$OUT/...`` (its own path is no use anywhere else)."""
+    """A result's command is what a user types: a moelab script run by its path becomes ``python -m`` its module, a
+    script of this checkout its path from the root, and a path under the GPU machine's ``$OUT`` is spelled
+    ``$OUT/...`` (its own path is no use anywhere else)."""
     from moelab.provenance import command_line
 
     monkeypatch.setenv("OUT", "/root/out/")
-    argv = ["/work/main/moelab/train/perf.py", "--out", "/root/out/model_capture.json", "--only", "k3-mini",
-            "--log=/root/out/x.log", "/elsewhere/y"]
-    assert command_line(argv, "moelab.train.perf") == ("python -m moelab.train.perf --out $OUT/model_capture.json "
-                                                       "--only k3-mini --log=$OUT/x.log /elsewhere/y")
-    assert command_line(["kernels/bench.py", "--entry", "kda"], "moelab.train.perf") == "kernels/bench.py --entry kda"
+    perf = os.path.join(ROOT, "moelab", "train", "perf.py")
+    argv = ["python3", perf, "--out", "/root/out/model_capture.json", "--only", "k3-mini", "--log=/root/out/x.log",
+            "/elsewhere/y", "a b"]
+    assert command_line(argv) == ("python -m moelab.train.perf --out $OUT/model_capture.json --only k3-mini "
+                                  "--log=$OUT/x.log /elsewhere/y 'a b'")
+    assert command_line([perf, "--profile", "k3-mini"]) == "python -m moelab.train.perf --profile k3-mini"
+    bench = os.path.join(ROOT, "kernels", "bench.py")
+    assert command_line(["python3", bench, "--entry", "kda"]) == "python3 kernels/bench.py --entry kda"
+    assert command_line(["python3", "kernels/bench.py"]) == "python3 kernels/bench.py"
     monkeypatch.delenv("OUT")
     assert command_line(["a", "/root/out/z"]) == "a /root/out/z"
 

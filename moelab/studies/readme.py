@@ -173,27 +173,47 @@ def _step_profile() -> Row:
                f"{sum(v['ms'] for _, v in fams[6:]):.1f} ms{captured}", [f, fc], (f, None), d["meta"].get("commit"))
 
 
-def _capture_modes() -> Row | None:
-    """Issue 36's step modes on the H100 run kept in ``model_capture_h200.json`` (``other_gpus``): eager, the
-    captured step and the compiled captured step of one preset, tokens/s and MFU side by side."""
+def _arm_label(name: str, r: dict) -> str:
+    """A capture run's arm as the README names it: the mode, or a variant's name with its mode and settings."""
+    over = r.get("overrides") or {}
+    if not over:
+        return name
+    sets = ", ".join(f"{k.removeprefix('model.')}={v}" for k, v in over.items())
+    return f"{name} ({r['mode']}; {sets})"
+
+
+def _capture_run(key: str, title: str) -> Row | None:
+    """One H100 run kept in ``model_capture_h200.json`` (``other_gpus[key]``): eager beside each captured arm of
+    one preset (a mode, or a variant: a mode with settings), tokens/s, speedup and MFU side by side."""
     f = "kernels/results/model_capture_h200.json"
-    run = _load(f).get("other_gpus", {}).get("H100")
+    run = _load(f).get("other_gpus", {}).get(key)
     if not run:
         return None
-    rows = {r["mode"]: r for r in run["rows"] if r.get("step_ms")}
+    rows = {r.get("arm", r["mode"]): r for r in run["rows"] if r.get("step_ms")}
     eager = rows.get("eager")
     if eager is None or len(rows) < 2:
         return None
-    modes = "; ".join(f"{m} {_k(r['tok_per_s'])} tokens/s ({eager['step_ms'] / r['step_ms']:.2f}x, MFU "
-                      f"{r['mfu_activated']:.1%}, host {r['host_ms']:.1f} ms)" for m, r in rows.items() if m != "eager")
+    modes = "; ".join(f"{_arm_label(m, r)} {_k(r['tok_per_s'])} tokens/s ({eager['step_ms'] / r['step_ms']:.2f}x, "
+                      f"MFU {r['mfu_activated']:.1%}, host {r['host_ms']:.1f} ms)"
+                      for m, r in rows.items() if m != "eager")
     best = max(rows.values(), key=lambda r: r["tok_per_s"])
     met = eager["step_ms"] / best["step_ms"] >= 2.0 and best["mfu_activated"] >= 0.18
-    return Row(f"{eager['preset']} training step (B={eager['B']}, T={eager['T']}), eager vs captured modes "
+    return Row(f"{eager['preset']} training step (B={eager['B']}, T={eager['T']}), {title} "
                f"(`python -m moelab.train.perf`, {run['meta']['gpu'].removeprefix('NVIDIA ')}; target >= 2.0x eager, "
                "MFU >= 18% activated)",
                f"eager {_k(eager['tok_per_s'])} tokens/s (MFU {eager['mfu_activated']:.1%}, host "
                f"{eager['host_ms']:.0f} ms); {modes}: {'met' if met else 'not met'}", [f], (f, None),
                (run["meta"].get("commit") or "")[:7] or None)
+
+
+def _capture_modes() -> Row | None:
+    """Issue 36's step modes on an H100: eager, the captured step and the compiled captured step."""
+    return _capture_run("H100", "eager vs captured modes")
+
+
+def _capture_backends() -> Row | None:
+    """The captured step with the faster backends (TF32 MLA output, Triton norm and loss) beside eager."""
+    return _capture_run("H100_backends", "eager vs the captured step with the Triton norm and loss backends")
 
 
 def _conv() -> Row | None:
@@ -417,7 +437,8 @@ def _kda_infer() -> Row:
 
 KERNEL_ROWS: list[Callable[[], Row | None]] = [
     _kda_check, _kda_packed_check, _kda_gate_check, _kda_speed, _kda_infer, _attnres_op, _attnres_grid, _moe,
-    _step_profile, _capture_modes, _conv, _fla_shape, _residual_modes, _k3_mini, _throughput_gpu_small]
+    _step_profile, _capture_modes, _capture_backends, _conv, _fla_shape, _residual_modes, _k3_mini,
+    _throughput_gpu_small]
 
 
 # ----------------------------------------------------------------------------------------------

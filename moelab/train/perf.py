@@ -375,7 +375,7 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
     result: dict[str, Any] = {"meta": {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                                        "torch": torch.__version__,
                                        "commit": _commit(git_state()),
-                                       "command": command_line(module="moelab.train.perf"), "steps": steps,
+                                       "command": command_line(sys.argv), "steps": steps,
                                        "window": window, "warm": warm, "budget_s": budget_s, "overrides": over,
                                        "variants": {k: {"mode": m, "overrides": o} for k, (m, o) in
                                                     (variants or {}).items()},
