@@ -46,7 +46,8 @@ anyway) and the backward reads each source once. A 16-bit h would carry its roun
 ``sum_j p_j v_j`` over the tile's sources elementwise in fp32 (one row sum per tile, not one per
 source) and then reads the same sources again for the ``dv_i``: a program's tiles (L rows of D per
 token) are still in L2 by then, unless the rows in flight stream more than the L2 holds between the two
-passes (large L times D); such a read keeps an fp32 copy of h for its backward instead (``keeps_h32``).
+passes (large L times D); such a read of a list keeps an fp32 copy of h for its backward instead
+(``keeps_h32``; a model's reads do not, to keep their memory).
 Traffic per token and width element with bf16 sources, from HBM:
 forward 2L + 2 bytes (+2 for an fp32 h); backward 4L + 8 with the fp32 h (and an fp32 dh), 4L + 2
 without (6L + 2 where the second read misses L2; with the kept fp32 copy 2L + 6, and the forward
@@ -297,7 +298,8 @@ L2_BYTES = 50 * 2 ** 20
 
 @functools.cache
 def keeps_h32(cfg: LaunchConfig, d: int, L: int, itemsize: int) -> bool:
-    """Whether a read of ``L`` 16-bit sources of width ``d`` keeps an fp32 copy of h for its backward.
+    """Whether a read of a list of ``L`` 16-bit sources of width ``d`` keeps an fp32 copy of h for its backward
+    (a model's reads, of a :class:`Sources` or with slots, never do: their memory per read matters more).
 
     Without one the backward first sums ``sum_j p_j v_j`` over a tile's sources (c needs h in fp32) and then
     reads them again for the ``dv_i``. Between the two reads of a source its programs in flight stream the rest
@@ -732,9 +734,10 @@ class _DepthAttentionFn(torch.autograd.Function):
                 BD=min(cfg.chunk, BD), ALIGNED=aligned, STAGES=cfg.stages, num_warps=cfg.warps)
             h32 = h if out_dtype is torch.float32 else None
         else:
-            # c from <dh, h> needs h in fp32: a 16-bit h's read keeps an fp32 copy where its backward would
-            # otherwise read the sources twice from HBM
-            keep = out_dtype is not torch.float32 and keeps_h32(cfg, D, L, xl.element_size())
+            # c from <dh, h> needs h in fp32: a 16-bit h's read of a list keeps an fp32 copy where its backward
+            # would otherwise read the sources twice from HBM (a model's reads do not: one more [N, D] fp32 per read
+            # of a residual stream, kept until the backward, is memory a model would rather have)
+            keep = out_dtype is not torch.float32 and src._one_read and keeps_h32(cfg, D, L, xl.element_size())
             h32 = h if out_dtype is torch.float32 else (torch.empty(h.shape, device=h.device, dtype=torch.float32)
                                                         if keep else None)
             _attnres_fwd_kernel[grid](
@@ -912,7 +915,8 @@ class Sources:
         rest_dtype: the dtype of sources 1.. (None while there is one source).
     """
 
-    __slots__ = ("tensors", "slots", "dtype", "rest_dtype", "_tab", "_cap", "_synced", "_taken", "_misaligned")
+    __slots__ = ("tensors", "slots", "dtype", "rest_dtype", "_tab", "_cap", "_synced", "_taken", "_misaligned",
+                 "_one_read")
 
     def __init__(self, first: torch.Tensor) -> None:
         _check_sources((first,))
@@ -926,18 +930,21 @@ class Sources:
         self._synced = 1  # sources 1.._synced-1 have their address in the table (or an enqueued kernel writes it)
         self._taken = 0  # every slot before this one was taken by a read
         self._misaligned = 0  # OR of the low 4 bits of the addresses of sources 1..
+        self._one_read = False  # a list (or stacked tensor) read once, not a model's residual stream
 
     @classmethod
     def _of(cls, seq: Sequence[torch.Tensor], slots: Sequence[GradSlot] | None, dtype: torch.dtype) -> Sources:
         """A Sources for one read of a checked list: every source contiguous, sources 1.. converted to their
         promoted dtype where theirs differs (autograd takes each gradient back to its source's dtype), and the
         given GradSlot per source, or a fresh one where none is given or the source was converted."""
+        one_read = slots is None
         rest = functools.reduce(_promote, (x.dtype for x in seq[1:]), seq[-1].dtype)
         tensors = tuple(x.contiguous() if i == 0 or x.dtype == rest else x.to(rest).contiguous()
                         for i, x in enumerate(seq))
         slots = tuple(GradSlot() if slots is None or (i and x.dtype != rest) else slots[i] for i, x in enumerate(seq))
         self = cls.__new__(cls)
         self._start(tensors, slots, dtype)
+        self._one_read = one_read
         ptrs = tuple(x.data_ptr() for x in tensors[1:])
         for p in ptrs:
             self._misaligned |= p & 15

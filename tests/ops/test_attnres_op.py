@@ -159,6 +159,44 @@ def test_kept_fp32_h_matches_reference(case, monkeypatch):
     _compare(ref, out, dtypes, *((1e-3, 2e-3) if dtypes[0] is HF else (5e-3, 1e-2)))
 
 
+def test_model_reads_keep_no_fp32_h(monkeypatch):
+    """A model's reads (a Sources, or a list with slots) keep no fp32 copy of a 16-bit h even where the rule would:
+    one more ``[N, D]`` fp32 per read of a residual stream is memory a model would rather have; their backward reads
+    the sources twice (C_FROM_H off), with the same results."""
+    from moelab.ops import attnres
+
+    monkeypatch.setattr(attnres, "L2_BYTES", 0)
+    attnres.keeps_h32.cache_clear()
+    seen = []
+    real = attnres._attnres_bwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["C_FROM_H"])
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(attnres, "_attnres_bwd_kernel", Spy())
+    try:
+        sources, query, weight, dh = _inputs((2, 9), 40, (BF,) * 4, 3.0, seed=5)
+        ref = _reference(sources, query, weight, dh)
+        def read(s, q, w):
+            src = Sources(s[0])
+            for x in s[1:]:
+                src.append(x)
+            return depth_attention(src, q, w, 1e-6, backend="triton")
+
+        out = _run(read, sources, query, weight, dh)
+        out2 = _run(lambda s, q, w: depth_attention(s, q, w, 1e-6, backend="triton", slots=[GradSlot() for _ in s]),
+                    sources, query, weight, dh)
+    finally:
+        attnres.keeps_h32.cache_clear()
+    assert seen == [False, False]
+    _compare(ref, out, (BF,) * 4, 5e-3, 1e-2)
+    _compare(ref, out2, (BF,) * 4, 5e-3, 1e-2)
+
+
 def test_keeps_h32_where_the_second_pass_misses_l2():
     """The rule keeps an fp32 h only for 16-bit reads whose backward streams more than the L2 between its two
     passes: at the grid's bf16 launches from L 17 at D 512, 2048 and 7168 and at L 33 at D 1024 and 4096, never at
