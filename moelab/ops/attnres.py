@@ -689,6 +689,49 @@ def _table_grads(tab: torch.Tensor, slots: Sequence[GradSlot], srcs: Sequence[to
     return 0 if len(missing) == L - 2 else 4
 
 
+def _forward_kernels(query: torch.Tensor, norm_weight: torch.Tensor, eps: float, out_dtype: torch.dtype,
+                     cfg: LaunchConfig, src: Sources, grad: bool) -> tuple:
+    """The forward's launch for the sources of ``src``: ``(h, h32, stats, tab, aligned, (N, D, BD, tiles, bwd))``
+    with ``h32`` the fp32 h the backward takes c from (h itself when fp32; a kept copy, ``keeps_h32``, only where
+    ``grad``; else None) and ``stats [2L + 1, N]`` fp32."""
+    srcs = src.tensors
+    x0, xl = srcs[0], srcs[-1]
+    D = x0.shape[-1]
+    N, L = x0.numel() // D, len(srcs)
+    tab = src._tab
+    if src._synced < L - 1 or src._cap < L:
+        tab = src._sync(L)
+    src._synced = L  # the kernel writes the address of source L - 1
+    aligned = not src._misaligned
+    h = torch.empty(x0.shape, device=x0.device, dtype=out_dtype)  # the sources' [..., D]
+    stats = torch.empty((2 * L + 1, N), device=x0.device, dtype=torch.float32)
+    grid, BD, tiles, bwd = _launch_numbers(cfg, N, D)
+    if cfg.chunk:
+        _attnres_fwd_chunked_kernel[(N,)](
+            x0, xl, tab, query, norm_weight, h, stats, N, D, eps, L, S=_pow2(L),
+            BD=min(cfg.chunk, BD), ALIGNED=aligned, STAGES=cfg.stages, num_warps=cfg.warps)
+        h32 = h if out_dtype is torch.float32 else None
+    else:
+        # c from <dh, h> needs h in fp32: a 16-bit h's read of a list keeps an fp32 copy where its backward
+        # would otherwise read the sources twice from HBM (a model's reads do not: one more [N, D] fp32 per read
+        # of a residual stream, kept until the backward, is memory a model would rather have)
+        keep = (grad and out_dtype is not torch.float32 and src._one_read
+                and keeps_h32(cfg, D, L, xl.element_size()))
+        h32 = h if out_dtype is torch.float32 else (torch.empty(h.shape, device=h.device, dtype=torch.float32)
+                                                    if keep else None)
+        _attnres_fwd_kernel[grid](
+            x0, xl, tab, query, norm_weight, h, h if h32 is None else h32, stats, N, D, eps, L,
+            BN=cfg.rows, BD=BD, ALIGNED=aligned, GROUP=cfg.group, STAGES=cfg.stages, H32=keep,
+            num_warps=cfg.warps)
+    return h, h32, stats, tab, aligned, (N, D, BD, tiles, bwd)
+
+
+def _weights(stats: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    """The depth weights ``p [L, ...]`` (fp32) from the forward's row statistics ``[2L + 1, N]``."""
+    L = (stats.shape[0] - 1) // 2
+    return torch.exp(stats[L:2 * L] - stats[2 * L]).view((L,) + x0.shape[:-1])
+
+
 class _DepthAttentionFn(torch.autograd.Function):
     """Inputs: query, norm_weight ``[D]``, the read's plan ``(eps, out_dtype, cfg, want_p, src, stacked,
     owned)`` with ``src`` a :class:`Sources` (the sources ``[N, D]``, their slots and address table), then
@@ -716,41 +759,16 @@ class _DepthAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, norm_weight, plan, *inputs):
         eps, out_dtype, cfg, want_p, src, stacked, owned = plan
+        h, h32, stats, tab, aligned, (N, D, BD, tiles, bwd) = _forward_kernels(query, norm_weight, eps, out_dtype, cfg,
+                                                                              src, True)
         srcs = src.tensors
-        x0, xl = srcs[0], srcs[-1]
-        D = x0.shape[-1]
-        N, L = x0.numel() // D, len(srcs)
-        tab = src._tab
-        if src._synced < L - 1 or src._cap < L:
-            tab = src._sync(L)
-        src._synced = L  # the kernel writes the address of source L - 1
-        aligned = not src._misaligned
-        h = torch.empty(x0.shape, device=x0.device, dtype=out_dtype)  # the sources' [..., D]
-        stats = torch.empty((2 * L + 1, N), device=x0.device, dtype=torch.float32)
-        grid, BD, tiles, bwd = _launch_numbers(cfg, N, D)
-        if cfg.chunk:
-            _attnres_fwd_chunked_kernel[(N,)](
-                x0, xl, tab, query, norm_weight, h, stats, N, D, eps, L, S=_pow2(L),
-                BD=min(cfg.chunk, BD), ALIGNED=aligned, STAGES=cfg.stages, num_warps=cfg.warps)
-            h32 = h if out_dtype is torch.float32 else None
-        else:
-            # c from <dh, h> needs h in fp32: a 16-bit h's read of a list keeps an fp32 copy where its backward
-            # would otherwise read the sources twice from HBM (a model's reads do not: one more [N, D] fp32 per read
-            # of a residual stream, kept until the backward, is memory a model would rather have)
-            keep = out_dtype is not torch.float32 and src._one_read and keeps_h32(cfg, D, L, xl.element_size())
-            h32 = h if out_dtype is torch.float32 else (torch.empty(h.shape, device=h.device, dtype=torch.float32)
-                                                        if keep else None)
-            _attnres_fwd_kernel[grid](
-                x0, xl, tab, query, norm_weight, h, h if h32 is None else h32, stats, N, D, eps, L,
-                BN=cfg.rows, BD=BD, ALIGNED=aligned, GROUP=cfg.group, STAGES=cfg.stages, H32=keep,
-                num_warps=cfg.warps)
         ctx.save_for_backward(query, norm_weight, h32, *inputs)
         # stats: made here, read only by the backward (a plain reference: no saved-tensor packing per read)
         ctx.plan = (stacked, cfg, src.slots, owned, tab, aligned, None if stacked else srcs, stats, N, D, BD, tiles,
                     bwd)
         if not want_p:
             return h, None
-        p = torch.exp(stats[L:2 * L] - stats[2 * L]).view((L,) + x0.shape[:-1])  # [L, ...]
+        p = _weights(stats, srcs[0])
         ctx.mark_non_differentiable(p)
         return h, p
 
@@ -1131,6 +1149,10 @@ def read_sources(src: Sources, query: torch.Tensor, norm_weight: torch.Tensor, e
         query = query.contiguous()
     if not norm_weight.is_contiguous():
         norm_weight = norm_weight.contiguous()
+    if not torch.is_grad_enabled():  # no graph to record: the kernel alone (no autograd node, no slot taken)
+        h, _, stats, *_ = _forward_kernels(query, norm_weight, float(eps), src.dtype, config or launch_config(D), src,
+                                           False)
+        return h, (_weights(stats, x0) if weights else None)
     slots, owned = src.slots, []  # the slots no read took before: this one takes them
     for i in range(src._taken, len(slots)):  # a Sources' slots before src._taken are all taken
         sl = slots[i]

@@ -197,6 +197,29 @@ def test_model_reads_keep_no_fp32_h(monkeypatch):
     _compare(ref, out2, (BF,) * 4, 5e-3, 1e-2)
 
 
+def test_no_grad_read_runs_the_kernel_alone():
+    """Under no_grad a read launches the forward kernel without an autograd node (host time: the bench's forward,
+    a model's evaluation): the same h and p as a read that records a graph, and no slot taken (a later read that
+    records one still owns its sources' gradients)."""
+    sources, query, weight, dh = _inputs((3, 7), 40, (F32, BF, BF, BF), 3.0, seed=12)
+    with torch.no_grad():
+        h0, p0 = depth_attention(sources, query, weight, backend="triton")
+    h1, p1 = depth_attention([x.clone().requires_grad_() for x in sources], query, weight, backend="triton")
+    assert h0.grad_fn is None and h1.grad_fn is not None
+    assert torch.equal(h0, h1.detach()) and torch.equal(p0, p1)
+    src = Sources(sources[0].clone().requires_grad_())
+    for x in sources[1:]:
+        src.append(x.clone().requires_grad_())
+    with torch.no_grad():
+        h2, _ = depth_attention(src, query, weight, backend="triton", weights=False)
+    assert_close(h0, h2, 1e-6, "h of a Sources read (a model's launch)")
+    assert not any(sl.taken for sl in src.slots) and src._taken == 0
+    leaves = list(src.tensors)
+    h3, _ = depth_attention(src, query, weight, backend="triton", weights=False)
+    (h3.float() * dh).sum().backward()
+    assert all(x.grad is not None for x in leaves)
+
+
 def test_keeps_h32_where_the_second_pass_misses_l2():
     """The rule keeps an fp32 h only for 16-bit reads whose backward streams more than the L2 between its two
     passes: at the grid's bf16 launches from L 17 at D 512, 2048 and 7168 and at L 33 at D 1024 and 4096, never at
