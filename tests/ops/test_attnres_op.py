@@ -124,19 +124,24 @@ def test_matches_reference(case):
     _compare(ref, out, dtypes, out_tol, grad_tol)
 
 
-@pytest.mark.parametrize("case", [((2, 9), 40, (BF, BF, BF), None), ((13,), 64, (BF,) * 6, LaunchConfig(
-    rows=1, warps=2, group=4, bwd_rows=2, bwd_group=2)), ((4, 10), 72, (HF,) * 4, LaunchConfig(rows=2, warps=1))],
-    ids=["bf16-L3", "bf16-L6-groups", "fp16-L4"])
-def test_kept_fp32_h_matches_reference(case, monkeypatch):
-    """A 16-bit read whose backward would miss L2 on its second pass over the sources (``keeps_h32``, forced
-    here by an L2 of 0 bytes) keeps an fp32 h, and its backward takes c from it (one pass, C_FROM_H): the
-    same results as the reference, within the bounds of the two-pass backward."""
+@pytest.fixture
+def _no_l2():
+    """``keeps_h32``'s cache emptied before and after a test that changes ``L2_BYTES``."""
     from moelab.ops import attnres
 
-    lead, D, dtypes, cfg = case
+    attnres.keeps_h32.cache_clear()
+    yield
+    attnres.keeps_h32.cache_clear()
+
+
+def _c_from_h_launches(monkeypatch) -> list[bool]:
+    """An L2 of 0 bytes (so ``keeps_h32`` holds wherever a read may keep the fp32 h) and the ``C_FROM_H`` of every
+    backward launch from now on, in order."""
+    from moelab.ops import attnres
+
     monkeypatch.setattr(attnres, "L2_BYTES", 0)
     attnres.keeps_h32.cache_clear()
-    seen = []
+    seen: list[bool] = []
     real = attnres._attnres_bwd_kernel
 
     class Spy:
@@ -147,51 +152,44 @@ def test_kept_fp32_h_matches_reference(case, monkeypatch):
             return launch
 
     monkeypatch.setattr(attnres, "_attnres_bwd_kernel", Spy())
-    try:
-        sources, query, weight, dh = _inputs(lead, D, dtypes, 10.0, seed=D + len(dtypes))
-        ref = _reference(sources, query, weight, dh)
-        out = _run(lambda s, q, w: depth_attention(s, q, w, 1e-6, backend="triton", config=cfg),
-                   sources, query, weight, dh)
-    finally:
-        attnres.keeps_h32.cache_clear()
+    return seen
+
+
+@pytest.mark.parametrize("case", [((2, 9), 40, (BF, BF, BF), None), ((13,), 64, (BF,) * 6, LaunchConfig(
+    rows=1, warps=2, group=4, bwd_rows=2, bwd_group=2)), ((4, 10), 72, (HF,) * 4, LaunchConfig(rows=2, warps=1))],
+    ids=["bf16-L3", "bf16-L6-groups", "fp16-L4"])
+def test_kept_fp32_h_matches_reference(case, monkeypatch, _no_l2):
+    """A 16-bit read whose backward would miss L2 on its second pass over the sources (``keeps_h32``, forced
+    here by an L2 of 0 bytes) keeps an fp32 h, and its backward takes c from it (one pass, C_FROM_H): the
+    same results as the reference, within the bounds of the two-pass backward."""
+    lead, D, dtypes, cfg = case
+    seen = _c_from_h_launches(monkeypatch)
+    sources, query, weight, dh = _inputs(lead, D, dtypes, 10.0, seed=D + len(dtypes))
+    ref = _reference(sources, query, weight, dh)
+    out = _run(lambda s, q, w: depth_attention(s, q, w, 1e-6, backend="triton", config=cfg),
+               sources, query, weight, dh)
     assert seen == [True]
     assert out[0].dtype == dtypes[0]
     _compare(ref, out, dtypes, *((1e-3, 2e-3) if dtypes[0] is HF else (5e-3, 1e-2)))
 
 
-def test_model_reads_keep_no_fp32_h(monkeypatch):
+def test_model_reads_keep_no_fp32_h(monkeypatch, _no_l2):
     """A model's reads (a Sources, or a list with slots) keep no fp32 copy of a 16-bit h even where the rule would:
     one more ``[N, D]`` fp32 per read of a residual stream is memory a model would rather have; their backward reads
     the sources twice (C_FROM_H off), with the same results."""
-    from moelab.ops import attnres
+    seen = _c_from_h_launches(monkeypatch)
+    sources, query, weight, dh = _inputs((2, 9), 40, (BF,) * 4, 3.0, seed=5)
+    ref = _reference(sources, query, weight, dh)
 
-    monkeypatch.setattr(attnres, "L2_BYTES", 0)
-    attnres.keeps_h32.cache_clear()
-    seen = []
-    real = attnres._attnres_bwd_kernel
+    def read(s, q, w):
+        src = Sources(s[0])
+        for x in s[1:]:
+            src.append(x)
+        return depth_attention(src, q, w, 1e-6, backend="triton")
 
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append(kw["C_FROM_H"])
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(attnres, "_attnres_bwd_kernel", Spy())
-    try:
-        sources, query, weight, dh = _inputs((2, 9), 40, (BF,) * 4, 3.0, seed=5)
-        ref = _reference(sources, query, weight, dh)
-        def read(s, q, w):
-            src = Sources(s[0])
-            for x in s[1:]:
-                src.append(x)
-            return depth_attention(src, q, w, 1e-6, backend="triton")
-
-        out = _run(read, sources, query, weight, dh)
-        out2 = _run(lambda s, q, w: depth_attention(s, q, w, 1e-6, backend="triton", slots=[GradSlot() for _ in s]),
-                    sources, query, weight, dh)
-    finally:
-        attnres.keeps_h32.cache_clear()
+    out = _run(read, sources, query, weight, dh)
+    out2 = _run(lambda s, q, w: depth_attention(s, q, w, 1e-6, backend="triton", slots=[GradSlot() for _ in s]),
+                sources, query, weight, dh)
     assert seen == [False, False]
     _compare(ref, out, (BF,) * 4, 5e-3, 1e-2)
     _compare(ref, out2, (BF,) * 4, 5e-3, 1e-2)
