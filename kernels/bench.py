@@ -224,9 +224,8 @@ class Entry:
 
 # rows timed under ``triton_chunk.launch_overrides``: the op's non-default kernel variants (triton_chunk.VARIANTS)
 # beside its default in the same run
-KDA_VARIANTS = {"moelab_bounded_chains_serial": dict(chains="serial"),
-                "moelab_bounded_forward_infer": dict(forward="infer"),
-                "moelab_bounded_out_split": dict(out="split")}
+KDA_VARIANTS = {f"moelab_bounded_{k}_{v}": {k: v} for k, v in (("chains", "serial"), ("forward", "infer"),
+                                                                 ("out", "split"), ("prep", "kept"))}
 KDA_IMPLS = ("moelab_bounded", *KDA_VARIANTS, "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash")
 # launch candidates (``LAUNCH`` entries), timed only where --impls names them: the state-gradient chain at one
 # stage (the default before session 32) or three, or in 32-wide value blocks (4 programs a head where 64 gives 2:

@@ -268,7 +268,7 @@ def test_launch_overrides():
     default = dict(tc.VARIANT)
     assert default == {name: choices[0] for name, choices in tc.VARIANTS.items()}
     # chains, forward: timed on the H200; out: on an H100 (kernels/results/kda_candidates.json, run 4)
-    assert default == {"chains": "concurrent", "forward": "train", "out": "fused"}
+    assert default == {"chains": "concurrent", "forward": "train", "out": "fused", "prep": "rerun"}
     with pytest.raises(RuntimeError, match="inside"), tc.launch_overrides(forward="infer", chains=None):
         assert tc.VARIANT == {**default, "forward": "infer"}
         raise RuntimeError("inside")
@@ -352,6 +352,15 @@ def test_fused_prep_ignores_uninitialised_memory(monkeypatch, case):
     allocs = []
     _check_fused_prep(case, lambda: poisoned_allocations(monkeypatch, allocs))
     assert len(allocs) > 20, f"the poisoning reached only {len(allocs)} allocations"
+
+
+@pytest.mark.parametrize("case", FUSED, ids=FUSED_IDS)
+def test_kept_prep_matches_reference(case):
+    """The backward from the forward's kept prep outputs (``VARIANTS["prep"]`` "kept") instead of a second prep
+    pass: the same results against the fp32 prep and recurrence, padded and partial chunks included."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    _check_fused_prep(case, lambda: tc.launch_overrides(prep="kept"))
 
 
 INFER_FORWARD = [

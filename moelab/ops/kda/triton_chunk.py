@@ -109,8 +109,12 @@ SMALL_GRID = 128
 #   chain). Timed on an H100 (kernels/results/kda_candidates.json, run 4, H16 D128): fused forward 1.80 vs 2.01 ms at
 #   B8 T4096, 2.53 vs 2.79 ms at B1 T32768; fwd+bwd 7.80 vs 8.05 and 10.81 vs 11.03 ms. In the same run the state-
 #   gradient kernel ("dh") at two stages took fwd+bwd 7.79 / 9.27 ms (one stage: 8.05 / 11.03): both are the defaults.
+# * prep: what the backward starts from: "rerun" (the prep and the padding again, from the raw inputs: nothing more kept
+#   between the forward and the backward) or "kept" (the forward keeps the prep's padded q, k, v, G (fp32), beta and h0:
+#   ~1 KB more per token and head at D128 in bf16, one prep pass less in the backward; on an H100 the rerun's
+#   _prep_fwd_chunk took 0.32 ms of 7.63 at B8 T4096 H16, kernels/results/kda_sweep_h200.json, kernel_split_h100).
 VARIANTS: dict[str, tuple[str, ...]] = {"chains": ("concurrent", "serial"), "forward": ("train", "infer"),
-                                        "out": ("fused", "split")}
+                                        "out": ("fused", "split"), "prep": ("rerun", "kept")}
 VARIANT: dict[str, str] = {name: choices[0] for name, choices in VARIANTS.items()}  # what the op runs now
 
 
@@ -559,8 +563,11 @@ class ChunkKDAFunction(torch.autograd.Function):
                 (Tp // C, B * H), inter["qg"], inter["Aqk"], inter["hbuf"], inter["U"], o, Tp, B * H,
                 H=H, K=Kp, V=Vp, C=C, DOT_BF16=_dot_bf16(q.dtype), IEEE=_ieee(q.dtype),
             )
-        # raw inputs (the prep and the padding are redone in the backward) + kept intermediates
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, *(inter[key] for key in _INTRA_KEYS))
+        # raw inputs + kept intermediates, and the prep's padded outputs where VARIANT["prep"] keeps them (else the
+        # backward redoes the prep and the padding)
+        ctx.kept = VARIANT["prep"] == "kept"
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, *(inter[key] for key in _INTRA_KEYS),
+                              *((qp, kp, vp, gp, bp, h0p) if ctx.kept else ()))
         hT = inter["hT"]
         if pack is not None:
             o = pack.gather(o)[..., :V]
@@ -577,8 +584,12 @@ class ChunkKDAFunction(torch.autograd.Function):
         scale, bounded, C, prep, pack = ctx.scale, ctx.bounded, ctx.chunk_size, ctx.prep, ctx.pack
         B, T0, H, K0 = q_raw.shape
         V0 = v_raw.shape[-1]
-        q, k, v, gp, beta, h0 = _inputs(q_raw, k_raw, v_raw, g_raw, beta_raw, A_log, dt_bias, h0_raw, prep, C, pack,
-                                        bounded)
+        if not ctx.recompute and ctx.kept:
+            q, k, v, gp, beta, h0 = saved[len(_INTRA_KEYS):]
+            saved = saved[:len(_INTRA_KEYS)]
+        else:
+            q, k, v, gp, beta, h0 = _inputs(q_raw, k_raw, v_raw, g_raw, beta_raw, A_log, dt_bias, h0_raw, prep, C,
+                                            pack, bounded)
         T, K, V = q.shape[1], q.shape[3], v.shape[3]
         NT = T // C
         do = _pad(pack.scatter(do) if pack is not None else do, {1: T, 3: V}).contiguous()
