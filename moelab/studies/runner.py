@@ -716,17 +716,19 @@ class _Stopper:
 
 
 def _kernel_pids() -> list[int]:
-    """Process ids of this process's Jupyter kernels (its children running ``ipykernel``)."""
+    """Process ids of this process's Jupyter kernels (its descendants running ``ipykernel``), not the processes a
+    kernel forked: a DataLoader worker carries its kernel's command line, and a Ctrl-C sent to it ends the worker
+    mid-batch, so the run fails instead of stopping at the end of its step with a checkpoint."""
     import psutil
 
-    found = []
+    found: dict[int, int] = {}  # pid -> parent pid
     for child in psutil.Process().children(recursive=True):
         try:
             if any("ipykernel" in part for part in child.cmdline()):
-                found.append(child.pid)
+                found[child.pid] = child.ppid()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    return found
+    return [pid for pid, parent in found.items() if parent not in found]
 
 
 @contextmanager

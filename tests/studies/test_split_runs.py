@@ -231,3 +231,34 @@ def test_sigterm_stops_cleanly_and_a_rerun_resumes_also_after_kill_9(tmp_path, t
     assert [h["step"] for h in common._unpack_history(record["history"])] == list(range(1, 301))
     table = pd.read_csv(study / "runs.csv")
     assert list(table.arm) == ["bounded", "softplus"] and (table.steps == 300).all()
+
+
+def test_a_stop_reaches_the_kernels_not_their_workers(monkeypatch) -> None:
+    """The study's Ctrl-C goes to each Jupyter kernel, not to the processes a kernel forked (a DataLoader worker
+    carries its kernel's command line; stopped mid-batch, it fails the run instead of letting it save at the end of
+    its step): a kernel, its two workers and a second kernel give the two kernels."""
+    import psutil
+
+    from moelab.studies import runner
+
+    class Proc:
+        def __init__(self, pid, ppid, cmd):
+            self.pid, self._ppid, self._cmd = pid, ppid, cmd
+
+        def ppid(self):
+            return self._ppid
+
+        def cmdline(self):
+            return self._cmd
+
+    kernel = ["python", "-m", "ipykernel_launcher", "-f", "k.json"]
+    procs = [Proc(10, 1, kernel), Proc(11, 10, kernel), Proc(12, 10, kernel), Proc(20, 1, kernel),
+             Proc(30, 1, ["python", "-c", "pass"])]
+
+    class Me:
+        def children(self, recursive=False):
+            assert recursive
+            return procs
+
+    monkeypatch.setattr(psutil, "Process", lambda *a: Me())
+    assert runner._kernel_pids() == [10, 20]
