@@ -229,11 +229,12 @@ KDA_VARIANTS = {f"moelab_bounded_{k}_{v}": {k: v} for k, v in (("chains", "seria
 KDA_IMPLS = ("moelab_bounded", *KDA_VARIANTS, "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash")
 # launch candidates (``LAUNCH`` entries), timed only where --impls names them: the state-gradient chain at one
 # stage (the default before session 32) or three, or in 32-wide value blocks (4 programs a head where 64 gives 2:
-# more SMs busy at B1 H16); the gated-score gradient kernel (the op's largest; 255 registers on one warp) at one
-# stage (the default before session 39) or three (its two warps, 166 registers, took 1.7x the time: dropped)
+# more SMs busy at B1 H16); the gated-score gradient kernel (the op's largest; 255 registers on one warp) with its
+# partner chunks' loads pipelined over two or three stages (on two warps, 166 registers, it took 1.7x the time:
+# dropped)
 KDA_LAUNCH_ROWS = {f"moelab_bounded_{name}": dict(launch={kernel: cfg}) for name, kernel, cfg in (
     ("dh_stages1", "dh", (64, 8, 1)), ("dh_stages3", "dh", (64, 8, 3)), ("dh_32", "dh", (32, 4, 2)),
-    ("dqkg_stages1", "dqkg", (32, 1, 1)), ("dqkg_stages3", "dqkg", (32, 1, 3)))}
+    ("dqkg_stages2", "dqkg", (32, 1, 2)), ("dqkg_stages3", "dqkg", (32, 1, 3)))}
 KDA_ROWS = (*KDA_IMPLS, *KDA_LAUNCH_ROWS)  # every row --impls takes
 
 

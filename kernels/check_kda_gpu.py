@@ -456,6 +456,18 @@ def check_gate_grads(chunk_kda, cases, dtype, dev, emulate, rows, save, fla=None
     return ok
 
 
+def parse_launch(text: str) -> dict[str, list[int]]:
+    """``"dqkg=32,1,2;dh=64,8,2"`` -> ``{"dqkg": [32, 1, 2], "dh": [64, 8, 2]}`` (``--launch``)."""
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        name, _, cfg = item.partition("=")
+        try:
+            out[name.strip()] = [int(x) for x in cfg.split(",")]
+        except ValueError:
+            raise ValueError(f"{item!r} is not allowed: expected KERNEL=BLOCK,WARPS,STAGES (three integers)") from None
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="kernels/results/kda_check.json", help="JSON output path")
@@ -472,6 +484,9 @@ def main() -> int:
     ap.add_argument("--variant", default="", metavar="KEY=VALUE,...",
                     help="the training op's kernel variants, as triton_chunk.launch_overrides keywords, e.g. "
                          "chains=serial,forward=infer (default: the op's own)")
+    ap.add_argument("--launch", default="", metavar="KERNEL=BLOCK,WARPS,STAGES;...",
+                    help="launch configs of triton_chunk.LAUNCH entries to check instead of the defaults, e.g. "
+                         "'dqkg=32,1,2' (a candidate is checked here before it becomes a default)")
     args = ap.parse_args()
     if args.emulate_bf16 and torch.cuda.is_available():
         ap.error("--emulate-bf16 is for CPU runs; on the GPU the real bf16 path runs")
@@ -488,6 +503,12 @@ def main() -> int:
             variant = dict(chunk_module.VARIANT)
     except (TypeError, ValueError) as exc:
         ap.error(f"--variant {args.variant!r}: {exc}")
+    try:
+        launch = parse_launch(args.launch)
+        with chunk_module.launch_overrides(launch=launch):
+            pass
+    except ValueError as exc:
+        ap.error(f"--launch {args.launch!r}: {exc}")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -533,6 +554,7 @@ def main() -> int:
                 fla=getattr(sys.modules.get("fla"), "__version__", None), fla_autotune=fla_autotune,
                 date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 command=" ".join(sys.argv), reference_self_check=ref_err, gate_rule=GATE_RULE, variant=variant,
+                launch={name: list(chunk_module.LAUNCH[name]) for name in sorted(chunk_module.LAUNCH)} | launch,
                 complete=False, passed=None)
     result = dict(meta=meta, rows=[], gate_rows=[], packed_rows=[], backend_rows=[])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -556,7 +578,7 @@ def main() -> int:
                   packed=(check_packed, packed_cases, "packed_rows"),
                   backends=(backends_check, backend_cases, "backend_rows"))
     ok = True
-    with chunk_module.launch_overrides(**variant):
+    with chunk_module.launch_overrides(launch=launch, **variant):
         for part in parts:
             check, part_cases, key = checks[part]
             ok &= check(chunk_kda, part_cases, dtype, dev, args.emulate_bf16, result[key], save)
