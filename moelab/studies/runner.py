@@ -332,9 +332,13 @@ def run_study(
             tmp.unlink(missing_ok=True)
         if stopper.signum is not None:
             name = signal.Signals(stopper.signum).name
+            saved = "the stopped run saved its checkpoint"
+            if failure is not None and failure.ename not in CLEAN_STOPS:  # the stop itself failed in the kernel
+                say(f"study {number}: the run in progress failed while it stopped, in its kernel:\n"
+                    + _ANSI.sub("", "\n".join(failure.traceback or [f"{failure.ename}: {failure.evalue}"])))
+                saved = f"the run in progress failed while it stopped ({failure.ename}, above)"
             raise StudyStopped(f"study {number} stopped by {name}: finished runs are recorded in "
-                               f"{_shown(records)}/ and the stopped run saved its checkpoint; "
-                               f"`{command}` resumes", stopper.signum)
+                               f"{_shown(records)}/ and {saved}; `{command}` resumes", stopper.signum)
         _finish_notebook(executed, notebook, preset)
         if failure is not None and failure.ename == "GridIncomplete":
             say(f"study {number}, split call: {failure.evalue}; when every run is recorded, `make study-{number} "
@@ -679,6 +683,12 @@ def _close_stale(state: Path, tracking_uri: str, say: Any) -> None:
         closed.append(parent.info.run_id)
     if closed:
         say(f"closed {len(closed)} MLflow run(s) left RUNNING by a process that was killed (now KILLED)")
+
+
+# What a run's kernel raises when a stop ends it cleanly (training saved last.ckpt, then raised Interrupted); any other
+# error of a stopped kernel is shown, not dropped with its notebook
+CLEAN_STOPS = ("Interrupted", "KeyboardInterrupt")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 class _Stopper:

@@ -247,6 +247,43 @@ def test_sigterm_stops_cleanly_and_a_rerun_resumes_also_after_kill_9(tmp_path, t
     assert list(table.arm) == ["bounded", "softplus"] and (table.steps == 300).all()
 
 
+BROKEN_STOP = '''# %% tags=["parameters"]
+preset = "cpu"
+out_dir = "."
+
+# %%
+import time
+from pathlib import Path
+
+Path({ready!r}).write_text("in the cell")
+try:
+    time.sleep(300)
+except KeyboardInterrupt:
+    raise ValueError("the checkpoint could not be written")
+'''
+
+
+@pytest.mark.slow
+def test_a_stop_that_fails_in_the_kernel_is_shown_not_dropped(tmp_path, tracking_uri) -> None:  # noqa: F811
+    """A kernel that fails while it stops (not the clean Interrupted of a saved run) has its error shown on stderr and
+    named in the last line, instead of being dropped with its notebook."""
+    nbs = tmp_path / "nbs"
+    nbs.mkdir()
+    ready = tmp_path / "ready"
+    nb = jupytext.reads(BROKEN_STOP.format(ready=str(ready)), fmt="py:percent")
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, nbs / "08_stop.ipynb")
+    proc = _start(nbs, tmp_path / "out", tracking_uri)
+    _wait_for(ready, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr[-3000:]
+    assert "the run in progress failed while it stopped, in its kernel:" in stderr
+    assert "ValueError: the checkpoint could not be written" in stderr and "\x1b[" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert "the run in progress failed while it stopped (ValueError, above)" in last, last
+
+
 def test_a_stop_reaches_the_kernels_not_their_workers(monkeypatch) -> None:
     """The study's Ctrl-C goes to each Jupyter kernel, not to the processes a kernel forked (a DataLoader worker
     carries its kernel's command line; stopped mid-batch, it fails the run instead of letting it save at the end of
