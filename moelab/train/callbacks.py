@@ -31,7 +31,6 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, RichProgressBar
 
-from moelab.train.perf import device_peak_flops, mfu
 from moelab.utils import atomic_write
 
 MetricSink = Callable[[Mapping[str, float], int], None]  # (metrics, step): Run.log_metrics
@@ -402,6 +401,10 @@ class Throughput(_PerStep):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
+        # imported here: moelab.train importing moelab.train.perf made `python -m moelab.train.perf` warn
+        from moelab.train.perf import device_peak_flops, mfu
+
+        self._mfu = mfu
         self._peak = device_peak_flops(pl_module.device)
         self._world = trainer.world_size
         self._mem_peak = 0.0
@@ -425,7 +428,7 @@ class Throughput(_PerStep):
         self._sync(pl_module.device)
         dt = time.perf_counter() - self._t0
         per_device = self.tokens_per_device_step * (step - self._step0) / dt
-        util = mfu(self.flops_per_token_fwd, per_device, self._peak)
+        util = self._mfu(self.flops_per_token_fwd, per_device, self._peak)
         self.windows.append((per_device * self._world, util))
         self.spans.append((self._step0, step, dt / (step - self._step0)))
         metrics = {"perf/tokens_per_s": per_device * self._world, "perf/step_time_s": dt / (step - self._step0)}
