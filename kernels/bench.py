@@ -227,11 +227,9 @@ class Entry:
 KDA_VARIANTS = {f"moelab_bounded_{k}_{v}": {k: v} for k, v in (("chains", "serial"), ("forward", "infer"),
                                                                  ("out", "split"), ("prep", "kept"))}
 KDA_IMPLS = ("moelab_bounded", *KDA_VARIANTS, "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash")
-# launch candidates (``LAUNCH`` entries), timed only where --impls names them: the state-gradient chain at one
-# stage (the default before session 32) or three, or in 32-wide value blocks (4 programs a head where 64 gives 2:
-# more SMs busy at B1 H16); the gated-score gradient kernel (the op's largest; 255 registers on one warp) with its
-# partner chunks' loads pipelined over two or three stages (on two warps, 166 registers, it took 1.7x the time:
-# dropped)
+# launch candidates (``LAUNCH`` entries), timed where --impls names them: the state-gradient chain at one stage or
+# three, or 32 values wide (4 programs a head where 64 gives 2: more SMs busy at B1 H16); the gated-score gradient
+# kernel (the largest; 255 registers on one warp) pipelining its partner chunks' loads over two or three stages
 KDA_LAUNCH_ROWS = {f"moelab_bounded_{name}": dict(launch={kernel: cfg}) for name, kernel, cfg in (
     ("dh_stages1", "dh", (64, 8, 1)), ("dh_stages3", "dh", (64, 8, 3)), ("dh_32", "dh", (32, 4, 2)),
     ("dqkg_stages2", "dqkg", (32, 1, 2)), ("dqkg_stages3", "dqkg", (32, 1, 3)))}

@@ -7,11 +7,9 @@ The run is shrunk to fit a 10-minute command (default T = 1024, B = 4 per rank i
 preset's 4096 x 8; the model is the preset's); everything else is ``moelab.train.fit`` as
 ``make train`` runs it, under Lightning's ``ddp`` strategy (NCCL on GPUs, gloo on the CPU).
 
-How: this script (the launcher) writes the effective config into a work folder and starts itself
-with ``--worker`` in a subprocess; Lightning relaunches that worker once per extra rank, which is
-why training cannot run in the launcher. After ``fit`` each rank saves its parameters, router
-biases, bias/load trajectories (``BalancerCallback``) and step history to ``rank<r>.pt``; then the
-launcher compares the ranks:
+How: the launcher writes the config into a work folder and starts itself with ``--worker`` (Lightning relaunches
+that once per extra rank). Each rank saves its parameters, router biases, bias/load trajectories and step history
+to ``rank<r>.pt``; the launcher compares the ranks:
 
 * router biases and parameters bitwise (max |difference| and the names that differ), a SHA-256 per
   rank over each group (computed by the rank itself);
@@ -23,9 +21,8 @@ launcher compares the ranks:
 * that the ranks trained on different batches (their local train losses differ) and that the
   balancer wrote non-zero biases, without which equal replicas would prove little.
 
-Equality does not depend on deterministic kernels: every rank applies the same all-reduced
-gradient and the same all-reduced balancer statistics to the same state, so the replicas agree
-bit for bit unless the collectives or the update rules disagree across ranks.
+Equality needs no deterministic kernels: every rank applies the same all-reduced gradient and balancer statistics
+to the same state, so replicas agree bit for bit unless the collectives or the update rules differ across ranks.
 
 Writes ``--out`` (``meta``: gpu, torch, triton, lightning, nccl, date, command, commit; ``result``),
 prints a one-paragraph verdict, exits 0 when everything agrees, 1 when something differs or

@@ -456,18 +456,6 @@ def check_gate_grads(chunk_kda, cases, dtype, dev, emulate, rows, save, fla=None
     return ok
 
 
-def parse_launch(text: str) -> dict[str, list[int]]:
-    """``"dqkg=32,1,2;dh=64,8,2"`` -> ``{"dqkg": [32, 1, 2], "dh": [64, 8, 2]}`` (``--launch``)."""
-    out = {}
-    for item in filter(None, (x.strip() for x in text.split(";"))):
-        name, _, cfg = item.partition("=")
-        try:
-            out[name.strip()] = [int(x) for x in cfg.split(",")]
-        except ValueError:
-            raise ValueError(f"{item!r} is not allowed: expected KERNEL=BLOCK,WARPS,STAGES (three integers)") from None
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="kernels/results/kda_check.json", help="JSON output path")
@@ -484,9 +472,8 @@ def main() -> int:
     ap.add_argument("--variant", default="", metavar="KEY=VALUE,...",
                     help="the training op's kernel variants, as triton_chunk.launch_overrides keywords, e.g. "
                          "chains=serial,forward=infer (default: the op's own)")
-    ap.add_argument("--launch", default="", metavar="KERNEL=BLOCK,WARPS,STAGES;...",
-                    help="launch configs of triton_chunk.LAUNCH entries to check instead of the defaults, e.g. "
-                         "'dqkg=32,1,2' (a candidate is checked here before it becomes a default)")
+    ap.add_argument("--launch", default="", metavar="KERNEL=BLOCK,WARPS,STAGES;...", help="triton_chunk.LAUNCH "
+                    "entries to check instead of the defaults (a candidate before it becomes one), e.g. dqkg=32,1,2")
     args = ap.parse_args()
     if args.emulate_bf16 and torch.cuda.is_available():
         ap.error("--emulate-bf16 is for CPU runs; on the GPU the real bf16 path runs")
@@ -498,17 +485,12 @@ def main() -> int:
     from moelab.ops.kda import triton_chunk as chunk_module  # after emulate_bf16(), which patches it first
 
     try:
-        variant = dict(item.split("=", 1) for item in args.variant.split(",") if item)
-        with chunk_module.launch_overrides(**variant):
+        variant, launch = dict(item.split("=", 1) for item in args.variant.split(",") if item), {}
+        launch = chunk_module.parse_launch(args.launch)
+        with chunk_module.launch_overrides(launch=launch, **variant):
             variant = dict(chunk_module.VARIANT)
     except (TypeError, ValueError) as exc:
-        ap.error(f"--variant {args.variant!r}: {exc}")
-    try:
-        launch = parse_launch(args.launch)
-        with chunk_module.launch_overrides(launch=launch):
-            pass
-    except ValueError as exc:
-        ap.error(f"--launch {args.launch!r}: {exc}")
+        ap.error(f"--variant {args.variant!r} / --launch {args.launch!r}: {exc}")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = "cuda" if torch.cuda.is_available() else "cpu"

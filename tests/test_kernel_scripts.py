@@ -185,13 +185,3 @@ def test_pin_autotuners_keeps_first_pruned_config(monkeypatch):
     out = torch.zeros(1, dtype=torch.int32)
     kernel[(1,)](out, 3)
     assert out.item() == 16 + 3
-
-
-def test_check_kda_launch_argument_parses_and_refuses():
-    """``--launch`` of check_kda_gpu: kernel=block,warps,stages entries separated by ';', a malformed one refused
-    with the entry named."""
-    ck = _kernel_script("check_kda_gpu")
-    assert ck.parse_launch("dqkg=32,1,2; dh=64,8,2") == {"dqkg": [32, 1, 2], "dh": [64, 8, 2]}
-    assert ck.parse_launch("") == {}
-    with pytest.raises(ValueError, match="'dqkg=32,x,2' is not allowed"):
-        ck.parse_launch("dqkg=32,x,2")

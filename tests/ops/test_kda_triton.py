@@ -273,6 +273,11 @@ def test_launch_overrides():
         assert tc.VARIANT == {**default, "forward": "infer"}
         raise RuntimeError("inside")
     assert tc.VARIANT == default
+    # a launch from a command line (check_kda_gpu.py --launch): entries by ';', a malformed one named
+    assert tc.parse_launch("dqkg=32,1,2; dh=64,8,2") == {"dqkg": [32, 1, 2], "dh": [64, 8, 2]}
+    assert tc.parse_launch("") == {}
+    with pytest.raises(ValueError, match="'dqkg=32,x,2' is not allowed"):
+        tc.parse_launch("dqkg=32,x,2")
     with pytest.raises(ValueError, match=r"chains='parallel' is not allowed: expected one of "
                                          r"\('concurrent', 'serial'\)"), tc.launch_overrides(chains="parallel"):
         pass

@@ -137,6 +137,19 @@ _INTERP_LAUNCH = (16, 4, 1)
 MAXNREG: dict[str, int] = {"kktr": 168}
 
 
+def parse_launch(text: str) -> dict[str, list[int]]:
+    """``"dqkg=32,1,2;dh=64,8,2"`` -> ``{"dqkg": [32, 1, 2], "dh": [64, 8, 2]}``: ``launch_overrides``' ``launch``
+    from a command line (``kernels/check_kda_gpu.py --launch``); the entries are checked there."""
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        name, _, cfg = item.partition("=")
+        try:
+            out[name.strip()] = [int(x) for x in cfg.split(",")]
+        except ValueError:
+            raise ValueError(f"{item!r} is not allowed: expected KERNEL=BLOCK,WARPS,STAGES (three integers)") from None
+    return out
+
+
 @contextlib.contextmanager
 def launch_overrides(launch: dict | None = None, maxnreg: dict | None = None, **variant: str):
     """Run the op with some ``LAUNCH`` / ``MAXNREG`` entries and kernel variants replaced, restored on
