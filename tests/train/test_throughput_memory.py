@@ -37,7 +37,7 @@ def alloc(monkeypatch: pytest.MonkeyPatch) -> FakeAllocator:
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", fake.max_memory_allocated)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset_peak_memory_stats)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr("moelab.train.callbacks.device_peak_flops", lambda device: None)
+    monkeypatch.setattr("moelab.train.perf.device_peak_flops", lambda device: None)
     return fake
 
 
