@@ -485,7 +485,7 @@ def main() -> int:
     from moelab.ops.kda import triton_chunk as chunk_module  # after emulate_bf16(), which patches it first
 
     try:
-        variant, launch = dict(item.split("=", 1) for item in args.variant.split(",") if item), {}
+        variant = dict(item.split("=", 1) for item in args.variant.split(",") if item)
         launch = chunk_module.parse_launch(args.launch)
         with chunk_module.launch_overrides(launch=launch, **variant):
             variant = dict(chunk_module.VARIANT)

@@ -688,7 +688,7 @@ def _close_stale(state: Path, tracking_uri: str, say: Any) -> None:
 # What a run's kernel raises when a stop ends it cleanly (training saved last.ckpt, then raised Interrupted); any other
 # error of a stopped kernel is shown, not dropped with its notebook
 CLEAN_STOPS = ("Interrupted", "KeyboardInterrupt")
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours, cursor moves and shows
 
 
 class _Stopper:

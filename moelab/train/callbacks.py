@@ -401,10 +401,9 @@ class Throughput(_PerStep):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        # imported here: moelab.train importing moelab.train.perf made `python -m moelab.train.perf` warn
-        from moelab.train.perf import device_peak_flops, mfu
+        # imported here and below: moelab.train importing moelab.train.perf made `python -m moelab.train.perf` warn
+        from moelab.train.perf import device_peak_flops
 
-        self._mfu = mfu
         self._peak = device_peak_flops(pl_module.device)
         self._world = trainer.world_size
         self._mem_peak = 0.0
@@ -428,7 +427,9 @@ class Throughput(_PerStep):
         self._sync(pl_module.device)
         dt = time.perf_counter() - self._t0
         per_device = self.tokens_per_device_step * (step - self._step0) / dt
-        util = self._mfu(self.flops_per_token_fwd, per_device, self._peak)
+        from moelab.train.perf import mfu
+
+        util = mfu(self.flops_per_token_fwd, per_device, self._peak)
         self.windows.append((per_device * self._world, util))
         self.spans.append((self._step0, step, dt / (step - self._step0)))
         metrics = {"perf/tokens_per_s": per_device * self._world, "perf/step_time_s": dt / (step - self._step0)}

@@ -184,10 +184,10 @@ def _wait_training(client, experiment: str, run_name: str, proc: subprocess.Pope
 def _why_no_checkpoint(run_dir: Path, stderr: str) -> str:
     """What a stopped run left (its files, the end of its training output without the progress bar) and the study's
     stderr: the failure message of a stop that saved no checkpoint (seen twice in CI, never reproduced alone)."""
-    import re
+    from moelab.studies.runner import _ANSI
 
     log = run_dir / "train.log"
-    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", log.read_text(errors="replace")) if log.is_file() else "(no train.log)"
+    text = _ANSI.sub("", log.read_text(errors="replace")) if log.is_file() else "(no train.log)"
     bar = ("train/", "val/", "tok/s", "lr")  # the progress bar's metric lines
     lines = [ln for ln in text.splitlines() if ln.strip() and "━" not in ln and not ln.strip().startswith(bar)]
     files = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else "(no folder)"
