@@ -159,8 +159,7 @@ def _fla_import(what: str):
     try:
         return getattr(importlib.import_module(module), name)
     except Exception as exc:  # not installed, or failing at import: the rows say it was skipped
-        print(f"fla: {what} not importable ({type(exc).__name__}: {str(exc)[:200]}); its rows are skipped",
-              flush=True)
+        print(f"fla: {what} not importable ({type(exc).__name__}: {str(exc)[:200]}); its rows are skipped", flush=True)
         return None
 
 
@@ -177,7 +176,7 @@ class Ctx:
     rounds: int
     budget_s: float | None
     save: Callable[[dict[str, Any]], None]
-    impls: tuple[str, ...] | None = None  # the rows to run, where the entry has named rows (kda)
+    impls: tuple[str, ...] | None = None  # the rows to run, where the entry has named rows (kda, model)
     kernels: bool = False  # kda: each row also lists its time per kernel (``kernel_times``), forward and fwd+bwd
     dtype: torch.dtype = field(init=False)
     timing: dict[str, Any] = field(init=False)
@@ -834,8 +833,7 @@ def run_moe(ctx: Ctx) -> dict[str, Any]:
     if grouped:
         add("experts_grouped_only", 2 * n * k * 3 * r * f, _fb_times(
             lambda: [experts_grouped(xs, w_in, w_out, plan.offs, activation, *act_args)], [xs, w_in, w_out],
-            ctx.timing),
-            activation=activation)
+            ctx.timing), activation=activation)
     leaves, forward, fl = _dense_chain([(n * k, r, 2 * f, f, r)], dev, dtype, activation, act_args)
     add("experts_dense_only", fl, _fb_times(forward, leaves, ctx.timing), activation=activation)
     by = {row["impl"]: row for row in rows}
@@ -884,6 +882,7 @@ MODEL_GROUPS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
                             # the same matmuls to fp32 accuracy from three TF32 products (moelab.model.mla.tf32x3_mm)
                             ("moelab_k3_mini_tf32x3_output", {"model.mla.fp32_output_precision": "tf32x3"})]),
 }
+MODEL_ROWS = [impl for _, specs in MODEL_GROUPS.values() for impl, _ in specs]  # what --impls may name
 # row -> (the row it is compared with, the field holding the paired tokens/s ratios, the least ratio allowed)
 MODEL_TARGETS = {
     "fla_kda": ("moelab_fla_shape", "ratio_vs_moelab", None),
@@ -1207,7 +1206,7 @@ def run_group(group: str, ctx: Ctx, warmup: int, steps: int, record: Callable[[l
     smoke = {} if ctx.cuda else (SMOKE_K3_MINI if group == "k3-mini" else SMOKE_MODEL)
     built: list[Built] = []
     warm_s: list[float] = []
-    for impl, over in specs:
+    for impl, over in (s for s in specs if not ctx.impls or s[0] in ctx.impls):  # --impls: these rows only
         before = torch.cuda.memory_allocated() if ctx.cuda else 0
         b = build_fla() if impl == "fla_kda" else build_moelab(impl, preset, {**smoke, **over}, ctx.dev)
         if b is None:
@@ -1445,7 +1444,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--impls", nargs="+", metavar="NAME", help="kda: run only these rows (default: all of "
                     + ", ".join(KDA_IMPLS) + "; launch candidates only when named: " + ", ".join(KDA_LAUNCH_ROWS)
                     + "); attnres: of " + ", ".join(ATTNRES_ROWS) + " and launch candidates "
-                    "moelab_fused@r<rows>w<warps>g<group>[c<chunk>][s<stages>][-b<rows>w<warps>g<group>[c<chunk>][s<stages>]]")
+                    "moelab_fused@r<rows>w<warps>g<group>[c<chunk>][s<stages>][-b<rows>w<warps>g<group>[c<chunk>][s<stages>]]"
+                    "; model: of " + ", ".join(MODEL_ROWS) + " (default: all of each group)")
     ap.add_argument("--out", help="JSON to write (default kernels/results/<entry>_<gpu>.json; with --base or --smoke "
                                   "nothing unless given)")
     ap.add_argument("--rounds", type=int, help="kda_infer: timing passes over a shape's rows (default 3); model: "
@@ -1478,10 +1478,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     ap.error(f"--impls {name}: not a row of entry attnres ({', '.join(ATTNRES_ROWS)}) nor a launch "
                              f"candidate: {e}")
     elif args.impls:
-        bad = [i for i in args.impls if i not in KDA_ROWS]
-        if entry.name != "kda" or bad:
-            ap.error(f"--impls {' '.join(bad or args.impls)}: needs entry kda (rows of {', '.join(KDA_ROWS)}) or "
-                     f"attnres, got entry {entry.name}")
+        bad = [i for i in args.impls if i not in (KDA_ROWS if entry.name == "kda" else MODEL_ROWS)]
+        if entry.name not in ("kda", "model") or bad:
+            ap.error(f"--impls {' '.join(bad or args.impls)}: needs entry kda (rows of {', '.join(KDA_ROWS)}), model "
+                     f"(rows of {', '.join(MODEL_ROWS)}) or attnres, got entry {entry.name}")
     if args.kernels and entry.name != "kda":
         ap.error(f"--kernels needs entry kda, got entry {entry.name}")
     if args.rounds is not None and args.rounds < 1:

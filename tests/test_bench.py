@@ -327,6 +327,20 @@ def test_attnres_launch_candidates_are_named_rows(bench):
     assert res.returncode == 2 and "needs entry kda" in res.stderr
 
 
+def test_model_impls_pick_rows_of_a_group(tmp_path):
+    """--impls on the model entry builds only the rows it names (a group's configs all stay on the GPU at once: the
+    fla group's captured rows beside fla's model need not fit with the rest); a name that is no model row is refused
+    with the rows allowed."""
+    out = tmp_path / "model.json"
+    res = _run("--entry", "model", "--smoke", "--shapes", "gpu-small", "--impls", "moelab_gpu_small_prenorm",
+               "--out", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert [r["impl"] for r in json.loads(out.read_text())["rows"]] == ["moelab_gpu_small_prenorm"]
+    res = _run("--entry", "model", "--smoke", "--impls", "moelab_fused")
+    assert res.returncode == 2 and "--impls moelab_fused: needs entry kda" in res.stderr
+    assert "moelab_fla_shape_graphs" in res.stderr
+
+
 def test_model_rows_take_eager_or_a_captured_step(bench):
     """build_moelab: train.compile none -> the eager Runner, graphs -> CapturedRunner (CUDA only: on the CPU the
     capture's own error), any other mode a clear error naming the row and the value."""
