@@ -86,10 +86,10 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "dh": (64, 8, 2),
     "wy": (64, 4, 1),
     "sterm": (64, 4, 1),
-    # two stages pipeline the partner chunks' loads (an H100, session 39: the kernel 1.77 -> 1.46 ms at B8 T4096,
-    # 7.09 -> 5.91 at B2 T65536; kernels/results/kda_candidates.json run 5): the default once its bf16 check
-    # (check_kda_gpu.py --launch dqkg=32,1,2) has passed; two warps spill less but took 1.7x the time
-    "dqkg": (32, 1, 1),
+    # two stages pipeline the partner chunks' loads (an H100: the kernel 1.77 -> 1.46 ms at B8 T4096, 7.09 -> 5.91
+    # at B2 T65536; kernels/results/kda_candidates.json run 5); its bf16 check passed on the H200
+    # (kernels/results/kda_check_h200.json); two warps spill less but took 1.7x the time
+    "dqkg": (32, 1, 2),
     "dg": (64, 4, 1),
     # the sequential state kernel when B * H * V / 32 <= SMALL_GRID (B1 H16: 64 programs at 32-wide
     # blocks, under one per SM): 16-wide blocks give 128 programs, and two stages prefetch the next
