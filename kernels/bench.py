@@ -231,7 +231,7 @@ KDA_IMPLS = ("moelab_bounded", *KDA_VARIANTS, "moelab_general", "fla_safe_gate",
 # kernel (the largest; 255 registers on one warp) pipelining its partner chunks' loads over two or three stages
 KDA_LAUNCH_ROWS = {f"moelab_bounded_{name}": dict(launch={kernel: cfg}) for name, kernel, cfg in (
     ("dh_stages1", "dh", (64, 8, 1)), ("dh_stages3", "dh", (64, 8, 3)), ("dh_32", "dh", (32, 4, 2)),
-    ("dqkg_stages2", "dqkg", (32, 1, 2)), ("dqkg_stages3", "dqkg", (32, 1, 3)))}
+    ("dqkg_stages1", "dqkg", (32, 1, 1)), ("dqkg_stages3", "dqkg", (32, 1, 3)))}
 KDA_ROWS = (*KDA_IMPLS, *KDA_LAUNCH_ROWS)  # every row --impls takes
 
 
@@ -517,10 +517,10 @@ def _attnres_impls(fla_fn, plain: bool, names: Sequence[str] | None = None) -> d
     def leaves_of(srcs, q, w):
         return [x.detach().clone().requires_grad_() for x in [*srcs, q, w]]
 
-    def moelab(srcs, q, w, config=None):
+    def moelab(srcs, q, w, config=None):  # h alone, as fla's op returns it and a model reads (no depth weights)
         lv = leaves_of(srcs, q, w)
-        return (lv, lambda: depth_attention(lv[:-2], lv[-2], lv[-1], backend="triton", config=config)[0],
-                lambda: [x.grad for x in lv])
+        return (lv, lambda: depth_attention(lv[:-2], lv[-2], lv[-1], backend="triton", config=config,
+                                            weights=False)[0], lambda: [x.grad for x in lv])
 
     def torch_plain(srcs, q, w):
         att = DepthAttention(q.numel(), backend="torch").to(q.device)

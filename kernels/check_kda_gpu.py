@@ -15,7 +15,7 @@ non-finite value). ``--part`` runs one of the three parts alone. ``--part backen
 ``kernels/kda_backends.py``) checks and times every KDA backend (triton, cudnn, fla) side by side.
 
     python kernels/check_kda_gpu.py --out kernels/results/kda_check_h200.json
-    python kernels/check_kda_gpu.py --part gate --commit <sha> --out kernels/results/kda_check_gate_h200.json
+    python kernels/check_kda_gpu.py --part gate --commit <sha> --out /tmp/kda_gate.json   # one part alone
     python kernels/check_kda_gpu.py --smoke --out /tmp/kda_check.json   # CPU, Triton interpreter
     python kernels/check_kda_gpu.py --smoke --emulate-bf16 --out /tmp/kda_bf16.json   # CPU, bf16 rounding
 

@@ -173,29 +173,36 @@ def _step_profile() -> Row:
                f"{sum(v['ms'] for _, v in fams[6:]):.1f} ms{captured}", [f, fc], (f, None), d["meta"].get("commit"))
 
 
+# a variant's settings as a capture row names them (others: KEY=VALUE without "model.")
+_SETTINGS = {"model.mla.fp32_output_precision=high": "TF32 MLA", "model.norm_backend=triton": "Triton norm",
+             "model.loss_backend=triton": "Triton loss"}
+
+
 def _arm_label(name: str, r: dict) -> str:
     """A capture run's arm as the README names it: the mode, or a variant's name with its mode and settings."""
     over = r.get("overrides") or {}
     if not over:
         return name
-    sets = ", ".join(f"{k.removeprefix('model.')}={v}" for k, v in over.items())
+    sets = ", ".join(_SETTINGS.get(f"{k}={v}", f"{k.removeprefix('model.')}={v}") for k, v in over.items())
     return f"{name} ({r['mode']}; {sets})"
 
 
 def _capture_run(key: str, title: str) -> Row | None:
-    """One H100 run kept in ``model_capture_h200.json`` (``other_gpus[key]``): eager beside each captured arm of
-    one preset (a mode, or a variant: a mode with settings), tokens/s, speedup and MFU side by side."""
+    """One run kept in ``model_capture_h200.json`` (``runs[key]``, later H200 runs, or ``other_gpus[key]``): eager
+    beside each captured arm of one preset (a mode, or a variant: a mode with settings), tokens/s, speedup and MFU
+    side by side."""
     f = "kernels/results/model_capture_h200.json"
-    run = _load(f).get("other_gpus", {}).get(key)
+    d = _load(f)
+    run = d.get("runs", {}).get(key) or d.get("other_gpus", {}).get(key)
     if not run:
         return None
     rows = {r.get("arm", r["mode"]): r for r in run["rows"] if r.get("step_ms")}
     eager = rows.get("eager")
     if eager is None or len(rows) < 2:
         return None
-    modes = "; ".join(f"{_arm_label(m, r)} {_k(r['tok_per_s'])} tokens/s ({eager['step_ms'] / r['step_ms']:.2f}x, "
-                      f"MFU {r['mfu_activated']:.1%}, host {r['host_ms']:.1f} ms)"
-                      for m, r in rows.items() if m != "eager")
+    modes = "; ".join(f"{_arm_label(m, r)} {_k(r['tok_per_s'])} ({eager['step_ms'] / r['step_ms']:.2f}x, "
+                      f"MFU {r['mfu_activated']:.1%})" for m, r in rows.items() if m != "eager")
+    modes += f" (host at most {max(r['host_ms'] for m, r in rows.items() if m != 'eager'):.1f} ms)"
     best = max(rows.values(), key=lambda r: r["tok_per_s"])
     met = eager["step_ms"] / best["step_ms"] >= 2.0 and best["mfu_activated"] >= 0.18
     return Row(f"{eager['preset']} training step (B={eager['B']}, T={eager['T']}), {title} "
@@ -209,6 +216,11 @@ def _capture_run(key: str, title: str) -> Row | None:
 def _capture_modes() -> Row | None:
     """Issue 36's step modes on an H100: eager, the captured step and the compiled captured step."""
     return _capture_run("H100", "eager vs captured modes")
+
+
+def _capture_h200() -> Row | None:
+    """Issue 36's step on the H200: eager beside the compiled and captured modes with the faster backends."""
+    return _capture_run("H200_fast", "eager vs the compiled and captured steps with the faster backends")
 
 
 def _capture_backends() -> Row | None:
@@ -278,16 +290,8 @@ def _kda_check() -> Row:
     return Row(what, result, [f], (f, None))
 
 
-def _kda_part_file(key: str, own: str) -> str:
-    """The file holding the KDA check's ``key`` rows (``gate_rows``, ``packed_rows``): the full check's
-    ``kda_check_h200.json`` once a run of every part wrote them there, else the part's own file ``own`` (a run of
-    that part alone)."""
-    full = "kernels/results/kda_check_h200.json"
-    return full if _load(full).get(key) else own
-
-
 def _kda_packed_check() -> Row:
-    f = _kda_part_file("packed_rows", "kernels/results/kda_check_packed_h200.json")
+    f = "kernels/results/kda_check_h200.json"  # the full check's packed part
     d = _load(f)
     rows = d["packed_rows"]
     o, grads, tol_o, tol_g = _error_bounds(rows, ("o", "final_state"))
@@ -301,7 +305,7 @@ def _kda_packed_check() -> Row:
 
 
 def _kda_gate_check() -> Row:
-    f = _kda_part_file("gate_rows", "kernels/results/kda_check_gate_h200.json")
+    f = "kernels/results/kda_check_h200.json"  # the full check's gate part
     d = _load(f)
     rows = d["gate_rows"]
     grads = list(dict.fromkeys(k for r in rows for k in r["errors"] if k != "o"))
@@ -344,12 +348,19 @@ def _fla_shape() -> Row:
     f = MODEL_FILE
     rows = _load(f)["rows"]
     m, fla = _row(rows, "moelab_fla_shape"), _row(rows, "fla_kda")
+    g = next((r for r in rows if r["impl"] == "moelab_fla_shape_graphs" and r.get("commit") == m.get("commit")), None)
     what = (f"fla-anchor-shaped model (all-KDA, {m['params'] / 1e6:.0f}M params, B={m['B']}, T={m['T']}, bf16, "
-            "`bench.py --entry model --shapes fla`), moelab and fla's `KDAForCausalLM` in the same run")
+            "`bench.py --entry model --shapes fla`), moelab and fla's `KDAForCausalLM` in the same run"
+            + ("; target for the captured step (train.compile graphs) >= 1.3x fla's tokens/s" if g else ""))
     result = (f"moelab {_k(m['tok_per_s'])} tokens/s, {m['mfu']:.1%} MFU (anchor convention), "
               f"{m['peak_mem_gb']:.1f} GB peak; fla {_k(fla['tok_per_s'])} tokens/s, {fla['mfu']:.1%}, "
               f"{fla['peak_mem_gb']:.1f} GB: **{m['tok_per_s'] / fla['tok_per_s']:.2f}x fla's tokens/s**")
-    return Row(what, result, [f], (f, _needle(m["tok_per_s"])))
+    if g:  # paired per round against fla's model
+        x = g["ratio_vs_fla"]
+        result += (f"; captured {_k(g['tok_per_s'])} tokens/s (host {g['host_ms']:.1f} vs eager {m['host_ms']:.0f} "
+                   f"ms), **{x['median']:.3f}x** fla ({x['min']:.3f}-{x['max']:.3f} in {len(x['ratios'])} paired "
+                   f"rounds): {x['verdict']}")
+    return Row(what, result, [f], (f, _needle(m["tok_per_s"])), _rows_commit([m, g, fla]) if g else None)
 
 
 def _attnres_op() -> Row:
@@ -437,7 +448,7 @@ def _kda_infer() -> Row:
 
 KERNEL_ROWS: list[Callable[[], Row | None]] = [
     _kda_check, _kda_packed_check, _kda_gate_check, _kda_speed, _kda_infer, _attnres_op, _attnres_grid, _moe,
-    _step_profile, _capture_modes, _capture_backends, _conv, _fla_shape, _residual_modes, _k3_mini,
+    _step_profile, _capture_h200, _capture_modes, _capture_backends, _conv, _fla_shape, _residual_modes, _k3_mini,
     _throughput_gpu_small]
 
 

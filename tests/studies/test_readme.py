@@ -178,17 +178,3 @@ def test_front_row_names_what_the_study_left_unresolved() -> None:
     assert readme.unresolved_cell(readme.Study(9, "09_x", "x", "setup", "Q? A", ["Q? A"])) == "-"
     long = readme.Study(9, "09_x", "x", "s", "Q? A", [], [("q" * 200, "noise"), ("r" * 200, "noise")])
     assert readme.unresolved_cell(long) == "2 inside the noise (each in studies/README.md)"
-
-
-def test_kda_check_parts_read_the_full_check_once_it_holds_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The gate and packed rows come from their own files until a full run of the check (every part) writes them
-    into kda_check_h200.json; then the rows cite that one file, so the part files can go."""
-    full = "kernels/results/kda_check_h200.json"
-    files = {full: {"rows": [{"o": 1.0}], "gate_rows": [], "packed_rows": []}}
-    monkeypatch.setattr(readme, "_load", lambda rel: files[rel])
-    assert readme._kda_part_file("gate_rows", "kernels/results/kda_check_gate_h200.json") == \
-        "kernels/results/kda_check_gate_h200.json"
-    files[full]["gate_rows"] = [{"errors": {}}]
-    assert readme._kda_part_file("gate_rows", "kernels/results/kda_check_gate_h200.json") == full
-    assert readme._kda_part_file("packed_rows", "kernels/results/kda_check_packed_h200.json") == \
-        "kernels/results/kda_check_packed_h200.json"
