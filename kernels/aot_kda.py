@@ -9,7 +9,7 @@ treat it as directional and time on the GPU).
     python kernels/aot_kda.py --only dqkg wy --cfg dqkg=64,4,1
     python kernels/aot_kda.py --infer --maxnreg 128  # the inference forward's kernels (triton_infer) at their
                                                      # launches, then at a register cap
-    python kernels/aot_kda.py --conv --cfg bwd=64,128,4  # the ShortConv kernels (rows, channels, warps)
+    python kernels/aot_kda.py --conv --cfg bwd=64,128,4  # the ShortConv kernels (rows, channels, warps[, stages])
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def main() -> int:
     ap.add_argument("--cfg", nargs="*", default=[], help="NAME=block,warps,stages overrides")
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--infer", action="store_true", help="the inference forward's kernels (triton_infer) instead")
-    ap.add_argument("--conv", action="store_true", help="the ShortConv kernels (short_conv.LAUNCH; --cfg fwd=/bwd=)")
+    ap.add_argument("--conv", action="store_true", help="the ShortConv kernels (--cfg fwd= / bwd= / slide=)")
     ap.add_argument("--maxnreg", type=int, nargs="*", default=[],
                     help="--infer: also compile every kernel at these register caps (0: uncapped)")
     args = ap.parse_args()
@@ -149,15 +149,18 @@ def main() -> int:
 
 def conv_main(cfgs: dict[str, tuple[int, ...]]) -> int:
     """The ShortConv kernels (W 4, bf16 x, fp32 weight) with and without SiLU and document positions, at
-    ``short_conv.LAUNCH`` or the ``--cfg fwd=rows,channels,warps`` / ``bwd=...`` given."""
-    bwd = SC._conv_bwd4_kernel if SC.BWD_TAPS4 else SC._conv_bwd_kernel  # the backward the op runs at W 4
-    for which, kernel in (("fwd", SC._conv_fwd_kernel), ("bwd", bwd)):
-        bt, bc, warps = cfgs.get(which, SC.LAUNCH[which])
+    ``short_conv.LAUNCH`` / ``SLIDE_LAUNCH`` or the ``--cfg fwd=rows,channels,warps`` / ``bwd=...`` /
+    ``slide=rows,channels,warps,stages`` given: the forward, the tile backward the op runs at W 4 without
+    ``BWD_SLIDE`` (``bwd``), and the one-pass backward (``slide``)."""
+    bwd = SC._conv_bwd4_kernel if SC.BWD_TAPS4 else SC._conv_bwd_kernel
+    for which, kernel in (("fwd", SC._conv_fwd_kernel), ("bwd", bwd), ("slide", SC._conv_bwd_slide_kernel)):
+        bt, bc, warps, *stages = cfgs.get(which, SC.SLIDE_LAUNCH if which == "slide" else SC.LAUNCH[which])
         for silu in (True, False):
             for pos in (False, True):
                 sig = {n: {"x": "*bf16", "y": "*bf16", "dy": "*bf16", "dx": "*bf16", "w": "*fp32", "dw": "*fp32",
                            "pos": "*i32"}.get(n, "i32") for n in kernel.arg_names}
-                consts = {k: v for k, v in dict(BT=bt, BC=bc, SILU=silu, HAS_POS=pos, W=4).items() if k in sig}
+                full = dict(BT=bt, BC=bc, SILU=silu, HAS_POS=pos, W=4, STAGES=(*stages, 1)[0])
+                consts = {k: v for k, v in full.items() if k in sig}
                 print(f"conv {which} {bt}x{bc} warps={warps} silu={int(silu)} pos={int(pos)}: "
                       f"{compile_one(kernel, consts, warps, 1, sig=sig)}", flush=True)
     return 0

@@ -873,8 +873,7 @@ MODEL_GROUPS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
         ("moelab_gpu_small_block_attnres", {"model.residual.mode": "block_attnres", "model.residual.num_blocks": 6}),
         ("moelab_gpu_small_block_attnres_8", {"model.residual.mode": "block_attnres",
                                               "model.residual.num_blocks": 8})]),
-    "k3-mini": ("k3-mini", [("moelab_k3_mini_balancer_none", {"model.moe.balancer": "none"}),
-                            ("moelab_k3_mini", {}),
+    "k3-mini": ("k3-mini", [("moelab_k3_mini_balancer_none", {"model.moe.balancer": "none"}), ("moelab_k3_mini", {}),
                             # every RMSNorm through moelab.ops.rms_norm (model.norm_backend, "torch" by default)
                             ("moelab_k3_mini_norm_triton", {"model.norm_backend": "triton"}),
                             # MLA's fp32 gate and output projection on TF32 tensor cores (SIMT fp32 GEMMs otherwise)

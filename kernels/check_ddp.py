@@ -315,9 +315,7 @@ def _meta(args: argparse.Namespace, cfg: RunConfig, date: str) -> dict[str, Any]
     cuda = torch.cuda.is_available() and not args.smoke
     return {"gpu": torch.cuda.get_device_name(0) if cuda else "cpu", "gpus": torch.cuda.device_count() if cuda else 0,
             "torch": torch.__version__, "triton": triton.__version__, "lightning": lightning.__version__,
-            "nccl": _nccl_version() if cuda else None,
-            "python": platform.python_version(),
-            "date": date,
+            "nccl": _nccl_version() if cuda else None, "python": platform.python_version(), "date": date,
             "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "commit": args.commit,
             "smoke": args.smoke, "preset": cfg.preset, "overrides": list(args.set),
             "config": {"seq_len": cfg.data.seq_len, "batch_size_per_rank": cfg.train.batch_size,

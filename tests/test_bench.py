@@ -390,19 +390,20 @@ def test_kernel_times_lists_where_the_time_goes():
 
 def test_conv_entry_times_launches_and_kernels_beside_torch(bench, tmp_path):
     """The conv entry's CPU smoke run: torch's F.conv1d path, the forward at its first launch and the backward at
-    its first launch in both kernels, each with times and errors vs fp32 (the interpreter computes in fp32); the
-    op's launch table and backward kernel are as before afterwards."""
+    its first launch in each of its three kernels, each with times and errors vs fp32 (the interpreter computes in
+    fp32); the op's launch table and backward kernel are as before afterwards."""
     from moelab.ops import short_conv
 
-    before = (dict(short_conv.LAUNCH), short_conv.BWD_TAPS4)
+    before = (dict(short_conv.LAUNCH), short_conv.BWD_TAPS4, short_conv.BWD_SLIDE, short_conv.SLIDE_LAUNCH)
     res = bench.run_entry(bench.ENTRIES["conv"], ["smoke"], str(tmp_path / "conv.json"), cuda=False, rounds=1,
                           budget_s=None)
     rows = {r["impl"]: r for r in res["rows"]}
-    assert set(rows) == {"torch_conv1d", "fwd_16x128x4", "bwd_taps4_16x128x8", "bwd_generic_16x128x8"}
+    assert set(rows) == {"torch_conv1d", "fwd_16x128x4", "bwd_taps4_16x128x8", "bwd_generic_16x128x8",
+                         "bwd_slide_64x256x1x3"}
     for r in rows.values():
         assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and "error" not in r, r
         assert max(r["err_y"], r["err_dx"], r["err_dw"]) < 1e-5, r
-    assert (dict(short_conv.LAUNCH), short_conv.BWD_TAPS4) == before
+    assert (dict(short_conv.LAUNCH), short_conv.BWD_TAPS4, short_conv.BWD_SLIDE, short_conv.SLIDE_LAUNCH) == before
 
 
 def test_attnres_point_without_room_runs_each_impl_in_turn(bench, monkeypatch):

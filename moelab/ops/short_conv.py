@@ -45,6 +45,10 @@ ACTIVATIONS = (None, "silu")
 # 3.9, `aot_kda.py --conv`) to 255 registers and up to 3.3 KB of spill loads a thread with document positions and
 # SiLU (0.8 KB without positions), yet timed fastest; 32 x 64 spills at most 104 B and took 6% longer (0.697 ms).
 LAUNCH = {"fwd": (16, 128, 4), "bwd": (64, 64, 4)}
+# the one-pass 4-tap backward (``_conv_bwd_slide_kernel``): (rows, channels, warps, stages of its row loop). Not the
+# default until timed (``kernels/bench.py --entry conv``: rows ``bwd_slide_*``); BWD_SLIDE True runs it at W 4.
+SLIDE_LAUNCH = (64, 256, 1, 3)
+BWD_SLIDE = False
 # 4 taps (KDA's ShortConv): True, the backward loads each of the 7 distinct x tiles once (``_conv_bwd4_kernel``),
 # not 16 shifted ones (same file: 3-5% under the generic kernel at the same launch).
 BWD_TAPS4 = True
@@ -217,6 +221,82 @@ def _conv_bwd4_kernel(x, w, dy, dx, dw, pos, T, C, NTB, BT: tl.constexpr, BC: tl
     tl.store(dx + t[:, None] * C + c[None, :], dxa.to(dx.dtype.element_ty), mask=(t < T)[:, None] & cm[None, :])
 
 
+@triton.jit
+def _slide_row(x, r, c, cm, T, C):
+    """Row ``r`` (``[BC]`` channels ``c``) of x as fp32, zero outside ``0 .. T - 1``."""
+    rr = c * 0 + r
+    return tl.load(x + rr * C + c, mask=cm & (rr >= 0) & (rr < T), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _conv_bwd_slide_kernel(x, w, dy, dx, dw, pos, T, C, NTB, BT: tl.constexpr, BC: tl.constexpr,
+                           SILU: tl.constexpr, HAS_POS: tl.constexpr, STAGES: tl.constexpr):
+    """The 4-tap backward as one pass down the rows of a ``BT``-row, ``BC``-channel block: each x and dy row is
+    loaded once (plus 3 rows of x before the block and 3 of dy after it), the pre-activation of each row formed
+    once from the last four x rows (kept in registers), and dx of a row completed 3 rows later from the four
+    dpre rows it takes, ``dx[t] = sum_j [j <= reach(t + j)] dpre[t + j] w[3 - j]`` in the order of j (the tile
+    kernels' order: the same dx); dw's partial of the block sums its rows in order. Registers hold a few ``[BC]``
+    rows, not ``[BT, BC]`` tiles: nothing to spill, so the loop is bound by its loads."""
+    i_t = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cm = c < C
+    i_b = tl.program_id(2).to(tl.int64)
+    x += i_b * T * C
+    dy += i_b * T * C
+    dx += i_b * T * C
+    pos += i_b * T
+    t0 = i_t * BT
+    w0 = tl.load(w + c * 4, mask=cm, other=0.0).to(tl.float32)
+    w1 = tl.load(w + c * 4 + 1, mask=cm, other=0.0).to(tl.float32)
+    w2 = tl.load(w + c * 4 + 2, mask=cm, other=0.0).to(tl.float32)
+    w3 = tl.load(w + c * 4 + 3, mask=cm, other=0.0).to(tl.float32)
+    # x rows r - 3, r - 2, r - 1 before the first row r = t0 (zero before the sequence)
+    xa = _slide_row(x, t0 - 3, c, cm, T, C)
+    xb = _slide_row(x, t0 - 2, c, cm, T, C)
+    xc = _slide_row(x, t0 - 1, c, cm, T, C)
+    # dx accumulators of rows r - 1, r - 2, r - 3
+    a1 = tl.zeros([BC], dtype=tl.float32)
+    a2 = tl.zeros([BC], dtype=tl.float32)
+    a3 = tl.zeros([BC], dtype=tl.float32)
+    d0 = tl.zeros([BC], dtype=tl.float32)
+    d1 = tl.zeros([BC], dtype=tl.float32)
+    d2 = tl.zeros([BC], dtype=tl.float32)
+    d3 = tl.zeros([BC], dtype=tl.float32)
+    end = t0 + BT
+    for r in tl.range(t0, end + 3, num_stages=STAGES):
+        xd = _slide_row(x, r, c, cm, T, C)
+        g = _slide_row(dy, r, c, cm, T, C)
+        if HAS_POS:  # past T, g is 0 whatever the reach: the last row's stands in
+            reach = tl.load(pos + tl.minimum(r, T - 1))
+        else:
+            reach = 4
+        ta, tb, tc = tl.where(3 <= reach, xa, 0.0), tl.where(2 <= reach, xb, 0.0), tl.where(1 <= reach, xc, 0.0)
+        if SILU:
+            pre = ta * w0 + tb * w1 + tc * w2 + xd * w3
+            sg = tl.sigmoid(pre)
+            g = g * sg * (1.0 + pre * (1.0 - sg))
+        own = r < end  # the block's own rows: their part of dw
+        d0 += tl.where(own, g * ta, 0.0)
+        d1 += tl.where(own, g * tb, 0.0)
+        d2 += tl.where(own, g * tc, 0.0)
+        d3 += tl.where(own, g * xd, 0.0)
+        # g reaches dx[r - j] through tap 3 - j where j <= reach
+        a0 = g * w3
+        a1 += tl.where(1 <= reach, g * w2, 0.0)
+        a2 += tl.where(2 <= reach, g * w1, 0.0)
+        a3 += tl.where(3 <= reach, g * w0, 0.0)
+        t = r - 3
+        tt = c * 0 + t
+        tl.store(dx + tt * C + c, a3.to(dx.dtype.element_ty), mask=cm & (tt >= t0) & (tt < T))
+        a3, a2, a1 = a2, a1, a0
+        xa, xb, xc = xb, xc, xd
+    part = dw + ((i_b * NTB + i_t) * C + c) * 4
+    tl.store(part, d0, mask=cm)
+    tl.store(part + 1, d1, mask=cm)
+    tl.store(part + 2, d2, mask=cm)
+    tl.store(part + 3, d3, mask=cm)
+
+
 def _blocks(which: str) -> tuple[int, int, int]:
     """(rows, channels, warps) of the ``which`` ("fwd" / "bwd") launch."""
     return (_INTERP_BT, _INTERP_BC, 4) if _interpret() else LAUNCH[which]
@@ -251,7 +331,14 @@ class CausalConv1dFunction(torch.autograd.Function):
         dw = torch.empty(B * ntb, C, W, device=x.device, dtype=torch.float32)
         grid, args = (ntb, triton.cdiv(C, BC), B), (x, w, dy.contiguous(), dx, dw, x if pos is None else pos, T, C, ntb)
         flags = {"BT": BT, "BC": BC, "SILU": ctx.activation == "silu", "HAS_POS": pos is not None, "num_warps": warps}
-        if W == 4 and BWD_TAPS4:
+        if W == 4 and BWD_SLIDE:
+            BT, BC, warps, stages = (_INTERP_BT, _INTERP_BC, 1, 1) if _interpret() else SLIDE_LAUNCH
+            ntb = triton.cdiv(T, BT)
+            dw = torch.empty(B * ntb, C, W, device=x.device, dtype=torch.float32)
+            _conv_bwd_slide_kernel[(ntb, triton.cdiv(C, BC), B)](
+                x, w, dy.contiguous(), dx, dw, x if pos is None else pos, T, C, ntb, BT=BT, BC=BC,
+                SILU=ctx.activation == "silu", HAS_POS=pos is not None, STAGES=stages, num_warps=warps)
+        elif W == 4 and BWD_TAPS4:
             _conv_bwd4_kernel[grid](*args, **flags)
         else:
             _conv_bwd_kernel[grid](*args, W=W, **flags)
@@ -303,26 +390,33 @@ def causal_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, activation: str |
 # (rows, channels, warps) launches ``launch_rows`` times; the first of each is ``LAUNCH``'s
 FWD_LAUNCHES = ((16, 128, 4), (32, 128, 4), (64, 128, 4), (32, 64, 4))
 BWD_LAUNCHES = ((16, 128, 8), (16, 128, 4), (32, 128, 8), (32, 64, 4), (64, 128, 4), (64, 64, 4))
+# the one-pass backward's (rows, channels, warps, stages): 4 or 8 channels a thread (83 / 168 registers, no spill
+# for sm_90a with Triton 3.9), 64 or 128 rows a program
+SLIDE_LAUNCHES = ((64, 256, 1, 3), (64, 128, 1, 3), (128, 256, 1, 3), (64, 256, 2, 3), (64, 512, 2, 3),
+                  (32, 256, 1, 2))
 
 
-def bwd_row_name(launch: tuple[int, int, int] | None = None, taps4: bool | None = None) -> str:
-    """The ``launch_rows`` row of a backward launch (rows, channels, warps) and kernel; by default the op's own
-    (``LAUNCH["bwd"]``, ``BWD_TAPS4``), e.g. ``bwd_taps4_64x64x4``."""
-    launch = LAUNCH["bwd"] if launch is None else launch
-    taps4 = BWD_TAPS4 if taps4 is None else taps4
-    return f"bwd_{'taps4' if taps4 else 'generic'}_{'x'.join(map(str, launch))}"
+def bwd_row_name(launch: tuple[int, ...] | None = None, taps4: bool | None = None, slide: bool | None = None) -> str:
+    """The ``launch_rows`` row of a backward launch (rows, channels, warps[, stages]) and kernel; by default the op's
+    own (``SLIDE_LAUNCH`` with ``BWD_SLIDE``, else ``LAUNCH["bwd"]``, ``BWD_TAPS4``), e.g. ``bwd_taps4_64x64x4``,
+    ``bwd_slide_64x256x1x3``."""
+    slide = BWD_SLIDE if slide is None else slide
+    launch = (SLIDE_LAUNCH if slide else LAUNCH["bwd"]) if launch is None else launch
+    kind = "slide" if slide else "taps4" if (BWD_TAPS4 if taps4 is None else taps4) else "generic"
+    return f"bwd_{kind}_{'x'.join(map(str, launch))}"
 
 
 def launch_rows(B: int, T: int, C: int, device: str, dtype: torch.dtype, time_ms: Callable[..., float],
                 rel_err: Callable[[torch.Tensor, torch.Tensor], float], every_launch: bool = True,
                 tag: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Rows for choosing ``LAUNCH`` and ``BWD_TAPS4`` by measurement (``kernels/bench.py --entry conv``): the op with
-    4 taps and SiLU on ``x [B, T, C]`` in ``dtype``, per forward launch and per backward launch and kernel (``taps4``
-    / ``generic``), beside torch's ``F.conv1d`` path; each row ``fwd_ms``, ``fwd_bwd_ms`` (``time_ms(fn, before=)``:
-    ms, or a result with ``.ms``) and the errors of y, dx, dw (``rel_err``) against the fp32 reference; a launch
-    that fails to compile, its error. ``every_launch`` False: the first of each only (a CPU interpreter's smoke
-    run). ``LAUNCH`` and ``BWD_TAPS4`` are restored."""
-    global BWD_TAPS4
+    """Rows for choosing ``LAUNCH``, ``BWD_TAPS4`` and ``BWD_SLIDE`` by measurement (``kernels/bench.py --entry
+    conv``): the op with 4 taps and SiLU on ``x [B, T, C]`` in ``dtype``, per forward launch and per backward launch
+    and kernel (``taps4`` / ``generic``, and the one-pass ``slide`` kernel at each of ``SLIDE_LAUNCHES``), beside
+    torch's ``F.conv1d`` path; each row ``fwd_ms``, ``fwd_bwd_ms`` (``time_ms(fn, before=)``: ms, or a result with
+    ``.ms``) and the errors of y, dx, dw (``rel_err``) against the fp32 reference; a launch that fails to compile,
+    its error. ``every_launch`` False: the first of each only (a CPU interpreter's smoke run). ``LAUNCH``,
+    ``BWD_TAPS4``, ``BWD_SLIDE`` and ``SLIDE_LAUNCH`` are restored."""
+    global BWD_TAPS4, BWD_SLIDE, SLIDE_LAUNCH
     gen = torch.Generator().manual_seed(0)
     x32, w = torch.randn(B, T, C, generator=gen), ((torch.rand(C, 4, generator=gen) - 0.5) / 2).to(device)
     dy = torch.randn(B, T, C, generator=gen).to(device)
@@ -336,13 +430,16 @@ def launch_rows(B: int, T: int, C: int, device: str, dtype: torch.dtype, time_ms
 
     cases = [("torch_conv1d", None, None, None)] + [
         (f"fwd_{'x'.join(map(str, f))}", f, None, "taps4") for f in FWD_LAUNCHES[:None if every_launch else 1]] + [
-        (bwd_row_name(b, k == "taps4"), None, b, k) for k in ("taps4", "generic")
-        for b in BWD_LAUNCHES[:None if every_launch else 1]]
-    default, taps4, rows = dict(LAUNCH), BWD_TAPS4, []
+        (bwd_row_name(b, k == "taps4", False), None, b, k) for k in ("taps4", "generic")
+        for b in BWD_LAUNCHES[:None if every_launch else 1]] + [
+        (bwd_row_name(b, slide=True), None, b, "slide") for b in SLIDE_LAUNCHES[:None if every_launch else 1]]
+    default, taps4, slide, slide_launch, rows = dict(LAUNCH), BWD_TAPS4, BWD_SLIDE, SLIDE_LAUNCH, []
     try:
         for impl, fwd, bwd, kernel in cases:
             fn = causal_conv1d_torch if kernel is None else causal_conv1d
-            LAUNCH.update(fwd=fwd or default["fwd"], bwd=bwd or default["bwd"])
+            BWD_SLIDE = kernel == "slide"
+            SLIDE_LAUNCH = bwd if BWD_SLIDE else slide_launch
+            LAUNCH.update(fwd=fwd or default["fwd"], bwd=default["bwd"] if BWD_SLIDE else bwd or default["bwd"])
             BWD_TAPS4 = kernel != "generic"
             row: dict[str, Any] = {"impl": impl, **(tag or {}), "B": B, "T": T, "C": C}
             try:
@@ -359,5 +456,5 @@ def launch_rows(B: int, T: int, C: int, device: str, dtype: torch.dtype, time_ms
             rows.append(row)
     finally:
         LAUNCH.update(default)
-        BWD_TAPS4 = taps4
+        BWD_TAPS4, BWD_SLIDE, SLIDE_LAUNCH = taps4, slide, slide_launch
     return rows

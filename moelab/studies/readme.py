@@ -239,7 +239,7 @@ def _conv() -> Row | None:
     for shape in dict.fromkeys(r["shape"] for r in d["rows"]):
         by = {r["impl"]: r for r in d["rows"] if r["shape"] == shape}
         ours, torch_ = by[short_conv.bwd_row_name()], by["torch_conv1d"]
-        before = by[short_conv.bwd_row_name((16, 128, 8), False)]  # the default until the bench ran
+        before = by[short_conv.bwd_row_name((16, 128, 8), False, False)]  # the default until the bench ran
         parts.append(f"B{ours['B']} T{ours['T']} C{ours['C']}: {ours['fwd_bwd_ms']:.2f} ms vs F.conv1d "
                      f"{torch_['fwd_bwd_ms']:.2f} ({torch_['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.1f}x) and the launch "
                      f"before {before['fwd_bwd_ms']:.2f} ({before['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.1f}x), error "

@@ -104,9 +104,13 @@ def test_model_conv_backends_agree():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("slide", [False, True], ids=["tile_bwd", "one_pass_bwd"])
 @pytest.mark.parametrize("act", [None, "silu"])
-def test_bf16_on_gpu(act):
-    """bf16 at a model size (B8 T4096 C1024, the fla-shape layer) on the GPU's real kernels."""
+def test_bf16_on_gpu(act, slide, monkeypatch):
+    """bf16 at a model size (B8 T4096 C1024, the fla-shape layer) on the GPU's real kernels, both backwards."""
+    from moelab.ops import short_conv
+
+    monkeypatch.setattr(short_conv, "BWD_SLIDE", slide)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(8, 4096, 1024, generator=gen).to(DEV, torch.bfloat16)
     w = (torch.rand(1024, 4, generator=gen) - 0.5).to(DEV)
@@ -163,3 +167,34 @@ def test_four_tap_backward_matches_the_generic_kernel(act, monkeypatch):
             ref = _run(causal_conv1d_torch, x, w, act, dy)
             assert_close(ref[1], grads[True][0], 1e-5, "dx")
             assert_close(ref[2], grads[True][1], 1e-5, "dw")
+
+
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_one_pass_backward_matches_the_tile_kernel(act, monkeypatch):
+    """The one-pass 4-tap backward (``BWD_SLIDE``: each x and dy row loaded once, the pre-activation formed once per
+    row) gives the tile kernel's dx exactly (the same terms in the same order) and its dw within fp32 rounding (the
+    block's rows summed in order, not as a tile), with packed documents and without, T not a multiple of the block
+    (the last block's rows past T, and dy's 3 rows past a block); both against the fp32 reference too."""
+    from moelab.ops import short_conv
+
+    B, T, C = 2, 45, 24
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(B, T, C, generator=gen).to(DEV)
+    w = (torch.rand(C, 4, generator=gen) - 0.5).to(DEV)
+    dy = torch.randn(B, T, C, generator=gen).to(DEV)
+    starts = [0, 1, 4, 16, 17, 33]  # documents of 1, 3, 12, 1, 16 and 12 tokens (starts on and off block edges)
+    pos = torch.stack([torch.arange(T) - torch.tensor([max(s for s in starts if s <= t) for t in range(T)])] * B)
+    for p in (None, pos.to(DEV)):
+        grads = {}
+        for slide in (False, True):
+            monkeypatch.setattr(short_conv, "BWD_SLIDE", slide)
+            xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+            (causal_conv1d(xi, wi, act, pos=p) * dy).sum().backward()
+            grads[slide] = (xi.grad, wi.grad)
+        assert torch.equal(grads[True][0], grads[False][0])
+        assert_close(grads[False][1], grads[True][1], 1e-6, "dw")
+        if p is None:
+            ref = _run(causal_conv1d_torch, x, w, act, dy)
+            assert_close(ref[1], grads[True][0], 1e-5, "dx")
+            assert_close(ref[2], grads[True][1], 1e-5, "dw")
+    assert short_conv.bwd_row_name(slide=True) == "bwd_slide_" + "x".join(map(str, short_conv.SLIDE_LAUNCH))
