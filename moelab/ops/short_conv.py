@@ -235,8 +235,9 @@ def _conv_bwd_slide_kernel(x, w, dy, dx, dw, pos, T, C, NTB, BT: tl.constexpr, B
     loaded once (plus 3 rows of x before the block and 3 of dy after it), the pre-activation of each row formed
     once from the last four x rows (kept in registers), and dx of a row completed 3 rows later from the four
     dpre rows it takes, ``dx[t] = sum_j [j <= reach(t + j)] dpre[t + j] w[3 - j]`` in the order of j (the tile
-    kernels' order: the same dx); dw's partial of the block sums its rows in order. Registers hold a few ``[BC]``
-    rows, not ``[BT, BC]`` tiles: nothing to spill, so the loop is bound by its loads."""
+    kernels' order: the interpreter gives their dx bit for bit); dw's partial of the block sums its rows in order.
+    Registers hold a few ``[BC]`` rows, not ``[BT, BC]`` tiles: nothing to spill, so the loop is bound by its
+    loads."""
     i_t = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     cm = c < C
