@@ -142,59 +142,54 @@ def test_auto_backend_takes_triton_only_on_cuda(monkeypatch):
         load_config("tiny", {"model.kda.conv_backend": "cudnn"})
 
 
+def _backward_kernels_agree(act, monkeypatch, flag: str, seed: int, starts: list[int], dw_tol: float) -> None:
+    """x, w, dy at B2 T45 C24 with ``short_conv.<flag>`` False and True, with the documents starting at ``starts``
+    and without: dx equal, dw equal (``dw_tol`` 0) or within ``dw_tol``; without documents both against the fp32
+    reference too."""
+    from moelab.ops import short_conv
+
+    B, T, C = 2, 45, 24
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, C, generator=gen).to(DEV)
+    w = (torch.rand(C, 4, generator=gen) - 0.5).to(DEV)
+    dy = torch.randn(B, T, C, generator=gen).to(DEV)
+    pos = torch.stack([torch.arange(T) - torch.tensor([max(s for s in starts if s <= t) for t in range(T)])] * B)
+    for p in (None, pos.to(DEV)):
+        grads = {}
+        for on in (False, True):
+            monkeypatch.setattr(short_conv, flag, on)
+            xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+            (causal_conv1d(xi, wi, act, pos=p) * dy).sum().backward()
+            grads[on] = (xi.grad, wi.grad)
+        assert torch.equal(grads[True][0], grads[False][0])
+        if dw_tol:
+            assert_close(grads[False][1], grads[True][1], dw_tol, "dw")
+        else:
+            assert torch.equal(grads[True][1], grads[False][1])
+        if p is None:
+            ref = _run(causal_conv1d_torch, x, w, act, dy)
+            assert_close(ref[1], grads[True][0], 1e-5, "dx")
+            assert_close(ref[2], grads[True][1], 1e-5, "dw")
+
+
 @pytest.mark.parametrize("act", [None, "silu"])
 def test_four_tap_backward_matches_the_generic_kernel(act, monkeypatch):
     """The 4-tap backward (each of the 7 x tiles loaded once) gives exactly the generic kernel's dx and dw, with packed
     documents (a tap across a document start reads zero) and without; both against the fp32 reference too."""
     from moelab.ops import short_conv
 
-    B, T, C = 2, 45, 24
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(B, T, C, generator=gen).to(DEV)
-    w = (torch.rand(C, 4, generator=gen) - 0.5).to(DEV)
-    dy = torch.randn(B, T, C, generator=gen).to(DEV)
-    starts = [0, 2, 3, 17, 40]  # documents of 2, 1, 14, 23 and 5 tokens
-    pos = torch.stack([torch.arange(T) - torch.tensor([max(s for s in starts if s <= t) for t in range(T)])] * B)
-    for p in (None, pos.to(DEV)):
-        grads = {}
-        for taps4 in (True, False):
-            monkeypatch.setattr(short_conv, "BWD_TAPS4", taps4)
-            xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-            (causal_conv1d(xi, wi, act, pos=p) * dy).sum().backward()
-            grads[taps4] = (xi.grad, wi.grad)
-        assert torch.equal(grads[True][0], grads[False][0]) and torch.equal(grads[True][1], grads[False][1])
-        if p is None:
-            ref = _run(causal_conv1d_torch, x, w, act, dy)
-            assert_close(ref[1], grads[True][0], 1e-5, "dx")
-            assert_close(ref[2], grads[True][1], 1e-5, "dw")
+    monkeypatch.setattr(short_conv, "BWD_SLIDE", False)
+    _backward_kernels_agree(act, monkeypatch, "BWD_TAPS4", 4, [0, 2, 3, 17, 40], 0.0)  # documents of 2, 1, 14, 23, 5
 
 
 @pytest.mark.parametrize("act", [None, "silu"])
 def test_one_pass_backward_matches_the_tile_kernel(act, monkeypatch):
     """The one-pass 4-tap backward (``BWD_SLIDE``: each x and dy row loaded once, the pre-activation formed once per
     row) gives the tile kernel's dx exactly (the same terms in the same order) and its dw within fp32 rounding (the
-    block's rows summed in order, not as a tile), with packed documents and without, T not a multiple of the block
-    (the last block's rows past T, and dy's 3 rows past a block); both against the fp32 reference too."""
+    block's rows summed in order, not as a tile), with packed documents (starts on and off the interpreter's
+    16-row block edges) and without, T not a multiple of the block (the last block's rows past T, and dy's 3 rows
+    past a block); both against the fp32 reference too."""
     from moelab.ops import short_conv
 
-    B, T, C = 2, 45, 24
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(B, T, C, generator=gen).to(DEV)
-    w = (torch.rand(C, 4, generator=gen) - 0.5).to(DEV)
-    dy = torch.randn(B, T, C, generator=gen).to(DEV)
-    starts = [0, 1, 4, 16, 17, 33]  # documents of 1, 3, 12, 1, 16 and 12 tokens (starts on and off block edges)
-    pos = torch.stack([torch.arange(T) - torch.tensor([max(s for s in starts if s <= t) for t in range(T)])] * B)
-    for p in (None, pos.to(DEV)):
-        grads = {}
-        for slide in (False, True):
-            monkeypatch.setattr(short_conv, "BWD_SLIDE", slide)
-            xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-            (causal_conv1d(xi, wi, act, pos=p) * dy).sum().backward()
-            grads[slide] = (xi.grad, wi.grad)
-        assert torch.equal(grads[True][0], grads[False][0])
-        assert_close(grads[False][1], grads[True][1], 1e-6, "dw")
-        if p is None:
-            ref = _run(causal_conv1d_torch, x, w, act, dy)
-            assert_close(ref[1], grads[True][0], 1e-5, "dx")
-            assert_close(ref[2], grads[True][1], 1e-5, "dw")
+    _backward_kernels_agree(act, monkeypatch, "BWD_SLIDE", 7, [0, 1, 4, 16, 17, 33], 1e-6)
     assert short_conv.bwd_row_name(slide=True) == "bwd_slide_" + "x".join(map(str, short_conv.SLIDE_LAUNCH))
