@@ -326,19 +326,18 @@ class CausalConv1dFunction(torch.autograd.Function):
         x, w, pos = ctx.saved_tensors
         B, T, C = x.shape
         W = w.shape[1]
-        BT, BC, warps = _blocks("bwd")
+        slide = W == 4 and BWD_SLIDE
+        if slide:
+            BT, BC, warps, stages = (_INTERP_BT, _INTERP_BC, 1, 1) if _interpret() else SLIDE_LAUNCH
+        else:
+            BT, BC, warps = _blocks("bwd")
         ntb = triton.cdiv(T, BT)
         dx = torch.empty_like(x)
         dw = torch.empty(B * ntb, C, W, device=x.device, dtype=torch.float32)
         grid, args = (ntb, triton.cdiv(C, BC), B), (x, w, dy.contiguous(), dx, dw, x if pos is None else pos, T, C, ntb)
         flags = {"BT": BT, "BC": BC, "SILU": ctx.activation == "silu", "HAS_POS": pos is not None, "num_warps": warps}
-        if W == 4 and BWD_SLIDE:
-            BT, BC, warps, stages = (_INTERP_BT, _INTERP_BC, 1, 1) if _interpret() else SLIDE_LAUNCH
-            ntb = triton.cdiv(T, BT)
-            dw = torch.empty(B * ntb, C, W, device=x.device, dtype=torch.float32)
-            _conv_bwd_slide_kernel[(ntb, triton.cdiv(C, BC), B)](
-                x, w, dy.contiguous(), dx, dw, x if pos is None else pos, T, C, ntb, BT=BT, BC=BC,
-                SILU=ctx.activation == "silu", HAS_POS=pos is not None, STAGES=stages, num_warps=warps)
+        if slide:
+            _conv_bwd_slide_kernel[grid](*args, STAGES=stages, **flags)
         elif W == 4 and BWD_TAPS4:
             _conv_bwd4_kernel[grid](*args, **flags)
         else:
