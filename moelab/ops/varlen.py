@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_cu_seqlens", "cu_seqlens", "cu_seqlens_from_starts", "document_starts", "segments_from_eos"]
+__all__ = ["check_cu_seqlens", "cu_seqlens", "cu_seqlens_from_starts", "document_starts", "pad_cu_seqlens",
+           "segments_from_eos"]
 
 
 def segments_from_eos(ids: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -49,6 +50,21 @@ def cu_seqlens_from_starts(starts: torch.Tensor) -> torch.Tensor:
 def cu_seqlens(segment_ids: torch.Tensor) -> torch.Tensor:
     """``[N + 1]`` int32 offsets of the documents of ``segment_ids [B, T]`` in the flattened ``B * T`` order."""
     return cu_seqlens_from_starts(document_starts(segment_ids))
+
+
+def pad_cu_seqlens(cu_seqlens: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``cu_seqlens [N + 1]`` as ``[capacity + 1]`` offsets: the N documents, then ``capacity - N`` empty ones at the
+    end (the last offset repeated). Every consumer treats an empty document as no tokens, so the offsets of batches
+    with different N get one shape, as a captured step (one CUDA graph) needs. Reads only the shape (no sync).
+
+    Raises ValueError when N > capacity (the value and the allowed range named)."""
+    n = cu_seqlens.numel() - 1
+    if cu_seqlens.dim() != 1 or n < 1:
+        raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 1, got shape {tuple(cu_seqlens.shape)}")
+    if not 1 <= n <= capacity:
+        raise ValueError(f"pad_cu_seqlens: {n} documents do not fit capacity={capacity}: expected N <= capacity "
+                         f"(raise the capacity)")
+    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(capacity - n)])
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int, read: bool = True) -> list[int] | None:

@@ -399,14 +399,23 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
         plain = random_batches(cfg.model.vocab_size, 2, T, n, seed=1, device=dev)
         packed = random_batches(cfg.model.vocab_size, 2, T, n, seed=1, doc_lengths=lengths, device=dev)
         result["meta"]["docs16k_doc_lengths"] = list(lengths)
-        specs = {"unmasked": (stage, plain), "masked_flex": ({**stage, "model.mla.mask_backend": "flex"}, packed),
-                 "masked_dense": ({**stage, "model.mla.mask_backend": "dense"}, packed)}
+        flex = {**stage, "model.mla.mask_backend": "flex"}
+        specs = {"unmasked": (stage, plain, "eager"), "masked_flex": (flex, packed, "eager"),
+                 "masked_dense": ({**stage, "model.mla.mask_backend": "dense"}, packed, "eager")}
+        if dev.type == "cuda":
+            # captured: the offsets padded to one shape (empty documents at the end), as a captured step needs
+            from moelab.ops.varlen import pad_cu_seqlens
+
+            cap = max(b["cu_seqlens"].numel() - 1 for b in packed)
+            padded = [{**b, "cu_seqlens": pad_cu_seqlens(b["cu_seqlens"], cap)} for b in packed]
+            result["meta"]["docs16k_doc_capacity"] = cap
+            specs |= {"unmasked_graphs": (stage, plain, "graphs"), "masked_flex_graphs": (flex, padded, "graphs")}
         arms = {}
         errors = {}
-        for name, (o, d) in specs.items():
+        for name, (o, d, mode) in specs.items():
             log(f"docs16k {name}: set-up ({time.perf_counter() - start:.0f} s)")
             try:
-                arms[name] = TimedStep("gpu-small", o, "eager", d, 3, 3e-4)
+                arms[name] = TimedStep("gpu-small", o, mode, d, 3, 3e-4)
             except Exception as e:  # noqa: BLE001
                 errors[name] = f"set-up: {type(e).__name__}: {e}"[:2000]
         windows = interleaved_rounds(arms, d_rounds, d_window, deadline, log, errors)
@@ -416,7 +425,8 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
             if arm is None or name in errors or not windows.get(name):
                 result["docs16k"].append({"arm": name, "error": errors.get(name, "no rounds")})
                 continue
-            row = timing_row(arm, windows[name], base if name != "unmasked" else None, None)
+            ref = windows.get("unmasked_graphs") if name == "masked_flex_graphs" else base
+            row = timing_row(arm, windows[name], ref if name not in ("unmasked", "unmasked_graphs") else None, None)
             row.pop("losses")
             row["docs_per_row"] = (float(sum(int(b["segment_ids"][r].max()) + 1 for b in arm.data for r in range(2)))
                                    / (2 * len(arm.data)) if "segment_ids" in arm.data[0] else 1.0)
@@ -513,12 +523,14 @@ KERNEL_FAMILIES: tuple[tuple[str, str], ...] = (
 
 
 def step_profile(preset: str, steps: int = 3, overrides: dict[str, Any] | None = None, device: str = "cuda",
-                 top: int = 40) -> dict[str, Any]:
+                 top: int = 40, doc_lengths: tuple[int, int] | None = None) -> dict[str, Any]:
     """Where one eager training step of ``preset`` spends its device time (``torch.profiler``): per step, the kernel
     time by family (:data:`KERNEL_FAMILIES`) with launch counts, the ``top`` kernels, their sum beside the step's
     wall time and host time (``TimedStep.window``). Eager: a captured step runs the same kernels from one graph
     launch, so its step time is at least this kernel time. On the CPU (tests, toy ``overrides``) the "kernels" are
-    the aten ops' self CPU time."""
+    the aten ops' self CPU time. ``host_ops``: the ``top`` aten ops by their own host (CPU) time, by moelab site:
+    where a host-bound step spends its issue time. ``doc_lengths=(lo, hi)``: batches of packed documents (as
+    :func:`random_batches`), their offsets counted on the CPU as the data loaders do."""
     import collections
     import re
 
@@ -530,8 +542,8 @@ def step_profile(preset: str, steps: int = 3, overrides: dict[str, Any] | None =
     cuda = dev.type == "cuda"
     cfg = load_config(preset, dict(overrides or {}))
     B, T = cfg.train.batch_size, cfg.data.seq_len
-    arm = TimedStep(preset, dict(overrides or {}), "eager", random_batches(cfg.model.vocab_size, B, T, 4, device=dev),
-                    2, 3e-4)
+    arm = TimedStep(preset, dict(overrides or {}), "eager",
+                    random_batches(cfg.model.vocab_size, B, T, 4, doc_lengths=doc_lengths, device=dev), 2, 3e-4)
     _sync(dev)
     # the CPU side too, with shapes and stacks: which aten op (and which line of moelab) launched each kernel
     from torch._C._profiler import _ExperimentalConfig
@@ -556,7 +568,7 @@ def step_profile(preset: str, steps: int = 3, overrides: dict[str, Any] | None =
     return {"preset": preset, "B": B, "T": T, "steps_profiled": steps, "kernel_ms": sum(k["ms"] for k in kernels),
             "launches": sum(k["calls"] for k in kernels), "step_ms": w["step_ms"], "host_ms": w["host_ms"],
             "families": dict(sorted(fam.items(), key=lambda kv: -kv[1]["ms"])), "top": kernels[:top],
-            "top_ops": _op_sites(prof, steps, cuda, top)}
+            "top_ops": _op_sites(prof, steps, cuda, top), "host_ops": _op_sites(prof, steps, False, top)}
 
 
 def _op_sites(prof: Any, steps: int, cuda: bool, top: int) -> list[dict[str, Any]]:
@@ -629,6 +641,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-docs", action="store_true")
     ap.add_argument("--budget-s", type=float, default=450.0)
     ap.add_argument("--profile", action="append", metavar="PRESET", help="profile one eager step of PRESET instead")
+    ap.add_argument("--doc-lengths", metavar="LO,HI", help="--profile on batches of packed documents of lengths "
+                                                             "uniform in [LO, HI], e.g. 256,6144")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a field of every preset measured, e.g. --set model.norm_backend=triton")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=MODE:KEY=VALUE[,KEY=VALUE]",
@@ -641,7 +655,11 @@ def main(argv: list[str] | None = None) -> None:
     if a.profile:
         from moelab.provenance import provenance
 
-        rows = [step_profile(p, overrides=over) | ({"overrides": over} if over else {}) for p in a.profile]
+        docs = tuple(int(x) for x in a.doc_lengths.split(",")) if a.doc_lengths else None
+        if docs is not None and (len(docs) != 2 or not 1 <= docs[0] <= docs[1]):
+            raise SystemExit(f"--doc-lengths {a.doc_lengths!r} is not allowed: expected LO,HI with 1 <= LO <= HI")
+        rows = [step_profile(p, overrides=over, doc_lengths=docs) | ({"overrides": over} if over else {})
+                | ({"doc_lengths": list(docs)} if docs else {}) for p in a.profile]
         write_json(Path(a.out), {"meta": provenance(), "rows": rows})  # machine, versions, commit, date, command
         for r in rows:
             print(r["preset"], f"kernels {r['kernel_ms']:.1f} ms / step {r['step_ms']:.1f} ms,",

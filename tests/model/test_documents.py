@@ -225,6 +225,31 @@ def test_documents_counted_before_the_forward() -> None:
         Documents.from_segment_ids(seg, torch.tensor([0, 10], dtype=torch.int32))
 
 
+@pytest.mark.parametrize("backend", ["chunk", pytest.param("triton", marks=pytest.mark.skipif(
+    not INTERPRET, reason="the Triton KDA op on CPU tensors needs the interpreter"))])
+def test_offsets_padded_with_empty_documents_change_nothing(backend: str) -> None:
+    """``pad_cu_seqlens`` (one shape of offsets for every batch, as a captured step needs): empty documents at the end
+    leave the logits and every gradient as they are; a capacity below the documents is refused, naming both."""
+    from moelab.ops.varlen import cu_seqlens, pad_cu_seqlens
+
+    seg = segments(LENGTHS)
+    cu = cu_seqlens(seg)
+    padded = pad_cu_seqlens(cu, cu.numel() + 4)
+    assert padded.tolist() == cu.tolist() + [cu[-1].item()] * 5 and padded.dtype == torch.int32
+    ids = torch.randint(0, 50, (len(LENGTHS), T), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for name, offsets in (("counted", cu), ("padded", padded)):
+        m = build("hybrid", backend=backend).train()
+        logits = m(ids, segment_ids=seg, cu_seqlens=offsets).logits
+        logits.square().mean().backward()
+        out[name] = (logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+    assert_close(out["counted"][0], out["padded"][0], 1e-5, "logits, padded offsets")
+    for n, g in out["counted"][1].items():
+        assert_close(g, out["padded"][1][n], 1e-5, f"grad {n}, padded offsets")
+    with pytest.raises(ValueError, match=r"7 documents do not fit capacity=6"):
+        pad_cu_seqlens(cu, 6)
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not INTERPRET, reason="the Triton conv on CPU tensors needs the interpreter"))])
 @pytest.mark.parametrize("activation", [None, "silu"])
