@@ -167,10 +167,6 @@ class RunConfig:
         for i, stage in enumerate(self.data.curriculum):
             _check(stage.seq_len <= self.model.max_seq_len, f"data.curriculum[{i}].seq_len", stage.seq_len,
                    f"<= model.max_seq_len ({self.model.max_seq_len})")
-        if self.data.curriculum and self.train.compile in CAPTURED_MODES:
-            raise ConfigError(f"train.compile={self.train.compile!r} is not allowed with data.curriculum: a captured "
-                              "step replays one batch shape, and packed documents count their documents on the host "
-                              "(a sync); use train.compile='default' or 'none'")
         if self.data.curriculum:
             plan(self.data.curriculum, self.train.batch_size, self.data.seq_len, self.train.accumulate_grad_batches,
                  self.train.max_steps)

@@ -155,6 +155,11 @@ class CapturedStep:
     replays); autocast with ``cache_enabled=False`` inside ``step``
     (a cast cached outside the graph would be captured as a stale constant).
 
+    ``recapture=True`` (a context curriculum: one shape per stage): a batch of another shape (or other keys) drops the
+    graph and its memory and starts over, ``warmup`` eager steps on the new shape, then its capture; shapes that come
+    back and forth would recapture each time, so the caller keeps them fixed within a stage (packed documents: their
+    offsets padded to one capacity, :func:`moelab.ops.varlen.pad_cu_seqlens`). ``captures`` counts the graphs made.
+
     ``check_syncs=False`` (a step around a ``torch.compile``'d model, ``train.compile='compiled_graphs'``): the last
     warm-up step runs without ``HostSyncs`` (a torch-function mode changes what dynamo traces: it would recompile
     the model for that one step, and inductor's kernels do not pass through it anyway); a sync then surfaces as
@@ -162,20 +167,25 @@ class CapturedStep:
     """
 
     def __init__(self, step: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], warmup: int = 3,
-                 check_syncs: bool = True) -> None:
+                 check_syncs: bool = True, recapture: bool = False) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("CapturedStep needs a CUDA device (CUDA graphs)")
         if warmup < 1:
             raise ValueError(f"CapturedStep: warmup={warmup} is not allowed: expected >= 1 eager step before the "
                              f"capture (caches, optimizer state, the host-sync check)")
-        self.step, self.warmup, self.check_syncs = step, warmup, check_syncs
-        self.calls = 0
+        self.step, self.warmup, self.check_syncs, self.recapture = step, warmup, check_syncs, recapture
+        self.calls = self.captures = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static: dict[str, torch.Tensor] | None = None
         self.out: dict[str, torch.Tensor] = {}
 
     def _load(self, batch: dict[str, torch.Tensor]) -> None:
         if self.static is None:
+            self.static = {k: v.clone() for k, v in batch.items()}
+            return
+        if self.recapture and {k: v.shape for k, v in batch.items()} != {k: v.shape for k, v in self.static.items()}:
+            # a new stage: the old graph (and the memory pool it holds) goes, the new shape warms up and is captured
+            self.graph, self.out, self.calls = None, {}, 0
             self.static = {k: v.clone() for k, v in batch.items()}
             return
         for k, v in batch.items():
@@ -211,6 +221,7 @@ class CapturedStep:
             except RuntimeError as e:
                 raise CaptureError(f"the step could not be captured as a CUDA graph: {e}") from e
             self.graph = graph
+            self.captures += 1
         self.graph.replay()
         return {k: v.detach().clone() for k, v in self.out.items()}
 
@@ -241,7 +252,8 @@ class LitMoELab(L.LightningModule):
     replays as one CUDA graph (:class:`CapturedStep` around :func:`train_step_fn`) under Lightning's manual
     optimization; the module steps the schedule, counts the step for the trainer, and hands the balancer's
     result to :class:`BalancerCallback` itself (no ``perf/balancer_ms``: a graph has no events to read).
-    One device, one micro-batch per step, fixed shapes (``moelab.config`` refuses the rest).
+    One device, one micro-batch per step (``moelab.config`` refuses the rest), one shape (with a curriculum, one per
+    stage: the graph is captured again when the length changes; packed documents' offsets padded to one shape).
     """
 
     def __init__(self, cfg: RunConfig) -> None:
@@ -251,6 +263,7 @@ class LitMoELab(L.LightningModule):
         self._compiled = False  # train.compile is applied in setup(), once the device is known
         self.automatic_optimization = cfg.train.compile not in CAPTURED_MODES
         self._captured: CapturedStep | None = None
+        self._doc_capacity: dict[tuple[int, ...], int] = {}  # packed documents per batch shape (captured steps)
         self.step_scalars: dict[str, torch.Tensor | HostScalar] = {}
         self.mlflow_run_id: str | None = None  # stored in checkpoints so a resumed run can link back
 
@@ -309,8 +322,9 @@ class LitMoELab(L.LightningModule):
             dtype = torch.bfloat16 if str(self.trainer.precision).startswith("bf16") else None
             self._train_step = train_step_fn(self.model, optimizer, self.cfg.train.grad_clip, dtype,
                                              self.cfg.train.balancer_start_step, self.global_step)
-            self._captured = CapturedStep(self._train_step, check_syncs=self.cfg.train.compile == "graphs")
-        out = self._captured({"input_ids": batch["input_ids"], "targets": batch["targets"]})
+            self._captured = CapturedStep(self._train_step, check_syncs=self.cfg.train.compile == "graphs",
+                                          recapture=bool(self.cfg.data.curriculum))
+        out = self._captured(self._static_batch(batch))
         self.step_scalars = {"train/loss": out["loss"], "train/ce": out["ce"], "train/aux_loss": out["aux_loss"],
                              "train/grad_norm": out["grad_norm"]}
         if "balance/load" in out:
@@ -321,12 +335,39 @@ class LitMoELab(L.LightningModule):
             for callback in self.trainer.callbacks:
                 if isinstance(callback, BalancerCallback):
                     callback.record(self.trainer, self, step)
+        if self.cfg.data.curriculum:  # the stage's length, as the eager step records it
+            self.step_scalars["train/seq_len"] = float(batch["input_ids"].shape[1])
         self.lr_schedulers().step()
         # Manual optimization counts optimizer steps through LightningOptimizer.step, which the graph bypasses.
         progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
         progress.increment_ready()
         progress.increment_completed()
         return out["loss"]
+
+    def _static_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the captured step reads of ``batch``: ids and targets, and with packed documents their ``segment_ids``
+        and ``cu_seqlens`` padded with empty documents to a capacity per batch shape (one graph per curriculum stage:
+        the number of documents differs from batch to batch). The capacity starts at ``B + max(4, B // 8)`` (the
+        corpus documents are long: most rows hold one) and doubles its margin when a batch holds more, the one
+        case that recaptures within a stage."""
+        from moelab.ops.varlen import pad_cu_seqlens
+
+        out = {"input_ids": batch["input_ids"], "targets": batch["targets"]}
+        seg = self._segments(batch)
+        if seg["segment_ids"] is None:
+            return out
+        if seg["cu_seqlens"] is None:
+            raise CaptureError(f"train.compile={self.cfg.train.compile!r} with packed documents needs their offsets "
+                               "counted by the data loader (batch['cu_seqlens'], moelab.data.datamodule.collate): "
+                               "counting them in the step is a host sync")
+        B = batch["input_ids"].shape[0]
+        n = seg["cu_seqlens"].numel() - 1
+        key = tuple(batch["input_ids"].shape)
+        cap = self._doc_capacity.get(key, B + max(4, B // 8))
+        while n > cap:
+            cap = B + 2 * (cap - B)
+        self._doc_capacity[key] = cap
+        return out | {"segment_ids": seg["segment_ids"], "cu_seqlens": pad_cu_seqlens(seg["cu_seqlens"], cap)}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Before clipping: the norm the raw gradient had (what blows up first when training diverges).

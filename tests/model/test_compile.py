@@ -114,9 +114,9 @@ def test_compile_modes() -> None:
                                           r"train.compile='graphs'"):
         load_config("tiny", {"train.compile": "graphs", "train.accumulate_grad_batches": 2})
     stages = [{"seq_len": 16, "steps": 5}, {"seq_len": 32, "steps": 15}]
-    for mode in ("graphs", "compiled_graphs"):
-        with pytest.raises(ConfigError, match=rf"train.compile='{mode}' is not allowed with data.curriculum"):
-            load_config("tiny", {"train.compile": mode, "data.curriculum": stages})
+    for mode in ("graphs", "compiled_graphs"):  # a curriculum captures one graph per stage
+        cfg = load_config("tiny", {"train.compile": mode, "data.curriculum": stages, "train.max_steps": 20})
+        assert cfg.train.compile == mode
     with pytest.raises(ConfigError, match=r"train.accumulate_grad_batches=4 is not allowed: expected 1 with "
                                           r"train.compile='compiled_graphs'"):
         load_config("tiny", {"train.compile": "compiled_graphs", "train.accumulate_grad_batches": 4})
@@ -335,6 +335,46 @@ def test_graphs_wiring_trains_as_the_automatic_loop(monkeypatch) -> None:
     assert graphs._captured.check_syncs  # graphs checks the last warm-up step for host syncs
 
 
+def test_graphs_with_a_curriculum_of_packed_documents(monkeypatch) -> None:
+    """train.compile='graphs' with a context curriculum of packed documents (capture left out: the CPU): the step is
+    given the documents, their offsets padded to one capacity per stage shape (grown when a batch holds more), the
+    stage's length is recorded, and six steps end where the automatic loop's six end."""
+    from moelab.data.datamodule import collate
+
+    over = {"data.curriculum": [{"seq_len": 16, "steps": 3}, {"seq_len": 32, "steps": 3}], "data.seq_len": 32,
+            "train.batch_size": 2, "train.max_steps": 6, "train.warmup_steps": 2, "data.document_mask": True}
+    gen = torch.Generator().manual_seed(2)
+    data = []
+    for B, T, docs in ((4, 16, 1), (4, 16, 3), (4, 16, 1), (2, 32, 2), (2, 32, 9), (2, 32, 1), (2, 32, 1)):
+        ids = torch.randint(0, 64, (B, T + 1), generator=gen)
+        seg = (torch.arange(T) * docs // T).expand(B, T).clone()  # docs documents per row
+        data.append(collate([{"input_ids": ids[b, :-1], "targets": ids[b, 1:], "segment_ids": seg[b]}
+                             for b in range(B)]))
+    runs = {}
+    for mode in ("none", "graphs"):
+        if mode == "graphs":
+            monkeypatch.setattr("moelab.train.module.CapturedStep", EagerStep)
+            monkeypatch.setattr("moelab.train.module.compile_model", lambda *a, **k: None)
+        lit = tiny_lit(**{"train.compile": mode, **over})
+        trainer = L.Trainer(max_steps=6, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                            limit_val_batches=0,
+                            gradient_clip_val=None if mode == "graphs" else lit.cfg.train.grad_clip)
+        trainer.fit(lit, torch.utils.data.DataLoader(data, batch_size=None))
+        runs[mode] = lit
+    step = runs["graphs"]._captured
+    assert step.recapture
+    # capacity B + max(4, B // 8): 8 documents at 4 x 16, its margin doubled (12) by the batch of 12 and kept; 6 at
+    # 2 x 32, doubled twice (10, 18) by the batch of 18
+    assert [s["cu_seqlens"] for s in step.shapes] == [(9,), (13,), (13,), (7,), (19,), (19,)]
+    assert [s["segment_ids"] for s in step.shapes] == [(4, 16)] * 3 + [(2, 32)] * 3
+    assert runs["graphs"].step_scalars["train/seq_len"] == 32.0
+    weights = dict(runs["none"].named_parameters())
+    for name, p in runs["graphs"].named_parameters():  # fp32 rounding (the padded offsets sum in another order)
+        drift = ((p - weights[name]).norm() / weights[name].norm()).item()
+        assert drift < 1e-4, f"{name}: relative drift {drift:.3g} from the automatic loop"
+
+
 def test_compiled_graphs_wiring(monkeypatch) -> None:
     """train.compile='compiled_graphs' compiles the model and captures the step (manual optimization, as graphs),
     with the host-sync check left to the capture (a torch-function mode would recompile the compiled model)."""
@@ -344,6 +384,36 @@ def test_compiled_graphs_wiring(monkeypatch) -> None:
     lit, trainer = fit("compiled_graphs", steps=2)
     assert modes == ["compiled_graphs"] and not lit.automatic_optimization and trainer.global_step == 2
     assert not lit._captured.check_syncs
+
+
+@pytest.mark.gpu
+def test_captured_step_recaptures_per_shape_gpu() -> None:
+    """``CapturedStep(recapture=True)``: a curriculum's two stage shapes, each warmed up and captured once (two
+    graphs in all), give the eager steps' losses, padded packed-document offsets included."""
+    from moelab.ops.varlen import cu_seqlens, pad_cu_seqlens
+
+    def stage(B: int, T: int, n: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for i in range(n):
+            ids = torch.randint(0, 512, (B, T + 1), generator=gen)
+            seg = (torch.arange(T) * (1 + i % 2) // T).expand(B, T).contiguous()  # 1 or 2 documents per row
+            out.append({"input_ids": ids[:, :-1].cuda(), "targets": ids[:, 1:].cuda(), "segment_ids": seg.cuda(),
+                        "cu_seqlens": pad_cu_seqlens(cu_seqlens(seg), 2 * B).cuda()})
+        return out
+
+    gen = torch.Generator().manual_seed(0)
+    data = stage(4, 64, 6, gen) + stage(2, 128, 6, gen)
+    losses = {}
+    for name in ("eager", "captured"):
+        torch.manual_seed(0)
+        model = MoELab(load_config("tiny", {}).model).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), fused=True, capturable=True)
+        step = train_step_fn(model, opt, 1.0, None)
+        if name == "captured":
+            step = CapturedStep(step, warmup=2, recapture=True)
+        losses[name] = torch.stack([step(b)["loss"] for b in data]).cpu()
+    assert step.captures == 2
+    torch.testing.assert_close(losses["captured"], losses["eager"], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -46,10 +46,13 @@ class InfScalar(Callback):
 
 class EagerStep:
     """``moelab.train.module.CapturedStep``'s interface with the capture left out (the CPU has no CUDA graphs): the
-    same step, the same copies of its outputs; ``check_syncs`` kept to be read back."""
+    same step, the same copies of its outputs; ``check_syncs`` and ``recapture`` kept to be read back, and the shape
+    of every batch the step was given (``shapes``: ``{key: shape}`` per call)."""
 
-    def __init__(self, step: Any, warmup: int = 3, check_syncs: bool = True) -> None:
-        self.step, self.check_syncs = step, check_syncs
+    def __init__(self, step: Any, warmup: int = 3, check_syncs: bool = True, recapture: bool = False) -> None:
+        self.step, self.check_syncs, self.recapture = step, check_syncs, recapture
+        self.shapes: list[dict[str, tuple[int, ...]]] = []
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.shapes.append({k: tuple(v.shape) for k, v in batch.items()})
         return {k: v.detach().clone() for k, v in self.step(batch).items()}
