@@ -406,7 +406,9 @@ def test_captured_step_recaptures_per_shape_gpu() -> None:
     losses = {}
     for name in ("eager", "captured"):
         torch.manual_seed(0)
-        model = MoELab(load_config("tiny", {}).model).cuda()
+        # the Triton KDA op and conv: the GPU's path, which reads no offsets on the host (the torch ones do)
+        model = MoELab(load_config("tiny", {"model.kda.backend": "triton", "model.kda.conv_backend": "triton"}).model)
+        model = model.cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), fused=True, capturable=True)
         step = train_step_fn(model, opt, 1.0, None)
         if name == "captured":
