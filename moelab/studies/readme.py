@@ -228,6 +228,37 @@ def _capture_backends() -> Row | None:
     return _capture_run("H100_backends", "eager vs the captured step with the Triton norm and loss backends")
 
 
+def _docs16k() -> Row | None:
+    """Study 4's packed 16K stage: documents kept apart (flex_attention block mask) against no mask, eager and captured
+    (the offsets padded to one shape), latest run first (``model_capture_h200.json``: the H200's eager run at the top,
+    later runs in ``other_gpus``)."""
+    f = "kernels/results/model_capture_h200.json"
+    d = _load(f)
+    run = d.get("other_gpus", {}).get("H100_docs16k") or {"meta": d["meta"], "docs16k": d["docs16k"]}
+    arms = {r["arm"]: r for r in run["docs16k"] if r.get("step_ms")}
+    pairs = [(m, u) for m, u in (("masked_flex", "unmasked"), ("masked_flex_graphs", "unmasked_graphs"))
+             if m in arms and u in arms]
+    if not pairs:
+        return None
+    parts, met = [], False
+    for m, u in pairs:
+        # the median of the paired rounds' ratios (perf's speedup against the unmasked arm of the same mode)
+        speed = arms[m].get("speedup_vs_eager", {}).get("median", arms[m]["tok_per_s"] / arms[u]["tok_per_s"])
+        mem = arms[m]["peak_mem_gb"] / arms[u]["peak_mem_gb"]
+        ok = speed >= 0.95 and mem <= 1.05
+        met = met or ok
+        parts.append(f"{arms[m]['mode']}: {_k(arms[m]['tok_per_s'])} vs {_k(arms[u]['tok_per_s'])} tokens/s "
+                     f"({speed:.2f}x), peak {arms[m]['peak_mem_gb']:.1f} vs {arms[u]['peak_mem_gb']:.1f} GB "
+                     f"({mem:.2f}x)")
+    r0 = arms[pairs[0][0]]
+    lo, hi = run["meta"].get("docs16k_doc_lengths", ("?", "?"))
+    return Row(f"Study 4's packed 16K stage (gpu-small, B={r0['B']}, T={r0['T']}, documents of {lo}-{hi} tokens), "
+               f"documents kept apart through flex_attention vs no mask (`python -m moelab.train.perf --only none`, "
+               f"{run['meta']['gpu'].removeprefix('NVIDIA ')}; target >= 0.95x tokens/s, <= 1.05x peak memory)",
+               "; ".join(parts) + f": {'met' if met else 'not met'}", [f], (f, None),
+               (run["meta"].get("commit") or "")[:7] or None)
+
+
 def _conv() -> Row | None:
     """ShortConv: the default launch (``short_conv.LAUNCH``, ``BWD_TAPS4``) against ``F.conv1d`` and the launch
     before it, per shape of the conv bench."""
@@ -448,8 +479,8 @@ def _kda_infer() -> Row:
 
 KERNEL_ROWS: list[Callable[[], Row | None]] = [
     _kda_check, _kda_packed_check, _kda_gate_check, _kda_speed, _kda_infer, _attnres_op, _attnres_grid, _moe,
-    _step_profile, _capture_h200, _capture_modes, _capture_backends, _conv, _fla_shape, _residual_modes, _k3_mini,
-    _throughput_gpu_small]
+    _step_profile, _capture_h200, _capture_modes, _capture_backends, _docs16k, _conv, _fla_shape, _residual_modes,
+    _k3_mini, _throughput_gpu_small]
 
 
 # ----------------------------------------------------------------------------------------------
