@@ -247,8 +247,10 @@ def _docs16k() -> Row | None:
         mem = arms[m]["peak_mem_gb"] / arms[u]["peak_mem_gb"]
         ok = speed >= 0.95 and mem <= 1.05
         met = met or ok
+        rng = arms[m].get("speedup_vs_eager", {})
+        spread = f", {rng['min']:.2f}-{rng['max']:.2f} in {arms[m]['rounds']} paired rounds" if "min" in rng else ""
         parts.append(f"{arms[m]['mode']}: {_k(arms[m]['tok_per_s'])} vs {_k(arms[u]['tok_per_s'])} tokens/s "
-                     f"({speed:.2f}x), peak {arms[m]['peak_mem_gb']:.1f} vs {arms[u]['peak_mem_gb']:.1f} GB "
+                     f"({speed:.2f}x{spread}), peak {arms[m]['peak_mem_gb']:.1f} vs {arms[u]['peak_mem_gb']:.1f} GB "
                      f"({mem:.2f}x)")
     r0 = arms[pairs[0][0]]
     lo, hi = run["meta"].get("docs16k_doc_lengths", ("?", "?"))
