@@ -410,12 +410,13 @@ def test_captured_step_recaptures_per_shape_gpu() -> None:
         model = MoELab(load_config("tiny", {"model.kda.backend": "triton", "model.kda.conv_backend": "triton"}).model)
         model = model.cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), fused=True, capturable=True)
-        step = train_step_fn(model, opt, 1.0, None)
+        # bf16 autocast, as training runs: fp32 grouped_mm has no CUDA kernel on sm90, its fallback copies from the host
+        step = train_step_fn(model, opt, 1.0, torch.bfloat16)
         if name == "captured":
             step = CapturedStep(step, warmup=2, recapture=True)
         losses[name] = torch.stack([step(b)["loss"] for b in data]).cpu()
     assert step.captures == 2
-    torch.testing.assert_close(losses["captured"], losses["eager"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(losses["captured"], losses["eager"], rtol=2e-2, atol=1e-3)  # bf16 over 12 steps
 
 
 @pytest.mark.gpu

@@ -161,7 +161,10 @@ def _backward_kernels_agree(act, monkeypatch, flag: str, seed: int, starts: list
             xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
             (causal_conv1d(xi, wi, act, pos=p) * dy).sum().backward()
             grads[on] = (xi.grad, wi.grad)
-        assert torch.equal(grads[True][0], grads[False][0])
+        if DEV == "cpu" or flag != "BWD_SLIDE":  # the interpreter: the same terms in the same order
+            assert torch.equal(grads[True][0], grads[False][0])
+        else:  # compiled, the one-pass kernel contracts its multiply-adds its own way (H100: equal to 4 digits shown,
+            assert_close(grads[False][0], grads[True][0], 1e-6, "dx")  # not in every bit)
         if dw_tol:
             assert_close(grads[False][1], grads[True][1], dw_tol, "dw")
         else:
@@ -185,10 +188,10 @@ def test_four_tap_backward_matches_the_generic_kernel(act, monkeypatch):
 @pytest.mark.parametrize("act", [None, "silu"])
 def test_one_pass_backward_matches_the_tile_kernel(act, monkeypatch):
     """The one-pass 4-tap backward (``BWD_SLIDE``: each x and dy row loaded once, the pre-activation formed once per
-    row) gives the tile kernel's dx exactly (the same terms in the same order) and its dw within fp32 rounding (the
-    block's rows summed in order, not as a tile), with packed documents (starts on and off the interpreter's
-    16-row block edges) and without, T not a multiple of the block (the last block's rows past T, and dy's 3 rows
-    past a block); both against the fp32 reference too."""
+    row) gives the tile kernel's dx exactly in the interpreter (the same terms in the same order; compiled, within
+    1e-6) and its dw within fp32 rounding (the block's rows summed in order, not as a tile), with packed documents
+    (starts on and off the interpreter's 16-row block edges) and without, T not a multiple of the block (the last
+    block's rows past T, and dy's 3 rows past a block); both against the fp32 reference too."""
     from moelab.ops import short_conv
 
     _backward_kernels_agree(act, monkeypatch, "BWD_SLIDE", 7, [0, 1, 4, 16, 17, 33], 1e-6)
