@@ -131,6 +131,23 @@ class CaptureError(RuntimeError):
     """A training step that cannot run as one CUDA graph (``train.compile='graphs'``); the message names the pieces."""
 
 
+def _where_raised(exc: BaseException) -> str:
+    """The innermost moelab frame of ``exc``'s traceback (``moelab/ops/moe.py:543 experts_grouped``): the piece whose
+    op CUDA refused to capture; the innermost frame of any file when no moelab frame is in it."""
+    import traceback
+    from pathlib import Path
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "an unknown place"
+    package = Path(__file__).resolve().parent.parent
+    for frame in reversed(frames):
+        path = Path(frame.filename).resolve()
+        if package in path.parents:
+            return f"{path.relative_to(package.parent).as_posix()}:{frame.lineno} {frame.name}"
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].name}"
+
+
 def _blockers(calls: list[tuple[str, str]]) -> str:
     seen: dict[str, int] = {}
     for op, where in calls:
@@ -219,7 +236,8 @@ class CapturedStep:
                 with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     self.out = self.step(self.static)
             except RuntimeError as e:
-                raise CaptureError(f"the step could not be captured as a CUDA graph: {e}") from e
+                where = _where_raised(e)
+                raise CaptureError(f"the step could not be captured as a CUDA graph (at {where}): {e}") from e
             self.graph = graph
             self.captures += 1
         self.graph.replay()

@@ -375,6 +375,23 @@ def test_graphs_with_a_curriculum_of_packed_documents(monkeypatch) -> None:
         assert drift < 1e-4, f"{name}: relative drift {drift:.3g} from the automatic loop"
 
 
+def test_capture_error_names_the_moelab_frame() -> None:
+    """A capture CUDA refuses is reported at the innermost moelab frame of its traceback (the piece to change)."""
+    from moelab.ops.varlen import check_cu_seqlens
+    from moelab.train.module import _where_raised
+
+    try:
+        check_cu_seqlens(torch.tensor([0, 5]), 2, 5)
+    except ValueError as e:
+        where = _where_raised(e)
+    assert where.startswith("moelab/ops/varlen.py:") and where.endswith(" check_cu_seqlens"), where
+    try:
+        int("x")
+    except ValueError as e:
+        assert _where_raised(e).endswith("test_capture_error_names_the_moelab_frame")  # no moelab frame: the last one
+    assert _where_raised(ValueError("never raised")) == "an unknown place"
+
+
 def test_compiled_graphs_wiring(monkeypatch) -> None:
     """train.compile='compiled_graphs' compiles the model and captures the step (manual optimization, as graphs),
     with the host-sync check left to the capture (a torch-function mode would recompile the compiled model)."""
