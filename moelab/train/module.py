@@ -203,6 +203,7 @@ class CapturedStep:
         if self.recapture and {k: v.shape for k, v in batch.items()} != {k: v.shape for k, v in self.static.items()}:
             # a new stage: the old graph (and the memory pool it holds) goes, the new shape warms up and is captured
             self.graph, self.out, self.calls = None, {}, 0
+            torch.cuda.empty_cache()  # the dropped graph's private pool goes back to the device, not to a cache
             self.static = {k: v.clone() for k, v in batch.items()}
             return
         for k, v in batch.items():
