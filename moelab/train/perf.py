@@ -355,7 +355,9 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
     Per row: median step time / tokens/s over rounds, the paired speed-up over eager (per round, median /
     min / max), host ms, MFU in both conventions, peak memory, setup seconds, every step's loss and the
     largest loss difference from eager. ``docs`` (first): gpu-small's 16K stage of study 4 (B 2 x T 16384)
-    eager, without documents, with packed documents through flex_attention, and through the dense mask.
+    eager, without documents, with packed documents through flex_attention, and through the dense mask; on a GPU
+    also captured (``graphs``) without documents and through flex_attention, the offsets padded to one shape
+    (``pad_cu_seqlens``); a masked row's ``speedup_vs_eager`` is over the unmasked arm of its own mode.
     A mode that fails is recorded with its error. Written to ``out`` after each part (atomic).
     ``device="cpu"`` with ``overrides`` (toy sizes) runs the same code without the GPU (tests; no memory,
     modes eager and default only). ``on_save(result)`` is called at each write too (``kernels/bench.py``'s
