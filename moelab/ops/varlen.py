@@ -61,7 +61,7 @@ def pad_cu_seqlens(cu_seqlens: torch.Tensor, capacity: int) -> torch.Tensor:
     n = cu_seqlens.numel() - 1
     if cu_seqlens.dim() != 1 or n < 1:
         raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 1, got shape {tuple(cu_seqlens.shape)}")
-    if not 1 <= n <= capacity:
+    if n > capacity:
         raise ValueError(f"pad_cu_seqlens: {n} documents do not fit capacity={capacity}: expected N <= capacity "
                          f"(raise the capacity)")
     return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(capacity - n)])

@@ -133,19 +133,13 @@ class CaptureError(RuntimeError):
 
 def _where_raised(exc: BaseException) -> str:
     """The innermost moelab frame of ``exc``'s traceback (``moelab/ops/moe.py:543 experts_grouped``): the piece whose
-    op CUDA refused to capture; the innermost frame of any file when no moelab frame is in it."""
+    op CUDA refused to capture (``moelab.train.perf.moelab_site``)."""
     import traceback
-    from pathlib import Path
+
+    from moelab.train.perf import moelab_site
 
     frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return "an unknown place"
-    package = Path(__file__).resolve().parent.parent
-    for frame in reversed(frames):
-        path = Path(frame.filename).resolve()
-        if package in path.parents:
-            return f"{path.relative_to(package.parent).as_posix()}:{frame.lineno} {frame.name}"
-    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].name}"
+    return moelab_site(frames) if frames else "an unknown place"
 
 
 def _blockers(calls: list[tuple[str, str]]) -> str:

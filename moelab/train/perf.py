@@ -149,8 +149,14 @@ def _moelab_frame() -> str:
     import traceback
 
     here = Path(__file__).resolve()
-    package = here.parent.parent
-    frames = [f for f in traceback.extract_stack() if Path(f.filename).resolve() != here]
+    return moelab_site([f for f in traceback.extract_stack() if Path(f.filename).resolve() != here])
+
+
+def moelab_site(frames: list[Any]) -> str:
+    """The innermost of ``frames`` (``traceback.FrameSummary``, outermost first) inside the moelab package, as
+    ``moelab/ops/moe.py:543 experts_grouped``; without one, the innermost frame, its path shortened (from ``torch``
+    on, else its last two parts). Where a host sync (:class:`HostSyncs`) or a refused capture happened."""
+    package = Path(__file__).resolve().parent.parent
     for frame in reversed(frames):
         path = Path(frame.filename).resolve()
         if package in path.parents:
