@@ -400,6 +400,14 @@ def check_device(cfg: RunConfig) -> None:
         raise ConfigError(f"train.accelerator={cfg.train.accelerator!r} is not allowed here: no CUDA device is "
                           f"visible; use train.accelerator=auto or cpu")
     on_cuda = cuda and cfg.train.accelerator != "cpu"
+    if on_cuda and cfg.train.compile in CAPTURED_MODES and resolve_precision(cfg) == "32-true" \
+            and cfg.model.n_layers > cfg.model.dense_layers:
+        # torch's fp32 grouped GEMM has no sm90 kernel: its fallback reads the expert offsets on the host, which a
+        # CUDA graph cannot hold (the capture would fail at moelab/ops/moe.py experts_grouped)
+        raise ConfigError(f"train.precision={cfg.train.precision!r} (fp32 on this GPU) is not allowed with "
+                          f"train.compile={cfg.train.compile!r} and MoE layers: fp32 expert GEMMs read their offsets "
+                          f"on the host, which a CUDA graph cannot capture; use train.precision='bf16-mixed' or "
+                          f"train.compile='none' / 'default'")
     # The Triton interpreter (TRITON_INTERPRET=1, what the tests use) runs the kernels on the CPU.
     if on_cuda or os.environ.get("TRITON_INTERPRET") == "1" or "kda" not in cfg.model.layer_types():
         return

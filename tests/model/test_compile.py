@@ -457,3 +457,20 @@ def test_graphs_trains_as_the_automatic_loop_gpu(mode: str) -> None:
         assert drift < 0.1, f"{name}: relative drift {drift:.3g} from the eager run (bf16 noise is < 0.05)"
     cb = next(c for c in t_graphs.callbacks if isinstance(c, BalancerCallback))
     assert cb.steps == list(range(1, 13))
+
+
+def test_fp32_captured_moe_is_refused_up_front(monkeypatch) -> None:
+    """fp32 expert GEMMs on a GPU read their offsets on the host, which a CUDA graph cannot hold: the run is
+    refused before it starts, naming the precision, the mode and what to use; bf16, eager and dense models pass."""
+    from moelab.train import runner
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = load_config("tiny", {"train.compile": "graphs", "train.precision": "32-true"})
+    with pytest.raises(ConfigError, match=r"train.precision='32-true' \(fp32 on this GPU\) is not allowed with "
+                                          r"train.compile='graphs' and MoE layers: .*use train.precision='bf16-mixed'"):
+        runner.check_device(cfg)
+    runner.check_device(load_config("tiny", {"train.compile": "graphs"}))  # auto: bf16-mixed on a GPU
+    runner.check_device(load_config("tiny", {"train.compile": "none", "train.precision": "32-true"}))
+    dense = load_config("tiny", {"train.compile": "compiled_graphs", "train.precision": "32-true"})
+    dense.model.dense_layers = dense.model.n_layers
+    runner.check_device(dense)
