@@ -18,8 +18,7 @@ group timed in ``--rounds`` interleaved rounds: tokens/s, MFU, host ms, peak mem
 Timing (:func:`time_ms`): CUDA events around back-to-back calls, after warm-up; the median over rounds.
 Provenance: ``moelab/provenance.py`` (the same block the study harness writes). ``--base REV`` checks REV
 out in a temporary ``git worktree``, runs the same entry there (this file, that tree's moelab), then here,
-and prints both side by side: speedup = base time / this time (> 1: this tree is faster).
-"""
+and prints both side by side: speedup = base time / this time (> 1: this tree is faster)."""
 
 from __future__ import annotations
 
@@ -922,6 +921,7 @@ class Runner:
         self.opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=self.cuda or None)
         self.x = torch.randint(0, vocab, (B, T), device=device)  # [B, T] token ids
         self.held_bytes: int | None = None  # what this model keeps allocated between its steps
+        self.setup_peak = 0  # a captured step's: its warm-up's peak (the graph's pool holds its tensors after)
 
     def step(self, spans: list | None = None) -> torch.Tensor:
         """One training step (as ``BalancerCallback``: the balancer after the backward, before the optimizer)."""
@@ -982,7 +982,8 @@ class Runner:
         host = time.perf_counter() - t1
         self.sync()
         out = {"step_ms": dt * 1e3, "tok_per_s": self.tokens / dt, "host_ms": host * 1e3,
-               "peak_mem_gb": (torch.cuda.max_memory_allocated() - others) / 2**30 if self.cuda else None,
+               "peak_mem_gb": max(self.setup_peak, torch.cuda.max_memory_allocated() - others) / 2**30 if self.cuda
+               else None,
                "loss": float(loss.detach())}
         if self.balance:
             ms = [a.elapsed_time(b) for a, b in spans] if self.cuda else [1e3 * t for t in spans]
@@ -1207,12 +1208,15 @@ def run_group(group: str, ctx: Ctx, warmup: int, steps: int, record: Callable[[l
     warm_s: list[float] = []
     for impl, over in (s for s in specs if not ctx.impls or s[0] in ctx.impls):  # --impls: these rows only
         before = torch.cuda.memory_allocated() if ctx.cuda else 0
+        torch.cuda.reset_peak_memory_stats() if ctx.cuda else None
         b = build_fla() if impl == "fla_kda" else build_moelab(impl, preset, {**smoke, **over}, ctx.dev)
         if b is None:
             continue
         t = b.runner.warm(warmup)
         b.row.setdefault("setup_s", {})["warmup"] = t
         b.runner.held_bytes = (torch.cuda.memory_allocated() if ctx.cuda else 0) - before
+        if ctx.cuda and b.row.get("train.compile") in ("graphs", "compiled_graphs"):  # replays allocate nothing
+            b.runner.setup_peak = torch.cuda.max_memory_allocated() - before
         built.append(b)
         warm_s.append(b.runner.warm(1))  # a step after the warm-up's compiling and autotuning: the round estimate
         _progress(f"set up {impl}: {b.row['setup_s']}")

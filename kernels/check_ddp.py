@@ -86,8 +86,7 @@ def build_config(preset: str, devices: int, steps: int, workdir: Path, smoke: bo
     One validation (the last step), no MLflow, checkpoints in ``workdir/run``. ``smoke``: CPU ranks
     and the toy sizes of ``SMOKE_TOY``. ``seq_len`` / ``batch_size`` (per rank) replace
     the size, ``extra`` (``["key=value", ...]``) is applied last. The preset's warmup is cut to
-    ``steps`` when longer. Raises ConfigError naming the field.
-    """
+    ``steps`` when longer. Raises ConfigError naming the field."""
     base = load_config(preset)
     over: dict[str, Any] = {**SMOKE_TOY, "data.num_workers": 0} if smoke else dict(GPU_SIZE)
     if seq_len is not None:
@@ -106,8 +105,7 @@ def build_config(preset: str, devices: int, steps: int, workdir: Path, smoke: bo
 def run_worker(workdir: Path, timeout_s: float) -> tuple[int | None, float]:
     """Train in a subprocess (``--worker``): ``(exit code or None on timeout, wall seconds)``.
 
-    Its own session, so a timeout ends rank 0 and the ranks Lightning started from it together.
-    """
+    Its own session, so a timeout ends rank 0 and the ranks Lightning started from it together."""
     env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     # Two ranks gain nothing from NVLink multicast, and shared GPU hosts keep it off.

@@ -40,8 +40,7 @@ H200 search in results/fla_autotune_h200.tgz), each config compiled, which took 
 bench_kda.py's first shape. So by default every fla autotuner here keeps only the first config its
 own pruning leaves (``pin_autotuners``): one compilation per kernel and key. A config sets fla's
 tiling and launch, so fla's errors change at most by fp32 summation order; ``--fla-full-autotune``
-restores the search. The JSON records which was used (``meta.fla_autotune``).
-"""
+restores the search. The JSON records which was used (``meta.fla_autotune``)."""
 
 from __future__ import annotations
 
@@ -169,8 +168,7 @@ def recurrent_reference(q, k, v, g, beta, s0, do, dS, scale=None):
     """fp32 outputs and gradients of loss = <o, do> + <S_T, dS> by the token recurrence.
 
     Forward ``S_t = (I - b_t k_t k_t^T) Diag(e^{g_t}) S_{t-1} + b_t k_t v_t^T``, ``o_t = scale S_t^T q_t``;
-    backward walks t = T..1 with the stored states. Returns [o, S_T, dq, dk, dv, dg, dbeta(, dh0)].
-    """
+    backward walks t = T..1 with the stored states. Returns [o, S_T, dq, dk, dv, dg, dbeta(, dh0)]."""
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     B, T, H, K = q.shape
     V = v.shape[-1]

@@ -45,10 +45,12 @@ ACTIVATIONS = (None, "silu")
 # 3.9, `aot_kda.py --conv`) to 255 registers and up to 3.3 KB of spill loads a thread with document positions and
 # SiLU (0.8 KB without positions), yet timed fastest; 32 x 64 spills at most 104 B and took 6% longer (0.697 ms).
 LAUNCH = {"fwd": (16, 128, 4), "bwd": (64, 64, 4)}
-# the one-pass 4-tap backward (``_conv_bwd_slide_kernel``): (rows, channels, warps, stages of its row loop). Not the
-# default until timed (``kernels/bench.py --entry conv``: rows ``bwd_slide_*``); BWD_SLIDE True runs it at W 4.
-SLIDE_LAUNCH = (64, 256, 1, 3)
-BWD_SLIDE = False
+# the one-pass 4-tap backward (``_conv_bwd_slide_kernel``): (rows, channels, warps, stages of its row loop); BWD_SLIDE
+# runs it at W 4 (the default). Two H100 runs of the conv bench (kernels/results/conv_h100.json, rows ``bwd_slide_*``):
+# 128 x 256 on 1 warp, 3 stages the fastest launch at B1 T32768 C1536 in their geometric mean, 0.27 ms fwd+bwd against
+# the tile kernel's 0.68 (64 x 64, 4 warps), with the same bf16 errors; its GPU test passed on the H100.
+SLIDE_LAUNCH = (128, 256, 1, 3)
+BWD_SLIDE = True
 # 4 taps (KDA's ShortConv): True, the backward loads each of the 7 distinct x tiles once (``_conv_bwd4_kernel``),
 # not 16 shifted ones (same file: 3-5% under the generic kernel at the same launch).
 BWD_TAPS4 = True

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -266,26 +267,43 @@ def _docs16k() -> Row | None:
                "; ".join(parts), [f], (f, None), (run["meta"].get("commit") or "")[:7] or None)
 
 
+def conv_geomeans(d: dict) -> dict[str, dict[str, dict]]:
+    """``{shape: {impl: row}}`` of a conv bench file (kernels/results/conv_h100.json): each row of its latest run
+    with ``fwd_bwd_ms`` the geometric mean over that run and its ``earlier_runs`` that timed the same impl and shape
+    (``runs``: how many)."""
+    runs = [d["rows"], *(r["rows"] for r in d.get("earlier_runs", []))]
+    out: dict[str, dict[str, dict]] = {}
+    for r in d["rows"]:
+        ms = [x["fwd_bwd_ms"] for rows in runs for x in rows if (x["shape"], x["impl"]) == (r["shape"], r["impl"])]
+        out.setdefault(r["shape"], {})[r["impl"]] = {**r, "fwd_bwd_ms": math.prod(ms) ** (1 / len(ms)),
+                                                     "runs": len(ms)}
+    return out
+
+
 def _conv() -> Row | None:
-    """ShortConv: the default launch (``short_conv.LAUNCH``, ``BWD_TAPS4``) against ``F.conv1d`` and the launch
-    before it, per shape of the conv bench."""
+    """ShortConv: the default backward (``short_conv.bwd_row_name()``) against ``F.conv1d`` and the tile kernel's
+    launch before it, per shape of the conv bench, geometric means over its committed runs."""
     from moelab.ops import short_conv
 
     f = "kernels/results/conv_h100.json"
     d = _load(f)
     parts = []
-    for shape in dict.fromkeys(r["shape"] for r in d["rows"]):
-        by = {r["impl"]: r for r in d["rows"] if r["shape"] == shape}
+    for by in conv_geomeans(d).values():
         ours, torch_ = by[short_conv.bwd_row_name()], by["torch_conv1d"]
-        before = by[short_conv.bwd_row_name((16, 128, 8), False, False)]  # the default until the bench ran
+        before = by[short_conv.bwd_row_name((64, 64, 4), True, False)]  # the default before the one-pass kernel
         parts.append(f"B{ours['B']} T{ours['T']} C{ours['C']}: {ours['fwd_bwd_ms']:.2f} ms vs F.conv1d "
-                     f"{torch_['fwd_bwd_ms']:.2f} ({torch_['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.1f}x) and the launch "
-                     f"before {before['fwd_bwd_ms']:.2f} ({before['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.1f}x), error "
+                     f"{torch_['fwd_bwd_ms']:.2f} ({torch_['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.1f}x) and the tile "
+                     f"kernel {before['fwd_bwd_ms']:.2f} ({before['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.1f}x), error "
                      f"{max(ours['err_dx'], ours['err_dw']):.1e}")
-    bt, bc, warps = short_conv.LAUNCH["bwd"]
-    return Row(f"ShortConv (4 taps, SiLU) fwd+bwd, bf16, the default launch (backward {bt} x {bc} on {warps} warps, "
-               f"{'4-tap' if short_conv.BWD_TAPS4 else 'generic'} kernel; `bench.py --entry conv`, "
-               f"{d['meta']['gpu'].removeprefix('NVIDIA ')})", "; ".join(parts),
+    n = 1 + len(d.get("earlier_runs", []))
+    if short_conv.BWD_SLIDE:
+        bt, bc, warps, stages = short_conv.SLIDE_LAUNCH
+        what = f"the one-pass kernel, {bt} x {bc} on {warps} warp{'s' * (warps > 1)}, {stages} stages"
+    else:
+        bt, bc, warps = short_conv.LAUNCH["bwd"]
+        what = f"{bt} x {bc} on {warps} warps, {'4-tap' if short_conv.BWD_TAPS4 else 'generic'} kernel"
+    return Row(f"ShortConv (4 taps, SiLU) fwd+bwd, bf16, the default backward ({what}; `bench.py --entry conv`, "
+               f"{d['meta']['gpu'].removeprefix('NVIDIA ')}, geometric mean of {n} runs)", "; ".join(parts),
                [f], (f, None), d["meta"].get("commit", "")[:7] or None)
 
 
@@ -388,16 +406,23 @@ def _fla_shape() -> Row:
     m, fla = _row(rows, "moelab_fla_shape"), _row(rows, "fla_kda")
     g = next((r for r in rows if r["impl"] == "moelab_fla_shape_graphs" and r.get("commit") == m.get("commit")), None)
     what = (f"fla-anchor-shaped model (all-KDA, {m['params'] / 1e6:.0f}M params, B={m['B']}, T={m['T']}, bf16, "
-            "`bench.py --entry model --shapes fla`), moelab and fla's `KDAForCausalLM` in the same run"
+            "`bench.py --entry model --shapes fla`), moelab and fla's `KDAForCausalLM` in the same run (H200; the "
+            "H100's run its last figure), MFU in the anchor convention"
             + ("; target for the captured step (train.compile graphs) >= 1.3x fla's tokens/s" if g else ""))
-    result = (f"moelab {_k(m['tok_per_s'])} tokens/s, {m['mfu']:.1%} MFU (anchor convention), "
-              f"{m['peak_mem_gb']:.1f} GB peak; fla {_k(fla['tok_per_s'])} tokens/s, {fla['mfu']:.1%}, "
+    result = (f"moelab {_k(m['tok_per_s'])} tokens/s, {m['mfu']:.1%} MFU (anchor), "
+              f"{m['peak_mem_gb']:.1f} GB peak; fla {_k(fla['tok_per_s'])}, {fla['mfu']:.1%}, "
               f"{fla['peak_mem_gb']:.1f} GB: **{m['tok_per_s'] / fla['tok_per_s']:.2f}x fla's tokens/s**")
     if g:  # paired per round against fla's model
         x = g["ratio_vs_fla"]
-        result += (f"; captured {_k(g['tok_per_s'])} tokens/s (host {g['host_ms']:.1f} vs eager {m['host_ms']:.0f} "
-                   f"ms), **{x['median']:.3f}x** fla ({x['min']:.3f}-{x['max']:.3f} in {len(x['ratios'])} paired "
+        result += (f"; captured {_k(g['tok_per_s'])} (host {g['host_ms']:.1f} vs {m['host_ms']:.0f} "
+                   f"ms), **{x['median']:.3f}x** fla ({x['min']:.3f}-{x['max']:.3f}, {len(x['ratios'])} paired "
                    f"rounds): {x['verdict']}")
+    for run in _load(f).get("other_gpus", {}).values():  # the same pairing on another GPU
+        for r in (r for r in run["rows"] if "ratio_vs_fla" in r):
+            x = r["ratio_vs_fla"]
+            result += (f"; {run['meta']['gpu'].removeprefix('NVIDIA ').split()[0]}, captured with the Triton norm and "
+                       f"loss: **{x['median']:.3f}x** ({x['min']:.3f}-{x['max']:.3f}, {len(x['ratios'])} rounds): "
+                       f"{x['verdict']}")
     return Row(what, result, [f], (f, _needle(m["tok_per_s"])), _rows_commit([m, g, fla]) if g else None)
 
 
