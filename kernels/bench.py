@@ -1265,8 +1265,9 @@ def run_model(ctx: Ctx) -> dict[str, Any]:
         try:
             run_group(group, ctx, warmup, steps, record)
         except torch.cuda.OutOfMemoryError as exc:
-            raise SystemExit(f"entry model, shape {group}: all its configs stay on the GPU at once and ran out of "
-                             f"memory: {exc}") from None
+            held = ", ".join(impl for impl, _ in MODEL_GROUPS[group][1] if not ctx.impls or impl in ctx.impls)
+            raise SystemExit(f"entry model, shape {group}: its configs ({held}) stay on the GPU at once and ran out "
+                             f"of memory; time fewer with --impls (a captured one keeps its pool): {exc}") from None
         ctx.free()
     for row in rows:
         extra = "".join(f"  {k} {row[k]['median']:.3f} ({row[k]['min']:.3f}-{row[k]['max']:.3f})"

@@ -22,8 +22,7 @@ predicts and are recorded, not fatal. Timing: ``triton.testing.do_bench`` median
 the no-grad forward at B8 T4096, B1 T32768 and B2 T65536 (H16 D128), with cudnn / triton and cudnn /
 fla ratios, each at two gate inputs (:data:`GATES`: fla's benchmark draw with fast decays, and the decays a moelab
 KDA layer starts from, 10- to 1000-token memories), since a kernel's speed may depend on how fast the state decays.
-A backend that is not installed gets its reason in the row instead of numbers.
-"""
+A backend that is not installed gets its reason in the row instead of numbers."""
 
 from __future__ import annotations
 

@@ -237,6 +237,20 @@ def test_model_smoke_rows_as_the_readme_reads_them(tmp_path):
     assert all(len(r["commit"]) == 40 and r["command"].endswith(str(out)) for r in rows.values())
 
 
+def test_model_group_out_of_memory_names_its_configs_and_the_way_out(bench, monkeypatch):
+    """A model group whose configs do not fit the GPU together stops with one line naming them and --impls."""
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+    monkeypatch.setattr(bench, "run_group", oom)
+    ctx = bench.Ctx(["fla"], True, 2, None, lambda rows: None,
+                    impls=("moelab_fla_shape_graphs", "moelab_fla_shape_graphs_fast", "fla_kda"))
+    with pytest.raises(SystemExit, match=r"entry model, shape fla: its configs \(moelab_fla_shape_graphs, "
+                                         r"moelab_fla_shape_graphs_fast, fla_kda\) stay on the GPU at once and ran out "
+                                         r"of memory; time fewer with --impls .*Tried to allocate 64.00 MiB"):
+        bench.run_model(ctx)
+
+
 def test_kernels_folder_is_small_and_results_are_a_ledger():
     """Issue 35: kernels/ holds at most 6 Python files of at most 3,000 lines, each run by a make target;
     kernels/results/ at most 20 files, no history/, no console logs, no autotune caches."""
