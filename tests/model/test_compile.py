@@ -474,3 +474,18 @@ def test_fp32_captured_moe_is_refused_up_front(monkeypatch) -> None:
     dense = load_config("tiny", {"train.compile": "compiled_graphs", "train.precision": "32-true"})
     dense.model.dense_layers = dense.model.n_layers
     runner.check_device(dense)
+
+
+def test_default_compile_takes_a_curriculum_of_lengths() -> None:
+    """train.compile='default' under a context curriculum: every new sequence length recompiles the model's frames
+    (dynamo marks the length dynamic from the second), within the limit compile_model sets, so the stages train on
+    (and a return to an earlier length reuses what was compiled) instead of raising."""
+    lit = tiny_lit()
+    compile_model(lit.model, "default", torch.device("cpu"), backend="eager")
+    opt = torch.optim.AdamW(lit.parameters(), lr=1e-3)
+    step = train_step_fn(lit.model, opt, lit.cfg.train.grad_clip, None)
+    torch._dynamo.reset()
+    lengths = (16, 32, 64, 32, 128)
+    assert max(lengths) <= lit.cfg.model.max_seq_len
+    losses = [float(step(batches(lit.cfg.model.vocab_size, 1, T=T)[0])["loss"]) for T in lengths]
+    assert all(torch.isfinite(torch.tensor(losses)))
