@@ -9,8 +9,7 @@ treat it as directional and time on the GPU).
     python kernels/aot_kda.py --only dqkg wy --cfg dqkg=64,4,1
     python kernels/aot_kda.py --infer --maxnreg 128  # the inference forward's kernels (triton_infer) at their
                                                      # launches, then at a register cap
-    python kernels/aot_kda.py --conv --cfg bwd=64,128,4  # the ShortConv kernels (rows, channels, warps[, stages])
-"""
+    python kernels/aot_kda.py --conv --cfg bwd=64,128,4  # the ShortConv kernels (rows, channels, warps[, stages])"""
 
 from __future__ import annotations
 
@@ -110,6 +109,7 @@ def main() -> int:
         return conv_main(cfgs)
     base = dict(H=16, K=args.K, V=args.K, C=64)
     bf = dict(DOT_BF16=True, IEEE=False)
+    st = dict(base, HAS_H0=True, STORE_HT=True, VARLEN=False, **bf)  # the state kernel's
     # (kernel, constexprs as the op launches them for bf16 inputs, block parameter, mode: the gate's, or "out" for
     # the state kernel forming the output itself); kktr reads
     # the prep's G (fp32) in bounded mode and forms G itself in general mode
@@ -118,10 +118,9 @@ def main() -> int:
                  for m in (True, False)],
         "merge": [(F._kda_fwd_merge, dict(base, BC=16), None, None)],
         "wu": [(F._kda_fwd_wu, dict(base, BV=64, IEEE=False), "BK", None)],
-        "state": [(F._kda_fwd_state, dict(base, HAS_H0=True, STORE_HT=True, VARLEN=False, OUT=out, **bf), "BV",
-                   "out" if out else None) for out in (False, True)],
-        "state_small": [(F._kda_fwd_state, dict(base, HAS_H0=True, STORE_HT=True, VARLEN=False, OUT=out, **bf), "BV",
-                         "out" if out else None) for out in (False, True)],
+        "state": [(F._kda_fwd_state, dict(st, OUT=out, STORE=not out), "BV", "out" if out else None) for out in (0, 1)],
+        "state_small": [(F._kda_fwd_state, dict(st, OUT=out, STORE=not out), "BV", "out" if out else None)
+                        for out in (0, 1)],
         "out": [(F._kda_fwd_out, dict(base, **bf), "BV", None)],
         "dh": [(B._kda_bwd_dh, dict(base, HAS_DHT=True, STORE_DH0=True, VARLEN=False, **bf), "BV", None)],
         "wy": [(B._kda_bwd_wy, dict(base, BV=64, **bf), "BK", None)],

@@ -72,13 +72,13 @@ def _reference(x: dict, gate: str, prep: bool) -> tuple[torch.Tensor, torch.Tens
     return o, S, _grads(x, o, S)
 
 
-@pytest.mark.parametrize("variant", [{}, {name: choices[-1] for name, choices in VARIANTS.items()}],
-                         ids=["default", "other-variants"])
+@pytest.mark.parametrize("variant", [{}, {name: choices[-1] for name, choices in VARIANTS.items()}, {"states": "kept"}],
+                         ids=["default", "other-variants", "states-kept"])
 @pytest.mark.parametrize(("gate", "mode", "prep"), CASES)
 def test_packed_training_op_equals_separate_documents(gate: str, mode: str, prep: bool, variant: dict) -> None:
     """The op's default kernels, and the other choice of every switch of ``triton_chunk.VARIANTS`` at once (the
-    inference forward in bounded mode, the backward's chains one after the other): the chunks of a packed row hold
-    pieces of several documents, and padded slots between them."""
+    inference forward in bounded mode, the backward's chains one after the other), and the training forward keeping its
+    chunk states: the chunks of a packed row hold pieces of several documents, and padded slots between them."""
     x = _inputs(gate)
     ref_o, ref_S, ref_g = _reference(x, gate, prep)
     cu = torch.tensor([0, *LENS], dtype=torch.int32).cumsum(0, dtype=torch.int32)

@@ -511,6 +511,29 @@ def test_fused_output_equals_the_output_kernels(mode, grid, dtype, monkeypatch):
     _compare(_reference(ins, s0, do, dS), runs["fused"], dtype)
 
 
+@pytest.mark.parametrize(("mode", "out", "dtype"), [("bounded", "fused", torch.float32),
+                                                     ("general", "split", torch.float16)])
+def test_kept_states_equal_the_recompute(mode, out, dtype):
+    """``VARIANTS["states"] = "kept"``: the forward's state kernel stores the chunk states and corrected values (with
+    the fused output too) and the backward skips its recompute; the recompute forms the same numbers from the same
+    inputs, so the output, the final state and every gradient come out bit for bit, with and without an initial
+    state, and match the fp32 recurrence."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    ins, s0, do, dS = _inputs(2, 40, 1, 16, 16, dtype, seed=7)
+    kept = None  # with the initial state
+    for h0 in (s0, None):
+        runs = {}
+        for states in ("rerun", "kept"):
+            with tc.launch_overrides(out=out, states=states):
+                runs[states] = _run(chunk, ins, h0, do, dS, mode=mode, chunk_size=16)  # three chunks
+        (o_r, S_r, g_r), (o_k, S_k, g_k) = runs["rerun"], runs["kept"]
+        assert torch.equal(o_r, o_k) and torch.equal(S_r, S_k)
+        assert len(g_r) == len(g_k) and all(torch.equal(a, b) for a, b in zip(g_r, g_k))
+        kept = kept or runs["kept"]
+    _compare(_reference(ins, s0, do, dS), kept, dtype)
+
+
 def test_small_grid_takes_its_state_launch(monkeypatch):
     """The sequential state kernel takes its ``state_small`` launch entry when ``B * H * V / 32 <= SMALL_GRID``
     and the regular one above (the state-gradient kernel its one entry at every grid); the results are the same."""

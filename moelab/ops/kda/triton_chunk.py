@@ -116,8 +116,13 @@ SMALL_GRID = 128
 #   between the forward and the backward) or "kept" (the forward keeps the prep's padded q, k, v, G (fp32), beta and h0:
 #   ~1 KB more per token and head at D128 in bf16, one prep pass less in the backward; on an H100 the rerun's
 #   _prep_fwd_chunk took 0.32 ms of 7.63 at B8 T4096 H16, kernels/results/kda_sweep_h200.json, kernel_split_h100).
+# * states: the chunk states (``hbuf``) and corrected values (``U``) of the forward's state kernel: "rerun" (the
+#   backward's state recompute forms them again) or "kept" (the forward stores them, with the fused output too, and
+#   the backward skips the recompute: ~0.75 KB more per token and head at D128 in bf16 kept between the two; on an
+#   H100 the recompute's _kda_fwd_state took 0.42 of 7.63 ms at B8 T4096 H16, kernel_split_h100 as above).
 VARIANTS: dict[str, tuple[str, ...]] = {"chains": ("concurrent", "serial"), "forward": ("train", "infer"),
-                                        "out": ("fused", "split"), "prep": ("rerun", "kept")}
+                                        "out": ("fused", "split"), "prep": ("rerun", "kept"),
+                                        "states": ("rerun", "kept")}
 VARIANT: dict[str, str] = {name: choices[0] for name, choices in VARIANTS.items()}  # what the op runs now
 
 
@@ -279,11 +284,11 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, g_min, pack, o=None):
+def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, g_min, pack, o=None, keep=False):
     """Intra-chunk and state kernels on padded inputs; returns the intermediates. ``o``: the state kernel
-    writes the output there itself (``VARIANTS["out"]`` "fused") and keeps no chunk states."""
+    writes the output there itself (``VARIANTS["out"]`` "fused") and stores the chunk states only with ``keep``."""
     inter = _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min)
-    inter.update(_state_pass(inter, h0, output_final_state, q.dtype, C, pack, o=o))
+    inter.update(_state_pass(inter, h0, output_final_state, q.dtype, C, pack, o=o, keep=keep))
     return inter
 
 
@@ -320,12 +325,13 @@ def _intra_pass(q, k, v, g, beta, scale, bounded, C, g_min):
     return dict(Gbuf=Gbuf, Abuf=Abuf, Aqk=Aqk, w=w, u=u, qg=qg, kd=kd, gl=gl)
 
 
-def _state_pass(inter, h0, output_final_state, dtype, C, pack, stream=None, o=None):
+def _state_pass(inter, h0, output_final_state, dtype, C, pack, stream=None, o=None, keep=False):
     """The state kernel: chunk states ``hbuf`` ``[B, NT, H, K, V]``, ``U``, optional final state
     ``[N, H, K, V]`` (N = B, or the documents of ``pack``: one program per document and head).
     ``stream``: a CUDA stream to launch on, after what the current stream has issued so far (the
     outputs are allocated on the current stream, which must wait for ``stream`` before reading them).
-    ``o`` ``[B, T, H, V]``: the kernel writes the output there instead of ``hbuf`` and ``U`` (None then)."""
+    ``o`` ``[B, T, H, V]``: the kernel writes the output there instead of ``hbuf`` and ``U`` (None then), and both
+    with ``keep`` (the forward keeping the chunk states for the backward: ``VARIANTS["states"]``)."""
     kd, w, u = inter["kd"], inter["w"], inter["u"]
     B, T, H, K = kd.shape
     V = u.shape[-1]
@@ -333,7 +339,8 @@ def _state_pass(inter, h0, output_final_state, dtype, C, pack, stream=None, o=No
     N = B if pack is None else pack.N
     dev = kd.device
     wd = _work_dtype(dtype)
-    if o is None:
+    store = o is None or keep
+    if store:
         # packed: the slots past the last document are never written here but read (and discarded) by
         # the per-chunk kernels; zeros keep those discarded rows finite
         hbuf = (torch.empty if pack is None else torch.zeros)(B, NT, H, K, V, device=dev, dtype=wd)
@@ -349,9 +356,9 @@ def _state_pass(inter, h0, output_final_state, dtype, C, pack, stream=None, o=No
             kd, inter["gl"], w, u, h0 if h0 is not None else U, hbuf, U, hT if hT is not None else U,
             pack.coff if pack is not None else U, *((inter["qg"], inter["Aqk"], o) if o is not None else (U,) * 3),
             T, N * H, H=H, K=K, V=V, C=C, HAS_H0=h0 is not None, STORE_HT=hT is not None,
-            DOT_BF16=_dot_bf16(dtype), IEEE=_ieee(dtype), VARLEN=pack is not None, OUT=o is not None,
+            DOT_BF16=_dot_bf16(dtype), IEEE=_ieee(dtype), VARLEN=pack is not None, OUT=o is not None, STORE=store,
         )
-    return dict(hT=hT) if o is not None else dict(hbuf=hbuf, U=U, hT=hT)
+    return dict(hbuf=hbuf, U=U, hT=hT) if store else dict(hT=hT)
 
 
 # what the forward keeps for the backward besides the raw inputs; the backward reruns the prep and
@@ -503,8 +510,11 @@ def _chains(inter, h0, do, dht, dtype, C, pack):
     ``inter``) and the state gradient (``_dh_pass``, returned). Neither reads the other, so with
     ``VARIANT["chains"] == "concurrent"`` on a GPU the recompute runs on a side stream while the state gradient runs
     on the current one (each chain has only ``N * H * V / BV`` programs, too few to fill the GPU at
-    small batch); ``"serial"`` runs one after the other."""
+    small batch); ``"serial"`` runs one after the other. Chunk states the forward kept (``VARIANTS["states"]``, in
+    ``inter`` already) leave only the state gradient."""
     dev = inter["kd"].device
+    if "hbuf" in inter:
+        return _dh_pass(inter, do, dht, h0 is not None, dtype, C, pack)
     if VARIANT["chains"] == "serial" or dev.type != "cuda":
         inter.update(_state_pass(inter, h0, False, dtype, C, pack))
         return _dh_pass(inter, do, dht, h0 is not None, dtype, C, pack)
@@ -572,8 +582,9 @@ class ChunkKDAFunction(torch.autograd.Function):
         Tp, Kp, Vp = qp.shape[1], qp.shape[3], vp.shape[3]
         o = torch.empty_like(vp)
         fused = VARIANT["out"] == "fused"
+        ctx.states = VARIANT["states"] == "kept"
         inter = _forward(qp, kp, vp, gp, bp, scale, h0p, output_final_state, bounded, C, g_min, pack,
-                         o=o if fused else None)
+                         o=o if fused else None, keep=ctx.states)
         if not fused:
             _out(
                 (Tp // C, B * H), inter["qg"], inter["Aqk"], inter["hbuf"], inter["U"], o, Tp, B * H,
@@ -583,6 +594,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         # backward redoes the prep and the padding)
         ctx.kept = VARIANT["prep"] == "kept"
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, *(inter[key] for key in _INTRA_KEYS),
+                              *((inter["hbuf"], inter["U"]) if ctx.states else ()),
                               *((qp, kp, vp, gp, bp, h0p) if ctx.kept else ()))
         hT = inter["hT"]
         if pack is not None:
@@ -600,6 +612,10 @@ class ChunkKDAFunction(torch.autograd.Function):
         scale, bounded, C, prep, pack = ctx.scale, ctx.bounded, ctx.chunk_size, ctx.prep, ctx.pack
         B, T0, H, K0 = q_raw.shape
         V0 = v_raw.shape[-1]
+        states = {}
+        if not ctx.recompute and ctx.states:  # the chunk states the forward kept: no recompute below
+            states = dict(zip(("hbuf", "U"), saved[len(_INTRA_KEYS):len(_INTRA_KEYS) + 2]))
+            saved = saved[:len(_INTRA_KEYS)] + saved[len(_INTRA_KEYS) + 2:]
         if not ctx.recompute and ctx.kept:
             q, k, v, gp, beta, h0 = saved[len(_INTRA_KEYS):]
             saved = saved[:len(_INTRA_KEYS)]
@@ -613,7 +629,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             dht = _pad(dht, {2: K, 3: V}).contiguous()
         # the intra-chunk intermediates: kept by the forward, or recomputed (the "infer" forward)
         inter = (_intra_pass(q, k, v, gp, beta, scale, bounded, C, ctx.g_min) if ctx.recompute
-                 else dict(zip(_INTRA_KEYS, saved)))
+                 else dict(zip(_INTRA_KEYS, saved), **states))
         # G for the gradient kernels: bounded mode's prep just wrote it, general mode's kktr kept it
         G = gp if bounded else inter["Gbuf"]
         del gp

@@ -38,11 +38,12 @@ def _kda_fwd_state(
     T, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
-    VARLEN: tl.constexpr, OUT: tl.constexpr,
+    VARLEN: tl.constexpr, OUT: tl.constexpr, STORE: tl.constexpr,
 ):
     """OUT: also the output of each chunk, ``o = qg h_c + A_qk U`` as ``_kda_fwd_out`` forms it (the same
-    operands, rounded alike), in place of storing ``h_c`` and ``U`` for it (the training forward keeps
-    neither: the backward recomputes them)."""
+    operands, rounded alike). STORE: store ``h_c`` and ``U`` (``_kda_fwd_out`` reads them without OUT; with OUT
+    the training forward keeps them for the backward only where ``VARIANTS["states"]`` says so, else the backward
+    recomputes them)."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -78,7 +79,7 @@ def _kda_fwd_state(
     else:
         h = tl.zeros([K, BV], dtype=tl.float32)
     for _ in range(NT):
-        if not OUT:
+        if STORE:
             tl.store(hbuf + h_ptrs, h.to(hbuf.dtype.element_ty))
         wt = tl.load(w + k_ptrs)
         kdt = tl.load(kd + k_ptrs)
@@ -93,7 +94,7 @@ def _kda_fwd_state(
             qg += C * H * K
             Aqk += C * H * C
             o += C * H * V
-        else:
+        if STORE:
             tl.store(U + v_ptrs, Ut.to(U.dtype.element_ty))
         h = h * glt[:, None] + _dot(_cast(tl.trans(kdt), DOT_BF16), _cast(Ut, DOT_BF16), IEEE)
         kd += C * H * K
