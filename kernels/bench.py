@@ -221,10 +221,10 @@ class Entry:
 # ---------------------------------------------------------------------------------- kda, kda_long
 
 # rows timed under ``triton_chunk.launch_overrides``: the op's non-default kernel variants (triton_chunk.VARIANTS)
-# beside its default in the same run
-KDA_VARIANTS = {f"moelab_bounded_{k}_{v}": {k: v} for k, v in (("chains", "serial"), ("forward", "infer"),
-                                                                 ("out", "split"), ("prep", "kept"),
-                                                                 ("states", "kept"))}
+# beside its default in the same run; all_kept: the backward recomputes nothing the forward formed
+KDA_VARIANTS = {f"moelab_bounded_{k}_{v}": {k: v} for k, v in (
+    ("chains", "serial"), ("forward", "infer"), ("out", "split"), ("prep", "kept"), ("states", "kept"))}
+KDA_VARIANTS["moelab_bounded_all_kept"] = {"prep": "kept", "states": "kept"}
 KDA_IMPLS = ("moelab_bounded", *KDA_VARIANTS, "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash")
 # launch candidates (``LAUNCH`` entries), timed where --impls names them: the state-gradient chain at one stage or
 # three, or 32 values wide (4 programs a head where 64 gives 2: more SMs busy at B1 H16); the gated-score gradient
