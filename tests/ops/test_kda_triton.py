@@ -267,8 +267,9 @@ def test_launch_overrides():
     assert tc.LAUNCH == launch and tc.MAXNREG == maxnreg
     default = dict(tc.VARIANT)
     assert default == {name: choices[0] for name, choices in tc.VARIANTS.items()}
-    # chains, forward: timed on the H200; out: on an H100 (kernels/results/kda_candidates.json, run 4)
-    assert default == {"chains": "concurrent", "forward": "train", "out": "fused", "prep": "rerun"}
+    # chains, forward: timed on the H200; out: an H100 (kda_candidates.json, run 4); prep kept: mixed; states: untimed
+    assert default == {"chains": "concurrent", "forward": "train", "out": "fused", "prep": "rerun",
+                       "states": "rerun"}
     with pytest.raises(RuntimeError, match="inside"), tc.launch_overrides(forward="infer", chains=None):
         assert tc.VARIANT == {**default, "forward": "infer"}
         raise RuntimeError("inside")
