@@ -46,6 +46,11 @@ def _row(rows: list[dict], impl: str) -> dict[str, Any]:
     return found[0]
 
 
+def _verdict(iv: Any, target: float) -> str:
+    """A speed-up's verdict from its 95% interval (``report.log_interval``) against ``target``."""
+    return "not met" if iv.high < target else "met" if iv.low >= target else "within noise of the target"
+
+
 def _k(tok_per_s: float) -> str:
     return f"{tok_per_s / 1e3:.1f}K"
 
@@ -252,8 +257,7 @@ def _docs16k() -> Row | None:
     for m, u in pairs:
         iv, text = ratio(arms[m])
         mem = arms[m]["peak_mem_gb"] / arms[u]["peak_mem_gb"]
-        verdict = ("not met" if iv.high < 0.95 or mem > 1.05 else "met" if iv.low >= 0.95
-                   else "within noise of the target")
+        verdict = "not met" if mem > 1.05 else _verdict(iv, 0.95)
         parts.append(f"{arms[m]['mode']} {_k(arms[m]['tok_per_s'])} vs {_k(arms[u]['tok_per_s'])} tokens/s: {text}, "
                      f"peak memory {mem:.2f}x: {verdict}")
     r0 = arms[pairs[0][0]]
@@ -417,12 +421,14 @@ def _fla_shape() -> Row:
         result += (f"; captured {_k(g['tok_per_s'])} (host {g['host_ms']:.1f} vs {m['host_ms']:.0f} "
                    f"ms), **{x['median']:.3f}x** fla ({x['min']:.3f}-{x['max']:.3f}, {len(x['ratios'])} paired "
                    f"rounds): {x['verdict']}")
+    from moelab.studies.report import log_interval
+
     for run in _load(f).get("other_gpus", {}).values():  # the same pairing on another GPU
         for r in (r for r in run["rows"] if "ratio_vs_fla" in r):
-            x = r["ratio_vs_fla"]
-            result += (f"; {run['meta']['gpu'].removeprefix('NVIDIA ').split()[0]}, captured with the Triton norm and "
-                       f"loss: **{x['median']:.3f}x** ({x['min']:.3f}-{x['max']:.3f}, {len(x['ratios'])} rounds): "
-                       f"{x['verdict']}")
+            x, iv = r["ratio_vs_fla"], log_interval(r["ratio_vs_fla"]["ratios"])
+            result += (f"; {run['meta']['gpu'].removeprefix('NVIDIA ').split()[0]}, captured, Triton norm and loss: "
+                       f"**{iv.mean:.3f}x** (95% CI {iv.low:.3f}-{iv.high:.3f}, {iv.n} rounds): "
+                       f"{_verdict(iv, x['target'])}")
     return Row(what, result, [f], (f, _needle(m["tok_per_s"])), _rows_commit([m, g, fla]) if g else None)
 
 
