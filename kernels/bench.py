@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -162,6 +163,37 @@ def _fla_import(what: str):
         return None
 
 
+def fb_calls(forward: Callable[[], list], leaves: Sequence[torch.Tensor], scope: Callable | None = None) -> dict:
+    """``{"fwd": (call, None), "fwdbwd": (call, clear)}`` for ``time_ms``: ``forward() -> [outputs]`` under no_grad,
+    and forward + backward of fixed random output gradients with ``clear`` resetting the leaves' ``.grad``; each
+    call inside ``scope()`` where given (a kernel variant in force for the forward and the backward)."""
+    scope = scope or contextlib.nullcontext
+    with torch.no_grad(), scope():
+        grads = [torch.randn_like(o) for o in forward()]
+
+    def fwd():
+        with torch.no_grad(), scope():
+            forward()
+
+    def step():
+        with scope():
+            torch.autograd.backward(forward(), grads)
+    return {"fwd": (fwd, None), "fwdbwd": (step, lambda: [setattr(t, "grad", None) for t in leaves])}
+
+
+def time_passes(calls: dict[str, dict[str, tuple]], passes: int, timing: dict) -> dict[tuple[str, str], list]:
+    """``calls`` (``{name: {kind: (fn, before)}}``) timed in ``passes`` passes, the names of each pass in a Williams
+    order (``round_order``: drift and carry-over reach each alike), each pass ``timing["rounds"] / passes`` rounds
+    (at least one): ``{(name, kind): [Timing of each pass]}``."""
+    timing = dict(timing, rounds=max(1, -(-timing.get("rounds", 15) // passes)))
+    got, names = collections.defaultdict(list), list(calls)
+    for p in range(passes):
+        for name in (names[j] for j in round_order(len(names), p)):
+            for kind, (fn, before) in calls[name].items():
+                got[name, kind].append(time_ms(fn, before=before, **timing))
+    return got
+
+
 # ---------------------------------------------------------------------------------------- registry
 
 
@@ -233,6 +265,7 @@ KDA_LAUNCH_ROWS = {f"moelab_bounded_{name}": dict(launch={kernel: cfg}) for name
     ("dh_stages1", "dh", (64, 8, 1)), ("dh_stages3", "dh", (64, 8, 3)), ("dh_32", "dh", (32, 4, 2)),
     ("dqkg_stages1", "dqkg", (32, 1, 1)), ("dqkg_stages3", "dqkg", (32, 1, 3)))}
 KDA_ROWS = (*KDA_IMPLS, *KDA_LAUNCH_ROWS)  # every row --impls takes
+KDA_TARGET = 1.5  # issue 37: our own training op's fwd+bwd speed-up over fla (safe gate)
 
 
 def _shape_name(B: int, T: int, H: int | None = None) -> str:
@@ -245,19 +278,26 @@ KDA_LONG_SHAPES = {_shape_name(1, T): (1, T, 16, 128) for T in (131072, 262144, 
 KDA_LONG_SHAPES["smoke"] = (1, 256, 2, 32)
 
 
-def _kda_case(impl: str, B: int, T: int, H: int, D: int, ctx: Ctx, fla_chunk_kda) -> tuple[list, Callable]:
-    """Leaves and a forward returning the output ``[B, T, H, D]`` (SDPA: ``[B, H, T, D]``) of one impl."""
+def _kda_leaves(B: int, T: int, H: int, D: int, ctx: Ctx) -> dict[str, torch.Tensor]:
+    """One input set of a shape, shared by every impl timed there: q, k, v, the gate input x ``[B, T, H, D]``, beta
+    ``[B, T, H]`` in (0, 1), A_log ``[H]`` (as fla's benchmark), dt_bias ``[H * D]``."""
+    dev, dt = ctx.dev, ctx.dtype
+    t = {name: torch.randn(B, T, H, D, device=dev, dtype=dt) for name in ("q", "k", "v", "x")}
+    t.update(beta=torch.randn(B, T, H, device=dev, dtype=dt).sigmoid(), dt_bias=torch.zeros(H * D, device=dev),
+             A_log=torch.log(torch.empty(H, device=dev).uniform_(1, 16)))
+    return {name: x.requires_grad_() for name, x in t.items()}
+
+
+def _kda_case(impl: str, t: dict[str, torch.Tensor], ctx: Ctx, fla_chunk_kda) -> tuple[list, Callable]:
+    """Leaves and a forward returning the output ``[B, T, H, D]`` (SDPA: ``[B, H, T, D]``) of one impl on the inputs
+    ``t`` (:func:`_kda_leaves`)."""
     from moelab.ops.kda import triton_chunk
 
-    req = dict(device=ctx.dev, dtype=ctx.dtype, requires_grad=True)
-    q, k, v, x = (torch.randn(B, T, H, D, **req) for _ in range(4))
-    beta = torch.randn(B, T, H, device=ctx.dev, dtype=ctx.dtype).sigmoid().requires_grad_()
-    A_log = torch.log(torch.empty(H, device=ctx.dev).uniform_(1, 16)).requires_grad_()  # fla's benchmark setup
-    dt_bias = torch.zeros(H * D, device=ctx.dev, requires_grad=True)
+    q, k, v, x, beta, A_log, dt_bias = (t[n] for n in ("q", "k", "v", "x", "beta", "A_log", "dt_bias"))
     if impl == "sdpa_flash":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        qs, ks, vs = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+        qs, ks, vs = (a.detach().transpose(1, 2).contiguous().requires_grad_() for a in (q, k, v))
 
         def sdpa():
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -274,59 +314,70 @@ def _kda_case(impl: str, B: int, T: int, H: int, D: int, ctx: Ctx, fla_chunk_kda
     return leaves, lambda: fla_chunk_kda(q, k, v, x, beta, **kw)[0]
 
 
-def _kda_time(leaves: list[torch.Tensor], fn: Callable[[], torch.Tensor], ctx: Ctx) -> dict[str, Any]:
-    """Forward (no grad) and forward + backward (a fixed random output gradient) times of ``fn``, and the peak
-    memory of one forward + backward (inputs, gradients and everything the step allocates)."""
-    do = torch.randn_like(fn().detach())
-
-    def fwd():
-        with torch.no_grad():
-            return fn()
-
-    def step():
-        fn().backward(do)
-
-    def clear():
-        for t in leaves:
-            t.grad = None
-
-    out = {"fwd_ms": time_ms(fwd, **ctx.timing).ms, "fwdbwd_ms": time_ms(step, before=clear, **ctx.timing).ms}
-    if ctx.kernels:  # the training forward (autograd on, no backward) and the whole step, per kernel
-        from moelab.train.perf import kernel_times
-
-        out["kernels_fwd"] = kernel_times(fn, cuda=ctx.cuda)
-        out["kernels_fwdbwd"] = kernel_times(step, before=clear, cuda=ctx.cuda)
-    clear()
-    peak, _ = peak_bytes(step)
-    out["peak_mem_gb"] = peak / 1e9 if ctx.cuda else None
-    return out
+KDA_PAIRED = {"fla_safe_gate": "vs_fla", "moelab_bounded": "vs_default"}  # base row -> the field of paired ratios
 
 
 def _kda_rows(ctx: Ctx, table: dict[str, tuple], impls: tuple[str, ...]) -> dict[str, Any]:
+    """The rows of every shape: all impls on one input set, timed in ``ctx.rounds`` passes over them in a Williams
+    order (``round_order``), each pass ``time_ms`` rounds per impl and kind; a row's ms: the median over all its
+    rounds, ``*_ms_passes`` its pass medians; each moelab row's fwd+bwd speed-up over each base of ``KDA_PAIRED``
+    paired by pass (``compare_rounds``; against fla with issue 37's target)."""
+    from moelab.ops.kda.triton_chunk import launch_overrides
+
     fla_chunk_kda = _fla_import("fla.ops.kda:chunk_kda") if ctx.cuda else None
-    rows: list[dict] = []
+    passes, rows = ctx.rounds, []
     for name in ctx.shapes:
         B, T, H, D = table[name]
-        for impl in impls:
-            if (impl.startswith("fla") and fla_chunk_kda is None) or (not ctx.cuda and impl == "sdpa_flash"):
-                continue
-            row: dict[str, Any] = dict(impl=impl, B=B, T=T, H=H, D=D, fwd_ms=None, fwdbwd_ms=None, peak_mem_gb=None)
+        shape_rows = {i: dict(impl=i, B=B, T=T, H=H, D=D, fwd_ms=None, fwdbwd_ms=None, peak_mem_gb=None)
+                      for i in impls if not ((i.startswith("fla") and fla_chunk_kda is None)
+                                             or (not ctx.cuda and i == "sdpa_flash"))}
+        calls, leaves = {}, _kda_leaves(B, T, H, D, ctx)
+        for impl in shape_rows:  # every impl built and run once (compiles, autotunes) before any is timed
             try:
-                from moelab.ops.kda.triton_chunk import launch_overrides
-
-                with launch_overrides(**(KDA_VARIANTS | KDA_LAUNCH_ROWS).get(impl, {})):
-                    row.update(_kda_time(*_kda_case(impl, B, T, H, D, ctx, fla_chunk_kda), ctx))
-            except torch.cuda.OutOfMemoryError:
-                row["error"] = "OOM"
+                held, fn = _kda_case(impl, leaves, ctx, fla_chunk_kda)
+                scope = functools.partial(launch_overrides, **(KDA_VARIANTS | KDA_LAUNCH_ROWS).get(impl, {}))
+                calls[impl] = dict(fb_calls(lambda fn=fn: [fn()], held, scope), train_fwd=(fn, scope))
+                for call in calls[impl]["fwdbwd"]:
+                    call()
             except Exception as exc:  # one failing baseline must not hide the rest: recorded in its row
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            rows.append(row)
-            ctx.save({"rows": rows})
+                calls.pop(impl, None)
+                shape_rows[impl]["error"] = "OOM" if isinstance(exc, torch.cuda.OutOfMemoryError) else (
+                    f"{type(exc).__name__}: {str(exc)[:300]}")
+                ctx.free()
+        got = time_passes({i: {k: c[k] for k in ("fwd", "fwdbwd")} for i, c in calls.items()}, passes, ctx.timing)
+        for impl in calls:
+            row, (step, clear), (fn, scope) = shape_rows[impl], calls[impl]["fwdbwd"], calls[impl]["train_fwd"]
+            for kind in ("fwd", "fwdbwd"):
+                row[f"{kind}_ms"] = statistics.median(x for t in got[impl, kind] for x in t.rounds_ms)
+                row[f"{kind}_ms_passes"] = [t.ms for t in got[impl, kind]]
+            if ctx.kernels:  # the training forward (autograd on, no backward) and the whole step, per kernel
+                from moelab.train.perf import kernel_times
+
+                with scope():
+                    row["kernels_fwd"] = kernel_times(fn, cuda=ctx.cuda)
+                row["kernels_fwdbwd"] = kernel_times(step, before=clear, cuda=ctx.cuda)
+            clear()
+            row["peak_mem_gb"] = peak_bytes(step)[0] / 1e9 if ctx.cuda else None
+            clear()
+        for (base, key), impl in ((b, i) for b in KDA_PAIRED.items() for i in calls):
+            if base in calls and impl != base and impl.startswith("moelab"):
+                shape_rows[impl][f"fwdbwd_{key}"] = compare_rounds(
+                    shape_rows[base]["fwdbwd_ms_passes"], shape_rows[impl]["fwdbwd_ms_passes"],
+                    KDA_TARGET if base == "fla_safe_gate" else None)
+        del calls, leaves
+        rows.extend(shape_rows.values())
+        ctx.save({"rows": rows})
+        for row in shape_rows.values():
             _print_row(row, ("fwd_ms", "fwdbwd_ms", "peak_mem_gb"))
+            for key, x in ((k, row[k]) for k in (f"fwdbwd_{f}" for f in KDA_PAIRED.values()) if k in row):
+                print(f"    {key}: median {x['median']:.3f}x [{x['min']:.3f}, {x['max']:.3f}] over {passes} passes"
+                      + (f": {x['verdict']}" if "verdict" in x else ""), flush=True)
             for k in (row.get("kernels_fwdbwd") or [])[:10]:
                 print(f"    {k['ms']:8.3f} ms {k['calls']:5.1f}x  {k['name'][:70]}", flush=True)
-            ctx.free()
-    return {"rows": rows, "note": "both KDA sides: L2 norm of q, k and the bounded gate (with dt_bias) inside the op"}
+        ctx.free()
+    return {"rows": rows, "passes": passes, "note": "both KDA sides: L2 norm of q, k and the bounded gate (with "
+            "dt_bias) inside the op; every impl of a shape on one input set, timed in passes (Williams order); "
+            "fwdbwd_vs_fla / _vs_default: base ms / row ms per pass, with issue 37's verdict against fla"}
 
 
 def run_kda(ctx: Ctx) -> dict[str, Any]:
@@ -434,16 +485,14 @@ def run_kda_infer(ctx: Ctx) -> dict[str, Any]:
                 path = fns.pop("_plan")()
                 outs = {impl: fn() for impl, fn in fns.items()}
                 # the rows of a shape and layout timed in turn, `passes` times: they share whatever drifts
+                got = time_passes({i: {"fwd": (fn, None)} for i, fn in fns.items()}, passes,
+                                  dict(ctx.timing, rounds=passes * ctx.timing.get("rounds", 15)))
                 for impl in fns:
-                    shape_rows[impl] = dict(impl=impl, layout=layout, B=B, T=T, H=H, D=D, fwd_ms=None,
-                                            fwd_ms_rounds=[])
-                    if packed:
-                        shape_rows[impl]["cu_seqlens"] = doc_offsets(B, T)
-                for _ in range(passes):
-                    for impl, fn in fns.items():
-                        shape_rows[impl]["fwd_ms_rounds"].append(time_ms(fn, **ctx.timing).ms)
-                for impl, row in shape_rows.items():
+                    row = shape_rows[impl] = dict(impl=impl, layout=layout, B=B, T=T, H=H, D=D,
+                                                  fwd_ms_rounds=[t.ms for t in got[impl, "fwd"]])
                     row["fwd_ms"] = statistics.median(row["fwd_ms_rounds"])
+                    if packed:
+                        row["cu_seqlens"] = doc_offsets(B, T)
                     if ctx.cuda:
                         row["host_ms"] = host_ms(fns[impl])
                 if path is not None:
@@ -620,8 +669,7 @@ def _attnres_point(shape: str, impls: dict[str, Callable], ctx: Ctx) -> list[dic
 
 def _attnres_time(runs: dict[str, tuple], rows: dict[str, dict[str, Any]], passes: int, ctx: Ctx) -> None:
     """Time the impls of ``runs`` (fwd+bwd, fwd) in ``passes`` passes over them, then take each one's peak memory."""
-    timing = dict(ctx.timing, rounds=max(1, -(-ctx.timing.get("rounds", 15) // passes)))
-    calls, samples = {}, collections.defaultdict(list)
+    calls = {}
     for name, (leaves, forward, g_out) in runs.items():
         def fwd(forward=forward):
             with torch.no_grad(), torch.autocast(ctx.dev, dtype=torch.bfloat16):
@@ -637,13 +685,10 @@ def _attnres_time(runs: dict[str, tuple], rows: dict[str, dict[str, Any]], passe
                 t.grad = None
 
         calls[name] = {"fwdbwd": (step, clear), "fwd": (fwd, None)}
-    for _ in range(passes):
-        for name, kinds in calls.items():
-            for kind, (fn, before) in kinds.items():
-                samples[name, kind] += time_ms(fn, before=before, **timing).rounds_ms
+    got = time_passes(calls, passes, ctx.timing)
     for name, kinds in calls.items():
         row, (step, clear) = rows[name], kinds["fwdbwd"]
-        row.update({f"{kind}_ms": statistics.median(samples[name, kind]) for kind in kinds})
+        row.update({f"{kind}_ms": statistics.median(x for t in got[name, kind] for x in t.rounds_ms) for kind in kinds})
         clear()
         peak, before = peak_bytes(step)
         row.update(peak_mem_gb=peak / 1e9 if ctx.cuda else None,
@@ -753,22 +798,9 @@ def _dense_chain(links: list[tuple], dev: str, dtype: torch.dtype, activation: s
 
 def _fb_times(forward: Callable[[], list[torch.Tensor]], leaves: list[torch.Tensor],
               timing: dict) -> tuple[float, float]:
-    """(fwd+bwd ms, fwd ms) of ``forward() -> outputs``, the backward with fixed random output gradients."""
-    with torch.no_grad():
-        grads = [torch.randn_like(o) for o in forward()]
-
-    def step():
-        torch.autograd.backward(forward(), grads)
-
-    def fwd():
-        with torch.no_grad():
-            forward()
-
-    def clear():
-        for t in leaves:
-            t.grad = None
-
-    return time_ms(step, before=clear, **timing).ms, time_ms(fwd, **timing).ms
+    """(fwd+bwd ms, fwd ms) of ``forward() -> outputs`` (``fb_calls``)."""
+    calls = fb_calls(forward, leaves)
+    return tuple(time_ms(fn, before=before, **timing).ms for fn, before in (calls["fwdbwd"], calls["fwd"]))
 
 
 def run_moe(ctx: Ctx) -> dict[str, Any]:
@@ -1305,10 +1337,11 @@ def run_model_capture(ctx: Ctx) -> dict[str, Any]:
 
 ENTRIES: dict[str, Entry] = {e.name: e for e in (
     Entry("kda", "KDA training op fwd / fwd+bwd: moelab bounded, general vs fla (safe gate, softplus) vs SDPA",
-          KDA_SHAPES, ("B8-T4096", "B1-T32768", "B2-T65536"), "smoke", run_kda, ("impl", "B", "T", "H", "D")),
+          KDA_SHAPES, ("B8-T4096", "B1-T32768", "B2-T65536"), "smoke", run_kda, ("impl", "B", "T", "H", "D"),
+          rounds=5),
     Entry("kda_long", "KDA training op at T = 128K-512K, B = 1: moelab only (time and peak memory)",
           KDA_LONG_SHAPES, tuple(s for s in KDA_LONG_SHAPES if s != "smoke"), "smoke", run_kda_long,
-          ("impl", "B", "T", "H", "D")),
+          ("impl", "B", "T", "H", "D"), rounds=3),
     Entry("kda_infer", "KDA inference forward (chunk 16, no grad) vs fla chunk_kda and the training forward, "
           "fixed and packed", INFER_SHAPES, tuple(s for s in INFER_SHAPES if s != "smoke"), "smoke", run_kda_infer,
           ("impl", "layout", "B", "T", "H", "D"), rounds=3),
@@ -1453,8 +1486,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "; model: of " + ", ".join(MODEL_ROWS) + " (default: all of each group)")
     ap.add_argument("--out", help="JSON to write (default kernels/results/<entry>_<gpu>.json; with --base or --smoke "
                                   "nothing unless given)")
-    ap.add_argument("--rounds", type=int, help="kda_infer: timing passes over a shape's rows (default 3); model: "
-                                               "interleaved rounds per group (default 4)")
+    ap.add_argument("--rounds", type=int, help="kda, kda_long, kda_infer: timing passes over a shape's rows "
+                                               "(default 5, 3, 3); model: interleaved rounds per group (default 4)")
     ap.add_argument("--budget-s", type=float, help="model: start no round that would end later than this many "
                                                    "seconds after the start")
     ap.add_argument("--base", metavar="REV", help="also run the entry on commit REV (a temporary git worktree) and "
