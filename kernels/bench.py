@@ -7,15 +7,11 @@
     python kernels/bench.py --entry kda --base HEAD~3           # A/B: that commit beside this tree, with ratios
     python kernels/bench.py --entry moe --smoke --out /tmp/moe.json   # CPU: tiny shapes (Triton interpreter)
 
-Entries (``ENTRIES``; each row says what ran, with the times in ms and peak memory; ``--list`` names their
-shapes, kernels/README.md says what each measures): ``kda`` (the KDA training op beside fla's and SDPA),
-``kda_long`` (T = 128K..512K), ``kda_infer`` (the inference forward), ``attnres`` (the fused AttnRes read beside
-fla ``fused_attnres`` at issue 37's grid, ``N{N}_D{D}_L{L}``, groups ``grid_D{D}`` and ``grid``; launch candidates
-as ``--impls`` rows), ``moe`` (the LatentMoE layer vs dense matmul chains of the same FLOPs), ``conv``
-(ShortConv launches and backward kernels beside ``F.conv1d``), ``model`` (whole training steps, every config of a
-group timed in ``--rounds`` interleaved rounds: tokens/s, MFU, host ms, peak memory, the host work of a step).
+Entries: ``ENTRIES`` (``--list`` names them with their shapes; kernels/README.md says what each measures); each
+row says what ran, with the times in ms and peak memory.
 
-Timing (:func:`time_ms`): CUDA events around back-to-back calls, after warm-up; the median over rounds.
+Timing (:func:`time_ms`): CUDA events around back-to-back calls, after warm-up; the median over rounds. The rows
+of a shape are timed in passes over them (:func:`time_passes`) or interleaved rounds (model), in a Williams order.
 Provenance: ``moelab/provenance.py`` (the same block the study harness writes). ``--base REV`` checks REV
 out in a temporary ``git worktree``, runs the same entry there (this file, that tree's moelab), then here,
 and prints both side by side: speedup = base time / this time (> 1: this tree is faster)."""
@@ -163,11 +159,10 @@ def _fla_import(what: str):
         return None
 
 
-def fb_calls(forward: Callable[[], list], leaves: Sequence[torch.Tensor], scope: Callable | None = None) -> dict:
+def fb_calls(forward: Callable[[], list], leaves: Sequence[torch.Tensor], scope: Callable = contextlib.nullcontext):
     """``{"fwd": (call, None), "fwdbwd": (call, clear)}`` for ``time_ms``: ``forward() -> [outputs]`` under no_grad,
-    and forward + backward of fixed random output gradients with ``clear`` resetting the leaves' ``.grad``; each
-    call inside ``scope()`` where given (a kernel variant in force for the forward and the backward)."""
-    scope = scope or contextlib.nullcontext
+    and forward + backward of fixed random output gradients, ``clear`` resetting the leaves' ``.grad``; each call
+    inside ``scope()`` (e.g. a kernel variant in force for the forward and the backward)."""
     with torch.no_grad(), scope():
         grads = [torch.randn_like(o) for o in forward()]
 
@@ -182,9 +177,8 @@ def fb_calls(forward: Callable[[], list], leaves: Sequence[torch.Tensor], scope:
 
 
 def time_passes(calls: dict[str, dict[str, tuple]], passes: int, timing: dict) -> dict[tuple[str, str], list]:
-    """``calls`` (``{name: {kind: (fn, before)}}``) timed in ``passes`` passes, the names of each pass in a Williams
-    order (``round_order``: drift and carry-over reach each alike), each pass ``timing["rounds"] / passes`` rounds
-    (at least one): ``{(name, kind): [Timing of each pass]}``."""
+    """``{(name, kind): [Timing per pass]}`` of ``calls`` (``{name: {kind: (fn, before)}}``): ``passes`` passes, each
+    in a Williams order (``round_order``: drift reaches each alike) of ``timing["rounds"] / passes`` rounds."""
     timing = dict(timing, rounds=max(1, -(-timing.get("rounds", 15) // passes)))
     got, names = collections.defaultdict(list), list(calls)
     for p in range(passes):
@@ -258,14 +252,14 @@ KDA_VARIANTS = {f"moelab_bounded_{k}_{v}": {k: v} for k, v in (
     ("chains", "serial"), ("forward", "infer"), ("out", "split"), ("prep", "kept"), ("states", "kept"))}
 KDA_VARIANTS["moelab_bounded_all_kept"] = {"prep": "kept", "states": "kept"}
 KDA_IMPLS = ("moelab_bounded", *KDA_VARIANTS, "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash")
-# launch candidates (``LAUNCH`` entries), timed where --impls names them: the state-gradient chain at one stage or
-# three, or 32 values wide (4 programs a head where 64 gives 2: more SMs busy at B1 H16); the gated-score gradient
-# kernel (the largest; 255 registers on one warp) pipelining its partner chunks' loads over two or three stages
+# launch candidates (``LAUNCH`` entries) timed where --impls names them: the state-gradient chain at 1 or 3 stages or
+# 32 values wide (4 programs a head: more SMs busy at B1 H16); the gated-score gradient kernel at 1 or 3 stages
 KDA_LAUNCH_ROWS = {f"moelab_bounded_{name}": dict(launch={kernel: cfg}) for name, kernel, cfg in (
     ("dh_stages1", "dh", (64, 8, 1)), ("dh_stages3", "dh", (64, 8, 3)), ("dh_32", "dh", (32, 4, 2)),
     ("dqkg_stages1", "dqkg", (32, 1, 1)), ("dqkg_stages3", "dqkg", (32, 1, 3)))}
 KDA_ROWS = (*KDA_IMPLS, *KDA_LAUNCH_ROWS)  # every row --impls takes
 KDA_TARGET = 1.5  # issue 37: our own training op's fwd+bwd speed-up over fla (safe gate)
+KDA_PAIRED = {"fla_safe_gate": "vs_fla", "moelab_bounded": "vs_default"}  # base row -> the field of paired ratios
 
 
 def _shape_name(B: int, T: int, H: int | None = None) -> str:
@@ -314,23 +308,18 @@ def _kda_case(impl: str, t: dict[str, torch.Tensor], ctx: Ctx, fla_chunk_kda) ->
     return leaves, lambda: fla_chunk_kda(q, k, v, x, beta, **kw)[0]
 
 
-KDA_PAIRED = {"fla_safe_gate": "vs_fla", "moelab_bounded": "vs_default"}  # base row -> the field of paired ratios
-
-
 def _kda_rows(ctx: Ctx, table: dict[str, tuple], impls: tuple[str, ...]) -> dict[str, Any]:
-    """The rows of every shape: all impls on one input set, timed in ``ctx.rounds`` passes over them in a Williams
-    order (``round_order``), each pass ``time_ms`` rounds per impl and kind; a row's ms: the median over all its
-    rounds, ``*_ms_passes`` its pass medians; each moelab row's fwd+bwd speed-up over each base of ``KDA_PAIRED``
-    paired by pass (``compare_rounds``; against fla with issue 37's target)."""
+    """The rows of every shape: all impls on one input set, timed in ``ctx.rounds`` passes (``time_passes``); a row's
+    ms: the median over all its rounds, ``*_ms_passes`` its pass medians; each moelab row's fwd+bwd speed-up over
+    each base of ``KDA_PAIRED`` paired by pass (``compare_rounds``; against fla with issue 37's target)."""
     from moelab.ops.kda.triton_chunk import launch_overrides
 
     fla_chunk_kda = _fla_import("fla.ops.kda:chunk_kda") if ctx.cuda else None
     passes, rows = ctx.rounds, []
     for name in ctx.shapes:
         B, T, H, D = table[name]
-        shape_rows = {i: dict(impl=i, B=B, T=T, H=H, D=D, fwd_ms=None, fwdbwd_ms=None, peak_mem_gb=None)
-                      for i in impls if not ((i.startswith("fla") and fla_chunk_kda is None)
-                                             or (not ctx.cuda and i == "sdpa_flash"))}
+        shape_rows = {i: dict(impl=i, B=B, T=T, H=H, D=D, fwd_ms=None, fwdbwd_ms=None, peak_mem_gb=None) for i in impls
+                      if not ((i.startswith("fla") and fla_chunk_kda is None) or (not ctx.cuda and i == "sdpa_flash"))}
         calls, leaves = {}, _kda_leaves(B, T, H, D, ctx)
         for impl in shape_rows:  # every impl built and run once (compiles, autotunes) before any is timed
             try:
@@ -341,8 +330,8 @@ def _kda_rows(ctx: Ctx, table: dict[str, tuple], impls: tuple[str, ...]) -> dict
                     call()
             except Exception as exc:  # one failing baseline must not hide the rest: recorded in its row
                 calls.pop(impl, None)
-                shape_rows[impl]["error"] = "OOM" if isinstance(exc, torch.cuda.OutOfMemoryError) else (
-                    f"{type(exc).__name__}: {str(exc)[:300]}")
+                oom = isinstance(exc, torch.cuda.OutOfMemoryError)
+                shape_rows[impl]["error"] = "OOM" if oom else f"{type(exc).__name__}: {str(exc)[:300]}"
                 ctx.free()
         got = time_passes({i: {k: c[k] for k in ("fwd", "fwdbwd")} for i, c in calls.items()}, passes, ctx.timing)
         for impl in calls:
@@ -369,9 +358,8 @@ def _kda_rows(ctx: Ctx, table: dict[str, tuple], impls: tuple[str, ...]) -> dict
         ctx.save({"rows": rows})
         for row in shape_rows.values():
             _print_row(row, ("fwd_ms", "fwdbwd_ms", "peak_mem_gb"))
-            for key, x in ((k, row[k]) for k in (f"fwdbwd_{f}" for f in KDA_PAIRED.values()) if k in row):
-                print(f"    {key}: median {x['median']:.3f}x [{x['min']:.3f}, {x['max']:.3f}] over {passes} passes"
-                      + (f": {x['verdict']}" if "verdict" in x else ""), flush=True)
+            for key, x in ((k, row[k]) for k in ("fwdbwd_vs_fla", "fwdbwd_vs_default") if k in row):
+                print(f"    {key}: {x['median']:.3f}x [{x['min']:.3f}, {x['max']:.3f}] {x.get('verdict', '')}")
             for k in (row.get("kernels_fwdbwd") or [])[:10]:
                 print(f"    {k['ms']:8.3f} ms {k['calls']:5.1f}x  {k['name'][:70]}", flush=True)
         ctx.free()
@@ -1314,25 +1302,6 @@ def run_model(ctx: Ctx) -> dict[str, Any]:
     return {"rows": rows}
 
 
-def run_model_capture(ctx: Ctx) -> dict[str, Any]:
-    """train.compile's modes (eager, default = torch.compile, graphs = the whole step as one CUDA graph) of the
-    presets in ``ctx.shapes``, interleaved rounds, and with ``docs16k`` study 4's 16K packed-document stage
-    unmasked / flex_attention / dense mask: ``moelab.train.perf.capture_bench`` (issue 36)."""
-    from moelab.train.perf import capture_bench
-
-    def save(result: dict[str, Any]) -> None:
-        ctx.save({k: result[k] for k in ("rows", "docs16k")} | {"capture": result["meta"]})
-
-    presets = tuple(s for s in ctx.shapes if s not in ("docs16k", "smoke"))
-    if ctx.cuda:
-        res = capture_bench(presets, docs="docs16k" in ctx.shapes, budget_s=450.0, on_save=save,
-                            log=lambda m: print(m, file=sys.stderr, flush=True))
-    else:  # gpu-small's structure at toy sizes, 8 steps; graphs needs CUDA: its row holds that error
-        res = capture_bench(("gpu-small",), ("eager", "graphs"), steps=8, window=2, warm=2, docs=True,
-                            device="cpu", overrides=SMOKE_MODEL, on_save=save, log=lambda m: None)
-    return {k: res[k] for k in ("rows", "docs16k")} | {"capture": res["meta"]}
-
-
 # ---------------------------------------------------------------------------------------------- runner
 
 ENTRIES: dict[str, Entry] = {e.name: e for e in (
@@ -1355,9 +1324,6 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
     Entry("model", "whole-model training step: fla shape vs fla, gpu-small residual modes, k3-mini balancer cost",
           {g: MODEL_GROUPS[g][0] for g in MODEL_GROUPS}, tuple(MODEL_GROUPS), "k3-mini", run_model, ("impl",),
           merge=True, rounds=4),
-    Entry("model_capture", "train.compile none / default / graphs for k3-mini and gpu-small, 16K packed documents "
-          "unmasked vs flex vs dense mask", {s: s for s in ("k3-mini", "gpu-small", "docs16k", "smoke")},
-          ("docs16k", "k3-mini", "gpu-small"), "smoke", run_model_capture, ("preset", "mode")),
 )}
 
 

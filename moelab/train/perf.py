@@ -366,10 +366,10 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
     (``pad_cu_seqlens``); a masked row's ``speedup_vs_eager`` is over the unmasked arm of its own mode.
     A mode that fails is recorded with its error. Written to ``out`` after each part (atomic).
     ``device="cpu"`` with ``overrides`` (toy sizes) runs the same code without the GPU (tests; no memory,
-    modes eager and default only). ``on_save(result)`` is called at each write too (``kernels/bench.py``'s
-    ``model_capture`` entry saves through it). ``variants``: more arms in the same rounds, ``{name: (mode,
-    overrides)}`` (e.g. ``{"graphs_norm_triton": ("graphs", {"model.norm_backend": "triton"})}``): a setting timed
-    beside the modes on the same batches, its speed-up still over the plain eager arm (row ``arm``: the name).
+    modes eager and default only). ``on_save(result)`` is called at each write too. ``variants``: more arms in
+    the same rounds, ``{name: (mode, overrides)}`` (e.g. ``{"graphs_norm_triton": ("graphs", {"model.norm_backend":
+    "triton"})}``): a setting timed beside the modes on the same batches, its speed-up still over the plain eager
+    arm (row ``arm``: the name).
     """
     import time
 
