@@ -397,8 +397,18 @@ def _kda_speed() -> Row:
     longest = max((r for r in long_rows if r["impl"] == "moelab_bounded"), key=lambda r: r["T"])
     what = (f"Triton chunked KDA (bounded) vs fla (safe_gate) in the same run, L2 norm and gate inside the op on both "
             f"sides, {' / '.join(f'B{b} T{t}' for b, t in both)}, H{rows[0]['H']} D{rows[0]['D']}")
+    fb = f"**{speedup('fwdbwd_ms')}** fla's speed"
+    paired = [by[("moelab_bounded", *s)].get("fwdbwd_vs_fla") for s in both]
+    if both and all(paired):  # timed in passes over the impls (bench.py --entry kda): per-pass ratios
+        from moelab.studies.report import log_interval
+
+        ivs, target = [log_interval(x["ratios"]) for x in paired], paired[0]["target"]
+        verdicts = [_verdict(iv, target) for iv in ivs]
+        fb = (f"**{' / '.join(f'{iv.mean:.2f}x' for iv in ivs)}** fla's speed (95% CI "
+              f"{' / '.join(f'{iv.low:.2f}-{iv.high:.2f}' for iv in ivs)}, {ivs[0].n} paired passes; target "
+              f"{target:g}x: {verdicts[0] if len(set(verdicts)) == 1 else ' / '.join(verdicts)})")
     result = (f"fwd+bwd {col('moelab_bounded', 'fwdbwd_ms')} vs {col('fla_safe_gate', 'fwdbwd_ms')} ms: "
-              f"**{speedup('fwdbwd_ms')}** fla's speed; forward **{speedup('fwd_ms')}**; bounded "
+              f"{fb}; forward **{speedup('fwd_ms')}**; bounded "
               f"{min(gen):.2f}-{max(gen):.2f}x faster than general; peak memory <= {mem:.2f}x fla's; "
               f"T={longest['T']}: {longest['fwdbwd_ms']:.0f} ms fwd+bwd, {longest['peak_mem_gb']:.0f} GB")
     return Row(what, result, [f, f_long], (f, None))

@@ -178,3 +178,26 @@ def test_front_row_names_what_the_study_left_unresolved() -> None:
     assert readme.unresolved_cell(readme.Study(9, "09_x", "x", "setup", "Q? A", ["Q? A"])) == "-"
     long = readme.Study(9, "09_x", "x", "s", "Q? A", [], [("q" * 200, "noise"), ("r" * 200, "noise")])
     assert readme.unresolved_cell(long) == "2 inside the noise (each in studies/README.md)"
+
+
+def test_kda_row_shows_paired_passes_with_intervals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The KDA speed row: plain ratios of medians for a file without passes; with ``bench.py --entry kda``'s per-pass
+    ratios, each shape's geometric mean with its 95% interval and the verdict against the target from it."""
+    def row(impl: str, T: int, ms: float, **kw) -> dict:
+        return {"impl": impl, "B": 1, "T": T, "H": 16, "D": 128, "fwd_ms": ms / 4, "fwdbwd_ms": ms, "peak_mem_gb": 4.0,
+                **kw}
+
+    rows = [row("moelab_bounded", 4096, 6.0), row("fla_safe_gate", 4096, 9.0), row("moelab_general", 4096, 8.0),
+            row("moelab_bounded", 8192, 8.0), row("fla_safe_gate", 8192, 10.0)]
+    files = {"kernels/results/kda_h200.json": {"rows": rows},
+             "kernels/results/kda_long_h200.json": {"rows": [row("moelab_bounded", 131072, 40.0)]}}
+    monkeypatch.setattr(readme, "_load", lambda rel: files[rel])
+    assert "**1.50x / 1.25x** fla's speed; forward" in readme._kda_speed().result
+    rows[0]["fwdbwd_vs_fla"] = {"ratios": [1.52, 1.55, 1.58], "target": 1.5}
+    rows[3]["fwdbwd_vs_fla"] = {"ratios": [1.2, 1.25, 1.3], "target": 1.5}
+    result = readme._kda_speed().result
+    assert "**1.55x / 1.25x** fla's speed (95% CI 1.48-1.63 / 1.13-1.38, 3 paired passes; target 1.5x: " \
+           "within noise of the target / not met)" in result, result
+    rows[3]["fwdbwd_vs_fla"] = {"ratios": [1.6, 1.62, 1.64], "target": 1.5}
+    rows[0]["fwdbwd_vs_fla"] = {"ratios": [1.7, 1.72, 1.74], "target": 1.5}
+    assert "3 paired passes; target 1.5x: met)" in readme._kda_speed().result
