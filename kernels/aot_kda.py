@@ -34,8 +34,8 @@ from moelab.ops.kda import triton_fwd as F  # noqa: E402
 from moelab.ops.kda import triton_infer as I  # noqa: E402
 
 WORK = ["kd", "w", "u", "hbuf", "U", "qg", "Aqk", "o", "do", "dhbuf"]  # work dtype (bf16 for bf16 inputs)
-FP32 = "gl h0 hT dht dU dh0 Gbuf Abuf dAs dkb dbv dbk dG dGl dbs".split()
-INPUT = ["q", "k", "v", "g", "beta", "dq", "dk", "dv", "dg", "dbeta"]
+FP32 = "gl h0 hT dht dU dh0 Gbuf Abuf dAs dkb dbv dbk dG dGl dbs dAp dbp".split()
+INPUT = ["q", "k", "v", "g", "beta", "dq", "dk", "dv", "dg", "dbeta"]  # (with GATE, dg holds dL/dz: z's dtype)
 
 
 def compile_one(kernel, consts: dict, warps: int, stages: int, dtype: str = "bf16",
@@ -126,7 +126,7 @@ def main() -> int:
         "wy": [(B._kda_bwd_wy, dict(base, BV=64, **bf), "BK", None)],
         "sterm": [(B._kda_bwd_sterm, dict(base, BV=64, **bf), "BK", None)],
         "dqkg": [(B._kda_bwd_dqkg, dict(base, BC=16, BOUNDED=m, IEEE=False), "BK", m) for m in (True, False)],
-        "dg": [(B._kda_bwd_dg, dict(base), "BK", None)],
+        "dg": [(B._kda_bwd_dg, dict(base, GATE=gt, HAS_BIAS=gt > 0), "BK", "gate" if gt else None) for gt in (0, 1)],
     }
     with tc.launch_overrides(launch=cfgs):
         for name, variants in kernels.items():

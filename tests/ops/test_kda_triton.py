@@ -267,9 +267,10 @@ def test_launch_overrides():
     assert tc.LAUNCH == launch and tc.MAXNREG == maxnreg
     default = dict(tc.VARIANT)
     assert default == {name: choices[0] for name, choices in tc.VARIANTS.items()}
-    # chains, forward: timed on the H200; out: an H100 (kda_candidates.json, run 4); prep kept: mixed; states: untimed
+    # chains, forward: timed on the H200; out: an H100 (kda_candidates.json, run 4); prep kept: mixed; states and
+    # gate_bwd: untimed
     assert default == {"chains": "concurrent", "forward": "train", "out": "fused", "prep": "rerun",
-                       "states": "rerun"}
+                       "states": "rerun", "gate_bwd": "prep"}
     with pytest.raises(RuntimeError, match="inside"), tc.launch_overrides(forward="infer", chains=None):
         assert tc.VARIANT == {**default, "forward": "infer"}
         raise RuntimeError("inside")
@@ -533,6 +534,50 @@ def test_kept_states_equal_the_recompute(mode, out, dtype):
         assert len(g_r) == len(g_k) and all(torch.equal(a, b) for a, b in zip(g_r, g_k))
         kept = kept or runs["kept"]
     _compare(_reference(ins, s0, do, dS), kept, dtype)
+
+
+@pytest.mark.parametrize("case", [(1, 64, 2, 32, 16, 16, "bounded", "bounded", False, True),
+                                  (2, 32, 1, 16, 16, 16, "softplus", "general", True, False)],
+                         ids=["bounded-bias", "softplus-silu"])
+def test_gate_backward_fused_into_dg(monkeypatch, case):
+    """``VARIANTS["gate_bwd"] = "dg"``: the dg kernel applies the gate's backward itself (dL/dz in z's dtype, the
+    fp32 sums of dA_log and dt_bias per program), so the prep's backward does q and k only. Every gradient equals
+    the prep path's: dz bit for bit (the same fp32 dg and formula), dA_log and ddt_bias up to the order of their
+    fp32 sums; the fp32 reference holds; a call the fused path cannot take (padded T) falls back."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    _check_fused_prep(case, lambda: tc.launch_overrides(gate_bwd="dg"))
+
+    @contextlib.contextmanager
+    def poisoned_fused():  # every buffer the fused path allocates starts NaN: its per-program sums cover them
+        with poisoned_allocations(monkeypatch, []), tc.launch_overrides(gate_bwd="dg"):
+            yield
+    _check_fused_prep(case, poisoned_fused)
+    seen = []
+    orig = tc.prep_bwd
+    monkeypatch.setattr(tc, "prep_bwd", lambda *a, **kw: seen.append(a[7] is None) or orig(*a, **kw))
+    B, T, H, K, V, C, gate, mode, silu, has_bias = case
+    gen = torch.Generator().manual_seed(5)
+    for T_run in (T, T - 5):  # T - 5: a padded last chunk, the prep path
+        ins = [torch.randn(B, T_run, H, d, generator=gen).to(DEV) for d in (K, K, V, K)]
+        ins.append(torch.rand(B, T_run, H, generator=gen).to(DEV))
+        extra = [torch.randn(H, generator=gen).to(DEV) * 0.5] + ([torch.randn(H * K, generator=gen).to(DEV)]
+                                                                   if has_bias else [])
+        do = torch.randn(B, T_run, H, V, generator=gen).to(DEV)
+        runs = {}
+        for choice in ("prep", "dg"):
+            leaves = [x.clone().requires_grad_() for x in ins + extra]
+            with tc.launch_overrides(gate_bwd=choice):
+                o, _ = chunk_kda(*leaves[:5], mode=mode, chunk_size=C, gate=gate, g_min=-5.0, silu_qk=silu,
+                                 l2norm_qk=True, A_log=leaves[5], dt_bias=leaves[6] if has_bias else None)
+                o.backward(do)
+            runs[choice] = (o.detach(), [x.grad for x in leaves])
+        assert seen[-2:] == [False, T_run == T]  # the fused path hands the prep's backward no dg
+        (o_p, g_p), (o_d, g_d) = runs["prep"], runs["dg"]
+        assert torch.equal(o_p, o_d)
+        assert all(torch.equal(a, b) for a, b in zip(g_p[:5], g_d[:5]))  # dq, dk, dv, dz, dbeta
+        for a, b in zip(g_p[5:], g_d[5:]):  # dA_log, ddt_bias: the same terms summed in another order
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_small_grid_takes_its_state_launch(monkeypatch):

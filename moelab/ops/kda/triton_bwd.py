@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from moelab.ops.kda.triton_common import _cast, _dot, _tf32
+from moelab.ops.kda.triton_prep import _gate_bwd
 
 
 @triton.jit
@@ -390,11 +391,18 @@ def _kda_bwd_sterm(
 @triton.jit
 def _kda_bwd_dg(
     dG, dGl, dg, T,
+    z, A_log, dt_bias, dAp, dbp, g_min, NBH,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """Per K-block and chunk (grid ``[K // BK, NT, B*H]``): ``dg`` = reverse cumsum of ``dG``
     within the chunk plus the gradient of ``G_last`` (``dGl`` ``[B, NT, H, K]``, from
-    ``_kda_bwd_sterm``), which every g of the chunk feeds."""
+    ``_kda_bwd_sterm``), which every g of the chunk feeds.
+
+    ``GATE`` 1 (bounded) / 2 (softplus): the gate's backward too (``triton_prep._gate_bwd`` on the fp32 dg, as the
+    prep's backward would do it from the stored dg): ``dg`` receives dL/dz in z's dtype (z ``[B, T, H, K]`` raw,
+    unpadded), and this program's fp32 sums go to ``dAp [K // BK, NT, B*H]`` (dL/dA_log's terms) and, with
+    ``HAS_BIAS``, ``dbp [NT, B*H, K]`` (dL/d dt_bias's)."""
     i_k = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2)
@@ -408,6 +416,14 @@ def _kda_bwd_dg(
     c_off = (i_b * (T // C) + i_c).to(tl.int64) * H + i_h
     tot = tl.load(dGl + c_off * K + cols)
     out = tl.sum(x, axis=0)[None, :] - tl.cumsum(x, axis=0) + x + tot[None, :]
+    if GATE != 0:
+        u = tl.load(z + row0 * K + p).to(tl.float32)
+        if HAS_BIAS:
+            u += tl.load(dt_bias + i_h * K + cols).to(tl.float32)[None, :]
+        out, dA = _gate_bwd(out, u, tl.exp(tl.load(A_log + i_h).to(tl.float32)), g_min, GATE)
+        tl.store(dAp + (i_k * (T // C) + i_c).to(tl.int64) * NBH + i_bh, tl.sum(tl.sum(dA, axis=1), axis=0))
+        if HAS_BIAS:
+            tl.store(dbp + ((i_c * NBH + i_bh).to(tl.int64)) * K + cols, tl.sum(out, axis=0))
     tl.store(dg + row0 * K + p, out.to(dg.dtype.element_ty))
 
 

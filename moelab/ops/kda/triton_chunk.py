@@ -53,7 +53,7 @@ from moelab.ops.kda.triton_fwd import (
     _kda_fwd_state,
     _kda_fwd_wu,
 )
-from moelab.ops.kda.triton_prep import prep_bwd, prep_fwd, prep_fwd_chunked, prep_fwd_packed
+from moelab.ops.kda.triton_prep import _GATE_ID, prep_bwd, prep_fwd, prep_fwd_chunked, prep_fwd_packed
 from moelab.ops.varlen import check_cu_seqlens
 
 MODES = ("bounded", "general")
@@ -122,7 +122,7 @@ SMALL_GRID = 128
 #   H100 the recompute's _kda_fwd_state took 0.42 of 7.63 ms at B8 T4096 H16, kernel_split_h100 as above).
 VARIANTS: dict[str, tuple[str, ...]] = {"chains": ("concurrent", "serial"), "forward": ("train", "infer"),
                                         "out": ("fused", "split"), "prep": ("rerun", "kept"),
-                                        "states": ("rerun", "kept")}
+                                        "states": ("rerun", "kept"), "gate_bwd": ("prep", "dg")}
 VARIANT: dict[str, str] = {name: choices[0] for name, choices in VARIANTS.items()}  # what the op runs now
 
 
@@ -529,9 +529,21 @@ def _chains(inter, h0, do, dht, dtype, C, pack):
     return out
 
 
-def _grad_pass(q, k, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dbv, scale, bounded, C):
+def _gate_args(z, A_log, dt_bias, prep, B, NT, H, K, V):
+    """``_kda_bwd_dg``'s fused gate backward (``VARIANT["gate_bwd"] == "dg"``): ``((z, A_log, dt_bias, dAp, dbp,
+    g_min), constexprs)`` for ``_grad_pass`` and the fp32 buffers of its per-program sums, ``dAp [K // BK, NT, B*H]``
+    and ``dbp [NT, B*H, K]`` (None without dt_bias)."""
+    dAp = torch.empty(K // _dg.config(K, V)[0], NT, B * H, device=z.device, dtype=torch.float32)
+    dbp = torch.empty(NT, B * H, K, device=z.device, dtype=torch.float32) if dt_bias is not None else None
+    g_min = float(prep.g_min) if prep.gate == "bounded" else 0.0
+    args = (z, A_log, dt_bias if dt_bias is not None else dAp, dAp, dbp if dbp is not None else dAp, g_min)
+    return (args, dict(GATE=_GATE_ID[prep.gate], HAS_BIAS=dt_bias is not None)), dAp, dbp
+
+
+def _grad_pass(q, k, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dbv, scale, bounded, C, gate=None):
     """The gradient kernels: ``_kda_bwd_sterm`` (state terms per chunk), then
-    ``_kda_bwd_dqkg`` (gated-score terms per 16-row sub-tile), then ``_kda_bwd_dg`` (reverse cumsum);
+    ``_kda_bwd_dqkg`` (gated-score terms per 16-row sub-tile), then ``_kda_bwd_dg`` (reverse cumsum;
+    with ``gate``, the arguments of its fused gate backward from ``_gate_args``, dg receives dL/dz);
     fills dq, dk, dg and returns dbeta (``dbv`` plus the K-block partial sums)."""
     B, T, H, K = q.shape
     V = do.shape[-1]
@@ -553,7 +565,8 @@ def _grad_pass(q, k, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dbv, scale
         lambda bk: (K // bk, NT * (C // SUBTILE), B * H), q, k, G, beta, dAs, dkb, dq, dk, dGs, dbk, T, B * H,
         H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, IEEE=ieee,
     )
-    _dg(lambda bk: (K // bk, NT, B * H), dGs, dGl, dg, T, H=H, K=K, V=V, C=C)
+    args, const = gate or ((dGs,) * 5 + (0.0,), dict(GATE=0, HAS_BIAS=False))  # (z, A_log, dt_bias, dAp, dbp, g_min)
+    _dg(lambda bk: (K // bk, NT, B * H), dGs, dGl, dg, T, *args, B * H, H=H, K=K, V=V, C=C, **const)
     return dbeta + dbk.sum(0)
 
 
@@ -637,8 +650,12 @@ class ChunkKDAFunction(torch.autograd.Function):
         dot_bf16 = _dot_bf16(q.dtype)
         dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
         # the gradient of the log decay: fp32 when the prep made it (the gate's parameters sum it over
-        # tokens), else in g's dtype
-        dg = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32 if prep.active else g_raw.dtype)
+        # tokens), else in g's dtype; with the gate's backward fused into dg's kernel, dL/dz in z's dtype
+        fuse = VARIANT["gate_bwd"] == "dg" and prep.gate != "none" and pack is None and (T, K) == (T0, K0)
+        dg = torch.empty(B, T, H, K, device=q.device,
+                         dtype=g_raw.dtype if fuse or not prep.active else torch.float32)
+        gate, dAp, dbp = _gate_args(g_raw.contiguous(), A_log, dt_bias, prep, B, NT, H, K, V) if fuse else (
+            None, None, None)
         dAs = torch.empty(B, NT, H, 2, C, C, device=q.device, dtype=torch.float32)  # per-chunk dA_qk, dA_kk scratch
         dkb = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)  # gradient of beta k e^G through w
         dbv = torch.empty(B, T, H, device=q.device, dtype=torch.float32)  # value-side dbeta
@@ -648,7 +665,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             H=H, K=K, V=V, C=C, BV=min(V, 64), DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
         )
         del dU  # only dh (writes) and wy (reads) use it: freed before the largest allocations below
-        dbeta = _grad_pass(q, k, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dbv, scale, bounded, C)
+        dbeta = _grad_pass(q, k, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dbv, scale, bounded, C, gate)
         del inter, G, dAs, dkb, dhbuf
         # packed documents: the prep's backward reads dq, dk, dg in the documents' layout itself; the rest comes back
         # to token order here
@@ -663,7 +680,11 @@ class ChunkKDAFunction(torch.autograd.Function):
         dv = dv[:, :T0, :, :V0]
         dh0 = dh0[:, :, :K0, :V0].to(h0_raw.dtype) if dh0 is not None else None
         dA_log = ddt_bias = None
-        if prep.active:
+        if fuse:  # dg holds dL/dz already: the prep's backward does q and k
+            dA_log = dAp.view(-1, B, H).sum((0, 1))
+            ddt_bias = dbp.view(NT, B, H * K).sum((0, 1)) if dbp is not None else None
+            dq, dk = prep_bwd(q_raw, k_raw, g_raw, A_log, dt_bias, dq, dk, None, **prep.kw(), rows=rows)[:2]
+        elif prep.active:
             dq, dk, dg, dA_log, ddt_bias = prep_bwd(q_raw, k_raw, g_raw, A_log, dt_bias, dq, dk, dg, **prep.kw(),
                                                      rows=rows)
         return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, None, dh0, None, None, None, None, None, None

@@ -114,6 +114,20 @@ def _gate(x, a, g_min, GATE: tl.constexpr):
 
 
 @triton.jit
+def _gate_bwd(dy, x, a, g_min, GATE: tl.constexpr):
+    """The gate's backward from ``dy = dL/dg`` at pre-activation ``x`` (z plus dt_bias), ``a = exp(A_log)``, fp32:
+    ``(dx, dA)`` with dA the term of dL/d(A_log). GATE 1 (bounded) or 2 (softplus)."""
+    if GATE == 1:
+        # g = lb * sigmoid(u), u = a x: dg/du = lb s (1 - s); du/dx = a; d(u)/d(A_log) = a x
+        s = tl.sigmoid(a * x)
+        du = dy * g_min * s * (1.0 - s)
+        return du * a, du * a * x
+    # g = -a softplus(x): dg/dx = -a sigmoid(x) (1 above the threshold); dg/d(A_log) = g
+    ds = tl.where(x > SOFTPLUS_THRESHOLD, 1.0, tl.sigmoid(x))
+    return -a * dy * ds, -a * dy * _softplus(x)
+
+
+@triton.jit
 def _prep_fwd_kernel(
     q,
     k,
@@ -309,17 +323,7 @@ def _prep_bwd_kernel(
             a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
             if HAS_BIAS:
                 x += tl.load(dt_bias + i_h * K + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-            if GATE == 1:
-                # g = lb * sigmoid(u), u = a x: dg/du = lb s (1 - s); du/dx = a; d(u)/d(A_log) = a x
-                s = tl.sigmoid(a * x)
-                du = dy * g_min * s * (1.0 - s)
-                dx = du * a
-                dA = du * a * x
-            else:
-                # g = -a softplus(x): dg/dx = -a sigmoid(x) (1 above the threshold); dg/d(A_log) = g
-                ds = tl.where(x > SOFTPLUS_THRESHOLD, 1.0, tl.sigmoid(x))
-                dx = -a * dy * ds
-                dA = -a * dy * _softplus(x)
+            dx, dA = _gate_bwd(dy, x, a, g_min, GATE)
             dx = tl.where(mask, dx, 0.0)
             tl.store(dA_part + i_t * H + i_h, tl.sum(tl.sum(tl.where(mask, dA, 0.0), axis=1), axis=0))
             if HAS_BIAS:
