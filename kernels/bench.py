@@ -329,6 +329,7 @@ def _kda_rows(ctx: Ctx, table: dict[str, tuple], impls: tuple[str, ...]) -> dict
                 calls[impl] = dict(fb_calls(lambda fn=fn: [fn()], held, scope), train_fwd=(fn, scope))
                 for call in calls[impl]["fwdbwd"]:
                     call()
+                _progress(f"{name} {impl}: compiled and run once")
             except Exception as exc:  # one failing baseline must not hide the rest: recorded in its row
                 calls.pop(impl, None)
                 oom = isinstance(exc, torch.cuda.OutOfMemoryError)
@@ -342,7 +343,6 @@ def _kda_rows(ctx: Ctx, table: dict[str, tuple], impls: tuple[str, ...]) -> dict
                 row[f"{kind}_ms_passes"] = [t.ms for t in got[impl, kind]]
             if ctx.kernels:  # the training forward (autograd on, no backward) and the whole step, per kernel
                 from moelab.train.perf import kernel_times
-
                 with scope():
                     row["kernels_fwd"] = kernel_times(fn, cuda=ctx.cuda)
                 row["kernels_fwdbwd"] = kernel_times(step, before=clear, cuda=ctx.cuda)
