@@ -321,12 +321,12 @@ def _kda_rows(ctx: Ctx, table: dict[str, tuple], impls: tuple[str, ...]) -> dict
         B, T, H, D = table[name]
         shape_rows = {i: dict(impl=i, B=B, T=T, H=H, D=D, fwd_ms=None, fwdbwd_ms=None, peak_mem_gb=None) for i in impls
                       if not ((i.startswith("fla") and fla_chunk_kda is None) or (not ctx.cuda and i == "sdpa_flash"))}
-        calls, leaves = {}, _kda_leaves(B, T, H, D, ctx)
+        calls, train, leaves = {}, {}, _kda_leaves(B, T, H, D, ctx)  # train: the forward with autograd, its scope
         for impl in shape_rows:  # every impl built and run once (compiles, autotunes) before any is timed
             try:
                 held, fn = _kda_case(impl, leaves, ctx, fla_chunk_kda)
                 scope = functools.partial(launch_overrides, **(KDA_VARIANTS | KDA_LAUNCH_ROWS).get(impl, {}))
-                calls[impl] = dict(fb_calls(lambda fn=fn: [fn()], held, scope), train_fwd=(fn, scope))
+                calls[impl], train[impl] = fb_calls(lambda fn=fn: [fn()], held, scope), (fn, scope)
                 for call in calls[impl]["fwdbwd"]:
                     call()
                 _progress(f"{name} {impl}: compiled and run once")
@@ -335,9 +335,9 @@ def _kda_rows(ctx: Ctx, table: dict[str, tuple], impls: tuple[str, ...]) -> dict
                 oom = isinstance(exc, torch.cuda.OutOfMemoryError)
                 shape_rows[impl]["error"] = "OOM" if oom else f"{type(exc).__name__}: {str(exc)[:300]}"
                 ctx.free()
-        got = time_passes({i: {k: c[k] for k in ("fwd", "fwdbwd")} for i, c in calls.items()}, passes, ctx.timing)
+        got = time_passes(calls, passes, ctx.timing)
         for impl in calls:
-            row, (step, clear), (fn, scope) = shape_rows[impl], calls[impl]["fwdbwd"], calls[impl]["train_fwd"]
+            row, (step, clear), (fn, scope) = shape_rows[impl], calls[impl]["fwdbwd"], train[impl]
             for kind in ("fwd", "fwdbwd"):
                 row[f"{kind}_ms"] = statistics.median(x for t in got[impl, kind] for x in t.rounds_ms)
                 row[f"{kind}_ms_passes"] = [t.ms for t in got[impl, kind]]
@@ -349,12 +349,12 @@ def _kda_rows(ctx: Ctx, table: dict[str, tuple], impls: tuple[str, ...]) -> dict
             clear()
             row["peak_mem_gb"] = peak_bytes(step)[0] / 1e9 if ctx.cuda else None
             clear()
-        for (base, key), impl in ((b, i) for b in KDA_PAIRED.items() for i in calls):
-            if base in calls and impl != base and impl.startswith("moelab"):
+        for base, key in ((b, k) for b, k in KDA_PAIRED.items() if b in calls):
+            for impl in (i for i in calls if i != base and i.startswith("moelab")):
                 shape_rows[impl][f"fwdbwd_{key}"] = compare_rounds(
                     shape_rows[base]["fwdbwd_ms_passes"], shape_rows[impl]["fwdbwd_ms_passes"],
                     KDA_TARGET if base == "fla_safe_gate" else None)
-        del calls, leaves
+        del calls, train, leaves
         rows.extend(shape_rows.values())
         ctx.save({"rows": rows})
         for row in shape_rows.values():
