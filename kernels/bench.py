@@ -247,11 +247,11 @@ class Entry:
 # ---------------------------------------------------------------------------------- kda, kda_long
 
 # rows timed under ``triton_chunk.launch_overrides``: the op's non-default kernel variants (triton_chunk.VARIANTS)
-# beside its default in the same run; all_kept: the backward recomputes nothing the forward formed
+# beside its default in the same run; all_rerun: the backward recomputes the prep and the chunk states and applies
+# the gate's backward in the prep pass (the defaults before session 44)
 KDA_VARIANTS = {f"moelab_bounded_{k}_{v}": {k: v} for k, v in (s.split("=") for s in (
-    "chains=serial", "forward=infer", "out=split", "prep=kept", "states=kept", "gate_bwd=dg"))}
-KDA_VARIANTS |= {"moelab_bounded_all_kept": {"prep": "kept", "states": "kept"},
-                 "moelab_bounded_all_kept_gate_dg": {"prep": "kept", "states": "kept", "gate_bwd": "dg"}}
+    "chains=serial", "forward=infer", "out=split", "prep=rerun", "states=rerun", "gate_bwd=prep"))}
+KDA_VARIANTS |= {"moelab_bounded_all_rerun": {"prep": "rerun", "states": "rerun", "gate_bwd": "prep"}}
 KDA_IMPLS = ("moelab_bounded", *KDA_VARIANTS, "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash")
 # launch candidates (``LAUNCH`` entries) timed where --impls names them: the state-gradient chain at 1 or 3 stages or
 # 32 values wide (4 programs a head: more SMs busy at B1 H16); the gated-score gradient kernel at 1 or 3 stages

@@ -267,10 +267,10 @@ def test_launch_overrides():
     assert tc.LAUNCH == launch and tc.MAXNREG == maxnreg
     default = dict(tc.VARIANT)
     assert default == {name: choices[0] for name, choices in tc.VARIANTS.items()}
-    # chains, forward: timed on the H200; out: an H100 (kda_candidates.json, run 4); prep kept: mixed; states and
-    # gate_bwd: untimed
-    assert default == {"chains": "concurrent", "forward": "train", "out": "fused", "prep": "rerun",
-                       "states": "rerun", "gate_bwd": "prep"}
+    # chains, forward: timed on the H200; out: an H100 (kda_candidates.json, run 4); prep, states, gate_bwd: an H100
+    # at the three shapes of the kda entry (kernels/results/kda_h100.json, session 44)
+    assert default == {"chains": "concurrent", "forward": "train", "out": "fused", "prep": "kept",
+                       "states": "kept", "gate_bwd": "dg"}
     with pytest.raises(RuntimeError, match="inside"), tc.launch_overrides(forward="infer", chains=None):
         assert tc.VARIANT == {**default, "forward": "infer"}
         raise RuntimeError("inside")
@@ -361,13 +361,15 @@ def test_fused_prep_ignores_uninitialised_memory(monkeypatch, case):
     assert len(allocs) > 20, f"the poisoning reached only {len(allocs)} allocations"
 
 
+@pytest.mark.parametrize("choice", ["kept", "rerun"])
 @pytest.mark.parametrize("case", FUSED, ids=FUSED_IDS)
-def test_kept_prep_matches_reference(case):
-    """The backward from the forward's kept prep outputs (``VARIANTS["prep"]`` "kept") instead of a second prep
-    pass: the same results against the fp32 prep and recurrence, padded and partial chunks included."""
+def test_kept_and_rerun_prep_match_reference(case, choice):
+    """The backward from the forward's kept prep outputs (``VARIANTS["prep"]`` "kept", the default) and from a
+    second prep pass ("rerun"): the same results against the fp32 prep and recurrence, padded and partial chunks
+    included (gate_bwd "prep", so the prep's backward takes the gate too)."""
     from moelab.ops.kda import triton_chunk as tc
 
-    _check_fused_prep(case, lambda: tc.launch_overrides(prep="kept"))
+    _check_fused_prep(case, lambda: tc.launch_overrides(prep=choice, gate_bwd="prep"))
 
 
 INFER_FORWARD = [
@@ -547,6 +549,7 @@ def test_gate_backward_fused_into_dg(monkeypatch, case):
     from moelab.ops.kda import triton_chunk as tc
 
     _check_fused_prep(case, lambda: tc.launch_overrides(gate_bwd="dg"))
+    _check_fused_prep(case, lambda: tc.launch_overrides(gate_bwd="prep"))
 
     @contextlib.contextmanager
     def poisoned_fused():  # every buffer the fused path allocates starts NaN: its per-program sums cover them

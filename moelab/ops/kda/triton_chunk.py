@@ -120,9 +120,14 @@ SMALL_GRID = 128
 #   backward's state recompute forms them again) or "kept" (the forward stores them, with the fused output too, and
 #   the backward skips the recompute: ~0.75 KB more per token and head at D128 in bf16 kept between the two; on an
 #   H100 the recompute's _kda_fwd_state took 0.42 of 7.63 ms at B8 T4096 H16, kernel_split_h100 as above).
+# * gate_bwd: where the gate's backward runs: "dg" (the dg kernel turns dg into dL/dz itself and sums dA_log and
+#   dt_bias per program: no fp32 dg buffer; calls with padding or packed documents take the prep path) or "prep"
+#   (the prep's backward kernel). prep, states and gate_bwd at kept / kept / dg together, fwd+bwd on an H100
+#   (session 44, 3 paired passes, kernels/results/kda_candidates.json run 7): 1.084x the rerun / rerun / prep op at
+#   B8 T4096, 1.046x at B1 T32768, 1.058x at B2 T65536, each pass above 1; peak memory of the op alone 2.7% lower.
 VARIANTS: dict[str, tuple[str, ...]] = {"chains": ("concurrent", "serial"), "forward": ("train", "infer"),
-                                        "out": ("fused", "split"), "prep": ("rerun", "kept"),
-                                        "states": ("rerun", "kept"), "gate_bwd": ("prep", "dg")}
+                                        "out": ("fused", "split"), "prep": ("kept", "rerun"),
+                                        "states": ("kept", "rerun"), "gate_bwd": ("dg", "prep")}
 VARIANT: dict[str, str] = {name: choices[0] for name, choices in VARIANTS.items()}  # what the op runs now
 
 
