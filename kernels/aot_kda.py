@@ -99,7 +99,10 @@ def main() -> int:
     ap.add_argument("--maxnreg", type=int, nargs="*", default=[],
                     help="--infer: also compile every kernel at these register caps (0: uncapped)")
     args = ap.parse_args()
-    cfgs = {name: tuple(int(x) for x in val.split(",")) for name, val in (item.split("=") for item in args.cfg)}
+    cfgs = {}
+    for item in args.cfg:
+        name, val = item.split("=")
+        cfgs[name] = tuple(int(x) for x in val.split(","))
     if args.infer:
         return infer_main(args.K, args.maxnreg)
     if args.conv:
@@ -122,7 +125,6 @@ def main() -> int:
         "dh": [(B._kda_bwd_dh, dict(base, HAS_DHT=True, STORE_DH0=True, VARLEN=False, **bf), "BV", None)],
         "wy": [(B._kda_bwd_wy, dict(base, BV=64, **bf), "BK", None)],
         "sterm": [(B._kda_bwd_sterm, dict(base, BV=64, **bf), "BK", None)],
-        "wys": [(B._kda_bwd_wys, dict(base, BV=64, **bf), "BK", None)],
         "dqkg": [(B._kda_bwd_dqkg, dict(base, BC=16, BOUNDED=m, IEEE=False), "BK", m) for m in (True, False)],
         "dg": [(B._kda_bwd_dg, dict(base, GATE=gt, HAS_BIAS=gt > 0), "BK", "gate" if gt else None) for gt in (0, 1)],
     }

@@ -247,18 +247,17 @@ class Entry:
 # ---------------------------------------------------------------------------------- kda, kda_long
 
 # rows timed under ``triton_chunk.launch_overrides``: the op's non-default kernel variants (triton_chunk.VARIANTS)
-# beside its default in the same run; all_rerun: the three defaults before session 44 (prep, states, gate_bwd)
+# beside its default in the same run; all_rerun: the backward recomputes the prep and the chunk states and applies
+# the gate's backward in the prep pass (the defaults before session 44)
 KDA_VARIANTS = {f"moelab_bounded_{k}_{v}": {k: v} for k, v in (s.split("=") for s in (
-    "chains=serial", "forward=infer", "out=split", "prep=rerun", "states=rerun", "gate_bwd=prep", "state_terms=wy"))}
+    "chains=serial", "forward=infer", "out=split", "prep=rerun", "states=rerun", "gate_bwd=prep"))}
 KDA_VARIANTS |= {"moelab_bounded_all_rerun": {"prep": "rerun", "states": "rerun", "gate_bwd": "prep"}}
 KDA_IMPLS = ("moelab_bounded", *KDA_VARIANTS, "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash")
-# launch candidates (``LAUNCH`` entries) timed where --impls names them: dh at 1 or 3 stages or 32 values wide (4
-# programs a head: more SMs busy at B1 H16), dqkg at 1 or 3 stages, the one-kernel state terms (wys) at other blocks
-KDA_LAUNCH_ROWS = {f"moelab_bounded_{n}": dict(launch={k: c}, **({"state_terms": "wy"} if k == "wys" else {}))
-                   for n, k, c in (("dh_stages1", "dh", (64, 8, 1)), ("dh_stages3", "dh", (64, 8, 3)),
-                                   ("dh_32", "dh", (32, 4, 2)), ("dqkg_stages1", "dqkg", (32, 1, 1)),
-                                   ("dqkg_stages3", "dqkg", (32, 1, 3)), ("wys_32_8", "wys", (32, 8, 1)),
-                                   ("wys_16_4", "wys", (16, 4, 1)))}
+# launch candidates (``LAUNCH`` entries) timed where --impls names them: the state-gradient chain at 1 or 3 stages or
+# 32 values wide (4 programs a head: more SMs busy at B1 H16); the gated-score gradient kernel at 1 or 3 stages
+KDA_LAUNCH_ROWS = {f"moelab_bounded_{name}": dict(launch={kernel: cfg}) for name, kernel, cfg in (
+    ("dh_stages1", "dh", (64, 8, 1)), ("dh_stages3", "dh", (64, 8, 3)), ("dh_32", "dh", (32, 4, 2)),
+    ("dqkg_stages1", "dqkg", (32, 1, 1)), ("dqkg_stages3", "dqkg", (32, 1, 3)))}
 KDA_ROWS = (*KDA_IMPLS, *KDA_LAUNCH_ROWS)  # every row --impls takes
 KDA_TARGET = 1.5  # issue 37: our own training op's fwd+bwd speed-up over fla (safe gate)
 KDA_PAIRED = {"fla_safe_gate": "vs_fla", "moelab_bounded": "vs_default"}  # base row -> the field of paired ratios

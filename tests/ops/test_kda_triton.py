@@ -241,7 +241,7 @@ def test_captured_in_a_cuda_graph_equals_eager_gpu(chains, packed):
         assert torch.equal(a, b), name
 
 
-KERNELS = {"kktr", "merge", "wu", "state", "state_small", "out", "dh", "wy", "sterm", "wys", "dqkg", "dg"}
+KERNELS = {"kktr", "merge", "wu", "state", "state_small", "out", "dh", "wy", "sterm", "dqkg", "dg"}
 
 
 def test_launch_overrides():
@@ -268,9 +268,9 @@ def test_launch_overrides():
     default = dict(tc.VARIANT)
     assert default == {name: choices[0] for name, choices in tc.VARIANTS.items()}
     # chains, forward: timed on the H200; out: an H100 (kda_candidates.json, run 4); prep, states, gate_bwd: an H100
-    # at the three shapes of the kda entry (kernels/results/kda_candidates.json run 7, session 44); state_terms: untimed
+    # at the three shapes of the kda entry (kernels/results/kda_h100.json, session 44)
     assert default == {"chains": "concurrent", "forward": "train", "out": "fused", "prep": "kept",
-                       "states": "kept", "gate_bwd": "dg", "state_terms": "split"}
+                       "states": "kept", "gate_bwd": "dg"}
     with pytest.raises(RuntimeError, match="inside"), tc.launch_overrides(forward="infer", chains=None):
         assert tc.VARIANT == {**default, "forward": "infer"}
         raise RuntimeError("inside")
@@ -536,32 +536,6 @@ def test_kept_states_equal_the_recompute(mode, out, dtype):
         assert len(g_r) == len(g_k) and all(torch.equal(a, b) for a, b in zip(g_r, g_k))
         kept = kept or runs["kept"]
     _compare(_reference(ins, s0, do, dS), kept, dtype)
-
-
-@pytest.mark.parametrize(("mode", "dtype", "K"), [("bounded", torch.float32, 32), ("general", torch.float16, 16)])
-def test_state_terms_in_one_kernel(mode, dtype, K):
-    """``VARIANTS["state_terms"] = "wy"``: ``_kda_bwd_wys`` forms what ``_kda_bwd_wy`` and ``_kda_bwd_sterm`` form
-    (one program per chunk, dkb kept in registers): output, final state and every gradient but dbeta bit for bit,
-    dbeta up to its fp32 summation order, with and without an initial state, at K-blocks of 16 (several per head in
-    the interpreter), and the fp32 recurrence holds."""
-    from moelab.ops.kda import triton_chunk as tc
-
-    ins, s0, do, dS = _inputs(2, 40, 1, K, 16, dtype, seed=11)
-    fused = None  # with the initial state
-    for h0 in (s0, None):
-        runs = {}
-        for choice in ("split", "wy"):
-            with tc.launch_overrides(state_terms=choice):
-                runs[choice] = _run(chunk, ins, h0, do, dS, mode=mode, chunk_size=16)  # three chunks
-        (o_s, S_s, g_s), (o_w, S_w, g_w) = runs["split"], runs["wy"]
-        assert torch.equal(o_s, o_w) and torch.equal(S_s, S_w) and len(g_s) == len(g_w)
-        for i, (a, b) in enumerate(zip(g_s, g_w)):
-            if i == 4:  # dbeta: value side + each K-block in turn, against value side + the blocks' sum
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-            else:
-                assert torch.equal(a, b), ["dq", "dk", "dv", "dg", "dbeta", "dh0"][i]
-        fused = fused or runs["wy"]
-    _compare(_reference(ins, s0, do, dS), fused, dtype)
 
 
 @pytest.mark.parametrize("case", [(1, 64, 2, 32, 16, 16, "bounded", "bounded", False, True),

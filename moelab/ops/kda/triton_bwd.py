@@ -101,29 +101,6 @@ def _kda_bwd_dh(
 
 
 @triton.jit
-def _value_terms(v, u, U, dU, do, dv, Tm, b, r, H: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                 BV: tl.constexpr, DOT_BF16: tl.constexpr, IEEE: tl.constexpr):
-    """A chunk's value-side terms (pointers at its first row): stores ``dv = beta Tm^T dU``; returns ``dA_qk = do
-    U^T`` (unmasked, unscaled), the u-part of ``dA_kk`` (``-dvb u^T``) and of dbeta (``sum_v dvb v``), fp32."""
-    dAq = tl.zeros([C, C], dtype=tl.float32)
-    dAk = tl.zeros([C, C], dtype=tl.float32)
-    db = tl.zeros([C], dtype=tl.float32)
-    for vb in range(V // BV):
-        p = r[:, None] * (H * V) + vb * BV + tl.arange(0, BV)[None, :]
-        do_t = tl.load(do + p)
-        U_t = tl.load(U + p)
-        dU_t = tl.load(dU + p)
-        v_t = tl.load(v + p).to(tl.float32)
-        u_t = tl.load(u + p).to(tl.float32)
-        dAq += _dot(_cast(do_t, DOT_BF16), _cast(tl.trans(U_t), DOT_BF16), IEEE)
-        dvb = _dot(_cast(tl.trans(Tm), False), _cast(dU_t, False), IEEE)
-        tl.store(dv + p, (dvb * b[:, None]).to(dv.dtype.element_ty))
-        db += tl.sum(dvb * v_t, axis=1)
-        dAk -= _dot(_cast(dvb, False), _cast(tl.trans(u_t), False), IEEE)
-    return dAq, dAk, db
-
-
-@triton.jit
 def _kda_bwd_wy(
     v, beta, Abuf, w, u, hbuf, U, dU, do, dAs, dkb, dv, dbv,
     scale, T, NBH,
@@ -160,7 +137,22 @@ def _kda_bwd_wy(
     b = tl.load(beta + r * H).to(tl.float32)
     Tm = tl.load(Abuf + r[:, None] * (H * C) + cidx[None, :])
 
-    dAq, dAk, db = _value_terms(v, u, U, dU, do, dv, Tm, b, r, H, V, C, BV, DOT_BF16, IEEE)
+    # value-side terms: dA_qk = do U^T, dv, and the u-part of dA_kk and dbeta
+    dAq = tl.zeros([C, C], dtype=tl.float32)
+    dAk = tl.zeros([C, C], dtype=tl.float32)
+    db = tl.zeros([C], dtype=tl.float32)
+    for vb in range(V // BV):
+        p = r[:, None] * (H * V) + vb * BV + tl.arange(0, BV)[None, :]
+        do_t = tl.load(do + p)
+        U_t = tl.load(U + p)
+        dU_t = tl.load(dU + p)
+        v_t = tl.load(v + p).to(tl.float32)
+        u_t = tl.load(u + p).to(tl.float32)
+        dAq += _dot(_cast(do_t, DOT_BF16), _cast(tl.trans(U_t), DOT_BF16), IEEE)
+        dvb = _dot(_cast(tl.trans(Tm), False), _cast(dU_t, False), IEEE)
+        tl.store(dv + p, (dvb * b[:, None]).to(dv.dtype.element_ty))
+        db += tl.sum(dvb * v_t, axis=1)
+        dAk -= _dot(_cast(dvb, False), _cast(tl.trans(u_t), False), IEEE)
     # the w-part of dA_kk sums over all of K: dkb = Tm^T dw with dw = -dU h^T, dA_kk -= dkb w^T;
     # dkb is stored for the per-K-block kernel (recomputing it there cost three products per block)
     for kb in range(K // BK):
@@ -363,7 +355,11 @@ def _kda_bwd_sterm(
     dGl += c_off * K + bo
 
     kp = r[:, None] * (H * K) + cols[None, :]
+    G = tl.load(Gbuf + kp)
+    Gl = tl.load(Gbuf + (C - 1) * (H * K) + cols)
     b = tl.load(beta + r * H).to(tl.float32)
+    qt = tl.load(q + kp).to(tl.float32)
+    kt = tl.load(k + kp).to(tl.float32)
     dkbt = tl.load(dkb + kp)
     dqh = tl.zeros([C, BK], dtype=tl.float32)
     dkh = tl.zeros([C, BK], dtype=tl.float32)
@@ -377,20 +373,6 @@ def _kda_bwd_sterm(
         dqh += _dot(_cast(tl.load(do + p), DOT_BF16), _cast(tl.trans(ht), DOT_BF16), IEEE)
         dkh += _dot(_cast(tl.load(U + p), DOT_BF16), _cast(tl.trans(dht), DOT_BF16), IEEE)
         dgl += tl.sum(ht.to(tl.float32) * dht.to(tl.float32), axis=1)
-    db = _state_terms(q, k, Gbuf, dq, dkb, dG, dGl, kp, cols, b, dkbt, dqh, dkh, dgl, scale, H, K, C)
-    tl.store(dbs + r * H, db)
-
-
-@triton.jit
-def _state_terms(q, k, Gbuf, dq, dkb, dG, dGl, kp, cols, b, dkbt, dqh, dkh, dgl, scale,
-                 H: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
-    """A ``[C, BK]`` tile's state terms from ``dqh = do h^T``, ``dkh = U dh^T``, ``dgl = sum_v h dh`` and ``dkb``
-    (``dkbt``, fp32): stores ``dq``, the state part of dk (to ``dkb``, fp32), ``dG`` and d(G_last) (``dGl`` at its
-    chunk, ``cols``); returns the tile's dbeta term ``[C]``. ``kp`` addresses the tile (``[C, BK]`` offsets)."""
-    G = tl.load(Gbuf + kp)
-    Gl = tl.load(Gbuf + (C - 1) * (H * K) + cols)
-    qt = tl.load(q + kp).to(tl.float32)
-    kt = tl.load(k + kp).to(tl.float32)
     eG = tl.exp2(G)
     dki = dkh * tl.exp2(Gl[None, :] - G)
     dqt = dqh * eG * scale
@@ -403,77 +385,7 @@ def _state_terms(q, k, Gbuf, dq, dkb, dG, dGl, kp, cols, b, dkbt, dqh, dkh, dgl,
     tl.store(dG + kp, dGt)
     # d(G_last): through k e^{G_last - G} and through the state's decay e^{G_last} (sum_v h dh)
     tl.store(dGl + cols, part + tl.exp2(Gl) * dgl)
-    return db
-
-
-@triton.jit
-def _kda_bwd_wys(
-    q, k, v, Gbuf, beta, Abuf, w, u, hbuf, dhbuf, U, dU, do, dAs, dkb, dq, dG, dGl, dv, dbv,
-    scale, T, NBH,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_BF16: tl.constexpr, IEEE: tl.constexpr,
-):
-    """``_kda_bwd_wy`` and ``_kda_bwd_sterm`` in one program per chunk (grid ``[NT, B*H]``; ``VARIANTS["state_terms"]``
-    "wy"): per K-block, one pass over V forms ``dw = -dU h^T`` with the state products ``do h^T`` and ``U dh^T``, so
-    ``dkb = Tm^T dw`` stays in registers for the state terms (the split kernels store it in fp32 and read it back,
-    and read h, U and do twice). Stores what both store, with the whole dbeta of these terms in ``dbv``."""
-    i_c = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    r = tl.arange(0, C)
-    cidx = tl.arange(0, C)
-    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h
-    q += row0 * K
-    k += row0 * K
-    Gbuf += row0 * K
-    w += row0 * K
-    dkb += row0 * K
-    dq += row0 * K
-    dG += row0 * K
-    v += row0 * V
-    u += row0 * V
-    U += row0 * V
-    dU += row0 * V
-    do += row0 * V
-    dv += row0 * V
-    beta += row0
-    dbv += row0
-    Abuf += row0 * C
-    c_off = (i_b * (T // C) + i_c).to(tl.int64) * H + i_h
-    hbuf += c_off * K * V
-    dhbuf += c_off * K * V
-    dGl += c_off * K
-    dAs += c_off * (2 * C * C)
-
-    b = tl.load(beta + r * H).to(tl.float32)
-    Tm = tl.load(Abuf + r[:, None] * (H * C) + cidx[None, :])
-    dAq, dAk, db = _value_terms(v, u, U, dU, do, dv, Tm, b, r, H, V, C, BV, DOT_BF16, IEEE)
-    A_ptrs = r[:, None] * C + cidx[None, :]
-    tl.store(dAs + A_ptrs, tl.where(r[:, None] >= cidx[None, :], dAq * scale, 0.0))
-    for kb in range(K // BK):
-        cols = kb * BK + tl.arange(0, BK)
-        kp = r[:, None] * (H * K) + cols[None, :]
-        dw = tl.zeros([C, BK], dtype=tl.float32)
-        dqh = tl.zeros([C, BK], dtype=tl.float32)
-        dkh = tl.zeros([C, BK], dtype=tl.float32)
-        dgl = tl.zeros([BK], dtype=tl.float32)
-        for vb in range(V // BV):
-            cv = vb * BV + tl.arange(0, BV)
-            p = r[:, None] * (H * V) + cv[None, :]
-            hp = cols[:, None] * V + cv[None, :]
-            ht = tl.load(hbuf + hp)
-            dht = tl.load(dhbuf + hp)
-            dw += _dot(_cast(tl.load(dU + p), DOT_BF16), _cast(tl.trans(ht), DOT_BF16), IEEE)
-            dqh += _dot(_cast(tl.load(do + p), DOT_BF16), _cast(tl.trans(ht), DOT_BF16), IEEE)
-            dkh += _dot(_cast(tl.load(U + p), DOT_BF16), _cast(tl.trans(dht), DOT_BF16), IEEE)
-            dgl += tl.sum(ht.to(tl.float32) * dht.to(tl.float32), axis=1)
-        dkbt = -_dot(_cast(tl.trans(Tm), False), _cast(dw, False), IEEE)
-        wt = tl.load(w + kp).to(tl.float32)
-        dAk -= _dot(_cast(dkbt, False), _cast(tl.trans(wt), False), IEEE)
-        db += _state_terms(q, k, Gbuf, dq, dkb, dG, dGl, kp, cols, b, dkbt, dqh, dkh, dgl, scale, H, K, C)
-    tl.store(dAs + C * C + A_ptrs, tl.where(r[:, None] > cidx[None, :], dAk, 0.0))
-    tl.store(dbv + r * H, db)
+    tl.store(dbs + r * H, db)
 
 
 @triton.jit

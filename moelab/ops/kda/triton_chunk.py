@@ -44,7 +44,6 @@ from moelab.ops.kda.triton_bwd import (
     _kda_bwd_dqkg,
     _kda_bwd_sterm,
     _kda_bwd_wy,
-    _kda_bwd_wys,
 )
 from moelab.ops.kda.triton_common import LOG2E
 from moelab.ops.kda.triton_fwd import (
@@ -87,7 +86,6 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     "dh": (64, 8, 2),
     "wy": (64, 4, 1),
     "sterm": (64, 4, 1),
-    "wys": (32, 4, 1),  # wy and sterm in one kernel (VARIANTS["state_terms"] "wy"); the block is its K-loop's
     # two stages pipeline the partner chunks' loads (an H100: the kernel 1.77 -> 1.46 ms at B8 T4096, 7.09 -> 5.91
     # at B2 T65536; kernels/results/kda_candidates.json run 5); its bf16 check passed on the H200
     # (kernels/results/kda_check_h200.json); two warps spill less but took 1.7x the time
@@ -127,14 +125,9 @@ SMALL_GRID = 128
 #   (the prep's backward kernel). prep, states and gate_bwd at kept / kept / dg together, fwd+bwd on an H100
 #   (session 44, 3 paired passes, kernels/results/kda_candidates.json run 7): 1.084x the rerun / rerun / prep op at
 #   B8 T4096, 1.046x at B1 T32768, 1.058x at B2 T65536, each pass above 1; peak memory of the op alone 2.7% lower.
-# * state_terms: the backward's per-chunk kernels before the gated-score gradient: "split" (``_kda_bwd_wy``, then
-#   ``_kda_bwd_sterm`` per K-block) or "wy" (``_kda_bwd_wys``, both in one program per chunk: the fp32 dkb stays in
-#   registers and h, U, do are read once, ~1 GB less traffic at B8 T4096 H16 D128; the same numbers up to dbeta's
-#   fp32 summation order).
 VARIANTS: dict[str, tuple[str, ...]] = {"chains": ("concurrent", "serial"), "forward": ("train", "infer"),
                                         "out": ("fused", "split"), "prep": ("kept", "rerun"),
-                                        "states": ("kept", "rerun"), "gate_bwd": ("dg", "prep"),
-                                        "state_terms": ("split", "wy")}
+                                        "states": ("kept", "rerun"), "gate_bwd": ("dg", "prep")}
 VARIANT: dict[str, str] = {name: choices[0] for name, choices in VARIANTS.items()}  # what the op runs now
 
 
@@ -268,7 +261,6 @@ _wy = _Launcher("wy", _kda_bwd_wy, "BK")
 _dqkg = _Launcher("dqkg", _kda_bwd_dqkg, "BK")
 _dg = _Launcher("dg", _kda_bwd_dg, "BK")
 _sterm = _Launcher("sterm", _kda_bwd_sterm, "BK")
-_wys = _Launcher("wys", _kda_bwd_wys, "BK")
 _kktr = _Launcher("kktr", _kda_fwd_kkt_row, "BK")
 _merge = _Launcher("merge", _kda_fwd_merge, None)
 _wu = _Launcher("wu", _kda_fwd_wu, "BK")
@@ -553,34 +545,27 @@ def _gate_args(z, A_log, dt_bias, prep, B, NT, H, K, V):
     return (args, dict(GATE=_GATE_ID[prep.gate], HAS_BIAS=dt_bias is not None)), dAp, dbp
 
 
-def _grad_pass(q, k, v, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dv, dbv, scale, bounded, C, gate=None):
-    """The gradient kernels: ``_kda_bwd_wy`` (what sums over a whole head dim; it is the last to read
-    ``inter["dU"]``, which is dropped after it) and ``_kda_bwd_sterm`` (state terms per K-block), or both in one
-    ``_kda_bwd_wys`` (``VARIANT["state_terms"]``), then ``_kda_bwd_dqkg`` (gated-score terms per 16-row sub-tile),
-    then ``_kda_bwd_dg`` (reverse cumsum; with ``gate``, the arguments of its fused gate backward from ``_gate_args``,
-    dg receives dL/dz); fills dv, dq, dk, dg and returns dbeta (``dbv`` plus the K-block partial sums)."""
+def _grad_pass(q, k, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dbv, scale, bounded, C, gate=None):
+    """The gradient kernels: ``_kda_bwd_sterm`` (state terms per chunk), then
+    ``_kda_bwd_dqkg`` (gated-score terms per 16-row sub-tile), then ``_kda_bwd_dg`` (reverse cumsum;
+    with ``gate``, the arguments of its fused gate backward from ``_gate_args``, dg receives dL/dz);
+    fills dq, dk, dg and returns dbeta (``dbv`` plus the K-block partial sums)."""
     B, T, H, K = q.shape
     V = do.shape[-1]
     NT = T // C
     dot_bf16, ieee = _dot_bf16(q.dtype), _ieee(q.dtype)
-    const = dict(H=H, K=K, V=V, C=C, BV=min(V, 64), DOT_BF16=dot_bf16, IEEE=ieee)
-    fused = VARIANT["state_terms"] == "wy"
-    if not fused:
-        _wy((NT, B * H), v, beta, inter["Abuf"], inter["w"], inter["u"], inter["hbuf"], inter["U"], inter.pop("dU"),
-            do, dAs, dkb, dv, dbv, scale, T, B * H, **const)
+    nk = K // _dqkg.config(K, V)[0]
+    nks = K // _sterm.config(K, V)[0]
+    dbk = torch.empty(nk, B, T, H, device=q.device, dtype=torch.float32)  # per-K-block dbeta terms
+    dbs = torch.empty(nks, B, T, H, device=q.device, dtype=torch.float32)  # same, state terms
     dGs = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)  # dG before the reverse cumsum
     dGl = torch.empty(B, NT, H, K, device=q.device, dtype=torch.float32)  # d(G_last)
     # the state terms per chunk first, then the per-sub-tile kernel adds the gated-score terms
-    if fused:
-        _wys((NT, B * H), q, k, v, G, beta, inter["Abuf"], inter["w"], inter["u"], inter["hbuf"], dhbuf, inter["U"],
-             inter.pop("dU"), do, dAs, dkb, dq, dGs, dGl, dv, dbv, scale, T, B * H, **const)
-        dbeta = dbv
-    else:
-        dbs = torch.empty(K // _sterm.config(K, V)[0], B, T, H, device=q.device, dtype=torch.float32)  # per K-block
-        _sterm(lambda bk: (K // bk, NT, B * H), q, k, G, beta, inter["hbuf"], dhbuf, inter["U"], do, dkb, dq, dGs,
-               dGl, dbs, scale, T, B * H, **const)
-        dbeta = dbv + dbs.sum(0)
-    dbk = torch.empty(K // _dqkg.config(K, V)[0], B, T, H, device=q.device, dtype=torch.float32)  # per K-block
+    _sterm(
+        lambda bk: (K // bk, NT, B * H), q, k, G, beta, inter["hbuf"], dhbuf, inter["U"], do, dkb, dq, dGs,
+        dGl, dbs, scale, T, B * H, H=H, K=K, V=V, C=C, BV=min(V, 64), DOT_BF16=dot_bf16, IEEE=ieee,
+    )
+    dbeta = dbv + dbs.sum(0)
     _dqkg(
         lambda bk: (K // bk, NT * (C // SUBTILE), B * H), q, k, G, beta, dAs, dkb, dq, dk, dGs, dbk, T, B * H,
         H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, IEEE=ieee,
@@ -667,6 +652,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         G = gp if bounded else inter["Gbuf"]
         del gp
         dhbuf, dU, dh0 = _chains(inter, h0, do, dht, q.dtype, C, pack)
+        dot_bf16 = _dot_bf16(q.dtype)
         dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
         # the gradient of the log decay: fp32 when the prep made it (the gate's parameters sum it over
         # tokens), else in g's dtype; with the gate's backward fused into dg's kernel, dL/dz in z's dtype
@@ -678,9 +664,13 @@ class ChunkKDAFunction(torch.autograd.Function):
         dAs = torch.empty(B, NT, H, 2, C, C, device=q.device, dtype=torch.float32)  # per-chunk dA_qk, dA_kk scratch
         dkb = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)  # gradient of beta k e^G through w
         dbv = torch.empty(B, T, H, device=q.device, dtype=torch.float32)  # value-side dbeta
-        inter["dU"] = dU  # _grad_pass lets it go after its first kernel, before its largest allocations
-        del dU
-        dbeta = _grad_pass(q, k, v, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dv, dbv, scale, bounded, C, gate)
+        _wy(
+            (NT, B * H), v, beta, inter["Abuf"], inter["w"], inter["u"], inter["hbuf"], inter["U"], dU, do, dAs,
+            dkb, dv, dbv, scale, T, B * H,
+            H=H, K=K, V=V, C=C, BV=min(V, 64), DOT_BF16=dot_bf16, IEEE=_ieee(q.dtype),
+        )
+        del dU  # only dh (writes) and wy (reads) use it: freed before the largest allocations below
+        dbeta = _grad_pass(q, k, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dbv, scale, bounded, C, gate)
         del inter, G, dAs, dkb, dhbuf
         # packed documents: the prep's backward reads dq, dk, dg in the documents' layout itself; the rest comes back
         # to token order here
@@ -708,7 +698,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 def launch_configs(K: int = 128, V: int = 128) -> dict:
     """The launch config of every kernel at head dims K, V: {name: {block: size, num_warps, num_stages}}."""
     out = {}
-    for lau in (_kktr, _merge, _wu, _state, _state_small, _out, _dh, _wy, _sterm, _wys, _dqkg, _dg):
+    for lau in (_kktr, _merge, _wu, _state, _state_small, _out, _dh, _wy, _sterm, _dqkg, _dg):
         size, warps, stages = lau.config(K, V)
         out[lau.name] = {**({lau.block: size} if lau.block else {}), "num_warps": warps, "num_stages": stages}
     return out
