@@ -99,10 +99,7 @@ def main() -> int:
     ap.add_argument("--maxnreg", type=int, nargs="*", default=[],
                     help="--infer: also compile every kernel at these register caps (0: uncapped)")
     args = ap.parse_args()
-    cfgs = {}
-    for item in args.cfg:
-        name, val = item.split("=")
-        cfgs[name] = tuple(int(x) for x in val.split(","))
+    cfgs = {name: tuple(int(x) for x in val.split(",")) for name, val in (item.split("=") for item in args.cfg)}
     if args.infer:
         return infer_main(args.K, args.maxnreg)
     if args.conv:
