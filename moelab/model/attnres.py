@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from moelab.model.config import ResidualConfig
 from moelab.model.norm import RMSNorm
-from moelab.ops.attnres import GradSlot, Sources, depth_attention, read_sources
+from moelab.ops.attnres import GradSlot, LaunchConfig, Sources, depth_attention, read_sources
 
 
 class DepthAttention(nn.Module):
@@ -37,11 +37,13 @@ class DepthAttention(nn.Module):
     :class:`~moelab.ops.attnres.Sources` (what the residual stream passes).
     """
 
-    def __init__(self, d_model: int, norm_eps: float = 1e-6, backend: str = "auto") -> None:
+    def __init__(self, d_model: int, norm_eps: float = 1e-6, backend: str = "auto",
+                 launch: LaunchConfig | None = None) -> None:
         super().__init__()
         self.query = nn.Parameter(torch.zeros(d_model))
         self.key_norm = RMSNorm(d_model, eps=norm_eps)
         self.backend = backend
+        self.launch = launch  # the fused op's launch (None: its rule, launch_config(d_model))
 
     def forward(self, sources: torch.Tensor | list[torch.Tensor] | Sources, weights: bool = True,
                 slots: list[GradSlot] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -51,12 +53,12 @@ class DepthAttention(nn.Module):
             if self.backend == "triton" or (self.backend == "auto" and sources.tensors[0].is_cuda):
                 if torch.compiler.is_compiling():  # depth_attention is the op's graph break
                     return depth_attention(sources, self.query, self.key_norm.weight, self.key_norm.eps,
-                                           backend="triton", weights=weights)
-                return read_sources(sources, self.query, self.key_norm.weight, self.key_norm.eps, weights)
+                                           backend="triton", config=self.launch, weights=weights)
+                return read_sources(sources, self.query, self.key_norm.weight, self.key_norm.eps, weights, self.launch)
             sources = sources.tensors
         elif self.backend == "triton" or (self.backend == "auto" and sources[0].is_cuda):
             return depth_attention(sources, self.query, self.key_norm.weight, self.key_norm.eps, backend="triton",
-                                   weights=weights, slots=slots)
+                                   config=self.launch, weights=weights, slots=slots)
         if not isinstance(sources, torch.Tensor):
             sources = torch.stack(sources)
         logits = self.key_norm(sources).float() @ self.query.float()  # [S, B, T]
@@ -78,7 +80,8 @@ class AttnResidual(nn.Module):
         self.n_sublayers = n_sublayers
         self.block_ends = frozenset(cfg.block_ends(n_sublayers))  # sublayer counts that close a block
         n_queries = 0 if cfg.mode == "prenorm" else n_sublayers + 1
-        self.depth = nn.ModuleList(DepthAttention(d_model, norm_eps, cfg.backend) for _ in range(n_queries))
+        launch = cfg.launch_config()
+        self.depth = nn.ModuleList(DepthAttention(d_model, norm_eps, cfg.backend, launch) for _ in range(n_queries))
 
     def stream(self, embedding: torch.Tensor, diagnostics: bool = False) -> ResidualStream:
         """Start a pass from the token embedding ``[B, T, D]``."""

@@ -198,10 +198,15 @@ class ResidualConfig:
     # the depth softmax of the AttnRes modes: triton = moelab.ops.attnres (fused, no stack of the
     # sources); torch = the plain path; auto = triton on CUDA tensors, else torch
     backend: Backend = "auto"
+    # the fused op's launch for every read (moelab.ops.attnres.LaunchConfig.parse, e.g. "r4w4g1-b4w4g2": tile rows,
+    # warps, sources at once, optionally -b and the backward's); "" keeps the op's rule (launch_config(d_model))
+    launch: str = ""
 
     def validate(self, n_sublayers: int, prefix: str = "residual") -> None:
         _one_of(f"{prefix}.mode", self.mode, RESIDUAL_MODES)
         _one_of(f"{prefix}.backend", self.backend, BACKENDS)
+        if self.launch:
+            self.launch_config(prefix)
         if self.mode == "block_attnres":
             if self.uneven_blocks:
                 _check(1 <= self.num_blocks <= n_sublayers, f"{prefix}.num_blocks", self.num_blocks,
@@ -210,6 +215,17 @@ class ResidualConfig:
                 _check(1 <= self.num_blocks <= n_sublayers and n_sublayers % self.num_blocks == 0,
                        f"{prefix}.num_blocks", self.num_blocks,
                        f"a divisor of the sublayer count {n_sublayers} (2 per layer), or set uneven_blocks")
+
+    def launch_config(self, prefix: str = "residual"):
+        """The fused op's ``LaunchConfig`` that ``launch`` spells (None for ""); ConfigError naming the field."""
+        if not self.launch:
+            return None
+        from moelab.ops.attnres import LaunchConfig
+
+        try:
+            return LaunchConfig.parse(self.launch)
+        except ValueError as exc:
+            raise ConfigError(f"{prefix}.launch={self.launch!r} is not allowed: {exc}") from None
 
     def block_ends(self, n_sublayers: int) -> list[int]:
         """Sublayer counts after which a block closes: ``[S, 2S, ..., n_sublayers]``.

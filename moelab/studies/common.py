@@ -520,7 +520,7 @@ _PLACE_KEYS = ("tracking.", "train.ckpt_dir")
 # existed: at that value a key is left out of the fingerprint, so adding a field does not retrain every record; at
 # any other value it counts (a run that sets it computes something else).
 ADDED_KEYS: dict[str, Any] = {"model.norm_backend": "torch", "model.mla.fp32_output_precision": "highest",
-                              "model.loss_backend": "torch"}
+                              "model.loss_backend": "torch", "model.residual.launch": ""}
 
 
 def _run_config(cfg: Any) -> dict[str, Any]:

@@ -87,15 +87,24 @@ def test_stream_reads_match_reference(mode: str, num_blocks: int, uneven: bool) 
     assert len(diag["depth_weights"]) == (0 if mode == "prenorm" else n_sub + 1)
 
 
-@pytest.mark.parametrize("mode, num_blocks", [("full_attnres", 1), ("block_attnres", 3)])
-def test_stream_on_the_fused_op_matches_torch_with_gradients(mode: str, num_blocks: int) -> None:
+@pytest.mark.parametrize("mode, num_blocks, launch", [("full_attnres", 1, ""), ("block_attnres", 3, ""),
+                                                      ("block_attnres", 3, "r2w1g2-b1w2g4s2")])
+def test_stream_on_the_fused_op_matches_torch_with_gradients(mode: str, num_blocks: int, launch: str,
+                                                             monkeypatch) -> None:
     """A whole residual stream on the fused op (its reads go through ``read_sources``: only the sources a
     read owns are autograd inputs, the rest reach their producers through the gradient slots) against the
     same stream on the torch path: every read, and the gradients of the embedding, the sublayers' inputs
-    (through their outputs), the queries and the norm weights, with a loss that weighs every read."""
+    (through their outputs), the queries and the norm weights, with a loss that weighs every read. With
+    ``residual.launch`` every read runs at that launch (forward and backward) instead of the rule's."""
+    from moelab.ops import attnres as op
+
+    seen = []
+    real_fwd = op._forward_kernels
+    monkeypatch.setattr(op, "_forward_kernels", lambda q, w, eps, dt, cfg, *a, **kw: seen.append(cfg) or real_fwd(
+        q, w, eps, dt, cfg, *a, **kw))
     n_sub = 6
     torch.manual_seed(3)
-    res = AttnResidual(D, n_sub, ResidualConfig(mode=mode, num_blocks=num_blocks)).to(DEV)
+    res = AttnResidual(D, n_sub, ResidualConfig(mode=mode, num_blocks=num_blocks, launch=launch)).to(DEV)
     with torch.no_grad():
         for p in res.parameters():
             p.normal_()
@@ -120,6 +129,8 @@ def test_stream_on_the_fused_op_matches_torch_with_gradients(mode: str, num_bloc
                                               if t is not None]
 
     ref, fused = run("torch"), run("triton")
+    want = op.LaunchConfig.parse(launch) if launch else op.launch_config(D)
+    assert len(seen) == n_sub + 1 and all(cfg == want for cfg in seen)
     assert len(ref) == len(fused)
     for i, (a, b) in enumerate(zip(ref, fused)):
         assert_close(a, b, 1e-3, f"tensor {i}")  # fp32 both; a lost slot gradient is off by O(1)
@@ -136,6 +147,10 @@ def test_block_ends() -> None:
         ResidualConfig("block_attnres", 8).validate(186)
     with pytest.raises(ConfigError, match="residual.num_blocks=9"):
         ResidualConfig("block_attnres", 9, uneven_blocks=True).validate(8)
+    for bad in ("r3w4g1", "fast", "r4w4g1-b4w4g16"):  # rows not a power of two; no spec; group past 8
+        with pytest.raises(ConfigError, match=f"residual.launch='{bad}' is not allowed"):
+            ResidualConfig("block_attnres", 4, launch=bad).validate(8)
+    assert ResidualConfig("block_attnres", 4, launch="r4w4g1-b4w4g2").launch_config().bwd_launch == (4, 4, 2, 1)
 
 
 @pytest.mark.parametrize("pattern", ["KKKM", "M"])
