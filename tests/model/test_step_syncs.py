@@ -76,6 +76,14 @@ def test_residual_modes_have_no_host_sync(mode: str) -> None:
     assert syncs_of_second_step(m, batch_of(m)) == []
 
 
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_kda_gates_on_the_triton_op_have_no_host_sync(gate: str) -> None:
+    """Study 1's arms on the Triton op (the interpreter here): the bounded gate (bounded mode) and the softplus gate
+    (general mode, whose step no study has captured yet) leave nothing that would stop a CUDA graph capture."""
+    m = lit({"model.kda.gate": gate, "model.kda.g_min": -5.0, "model.kda.backend": "triton"})
+    assert syncs_of_second_step(m, batch_of(m)) == []
+
+
 def test_detector_sees_the_syncs_it_names() -> None:
     """The detector is not blind: a branch on a value, item, tolist, nonzero and a bool mask are recorded."""
     x = torch.arange(4.0)
