@@ -369,7 +369,7 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
     modes eager and default only). ``on_save(result)`` is called at each write too. ``variants``: more arms in
     the same rounds, ``{name: (mode, overrides)}`` (e.g. ``{"graphs_norm_triton": ("graphs", {"model.norm_backend":
     "triton"})}``): a setting timed beside the modes on the same batches, its speed-up still over the plain eager
-    arm (row ``arm``: the name).
+    arm, and over the plain arm of its own mode where that ran (``speedup_vs_mode``; row ``arm``: the name).
     """
     import time
 
@@ -472,7 +472,12 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
                                  base_losses if name != "eager" else None)
             else:
                 row = {"mode": mode, "error": errors.get(name, "no rounds")}
-            if name not in modes:
+            if name not in modes:  # a variant: also paired with the plain arm of its mode, round by round
+                own = windows.get(mode) if mode in arms and mode not in errors else None
+                if own and "error" not in row:
+                    ratios = [b["step_ms"] / w["step_ms"] for b, w in zip(own, windows[name])]
+                    row["speedup_vs_mode"] = {"median": _median(ratios), "min": min(ratios), "max": max(ratios),
+                                              "ratios": ratios}
                 row = {"arm": name, **row, "overrides": extra}
             result["rows"].append({"preset": preset, **row})
         del arms

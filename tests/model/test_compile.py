@@ -240,6 +240,7 @@ def test_capture_bench_runs_on_cpu(tmp_path) -> None:
     same = rows["eager_torch_norm"]
     assert same["mode"] == "eager" and same["overrides"] == {"model.norm_backend": "torch"}
     assert same["rounds"] == 2 and "speedup_vs_eager" in same and same["loss_max_abs_diff_vs_eager"] == 0.0
+    assert same["speedup_vs_mode"]["ratios"] == same["speedup_vs_eager"]["ratios"]  # its mode's arm is eager here
     assert res["meta"]["variants"] == {"eager_torch_norm": {"mode": "eager",
                                                             "overrides": {"model.norm_backend": "torch"}}}
     eager = rows["eager"]
