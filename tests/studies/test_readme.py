@@ -190,9 +190,21 @@ def test_kda_row_shows_paired_passes_with_intervals(monkeypatch: pytest.MonkeyPa
     rows = [row("moelab_bounded", 4096, 6.0), row("fla_safe_gate", 4096, 9.0), row("moelab_general", 4096, 8.0),
             row("moelab_bounded", 8192, 8.0), row("fla_safe_gate", 8192, 10.0)]
     files = {"kernels/results/kda_h200.json": {"rows": rows},
-             "kernels/results/kda_long_h200.json": {"rows": [row("moelab_bounded", 131072, 40.0)]}}
+             "kernels/results/kda_long_h200.json": {"rows": [row("moelab_bounded", 131072, 40.0)]},
+             readme.CANDIDATES: {"runs": []}}
     monkeypatch.setattr(readme, "_load", lambda rel: files[rel])
     assert "**1.50x / 1.25x** fla's speed; forward" in readme._kda_speed().result
+    assert readme.CANDIDATES not in readme._kda_speed().files
+    # a later run of the default beside fla on another GPU at both shapes (an H200 run, or one shape, is not taken)
+    paired = {"fwdbwd_vs_fla": {"ratios": [1.4, 1.4, 1.4], "target": 1.5}}
+    h100 = {"meta": {"gpu": "NVIDIA H100 80GB HBM3"}, "rows": [row("moelab_bounded", 4096, 6.0, **paired),
+                                                                 row("moelab_bounded", 8192, 7.0, **paired)]}
+    files[readme.CANDIDATES]["runs"] = [h100, {**h100, "rows": h100["rows"][:1]},
+                                        {**h100, "meta": {"gpu": "NVIDIA H200"}}]
+    shown = readme._kda_speed()
+    assert shown.result.endswith("; H100, later defaults (candidates run 1): 1.40x / 1.40x"), shown.result
+    assert shown.files[-1] == readme.CANDIDATES
+    files[readme.CANDIDATES]["runs"] = []
     rows[0]["fwdbwd_vs_fla"] = {"ratios": [1.52, 1.55, 1.58], "target": 1.5}
     rows[3]["fwdbwd_vs_fla"] = {"ratios": [1.2, 1.25, 1.3], "target": 1.5}
     result = readme._kda_speed().result
