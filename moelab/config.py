@@ -202,7 +202,7 @@ RESUME_APPLIED = ("train.lr", "train.min_lr_ratio", "train.warmup_steps", "train
 RESUME_FREE = ("name", "preset", "tracking.", "train.precision", "train.accelerator", "train.devices",
                "train.strategy", "train.val_every", "train.val_batches", "train.log_every", "train.ckpt_dir",
                "train.deterministic", "train.compile", "data.cache_dir", "data.num_workers", "model.kda.backend",
-               "model.kda.conv_backend", "model.moe.dispatch")
+               "model.kda.conv_backend", "model.moe.dispatch", "model.residual.launch")
 
 
 def resume_changes(old: RunConfig, new: RunConfig) -> tuple[dict[str, tuple[Any, Any]], dict[str, tuple[Any, Any]]]:
