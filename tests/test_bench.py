@@ -328,6 +328,10 @@ def test_attnres_launch_candidates_are_named_rows(bench):
     assert (cfg.bwd_rows, cfg.bwd_warps, cfg.bwd_group) == (1, 8, 4)
     assert bench.attnres_launch("moelab_fused@r1w8g2s2").stages == 2
     assert bench.attnres_launch("moelab_fused@r1w8g2-b1w8g4s2").bwd_launch == (1, 8, 4, 2)
+    # p<n>: the backward's persistent programs per SM (p0: as many as fit), else 4 for several-row forward tiles
+    assert [bench.attnres_launch(f"moelab_fused@r4w4g1-b1w4g2s2{p}").programs_per_sm for p in ("", "p0", "p6")] == [
+        4, 0, 6]
+    assert bench.attnres_launch("moelab_fused@r1w8g2p3").programs_per_sm == 3
     both = bench.attnres_launch("moelab_fused@r1w4g1c512s3-b1w4g1c256s2")
     assert (both.chunk, both.stages, both.bwd_chunk, both.bwd_stages) == (512, 3, 256, 2)
     assert (bench.attnres_launch("moelab_fused@r1w4g1c512s3").chunk, bench.attnres_launch(

@@ -103,7 +103,8 @@ MAX_D = 16384  # one program holds a whole row (next power of two) of a few [row
 _INTERP_PROGRAMS = 3  # interpreter: a few programs, so the persistent loop takes several turns
 
 
-_SPEC = re.compile(r"^r(\d+)w(\d+)g(\d+)(?:c(\d+))?(?:s(\d+))?(?:-b(\d+)w(\d+)g(\d+)(?:c(\d+))?(?:s(\d+))?)?$")
+_SPEC = re.compile(r"^r(\d+)w(\d+)g(\d+)(?:c(\d+))?(?:s(\d+))?(?:-b(\d+)w(\d+)g(\d+)(?:c(\d+))?(?:s(\d+))?)?"
+                   r"(?:p(\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -167,14 +168,16 @@ class LaunchConfig:
     def parse(cls, spec: str) -> LaunchConfig:
         """The launch ``spec`` spells (the names the AttnRes sweep and ``kernels/bench.py --impls`` use):
         ``r<rows>w<warps>g<group>[c<chunk>][s<stages>]`` for the forward, then optionally ``-b`` and the same for
-        the backward (left out: the forward's), e.g. ``r1w4g1s3-b1w16g4``; several-row tiles get 4 persistent
-        backward programs per SM. ValueError naming the spec (or ``validate``'s) otherwise."""
+        the backward (left out: the forward's), e.g. ``r1w4g1s3-b1w16g4``, and optionally ``p<n>``: the
+        backward's persistent programs per SM (``programs_per_sm``; ``p0``: as many as fit); without it several-row
+        forward tiles get 4, one-row tiles as many as fit. ValueError naming the spec (or ``validate``'s) otherwise."""
         m = _SPEC.match(spec)
         if m is None:
             raise ValueError(f"{spec!r} is not a launch spec: expected r<rows>w<warps>g<group>[c<chunk>][s<stages>]"
-                             f"[-b<rows>w<warps>g<group>[c<chunk>][s<stages>]]")
-        r, w, g, ch, st, br, bw, bg, bch, bst = (int(x) if x else 0 for x in m.groups())
-        cfg = cls(rows=r, warps=w, group=g, stages=st or 1, programs_per_sm=4 if r > 1 else 0, bwd_rows=br,
+                             f"[-b<rows>w<warps>g<group>[c<chunk>][s<stages>]][p<programs per SM>]")
+        r, w, g, ch, st, br, bw, bg, bch, bst, _ = (int(x) if x else 0 for x in m.groups())
+        per_sm = int(m.group(11)) if m.group(11) is not None else 4 if r > 1 else 0
+        cfg = cls(rows=r, warps=w, group=g, stages=st or 1, programs_per_sm=per_sm, bwd_rows=br,
                   bwd_warps=bw, bwd_group=bg, bwd_stages=bst, chunk=ch, bwd_chunk=bch)
         cfg.validate()
         return cfg
