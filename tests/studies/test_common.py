@@ -556,7 +556,7 @@ def test_a_field_added_at_its_old_behaviour_keeps_fingerprints():
         cfg = load_config("tiny", {key: old})
         assert key in flatten(cfg) and key not in common._run_config(cfg)
         other = {"model.norm_backend": "triton", "model.mla.fp32_output_precision": "high",
-                 "model.loss_backend": "triton"}[key]
+                 "model.loss_backend": "triton", "model.residual.launch": "r4w4g1-b4w4g1s2"}[key]
         changed = load_config("tiny", {key: other})
         assert common._run_config(changed)[key] == other
         assert common._fingerprint(changed, code) != common._fingerprint(cfg, code)
