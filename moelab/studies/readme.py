@@ -414,8 +414,9 @@ def _kda_speed() -> Row:
     files = [f, f_long]
     later = _later_default_run(both)
     if later is not None:  # a newer paired run of the default against fla on another GPU (kda_candidates.json)
-        n, gpu, ratios = later
-        result += f"; {gpu}, later defaults (candidates run {n}): {' / '.join(f'{x:.2f}x' for x in ratios)}"
+        n, gpu, ivs = later
+        result += (f"; {gpu} run {n}: {'/'.join(f'{iv.mean:.2f}' for iv in ivs)}x (CI "
+                   f"{'/'.join(f'{iv.low:.2f}-{iv.high:.2f}' for iv in ivs)})")
         files.append(CANDIDATES)
     return Row(what, result, files, (f, None))
 
@@ -423,17 +424,17 @@ def _kda_speed() -> Row:
 CANDIDATES = "kernels/results/kda_candidates.json"
 
 
-def _later_default_run(shapes: list[tuple[int, int]]) -> tuple[int, str, list[float]] | None:
+def _later_default_run(shapes: list[tuple[int, int]]) -> tuple[int, str, list[Any]] | None:
     """The last run of ``CANDIDATES`` that timed the op's default (``moelab_bounded``) beside fla at every one of
-    ``shapes`` in paired passes, on a GPU other than the H200: ``(run number, GPU, geometric-mean fwd+bwd speed-ups
-    over fla per shape)``; None if there is none."""
+    ``shapes`` in paired passes, on a GPU other than the H200: ``(run number, GPU, the fwd+bwd speed-ups over fla per
+    shape as report.log_interval's geometric means with their 95% intervals)``; None if there is none."""
     from moelab.studies.report import log_interval
 
     for n, run in reversed(list(enumerate(_load(CANDIDATES)["runs"], 1))):
         gpu = run["meta"].get("gpu", "")
         by = {(r["B"], r["T"]): r for r in run["rows"] if r["impl"] == "moelab_bounded" and r.get("fwdbwd_vs_fla")}
         if "H200" not in gpu and shapes and all(s in by for s in shapes):
-            return n, gpu.removeprefix("NVIDIA ").split()[0], [log_interval(by[s]["fwdbwd_vs_fla"]["ratios"]).mean
+            return n, gpu.removeprefix("NVIDIA ").split()[0], [log_interval(by[s]["fwdbwd_vs_fla"]["ratios"])
                                                                for s in shapes]
     return None
 

@@ -285,6 +285,12 @@ def interleaved_rounds(arms: dict[str, TimedStep], rounds: int, window: int, dea
     return out
 
 
+def paired_speedup(base: list[dict], windows: list[dict]) -> dict[str, Any]:
+    """Per-round step-time ratios ``base / windows`` (round i against round i) with their median, min and max."""
+    ratios = [b["step_ms"] / w["step_ms"] for b, w in zip(base, windows)]
+    return {"median": _median(ratios), "min": min(ratios), "max": max(ratios), "ratios": ratios}
+
+
 def timing_row(arm: TimedStep, windows: list[dict], base: list[dict] | None,
                base_losses: list[float] | None) -> dict[str, Any]:
     from moelab.model.accounting import flops_per_token, param_counts
@@ -303,9 +309,7 @@ def timing_row(arm: TimedStep, windows: list[dict], base: list[dict] | None,
            "mfu_activated": 3 * flops_per_token(arm.cfg.model, T) * tok / DATASHEET_PEAK,
            "peak_mem_gb": arm.peak / 2**30, "setup_s": arm.setup_s, "losses": losses}
     if base is not None:
-        ratios = [b["step_ms"] / w["step_ms"] for b, w in zip(base, windows)]
-        row["speedup_vs_eager"] = {"median": _median(ratios), "min": min(ratios), "max": max(ratios),
-                                   "ratios": ratios}
+        row["speedup_vs_eager"] = paired_speedup(base, windows)
     if base_losses is not None:
         n = min(len(base_losses), len(losses))
         row["loss_max_abs_diff_vs_eager"] = max(abs(a - b) for a, b in zip(base_losses[:n], losses[:n]))
@@ -475,9 +479,7 @@ def capture_bench(presets: tuple[str, ...] = ("k3-mini", "gpu-small"), modes: tu
             if name not in modes:  # a variant: also paired with the plain arm of its mode, round by round
                 own = windows.get(mode) if mode in arms and mode not in errors else None
                 if own and "error" not in row:
-                    ratios = [b["step_ms"] / w["step_ms"] for b, w in zip(own, windows[name])]
-                    row["speedup_vs_mode"] = {"median": _median(ratios), "min": min(ratios), "max": max(ratios),
-                                              "ratios": ratios}
+                    row["speedup_vs_mode"] = paired_speedup(own, windows[name])
                 row = {"arm": name, **row, "overrides": extra}
             result["rows"].append({"preset": preset, **row})
         del arms

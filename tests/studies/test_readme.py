@@ -202,7 +202,7 @@ def test_kda_row_shows_paired_passes_with_intervals(monkeypatch: pytest.MonkeyPa
     files[readme.CANDIDATES]["runs"] = [h100, {**h100, "rows": h100["rows"][:1]},
                                         {**h100, "meta": {"gpu": "NVIDIA H200"}}]
     shown = readme._kda_speed()
-    assert shown.result.endswith("; H100, later defaults (candidates run 1): 1.40x / 1.40x"), shown.result
+    assert shown.result.endswith("; H100 run 1: 1.40/1.40x (CI 1.40-1.40/1.40-1.40)"), shown.result
     assert shown.files[-1] == readme.CANDIDATES
     files[readme.CANDIDATES]["runs"] = []
     rows[0]["fwdbwd_vs_fla"] = {"ratios": [1.52, 1.55, 1.58], "target": 1.5}

@@ -123,8 +123,10 @@ SMALL_GRID = 128
 # * gate_bwd: where the gate's backward runs: "dg" (the dg kernel turns dg into dL/dz itself and sums dA_log and
 #   dt_bias per program: no fp32 dg buffer; calls with padding or packed documents take the prep path) or "prep"
 #   (the prep's backward kernel). prep, states and gate_bwd at kept / kept / dg together, fwd+bwd on an H100
-#   (session 44, 3 paired passes, kernels/results/kda_candidates.json run 7): 1.084x the rerun / rerun / prep op at
-#   B8 T4096, 1.046x at B1 T32768, 1.058x at B2 T65536, each pass above 1; peak memory of the op alone 2.7% lower.
+#   (session 44, kernels/results/kda_candidates.json run 7; geometric mean of 3 paired passes, 95% CI): 1.085x
+#   (1.070-1.100) the rerun / rerun / prep op at B8 T4096, 1.077x (0.935-1.240) at B1 T32768, 1.077x (0.994-1.166)
+#   at B2 T65536: each of the 9 passes above 1, one slow pass of the old op widening the long shapes' intervals;
+#   peak memory of the op alone 2.7% lower.
 VARIANTS: dict[str, tuple[str, ...]] = {"chains": ("concurrent", "serial"), "forward": ("train", "infer"),
                                         "out": ("fused", "split"), "prep": ("kept", "rerun"),
                                         "states": ("kept", "rerun"), "gate_bwd": ("dg", "prep")}
