@@ -128,10 +128,13 @@ PRESETS = {
     # scaled to 1:4:16). Estimate: gpu-small's measured 121 ms per 32K-token step (T = 4096; the three MLA layers'
     # longer attention adds a little at 16K), so ~15 s of steps and ~5 s of start, validation and checkpoints per run,
     # ~3 min for 3 schedules x 3 seeds; the evaluation forwards ~7M tokens per model (passkey and MQAR up to
-    # 64K), ~10 s each, ~1.5 min; ~1.5 min of kernel compilation over the lengths.
+    # 64K), ~10 s each, ~1.5 min; ~1.5 min of kernel compilation over the lengths. The steps run captured
+    # (train.compile graphs, one capture per stage): a 1K -> 4K -> 16K curriculum of 60 steps on an H100 ended at
+    # train / val loss 6.376 / 6.317 captured, 6.361 / 6.296 eager (kernels/results/model_capture_h200.json,
+    # other_gpus.H100_curriculum_eager_vs_graphs).
     "gpu": Plan("gpu-small", {"model.max_seq_len": 16384, "data.seq_len": 16384, "train.batch_size": 2,
                               "train.max_steps": 120, "train.warmup_steps": 12, "train.val_every": 20,
-                              "train.val_batches": 2, "train.log_every": 5},
+                              "train.val_batches": 2, "train.log_every": 5, "train.compile": "graphs"},
                 (1024, 4096, 16384), (0.5, 0.3, 0.2), 120, 0.1, (0, 1, 2),
                 EvalPlan(depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=8, mqar_pairs=16, mqar_samples=16,
                          lbp_samples=4, batch_size=8),
@@ -159,7 +162,8 @@ PRESETS = {
     # at its end; 377M tokens). The grid trains that recipe at half the tokens per step for 4096 steps; its pilot
     # (pilot4096, the grid's recipe) learned retrieval too: the answer NLL left its plateau at step ~2000, passkey
     # reached 0.9 first at step 3008 (197M tokens) and was 0.96 at the end (H100, record committed at 5d73dce:
-    # records/research/pilot4096_s0.json).
+    # records/research/pilot4096_s0.json). The runs are eager (train.compile none): the records were trained so, and
+    # the mode is part of every record's fingerprint (the gpu tier above captures its steps: one capture per stage).
     "research": Plan("gpu-small", {"model.n_layers": 4, "model.max_seq_len": 8192, "data.seq_len": 8192,
                                    "train.batch_size": 8, "model.norm_backend": "auto", "train.lr": 3e-3,
                                    "train.max_steps": 4096, "train.warmup_steps": 100, "train.val_every": 512,

@@ -452,13 +452,18 @@ PRESETS: dict[str, dict[str, Any]] = {
             "forget_steps": 150, "forget_seeds": (0,)},
     "gpu": {"base": "gpu-small", "seeds": (0, 1, 2),
             "overrides": {"train.max_steps": 100, "train.val_every": 50, "train.val_batches": 4,
-                          "train.warmup_steps": 10, "model.max_seq_len": 4096 * EXTRAPOLATE},
+                          "train.warmup_steps": 10, "model.max_seq_len": 4096 * EXTRAPOLATE,
+                          "train.compile": "graphs"},
             "eval_windows": 4, "overflow_shape": (2, 1024, 4, 128),
             "overflow_g_mins": (-5, -8, -8.1, -10, -11, -11.1, -12, -16, -24), "forget_steps": 300,
             "forget_seeds": (0, 1, 2)},
+    # gpu: the captured step (train.compile='graphs'); the softplus arm's general-mode step captured on an H100
+    # (session 45, kernels/results/model_capture_h200.json, other_gpus.H100_softplus_graphs): 1.10x eager tokens/s,
+    # train losses within 0.0043 of eager's over 60 steps.
     # research: >= 1 epoch of the 22,646,121-token GPU corpus at 8 x 4096 tokens per step (692 steps), eager
-    # (train.compile='none': the softplus arm's general-mode step has never been captured as a CUDA graph, so
-    # 'graphs' is not yet known to work for every arm), the decay monitored every 100 steps on a fixed batch.
+    # (train.compile='none': its 15 records were trained eager before the softplus arm's step was known to capture,
+    # and the mode is part of every record's fingerprint: 'graphs' would retrain all of them, ~22 GPU-minutes), the
+    # decay monitored every 100 steps on a fixed batch.
     # On one H200 (gpu-small eager ~310K tokens/s, kernels/results/model_capture_h200.json): ~74 s of training
     # per run, + ~5 s start, ~4 s of validation (4 x 16 batches), 8 monitor points (< 1 s each), ~2 s of
     # evaluation: ~85-90 s per run, 15 runs ~22 min; the first run of a call compiles Triton (~60 s).
