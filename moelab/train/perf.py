@@ -530,9 +530,9 @@ def kernel_times(fn: Callable[[], Any], *, calls: int = 5, before: Callable[[], 
 
 # Kernel families of a step profile, by kernel name (first match wins; "other" for the rest).
 KERNEL_FAMILIES: tuple[tuple[str, str], ...] = (
-    ("kda", r"_kda_|kda"), ("attnres", r"attnres"), ("attention", r"flash|fmha|sdpa|attention"),
+    ("kda", r"_kda_|kda|_prep_(fwd|bwd)"), ("attnres", r"attnres"), ("attention", r"flash|fmha|sdpa|attention"),
     ("fp32 gemm", r"f32f32|sgemm|simt"), ("gemm", r"gemm|xmma|cutlass|cublas|nvjet|matmul|_mm_"),
-    ("moe routing", r"moe|topk|sort|scatter|gather|index|histc|bincount"), ("norm", r"norm"),
+    ("moe routing", r"moe|topk|sort|scatter|gather|index|histc|bincount|_combine_"), ("norm", r"norm|_rms_"),
     ("optimizer", r"adam|foreach|multi_tensor"), ("conv", r"conv"), ("glu", r"glu|silu"),
     ("copy / cast", r"copy"), ("elementwise", r"elementwise|reduce|fill|cat_|triton_"))
 
