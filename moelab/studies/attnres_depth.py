@@ -81,7 +81,7 @@ PRESETS = {
     # 4 -> 16 layers, 80 steps, and the other block counts run at the deepest depth only.
     "gpu": Plan("gpu-small", {"model.dense_layers": 16, "data.seq_len": 1024, "train.batch_size": 16,
                               "train.max_steps": 80, "train.warmup_steps": 8, "train.val_every": 40,
-                              "train.val_batches": 2, "train.compile": "graphs"},
+                              "train.val_batches": 2, "train.compile": "graphs", **common.FAST_BACKENDS},
                 (4, 8, 16), (0, 1, 2), (0,), (16,),
                 notes="3:1 KDA/MLA, d_model 512, 80 steps of 16 x 1024 tokens"),
 }

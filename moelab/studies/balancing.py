@@ -83,7 +83,8 @@ PRESETS: dict[str, dict[str, Any]] = {
             "overrides": {**_MOE, "model.n_layers": 4, "model.moe.latent_dim": 256, "model.moe.expert_dim": 128,
                           "data.seq_len": 2048, "train.batch_size": 8, "train.max_steps": 160,
                           "train.warmup_steps": 16, "train.val_every": 80, "train.val_batches": 4,
-                          "train.log_every": 10, "tracking.log_system_metrics": False, "train.compile": "graphs"}},
+                          "train.log_every": 10, "tracking.log_system_metrics": False, "train.compile": "graphs",
+                          **common.FAST_BACKENDS}},
 }
 
 TAIL = 0.2  # MaxVio_batch, load CV and dead experts: over the last 20% of the steps

@@ -523,6 +523,12 @@ ADDED_KEYS: dict[str, Any] = {"model.norm_backend": "torch", "model.mla.fp32_out
                               "model.loss_backend": "torch", "model.residual.launch": ""}
 
 
+# The fused RMSNorm and loss kernels (``moelab.ops.rms_norm``, ``moelab.ops.linear_ce``: the same math, one pass each
+# way) that the GPU quick looks (each study's ``gpu`` preset) train with; "auto" keeps them off a CPU. Not in the
+# research tiers, whose records were trained on the torch paths (the keys count in a fingerprint at any other value).
+FAST_BACKENDS: dict[str, Any] = {"model.norm_backend": "auto", "model.loss_backend": "auto"}
+
+
 def _run_config(cfg: Any) -> dict[str, Any]:
     from moelab.config import flatten
 

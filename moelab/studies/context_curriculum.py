@@ -134,7 +134,8 @@ PRESETS = {
     # other_gpus.H100_curriculum_eager_vs_graphs).
     "gpu": Plan("gpu-small", {"model.max_seq_len": 16384, "data.seq_len": 16384, "train.batch_size": 2,
                               "train.max_steps": 120, "train.warmup_steps": 12, "train.val_every": 20,
-                              "train.val_batches": 2, "train.log_every": 5, "train.compile": "graphs"},
+                              "train.val_batches": 2, "train.log_every": 5, "train.compile": "graphs",
+                              **common.FAST_BACKENDS},
                 (1024, 4096, 16384), (0.5, 0.3, 0.2), 120, 0.1, (0, 1, 2),
                 EvalPlan(depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=8, mqar_pairs=16, mqar_samples=16,
                          lbp_samples=4, batch_size=8),

@@ -453,7 +453,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpu": {"base": "gpu-small", "seeds": (0, 1, 2),
             "overrides": {"train.max_steps": 100, "train.val_every": 50, "train.val_batches": 4,
                           "train.warmup_steps": 10, "model.max_seq_len": 4096 * EXTRAPOLATE,
-                          "train.compile": "graphs"},
+                          "train.compile": "graphs", **common.FAST_BACKENDS},
             "eval_windows": 4, "overflow_shape": (2, 1024, 4, 128),
             "overflow_g_mins": (-5, -8, -8.1, -10, -11, -11.1, -12, -16, -24), "forget_steps": 300,
             "forget_seeds": (0, 1, 2)},
