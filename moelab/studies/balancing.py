@@ -950,7 +950,9 @@ LAYOUTS: dict[str, tuple[int, int, int, tuple[str, ...]]] = {
 SHIFT_LAYOUT = "8x2048"  # the steady-state runs are shift-tested, in their training process (research_evaluate)
 PRESETS["research"] = {
     "base": "gpu-small", "seeds": (0, 1, 2), "shift_steps": 100, "shift_seeds": (0, 1, 2),
-    "overrides": {**PRESETS["gpu"]["overrides"], "train.warmup_steps": 40, "train.balancer_start_step": WARM_STEPS,
+    # the gpu look's overrides without its fused norm and loss kernels: the records were trained on the torch paths
+    "overrides": {**{k: v for k, v in PRESETS["gpu"]["overrides"].items() if k not in common.FAST_BACKENDS},
+                  "train.warmup_steps": 40, "train.balancer_start_step": WARM_STEPS,
                   "train.max_steps": WARM_STEPS + STEADY_STEPS, "train.val_every": 400, "train.val_batches": 4,
                   "train.log_every": 20, "train.compile": "graphs"},
     # the training-code epoch every research record is fingerprinted with (common.pinned): split calls over several

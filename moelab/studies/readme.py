@@ -347,6 +347,13 @@ def _kda_check() -> Row:
     what = (f"Triton chunked KDA, bf16, vs the fp32 recurrence (B={r0['B']}, T={Ts}, H={r0['H']}, D={r0['D']}; "
             f"modes {', '.join(modes)})")
     result = f"o <= {o:.1e}, every gradient <= {grads:.1e} (targets {tol_o:g} / {tol_g:g}); {_passed(d)}"
+    for run in d.get("other_gpus", {}).values():  # the same script on another GPU, at its own commit
+        parts = [(run[k], outs) for k, outs in (("rows", ("o",)), ("packed_rows", ("o", "final_state"))) if run.get(k)]
+        o2 = max(_error_bounds(r, outs)[0] for r, outs in parts)
+        g2 = max(_error_bounds(r, outs)[1] for r, outs in parts)
+        result += (f"; {run['meta']['device'].removeprefix('NVIDIA ').split()[0]} at "
+                   f"`{run['meta']['commit'][:7]}` ({', '.join(run['meta']['parts'])}): o <= {o2:.1e}, every "
+                   f"gradient <= {g2:.1e}: {_passed(run)}")
     return Row(what, result, [f], (f, None))
 
 
