@@ -236,16 +236,13 @@ def _capture_backends() -> Row | None:
 
 def _docs16k() -> Row | None:
     """Study 4's packed 16K stage: documents kept apart (flex_attention block mask) against no mask, eager and captured
-    (the offsets padded to one shape), latest run first (``model_capture_h200.json``: the H200's eager run at the top,
-    later runs in ``other_gpus``)."""
+    (the offsets padded to one shape), latest run first (``model_capture_h200.json``: the H200's first, eager run at the
+    top, a later H200 run in ``runs.H200_docs16k``, the H100's in ``other_gpus.H100_docs16k``); then the others."""
     f = "kernels/results/model_capture_h200.json"
     d = _load(f)
-    run = d.get("other_gpus", {}).get("H100_docs16k") or {"meta": d["meta"], "docs16k": d["docs16k"]}
-    arms = {r["arm"]: r for r in run["docs16k"] if r.get("step_ms")}
-    pairs = [(m, u) for m, u in (("masked_flex", "unmasked"), ("masked_flex_graphs", "unmasked_graphs"))
-             if m in arms and u in arms]
-    if not pairs:
-        return None
+    first = {"meta": d["meta"], "docs16k": d["docs16k"]}
+    found = [r for r in (d.get("runs", {}).get("H200_docs16k"), d.get("other_gpus", {}).get("H100_docs16k"), first)
+             if r]
     from moelab.studies.report import log_interval
 
     def ratio(arm: dict[str, Any]) -> tuple[Any, str]:
@@ -253,18 +250,32 @@ def _docs16k() -> Row | None:
         iv = log_interval(arm["speedup_vs_eager"]["ratios"])
         return iv, f"{iv.mean:.2f}x (95% CI {iv.low:.2f}-{iv.high:.2f}, {iv.n} paired rounds)"
 
-    parts = []
-    for m, u in pairs:
-        iv, text = ratio(arms[m])
-        mem = arms[m]["peak_mem_gb"] / arms[u]["peak_mem_gb"]
-        verdict = "not met" if mem > 1.05 else _verdict(iv, 0.95)
-        parts.append(f"{arms[m]['mode']} {_k(arms[m]['tok_per_s'])} vs {_k(arms[u]['tok_per_s'])} tokens/s: {text}, "
-                     f"peak memory {mem:.2f}x: {verdict}")
-    r0 = arms[pairs[0][0]]
+    def parts_of(run: dict[str, Any]) -> tuple[list[str], dict[str, Any] | None]:
+        arms = {r["arm"]: r for r in run["docs16k"] if r.get("step_ms")}
+        pairs = [(m, u) for m, u in (("masked_flex", "unmasked"), ("masked_flex_graphs", "unmasked_graphs"))
+                 if m in arms and u in arms]
+        parts = []
+        for m, u in pairs:
+            iv, text = ratio(arms[m])
+            mem = arms[m]["peak_mem_gb"] / arms[u]["peak_mem_gb"]
+            verdict = "not met" if mem > 1.05 else _verdict(iv, 0.95)
+            parts.append(f"{arms[m]['mode']} {_k(arms[m]['tok_per_s'])} vs {_k(arms[u]['tok_per_s'])} tokens/s: "
+                         f"{text}, peak memory {mem:.2f}x: {verdict}")
+        return parts, (arms[pairs[0][0]] if pairs else None)
+
+    run = found[0]
+    parts, r0 = parts_of(run)
+    if r0 is None:
+        return None
+    for other in found[1:]:
+        gpu = other["meta"]["gpu"].removeprefix("NVIDIA ").split()[0]
+        if other is first:  # the H200's first run: eager only, on a slower host
+            older = {r["arm"]: r for r in d["docs16k"]}.get("masked_flex")
+            if older:
+                parts.append(f"the H200's earlier eager run: {ratio(older)[1]}")
+        else:
+            parts.append(f"{gpu}: " + "; ".join(parts_of(other)[0]))
     lo, hi = run["meta"].get("docs16k_doc_lengths", ("?", "?"))
-    older = {r["arm"]: r for r in d["docs16k"]}.get("masked_flex")
-    if run["docs16k"] is not d["docs16k"] and older:  # the H200's earlier eager run (its host is slower)
-        parts.append(f"the H200's earlier eager run: {ratio(older)[1]}")
     return Row(f"Study 4's packed 16K stage (gpu-small, B={r0['B']}, T={r0['T']}, documents of {lo}-{hi} tokens), "
                f"documents kept apart through flex_attention vs no mask (`python -m moelab.train.perf --only none`, "
                f"{run['meta']['gpu'].removeprefix('NVIDIA ')}; target >= 0.95x tokens/s, <= 1.05x peak memory)",
@@ -465,7 +476,8 @@ def _fla_shape() -> Row:
                    f"rounds): {x['verdict']}")
     from moelab.studies.report import log_interval
 
-    for run in _load(f).get("other_gpus", {}).values():  # the same pairing on another GPU
+    runs = _load(f)
+    for run in [*runs.get("runs", {}).values(), *runs.get("other_gpus", {}).values()]:  # later runs, other GPUs
         for r in (r for r in run["rows"] if "ratio_vs_fla" in r):
             x, iv = r["ratio_vs_fla"], log_interval(r["ratio_vs_fla"]["ratios"])
             result += (f"; {run['meta']['gpu'].removeprefix('NVIDIA ').split()[0]}, captured, Triton norm and loss: "
