@@ -43,7 +43,9 @@ Our backward avoids that by forming dg chunk by chunk from the chunk states and 
 (``triton_bwd``), which the engine does not return; recomputing them is most of our own backward's
 work, so a cuDNN training path with an accurate dg would run that work on top of the engine's.
 Training calls with ``backend="cudnn"`` therefore run our Triton training op (reason logged once),
-and ``auto`` never picks the engine.
+and ``auto`` never picks the engine. How the engine is built (its forward truncates the state of sequence
+segments; its backward keeps the states and the products behind dg in bf16): kernels/README.md, "How cuDNN's
+sm90 KDA engine gets its speed".
 """
 
 from __future__ import annotations
