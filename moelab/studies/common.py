@@ -526,8 +526,9 @@ ADDED_KEYS: dict[str, Any] = {"model.norm_backend": "torch", "model.mla.fp32_out
 # The fused RMSNorm and loss kernels (``moelab.ops.rms_norm``, ``moelab.ops.linear_ce``: the same math, one pass each
 # way) that the GPU quick looks (each study's ``gpu`` preset) train with; "auto" keeps them off a CPU. Not in the
 # research tiers, whose records were trained on the torch paths (the keys count in a fingerprint at any other value).
-# gpu-small's captured step on an H100: 80.9 -> 71.1 ms with them (1.14x, 5 paired rounds, equal losses), and one run of
-# each study's gpu tier trained and evaluated with them (kernels/results/model_capture_h200.json, H100_gs_norm_loss).
+# gpu-small's captured step on an H100: 80.9 -> 71.1 ms with them (1.15x, 95% CI 1.13-1.16, 5 paired rounds; equal
+# losses), and one run of each study's gpu tier trained and evaluated with them
+# (kernels/results/model_capture_h200.json, H100_gs_norm_loss).
 FAST_BACKENDS: dict[str, Any] = {"model.norm_backend": "auto", "model.loss_backend": "auto"}
 
 

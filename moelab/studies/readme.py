@@ -268,12 +268,12 @@ def _docs16k() -> Row | None:
     if r0 is None:
         return None
     for other in found[1:]:
-        gpu = other["meta"]["gpu"].removeprefix("NVIDIA ").split()[0]
         if other is first:  # the H200's first run: eager only, on a slower host
             older = {r["arm"]: r for r in d["docs16k"]}.get("masked_flex")
             if older:
                 parts.append(f"the H200's earlier eager run: {ratio(older)[1]}")
         else:
+            gpu = other["meta"]["gpu"].removeprefix("NVIDIA ").split()[0]
             parts.append(f"{gpu}: " + "; ".join(parts_of(other)[0]))
     lo, hi = run["meta"].get("docs16k_doc_lengths", ("?", "?"))
     return Row(f"Study 4's packed 16K stage (gpu-small, B={r0['B']}, T={r0['T']}, documents of {lo}-{hi} tokens), "
@@ -360,8 +360,8 @@ def _kda_check() -> Row:
     result = f"o <= {o:.1e}, every gradient <= {grads:.1e} (targets {tol_o:g} / {tol_g:g}); {_passed(d)}"
     for run in d.get("other_gpus", {}).values():  # the same script on another GPU, at its own commit
         parts = [(run[k], outs) for k, outs in (("rows", ("o",)), ("packed_rows", ("o", "final_state"))) if run.get(k)]
-        o2 = max(_error_bounds(r, outs)[0] for r, outs in parts)
-        g2 = max(_error_bounds(r, outs)[1] for r, outs in parts)
+        bounds = [_error_bounds(r, outs) for r, outs in parts]
+        o2, g2 = max(b[0] for b in bounds), max(b[1] for b in bounds)
         result += (f"; {run['meta']['device'].removeprefix('NVIDIA ').split()[0]} at "
                    f"`{run['meta']['commit'][:7]}` ({', '.join(run['meta']['parts'])}): o <= {o2:.1e}, every "
                    f"gradient <= {g2:.1e}: {_passed(run)}")
