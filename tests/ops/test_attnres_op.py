@@ -55,6 +55,11 @@ CASES = [
     ((3, 7), 33, (BF, HF, F32, BF, BF), LaunchConfig(rows=1, warps=1, group=4, stages=2), 10.0),
     ((41,), 40, (F32, BF, BF, BF), LaunchConfig(rows=1, warps=2, group=2, bwd_group=4, bwd_stages=2), 10.0),
     ((13,), 64, (BF,) * 6, LaunchConfig(rows=1, warps=2, group=4, bwd_rows=2, bwd_group=2), 10.0),
+    # the next group's tiles loaded by hand before this one is summed: one source (no loop), a last group that
+    # L - 1 does not fill, one source at a time, mixed dtypes
+    ((7,), 24, (F32,), LaunchConfig(rows=4, warps=1, prefetch=1), 1.0),
+    ((37,), 48, (F32,) * 6, LaunchConfig(rows=2, warps=1, group=4, bwd_group=2, prefetch=1), 30.0),
+    ((3, 7), 33, (BF, HF, F32, BF, BF), LaunchConfig(rows=4, warps=1, prefetch=1), 10.0),
     # the two-pass forward over chunks of D: one source, a last chunk that D does not fill, mixed dtypes (source 0
     # in its own), pipelined loops, more sources than a power of two holds exactly
     ((7,), 24, (F32,), LaunchConfig(rows=1, warps=1, chunk=32, bwd_chunk=16), 1.0),
@@ -311,6 +316,10 @@ def test_bad_arguments_raise():
         depth_attention([x], q, w, backend="triton", config=LaunchConfig(rows=2, chunk=64))
     with pytest.raises(ValueError, match=r"LaunchConfig.bwd_chunk=24 is not allowed"):
         depth_attention([x], q, w, backend="triton", config=LaunchConfig(bwd_chunk=24))
+    with pytest.raises(ValueError, match=r"LaunchConfig.prefetch=2 is not allowed: expected 0 or 1"):
+        LaunchConfig.parse("r4w4g1f2")
+    with pytest.raises(ValueError, match="'r4w4g1x' is not a launch spec"):
+        LaunchConfig.parse("r4w4g1x")
     slot = GradSlot()
     with pytest.raises(ValueError, match="one GradSlot twice"):
         depth_attention([x, x], q, w, backend="triton", slots=[slot, slot])
@@ -338,10 +347,12 @@ def _chain(backend, leaves, dts, with_slots, config=None):
 
 # the default launch at these widths (one source at a time), and sources 4 at a time: a group that holds the
 # last source (whose slot may add) among middle ones (whose slots add or not together)
-SLOT_CONFIGS = [None, LaunchConfig(rows=1, warps=1, group=4), LaunchConfig(rows=1, warps=1, chunk=16, bwd_chunk=16)]
+SLOT_CONFIGS = [None, LaunchConfig(rows=1, warps=1, group=4), LaunchConfig(rows=1, warps=1, chunk=16, bwd_chunk=16),
+                LaunchConfig(rows=2, warps=1, group=2, prefetch=1)]
+SLOT_IDS = ["default", "group4", "chunked", "prefetch"]
 
 
-@pytest.mark.parametrize("config", SLOT_CONFIGS, ids=["default", "group4", "chunked"])
+@pytest.mark.parametrize("config", SLOT_CONFIGS, ids=SLOT_IDS)
 @pytest.mark.parametrize("dts", [(F32,) * 4, (BF,) * 4], ids=["fp32", "bf16"])
 def test_grad_slots_sum_in_place_over_reads(dts, config):
     """Sources read by several reads with gradient slots (the backward sums each source's gradient in
@@ -373,6 +384,16 @@ def test_grad_slots_sum_in_place_over_reads(dts, config):
             assert_close(a, b, tol[1], f"grad of leaf {i} (run {runs})")
     with pytest.raises(ValueError, match=r"slots: expected one GradSlot per source in list form \(2\), got 1"):
         depth_attention(leaves[:1] * 2, leaves[1], leaves[2], backend="triton", slots=[GradSlot()])
+
+
+def test_launch_spec_parses_every_field():
+    """A launch spec spells every field of LaunchConfig: the backward's part, programs per SM and the prefetch."""
+    assert LaunchConfig.parse("r4w4g1") == LaunchConfig(rows=4, warps=4, group=1, programs_per_sm=4)
+    assert LaunchConfig.parse("r4w4g1f1") == LaunchConfig(rows=4, warps=4, group=1, programs_per_sm=4, prefetch=1)
+    assert LaunchConfig.parse("r1w4g1s3-b1w16g4p0f1") == LaunchConfig(
+        rows=1, warps=4, group=1, stages=3, programs_per_sm=0, bwd_rows=1, bwd_warps=16, bwd_group=4, prefetch=1)
+    assert LaunchConfig.parse("r4w4g1-b1w4g2s2p2") == LaunchConfig(
+        rows=4, warps=4, group=1, programs_per_sm=2, bwd_rows=1, bwd_warps=4, bwd_group=2, bwd_stages=2)
 
 
 def test_promote_matches_torch():
@@ -527,7 +548,7 @@ def test_sources_of_mixed_dtypes(monkeypatch):
         assert_close(a, b, 2e-2, f"grad of leaf {i}")
 
 
-@pytest.mark.parametrize("config", SLOT_CONFIGS, ids=["default", "group4", "chunked"])
+@pytest.mark.parametrize("config", SLOT_CONFIGS, ids=SLOT_IDS)
 def test_middle_slots_partly_summed(monkeypatch, config):
     """A read whose middle slots a later read has partly filled (one it shares with that read, one only it
     takes): the missing buffer is made zeroed, so that one flag (all middle gradients add) is right for both;
