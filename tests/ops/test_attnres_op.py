@@ -892,7 +892,7 @@ from moelab.ops.attnres import _attnres_bwd_kernel as k
 ptrs = dict(x0="*fp32", xl="*bf16", g0="*fp32", gl="*bf16", tab="*i64")
 out = {}
 for rows, warps, group, c_from_h in json.loads(sys.argv[1]):
-    consts = dict(D=512, BN=rows, BD=512, C_FROM_H=c_from_h, ALIGNED=True, GROUP=group, STAGES=1)
+    consts = dict(D=512, BN=rows, BD=512, C_FROM_H=c_from_h, ALIGNED=True, GROUP=group, STAGES=1, PREFETCH=False)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32" if n in ("gofs", "N", "NPROG", "L", "acc")
                                                       else "*fp32") for n in k.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names) if sig[n][0] == "*"}
