@@ -104,7 +104,7 @@ _INTERP_PROGRAMS = 3  # interpreter: a few programs, so the persistent loop take
 
 
 _SPEC = re.compile(r"^r(\d+)w(\d+)g(\d+)(?:c(\d+))?(?:s(\d+))?(?:-b(\d+)w(\d+)g(\d+)(?:c(\d+))?(?:s(\d+))?)?"
-                   r"(?:p(\d+))?(?:f(\d+))?$")
+                   r"(?:p(\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -130,9 +130,6 @@ class LaunchConfig:
         source's chunk at once, a first pass for each source's ``<v_i, dh>``, a second that writes each ``dv_i``
         (plus its slot's running sum) and the row's part of B into an fp32 ``[N, D]`` buffer that one sum over N
         turns into dq and dw (bwd_warps, bwd_stages as given; bwd_rows, bwd_group unused).
-    prefetch: 1: both persistent kernels load the next group's source tiles (and, backward, gradient slots)
-        before they sum this group's, by hand (the loop carries them; ``stages`` pipelines through shared memory
-        instead, and cannot run ahead of a load whose address comes from the address table); 0: not.
     """
 
     rows: int = 1
@@ -146,7 +143,6 @@ class LaunchConfig:
     bwd_stages: int = 0
     chunk: int = 0
     bwd_chunk: int = 0
-    prefetch: int = 0
 
     def validate(self) -> None:
         for name, value, lo, hi in (("rows", self.rows, 1, 64), ("warps", self.warps, 1, 16),
@@ -159,8 +155,6 @@ class LaunchConfig:
             if not lo <= value <= 4:
                 what = "0 (as the forward) or " if lo == 0 else ""
                 raise ValueError(f"LaunchConfig.{name}={value} is not allowed: expected {what}1..4")
-        if self.prefetch not in (0, 1):
-            raise ValueError(f"LaunchConfig.prefetch={self.prefetch} is not allowed: expected 0 or 1")
         if self.programs_per_sm < 0:
             raise ValueError(f"LaunchConfig.programs_per_sm={self.programs_per_sm} is not allowed: expected >= 0")
         if self.chunk and (self.chunk < 16 or self.chunk > MAX_D or self.chunk & (self.chunk - 1) or self.rows != 1):
@@ -174,18 +168,17 @@ class LaunchConfig:
     def parse(cls, spec: str) -> LaunchConfig:
         """The launch ``spec`` spells (the names the AttnRes sweep and ``kernels/bench.py --impls`` use):
         ``r<rows>w<warps>g<group>[c<chunk>][s<stages>]`` for the forward, then optionally ``-b`` and the same for
-        the backward (left out: the forward's), e.g. ``r1w4g1s3-b1w16g4``, optionally ``p<n>``: the
+        the backward (left out: the forward's), e.g. ``r1w4g1s3-b1w16g4``, and optionally ``p<n>``: the
         backward's persistent programs per SM (``programs_per_sm``; ``p0``: as many as fit); without it several-row
-        forward tiles get 4, one-row tiles as many as fit; and optionally ``f1``: ``prefetch``. ValueError naming
-        the spec (or ``validate``'s) otherwise."""
+        forward tiles get 4, one-row tiles as many as fit. ValueError naming the spec (or ``validate``'s) otherwise."""
         m = _SPEC.match(spec)
         if m is None:
             raise ValueError(f"{spec!r} is not a launch spec: expected r<rows>w<warps>g<group>[c<chunk>][s<stages>]"
-                             f"[-b<rows>w<warps>g<group>[c<chunk>][s<stages>]][p<programs per SM>][f<prefetch>]")
-        r, w, g, ch, st, br, bw, bg, bch, bst, _, pf = (int(x) if x else 0 for x in m.groups())
+                             f"[-b<rows>w<warps>g<group>[c<chunk>][s<stages>]][p<programs per SM>]")
+        r, w, g, ch, st, br, bw, bg, bch, bst, _ = (int(x) if x else 0 for x in m.groups())
         per_sm = int(m.group(11)) if m.group(11) is not None else 4 if r > 1 else 0
         cfg = cls(rows=r, warps=w, group=g, stages=st or 1, programs_per_sm=per_sm, bwd_rows=br,
-                  bwd_warps=bw, bwd_group=bg, bwd_stages=bst, chunk=ch, bwd_chunk=bch, prefetch=pf)
+                  bwd_warps=bw, bwd_group=bg, bwd_stages=bst, chunk=ch, bwd_chunk=bch)
         cfg.validate()
         return cfg
 
@@ -411,7 +404,7 @@ def _fwd_group(v, i, ok, gq, r, s, rows, rm, m, den, acc, N, D, eps):
 @triton.jit(do_not_specialize=["N", "L"])
 def _attnres_fwd_kernel(x0, xl, tab, q, w, h, h32, stats, N, D: tl.constexpr, eps, L, BN: tl.constexpr,
                         BD: tl.constexpr, ALIGNED: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr,
-                        H32: tl.constexpr, PREFETCH: tl.constexpr = False):
+                        H32: tl.constexpr):
     """One ``[BN, D]`` tile of h from the L sources: ``x0`` (source 0), ``tab[1..L-2]`` (addresses,
     of ``xl``'s dtype), ``xl`` (source L - 1); writes ``stats [2L + 1, N]`` (fp32: r, s ``[L, N]`` and
     lse ``[N]``) for the backward, and ``tab[L - 1] = xl`` for the next read of the same sources.
@@ -421,7 +414,7 @@ def _attnres_fwd_kernel(x0, xl, tab, q, w, h, h32, stats, N, D: tl.constexpr, ep
     Sources 1.. come in groups of GROUP, each group's tiles loaded at once (``[GROUP, BN, BD]``): that
     many loads per program in flight, however long the row sums between them take. ``STAGES`` > 1 lets
     Triton software-pipeline the loop over the groups (the next groups' loads as asynchronous copies into
-    shared memory). ``PREFETCH``: the loop loads the next group's tiles before it sums this one's (by hand)."""
+    shared memory)."""
     r, s, lse = stats, stats + L * N, stats + 2 * L * N
     gq = _gq(q, w, D, BD)
     rows, rm, offs, mask = _tile(tl.program_id(0), N, D, BN, BD)
@@ -431,22 +424,11 @@ def _attnres_fwd_kernel(x0, xl, tab, q, w, h, h32, stats, N, D: tl.constexpr, ep
     m, den, acc = _fwd_group(tl.load(x0 + offs, mask=mask, other=0.0).to(tl.float32), first, first < L, gq, r, s,
                              rows, rm, tl.full([1, BN], float("-inf"), tl.float32), tl.zeros([1, BN], tl.float32),
                              tl.zeros([1, BN, BD], tl.float32), N, D, eps)
-    if PREFETCH:
-        i = 1 + tl.arange(0, GROUP)
+    for i0 in tl.range(1, L, GROUP, num_stages=STAGES):
+        i = i0 + tl.arange(0, GROUP)
         ptr, gm, ok = _group(i, L, xl, tab, offs, mask, ALIGNED)
-        v = tl.load(ptr, mask=gm, other=0.0)
-        for i0 in tl.range(1, L, GROUP):
-            j = i0 + GROUP + tl.arange(0, GROUP)
-            nptr, ngm, nok = _group(j, L, xl, tab, offs, mask, ALIGNED)
-            nv = tl.load(nptr, mask=ngm, other=0.0)  # in flight while this group is summed
-            m, den, acc = _fwd_group(v.to(tl.float32), i, ok, gq, r, s, rows, rm, m, den, acc, N, D, eps)
-            i, ok, v = j, nok, nv
-    else:
-        for i0 in tl.range(1, L, GROUP, num_stages=STAGES):
-            i = i0 + tl.arange(0, GROUP)
-            ptr, gm, ok = _group(i, L, xl, tab, offs, mask, ALIGNED)
-            m, den, acc = _fwd_group(tl.load(ptr, mask=gm, other=0.0).to(tl.float32), i, ok, gq, r, s, rows, rm, m,
-                                     den, acc, N, D, eps)
+        m, den, acc = _fwd_group(tl.load(ptr, mask=gm, other=0.0).to(tl.float32), i, ok, gq, r, s, rows, rm, m, den,
+                                 acc, N, D, eps)
     hv = acc / den[:, :, None]
     tl.store(h + offs, hv.to(h.dtype.element_ty), mask=mask)
     if H32:
@@ -515,21 +497,10 @@ def _bwd_group(v, prev, i, ok, g, c, gq, r, s, lse_r, rows, rm, N, D):
     return pi[:, :, None] * g + a[:, :, None] * gq - (a * si * ri / D)[:, :, None] * v + prev, a
 
 
-@triton.jit
-def _bwd_loads(i, L, xl, tab, gl, gtab, offs, mask, acc, ALIGNED: tl.constexpr):
-    """The gradient pointers ``[S, BN, BD]``, mask and existence of the sources ``i [S]`` (1..L-1), their tiles
-    and what their slots hold where they add (0 elsewhere), both as stored (16-bit or fp32)."""
-    ptr, gm, ok = _group(i, L, xl, tab, offs, mask, ALIGNED)
-    dptr, _, _ = _group(i, L, gl, gtab, offs, mask, ALIGNED)
-    adds = tl.where(i == L - 1, acc & 2, acc & 4) != 0
-    return (dptr, gm, ok, tl.load(ptr, mask=gm, other=0.0),
-            tl.load(dptr, mask=gm & adds[:, None, None], other=0.0))
-
-
 @triton.jit(do_not_specialize=["gofs", "N", "NPROG", "L", "acc"])
 def _attnres_bwd_kernel(x0, xl, g0, gl, tab, gofs, q, w, h, dh, stats, part, N, D: tl.constexpr, NPROG, L,
                         acc, BN: tl.constexpr, BD: tl.constexpr, C_FROM_H: tl.constexpr, ALIGNED: tl.constexpr,
-                        GROUP: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr = False):
+                        GROUP: tl.constexpr, STAGES: tl.constexpr):
     """dv_i for the tiles ``pid, pid + NPROG, ...`` and this program's partials of dq = g * B and
     dw = q * B (``part [NPROG, 2, D]``; their sum over the programs is the two gradients).
 
@@ -540,8 +511,7 @@ def _attnres_bwd_kernel(x0, xl, g0, gl, tab, gofs, q, w, h, dh, stats, part, N, 
     (an fp32 h) it is ``<dh, h>`` and each source is read once; otherwise a first pass over the tile's
     sources sums ``sum_j p_j v_j`` elementwise in fp32 (one row sum per tile; h is not even saved then),
     and the second pass finds those tiles in L2. B is summed in a ``[BN, BD]`` register tile and reduced
-    across rows once per program. ``PREFETCH``: the loop over sources 1.. loads the next group's tiles and slots
-    before it works on this one's (by hand: the loop carries them)."""
+    across rows once per program."""
     r, s, lse = stats, stats + L * N, stats + 2 * L * N
     gtab = tab + gofs
     add0 = (acc & 1) != 0
@@ -570,28 +540,16 @@ def _attnres_bwd_kernel(x0, xl, g0, gl, tab, gofs, q, w, h, dh, stats, part, N, 
         dv, a = _bwd_group(v, prev, first, first < L, g, c, gq, r, s, lse_r, rows, rm, N, D)
         tl.store(g0 + offs, dv.to(g0.dtype.element_ty), mask=mask)
         b_acc += a[:, :, None] * v
-        if PREFETCH:
-            i = 1 + tl.arange(0, GROUP)
-            dptr, gm, ok, vi, prev_i = _bwd_loads(i, L, xl, tab, gl, gtab, offs, mask, acc, ALIGNED)
-            for i0 in tl.range(1, L, GROUP):
-                j = i0 + GROUP + tl.arange(0, GROUP)  # its loads in flight while this group is worked on
-                ndptr, ngm, nok, nvi, nprev = _bwd_loads(j, L, xl, tab, gl, gtab, offs, mask, acc, ALIGNED)
-                vi = vi.to(tl.float32)
-                dv_i, a_i = _bwd_group(vi, prev_i.to(tl.float32), i, ok, g, c, gq, r, s, lse_r, rows, rm, N, D)
-                tl.store(dptr, dv_i.to(gl.dtype.element_ty), mask=gm)
-                b_acc += tl.sum(a_i[:, :, None] * vi, axis=0, keep_dims=True)
-                i, dptr, gm, ok, vi, prev_i = j, ndptr, ngm, nok, nvi, nprev
-        else:  # (the loads in the order of before: the default launch's code unchanged)
-            for i0 in tl.range(1, L, GROUP, num_stages=STAGES):
-                i = i0 + tl.arange(0, GROUP)
-                ptr, gm, ok = _group(i, L, xl, tab, offs, mask, ALIGNED)
-                vi = tl.load(ptr, mask=gm, other=0.0).to(tl.float32)
-                dptr, _, _ = _group(i, L, gl, gtab, offs, mask, ALIGNED)
-                adds = tl.where(i == L - 1, acc & 2, acc & 4) != 0
-                prev_i = tl.load(dptr, mask=gm & adds[:, None, None], other=0.0).to(tl.float32)
-                dv_i, a_i = _bwd_group(vi, prev_i, i, ok, g, c, gq, r, s, lse_r, rows, rm, N, D)
-                tl.store(dptr, dv_i.to(gl.dtype.element_ty), mask=gm)
-                b_acc += tl.sum(a_i[:, :, None] * vi, axis=0, keep_dims=True)
+        for i0 in tl.range(1, L, GROUP, num_stages=STAGES):
+            i = i0 + tl.arange(0, GROUP)
+            ptr, gm, ok = _group(i, L, xl, tab, offs, mask, ALIGNED)
+            vi = tl.load(ptr, mask=gm, other=0.0).to(tl.float32)
+            dptr, _, _ = _group(i, L, gl, gtab, offs, mask, ALIGNED)
+            adds = tl.where(i == L - 1, acc & 2, acc & 4) != 0
+            prev_i = tl.load(dptr, mask=gm & adds[:, None, None], other=0.0).to(tl.float32)
+            dv_i, a_i = _bwd_group(vi, prev_i, i, ok, g, c, gq, r, s, lse_r, rows, rm, N, D)
+            tl.store(dptr, dv_i.to(gl.dtype.element_ty), mask=gm)
+            b_acc += tl.sum(a_i[:, :, None] * vi, axis=0, keep_dims=True)
     b = tl.sum(tl.sum(b_acc, axis=1), axis=0)
     cols = tl.arange(0, BD)
     dq_part = part + pid.to(tl.int64) * 2 * D
@@ -767,7 +725,7 @@ def _forward_kernels(query: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         _attnres_fwd_kernel[grid](
             x0, xl, tab, query, norm_weight, h, h if h32 is None else h32, stats, N, D, eps, L,
             BN=cfg.rows, BD=BD, ALIGNED=aligned, GROUP=cfg.group, STAGES=cfg.stages, H32=keep,
-            PREFETCH=bool(cfg.prefetch), num_warps=cfg.warps)
+            num_warps=cfg.warps)
     return h, h32, stats, tab, aligned, (N, D, BD, tiles, bwd)
 
 
@@ -873,7 +831,7 @@ class _DepthAttentionFn(torch.autograd.Function):
         kernel = _attnres_bwd_kernel[(nprog,)](
             x0, xl, g0, gl, tab, tab.shape[0] // 2, query, norm_weight, dh if h is None else h, dh, stats, part,
             N, D, nprog, L, acc, BN=rows, BD=BD, C_FROM_H=h is not None, ALIGNED=aligned, GROUP=group,
-            STAGES=stages, PREFETCH=bool(cfg.prefetch), num_warps=warps)
+            STAGES=stages, num_warps=warps)
         if key is not None and key not in _RESIDENT:
             _note_resident(key, kernel, dh.device, warps)
         dq, dw = part.sum(0).unbind(0)

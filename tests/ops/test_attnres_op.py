@@ -55,11 +55,6 @@ CASES = [
     ((3, 7), 33, (BF, HF, F32, BF, BF), LaunchConfig(rows=1, warps=1, group=4, stages=2), 10.0),
     ((41,), 40, (F32, BF, BF, BF), LaunchConfig(rows=1, warps=2, group=2, bwd_group=4, bwd_stages=2), 10.0),
     ((13,), 64, (BF,) * 6, LaunchConfig(rows=1, warps=2, group=4, bwd_rows=2, bwd_group=2), 10.0),
-    # the next group's tiles loaded by hand before this one is summed: one source (no loop), a last group that
-    # L - 1 does not fill, one source at a time, mixed dtypes
-    ((7,), 24, (F32,), LaunchConfig(rows=4, warps=1, prefetch=1), 1.0),
-    ((37,), 48, (F32,) * 6, LaunchConfig(rows=2, warps=1, group=4, bwd_group=2, prefetch=1), 30.0),
-    ((3, 7), 33, (BF, HF, F32, BF, BF), LaunchConfig(rows=4, warps=1, prefetch=1), 10.0),
     # the two-pass forward over chunks of D: one source, a last chunk that D does not fill, mixed dtypes (source 0
     # in its own), pipelined loops, more sources than a power of two holds exactly
     ((7,), 24, (F32,), LaunchConfig(rows=1, warps=1, chunk=32, bwd_chunk=16), 1.0),
@@ -316,10 +311,6 @@ def test_bad_arguments_raise():
         depth_attention([x], q, w, backend="triton", config=LaunchConfig(rows=2, chunk=64))
     with pytest.raises(ValueError, match=r"LaunchConfig.bwd_chunk=24 is not allowed"):
         depth_attention([x], q, w, backend="triton", config=LaunchConfig(bwd_chunk=24))
-    with pytest.raises(ValueError, match=r"LaunchConfig.prefetch=2 is not allowed: expected 0 or 1"):
-        LaunchConfig.parse("r4w4g1f2")
-    with pytest.raises(ValueError, match="'r4w4g1x' is not a launch spec"):
-        LaunchConfig.parse("r4w4g1x")
     slot = GradSlot()
     with pytest.raises(ValueError, match="one GradSlot twice"):
         depth_attention([x, x], q, w, backend="triton", slots=[slot, slot])
@@ -347,12 +338,10 @@ def _chain(backend, leaves, dts, with_slots, config=None):
 
 # the default launch at these widths (one source at a time), and sources 4 at a time: a group that holds the
 # last source (whose slot may add) among middle ones (whose slots add or not together)
-SLOT_CONFIGS = [None, LaunchConfig(rows=1, warps=1, group=4), LaunchConfig(rows=1, warps=1, chunk=16, bwd_chunk=16),
-                LaunchConfig(rows=2, warps=1, group=2, prefetch=1)]
-SLOT_IDS = ["default", "group4", "chunked", "prefetch"]
+SLOT_CONFIGS = [None, LaunchConfig(rows=1, warps=1, group=4), LaunchConfig(rows=1, warps=1, chunk=16, bwd_chunk=16)]
 
 
-@pytest.mark.parametrize("config", SLOT_CONFIGS, ids=SLOT_IDS)
+@pytest.mark.parametrize("config", SLOT_CONFIGS, ids=["default", "group4", "chunked"])
 @pytest.mark.parametrize("dts", [(F32,) * 4, (BF,) * 4], ids=["fp32", "bf16"])
 def test_grad_slots_sum_in_place_over_reads(dts, config):
     """Sources read by several reads with gradient slots (the backward sums each source's gradient in
@@ -387,13 +376,15 @@ def test_grad_slots_sum_in_place_over_reads(dts, config):
 
 
 def test_launch_spec_parses_every_field():
-    """A launch spec spells every field of LaunchConfig: the backward's part, programs per SM and the prefetch."""
+    """A launch spec spells every field of LaunchConfig it names: the backward's part and programs per SM;
+    a malformed spec names itself."""
     assert LaunchConfig.parse("r4w4g1") == LaunchConfig(rows=4, warps=4, group=1, programs_per_sm=4)
-    assert LaunchConfig.parse("r4w4g1f1") == LaunchConfig(rows=4, warps=4, group=1, programs_per_sm=4, prefetch=1)
-    assert LaunchConfig.parse("r1w4g1s3-b1w16g4p0f1") == LaunchConfig(
-        rows=1, warps=4, group=1, stages=3, programs_per_sm=0, bwd_rows=1, bwd_warps=16, bwd_group=4, prefetch=1)
+    assert LaunchConfig.parse("r1w4g1s3-b1w16g4p0") == LaunchConfig(
+        rows=1, warps=4, group=1, stages=3, programs_per_sm=0, bwd_rows=1, bwd_warps=16, bwd_group=4)
     assert LaunchConfig.parse("r4w4g1-b1w4g2s2p2") == LaunchConfig(
         rows=4, warps=4, group=1, programs_per_sm=2, bwd_rows=1, bwd_warps=4, bwd_group=2, bwd_stages=2)
+    with pytest.raises(ValueError, match="'r4w4g1x' is not a launch spec"):
+        LaunchConfig.parse("r4w4g1x")
 
 
 def test_promote_matches_torch():
@@ -548,7 +539,7 @@ def test_sources_of_mixed_dtypes(monkeypatch):
         assert_close(a, b, 2e-2, f"grad of leaf {i}")
 
 
-@pytest.mark.parametrize("config", SLOT_CONFIGS, ids=SLOT_IDS)
+@pytest.mark.parametrize("config", SLOT_CONFIGS, ids=["default", "group4", "chunked"])
 def test_middle_slots_partly_summed(monkeypatch, config):
     """A read whose middle slots a later read has partly filled (one it shares with that read, one only it
     takes): the missing buffer is made zeroed, so that one flag (all middle gradients add) is right for both;
@@ -892,7 +883,7 @@ from moelab.ops.attnres import _attnres_bwd_kernel as k
 ptrs = dict(x0="*fp32", xl="*bf16", g0="*fp32", gl="*bf16", tab="*i64")
 out = {}
 for rows, warps, group, c_from_h in json.loads(sys.argv[1]):
-    consts = dict(D=512, BN=rows, BD=512, C_FROM_H=c_from_h, ALIGNED=True, GROUP=group, STAGES=1, PREFETCH=False)
+    consts = dict(D=512, BN=rows, BD=512, C_FROM_H=c_from_h, ALIGNED=True, GROUP=group, STAGES=1)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32" if n in ("gofs", "N", "NPROG", "L", "acc")
                                                       else "*fp32") for n in k.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names) if sig[n][0] == "*"}
