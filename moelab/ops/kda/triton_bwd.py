@@ -169,8 +169,8 @@ def _kda_bwd_wy(
     # result is what made an earlier fused gradient kernel fault on Hopper with Triton 3.6 (its
     # shared-memory copy is miscompiled; fla reports the same for trans(mma) -> local_alloc).
     A_ptrs = r[:, None] * C + cidx[None, :]
-    tl.store(dAs + A_ptrs, dAq)
-    tl.store(dAs + C * C + A_ptrs, dAk)
+    tl.store(dAs + A_ptrs, dAq.to(dAs.dtype.element_ty))
+    tl.store(dAs + C * C + A_ptrs, dAk.to(dAs.dtype.element_ty))
     tl.store(dbv + r * H, db)
 
 
@@ -270,14 +270,14 @@ def _kda_bwd_dqkg(
             bj = tl.load(beta + j * H).to(tl.float32)
             # row side: rows i >= j of column j
             e_r = tl.exp2(tl.where((rI >= j)[:, None], GI - Gj[None, :], float("-inf")))
-            aq = tl.load(dAs + rI * C + j)
-            ak = tl.load(dAs + C * C + rI * C + j)
+            aq = tl.load(dAs + rI * C + j).to(tl.float32)
+            ak = tl.load(dAs + C * C + rI * C + j).to(tl.float32)
             rq += aq[:, None] * kj[None, :] * e_r
             rk += ak[:, None] * kj[None, :] * e_r
             # column side: column i <= j of row j
             e_c = tl.exp2(tl.where((rI <= j)[:, None], Gj[None, :] - GI, float("-inf")))
-            cq = tl.load(dAs + j * C + rI)
-            ck = tl.load(dAs + C * C + j * C + rI)
+            cq = tl.load(dAs + j * C + rI).to(tl.float32)
+            ck = tl.load(dAs + C * C + j * C + rI).to(tl.float32)
             cs += (cq[:, None] * qj[None, :] + (ck * bj)[:, None] * kj[None, :]) * e_c
         dGt += qI * rq + bkI * rk - kI * cs
 

@@ -127,9 +127,13 @@ SMALL_GRID = 128
 #   (1.070-1.100) the rerun / rerun / prep op at B8 T4096, 1.077x (0.935-1.240) at B1 T32768, 1.077x (0.994-1.166)
 #   at B2 T65536: each of the 9 passes above 1, one slow pass of the old op widening the long shapes' intervals;
 #   peak memory of the op alone 2.7% lower.
+# * das: the score gradients dA_qk, dA_kk the wy kernel hands the gated-score kernel (per chunk and head, [2, C, C]):
+#   "fp32", or "bf16" for bf16 inputs (half the scratch's traffic; the score kernel's products take them at bf16's
+#   8-bit mantissa instead of TF32's 11; both sides of each dG pair still read the same stored value). A candidate.
 VARIANTS: dict[str, tuple[str, ...]] = {"chains": ("concurrent", "serial"), "forward": ("train", "infer"),
                                         "out": ("fused", "split"), "prep": ("kept", "rerun"),
-                                        "states": ("kept", "rerun"), "gate_bwd": ("dg", "prep")}
+                                        "states": ("kept", "rerun"), "gate_bwd": ("dg", "prep"),
+                                        "das": ("fp32", "bf16")}
 VARIANT: dict[str, str] = {name: choices[0] for name, choices in VARIANTS.items()}  # what the op runs now
 
 
@@ -663,7 +667,8 @@ class ChunkKDAFunction(torch.autograd.Function):
                          dtype=g_raw.dtype if fuse or not prep.active else torch.float32)
         gate, dAp, dbp = _gate_args(g_raw.contiguous(), A_log, dt_bias, prep, B, NT, H, K, V) if fuse else (
             None, None, None)
-        dAs = torch.empty(B, NT, H, 2, C, C, device=q.device, dtype=torch.float32)  # per-chunk dA_qk, dA_kk scratch
+        das = torch.bfloat16 if VARIANT["das"] == "bf16" and q.dtype == torch.bfloat16 else torch.float32
+        dAs = torch.empty(B, NT, H, 2, C, C, device=q.device, dtype=das)  # per-chunk dA_qk, dA_kk scratch
         dkb = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)  # gradient of beta k e^G through w
         dbv = torch.empty(B, T, H, device=q.device, dtype=torch.float32)  # value-side dbeta
         _wy(
