@@ -178,13 +178,13 @@ def test_bad_arguments_raise():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [{}, dict(chains="serial", forward="infer"), dict(das="bf16")],
-                         ids=["default", "serial-infer", "das-bf16"])
+@pytest.mark.parametrize("variant", [{}, dict(chains="serial", forward="infer"), dict(das="bf16", du="bf16")],
+                         ids=["default", "serial-infer", "bf16-scratch"])
 @pytest.mark.parametrize("mode", ["bounded", "general"])
 def test_bf16_on_gpu(mode, variant):
     """The real bf16 path (tensor-core products, bf16 intermediates), which the interpreter cannot run: the
     default (the backward's two chains on two streams), the chains one after the other with the inference forward
-    (bounded mode), and the score-gradient scratch in bf16."""
+    (bounded mode), and the score-gradient scratch and dU in bf16."""
     from moelab.ops.kda import triton_chunk as tc
 
     ins, s0, do, dS = _inputs(2, 300, 4, 64, 64, torch.bfloat16, seed=7)
@@ -271,7 +271,7 @@ def test_launch_overrides():
     # chains, forward: timed on the H200; out: an H100 (kda_candidates.json, run 4); prep, states, gate_bwd: an H100
     # at the three shapes of the kda entry (kernels/results/kda_h100.json, session 44)
     assert default == {"chains": "concurrent", "forward": "train", "out": "fused", "prep": "kept",
-                       "states": "kept", "gate_bwd": "dg", "das": "fp32"}
+                       "states": "kept", "gate_bwd": "dg", "das": "fp32", "du": "fp32"}
     with pytest.raises(RuntimeError, match="inside"), tc.launch_overrides(forward="infer", chains=None):
         assert tc.VARIANT == {**default, "forward": "infer"}
         raise RuntimeError("inside")

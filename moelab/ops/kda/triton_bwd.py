@@ -83,7 +83,7 @@ def _kda_bwd_dh(
         do_t = _cast(tl.load(do + v_ptrs), DOT_BF16)
         dUt = _dot(_cast(tl.trans(A), DOT_BF16), do_t, IEEE)
         dUt += _dot(_cast(kdt, DOT_BF16), _cast(dh, DOT_BF16), IEEE)
-        tl.store(dU + v_ptrs, dUt)
+        tl.store(dU + v_ptrs, dUt.to(dU.dtype.element_ty))
         dh = dh * glt[:, None]
         qgt = tl.load(qg + k_ptrs)
         dh += _dot(_cast(tl.trans(qgt), DOT_BF16), do_t, IEEE)
@@ -145,7 +145,7 @@ def _kda_bwd_wy(
         p = r[:, None] * (H * V) + vb * BV + tl.arange(0, BV)[None, :]
         do_t = tl.load(do + p)
         U_t = tl.load(U + p)
-        dU_t = tl.load(dU + p)
+        dU_t = tl.load(dU + p).to(tl.float32)
         v_t = tl.load(v + p).to(tl.float32)
         u_t = tl.load(u + p).to(tl.float32)
         dAq += _dot(_cast(do_t, DOT_BF16), _cast(tl.trans(U_t), DOT_BF16), IEEE)

@@ -130,10 +130,13 @@ SMALL_GRID = 128
 # * das: the score gradients dA_qk, dA_kk the wy kernel hands the gated-score kernel (per chunk and head, [2, C, C]):
 #   "fp32", or "bf16" for bf16 inputs (half the scratch's traffic; the score kernel's products take them at bf16's
 #   8-bit mantissa instead of TF32's 11; both sides of each dG pair still read the same stored value). A candidate.
+# * du: the gradient of the corrected values, dU [B, T, H, V], that the state-gradient kernel hands the wy kernel:
+#   "fp32", or "bf16" for bf16 inputs (half its traffic; its other products take it in bf16 already, only
+#   dv = beta Tm^T dU read it in fp32). A candidate.
 VARIANTS: dict[str, tuple[str, ...]] = {"chains": ("concurrent", "serial"), "forward": ("train", "infer"),
                                         "out": ("fused", "split"), "prep": ("kept", "rerun"),
                                         "states": ("kept", "rerun"), "gate_bwd": ("dg", "prep"),
-                                        "das": ("fp32", "bf16")}
+                                        "das": ("fp32", "bf16"), "du": ("fp32", "bf16")}
 VARIANT: dict[str, str] = {name: choices[0] for name, choices in VARIANTS.items()}  # what the op runs now
 
 
@@ -492,7 +495,7 @@ def _inputs(q, k, v, g, beta, A_log, dt_bias, h0, prep, C, pack, bounded):
 def _dh_pass(inter, do, dht, has_h0, dtype, C, pack):
     """The state-gradient kernel (``_kda_bwd_dh``, sequential over chunks in reverse): ``dhbuf``
     ``[B, NT, H, K, V]`` (the gradient of each chunk's entering state), ``dU`` (fp32, for ``_kda_bwd_wy``)
-    and d(initial state) ``[N, H, K, V]`` (or None)."""
+    and d(initial state) ``[N, H, K, V]`` (or None). ``dU`` is bf16 with ``VARIANT["du"] == "bf16"`` and bf16 inputs."""
     kd, u = inter["kd"], inter["u"]
     B, T, H, K = kd.shape
     V = u.shape[-1]
@@ -501,7 +504,8 @@ def _dh_pass(inter, do, dht, has_h0, dtype, C, pack):
     dev = kd.device
     # packed: zeros for the same reason as hbuf (_state_pass)
     dhbuf = (torch.empty if pack is None else torch.zeros)(B, NT, H, K, V, device=dev, dtype=_work_dtype(dtype))
-    dU = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
+    du = torch.bfloat16 if VARIANT["du"] == "bf16" and dtype == torch.bfloat16 else torch.float32
+    dU = torch.empty(B, T, H, V, device=dev, dtype=du)
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if has_h0 else None
     _dh(
         lambda bv: (V // bv, N * H),
