@@ -177,14 +177,17 @@ def test_bad_arguments_raise():
         chunk_kda(big, big, ins[2][:, :4], big, ins[4][:, :4])
 
 
+BF16_SCRATCH = dict(das="bf16", du="bf16", dkb="bf16")  # the backward's scratch buffers in bf16 (candidates)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [{}, dict(chains="serial", forward="infer"), dict(das="bf16", du="bf16")],
+@pytest.mark.parametrize("variant", [{}, dict(chains="serial", forward="infer"), BF16_SCRATCH],
                          ids=["default", "serial-infer", "bf16-scratch"])
 @pytest.mark.parametrize("mode", ["bounded", "general"])
 def test_bf16_on_gpu(mode, variant):
     """The real bf16 path (tensor-core products, bf16 intermediates), which the interpreter cannot run: the
     default (the backward's two chains on two streams), the chains one after the other with the inference forward
-    (bounded mode), and the score-gradient scratch and dU in bf16."""
+    (bounded mode), and the backward's scratch (dA, dU, dk's partials) in bf16."""
     from moelab.ops.kda import triton_chunk as tc
 
     ins, s0, do, dS = _inputs(2, 300, 4, 64, 64, torch.bfloat16, seed=7)
@@ -271,7 +274,8 @@ def test_launch_overrides():
     # chains, forward: timed on the H200; out: an H100 (kda_candidates.json, run 4); prep, states, gate_bwd: an H100
     # at the three shapes of the kda entry (kernels/results/kda_h100.json, session 44)
     assert default == {"chains": "concurrent", "forward": "train", "out": "fused", "prep": "kept",
-                       "states": "kept", "gate_bwd": "dg", "das": "fp32", "du": "fp32"}
+                       "states": "kept", "gate_bwd": "dg", "das": "fp32", "du": "fp32",
+                       "dkb": "fp32"}
     with pytest.raises(RuntimeError, match="inside"), tc.launch_overrides(forward="infer", chains=None):
         assert tc.VARIANT == {**default, "forward": "infer"}
         raise RuntimeError("inside")
@@ -492,6 +496,32 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
                                     for name, choices in tc.VARIANTS.items()}):
             _run(chunk, ins, s0, do, dS, mode=mode)
     assert set(seen) == KERNELS - {"state"}  # B1 H1: the state kernel's small-grid launch
+
+
+@pytest.mark.parametrize("mode", ["bounded", "general"])
+def test_bf16_scratch_rounds_only_the_gradients(mode, monkeypatch):
+    """``VARIANTS`` das / du / dkb at "bf16" (the backward's scratch in bf16: bf16 inputs only, so forced here on fp32
+    inputs, where everything else is exact): the forward is untouched (bit for bit), and each gradient moves from the
+    fp32-scratch op's by the rounding of what it reads from the scratch (~2^-9 relative, summed over a few terms:
+    at most 6e-3 here), within the bf16 target against the fp32 reference."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    ins, s0, do, dS = _inputs(1, 130, 2, 32, 32, torch.float32, seed=3)
+    base = _run(chunk, ins, s0, do, dS, mode=mode)
+    made = []
+
+    def scratch(switch, dtype):
+        made.append(switch)
+        return torch.bfloat16
+
+    monkeypatch.setattr(tc, "_scratch_dtype", scratch)
+    out = _run(chunk, ins, s0, do, dS, mode=mode)
+    assert sorted(made) == ["das", "dkb", "du"]
+    assert torch.equal(out[0], base[0]) and torch.equal(out[1], base[1])
+    moved = {name: ((a - b).norm() / b.norm()).item() for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"],
+                                                                             out[2], base[2])}
+    assert all(0 < m < 6e-3 for m in moved.values()), moved  # each gradient reads a rounded scratch
+    _compare(_reference(ins, s0, do, dS), out, torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

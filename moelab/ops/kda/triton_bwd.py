@@ -159,7 +159,7 @@ def _kda_bwd_wy(
         cols = kb * BK + tl.arange(0, BK)
         kp = r[:, None] * (H * K) + cols[None, :]
         dkbt = _dkb_block(cols, hbuf, dU, Tm, r, H, V, C, BK, BV, DOT_BF16, IEEE)
-        tl.store(dkb + kp, dkbt)
+        tl.store(dkb + kp, dkbt.to(dkb.dtype.element_ty))
         wt = tl.load(w + kp).to(tl.float32)
         dAk -= _dot(_cast(dkbt, False), _cast(tl.trans(wt), False), IEEE)
     dAk = tl.where(r[:, None] > cidx[None, :], dAk, 0.0)
@@ -313,7 +313,7 @@ def _kda_bwd_dqkg(
         cs += f * pc
 
     tl.store(dq + pI, (tl.load(dq + pI).to(tl.float32) + rq).to(dq.dtype.element_ty))
-    tl.store(dk + pI, (tl.load(dkb + pI) + rk * bI[:, None] + cs).to(dk.dtype.element_ty))
+    tl.store(dk + pI, (tl.load(dkb + pI).to(tl.float32) + rk * bI[:, None] + cs).to(dk.dtype.element_ty))
     tl.store(dG + pI, dGt)
     tl.store(dbk + rI * H, tl.sum(rk * kI, axis=1))
 
@@ -360,7 +360,7 @@ def _kda_bwd_sterm(
     b = tl.load(beta + r * H).to(tl.float32)
     qt = tl.load(q + kp).to(tl.float32)
     kt = tl.load(k + kp).to(tl.float32)
-    dkbt = tl.load(dkb + kp)
+    dkbt = tl.load(dkb + kp).to(tl.float32)
     dqh = tl.zeros([C, BK], dtype=tl.float32)
     dkh = tl.zeros([C, BK], dtype=tl.float32)
     dgl = tl.zeros([BK], dtype=tl.float32)
@@ -381,7 +381,7 @@ def _kda_bwd_sterm(
     dGt = qt * dqt - kt * dki + kt * b[:, None] * eG * dkbt
     part = tl.sum(kt * dki, axis=0)
     tl.store(dq + kp, dqt.to(dq.dtype.element_ty))
-    tl.store(dkb + kp, dkt)
+    tl.store(dkb + kp, dkt.to(dkb.dtype.element_ty))
     tl.store(dG + kp, dGt)
     # d(G_last): through k e^{G_last - G} and through the state's decay e^{G_last} (sum_v h dh)
     tl.store(dGl + cols, part + tl.exp2(Gl) * dgl)

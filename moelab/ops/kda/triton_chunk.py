@@ -133,10 +133,13 @@ SMALL_GRID = 128
 # * du: the gradient of the corrected values, dU [B, T, H, V], that the state-gradient kernel hands the wy kernel:
 #   "fp32", or "bf16" for bf16 inputs (half its traffic; its other products take it in bf16 already, only
 #   dv = beta Tm^T dU read it in fp32). A candidate.
+# * dkb: dk's partial sums between the wy, state-term and score kernels ([B, T, H, K], written twice, read twice):
+#   "fp32", or "bf16" for bf16 inputs (each partial rounded as dk itself is at the end). A candidate.
 VARIANTS: dict[str, tuple[str, ...]] = {"chains": ("concurrent", "serial"), "forward": ("train", "infer"),
                                         "out": ("fused", "split"), "prep": ("kept", "rerun"),
                                         "states": ("kept", "rerun"), "gate_bwd": ("dg", "prep"),
-                                        "das": ("fp32", "bf16"), "du": ("fp32", "bf16")}
+                                        "das": ("fp32", "bf16"), "du": ("fp32", "bf16"),
+                                        "dkb": ("fp32", "bf16")}
 VARIANT: dict[str, str] = {name: choices[0] for name, choices in VARIANTS.items()}  # what the op runs now
 
 
@@ -296,6 +299,12 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     (the bf16 rounding budget fits the 5e-3 / 1e-2 targets, see kernels/check_kda_gpu.py
     --emulate-bf16), fp16/fp32 inputs keep fp32."""
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+def _scratch_dtype(switch: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the backward's scratch buffer ``switch`` (``VARIANTS`` das / du / dkb) for inputs of ``dtype``:
+    bf16 where the switch says so and the inputs are bf16, else fp32."""
+    return torch.bfloat16 if VARIANT[switch] == "bf16" and dtype == torch.bfloat16 else torch.float32
 
 
 def _forward(q, k, v, g, beta, scale, h0, output_final_state, bounded, C, g_min, pack, o=None, keep=False):
@@ -504,8 +513,7 @@ def _dh_pass(inter, do, dht, has_h0, dtype, C, pack):
     dev = kd.device
     # packed: zeros for the same reason as hbuf (_state_pass)
     dhbuf = (torch.empty if pack is None else torch.zeros)(B, NT, H, K, V, device=dev, dtype=_work_dtype(dtype))
-    du = torch.bfloat16 if VARIANT["du"] == "bf16" and dtype == torch.bfloat16 else torch.float32
-    dU = torch.empty(B, T, H, V, device=dev, dtype=du)
+    dU = torch.empty(B, T, H, V, device=dev, dtype=_scratch_dtype("du", dtype))
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if has_h0 else None
     _dh(
         lambda bv: (V // bv, N * H),
@@ -671,9 +679,10 @@ class ChunkKDAFunction(torch.autograd.Function):
                          dtype=g_raw.dtype if fuse or not prep.active else torch.float32)
         gate, dAp, dbp = _gate_args(g_raw.contiguous(), A_log, dt_bias, prep, B, NT, H, K, V) if fuse else (
             None, None, None)
-        das = torch.bfloat16 if VARIANT["das"] == "bf16" and q.dtype == torch.bfloat16 else torch.float32
-        dAs = torch.empty(B, NT, H, 2, C, C, device=q.device, dtype=das)  # per-chunk dA_qk, dA_kk scratch
-        dkb = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)  # gradient of beta k e^G through w
+        # per-chunk dA_qk, dA_kk scratch
+        dAs = torch.empty(B, NT, H, 2, C, C, device=q.device, dtype=_scratch_dtype("das", q.dtype))
+        # the gradient of beta k e^G through w, then dk's partial sums
+        dkb = torch.empty(B, T, H, K, device=q.device, dtype=_scratch_dtype("dkb", q.dtype))
         dbv = torch.empty(B, T, H, device=q.device, dtype=torch.float32)  # value-side dbeta
         _wy(
             (NT, B * H), v, beta, inter["Abuf"], inter["w"], inter["u"], inter["hbuf"], inter["U"], dU, do, dAs,
