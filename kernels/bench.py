@@ -253,16 +253,14 @@ KDA_VARIANTS = {f"moelab_bounded_{k}_{v}": {k: v} for k, v in (s.split("=") for 
     "chains=serial", "forward=infer", "out=split", "prep=rerun", "states=rerun", "gate_bwd=prep"))}
 KDA_VARIANTS |= {"moelab_bounded_all_rerun": {"prep": "rerun", "states": "rerun", "gate_bwd": "prep"}}
 KDA_IMPLS = ("moelab_bounded", *KDA_VARIANTS, "moelab_general", "fla_safe_gate", "fla_softplus", "sdpa_flash")
-# launch candidates (``LAUNCH`` entries) timed where --impls names them: dh at 1 stage, or 16 / 32 values wide on 2
-# warps (8 / 4 programs a head: more SMs busy at B1 H16), dqkg at 1 or 3 stages; sterm 32 wide or on 8 warps (no
-# spill, ptxas), wy and wu at 2 stages
+# launch candidates (``LAUNCH`` entries) timed where --impls names them: dh at 1 stage, or 16 / 32 wide on 2 warps
+# (more SMs busy at B1 H16), dqkg at 1 or 3 stages; sterm 32 wide or on 8 warps (no spill), wy and wu at 2 stages
 KDA_LAUNCH_ROWS = {f"moelab_bounded_{name}": dict(launch={kernel: cfg}) for name, kernel, cfg in (
     ("dh_stages1", "dh", (64, 8, 1)), ("dh_16", "dh", (16, 2, 2)), ("dh_32", "dh", (32, 2, 2)),
     ("dqkg_stages1", "dqkg", (32, 1, 1)), ("dqkg_stages3", "dqkg", (32, 1, 3)), ("sterm_32", "sterm", (32, 4, 1)),
     ("sterm_warps8", "sterm", (64, 8, 1)), ("wy_stages2", "wy", (64, 4, 2)), ("wu_stages2", "wu", (32, 4, 2)))}
-# variant candidates timed where --impls names them: the backward's scratch in bf16, one buffer or all three
-KDA_LAUNCH_ROWS |= {f"moelab_bounded_{name}_bf16": {name: "bf16"} for name in ("das", "du", "dkb")}
-KDA_LAUNCH_ROWS |= {"moelab_bounded_scratch_bf16": dict(das="bf16", du="bf16", dkb="bf16")}
+KDA_LAUNCH_ROWS |= {f"moelab_bounded_{n}_bf16": {n: "bf16"} for n in ("das", "du", "dkb")} | {
+    "moelab_bounded_scratch_bf16": dict(das="bf16", du="bf16", dkb="bf16")}  # the backward's scratch in bf16
 KDA_ROWS = (*KDA_IMPLS, *KDA_LAUNCH_ROWS)  # every row --impls takes
 KDA_TARGET = 1.5  # issue 37: our own training op's fwd+bwd speed-up over fla (safe gate)
 KDA_PAIRED = {"fla_safe_gate": "vs_fla", "moelab_bounded": "vs_default"}  # base row -> the field of paired ratios
