@@ -259,8 +259,8 @@ KDA_LAUNCH_ROWS = {f"moelab_bounded_{name}": dict(launch={kernel: cfg}) for name
     ("dh_stages1", "dh", (64, 8, 1)), ("dh_16", "dh", (16, 2, 2)), ("dh_32", "dh", (32, 2, 2)),
     ("dqkg_stages1", "dqkg", (32, 1, 1)), ("dqkg_stages3", "dqkg", (32, 1, 3)), ("sterm_32", "sterm", (32, 4, 1)),
     ("sterm_warps8", "sterm", (64, 8, 1)), ("wy_stages2", "wy", (64, 4, 2)), ("wu_stages2", "wu", (32, 4, 2)))}
-KDA_LAUNCH_ROWS |= {f"moelab_bounded_{n}_bf16": {n: "bf16"} for n in ("das", "du", "dkb")} | {
-    "moelab_bounded_scratch_bf16": dict(das="bf16", du="bf16", dkb="bf16")}  # the backward's scratch in bf16
+KDA_LAUNCH_ROWS |= {f"moelab_bounded_{n}_bf16": {n: "bf16"} for n in ("das", "du", "dkb")} | {  # VARIANTS candidates
+    "moelab_bounded_scratch_bf16": dict(das="bf16", du="bf16", dkb="bf16"), "moelab_bounded_dg_dqkg": dict(dg="dqkg")}
 KDA_ROWS = (*KDA_IMPLS, *KDA_LAUNCH_ROWS)  # every row --impls takes
 KDA_TARGET = 1.5  # issue 37: our own training op's fwd+bwd speed-up over fla (safe gate)
 KDA_PAIRED = {"fla_safe_gate": "vs_fla", "moelab_bounded": "vs_default"}  # base row -> the field of paired ratios

@@ -177,17 +177,17 @@ def test_bad_arguments_raise():
         chunk_kda(big, big, ins[2][:, :4], big, ins[4][:, :4])
 
 
-BF16_SCRATCH = dict(das="bf16", du="bf16", dkb="bf16")  # the backward's scratch buffers in bf16 (candidates)
+CANDIDATES = dict(das="bf16", du="bf16", dkb="bf16", dg="dqkg")  # the VARIANTS candidates, all at once
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [{}, dict(chains="serial", forward="infer"), BF16_SCRATCH],
-                         ids=["default", "serial-infer", "bf16-scratch"])
+@pytest.mark.parametrize("variant", [{}, dict(chains="serial", forward="infer"), CANDIDATES],
+                         ids=["default", "serial-infer", "candidates"])
 @pytest.mark.parametrize("mode", ["bounded", "general"])
 def test_bf16_on_gpu(mode, variant):
     """The real bf16 path (tensor-core products, bf16 intermediates), which the interpreter cannot run: the
     default (the backward's two chains on two streams), the chains one after the other with the inference forward
-    (bounded mode), and the backward's scratch (dA, dU, dk's partials) in bf16."""
+    (bounded mode), and the candidates (the backward's scratch in bf16, dg in the score kernel)."""
     from moelab.ops.kda import triton_chunk as tc
 
     ins, s0, do, dS = _inputs(2, 300, 4, 64, 64, torch.bfloat16, seed=7)
@@ -245,7 +245,7 @@ def test_captured_in_a_cuda_graph_equals_eager_gpu(chains, packed):
         assert torch.equal(a, b), name
 
 
-KERNELS = {"kktr", "merge", "wu", "state", "state_small", "out", "dh", "wy", "sterm", "dqkg", "dg"}
+KERNELS = {"kktr", "merge", "wu", "state", "state_small", "out", "dh", "wy", "sterm", "dqkg", "dg", "dqkg_dg"}
 
 
 def test_launch_overrides():
@@ -275,7 +275,7 @@ def test_launch_overrides():
     # at the three shapes of the kda entry (kernels/results/kda_h100.json, session 44)
     assert default == {"chains": "concurrent", "forward": "train", "out": "fused", "prep": "kept",
                        "states": "kept", "gate_bwd": "dg", "das": "fp32", "du": "fp32",
-                       "dkb": "fp32"}
+                       "dkb": "fp32", "dg": "kernel"}
     with pytest.raises(RuntimeError, match="inside"), tc.launch_overrides(forward="infer", chains=None):
         assert tc.VARIANT == {**default, "forward": "infer"}
         raise RuntimeError("inside")
@@ -612,6 +612,59 @@ def test_gate_backward_fused_into_dg(monkeypatch, case):
         assert all(torch.equal(a, b) for a, b in zip(g_p[:5], g_d[:5]))  # dq, dk, dv, dz, dbeta
         for a, b in zip(g_p[5:], g_d[5:]):  # dA_log, ddt_bias: the same terms summed in another order
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", [(1, 64, 2, 32, 16, 16, "bounded", "bounded", False, True),
+                                  (2, 32, 1, 16, 16, 16, "softplus", "general", True, False),
+                                  (1, 64, 2, 32, 16, 32, "none", "bounded", False, False)],
+                         ids=["bounded-bias", "softplus-silu", "no-gate"])
+def test_score_kernel_with_dg_equals_the_split_kernels(monkeypatch, case):
+    """``VARIANTS["dg"] = "dqkg"``: the score kernel runs per chunk, sub-tiles last to first, and forms dg's
+    reverse cumsum (and the gate's backward) itself, launching neither ``dqkg`` nor ``dg``. The output is the
+    same bit for bit, dq, dk, dv, dbeta too (the same kernels' terms), dg / dz and the gate parameters up to the
+    order of the fp32 sums; the fp32 reference holds (``_check_fused_prep``), NaN-poisoned buffers included."""
+    from moelab.ops.kda import triton_chunk as tc
+
+    B, T, H, K, V, C, gate, mode, silu, has_bias = case
+    if gate != "none":
+        _check_fused_prep(case, lambda: tc.launch_overrides(dg="dqkg"))
+
+        @contextlib.contextmanager
+        def poisoned():
+            with poisoned_allocations(monkeypatch, []), tc.launch_overrides(dg="dqkg"):
+                yield
+        _check_fused_prep(case, poisoned)
+    names = []
+    orig = tc._Launcher.__call__
+    monkeypatch.setattr(tc._Launcher, "__call__",
+                        lambda self, *a, **kw: names.append(self.name) or orig(self, *a, **kw))
+    gen = torch.Generator().manual_seed(9)
+    ins = [torch.randn(B, T, H, d, generator=gen).to(DEV) for d in (K, K, V, K)]
+    ins.append(torch.rand(B, T, H, generator=gen).to(DEV))
+    extra = ([torch.randn(H, generator=gen).to(DEV) * 0.5] if gate != "none" else []) + (
+        [torch.randn(H * K, generator=gen).to(DEV)] if has_bias else [])
+    if gate == "none":
+        ins[3] = -torch.rand(B, T, H, K, generator=gen).to(DEV) * 0.5  # a log decay in [-0.5, 0]
+    do = torch.randn(B, T, H, V, generator=gen).to(DEV)
+    runs = {}
+    for choice in ("kernel", "dqkg"):
+        names.clear()
+        leaves = [x.clone().requires_grad_() for x in ins + extra]
+        kw = dict(gate=gate, silu_qk=silu, l2norm_qk=True, A_log=leaves[5], dt_bias=leaves[6] if has_bias else None,
+                  g_min=-5.0) if gate != "none" else dict(g_min=-5.0, l2norm_qk=True)
+        with tc.launch_overrides(dg=choice):
+            o, _ = chunk_kda(*leaves[:5], mode=mode, chunk_size=C, **kw)
+            o.backward(do)
+        runs[choice] = (o.detach(), [x.grad for x in leaves])
+        assert ("dqkg_dg" in names) == (choice == "dqkg") and ("dqkg" in names) == ("dg" in names) == (
+            choice == "kernel"), names
+    (o_s, g_s), (o_f, g_f) = runs["kernel"], runs["dqkg"]
+    assert torch.equal(o_s, o_f)
+    for i, (a, b) in enumerate(zip(g_s, g_f)):
+        if i == 3 or i >= 5:  # dg / dz, dA_log, ddt_bias: the same terms, summed in another order
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(a, b), i
 
 
 def test_small_grid_takes_its_state_launch(monkeypatch):

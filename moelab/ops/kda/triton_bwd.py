@@ -21,6 +21,7 @@ it), the state kernel reruns (``h_c``, ``U``), then (every kernel reads G, none 
   from the same rounded operands, so that they cancel in dg's reverse cumsum.
 * ``_kda_bwd_dg``: ``dg`` is the reverse cumsum of ``dG`` within the chunk plus the gradient of
   ``G_last`` (which every g of the chunk feeds).
+* ``_kda_bwd_dqkg_dg`` (grid ``[K // BK, NT, B*H]``, a candidate): the last two in one program per chunk.
 """
 
 from __future__ import annotations
@@ -209,26 +210,36 @@ def _kda_bwd_dqkg(
     i_ci = tl.program_id(1)
     i_bh = tl.program_id(2)
     NC: tl.constexpr = C // BC
-    SK: tl.constexpr = H * K
     i_c = i_ci // NC
     i_i = i_ci % NC
-    i_b = i_bh // H
-    i_h = i_bh % H
+    q, k, Gbuf, beta, dAs, dkb, dq, dk, dG, dbk = _dqkg_ptrs(
+        q, k, Gbuf, beta, dAs, dkb, dq, dk, dG, dbk, i_k, i_c, i_bh, T, NBH, H, K, C, BK)
+    dGt = _dqkg_sub(q, k, Gbuf, beta, dAs, dkb, dq, dk, dG, dbk, i_i, H, K, C, BC, BK, BOUNDED, IEEE)
+    rI = i_i * BC + tl.arange(0, BC)
+    tl.store(dG + rI[:, None] * (H * K) + tl.arange(0, BK)[None, :], dGt)
+
+
+@triton.jit
+def _dqkg_ptrs(q, k, Gbuf, beta, dAs, dkb, dq, dk, dG, dbk, i_k, i_c, i_bh, T, NBH, H: tl.constexpr, K: tl.constexpr,
+               C: tl.constexpr, BK: tl.constexpr):
+    """The score kernels' pointers moved to K-block ``i_k`` of chunk ``i_c`` of head ``i_bh`` (row 0)."""
+    row0 = ((i_bh // H) * T + i_c * C).to(tl.int64) * H + i_bh % H  # the chunk's first token
+    bo = i_k * BK
+    dAs += (((i_bh // H) * (T // C) + i_c).to(tl.int64) * H + i_bh % H) * (2 * C * C)  # the (chunk, head) scratch
+    return (q + row0 * K + bo, k + row0 * K + bo, Gbuf + row0 * K + bo, beta + row0, dAs, dkb + row0 * K + bo,
+            dq + row0 * K + bo, dk + row0 * K + bo, dG + row0 * K + bo,
+            dbk + i_k.to(tl.int64) * NBH * T + row0)  # dbk [K // BK, B, T, H]; B*T*H = NBH*T
+
+
+@triton.jit
+def _dqkg_sub(q, k, Gbuf, beta, dAs, dkb, dq, dk, dG, dbk, i_i, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+              BC: tl.constexpr, BK: tl.constexpr, BOUNDED: tl.constexpr, IEEE: tl.constexpr):
+    """Sub-tile ``i_i`` of one chunk and K-block (pointers from ``_dqkg_ptrs``): stores dq, dk and the score
+    part of dbeta of its rows, returns their dG ``[BC, BK]`` (fp32, the state terms ``dG`` holds included)."""
+    NC: tl.constexpr = C // BC
+    SK: tl.constexpr = H * K
     rc = tl.arange(0, BC)
     cols = tl.arange(0, BK)
-    row0 = (i_b * T + i_c * C).to(tl.int64) * H + i_h  # the chunk's first token
-    bo = i_k * BK
-    q += row0 * K + bo
-    k += row0 * K + bo
-    Gbuf += row0 * K + bo
-    dkb += row0 * K + bo
-    dq += row0 * K + bo
-    dk += row0 * K + bo
-    dG += row0 * K + bo
-    beta += row0
-    dbk += i_k.to(tl.int64) * NBH * T + row0  # [K // BK, B, T, H]; B*T*H = NBH*T
-    dAs += ((i_b * (T // C) + i_c).to(tl.int64) * H + i_h) * (2 * C * C)  # the (chunk, head) scratch
-
     rI = i_i * BC + rc  # this sub-tile's rows within the chunk
     pI = rI[:, None] * SK + cols[None, :]
     GI = tl.load(Gbuf + pI)
@@ -314,8 +325,59 @@ def _kda_bwd_dqkg(
 
     tl.store(dq + pI, (tl.load(dq + pI).to(tl.float32) + rq).to(dq.dtype.element_ty))
     tl.store(dk + pI, (tl.load(dkb + pI).to(tl.float32) + rk * bI[:, None] + cs).to(dk.dtype.element_ty))
-    tl.store(dG + pI, dGt)
     tl.store(dbk + rI * H, tl.sum(rk * kI, axis=1))
+    return dGt
+
+
+@triton.jit
+def _kda_bwd_dqkg_dg(
+    q, k, Gbuf, beta, dAs, dkb,
+    dq, dk, dG, dbk,
+    dGl, dg, z, A_log, dt_bias, dAp, dbp, g_min,
+    T, NBH,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    BOUNDED: tl.constexpr, IEEE: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """``_kda_bwd_dqkg`` and ``_kda_bwd_dg`` in one program per K-block and chunk (grid ``[K // BK, NT, B*H]``,
+    ``VARIANTS["dg"] == "dqkg"``): the chunk's sub-tiles last to first, each sub-tile's dG reverse-summed
+    at once with what the later sub-tiles and ``dGl`` carry in, so dG never goes back to memory; the gate's
+    backward (``GATE``, ``HAS_BIAS``) and its per-program sums as in ``_kda_bwd_dg`` (``dAp`` indexed by this
+    kernel's K-blocks)."""
+    i_k = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    NC: tl.constexpr = C // BC
+    SK: tl.constexpr = H * K
+    q, k, Gbuf, beta, dAs, dkb, dq, dk, dG, dbk = _dqkg_ptrs(
+        q, k, Gbuf, beta, dAs, dkb, dq, dk, dG, dbk, i_k, i_c, i_bh, T, NBH, H, K, C, BK)
+    row0 = ((i_bh // H) * T + i_c * C).to(tl.int64) * H + i_bh % H
+    bo = i_k * BK
+    rc = tl.arange(0, BC)
+    cols = tl.arange(0, BK)
+    c_off = ((i_bh // H) * (T // C) + i_c).to(tl.int64) * H + i_bh % H
+    carry = tl.load(dGl + c_off * K + bo + cols)  # d(G_last), which every g of the chunk feeds
+    dA = 0.0
+    db = tl.zeros([BK], dtype=tl.float32)
+    for t in range(NC):
+        i_i = NC - 1 - t
+        x = _dqkg_sub(q, k, Gbuf, beta, dAs, dkb, dq, dk, dG, dbk, i_i, H, K, C, BC, BK, BOUNDED, IEEE)
+        tot = tl.sum(x, axis=0)
+        out = (carry + tot)[None, :] - tl.cumsum(x, axis=0) + x
+        carry += tot
+        p = row0 * K + bo + (i_i * BC + rc)[:, None] * SK + cols[None, :]
+        if GATE != 0:
+            u = tl.load(z + p).to(tl.float32)
+            if HAS_BIAS:
+                u += tl.load(dt_bias + (i_bh % H) * K + bo + cols).to(tl.float32)[None, :]
+            out, dAt = _gate_bwd(out, u, tl.exp(tl.load(A_log + i_bh % H).to(tl.float32)), g_min, GATE)
+            dA += tl.sum(tl.sum(dAt, axis=1), axis=0)
+            db += tl.sum(out, axis=0)
+        tl.store(dg + p, out.to(dg.dtype.element_ty))
+    if GATE != 0:
+        tl.store(dAp + (i_k * (T // C) + i_c).to(tl.int64) * NBH + i_bh, dA)
+        if HAS_BIAS:
+            tl.store(dbp + ((i_c * NBH + i_bh).to(tl.int64)) * K + bo + cols, db)
 
 
 @triton.jit

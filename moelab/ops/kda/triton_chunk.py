@@ -42,6 +42,7 @@ from moelab.ops.kda.triton_bwd import (
     _kda_bwd_dg,
     _kda_bwd_dh,
     _kda_bwd_dqkg,
+    _kda_bwd_dqkg_dg,
     _kda_bwd_sterm,
     _kda_bwd_wy,
 )
@@ -90,6 +91,7 @@ LAUNCH: dict[str, tuple[int, int, int]] = {
     # at B2 T65536; kernels/results/kda_candidates.json run 5); its bf16 check passed on the H200
     # (kernels/results/kda_check_h200.json); two warps spill less but took 1.7x the time
     "dqkg": (32, 1, 2),
+    "dqkg_dg": (32, 1, 2),  # VARIANTS["dg"] "dqkg": the score kernel per chunk with dg's reverse cumsum, as dqkg
     "dg": (64, 4, 1),
     # the sequential state kernel when B * H * V / 32 <= SMALL_GRID (B1 H16: 64 programs at 32-wide
     # blocks, under one per SM): 16-wide blocks give 128 programs, and two stages prefetch the next
@@ -133,13 +135,17 @@ SMALL_GRID = 128
 # * du: the gradient of the corrected values, dU [B, T, H, V], that the state-gradient kernel hands the wy kernel:
 #   "fp32", or "bf16" for bf16 inputs (half its traffic; its other products take it in bf16 already, only
 #   dv = beta Tm^T dU read it in fp32). A candidate.
+# * dg: where dG's reverse cumsum over the chunk (and the gate's backward) runs: "kernel" (``_kda_bwd_dg``, after the
+#   score kernel, which stores dG in fp32 for it) or "dqkg" (``_kda_bwd_dqkg_dg``: the score kernel per chunk, its
+#   sub-tiles last to first, summing each one's dG as it forms: ~1 KB less traffic per token and head, one launch
+#   less, a quarter of the programs, each four times as long). A candidate.
 # * dkb: dk's partial sums between the wy, state-term and score kernels ([B, T, H, K], written twice, read twice):
 #   "fp32", or "bf16" for bf16 inputs (each partial rounded as dk itself is at the end). A candidate.
 VARIANTS: dict[str, tuple[str, ...]] = {"chains": ("concurrent", "serial"), "forward": ("train", "infer"),
                                         "out": ("fused", "split"), "prep": ("kept", "rerun"),
                                         "states": ("kept", "rerun"), "gate_bwd": ("dg", "prep"),
                                         "das": ("fp32", "bf16"), "du": ("fp32", "bf16"),
-                                        "dkb": ("fp32", "bf16")}
+                                        "dkb": ("fp32", "bf16"), "dg": ("kernel", "dqkg")}
 VARIANT: dict[str, str] = {name: choices[0] for name, choices in VARIANTS.items()}  # what the op runs now
 
 
@@ -272,6 +278,7 @@ _dh = _Launcher("dh", _kda_bwd_dh, "BV")
 _wy = _Launcher("wy", _kda_bwd_wy, "BK")
 _dqkg = _Launcher("dqkg", _kda_bwd_dqkg, "BK")
 _dg = _Launcher("dg", _kda_bwd_dg, "BK")
+_dqkg_dg = _Launcher("dqkg_dg", _kda_bwd_dqkg_dg, "BK")
 _sterm = _Launcher("sterm", _kda_bwd_sterm, "BK")
 _kktr = _Launcher("kktr", _kda_fwd_kkt_row, "BK")
 _merge = _Launcher("merge", _kda_fwd_merge, None)
@@ -556,7 +563,8 @@ def _gate_args(z, A_log, dt_bias, prep, B, NT, H, K, V):
     """``_kda_bwd_dg``'s fused gate backward (``VARIANT["gate_bwd"] == "dg"``): ``((z, A_log, dt_bias, dAp, dbp,
     g_min), constexprs)`` for ``_grad_pass`` and the fp32 buffers of its per-program sums, ``dAp [K // BK, NT, B*H]``
     and ``dbp [NT, B*H, K]`` (None without dt_bias)."""
-    dAp = torch.empty(K // _dg.config(K, V)[0], NT, B * H, device=z.device, dtype=torch.float32)
+    bk = (_dqkg_dg if VARIANT["dg"] == "dqkg" else _dg).config(K, V)[0]  # the kernel that runs the gate's backward
+    dAp = torch.empty(K // bk, NT, B * H, device=z.device, dtype=torch.float32)
     dbp = torch.empty(NT, B * H, K, device=z.device, dtype=torch.float32) if dt_bias is not None else None
     g_min = float(prep.g_min) if prep.gate == "bounded" else 0.0
     args = (z, A_log, dt_bias if dt_bias is not None else dAp, dAp, dbp if dbp is not None else dAp, g_min)
@@ -567,12 +575,14 @@ def _grad_pass(q, k, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dbv, scale
     """The gradient kernels: ``_kda_bwd_sterm`` (state terms per chunk), then
     ``_kda_bwd_dqkg`` (gated-score terms per 16-row sub-tile), then ``_kda_bwd_dg`` (reverse cumsum;
     with ``gate``, the arguments of its fused gate backward from ``_gate_args``, dg receives dL/dz);
-    fills dq, dk, dg and returns dbeta (``dbv`` plus the K-block partial sums)."""
+    with ``VARIANT["dg"] == "dqkg"`` the last two as one kernel per chunk (``_kda_bwd_dqkg_dg``).
+    Fills dq, dk, dg and returns dbeta (``dbv`` plus the K-block partial sums)."""
     B, T, H, K = q.shape
     V = do.shape[-1]
     NT = T // C
     dot_bf16, ieee = _dot_bf16(q.dtype), _ieee(q.dtype)
-    nk = K // _dqkg.config(K, V)[0]
+    fused = VARIANT["dg"] == "dqkg"
+    nk = K // (_dqkg_dg if fused else _dqkg).config(K, V)[0]
     nks = K // _sterm.config(K, V)[0]
     dbk = torch.empty(nk, B, T, H, device=q.device, dtype=torch.float32)  # per-K-block dbeta terms
     dbs = torch.empty(nks, B, T, H, device=q.device, dtype=torch.float32)  # same, state terms
@@ -584,11 +594,17 @@ def _grad_pass(q, k, G, beta, inter, dhbuf, do, dAs, dkb, dq, dk, dg, dbv, scale
         dGl, dbs, scale, T, B * H, H=H, K=K, V=V, C=C, BV=min(V, 64), DOT_BF16=dot_bf16, IEEE=ieee,
     )
     dbeta = dbv + dbs.sum(0)
+    args, const = gate or ((dGs,) * 5 + (0.0,), dict(GATE=0, HAS_BIAS=False))  # (z, A_log, dt_bias, dAp, dbp, g_min)
+    if fused:
+        _dqkg_dg(
+            lambda bk: (K // bk, NT, B * H), q, k, G, beta, dAs, dkb, dq, dk, dGs, dbk, dGl, dg, *args, T, B * H,
+            H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, IEEE=ieee, **const,
+        )
+        return dbeta + dbk.sum(0)
     _dqkg(
         lambda bk: (K // bk, NT * (C // SUBTILE), B * H), q, k, G, beta, dAs, dkb, dq, dk, dGs, dbk, T, B * H,
         H=H, K=K, V=V, C=C, BC=SUBTILE, BOUNDED=bounded, IEEE=ieee,
     )
-    args, const = gate or ((dGs,) * 5 + (0.0,), dict(GATE=0, HAS_BIAS=False))  # (z, A_log, dt_bias, dAp, dbp, g_min)
     _dg(lambda bk: (K // bk, NT, B * H), dGs, dGl, dg, T, *args, B * H, H=H, K=K, V=V, C=C, **const)
     return dbeta + dbk.sum(0)
 
@@ -718,7 +734,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 def launch_configs(K: int = 128, V: int = 128) -> dict:
     """The launch config of every kernel at head dims K, V: {name: {block: size, num_warps, num_stages}}."""
     out = {}
-    for lau in (_kktr, _merge, _wu, _state, _state_small, _out, _dh, _wy, _sterm, _dqkg, _dg):
+    for lau in (_kktr, _merge, _wu, _state, _state_small, _out, _dh, _wy, _sterm, _dqkg, _dg, _dqkg_dg):
         size, warps, stages = lau.config(K, V)
         out[lau.name] = {**({lau.block: size} if lau.block else {}), "num_warps": warps, "num_stages": stages}
     return out
