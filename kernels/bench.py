@@ -246,9 +246,8 @@ class Entry:
 
 # ---------------------------------------------------------------------------------- kda, kda_long
 
-# rows timed under ``triton_chunk.launch_overrides``: the op's non-default kernel variants (triton_chunk.VARIANTS)
-# beside its default in the same run; all_rerun: the backward recomputes the prep and the chunk states and applies
-# the gate's backward in the prep pass (the defaults before session 44)
+# rows timed under ``triton_chunk.launch_overrides``: the op's non-default VARIANTS beside its default in one run;
+# all_rerun: the backward reruns the prep and the chunk states, the gate's backward in the prep (before session 44)
 KDA_VARIANTS = {f"moelab_bounded_{k}_{v}": {k: v} for k, v in (s.split("=") for s in (
     "chains=serial", "forward=infer", "out=split", "prep=rerun", "states=rerun", "gate_bwd=prep"))}
 KDA_VARIANTS |= {"moelab_bounded_all_rerun": {"prep": "rerun", "states": "rerun", "gate_bwd": "prep"}}
@@ -259,8 +258,9 @@ KDA_LAUNCH_ROWS = {f"moelab_bounded_{name}": dict(launch={kernel: cfg}) for name
     ("dh_stages1", "dh", (64, 8, 1)), ("dh_16", "dh", (16, 2, 2)), ("dh_32", "dh", (32, 2, 2)),
     ("dqkg_stages1", "dqkg", (32, 1, 1)), ("dqkg_stages3", "dqkg", (32, 1, 3)), ("sterm_32", "sterm", (32, 4, 1)),
     ("sterm_warps8", "sterm", (64, 8, 1)), ("wy_stages2", "wy", (64, 4, 2)), ("wu_stages2", "wu", (32, 4, 2)))}
-KDA_LAUNCH_ROWS |= {f"moelab_bounded_{n}_bf16": {n: "bf16"} for n in ("das", "du", "dkb")} | {  # VARIANTS candidates
-    "moelab_bounded_scratch_bf16": dict(das="bf16", du="bf16", dkb="bf16"), "moelab_bounded_dg_dqkg": dict(dg="dqkg")}
+KDA_CANDIDATES = dict(das="bf16", du="bf16", dkb="bf16", dg="dqkg")  # VARIANTS candidates: each alone, then all four
+KDA_LAUNCH_ROWS |= {f"moelab_bounded_{k}_{v}": {k: v} for k, v in KDA_CANDIDATES.items()} | {
+    "moelab_bounded_candidates": KDA_CANDIDATES}
 KDA_ROWS = (*KDA_IMPLS, *KDA_LAUNCH_ROWS)  # every row --impls takes
 KDA_TARGET = 1.5  # issue 37: our own training op's fwd+bwd speed-up over fla (safe gate)
 KDA_PAIRED = {"fla_safe_gate": "vs_fla", "moelab_bounded": "vs_default"}  # base row -> the field of paired ratios
