@@ -1,14 +1,12 @@
 """Compile moelab's KDA Triton kernels for Hopper (sm_90a) on any machine, no GPU needed, and
 print registers, spill bytes and shared memory per kernel (ptxas -v).
 
-A register-pressure proxy for kernel work on a CPU-only machine: a kernel that spills here will
-spill on the H200 too (the H200 runs Triton 3.6; codegen differs in detail between versions, so
-treat it as directional and time on the GPU).
+A register-pressure proxy for kernel work on a CPU-only machine: a kernel that spills here will spill on the
+H200 too (it runs Triton 3.6; codegen differs in detail between versions: directional, time on the GPU).
 
     python kernels/aot_kda.py                       # every kernel at its LAUNCH config, bf16, D = 128
     python kernels/aot_kda.py --only dqkg wy --cfg dqkg=64,4,1
-    python kernels/aot_kda.py --infer --maxnreg 128  # the inference forward's kernels (triton_infer) at their
-                                                     # launches, then at a register cap
+    python kernels/aot_kda.py --infer --maxnreg 128  # the inference forward's kernels at their launches, then capped
     python kernels/aot_kda.py --conv --cfg bwd=64,128,4  # the ShortConv kernels (rows, channels, warps[, stages])"""
 
 from __future__ import annotations
@@ -124,6 +122,8 @@ def main() -> int:
         "sterm": [(B._kda_bwd_sterm, dict(base, BV=64, **bf), "BK", None)],
         "dqkg": [(B._kda_bwd_dqkg, dict(base, BC=16, BOUNDED=m, IEEE=False), "BK", m) for m in (True, False)],
         "dg": [(B._kda_bwd_dg, dict(base, GATE=gt, HAS_BIAS=gt > 0), "BK", "gate" if gt else None) for gt in (0, 1)],
+        "dqkg_dg": [(B._kda_bwd_dqkg_dg, dict(base, BC=16, BOUNDED=m, IEEE=False, GATE=1, HAS_BIAS=True), "BK", m)
+                    for m in (True, False)],
     }
     with tc.launch_overrides(launch=cfgs):
         for name, variants in kernels.items():

@@ -357,8 +357,8 @@ def _kda_bwd_dqkg_dg(
     cols = tl.arange(0, BK)
     c_off = ((i_bh // H) * (T // C) + i_c).to(tl.int64) * H + i_bh % H
     carry = tl.load(dGl + c_off * K + bo + cols)  # d(G_last), which every g of the chunk feeds
-    dA = 0.0
     db = tl.zeros([BK], dtype=tl.float32)
+    dA = tl.sum(db, axis=0)  # an fp32 scalar: a loop-carried value keeps its type
     for t in range(NC):
         i_i = NC - 1 - t
         x = _dqkg_sub(q, k, Gbuf, beta, dAs, dkb, dq, dk, dG, dbk, i_i, H, K, C, BC, BK, BOUNDED, IEEE)
