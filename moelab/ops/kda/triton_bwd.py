@@ -367,11 +367,9 @@ def _kda_bwd_dqkg_dg(
         carry += tot
         p = row0 * K + bo + (i_i * BC + rc)[:, None] * SK + cols[None, :]
         if GATE != 0:
-            u = tl.load(z + p).to(tl.float32)
-            if HAS_BIAS:
-                u += tl.load(dt_bias + (i_bh % H) * K + bo + cols).to(tl.float32)[None, :]
-            out, dAt = _gate_bwd(out, u, tl.exp(tl.load(A_log + i_bh % H).to(tl.float32)), g_min, GATE)
-            dA += tl.sum(tl.sum(dAt, axis=1), axis=0)
+            out, dAt = _dz_rows(out, z + p, dt_bias + (i_bh % H) * K + bo + cols, A_log + i_bh % H, g_min, GATE,
+                                HAS_BIAS)
+            dA += dAt
             db += tl.sum(out, axis=0)
         tl.store(dg + p, out.to(dg.dtype.element_ty))
     if GATE != 0:
@@ -451,6 +449,17 @@ def _kda_bwd_sterm(
 
 
 @triton.jit
+def _dz_rows(dg, z, dt_bias, A_log, g_min, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The gate's backward on fp32 ``dg`` rows ``[R, BK]``: ``z`` points at those rows of the gate input, ``dt_bias``
+    at the block's bias columns, ``A_log`` at the head's rate; returns (dL/dz rows, their dL/dA_log sum)."""
+    u = tl.load(z).to(tl.float32)
+    if HAS_BIAS:
+        u += tl.load(dt_bias).to(tl.float32)[None, :]
+    dz, dA = _gate_bwd(dg, u, tl.exp(tl.load(A_log).to(tl.float32)), g_min, GATE)
+    return dz, tl.sum(tl.sum(dA, axis=1), axis=0)
+
+
+@triton.jit
 def _kda_bwd_dg(
     dG, dGl, dg, T,
     z, A_log, dt_bias, dAp, dbp, g_min, NBH,
@@ -479,11 +488,8 @@ def _kda_bwd_dg(
     tot = tl.load(dGl + c_off * K + cols)
     out = tl.sum(x, axis=0)[None, :] - tl.cumsum(x, axis=0) + x + tot[None, :]
     if GATE != 0:
-        u = tl.load(z + row0 * K + p).to(tl.float32)
-        if HAS_BIAS:
-            u += tl.load(dt_bias + i_h * K + cols).to(tl.float32)[None, :]
-        out, dA = _gate_bwd(out, u, tl.exp(tl.load(A_log + i_h).to(tl.float32)), g_min, GATE)
-        tl.store(dAp + (i_k * (T // C) + i_c).to(tl.int64) * NBH + i_bh, tl.sum(tl.sum(dA, axis=1), axis=0))
+        out, dA = _dz_rows(out, z + row0 * K + p, dt_bias + i_h * K + cols, A_log + i_h, g_min, GATE, HAS_BIAS)
+        tl.store(dAp + (i_k * (T // C) + i_c).to(tl.int64) * NBH + i_bh, dA)
         if HAS_BIAS:
             tl.store(dbp + ((i_c * NBH + i_bh).to(tl.int64)) * K + cols, tl.sum(out, axis=0))
     tl.store(dg + row0 * K + p, out.to(dg.dtype.element_ty))
