@@ -414,13 +414,6 @@ def _kda_bwd_sterm(
     dhbuf += c_off * K * V + bo * V
     dGl += c_off * K + bo
 
-    kp = r[:, None] * (H * K) + cols[None, :]
-    G = tl.load(Gbuf + kp)
-    Gl = tl.load(Gbuf + (C - 1) * (H * K) + cols)
-    b = tl.load(beta + r * H).to(tl.float32)
-    qt = tl.load(q + kp).to(tl.float32)
-    kt = tl.load(k + kp).to(tl.float32)
-    dkbt = tl.load(dkb + kp).to(tl.float32)
     dqh = tl.zeros([C, BK], dtype=tl.float32)
     dkh = tl.zeros([C, BK], dtype=tl.float32)
     dgl = tl.zeros([BK], dtype=tl.float32)
@@ -433,6 +426,14 @@ def _kda_bwd_sterm(
         dqh += _dot(_cast(tl.load(do + p), DOT_BF16), _cast(tl.trans(ht), DOT_BF16), IEEE)
         dkh += _dot(_cast(tl.load(U + p), DOT_BF16), _cast(tl.trans(dht), DOT_BF16), IEEE)
         dgl += tl.sum(ht.to(tl.float32) * dht.to(tl.float32), axis=1)
+    # the [C, BK] operands load after the loop over V: live across it they spill (sm_90a 192 -> 136 B)
+    kp = r[:, None] * (H * K) + cols[None, :]
+    G = tl.load(Gbuf + kp)
+    Gl = tl.load(Gbuf + (C - 1) * (H * K) + cols)
+    b = tl.load(beta + r * H).to(tl.float32)
+    qt = tl.load(q + kp).to(tl.float32)
+    kt = tl.load(k + kp).to(tl.float32)
+    dkbt = tl.load(dkb + kp).to(tl.float32)
     eG = tl.exp2(G)
     dki = dkh * tl.exp2(Gl[None, :] - G)
     dqt = dqh * eG * scale
