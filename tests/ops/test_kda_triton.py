@@ -274,8 +274,8 @@ def test_launch_overrides():
     # chains, forward: timed on the H200; out: an H100 (kda_candidates.json, run 4); prep, states, gate_bwd: an H100
     # at the three shapes of the kda entry (kernels/results/kda_h100.json, session 44)
     assert default == {"chains": "concurrent", "forward": "train", "out": "fused", "prep": "kept",
-                       "states": "kept", "gate_bwd": "dg", "das": "fp32", "du": "fp32",
-                       "dkb": "fp32", "dg": "kernel"}
+                       "states": "kept", "gate_bwd": "dg", "das": "bf16", "du": "bf16",
+                       "dkb": "bf16", "dg": "kernel"}
     with pytest.raises(RuntimeError, match="inside"), tc.launch_overrides(forward="infer", chains=None):
         assert tc.VARIANT == {**default, "forward": "infer"}
         raise RuntimeError("inside")

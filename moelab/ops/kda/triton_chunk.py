@@ -144,8 +144,8 @@ SMALL_GRID = 128
 VARIANTS: dict[str, tuple[str, ...]] = {"chains": ("concurrent", "serial"), "forward": ("train", "infer"),
                                         "out": ("fused", "split"), "prep": ("kept", "rerun"),
                                         "states": ("kept", "rerun"), "gate_bwd": ("dg", "prep"),
-                                        "das": ("fp32", "bf16"), "du": ("fp32", "bf16"),
-                                        "dkb": ("fp32", "bf16"), "dg": ("kernel", "dqkg")}
+                                        "das": ("bf16", "fp32"), "du": ("bf16", "fp32"),
+                                        "dkb": ("bf16", "fp32"), "dg": ("kernel", "dqkg")}
 VARIANT: dict[str, str] = {name: choices[0] for name, choices in VARIANTS.items()}  # what the op runs now
 
 
