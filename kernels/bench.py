@@ -258,9 +258,9 @@ KDA_LAUNCH_ROWS = {f"moelab_bounded_{name}": dict(launch={kernel: cfg}) for name
     ("dh_stages1", "dh", (64, 8, 1)), ("dh_16", "dh", (16, 2, 2)), ("dh_32", "dh", (32, 2, 2)),
     ("dqkg_stages1", "dqkg", (32, 1, 1)), ("dqkg_stages3", "dqkg", (32, 1, 3)), ("sterm_32", "sterm", (32, 4, 1)),
     ("sterm_warps8", "sterm", (64, 8, 1)), ("wy_stages2", "wy", (64, 4, 2)), ("wu_stages2", "wu", (32, 4, 2)))}
-KDA_CANDIDATES = dict(das="bf16", du="bf16", dkb="bf16", dg="dqkg")  # VARIANTS candidates: each alone, then all four
-KDA_LAUNCH_ROWS |= {f"moelab_bounded_{k}_{v}": {k: v} for k, v in KDA_CANDIDATES.items()} | {
-    "moelab_bounded_candidates": KDA_CANDIDATES, "moelab_bounded_scratch_bf16": dict(das="bf16", du="bf16", dkb="bf16")}
+KDA_BWD_OTHER = dict(das="fp32", du="fp32", dkb="fp32", dg="dqkg")  # the backward's non-default VARIANTS: each alone,
+KDA_LAUNCH_ROWS |= {f"moelab_bounded_{k}_{v}": {k: v} for k, v in KDA_BWD_OTHER.items()} | {  # the scratch in fp32
+    "moelab_bounded_scratch_fp32": dict(das="fp32", du="fp32", dkb="fp32")}  # (bf16 for bf16 inputs since session 49)
 KDA_ROWS = (*KDA_IMPLS, *KDA_LAUNCH_ROWS)  # every row --impls takes
 KDA_TARGET = 1.5  # issue 37: our own training op's fwd+bwd speed-up over fla (safe gate)
 KDA_PAIRED = {"fla_safe_gate": "vs_fla", "moelab_bounded": "vs_default"}  # base row -> the field of paired ratios

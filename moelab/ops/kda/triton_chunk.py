@@ -130,17 +130,20 @@ SMALL_GRID = 128
 #   at B2 T65536: each of the 9 passes above 1, one slow pass of the old op widening the long shapes' intervals;
 #   peak memory of the op alone 2.7% lower.
 # * das: the score gradients dA_qk, dA_kk the wy kernel hands the gated-score kernel (per chunk and head, [2, C, C]):
-#   "fp32", or "bf16" for bf16 inputs (half the scratch's traffic; the score kernel's products take them at bf16's
-#   8-bit mantissa instead of TF32's 11; both sides of each dG pair still read the same stored value). A candidate.
+#   "bf16" for bf16 inputs (half the scratch's traffic; the score kernel's products take them at bf16's 8-bit
+#   mantissa instead of TF32's 11; both sides of each dG pair still read the same stored value), or "fp32".
 # * du: the gradient of the corrected values, dU [B, T, H, V], that the state-gradient kernel hands the wy kernel:
-#   "fp32", or "bf16" for bf16 inputs (half its traffic; its other products take it in bf16 already, only
-#   dv = beta Tm^T dU read it in fp32). A candidate.
+#   "bf16" for bf16 inputs (half its traffic; its other products take it in bf16 already, only dv = beta Tm^T dU
+#   read it in fp32), or "fp32".
 # * dg: where dG's reverse cumsum over the chunk (and the gate's backward) runs: "kernel" (``_kda_bwd_dg``, after the
 #   score kernel, which stores dG in fp32 for it) or "dqkg" (``_kda_bwd_dqkg_dg``: the score kernel per chunk, its
 #   sub-tiles last to first, summing each one's dG as it forms: ~1 KB less traffic per token and head, one launch
-#   less, a quarter of the programs, each four times as long). A candidate.
+#   less, a quarter of the programs, each four times as long, 255 registers with spills): 0.95-0.96x the default at
+#   the three shapes on an H100 (kda_candidates.json run 12).
 # * dkb: dk's partial sums between the wy, state-term and score kernels ([B, T, H, K], written twice, read twice):
-#   "fp32", or "bf16" for bf16 inputs (each partial rounded as dk itself is at the end). A candidate.
+#   "bf16" for bf16 inputs (each partial rounded as dk itself is at the end), or "fp32". das, du, dkb at bf16
+#   together, fwd+bwd on an H100 (run 13, 5 paired passes, 95% CI): 1.064x (1.053-1.075) / 1.046x (1.042-1.051) /
+#   1.056x (1.054-1.057) the fp32 scratch at B8 T4096 / B1 T32768 / B2 T65536; their bf16 check passed.
 VARIANTS: dict[str, tuple[str, ...]] = {"chains": ("concurrent", "serial"), "forward": ("train", "infer"),
                                         "out": ("fused", "split"), "prep": ("kept", "rerun"),
                                         "states": ("kept", "rerun"), "gate_bwd": ("dg", "prep"),
