@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import functools
 import importlib.util
@@ -617,10 +618,7 @@ def _attnres_errors(srcs, q, w, dh, outs: dict[str, tuple]) -> dict[str, dict[st
 
 
 ATTNRES_PASSES = 3  # timing passes over the impls of a point that are held together (their rounds interleave)
-
-
-def _free_bytes(ctx: Ctx) -> float:
-    return torch.cuda.mem_get_info()[0] if ctx.cuda else math.inf
+_free_bytes = lambda ctx: torch.cuda.mem_get_info()[0] if ctx.cuda else math.inf  # free GPU memory (tests patch it)
 
 
 def _attnres_point(shape: str, impls: dict[str, Callable], ctx: Ctx) -> list[dict[str, Any]]:
@@ -641,14 +639,14 @@ def _attnres_point(shape: str, impls: dict[str, Callable], ctx: Ctx) -> list[dic
                 with torch.autocast(ctx.dev, dtype=torch.bfloat16):
                     h = forward()
                 h.backward(dh.to(h.dtype))
-                outs[name], runs[name] = (h.detach(), grads()), (leaves, forward, dh.to(h.dtype))
+                outs[name], runs[name] = (h.detach(), grads()), (leaves, forward)
                 rows[name]["out_dtype"] = str(h.dtype).removeprefix("torch.")
             except Exception as exc:  # an fla failure (compile, memory) is recorded, the others still run
                 rows[name]["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         for name, err in _attnres_errors(srcs, q, w, dh, outs).items():
             rows[name].update(err)
         del outs
-        for leaves, _, _ in runs.values():  # every impl's gradients freed before any is timed
+        for leaves, _ in runs.values():  # every impl's gradients freed before any is timed
             for t in leaves:
                 t.grad = None
         _attnres_time(runs, rows, ATTNRES_PASSES if len(runs) > 1 else 1, ctx)
@@ -661,22 +659,10 @@ def _attnres_point(shape: str, impls: dict[str, Callable], ctx: Ctx) -> list[dic
 
 def _attnres_time(runs: dict[str, tuple], rows: dict[str, dict[str, Any]], passes: int, ctx: Ctx) -> None:
     """Time the impls of ``runs`` (fwd+bwd, fwd) in ``passes`` passes over them, then take each one's peak memory."""
-    calls = {}
-    for name, (leaves, forward, g_out) in runs.items():
-        def fwd(forward=forward):
-            with torch.no_grad(), torch.autocast(ctx.dev, dtype=torch.bfloat16):
-                forward()
-
-        def step(forward=forward, g_out=g_out):
-            with torch.autocast(ctx.dev, dtype=torch.bfloat16):
-                out = forward()
-            out.backward(g_out)
-
-        def clear(leaves=leaves):
-            for t in leaves:
-                t.grad = None
-
-        calls[name] = {"fwdbwd": (step, clear), "fwd": (fwd, None)}
+    def amp(forward: Callable[[], torch.Tensor]) -> list[torch.Tensor]:  # the forward under autocast, not the backward
+        with torch.autocast(ctx.dev, dtype=torch.bfloat16):
+            return [forward()]
+    calls = {name: fb_calls(functools.partial(amp, forward), leaves) for name, (leaves, forward) in runs.items()}
     got = time_passes(calls, passes, ctx.timing)
     for name, kinds in calls.items():
         row, (step, clear) = rows[name], kinds["fwdbwd"]
@@ -721,9 +707,31 @@ def attnres_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                     "their own commit and are merged into the file by (impl, shape)"}
 
 
+# fla autotunes 24 + 24 launches per D and bucket of L, compiled serially (the 40-point grid: most of a 10-minute call):
+# a process per (D, L) puts them in the Triton cache first, calling it at 64 tokens, fwd + bwd, list and stacked
+_FLA_WARM = ("import sys, torch; from fla.ops.attnres import fused_attnres as f; D, L = map(int, sys.argv[1:3]); "
+             "s = [torch.randn(1, 64, D, device='cuda').bfloat16().requires_grad_() for _ in range(L)]; "
+             "a = lambda: torch.randn(D, device='cuda', requires_grad=True)\nwith torch.autocast('cuda', "
+             "dtype=torch.bfloat16):\n f(a(), s, a(), rms_eps=1e-6).float().sum().backward()\n"
+             " f(a(), torch.stack(s).detach().requires_grad_(), a(), rms_eps=1e-6).float().sum().backward()")
+
+
+def warm_fla(names: Sequence[str]) -> list[tuple[int, int]]:
+    """Runs ``_FLA_WARM`` for each ``(D, L)`` of the attnres points ``names`` in a pool of processes; returns them."""
+    pts, t0 = sorted({(ATTNRES_SHAPES[n][2], ATTNRES_SHAPES[n][0]) for n in names}), time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(workers := min(16, os.cpu_count() or 1, len(pts))) as pool:
+        rcs = list(pool.map(lambda p: subprocess.run([sys.executable, "-c", _FLA_WARM, *map(str, p)],
+                                                     capture_output=True, timeout=900).returncode, pts))
+    print(f"fla: compiled for {len(pts)} (D, L) points in {workers} processes, {time.perf_counter() - t0:.0f} s"
+          + (f" ({sum(map(bool, rcs))} failed: those compile when timed)" if any(rcs) else ""), flush=True)
+    return pts
+
+
 def run_attnres(ctx: Ctx) -> dict[str, Any]:
     fla_fn = _fla_import("fla.ops.attnres:fused_attnres") if ctx.cuda else None
     names = [s for n in ctx.shapes for s in (ATTNRES_SHAPES[n] if isinstance(ATTNRES_SHAPES[n][0], str) else (n,))]
+    if fla_fn is not None and (ctx.impls is None or any(n.startswith("fla") for n in ctx.impls)) and len(names) > 1:
+        warm_fla(names)
     rows: list[dict] = []
     for shape in dict.fromkeys(names):
         rows += _attnres_point(shape, _attnres_impls(fla_fn, shape.startswith("L") or shape == "smoke", ctx.impls),
@@ -1008,8 +1016,7 @@ class Runner:
         self.sync()
         out = {"step_ms": dt * 1e3, "tok_per_s": self.tokens / dt, "host_ms": host * 1e3,
                "peak_mem_gb": max(self.setup_peak, torch.cuda.max_memory_allocated() - others) / 2**30 if self.cuda
-               else None,
-               "loss": float(loss.detach())}
+               else None, "loss": float(loss.detach())}
         if self.balance:
             ms = [a.elapsed_time(b) for a, b in spans] if self.cuda else [1e3 * t for t in spans]
             out["balancer_ms"] = sum(ms) / len(ms)

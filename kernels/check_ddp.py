@@ -1,11 +1,10 @@
 """Data-parallel replicas stay identical: N ranks train k3-mini with quantile balancing through
 moelab's own training path and must end with bitwise equal router biases and weights.
 
-Issue 15's acceptance: two ranks on two H200s train the ``k3-mini`` preset (quantile balancing in
-histogram mode, bf16-mixed) for >= 100 optimizer steps and end with identical biases and weights.
-The run is shrunk to fit a 10-minute command (default T = 1024, B = 4 per rank instead of the
-preset's 4096 x 8; the model is the preset's); everything else is ``moelab.train.fit`` as
-``make train`` runs it, under Lightning's ``ddp`` strategy (NCCL on GPUs, gloo on the CPU).
+Issue 15's acceptance: two ranks on two H200s train the ``k3-mini`` preset (quantile balancing in histogram mode,
+bf16-mixed) for >= 100 optimizer steps and end with identical biases and weights. The run is shrunk to fit a 10-minute
+command (default T = 1024, B = 4 per rank instead of the preset's 4096 x 8; the model is the preset's); everything else
+is ``moelab.train.fit`` as ``make train`` runs it, under Lightning's ``ddp`` strategy (NCCL on GPUs, gloo on the CPU).
 
 How: the launcher writes the config into a work folder and starts itself with ``--worker`` (Lightning relaunches
 that once per extra rank). Each rank saves its parameters, router biases, bias/load trajectories and step history

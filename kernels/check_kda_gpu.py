@@ -1,46 +1,41 @@
 """Check moelab's Triton chunked KDA against the fp32 token-by-token reference on a GPU.
 
-Real sizes in bf16 (what training uses): forward output, final state and every gradient
-(q, k, v, g, beta, initial_state) of both modes, compared with ``rel_err`` = RMS(ref - out) /
-RMS(ref). Targets: o and final state <= 5e-3, gradients <= 1e-2. Then the gate computed inside the
-op (``gate="bounded"`` / ``"softplus"`` from the raw input z with ``A_log`` and ``dt_bias``): the
-gradients of z, A_log and dt_bias against the fp32 chain rule through ``naive_kda_gate`` on the
-recurrence's dg, beside fla's ``chunk_kda`` with the same in-kernel gate on the same inputs when fla
-is importable; target: moelab's error <= fla's for each of them (without fla: <= GATE_TOL). Then
-packed documents (``cu_seqlens``, B = 1, uneven lengths including an empty and a one-token
-document, an initial state per document) against each document's own recurrence, same targets.
-Prints tables (each row with its wall time and the time since the start, so a run cut short still
-shows how far it got), writes JSON to ``--out`` after every row and exits 1 on any failure (or
-non-finite value). ``--part`` runs one of the three parts alone. ``--part backends`` (not in ``all``;
-``kernels/kda_backends.py``) checks and times every KDA backend (triton, cudnn, fla) side by side.
+Real sizes in bf16 (what training uses): forward output, final state and every gradient (q, k, v, g, beta,
+initial_state) of both modes, compared with ``rel_err`` = RMS(ref - out) / RMS(ref). Targets: o and final state <=
+5e-3, gradients <= 1e-2. Then the gate computed inside the op (``gate="bounded"`` / ``"softplus"`` from the raw input z
+with ``A_log`` and ``dt_bias``): the gradients of z, A_log and dt_bias against the fp32 chain rule through
+``naive_kda_gate`` on the recurrence's dg, beside fla's ``chunk_kda`` with the same in-kernel gate on the same inputs
+when fla is importable; target: moelab's error <= fla's for each of them (without fla: <= GATE_TOL). Then packed
+documents (``cu_seqlens``, B = 1, uneven lengths including an empty and a one-token document, an initial state per
+document) against each document's own recurrence, same targets. Prints tables (each row with its wall time and the time
+since the start, so a run cut short still shows how far it got), writes JSON to ``--out`` after every row and exits 1
+on any failure (or non-finite value). ``--part`` runs one of the three parts alone. ``--part backends`` (not in
+``all``; ``kernels/kda_backends.py``) checks and times every KDA backend (triton, cudnn, fla) side by side.
 
     python kernels/check_kda_gpu.py --out kernels/results/kda_check_h200.json
     python kernels/check_kda_gpu.py --part gate --commit <sha> --out /tmp/kda_gate.json   # one part alone
     python kernels/check_kda_gpu.py --smoke --out /tmp/kda_check.json   # CPU, Triton interpreter
     python kernels/check_kda_gpu.py --smoke --emulate-bf16 --out /tmp/kda_bf16.json   # CPU, bf16 rounding
 
-The reference is the fp32 token-by-token recurrence (TF32 off) on the bf16-rounded inputs, so only
-the kernel's own rounding is measured: forward ``naive_recurrent_kda``, backward its hand-written
-reverse-time adjoint (``recurrent_reference``): autograd through the token loop would materialize
-a full-size gradient for every ``x[:, t]`` slice, O(T^2) memory traffic. Every run first checks that
-adjoint against autograd at a small size.
+The reference is the fp32 token-by-token recurrence (TF32 off) on the bf16-rounded inputs, so only the kernel's own
+rounding is measured: forward ``naive_recurrent_kda``, backward its hand-written reverse-time adjoint
+(``recurrent_reference``): autograd through the token loop would materialize a full-size gradient for every ``x[:, t]``
+slice, O(T^2) memory traffic. Every run first checks that adjoint against autograd at a small size.
 
-``--emulate-bf16`` (CPU only) estimates the GPU's bf16 error before spending GPU time: the
-interpreter cannot run bf16 products, so the inputs stay fp32 (bf16-rounded) while every
-intermediate the GPU stores in bf16 is stored in bf16 (round-to-nearest-even, patched into the
-interpreter's conversion, which truncates), bf16 product operands are rounded to bf16 and TF32
-ones truncated to TF32 before an fp32 product, and o and the gradients are rounded to bf16 at the
-end. Truncation, not rounding, because Triton hands fp32 registers to the TF32 tensor-core
-products, which read their top 19 bits: with truncation the emulation reproduced the H200's errors
-of the gate rows on the same inputs (o, dz, dA_log, ddt_bias; issue 14), with rounding it did not.
+``--emulate-bf16`` (CPU only) estimates the GPU's bf16 error before spending GPU time: the interpreter cannot run bf16
+products, so the inputs stay fp32 (bf16-rounded) while every intermediate the GPU stores in bf16 is stored in bf16
+(round-to-nearest-even, patched into the interpreter's conversion, which truncates), bf16 product operands are rounded
+to bf16 and TF32 ones truncated to TF32 before an fp32 product, and o and the gradients are rounded to bf16 at the end.
+Truncation, not rounding, because Triton hands fp32 registers to the TF32 tensor-core products, which read their top 19
+bits: with truncation the emulation reproduced the H200's errors of the gate rows on the same inputs (o, dz, dA_log,
+ddt_bias; issue 14), with rounding it did not.
 
-fla autotunes each kernel over all its configs at every new autotune key (mostly H, K, V and the
-dtypes): its op's backward and forward run about 14 autotuned kernels with 6-36 configs each (the
-H200 search in results/fla_autotune_h200.tgz), each config compiled, which took over 4 minutes for
-bench_kda.py's first shape. So by default every fla autotuner here keeps only the first config its
-own pruning leaves (``pin_autotuners``): one compilation per kernel and key. A config sets fla's
-tiling and launch, so fla's errors change at most by fp32 summation order; ``--fla-full-autotune``
-restores the search. The JSON records which was used (``meta.fla_autotune``)."""
+fla autotunes each kernel over all its configs at every new autotune key (mostly H, K, V and the dtypes): its op's
+backward and forward run about 14 autotuned kernels with 6-36 configs each (the H200 search in
+results/fla_autotune_h200.tgz), each config compiled, which took over 4 minutes for bench_kda.py's first shape. So by
+default every fla autotuner here keeps only the first config its own pruning leaves (``pin_autotuners``): one
+compilation per kernel and key. A config sets fla's tiling and launch, so fla's errors change at most by fp32 summation
+order; ``--fla-full-autotune`` restores the search. The JSON records which was used (``meta.fla_autotune``)."""
 
 from __future__ import annotations
 

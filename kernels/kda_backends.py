@@ -13,16 +13,15 @@ One H200 run, bf16, the layer's op: L2 norm of q and k and the bounded gate
 * ``cudnn_inkernel`` (forward only, a measurement): the engine with its own in-kernel L2 norm and bounded
   gate on the raw inputs, no prep pass (``cudnn_inkernel_forward``).
 
-Accuracy (issue 37's shapes, B1 T2048 H4 and B2 T1024 H8, D 128): o, the final state and the gradients
-of q, k, v, z, beta, A_log and dt_bias against the fp32 reference on the same bf16-rounded inputs (the
-prep by autograd in fp32, the recurrence by ``recurrent_reference``), side by side; targets o and state
-<= 5e-3, gradients <= 1e-2. A backend's row fails on any miss, and this part's status is whether the
-backend that trains (``triton``) passes: cuDNN's misses are what the note in ``moelab/ops/kda/cudnn.py``
-predicts and are recorded, not fatal. Timing: ``triton.testing.do_bench`` medians (ms) of fwd+bwd and of
-the no-grad forward at B8 T4096, B1 T32768 and B2 T65536 (H16 D128), with cudnn / triton and cudnn /
-fla ratios, each at two gate inputs (:data:`GATES`: fla's benchmark draw with fast decays, and the decays a moelab
-KDA layer starts from, 10- to 1000-token memories), since a kernel's speed may depend on how fast the state decays.
-A backend that is not installed gets its reason in the row instead of numbers."""
+Accuracy (issue 37's shapes, B1 T2048 H4 and B2 T1024 H8, D 128): o, the final state and the gradients of q, k, v, z,
+beta, A_log and dt_bias against the fp32 reference on the same bf16-rounded inputs (the prep by autograd in fp32, the
+recurrence by ``recurrent_reference``), side by side; targets o and state <= 5e-3, gradients <= 1e-2. A backend's row
+fails on any miss, and this part's status is whether the backend that trains (``triton``) passes: cuDNN's misses are
+what the note in ``moelab/ops/kda/cudnn.py`` predicts and are recorded, not fatal. Timing: ``triton.testing.do_bench``
+medians (ms) of fwd+bwd and of the no-grad forward at B8 T4096, B1 T32768 and B2 T65536 (H16 D128), with cudnn / triton
+and cudnn / fla ratios, each at two gate inputs (:data:`GATES`: fla's benchmark draw with fast decays, and the decays a
+moelab KDA layer starts from, 10- to 1000-token memories), since a kernel's speed may depend on how fast the state
+decays. A backend that is not installed gets its reason in the row instead of numbers."""
 
 from __future__ import annotations
 

@@ -251,6 +251,18 @@ def test_model_group_out_of_memory_names_its_configs_and_the_way_out(bench, monk
         bench.run_model(ctx)
 
 
+def test_fla_warm_up_compiles_each_d_and_l_once_in_a_pool(bench, monkeypatch, capsys):
+    """The attnres grid warms fla's kernels per (D, L) in parallel processes; a failed one is counted, not fatal."""
+    compile(bench._FLA_WARM, "warm", "exec")  # the script each process runs is valid Python
+    monkeypatch.setattr(bench, "_FLA_WARM", "import sys; sys.exit(sys.argv[2] == '9')")  # no fla, no GPU here
+    assert bench.warm_fla(["N8192_D512_L3", "N8192_D512_L9", "N32768_D512_L3"]) == [(512, 3), (512, 9)]
+    out = capsys.readouterr().out
+    assert "compiled for 2 (D, L) points in 2 processes" in out and "(1 failed: those compile when timed)" in out
+    monkeypatch.setattr(bench, "_FLA_WARM", "pass")
+    pts = bench.warm_fla(list(bench.ATTNRES_GRID))
+    assert len(pts) == 20 and pts[0] == (512, 3) and pts[-1] == (7168, 33) and "failed" not in capsys.readouterr().out
+
+
 def test_kernels_folder_is_small_and_results_are_a_ledger():
     """Issue 35: kernels/ holds at most 6 Python files of at most 3,000 lines, each run by a make target;
     kernels/results/ at most 20 files, no history/, no console logs, no autotune caches."""
