@@ -720,8 +720,8 @@ def warm_fla(names: Sequence[str]) -> list[tuple[int, int]]:
     """Runs ``_FLA_WARM`` for each ``(D, L)`` of the attnres points ``names`` in a pool of processes; returns them."""
     pts, t0 = sorted({(ATTNRES_SHAPES[n][2], ATTNRES_SHAPES[n][0]) for n in names}), time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(workers := min(16, os.cpu_count() or 1, len(pts))) as pool:
-        rcs = list(pool.map(lambda p: subprocess.run([sys.executable, "-c", _FLA_WARM, *map(str, p)],
-                                                     capture_output=True, timeout=900).returncode, pts))
+        rcs = list(pool.map(lambda p: subprocess.run(["timeout", "900", sys.executable, "-c", _FLA_WARM, *map(str, p)],
+                                                     capture_output=True).returncode, pts))  # a hang: status 124
     print(f"fla: compiled for {len(pts)} (D, L) points in {workers} processes, {time.perf_counter() - t0:.0f} s"
           + (f" ({sum(map(bool, rcs))} failed: those compile when timed)" if any(rcs) else ""), flush=True)
     return pts

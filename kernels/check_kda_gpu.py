@@ -31,8 +31,8 @@ bits: with truncation the emulation reproduced the H200's errors of the gate row
 ddt_bias; issue 14), with rounding it did not.
 
 fla autotunes each kernel over all its configs at every new autotune key (mostly H, K, V and the dtypes): its op's
-backward and forward run about 14 autotuned kernels with 6-36 configs each (the H200 search in
-results/fla_autotune_h200.tgz), each config compiled, which took over 4 minutes for bench_kda.py's first shape. So by
+backward and forward run about 14 autotuned kernels with 6-36 configs each, each config compiled, which took over 4
+minutes for the kda bench's first shape on the H200. So by
 default every fla autotuner here keeps only the first config its own pruning leaves (``pin_autotuners``): one
 compilation per kernel and key. A config sets fla's tiling and launch, so fla's errors change at most by fp32 summation
 order; ``--fla-full-autotune`` restores the search. The JSON records which was used (``meta.fla_autotune``)."""
